@@ -1,0 +1,21 @@
+//! Hearth's inference engine.
+//!
+//! * [`gguf`] reads model files; [`kernels`] holds the CPU maths; [`models`] has one file
+//!   per architecture; [`kv`] the per-sequence cache; [`sampling`] and [`text`] turn
+//!   logits into tokens and tokens into streamed text.
+//! * [`EngineHandle`] runs a model on its own thread; [`server`] exposes it over HTTP as a
+//!   worker; [`fetch`] acquires the default model.
+//!
+//! The gateway never links these internals: it speaks `hearth-protocol` to a worker.
+
+pub mod engine;
+pub mod fetch;
+pub mod gguf;
+pub mod kernels;
+pub mod kv;
+pub mod models;
+pub mod sampling;
+pub mod server;
+pub mod text;
+
+pub use engine::{tokenizer_spec, EngineError, EngineHandle};

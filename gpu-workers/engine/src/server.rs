@@ -1,0 +1,51 @@
+//! The worker's HTTP server: `GET /healthz`, `GET /v1/worker/info`, and
+//! `POST /v1/worker/generate`, which streams [`GenerateEvent`]s as newline-delimited JSON.
+//! Closing the connection cancels the generation.
+
+use std::convert::Infallible;
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::JsonRejection;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::StreamExt;
+use hearth_protocol::{GenerateEvent, GenerateRequest};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use crate::EngineHandle;
+
+pub fn router(engine: EngineHandle) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
+        .route("/v1/worker/info", get(info))
+        .route("/v1/worker/generate", post(generate))
+        .with_state(engine)
+}
+
+async fn info(State(engine): State<EngineHandle>) -> impl IntoResponse {
+    Json(engine.info().clone())
+}
+
+async fn generate(State(engine): State<EngineHandle>, body: Result<Json<GenerateRequest>, JsonRejection>) -> Response {
+    let Json(req) = match body {
+        Ok(b) => b,
+        Err(e) => {
+            let ev = GenerateEvent::Error { code: "invalid_request".into(), message: e.body_text() };
+            return (StatusCode::BAD_REQUEST, Json(ev)).into_response();
+        }
+    };
+    let events = UnboundedReceiverStream::new(engine.generate(req)).map(|ev| {
+        let mut line = serde_json::to_vec(&ev).unwrap_or_else(|_| b"{}".to_vec());
+        line.push(b'\n');
+        Ok::<_, Infallible>(Bytes::from(line))
+    });
+    ([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(events)).into_response()
+}
+
+/// Serves the worker API until the process ends.
+pub async fn serve(listener: tokio::net::TcpListener, engine: EngineHandle) -> std::io::Result<()> {
+    axum::serve(listener, router(engine)).await
+}

@@ -1,0 +1,14 @@
+//! Wire types shared by Hearth's gateway and its workers, plus the tokenizer and chat
+//! template both sides must agree on.
+//!
+//! The gateway tokenizes and applies the chat template itself (so routing sees exactly the
+//! token ids the engine will cache), which is why the tokenizer lives here and not in the
+//! engine: a gateway never links the engine, it receives a [`TokenizerSpec`] from a worker.
+
+pub mod chat;
+pub mod tokenizer;
+mod wire;
+
+pub use chat::{ChatMessage, ChatTemplate, TemplateError};
+pub use tokenizer::{TokenizeError, Tokenizer, TokenizerSpec};
+pub use wire::*;
