@@ -1,1 +1,379 @@
-fn main() {}
+//! The `hearth` command line.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand};
+use hearth_billing::UsageLedger;
+use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
+use hearth_engine::EngineHandle;
+use hearth_platform::gateway::{self, Gateway};
+use hearth_platform::registry::ModelRegistry;
+use hearth_platform::workers::{HttpWorker, InProcessWorker, WorkerClient};
+use hearth_platform::db;
+use hearth_tenants::TenantStore;
+
+#[derive(Parser)]
+#[command(name = "hearth", version, about = "Hearth: serverless multi-tenant LLM serving")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Gateway + one in-process engine worker + SQLite: everything in one process.
+    Serve(ServeArgs),
+    /// An engine worker serving one model over HTTP (for `hearth gateway --worker`).
+    Worker(WorkerArgs),
+    /// The API tier alone, dispatching to `hearth worker` processes.
+    Gateway(GatewayArgs),
+    /// Manage tenants, API keys and usage in the data directory.
+    Admin(AdminArgs),
+    /// Model files.
+    Model {
+        #[command(subcommand)]
+        command: ModelCommand,
+    },
+}
+
+#[derive(Args, Clone)]
+struct DataArgs {
+    /// Holds the SQLite database and local state (default: ~/.local/share/hearth).
+    #[arg(long, env = "HEARTH_DATA_DIR", global = true)]
+    data_dir: Option<PathBuf>,
+}
+
+impl DataArgs {
+    fn dir(&self) -> PathBuf {
+        self.data_dir.clone().unwrap_or_else(db::default_data_dir)
+    }
+}
+
+#[derive(Args, Clone)]
+struct ModelArgs {
+    /// A known model id (fetched into $HEARTH_HOME/models) or a path to a Llama GGUF file.
+    #[arg(long, env = "HEARTH_MODEL", default_value = DEFAULT_MODEL_ID)]
+    model: String,
+    /// The id clients use for the model (default: the known id, or the file's stem).
+    #[arg(long, env = "HEARTH_MODEL_ID")]
+    model_id: Option<String>,
+    /// Compute threads (default: all cores).
+    #[arg(long, env = "HEARTH_THREADS")]
+    threads: Option<usize>,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    #[arg(long, env = "HEARTH_LISTEN", default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    #[command(flatten)]
+    data: DataArgs,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Enables the admin API (`/admin/v1`) for bearers of this token.
+    #[arg(long, env = "HEARTH_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+}
+
+#[derive(Args)]
+struct WorkerArgs {
+    #[arg(long, env = "HEARTH_LISTEN", default_value = "127.0.0.1:8081")]
+    listen: SocketAddr,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+#[derive(Args)]
+struct GatewayArgs {
+    #[arg(long, env = "HEARTH_LISTEN", default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    #[command(flatten)]
+    data: DataArgs,
+    /// A worker's base URL (repeat for several).
+    #[arg(long = "worker", env = "HEARTH_WORKERS", value_delimiter = ',', required = true)]
+    workers: Vec<String>,
+    /// How long to wait for workers to come up at start.
+    #[arg(long, default_value_t = 120)]
+    worker_wait_secs: u64,
+    #[arg(long, env = "HEARTH_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+}
+
+#[derive(Args)]
+struct AdminArgs {
+    #[command(flatten)]
+    data: DataArgs,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: AdminCommand,
+}
+
+#[derive(Subcommand)]
+enum AdminCommand {
+    /// Tenants.
+    Tenant {
+        #[command(subcommand)]
+        command: TenantCommand,
+    },
+    /// API keys.
+    Key {
+        #[command(subcommand)]
+        command: KeyCommand,
+    },
+    /// Recent usage records.
+    Usage {
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+    },
+}
+
+#[derive(Subcommand)]
+enum TenantCommand {
+    /// Create a tenant.
+    Create { name: String },
+    /// List tenants.
+    List,
+}
+
+#[derive(Subcommand)]
+enum KeyCommand {
+    /// Create an API key for a tenant; the key is printed once.
+    Create {
+        #[arg(long)]
+        tenant: String,
+        #[arg(long, default_value = "")]
+        name: String,
+    },
+    /// List a tenant's keys (never the secrets).
+    List {
+        #[arg(long)]
+        tenant: String,
+    },
+    /// Revoke a key by its id (or the full key).
+    Revoke { key_id: String },
+}
+
+#[derive(Subcommand)]
+enum ModelCommand {
+    /// Fetch a known model into $HEARTH_HOME/models and print its path.
+    Fetch {
+        #[arg(default_value = DEFAULT_MODEL_ID)]
+        model: String,
+    },
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("HEARTH_LOG")
+        .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env())
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    init_logging();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        match cli.command {
+            Command::Serve(a) => serve(a).await,
+            Command::Worker(a) => worker(a).await,
+            Command::Gateway(a) => gateway_cmd(a).await,
+            Command::Admin(a) => admin(a).await,
+            Command::Model { command: ModelCommand::Fetch { model } } => {
+                let path = ensure_model(&model, &hearth_home(), &mut |m| eprintln!("{m}"))?;
+                println!("{}", path.display());
+                Ok(())
+            }
+        }
+    })
+}
+
+/// Resolves `--model` to a file (fetching a known model) and loads the engine.
+async fn load_engine(args: &ModelArgs) -> anyhow::Result<EngineHandle> {
+    let as_path = Path::new(&args.model);
+    let (path, id) = if as_path.exists() || args.model.ends_with(".gguf") {
+        if !as_path.exists() {
+            bail!("model file {} does not exist", as_path.display());
+        }
+        let stem = as_path.file_stem().map_or("model".into(), |s| s.to_string_lossy().to_lowercase());
+        (as_path.to_path_buf(), args.model_id.clone().unwrap_or(stem))
+    } else {
+        let model = args.model.clone();
+        let path = tokio::task::spawn_blocking(move || ensure_model(&model, &hearth_home(), &mut |m| eprintln!("hearth: {m}")))
+            .await??;
+        (path, args.model_id.clone().unwrap_or_else(|| args.model.clone()))
+    };
+    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let engine = tokio::task::spawn_blocking(move || EngineHandle::load(&path, &id, threads))
+        .await?
+        .context("loading the model")?;
+    tracing::info!(
+        model = %engine.info().model,
+        parameters = engine.info().parameters,
+        context = engine.info().context_length,
+        threads,
+        load_ms = (engine.load_seconds() * 1000.0) as u64,
+        isa = ?hearth_engine::kernels::isa(),
+        "engine ready"
+    );
+    Ok(engine)
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            s.recv().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+    tracing::info!("shutting down");
+}
+
+async fn run_gateway(
+    listen: SocketAddr,
+    data_dir: &Path,
+    workers: Vec<Arc<dyn WorkerClient>>,
+    wait: Duration,
+    admin_token: Option<String>,
+) -> anyhow::Result<()> {
+    let pool = db::open(data_dir).await?;
+    let models = ModelRegistry::discover(workers, wait).await?;
+    let gw = Arc::new(Gateway {
+        tenants: TenantStore::new(pool.clone()),
+        ledger: UsageLedger::new(pool),
+        models,
+        admin_token: admin_token.filter(|t| !t.is_empty()),
+    });
+    let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("cannot listen on {listen}"))?;
+    let addr = listener.local_addr()?;
+    let served: Vec<String> = gw.models.all().map(|m| m.id.clone()).collect();
+    tracing::info!(
+        listen = %addr,
+        data_dir = %data_dir.display(),
+        models = ?served,
+        admin_api = gw.admin_token.is_some(),
+        "effective configuration"
+    );
+    println!("Hearth is listening on http://{addr} (models: {})", served.join(", "));
+    if !gw.tenants.has_active_keys().await? {
+        let dd = data_dir.display();
+        println!(
+            "No API keys yet. Create a tenant and a key, then call the API with it:\n  \
+             hearth admin --data-dir {dd} tenant create demo\n  \
+             hearth admin --data-dir {dd} key create --tenant demo\n  \
+             curl http://{addr}/v1/chat/completions -H \"Authorization: Bearer $KEY\" \\\n    \
+             -H 'Content-Type: application/json' \\\n    \
+             -d '{{\"model\":\"{}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'",
+            served.first().map_or("MODEL", String::as_str)
+        );
+    }
+    axum::serve(listener, gateway::router(gw)).with_graceful_shutdown(shutdown_signal()).await?;
+    Ok(())
+}
+
+async fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    let engine = load_engine(&a.model).await?;
+    let workers: Vec<Arc<dyn WorkerClient>> = vec![Arc::new(InProcessWorker::new(engine))];
+    run_gateway(a.listen, &a.data.dir(), workers, Duration::ZERO, a.admin_token).await
+}
+
+async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
+    let engine = load_engine(&a.model).await?;
+    let listener = tokio::net::TcpListener::bind(a.listen).await.with_context(|| format!("cannot listen on {}", a.listen))?;
+    let addr = listener.local_addr()?;
+    println!("Hearth worker ({}) is listening on http://{addr}", engine.info().model);
+    axum::serve(listener, hearth_engine::server::router(engine)).with_graceful_shutdown(shutdown_signal()).await?;
+    Ok(())
+}
+
+async fn gateway_cmd(a: GatewayArgs) -> anyhow::Result<()> {
+    let workers = a
+        .workers
+        .iter()
+        .map(|u| HttpWorker::new(u).map(|w| Arc::new(w) as Arc<dyn WorkerClient>))
+        .collect::<Result<Vec<_>, _>>()?;
+    run_gateway(a.listen, &a.data.dir(), workers, Duration::from_secs(a.worker_wait_secs), a.admin_token).await
+}
+
+async fn admin(a: AdminArgs) -> anyhow::Result<()> {
+    let pool = db::open(&a.data.dir()).await?;
+    let store = TenantStore::new(pool.clone());
+    let json = a.json;
+    let print = |v: serde_json::Value, text: String| {
+        if json {
+            println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        } else {
+            println!("{text}");
+        }
+    };
+    match a.command {
+        AdminCommand::Tenant { command: TenantCommand::Create { name } } => {
+            let t = store.create_tenant(&name).await?;
+            print(serde_json::json!(t), format!("Created tenant {} ({}).", t.name, t.id));
+        }
+        AdminCommand::Tenant { command: TenantCommand::List } => {
+            let ts = store.list_tenants().await?;
+            let text = ts.iter().map(|t| format!("{}\t{}", t.id, t.name)).collect::<Vec<_>>().join("\n");
+            print(serde_json::json!(ts), if ts.is_empty() { "No tenants.".into() } else { text });
+        }
+        AdminCommand::Key { command: KeyCommand::Create { tenant, name } } => {
+            let k = store.create_key(&tenant, &name).await?;
+            print(
+                serde_json::json!(k),
+                format!(
+                    "Created API key {} for tenant {}. Copy it now; it is not shown again:\n\n{}\n",
+                    k.info.id, k.tenant, k.key
+                ),
+            );
+        }
+        AdminCommand::Key { command: KeyCommand::List { tenant } } => {
+            let ks = store.list_keys(&tenant).await?;
+            let text = ks
+                .iter()
+                .map(|k| format!("{}\t{}\t{}", k.id, if k.revoked_at.is_some() { "revoked" } else { "active" }, k.name))
+                .collect::<Vec<_>>()
+                .join("\n");
+            print(serde_json::json!(ks), if ks.is_empty() { "No keys.".into() } else { text });
+        }
+        AdminCommand::Key { command: KeyCommand::Revoke { key_id } } => {
+            let k = store.revoke_key(&key_id).await?;
+            print(serde_json::json!(k), format!("Revoked key {} (running servers stop accepting it within 5 s).", k.id));
+        }
+        AdminCommand::Usage { tenant, limit } => {
+            let tenant_id = match tenant {
+                Some(t) => Some(store.tenant(&t).await?.id),
+                None => None,
+            };
+            let rows = UsageLedger::new(pool).recent(tenant_id.as_deref(), limit).await?;
+            let text = rows
+                .iter()
+                .map(|r| {
+                    format!(
+                        "{}\t{}\t{}\tprompt={} cached={} completion={}\t{}",
+                        r.request_id, r.tenant_id, r.model, r.prompt_tokens, r.cached_tokens, r.completion_tokens, r.status
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("\n");
+            print(serde_json::json!(rows), if rows.is_empty() { "No usage yet.".into() } else { text });
+        }
+    }
+    Ok(())
+}

@@ -51,6 +51,7 @@ pub fn tokenizer_spec(g: &GgufFile) -> Result<TokenizerSpec, GgufError> {
         merges: g.get_str_array("tokenizer.ggml.merges")?,
         bos_id: id("tokenizer.ggml.bos_token_id"),
         eos_id: id("tokenizer.ggml.eos_token_id"),
+        add_bos: matches!(g.get("tokenizer.ggml.add_bos_token"), Some(crate::gguf::MetaValue::Bool(true))),
         chat_template: g.get_str("tokenizer.chat_template").ok().map(str::to_string),
     })
 }

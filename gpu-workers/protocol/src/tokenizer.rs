@@ -26,6 +26,9 @@ pub struct TokenizerSpec {
     pub merges: Vec<String>,
     pub bos_id: Option<u32>,
     pub eos_id: Option<u32>,
+    /// Whether raw (un-templated) prompts start with BOS (`tokenizer.ggml.add_bos_token`).
+    #[serde(default)]
+    pub add_bos: bool,
     /// Jinja chat template from the model file, if any.
     pub chat_template: Option<String>,
 }
@@ -59,6 +62,7 @@ pub struct Tokenizer {
     specials: Vec<(String, u32)>,
     is_special: Vec<bool>,
     split_digits: bool,
+    add_bos: bool,
     bos_id: Option<u32>,
     eos_id: Option<u32>,
 }
@@ -146,6 +150,7 @@ impl Tokenizer {
             specials,
             is_special,
             split_digits,
+            add_bos: spec.add_bos,
             bos_id: spec.bos_id,
             eos_id: spec.eos_id,
         })
@@ -161,6 +166,16 @@ impl Tokenizer {
 
     pub fn eos_id(&self) -> Option<u32> {
         self.eos_id
+    }
+
+    /// Encodes a raw prompt (no chat template): BOS first when the model asks for it.
+    pub fn encode_prompt(&self, text: &str) -> Vec<u32> {
+        let mut ids = Vec::new();
+        if let (true, Some(bos)) = (self.add_bos, self.bos_id) {
+            ids.push(bos);
+        }
+        ids.extend(self.encode(text));
+        ids
     }
 
     /// The id of a token given by its exact text (e.g. `<|im_end|>`).
@@ -404,6 +419,7 @@ mod tests {
             merges: vec!["h e".into(), "l l".into(), "he ll".into(), "hell o".into(), "Ġ w".into()],
             bos_id: None,
             eos_id: Some(261),
+            add_bos: false,
             chat_template: None,
         };
         Tokenizer::from_spec(&spec).unwrap()

@@ -1,0 +1,133 @@
+//! The admin API under `/admin/v1/`, guarded by `HEARTH_ADMIN_TOKEN` (closed when unset):
+//! tenants, API keys, recent usage. The `hearth admin …` CLI does the same against the
+//! database directly.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get};
+use axum::{Json, Router};
+use hearth_tenants::{constant_time_eq, TenantError};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+use crate::gateway::Gateway;
+use crate::openai::parse_object;
+
+pub fn router() -> Router<Arc<Gateway>> {
+    Router::new()
+        .route("/tenants", get(list_tenants).post(create_tenant))
+        .route("/tenants/{tenant}/keys", get(list_keys).post(create_key))
+        .route("/keys/{key_id}", delete(revoke_key))
+        .route("/usage", get(usage))
+}
+
+fn guard(gw: &Gateway, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(token) = gw.admin_token.as_deref().filter(|t| !t.is_empty()) else {
+        return Err(ApiError::forbidden("the admin API is disabled: start Hearth with HEARTH_ADMIN_TOKEN set"));
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+        Ok(())
+    } else {
+        Err(ApiError::unauthorized("Missing or incorrect admin token."))
+    }
+}
+
+fn store_error(e: TenantError) -> ApiError {
+    match e {
+        TenantError::TenantExists(_) => ApiError::conflict(e.to_string()),
+        TenantError::NoSuchTenant(_) | TenantError::NoSuchKey(_) => ApiError::not_found(e.to_string()),
+        TenantError::InvalidName(_) => ApiError::invalid("name", e.to_string()),
+        TenantError::Db(_) | TenantError::Random(_) => {
+            tracing::error!(error = %e, "admin store error");
+            ApiError::internal("the tenant store failed")
+        }
+    }
+}
+
+fn name_field(body: &Bytes, required: bool) -> Result<String, ApiError> {
+    if body.is_empty() && !required {
+        return Ok(String::new());
+    }
+    let o = parse_object(body)?;
+    match o.get("name") {
+        Some(Value::String(s)) => Ok(s.clone()),
+        None | Some(Value::Null) if !required => Ok(String::new()),
+        None | Some(Value::Null) => Err(ApiError::invalid("name", "'name' is required")),
+        Some(_) => Err(ApiError::invalid("name", "'name' must be a string")),
+    }
+}
+
+async fn list_tenants(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let tenants = gw.tenants.list_tenants().await.map_err(store_error)?;
+    Ok(Json(json!({"object": "list", "data": tenants})))
+}
+
+async fn create_tenant(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+    guard(&gw, &headers)?;
+    let name = name_field(&body, true)?;
+    let t = gw.tenants.create_tenant(&name).await.map_err(store_error)?;
+    Ok((StatusCode::CREATED, Json(t)).into_response())
+}
+
+async fn list_keys(State(gw): State<Arc<Gateway>>, headers: HeaderMap, Path(tenant): Path<String>) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let keys = gw.tenants.list_keys(&tenant).await.map_err(store_error)?;
+    Ok(Json(json!({"object": "list", "data": keys})))
+}
+
+async fn create_key(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(tenant): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    guard(&gw, &headers)?;
+    let name = name_field(&body, false)?;
+    let k = gw.tenants.create_key(&tenant, &name).await.map_err(store_error)?;
+    Ok((StatusCode::CREATED, Json(k)).into_response())
+}
+
+async fn revoke_key(State(gw): State<Arc<Gateway>>, headers: HeaderMap, Path(key_id): Path<String>) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let k = gw.tenants.revoke_key(&key_id).await.map_err(store_error)?;
+    Ok(Json(json!(k)))
+}
+
+#[derive(Deserialize)]
+struct UsageQuery {
+    tenant: Option<String>,
+    limit: Option<u32>,
+}
+
+async fn usage(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    q: Result<Query<UsageQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
+    let tenant_id = match q.tenant {
+        Some(t) => Some(gw.tenants.tenant(&t).await.map_err(store_error)?.id),
+        None => None,
+    };
+    let rows = gw
+        .ledger
+        .recent(tenant_id.as_deref(), q.limit.unwrap_or(100).min(10_000))
+        .await
+        .map_err(|e| {
+            tracing::error!(error = %e, "usage query failed");
+            ApiError::internal("the usage store failed")
+        })?;
+    Ok(Json(json!({"object": "list", "data": rows})))
+}

@@ -1,0 +1,125 @@
+//! Every error a client can see, in OpenAI's shape:
+//! `{"error": {"message", "type", "param", "code"}}` with a stable `type`/`code`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Serialize;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    error: Inner<'a>,
+}
+
+#[derive(Serialize)]
+struct Inner<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    param: Option<&'a str>,
+    code: Option<&'a str>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, code: Option<&'static str>, message: impl Into<String>) -> Self {
+        Self { status, message: message.into(), kind, param: None, code }
+    }
+
+    pub fn with_param(mut self, param: impl Into<String>) -> Self {
+        self.param = Some(param.into());
+        self
+    }
+
+    /// 400: a parameter is missing, of the wrong type or out of range.
+    pub fn invalid(param: &str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", Some("invalid_value"), message).with_param(param)
+    }
+
+    /// 400: a valid OpenAI parameter Hearth does not implement (yet).
+    pub fn unsupported(param: &str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", Some("unsupported_parameter"), message)
+            .with_param(param)
+    }
+
+    /// 400: the body is not JSON.
+    pub fn malformed_json(detail: impl std::fmt::Display) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Some("invalid_json"),
+            format!("We could not parse the JSON body of your request: {detail}"),
+        )
+    }
+
+    pub fn context_length(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", Some("context_length_exceeded"), message)
+            .with_param("messages")
+    }
+
+    /// 401.
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, "invalid_request_error", Some("invalid_api_key"), message)
+    }
+
+    /// 404: unknown model.
+    pub fn model_not_found(model: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            Some("model_not_found"),
+            format!("The model `{model}` does not exist or you do not have access to it."),
+        )
+        .with_param("model")
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "invalid_request_error", Some("not_found"), message)
+    }
+
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, "invalid_request_error", Some("conflict"), message)
+    }
+
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "permission_error", Some("forbidden"), message)
+    }
+
+    /// 503: no worker can take the request.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", Some("service_unavailable"), message)
+    }
+
+    /// 500: Hearth's fault; the message says what failed, never internals a client can abuse.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", Some("internal_error"), message)
+    }
+
+    /// The JSON body, also used for in-stream SSE errors.
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::to_value(Body {
+            error: Inner { message: &self.message, kind: self.kind, param: self.param.as_deref(), code: self.code },
+        })
+        .unwrap_or_default()
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({}): {}", self.status.as_u16(), self.code.unwrap_or(self.kind), self.message)
+    }
+}

@@ -1,0 +1,538 @@
+//! The OpenAI-compatible API and the life of a request through it.
+//!
+//! One pipeline, one function per phase, in order:
+//! [`authenticate`] → parse (`openai`) → [`resolve`] → [`tokenize`] → [`dispatch`] (route +
+//! send to a worker) → [`relay`] (stream to the client, meter). Rate limits, tenant
+//! processors and cache-aware routing slot in as phases of their own in later issues.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use futures_util::StreamExt;
+use hearth_billing::{UsageLedger, UsageRecord, UsageStatus};
+use hearth_protocol::{FinishReason, GenerateEvent, GenerateRequest, Usage};
+use hearth_tenants::{now_ms, AuthError, TenantContext, TenantStore};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::error::ApiError;
+use crate::openai::{self, Common, Prompt};
+use crate::registry::{ModelRegistry, ServedModel};
+use crate::workers::{EventStream, WorkerError};
+
+/// Shared state of one gateway process.
+pub struct Gateway {
+    pub tenants: TenantStore,
+    pub ledger: UsageLedger,
+    pub models: ModelRegistry,
+    /// `HEARTH_ADMIN_TOKEN`; the admin API is closed without it.
+    pub admin_token: Option<String>,
+}
+
+/// This request's id, set by the outermost middleware and echoed in `x-request-id`.
+#[derive(Debug, Clone)]
+pub struct RequestId(pub String);
+
+fn random_id() -> String {
+    let mut b = [0u8; 12];
+    if getrandom::fill(&mut b).is_err() {
+        // Ids must still be unique if the OS source fails: fall back to time + counter.
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        b[..8].copy_from_slice(&(now_ms() as u64).to_le_bytes());
+        b[8..].copy_from_slice(&(n as u32).to_le_bytes());
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+async fn request_id(mut req: Request, next: Next) -> Response {
+    let id = format!("req_{}", random_id());
+    req.extensions_mut().insert(RequestId(id.clone()));
+    let mut resp = next.run(req).await;
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+pub fn router(gw: Arc<Gateway>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{model}", get(get_model))
+        .route("/healthz", get(healthz))
+        .nest("/admin/v1", crate::admin::router())
+        .fallback(|| async { ApiError::not_found("no such endpoint; see /v1/chat/completions, /v1/completions, /v1/models") })
+        .with_state(gw)
+        .layer(middleware::from_fn(request_id))
+}
+
+async fn healthz(State(gw): State<Arc<Gateway>>) -> Json<Value> {
+    let models: Vec<Value> = gw.models.all().map(|m| json!({"id": m.id, "workers": m.worker_count()})).collect();
+    Json(json!({"status": "ok", "models": models}))
+}
+
+// ---- phase: authenticate -------------------------------------------------------------
+
+/// `Authorization: Bearer <key>` → who is asking.
+pub async fn authenticate(gw: &Gateway, headers: &HeaderMap) -> Result<TenantContext, ApiError> {
+    let Some(value) = headers.get(header::AUTHORIZATION) else {
+        return Err(ApiError::unauthorized(
+            "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'; create one with 'hearth admin key create --tenant NAME'.",
+        ));
+    };
+    let key = value
+        .to_str()
+        .ok()
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .map(str::trim)
+        .unwrap_or("");
+    match gw.tenants.authenticate(key).await {
+        Ok(ctx) => Ok(ctx),
+        Err(AuthError::Store(e)) => {
+            tracing::error!(error = %e, "key store unavailable");
+            Err(ApiError::unavailable("authentication is temporarily unavailable"))
+        }
+        Err(AuthError::Revoked) => Err(ApiError::unauthorized("This API key has been revoked.")),
+        Err(_) => Err(ApiError::unauthorized("Incorrect API key provided.")),
+    }
+}
+
+// ---- phase: resolve ------------------------------------------------------------------
+
+fn resolve<'a>(gw: &'a Gateway, model: &str) -> Result<&'a Arc<ServedModel>, ApiError> {
+    gw.models.get(model).ok_or_else(|| ApiError::model_not_found(model))
+}
+
+// ---- phase: tokenize -----------------------------------------------------------------
+
+enum Input<'a> {
+    Chat(&'a [hearth_protocol::ChatMessage]),
+    Prompt(&'a Prompt),
+}
+
+/// Templates and tokenizes at the gateway, and fixes `max_tokens` against the context.
+fn tokenize(model: &ServedModel, input: Input<'_>, common: &Common) -> Result<(Vec<u32>, u32), ApiError> {
+    let ids = match input {
+        Input::Chat(messages) => {
+            let tmpl = model.template.as_ref().ok_or_else(|| {
+                ApiError::invalid("model", format!("model {} has no chat template; use /v1/completions", model.id))
+            })?;
+            let text = tmpl.render(messages, true).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+            model.tokenizer.encode(&text)
+        }
+        Input::Prompt(Prompt::Text(t)) => model.tokenizer.encode_prompt(t),
+        Input::Prompt(Prompt::Tokens(ids)) => {
+            let vocab = model.tokenizer.vocab_size() as u32;
+            if let Some(bad) = ids.iter().find(|&&t| t >= vocab) {
+                return Err(ApiError::invalid("prompt", format!("token id {bad} is outside the vocabulary (size {vocab})")));
+            }
+            ids.clone()
+        }
+    };
+    if ids.is_empty() {
+        return Err(ApiError::invalid("prompt", "the prompt encodes to no tokens"));
+    }
+    let ctx = model.context_length;
+    let prompt = ids.len() as u32;
+    let room = ctx.saturating_sub(prompt);
+    let max_tokens = match common.max_tokens {
+        _ if room == 0 => 0,
+        None => room,
+        Some(m) if m <= room => m,
+        Some(m) => {
+            return Err(ApiError::context_length(format!(
+                "This model's maximum context length is {ctx} tokens. However, you requested {} tokens ({prompt} in the prompt, {m} in the completion). Reduce the prompt or max_tokens.",
+                prompt as u64 + m as u64
+            )))
+        }
+    };
+    if max_tokens == 0 {
+        return Err(ApiError::context_length(format!(
+            "This model's maximum context length is {ctx} tokens; the prompt has {prompt}, leaving no room for a completion."
+        )));
+    }
+    Ok((ids, max_tokens))
+}
+
+// ---- phase: route + dispatch ---------------------------------------------------------
+
+/// Sends the request to a worker; an unreachable worker is skipped for the next one
+/// (nothing has been streamed yet, so a retry is safe).
+async fn dispatch(model: &ServedModel, req: GenerateRequest) -> Result<EventStream, ApiError> {
+    let mut last = None;
+    for w in model.route() {
+        match w.generate(req.clone()).await {
+            Ok(s) => return Ok(s),
+            Err(e @ WorkerError::Unavailable { .. }) => {
+                tracing::warn!(worker = w.name(), error = %e, "worker unavailable; trying the next");
+                last = Some(e);
+            }
+            Err(e) => {
+                tracing::error!(worker = w.name(), error = %e, "worker failed");
+                return Err(ApiError::unavailable(format!("the worker for {} failed", model.id)));
+            }
+        }
+    }
+    let detail = last.map_or_else(String::new, |e| format!(": {e}"));
+    Err(ApiError::unavailable(format!("no worker for model {} is reachable{detail}", model.id)))
+}
+
+/// A worker's error event as the client's error.
+fn worker_error(code: &str, message: &str) -> ApiError {
+    match code {
+        "model_not_found" => ApiError::model_not_found(message),
+        "invalid_prompt" => ApiError::invalid("prompt", message.to_string()),
+        "context_length_exceeded" => ApiError::context_length(message.to_string()),
+        "worker_disconnected" | "engine_stopped" => ApiError::unavailable(message.to_string()),
+        _ => ApiError::internal(format!("generation failed: {message}")),
+    }
+}
+
+// ---- phase: relay + meter ------------------------------------------------------------
+
+/// Forwards worker events to the response, and writes the usage record: before the final
+/// event reaches the client (write-before-ack), or as soon as the client goes away
+/// (recording what was generated). Runs as its own task, so a vanished client cannot
+/// lose a record; dropping `events` cancels the generation.
+async fn relay(gw: Arc<Gateway>, mut rec: UsageRecord, mut events: EventStream, tx: mpsc::Sender<GenerateEvent>) {
+    let mut generated = 0u32;
+    let ended = loop {
+        let ev = tokio::select! {
+            ev = events.next() => ev.unwrap_or_else(|| GenerateEvent::Error {
+                code: "worker_disconnected".into(),
+                message: "the worker ended the stream without finishing".into(),
+            }),
+            () = tx.closed() => break None,
+        };
+        let terminal = match &ev {
+            GenerateEvent::Token { .. } => {
+                generated += 1;
+                false
+            }
+            GenerateEvent::Done { finish_reason, usage } => {
+                rec.prompt_tokens = usage.prompt_tokens;
+                rec.cached_tokens = usage.cached_tokens;
+                rec.completion_tokens = usage.completion_tokens;
+                rec.status = UsageStatus::Completed.as_str().into();
+                rec.finish_reason = Some(finish_reason.as_str().into());
+                true
+            }
+            GenerateEvent::Error { code, message } => {
+                tracing::warn!(request_id = %rec.request_id, code = %code, message = %message, "generation failed");
+                rec.completion_tokens = generated;
+                rec.status = UsageStatus::Failed.as_str().into();
+                rec.error_code = Some(code.clone());
+                true
+            }
+        };
+        if terminal {
+            write_usage(&gw, &mut rec).await;
+            let _ = tx.send(ev).await;
+            break Some(());
+        }
+        if tx.send(ev).await.is_err() {
+            break None;
+        }
+    };
+    if ended.is_none() {
+        drop(events); // cancels the generation
+        rec.completion_tokens = generated;
+        rec.status = UsageStatus::Cancelled.as_str().into();
+        rec.finish_reason = Some(FinishReason::Cancelled.as_str().into());
+        write_usage(&gw, &mut rec).await;
+    }
+}
+
+async fn write_usage(gw: &Gateway, rec: &mut UsageRecord) {
+    rec.finished_at = now_ms();
+    // A transient database error must not lose the record: retry briefly.
+    for attempt in 0..5u32 {
+        match gw.ledger.record(rec).await {
+            Ok(_) => return,
+            Err(e) => {
+                tracing::error!(request_id = %rec.request_id, attempt, error = %e, "usage write failed");
+                tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+            }
+        }
+    }
+    tracing::error!(record = ?rec, "usage record could not be written");
+}
+
+// ---- the endpoints -------------------------------------------------------------------
+
+#[derive(Clone, Copy, PartialEq)]
+enum Endpoint {
+    Chat,
+    Completions,
+}
+
+impl Endpoint {
+    fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+        }
+    }
+}
+
+async fn chat_completions(
+    State(gw): State<Arc<Gateway>>,
+    Extension(RequestId(id)): Extension<RequestId>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(gw, id, headers, body, Endpoint::Chat).await
+}
+
+async fn completions(
+    State(gw): State<Arc<Gateway>>,
+    Extension(RequestId(id)): Extension<RequestId>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(gw, id, headers, body, Endpoint::Completions).await
+}
+
+async fn handle(
+    gw: Arc<Gateway>,
+    request_id: String,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    endpoint: Endpoint,
+) -> Response {
+    let tenant = match authenticate(&gw, &headers).await {
+        Ok(t) => t,
+        Err(e) => return e.into_response(),
+    };
+    let started_at = now_ms();
+    let mut rec = UsageRecord {
+        request_id: request_id.clone(),
+        tenant_id: tenant.tenant_id.clone(),
+        key_id: Some(tenant.key_id.clone()),
+        model: String::new(),
+        endpoint: endpoint.path().into(),
+        prompt_tokens: 0,
+        cached_tokens: 0,
+        completion_tokens: 0,
+        status: UsageStatus::Failed.as_str().into(),
+        finish_reason: None,
+        error_code: None,
+        started_at,
+        finished_at: started_at,
+    };
+    match run(&gw, &request_id, body, endpoint, &mut rec).await {
+        Ok(resp) => resp,
+        Err(e) => {
+            // Refused before reaching a worker: still one record per request.
+            rec.error_code = e.code.map(str::to_string);
+            write_usage(&gw, &mut rec).await;
+            e.into_response()
+        }
+    }
+}
+
+async fn run(
+    gw: &Arc<Gateway>,
+    request_id: &str,
+    body: Result<Bytes, BytesRejection>,
+    endpoint: Endpoint,
+    rec: &mut UsageRecord,
+) -> Result<Response, ApiError> {
+    let body = body.map_err(|e| ApiError::invalid("body", e.body_text()))?;
+    let (common, input_chat, input_prompt) = match endpoint {
+        Endpoint::Chat => {
+            let r = openai::parse_chat(&body)?;
+            (r.common, Some(r.messages), None)
+        }
+        Endpoint::Completions => {
+            let r = openai::parse_completion(&body)?;
+            (r.common, None, Some(r.prompt))
+        }
+    };
+    rec.model = common.model.clone();
+    let model = resolve(gw, &common.model)?.clone();
+    let input = match (&input_chat, &input_prompt) {
+        (Some(m), _) => Input::Chat(m),
+        (_, Some(p)) => Input::Prompt(p),
+        _ => return Err(ApiError::internal("request without input")),
+    };
+    let (prompt, max_tokens) = tokenize(&model, input, &common)?;
+    rec.prompt_tokens = prompt.len() as u32;
+    let mut sampling = common.sampling.clone();
+    sampling.max_tokens = max_tokens;
+    let req = GenerateRequest { request_id: request_id.to_string(), model: model.id.clone(), prompt, sampling };
+    let events = dispatch(&model, req).await?;
+
+    let (tx, mut rx) = mpsc::channel(64);
+    tokio::spawn(relay(gw.clone(), rec.clone(), events, tx));
+    // Wait for the first event, so that a refusal becomes an HTTP error, not a broken stream.
+    let first = rx.recv().await.ok_or_else(|| ApiError::internal("the relay ended early"))?;
+    if let GenerateEvent::Error { code, message } = &first {
+        // The relay has recorded this failure; the caller's second write is a no-op
+        // (records are idempotent by request id).
+        return Err(worker_error(code, message));
+    }
+    let shape = Shape { endpoint, id: request_id.trim_start_matches("req_").to_string(), model: model.id.clone(), created: now_ms() / 1000 };
+    let events = futures_util::stream::iter([first]).chain(ReceiverStream::new(rx));
+    if common.stream {
+        Ok(sse_response(shape, common.include_usage, events.boxed()))
+    } else {
+        collect_response(shape, events.boxed()).await
+    }
+}
+
+// ---- response shapes -----------------------------------------------------------------
+
+struct Shape {
+    endpoint: Endpoint,
+    id: String,
+    model: String,
+    created: i64,
+}
+
+impl Shape {
+    fn id(&self) -> String {
+        match self.endpoint {
+            Endpoint::Chat => format!("chatcmpl-{}", self.id),
+            Endpoint::Completions => format!("cmpl-{}", self.id),
+        }
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.endpoint, chunk) {
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Completions, _) => "text_completion",
+        }
+    }
+
+    fn choice(&self, text: Option<&str>, finish: Option<&str>, first: bool) -> Value {
+        match self.endpoint {
+            Endpoint::Chat => {
+                let mut delta = serde_json::Map::new();
+                if first {
+                    delta.insert("role".into(), json!("assistant"));
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), json!(t));
+                }
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+            Endpoint::Completions => json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}),
+        }
+    }
+
+    fn chunk(&self, choices: Value, usage: Option<Value>, include_usage: bool) -> Value {
+        let mut v = json!({
+            "id": self.id(), "object": self.object(true), "created": self.created, "model": self.model,
+            "system_fingerprint": fingerprint(), "choices": choices,
+        });
+        if include_usage {
+            v["usage"] = usage.unwrap_or(Value::Null);
+        }
+        v
+    }
+}
+
+fn fingerprint() -> String {
+    format!("hearth-{}", env!("CARGO_PKG_VERSION"))
+}
+
+fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+/// Server-sent events exactly as OpenAI clients expect: `data: {chunk}` … `data: [DONE]`.
+fn sse_response(shape: Shape, include_usage: bool, events: futures_util::stream::BoxStream<'static, GenerateEvent>) -> Response {
+    let mut first = true;
+    let body = events
+        .map(move |ev| {
+            let mut out = Vec::new();
+            match ev {
+                GenerateEvent::Token { text, .. } => {
+                    if first || !text.is_empty() {
+                        out.push(sse(&shape.chunk(json!([shape.choice(Some(&text), None, first)]), None, include_usage)));
+                        first = false;
+                    }
+                }
+                GenerateEvent::Done { finish_reason, usage } => {
+                    let finish = finish_reason.as_str();
+                    let text = (shape.endpoint == Endpoint::Completions).then_some("");
+                    out.push(sse(&shape.chunk(json!([shape.choice(text, Some(finish), first)]), None, include_usage)));
+                    if include_usage {
+                        out.push(sse(&shape.chunk(json!([]), Some(openai::usage_json(&usage)), true)));
+                    }
+                    out.push(Bytes::from_static(b"data: [DONE]\n\n"));
+                }
+                GenerateEvent::Error { code, message } => {
+                    out.push(sse(&worker_error(&code, &message).body()));
+                    out.push(Bytes::from_static(b"data: [DONE]\n\n"));
+                }
+            }
+            futures_util::stream::iter(out.into_iter().map(Ok::<_, Infallible>))
+        })
+        .flatten();
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .header("x-accel-buffering", "no")
+        .body(Body::from_stream(body))
+        .unwrap_or_else(|_| ApiError::internal("could not build the stream").into_response())
+}
+
+async fn collect_response(shape: Shape, mut events: futures_util::stream::BoxStream<'static, GenerateEvent>) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    while let Some(ev) = events.next().await {
+        match ev {
+            GenerateEvent::Token { text: t, .. } => text.push_str(&t),
+            GenerateEvent::Done { finish_reason, usage } => return Ok(completion_body(&shape, &text, finish_reason, &usage)),
+            GenerateEvent::Error { code, message } => return Err(worker_error(&code, &message)),
+        }
+    }
+    Err(ApiError::unavailable("the worker ended the stream without finishing"))
+}
+
+fn completion_body(shape: &Shape, text: &str, finish: FinishReason, usage: &Usage) -> Response {
+    let choice = match shape.endpoint {
+        Endpoint::Chat => json!({
+            "index": 0, "message": {"role": "assistant", "content": text, "refusal": null},
+            "logprobs": null, "finish_reason": finish.as_str(),
+        }),
+        Endpoint::Completions => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish.as_str()}),
+    };
+    Json(json!({
+        "id": shape.id(), "object": shape.object(false), "created": shape.created, "model": shape.model,
+        "system_fingerprint": fingerprint(), "choices": [choice], "usage": openai::usage_json(usage),
+    }))
+    .into_response()
+}
+
+// ---- models --------------------------------------------------------------------------
+
+fn model_json(m: &ServedModel) -> Value {
+    json!({"id": m.id, "object": "model", "created": m.created, "owned_by": "hearth", "context_length": m.context_length})
+}
+
+async fn list_models(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
+    authenticate(&gw, &headers).await?;
+    let data: Vec<Value> = gw.models.all().map(|m| model_json(m)).collect();
+    Ok(Json(json!({"object": "list", "data": data})))
+}
+
+async fn get_model(State(gw): State<Arc<Gateway>>, headers: HeaderMap, Path(model): Path<String>) -> Result<Json<Value>, ApiError> {
+    authenticate(&gw, &headers).await?;
+    Ok(Json(model_json(resolve(&gw, &model)?)))
+}

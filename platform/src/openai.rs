@@ -1,0 +1,345 @@
+//! The OpenAI-compatible request surface: parsing and validating `/v1/chat/completions`
+//! and `/v1/completions` bodies (with the offending `param` named in every error), and
+//! building response objects and stream chunks.
+
+use hearth_protocol::{ChatMessage, SamplingParams, Usage};
+use serde_json::{json, Map, Value};
+
+use crate::error::ApiError;
+
+/// OpenAI allows at most four stop sequences.
+const MAX_STOP: usize = 4;
+
+/// Fields both endpoints share.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Common {
+    pub model: String,
+    /// `None`: up to the context length.
+    pub max_tokens: Option<u32>,
+    pub sampling: SamplingParams,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatRequest {
+    pub common: Common,
+    pub messages: Vec<ChatMessage>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct CompletionRequest {
+    pub common: Common,
+    pub prompt: Prompt,
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn wrong_type(key: &str, want: &str, got: &Value) -> ApiError {
+    ApiError::invalid(key, format!("'{key}' must be {want}, not {}", type_name(got)))
+}
+
+fn get<'a>(o: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+    o.get(key).filter(|v| !v.is_null())
+}
+
+fn opt_f64(o: &Map<String, Value>, key: &str) -> Result<Option<f64>, ApiError> {
+    get(o, key).map(|v| v.as_f64().ok_or_else(|| wrong_type(key, "a number", v))).transpose()
+}
+
+fn opt_bool(o: &Map<String, Value>, key: &str) -> Result<Option<bool>, ApiError> {
+    get(o, key).map(|v| v.as_bool().ok_or_else(|| wrong_type(key, "a boolean", v))).transpose()
+}
+
+fn opt_i64(o: &Map<String, Value>, key: &str) -> Result<Option<i64>, ApiError> {
+    get(o, key).map(|v| v.as_i64().ok_or_else(|| wrong_type(key, "an integer", v))).transpose()
+}
+
+fn in_range(key: &str, v: Option<f64>, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
+    match v {
+        Some(x) if !(lo..=hi).contains(&x) => {
+            Err(ApiError::invalid(key, format!("'{key}' must be between {lo} and {hi}, got {x}")))
+        }
+        _ => Ok(v),
+    }
+}
+
+/// Parses the body as a JSON object.
+pub fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(o)) => Ok(o),
+        Ok(other) => Err(ApiError::malformed_json(format!("expected an object, got {}", type_name(&other)))),
+        Err(e) => Err(ApiError::malformed_json(e)),
+    }
+}
+
+fn parse_common(o: &Map<String, Value>, max_tokens_keys: &[&str]) -> Result<Common, ApiError> {
+    let model = match get(o, "model") {
+        Some(Value::String(s)) if !s.is_empty() => s.clone(),
+        Some(v) => return Err(wrong_type("model", "a non-empty string", v)),
+        None => return Err(ApiError::invalid("model", "you must provide a model parameter")),
+    };
+    let mut max_tokens = None;
+    for key in max_tokens_keys {
+        if let Some(n) = opt_i64(o, key)? {
+            if n < 1 || n > u32::MAX as i64 {
+                return Err(ApiError::invalid(key, format!("'{key}' must be at least 1, got {n}")));
+            }
+            max_tokens = Some(n as u32);
+        }
+    }
+    let temperature = in_range("temperature", opt_f64(o, "temperature")?, 0.0, 2.0)?.unwrap_or(1.0);
+    let top_p = in_range("top_p", opt_f64(o, "top_p")?, 0.0, 1.0)?.unwrap_or(1.0);
+    let top_k = match opt_i64(o, "top_k")? {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 && k <= u32::MAX as i64 => k as u32,
+        Some(k) => return Err(ApiError::invalid("top_k", format!("'top_k' must be -1, 0 or positive, got {k}"))),
+    };
+    let seed = opt_i64(o, "seed")?.map(|s| s as u64);
+    let stop = match get(o, "stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => {
+            let v: Vec<String> = a
+                .iter()
+                .map(|s| s.as_str().map(str::to_string).ok_or_else(|| wrong_type("stop", "a string or array of strings", s)))
+                .collect::<Result<_, _>>()?;
+            if v.len() > MAX_STOP {
+                return Err(ApiError::invalid("stop", format!("at most {MAX_STOP} stop sequences are allowed")));
+            }
+            v
+        }
+        Some(v) => return Err(wrong_type("stop", "a string or array of strings", v)),
+    };
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("stop", "stop sequences must not be empty"));
+    }
+    if let Some(n) = opt_i64(o, "n")? {
+        if n != 1 {
+            return Err(ApiError::unsupported("n", format!("'n' = {n} is not supported yet; use n = 1")));
+        }
+    }
+    for key in ["presence_penalty", "frequency_penalty"] {
+        if let Some(p) = in_range(key, opt_f64(o, key)?, -2.0, 2.0)? {
+            if p != 0.0 {
+                return Err(ApiError::unsupported(key, format!("'{key}' is not supported yet; omit it or use 0")));
+            }
+        }
+    }
+    if opt_bool(o, "logprobs")? == Some(true) || get(o, "top_logprobs").is_some() {
+        return Err(ApiError::unsupported("logprobs", "'logprobs' is not supported yet"));
+    }
+    if let Some(Value::Array(tools)) = get(o, "tools") {
+        if !tools.is_empty() {
+            return Err(ApiError::unsupported("tools", "tool calling is not supported yet"));
+        }
+    }
+    if let Some(rf) = get(o, "response_format") {
+        let kind = rf.get("type").and_then(Value::as_str).unwrap_or("");
+        if kind != "text" {
+            return Err(ApiError::unsupported("response_format", format!("response_format {kind:?} is not supported yet")));
+        }
+    }
+    let stream = opt_bool(o, "stream")?.unwrap_or(false);
+    let include_usage = match get(o, "stream_options") {
+        None => false,
+        Some(so) if !stream => {
+            let _ = so;
+            return Err(ApiError::invalid("stream_options", "'stream_options' is only allowed when 'stream' is true"));
+        }
+        Some(Value::Object(so)) => opt_bool(so, "include_usage").map_err(|e| e.with_param("stream_options.include_usage"))?.unwrap_or(false),
+        Some(v) => return Err(wrong_type("stream_options", "an object", v)),
+    };
+    Ok(Common {
+        model,
+        max_tokens,
+        sampling: SamplingParams { temperature: temperature as f32, top_p: top_p as f32, top_k, seed, max_tokens: 0, stop },
+        stream,
+        include_usage,
+    })
+}
+
+fn message_content(i: usize, v: Option<&Value>) -> Result<String, ApiError> {
+    let param = format!("messages[{i}].content");
+    match v {
+        None => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                let kind = p.get("type").and_then(Value::as_str);
+                match (kind, p.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    (Some(other), _) if other != "text" => {
+                        return Err(ApiError::unsupported(
+                            &format!("{param}[{j}].type"),
+                            format!("content parts of type {other:?} are not supported; this model reads text"),
+                        ))
+                    }
+                    _ => return Err(ApiError::invalid(&format!("{param}[{j}]"), "a text part needs 'type': 'text' and a string 'text'")),
+                }
+            }
+            Ok(text)
+        }
+        Some(v) => Err(wrong_type(&param, "a string or an array of content parts", v)),
+    }
+}
+
+pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
+    let o = parse_object(body)?;
+    let common = parse_common(&o, &["max_tokens", "max_completion_tokens"])?;
+    let msgs = match get(&o, "messages") {
+        Some(Value::Array(a)) if !a.is_empty() => a,
+        Some(Value::Array(_)) => return Err(ApiError::invalid("messages", "'messages' must not be empty")),
+        Some(v) => return Err(wrong_type("messages", "an array", v)),
+        None => return Err(ApiError::invalid("messages", "you must provide 'messages'")),
+    };
+    let mut messages = Vec::with_capacity(msgs.len());
+    for (i, m) in msgs.iter().enumerate() {
+        let Some(m) = m.as_object() else {
+            return Err(wrong_type(&format!("messages[{i}]"), "an object", m));
+        };
+        let role = match m.get("role").and_then(Value::as_str) {
+            Some("developer") => "system",
+            Some(r @ ("system" | "user" | "assistant" | "tool")) => r,
+            Some(r) => {
+                return Err(ApiError::invalid(
+                    &format!("messages[{i}].role"),
+                    format!("unknown role {r:?}; use system, developer, user, assistant or tool"),
+                ))
+            }
+            None => return Err(ApiError::invalid(&format!("messages[{i}].role"), "each message needs a 'role'")),
+        };
+        messages.push(ChatMessage { role: role.to_string(), content: message_content(i, m.get("content"))? });
+    }
+    Ok(ChatRequest { common, messages })
+}
+
+pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
+    let o = parse_object(body)?;
+    let common = parse_common(&o, &["max_tokens"])?;
+    let bad = || ApiError::invalid("prompt", "'prompt' must be a string, an array of token ids, or a one-element array of either");
+    let token_ids = |a: &Vec<Value>| -> Option<Vec<u32>> {
+        a.iter().map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok())).collect()
+    };
+    let prompt = match get(&o, "prompt") {
+        None => return Err(ApiError::invalid("prompt", "you must provide 'prompt'")),
+        Some(Value::String(s)) => Prompt::Text(s.clone()),
+        Some(Value::Array(a)) if a.len() == 1 => match &a[0] {
+            Value::String(s) => Prompt::Text(s.clone()),
+            Value::Array(inner) => Prompt::Tokens(token_ids(inner).ok_or_else(bad)?),
+            Value::Number(_) => Prompt::Tokens(token_ids(a).ok_or_else(bad)?),
+            _ => return Err(bad()),
+        },
+        Some(Value::Array(a)) if a.iter().all(Value::is_number) => Prompt::Tokens(token_ids(a).ok_or_else(bad)?),
+        Some(Value::Array(_)) => {
+            return Err(ApiError::unsupported("prompt", "batches of several prompts are not supported yet; send one per request"))
+        }
+        Some(_) => return Err(bad()),
+    };
+    match &prompt {
+        Prompt::Text(s) if s.is_empty() => return Err(ApiError::invalid("prompt", "'prompt' must not be empty")),
+        Prompt::Tokens(t) if t.is_empty() => return Err(ApiError::invalid("prompt", "'prompt' must not be empty")),
+        _ => {}
+    }
+    if opt_bool(&o, "echo")? == Some(true) {
+        return Err(ApiError::unsupported("echo", "'echo' is not supported yet"));
+    }
+    if let Some(s) = get(&o, "suffix") {
+        if s.as_str().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::unsupported("suffix", "'suffix' is not supported"));
+        }
+    }
+    Ok(CompletionRequest { common, prompt })
+}
+
+/// OpenAI's `usage` object.
+pub fn usage_json(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(v: Value) -> Result<ChatRequest, ApiError> {
+        parse_chat(v.to_string().as_bytes())
+    }
+
+    #[test]
+    fn parses_a_full_chat_request() {
+        let r = chat(json!({
+            "model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+                                        {"role": "user", "content": "hi"}],
+            "temperature": 0, "top_p": 0.9, "max_completion_tokens": 5, "stop": "x", "seed": 7,
+            "stream": true, "stream_options": {"include_usage": true}, "n": 1, "user": "u1"
+        }))
+        .unwrap();
+        assert_eq!(r.messages[0], ChatMessage { role: "system".into(), content: "be brief".into() });
+        assert_eq!(r.common.max_tokens, Some(5));
+        assert_eq!(r.common.sampling.temperature, 0.0);
+        assert_eq!(r.common.sampling.stop, ["x"]);
+        assert_eq!(r.common.sampling.seed, Some(7));
+        assert!(r.common.stream && r.common.include_usage);
+    }
+
+    #[test]
+    fn names_the_bad_parameter() {
+        let cases = [
+            (json!({"messages": [{"role": "user", "content": "x"}]}), "model"),
+            (json!({"model": "m"}), "messages"),
+            (json!({"model": "m", "messages": []}), "messages"),
+            (json!({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}), "messages[0].role"),
+            (json!({"model": "m", "messages": [{"role": "user", "content": 5}]}), "messages[0].content"),
+            (json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 3}), "temperature"),
+            (json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}), "temperature"),
+            (json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}), "max_tokens"),
+            (json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}), "n"),
+            (json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]}), "stop"),
+            (json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": true}}), "stream_options"),
+            (json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), "messages[0].content[0].type"),
+        ];
+        for (body, param) in cases {
+            let e = chat(body.clone()).unwrap_err();
+            assert_eq!(e.status, 400, "{body}");
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+        }
+        let e = parse_chat(b"{not json").unwrap_err();
+        assert_eq!(e.code, Some("invalid_json"));
+        let e = parse_chat(b"[1]").unwrap_err();
+        assert_eq!(e.code, Some("invalid_json"));
+    }
+
+    #[test]
+    fn completion_prompts() {
+        let p = |v: Value| parse_completion(json!({"model": "m", "prompt": v}).to_string().as_bytes()).map(|r| r.prompt);
+        assert_eq!(p(json!("hi")).unwrap(), Prompt::Text("hi".into()));
+        assert_eq!(p(json!(["hi"])).unwrap(), Prompt::Text("hi".into()));
+        assert_eq!(p(json!([1, 2])).unwrap(), Prompt::Tokens(vec![1, 2]));
+        assert_eq!(p(json!([[3]])).unwrap(), Prompt::Tokens(vec![3]));
+        assert_eq!(p(json!([-1])).unwrap_err().param.as_deref(), Some("prompt"));
+        assert_eq!(p(json!("")).unwrap_err().param.as_deref(), Some("prompt"));
+        assert_eq!(p(json!(["a", "b"])).unwrap_err().code, Some("unsupported_parameter"));
+    }
+}

@@ -1,0 +1,163 @@
+//! How the gateway reaches engines: the [`WorkerClient`] trait, with an in-process client
+//! (the embedded `hearth serve`) and an HTTP client (`hearth gateway --worker URL`). Both
+//! yield the same stream of `hearth-protocol` events; dropping the stream cancels the
+//! generation (the HTTP client closes its connection, which the worker notices).
+
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use futures_util::stream::{self, BoxStream};
+use futures_util::{FutureExt, StreamExt};
+use hearth_engine::EngineHandle;
+use hearth_protocol::{GenerateEvent, GenerateRequest, WorkerInfo};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+/// Events of one generation. A stream that ends without `Done`/`Error` means the worker
+/// was lost mid-way.
+pub type EventStream = BoxStream<'static, GenerateEvent>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("worker {worker} is unreachable: {detail}")]
+    Unavailable { worker: String, detail: String },
+    #[error("worker {worker} answered badly: {detail}")]
+    Protocol { worker: String, detail: String },
+}
+
+pub trait WorkerClient: Send + Sync + 'static {
+    /// A name for logs and errors (`local`, or the worker's URL).
+    fn name(&self) -> &str;
+    fn info(&self) -> BoxFuture<'_, Result<WorkerInfo, WorkerError>>;
+    fn generate(&self, req: GenerateRequest) -> BoxFuture<'_, Result<EventStream, WorkerError>>;
+}
+
+/// An engine in this process.
+pub struct InProcessWorker {
+    engine: EngineHandle,
+}
+
+impl InProcessWorker {
+    pub fn new(engine: EngineHandle) -> Self {
+        Self { engine }
+    }
+}
+
+impl WorkerClient for InProcessWorker {
+    fn name(&self) -> &str {
+        "local"
+    }
+
+    fn info(&self) -> BoxFuture<'_, Result<WorkerInfo, WorkerError>> {
+        let info = self.engine.info().clone();
+        async move { Ok(info) }.boxed()
+    }
+
+    fn generate(&self, req: GenerateRequest) -> BoxFuture<'_, Result<EventStream, WorkerError>> {
+        let rx = self.engine.generate(req);
+        async move { Ok(UnboundedReceiverStream::new(rx).boxed()) }.boxed()
+    }
+}
+
+/// A worker reached over HTTP (`hearth worker`).
+pub struct HttpWorker {
+    base: String,
+    client: reqwest::Client,
+}
+
+impl HttpWorker {
+    pub fn new(base: &str) -> Result<Self, WorkerError> {
+        let base = base.trim_end_matches('/').to_string();
+        let base = if base.contains("://") { base } else { format!("http://{base}") };
+        let client = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(5))
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| WorkerError::Unavailable { worker: base.clone(), detail: e.to_string() })?;
+        Ok(Self { base, client })
+    }
+
+    fn unavailable(&self, e: impl std::fmt::Display) -> WorkerError {
+        WorkerError::Unavailable { worker: self.base.clone(), detail: e.to_string() }
+    }
+
+    fn protocol(&self, e: impl std::fmt::Display) -> WorkerError {
+        WorkerError::Protocol { worker: self.base.clone(), detail: e.to_string() }
+    }
+}
+
+impl WorkerClient for HttpWorker {
+    fn name(&self) -> &str {
+        &self.base
+    }
+
+    fn info(&self) -> BoxFuture<'_, Result<WorkerInfo, WorkerError>> {
+        async move {
+            let resp = self
+                .client
+                .get(format!("{}/v1/worker/info", self.base))
+                .timeout(Duration::from_secs(30))
+                .send()
+                .await
+                .map_err(|e| self.unavailable(e))?;
+            if !resp.status().is_success() {
+                return Err(self.protocol(format!("info returned {}", resp.status())));
+            }
+            resp.json::<WorkerInfo>().await.map_err(|e| self.protocol(e))
+        }
+        .boxed()
+    }
+
+    fn generate(&self, req: GenerateRequest) -> BoxFuture<'_, Result<EventStream, WorkerError>> {
+        async move {
+            let resp = self
+                .client
+                .post(format!("{}/v1/worker/generate", self.base))
+                .json(&req)
+                .send()
+                .await
+                .map_err(|e| self.unavailable(e))?;
+            if !resp.status().is_success() {
+                // The worker explains refusals as one error event.
+                let status = resp.status();
+                return match resp.json::<GenerateEvent>().await {
+                    Ok(ev @ GenerateEvent::Error { .. }) => Ok(stream::iter([ev]).boxed()),
+                    _ => Err(self.protocol(format!("generate returned {status}"))),
+                };
+            }
+            Ok(ndjson_events(resp.bytes_stream().boxed()))
+        }
+        .boxed()
+    }
+}
+
+/// Splits a byte stream into newline-delimited JSON events. A transport error or a bad line
+/// ends the stream with an `Error` event.
+fn ndjson_events(bytes: BoxStream<'static, reqwest::Result<axum::body::Bytes>>) -> EventStream {
+    stream::unfold((bytes, Vec::<u8>::new(), false), |(mut bytes, mut buf, mut done)| async move {
+        loop {
+            if done {
+                return None;
+            }
+            if let Some(pos) = buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = buf.drain(..=pos).collect();
+                if line.iter().all(u8::is_ascii_whitespace) {
+                    continue;
+                }
+                let ev = serde_json::from_slice::<GenerateEvent>(&line).unwrap_or_else(|e| {
+                    done = true;
+                    GenerateEvent::Error { code: "worker_protocol".into(), message: format!("bad event from worker: {e}") }
+                });
+                return Some((ev, (bytes, buf, done)));
+            }
+            match bytes.next().await {
+                Some(Ok(chunk)) => buf.extend_from_slice(&chunk),
+                Some(Err(e)) => {
+                    let ev = GenerateEvent::Error { code: "worker_disconnected".into(), message: format!("lost the worker mid-stream: {e}") };
+                    return Some((ev, (bytes, buf, true)));
+                }
+                None => return None,
+            }
+        }
+    })
+    .boxed()
+}
