@@ -1,0 +1,343 @@
+//! End-to-end: the real `hearth` binary on a free port, real HTTP, the real default model
+//! (fetched with pip on first use), the CLI against the same data directory.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+
+const MODEL: &str = "smollm2-135m-instruct";
+const ADMIN_TOKEN: &str = "e2e-admin-token";
+const QUESTION: &str = "What is the capital of France? Answer in one sentence.";
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_hearth")
+}
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("hearth-e2e-{tag}-{}-{}", std::process::id(), hearth_tenants::now_ms()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A child process killed on drop, with the address it printed.
+struct Proc {
+    child: Child,
+    url: String,
+    stdout_head: Vec<String>,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `hearth ARGS`, waits for its "listening on http://ADDR" line.
+fn spawn(args: &[&str]) -> Proc {
+    let mut child = Command::new(bin())
+        .args(args)
+        .env("HEARTH_ADMIN_TOKEN", ADMIN_TOKEN)
+        .env("HEARTH_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn hearth");
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let mut head = Vec::new();
+    loop {
+        let line = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("hearth did not start");
+        head.push(line.clone());
+        if let Some(rest) = line.split("listening on ").nth(1) {
+            let url = rest.split_whitespace().next().unwrap().to_string();
+            // Collect what follows promptly (the first-start hint).
+            while let Ok(l) = rx.recv_timeout(Duration::from_millis(300)) {
+                head.push(l);
+            }
+            std::thread::spawn(move || while rx.recv().is_ok() {});
+            return Proc { child, url, stdout_head: head };
+        }
+    }
+}
+
+fn serve(data: &Path) -> Proc {
+    spawn(&["serve", "--listen", "127.0.0.1:0", "--data-dir", data.to_str().unwrap()])
+}
+
+fn admin(data: &Path, args: &[&str]) -> String {
+    let out = Command::new(bin())
+        .args(["admin", "--data-dir", data.to_str().unwrap()])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "admin {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Creates a tenant and a key with the CLI; returns the key.
+fn new_key(data: &Path, tenant: &str) -> String {
+    admin(data, &["tenant", "create", tenant]);
+    let out = admin(data, &["key", "create", "--tenant", tenant]);
+    out.split_whitespace().find(|w| w.starts_with("hk_")).expect("key printed").to_string()
+}
+
+fn usage_rows(data: &Path) -> Vec<Value> {
+    serde_json::from_str::<Value>(&admin(data, &["--json", "usage", "--limit", "100"])).unwrap().as_array().unwrap().clone()
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap()
+}
+
+async fn post(url: &str, key: Option<&str>, body: &Value) -> (u16, reqwest::header::HeaderMap, Value) {
+    let mut r = client().post(url).json(body);
+    if let Some(k) = key {
+        r = r.bearer_auth(k);
+    }
+    let resp = r.send().await.unwrap();
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    (status, headers, resp.json().await.unwrap_or(Value::Null))
+}
+
+fn chat_body(extra: Value) -> Value {
+    let mut b = json!({"model": MODEL, "temperature": 0, "messages": [{"role": "user", "content": QUESTION}]});
+    b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    b
+}
+
+/// Reads an SSE response to the end; returns the `data:` payloads.
+async fn sse_events(resp: reqwest::Response) -> Vec<String> {
+    let text = resp.text().await.unwrap();
+    text.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).map(str::to_string).collect()
+}
+
+#[tokio::test]
+async fn chat_answers_paris_streams_and_records_usage() {
+    let data = temp_dir("chat");
+    let server = serve(&data);
+    assert!(
+        server.stdout_head.iter().any(|l| l.contains("No API keys yet")) && server.stdout_head.iter().any(|l| l.contains("key create --tenant")),
+        "first start must say how to get a key: {:?}",
+        server.stdout_head
+    );
+    let key = new_key(&data, "acme");
+    let url = format!("{}/v1/chat/completions", server.url);
+
+    // Non-streaming.
+    let (status, headers, body) = post(&url, Some(&key), &chat_body(json!({}))).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(headers.get("x-request-id").is_some_and(|v| v.to_str().unwrap().starts_with("req_")));
+    assert_eq!(body["object"], "chat.completion");
+    let content = body["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(content.contains("Paris"), "{content}");
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    assert_eq!(body["usage"]["prompt_tokens"], 42);
+    assert_eq!(body["usage"]["completion_tokens"], 8);
+    assert_eq!(body["usage"]["total_tokens"], 50);
+    assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+
+    // Streaming with usage.
+    let resp = client()
+        .post(&url)
+        .bearer_auth(&key)
+        .json(&chat_body(json!({"stream": true, "stream_options": {"include_usage": true}})))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let events = sse_events(resp).await;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(text, content, "streamed text equals the non-streamed answer");
+    let usage_chunk = chunks.last().unwrap();
+    assert_eq!(usage_chunk["choices"], json!([]));
+    assert_eq!(usage_chunk["usage"]["completion_tokens"], 8);
+    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "stop");
+
+    // Streaming without usage: no usage chunk, still [DONE].
+    let resp = client().post(&url).bearer_auth(&key).json(&chat_body(json!({"stream": true}))).send().await.unwrap();
+    let events = sse_events(resp).await;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    assert!(events.iter().all(|e| !e.contains("\"usage\"")));
+
+    // Completions, max_tokens and stop strings.
+    let (status, _, body) = post(
+        &format!("{}/v1/completions", server.url),
+        Some(&key),
+        &json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 5, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "text_completion");
+    assert_eq!(body["usage"]["completion_tokens"], 5);
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    let (_, _, body) = post(&url, Some(&key), &chat_body(json!({"stop": [" Paris"]}))).await;
+    assert_eq!(body["choices"][0]["message"]["content"], "The capital of France is");
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+
+    // Seeded sampling is reproducible.
+    let sampled = json!({"temperature": 1.0, "seed": 1234, "max_tokens": 12});
+    let (_, _, a) = post(&url, Some(&key), &chat_body(sampled.clone())).await;
+    let (_, _, b) = post(&url, Some(&key), &chat_body(sampled)).await;
+    assert_eq!(a["choices"][0]["message"]["content"], b["choices"][0]["message"]["content"]);
+
+    // Models.
+    let models: Value = client().get(format!("{}/v1/models", server.url)).bearer_auth(&key).send().await.unwrap().json().await.unwrap();
+    assert_eq!(models["data"][0]["id"], MODEL);
+
+    // One usage row per request, with the engine's counts.
+    let rows = usage_rows(&data);
+    assert_eq!(rows.len(), 7, "{rows:?}");
+    assert!(rows.iter().all(|r| r["status"] == "completed"));
+    assert!(rows.iter().any(|r| r["prompt_tokens"] == 42 && r["completion_tokens"] == 8 && r["endpoint"] == "/v1/chat/completions"));
+}
+
+#[tokio::test]
+async fn errors_are_openai_shaped_and_keys_revoke() {
+    let data = temp_dir("errors");
+    let server = serve(&data);
+    let key = new_key(&data, "acme");
+    let url = format!("{}/v1/chat/completions", server.url);
+    let check = |status: u16, body: &Value, want_status: u16, code: &str| {
+        assert_eq!(status, want_status, "{body}");
+        let e = &body["error"];
+        assert_eq!(e["code"], code, "{body}");
+        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()) && e.get("type").is_some() && e.get("param").is_some());
+    };
+
+    let (s, _, b) = post(&url, None, &chat_body(json!({}))).await;
+    check(s, &b, 401, "invalid_api_key");
+    let (s, _, b) = post(&url, Some("hk_deadbeef_00"), &chat_body(json!({}))).await;
+    check(s, &b, 401, "invalid_api_key");
+    let (s, _, b) = post(&url, Some("not-a-key"), &chat_body(json!({}))).await;
+    check(s, &b, 401, "invalid_api_key");
+
+    let resp = client().post(&url).bearer_auth(&key).body("{\"model\": ").send().await.unwrap();
+    let s = resp.status().as_u16();
+    check(s, &resp.json().await.unwrap(), 400, "invalid_json");
+    let (s, _, b) = post(&url, Some(&key), &chat_body(json!({"model": "gpt-17"}))).await;
+    check(s, &b, 404, "model_not_found");
+    let (s, _, b) = post(&url, Some(&key), &chat_body(json!({"temperature": 9}))).await;
+    check(s, &b, 400, "invalid_value");
+    assert_eq!(b["error"]["param"], "temperature");
+    let (s, _, b) = post(&url, Some(&key), &chat_body(json!({"messages": "hi"}))).await;
+    check(s, &b, 400, "invalid_value");
+    let (s, _, b) = post(&url, Some(&key), &chat_body(json!({"max_tokens": 9000}))).await;
+    check(s, &b, 400, "context_length_exceeded");
+    let (s, _, b) = post(&format!("{}/v1/completions", server.url), Some(&key), &json!({"model": MODEL, "prompt": [999999]})).await;
+    check(s, &b, 400, "invalid_value");
+    let resp = client().get(format!("{}/v1/nope", server.url)).send().await.unwrap();
+    assert_eq!(resp.status(), 404);
+    assert!(resp.headers().get("x-request-id").is_some());
+
+    // Failed requests are recorded too (one row per authenticated request).
+    let rows = usage_rows(&data);
+    assert!(rows.len() >= 6 && rows.iter().all(|r| r["status"] == "failed"), "{rows:?}");
+
+    // The admin API: closed without the token, open with it.
+    let admin_url = format!("{}/admin/v1/tenants", server.url);
+    let resp = client().get(&admin_url).send().await.unwrap();
+    assert_eq!(resp.status(), 401);
+    let resp = client().post(&admin_url).bearer_auth(ADMIN_TOKEN).json(&json!({"name": "beta"})).send().await.unwrap();
+    assert_eq!(resp.status(), 201);
+    let resp = client().post(&admin_url).bearer_auth(ADMIN_TOKEN).json(&json!({"name": "beta"})).send().await.unwrap();
+    assert_eq!(resp.status(), 409);
+    let resp = client().post(format!("{admin_url}/beta/keys")).bearer_auth(ADMIN_TOKEN).send().await.unwrap();
+    assert_eq!(resp.status(), 201);
+    let beta_key = resp.json::<Value>().await.unwrap()["key"].as_str().unwrap().to_string();
+    let (s, _, _) = post(&url, Some(&beta_key), &chat_body(json!({"max_tokens": 1}))).await;
+    assert_eq!(s, 200);
+    let beta_id = beta_key.split('_').nth(1).unwrap();
+    let resp = client().delete(format!("{}/admin/v1/keys/{beta_id}", server.url)).bearer_auth(ADMIN_TOKEN).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let (s, _, b) = post(&url, Some(&beta_key), &chat_body(json!({"max_tokens": 1}))).await;
+    check(s, &b, 401, "invalid_api_key");
+
+    // Revocation through the CLI (another process) takes effect within the cache TTL.
+    let key_id = key.split('_').nth(1).unwrap();
+    admin(&data, &["key", "revoke", key_id]);
+    let deadline = Instant::now() + hearth_tenants::KEY_CACHE_TTL + Duration::from_secs(3);
+    loop {
+        let (s, _, _) = post(&url, Some(&key), &chat_body(json!({"max_tokens": 1}))).await;
+        if s == 401 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "revoked key still accepted");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+#[tokio::test]
+async fn client_disconnect_stops_generation_and_is_metered() {
+    let data = temp_dir("disconnect");
+    let server = serve(&data);
+    let key = new_key(&data, "acme");
+    let url = format!("{}/v1/chat/completions", server.url);
+    let body = json!({"model": MODEL, "stream": true, "max_tokens": 4000, "temperature": 1.0, "seed": 1,
+                      "messages": [{"role": "user", "content": "Write a very long story about a dragon."}]});
+    let resp = client().post(&url).bearer_auth(&key).json(&body).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    let mut seen = 0;
+    while seen < 5 {
+        stream.next().await.unwrap().unwrap();
+        seen += 1;
+    }
+    drop(stream);
+    // The record appears with what was generated, far below max_tokens, and the engine is
+    // free again: the next request is answered.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let row = loop {
+        if let Some(r) = usage_rows(&data).into_iter().find(|r| r["status"] == "cancelled") {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "no cancelled usage row");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let generated = row["completion_tokens"].as_u64().unwrap();
+    assert!((1..4000).contains(&generated), "{row}");
+    assert_eq!(row["finish_reason"], "cancelled");
+    let (s, _, b) = post(&url, Some(&key), &chat_body(json!({}))).await;
+    assert_eq!(s, 200);
+    assert!(b["choices"][0]["message"]["content"].as_str().unwrap().contains("Paris"));
+}
+
+#[tokio::test]
+async fn gateway_and_worker_run_apart() {
+    let data = temp_dir("split");
+    let worker = spawn(&["worker", "--listen", "127.0.0.1:0"]);
+    let gateway = spawn(&["gateway", "--listen", "127.0.0.1:0", "--data-dir", data.to_str().unwrap(), "--worker", &worker.url]);
+    let key = new_key(&data, "acme");
+    let url = format!("{}/v1/chat/completions", gateway.url);
+    let (s, _, b) = post(&url, Some(&key), &chat_body(json!({}))).await;
+    assert_eq!(s, 200, "{b}");
+    assert!(b["choices"][0]["message"]["content"].as_str().unwrap().contains("Paris"));
+    assert_eq!(b["usage"]["prompt_tokens"], 42);
+    let resp = client().post(&url).bearer_auth(&key).json(&chat_body(json!({"stream": true}))).send().await.unwrap();
+    assert_eq!(sse_events(resp).await.last().map(String::as_str), Some("[DONE]"));
+
+    // The worker dies: a clean 503, not a hang.
+    drop(worker);
+    let (s, _, b) = post(&url, Some(&key), &chat_body(json!({}))).await;
+    assert_eq!(s, 503, "{b}");
+    assert_eq!(b["error"]["code"], "service_unavailable");
+    let rows = usage_rows(&data);
+    assert_eq!(rows.iter().filter(|r| r["status"] == "completed").count(), 2);
+    assert_eq!(rows.iter().filter(|r| r["status"] == "failed").count(), 1);
+}
