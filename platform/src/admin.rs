@@ -28,7 +28,9 @@ pub fn router() -> Router<Arc<Gateway>> {
 
 fn guard(gw: &Gateway, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(token) = gw.admin_token.as_deref().filter(|t| !t.is_empty()) else {
-        return Err(ApiError::forbidden("the admin API is disabled: start Hearth with HEARTH_ADMIN_TOKEN set"));
+        return Err(ApiError::forbidden(
+            "the admin API is disabled: start Hearth with HEARTH_ADMIN_TOKEN set",
+        ));
     };
     let given = headers
         .get(header::AUTHORIZATION)
@@ -45,7 +47,9 @@ fn guard(gw: &Gateway, headers: &HeaderMap) -> Result<(), ApiError> {
 fn store_error(e: TenantError) -> ApiError {
     match e {
         TenantError::TenantExists(_) => ApiError::conflict(e.to_string()),
-        TenantError::NoSuchTenant(_) | TenantError::NoSuchKey(_) => ApiError::not_found(e.to_string()),
+        TenantError::NoSuchTenant(_) | TenantError::NoSuchKey(_) => {
+            ApiError::not_found(e.to_string())
+        }
         TenantError::InvalidName(_) => ApiError::invalid("name", e.to_string()),
         TenantError::Db(_) | TenantError::Random(_) => {
             tracing::error!(error = %e, "admin store error");
@@ -67,20 +71,31 @@ fn name_field(body: &Bytes, required: bool) -> Result<String, ApiError> {
     }
 }
 
-async fn list_tenants(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
+async fn list_tenants(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
     guard(&gw, &headers)?;
     let tenants = gw.tenants.list_tenants().await.map_err(store_error)?;
     Ok(Json(json!({"object": "list", "data": tenants})))
 }
 
-async fn create_tenant(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+async fn create_tenant(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     guard(&gw, &headers)?;
     let name = name_field(&body, true)?;
     let t = gw.tenants.create_tenant(&name).await.map_err(store_error)?;
     Ok((StatusCode::CREATED, Json(t)).into_response())
 }
 
-async fn list_keys(State(gw): State<Arc<Gateway>>, headers: HeaderMap, Path(tenant): Path<String>) -> Result<Json<Value>, ApiError> {
+async fn list_keys(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(tenant): Path<String>,
+) -> Result<Json<Value>, ApiError> {
     guard(&gw, &headers)?;
     let keys = gw.tenants.list_keys(&tenant).await.map_err(store_error)?;
     Ok(Json(json!({"object": "list", "data": keys})))
@@ -94,11 +109,19 @@ async fn create_key(
 ) -> Result<Response, ApiError> {
     guard(&gw, &headers)?;
     let name = name_field(&body, false)?;
-    let k = gw.tenants.create_key(&tenant, &name).await.map_err(store_error)?;
+    let k = gw
+        .tenants
+        .create_key(&tenant, &name)
+        .await
+        .map_err(store_error)?;
     Ok((StatusCode::CREATED, Json(k)).into_response())
 }
 
-async fn revoke_key(State(gw): State<Arc<Gateway>>, headers: HeaderMap, Path(key_id): Path<String>) -> Result<Json<Value>, ApiError> {
+async fn revoke_key(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(key_id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
     guard(&gw, &headers)?;
     let k = gw.tenants.revoke_key(&key_id).await.map_err(store_error)?;
     Ok(Json(json!(k)))

@@ -30,8 +30,19 @@ struct Inner<'a> {
 }
 
 impl ApiError {
-    fn new(status: StatusCode, kind: &'static str, code: Option<&'static str>, message: impl Into<String>) -> Self {
-        Self { status, message: message.into(), kind, param: None, code }
+    fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: Option<&'static str>,
+        message: impl Into<String>,
+    ) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code,
+        }
     }
 
     pub fn with_param(mut self, param: impl Into<String>) -> Self {
@@ -41,13 +52,24 @@ impl ApiError {
 
     /// 400: a parameter is missing, of the wrong type or out of range.
     pub fn invalid(param: &str, message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", Some("invalid_value"), message).with_param(param)
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Some("invalid_value"),
+            message,
+        )
+        .with_param(param)
     }
 
     /// 400: a valid OpenAI parameter Hearth does not implement (yet).
     pub fn unsupported(param: &str, message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", Some("unsupported_parameter"), message)
-            .with_param(param)
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Some("unsupported_parameter"),
+            message,
+        )
+        .with_param(param)
     }
 
     /// 400: the body is not JSON.
@@ -61,13 +83,23 @@ impl ApiError {
     }
 
     pub fn context_length(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", Some("context_length_exceeded"), message)
-            .with_param("messages")
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Some("context_length_exceeded"),
+            message,
+        )
+        .with_param("messages")
     }
 
     /// 401.
     pub fn unauthorized(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::UNAUTHORIZED, "invalid_request_error", Some("invalid_api_key"), message)
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            Some("invalid_api_key"),
+            message,
+        )
     }
 
     /// 404: unknown model.
@@ -82,31 +114,61 @@ impl ApiError {
     }
 
     pub fn not_found(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::NOT_FOUND, "invalid_request_error", Some("not_found"), message)
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            Some("not_found"),
+            message,
+        )
     }
 
     pub fn conflict(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::CONFLICT, "invalid_request_error", Some("conflict"), message)
+        Self::new(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            Some("conflict"),
+            message,
+        )
     }
 
     pub fn forbidden(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::FORBIDDEN, "permission_error", Some("forbidden"), message)
+        Self::new(
+            StatusCode::FORBIDDEN,
+            "permission_error",
+            Some("forbidden"),
+            message,
+        )
     }
 
     /// 503: no worker can take the request.
     pub fn unavailable(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", Some("service_unavailable"), message)
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            Some("service_unavailable"),
+            message,
+        )
     }
 
     /// 500: Hearth's fault; the message says what failed, never internals a client can abuse.
     pub fn internal(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", Some("internal_error"), message)
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            Some("internal_error"),
+            message,
+        )
     }
 
     /// The JSON body, also used for in-stream SSE errors.
     pub fn body(&self) -> serde_json::Value {
         serde_json::to_value(Body {
-            error: Inner { message: &self.message, kind: self.kind, param: self.param.as_deref(), code: self.code },
+            error: Inner {
+                message: &self.message,
+                kind: self.kind,
+                param: self.param.as_deref(),
+                code: self.code,
+            },
         })
         .unwrap_or_default()
     }
@@ -120,6 +182,12 @@ impl IntoResponse for ApiError {
 
 impl std::fmt::Display for ApiError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} ({}): {}", self.status.as_u16(), self.code.unwrap_or(self.kind), self.message)
+        write!(
+            f,
+            "{} ({}): {}",
+            self.status.as_u16(),
+            self.code.unwrap_or(self.kind),
+            self.message
+        )
     }
 }

@@ -73,13 +73,21 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/models/{model}", get(get_model))
         .route("/healthz", get(healthz))
         .nest("/admin/v1", crate::admin::router())
-        .fallback(|| async { ApiError::not_found("no such endpoint; see /v1/chat/completions, /v1/completions, /v1/models") })
+        .fallback(|| async {
+            ApiError::not_found(
+                "no such endpoint; see /v1/chat/completions, /v1/completions, /v1/models",
+            )
+        })
         .with_state(gw)
         .layer(middleware::from_fn(request_id))
 }
 
 async fn healthz(State(gw): State<Arc<Gateway>>) -> Json<Value> {
-    let models: Vec<Value> = gw.models.all().map(|m| json!({"id": m.id, "workers": m.worker_count()})).collect();
+    let models: Vec<Value> = gw
+        .models
+        .all()
+        .map(|m| json!({"id": m.id, "workers": m.worker_count()}))
+        .collect();
     Json(json!({"status": "ok", "models": models}))
 }
 
@@ -95,14 +103,19 @@ pub async fn authenticate(gw: &Gateway, headers: &HeaderMap) -> Result<TenantCon
     let key = value
         .to_str()
         .ok()
-        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
         .map(str::trim)
         .unwrap_or("");
     match gw.tenants.authenticate(key).await {
         Ok(ctx) => Ok(ctx),
         Err(AuthError::Store(e)) => {
             tracing::error!(error = %e, "key store unavailable");
-            Err(ApiError::unavailable("authentication is temporarily unavailable"))
+            Err(ApiError::unavailable(
+                "authentication is temporarily unavailable",
+            ))
         }
         Err(AuthError::Revoked) => Err(ApiError::unauthorized("This API key has been revoked.")),
         Err(_) => Err(ApiError::unauthorized("Incorrect API key provided.")),
@@ -112,7 +125,9 @@ pub async fn authenticate(gw: &Gateway, headers: &HeaderMap) -> Result<TenantCon
 // ---- phase: resolve ------------------------------------------------------------------
 
 fn resolve<'a>(gw: &'a Gateway, model: &str) -> Result<&'a Arc<ServedModel>, ApiError> {
-    gw.models.get(model).ok_or_else(|| ApiError::model_not_found(model))
+    gw.models
+        .get(model)
+        .ok_or_else(|| ApiError::model_not_found(model))
 }
 
 // ---- phase: tokenize -----------------------------------------------------------------
@@ -123,26 +138,44 @@ enum Input<'a> {
 }
 
 /// Templates and tokenizes at the gateway, and fixes `max_tokens` against the context.
-fn tokenize(model: &ServedModel, input: Input<'_>, common: &Common) -> Result<(Vec<u32>, u32), ApiError> {
+fn tokenize(
+    model: &ServedModel,
+    input: Input<'_>,
+    common: &Common,
+) -> Result<(Vec<u32>, u32), ApiError> {
     let ids = match input {
         Input::Chat(messages) => {
             let tmpl = model.template.as_ref().ok_or_else(|| {
-                ApiError::invalid("model", format!("model {} has no chat template; use /v1/completions", model.id))
+                ApiError::invalid(
+                    "model",
+                    format!(
+                        "model {} has no chat template; use /v1/completions",
+                        model.id
+                    ),
+                )
             })?;
-            let text = tmpl.render(messages, true).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+            let text = tmpl
+                .render(messages, true)
+                .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
             model.tokenizer.encode(&text)
         }
         Input::Prompt(Prompt::Text(t)) => model.tokenizer.encode_prompt(t),
         Input::Prompt(Prompt::Tokens(ids)) => {
             let vocab = model.tokenizer.vocab_size() as u32;
             if let Some(bad) = ids.iter().find(|&&t| t >= vocab) {
-                return Err(ApiError::invalid("prompt", format!("token id {bad} is outside the vocabulary (size {vocab})")));
+                return Err(ApiError::invalid(
+                    "prompt",
+                    format!("token id {bad} is outside the vocabulary (size {vocab})"),
+                ));
             }
             ids.clone()
         }
     };
     if ids.is_empty() {
-        return Err(ApiError::invalid("prompt", "the prompt encodes to no tokens"));
+        return Err(ApiError::invalid(
+            "prompt",
+            "the prompt encodes to no tokens",
+        ));
     }
     let ctx = model.context_length;
     let prompt = ids.len() as u32;
@@ -181,12 +214,18 @@ async fn dispatch(model: &ServedModel, req: GenerateRequest) -> Result<EventStre
             }
             Err(e) => {
                 tracing::error!(worker = w.name(), error = %e, "worker failed");
-                return Err(ApiError::unavailable(format!("the worker for {} failed", model.id)));
+                return Err(ApiError::unavailable(format!(
+                    "the worker for {} failed",
+                    model.id
+                )));
             }
         }
     }
     let detail = last.map_or_else(String::new, |e| format!(": {e}"));
-    Err(ApiError::unavailable(format!("no worker for model {} is reachable{detail}", model.id)))
+    Err(ApiError::unavailable(format!(
+        "no worker for model {} is reachable{detail}",
+        model.id
+    )))
 }
 
 /// A worker's error event as the client's error.
@@ -206,7 +245,12 @@ fn worker_error(code: &str, message: &str) -> ApiError {
 /// event reaches the client (write-before-ack), or as soon as the client goes away
 /// (recording what was generated). Runs as its own task, so a vanished client cannot
 /// lose a record; dropping `events` cancels the generation.
-async fn relay(gw: Arc<Gateway>, mut rec: UsageRecord, mut events: EventStream, tx: mpsc::Sender<GenerateEvent>) {
+async fn relay(
+    gw: Arc<Gateway>,
+    mut rec: UsageRecord,
+    mut events: EventStream,
+    tx: mpsc::Sender<GenerateEvent>,
+) {
     let mut generated = 0u32;
     let ended = loop {
         let ev = tokio::select! {
@@ -221,7 +265,10 @@ async fn relay(gw: Arc<Gateway>, mut rec: UsageRecord, mut events: EventStream, 
                 generated += 1;
                 false
             }
-            GenerateEvent::Done { finish_reason, usage } => {
+            GenerateEvent::Done {
+                finish_reason,
+                usage,
+            } => {
                 rec.prompt_tokens = usage.prompt_tokens;
                 rec.cached_tokens = usage.cached_tokens;
                 rec.completion_tokens = usage.completion_tokens;
@@ -372,19 +419,32 @@ async fn run(
     rec.prompt_tokens = prompt.len() as u32;
     let mut sampling = common.sampling.clone();
     sampling.max_tokens = max_tokens;
-    let req = GenerateRequest { request_id: request_id.to_string(), model: model.id.clone(), prompt, sampling };
+    let req = GenerateRequest {
+        request_id: request_id.to_string(),
+        model: model.id.clone(),
+        prompt,
+        sampling,
+    };
     let events = dispatch(&model, req).await?;
 
     let (tx, mut rx) = mpsc::channel(64);
     tokio::spawn(relay(gw.clone(), rec.clone(), events, tx));
     // Wait for the first event, so that a refusal becomes an HTTP error, not a broken stream.
-    let first = rx.recv().await.ok_or_else(|| ApiError::internal("the relay ended early"))?;
+    let first = rx
+        .recv()
+        .await
+        .ok_or_else(|| ApiError::internal("the relay ended early"))?;
     if let GenerateEvent::Error { code, message } = &first {
         // The relay has recorded this failure; the caller's second write is a no-op
         // (records are idempotent by request id).
         return Err(worker_error(code, message));
     }
-    let shape = Shape { endpoint, id: request_id.trim_start_matches("req_").to_string(), model: model.id.clone(), created: now_ms() / 1000 };
+    let shape = Shape {
+        endpoint,
+        id: request_id.trim_start_matches("req_").to_string(),
+        model: model.id.clone(),
+        created: now_ms() / 1000,
+    };
     let events = futures_util::stream::iter([first]).chain(ReceiverStream::new(rx));
     if common.stream {
         Ok(sse_response(shape, common.include_usage, events.boxed()))
@@ -430,7 +490,9 @@ impl Shape {
                 }
                 json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
             }
-            Endpoint::Completions => json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}),
+            Endpoint::Completions => {
+                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish})
+            }
         }
     }
 
@@ -455,7 +517,11 @@ fn sse(v: &Value) -> Bytes {
 }
 
 /// Server-sent events exactly as OpenAI clients expect: `data: {chunk}` … `data: [DONE]`.
-fn sse_response(shape: Shape, include_usage: bool, events: futures_util::stream::BoxStream<'static, GenerateEvent>) -> Response {
+fn sse_response(
+    shape: Shape,
+    include_usage: bool,
+    events: futures_util::stream::BoxStream<'static, GenerateEvent>,
+) -> Response {
     let mut first = true;
     let body = events
         .map(move |ev| {
@@ -463,16 +529,31 @@ fn sse_response(shape: Shape, include_usage: bool, events: futures_util::stream:
             match ev {
                 GenerateEvent::Token { text, .. } => {
                     if first || !text.is_empty() {
-                        out.push(sse(&shape.chunk(json!([shape.choice(Some(&text), None, first)]), None, include_usage)));
+                        out.push(sse(&shape.chunk(
+                            json!([shape.choice(Some(&text), None, first)]),
+                            None,
+                            include_usage,
+                        )));
                         first = false;
                     }
                 }
-                GenerateEvent::Done { finish_reason, usage } => {
+                GenerateEvent::Done {
+                    finish_reason,
+                    usage,
+                } => {
                     let finish = finish_reason.as_str();
                     let text = (shape.endpoint == Endpoint::Completions).then_some("");
-                    out.push(sse(&shape.chunk(json!([shape.choice(text, Some(finish), first)]), None, include_usage)));
+                    out.push(sse(&shape.chunk(
+                        json!([shape.choice(text, Some(finish), first)]),
+                        None,
+                        include_usage,
+                    )));
                     if include_usage {
-                        out.push(sse(&shape.chunk(json!([]), Some(openai::usage_json(&usage)), true)));
+                        out.push(sse(&shape.chunk(
+                            json!([]),
+                            Some(openai::usage_json(&usage)),
+                            true,
+                        )));
                     }
                     out.push(Bytes::from_static(b"data: [DONE]\n\n"));
                 }
@@ -493,16 +574,24 @@ fn sse_response(shape: Shape, include_usage: bool, events: futures_util::stream:
         .unwrap_or_else(|_| ApiError::internal("could not build the stream").into_response())
 }
 
-async fn collect_response(shape: Shape, mut events: futures_util::stream::BoxStream<'static, GenerateEvent>) -> Result<Response, ApiError> {
+async fn collect_response(
+    shape: Shape,
+    mut events: futures_util::stream::BoxStream<'static, GenerateEvent>,
+) -> Result<Response, ApiError> {
     let mut text = String::new();
     while let Some(ev) = events.next().await {
         match ev {
             GenerateEvent::Token { text: t, .. } => text.push_str(&t),
-            GenerateEvent::Done { finish_reason, usage } => return Ok(completion_body(&shape, &text, finish_reason, &usage)),
+            GenerateEvent::Done {
+                finish_reason,
+                usage,
+            } => return Ok(completion_body(&shape, &text, finish_reason, &usage)),
             GenerateEvent::Error { code, message } => return Err(worker_error(&code, &message)),
         }
     }
-    Err(ApiError::unavailable("the worker ended the stream without finishing"))
+    Err(ApiError::unavailable(
+        "the worker ended the stream without finishing",
+    ))
 }
 
 fn completion_body(shape: &Shape, text: &str, finish: FinishReason, usage: &Usage) -> Response {
@@ -511,7 +600,9 @@ fn completion_body(shape: &Shape, text: &str, finish: FinishReason, usage: &Usag
             "index": 0, "message": {"role": "assistant", "content": text, "refusal": null},
             "logprobs": null, "finish_reason": finish.as_str(),
         }),
-        Endpoint::Completions => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish.as_str()}),
+        Endpoint::Completions => {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish.as_str()})
+        }
     };
     Json(json!({
         "id": shape.id(), "object": shape.object(false), "created": shape.created, "model": shape.model,
@@ -526,13 +617,20 @@ fn model_json(m: &ServedModel) -> Value {
     json!({"id": m.id, "object": "model", "created": m.created, "owned_by": "hearth", "context_length": m.context_length})
 }
 
-async fn list_models(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
+async fn list_models(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
     authenticate(&gw, &headers).await?;
     let data: Vec<Value> = gw.models.all().map(|m| model_json(m)).collect();
     Ok(Json(json!({"object": "list", "data": data})))
 }
 
-async fn get_model(State(gw): State<Arc<Gateway>>, headers: HeaderMap, Path(model): Path<String>) -> Result<Json<Value>, ApiError> {
+async fn get_model(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(model): Path<String>,
+) -> Result<Json<Value>, ApiError> {
     authenticate(&gw, &headers).await?;
     Ok(Json(model_json(resolve(&gw, &model)?)))
 }

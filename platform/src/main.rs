@@ -10,14 +10,18 @@ use clap::{Args, Parser, Subcommand};
 use hearth_billing::UsageLedger;
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::EngineHandle;
+use hearth_platform::db;
 use hearth_platform::gateway::{self, Gateway};
 use hearth_platform::registry::ModelRegistry;
 use hearth_platform::workers::{HttpWorker, InProcessWorker, WorkerClient};
-use hearth_platform::db;
 use hearth_tenants::TenantStore;
 
 #[derive(Parser)]
-#[command(name = "hearth", version, about = "Hearth: serverless multi-tenant LLM serving")]
+#[command(
+    name = "hearth",
+    version,
+    about = "Hearth: serverless multi-tenant LLM serving"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -94,7 +98,12 @@ struct GatewayArgs {
     #[command(flatten)]
     data: DataArgs,
     /// A worker's base URL (repeat for several).
-    #[arg(long = "worker", env = "HEARTH_WORKERS", value_delimiter = ',', required = true)]
+    #[arg(
+        long = "worker",
+        env = "HEARTH_WORKERS",
+        value_delimiter = ',',
+        required = true
+    )]
     workers: Vec<String>,
     /// How long to wait for workers to come up at start.
     #[arg(long, default_value_t = 120)]
@@ -174,20 +183,27 @@ fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("HEARTH_LOG")
         .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env())
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_logging();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
         match cli.command {
             Command::Serve(a) => serve(a).await,
             Command::Worker(a) => worker(a).await,
             Command::Gateway(a) => gateway_cmd(a).await,
             Command::Admin(a) => admin(a).await,
-            Command::Model { command: ModelCommand::Fetch { model } } => {
+            Command::Model {
+                command: ModelCommand::Fetch { model },
+            } => {
                 let path = ensure_model(&model, &hearth_home(), &mut |m| eprintln!("{m}"))?;
                 println!("{}", path.display());
                 Ok(())
@@ -203,15 +219,24 @@ async fn load_engine(args: &ModelArgs) -> anyhow::Result<EngineHandle> {
         if !as_path.exists() {
             bail!("model file {} does not exist", as_path.display());
         }
-        let stem = as_path.file_stem().map_or("model".into(), |s| s.to_string_lossy().to_lowercase());
+        let stem = as_path
+            .file_stem()
+            .map_or("model".into(), |s| s.to_string_lossy().to_lowercase());
         (as_path.to_path_buf(), args.model_id.clone().unwrap_or(stem))
     } else {
         let model = args.model.clone();
-        let path = tokio::task::spawn_blocking(move || ensure_model(&model, &hearth_home(), &mut |m| eprintln!("hearth: {m}")))
-            .await??;
-        (path, args.model_id.clone().unwrap_or_else(|| args.model.clone()))
+        let path = tokio::task::spawn_blocking(move || {
+            ensure_model(&model, &hearth_home(), &mut |m| eprintln!("hearth: {m}"))
+        })
+        .await??;
+        (
+            path,
+            args.model_id.clone().unwrap_or_else(|| args.model.clone()),
+        )
     };
-    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let engine = tokio::task::spawn_blocking(move || EngineHandle::load(&path, &id, threads))
         .await?
         .context("loading the model")?;
@@ -233,7 +258,8 @@ async fn shutdown_signal() {
     };
     #[cfg(unix)]
     let term = async {
-        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        {
             s.recv().await;
         }
     };
@@ -261,7 +287,9 @@ async fn run_gateway(
         models,
         admin_token: admin_token.filter(|t| !t.is_empty()),
     });
-    let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("cannot listen on {listen}"))?;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen}"))?;
     let addr = listener.local_addr()?;
     let served: Vec<String> = gw.models.all().map(|m| m.id.clone()).collect();
     tracing::info!(
@@ -271,7 +299,10 @@ async fn run_gateway(
         admin_api = gw.admin_token.is_some(),
         "effective configuration"
     );
-    println!("Hearth is listening on http://{addr} (models: {})", served.join(", "));
+    println!(
+        "Hearth is listening on http://{addr} (models: {})",
+        served.join(", ")
+    );
     if !gw.tenants.has_active_keys().await? {
         let dd = data_dir.display();
         println!(
@@ -284,22 +315,38 @@ async fn run_gateway(
             served.first().map_or("MODEL", String::as_str)
         );
     }
-    axum::serve(listener, gateway::router(gw)).with_graceful_shutdown(shutdown_signal()).await?;
+    axum::serve(listener, gateway::router(gw))
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
     Ok(())
 }
 
 async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let engine = load_engine(&a.model).await?;
     let workers: Vec<Arc<dyn WorkerClient>> = vec![Arc::new(InProcessWorker::new(engine))];
-    run_gateway(a.listen, &a.data.dir(), workers, Duration::ZERO, a.admin_token).await
+    run_gateway(
+        a.listen,
+        &a.data.dir(),
+        workers,
+        Duration::ZERO,
+        a.admin_token,
+    )
+    .await
 }
 
 async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
     let engine = load_engine(&a.model).await?;
-    let listener = tokio::net::TcpListener::bind(a.listen).await.with_context(|| format!("cannot listen on {}", a.listen))?;
+    let listener = tokio::net::TcpListener::bind(a.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", a.listen))?;
     let addr = listener.local_addr()?;
-    println!("Hearth worker ({}) is listening on http://{addr}", engine.info().model);
-    axum::serve(listener, hearth_engine::server::router(engine)).with_graceful_shutdown(shutdown_signal()).await?;
+    println!(
+        "Hearth worker ({}) is listening on http://{addr}",
+        engine.info().model
+    );
+    axum::serve(listener, hearth_engine::server::router(engine))
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
     Ok(())
 }
 
@@ -309,7 +356,14 @@ async fn gateway_cmd(a: GatewayArgs) -> anyhow::Result<()> {
         .iter()
         .map(|u| HttpWorker::new(u).map(|w| Arc::new(w) as Arc<dyn WorkerClient>))
         .collect::<Result<Vec<_>, _>>()?;
-    run_gateway(a.listen, &a.data.dir(), workers, Duration::from_secs(a.worker_wait_secs), a.admin_token).await
+    run_gateway(
+        a.listen,
+        &a.data.dir(),
+        workers,
+        Duration::from_secs(a.worker_wait_secs),
+        a.admin_token,
+    )
+    .await
 }
 
 async fn admin(a: AdminArgs) -> anyhow::Result<()> {
@@ -324,16 +378,36 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
         }
     };
     match a.command {
-        AdminCommand::Tenant { command: TenantCommand::Create { name } } => {
+        AdminCommand::Tenant {
+            command: TenantCommand::Create { name },
+        } => {
             let t = store.create_tenant(&name).await?;
-            print(serde_json::json!(t), format!("Created tenant {} ({}).", t.name, t.id));
+            print(
+                serde_json::json!(t),
+                format!("Created tenant {} ({}).", t.name, t.id),
+            );
         }
-        AdminCommand::Tenant { command: TenantCommand::List } => {
+        AdminCommand::Tenant {
+            command: TenantCommand::List,
+        } => {
             let ts = store.list_tenants().await?;
-            let text = ts.iter().map(|t| format!("{}\t{}", t.id, t.name)).collect::<Vec<_>>().join("\n");
-            print(serde_json::json!(ts), if ts.is_empty() { "No tenants.".into() } else { text });
+            let text = ts
+                .iter()
+                .map(|t| format!("{}\t{}", t.id, t.name))
+                .collect::<Vec<_>>()
+                .join("\n");
+            print(
+                serde_json::json!(ts),
+                if ts.is_empty() {
+                    "No tenants.".into()
+                } else {
+                    text
+                },
+            );
         }
-        AdminCommand::Key { command: KeyCommand::Create { tenant, name } } => {
+        AdminCommand::Key {
+            command: KeyCommand::Create { tenant, name },
+        } => {
             let k = store.create_key(&tenant, &name).await?;
             print(
                 serde_json::json!(k),
@@ -343,36 +417,79 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                 ),
             );
         }
-        AdminCommand::Key { command: KeyCommand::List { tenant } } => {
+        AdminCommand::Key {
+            command: KeyCommand::List { tenant },
+        } => {
             let ks = store.list_keys(&tenant).await?;
             let text = ks
                 .iter()
-                .map(|k| format!("{}\t{}\t{}", k.id, if k.revoked_at.is_some() { "revoked" } else { "active" }, k.name))
+                .map(|k| {
+                    format!(
+                        "{}\t{}\t{}",
+                        k.id,
+                        if k.revoked_at.is_some() {
+                            "revoked"
+                        } else {
+                            "active"
+                        },
+                        k.name
+                    )
+                })
                 .collect::<Vec<_>>()
                 .join("\n");
-            print(serde_json::json!(ks), if ks.is_empty() { "No keys.".into() } else { text });
+            print(
+                serde_json::json!(ks),
+                if ks.is_empty() {
+                    "No keys.".into()
+                } else {
+                    text
+                },
+            );
         }
-        AdminCommand::Key { command: KeyCommand::Revoke { key_id } } => {
+        AdminCommand::Key {
+            command: KeyCommand::Revoke { key_id },
+        } => {
             let k = store.revoke_key(&key_id).await?;
-            print(serde_json::json!(k), format!("Revoked key {} (running servers stop accepting it within 5 s).", k.id));
+            print(
+                serde_json::json!(k),
+                format!(
+                    "Revoked key {} (running servers stop accepting it within 5 s).",
+                    k.id
+                ),
+            );
         }
         AdminCommand::Usage { tenant, limit } => {
             let tenant_id = match tenant {
                 Some(t) => Some(store.tenant(&t).await?.id),
                 None => None,
             };
-            let rows = UsageLedger::new(pool).recent(tenant_id.as_deref(), limit).await?;
+            let rows = UsageLedger::new(pool)
+                .recent(tenant_id.as_deref(), limit)
+                .await?;
             let text = rows
                 .iter()
                 .map(|r| {
                     format!(
                         "{}\t{}\t{}\tprompt={} cached={} completion={}\t{}",
-                        r.request_id, r.tenant_id, r.model, r.prompt_tokens, r.cached_tokens, r.completion_tokens, r.status
+                        r.request_id,
+                        r.tenant_id,
+                        r.model,
+                        r.prompt_tokens,
+                        r.cached_tokens,
+                        r.completion_tokens,
+                        r.status
                     )
                 })
                 .collect::<Vec<_>>()
                 .join("\n");
-            print(serde_json::json!(rows), if rows.is_empty() { "No usage yet.".into() } else { text });
+            print(
+                serde_json::json!(rows),
+                if rows.is_empty() {
+                    "No usage yet.".into()
+                } else {
+                    text
+                },
+            );
         }
     }
     Ok(())

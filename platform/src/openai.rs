@@ -51,7 +51,10 @@ fn type_name(v: &Value) -> &'static str {
 }
 
 fn wrong_type(key: &str, want: &str, got: &Value) -> ApiError {
-    ApiError::invalid(key, format!("'{key}' must be {want}, not {}", type_name(got)))
+    ApiError::invalid(
+        key,
+        format!("'{key}' must be {want}, not {}", type_name(got)),
+    )
 }
 
 fn get<'a>(o: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
@@ -59,22 +62,29 @@ fn get<'a>(o: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
 }
 
 fn opt_f64(o: &Map<String, Value>, key: &str) -> Result<Option<f64>, ApiError> {
-    get(o, key).map(|v| v.as_f64().ok_or_else(|| wrong_type(key, "a number", v))).transpose()
+    get(o, key)
+        .map(|v| v.as_f64().ok_or_else(|| wrong_type(key, "a number", v)))
+        .transpose()
 }
 
 fn opt_bool(o: &Map<String, Value>, key: &str) -> Result<Option<bool>, ApiError> {
-    get(o, key).map(|v| v.as_bool().ok_or_else(|| wrong_type(key, "a boolean", v))).transpose()
+    get(o, key)
+        .map(|v| v.as_bool().ok_or_else(|| wrong_type(key, "a boolean", v)))
+        .transpose()
 }
 
 fn opt_i64(o: &Map<String, Value>, key: &str) -> Result<Option<i64>, ApiError> {
-    get(o, key).map(|v| v.as_i64().ok_or_else(|| wrong_type(key, "an integer", v))).transpose()
+    get(o, key)
+        .map(|v| v.as_i64().ok_or_else(|| wrong_type(key, "an integer", v)))
+        .transpose()
 }
 
 fn in_range(key: &str, v: Option<f64>, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
     match v {
-        Some(x) if !(lo..=hi).contains(&x) => {
-            Err(ApiError::invalid(key, format!("'{key}' must be between {lo} and {hi}, got {x}")))
-        }
+        Some(x) if !(lo..=hi).contains(&x) => Err(ApiError::invalid(
+            key,
+            format!("'{key}' must be between {lo} and {hi}, got {x}"),
+        )),
         _ => Ok(v),
     }
 }
@@ -83,7 +93,10 @@ fn in_range(key: &str, v: Option<f64>, lo: f64, hi: f64) -> Result<Option<f64>, 
 pub fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(o)) => Ok(o),
-        Ok(other) => Err(ApiError::malformed_json(format!("expected an object, got {}", type_name(&other)))),
+        Ok(other) => Err(ApiError::malformed_json(format!(
+            "expected an object, got {}",
+            type_name(&other)
+        ))),
         Err(e) => Err(ApiError::malformed_json(e)),
     }
 }
@@ -92,13 +105,21 @@ fn parse_common(o: &Map<String, Value>, max_tokens_keys: &[&str]) -> Result<Comm
     let model = match get(o, "model") {
         Some(Value::String(s)) if !s.is_empty() => s.clone(),
         Some(v) => return Err(wrong_type("model", "a non-empty string", v)),
-        None => return Err(ApiError::invalid("model", "you must provide a model parameter")),
+        None => {
+            return Err(ApiError::invalid(
+                "model",
+                "you must provide a model parameter",
+            ))
+        }
     };
     let mut max_tokens = None;
     for key in max_tokens_keys {
         if let Some(n) = opt_i64(o, key)? {
             if n < 1 || n > u32::MAX as i64 {
-                return Err(ApiError::invalid(key, format!("'{key}' must be at least 1, got {n}")));
+                return Err(ApiError::invalid(
+                    key,
+                    format!("'{key}' must be at least 1, got {n}"),
+                ));
             }
             max_tokens = Some(n as u32);
         }
@@ -108,7 +129,12 @@ fn parse_common(o: &Map<String, Value>, max_tokens_keys: &[&str]) -> Result<Comm
     let top_k = match opt_i64(o, "top_k")? {
         None | Some(-1) | Some(0) => 0,
         Some(k) if k > 0 && k <= u32::MAX as i64 => k as u32,
-        Some(k) => return Err(ApiError::invalid("top_k", format!("'top_k' must be -1, 0 or positive, got {k}"))),
+        Some(k) => {
+            return Err(ApiError::invalid(
+                "top_k",
+                format!("'top_k' must be -1, 0 or positive, got {k}"),
+            ))
+        }
     };
     let seed = opt_i64(o, "seed")?.map(|s| s as u64);
     let stop = match get(o, "stop") {
@@ -117,42 +143,67 @@ fn parse_common(o: &Map<String, Value>, max_tokens_keys: &[&str]) -> Result<Comm
         Some(Value::Array(a)) => {
             let v: Vec<String> = a
                 .iter()
-                .map(|s| s.as_str().map(str::to_string).ok_or_else(|| wrong_type("stop", "a string or array of strings", s)))
+                .map(|s| {
+                    s.as_str()
+                        .map(str::to_string)
+                        .ok_or_else(|| wrong_type("stop", "a string or array of strings", s))
+                })
                 .collect::<Result<_, _>>()?;
             if v.len() > MAX_STOP {
-                return Err(ApiError::invalid("stop", format!("at most {MAX_STOP} stop sequences are allowed")));
+                return Err(ApiError::invalid(
+                    "stop",
+                    format!("at most {MAX_STOP} stop sequences are allowed"),
+                ));
             }
             v
         }
         Some(v) => return Err(wrong_type("stop", "a string or array of strings", v)),
     };
     if stop.iter().any(String::is_empty) {
-        return Err(ApiError::invalid("stop", "stop sequences must not be empty"));
+        return Err(ApiError::invalid(
+            "stop",
+            "stop sequences must not be empty",
+        ));
     }
     if let Some(n) = opt_i64(o, "n")? {
         if n != 1 {
-            return Err(ApiError::unsupported("n", format!("'n' = {n} is not supported yet; use n = 1")));
+            return Err(ApiError::unsupported(
+                "n",
+                format!("'n' = {n} is not supported yet; use n = 1"),
+            ));
         }
     }
     for key in ["presence_penalty", "frequency_penalty"] {
         if let Some(p) = in_range(key, opt_f64(o, key)?, -2.0, 2.0)? {
             if p != 0.0 {
-                return Err(ApiError::unsupported(key, format!("'{key}' is not supported yet; omit it or use 0")));
+                return Err(ApiError::unsupported(
+                    key,
+                    format!("'{key}' is not supported yet; omit it or use 0"),
+                ));
             }
         }
     }
     if opt_bool(o, "logprobs")? == Some(true) || get(o, "top_logprobs").is_some() {
-        return Err(ApiError::unsupported("logprobs", "'logprobs' is not supported yet"));
+        return Err(ApiError::unsupported(
+            "logprobs",
+            "'logprobs' is not supported yet",
+        ));
     }
     if let Some(Value::Array(tools)) = get(o, "tools") {
         if !tools.is_empty() {
-            return Err(ApiError::unsupported("tools", "tool calling is not supported yet"));
+            return Err(ApiError::unsupported(
+                "tools",
+                "tool calling is not supported yet",
+            ));
         }
     }
     if let Some(rf) = get(o, "response_format") {
         let kind = rf.get("type").and_then(Value::as_str).unwrap_or("");
         if kind != "text" {
-            return Err(ApiError::unsupported("response_format", format!("response_format {kind:?} is not supported yet")));
+            return Err(ApiError::unsupported(
+                "response_format",
+                format!("response_format {kind:?} is not supported yet"),
+            ));
         }
     }
     let stream = opt_bool(o, "stream")?.unwrap_or(false);
@@ -160,15 +211,27 @@ fn parse_common(o: &Map<String, Value>, max_tokens_keys: &[&str]) -> Result<Comm
         None => false,
         Some(so) if !stream => {
             let _ = so;
-            return Err(ApiError::invalid("stream_options", "'stream_options' is only allowed when 'stream' is true"));
+            return Err(ApiError::invalid(
+                "stream_options",
+                "'stream_options' is only allowed when 'stream' is true",
+            ));
         }
-        Some(Value::Object(so)) => opt_bool(so, "include_usage").map_err(|e| e.with_param("stream_options.include_usage"))?.unwrap_or(false),
+        Some(Value::Object(so)) => opt_bool(so, "include_usage")
+            .map_err(|e| e.with_param("stream_options.include_usage"))?
+            .unwrap_or(false),
         Some(v) => return Err(wrong_type("stream_options", "an object", v)),
     };
     Ok(Common {
         model,
         max_tokens,
-        sampling: SamplingParams { temperature: temperature as f32, top_p: top_p as f32, top_k, seed, max_tokens: 0, stop },
+        sampling: SamplingParams {
+            temperature: temperature as f32,
+            top_p: top_p as f32,
+            top_k,
+            seed,
+            max_tokens: 0,
+            stop,
+        },
         stream,
         include_usage,
     })
@@ -196,7 +259,11 @@ fn message_content(i: usize, v: Option<&Value>) -> Result<String, ApiError> {
             }
             Ok(text)
         }
-        Some(v) => Err(wrong_type(&param, "a string or an array of content parts", v)),
+        Some(v) => Err(wrong_type(
+            &param,
+            "a string or an array of content parts",
+            v,
+        )),
     }
 }
 
@@ -205,7 +272,12 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
     let common = parse_common(&o, &["max_tokens", "max_completion_tokens"])?;
     let msgs = match get(&o, "messages") {
         Some(Value::Array(a)) if !a.is_empty() => a,
-        Some(Value::Array(_)) => return Err(ApiError::invalid("messages", "'messages' must not be empty")),
+        Some(Value::Array(_)) => {
+            return Err(ApiError::invalid(
+                "messages",
+                "'messages' must not be empty",
+            ))
+        }
         Some(v) => return Err(wrong_type("messages", "an array", v)),
         None => return Err(ApiError::invalid("messages", "you must provide 'messages'")),
     };
@@ -223,9 +295,17 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
                     format!("unknown role {r:?}; use system, developer, user, assistant or tool"),
                 ))
             }
-            None => return Err(ApiError::invalid(&format!("messages[{i}].role"), "each message needs a 'role'")),
+            None => {
+                return Err(ApiError::invalid(
+                    &format!("messages[{i}].role"),
+                    "each message needs a 'role'",
+                ))
+            }
         };
-        messages.push(ChatMessage { role: role.to_string(), content: message_content(i, m.get("content"))? });
+        messages.push(ChatMessage {
+            role: role.to_string(),
+            content: message_content(i, m.get("content"))?,
+        });
     }
     Ok(ChatRequest { common, messages })
 }
@@ -233,9 +313,16 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
 pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
     let o = parse_object(body)?;
     let common = parse_common(&o, &["max_tokens"])?;
-    let bad = || ApiError::invalid("prompt", "'prompt' must be a string, an array of token ids, or a one-element array of either");
+    let bad = || {
+        ApiError::invalid(
+            "prompt",
+            "'prompt' must be a string, an array of token ids, or a one-element array of either",
+        )
+    };
     let token_ids = |a: &Vec<Value>| -> Option<Vec<u32>> {
-        a.iter().map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok())).collect()
+        a.iter()
+            .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
+            .collect()
     };
     let prompt = match get(&o, "prompt") {
         None => return Err(ApiError::invalid("prompt", "you must provide 'prompt'")),
@@ -246,15 +333,24 @@ pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
             Value::Number(_) => Prompt::Tokens(token_ids(a).ok_or_else(bad)?),
             _ => return Err(bad()),
         },
-        Some(Value::Array(a)) if a.iter().all(Value::is_number) => Prompt::Tokens(token_ids(a).ok_or_else(bad)?),
+        Some(Value::Array(a)) if a.iter().all(Value::is_number) => {
+            Prompt::Tokens(token_ids(a).ok_or_else(bad)?)
+        }
         Some(Value::Array(_)) => {
-            return Err(ApiError::unsupported("prompt", "batches of several prompts are not supported yet; send one per request"))
+            return Err(ApiError::unsupported(
+                "prompt",
+                "batches of several prompts are not supported yet; send one per request",
+            ))
         }
         Some(_) => return Err(bad()),
     };
     match &prompt {
-        Prompt::Text(s) if s.is_empty() => return Err(ApiError::invalid("prompt", "'prompt' must not be empty")),
-        Prompt::Tokens(t) if t.is_empty() => return Err(ApiError::invalid("prompt", "'prompt' must not be empty")),
+        Prompt::Text(s) if s.is_empty() => {
+            return Err(ApiError::invalid("prompt", "'prompt' must not be empty"))
+        }
+        Prompt::Tokens(t) if t.is_empty() => {
+            return Err(ApiError::invalid("prompt", "'prompt' must not be empty"))
+        }
         _ => {}
     }
     if opt_bool(&o, "echo")? == Some(true) {
@@ -296,7 +392,13 @@ mod tests {
             "stream": true, "stream_options": {"include_usage": true}, "n": 1, "user": "u1"
         }))
         .unwrap();
-        assert_eq!(r.messages[0], ChatMessage { role: "system".into(), content: "be brief".into() });
+        assert_eq!(
+            r.messages[0],
+            ChatMessage {
+                role: "system".into(),
+                content: "be brief".into()
+            }
+        );
         assert_eq!(r.common.max_tokens, Some(5));
         assert_eq!(r.common.sampling.temperature, 0.0);
         assert_eq!(r.common.sampling.stop, ["x"]);
@@ -307,18 +409,48 @@ mod tests {
     #[test]
     fn names_the_bad_parameter() {
         let cases = [
-            (json!({"messages": [{"role": "user", "content": "x"}]}), "model"),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}]}),
+                "model",
+            ),
             (json!({"model": "m"}), "messages"),
             (json!({"model": "m", "messages": []}), "messages"),
-            (json!({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}), "messages[0].role"),
-            (json!({"model": "m", "messages": [{"role": "user", "content": 5}]}), "messages[0].content"),
-            (json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 3}), "temperature"),
-            (json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}), "temperature"),
-            (json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}), "max_tokens"),
-            (json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}), "n"),
-            (json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]}), "stop"),
-            (json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": true}}), "stream_options"),
-            (json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), "messages[0].content[0].type"),
+            (
+                json!({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}),
+                "messages[0].role",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": 5}]}),
+                "messages[0].content",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 3}),
+                "temperature",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
+                "temperature",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
+                "max_tokens",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}),
+                "n",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]}),
+                "stop",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": true}}),
+                "stream_options",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+                "messages[0].content[0].type",
+            ),
         ];
         for (body, param) in cases {
             let e = chat(body.clone()).unwrap_err();
@@ -333,13 +465,19 @@ mod tests {
 
     #[test]
     fn completion_prompts() {
-        let p = |v: Value| parse_completion(json!({"model": "m", "prompt": v}).to_string().as_bytes()).map(|r| r.prompt);
+        let p = |v: Value| {
+            parse_completion(json!({"model": "m", "prompt": v}).to_string().as_bytes())
+                .map(|r| r.prompt)
+        };
         assert_eq!(p(json!("hi")).unwrap(), Prompt::Text("hi".into()));
         assert_eq!(p(json!(["hi"])).unwrap(), Prompt::Text("hi".into()));
         assert_eq!(p(json!([1, 2])).unwrap(), Prompt::Tokens(vec![1, 2]));
         assert_eq!(p(json!([[3]])).unwrap(), Prompt::Tokens(vec![3]));
         assert_eq!(p(json!([-1])).unwrap_err().param.as_deref(), Some("prompt"));
         assert_eq!(p(json!("")).unwrap_err().param.as_deref(), Some("prompt"));
-        assert_eq!(p(json!(["a", "b"])).unwrap_err().code, Some("unsupported_parameter"));
+        assert_eq!(
+            p(json!(["a", "b"])).unwrap_err().code,
+            Some("unsupported_parameter")
+        );
     }
 }

@@ -67,21 +67,34 @@ pub struct HttpWorker {
 impl HttpWorker {
     pub fn new(base: &str) -> Result<Self, WorkerError> {
         let base = base.trim_end_matches('/').to_string();
-        let base = if base.contains("://") { base } else { format!("http://{base}") };
+        let base = if base.contains("://") {
+            base
+        } else {
+            format!("http://{base}")
+        };
         let client = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(5))
             .tcp_nodelay(true)
             .build()
-            .map_err(|e| WorkerError::Unavailable { worker: base.clone(), detail: e.to_string() })?;
+            .map_err(|e| WorkerError::Unavailable {
+                worker: base.clone(),
+                detail: e.to_string(),
+            })?;
         Ok(Self { base, client })
     }
 
     fn unavailable(&self, e: impl std::fmt::Display) -> WorkerError {
-        WorkerError::Unavailable { worker: self.base.clone(), detail: e.to_string() }
+        WorkerError::Unavailable {
+            worker: self.base.clone(),
+            detail: e.to_string(),
+        }
     }
 
     fn protocol(&self, e: impl std::fmt::Display) -> WorkerError {
-        WorkerError::Protocol { worker: self.base.clone(), detail: e.to_string() }
+        WorkerError::Protocol {
+            worker: self.base.clone(),
+            detail: e.to_string(),
+        }
     }
 }
 
@@ -102,7 +115,9 @@ impl WorkerClient for HttpWorker {
             if !resp.status().is_success() {
                 return Err(self.protocol(format!("info returned {}", resp.status())));
             }
-            resp.json::<WorkerInfo>().await.map_err(|e| self.protocol(e))
+            resp.json::<WorkerInfo>()
+                .await
+                .map_err(|e| self.protocol(e))
         }
         .boxed()
     }
@@ -133,31 +148,40 @@ impl WorkerClient for HttpWorker {
 /// Splits a byte stream into newline-delimited JSON events. A transport error or a bad line
 /// ends the stream with an `Error` event.
 fn ndjson_events(bytes: BoxStream<'static, reqwest::Result<axum::body::Bytes>>) -> EventStream {
-    stream::unfold((bytes, Vec::<u8>::new(), false), |(mut bytes, mut buf, mut done)| async move {
-        loop {
-            if done {
-                return None;
-            }
-            if let Some(pos) = buf.iter().position(|&b| b == b'\n') {
-                let line: Vec<u8> = buf.drain(..=pos).collect();
-                if line.iter().all(u8::is_ascii_whitespace) {
-                    continue;
+    stream::unfold(
+        (bytes, Vec::<u8>::new(), false),
+        |(mut bytes, mut buf, mut done)| async move {
+            loop {
+                if done {
+                    return None;
                 }
-                let ev = serde_json::from_slice::<GenerateEvent>(&line).unwrap_or_else(|e| {
-                    done = true;
-                    GenerateEvent::Error { code: "worker_protocol".into(), message: format!("bad event from worker: {e}") }
-                });
-                return Some((ev, (bytes, buf, done)));
-            }
-            match bytes.next().await {
-                Some(Ok(chunk)) => buf.extend_from_slice(&chunk),
-                Some(Err(e)) => {
-                    let ev = GenerateEvent::Error { code: "worker_disconnected".into(), message: format!("lost the worker mid-stream: {e}") };
-                    return Some((ev, (bytes, buf, true)));
+                if let Some(pos) = buf.iter().position(|&b| b == b'\n') {
+                    let line: Vec<u8> = buf.drain(..=pos).collect();
+                    if line.iter().all(u8::is_ascii_whitespace) {
+                        continue;
+                    }
+                    let ev = serde_json::from_slice::<GenerateEvent>(&line).unwrap_or_else(|e| {
+                        done = true;
+                        GenerateEvent::Error {
+                            code: "worker_protocol".into(),
+                            message: format!("bad event from worker: {e}"),
+                        }
+                    });
+                    return Some((ev, (bytes, buf, done)));
                 }
-                None => return None,
+                match bytes.next().await {
+                    Some(Ok(chunk)) => buf.extend_from_slice(&chunk),
+                    Some(Err(e)) => {
+                        let ev = GenerateEvent::Error {
+                            code: "worker_disconnected".into(),
+                            message: format!("lost the worker mid-stream: {e}"),
+                        };
+                        return Some((ev, (bytes, buf, true)));
+                    }
+                    None => return None,
+                }
             }
-        }
-    })
+        },
+    )
     .boxed()
 }

@@ -18,7 +18,11 @@ fn bin() -> &'static str {
 }
 
 fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("hearth-e2e-{tag}-{}-{}", std::process::id(), hearth_tenants::now_ms()));
+    let d = std::env::temp_dir().join(format!(
+        "hearth-e2e-{tag}-{}-{}",
+        std::process::id(),
+        hearth_tenants::now_ms()
+    ));
     std::fs::create_dir_all(&d).unwrap();
     d
 }
@@ -38,6 +42,8 @@ impl Drop for Proc {
 }
 
 /// Starts `hearth ARGS`, waits for its "listening on http://ADDR" line.
+// The child is killed and waited for by `Proc::drop`, or before the panic on failure.
+#[allow(clippy::zombie_processes)]
 fn spawn(args: &[&str]) -> Proc {
     let mut child = Command::new(bin())
         .args(args)
@@ -57,7 +63,9 @@ fn spawn(args: &[&str]) -> Proc {
     let deadline = Instant::now() + Duration::from_secs(180);
     let mut head = Vec::new();
     loop {
-        let line = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("hearth did not start");
+        let line = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("hearth did not start");
         head.push(line.clone());
         if let Some(rest) = line.split("listening on ").nth(1) {
             let url = rest.split_whitespace().next().unwrap().to_string();
@@ -66,13 +74,23 @@ fn spawn(args: &[&str]) -> Proc {
                 head.push(l);
             }
             std::thread::spawn(move || while rx.recv().is_ok() {});
-            return Proc { child, url, stdout_head: head };
+            return Proc {
+                child,
+                url,
+                stdout_head: head,
+            };
         }
     }
 }
 
 fn serve(data: &Path) -> Proc {
-    spawn(&["serve", "--listen", "127.0.0.1:0", "--data-dir", data.to_str().unwrap()])
+    spawn(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.to_str().unwrap(),
+    ])
 }
 
 fn admin(data: &Path, args: &[&str]) -> String {
@@ -81,7 +99,11 @@ fn admin(data: &Path, args: &[&str]) -> String {
         .args(args)
         .output()
         .unwrap();
-    assert!(out.status.success(), "admin {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "admin {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).unwrap()
 }
 
@@ -89,18 +111,32 @@ fn admin(data: &Path, args: &[&str]) -> String {
 fn new_key(data: &Path, tenant: &str) -> String {
     admin(data, &["tenant", "create", tenant]);
     let out = admin(data, &["key", "create", "--tenant", tenant]);
-    out.split_whitespace().find(|w| w.starts_with("hk_")).expect("key printed").to_string()
+    out.split_whitespace()
+        .find(|w| w.starts_with("hk_"))
+        .expect("key printed")
+        .to_string()
 }
 
 fn usage_rows(data: &Path) -> Vec<Value> {
-    serde_json::from_str::<Value>(&admin(data, &["--json", "usage", "--limit", "100"])).unwrap().as_array().unwrap().clone()
+    serde_json::from_str::<Value>(&admin(data, &["--json", "usage", "--limit", "100"]))
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .clone()
 }
 
 fn client() -> reqwest::Client {
-    reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap()
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap()
 }
 
-async fn post(url: &str, key: Option<&str>, body: &Value) -> (u16, reqwest::header::HeaderMap, Value) {
+async fn post(
+    url: &str,
+    key: Option<&str>,
+    body: &Value,
+) -> (u16, reqwest::header::HeaderMap, Value) {
     let mut r = client().post(url).json(body);
     if let Some(k) = key {
         r = r.bearer_auth(k);
@@ -113,14 +149,19 @@ async fn post(url: &str, key: Option<&str>, body: &Value) -> (u16, reqwest::head
 
 fn chat_body(extra: Value) -> Value {
     let mut b = json!({"model": MODEL, "temperature": 0, "messages": [{"role": "user", "content": QUESTION}]});
-    b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    b.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
     b
 }
 
 /// Reads an SSE response to the end; returns the `data:` payloads.
 async fn sse_events(resp: reqwest::Response) -> Vec<String> {
     let text = resp.text().await.unwrap();
-    text.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).map(str::to_string).collect()
+    text.split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect()
 }
 
 #[tokio::test]
@@ -128,7 +169,14 @@ async fn chat_answers_paris_streams_and_records_usage() {
     let data = temp_dir("chat");
     let server = serve(&data);
     assert!(
-        server.stdout_head.iter().any(|l| l.contains("No API keys yet")) && server.stdout_head.iter().any(|l| l.contains("key create --tenant")),
+        server
+            .stdout_head
+            .iter()
+            .any(|l| l.contains("No API keys yet"))
+            && server
+                .stdout_head
+                .iter()
+                .any(|l| l.contains("key create --tenant")),
         "first start must say how to get a key: {:?}",
         server.stdout_head
     );
@@ -138,7 +186,9 @@ async fn chat_answers_paris_streams_and_records_usage() {
     // Non-streaming.
     let (status, headers, body) = post(&url, Some(&key), &chat_body(json!({}))).await;
     assert_eq!(status, 200, "{body}");
-    assert!(headers.get("x-request-id").is_some_and(|v| v.to_str().unwrap().starts_with("req_")));
+    assert!(headers
+        .get("x-request-id")
+        .is_some_and(|v| v.to_str().unwrap().starts_with("req_")));
     assert_eq!(body["object"], "chat.completion");
     let content = body["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(content.contains("Paris"), "{content}");
@@ -152,7 +202,9 @@ async fn chat_answers_paris_streams_and_records_usage() {
     let resp = client()
         .post(&url)
         .bearer_auth(&key)
-        .json(&chat_body(json!({"stream": true, "stream_options": {"include_usage": true}})))
+        .json(&chat_body(
+            json!({"stream": true, "stream_options": {"include_usage": true}}),
+        ))
         .send()
         .await
         .unwrap();
@@ -160,18 +212,38 @@ async fn chat_answers_paris_streams_and_records_usage() {
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
     let events = sse_events(resp).await;
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
-    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert!(chunks
+        .iter()
+        .all(|c| c["object"] == "chat.completion.chunk"));
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
-    assert_eq!(text, content, "streamed text equals the non-streamed answer");
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(
+        text, content,
+        "streamed text equals the non-streamed answer"
+    );
     let usage_chunk = chunks.last().unwrap();
     assert_eq!(usage_chunk["choices"], json!([]));
     assert_eq!(usage_chunk["usage"]["completion_tokens"], 8);
-    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "stop");
+    assert_eq!(
+        chunks[chunks.len() - 2]["choices"][0]["finish_reason"],
+        "stop"
+    );
 
     // Streaming without usage: no usage chunk, still [DONE].
-    let resp = client().post(&url).bearer_auth(&key).json(&chat_body(json!({"stream": true}))).send().await.unwrap();
+    let resp = client()
+        .post(&url)
+        .bearer_auth(&key)
+        .json(&chat_body(json!({"stream": true})))
+        .send()
+        .await
+        .unwrap();
     let events = sse_events(resp).await;
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     assert!(events.iter().all(|e| !e.contains("\"usage\"")));
@@ -188,24 +260,40 @@ async fn chat_answers_paris_streams_and_records_usage() {
     assert_eq!(body["usage"]["completion_tokens"], 5);
     assert_eq!(body["choices"][0]["finish_reason"], "length");
     let (_, _, body) = post(&url, Some(&key), &chat_body(json!({"stop": [" Paris"]}))).await;
-    assert_eq!(body["choices"][0]["message"]["content"], "The capital of France is");
+    assert_eq!(
+        body["choices"][0]["message"]["content"],
+        "The capital of France is"
+    );
     assert_eq!(body["choices"][0]["finish_reason"], "stop");
 
     // Seeded sampling is reproducible.
     let sampled = json!({"temperature": 1.0, "seed": 1234, "max_tokens": 12});
     let (_, _, a) = post(&url, Some(&key), &chat_body(sampled.clone())).await;
     let (_, _, b) = post(&url, Some(&key), &chat_body(sampled)).await;
-    assert_eq!(a["choices"][0]["message"]["content"], b["choices"][0]["message"]["content"]);
+    assert_eq!(
+        a["choices"][0]["message"]["content"],
+        b["choices"][0]["message"]["content"]
+    );
 
     // Models.
-    let models: Value = client().get(format!("{}/v1/models", server.url)).bearer_auth(&key).send().await.unwrap().json().await.unwrap();
+    let models: Value = client()
+        .get(format!("{}/v1/models", server.url))
+        .bearer_auth(&key)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(models["data"][0]["id"], MODEL);
 
     // One usage row per request, with the engine's counts.
     let rows = usage_rows(&data);
     assert_eq!(rows.len(), 7, "{rows:?}");
     assert!(rows.iter().all(|r| r["status"] == "completed"));
-    assert!(rows.iter().any(|r| r["prompt_tokens"] == 42 && r["completion_tokens"] == 8 && r["endpoint"] == "/v1/chat/completions"));
+    assert!(rows.iter().any(|r| r["prompt_tokens"] == 42
+        && r["completion_tokens"] == 8
+        && r["endpoint"] == "/v1/chat/completions"));
 }
 
 #[tokio::test]
@@ -218,7 +306,11 @@ async fn errors_are_openai_shaped_and_keys_revoke() {
         assert_eq!(status, want_status, "{body}");
         let e = &body["error"];
         assert_eq!(e["code"], code, "{body}");
-        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()) && e.get("type").is_some() && e.get("param").is_some());
+        assert!(
+            e["message"].as_str().is_some_and(|m| !m.is_empty())
+                && e.get("type").is_some()
+                && e.get("param").is_some()
+        );
     };
 
     let (s, _, b) = post(&url, None, &chat_body(json!({}))).await;
@@ -228,7 +320,13 @@ async fn errors_are_openai_shaped_and_keys_revoke() {
     let (s, _, b) = post(&url, Some("not-a-key"), &chat_body(json!({}))).await;
     check(s, &b, 401, "invalid_api_key");
 
-    let resp = client().post(&url).bearer_auth(&key).body("{\"model\": ").send().await.unwrap();
+    let resp = client()
+        .post(&url)
+        .bearer_auth(&key)
+        .body("{\"model\": ")
+        .send()
+        .await
+        .unwrap();
     let s = resp.status().as_u16();
     check(s, &resp.json().await.unwrap(), 400, "invalid_json");
     let (s, _, b) = post(&url, Some(&key), &chat_body(json!({"model": "gpt-17"}))).await;
@@ -240,31 +338,68 @@ async fn errors_are_openai_shaped_and_keys_revoke() {
     check(s, &b, 400, "invalid_value");
     let (s, _, b) = post(&url, Some(&key), &chat_body(json!({"max_tokens": 9000}))).await;
     check(s, &b, 400, "context_length_exceeded");
-    let (s, _, b) = post(&format!("{}/v1/completions", server.url), Some(&key), &json!({"model": MODEL, "prompt": [999999]})).await;
+    let (s, _, b) = post(
+        &format!("{}/v1/completions", server.url),
+        Some(&key),
+        &json!({"model": MODEL, "prompt": [999999]}),
+    )
+    .await;
     check(s, &b, 400, "invalid_value");
-    let resp = client().get(format!("{}/v1/nope", server.url)).send().await.unwrap();
+    let resp = client()
+        .get(format!("{}/v1/nope", server.url))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 404);
     assert!(resp.headers().get("x-request-id").is_some());
 
     // Failed requests are recorded too (one row per authenticated request).
     let rows = usage_rows(&data);
-    assert!(rows.len() >= 6 && rows.iter().all(|r| r["status"] == "failed"), "{rows:?}");
+    assert!(
+        rows.len() >= 6 && rows.iter().all(|r| r["status"] == "failed"),
+        "{rows:?}"
+    );
 
     // The admin API: closed without the token, open with it.
     let admin_url = format!("{}/admin/v1/tenants", server.url);
     let resp = client().get(&admin_url).send().await.unwrap();
     assert_eq!(resp.status(), 401);
-    let resp = client().post(&admin_url).bearer_auth(ADMIN_TOKEN).json(&json!({"name": "beta"})).send().await.unwrap();
+    let resp = client()
+        .post(&admin_url)
+        .bearer_auth(ADMIN_TOKEN)
+        .json(&json!({"name": "beta"}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 201);
-    let resp = client().post(&admin_url).bearer_auth(ADMIN_TOKEN).json(&json!({"name": "beta"})).send().await.unwrap();
+    let resp = client()
+        .post(&admin_url)
+        .bearer_auth(ADMIN_TOKEN)
+        .json(&json!({"name": "beta"}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 409);
-    let resp = client().post(format!("{admin_url}/beta/keys")).bearer_auth(ADMIN_TOKEN).send().await.unwrap();
+    let resp = client()
+        .post(format!("{admin_url}/beta/keys"))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 201);
-    let beta_key = resp.json::<Value>().await.unwrap()["key"].as_str().unwrap().to_string();
+    let beta_key = resp.json::<Value>().await.unwrap()["key"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let (s, _, _) = post(&url, Some(&beta_key), &chat_body(json!({"max_tokens": 1}))).await;
     assert_eq!(s, 200);
     let beta_id = beta_key.split('_').nth(1).unwrap();
-    let resp = client().delete(format!("{}/admin/v1/keys/{beta_id}", server.url)).bearer_auth(ADMIN_TOKEN).send().await.unwrap();
+    let resp = client()
+        .delete(format!("{}/admin/v1/keys/{beta_id}", server.url))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
     let (s, _, b) = post(&url, Some(&beta_key), &chat_body(json!({"max_tokens": 1}))).await;
     check(s, &b, 401, "invalid_api_key");
@@ -291,7 +426,13 @@ async fn client_disconnect_stops_generation_and_is_metered() {
     let url = format!("{}/v1/chat/completions", server.url);
     let body = json!({"model": MODEL, "stream": true, "max_tokens": 4000, "temperature": 1.0, "seed": 1,
                       "messages": [{"role": "user", "content": "Write a very long story about a dragon."}]});
-    let resp = client().post(&url).bearer_auth(&key).json(&body).send().await.unwrap();
+    let resp = client()
+        .post(&url)
+        .bearer_auth(&key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
     let mut stream = resp.bytes_stream();
     let mut seen = 0;
@@ -304,7 +445,10 @@ async fn client_disconnect_stops_generation_and_is_metered() {
     // free again: the next request is answered.
     let deadline = Instant::now() + Duration::from_secs(30);
     let row = loop {
-        if let Some(r) = usage_rows(&data).into_iter().find(|r| r["status"] == "cancelled") {
+        if let Some(r) = usage_rows(&data)
+            .into_iter()
+            .find(|r| r["status"] == "cancelled")
+        {
             break r;
         }
         assert!(Instant::now() < deadline, "no cancelled usage row");
@@ -315,22 +459,45 @@ async fn client_disconnect_stops_generation_and_is_metered() {
     assert_eq!(row["finish_reason"], "cancelled");
     let (s, _, b) = post(&url, Some(&key), &chat_body(json!({}))).await;
     assert_eq!(s, 200);
-    assert!(b["choices"][0]["message"]["content"].as_str().unwrap().contains("Paris"));
+    assert!(b["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .contains("Paris"));
 }
 
 #[tokio::test]
 async fn gateway_and_worker_run_apart() {
     let data = temp_dir("split");
     let worker = spawn(&["worker", "--listen", "127.0.0.1:0"]);
-    let gateway = spawn(&["gateway", "--listen", "127.0.0.1:0", "--data-dir", data.to_str().unwrap(), "--worker", &worker.url]);
+    let gateway = spawn(&[
+        "gateway",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--worker",
+        &worker.url,
+    ]);
     let key = new_key(&data, "acme");
     let url = format!("{}/v1/chat/completions", gateway.url);
     let (s, _, b) = post(&url, Some(&key), &chat_body(json!({}))).await;
     assert_eq!(s, 200, "{b}");
-    assert!(b["choices"][0]["message"]["content"].as_str().unwrap().contains("Paris"));
+    assert!(b["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .contains("Paris"));
     assert_eq!(b["usage"]["prompt_tokens"], 42);
-    let resp = client().post(&url).bearer_auth(&key).json(&chat_body(json!({"stream": true}))).send().await.unwrap();
-    assert_eq!(sse_events(resp).await.last().map(String::as_str), Some("[DONE]"));
+    let resp = client()
+        .post(&url)
+        .bearer_auth(&key)
+        .json(&chat_body(json!({"stream": true})))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        sse_events(resp).await.last().map(String::as_str),
+        Some("[DONE]")
+    );
 
     // The worker dies: a clean 503, not a hang.
     drop(worker);
@@ -338,6 +505,9 @@ async fn gateway_and_worker_run_apart() {
     assert_eq!(s, 503, "{b}");
     assert_eq!(b["error"]["code"], "service_unavailable");
     let rows = usage_rows(&data);
-    assert_eq!(rows.iter().filter(|r| r["status"] == "completed").count(), 2);
+    assert_eq!(
+        rows.iter().filter(|r| r["status"] == "completed").count(),
+        2
+    );
     assert_eq!(rows.iter().filter(|r| r["status"] == "failed").count(), 1);
 }

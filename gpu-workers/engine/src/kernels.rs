@@ -166,11 +166,14 @@ pub fn dot_q_scalar(ty: GgmlType, w: &[u8], x: ActRow<'_>) -> f32 {
                     s += (blk[4 + j] & 0x0F) as i32 * xq[j] as i32;
                     s += (blk[4 + j] >> 4) as i32 * xq[j + 16] as i32;
                 }
-                acc += f16_at(blk, 0) * x.d[b] * s as f32 + f16_at(blk, 2) * x.d[b] * x.sum[b] as f32;
+                acc +=
+                    f16_at(blk, 0) * x.d[b] * s as f32 + f16_at(blk, 2) * x.d[b] * x.sum[b] as f32;
             }
             GgmlType::Q8_0 => {
                 let blk = &w[b * 34..(b + 1) * 34];
-                let s: i32 = (0..QK).map(|j| blk[2 + j] as i8 as i32 * xq[j] as i32).sum();
+                let s: i32 = (0..QK)
+                    .map(|j| blk[2 + j] as i8 as i32 * xq[j] as i32)
+                    .sum();
                 acc += f16_at(blk, 0) * x.d[b] * s as f32;
             }
             _ => {}
@@ -222,7 +225,8 @@ mod avx2 {
                     let xv = _mm256_loadu_si256(xp.add(b * QK) as *const __m256i);
                     let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
                     let xd = *x.d.get_unchecked(b);
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd), _mm256_cvtepi32_ps(p), acc);
+                    acc =
+                        _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd), _mm256_cvtepi32_ps(p), acc);
                     extra += f16(blk.add(2)) * xd * *x.sum.get_unchecked(b) as f32;
                 }
             }
@@ -270,7 +274,11 @@ mod avx2 {
         let mut acc1 = _mm256_setzero_ps();
         let mut i = 0;
         while i + 16 <= n {
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), acc0);
+            acc0 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.as_ptr().add(i)),
+                _mm256_loadu_ps(b.as_ptr().add(i)),
+                acc0,
+            );
             acc1 = _mm256_fmadd_ps(
                 _mm256_loadu_ps(a.as_ptr().add(i + 8)),
                 _mm256_loadu_ps(b.as_ptr().add(i + 8)),
@@ -365,27 +373,35 @@ pub fn matmul(w: &WeightView<'_>, x: &[f32], out: &mut [f32], scratch: &mut Matm
         }
         // Row-major over weights (rows × t), then transpose to tokens × rows.
         scratch.transposed.resize(w.rows * t, 0.0);
-        scratch.transposed.par_chunks_mut(chunk * t).enumerate().for_each(|(ci, o)| {
-            for (i, orow) in o.chunks_exact_mut(t).enumerate() {
-                let wr = w.row(ci * chunk + i);
-                for (ti, v) in orow.iter_mut().enumerate() {
-                    *v = dot_q(w.ty, wr, acts.row(ti));
-                }
-            }
-        });
-    } else {
-        scratch.transposed.resize(w.rows * t, 0.0);
-        scratch.transposed.par_chunks_mut(chunk * t).enumerate().for_each_init(
-            || vec![0f32; cols],
-            |row, (ci, o)| {
+        scratch
+            .transposed
+            .par_chunks_mut(chunk * t)
+            .enumerate()
+            .for_each(|(ci, o)| {
                 for (i, orow) in o.chunks_exact_mut(t).enumerate() {
-                    dequantize_row(w.ty, w.row(ci * chunk + i), row);
+                    let wr = w.row(ci * chunk + i);
                     for (ti, v) in orow.iter_mut().enumerate() {
-                        *v = dot_f32(row, &x[ti * cols..(ti + 1) * cols]);
+                        *v = dot_q(w.ty, wr, acts.row(ti));
                     }
                 }
-            },
-        );
+            });
+    } else {
+        scratch.transposed.resize(w.rows * t, 0.0);
+        scratch
+            .transposed
+            .par_chunks_mut(chunk * t)
+            .enumerate()
+            .for_each_init(
+                || vec![0f32; cols],
+                |row, (ci, o)| {
+                    for (i, orow) in o.chunks_exact_mut(t).enumerate() {
+                        dequantize_row(w.ty, w.row(ci * chunk + i), row);
+                        for (ti, v) in orow.iter_mut().enumerate() {
+                            *v = dot_f32(row, &x[ti * cols..(ti + 1) * cols]);
+                        }
+                    }
+                },
+            );
     }
     for r in 0..w.rows {
         for ti in 0..t {
@@ -402,11 +418,17 @@ pub(crate) mod tests {
     pub struct Lcg(pub u64);
     impl Lcg {
         pub fn next_f32(&mut self) -> f32 {
-            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         }
         pub fn byte(&mut self) -> u8 {
-            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             (self.0 >> 56) as u8
         }
     }
@@ -452,7 +474,11 @@ pub(crate) mod tests {
         for r in 0..w.rows {
             dequantize_row(w.ty, w.row(r), &mut row);
             for ti in 0..t {
-                let s: f64 = row.iter().zip(&x[ti * w.cols..]).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let s: f64 = row
+                    .iter()
+                    .zip(&x[ti * w.cols..])
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum();
                 out[ti * w.rows + r] = s as f32;
             }
         }
@@ -470,18 +496,33 @@ pub(crate) mod tests {
             a.quantize(&x, cols);
             let s = dot_q_scalar(ty, &w, a.row(0));
             let v = dot_q(ty, &w, a.row(0));
-            assert!((s - v).abs() <= 1e-4 * s.abs().max(1.0), "{ty:?}: scalar {s} simd {v}");
+            assert!(
+                (s - v).abs() <= 1e-4 * s.abs().max(1.0),
+                "{ty:?}: scalar {s} simd {v}"
+            );
         }
     }
 
     #[test]
     fn matmul_matches_float_reference_for_every_type() {
         let mut rng = Lcg(42);
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q8_0,
+            GgmlType::F32,
+            GgmlType::F16,
+            GgmlType::BF16,
+        ] {
             for t in [1usize, 3] {
                 let (rows, cols) = (67, 128);
                 let data = random_weights(ty, rows, cols, &mut rng);
-                let w = WeightView { ty, rows, cols, data: &data };
+                let w = WeightView {
+                    ty,
+                    rows,
+                    cols,
+                    data: &data,
+                };
                 let x: Vec<f32> = (0..t * cols).map(|_| rng.next_f32()).collect();
                 let mut out = vec![0f32; t * rows];
                 matmul(&w, &x, &mut out, &mut MatmulScratch::default());
@@ -489,7 +530,10 @@ pub(crate) mod tests {
                 let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
                 for (g, r) in out.iter().zip(&want) {
                     // 8-bit activations: errors of about 1% of the output scale are expected.
-                    assert!((g - r).abs() <= 0.02 * scale + 1e-4, "{ty:?} t={t}: {g} vs {r}");
+                    assert!(
+                        (g - r).abs() <= 0.02 * scale + 1e-4,
+                        "{ty:?} t={t}: {g} vs {r}"
+                    );
                 }
             }
         }

@@ -10,7 +10,11 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(n_layers: usize, kv_dim: usize) -> Self {
-        Self { kv_dim, len: 0, layers: (0..n_layers).map(|_| (Vec::new(), Vec::new())).collect() }
+        Self {
+            kv_dim,
+            len: 0,
+            layers: (0..n_layers).map(|_| (Vec::new(), Vec::new())).collect(),
+        }
     }
 
     /// Tokens whose K/V are committed.
@@ -42,6 +46,9 @@ impl KvCache {
     }
 
     pub fn bytes(&self) -> usize {
-        self.layers.iter().map(|(k, v)| (k.capacity() + v.capacity()) * 4).sum()
+        self.layers
+            .iter()
+            .map(|(k, v)| (k.capacity() + v.capacity()) * 4)
+            .sum()
     }
 }

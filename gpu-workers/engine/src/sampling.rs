@@ -15,7 +15,11 @@ impl Rng {
     pub fn from_entropy() -> Self {
         use std::hash::{BuildHasher, Hasher};
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u64(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64));
+        h.write_u64(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
+        );
         Self(h.finish())
     }
 
@@ -69,7 +73,11 @@ impl Sampler {
             return argmax(logits);
         }
         let inv_t = 1.0 / self.temperature;
-        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l * inv_t)).collect();
+        let mut cand: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l * inv_t))
+            .collect();
         let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1);
         if self.top_k > 0 && self.top_k < cand.len() {
             cand.select_nth_unstable_by(self.top_k - 1, by_logit_desc);
@@ -115,7 +123,13 @@ mod tests {
     use super::*;
 
     fn params(temperature: f32, top_k: u32, top_p: f32, seed: u64) -> SamplingParams {
-        SamplingParams { temperature, top_k, top_p, seed: Some(seed), ..Default::default() }
+        SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            seed: Some(seed),
+            ..Default::default()
+        }
     }
 
     #[test]

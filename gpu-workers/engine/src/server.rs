@@ -19,7 +19,10 @@ use crate::EngineHandle;
 
 pub fn router(engine: EngineHandle) -> Router {
     Router::new()
-        .route("/healthz", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
+        .route(
+            "/healthz",
+            get(|| async { Json(serde_json::json!({"status": "ok"})) }),
+        )
         .route("/v1/worker/info", get(info))
         .route("/v1/worker/generate", post(generate))
         .with_state(engine)
@@ -29,11 +32,17 @@ async fn info(State(engine): State<EngineHandle>) -> impl IntoResponse {
     Json(engine.info().clone())
 }
 
-async fn generate(State(engine): State<EngineHandle>, body: Result<Json<GenerateRequest>, JsonRejection>) -> Response {
+async fn generate(
+    State(engine): State<EngineHandle>,
+    body: Result<Json<GenerateRequest>, JsonRejection>,
+) -> Response {
     let Json(req) = match body {
         Ok(b) => b,
         Err(e) => {
-            let ev = GenerateEvent::Error { code: "invalid_request".into(), message: e.body_text() };
+            let ev = GenerateEvent::Error {
+                code: "invalid_request".into(),
+                message: e.body_text(),
+            };
             return (StatusCode::BAD_REQUEST, Json(ev)).into_response();
         }
     };
@@ -42,7 +51,11 @@ async fn generate(State(engine): State<EngineHandle>, body: Result<Json<Generate
         line.push(b'\n');
         Ok::<_, Infallible>(Bytes::from(line))
     });
-    ([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(events)).into_response()
+    (
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(events),
+    )
+        .into_response()
 }
 
 /// Serves the worker API until the process ends.

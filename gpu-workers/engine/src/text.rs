@@ -21,7 +21,10 @@ pub struct Released {
 
 impl TextStream {
     pub fn new(stops: &[String]) -> Self {
-        Self { stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(), ..Default::default() }
+        Self {
+            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            ..Default::default()
+        }
     }
 
     pub fn push(&mut self, token_bytes: &[u8]) -> Released {
@@ -35,7 +38,8 @@ impl TextStream {
                 }
                 Err(e) => {
                     let valid = e.valid_up_to();
-                    self.held.push_str(&String::from_utf8_lossy(&self.bytes[..valid]));
+                    self.held
+                        .push_str(&String::from_utf8_lossy(&self.bytes[..valid]));
                     match e.error_len() {
                         // Incomplete sequence at the end: wait for more bytes.
                         None => {
@@ -55,11 +59,19 @@ impl TextStream {
     }
 
     fn release(&mut self) -> Released {
-        if let Some(cut) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+        if let Some(cut) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min()
+        {
             let text = self.held[..cut].to_string();
             self.held.clear();
             self.bytes.clear();
-            return Released { text, stopped: true };
+            return Released {
+                text,
+                stopped: true,
+            };
         }
         // Keep the longest tail that is a proper prefix of some stop string.
         let mut keep = 0;
@@ -73,7 +85,10 @@ impl TextStream {
         let cut = self.held.len() - keep;
         let text = self.held[..cut].to_string();
         self.held.drain(..cut);
-        Released { text, stopped: false }
+        Released {
+            text,
+            stopped: false,
+        }
     }
 
     /// Everything still held, at the end of generation.
@@ -104,7 +119,13 @@ mod tests {
         assert_eq!(t.push(b"abc E").text, "abc ");
         assert_eq!(t.push(b"N").text, "");
         let r = t.push(b"Dzzz");
-        assert_eq!(r, Released { text: String::new(), stopped: true });
+        assert_eq!(
+            r,
+            Released {
+                text: String::new(),
+                stopped: true
+            }
+        );
         let mut t = TextStream::new(&["END".to_string()]);
         assert_eq!(t.push(b"xE").text, "x");
         assert_eq!(t.push(b"x").text, "Ex");

@@ -12,19 +12,33 @@ use hearth_engine::tokenizer_spec;
 use hearth_protocol::{ChatMessage, ChatTemplate, Tokenizer};
 
 fn model_path() -> PathBuf {
-    ensure_model(DEFAULT_MODEL_ID, &hearth_home(), &mut |m| eprintln!("{m}")).expect("default model")
+    ensure_model(DEFAULT_MODEL_ID, &hearth_home(), &mut |m| eprintln!("{m}"))
+        .expect("default model")
 }
 
 fn load() -> (LlamaModel, Tokenizer, ChatTemplate) {
     let file = GgufFile::open(&model_path()).unwrap();
     let spec = tokenizer_spec(&file).unwrap();
     let tok = Tokenizer::from_spec(&spec).unwrap();
-    let tmpl = ChatTemplate::new(spec.chat_template.as_deref().unwrap(), "<|im_start|>", "<|im_end|>").unwrap();
+    let tmpl = ChatTemplate::new(
+        spec.chat_template.as_deref().unwrap(),
+        "<|im_start|>",
+        "<|im_end|>",
+    )
+    .unwrap();
     (LlamaModel::load(file).unwrap(), tok, tmpl)
 }
 
 fn prompt_ids(tok: &Tokenizer, tmpl: &ChatTemplate, question: &str) -> Vec<u32> {
-    let text = tmpl.render(&[ChatMessage { role: "user".into(), content: question.into() }], true).unwrap();
+    let text = tmpl
+        .render(
+            &[ChatMessage {
+                role: "user".into(),
+                content: question.into(),
+            }],
+            true,
+        )
+        .unwrap();
     tok.encode(&text)
 }
 
@@ -38,17 +52,31 @@ fn top5(logits: &[f32]) -> Vec<(u32, f32)> {
 fn golden_prompt_top5_and_greedy_continuation() {
     let (model, tok, tmpl) = load();
     let c = &model.config;
-    assert_eq!((c.n_layers, c.d_model, c.n_ff, c.n_heads, c.n_kv_heads, c.head_dim), (30, 576, 1536, 9, 3, 64));
+    assert_eq!(
+        (
+            c.n_layers,
+            c.d_model,
+            c.n_ff,
+            c.n_heads,
+            c.n_kv_heads,
+            c.head_dim
+        ),
+        (30, 576, 1536, 9, 3, 64)
+    );
     assert_eq!((c.vocab_size, c.context_length), (49152, 8192));
     assert_eq!(tok.encode("<|im_start|>user\n"), [1, 4093, 198]);
 
-    let ids = prompt_ids(&tok, &tmpl, "What is the capital of France? Answer in one sentence.");
+    let ids = prompt_ids(
+        &tok,
+        &tmpl,
+        "What is the capital of France? Answer in one sentence.",
+    );
     assert_eq!(
         ids,
         [
-            1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182,
-            2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 19842, 281, 582, 6330, 30, 2, 198, 1, 520,
-            9531, 198
+            1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411,
+            407, 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 19842,
+            281, 582, 6330, 30, 2, 198, 1, 520, 9531, 198
         ]
     );
     let mut kv = model.new_cache();
@@ -70,7 +98,10 @@ fn golden_prompt_top5_and_greedy_continuation() {
         logits = model.forward(&[t], &mut kv, &mut s);
     }
     assert_eq!(out, [504, 3575, 282, 4649, 314, 7042, 30, 2]);
-    assert_eq!(tok.decode(&out, false).unwrap(), "The capital of France is Paris.<|im_end|>");
+    assert_eq!(
+        tok.decode(&out, false).unwrap(),
+        "The capital of France is Paris.<|im_end|>"
+    );
 }
 
 /// Not an end-to-end check: measures how far the engine's logits stay from the float
@@ -83,14 +114,29 @@ fn knife_edge_logits_stay_close_to_float_reference() {
     let (model, tok, tmpl) = load();
     let ids = prompt_ids(&tok, &tmpl, "What is the capital of France?");
     assert_eq!(ids.len(), 37);
-    let reference = [(504u32, 25.325f32), (60, 25.243), (15319, 24.942), (2219, 24.402), (7026, 24.315)];
+    let reference = [
+        (504u32, 25.325f32),
+        (60, 25.243),
+        (15319, 24.942),
+        (2219, 24.402),
+        (7026, 24.315),
+    ];
     let ref_mean = reference.iter().map(|r| r.1).sum::<f32>() / 5.0;
-    for (mode, mut scratch, max_abs, max_centered) in
-        [("float activations", ForwardScratch::precise(), 0.01f32, 0.01f32), ("int8 activations", ForwardScratch::default(), 1.5, 0.5)]
-    {
+    for (mode, mut scratch, max_abs, max_centered) in [
+        (
+            "float activations",
+            ForwardScratch::precise(),
+            0.01f32,
+            0.01f32,
+        ),
+        ("int8 activations", ForwardScratch::default(), 1.5, 0.5),
+    ] {
         let logits = model.forward(&ids, &mut model.new_cache(), &mut scratch);
         let mean = reference.iter().map(|r| logits[r.0 as usize]).sum::<f32>() / 5.0;
-        let abs = reference.iter().map(|&(id, want)| (logits[id as usize] - want).abs()).fold(0f32, f32::max);
+        let abs = reference
+            .iter()
+            .map(|&(id, want)| (logits[id as usize] - want).abs())
+            .fold(0f32, f32::max);
         let centered = reference
             .iter()
             .map(|&(id, want)| ((logits[id as usize] - mean) - (want - ref_mean)).abs())
@@ -100,6 +146,9 @@ fn knife_edge_logits_stay_close_to_float_reference() {
         let mut got_set: Vec<u32> = got.iter().map(|t| t.0).collect();
         got_set.sort();
         assert_eq!(got_set, [60, 504, 2219, 7026, 15319], "{mode}");
-        assert!(abs <= max_abs && centered <= max_centered, "{mode}: error {abs} / centred {centered}");
+        assert!(
+            abs <= max_abs && centered <= max_centered,
+            "{mode}: error {abs} / centred {centered}"
+        );
     }
 }

@@ -56,8 +56,15 @@ impl ChatTemplate {
 
     /// Renders the conversation; with `add_generation_prompt` the text ends where the
     /// assistant's reply begins.
-    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TemplateError> {
-        let tmpl = self.env.get_template("chat").map_err(|e| TemplateError::Compile(e.to_string()))?;
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .map_err(|e| TemplateError::Compile(e.to_string()))?;
         tmpl.render(minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
@@ -78,7 +85,10 @@ mod tests {
     #[test]
     fn renders_chatml_with_default_system_prompt() {
         let t = ChatTemplate::new(CHATML, "<|im_start|>", "<|im_end|>").unwrap();
-        let msgs = [ChatMessage { role: "user".into(), content: "Hi".into() }];
+        let msgs = [ChatMessage {
+            role: "user".into(),
+            content: "Hi".into(),
+        }];
         assert_eq!(
             t.render(&msgs, true).unwrap(),
             "<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
@@ -93,9 +103,17 @@ mod tests {
             "",
         )
         .unwrap();
-        let ok = [ChatMessage { role: "user".into(), content: "  x ".into() }];
+        let ok = [ChatMessage {
+            role: "user".into(),
+            content: "  x ".into(),
+        }];
         assert_eq!(t.render(&ok, false).unwrap(), "x");
-        let bad = [ChatMessage { role: "system".into(), content: "x".into() }];
-        assert!(matches!(t.render(&bad, false), Err(TemplateError::Render(m)) if m.contains("first must be user")));
+        let bad = [ChatMessage {
+            role: "system".into(),
+            content: "x".into(),
+        }];
+        assert!(
+            matches!(t.render(&bad, false), Err(TemplateError::Render(m)) if m.contains("first must be user"))
+        );
     }
 }

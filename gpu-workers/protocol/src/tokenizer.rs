@@ -72,7 +72,8 @@ fn byte_to_char_table() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut n = 0u32;
     for b in 0..256u32 {
-        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         table[b as usize] = if printable {
             char::from_u32(b).unwrap_or('\0')
         } else {
@@ -123,20 +124,24 @@ impl Tokenizer {
             }
         }
         specials.retain(|(s, _)| !s.is_empty());
-        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+        specials.sort_by_key(|s| std::cmp::Reverse(s.0.len()));
         let mut byte_ids = [None; 256];
         for (b, c) in b2c.iter().enumerate() {
             byte_ids[b] = vocab.get(&c.to_string()).copied();
         }
         if byte_ids.iter().filter(|b| b.is_some()).count() < 128 {
-            return Err(TokenizeError::Malformed("the vocabulary is not byte-level".into()));
+            return Err(TokenizeError::Malformed(
+                "the vocabulary is not byte-level".into(),
+            ));
         }
         let mut merges = HashMap::with_capacity(spec.merges.len());
         for (rank, m) in spec.merges.iter().enumerate() {
             let (l, r) = m
                 .split_once(' ')
                 .ok_or_else(|| TokenizeError::Malformed(format!("merge {m:?} has no space")))?;
-            let (Some(&li), Some(&ri), Some(&mi)) = (vocab.get(l), vocab.get(r), vocab.get(&format!("{l}{r}"))) else {
+            let (Some(&li), Some(&ri), Some(&mi)) =
+                (vocab.get(l), vocab.get(r), vocab.get(&format!("{l}{r}")))
+            else {
                 continue; // A merge whose parts are not in the vocabulary can never apply.
             };
             merges.entry((li, ri)).or_insert((rank as u32, mi));
@@ -244,7 +249,10 @@ impl Tokenizer {
     }
 
     fn bpe_word(&self, bytes: &[u8], out: &mut Vec<u32>) {
-        let mut ids: Vec<u32> = bytes.iter().filter_map(|&b| self.byte_ids[b as usize]).collect();
+        let mut ids: Vec<u32> = bytes
+            .iter()
+            .filter_map(|&b| self.byte_ids[b as usize])
+            .collect();
         while ids.len() > 1 {
             let mut best: Option<(u32, usize, u32)> = None;
             for i in 0..ids.len() - 1 {
@@ -263,7 +271,10 @@ impl Tokenizer {
 
     /// The raw bytes of one token (special tokens give their literal text).
     pub fn token_bytes(&self, id: u32) -> Result<&[u8], TokenizeError> {
-        self.token_bytes.get(id as usize).map(|b| b.as_slice()).ok_or(TokenizeError::UnknownId(id))
+        self.token_bytes
+            .get(id as usize)
+            .map(|b| b.as_slice())
+            .ok_or(TokenizeError::UnknownId(id))
     }
 
     pub fn is_special(&self, id: u32) -> bool {
@@ -359,7 +370,10 @@ impl<'a> Iterator for Gpt2Words<'a> {
             if run_end == self.s.len() {
                 break 'end run_end;
             }
-            let last_len = self.s[..run_end].chars().next_back().map_or(1, char::len_utf8);
+            let last_len = self.s[..run_end]
+                .chars()
+                .next_back()
+                .map_or(1, char::len_utf8);
             if run_end - start > last_len {
                 run_end - last_len
             } else {
@@ -416,7 +430,13 @@ mod tests {
             pre: "smollm".into(),
             tokens,
             token_types: types,
-            merges: vec!["h e".into(), "l l".into(), "he ll".into(), "hell o".into(), "Ġ w".into()],
+            merges: vec![
+                "h e".into(),
+                "l l".into(),
+                "he ll".into(),
+                "hell o".into(),
+                "Ġ w".into(),
+            ],
             bos_id: None,
             eos_id: Some(261),
             add_bos: false,
@@ -435,7 +455,13 @@ mod tests {
         assert_eq!(t.decode(&ids, false).unwrap(), "hello world<|end|>42");
         assert_eq!(t.decode(&ids, true).unwrap(), "hello world42");
         // Digits are isolated, so "42" is two byte tokens.
-        assert_eq!(&ids[ids.len() - 2..], &[t.byte_ids[b'4' as usize].unwrap(), t.byte_ids[b'2' as usize].unwrap()]);
+        assert_eq!(
+            &ids[ids.len() - 2..],
+            &[
+                t.byte_ids[b'4' as usize].unwrap(),
+                t.byte_ids[b'2' as usize].unwrap()
+            ]
+        );
     }
 
     #[test]

@@ -17,7 +17,11 @@ pub enum ModelError {
     #[error("tensor {name} has type {ty:?}, which Hearth cannot compute with (F32, F16, BF16, Q4_0, Q4_1, Q8_0)")]
     TensorType { name: String, ty: GgmlType },
     #[error("tensor {name} has shape {got:?}, expected {want:?}")]
-    Shape { name: String, got: Vec<u64>, want: Vec<u64> },
+    Shape {
+        name: String,
+        got: Vec<u64>,
+        want: Vec<u64>,
+    },
     #[error("invalid model configuration: {0}")]
     Config(String),
 }
@@ -48,16 +52,22 @@ impl LlamaConfig {
         let n_heads = u("attention.head_count")?;
         let d_model = u("embedding_length")?;
         if n_heads == 0 || d_model % n_heads != 0 {
-            return Err(ModelError::Config(format!("{d_model} dims do not split into {n_heads} heads")));
+            return Err(ModelError::Config(format!(
+                "{d_model} dims do not split into {n_heads} heads"
+            )));
         }
         let head_dim = d_model / n_heads;
         let n_kv_heads = u("attention.head_count_kv").unwrap_or(n_heads);
         if n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
-            return Err(ModelError::Config(format!("{n_heads} heads do not group into {n_kv_heads} KV heads")));
+            return Err(ModelError::Config(format!(
+                "{n_heads} heads do not group into {n_kv_heads} KV heads"
+            )));
         }
         let rope_dims = u("rope.dimension_count").unwrap_or(head_dim);
         if rope_dims > head_dim || rope_dims % 2 != 0 {
-            return Err(ModelError::Config(format!("rope dimension {rope_dims} invalid for head dim {head_dim}")));
+            return Err(ModelError::Config(format!(
+                "rope dimension {rope_dims} invalid for head dim {head_dim}"
+            )));
         }
         let vocab_size = match u("vocab_size") {
             Ok(v) => v,
@@ -72,7 +82,9 @@ impl LlamaConfig {
             head_dim,
             rope_dims,
             rope_theta: g.get_f64("llama.rope.freq_base").unwrap_or(10000.0) as f32,
-            rms_eps: g.get_f64("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f32,
+            rms_eps: g
+                .get_f64("llama.attention.layer_norm_rms_epsilon")
+                .unwrap_or(1e-5) as f32,
             context_length: u("context_length").unwrap_or(2048),
             vocab_size,
         })
@@ -120,33 +132,58 @@ pub struct LlamaModel {
 
 impl std::fmt::Debug for LlamaModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LlamaModel").field("config", &self.config).finish_non_exhaustive()
+        f.debug_struct("LlamaModel")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
     }
 }
 
 fn tensor<'a>(g: &'a GgufFile, name: &str) -> Result<&'a TensorInfo, ModelError> {
-    g.tensor(name).ok_or_else(|| ModelError::Gguf(GgufError::MissingTensor(name.to_string())))
+    g.tensor(name)
+        .ok_or_else(|| ModelError::Gguf(GgufError::MissingTensor(name.to_string())))
 }
 
 fn matrix(g: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError> {
     let t = tensor(g, name)?;
     if t.dims != [cols as u64, rows as u64] {
-        return Err(ModelError::Shape { name: name.into(), got: t.dims.clone(), want: vec![cols as u64, rows as u64] });
+        return Err(ModelError::Shape {
+            name: name.into(),
+            got: t.dims.clone(),
+            want: vec![cols as u64, rows as u64],
+        });
     }
-    let (per_block, _) = t.ty.block_layout().ok_or(ModelError::TensorType { name: name.into(), ty: t.ty })?;
-    if cols % per_block != 0 || (per_block > 1 && cols % QK != 0) {
-        return Err(ModelError::Config(format!("{name}: row length {cols} is not a whole number of blocks")));
+    let (per_block, _) = t.ty.block_layout().ok_or(ModelError::TensorType {
+        name: name.into(),
+        ty: t.ty,
+    })?;
+    if !cols.is_multiple_of(per_block) || (per_block > 1 && !cols.is_multiple_of(QK)) {
+        return Err(ModelError::Config(format!(
+            "{name}: row length {cols} is not a whole number of blocks"
+        )));
     }
-    Ok(Matrix { ty: t.ty, rows, cols, offset: t.offset, len: t.len })
+    Ok(Matrix {
+        ty: t.ty,
+        rows,
+        cols,
+        offset: t.offset,
+        len: t.len,
+    })
 }
 
 fn vector(g: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
     let t = tensor(g, name)?;
     if t.dims != [n as u64] {
-        return Err(ModelError::Shape { name: name.into(), got: t.dims.clone(), want: vec![n as u64] });
+        return Err(ModelError::Shape {
+            name: name.into(),
+            got: t.dims.clone(),
+            want: vec![n as u64],
+        });
     }
     if t.ty.block_layout().is_none() {
-        return Err(ModelError::TensorType { name: name.into(), ty: t.ty });
+        return Err(ModelError::TensorType {
+            name: name.into(),
+            ty: t.ty,
+        });
     }
     let mut v = vec![0f32; n];
     dequantize_row(t.ty, g.tensor_data(t), &mut v);
@@ -208,7 +245,16 @@ impl LlamaModel {
             .map(|i| c.rope_theta.powf(-((2 * i) as f32) / c.rope_dims as f32))
             .collect();
         let n_params = file.tensors.iter().map(|t| t.n_elements()).sum();
-        Ok(Self { file, config: c, layers, embed, output, output_norm, inv_freq, n_params })
+        Ok(Self {
+            file,
+            config: c,
+            layers,
+            embed,
+            output,
+            output_norm,
+            inv_freq,
+            n_params,
+        })
     }
 
     pub fn n_params(&self) -> u64 {
@@ -220,8 +266,19 @@ impl LlamaModel {
     }
 
     fn view(&self, m: &Matrix) -> WeightView<'_> {
-        let t = TensorInfo { name: String::new(), dims: vec![], ty: m.ty, offset: m.offset, len: m.len };
-        WeightView { ty: m.ty, rows: m.rows, cols: m.cols, data: self.file.tensor_data(&t) }
+        let t = TensorInfo {
+            name: String::new(),
+            dims: vec![],
+            ty: m.ty,
+            offset: m.offset,
+            len: m.len,
+        };
+        WeightView {
+            ty: m.ty,
+            rows: m.rows,
+            cols: m.cols,
+            data: self.file.tensor_data(&t),
+        }
     }
 
     /// Rotates adjacent pairs of each head by position (GGUF's RoPE layout).
@@ -230,7 +287,12 @@ impl LlamaModel {
         let width = n_heads * hd;
         for (t, row) in x.chunks_exact_mut(width).enumerate() {
             let p = (pos0 + t) as f32;
-            let cs: Vec<(f32, f32)> = self.inv_freq.iter().map(|f| (p * f).sin_cos()).map(|(s, c)| (c, s)).collect();
+            let cs: Vec<(f32, f32)> = self
+                .inv_freq
+                .iter()
+                .map(|f| (p * f).sin_cos())
+                .map(|(s, c)| (c, s))
+                .collect();
             for head in row.chunks_exact_mut(hd) {
                 for (i, &(c, s)) in cs.iter().enumerate() {
                     let (a, b) = (head[2 * i], head[2 * i + 1]);
@@ -248,27 +310,32 @@ impl LlamaModel {
         let kv_dim = c.kv_dim();
         let scale = 1.0 / (hd as f32).sqrt();
         let (keys, values) = kv.layer(layer);
-        out.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (i, o)| {
-            let (t, head) = (i / h, i % h);
-            let g = head / group;
-            let qh = &q[t * h * hd + head * hd..][..hd];
-            let n = pos0 + t + 1;
-            scores.clear();
-            scores.extend((0..n).map(|j| dot_f32(qh, &keys[j * kv_dim + g * hd..][..hd]) * scale));
-            let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            let mut sum = 0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            o.fill(0.0);
-            for (j, s) in scores.iter().enumerate() {
-                let w = s / sum;
-                for (ov, vv) in o.iter_mut().zip(&values[j * kv_dim + g * hd..][..hd]) {
-                    *ov += w * vv;
+        out.par_chunks_mut(hd).enumerate().for_each_init(
+            Vec::new,
+            |scores: &mut Vec<f32>, (i, o)| {
+                let (t, head) = (i / h, i % h);
+                let g = head / group;
+                let qh = &q[t * h * hd + head * hd..][..hd];
+                let n = pos0 + t + 1;
+                scores.clear();
+                scores.extend(
+                    (0..n).map(|j| dot_f32(qh, &keys[j * kv_dim + g * hd..][..hd]) * scale),
+                );
+                let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                let mut sum = 0f32;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s;
                 }
-            }
-        });
+                o.fill(0.0);
+                for (j, s) in scores.iter().enumerate() {
+                    let w = s / sum;
+                    for (ov, vv) in o.iter_mut().zip(&values[j * kv_dim + g * hd..][..hd]) {
+                        *ov += w * vv;
+                    }
+                }
+            },
+        );
     }
 
     /// Runs `tokens` (appended after what `kv` holds) and returns the logits of the last one.
