@@ -86,11 +86,7 @@ impl UsageLedger {
     }
 
     /// The most recent records, newest first, optionally for one tenant id.
-    pub async fn recent(
-        &self,
-        tenant_id: Option<&str>,
-        limit: u32,
-    ) -> Result<Vec<UsageRecord>, BillingError> {
+    pub async fn recent(&self, tenant_id: Option<&str>, limit: u32) -> Result<Vec<UsageRecord>, BillingError> {
         let rows = sqlx::query(
             "SELECT request_id, tenant_id, key_id, model, endpoint, prompt_tokens, cached_tokens, completion_tokens, \
              status, finish_reason, error_code, started_at, finished_at FROM usage_records \
@@ -128,10 +124,7 @@ mod tests {
     #[tokio::test]
     async fn records_are_idempotent_by_request_id() {
         let pool = SqlitePool::connect("sqlite::memory:").await.unwrap();
-        sqlx::migrate!("../migrations/sqlite")
-            .run(&pool)
-            .await
-            .unwrap();
+        sqlx::migrate!("../migrations/sqlite").run(&pool).await.unwrap();
         sqlx::query("INSERT INTO tenants (id, name, created_at) VALUES ('tn_1', 'a', 0)")
             .execute(&pool)
             .await

@@ -47,9 +47,7 @@ fn guard(gw: &Gateway, headers: &HeaderMap) -> Result<(), ApiError> {
 fn store_error(e: TenantError) -> ApiError {
     match e {
         TenantError::TenantExists(_) => ApiError::conflict(e.to_string()),
-        TenantError::NoSuchTenant(_) | TenantError::NoSuchKey(_) => {
-            ApiError::not_found(e.to_string())
-        }
+        TenantError::NoSuchTenant(_) | TenantError::NoSuchKey(_) => ApiError::not_found(e.to_string()),
         TenantError::InvalidName(_) => ApiError::invalid("name", e.to_string()),
         TenantError::Db(_) | TenantError::Random(_) => {
             tracing::error!(error = %e, "admin store error");
@@ -71,20 +69,13 @@ fn name_field(body: &Bytes, required: bool) -> Result<String, ApiError> {
     }
 }
 
-async fn list_tenants(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
-) -> Result<Json<Value>, ApiError> {
+async fn list_tenants(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
     guard(&gw, &headers)?;
     let tenants = gw.tenants.list_tenants().await.map_err(store_error)?;
     Ok(Json(json!({"object": "list", "data": tenants})))
 }
 
-async fn create_tenant(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Result<Response, ApiError> {
+async fn create_tenant(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
     guard(&gw, &headers)?;
     let name = name_field(&body, true)?;
     let t = gw.tenants.create_tenant(&name).await.map_err(store_error)?;
@@ -109,11 +100,7 @@ async fn create_key(
 ) -> Result<Response, ApiError> {
     guard(&gw, &headers)?;
     let name = name_field(&body, false)?;
-    let k = gw
-        .tenants
-        .create_key(&tenant, &name)
-        .await
-        .map_err(store_error)?;
+    let k = gw.tenants.create_key(&tenant, &name).await.map_err(store_error)?;
     Ok((StatusCode::CREATED, Json(k)).into_response())
 }
 

@@ -27,10 +27,7 @@ pub async fn open(data_dir: &Path) -> anyhow::Result<SqlitePool> {
         .journal_mode(SqliteJournalMode::Wal)
         .busy_timeout(Duration::from_secs(10))
         .foreign_keys(true);
-    let pool = SqlitePoolOptions::new()
-        .max_connections(8)
-        .connect_with(opts)
-        .await?;
+    let pool = SqlitePoolOptions::new().max_connections(8).connect_with(opts).await?;
     sqlx::migrate!("../migrations/sqlite").run(&pool).await?;
     Ok(pool)
 }

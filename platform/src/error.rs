@@ -30,12 +30,7 @@ struct Inner<'a> {
 }
 
 impl ApiError {
-    fn new(
-        status: StatusCode,
-        kind: &'static str,
-        code: Option<&'static str>,
-        message: impl Into<String>,
-    ) -> Self {
+    fn new(status: StatusCode, kind: &'static str, code: Option<&'static str>, message: impl Into<String>) -> Self {
         Self {
             status,
             message: message.into(),
@@ -123,21 +118,11 @@ impl ApiError {
     }
 
     pub fn conflict(message: impl Into<String>) -> Self {
-        Self::new(
-            StatusCode::CONFLICT,
-            "invalid_request_error",
-            Some("conflict"),
-            message,
-        )
+        Self::new(StatusCode::CONFLICT, "invalid_request_error", Some("conflict"), message)
     }
 
     pub fn forbidden(message: impl Into<String>) -> Self {
-        Self::new(
-            StatusCode::FORBIDDEN,
-            "permission_error",
-            Some("forbidden"),
-            message,
-        )
+        Self::new(StatusCode::FORBIDDEN, "permission_error", Some("forbidden"), message)
     }
 
     /// 503: no worker can take the request.

@@ -19,7 +19,7 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use futures_util::StreamExt;
 use hearth_billing::{UsageLedger, UsageRecord, UsageStatus};
-use hearth_protocol::{FinishReason, GenerateEvent, GenerateRequest, Usage};
+use hearth_protocol::{cache_namespace, FinishReason, GenerateEvent, GenerateRequest, TokenLogprob, Usage};
 use hearth_tenants::{now_ms, AuthError, TenantContext, TenantStore};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -74,9 +74,7 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/healthz", get(healthz))
         .nest("/admin/v1", crate::admin::router())
         .fallback(|| async {
-            ApiError::not_found(
-                "no such endpoint; see /v1/chat/completions, /v1/completions, /v1/models",
-            )
+            ApiError::not_found("no such endpoint; see /v1/chat/completions, /v1/completions, /v1/models")
         })
         .with_state(gw)
         .layer(middleware::from_fn(request_id))
@@ -103,19 +101,14 @@ pub async fn authenticate(gw: &Gateway, headers: &HeaderMap) -> Result<TenantCon
     let key = value
         .to_str()
         .ok()
-        .and_then(|v| {
-            v.strip_prefix("Bearer ")
-                .or_else(|| v.strip_prefix("bearer "))
-        })
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
         .map(str::trim)
         .unwrap_or("");
     match gw.tenants.authenticate(key).await {
         Ok(ctx) => Ok(ctx),
         Err(AuthError::Store(e)) => {
             tracing::error!(error = %e, "key store unavailable");
-            Err(ApiError::unavailable(
-                "authentication is temporarily unavailable",
-            ))
+            Err(ApiError::unavailable("authentication is temporarily unavailable"))
         }
         Err(AuthError::Revoked) => Err(ApiError::unauthorized("This API key has been revoked.")),
         Err(_) => Err(ApiError::unauthorized("Incorrect API key provided.")),
@@ -125,9 +118,7 @@ pub async fn authenticate(gw: &Gateway, headers: &HeaderMap) -> Result<TenantCon
 // ---- phase: resolve ------------------------------------------------------------------
 
 fn resolve<'a>(gw: &'a Gateway, model: &str) -> Result<&'a Arc<ServedModel>, ApiError> {
-    gw.models
-        .get(model)
-        .ok_or_else(|| ApiError::model_not_found(model))
+    gw.models.get(model).ok_or_else(|| ApiError::model_not_found(model))
 }
 
 // ---- phase: tokenize -----------------------------------------------------------------
@@ -138,20 +129,13 @@ enum Input<'a> {
 }
 
 /// Templates and tokenizes at the gateway, and fixes `max_tokens` against the context.
-fn tokenize(
-    model: &ServedModel,
-    input: Input<'_>,
-    common: &Common,
-) -> Result<(Vec<u32>, u32), ApiError> {
+fn tokenize(model: &ServedModel, input: Input<'_>, common: &Common) -> Result<(Vec<u32>, u32), ApiError> {
     let ids = match input {
         Input::Chat(messages) => {
             let tmpl = model.template.as_ref().ok_or_else(|| {
                 ApiError::invalid(
                     "model",
-                    format!(
-                        "model {} has no chat template; use /v1/completions",
-                        model.id
-                    ),
+                    format!("model {} has no chat template; use /v1/completions", model.id),
                 )
             })?;
             let text = tmpl
@@ -172,10 +156,7 @@ fn tokenize(
         }
     };
     if ids.is_empty() {
-        return Err(ApiError::invalid(
-            "prompt",
-            "the prompt encodes to no tokens",
-        ));
+        return Err(ApiError::invalid("prompt", "the prompt encodes to no tokens"));
     }
     let ctx = model.context_length;
     let prompt = ids.len() as u32;
@@ -214,10 +195,7 @@ async fn dispatch(model: &ServedModel, req: GenerateRequest) -> Result<EventStre
             }
             Err(e) => {
                 tracing::error!(worker = w.name(), error = %e, "worker failed");
-                return Err(ApiError::unavailable(format!(
-                    "the worker for {} failed",
-                    model.id
-                )));
+                return Err(ApiError::unavailable(format!("the worker for {} failed", model.id)));
             }
         }
     }
@@ -245,12 +223,7 @@ fn worker_error(code: &str, message: &str) -> ApiError {
 /// event reaches the client (write-before-ack), or as soon as the client goes away
 /// (recording what was generated). Runs as its own task, so a vanished client cannot
 /// lose a record; dropping `events` cancels the generation.
-async fn relay(
-    gw: Arc<Gateway>,
-    mut rec: UsageRecord,
-    mut events: EventStream,
-    tx: mpsc::Sender<GenerateEvent>,
-) {
+async fn relay(gw: Arc<Gateway>, mut rec: UsageRecord, mut events: EventStream, tx: mpsc::Sender<GenerateEvent>) {
     let mut generated = 0u32;
     let ended = loop {
         let ev = tokio::select! {
@@ -265,10 +238,8 @@ async fn relay(
                 generated += 1;
                 false
             }
-            GenerateEvent::Done {
-                finish_reason,
-                usage,
-            } => {
+            GenerateEvent::Finish { .. } => false,
+            GenerateEvent::Done { finish_reason, usage } => {
                 rec.prompt_tokens = usage.prompt_tokens;
                 rec.cached_tokens = usage.cached_tokens;
                 rec.completion_tokens = usage.completion_tokens;
@@ -424,6 +395,8 @@ async fn run(
         model: model.id.clone(),
         prompt,
         sampling,
+        cache_namespace: cache_namespace(&rec.tenant_id, common.prompt_cache_key.as_deref()),
+        n: common.n,
     };
     let events = dispatch(&model, req).await?;
 
@@ -442,8 +415,9 @@ async fn run(
     let shape = Shape {
         endpoint,
         id: request_id.trim_start_matches("req_").to_string(),
-        model: model.id.clone(),
+        model: model.clone(),
         created: now_ms() / 1000,
+        n: common.n as usize,
     };
     let events = futures_util::stream::iter([first]).chain(ReceiverStream::new(rx));
     if common.stream {
@@ -458,8 +432,9 @@ async fn run(
 struct Shape {
     endpoint: Endpoint,
     id: String,
-    model: String,
+    model: Arc<ServedModel>,
     created: i64,
+    n: usize,
 }
 
 impl Shape {
@@ -478,27 +453,32 @@ impl Shape {
         }
     }
 
-    fn choice(&self, text: Option<&str>, finish: Option<&str>, first: bool) -> Value {
-        match self.endpoint {
-            Endpoint::Chat => {
-                let mut delta = serde_json::Map::new();
-                if first {
-                    delta.insert("role".into(), json!("assistant"));
-                }
-                if let Some(t) = text {
-                    delta.insert("content".into(), json!(t));
-                }
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
-            }
-            Endpoint::Completions => {
-                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish})
-            }
-        }
+    fn token_text(&self, id: u32) -> (String, Vec<u8>) {
+        let bytes = self
+            .model
+            .tokenizer
+            .token_bytes(id)
+            .map(<[u8]>::to_vec)
+            .unwrap_or_default();
+        (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+    }
+
+    /// OpenAI's chat logprob entry for one token.
+    fn chat_logprob(&self, id: u32, logprob: f32, top: &[TokenLogprob]) -> Value {
+        let (token, bytes) = self.token_text(id);
+        let top: Vec<Value> = top
+            .iter()
+            .map(|t| {
+                let (token, bytes) = self.token_text(t.id);
+                json!({"token": token, "logprob": t.logprob, "bytes": bytes})
+            })
+            .collect();
+        json!({"token": token, "logprob": logprob, "bytes": bytes, "top_logprobs": top})
     }
 
     fn chunk(&self, choices: Value, usage: Option<Value>, include_usage: bool) -> Value {
         let mut v = json!({
-            "id": self.id(), "object": self.object(true), "created": self.created, "model": self.model,
+            "id": self.id(), "object": self.object(true), "created": self.created, "model": self.model.id,
             "system_fingerprint": fingerprint(), "choices": choices,
         });
         if include_usage {
@@ -516,44 +496,88 @@ fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
+/// The legacy completions `logprobs` object, built up token by token.
+#[derive(Default)]
+struct LegacyLogprobs {
+    tokens: Vec<String>,
+    token_logprobs: Vec<f32>,
+    top_logprobs: Vec<serde_json::Map<String, Value>>,
+    text_offset: Vec<usize>,
+}
+
+impl LegacyLogprobs {
+    fn push(&mut self, shape: &Shape, id: u32, logprob: f32, top: &[TokenLogprob], offset: usize) {
+        self.tokens.push(shape.token_text(id).0);
+        self.token_logprobs.push(logprob);
+        self.top_logprobs.push(
+            top.iter()
+                .map(|t| (shape.token_text(t.id).0, json!(t.logprob)))
+                .collect(),
+        );
+        self.text_offset.push(offset);
+    }
+
+    fn json(&self) -> Value {
+        json!({"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs, "text_offset": self.text_offset})
+    }
+}
+
 /// Server-sent events exactly as OpenAI clients expect: `data: {chunk}` … `data: [DONE]`.
 fn sse_response(
     shape: Shape,
     include_usage: bool,
     events: futures_util::stream::BoxStream<'static, GenerateEvent>,
 ) -> Response {
-    let mut first = true;
+    let mut started = vec![false; shape.n];
+    let mut offsets = vec![0usize; shape.n];
     let body = events
         .map(move |ev| {
             let mut out = Vec::new();
             match ev {
-                GenerateEvent::Token { text, .. } => {
-                    if first || !text.is_empty() {
-                        out.push(sse(&shape.chunk(
-                            json!([shape.choice(Some(&text), None, first)]),
-                            None,
-                            include_usage,
-                        )));
-                        first = false;
+                GenerateEvent::Token { index, id, text, logprob, top_logprobs } => {
+                    let i = index as usize;
+                    let first = !started.get(i).copied().unwrap_or(true);
+                    if first || !text.is_empty() || logprob.is_some() {
+                        let choice = match shape.endpoint {
+                            Endpoint::Chat => {
+                                let mut delta = serde_json::Map::new();
+                                if first {
+                                    delta.insert("role".into(), json!("assistant"));
+                                }
+                                delta.insert("content".into(), json!(text));
+                                let lp = logprob.map(|lp| json!({"content": [shape.chat_logprob(id, lp, &top_logprobs)]}));
+                                json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": null})
+                            }
+                            Endpoint::Completions => {
+                                let lp = logprob.map(|lp| {
+                                    let mut l = LegacyLogprobs::default();
+                                    l.push(&shape, id, lp, &top_logprobs, offsets.get(i).copied().unwrap_or(0));
+                                    l.json()
+                                });
+                                json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null})
+                            }
+                        };
+                        out.push(sse(&shape.chunk(json!([choice]), None, include_usage)));
+                        if let Some(s) = started.get_mut(i) {
+                            *s = true;
+                        }
+                    }
+                    if let Some(o) = offsets.get_mut(i) {
+                        *o += text.len();
                     }
                 }
-                GenerateEvent::Done {
-                    finish_reason,
-                    usage,
-                } => {
-                    let finish = finish_reason.as_str();
-                    let text = (shape.endpoint == Endpoint::Completions).then_some("");
-                    out.push(sse(&shape.chunk(
-                        json!([shape.choice(text, Some(finish), first)]),
-                        None,
-                        include_usage,
-                    )));
+                GenerateEvent::Finish { index, finish_reason } => {
+                    let choice = match shape.endpoint {
+                        Endpoint::Chat => json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish_reason.as_str()}),
+                        Endpoint::Completions => {
+                            json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish_reason.as_str()})
+                        }
+                    };
+                    out.push(sse(&shape.chunk(json!([choice]), None, include_usage)));
+                }
+                GenerateEvent::Done { usage, .. } => {
                     if include_usage {
-                        out.push(sse(&shape.chunk(
-                            json!([]),
-                            Some(openai::usage_json(&usage)),
-                            true,
-                        )));
+                        out.push(sse(&shape.chunk(json!([]), Some(openai::usage_json(&usage)), true)));
                     }
                     out.push(Bytes::from_static(b"data: [DONE]\n\n"));
                 }
@@ -574,39 +598,80 @@ fn sse_response(
         .unwrap_or_else(|_| ApiError::internal("could not build the stream").into_response())
 }
 
+/// One choice of a non-streamed response, as it accumulates.
+#[derive(Default)]
+struct Collected {
+    text: String,
+    finish: Option<FinishReason>,
+    chat_logprobs: Vec<Value>,
+    legacy: LegacyLogprobs,
+    any_logprobs: bool,
+}
+
 async fn collect_response(
     shape: Shape,
     mut events: futures_util::stream::BoxStream<'static, GenerateEvent>,
 ) -> Result<Response, ApiError> {
-    let mut text = String::new();
+    let mut choices: Vec<Collected> = (0..shape.n).map(|_| Collected::default()).collect();
     while let Some(ev) = events.next().await {
         match ev {
-            GenerateEvent::Token { text: t, .. } => text.push_str(&t),
-            GenerateEvent::Done {
-                finish_reason,
-                usage,
-            } => return Ok(completion_body(&shape, &text, finish_reason, &usage)),
+            GenerateEvent::Token {
+                index,
+                id,
+                text,
+                logprob,
+                top_logprobs,
+            } => {
+                let Some(c) = choices.get_mut(index as usize) else {
+                    continue;
+                };
+                if let Some(lp) = logprob {
+                    c.any_logprobs = true;
+                    match shape.endpoint {
+                        Endpoint::Chat => c.chat_logprobs.push(shape.chat_logprob(id, lp, &top_logprobs)),
+                        Endpoint::Completions => c.legacy.push(&shape, id, lp, &top_logprobs, c.text.len()),
+                    }
+                }
+                c.text.push_str(&text);
+            }
+            GenerateEvent::Finish { index, finish_reason } => {
+                if let Some(c) = choices.get_mut(index as usize) {
+                    c.finish = Some(finish_reason);
+                }
+            }
+            GenerateEvent::Done { finish_reason, usage } => {
+                return Ok(completion_body(&shape, &choices, finish_reason, &usage));
+            }
             GenerateEvent::Error { code, message } => return Err(worker_error(&code, &message)),
         }
     }
-    Err(ApiError::unavailable(
-        "the worker ended the stream without finishing",
-    ))
+    Err(ApiError::unavailable("the worker ended the stream without finishing"))
 }
 
-fn completion_body(shape: &Shape, text: &str, finish: FinishReason, usage: &Usage) -> Response {
-    let choice = match shape.endpoint {
-        Endpoint::Chat => json!({
-            "index": 0, "message": {"role": "assistant", "content": text, "refusal": null},
-            "logprobs": null, "finish_reason": finish.as_str(),
-        }),
-        Endpoint::Completions => {
-            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish.as_str()})
-        }
-    };
+fn completion_body(shape: &Shape, choices: &[Collected], default_finish: FinishReason, usage: &Usage) -> Response {
+    let choices: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let finish = c.finish.unwrap_or(default_finish).as_str();
+            match shape.endpoint {
+                Endpoint::Chat => {
+                    let lp = c.any_logprobs.then(|| json!({"content": c.chat_logprobs}));
+                    json!({
+                        "index": i, "message": {"role": "assistant", "content": c.text, "refusal": null},
+                        "logprobs": lp, "finish_reason": finish,
+                    })
+                }
+                Endpoint::Completions => {
+                    let lp = c.any_logprobs.then(|| c.legacy.json());
+                    json!({"index": i, "text": c.text, "logprobs": lp, "finish_reason": finish})
+                }
+            }
+        })
+        .collect();
     Json(json!({
-        "id": shape.id(), "object": shape.object(false), "created": shape.created, "model": shape.model,
-        "system_fingerprint": fingerprint(), "choices": [choice], "usage": openai::usage_json(usage),
+        "id": shape.id(), "object": shape.object(false), "created": shape.created, "model": shape.model.id,
+        "system_fingerprint": fingerprint(), "choices": choices, "usage": openai::usage_json(usage),
     }))
     .into_response()
 }
@@ -617,10 +682,7 @@ fn model_json(m: &ServedModel) -> Value {
     json!({"id": m.id, "object": "model", "created": m.created, "owned_by": "hearth", "context_length": m.context_length})
 }
 
-async fn list_models(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
-) -> Result<Json<Value>, ApiError> {
+async fn list_models(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
     authenticate(&gw, &headers).await?;
     let data: Vec<Value> = gw.models.all().map(|m| model_json(m)).collect();
     Ok(Json(json!({"object": "list", "data": data})))

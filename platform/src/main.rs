@@ -9,7 +9,7 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand};
 use hearth_billing::UsageLedger;
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
-use hearth_engine::EngineHandle;
+use hearth_engine::{EngineConfig, EngineHandle};
 use hearth_platform::db;
 use hearth_platform::gateway::{self, Gateway};
 use hearth_platform::registry::ModelRegistry;
@@ -17,11 +17,7 @@ use hearth_platform::workers::{HttpWorker, InProcessWorker, WorkerClient};
 use hearth_tenants::TenantStore;
 
 #[derive(Parser)]
-#[command(
-    name = "hearth",
-    version,
-    about = "Hearth: serverless multi-tenant LLM serving"
-)]
+#[command(name = "hearth", version, about = "Hearth: serverless multi-tenant LLM serving")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -41,6 +37,26 @@ enum Command {
     Model {
         #[command(subcommand)]
         command: ModelCommand,
+    },
+    /// Benchmarks: print a table, optionally write JSON.
+    Bench {
+        #[command(subcommand)]
+        command: BenchCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// The engine in-process: load, prefill, decode at 1/8/32 streams, cached TTFT, RSS.
+    Engine {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Shorter measurements (smoke runs).
+        #[arg(long)]
+        quick: bool,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
     },
 }
 
@@ -68,6 +84,28 @@ struct ModelArgs {
     /// Compute threads (default: all cores).
     #[arg(long, env = "HEARTH_THREADS")]
     threads: Option<usize>,
+    /// KV cache size in MiB (default: a quarter of available memory, at most 1024).
+    #[arg(long, env = "HEARTH_KV_CACHE_MIB")]
+    kv_cache_mib: Option<usize>,
+    /// Tokens per engine step, shared by decodes and prefill chunks.
+    #[arg(long, env = "HEARTH_MAX_BATCH_TOKENS", default_value_t = 512)]
+    max_batch_tokens: usize,
+    /// Sequences decoded together.
+    #[arg(long, env = "HEARTH_MAX_RUNNING", default_value_t = 64)]
+    max_running: usize,
+}
+
+impl ModelArgs {
+    fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            threads: self
+                .threads
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+            kv_cache_mib: self.kv_cache_mib,
+            max_batch_tokens: self.max_batch_tokens,
+            max_running: self.max_running,
+        }
+    }
 }
 
 #[derive(Args)]
@@ -98,12 +136,7 @@ struct GatewayArgs {
     #[command(flatten)]
     data: DataArgs,
     /// A worker's base URL (repeat for several).
-    #[arg(
-        long = "worker",
-        env = "HEARTH_WORKERS",
-        value_delimiter = ',',
-        required = true
-    )]
+    #[arg(long = "worker", env = "HEARTH_WORKERS", value_delimiter = ',', required = true)]
     workers: Vec<String>,
     /// How long to wait for workers to come up at start.
     #[arg(long, default_value_t = 120)]
@@ -192,9 +225,7 @@ fn init_logging() {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_logging();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         match cli.command {
             Command::Serve(a) => serve(a).await,
@@ -208,12 +239,15 @@ fn main() -> anyhow::Result<()> {
                 println!("{}", path.display());
                 Ok(())
             }
+            Command::Bench {
+                command: BenchCommand::Engine { model, quick, json },
+            } => bench_engine(model, quick, json).await,
         }
     })
 }
 
-/// Resolves `--model` to a file (fetching a known model) and loads the engine.
-async fn load_engine(args: &ModelArgs) -> anyhow::Result<EngineHandle> {
+/// Resolves `--model` to a file (fetching a known model if needed) and the id to serve it as.
+async fn resolve_model(args: &ModelArgs) -> anyhow::Result<(PathBuf, String)> {
     let as_path = Path::new(&args.model);
     let (path, id) = if as_path.exists() || args.model.ends_with(".gguf") {
         if !as_path.exists() {
@@ -229,15 +263,17 @@ async fn load_engine(args: &ModelArgs) -> anyhow::Result<EngineHandle> {
             ensure_model(&model, &hearth_home(), &mut |m| eprintln!("hearth: {m}"))
         })
         .await??;
-        (
-            path,
-            args.model_id.clone().unwrap_or_else(|| args.model.clone()),
-        )
+        (path, args.model_id.clone().unwrap_or_else(|| args.model.clone()))
     };
-    let threads = args
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let engine = tokio::task::spawn_blocking(move || EngineHandle::load(&path, &id, threads))
+    Ok((path, id))
+}
+
+/// Loads the engine for `--model`.
+async fn load_engine(args: &ModelArgs) -> anyhow::Result<EngineHandle> {
+    let (path, id) = resolve_model(args).await?;
+    let cfg = args.engine_config();
+    let threads = cfg.threads;
+    let engine = tokio::task::spawn_blocking(move || EngineHandle::load(&path, &id, &cfg))
         .await?
         .context("loading the model")?;
     tracing::info!(
@@ -252,14 +288,35 @@ async fn load_engine(args: &ModelArgs) -> anyhow::Result<EngineHandle> {
     Ok(engine)
 }
 
+async fn bench_engine(model: ModelArgs, quick: bool, json: Option<PathBuf>) -> anyhow::Result<()> {
+    let (path, id) = resolve_model(&model).await?;
+    let cfg = model.engine_config();
+    let bench = hearth_engine::bench::BenchConfig {
+        threads: cfg.threads,
+        kv_cache_mib: cfg.kv_cache_mib,
+        quick,
+    };
+    let report = hearth_engine::bench::run(&path, &id, &bench).await?;
+    print!("{}", report.table());
+    if let Some(dest) = json {
+        let text = serde_json::to_string_pretty(&report)?;
+        if dest.as_os_str() == "-" {
+            println!("{text}");
+        } else {
+            std::fs::write(&dest, text + "\n").with_context(|| format!("writing {}", dest.display()))?;
+            println!("wrote {}", dest.display());
+        }
+    }
+    Ok(())
+}
+
 async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };
     #[cfg(unix)]
     let term = async {
-        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             s.recv().await;
         }
     };
@@ -299,10 +356,7 @@ async fn run_gateway(
         admin_api = gw.admin_token.is_some(),
         "effective configuration"
     );
-    println!(
-        "Hearth is listening on http://{addr} (models: {})",
-        served.join(", ")
-    );
+    println!("Hearth is listening on http://{addr} (models: {})", served.join(", "));
     if !gw.tenants.has_active_keys().await? {
         let dd = data_dir.display();
         println!(
@@ -324,14 +378,7 @@ async fn run_gateway(
 async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let engine = load_engine(&a.model).await?;
     let workers: Vec<Arc<dyn WorkerClient>> = vec![Arc::new(InProcessWorker::new(engine))];
-    run_gateway(
-        a.listen,
-        &a.data.dir(),
-        workers,
-        Duration::ZERO,
-        a.admin_token,
-    )
-    .await
+    run_gateway(a.listen, &a.data.dir(), workers, Duration::ZERO, a.admin_token).await
 }
 
 async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
@@ -340,10 +387,7 @@ async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", a.listen))?;
     let addr = listener.local_addr()?;
-    println!(
-        "Hearth worker ({}) is listening on http://{addr}",
-        engine.info().model
-    );
+    println!("Hearth worker ({}) is listening on http://{addr}", engine.info().model);
     axum::serve(listener, hearth_engine::server::router(engine))
         .with_graceful_shutdown(shutdown_signal())
         .await?;
@@ -382,10 +426,7 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
             command: TenantCommand::Create { name },
         } => {
             let t = store.create_tenant(&name).await?;
-            print(
-                serde_json::json!(t),
-                format!("Created tenant {} ({}).", t.name, t.id),
-            );
+            print(serde_json::json!(t), format!("Created tenant {} ({}).", t.name, t.id));
         }
         AdminCommand::Tenant {
             command: TenantCommand::List,
@@ -398,11 +439,7 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                 .join("\n");
             print(
                 serde_json::json!(ts),
-                if ts.is_empty() {
-                    "No tenants.".into()
-                } else {
-                    text
-                },
+                if ts.is_empty() { "No tenants.".into() } else { text },
             );
         }
         AdminCommand::Key {
@@ -427,11 +464,7 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                     format!(
                         "{}\t{}\t{}",
                         k.id,
-                        if k.revoked_at.is_some() {
-                            "revoked"
-                        } else {
-                            "active"
-                        },
+                        if k.revoked_at.is_some() { "revoked" } else { "active" },
                         k.name
                     )
                 })
@@ -439,11 +472,7 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                 .join("\n");
             print(
                 serde_json::json!(ks),
-                if ks.is_empty() {
-                    "No keys.".into()
-                } else {
-                    text
-                },
+                if ks.is_empty() { "No keys.".into() } else { text },
             );
         }
         AdminCommand::Key {
@@ -452,10 +481,7 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
             let k = store.revoke_key(&key_id).await?;
             print(
                 serde_json::json!(k),
-                format!(
-                    "Revoked key {} (running servers stop accepting it within 5 s).",
-                    k.id
-                ),
+                format!("Revoked key {} (running servers stop accepting it within 5 s).", k.id),
             );
         }
         AdminCommand::Usage { tenant, limit } => {
@@ -463,9 +489,7 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                 Some(t) => Some(store.tenant(&t).await?.id),
                 None => None,
             };
-            let rows = UsageLedger::new(pool)
-                .recent(tenant_id.as_deref(), limit)
-                .await?;
+            let rows = UsageLedger::new(pool).recent(tenant_id.as_deref(), limit).await?;
             let text = rows
                 .iter()
                 .map(|r| {
@@ -484,11 +508,7 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                 .join("\n");
             print(
                 serde_json::json!(rows),
-                if rows.is_empty() {
-                    "No usage yet.".into()
-                } else {
-                    text
-                },
+                if rows.is_empty() { "No usage yet.".into() } else { text },
             );
         }
     }

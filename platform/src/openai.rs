@@ -10,6 +10,9 @@ use crate::error::ApiError;
 /// OpenAI allows at most four stop sequences.
 const MAX_STOP: usize = 4;
 
+/// At most this many choices per request.
+pub const MAX_N: i64 = 16;
+
 /// Fields both endpoints share.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Common {
@@ -19,6 +22,9 @@ pub struct Common {
     pub sampling: SamplingParams,
     pub stream: bool,
     pub include_usage: bool,
+    pub n: u32,
+    /// Separates prefix-cache entries within a tenant (OpenAI's `prompt_cache_key`).
+    pub prompt_cache_key: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -51,10 +57,7 @@ fn type_name(v: &Value) -> &'static str {
 }
 
 fn wrong_type(key: &str, want: &str, got: &Value) -> ApiError {
-    ApiError::invalid(
-        key,
-        format!("'{key}' must be {want}, not {}", type_name(got)),
-    )
+    ApiError::invalid(key, format!("'{key}' must be {want}, not {}", type_name(got)))
 }
 
 fn get<'a>(o: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
@@ -105,21 +108,13 @@ fn parse_common(o: &Map<String, Value>, max_tokens_keys: &[&str]) -> Result<Comm
     let model = match get(o, "model") {
         Some(Value::String(s)) if !s.is_empty() => s.clone(),
         Some(v) => return Err(wrong_type("model", "a non-empty string", v)),
-        None => {
-            return Err(ApiError::invalid(
-                "model",
-                "you must provide a model parameter",
-            ))
-        }
+        None => return Err(ApiError::invalid("model", "you must provide a model parameter")),
     };
     let mut max_tokens = None;
     for key in max_tokens_keys {
         if let Some(n) = opt_i64(o, key)? {
             if n < 1 || n > u32::MAX as i64 {
-                return Err(ApiError::invalid(
-                    key,
-                    format!("'{key}' must be at least 1, got {n}"),
-                ));
+                return Err(ApiError::invalid(key, format!("'{key}' must be at least 1, got {n}")));
             }
             max_tokens = Some(n as u32);
         }
@@ -160,19 +155,40 @@ fn parse_common(o: &Map<String, Value>, max_tokens_keys: &[&str]) -> Result<Comm
         Some(v) => return Err(wrong_type("stop", "a string or array of strings", v)),
     };
     if stop.iter().any(String::is_empty) {
-        return Err(ApiError::invalid(
-            "stop",
-            "stop sequences must not be empty",
-        ));
+        return Err(ApiError::invalid("stop", "stop sequences must not be empty"));
     }
-    if let Some(n) = opt_i64(o, "n")? {
-        if n != 1 {
-            return Err(ApiError::unsupported(
+    let n = match opt_i64(o, "n")? {
+        None => 1,
+        Some(n) if (1..=MAX_N).contains(&n) => n as u32,
+        Some(n) => {
+            return Err(ApiError::invalid(
                 "n",
-                format!("'n' = {n} is not supported yet; use n = 1"),
-            ));
+                format!("'n' must be between 1 and {MAX_N}, got {n}"),
+            ))
         }
-    }
+    };
+    let ignore_eos = opt_bool(o, "ignore_eos")?.unwrap_or(false);
+    let min_tokens = match opt_i64(o, "min_tokens")? {
+        None => 0,
+        Some(m) if (0..=u32::MAX as i64).contains(&m) => m as u32,
+        Some(m) => {
+            return Err(ApiError::invalid(
+                "min_tokens",
+                format!("'min_tokens' must be at least 0, got {m}"),
+            ))
+        }
+    };
+    let prompt_cache_key = match get(o, "prompt_cache_key") {
+        None => None,
+        Some(Value::String(k)) if k.len() <= 256 => Some(k.clone()),
+        Some(Value::String(_)) => {
+            return Err(ApiError::invalid(
+                "prompt_cache_key",
+                "'prompt_cache_key' must be at most 256 characters",
+            ))
+        }
+        Some(v) => return Err(wrong_type("prompt_cache_key", "a string", v)),
+    };
     for key in ["presence_penalty", "frequency_penalty"] {
         if let Some(p) = in_range(key, opt_f64(o, key)?, -2.0, 2.0)? {
             if p != 0.0 {
@@ -183,18 +199,9 @@ fn parse_common(o: &Map<String, Value>, max_tokens_keys: &[&str]) -> Result<Comm
             }
         }
     }
-    if opt_bool(o, "logprobs")? == Some(true) || get(o, "top_logprobs").is_some() {
-        return Err(ApiError::unsupported(
-            "logprobs",
-            "'logprobs' is not supported yet",
-        ));
-    }
     if let Some(Value::Array(tools)) = get(o, "tools") {
         if !tools.is_empty() {
-            return Err(ApiError::unsupported(
-                "tools",
-                "tool calling is not supported yet",
-            ));
+            return Err(ApiError::unsupported("tools", "tool calling is not supported yet"));
         }
     }
     if let Some(rf) = get(o, "response_format") {
@@ -231,9 +238,15 @@ fn parse_common(o: &Map<String, Value>, max_tokens_keys: &[&str]) -> Result<Comm
             seed,
             max_tokens: 0,
             stop,
+            ignore_eos,
+            min_tokens,
+            logprobs: false,
+            top_logprobs: 0,
         },
         stream,
         include_usage,
+        n,
+        prompt_cache_key,
     })
 }
 
@@ -254,30 +267,42 @@ fn message_content(i: usize, v: Option<&Value>) -> Result<String, ApiError> {
                             format!("content parts of type {other:?} are not supported; this model reads text"),
                         ))
                     }
-                    _ => return Err(ApiError::invalid(&format!("{param}[{j}]"), "a text part needs 'type': 'text' and a string 'text'")),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            &format!("{param}[{j}]"),
+                            "a text part needs 'type': 'text' and a string 'text'",
+                        ))
+                    }
                 }
             }
             Ok(text)
         }
-        Some(v) => Err(wrong_type(
-            &param,
-            "a string or an array of content parts",
-            v,
-        )),
+        Some(v) => Err(wrong_type(&param, "a string or an array of content parts", v)),
     }
 }
 
 pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
     let o = parse_object(body)?;
-    let common = parse_common(&o, &["max_tokens", "max_completion_tokens"])?;
+    let mut common = parse_common(&o, &["max_tokens", "max_completion_tokens"])?;
+    common.sampling.logprobs = opt_bool(&o, "logprobs")?.unwrap_or(false);
+    if let Some(k) = opt_i64(&o, "top_logprobs")? {
+        if !(0..=20).contains(&k) {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                format!("'top_logprobs' must be between 0 and 20, got {k}"),
+            ));
+        }
+        if !common.sampling.logprobs {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "'top_logprobs' needs 'logprobs': true",
+            ));
+        }
+        common.sampling.top_logprobs = k as u32;
+    }
     let msgs = match get(&o, "messages") {
         Some(Value::Array(a)) if !a.is_empty() => a,
-        Some(Value::Array(_)) => {
-            return Err(ApiError::invalid(
-                "messages",
-                "'messages' must not be empty",
-            ))
-        }
+        Some(Value::Array(_)) => return Err(ApiError::invalid("messages", "'messages' must not be empty")),
         Some(v) => return Err(wrong_type("messages", "an array", v)),
         None => return Err(ApiError::invalid("messages", "you must provide 'messages'")),
     };
@@ -312,7 +337,18 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
 
 pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
     let o = parse_object(body)?;
-    let common = parse_common(&o, &["max_tokens"])?;
+    let mut common = parse_common(&o, &["max_tokens"])?;
+    // The legacy API's `logprobs` is the number of alternatives (0-5).
+    if let Some(k) = opt_i64(&o, "logprobs")? {
+        if !(0..=5).contains(&k) {
+            return Err(ApiError::invalid(
+                "logprobs",
+                format!("'logprobs' must be between 0 and 5, got {k}"),
+            ));
+        }
+        common.sampling.logprobs = true;
+        common.sampling.top_logprobs = k as u32;
+    }
     let bad = || {
         ApiError::invalid(
             "prompt",
@@ -333,9 +369,7 @@ pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
             Value::Number(_) => Prompt::Tokens(token_ids(a).ok_or_else(bad)?),
             _ => return Err(bad()),
         },
-        Some(Value::Array(a)) if a.iter().all(Value::is_number) => {
-            Prompt::Tokens(token_ids(a).ok_or_else(bad)?)
-        }
+        Some(Value::Array(a)) if a.iter().all(Value::is_number) => Prompt::Tokens(token_ids(a).ok_or_else(bad)?),
         Some(Value::Array(_)) => {
             return Err(ApiError::unsupported(
                 "prompt",
@@ -345,12 +379,8 @@ pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
         Some(_) => return Err(bad()),
     };
     match &prompt {
-        Prompt::Text(s) if s.is_empty() => {
-            return Err(ApiError::invalid("prompt", "'prompt' must not be empty"))
-        }
-        Prompt::Tokens(t) if t.is_empty() => {
-            return Err(ApiError::invalid("prompt", "'prompt' must not be empty"))
-        }
+        Prompt::Text(s) if s.is_empty() => return Err(ApiError::invalid("prompt", "'prompt' must not be empty")),
+        Prompt::Tokens(t) if t.is_empty() => return Err(ApiError::invalid("prompt", "'prompt' must not be empty")),
         _ => {}
     }
     if opt_bool(&o, "echo")? == Some(true) {
@@ -389,9 +419,14 @@ mod tests {
             "model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
                                         {"role": "user", "content": "hi"}],
             "temperature": 0, "top_p": 0.9, "max_completion_tokens": 5, "stop": "x", "seed": 7,
-            "stream": true, "stream_options": {"include_usage": true}, "n": 1, "user": "u1"
+            "stream": true, "stream_options": {"include_usage": true}, "n": 3, "user": "u1",
+            "logprobs": true, "top_logprobs": 2, "prompt_cache_key": "conv-1", "ignore_eos": true, "min_tokens": 2
         }))
         .unwrap();
+        assert_eq!(r.common.n, 3);
+        assert!(r.common.sampling.logprobs && r.common.sampling.top_logprobs == 2);
+        assert_eq!(r.common.prompt_cache_key.as_deref(), Some("conv-1"));
+        assert!(r.common.sampling.ignore_eos && r.common.sampling.min_tokens == 2);
         assert_eq!(
             r.messages[0],
             ChatMessage {
@@ -409,10 +444,7 @@ mod tests {
     #[test]
     fn names_the_bad_parameter() {
         let cases = [
-            (
-                json!({"messages": [{"role": "user", "content": "x"}]}),
-                "model",
-            ),
+            (json!({"messages": [{"role": "user", "content": "x"}]}), "model"),
             (json!({"model": "m"}), "messages"),
             (json!({"model": "m", "messages": []}), "messages"),
             (
@@ -436,7 +468,7 @@ mod tests {
                 "max_tokens",
             ),
             (
-                json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}),
+                json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 17}),
                 "n",
             ),
             (
@@ -465,19 +497,14 @@ mod tests {
 
     #[test]
     fn completion_prompts() {
-        let p = |v: Value| {
-            parse_completion(json!({"model": "m", "prompt": v}).to_string().as_bytes())
-                .map(|r| r.prompt)
-        };
+        let p =
+            |v: Value| parse_completion(json!({"model": "m", "prompt": v}).to_string().as_bytes()).map(|r| r.prompt);
         assert_eq!(p(json!("hi")).unwrap(), Prompt::Text("hi".into()));
         assert_eq!(p(json!(["hi"])).unwrap(), Prompt::Text("hi".into()));
         assert_eq!(p(json!([1, 2])).unwrap(), Prompt::Tokens(vec![1, 2]));
         assert_eq!(p(json!([[3]])).unwrap(), Prompt::Tokens(vec![3]));
         assert_eq!(p(json!([-1])).unwrap_err().param.as_deref(), Some("prompt"));
         assert_eq!(p(json!("")).unwrap_err().param.as_deref(), Some("prompt"));
-        assert_eq!(
-            p(json!(["a", "b"])).unwrap_err().code,
-            Some("unsupported_parameter")
-        );
+        assert_eq!(p(json!(["a", "b"])).unwrap_err().code, Some("unsupported_parameter"));
     }
 }

@@ -50,19 +50,14 @@ pub enum RegistryError {
 
 impl ModelRegistry {
     /// Asks each worker what it serves, retrying unreachable workers until `wait` passes.
-    pub async fn discover(
-        workers: Vec<Arc<dyn WorkerClient>>,
-        wait: Duration,
-    ) -> Result<Self, RegistryError> {
+    pub async fn discover(workers: Vec<Arc<dyn WorkerClient>>, wait: Duration) -> Result<Self, RegistryError> {
         let deadline = tokio::time::Instant::now() + wait;
         let mut reg = Self::default();
         for w in workers {
             let info = loop {
                 match w.info().await {
                     Ok(info) => break info,
-                    Err(WorkerError::Unavailable { .. })
-                        if tokio::time::Instant::now() < deadline =>
-                    {
+                    Err(WorkerError::Unavailable { .. }) if tokio::time::Instant::now() < deadline => {
                         tracing::info!(worker = w.name(), "waiting for worker");
                         tokio::time::sleep(Duration::from_millis(500)).await;
                     }
@@ -81,8 +76,7 @@ impl ModelRegistry {
                 model: info.model.clone(),
                 detail,
             };
-            let tokenizer =
-                Tokenizer::from_spec(&info.tokenizer).map_err(|e| model_err(e.to_string()))?;
+            let tokenizer = Tokenizer::from_spec(&info.tokenizer).map_err(|e| model_err(e.to_string()))?;
             let template = match &info.tokenizer.chat_template {
                 Some(src) => {
                     let tok = |id: Option<u32>| {

@@ -115,9 +115,7 @@ impl WorkerClient for HttpWorker {
             if !resp.status().is_success() {
                 return Err(self.protocol(format!("info returned {}", resp.status())));
             }
-            resp.json::<WorkerInfo>()
-                .await
-                .map_err(|e| self.protocol(e))
+            resp.json::<WorkerInfo>().await.map_err(|e| self.protocol(e))
         }
         .boxed()
     }

@@ -84,13 +84,7 @@ fn spawn(args: &[&str]) -> Proc {
 }
 
 fn serve(data: &Path) -> Proc {
-    spawn(&[
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        data.to_str().unwrap(),
-    ])
+    spawn(&["serve", "--listen", "127.0.0.1:0", "--data-dir", data.to_str().unwrap()])
 }
 
 fn admin(data: &Path, args: &[&str]) -> String {
@@ -132,11 +126,7 @@ fn client() -> reqwest::Client {
         .unwrap()
 }
 
-async fn post(
-    url: &str,
-    key: Option<&str>,
-    body: &Value,
-) -> (u16, reqwest::header::HeaderMap, Value) {
+async fn post(url: &str, key: Option<&str>, body: &Value) -> (u16, reqwest::header::HeaderMap, Value) {
     let mut r = client().post(url).json(body);
     if let Some(k) = key {
         r = r.bearer_auth(k);
@@ -149,9 +139,7 @@ async fn post(
 
 fn chat_body(extra: Value) -> Value {
     let mut b = json!({"model": MODEL, "temperature": 0, "messages": [{"role": "user", "content": QUESTION}]});
-    b.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
+    b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
     b
 }
 
@@ -169,14 +157,8 @@ async fn chat_answers_paris_streams_and_records_usage() {
     let data = temp_dir("chat");
     let server = serve(&data);
     assert!(
-        server
-            .stdout_head
-            .iter()
-            .any(|l| l.contains("No API keys yet"))
-            && server
-                .stdout_head
-                .iter()
-                .any(|l| l.contains("key create --tenant")),
+        server.stdout_head.iter().any(|l| l.contains("No API keys yet"))
+            && server.stdout_head.iter().any(|l| l.contains("key create --tenant")),
         "first start must say how to get a key: {:?}",
         server.stdout_head
     );
@@ -216,25 +198,17 @@ async fn chat_answers_paris_streams_and_records_usage() {
         .iter()
         .map(|e| serde_json::from_str(e).unwrap())
         .collect();
-    assert!(chunks
-        .iter()
-        .all(|c| c["object"] == "chat.completion.chunk"));
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let text: String = chunks
         .iter()
         .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
         .collect();
-    assert_eq!(
-        text, content,
-        "streamed text equals the non-streamed answer"
-    );
+    assert_eq!(text, content, "streamed text equals the non-streamed answer");
     let usage_chunk = chunks.last().unwrap();
     assert_eq!(usage_chunk["choices"], json!([]));
     assert_eq!(usage_chunk["usage"]["completion_tokens"], 8);
-    assert_eq!(
-        chunks[chunks.len() - 2]["choices"][0]["finish_reason"],
-        "stop"
-    );
+    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "stop");
 
     // Streaming without usage: no usage chunk, still [DONE].
     let resp = client()
@@ -260,10 +234,7 @@ async fn chat_answers_paris_streams_and_records_usage() {
     assert_eq!(body["usage"]["completion_tokens"], 5);
     assert_eq!(body["choices"][0]["finish_reason"], "length");
     let (_, _, body) = post(&url, Some(&key), &chat_body(json!({"stop": [" Paris"]}))).await;
-    assert_eq!(
-        body["choices"][0]["message"]["content"],
-        "The capital of France is"
-    );
+    assert_eq!(body["choices"][0]["message"]["content"], "The capital of France is");
     assert_eq!(body["choices"][0]["finish_reason"], "stop");
 
     // Seeded sampling is reproducible.
@@ -291,9 +262,9 @@ async fn chat_answers_paris_streams_and_records_usage() {
     let rows = usage_rows(&data);
     assert_eq!(rows.len(), 7, "{rows:?}");
     assert!(rows.iter().all(|r| r["status"] == "completed"));
-    assert!(rows.iter().any(|r| r["prompt_tokens"] == 42
-        && r["completion_tokens"] == 8
-        && r["endpoint"] == "/v1/chat/completions"));
+    assert!(rows
+        .iter()
+        .any(|r| r["prompt_tokens"] == 42 && r["completion_tokens"] == 8 && r["endpoint"] == "/v1/chat/completions"));
 }
 
 #[tokio::test]
@@ -307,9 +278,7 @@ async fn errors_are_openai_shaped_and_keys_revoke() {
         let e = &body["error"];
         assert_eq!(e["code"], code, "{body}");
         assert!(
-            e["message"].as_str().is_some_and(|m| !m.is_empty())
-                && e.get("type").is_some()
-                && e.get("param").is_some()
+            e["message"].as_str().is_some_and(|m| !m.is_empty()) && e.get("type").is_some() && e.get("param").is_some()
         );
     };
 
@@ -345,11 +314,7 @@ async fn errors_are_openai_shaped_and_keys_revoke() {
     )
     .await;
     check(s, &b, 400, "invalid_value");
-    let resp = client()
-        .get(format!("{}/v1/nope", server.url))
-        .send()
-        .await
-        .unwrap();
+    let resp = client().get(format!("{}/v1/nope", server.url)).send().await.unwrap();
     assert_eq!(resp.status(), 404);
     assert!(resp.headers().get("x-request-id").is_some());
 
@@ -387,10 +352,7 @@ async fn errors_are_openai_shaped_and_keys_revoke() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 201);
-    let beta_key = resp.json::<Value>().await.unwrap()["key"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let beta_key = resp.json::<Value>().await.unwrap()["key"].as_str().unwrap().to_string();
     let (s, _, _) = post(&url, Some(&beta_key), &chat_body(json!({"max_tokens": 1}))).await;
     assert_eq!(s, 200);
     let beta_id = beta_key.split('_').nth(1).unwrap();
@@ -426,13 +388,7 @@ async fn client_disconnect_stops_generation_and_is_metered() {
     let url = format!("{}/v1/chat/completions", server.url);
     let body = json!({"model": MODEL, "stream": true, "max_tokens": 4000, "temperature": 1.0, "seed": 1,
                       "messages": [{"role": "user", "content": "Write a very long story about a dragon."}]});
-    let resp = client()
-        .post(&url)
-        .bearer_auth(&key)
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let resp = client().post(&url).bearer_auth(&key).json(&body).send().await.unwrap();
     assert_eq!(resp.status(), 200);
     let mut stream = resp.bytes_stream();
     let mut seen = 0;
@@ -445,10 +401,7 @@ async fn client_disconnect_stops_generation_and_is_metered() {
     // free again: the next request is answered.
     let deadline = Instant::now() + Duration::from_secs(30);
     let row = loop {
-        if let Some(r) = usage_rows(&data)
-            .into_iter()
-            .find(|r| r["status"] == "cancelled")
-        {
+        if let Some(r) = usage_rows(&data).into_iter().find(|r| r["status"] == "cancelled") {
             break r;
         }
         assert!(Instant::now() < deadline, "no cancelled usage row");
@@ -494,10 +447,7 @@ async fn gateway_and_worker_run_apart() {
         .send()
         .await
         .unwrap();
-    assert_eq!(
-        sse_events(resp).await.last().map(String::as_str),
-        Some("[DONE]")
-    );
+    assert_eq!(sse_events(resp).await.last().map(String::as_str), Some("[DONE]"));
 
     // The worker dies: a clean 503, not a hang.
     drop(worker);
@@ -505,9 +455,6 @@ async fn gateway_and_worker_run_apart() {
     assert_eq!(s, 503, "{b}");
     assert_eq!(b["error"]["code"], "service_unavailable");
     let rows = usage_rows(&data);
-    assert_eq!(
-        rows.iter().filter(|r| r["status"] == "completed").count(),
-        2
-    );
+    assert_eq!(rows.iter().filter(|r| r["status"] == "completed").count(), 2);
     assert_eq!(rows.iter().filter(|r| r["status"] == "failed").count(), 1);
 }

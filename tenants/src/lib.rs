@@ -96,10 +96,7 @@ fn random_hex(bytes: usize) -> Result<String, TenantError> {
 }
 
 fn valid_name(name: &str) -> bool {
-    (1..=64).contains(&name.len())
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+    (1..=64).contains(&name.len()) && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
 }
 
 /// Equal-length byte comparison whose time does not depend on where the inputs differ.
@@ -164,10 +161,9 @@ impl TenantStore {
     }
 
     pub async fn list_tenants(&self) -> Result<Vec<Tenant>, TenantError> {
-        let rows =
-            sqlx::query("SELECT id, name, created_at FROM tenants ORDER BY created_at, name")
-                .fetch_all(&self.pool)
-                .await?;
+        let rows = sqlx::query("SELECT id, name, created_at FROM tenants ORDER BY created_at, name")
+            .fetch_all(&self.pool)
+            .await?;
         Ok(rows
             .iter()
             .map(|r| Tenant {
@@ -248,17 +244,12 @@ impl TenantStore {
             .bind(key_id)
             .execute(&self.pool)
             .await?;
-        self.cache
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(key_id);
-        let r = sqlx::query(
-            "SELECT id, tenant_id, name, created_at, revoked_at FROM api_keys WHERE id = ?",
-        )
-        .bind(key_id)
-        .fetch_optional(&self.pool)
-        .await?
-        .ok_or_else(|| TenantError::NoSuchKey(key_id.to_string()))?;
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).remove(key_id);
+        let r = sqlx::query("SELECT id, tenant_id, name, created_at, revoked_at FROM api_keys WHERE id = ?")
+            .bind(key_id)
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or_else(|| TenantError::NoSuchKey(key_id.to_string()))?;
         Ok(ApiKeyInfo {
             id: r.get(0),
             tenant_id: r.get(1),
@@ -278,19 +269,14 @@ impl TenantStore {
 
     /// Checks a presented API key.
     pub async fn authenticate(&self, presented: &str) -> Result<TenantContext, AuthError> {
-        let rest = presented
-            .strip_prefix(KEY_PREFIX)
-            .ok_or(AuthError::Malformed)?;
+        let rest = presented.strip_prefix(KEY_PREFIX).ok_or(AuthError::Malformed)?;
         let (id, secret) = rest.split_once('_').ok_or(AuthError::Malformed)?;
         if id.is_empty() || id.len() > 64 || secret.is_empty() || secret.len() > 256 {
             return Err(AuthError::Malformed);
         }
         let cached = {
             let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-            cache
-                .get(id)
-                .filter(|c| c.fetched.elapsed() < KEY_CACHE_TTL)
-                .cloned()
+            cache.get(id).filter(|c| c.fetched.elapsed() < KEY_CACHE_TTL).cloned()
         };
         let entry = match cached {
             Some(c) => c,
@@ -337,10 +323,7 @@ mod tests {
 
     async fn store() -> TenantStore {
         let pool = SqlitePool::connect("sqlite::memory:").await.unwrap();
-        sqlx::migrate!("../migrations/sqlite")
-            .run(&pool)
-            .await
-            .unwrap();
+        sqlx::migrate!("../migrations/sqlite").run(&pool).await.unwrap();
         TenantStore::new(pool)
     }
 
@@ -368,10 +351,7 @@ mod tests {
         // Wrong secret, malformed, unknown.
         let forged = format!("hk_{}_{}", k.info.id, "0".repeat(64));
         assert_eq!(s.authenticate(&forged).await, Err(AuthError::Unknown));
-        assert_eq!(
-            s.authenticate("sk-whatever").await,
-            Err(AuthError::Malformed)
-        );
+        assert_eq!(s.authenticate("sk-whatever").await, Err(AuthError::Malformed));
         assert_eq!(s.authenticate("hk_nope_abc").await, Err(AuthError::Unknown));
         // The secret is not stored.
         let stored: Vec<u8> = sqlx::query_scalar("SELECT secret_sha256 FROM api_keys")
@@ -384,10 +364,7 @@ mod tests {
         let r = s.revoke_key(&k.info.id).await.unwrap();
         assert!(r.revoked_at.is_some());
         assert_eq!(s.authenticate(&k.key).await, Err(AuthError::Revoked));
-        assert!(matches!(
-            s.revoke_key("missing").await,
-            Err(TenantError::NoSuchKey(_))
-        ));
+        assert!(matches!(s.revoke_key("missing").await, Err(TenantError::NoSuchKey(_))));
         assert_eq!(s.list_keys("acme").await.unwrap().len(), 1);
         assert!(matches!(
             s.create_key("ghost", "").await,

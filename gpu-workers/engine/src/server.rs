@@ -1,6 +1,8 @@
-//! The worker's HTTP server: `GET /healthz`, `GET /v1/worker/info`, and
-//! `POST /v1/worker/generate`, which streams [`GenerateEvent`]s as newline-delimited JSON.
-//! Closing the connection cancels the generation.
+//! The worker's HTTP server: `GET /healthz`, `GET /v1/worker/info`,
+//! `POST /v1/worker/generate` (streams [`GenerateEvent`]s as newline-delimited JSON; closing
+//! the connection cancels the generation) and `GET /v1/worker/events` (the prefix cache's
+//! `KvEvent`s and load reports: a snapshot, then every change; a subscriber that falls
+//! behind gets a fresh snapshot).
 
 use std::convert::Infallible;
 
@@ -19,12 +21,10 @@ use crate::EngineHandle;
 
 pub fn router(engine: EngineHandle) -> Router {
     Router::new()
-        .route(
-            "/healthz",
-            get(|| async { Json(serde_json::json!({"status": "ok"})) }),
-        )
+        .route("/healthz", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
         .route("/v1/worker/info", get(info))
         .route("/v1/worker/generate", post(generate))
+        .route("/v1/worker/events", get(events))
         .with_state(engine)
 }
 
@@ -32,10 +32,7 @@ async fn info(State(engine): State<EngineHandle>) -> impl IntoResponse {
     Json(engine.info().clone())
 }
 
-async fn generate(
-    State(engine): State<EngineHandle>,
-    body: Result<Json<GenerateRequest>, JsonRejection>,
-) -> Response {
+async fn generate(State(engine): State<EngineHandle>, body: Result<Json<GenerateRequest>, JsonRejection>) -> Response {
     let Json(req) = match body {
         Ok(b) => b,
         Err(e) => {
@@ -54,6 +51,40 @@ async fn generate(
     (
         [(header::CONTENT_TYPE, "application/x-ndjson")],
         Body::from_stream(events),
+    )
+        .into_response()
+}
+
+fn ndjson<T: serde::Serialize>(v: &T) -> Bytes {
+    let mut line = serde_json::to_vec(v).unwrap_or_else(|_| b"{}".to_vec());
+    line.push(b'\n');
+    Bytes::from(line)
+}
+
+async fn events(State(engine): State<EngineHandle>) -> Response {
+    let Some((snap, rx)) = engine.subscribe_kv().await else {
+        return (StatusCode::SERVICE_UNAVAILABLE, "the engine is not running").into_response();
+    };
+    let stream = futures_util::stream::unfold((engine, Some((Some(snap), rx))), |(engine, mut sub)| async move {
+        loop {
+            let (snapshot, mut rx) = sub.take()?;
+            if let Some(snap) = snapshot {
+                return Some((Ok::<_, Infallible>(ndjson(&snap)), (engine, Some((None, rx)))));
+            }
+            match rx.recv().await {
+                Ok(ev) => return Some((Ok(ndjson(&ev)), (engine, Some((None, rx))))),
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                    // Fell behind: start over from a fresh snapshot, so the consumer stays exact.
+                    let (snap, rx) = engine.subscribe_kv().await?;
+                    sub = Some((Some(snap), rx));
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    });
+    (
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(stream),
     )
         .into_response()
 }

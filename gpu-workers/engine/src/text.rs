@@ -38,8 +38,7 @@ impl TextStream {
                 }
                 Err(e) => {
                     let valid = e.valid_up_to();
-                    self.held
-                        .push_str(&String::from_utf8_lossy(&self.bytes[..valid]));
+                    self.held.push_str(&String::from_utf8_lossy(&self.bytes[..valid]));
                     match e.error_len() {
                         // Incomplete sequence at the end: wait for more bytes.
                         None => {
@@ -59,19 +58,11 @@ impl TextStream {
     }
 
     fn release(&mut self) -> Released {
-        if let Some(cut) = self
-            .stops
-            .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min()
-        {
+        if let Some(cut) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
             let text = self.held[..cut].to_string();
             self.held.clear();
             self.bytes.clear();
-            return Released {
-                text,
-                stopped: true,
-            };
+            return Released { text, stopped: true };
         }
         // Keep the longest tail that is a proper prefix of some stop string.
         let mut keep = 0;
@@ -85,10 +76,7 @@ impl TextStream {
         let cut = self.held.len() - keep;
         let text = self.held[..cut].to_string();
         self.held.drain(..cut);
-        Released {
-            text,
-            stopped: false,
-        }
+        Released { text, stopped: false }
     }
 
     /// Everything still held, at the end of generation.

@@ -6,26 +6,20 @@ use std::path::PathBuf;
 
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::gguf::GgufFile;
-use hearth_engine::models::llama::{ForwardScratch, LlamaModel};
+use hearth_engine::models::llama::{ForwardScratch, LlamaModel, Session};
 use hearth_engine::sampling::argmax;
 use hearth_engine::tokenizer_spec;
 use hearth_protocol::{ChatMessage, ChatTemplate, Tokenizer};
 
 fn model_path() -> PathBuf {
-    ensure_model(DEFAULT_MODEL_ID, &hearth_home(), &mut |m| eprintln!("{m}"))
-        .expect("default model")
+    ensure_model(DEFAULT_MODEL_ID, &hearth_home(), &mut |m| eprintln!("{m}")).expect("default model")
 }
 
 fn load() -> (LlamaModel, Tokenizer, ChatTemplate) {
     let file = GgufFile::open(&model_path()).unwrap();
     let spec = tokenizer_spec(&file).unwrap();
     let tok = Tokenizer::from_spec(&spec).unwrap();
-    let tmpl = ChatTemplate::new(
-        spec.chat_template.as_deref().unwrap(),
-        "<|im_start|>",
-        "<|im_end|>",
-    )
-    .unwrap();
+    let tmpl = ChatTemplate::new(spec.chat_template.as_deref().unwrap(), "<|im_start|>", "<|im_end|>").unwrap();
     (LlamaModel::load(file).unwrap(), tok, tmpl)
 }
 
@@ -53,35 +47,23 @@ fn golden_prompt_top5_and_greedy_continuation() {
     let (model, tok, tmpl) = load();
     let c = &model.config;
     assert_eq!(
-        (
-            c.n_layers,
-            c.d_model,
-            c.n_ff,
-            c.n_heads,
-            c.n_kv_heads,
-            c.head_dim
-        ),
+        (c.n_layers, c.d_model, c.n_ff, c.n_heads, c.n_kv_heads, c.head_dim),
         (30, 576, 1536, 9, 3, 64)
     );
     assert_eq!((c.vocab_size, c.context_length), (49152, 8192));
     assert_eq!(tok.encode("<|im_start|>user\n"), [1, 4093, 198]);
 
-    let ids = prompt_ids(
-        &tok,
-        &tmpl,
-        "What is the capital of France? Answer in one sentence.",
-    );
+    let ids = prompt_ids(&tok, &tmpl, "What is the capital of France? Answer in one sentence.");
     assert_eq!(
         ids,
         [
-            1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411,
-            407, 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 19842,
-            281, 582, 6330, 30, 2, 198, 1, 520, 9531, 198
+            1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182,
+            2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 19842, 281, 582, 6330, 30, 2, 198, 1, 520, 9531,
+            198
         ]
     );
-    let mut kv = model.new_cache();
-    let mut s = ForwardScratch::default();
-    let mut logits = model.forward(&ids, &mut kv, &mut s);
+    let mut session = Session::new(&model, 256, ForwardScratch::default());
+    let mut logits = session.feed(&ids);
     let top: Vec<u32> = top5(&logits).iter().map(|t| t.0).collect();
     let mut set = top.clone();
     set.sort();
@@ -95,7 +77,7 @@ fn golden_prompt_top5_and_greedy_continuation() {
         if t == 2 {
             break;
         }
-        logits = model.forward(&[t], &mut kv, &mut s);
+        logits = session.feed(&[t]);
     }
     assert_eq!(out, [504, 3575, 282, 4649, 314, 7042, 30, 2]);
     assert_eq!(
@@ -122,16 +104,11 @@ fn knife_edge_logits_stay_close_to_float_reference() {
         (7026, 24.315),
     ];
     let ref_mean = reference.iter().map(|r| r.1).sum::<f32>() / 5.0;
-    for (mode, mut scratch, max_abs, max_centered) in [
-        (
-            "float activations",
-            ForwardScratch::precise(),
-            0.01f32,
-            0.01f32,
-        ),
+    for (mode, scratch, max_abs, max_centered) in [
+        ("float activations", ForwardScratch::precise(), 0.01f32, 0.01f32),
         ("int8 activations", ForwardScratch::default(), 1.5, 0.5),
     ] {
-        let logits = model.forward(&ids, &mut model.new_cache(), &mut scratch);
+        let logits = Session::new(&model, 64, scratch).feed(&ids);
         let mean = reference.iter().map(|r| logits[r.0 as usize]).sum::<f32>() / 5.0;
         let abs = reference
             .iter()

@@ -56,11 +56,7 @@ impl ChatTemplate {
 
     /// Renders the conversation; with `add_generation_prompt` the text ends where the
     /// assistant's reply begins.
-    pub fn render(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String, TemplateError> {
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TemplateError> {
         let tmpl = self
             .env
             .get_template("chat")
@@ -112,8 +108,6 @@ mod tests {
             role: "system".into(),
             content: "x".into(),
         }];
-        assert!(
-            matches!(t.render(&bad, false), Err(TemplateError::Render(m)) if m.contains("first must be user"))
-        );
+        assert!(matches!(t.render(&bad, false), Err(TemplateError::Render(m)) if m.contains("first must be user")));
     }
 }

@@ -5,10 +5,12 @@
 //! token ids the engine will cache), which is why the tokenizer lives here and not in the
 //! engine: a gateway never links the engine, it receives a [`TokenizerSpec`] from a worker.
 
+pub mod blocks;
 pub mod chat;
 pub mod tokenizer;
 mod wire;
 
+pub use blocks::{block_hashes, cache_namespace, chain, namespace_root, BlockHash, DEFAULT_BLOCK_TOKENS};
 pub use chat::{ChatMessage, ChatTemplate, TemplateError};
 pub use tokenizer::{TokenizeError, Tokenizer, TokenizerSpec};
 pub use wire::*;

@@ -72,8 +72,7 @@ fn byte_to_char_table() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut n = 0u32;
     for b in 0..256u32 {
-        let printable =
-            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         table[b as usize] = if printable {
             char::from_u32(b).unwrap_or('\0')
         } else {
@@ -130,18 +129,14 @@ impl Tokenizer {
             byte_ids[b] = vocab.get(&c.to_string()).copied();
         }
         if byte_ids.iter().filter(|b| b.is_some()).count() < 128 {
-            return Err(TokenizeError::Malformed(
-                "the vocabulary is not byte-level".into(),
-            ));
+            return Err(TokenizeError::Malformed("the vocabulary is not byte-level".into()));
         }
         let mut merges = HashMap::with_capacity(spec.merges.len());
         for (rank, m) in spec.merges.iter().enumerate() {
             let (l, r) = m
                 .split_once(' ')
                 .ok_or_else(|| TokenizeError::Malformed(format!("merge {m:?} has no space")))?;
-            let (Some(&li), Some(&ri), Some(&mi)) =
-                (vocab.get(l), vocab.get(r), vocab.get(&format!("{l}{r}")))
-            else {
+            let (Some(&li), Some(&ri), Some(&mi)) = (vocab.get(l), vocab.get(r), vocab.get(&format!("{l}{r}"))) else {
                 continue; // A merge whose parts are not in the vocabulary can never apply.
             };
             merges.entry((li, ri)).or_insert((rank as u32, mi));
@@ -249,10 +244,7 @@ impl Tokenizer {
     }
 
     fn bpe_word(&self, bytes: &[u8], out: &mut Vec<u32>) {
-        let mut ids: Vec<u32> = bytes
-            .iter()
-            .filter_map(|&b| self.byte_ids[b as usize])
-            .collect();
+        let mut ids: Vec<u32> = bytes.iter().filter_map(|&b| self.byte_ids[b as usize]).collect();
         while ids.len() > 1 {
             let mut best: Option<(u32, usize, u32)> = None;
             for i in 0..ids.len() - 1 {
@@ -370,10 +362,7 @@ impl<'a> Iterator for Gpt2Words<'a> {
             if run_end == self.s.len() {
                 break 'end run_end;
             }
-            let last_len = self.s[..run_end]
-                .chars()
-                .next_back()
-                .map_or(1, char::len_utf8);
+            let last_len = self.s[..run_end].chars().next_back().map_or(1, char::len_utf8);
             if run_end - start > last_len {
                 run_end - last_len
             } else {
@@ -457,10 +446,7 @@ mod tests {
         // Digits are isolated, so "42" is two byte tokens.
         assert_eq!(
             &ids[ids.len() - 2..],
-            &[
-                t.byte_ids[b'4' as usize].unwrap(),
-                t.byte_ids[b'2' as usize].unwrap()
-            ]
+            &[t.byte_ids[b'4' as usize].unwrap(), t.byte_ids[b'2' as usize].unwrap()]
         );
     }
 

@@ -20,6 +20,14 @@ pub struct SamplingParams {
     pub max_tokens: u32,
     /// Generation stops before any of these strings; they are not part of the output.
     pub stop: Vec<String>,
+    /// Keep generating past end-of-sequence tokens (benchmarks).
+    pub ignore_eos: bool,
+    /// End-of-sequence tokens are suppressed until this many tokens are generated.
+    pub min_tokens: u32,
+    /// Report the chosen token's log-probability with each token.
+    pub logprobs: bool,
+    /// Also report this many most likely alternatives per position (at most 20).
+    pub top_logprobs: u32,
 }
 
 impl Default for SamplingParams {
@@ -31,6 +39,10 @@ impl Default for SamplingParams {
             seed: None,
             max_tokens: 256,
             stop: Vec::new(),
+            ignore_eos: false,
+            min_tokens: 0,
+            logprobs: false,
+            top_logprobs: 0,
         }
     }
 }
@@ -47,6 +59,23 @@ pub struct GenerateRequest {
     pub prompt: Vec<u32>,
     #[serde(default)]
     pub sampling: SamplingParams,
+    /// Prefix-cache namespace (see [`crate::blocks`]): the tenant, plus `prompt_cache_key`.
+    #[serde(default)]
+    pub cache_namespace: String,
+    /// Completions to generate from the one prompt; they share the prompt's KV blocks.
+    #[serde(default = "one")]
+    pub n: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// One alternative token and its log-probability.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub logprob: f32,
 }
 
 /// Why generation ended.
@@ -85,16 +114,67 @@ pub struct Usage {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum GenerateEvent {
-    /// One generated token and the text it completes (may be empty while a multi-byte
-    /// character or a possible stop string is pending).
-    Token { id: u32, text: String },
-    /// The last event of a successful stream.
+    /// One generated token of choice `index` and the text it completes (may be empty while
+    /// a multi-byte character or a possible stop string is pending).
+    Token {
+        #[serde(default, skip_serializing_if = "is_zero")]
+        index: u32,
+        id: u32,
+        text: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        logprob: Option<f32>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        top_logprobs: Vec<TokenLogprob>,
+    },
+    /// Choice `index` has ended (sent for every choice, before `Done`).
+    Finish { index: u32, finish_reason: FinishReason },
+    /// The last event of a successful stream: all choices have finished.
     Done {
+        /// Why choice 0 ended.
         finish_reason: FinishReason,
         usage: Usage,
     },
     /// The last event of a failed stream.
     Error { code: String, message: String },
+}
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
+}
+
+/// A worker's load, in the units the router's cost model uses.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct LoadReport {
+    /// Sequences being prefilled or decoded.
+    pub running: u32,
+    /// Sequences queued for admission.
+    pub waiting: u32,
+    /// Prompt tokens admitted or queued but not yet computed.
+    pub inflight_prefill_tokens: u64,
+    /// Free KV blocks (including cached blocks that may be evicted).
+    pub free_blocks: u32,
+    pub total_blocks: u32,
+}
+
+/// `GET /v1/worker/events`: what the worker's prefix cache holds, as it changes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum KvEvent {
+    /// First event of a subscription (and after a subscriber fell behind): the whole cache.
+    Snapshot {
+        block_tokens: u32,
+        blocks: Vec<crate::BlockHash>,
+        load: LoadReport,
+    },
+    /// Blocks now cached (reusable by a request with the same prefix).
+    Stored {
+        blocks: Vec<crate::BlockHash>,
+    },
+    /// Blocks evicted.
+    Removed {
+        blocks: Vec<crate::BlockHash>,
+    },
+    Load(LoadReport),
 }
 
 /// `GET /v1/worker/info`: what a worker serves.
@@ -106,5 +186,12 @@ pub struct WorkerInfo {
     pub architecture: String,
     pub context_length: u32,
     pub parameters: u64,
+    /// Tokens per KV block (for hashing prompts the way this worker caches them).
+    #[serde(default = "default_block_tokens")]
+    pub block_tokens: u32,
     pub tokenizer: TokenizerSpec,
+}
+
+fn default_block_tokens() -> u32 {
+    crate::DEFAULT_BLOCK_TOKENS as u32
 }

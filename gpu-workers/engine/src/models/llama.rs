@@ -4,9 +4,10 @@
 
 use rayon::prelude::*;
 
+use crate::attention::{attend_head, HeadSpec};
 use crate::gguf::{GgmlType, GgufError, GgufFile, TensorInfo};
-use crate::kernels::{dequantize_row, dot_f32, matmul, MatmulScratch, WeightView, QK};
-use crate::kv::KvCache;
+use crate::kernels::{dequantize_row, matmul, MatmulScratch, WeightView, QK};
+use crate::kv::KvPool;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -82,9 +83,7 @@ impl LlamaConfig {
             head_dim,
             rope_dims,
             rope_theta: g.get_f64("llama.rope.freq_base").unwrap_or(10000.0) as f32,
-            rms_eps: g
-                .get_f64("llama.attention.layer_norm_rms_epsilon")
-                .unwrap_or(1e-5) as f32,
+            rms_eps: g.get_f64("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f32,
             context_length: u("context_length").unwrap_or(2048),
             vocab_size,
         })
@@ -282,11 +281,11 @@ impl LlamaModel {
     }
 
     /// Rotates adjacent pairs of each head by position (GGUF's RoPE layout).
-    fn rope(&self, x: &mut [f32], n_heads: usize, pos0: usize) {
+    fn rope(&self, x: &mut [f32], n_heads: usize, positions: &[usize]) {
         let hd = self.config.head_dim;
         let width = n_heads * hd;
-        for (t, row) in x.chunks_exact_mut(width).enumerate() {
-            let p = (pos0 + t) as f32;
+        for (row, &pos) in x.chunks_exact_mut(width).zip(positions) {
+            let p = pos as f32;
             let cs: Vec<(f32, f32)> = self
                 .inv_freq
                 .iter()
@@ -303,49 +302,18 @@ impl LlamaModel {
         }
     }
 
-    /// Causal attention of `t` new queries (positions `pos0..pos0+t`) over the cache.
-    fn attention(&self, q: &[f32], kv: &KvCache, layer: usize, pos0: usize, out: &mut [f32]) {
+    /// Runs one step for many sequences at once: row `t` is token `tokens[t]` at position
+    /// `positions[t]` of the sequence whose block table is `tables[t]`. Every weight row is
+    /// read once for all rows. K/V of every row are written into the pool; attention for a
+    /// row sees its own sequence up to its position. Returns logits (`vocab` floats) for
+    /// each row in `logit_rows`, in that order.
+    pub fn forward_batch(&self, b: &Batch<'_>, pool: &mut KvPool, s: &mut ForwardScratch) -> Vec<f32> {
         let c = &self.config;
-        let (hd, h, group) = (c.head_dim, c.n_heads, c.n_heads / c.n_kv_heads);
-        let kv_dim = c.kv_dim();
-        let scale = 1.0 / (hd as f32).sqrt();
-        let (keys, values) = kv.layer(layer);
-        out.par_chunks_mut(hd).enumerate().for_each_init(
-            Vec::new,
-            |scores: &mut Vec<f32>, (i, o)| {
-                let (t, head) = (i / h, i % h);
-                let g = head / group;
-                let qh = &q[t * h * hd + head * hd..][..hd];
-                let n = pos0 + t + 1;
-                scores.clear();
-                scores.extend(
-                    (0..n).map(|j| dot_f32(qh, &keys[j * kv_dim + g * hd..][..hd]) * scale),
-                );
-                let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                let mut sum = 0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                o.fill(0.0);
-                for (j, s) in scores.iter().enumerate() {
-                    let w = s / sum;
-                    for (ov, vv) in o.iter_mut().zip(&values[j * kv_dim + g * hd..][..hd]) {
-                        *ov += w * vv;
-                    }
-                }
-            },
-        );
-    }
-
-    /// Runs `tokens` (appended after what `kv` holds) and returns the logits of the last one.
-    pub fn forward(&self, tokens: &[u32], kv: &mut KvCache, s: &mut ForwardScratch) -> Vec<f32> {
-        let c = &self.config;
-        let (t, d, kvd) = (tokens.len(), c.d_model, c.kv_dim());
-        let pos0 = kv.len();
+        let (t, d, kvd, hd) = (b.tokens.len(), c.d_model, c.kv_dim(), c.head_dim);
+        let bt = pool.block_tokens();
         let mut x = vec![0f32; t * d];
         let embed = self.view(&self.embed);
-        for (row, &tok) in x.chunks_exact_mut(d).zip(tokens) {
+        for (row, &tok) in x.chunks_exact_mut(d).zip(b.tokens) {
             dequantize_row(embed.ty, embed.row(tok as usize), row);
         }
         let mut h = vec![0f32; t * d];
@@ -356,15 +324,38 @@ impl LlamaModel {
         let mut o = vec![0f32; t * d];
         let mut gate = vec![0f32; t * c.n_ff];
         let mut up = vec![0f32; t * c.n_ff];
+        let group = c.n_heads / c.n_kv_heads;
         for (l, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
             matmul(&self.view(&layer.wq), &h, &mut q, &mut s.mm);
             matmul(&self.view(&layer.wk), &h, &mut k, &mut s.mm);
             matmul(&self.view(&layer.wv), &h, &mut v, &mut s.mm);
-            self.rope(&mut q, c.n_heads, pos0);
-            self.rope(&mut k, c.n_kv_heads, pos0);
-            kv.append(l, &k, &v);
-            self.attention(&q, kv, l, pos0, &mut att);
+            self.rope(&mut q, c.n_heads, b.positions);
+            self.rope(&mut k, c.n_kv_heads, b.positions);
+            for r in 0..t {
+                let p = b.positions[r];
+                pool.write(
+                    b.tables[r][p / bt],
+                    p % bt,
+                    l,
+                    &k[r * kvd..(r + 1) * kvd],
+                    &v[r * kvd..(r + 1) * kvd],
+                );
+            }
+            let pool_ref: &KvPool = pool;
+            att.par_chunks_mut(hd)
+                .enumerate()
+                .for_each_init(Vec::new, |scores, (i, out)| {
+                    let (r, head) = (i / c.n_heads, i % c.n_heads);
+                    let spec = HeadSpec {
+                        layer: l,
+                        kv_head: head / group,
+                        head_dim: hd,
+                        kv_dim: kvd,
+                    };
+                    let qh = &q[r * d + head * hd..][..hd];
+                    attend_head(qh, b.positions[r] + 1, b.tables[r], pool_ref, spec, out, scores);
+                });
             matmul(&self.view(&layer.wo), &att, &mut o, &mut s.mm);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
@@ -376,16 +367,68 @@ impl LlamaModel {
             matmul(&self.view(&layer.w_down), &gate, &mut o, &mut s.mm);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         }
-        kv.commit(t);
-        let mut last = vec![0f32; d];
-        rms_norm(&x[(t - 1) * d..], &self.output_norm, c.rms_eps, &mut last);
-        let mut logits = vec![0f32; c.vocab_size];
+        if b.logit_rows.is_empty() {
+            return Vec::new();
+        }
+        let mut last = vec![0f32; b.logit_rows.len() * d];
+        for (dst, &r) in last.chunks_exact_mut(d).zip(b.logit_rows) {
+            rms_norm(&x[r * d..(r + 1) * d], &self.output_norm, c.rms_eps, dst);
+        }
+        let mut logits = vec![0f32; b.logit_rows.len() * c.vocab_size];
         matmul(&self.view(&self.output), &last, &mut logits, &mut s.mm);
         logits
     }
 
-    /// A fresh cache for one sequence.
-    pub fn new_cache(&self) -> KvCache {
-        KvCache::new(self.config.n_layers, self.config.kv_dim())
+    /// KV bytes per cached token.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        KvPool::block_bytes(self.config.n_layers, self.config.kv_dim(), 1)
+    }
+}
+
+/// One forward step's rows (see [`LlamaModel::forward_batch`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Batch<'a> {
+    pub tokens: &'a [u32],
+    pub positions: &'a [usize],
+    pub tables: &'a [&'a [u32]],
+    pub logit_rows: &'a [usize],
+}
+
+/// One sequence over its own small paged cache: for tests, tools and numerics checks.
+pub struct Session<'m> {
+    model: &'m LlamaModel,
+    pool: KvPool,
+    table: Vec<u32>,
+    len: usize,
+    scratch: ForwardScratch,
+}
+
+impl<'m> Session<'m> {
+    /// A session that can hold `capacity` tokens.
+    pub fn new(model: &'m LlamaModel, capacity: usize, scratch: ForwardScratch) -> Self {
+        let bt = hearth_protocol::DEFAULT_BLOCK_TOKENS;
+        let blocks = capacity.div_ceil(bt);
+        let c = &model.config;
+        Self {
+            model,
+            pool: KvPool::new(c.n_layers, c.kv_dim(), bt, blocks),
+            table: (0..blocks as u32).collect(),
+            len: 0,
+            scratch,
+        }
+    }
+
+    /// Appends tokens and returns the logits after the last one.
+    pub fn feed(&mut self, tokens: &[u32]) -> Vec<f32> {
+        let positions: Vec<usize> = (self.len..self.len + tokens.len()).collect();
+        let tables = vec![&self.table[..]; tokens.len()];
+        let batch = Batch {
+            tokens,
+            positions: &positions,
+            tables: &tables,
+            logit_rows: &[tokens.len() - 1],
+        };
+        self.len += tokens.len();
+        self.model.forward_batch(&batch, &mut self.pool, &mut self.scratch)
     }
 }

@@ -1,0 +1,245 @@
+//! `hearth bench engine`: the engine's hot paths measured in-process, printed as a table and
+//! returned as JSON. Each measurement uses its own cache namespace so that only the TTFT
+//! comparison sees prefix-cache hits.
+
+use std::path::Path;
+use std::time::Instant;
+
+use hearth_protocol::{GenerateEvent, GenerateRequest, SamplingParams};
+use serde::Serialize;
+
+use crate::sampling::Rng;
+use crate::{EngineConfig, EngineError, EngineHandle};
+
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    pub threads: usize,
+    pub kv_cache_mib: Option<usize>,
+    /// Fewer tokens per measurement (for smoke runs).
+    pub quick: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    pub model: String,
+    pub threads: usize,
+    pub isa: String,
+    pub model_file_mib: f64,
+    pub kv_cache_mib: f64,
+    pub load_s: f64,
+    pub prefill_512_tok_s: f64,
+    pub decode_1_tok_s: f64,
+    pub decode_8_tok_s: f64,
+    pub decode_32_tok_s: f64,
+    pub ttft_1000_cold_ms: f64,
+    pub ttft_1000_cached_900_ms: f64,
+    pub ttft_cached_over_cold: f64,
+    pub cached_tokens_reported: u32,
+    pub rss_after_load_mib: f64,
+    pub peak_rss_mib: f64,
+}
+
+fn rss_mib(field: &str) -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kib| kib / 1024.0)
+}
+
+/// Random ordinary tokens (ids above the special tokens).
+fn prompt(rng: &mut Rng, n: usize, vocab: u32) -> Vec<u32> {
+    (0..n)
+        .map(|_| 17 + (rng.next_u64() % (vocab as u64 - 17)) as u32)
+        .collect()
+}
+
+/// When each token of a request arrived, and its usage.
+struct Trace {
+    start: Instant,
+    tokens: Vec<Instant>,
+    cached: u32,
+}
+
+async fn run_one(engine: &EngineHandle, prompt: Vec<u32>, max_tokens: u32, namespace: String) -> Trace {
+    let req = GenerateRequest {
+        request_id: format!("bench-{namespace}"),
+        model: engine.info().model.clone(),
+        prompt,
+        sampling: SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        },
+        cache_namespace: namespace,
+        n: 1,
+    };
+    let start = Instant::now();
+    let mut rx = engine.generate(req);
+    let mut trace = Trace {
+        start,
+        tokens: Vec::new(),
+        cached: 0,
+    };
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            GenerateEvent::Token { .. } => trace.tokens.push(Instant::now()),
+            GenerateEvent::Done { usage, .. } => {
+                trace.cached = usage.cached_tokens;
+                break;
+            }
+            GenerateEvent::Error { message, .. } => panic!("bench request failed: {message}"),
+            GenerateEvent::Finish { .. } => {}
+        }
+    }
+    trace
+}
+
+/// Aggregate decode tokens/s with `n` concurrent streams: tokens produced while all `n`
+/// were decoding, over that window.
+async fn decode_streams(engine: &EngineHandle, rng: &mut Rng, n: usize, max_tokens: u32, tag: &str) -> f64 {
+    let vocab = engine.info().tokenizer.tokens.len() as u32;
+    let handles: Vec<_> = (0..n)
+        .map(|i| {
+            let e = engine.clone();
+            let p = prompt(rng, 16, vocab);
+            let ns = format!("{tag}-{i}");
+            tokio::spawn(async move { run_one(&e, p, max_tokens, ns).await })
+        })
+        .collect();
+    let mut traces = Vec::new();
+    for h in handles {
+        traces.push(h.await.expect("bench task"));
+    }
+    let all_started = traces
+        .iter()
+        .filter_map(|t| t.tokens.first())
+        .max()
+        .copied()
+        .unwrap_or_else(Instant::now);
+    let end = traces
+        .iter()
+        .filter_map(|t| t.tokens.last())
+        .max()
+        .copied()
+        .unwrap_or_else(Instant::now);
+    let window = (end - all_started).as_secs_f64();
+    let tokens: usize = traces
+        .iter()
+        .map(|t| t.tokens.iter().filter(|&&x| x > all_started).count())
+        .sum();
+    tokens as f64 / window.max(1e-9)
+}
+
+pub async fn run(model_path: &Path, model_id: &str, cfg: &BenchConfig) -> Result<BenchReport, EngineError> {
+    let ecfg = EngineConfig {
+        threads: cfg.threads,
+        kv_cache_mib: cfg.kv_cache_mib,
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let engine = EngineHandle::load(model_path, model_id, &ecfg)?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let rss_after_load = rss_mib("VmRSS:");
+    let vocab = engine.info().tokenizer.tokens.len() as u32;
+    let mut rng = Rng::new(20261129);
+    let (decode_tokens, stream_tokens) = if cfg.quick { (32, 16) } else { (128, 64) };
+
+    // Warm up (page in the weights).
+    run_one(&engine, prompt(&mut rng, 32, vocab), 4, "warmup".into()).await;
+
+    let mut prefill = 0f64;
+    for i in 0..if cfg.quick { 1 } else { 3 } {
+        let t = run_one(&engine, prompt(&mut rng, 512, vocab), 1, format!("prefill-{i}")).await;
+        let ttft = (t.tokens[0] - t.start).as_secs_f64();
+        prefill = prefill.max(512.0 / ttft);
+    }
+
+    let t = run_one(&engine, prompt(&mut rng, 16, vocab), decode_tokens, "decode-1".into()).await;
+    let decode_1 = (t.tokens.len() - 1) as f64
+        / (*t.tokens.last().unwrap_or(&t.start) - t.tokens[0])
+            .as_secs_f64()
+            .max(1e-9);
+    let decode_8 = decode_streams(&engine, &mut rng, 8, stream_tokens, "decode-8").await;
+    let decode_32 = decode_streams(&engine, &mut rng, 32, stream_tokens, "decode-32").await;
+
+    let prefix = prompt(&mut rng, 900, vocab);
+    let with = |suffix: Vec<u32>| prefix.iter().copied().chain(suffix).collect::<Vec<u32>>();
+    let cold = run_one(&engine, with(prompt(&mut rng, 100, vocab)), 1, "ttft".into()).await;
+    let warm = run_one(&engine, with(prompt(&mut rng, 100, vocab)), 1, "ttft".into()).await;
+    let ms = |t: &Trace| (t.tokens[0] - t.start).as_secs_f64() * 1000.0;
+
+    let c = engine.info();
+    let file_mib = std::fs::metadata(model_path).map_or(0.0, |m| m.len() as f64 / (1 << 20) as f64);
+    Ok(BenchReport {
+        model: c.model.clone(),
+        threads: cfg.threads,
+        isa: format!("{:?}", crate::kernels::isa()),
+        model_file_mib: file_mib,
+        kv_cache_mib: engine.kv_cache_bytes() as f64 / (1 << 20) as f64,
+        load_s,
+        prefill_512_tok_s: prefill,
+        decode_1_tok_s: decode_1,
+        decode_8_tok_s: decode_8,
+        decode_32_tok_s: decode_32,
+        ttft_1000_cold_ms: ms(&cold),
+        ttft_1000_cached_900_ms: ms(&warm),
+        ttft_cached_over_cold: ms(&warm) / ms(&cold),
+        cached_tokens_reported: warm.cached,
+        rss_after_load_mib: rss_after_load,
+        peak_rss_mib: rss_mib("VmHWM:"),
+    })
+}
+
+impl BenchReport {
+    /// A plain-text table.
+    pub fn table(&self) -> String {
+        let rows = [
+            ("model load", format!("{:.3} s", self.load_s)),
+            (
+                "prefill, 512-token prompt",
+                format!("{:.0} tok/s", self.prefill_512_tok_s),
+            ),
+            ("decode, 1 stream", format!("{:.1} tok/s", self.decode_1_tok_s)),
+            (
+                "decode, 8 streams (aggregate)",
+                format!("{:.1} tok/s", self.decode_8_tok_s),
+            ),
+            (
+                "decode, 32 streams (aggregate)",
+                format!("{:.1} tok/s", self.decode_32_tok_s),
+            ),
+            (
+                "TTFT, 1000-token prompt, cold",
+                format!("{:.1} ms", self.ttft_1000_cold_ms),
+            ),
+            (
+                "TTFT, 1000 tokens, 900 cached",
+                format!(
+                    "{:.1} ms ({:.2}x cold; {} cached)",
+                    self.ttft_1000_cached_900_ms, self.ttft_cached_over_cold, self.cached_tokens_reported
+                ),
+            ),
+            ("RSS after load", format!("{:.0} MiB", self.rss_after_load_mib)),
+            (
+                "peak RSS",
+                format!(
+                    "{:.0} MiB (file {:.0} MiB + KV pool {:.0} MiB)",
+                    self.peak_rss_mib, self.model_file_mib, self.kv_cache_mib
+                ),
+            ),
+        ];
+        let mut out = format!(
+            "hearth bench engine — {} — {} threads, {}\n",
+            self.model, self.threads, self.isa
+        );
+        for (k, v) in rows {
+            out.push_str(&format!("  {k:<34} {v}\n"));
+        }
+        out
+    }
+}
