@@ -1,7 +1,7 @@
 //! Attention over the paged KV cache: one query head against positions `0..n` of a
 //! sequence, read through its block table.
 
-use crate::kernels::dot_f32;
+use crate::kernels::{axpy, dot_f32};
 use crate::kv::KvPool;
 
 /// Where one head's keys and values live.
@@ -48,10 +48,11 @@ pub fn attend_head(
         let values = pool.values(block, h.layer);
         let here = (n - bi * bt).min(bt);
         for slot in 0..here {
-            let w = scores[bi * bt + slot] * inv;
-            for (o, v) in out.iter_mut().zip(&values[slot * h.kv_dim + off..][..hd]) {
-                *o += w * v;
-            }
+            axpy(
+                scores[bi * bt + slot] * inv,
+                &values[slot * h.kv_dim + off..][..hd],
+                out,
+            );
         }
     }
 }

@@ -92,63 +92,79 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Activations quantized to 8 bits in blocks of 32: per block a scale, the sum of its
-/// quants (for the Q4_0/Q4_1 offset terms) and 32 quants.
+/// One block of 32 activations quantized to 8 bits: scale, scale × sum of the quants (for
+/// the Q4_0/Q4_1 offset terms) and the quants, interleaved so a dot product reads one
+/// stream.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BlockQ8 {
+    pub d: f32,
+    pub s: f32,
+    pub qs: [i8; QK],
+}
+
+/// Activations quantized to 8 bits in blocks of 32, row after row.
 #[derive(Debug, Default)]
 pub struct QuantizedActs {
     pub blocks_per_row: usize,
-    pub d: Vec<f32>,
-    pub sum: Vec<i32>,
-    pub qs: Vec<i8>,
+    pub blocks: Vec<BlockQ8>,
+}
+
+fn quantize_block_scalar(xb: &[f32], out: &mut BlockQ8) {
+    let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let mut sum = 0i32;
+    for (q, v) in out.qs.iter_mut().zip(xb) {
+        let qi = (v * id).round() as i32;
+        *q = qi as i8;
+        sum += qi;
+    }
+    out.d = d;
+    out.s = d * sum as f32;
 }
 
 impl QuantizedActs {
-    /// Quantizes `rows` rows of `cols` (a multiple of 32) floats.
+    /// Quantizes rows of `cols` (a multiple of 32) floats.
     pub fn quantize(&mut self, x: &[f32], cols: usize) {
-        let nb = cols / QK;
-        let n_blocks = x.len() / QK;
-        self.blocks_per_row = nb;
-        self.d.resize(n_blocks, 0.0);
-        self.sum.resize(n_blocks, 0);
-        self.qs.resize(n_blocks * QK, 0);
-        for (b, xb) in x.chunks_exact(QK).enumerate() {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let mut s = 0i32;
-            for (q, v) in self.qs[b * QK..(b + 1) * QK].iter_mut().zip(xb) {
-                let qi = (v * id).round() as i32;
-                *q = qi as i8;
-                s += qi;
+        self.blocks_per_row = cols / QK;
+        self.blocks.resize(x.len() / QK, BlockQ8::default());
+        let blocks = &mut self.blocks;
+        let work = |xs: &[f32], bs: &mut [BlockQ8]| {
+            #[cfg(target_arch = "x86_64")]
+            if isa() == Isa::Avx2 {
+                for (xb, b) in xs.chunks_exact(QK).zip(bs.iter_mut()) {
+                    // SAFETY: features checked by `isa()`; `xb` has 32 floats.
+                    unsafe { avx2::quantize_block(xb, b) };
+                }
+                return;
             }
-            self.d[b] = d;
-            self.sum[b] = s;
+            for (xb, b) in xs.chunks_exact(QK).zip(bs.iter_mut()) {
+                quantize_block_scalar(xb, b);
+            }
+        };
+        // Large inputs (prefill) are split across threads.
+        if x.len() >= 64 * 1024 {
+            let per = 256;
+            x.par_chunks(per * QK)
+                .zip(blocks.par_chunks_mut(per))
+                .for_each(|(xs, bs)| work(xs, bs));
+        } else {
+            work(x, blocks);
         }
     }
 
-    fn row(&self, r: usize) -> ActRow<'_> {
+    fn row(&self, r: usize) -> &[BlockQ8] {
         let nb = self.blocks_per_row;
-        ActRow {
-            d: &self.d[r * nb..(r + 1) * nb],
-            sum: &self.sum[r * nb..(r + 1) * nb],
-            qs: &self.qs[r * nb * QK..(r + 1) * nb * QK],
-        }
+        &self.blocks[r * nb..(r + 1) * nb]
     }
-}
-
-/// One quantized activation row.
-#[derive(Clone, Copy)]
-pub struct ActRow<'a> {
-    pub d: &'a [f32],
-    pub sum: &'a [i32],
-    pub qs: &'a [i8],
 }
 
 /// Scalar reference dot product of one quantized weight row with one activation row.
-pub fn dot_q_scalar(ty: GgmlType, w: &[u8], x: ActRow<'_>) -> f32 {
+pub fn dot_q_scalar(ty: GgmlType, w: &[u8], x: &[BlockQ8]) -> f32 {
     let mut acc = 0f32;
-    for b in 0..x.d.len() {
-        let xq = &x.qs[b * QK..(b + 1) * QK];
+    for (b, xb) in x.iter().enumerate() {
+        let xq = &xb.qs;
         match ty {
             GgmlType::Q4_0 => {
                 let blk = &w[b * 18..(b + 1) * 18];
@@ -157,7 +173,7 @@ pub fn dot_q_scalar(ty: GgmlType, w: &[u8], x: ActRow<'_>) -> f32 {
                     s += ((blk[2 + j] & 0x0F) as i32 - 8) * xq[j] as i32;
                     s += ((blk[2 + j] >> 4) as i32 - 8) * xq[j + 16] as i32;
                 }
-                acc += f16_at(blk, 0) * x.d[b] * s as f32;
+                acc += f16_at(blk, 0) * xb.d * s as f32;
             }
             GgmlType::Q4_1 => {
                 let blk = &w[b * 20..(b + 1) * 20];
@@ -166,12 +182,12 @@ pub fn dot_q_scalar(ty: GgmlType, w: &[u8], x: ActRow<'_>) -> f32 {
                     s += (blk[4 + j] & 0x0F) as i32 * xq[j] as i32;
                     s += (blk[4 + j] >> 4) as i32 * xq[j + 16] as i32;
                 }
-                acc += f16_at(blk, 0) * x.d[b] * s as f32 + f16_at(blk, 2) * x.d[b] * x.sum[b] as f32;
+                acc += f16_at(blk, 0) * xb.d * s as f32 + f16_at(blk, 2) * xb.s;
             }
             GgmlType::Q8_0 => {
                 let blk = &w[b * 34..(b + 1) * 34];
                 let s: i32 = (0..QK).map(|j| blk[2 + j] as i8 as i32 * xq[j] as i32).sum();
-                acc += f16_at(blk, 0) * x.d[b] * s as f32;
+                acc += f16_at(blk, 0) * xb.d * s as f32;
             }
             _ => {}
         }
@@ -181,15 +197,8 @@ pub fn dot_q_scalar(ty: GgmlType, w: &[u8], x: ActRow<'_>) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{ActRow, GgmlType, QK};
+    use super::{BlockQ8, GgmlType};
     use std::arch::x86_64::*;
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn f16(p: *const u8) -> f32 {
-        let bits = u16::from_le_bytes([*p, *p.add(1)]);
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-    }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -200,69 +209,133 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `w` must hold `x.d.len()` blocks of `ty`.
+    /// Two f16 values at `p` as f32 (one conversion for a block's d and m).
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q(ty: GgmlType, w: &[u8], x: ActRow<'_>) -> f32 {
-        let nb = x.d.len();
+    unsafe fn f16x2(p: *const u8) -> (f32, f32) {
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const i32)));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn f16x1(p: *const u8) -> f32 {
+        let bits = std::ptr::read_unaligned(p as *const u16);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    /// # Safety
+    /// AVX2/FMA/F16C available; `x` has 32 floats.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn quantize_block(x: &[f32], out: &mut BlockQ8) {
+        let p = x.as_ptr();
+        let v = [
+            _mm256_loadu_ps(p),
+            _mm256_loadu_ps(p.add(8)),
+            _mm256_loadu_ps(p.add(16)),
+            _mm256_loadu_ps(p.add(24)),
+        ];
+        let sign = _mm256_set1_ps(-0.0);
+        let mut m = _mm256_andnot_ps(sign, v[0]);
+        for vi in &v[1..] {
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, *vi));
+        }
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        let amax = _mm_cvtss_f32(m4);
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
+        let i: [__m256i; 4] = [
+            _mm256_cvtps_epi32(_mm256_mul_ps(v[0], id)),
+            _mm256_cvtps_epi32(_mm256_mul_ps(v[1], id)),
+            _mm256_cvtps_epi32(_mm256_mul_ps(v[2], id)),
+            _mm256_cvtps_epi32(_mm256_mul_ps(v[3], id)),
+        ];
+        let sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+        let s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        let s4 = _mm_hadd_epi32(s4, s4);
+        let s4 = _mm_hadd_epi32(s4, s4);
+        let total = _mm_cvtsi128_si32(s4);
+        // Pack i32 → i16 → i8; the packs interleave 128-bit lanes, so restore the order.
+        let a = _mm256_packs_epi32(i[0], i[1]);
+        let b = _mm256_packs_epi32(i[2], i[3]);
+        let q = _mm256_packs_epi16(a, b);
+        let q = _mm256_permutevar8x32_epi32(q, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(out.qs.as_mut_ptr() as *mut __m256i, q);
+        out.d = d;
+        out.s = d * total as f32;
+    }
+
+    /// One weight row against `N` activation rows: the weight block is unpacked once per
+    /// block and each row keeps its own accumulators.
+    ///
+    /// # Safety
+    /// AVX2/FMA/F16C available; `w` holds `xs[j].len()` blocks of `ty` for every j.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_rows<const N: usize>(ty: GgmlType, w: &[u8], xs: [&[BlockQ8]; N], out: &mut [f32]) {
+        let nb = xs[0].len();
         let ones = _mm256_set1_epi16(1);
         let mask = _mm_set1_epi8(0x0F);
-        let mut acc = _mm256_setzero_ps();
-        let mut extra = 0f32;
-        let xp = x.qs.as_ptr();
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut extra = [0f32; N];
+        let wp = w.as_ptr();
         match ty {
             GgmlType::Q4_1 => {
-                debug_assert!(w.len() >= nb * 20);
                 for b in 0..nb {
-                    let blk = w.as_ptr().add(b * 20);
+                    let blk = wp.add(b * 20);
+                    let (d, m) = f16x2(blk);
                     let qs = _mm_loadu_si128(blk.add(4) as *const __m128i);
-                    let lo = _mm_and_si128(qs, mask);
-                    let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-                    let wv = _mm256_set_m128i(hi, lo);
-                    let xv = _mm256_loadu_si256(xp.add(b * QK) as *const __m256i);
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
-                    let xd = *x.d.get_unchecked(b);
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd), _mm256_cvtepi32_ps(p), acc);
-                    extra += f16(blk.add(2)) * xd * *x.sum.get_unchecked(b) as f32;
+                    let wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), _mm_and_si128(qs, mask));
+                    for j in 0..N {
+                        let xb = xs[j].get_unchecked(b);
+                        let xv = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+                        acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), _mm256_cvtepi32_ps(p), acc[j]);
+                        extra[j] += m * xb.s;
+                    }
                 }
             }
             GgmlType::Q4_0 => {
-                debug_assert!(w.len() >= nb * 18);
                 for b in 0..nb {
-                    let blk = w.as_ptr().add(b * 18);
+                    let blk = wp.add(b * 18);
+                    let d = f16x1(blk);
                     let qs = _mm_loadu_si128(blk.add(2) as *const __m128i);
-                    let lo = _mm_and_si128(qs, mask);
-                    let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-                    let wv = _mm256_set_m128i(hi, lo);
-                    let xv = _mm256_loadu_si256(xp.add(b * QK) as *const __m256i);
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
-                    let scale = f16(blk) * *x.d.get_unchecked(b);
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(p), acc);
-                    // Σ(q-8)·x = Σq·x − 8·Σx
-                    extra -= 8.0 * scale * *x.sum.get_unchecked(b) as f32;
+                    let wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), _mm_and_si128(qs, mask));
+                    for j in 0..N {
+                        let xb = xs[j].get_unchecked(b);
+                        let xv = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+                        acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), _mm256_cvtepi32_ps(p), acc[j]);
+                        // Σ(q−8)·x = Σq·x − 8·Σx
+                        extra[j] -= 8.0 * d * xb.s;
+                    }
                 }
             }
             GgmlType::Q8_0 => {
-                debug_assert!(w.len() >= nb * 34);
                 for b in 0..nb {
-                    let blk = w.as_ptr().add(b * 34);
+                    let blk = wp.add(b * 34);
+                    let d = f16x1(blk);
                     let wv = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-                    let xv = _mm256_loadu_si256(xp.add(b * QK) as *const __m256i);
                     // maddubs needs an unsigned operand: |w| · (x with w's sign).
                     let aw = _mm256_sign_epi8(wv, wv);
-                    let sx = _mm256_sign_epi8(xv, wv);
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
-                    let scale = f16(blk) * *x.d.get_unchecked(b);
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(p), acc);
+                    for j in 0..N {
+                        let xb = xs[j].get_unchecked(b);
+                        let xv = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
+                        acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), _mm256_cvtepi32_ps(p), acc[j]);
+                    }
                 }
             }
             _ => {}
         }
-        hsum(acc) + extra
+        for j in 0..N {
+            *out.get_unchecked_mut(j) = hsum(acc[j]) + extra[j];
+        }
     }
 
     /// # Safety
-    /// The CPU must support AVX2 and FMA; `a.len() == b.len()`.
+    /// AVX2/FMA available.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         let n = a.len().min(b.len());
@@ -288,6 +361,29 @@ mod avx2 {
             i += 1;
         }
         s
+    }
+
+    /// `out += w · v` (attention's value accumulation).
+    ///
+    /// # Safety
+    /// AVX2/FMA available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy(w: f32, v: &[f32], out: &mut [f32]) {
+        let n = v.len().min(out.len());
+        let wv = _mm256_set1_ps(w);
+        let mut i = 0;
+        while i + 8 <= n {
+            let o = out.as_mut_ptr().add(i);
+            _mm256_storeu_ps(
+                o,
+                _mm256_fmadd_ps(wv, _mm256_loadu_ps(v.as_ptr().add(i)), _mm256_loadu_ps(o)),
+            );
+            i += 8;
+        }
+        while i < n {
+            out[i] += w * v[i];
+            i += 1;
+        }
     }
 }
 
@@ -315,16 +411,34 @@ pub fn isa() -> Isa {
     })
 }
 
-/// Dot product of a quantized weight row with a quantized activation row.
+/// One quantized weight row against up to 4 activation rows; `out[j]` gets row j's dot.
 #[inline]
-pub fn dot_q(ty: GgmlType, w: &[u8], x: ActRow<'_>) -> f32 {
+fn dot_q_rows(ty: GgmlType, w: &[u8], xs: &[&[BlockQ8]], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if isa() == Isa::Avx2 {
-        // SAFETY: `isa()` verified the CPU features; row lengths are set by the caller from
-        // the same matrix shape (checked at model load).
-        return unsafe { avx2::dot_q(ty, w, x) };
+        // SAFETY: `isa()` verified the CPU features; every activation row has as many
+        // blocks as the weight row (both come from the same matrix shape).
+        unsafe {
+            match xs.len() {
+                4 => avx2::dot_rows::<4>(ty, w, [xs[0], xs[1], xs[2], xs[3]], out),
+                3 => avx2::dot_rows::<3>(ty, w, [xs[0], xs[1], xs[2]], out),
+                2 => avx2::dot_rows::<2>(ty, w, [xs[0], xs[1]], out),
+                _ => avx2::dot_rows::<1>(ty, w, [xs[0]], out),
+            }
+        }
+        return;
     }
-    dot_q_scalar(ty, w, x)
+    for (o, x) in out.iter_mut().zip(xs) {
+        *o = dot_q_scalar(ty, w, x);
+    }
+}
+
+/// Dot product of a quantized weight row with a quantized activation row.
+#[inline]
+pub fn dot_q(ty: GgmlType, w: &[u8], x: &[BlockQ8]) -> f32 {
+    let mut out = [0f32; 1];
+    dot_q_rows(ty, w, &[x], &mut out);
+    out[0]
 }
 
 /// Float dot product.
@@ -338,6 +452,20 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
+/// `out += w · v`.
+#[inline]
+pub fn axpy(w: f32, v: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx2 {
+        // SAFETY: features verified by `isa()`; the kernel touches min(len) elements.
+        unsafe { avx2::axpy(w, v, out) };
+        return;
+    }
+    for (o, x) in out.iter_mut().zip(v) {
+        *o += w * x;
+    }
+}
+
 /// Reusable buffers for [`matmul`], and its precision choice.
 #[derive(Debug, Default)]
 pub struct MatmulScratch {
@@ -347,6 +475,10 @@ pub struct MatmulScratch {
     /// of 8-bit activations: several times slower, but equal to a float reference.
     pub precise: bool,
 }
+
+/// Activation rows per tile: the tile's quantized activations (~40 B per 32 values) stay
+/// in L1 while a chunk of weight rows passes over them.
+const TOKEN_TILE: usize = 16;
 
 /// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `t` in `0..x.len()/cols`: every weight row is
 /// read once for all tokens of the step. Parallel over weight rows (rayon's current pool).
@@ -358,29 +490,39 @@ pub fn matmul(w: &WeightView<'_>, x: &[f32], out: &mut [f32], scratch: &mut Matm
     if w.is_quantized() && !scratch.precise {
         scratch.acts.quantize(x, cols);
         let acts = &scratch.acts;
-        if t == 1 {
-            let a = acts.row(0);
-            out.par_chunks_mut(chunk).enumerate().for_each(|(ci, o)| {
-                for (i, v) in o.iter_mut().enumerate() {
-                    *v = dot_q(w.ty, w.row(ci * chunk + i), a);
-                }
-            });
-            return;
-        }
-        // Row-major over weights (rows × t), then transpose to tokens × rows.
-        scratch.transposed.resize(w.rows * t, 0.0);
-        scratch
-            .transposed
-            .par_chunks_mut(chunk * t)
-            .enumerate()
-            .for_each(|(ci, o)| {
-                for (i, orow) in o.chunks_exact_mut(t).enumerate() {
+        let rows_of = |t0: usize, n: usize| -> [&[BlockQ8]; 4] {
+            let mut r = [acts.row(t0); 4];
+            for (j, slot) in r.iter_mut().enumerate().take(n) {
+                *slot = acts.row(t0 + j);
+            }
+            r
+        };
+        let target: &mut [f32] = if t == 1 {
+            out
+        } else {
+            scratch.transposed.resize(w.rows * t, 0.0);
+            &mut scratch.transposed
+        };
+        // Layout: weight-row major (rows × t); for t = 1 that is already `out`.
+        target.par_chunks_mut(chunk * t).enumerate().for_each(|(ci, o)| {
+            let rows = o.len() / t;
+            for t0 in (0..t).step_by(TOKEN_TILE) {
+                let t1 = (t0 + TOKEN_TILE).min(t);
+                for i in 0..rows {
                     let wr = w.row(ci * chunk + i);
-                    for (ti, v) in orow.iter_mut().enumerate() {
-                        *v = dot_q(w.ty, wr, acts.row(ti));
+                    let mut tt = t0;
+                    while tt < t1 {
+                        let n = (t1 - tt).min(4);
+                        let xs = rows_of(tt, n);
+                        dot_q_rows(w.ty, wr, &xs[..n], &mut o[i * t + tt..i * t + tt + n]);
+                        tt += n;
                     }
                 }
-            });
+            }
+        });
+        if t == 1 {
+            return;
+        }
     } else {
         scratch.transposed.resize(w.rows * t, 0.0);
         scratch.transposed.par_chunks_mut(chunk * t).enumerate().for_each_init(
@@ -483,13 +625,47 @@ pub(crate) mod tests {
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
             let cols = 576;
             let w = random_weights(ty, 1, cols, &mut rng);
-            let x: Vec<f32> = (0..cols).map(|_| rng.next_f32() * 3.0).collect();
+            let x: Vec<f32> = (0..4 * cols).map(|_| rng.next_f32() * 3.0).collect();
             let mut a = QuantizedActs::default();
             a.quantize(&x, cols);
-            let s = dot_q_scalar(ty, &w, a.row(0));
-            let v = dot_q(ty, &w, a.row(0));
-            assert!((s - v).abs() <= 1e-4 * s.abs().max(1.0), "{ty:?}: scalar {s} simd {v}");
+            // One weight row against 1..4 activation rows at once.
+            for n in 1..=4 {
+                let xs: Vec<&[BlockQ8]> = (0..n).map(|j| a.row(j)).collect();
+                let mut got = vec![0f32; n];
+                dot_q_rows(ty, &w, &xs, &mut got);
+                for j in 0..n {
+                    let s = dot_q_scalar(ty, &w, a.row(j));
+                    assert!(
+                        (s - got[j]).abs() <= 1e-4 * s.abs().max(1.0),
+                        "{ty:?} n={n} j={j}: scalar {s} simd {}",
+                        got[j]
+                    );
+                }
+            }
         }
+    }
+
+    #[test]
+    fn simd_quantize_matches_scalar() {
+        let mut rng = Lcg(5);
+        let x: Vec<f32> = (0..32 * 64).map(|i| rng.next_f32() * (1 + i % 7) as f32).collect();
+        let mut a = QuantizedActs::default();
+        a.quantize(&x, 64);
+        for (xb, got) in x.chunks_exact(QK).zip(&a.blocks) {
+            let mut want = BlockQ8::default();
+            quantize_block_scalar(xb, &mut want);
+            assert!((got.d - want.d).abs() <= 1e-7);
+            // Rounding of exact halves may differ by one step (ties-to-even vs away-from-zero).
+            for (g, w) in got.qs.iter().zip(&want.qs) {
+                assert!((*g as i32 - *w as i32).abs() <= 1);
+            }
+            let sum: i32 = got.qs.iter().map(|&q| q as i32).sum();
+            assert!((got.s - got.d * sum as f32).abs() <= 1e-5 * got.s.abs().max(1.0));
+        }
+        // Zero blocks quantize to zero without NaNs.
+        let mut z = QuantizedActs::default();
+        z.quantize(&[0.0; 32], 32);
+        assert_eq!((z.blocks[0].d, z.blocks[0].s), (0.0, 0.0));
     }
 
     #[test]
@@ -503,7 +679,7 @@ pub(crate) mod tests {
             GgmlType::F16,
             GgmlType::BF16,
         ] {
-            for t in [1usize, 3] {
+            for t in [1usize, 3, 21] {
                 let (rows, cols) = (67, 128);
                 let data = random_weights(ty, rows, cols, &mut rng);
                 let w = WeightView {
@@ -532,9 +708,8 @@ pub(crate) mod tests {
         let mut a = QuantizedActs::default();
         a.quantize(&x, 64);
         for (i, v) in x.iter().enumerate() {
-            let d = a.d[i / QK];
-            assert!((a.qs[i] as f32 * d - v).abs() <= d * 0.5 + 1e-6);
+            let b = &a.blocks[i / QK];
+            assert!((b.qs[i % QK] as f32 * b.d - v).abs() <= b.d * 0.5 + 1e-6);
         }
-        assert_eq!(a.sum[0], a.qs[..32].iter().map(|&q| q as i32).sum::<i32>());
     }
 }
