@@ -436,9 +436,14 @@ fn dot_q_rows(ty: GgmlType, w: &[u8], xs: &[&[BlockQ8]], out: &mut [f32]) {
 /// Dot product of a quantized weight row with a quantized activation row.
 #[inline]
 pub fn dot_q(ty: GgmlType, w: &[u8], x: &[BlockQ8]) -> f32 {
-    let mut out = [0f32; 1];
-    dot_q_rows(ty, w, &[x], &mut out);
-    out[0]
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx2 {
+        let mut out = [0f32];
+        // SAFETY: features checked by `isa()`; the weight row has as many blocks as `x`.
+        unsafe { avx2::dot_rows::<1>(ty, w, [x], &mut out) };
+        return out[0];
+    }
+    dot_q_scalar(ty, w, x)
 }
 
 /// Float dot product.
@@ -503,7 +508,18 @@ pub fn matmul(w: &WeightView<'_>, x: &[f32], out: &mut [f32], scratch: &mut Matm
             scratch.transposed.resize(w.rows * t, 0.0);
             &mut scratch.transposed
         };
-        // Layout: weight-row major (rows × t); for t = 1 that is already `out`.
+        if t == 1 {
+            // Decode: few, large tasks; rows stream through sequentially.
+            let chunk = (w.rows / (rayon::current_num_threads() * 4)).clamp(16, 4096) & !3;
+            let x0 = acts.row(0);
+            target.par_chunks_mut(chunk).enumerate().for_each(|(ci, o)| {
+                for (i, v) in o.iter_mut().enumerate() {
+                    *v = dot_q(w.ty, w.row(ci * chunk + i), x0);
+                }
+            });
+            return;
+        }
+        // Layout: weight-row major (rows × t).
         target.par_chunks_mut(chunk * t).enumerate().for_each(|(ci, o)| {
             let rows = o.len() / t;
             for t0 in (0..t).step_by(TOKEN_TILE) {
@@ -641,6 +657,24 @@ pub(crate) mod tests {
                         got[j]
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn single_row_dot_matches_scalar_reference() {
+        let mut rng = Lcg(9);
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            for cols in [32usize, 96, 576] {
+                let w = random_weights(ty, 1, cols, &mut rng);
+                let x: Vec<f32> = (0..cols).map(|_| rng.next_f32()).collect();
+                let mut a = QuantizedActs::default();
+                a.quantize(&x, cols);
+                let (s, g) = (dot_q_scalar(ty, &w, a.row(0)), dot_q(ty, &w, a.row(0)));
+                assert!(
+                    (s - g).abs() <= 1e-4 * s.abs().max(1.0),
+                    "{ty:?} cols {cols}: {s} vs {g}"
+                );
             }
         }
     }
