@@ -458,3 +458,236 @@ async fn gateway_and_worker_run_apart() {
     assert_eq!(rows.iter().filter(|r| r["status"] == "completed").count(), 2);
     assert_eq!(rows.iter().filter(|r| r["status"] == "failed").count(), 1);
 }
+
+/// A long system prompt shared by the prefix-cache tests (a few hundred tokens).
+fn long_system() -> String {
+    (0..40)
+        .map(|i| format!("Rule {i}: answer politely and precisely, citing the rule number. "))
+        .collect()
+}
+
+fn cached_chat(system: &str, question: &str, extra: Value) -> Value {
+    let mut b = json!({"model": MODEL, "temperature": 0, "max_tokens": 4,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]});
+    b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    b
+}
+
+#[tokio::test]
+async fn batching_prefix_cache_and_tenant_isolation() {
+    let data = temp_dir("engine");
+    let server = serve(&data);
+    let key_a = new_key(&data, "alpha");
+    let key_b = new_key(&data, "beta");
+    let url = format!("{}/v1/chat/completions", server.url);
+
+    // Concurrent streams are batched together and still give the golden answer.
+    let tasks: Vec<_> = (0..6)
+        .map(|_| {
+            let (url, key) = (url.clone(), key_a.clone());
+            tokio::spawn(async move {
+                let resp = client()
+                    .post(&url)
+                    .bearer_auth(&key)
+                    .json(&chat_body(json!({"stream": true})))
+                    .send()
+                    .await
+                    .unwrap();
+                let events = sse_events(resp).await;
+                assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+                events[..events.len() - 1]
+                    .iter()
+                    .map(|e| serde_json::from_str::<Value>(e).unwrap())
+                    .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+                    .collect::<String>()
+            })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), "The capital of France is Paris.");
+    }
+
+    // A repeated long prompt is served from the prefix cache.
+    let system = long_system();
+    let (s, _, first) = post(&url, Some(&key_a), &cached_chat(&system, "Hi", json!({}))).await;
+    assert_eq!(s, 200, "{first}");
+    let prompt_tokens = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt_tokens > 300, "{prompt_tokens}");
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let (_, _, again) = post(&url, Some(&key_a), &cached_chat(&system, "Hello there", json!({}))).await;
+    let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached >= 256 && cached % 16 == 0 && cached < prompt_tokens,
+        "cached {cached} of {prompt_tokens}"
+    );
+    // Same answer with and without the cache hit (greedy).
+    let (_, _, replay) = post(&url, Some(&key_a), &cached_chat(&system, "Hi", json!({}))).await;
+    assert_eq!(
+        replay["choices"][0]["message"]["content"],
+        first["choices"][0]["message"]["content"]
+    );
+    assert!(
+        replay["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+
+    // Another tenant sending the very same prompt gets nothing from alpha's cache…
+    let (_, _, other) = post(&url, Some(&key_b), &cached_chat(&system, "Hi", json!({}))).await;
+    assert_eq!(other["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(
+        other["choices"][0]["message"]["content"],
+        first["choices"][0]["message"]["content"]
+    );
+    // …and neither does a different prompt_cache_key within a tenant.
+    let (_, _, keyed) = post(
+        &url,
+        Some(&key_a),
+        &cached_chat(&system, "Hi", json!({"prompt_cache_key": "conv-9"})),
+    )
+    .await;
+    assert_eq!(keyed["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+
+    // n > 1 shares the prompt: one prompt's tokens billed, n completions.
+    let (s, _, multi) = post(
+        &url,
+        Some(&key_a),
+        &chat_body(json!({"n": 3, "temperature": 1.0, "seed": 3, "max_tokens": 6})),
+    )
+    .await;
+    assert_eq!(s, 200, "{multi}");
+    let choices = multi["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    assert_eq!(multi["usage"]["prompt_tokens"], 42);
+    let completion = multi["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!((3..=18).contains(&completion), "{completion}");
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+    }
+
+    // Logprobs: the chosen token and the alternatives, as OpenAI shapes them.
+    let (s, _, lp) = post(
+        &url,
+        Some(&key_a),
+        &chat_body(json!({"logprobs": true, "top_logprobs": 3, "max_tokens": 3})),
+    )
+    .await;
+    assert_eq!(s, 200, "{lp}");
+    let content = lp["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 3);
+    assert_eq!(content[0]["token"], "The");
+    assert!(content[0]["logprob"].as_f64().unwrap() <= 0.0);
+    assert_eq!(content[0]["top_logprobs"].as_array().unwrap().len(), 3);
+    assert_eq!(content[0]["top_logprobs"][0]["token"], "The");
+
+    // min_tokens holds back the end of sequence; ignore_eos runs to max_tokens.
+    let (_, _, long) = post(
+        &url,
+        Some(&key_a),
+        &chat_body(json!({"ignore_eos": true, "max_tokens": 20})),
+    )
+    .await;
+    assert_eq!(long["usage"]["completion_tokens"], 20);
+    assert_eq!(long["choices"][0]["finish_reason"], "length");
+    let (_, _, min) = post(
+        &url,
+        Some(&key_a),
+        &chat_body(json!({"min_tokens": 12, "max_tokens": 40})),
+    )
+    .await;
+    assert!(min["usage"]["completion_tokens"].as_u64().unwrap() >= 12, "{min}");
+}
+
+#[tokio::test]
+async fn worker_kv_events_match_the_prompt_block_hashes() {
+    let data = temp_dir("events");
+    let worker = spawn(&["worker", "--listen", "127.0.0.1:0"]);
+    let gateway = spawn(&[
+        "gateway",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--worker",
+        &worker.url,
+    ]);
+    let key = new_key(&data, "acme");
+    let tenant: Value = serde_json::from_str(&admin(&data, &["--json", "tenant", "list"])).unwrap();
+    let tenant_id = tenant[0]["id"].as_str().unwrap().to_string();
+
+    let events = client()
+        .get(format!("{}/v1/worker/events", worker.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(events.status(), 200);
+    let mut reader = NdjsonReader {
+        bytes: events.bytes_stream().boxed(),
+        buf: Vec::new(),
+    };
+    let snapshot = reader.next().await;
+    assert_eq!(snapshot["event"], "snapshot");
+    assert_eq!(snapshot["blocks"], json!([]));
+
+    let body = cached_chat(&long_system(), "Hi", json!({}));
+    let (s, _, resp) = post(&format!("{}/v1/chat/completions", gateway.url), Some(&key), &body).await;
+    assert_eq!(s, 200, "{resp}");
+    let prompt_tokens = resp["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+
+    // The same hashes the router will compute: tokenize like the gateway, hash like the engine.
+    let info: hearth_protocol::WorkerInfo = client()
+        .get(format!("{}/v1/worker/info", worker.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let tok = hearth_protocol::Tokenizer::from_spec(&info.tokenizer).unwrap();
+    let tmpl = hearth_protocol::ChatTemplate::new(
+        info.tokenizer.chat_template.as_deref().unwrap(),
+        "<|im_start|>",
+        "<|im_end|>",
+    )
+    .unwrap();
+    let messages: Vec<hearth_protocol::ChatMessage> = serde_json::from_value(body["messages"].clone()).unwrap();
+    let ids = tok.encode(&tmpl.render(&messages, true).unwrap());
+    assert_eq!(ids.len(), prompt_tokens);
+    let root = hearth_protocol::namespace_root(MODEL, &hearth_protocol::cache_namespace(&tenant_id, None));
+    let want = hearth_protocol::block_hashes(root, &ids, 16);
+    let mut stored: Vec<Value> = Vec::new();
+    while stored.len() < want.len() {
+        let ev = reader.next().await;
+        if ev["event"] == "stored" {
+            stored.extend(ev["blocks"].as_array().unwrap().iter().cloned());
+        }
+    }
+    let want: Vec<Value> = want.iter().map(|h| json!(h.0)).collect();
+    assert_eq!(&stored[..want.len()], &want[..]);
+}
+
+/// Reads newline-delimited JSON values from a streaming response.
+struct NdjsonReader {
+    bytes: futures_util::stream::BoxStream<'static, reqwest::Result<axum::body::Bytes>>,
+    buf: Vec<u8>,
+}
+
+impl NdjsonReader {
+    async fn next(&mut self) -> Value {
+        loop {
+            if let Some(pos) = self.buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.buf.drain(..=pos).collect();
+                return serde_json::from_slice(&line).unwrap();
+            }
+            let chunk = tokio::time::timeout(Duration::from_secs(60), self.bytes.next())
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            self.buf.extend_from_slice(&chunk);
+        }
+    }
+}
