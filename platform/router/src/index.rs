@@ -1,0 +1,232 @@
+//! Which worker holds which KV block: the router's view of every engine's prefix cache.
+//!
+//! Exact when fed by the engines' KV events (`stored` / `removed` / `snapshot`); when a
+//! worker publishes no events, the router records its own decisions instead, and those
+//! entries expire after a TTL (approximate mode). Workers are slots `0..64` (a bit each).
+
+use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
+
+use hearth_protocol::BlockHash;
+
+/// Workers per index (one bit each).
+pub const MAX_WORKERS: usize = 64;
+
+/// Block hashes are already uniformly distributed: hash them by identity.
+#[derive(Default, Clone, Copy)]
+pub struct IdentityHasher(u64);
+
+impl Hasher for IdentityHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+type Fast = BuildHasherDefault<IdentityHasher>;
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Entry {
+    /// Workers known (from events) to hold the block.
+    exact: u64,
+    /// Workers the router sent this block to, without confirmation; valid until `expires`.
+    approx: u64,
+    expires: u64,
+}
+
+/// The prefix index.
+#[derive(Debug, Default)]
+pub struct PrefixIndex {
+    blocks: HashMap<BlockHash, Entry, Fast>,
+    per_worker: Vec<HashSet<BlockHash, Fast>>,
+}
+
+impl PrefixIndex {
+    pub fn new() -> Self {
+        Self {
+            blocks: HashMap::default(),
+            per_worker: (0..MAX_WORKERS).map(|_| HashSet::default()).collect(),
+        }
+    }
+
+    /// Distinct blocks indexed.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// Blocks a worker holds (exactly known).
+    pub fn worker_blocks(&self, w: usize) -> usize {
+        self.per_worker.get(w).map_or(0, HashSet::len)
+    }
+
+    pub fn stored(&mut self, w: usize, hashes: &[BlockHash]) {
+        let bit = 1u64 << w;
+        for &h in hashes {
+            self.blocks.entry(h).or_default().exact |= bit;
+            self.per_worker[w].insert(h);
+        }
+    }
+
+    pub fn removed(&mut self, w: usize, hashes: &[BlockHash]) {
+        let bit = 1u64 << w;
+        for h in hashes {
+            if let Some(e) = self.blocks.get_mut(h) {
+                e.exact &= !bit;
+                if e.exact == 0 && e.approx == 0 {
+                    self.blocks.remove(h);
+                }
+            }
+            self.per_worker[w].remove(h);
+        }
+    }
+
+    /// Replaces everything known about a worker (its snapshot, or its departure with `&[]`).
+    pub fn reset_worker(&mut self, w: usize, hashes: &[BlockHash]) {
+        let bit = 1u64 << w;
+        let old = std::mem::take(&mut self.per_worker[w]);
+        for h in &old {
+            if let Some(e) = self.blocks.get_mut(h) {
+                e.exact &= !bit;
+                if e.exact == 0 && e.approx == 0 {
+                    self.blocks.remove(h);
+                }
+            }
+        }
+        for e in self.blocks.values_mut() {
+            e.approx &= !bit;
+        }
+        self.stored(w, hashes);
+    }
+
+    /// Approximate mode: the router sent these blocks to `w` at `now` (any monotonic unit);
+    /// they count as cached there until `now + ttl`.
+    pub fn assume(&mut self, w: usize, hashes: &[BlockHash], now: u64, ttl: u64) {
+        let bit = 1u64 << w;
+        for &h in hashes {
+            let e = self.blocks.entry(h).or_default();
+            if e.expires < now {
+                e.approx = 0;
+            }
+            e.approx |= bit;
+            e.expires = now + ttl;
+        }
+    }
+
+    /// For each worker in `candidates`, how many leading blocks of `hashes` it holds.
+    pub fn matches(&self, hashes: &[BlockHash], candidates: u64, now: u64) -> [u32; MAX_WORKERS] {
+        let mut matched = [0u32; MAX_WORKERS];
+        let mut active = candidates;
+        let mut i = 0;
+        while i < hashes.len() && active != 0 {
+            let set = match self.blocks.get(&hashes[i]) {
+                Some(e) => e.exact | if e.expires >= now { e.approx } else { 0 },
+                None => 0,
+            };
+            let lost = active & !set;
+            let mut bits = lost;
+            while bits != 0 {
+                matched[bits.trailing_zeros() as usize] = i as u32;
+                bits &= bits - 1;
+            }
+            active &= set;
+            i += 1;
+        }
+        let mut bits = active;
+        while bits != 0 {
+            matched[bits.trailing_zeros() as usize] = hashes.len() as u32;
+            bits &= bits - 1;
+        }
+        matched
+    }
+
+    /// Drops expired approximate entries (call now and then).
+    pub fn sweep(&mut self, now: u64) {
+        self.blocks.retain(|_, e| {
+            if e.expires < now {
+                e.approx = 0;
+            }
+            e.exact != 0 || e.approx != 0
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn h(v: &[u64]) -> Vec<BlockHash> {
+        v.iter().map(|&x| BlockHash(x)).collect()
+    }
+
+    #[test]
+    fn matches_count_leading_blocks_per_worker() {
+        let mut ix = PrefixIndex::new();
+        ix.stored(0, &h(&[1, 2, 3]));
+        ix.stored(1, &h(&[1, 2]));
+        ix.stored(2, &h(&[2, 3]));
+        let m = ix.matches(&h(&[1, 2, 3, 4]), 0b111, 0);
+        assert_eq!(&m[..3], &[3, 2, 0]);
+        ix.removed(0, &h(&[2]));
+        assert_eq!(ix.matches(&h(&[1, 2, 3]), 0b1, 0)[0], 1);
+        ix.reset_worker(1, &[]);
+        assert_eq!(ix.matches(&h(&[1, 2]), 0b10, 0)[1], 0);
+        // Approximate entries expire.
+        ix.assume(5, &h(&[9, 10]), 100, 50);
+        assert_eq!(ix.matches(&h(&[9, 10]), 1 << 5, 120)[5], 2);
+        assert_eq!(ix.matches(&h(&[9, 10]), 1 << 5, 151)[5], 0);
+        ix.sweep(151);
+        assert_eq!(ix.worker_blocks(5), 0);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Ev {
+        Store(usize, Vec<u64>),
+        Remove(usize, Vec<u64>),
+        Reset(usize, Vec<u64>),
+    }
+
+    fn ev() -> impl Strategy<Value = Ev> {
+        let hashes = proptest::collection::vec(0u64..40, 0..8);
+        prop_oneof![
+            (0usize..6, hashes.clone()).prop_map(|(w, v)| Ev::Store(w, v)),
+            (0usize..6, hashes.clone()).prop_map(|(w, v)| Ev::Remove(w, v)),
+            (0usize..6, hashes).prop_map(|(w, v)| Ev::Reset(w, v)),
+        ]
+    }
+
+    proptest! {
+        /// Fed the workers' events, the index agrees exactly with a model of their caches.
+        #[test]
+        fn events_keep_the_index_exact(events in proptest::collection::vec(ev(), 1..200), query in proptest::collection::vec(0u64..40, 1..10)) {
+            let mut ix = PrefixIndex::new();
+            let mut model: Vec<std::collections::HashSet<u64>> = vec![Default::default(); 6];
+            for e in events {
+                match e {
+                    Ev::Store(w, v) => { ix.stored(w, &h(&v)); model[w].extend(v); }
+                    Ev::Remove(w, v) => { ix.removed(w, &h(&v)); for x in v { model[w].remove(&x); } }
+                    Ev::Reset(w, v) => { ix.reset_worker(w, &h(&v)); model[w] = v.into_iter().collect(); }
+                }
+            }
+            let m = ix.matches(&h(&query), 0b111111, 0);
+            for w in 0..6 {
+                let want = query.iter().take_while(|q| model[w].contains(q)).count() as u32;
+                prop_assert_eq!(m[w], want, "worker {}", w);
+                prop_assert_eq!(ix.worker_blocks(w), model[w].len());
+            }
+            let distinct: std::collections::HashSet<u64> = model.iter().flatten().copied().collect();
+            prop_assert_eq!(ix.len(), distinct.len());
+        }
+    }
+}

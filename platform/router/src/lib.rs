@@ -1,0 +1,575 @@
+//! Hearth's request router: picks the worker for each request so that repeated prefixes
+//! land where their KV blocks are cached *and* load stays even.
+//!
+//! * [`index::PrefixIndex`] — which worker holds which block hash (exact from KV events,
+//!   approximate from the router's own decisions with a TTL).
+//! * [`ring::HashRing`] — consistent hashing with bounded loads for `prefix_aware`.
+//! * [`Router`] — the policies (`random`, `least_outstanding`, `prefix_aware`, `kv_aware`),
+//!   session affinity, regions, and the load accounting they use.
+//!
+//! The router never sends work to a worker over its load bound because of a cache hit:
+//! a hit only breaks ties among workers under the bound (no "death spiral").
+
+pub mod index;
+pub mod ring;
+
+use std::collections::HashMap;
+
+use hearth_protocol::BlockHash;
+use serde::{Deserialize, Serialize};
+
+pub use index::{PrefixIndex, MAX_WORKERS};
+pub use ring::HashRing;
+
+/// A routing policy (per model).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "policy", rename_all = "snake_case")]
+pub enum Policy {
+    Random,
+    LeastOutstanding,
+    /// SageMaker's PREFIX_AWARE: hash of the first `prefix_length` characters (plus the
+    /// cache id) on a bounded-load ring; past `concurrency_threshold` in-flight requests on
+    /// the chosen worker, the least busy worker takes the request.
+    PrefixAware {
+        prefix_length: usize,
+        concurrency_threshold: u32,
+    },
+    /// Cost in token units: uncached prompt tokens × `prefill_weight` + in-flight prefill
+    /// tokens + running sequences × `decode_weight`; minimum among workers under the bound.
+    KvAware {
+        prefill_weight: f64,
+        decode_weight: f64,
+    },
+}
+
+impl Policy {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Policy::Random => "random",
+            Policy::LeastOutstanding => "least_outstanding",
+            Policy::PrefixAware { .. } => "prefix_aware",
+            Policy::KvAware { .. } => "kv_aware",
+        }
+    }
+
+    /// The defaults of each policy by name.
+    pub fn parse(name: &str) -> Option<Policy> {
+        Some(match name {
+            "random" => Policy::Random,
+            "least_outstanding" => Policy::LeastOutstanding,
+            "prefix_aware" => Policy::PrefixAware {
+                prefix_length: 2048,
+                concurrency_threshold: 32,
+            },
+            "kv_aware" => Policy::KvAware {
+                prefill_weight: 1.0,
+                decode_weight: 8.0,
+            },
+            _ => return None,
+        })
+    }
+}
+
+/// Why a worker was chosen (a metrics label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// Cache-aware choice with cached blocks on the chosen worker.
+    Hit,
+    /// Cache-aware choice, nothing cached anywhere useful.
+    Miss,
+    Affinity,
+    /// The preferred worker was too busy; the least busy took it.
+    Overflow,
+    /// No worker in the preferred region was under its bound.
+    Spill,
+    Random,
+    LeastOutstanding,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Hit => "hit",
+            Reason::Miss => "miss",
+            Reason::Affinity => "affinity",
+            Reason::Overflow => "overflow",
+            Reason::Spill => "spill",
+            Reason::Random => "random",
+            Reason::LeastOutstanding => "least_outstanding",
+        }
+    }
+}
+
+/// What the router knows about one worker.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct WorkerState {
+    pub name: String,
+    pub region: String,
+    pub healthy: bool,
+    pub draining: bool,
+    /// The worker publishes KV events (exact index); otherwise the router assumes.
+    pub exact_events: bool,
+    pub outstanding: u32,
+    pub inflight_prefill_tokens: u64,
+    pub decoding: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    pub policy: Policy,
+    /// Load bound: a worker may take a request while its outstanding requests are at most
+    /// `load_factor` × the average (plus one).
+    pub load_factor: f64,
+    pub home_region: String,
+    /// Session-affinity entries expire after this long (router time units).
+    pub affinity_ttl: u64,
+    /// Approximate index entries expire after this long.
+    pub approx_ttl: u64,
+    pub block_tokens: usize,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            policy: Policy::parse("kv_aware").unwrap_or(Policy::Random),
+            load_factor: 1.25,
+            home_region: "local".into(),
+            affinity_ttl: 600_000,
+            approx_ttl: 120_000,
+            block_tokens: hearth_protocol::DEFAULT_BLOCK_TOKENS,
+        }
+    }
+}
+
+/// One request, as the router sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteInput<'a> {
+    pub hashes: &'a [BlockHash],
+    pub prompt_tokens: usize,
+    /// `prefix_aware`'s key: hash of the leading text and the cache id.
+    pub prefix_key: u64,
+    pub session: Option<&'a str>,
+    pub region: Option<&'a str>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Decision {
+    pub worker: usize,
+    pub reason: Reason,
+    /// Prompt tokens the index expects the worker to have cached.
+    pub expected_cached_tokens: usize,
+}
+
+/// The router for one model's pool.
+#[derive(Debug)]
+pub struct Router {
+    pub cfg: RouterConfig,
+    pub index: PrefixIndex,
+    workers: Vec<Option<WorkerState>>,
+    ring: HashRing,
+    affinity: HashMap<String, (usize, u64)>,
+    rng: u64,
+    pub decisions: HashMap<(&'static str, Reason), u64>,
+}
+
+impl Router {
+    pub fn new(cfg: RouterConfig) -> Self {
+        Self {
+            cfg,
+            index: PrefixIndex::new(),
+            workers: Vec::new(),
+            ring: HashRing::default(),
+            affinity: HashMap::new(),
+            rng: 0x9E37_79B9_7F4A_7C15,
+            decisions: HashMap::new(),
+        }
+    }
+
+    /// Adds a worker; returns its slot (None when the pool is full).
+    pub fn add_worker(&mut self, name: &str, region: &str, exact_events: bool) -> Option<usize> {
+        let slot = match self.workers.iter().position(Option::is_none) {
+            Some(s) => s,
+            None if self.workers.len() < MAX_WORKERS => {
+                self.workers.push(None);
+                self.workers.len() - 1
+            }
+            None => return None,
+        };
+        self.workers[slot] = Some(WorkerState {
+            name: name.into(),
+            region: region.into(),
+            healthy: true,
+            exact_events,
+            ..Default::default()
+        });
+        self.rebuild_ring();
+        Some(slot)
+    }
+
+    /// Removes a worker: its blocks leave the index, its sessions are re-routed.
+    pub fn remove_worker(&mut self, slot: usize) {
+        if let Some(w) = self.workers.get_mut(slot) {
+            *w = None;
+        }
+        self.index.reset_worker(slot, &[]);
+        self.affinity.retain(|_, (w, _)| *w != slot);
+        self.rebuild_ring();
+    }
+
+    fn rebuild_ring(&mut self) {
+        self.ring = HashRing::new(
+            self.workers
+                .iter()
+                .enumerate()
+                .filter_map(|(i, w)| w.as_ref().map(|w| (i, w.name.as_str()))),
+        );
+    }
+
+    pub fn worker(&self, slot: usize) -> Option<&WorkerState> {
+        self.workers.get(slot).and_then(Option::as_ref)
+    }
+
+    pub fn worker_mut(&mut self, slot: usize) -> Option<&mut WorkerState> {
+        self.workers.get_mut(slot).and_then(Option::as_mut)
+    }
+
+    pub fn workers(&self) -> impl Iterator<Item = (usize, &WorkerState)> {
+        self.workers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, w)| w.as_ref().map(|w| (i, w)))
+    }
+
+    fn next_rand(&mut self) -> u64 {
+        self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// The outstanding-request bound every worker is held to: `load_factor` × the average
+    /// over all usable workers (counting this request), plus one request of slack so that
+    /// trivial loads do not scatter sessions.
+    fn bound(&self, usable: u64) -> u32 {
+        let n = usable.count_ones().max(1) as f64;
+        let total: u32 = self
+            .workers()
+            .filter(|(i, _)| usable & (1 << i) != 0)
+            .map(|(_, w)| w.outstanding)
+            .sum();
+        (self.cfg.load_factor * (total as f64 + 1.0) / n).ceil() as u32 + 1
+    }
+
+    fn under(&self, slot: usize, bound: u32) -> bool {
+        self.worker(slot).is_some_and(|w| w.outstanding < bound)
+    }
+
+    fn least_outstanding(&mut self, set: u64) -> Option<usize> {
+        let mut best: Option<(u32, u64, usize)> = None;
+        let mut bits = set;
+        while bits != 0 {
+            let i = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            let load = self.worker(i).map_or(u32::MAX, |w| w.outstanding);
+            let tie = self.next_rand();
+            if best.is_none_or(|(l, t, _)| (load, tie) < (l, t)) {
+                best = Some((load, tie, i));
+            }
+        }
+        best.map(|b| b.2)
+    }
+
+    /// Picks a worker. `now` is in the same units as the TTLs.
+    pub fn route(&mut self, input: &RouteInput<'_>, now: u64) -> Option<Decision> {
+        let usable: u64 = self
+            .workers()
+            .filter(|(_, w)| w.healthy && !w.draining)
+            .fold(0, |acc, (i, _)| acc | (1 << i));
+        if usable == 0 {
+            return None;
+        }
+        // Regions: prefer the request's (or the gateway's) region; spill when it is full.
+        let region = input.region.unwrap_or(&self.cfg.home_region).to_string();
+        let local: u64 = self
+            .workers()
+            .filter(|(i, w)| usable & (1 << i) != 0 && w.region == region)
+            .fold(0, |a, (i, _)| a | (1 << i));
+        let bound = self.bound(usable);
+        let mut spilled = false;
+        let mut candidates = if local != 0 { local } else { usable };
+        if local != 0
+            && local != usable
+            && (0..MAX_WORKERS)
+                .filter(|i| local & (1 << i) != 0)
+                .all(|i| !self.under(i, bound))
+        {
+            candidates = usable;
+            spilled = true;
+        }
+        let bt = self.cfg.block_tokens;
+        let matched = self.index.matches(input.hashes, candidates, now);
+        let decide = |worker: usize, reason: Reason| Decision {
+            worker,
+            reason,
+            expected_cached_tokens: (matched[worker] as usize * bt).min(input.prompt_tokens.saturating_sub(1)),
+        };
+
+        // Session affinity, while the pinned worker is under its bound.
+        if let Some(s) = input.session {
+            if let Some(&(w, exp)) = self.affinity.get(s) {
+                if exp >= now && candidates & (1 << w) != 0 && self.under(w, bound) {
+                    self.affinity.insert(s.to_string(), (w, now + self.cfg.affinity_ttl));
+                    return Some(self.finish(decide(w, Reason::Affinity), input, now));
+                }
+            }
+        }
+
+        let policy = self.cfg.policy;
+        let mut d = match policy {
+            Policy::Random => {
+                let under: Vec<usize> = (0..MAX_WORKERS)
+                    .filter(|&i| candidates & (1 << i) != 0 && self.under(i, bound))
+                    .collect();
+                let pool: Vec<usize> = if under.is_empty() {
+                    (0..MAX_WORKERS).filter(|&i| candidates & (1 << i) != 0).collect()
+                } else {
+                    under
+                };
+                let w = pool[(self.next_rand() % pool.len() as u64) as usize];
+                decide(w, Reason::Random)
+            }
+            Policy::LeastOutstanding => decide(self.least_outstanding(candidates)?, Reason::LeastOutstanding),
+            Policy::PrefixAware {
+                concurrency_threshold, ..
+            } => {
+                let owner = self
+                    .ring
+                    .walk(input.prefix_key)
+                    .find(|&w| candidates & (1 << w) != 0 && self.under(w, bound));
+                match owner {
+                    Some(w) if self.worker(w).is_some_and(|s| s.outstanding < concurrency_threshold) => {
+                        decide(w, if matched[w] > 0 { Reason::Hit } else { Reason::Miss })
+                    }
+                    _ => decide(self.least_outstanding(candidates)?, Reason::Overflow),
+                }
+            }
+            Policy::KvAware {
+                prefill_weight,
+                decode_weight,
+            } => {
+                let mut best: Option<(f64, u64, usize)> = None;
+                for i in 0..MAX_WORKERS {
+                    if candidates & (1 << i) == 0 || !self.under(i, bound) {
+                        continue;
+                    }
+                    let Some(w) = self.worker(i) else { continue };
+                    let cached = (matched[i] as usize * bt).min(input.prompt_tokens.saturating_sub(1));
+                    let cost = (input.prompt_tokens - cached) as f64 * prefill_weight
+                        + w.inflight_prefill_tokens as f64
+                        + w.decoding as f64 * decode_weight;
+                    let tie = self.next_rand();
+                    if best.is_none_or(|(c, t, _)| (cost, tie) < (c, t)) {
+                        best = Some((cost, tie, i));
+                    }
+                }
+                match best {
+                    Some((_, _, w)) => decide(w, if matched[w] > 0 { Reason::Hit } else { Reason::Miss }),
+                    None => decide(self.least_outstanding(candidates)?, Reason::Overflow),
+                }
+            }
+        };
+        if spilled {
+            d.reason = Reason::Spill;
+        }
+        if let Some(s) = input.session {
+            self.affinity
+                .insert(s.to_string(), (d.worker, now + self.cfg.affinity_ttl));
+        }
+        Some(self.finish(d, input, now))
+    }
+
+    fn finish(&mut self, d: Decision, input: &RouteInput<'_>, now: u64) -> Decision {
+        *self.decisions.entry((self.cfg.policy.name(), d.reason)).or_default() += 1;
+        if self.worker(d.worker).is_some_and(|w| !w.exact_events) {
+            self.index.assume(d.worker, input.hashes, now, self.cfg.approx_ttl);
+        }
+        d
+    }
+
+    /// Load accounting: a request was sent (`uncached` prompt tokens to compute).
+    pub fn on_dispatch(&mut self, slot: usize, uncached: usize) {
+        if let Some(w) = self.worker_mut(slot) {
+            w.outstanding += 1;
+            w.inflight_prefill_tokens += uncached as u64;
+        }
+    }
+
+    /// The request's first token arrived: its prefill is done, it decodes now.
+    pub fn on_first_token(&mut self, slot: usize, uncached: usize) {
+        if let Some(w) = self.worker_mut(slot) {
+            w.inflight_prefill_tokens = w.inflight_prefill_tokens.saturating_sub(uncached as u64);
+            w.decoding += 1;
+        }
+    }
+
+    /// The request ended (`started`: whether it got past prefill).
+    pub fn on_finish(&mut self, slot: usize, uncached: usize, started: bool) {
+        if let Some(w) = self.worker_mut(slot) {
+            w.outstanding = w.outstanding.saturating_sub(1);
+            if started {
+                w.decoding = w.decoding.saturating_sub(1);
+            } else {
+                w.inflight_prefill_tokens = w.inflight_prefill_tokens.saturating_sub(uncached as u64);
+            }
+        }
+    }
+
+    /// Drops expired affinity and approximate index entries.
+    pub fn sweep(&mut self, now: u64) {
+        self.affinity.retain(|_, (_, exp)| *exp >= now);
+        self.index.sweep(now);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn router(policy: &str, n: usize) -> Router {
+        let mut r = Router::new(RouterConfig {
+            policy: Policy::parse(policy).unwrap(),
+            ..Default::default()
+        });
+        for i in 0..n {
+            r.add_worker(&format!("w{i}"), "local", true);
+        }
+        r
+    }
+
+    fn input<'a>(hashes: &'a [BlockHash], session: Option<&'a str>) -> RouteInput<'a> {
+        RouteInput {
+            hashes,
+            prompt_tokens: hashes.len() * 16 + 5,
+            prefix_key: 7,
+            session,
+            region: None,
+        }
+    }
+
+    #[test]
+    fn kv_aware_follows_the_cache_but_never_past_the_bound() {
+        let mut r = router("kv_aware", 4);
+        let hashes: Vec<BlockHash> = (0..10).map(BlockHash).collect();
+        r.index.stored(2, &hashes);
+        let d = r.route(&input(&hashes, None), 0).unwrap();
+        assert_eq!((d.worker, d.reason, d.expected_cached_tokens), (2, Reason::Hit, 160));
+        // Worker 2 becomes overloaded: the hit no longer wins.
+        r.worker_mut(2).unwrap().outstanding = 50;
+        let d = r.route(&input(&hashes, None), 0).unwrap();
+        assert_ne!(d.worker, 2);
+        assert_eq!(d.reason, Reason::Miss);
+    }
+
+    #[test]
+    fn affinity_holds_and_breaks_only_on_overload() {
+        let mut r = router("least_outstanding", 3);
+        let first = r.route(&input(&[], Some("s1")), 0).unwrap().worker;
+        r.on_dispatch(first, 10);
+        for _ in 0..3 {
+            let d = r.route(&input(&[], Some("s1")), 1).unwrap();
+            assert_eq!((d.worker, d.reason), (first, Reason::Affinity));
+        }
+        r.worker_mut(first).unwrap().outstanding = 100;
+        let d = r.route(&input(&[], Some("s1")), 2).unwrap();
+        assert_ne!(d.worker, first);
+        // The session now sticks to its new worker.
+        r.worker_mut(first).unwrap().outstanding = 0;
+        assert_eq!(r.route(&input(&[], Some("s1")), 3).unwrap().worker, d.worker);
+        // Entries expire.
+        assert_ne!(
+            r.route(&input(&[], Some("s1")), 10_000_000).unwrap().reason,
+            Reason::Affinity
+        );
+    }
+
+    #[test]
+    fn prefix_keys_separate_and_overflow() {
+        let mut r = router("prefix_aware", 5);
+        let a = RouteInput {
+            hashes: &[],
+            prompt_tokens: 10,
+            prefix_key: 1,
+            session: None,
+            region: None,
+        };
+        let w = r.route(&a, 0).unwrap().worker;
+        assert_eq!(r.route(&a, 0).unwrap().worker, w, "same key, same worker");
+        let spread: std::collections::HashSet<usize> = (0..200u64)
+            .map(|k| {
+                r.route(
+                    &RouteInput {
+                        prefix_key: xxhash_rust::xxh3::xxh3_64(&k.to_le_bytes()),
+                        ..a
+                    },
+                    0,
+                )
+                .unwrap()
+                .worker
+            })
+            .collect();
+        assert!(spread.len() >= 4, "keys spread over the workers: {spread:?}");
+        r.worker_mut(w).unwrap().outstanding = 40; // past concurrency_threshold (32)
+        let d = r.route(&a, 0).unwrap();
+        assert_ne!(d.worker, w);
+    }
+
+    #[test]
+    fn regions_are_preferred_and_spill_when_full() {
+        let mut r = Router::new(RouterConfig {
+            policy: Policy::LeastOutstanding,
+            home_region: "eu".into(),
+            ..Default::default()
+        });
+        let eu = r.add_worker("eu-1", "eu", true).unwrap();
+        let us = r.add_worker("us-1", "us", true).unwrap();
+        assert_eq!(r.route(&input(&[], None), 0).unwrap().worker, eu);
+        let d = r
+            .route(
+                &RouteInput {
+                    region: Some("us"),
+                    ..input(&[], None)
+                },
+                0,
+            )
+            .unwrap();
+        assert_eq!(d.worker, us);
+        r.worker_mut(eu).unwrap().outstanding = 10;
+        let d = r.route(&input(&[], None), 0).unwrap();
+        assert_eq!((d.worker, d.reason), (us, Reason::Spill));
+        r.worker_mut(us).unwrap().healthy = false;
+        assert_eq!(
+            r.route(&input(&[], None), 0).unwrap().worker,
+            eu,
+            "an unhealthy worker is never chosen"
+        );
+    }
+
+    #[test]
+    fn approximate_mode_remembers_its_own_decisions() {
+        let mut r = Router::new(RouterConfig {
+            approx_ttl: 100,
+            ..Default::default()
+        });
+        for i in 0..3 {
+            r.add_worker(&format!("w{i}"), "local", false);
+        }
+        let hashes: Vec<BlockHash> = (0..5).map(BlockHash).collect();
+        let first = r.route(&input(&hashes, None), 0).unwrap().worker;
+        let d = r.route(&input(&hashes, None), 50).unwrap();
+        assert_eq!((d.worker, d.reason), (first, Reason::Hit));
+        // After the TTL the assumption is gone.
+        assert_eq!(r.route(&input(&hashes, None), 1000).unwrap().reason, Reason::Miss);
+    }
+}
