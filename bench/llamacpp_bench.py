@@ -18,10 +18,21 @@ decode_tokens, stream_tokens = (32, 16) if a.quick else (128, 64)
 rng = random.Random(20261129)
 
 t0 = time.time()
-llm = llama_cpp.Llama(model_path=a.model, n_ctx=4096, n_batch=512, n_ubatch=512, n_threads=a.threads,
-                      n_threads_batch=a.threads, n_seq_max=32, verbose=False)
+llm = llama_cpp.Llama(model_path=a.model, n_ctx=512, n_threads=a.threads, verbose=False)
+# The high-level constructor does not expose n_seq_max: build the context ourselves, with a
+# unified KV cache shared by up to 32 sequences (as llama-batched-bench does).
+params = llama_cpp.llama_context_default_params()
+params.n_ctx = 4096
+params.n_batch = 512
+params.n_ubatch = 512
+params.n_seq_max = 32
+params.n_threads = a.threads
+params.n_threads_batch = a.threads
+if hasattr(params, "kv_unified"):
+    params.kv_unified = True
+init = getattr(llama_cpp, "llama_init_from_model", None) or llama_cpp.llama_new_context_with_model
+ctx = init(llm._model.model, params)
 load_s = time.time() - t0
-ctx = llm._ctx.ctx
 vocab = llm.n_vocab()
 
 

@@ -11,4 +11,5 @@ pub mod error;
 pub mod gateway;
 pub mod openai;
 pub mod registry;
+pub mod routing_bench;
 pub mod workers;

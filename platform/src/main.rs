@@ -47,6 +47,19 @@ enum Command {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Routing policies on simulated workers (virtual time), and the router micro-benchmark.
+    Routing {
+        #[arg(long, default_value_t = 7)]
+        workers: usize,
+        /// Fewer requests (finishes in seconds).
+        #[arg(long)]
+        quick: bool,
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// The engine in-process: load, prefill, decode at 1/8/32 streams, cached TTFT, RSS.
     Engine {
         #[command(flatten)]
@@ -242,6 +255,14 @@ fn main() -> anyhow::Result<()> {
             Command::Bench {
                 command: BenchCommand::Engine { model, quick, json },
             } => bench_engine(model, quick, json).await,
+            Command::Bench {
+                command: BenchCommand::Routing { workers, quick, seed, json },
+            } => {
+                let cfg = hearth_platform::routing_bench::RoutingBenchConfig { workers: workers.clamp(1, 64), quick, seed };
+                let report = tokio::task::spawn_blocking(move || hearth_platform::routing_bench::run(cfg)).await?;
+                print!("{}", report.table());
+                write_json(&report, json)
+            }
         }
     })
 }
@@ -298,8 +319,12 @@ async fn bench_engine(model: ModelArgs, quick: bool, json: Option<PathBuf>) -> a
     };
     let report = hearth_engine::bench::run(&path, &id, &bench).await?;
     print!("{}", report.table());
-    if let Some(dest) = json {
-        let text = serde_json::to_string_pretty(&report)?;
+    write_json(&report, json)
+}
+
+fn write_json<T: serde::Serialize>(report: &T, dest: Option<PathBuf>) -> anyhow::Result<()> {
+    if let Some(dest) = dest {
+        let text = serde_json::to_string_pretty(report)?;
         if dest.as_os_str() == "-" {
             println!("{text}");
         } else {

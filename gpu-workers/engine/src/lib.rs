@@ -20,6 +20,7 @@ pub mod models;
 pub mod sampling;
 pub mod scheduler;
 pub mod server;
+pub mod sim;
 pub mod text;
 
 pub use engine::{tokenizer_spec, EngineConfig, EngineError, EngineHandle, EngineStats};
