@@ -256,9 +256,19 @@ fn main() -> anyhow::Result<()> {
                 command: BenchCommand::Engine { model, quick, json },
             } => bench_engine(model, quick, json).await,
             Command::Bench {
-                command: BenchCommand::Routing { workers, quick, seed, json },
+                command:
+                    BenchCommand::Routing {
+                        workers,
+                        quick,
+                        seed,
+                        json,
+                    },
             } => {
-                let cfg = hearth_platform::routing_bench::RoutingBenchConfig { workers: workers.clamp(1, 64), quick, seed };
+                let cfg = hearth_platform::routing_bench::RoutingBenchConfig {
+                    workers: workers.clamp(1, 64),
+                    quick,
+                    seed,
+                };
                 let report = tokio::task::spawn_blocking(move || hearth_platform::routing_bench::run(cfg)).await?;
                 print!("{}", report.table());
                 write_json(&report, json)

@@ -94,7 +94,13 @@ fn long_prefix(rng: &mut Rng, n: usize) -> Vec<Req> {
             let g = (rng.next_u64() % groups.len() as u64) as usize;
             let mut prompt = groups[g].clone();
             prompt.extend(tokens(rng, 64));
-            Req { arrival: t, prompt, max_tokens: 64, session: None, next_turns: Vec::new() }
+            Req {
+                arrival: t,
+                prompt,
+                max_tokens: 64,
+                session: None,
+                next_turns: Vec::new(),
+            }
         })
         .collect()
 }
@@ -102,7 +108,7 @@ fn long_prefix(rng: &mut Rng, n: usize) -> Vec<Req> {
 fn conversations(rng: &mut Rng, n: usize) -> Vec<Req> {
     let mut t = 0.0;
     (0..n)
-        .map(|c| {
+        .map(|_| {
             t += exp(rng, 0.6);
             let turns = 2 + (rng.next_u64() % 7) as usize;
             let first_len = 100 + (rng.next_u64() % 900) as usize;
@@ -116,7 +122,8 @@ fn conversations(rng: &mut Rng, n: usize) -> Vec<Req> {
                 arrival: t,
                 prompt: tokens(rng, first_len),
                 max_tokens: 50 + (rng.next_u64() % 300) as usize,
-                session: Some(format!("conv-{c}")),
+                // No session header: SageMaker's comparison routes on content alone.
+                session: None,
                 next_turns,
             }
         })
@@ -152,7 +159,10 @@ struct Flight {
 }
 
 fn simulate(policy: Policy, workload: &str, reqs: &[Req], workers: usize, cost: CostModel) -> PolicyResult {
-    let mut router = Router::new(RouterConfig { policy, ..Default::default() });
+    let mut router = Router::new(RouterConfig {
+        policy,
+        ..Default::default()
+    });
     for i in 0..workers {
         router.add_worker(&format!("sim-{i}"), "local", true);
     }
@@ -186,7 +196,13 @@ fn simulate(policy: Policy, workload: &str, reqs: &[Req], workers: usize, cost: 
                 // prefix_aware's key: the leading 2048 characters ≈ 512 tokens.
                 let lead = &r.prompt[..r.prompt.len().min(512)];
                 let key = xxhash_rust::xxh3::xxh3_64(&lead.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>());
-                let input = RouteInput { hashes: &hashes, prompt_tokens: r.prompt.len(), prefix_key: key, session: r.session.as_deref(), region: None };
+                let input = RouteInput {
+                    hashes: &hashes,
+                    prompt_tokens: r.prompt.len(),
+                    prefix_key: key,
+                    session: r.session.as_deref(),
+                    region: None,
+                };
                 let t0 = Instant::now();
                 let d = router.route(&input, (now * 1000.0) as u64).expect("a worker");
                 route_us.push(t0.elapsed().as_secs_f64() * 1e6);
@@ -231,7 +247,13 @@ fn simulate(policy: Policy, workload: &str, reqs: &[Req], workers: usize, cost: 
                             let mut prompt = std::mem::take(&mut f.prompt);
                             prompt.extend((1..=f.max_tokens).map(|g| generated_token(rid, g)));
                             prompt.extend(user);
-                            let next = Req { arrival: now + think, prompt, max_tokens: reply, session: f.session, next_turns: f.next_turns };
+                            let next = Req {
+                                arrival: now + think,
+                                prompt,
+                                max_tokens: reply,
+                                session: f.session,
+                                next_turns: f.next_turns,
+                            };
                             push(&mut heap, &mut events, now + think, Ev::Arrive(next));
                         }
                     }
@@ -304,7 +326,13 @@ fn micro(quick: bool) -> MicroResult {
     let mut times = Vec::new();
     for i in 0..if quick { 2_000 } else { 20_000 } {
         let hashes = &all_chains[i % all_chains.len()];
-        let input = RouteInput { hashes, prompt_tokens: 8064, prefix_key: i as u64, session: None, region: None };
+        let input = RouteInput {
+            hashes,
+            prompt_tokens: 8064,
+            prefix_key: i as u64,
+            session: None,
+            region: None,
+        };
         let t = Instant::now();
         let d = router.route(&input, 0);
         times.push(t.elapsed().as_secs_f64() * 1e6);
@@ -321,7 +349,10 @@ fn micro(quick: bool) -> MicroResult {
 }
 
 pub fn run(cfg: RoutingBenchConfig) -> RoutingReport {
-    let cost = CostModel { kv_tokens: 40_000, ..CostModel::default() };
+    let cost = CostModel {
+        kv_tokens: 40_000,
+        ..CostModel::default()
+    };
     let policies = ["random", "least_outstanding", "prefix_aware", "kv_aware"];
     let (n_long, n_conv) = if cfg.quick { (600, 150) } else { (3000, 600) };
     let mut results = Vec::new();
@@ -350,10 +381,22 @@ pub fn run(cfg: RoutingBenchConfig) -> RoutingReport {
 
 impl RoutingReport {
     pub fn table(&self) -> String {
-        let mut out = format!("hearth bench routing — {} sim workers ({})\n", self.workers, self.cost_model);
+        let mut out = format!(
+            "hearth bench routing — {} sim workers ({})\n",
+            self.workers, self.cost_model
+        );
         out.push_str(&format!(
             "  {:<14} {:<18} {:>6} {:>8} {:>10} {:>10} {:>9} {:>13} {:>9} {:>9}\n",
-            "workload", "policy", "reqs", "KV hit", "TTFT p50", "TTFT p90", "req/s", "share min-max", "route p50", "route p99"
+            "workload",
+            "policy",
+            "reqs",
+            "KV hit",
+            "TTFT p50",
+            "TTFT p90",
+            "req/s",
+            "share min-max",
+            "route p50",
+            "route p99"
         ));
         for r in &self.results {
             out.push_str(&format!(

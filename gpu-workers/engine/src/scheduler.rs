@@ -133,7 +133,9 @@ impl Scheduler {
     /// Ends a sequence (finished or cancelled): its blocks are released at once.
     pub fn remove(&mut self, id: u64) -> Option<Sequence> {
         let seq = self.seqs.remove(&id)?;
-        for &b in &seq.table {
+        // Tail first: the LRU then evicts a prefix's last blocks before its first ones, so
+        // what stays cached is always a usable prefix.
+        for &b in seq.table.iter().rev() {
             self.blocks.release(b);
         }
         self.running.retain(|&r| r != id);
@@ -165,7 +167,7 @@ impl Scheduler {
 
     fn preempt(&mut self, id: u64) {
         if let Some(seq) = self.seqs.get_mut(&id) {
-            for &b in &seq.table {
+            for &b in seq.table.iter().rev() {
                 self.blocks.release(b);
             }
             seq.table.clear();

@@ -24,7 +24,12 @@ pub struct CostModel {
 
 impl Default for CostModel {
     fn default() -> Self {
-        Self { prefill_tok_s: 12_000.0, decode_step_s: 0.030, decode_per_seq_s: 0.000_25, kv_tokens: 250_000 }
+        Self {
+            prefill_tok_s: 12_000.0,
+            decode_step_s: 0.030,
+            decode_per_seq_s: 0.000_25,
+            kv_tokens: 250_000,
+        }
     }
 }
 
@@ -59,12 +64,27 @@ pub struct SimWorker {
 impl SimWorker {
     pub fn new(cost: CostModel) -> Self {
         let bt = hearth_protocol::DEFAULT_BLOCK_TOKENS;
-        let cfg = SchedulerConfig { block_tokens: bt, max_batch_tokens: 8192, max_running: 256 };
-        Self { sched: Scheduler::new(cfg, cost.kv_tokens / bt), cost, requests: HashMap::new() }
+        let cfg = SchedulerConfig {
+            block_tokens: bt,
+            max_batch_tokens: 8192,
+            max_running: 256,
+        };
+        Self {
+            sched: Scheduler::new(cfg, cost.kv_tokens / bt),
+            cost,
+            requests: HashMap::new(),
+        }
     }
 
     pub fn submit(&mut self, id: u64, prompt: Vec<u32>, root: BlockHash, max_tokens: usize) {
-        self.requests.insert(id, SimRequest { max_tokens: max_tokens.max(1), generated: 0, cached_tokens: 0 });
+        self.requests.insert(
+            id,
+            SimRequest {
+                max_tokens: max_tokens.max(1),
+                generated: 0,
+                cached_tokens: 0,
+            },
+        );
         self.sched.add(id, prompt, root);
     }
 
@@ -90,16 +110,29 @@ impl SimWorker {
         if items.is_empty() {
             return None;
         }
-        let prefill: usize = items.iter().filter(|i| !(i.len == 1 && i.sample && self.requests.get(&i.seq).is_some_and(|r| r.generated > 0))).map(|i| i.len).sum();
-        let decodes = items.iter().filter(|i| i.len == 1 && self.requests.get(&i.seq).is_some_and(|r| r.generated > 0)).count();
+        let prefill: usize = items
+            .iter()
+            .filter(|i| !(i.len == 1 && i.sample && self.requests.get(&i.seq).is_some_and(|r| r.generated > 0)))
+            .map(|i| i.len)
+            .sum();
+        let decodes = items
+            .iter()
+            .filter(|i| i.len == 1 && self.requests.get(&i.seq).is_some_and(|r| r.generated > 0))
+            .count();
         let mut out = SimStep {
             seconds: prefill as f64 / self.cost.prefill_tok_s
-                + if decodes > 0 { self.cost.decode_step_s + decodes as f64 * self.cost.decode_per_seq_s } else { 0.0 },
+                + if decodes > 0 {
+                    self.cost.decode_step_s + decodes as f64 * self.cost.decode_per_seq_s
+                } else {
+                    0.0
+                },
             ..Default::default()
         };
         self.sched.complete(&items);
         for it in items.iter().filter(|i| i.sample) {
-            let Some(r) = self.requests.get_mut(&it.seq) else { continue };
+            let Some(r) = self.requests.get_mut(&it.seq) else {
+                continue;
+            };
             if r.generated == 0 {
                 r.cached_tokens = self.sched.get(it.seq).map_or(0, |s| s.cached_tokens);
                 out.first_tokens.push((it.seq, r.cached_tokens));

@@ -360,12 +360,12 @@ impl Router {
                 decode_weight,
             } => {
                 let mut best: Option<(f64, u64, usize)> = None;
-                for i in 0..MAX_WORKERS {
+                for (i, &m) in matched.iter().enumerate() {
                     if candidates & (1 << i) == 0 || !self.under(i, bound) {
                         continue;
                     }
                     let Some(w) = self.worker(i) else { continue };
-                    let cached = (matched[i] as usize * bt).min(input.prompt_tokens.saturating_sub(1));
+                    let cached = (m as usize * bt).min(input.prompt_tokens.saturating_sub(1));
                     let cost = (input.prompt_tokens - cached) as f64 * prefill_weight
                         + w.inflight_prefill_tokens as f64
                         + w.decoding as f64 * decode_weight;
