@@ -649,12 +649,11 @@ pub(crate) mod tests {
                 let xs: Vec<&[BlockQ8]> = (0..n).map(|j| a.row(j)).collect();
                 let mut got = vec![0f32; n];
                 dot_q_rows(ty, &w, &xs, &mut got);
-                for j in 0..n {
+                for (j, g) in got.iter().enumerate() {
                     let s = dot_q_scalar(ty, &w, a.row(j));
                     assert!(
-                        (s - got[j]).abs() <= 1e-4 * s.abs().max(1.0),
-                        "{ty:?} n={n} j={j}: scalar {s} simd {}",
-                        got[j]
+                        (s - g).abs() <= 1e-4 * s.abs().max(1.0),
+                        "{ty:?} n={n} j={j}: scalar {s} simd {g}"
                     );
                 }
             }
