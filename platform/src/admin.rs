@@ -24,6 +24,8 @@ pub fn router() -> Router<Arc<Gateway>> {
         .route("/tenants/{tenant}/keys", get(list_keys).post(create_key))
         .route("/keys/{key_id}", delete(revoke_key))
         .route("/usage", get(usage))
+        .route("/routing", get(routing))
+        .route("/routing/{model}/workers/{slot}/drain", axum::routing::post(drain))
 }
 
 fn guard(gw: &Gateway, headers: &HeaderMap) -> Result<(), ApiError> {
@@ -140,4 +142,62 @@ async fn usage(
             ApiError::internal("the usage store failed")
         })?;
     Ok(Json(json!({"object": "list", "data": rows})))
+}
+
+/// Routing state per model: policy, workers and their load, decisions, index size.
+async fn routing(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let models: Vec<Value> = gw
+        .models
+        .all()
+        .map(|m| {
+            let r = m.router();
+            let workers: Vec<Value> = r
+                .workers()
+                .map(|(slot, w)| {
+                    let mut v = json!(w);
+                    v["slot"] = json!(slot);
+                    v["cached_blocks"] = json!(r.index.worker_blocks(slot));
+                    v
+                })
+                .collect();
+            let mut decisions: Vec<Value> = r
+                .decisions
+                .iter()
+                .map(|((policy, reason), n)| json!({"policy": policy, "reason": reason, "count": n}))
+                .collect();
+            decisions.sort_by_key(|d| d["reason"].as_str().unwrap_or("").to_string());
+            json!({
+                "model": m.id, "policy": r.cfg.policy, "load_factor": r.cfg.load_factor,
+                "home_region": r.cfg.home_region, "index_blocks": r.index.len(),
+                "workers": workers, "decisions": decisions,
+            })
+        })
+        .collect();
+    Ok(Json(json!({"object": "list", "data": models})))
+}
+
+/// `{"draining": true|false}`: a draining worker takes no new requests; running ones finish.
+async fn drain(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path((model, slot)): Path<(String, usize)>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let draining = if body.is_empty() {
+        true
+    } else {
+        parse_object(&body)?
+            .get("draining")
+            .and_then(Value::as_bool)
+            .unwrap_or(true)
+    };
+    let m = gw.models.get(&model).ok_or_else(|| ApiError::model_not_found(&model))?;
+    let mut r = m.router();
+    let w = r
+        .worker_mut(slot)
+        .ok_or_else(|| ApiError::not_found(format!("model {model} has no worker {slot}")))?;
+    w.draining = draining;
+    Ok(Json(json!({"model": model, "slot": slot, "draining": draining})))
 }

@@ -19,7 +19,10 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use futures_util::StreamExt;
 use hearth_billing::{UsageLedger, UsageRecord, UsageStatus};
-use hearth_protocol::{cache_namespace, FinishReason, GenerateEvent, GenerateRequest, TokenLogprob, Usage};
+use hearth_protocol::{
+    block_hashes, cache_namespace, namespace_root, FinishReason, GenerateEvent, GenerateRequest, TokenLogprob, Usage,
+};
+use hearth_router::{Policy, RouteInput};
 use hearth_tenants::{now_ms, AuthError, TenantContext, TenantStore};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -72,6 +75,7 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/models", get(list_models))
         .route("/v1/models/{model}", get(get_model))
         .route("/healthz", get(healthz))
+        .route("/metrics", get(crate::metrics::render))
         .nest("/admin/v1", crate::admin::router())
         .fallback(|| async {
             ApiError::not_found("no such endpoint; see /v1/chat/completions, /v1/completions, /v1/models")
@@ -182,19 +186,98 @@ fn tokenize(model: &ServedModel, input: Input<'_>, common: &Common) -> Result<(V
 
 // ---- phase: route + dispatch ---------------------------------------------------------
 
-/// Sends the request to a worker; an unreachable worker is skipped for the next one
-/// (nothing has been streamed yet, so a retry is safe).
-async fn dispatch(model: &ServedModel, req: GenerateRequest) -> Result<EventStream, ApiError> {
+/// A request's place on a worker, for the router's load accounting; released on drop
+/// (completion, failure, cancellation alike).
+pub struct Placement {
+    model: Arc<ServedModel>,
+    slot: usize,
+    uncached: usize,
+    started: bool,
+}
+
+impl Placement {
+    fn first_token(&mut self) {
+        if !self.started {
+            self.started = true;
+            self.model.router().on_first_token(self.slot, self.uncached);
+        }
+    }
+}
+
+impl Drop for Placement {
+    fn drop(&mut self) {
+        self.model.router().on_finish(self.slot, self.uncached, self.started);
+    }
+}
+
+/// What the router may use besides the tokens.
+pub struct RouteHints {
+    /// `x-session-affinity`.
+    pub session: Option<String>,
+    /// `x-hearth-region`, else the gateway's region.
+    pub region: Option<String>,
+    /// `prefix_aware`'s key: the leading text of the request and its cache namespace.
+    pub prefix_key: u64,
+}
+
+/// Routes the request (policy, affinity, region) and sends it to the chosen worker; an
+/// unreachable worker is marked unhealthy and the next choice tried (nothing has been
+/// streamed yet, so a retry is safe).
+async fn dispatch(
+    model: &Arc<ServedModel>,
+    req: GenerateRequest,
+    hints: &RouteHints,
+) -> Result<(EventStream, Placement), ApiError> {
+    let root = namespace_root(&model.id, &req.cache_namespace);
+    // The engine reuses whole blocks and always computes the last prompt token.
+    let hashes = block_hashes(root, &req.prompt[..req.prompt.len() - 1], model.block_tokens);
+    let mut exclude = 0u64;
     let mut last = None;
-    for w in model.route() {
-        match w.generate(req.clone()).await {
-            Ok(s) => return Ok(s),
+    loop {
+        let placement = {
+            let mut r = model.router();
+            let input = RouteInput {
+                hashes: &hashes,
+                prompt_tokens: req.prompt.len(),
+                prefix_key: hints.prefix_key,
+                session: hints.session.as_deref(),
+                region: hints.region.as_deref(),
+                exclude,
+            };
+            let Some(d) = r.route(&input, model.now_ms()) else {
+                break;
+            };
+            let uncached = req.prompt.len() - d.expected_cached_tokens;
+            r.on_dispatch(d.worker, uncached);
+            tracing::debug!(
+                worker = d.worker,
+                reason = d.reason.as_str(),
+                expected_cached = d.expected_cached_tokens,
+                "routed"
+            );
+            Placement {
+                model: model.clone(),
+                slot: d.worker,
+                uncached,
+                started: false,
+            }
+        };
+        let slot = placement.slot;
+        exclude |= 1 << slot;
+        let Some(client) = model.client(slot).cloned() else {
+            continue;
+        };
+        match client.generate(req.clone()).await {
+            Ok(s) => return Ok((s, placement)),
             Err(e @ WorkerError::Unavailable { .. }) => {
-                tracing::warn!(worker = w.name(), error = %e, "worker unavailable; trying the next");
+                tracing::warn!(worker = client.name(), error = %e, "worker unavailable; trying the next");
+                if let Some(w) = model.router().worker_mut(slot) {
+                    w.healthy = false;
+                }
                 last = Some(e);
             }
             Err(e) => {
-                tracing::error!(worker = w.name(), error = %e, "worker failed");
+                tracing::error!(worker = client.name(), error = %e, "worker failed");
                 return Err(ApiError::unavailable(format!("the worker for {} failed", model.id)));
             }
         }
@@ -204,6 +287,17 @@ async fn dispatch(model: &ServedModel, req: GenerateRequest) -> Result<EventStre
         "no worker for model {} is reachable{detail}",
         model.id
     )))
+}
+
+/// `prefix_aware`'s key: the first `prefix_length` characters of the request's text and
+/// its cache namespace (SageMaker's semantics).
+fn prefix_key(model: &ServedModel, text: &str, namespace: &str) -> u64 {
+    let len = match model.router().cfg.policy {
+        Policy::PrefixAware { prefix_length, .. } => prefix_length,
+        _ => 2048,
+    };
+    let lead: String = text.chars().take(len).collect();
+    xxhash_rust::xxh3::xxh3_64(format!("{namespace}\0{lead}").as_bytes())
 }
 
 /// A worker's error event as the client's error.
@@ -223,7 +317,13 @@ fn worker_error(code: &str, message: &str) -> ApiError {
 /// event reaches the client (write-before-ack), or as soon as the client goes away
 /// (recording what was generated). Runs as its own task, so a vanished client cannot
 /// lose a record; dropping `events` cancels the generation.
-async fn relay(gw: Arc<Gateway>, mut rec: UsageRecord, mut events: EventStream, tx: mpsc::Sender<GenerateEvent>) {
+async fn relay(
+    gw: Arc<Gateway>,
+    mut rec: UsageRecord,
+    mut events: EventStream,
+    mut placement: Placement,
+    tx: mpsc::Sender<GenerateEvent>,
+) {
     let mut generated = 0u32;
     let ended = loop {
         let ev = tokio::select! {
@@ -236,6 +336,7 @@ async fn relay(gw: Arc<Gateway>, mut rec: UsageRecord, mut events: EventStream, 
         let terminal = match &ev {
             GenerateEvent::Token { .. } => {
                 generated += 1;
+                placement.first_token();
                 false
             }
             GenerateEvent::Finish { .. } => false,
@@ -264,6 +365,7 @@ async fn relay(gw: Arc<Gateway>, mut rec: UsageRecord, mut events: EventStream, 
             break None;
         }
     };
+    drop(placement);
     if ended.is_none() {
         drop(events); // cancels the generation
         rec.completion_tokens = generated;
@@ -350,7 +452,7 @@ async fn handle(
         started_at,
         finished_at: started_at,
     };
-    match run(&gw, &request_id, body, endpoint, &mut rec).await {
+    match run(&gw, &request_id, &headers, body, endpoint, &mut rec).await {
         Ok(resp) => resp,
         Err(e) => {
             // Refused before reaching a worker: still one record per request.
@@ -364,6 +466,7 @@ async fn handle(
 async fn run(
     gw: &Arc<Gateway>,
     request_id: &str,
+    headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
     endpoint: Endpoint,
     rec: &mut UsageRecord,
@@ -398,10 +501,27 @@ async fn run(
         cache_namespace: cache_namespace(&rec.tenant_id, common.prompt_cache_key.as_deref()),
         n: common.n,
     };
-    let events = dispatch(&model, req).await?;
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+            .filter(|v| !v.is_empty())
+    };
+    let text = match (&input_chat, &input_prompt) {
+        (Some(m), _) => m.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n"),
+        (_, Some(Prompt::Text(t))) => t.clone(),
+        _ => model.tokenizer.decode(&req.prompt, false).unwrap_or_default(),
+    };
+    let hints = RouteHints {
+        session: header("x-session-affinity"),
+        region: header("x-hearth-region"),
+        prefix_key: prefix_key(&model, &text, &req.cache_namespace),
+    };
+    let (events, placement) = dispatch(&model, req, &hints).await?;
 
     let (tx, mut rx) = mpsc::channel(64);
-    tokio::spawn(relay(gw.clone(), rec.clone(), events, tx));
+    tokio::spawn(relay(gw.clone(), rec.clone(), events, placement, tx));
     // Wait for the first event, so that a refusal becomes an HTTP error, not a broken stream.
     let first = rx
         .recv()

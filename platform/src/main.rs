@@ -12,8 +12,9 @@ use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::{EngineConfig, EngineHandle};
 use hearth_platform::db;
 use hearth_platform::gateway::{self, Gateway};
-use hearth_platform::registry::ModelRegistry;
+use hearth_platform::registry::{ModelRegistry, RoutingConfig};
 use hearth_platform::workers::{HttpWorker, InProcessWorker, WorkerClient};
+use hearth_router::Policy;
 use hearth_tenants::TenantStore;
 
 #[derive(Parser)]
@@ -106,6 +107,47 @@ struct ModelArgs {
     /// Sequences decoded together.
     #[arg(long, env = "HEARTH_MAX_RUNNING", default_value_t = 64)]
     max_running: usize,
+    /// Region label of the engine(s).
+    #[arg(long, env = "HEARTH_REGION", default_value = "local")]
+    region: String,
+}
+
+#[derive(Args, Clone)]
+struct RoutingArgs {
+    /// Routing policy: kv_aware (default), prefix_aware, least_outstanding, random; or
+    /// MODEL=POLICY for one model (repeatable).
+    #[arg(
+        long = "routing-policy",
+        env = "HEARTH_ROUTING_POLICY",
+        value_delimiter = ',',
+        default_value = "kv_aware"
+    )]
+    policies: Vec<String>,
+}
+
+impl RoutingArgs {
+    fn config(&self, region: &str) -> anyhow::Result<RoutingConfig> {
+        let mut cfg = RoutingConfig {
+            region: region.to_string(),
+            ..Default::default()
+        };
+        for p in &self.policies {
+            let (model, name) = match p.split_once('=') {
+                Some((m, n)) => (Some(m), n),
+                None => (None, p.as_str()),
+            };
+            let policy = Policy::parse(name).ok_or_else(|| {
+                anyhow::anyhow!("unknown routing policy {name:?} (kv_aware, prefix_aware, least_outstanding, random)")
+            })?;
+            match model {
+                Some(m) => {
+                    cfg.per_model.insert(m.to_string(), policy);
+                }
+                None => cfg.policy = policy,
+            }
+        }
+        Ok(cfg)
+    }
 }
 
 impl ModelArgs {
@@ -117,6 +159,7 @@ impl ModelArgs {
             kv_cache_mib: self.kv_cache_mib,
             max_batch_tokens: self.max_batch_tokens,
             max_running: self.max_running,
+            region: self.region.clone(),
         }
     }
 }
@@ -132,6 +175,11 @@ struct ServeArgs {
     /// Enables the admin API (`/admin/v1`) for bearers of this token.
     #[arg(long, env = "HEARTH_ADMIN_TOKEN", hide_env_values = true)]
     admin_token: Option<String>,
+    /// In-process engine workers (each with its own KV cache; threads are shared out).
+    #[arg(long, env = "HEARTH_WORKERS_LOCAL", default_value_t = 1)]
+    workers: usize,
+    #[command(flatten)]
+    routing: RoutingArgs,
 }
 
 #[derive(Args)]
@@ -154,6 +202,11 @@ struct GatewayArgs {
     /// How long to wait for workers to come up at start.
     #[arg(long, default_value_t = 120)]
     worker_wait_secs: u64,
+    /// This gateway's region (requests may override it with `x-hearth-region`).
+    #[arg(long, env = "HEARTH_REGION", default_value = "local")]
+    region: String,
+    #[command(flatten)]
+    routing: RoutingArgs,
     #[arg(long, env = "HEARTH_ADMIN_TOKEN", hide_env_values = true)]
     admin_token: Option<String>,
 }
@@ -370,9 +423,10 @@ async fn run_gateway(
     workers: Vec<Arc<dyn WorkerClient>>,
     wait: Duration,
     admin_token: Option<String>,
+    routing: RoutingConfig,
 ) -> anyhow::Result<()> {
     let pool = db::open(data_dir).await?;
-    let models = ModelRegistry::discover(workers, wait).await?;
+    let models = ModelRegistry::discover(workers, wait, &routing).await?;
     let gw = Arc::new(Gateway {
         tenants: TenantStore::new(pool.clone()),
         ledger: UsageLedger::new(pool),
@@ -411,9 +465,19 @@ async fn run_gateway(
 }
 
 async fn serve(a: ServeArgs) -> anyhow::Result<()> {
-    let engine = load_engine(&a.model).await?;
-    let workers: Vec<Arc<dyn WorkerClient>> = vec![Arc::new(InProcessWorker::new(engine))];
-    run_gateway(a.listen, &a.data.dir(), workers, Duration::ZERO, a.admin_token).await
+    let n = a.workers.clamp(1, 64);
+    let mut model = a.model.clone();
+    let total = model
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    model.threads = Some((total / n).max(1));
+    let mut workers: Vec<Arc<dyn WorkerClient>> = Vec::new();
+    for i in 0..n {
+        let engine = load_engine(&model).await?;
+        workers.push(Arc::new(InProcessWorker::new(engine, &format!("local-{i}"))));
+    }
+    let routing = a.routing.config(&a.model.region)?;
+    run_gateway(a.listen, &a.data.dir(), workers, Duration::ZERO, a.admin_token, routing).await
 }
 
 async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
@@ -435,12 +499,14 @@ async fn gateway_cmd(a: GatewayArgs) -> anyhow::Result<()> {
         .iter()
         .map(|u| HttpWorker::new(u).map(|w| Arc::new(w) as Arc<dyn WorkerClient>))
         .collect::<Result<Vec<_>, _>>()?;
+    let routing = a.routing.config(&a.region)?;
     run_gateway(
         a.listen,
         &a.data.dir(),
         workers,
         Duration::from_secs(a.worker_wait_secs),
         a.admin_token,
+        routing,
     )
     .await
 }

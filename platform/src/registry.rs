@@ -1,37 +1,50 @@
-//! What the gateway serves: models discovered from their workers, each with the tokenizer
-//! and chat template the gateway needs to produce the exact token ids the engine expects.
+//! What the gateway serves: models discovered from their workers (each with the tokenizer
+//! and chat template the gateway needs to produce the exact token ids the engine expects),
+//! and for each model the router that places its requests on its workers.
+//!
+//! Per worker, two background tasks keep the router current: one follows the worker's KV
+//! events into the prefix index (exact mode; while the stream is down the router records
+//! its own decisions instead — approximate mode), one checks its health.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
-use hearth_protocol::{ChatTemplate, Tokenizer};
+use futures_util::StreamExt;
+use hearth_protocol::{ChatTemplate, KvEvent, Tokenizer};
+use hearth_router::{Policy, Router, RouterConfig};
 
 use crate::workers::{WorkerClient, WorkerError};
 
-/// One model and the workers that serve it.
+/// One model, its workers (by router slot) and its router.
 pub struct ServedModel {
     pub id: String,
     pub tokenizer: Tokenizer,
     pub template: Option<ChatTemplate>,
     pub context_length: u32,
+    pub block_tokens: usize,
     pub created: i64,
-    workers: Vec<Arc<dyn WorkerClient>>,
-    next: AtomicUsize,
+    workers: Vec<Option<Arc<dyn WorkerClient>>>,
+    router: Mutex<Router>,
+    epoch: Instant,
 }
 
 impl ServedModel {
-    /// Workers in the order to try them: round-robin start, then the others as fallbacks
-    /// (cache- and load-aware routing arrives with the routing issue).
-    pub fn route(&self) -> impl Iterator<Item = &Arc<dyn WorkerClient>> {
-        let n = self.workers.len();
-        let start = self.next.fetch_add(1, Ordering::Relaxed);
-        (0..n).map(move |i| &self.workers[(start + i) % n])
+    /// Router time: milliseconds since the gateway started.
+    pub fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    pub fn router(&self) -> MutexGuard<'_, Router> {
+        self.router.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn client(&self, slot: usize) -> Option<&Arc<dyn WorkerClient>> {
+        self.workers.get(slot).and_then(Option::as_ref)
     }
 
     pub fn worker_count(&self) -> usize {
-        self.workers.len()
+        self.workers.iter().flatten().count()
     }
 }
 
@@ -48,11 +61,41 @@ pub enum RegistryError {
     Model { model: String, detail: String },
 }
 
+/// How the gateway routes.
+#[derive(Debug, Clone)]
+pub struct RoutingConfig {
+    /// The default policy, and per-model overrides.
+    pub policy: Policy,
+    pub per_model: HashMap<String, Policy>,
+    /// The gateway's own region (requests may override it with `x-hearth-region`).
+    pub region: String,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        Self {
+            policy: Policy::parse("kv_aware").unwrap_or(Policy::Random),
+            per_model: HashMap::new(),
+            region: "local".into(),
+        }
+    }
+}
+
 impl ModelRegistry {
-    /// Asks each worker what it serves, retrying unreachable workers until `wait` passes.
-    pub async fn discover(workers: Vec<Arc<dyn WorkerClient>>, wait: Duration) -> Result<Self, RegistryError> {
+    /// Asks each worker what it serves (retrying unreachable workers until `wait` passes),
+    /// builds each model's router, and starts the event and health tasks.
+    pub async fn discover(
+        workers: Vec<Arc<dyn WorkerClient>>,
+        wait: Duration,
+        routing: &RoutingConfig,
+    ) -> Result<Self, RegistryError> {
         let deadline = tokio::time::Instant::now() + wait;
-        let mut reg = Self::default();
+        struct Building {
+            info: hearth_protocol::WorkerInfo,
+            workers: Vec<Arc<dyn WorkerClient>>,
+            regions: Vec<String>,
+        }
+        let mut building: Vec<Building> = Vec::new();
         for w in workers {
             let info = loop {
                 match w.info().await {
@@ -64,14 +107,21 @@ impl ModelRegistry {
                     Err(e) => return Err(e.into()),
                 }
             };
-            if let Some(existing) = reg.models.get_mut(&info.model) {
-                let m = Arc::get_mut(existing).ok_or_else(|| RegistryError::Model {
-                    model: info.model.clone(),
-                    detail: "registry in use".into(),
-                })?;
-                m.workers.push(w);
-                continue;
+            match building.iter_mut().find(|b| b.info.model == info.model) {
+                Some(b) => {
+                    b.regions.push(info.region.clone());
+                    b.workers.push(w);
+                }
+                None => building.push(Building {
+                    regions: vec![info.region.clone()],
+                    info,
+                    workers: vec![w],
+                }),
             }
+        }
+        let mut reg = Self::default();
+        for b in building {
+            let info = b.info;
             let model_err = |detail: String| RegistryError::Model {
                 model: info.model.clone(),
                 detail,
@@ -84,25 +134,49 @@ impl ModelRegistry {
                             .map(|b| String::from_utf8_lossy(b).into_owned())
                             .unwrap_or_default()
                     };
-                    let bos = tok(tokenizer.bos_id());
-                    let eos = tok(tokenizer.eos_id());
-                    Some(ChatTemplate::new(src, &bos, &eos).map_err(|e| model_err(e.to_string()))?)
+                    Some(
+                        ChatTemplate::new(src, &tok(tokenizer.bos_id()), &tok(tokenizer.eos_id()))
+                            .map_err(|e| model_err(e.to_string()))?,
+                    )
                 }
                 None => None,
             };
-            tracing::info!(model = %info.model, worker = w.name(), context = info.context_length, "serving model");
-            reg.models.insert(
-                info.model.clone(),
-                Arc::new(ServedModel {
-                    id: info.model.clone(),
-                    tokenizer,
-                    template,
-                    context_length: info.context_length,
-                    created: hearth_tenants::now_ms() / 1000,
-                    workers: vec![w],
-                    next: AtomicUsize::new(0),
-                }),
-            );
+            let policy = routing.per_model.get(&info.model).copied().unwrap_or(routing.policy);
+            let mut router = Router::new(RouterConfig {
+                policy,
+                home_region: routing.region.clone(),
+                block_tokens: info.block_tokens as usize,
+                ..Default::default()
+            });
+            let mut slots = Vec::new();
+            for (w, region) in b.workers.iter().zip(&b.regions) {
+                let slot = router
+                    .add_worker(w.name(), region, false)
+                    .ok_or_else(|| model_err("more than 64 workers".into()))?;
+                if slots.len() <= slot {
+                    slots.resize(slot + 1, None);
+                }
+                slots[slot] = Some(w.clone());
+            }
+            tracing::info!(model = %info.model, workers = b.workers.len(), policy = policy.name(), context = info.context_length, "serving model");
+            let model = Arc::new(ServedModel {
+                id: info.model.clone(),
+                tokenizer,
+                template,
+                context_length: info.context_length,
+                block_tokens: info.block_tokens as usize,
+                created: hearth_tenants::now_ms() / 1000,
+                workers: slots,
+                router: Mutex::new(router),
+                epoch: Instant::now(),
+            });
+            for slot in 0..model.workers.len() {
+                if model.client(slot).is_some() {
+                    tokio::spawn(follow_kv_events(model.clone(), slot));
+                    tokio::spawn(check_health(model.clone(), slot));
+                }
+            }
+            reg.models.insert(info.model.clone(), model);
         }
         Ok(reg)
     }
@@ -115,5 +189,59 @@ impl ModelRegistry {
         let mut v: Vec<_> = self.models.values().collect();
         v.sort_by(|a, b| a.id.cmp(&b.id));
         v.into_iter()
+    }
+}
+
+/// Feeds one worker's KV events into the model's prefix index, reconnecting when the stream
+/// ends; while it is down the router assumes (approximate mode).
+async fn follow_kv_events(model: Arc<ServedModel>, slot: usize) {
+    let Some(client) = model.client(slot).cloned() else {
+        return;
+    };
+    loop {
+        match client.kv_events().await {
+            Ok(mut events) => {
+                while let Some(ev) = events.next().await {
+                    let mut r = model.router();
+                    match ev {
+                        KvEvent::Snapshot { blocks, .. } => {
+                            r.index.reset_worker(slot, &blocks);
+                            if let Some(w) = r.worker_mut(slot) {
+                                w.exact_events = true;
+                            }
+                        }
+                        KvEvent::Stored { blocks } => r.index.stored(slot, &blocks),
+                        KvEvent::Removed { blocks } => r.index.removed(slot, &blocks),
+                        KvEvent::Load(_) => {}
+                    }
+                }
+            }
+            Err(e) => tracing::debug!(worker = client.name(), error = %e, "no KV events"),
+        }
+        if let Some(w) = model.router().worker_mut(slot) {
+            w.exact_events = false;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Marks a worker unhealthy while its health check fails.
+async fn check_health(model: Arc<ServedModel>, slot: usize) {
+    let Some(client) = model.client(slot).cloned() else {
+        return;
+    };
+    loop {
+        let ok = client.health().await.is_ok();
+        {
+            let mut r = model.router();
+            if let Some(w) = r.worker_mut(slot) {
+                if w.healthy != ok {
+                    tracing::warn!(worker = client.name(), healthy = ok, "worker health changed");
+                }
+                w.healthy = ok;
+            }
+            r.sweep(model.now_ms());
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
     }
 }

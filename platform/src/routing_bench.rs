@@ -202,6 +202,7 @@ fn simulate(policy: Policy, workload: &str, reqs: &[Req], workers: usize, cost: 
                     prefix_key: key,
                     session: r.session.as_deref(),
                     region: None,
+                    exclude: 0,
                 };
                 let t0 = Instant::now();
                 let d = router.route(&input, (now * 1000.0) as u64).expect("a worker");
@@ -332,6 +333,7 @@ fn micro(quick: bool) -> MicroResult {
             prefix_key: i as u64,
             session: None,
             region: None,
+            exclude: 0,
         };
         let t = Instant::now();
         let d = router.route(&input, 0);

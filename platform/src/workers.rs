@@ -9,7 +9,7 @@ use futures_util::future::BoxFuture;
 use futures_util::stream::{self, BoxStream};
 use futures_util::{FutureExt, StreamExt};
 use hearth_engine::EngineHandle;
-use hearth_protocol::{GenerateEvent, GenerateRequest, WorkerInfo};
+use hearth_protocol::{GenerateEvent, GenerateRequest, KvEvent, WorkerInfo};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 /// Events of one generation. A stream that ends without `Done`/`Error` means the worker
@@ -24,27 +24,61 @@ pub enum WorkerError {
     Protocol { worker: String, detail: String },
 }
 
+/// KV events of one worker: a snapshot, then changes. Ends when the worker goes away.
+pub type KvEventStream = BoxStream<'static, KvEvent>;
+
 pub trait WorkerClient: Send + Sync + 'static {
-    /// A name for logs and errors (`local`, or the worker's URL).
+    /// A name for logs and errors (`local-N`, or the worker's URL).
     fn name(&self) -> &str;
     fn info(&self) -> BoxFuture<'_, Result<WorkerInfo, WorkerError>>;
     fn generate(&self, req: GenerateRequest) -> BoxFuture<'_, Result<EventStream, WorkerError>>;
+    /// The worker's prefix-cache events (for the router's index).
+    fn kv_events(&self) -> BoxFuture<'_, Result<KvEventStream, WorkerError>>;
+    /// Liveness.
+    fn health(&self) -> BoxFuture<'_, Result<(), WorkerError>>;
 }
 
 /// An engine in this process.
 pub struct InProcessWorker {
     engine: EngineHandle,
+    name: String,
 }
 
 impl InProcessWorker {
-    pub fn new(engine: EngineHandle) -> Self {
-        Self { engine }
+    pub fn new(engine: EngineHandle, name: &str) -> Self {
+        Self {
+            engine,
+            name: name.to_string(),
+        }
     }
 }
 
 impl WorkerClient for InProcessWorker {
     fn name(&self) -> &str {
-        "local"
+        &self.name
+    }
+
+    fn kv_events(&self) -> BoxFuture<'_, Result<KvEventStream, WorkerError>> {
+        async move {
+            let (snap, rx) = self
+                .engine
+                .subscribe_kv()
+                .await
+                .ok_or_else(|| WorkerError::Unavailable {
+                    worker: self.name.clone(),
+                    detail: "the engine is not running".into(),
+                })?;
+            // A lagging subscriber's stream ends; the caller resubscribes and gets a new snapshot.
+            let rest = tokio_stream::wrappers::BroadcastStream::new(rx)
+                .take_while(|r| futures_util::future::ready(r.is_ok()))
+                .filter_map(|r| futures_util::future::ready(r.ok()));
+            Ok(stream::iter([snap]).chain(rest).boxed())
+        }
+        .boxed()
+    }
+
+    fn health(&self) -> BoxFuture<'_, Result<(), WorkerError>> {
+        async move { Ok(()) }.boxed()
     }
 
     fn info(&self) -> BoxFuture<'_, Result<WorkerInfo, WorkerError>> {
@@ -103,6 +137,43 @@ impl WorkerClient for HttpWorker {
         &self.base
     }
 
+    fn kv_events(&self) -> BoxFuture<'_, Result<KvEventStream, WorkerError>> {
+        async move {
+            let resp = self
+                .client
+                .get(format!("{}/v1/worker/events", self.base))
+                .send()
+                .await
+                .map_err(|e| self.unavailable(e))?;
+            if !resp.status().is_success() {
+                return Err(self.protocol(format!("events returned {}", resp.status())));
+            }
+            let lines = ndjson_lines(resp.bytes_stream().boxed());
+            Ok(lines
+                .filter_map(|l| async move { serde_json::from_slice::<KvEvent>(&l).ok() })
+                .boxed())
+        }
+        .boxed()
+    }
+
+    fn health(&self) -> BoxFuture<'_, Result<(), WorkerError>> {
+        async move {
+            let resp = self
+                .client
+                .get(format!("{}/healthz", self.base))
+                .timeout(Duration::from_secs(3))
+                .send()
+                .await
+                .map_err(|e| self.unavailable(e))?;
+            if resp.status().is_success() {
+                Ok(())
+            } else {
+                Err(self.unavailable(format!("healthz returned {}", resp.status())))
+            }
+        }
+        .boxed()
+    }
+
     fn info(&self) -> BoxFuture<'_, Result<WorkerInfo, WorkerError>> {
         async move {
             let resp = self
@@ -141,6 +212,27 @@ impl WorkerClient for HttpWorker {
         }
         .boxed()
     }
+}
+
+/// Splits a byte stream into lines (without the newline); ends at the first transport error.
+fn ndjson_lines(bytes: BoxStream<'static, reqwest::Result<axum::body::Bytes>>) -> BoxStream<'static, Vec<u8>> {
+    stream::unfold((bytes, Vec::<u8>::new()), |(mut bytes, mut buf)| async move {
+        loop {
+            if let Some(pos) = buf.iter().position(|&b| b == b'\n') {
+                let mut line: Vec<u8> = buf.drain(..=pos).collect();
+                line.pop();
+                if line.iter().all(u8::is_ascii_whitespace) {
+                    continue;
+                }
+                return Some((line, (bytes, buf)));
+            }
+            match bytes.next().await {
+                Some(Ok(chunk)) => buf.extend_from_slice(&chunk),
+                _ => return None,
+            }
+        }
+    })
+    .boxed()
 }
 
 /// Splits a byte stream into newline-delimited JSON events. A transport error or a bad line

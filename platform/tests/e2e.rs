@@ -691,3 +691,132 @@ impl NdjsonReader {
         }
     }
 }
+
+#[tokio::test]
+async fn two_workers_route_repeated_prefixes_to_their_cache() {
+    let data = temp_dir("routing");
+    let server = spawn(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--workers",
+        "2",
+    ]);
+    let key = new_key(&data, "acme");
+    let url = format!("{}/v1/chat/completions", server.url);
+    let system = long_system();
+    // Wait until the router follows both workers' KV events (exact mode).
+    let routing_url = format!("{}/admin/v1/routing", server.url);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r: Value = client()
+            .get(&routing_url)
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let workers = r["data"][0]["workers"].as_array().unwrap().clone();
+        assert_eq!(workers.len(), 2);
+        if workers.iter().all(|w| w["exact_events"] == true) {
+            assert_eq!(r["data"][0]["policy"]["policy"], "kv_aware");
+            break;
+        }
+        assert!(Instant::now() < deadline, "KV event streams not followed: {r}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (_, _, first) = post(&url, Some(&key), &cached_chat(&system, "Hi", json!({}))).await;
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // Every repeat of the prefix lands on the worker that cached it (round robin would
+    // miss every other time).
+    for q in ["Hello", "Good morning", "Hey there", "Greetings"] {
+        let (s, _, again) = post(&url, Some(&key), &cached_chat(&system, q, json!({}))).await;
+        assert_eq!(s, 200, "{again}");
+        let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        assert!(cached >= 256, "request {q:?} missed the cache: {again}");
+    }
+    let r: Value = client()
+        .get(&routing_url)
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let decisions = r["data"][0]["decisions"].as_array().unwrap();
+    let hits = decisions
+        .iter()
+        .find(|d| d["reason"] == "hit")
+        .map_or(0, |d| d["count"].as_u64().unwrap());
+    assert!(hits >= 4, "{r}");
+    assert!(r["data"][0]["index_blocks"].as_u64().unwrap() > 0);
+
+    // Session affinity pins a session while its worker is under its bound.
+    let body = chat_body(json!({"max_tokens": 2}));
+    for _ in 0..3 {
+        let resp = client()
+            .post(&url)
+            .bearer_auth(&key)
+            .header("x-session-affinity", "s-1")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+    }
+    let r: Value = client()
+        .get(&routing_url)
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let affinity = r["data"][0]["decisions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["reason"] == "affinity")
+        .map_or(0, |d| d["count"].as_u64().unwrap());
+    assert!(affinity >= 2, "{r}");
+
+    // Prometheus metrics.
+    let metrics = client()
+        .get(format!("{}/metrics", server.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains(
+            "hearth_routing_decisions_total{model=\"smollm2-135m-instruct\",policy=\"kv_aware\",reason=\"hit\"}"
+        ),
+        "{metrics}"
+    );
+    assert!(metrics.contains("hearth_worker_inflight_requests{"));
+    assert!(metrics.contains("hearth_router_index_blocks{"));
+
+    // Draining a worker sends everything to the other one.
+    for slot in [0, 1] {
+        let drained = client()
+            .post(format!("{}/admin/v1/routing/{MODEL}/workers/{slot}/drain", server.url))
+            .bearer_auth(ADMIN_TOKEN)
+            .json(&json!({"draining": slot == 0}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(drained.status(), 200);
+    }
+    let (s, _, _) = post(&url, Some(&key), &chat_body(json!({"max_tokens": 1}))).await;
+    assert_eq!(s, 200);
+}

@@ -53,6 +53,8 @@ pub struct EngineConfig {
     pub max_batch_tokens: usize,
     /// Sequences decoded together.
     pub max_running: usize,
+    /// Region label reported to gateways.
+    pub region: String,
 }
 
 impl Default for EngineConfig {
@@ -62,6 +64,7 @@ impl Default for EngineConfig {
             kv_cache_mib: None,
             max_batch_tokens: 512,
             max_running: 64,
+            region: "local".into(),
         }
     }
 }
@@ -169,6 +172,7 @@ impl EngineHandle {
             context_length: c.context_length as u32,
             parameters: model.n_params(),
             block_tokens: bt as u32,
+            region: cfg.region.clone(),
             tokenizer: spec,
         };
         let compute = rayon::ThreadPoolBuilder::new()

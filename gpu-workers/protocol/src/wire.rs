@@ -189,7 +189,14 @@ pub struct WorkerInfo {
     /// Tokens per KV block (for hashing prompts the way this worker caches them).
     #[serde(default = "default_block_tokens")]
     pub block_tokens: u32,
+    /// Where the worker runs (routing prefers the gateway's own region).
+    #[serde(default = "default_region")]
+    pub region: String,
     pub tokenizer: TokenizerSpec,
+}
+
+fn default_region() -> String {
+    "local".into()
 }
 
 fn default_block_tokens() -> u32 {

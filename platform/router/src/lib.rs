@@ -151,6 +151,8 @@ pub struct RouteInput<'a> {
     pub prefix_key: u64,
     pub session: Option<&'a str>,
     pub region: Option<&'a str>,
+    /// Workers not to use for this attempt (already failed).
+    pub exclude: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -286,7 +288,8 @@ impl Router {
         let usable: u64 = self
             .workers()
             .filter(|(_, w)| w.healthy && !w.draining)
-            .fold(0, |acc, (i, _)| acc | (1 << i));
+            .fold(0, |acc, (i, _)| acc | (1 << i))
+            & !input.exclude;
         if usable == 0 {
             return None;
         }
@@ -455,6 +458,7 @@ mod tests {
             prefix_key: 7,
             session,
             region: None,
+            exclude: 0,
         }
     }
 
@@ -503,6 +507,7 @@ mod tests {
             prefix_key: 1,
             session: None,
             region: None,
+            exclude: 0,
         };
         let w = r.route(&a, 0).unwrap().worker;
         assert_eq!(r.route(&a, 0).unwrap().worker, w, "same key, same worker");
