@@ -9,7 +9,8 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand};
 use hearth_billing::UsageLedger;
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
-use hearth_engine::{EngineConfig, EngineHandle};
+use hearth_engine::sim::{sim_info, CostModel, SimHandle};
+use hearth_engine::{Backend, EngineConfig, EngineHandle};
 use hearth_platform::db;
 use hearth_platform::gateway::{self, Gateway};
 use hearth_platform::registry::{ModelRegistry, RoutingConfig};
@@ -110,6 +111,13 @@ struct ModelArgs {
     /// Region label of the engine(s).
     #[arg(long, env = "HEARTH_REGION", default_value = "local")]
     region: String,
+    /// `engine` (the real model) or `sim` (the real scheduler and caches, with a cost model
+    /// instead of the maths; see `hearth_engine::sim`).
+    #[arg(long, env = "HEARTH_BACKEND", default_value = "engine")]
+    backend: String,
+    /// For `--backend sim`: how many times faster than the cost model time runs.
+    #[arg(long, default_value_t = 1.0)]
+    sim_speedup: f64,
 }
 
 #[derive(Args, Clone)]
@@ -352,6 +360,20 @@ async fn resolve_model(args: &ModelArgs) -> anyhow::Result<(PathBuf, String)> {
     Ok((path, id))
 }
 
+/// Starts the backend `--backend` names for `--model`.
+async fn load_backend(args: &ModelArgs) -> anyhow::Result<Arc<dyn Backend>> {
+    match args.backend.as_str() {
+        "engine" => Ok(Arc::new(load_engine(args).await?)),
+        "sim" => {
+            let (path, id) = resolve_model(args).await?;
+            let info = sim_info(&path, &id, &args.region)?;
+            tracing::info!(model = %id, speedup = args.sim_speedup, "sim backend ready");
+            Ok(Arc::new(SimHandle::start(info, CostModel::default(), args.sim_speedup)))
+        }
+        other => bail!("unknown backend {other:?} (engine, sim)"),
+    }
+}
+
 /// Loads the engine for `--model`.
 async fn load_engine(args: &ModelArgs) -> anyhow::Result<EngineHandle> {
     let (path, id) = resolve_model(args).await?;
@@ -473,15 +495,15 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     model.threads = Some((total / n).max(1));
     let mut workers: Vec<Arc<dyn WorkerClient>> = Vec::new();
     for i in 0..n {
-        let engine = load_engine(&model).await?;
-        workers.push(Arc::new(InProcessWorker::new(engine, &format!("local-{i}"))));
+        let backend = load_backend(&model).await?;
+        workers.push(Arc::new(InProcessWorker::new(backend, &format!("local-{i}"))));
     }
     let routing = a.routing.config(&a.model.region)?;
     run_gateway(a.listen, &a.data.dir(), workers, Duration::ZERO, a.admin_token, routing).await
 }
 
 async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
-    let engine = load_engine(&a.model).await?;
+    let engine = load_backend(&a.model).await?;
     let listener = tokio::net::TcpListener::bind(a.listen)
         .await
         .with_context(|| format!("cannot listen on {}", a.listen))?;

@@ -3,12 +3,13 @@
 //! yield the same stream of `hearth-protocol` events; dropping the stream cancels the
 //! generation (the HTTP client closes its connection, which the worker notices).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use futures_util::stream::{self, BoxStream};
 use futures_util::{FutureExt, StreamExt};
-use hearth_engine::EngineHandle;
+use hearth_engine::Backend;
 use hearth_protocol::{GenerateEvent, GenerateRequest, KvEvent, WorkerInfo};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
@@ -40,12 +41,12 @@ pub trait WorkerClient: Send + Sync + 'static {
 
 /// An engine in this process.
 pub struct InProcessWorker {
-    engine: EngineHandle,
+    engine: Arc<dyn Backend>,
     name: String,
 }
 
 impl InProcessWorker {
-    pub fn new(engine: EngineHandle, name: &str) -> Self {
+    pub fn new(engine: Arc<dyn Backend>, name: &str) -> Self {
         Self {
             engine,
             name: name.to_string(),

@@ -10,6 +10,7 @@
 //! The gateway never links these internals: it speaks `hearth-protocol` to a worker.
 
 pub mod attention;
+pub mod backend;
 pub mod bench;
 pub mod engine;
 pub mod fetch;
@@ -23,4 +24,5 @@ pub mod server;
 pub mod sim;
 pub mod text;
 
+pub use backend::Backend;
 pub use engine::{tokenizer_spec, EngineConfig, EngineError, EngineHandle, EngineStats};

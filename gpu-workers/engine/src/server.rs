@@ -17,9 +17,13 @@ use futures_util::StreamExt;
 use hearth_protocol::{GenerateEvent, GenerateRequest};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use crate::EngineHandle;
+use std::sync::Arc;
 
-pub fn router(engine: EngineHandle) -> Router {
+use crate::Backend;
+
+type Shared = Arc<dyn Backend>;
+
+pub fn router(engine: Arc<dyn Backend>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
         .route("/v1/worker/info", get(info))
@@ -28,11 +32,11 @@ pub fn router(engine: EngineHandle) -> Router {
         .with_state(engine)
 }
 
-async fn info(State(engine): State<EngineHandle>) -> impl IntoResponse {
+async fn info(State(engine): State<Shared>) -> impl IntoResponse {
     Json(engine.info().clone())
 }
 
-async fn generate(State(engine): State<EngineHandle>, body: Result<Json<GenerateRequest>, JsonRejection>) -> Response {
+async fn generate(State(engine): State<Shared>, body: Result<Json<GenerateRequest>, JsonRejection>) -> Response {
     let Json(req) = match body {
         Ok(b) => b,
         Err(e) => {
@@ -61,7 +65,7 @@ fn ndjson<T: serde::Serialize>(v: &T) -> Bytes {
     Bytes::from(line)
 }
 
-async fn events(State(engine): State<EngineHandle>) -> Response {
+async fn events(State(engine): State<Shared>) -> Response {
     let Some((snap, rx)) = engine.subscribe_kv().await else {
         return (StatusCode::SERVICE_UNAVAILABLE, "the engine is not running").into_response();
     };
@@ -90,6 +94,6 @@ async fn events(State(engine): State<EngineHandle>) -> Response {
 }
 
 /// Serves the worker API until the process ends.
-pub async fn serve(listener: tokio::net::TcpListener, engine: EngineHandle) -> std::io::Result<()> {
+pub async fn serve(listener: tokio::net::TcpListener, engine: Arc<dyn Backend>) -> std::io::Result<()> {
     axum::serve(listener, router(engine)).await
 }

@@ -8,8 +8,15 @@
 //! 70B on 8×H100/A100 nodes; only their ratios matter for comparing routing policies.
 
 use std::collections::HashMap;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
 
-use hearth_protocol::{BlockHash, LoadReport};
+use hearth_protocol::{
+    namespace_root, BlockHash, FinishReason, GenerateEvent, GenerateRequest, KvEvent, LoadReport, Tokenizer, Usage,
+    WorkerInfo,
+};
+use tokio::sync::broadcast;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::kv::BlockEvents;
 use crate::scheduler::{Scheduler, SchedulerConfig};
@@ -46,6 +53,8 @@ pub struct SimStep {
     /// Requests that produced their first token: (id, prompt tokens served from cache).
     pub first_tokens: Vec<(u64, usize)>,
     pub finished: Vec<u64>,
+    /// Requests that produced a token this step.
+    pub sampled: Vec<u64>,
 }
 
 /// The `g`-th (from 1) token a simulated request generates: distinct per request, so
@@ -133,6 +142,7 @@ impl SimWorker {
             let Some(r) = self.requests.get_mut(&it.seq) else {
                 continue;
             };
+            out.sampled.push(it.seq);
             if r.generated == 0 {
                 r.cached_tokens = self.sched.get(it.seq).map_or(0, |s| s.cached_tokens);
                 out.first_tokens.push((it.seq, r.cached_tokens));
@@ -179,5 +189,279 @@ mod tests {
         assert_eq!(c0, 0);
         assert_eq!(c1, 8000);
         assert!(warm < cold / 10.0, "{warm} vs {cold}");
+    }
+}
+
+enum SimCommand {
+    Generate(GenerateRequest, UnboundedSender<GenerateEvent>),
+    Subscribe(tokio::sync::oneshot::Sender<(KvEvent, broadcast::Receiver<KvEvent>)>),
+}
+
+/// A worker whose engine is a [`SimWorker`] run in (compressed) real time: it speaks the real
+/// worker protocol (`hearth worker --backend sim`), so gateways and routers can be exercised
+/// with many workers on one machine. Generated text is the decoded simulated token ids.
+#[derive(Clone)]
+pub struct SimHandle {
+    info: Arc<WorkerInfo>,
+    commands: mpsc::Sender<SimCommand>,
+}
+
+impl SimHandle {
+    /// `info` describes the model being simulated (its tokenizer is used for text);
+    /// `speedup` compresses time (2.0 = twice as fast as the cost model says).
+    pub fn start(info: WorkerInfo, cost: CostModel, speedup: f64) -> Self {
+        let tokenizer = Tokenizer::from_spec(&info.tokenizer).ok();
+        let (commands, rx) = mpsc::channel::<SimCommand>();
+        let model = info.model.clone();
+        let context = info.context_length as usize;
+        std::thread::Builder::new()
+            .name("hearth-sim".into())
+            .spawn(move || sim_loop(rx, cost, speedup.max(1e-3), model, context, tokenizer))
+            .ok();
+        Self {
+            info: Arc::new(info),
+            commands,
+        }
+    }
+}
+
+struct SimOut {
+    tx: UnboundedSender<GenerateEvent>,
+    prompt: usize,
+    cached: usize,
+    generated: usize,
+}
+
+fn sim_loop(
+    rx: mpsc::Receiver<SimCommand>,
+    cost: CostModel,
+    speedup: f64,
+    model: String,
+    context: usize,
+    tokenizer: Option<Tokenizer>,
+) {
+    let mut w = SimWorker::new(cost);
+    let (kv_tx, _) = broadcast::channel(4096);
+    let mut outs: HashMap<u64, SimOut> = HashMap::new();
+    let mut next = 0u64;
+    loop {
+        let cmd = if w.is_idle() {
+            rx.recv().ok()
+        } else {
+            rx.try_recv().ok()
+        };
+        let mut cmds: Vec<SimCommand> = cmd.into_iter().collect();
+        while let Ok(c) = rx.try_recv() {
+            cmds.push(c);
+        }
+        if w.is_idle() && cmds.is_empty() {
+            return; // every handle dropped
+        }
+        for c in cmds {
+            match c {
+                SimCommand::Generate(req, tx) => {
+                    if req.model != model || req.prompt.is_empty() || req.prompt.len() >= context {
+                        let _ = tx.send(GenerateEvent::Error {
+                            code: "invalid_prompt".into(),
+                            message: "the sim refused the request".into(),
+                        });
+                        continue;
+                    }
+                    let id = next;
+                    next += 1;
+                    let max = (req.sampling.max_tokens as usize).clamp(1, context - req.prompt.len());
+                    outs.insert(
+                        id,
+                        SimOut {
+                            tx,
+                            prompt: req.prompt.len(),
+                            cached: 0,
+                            generated: 0,
+                        },
+                    );
+                    w.submit(id, req.prompt, namespace_root(&model, &req.cache_namespace), max);
+                }
+                SimCommand::Subscribe(reply) => {
+                    let snap = KvEvent::Snapshot {
+                        block_tokens: 16,
+                        blocks: w.sched.blocks.cached_hashes(),
+                        load: w.load(),
+                    };
+                    let _ = reply.send((snap, kv_tx.subscribe()));
+                }
+            }
+        }
+        // Cancelled requests free their blocks at once.
+        let gone: Vec<u64> = outs.iter().filter(|(_, o)| o.tx.is_closed()).map(|(k, _)| *k).collect();
+        for id in gone {
+            outs.remove(&id);
+            w.sched.remove(id);
+            w.requests.remove(&id);
+        }
+        let started = Instant::now();
+        let Some(step) = w.step() else { continue };
+        let ev = w.take_events();
+        if !ev.stored.is_empty() {
+            let _ = kv_tx.send(KvEvent::Stored { blocks: ev.stored });
+        }
+        if !ev.removed.is_empty() {
+            let _ = kv_tx.send(KvEvent::Removed { blocks: ev.removed });
+        }
+        let _ = kv_tx.send(KvEvent::Load(w.load()));
+        let wait = Duration::from_secs_f64(step.seconds / speedup).saturating_sub(started.elapsed());
+        std::thread::sleep(wait);
+        for (id, cached) in &step.first_tokens {
+            if let Some(o) = outs.get_mut(id) {
+                o.cached = *cached;
+            }
+        }
+        // Every running request produced one token this step (those still in `outs`).
+        let finished: std::collections::HashSet<u64> = step.finished.iter().copied().collect();
+        for id in step.sampled {
+            let Some(o) = outs.get_mut(&id) else { continue };
+            o.generated += 1;
+            let tok = generated_token(id, o.generated);
+            let text = tokenizer
+                .as_ref()
+                .and_then(|t| t.token_bytes(tok).ok())
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+                .unwrap_or_default();
+            let _ = o.tx.send(GenerateEvent::Token {
+                index: 0,
+                id: tok,
+                text,
+                logprob: None,
+                top_logprobs: Vec::new(),
+            });
+            if finished.contains(&id) {
+                let _ = o.tx.send(GenerateEvent::Finish {
+                    index: 0,
+                    finish_reason: FinishReason::Length,
+                });
+                let _ = o.tx.send(GenerateEvent::Done {
+                    finish_reason: FinishReason::Length,
+                    usage: Usage {
+                        prompt_tokens: o.prompt as u32,
+                        cached_tokens: o.cached as u32,
+                        completion_tokens: o.generated as u32,
+                    },
+                });
+                outs.remove(&id);
+            }
+        }
+    }
+}
+
+impl crate::backend::Backend for SimHandle {
+    fn info(&self) -> &WorkerInfo {
+        &self.info
+    }
+
+    fn generate(&self, req: GenerateRequest) -> UnboundedReceiver<GenerateEvent> {
+        let (tx, rx) = unbounded_channel();
+        if let Err(mpsc::SendError(SimCommand::Generate(_, tx))) = self.commands.send(SimCommand::Generate(req, tx)) {
+            let _ = tx.send(GenerateEvent::Error {
+                code: "engine_stopped".into(),
+                message: "the sim is not running".into(),
+            });
+        }
+        rx
+    }
+
+    fn subscribe_kv(
+        &self,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = crate::backend::KvSubscription> + Send + '_>> {
+        Box::pin(async move {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            self.commands.send(SimCommand::Subscribe(tx)).ok()?;
+            rx.await.ok()
+        })
+    }
+}
+
+/// Describes a model for the sim from its GGUF file (tokenizer and context only; the
+/// weights are never read).
+pub fn sim_info(path: &std::path::Path, model_id: &str, region: &str) -> Result<WorkerInfo, crate::EngineError> {
+    let file = crate::gguf::GgufFile::open(path)?;
+    let spec = crate::tokenizer_spec(&file)?;
+    let context = file.get_u64("llama.context_length").unwrap_or(8192) as u32;
+    Ok(WorkerInfo {
+        model: model_id.to_string(),
+        architecture: "sim".into(),
+        context_length: context,
+        parameters: 0,
+        block_tokens: hearth_protocol::DEFAULT_BLOCK_TOKENS as u32,
+        region: region.to_string(),
+        tokenizer: spec,
+    })
+}
+
+#[cfg(test)]
+mod handle_tests {
+    use super::*;
+    use crate::backend::Backend;
+
+    fn info() -> WorkerInfo {
+        let mut tokens: Vec<String> = (0..256u32)
+            .map(|b| char::from_u32(b + 256).unwrap().to_string())
+            .collect();
+        tokens.resize(50_000, "x".into());
+        WorkerInfo {
+            model: "m".into(),
+            architecture: "sim".into(),
+            context_length: 4096,
+            parameters: 0,
+            block_tokens: 16,
+            region: "local".into(),
+            tokenizer: hearth_protocol::TokenizerSpec {
+                model: "none".into(),
+                pre: "default".into(),
+                token_types: vec![1; tokens.len()],
+                tokens,
+                merges: vec![],
+                bos_id: None,
+                eos_id: None,
+                add_bos: false,
+                chat_template: None,
+            },
+        }
+    }
+
+    #[tokio::test]
+    async fn the_sim_handle_streams_tokens_and_usage() {
+        let h = SimHandle::start(info(), CostModel::default(), 1000.0);
+        let (snap, _rx) = tokio::time::timeout(Duration::from_secs(5), h.subscribe_kv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(matches!(snap, KvEvent::Snapshot { .. }));
+        let req = GenerateRequest {
+            request_id: "r".into(),
+            model: "m".into(),
+            prompt: (17..60).collect(),
+            sampling: hearth_protocol::SamplingParams {
+                max_tokens: 5,
+                ..Default::default()
+            },
+            cache_namespace: "t".into(),
+            n: 1,
+        };
+        let mut rx = h.generate(req);
+        let mut tokens = 0;
+        loop {
+            match tokio::time::timeout(Duration::from_secs(5), rx.recv())
+                .await
+                .expect("sim stalled")
+            {
+                Some(GenerateEvent::Token { .. }) => tokens += 1,
+                Some(GenerateEvent::Done { usage, .. }) => {
+                    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (43, 5));
+                    break;
+                }
+                Some(_) => {}
+                None => panic!("stream ended"),
+            }
+        }
+        assert_eq!(tokens, 5);
     }
 }

@@ -1,0 +1,32 @@
+//! What a worker serves requests with: the real engine ([`crate::EngineHandle`]) or the
+//! `sim` backend ([`crate::sim::SimHandle`]). The worker server and in-process clients
+//! see only this trait.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use hearth_protocol::{GenerateEvent, GenerateRequest, KvEvent, WorkerInfo};
+use tokio::sync::broadcast;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+pub type KvSubscription = Option<(KvEvent, broadcast::Receiver<KvEvent>)>;
+
+pub trait Backend: Send + Sync + 'static {
+    fn info(&self) -> &WorkerInfo;
+    /// Queues a request; dropping the receiver cancels it.
+    fn generate(&self, req: GenerateRequest) -> UnboundedReceiver<GenerateEvent>;
+    /// A snapshot of the prefix cache and every change after it.
+    fn subscribe_kv(&self) -> Pin<Box<dyn Future<Output = KvSubscription> + Send + '_>>;
+}
+
+impl Backend for crate::EngineHandle {
+    fn info(&self) -> &WorkerInfo {
+        crate::EngineHandle::info(self)
+    }
+    fn generate(&self, req: GenerateRequest) -> UnboundedReceiver<GenerateEvent> {
+        crate::EngineHandle::generate(self, req)
+    }
+    fn subscribe_kv(&self) -> Pin<Box<dyn Future<Output = KvSubscription> + Send + '_>> {
+        Box::pin(crate::EngineHandle::subscribe_kv(self))
+    }
+}
