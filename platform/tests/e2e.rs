@@ -820,3 +820,67 @@ async fn two_workers_route_repeated_prefixes_to_their_cache() {
     let (s, _, _) = post(&url, Some(&key), &chat_body(json!({"max_tokens": 1}))).await;
     assert_eq!(s, 200);
 }
+
+#[tokio::test]
+async fn sim_workers_over_http_follow_events_and_hit_the_cache() {
+    let data = temp_dir("sim");
+    let workers: Vec<Proc> = (0..3)
+        .map(|_| {
+            spawn(&[
+                "worker",
+                "--listen",
+                "127.0.0.1:0",
+                "--backend",
+                "sim",
+                "--sim-speedup",
+                "200",
+            ])
+        })
+        .collect();
+    let mut args = vec![
+        "gateway",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.to_str().unwrap(),
+    ];
+    for w in &workers {
+        args.extend(["--worker", w.url.as_str()]);
+    }
+    let gateway = spawn(&args);
+    let key = new_key(&data, "acme");
+    let routing_url = format!("{}/admin/v1/routing", gateway.url);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while {
+        let r: Value = client()
+            .get(&routing_url)
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        !r["data"][0]["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|w| w["exact_events"] == true)
+    } {
+        assert!(Instant::now() < deadline, "KV event streams not followed");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let prompt: String = "word ".repeat(1500);
+    let url = format!("{}/v1/completions", gateway.url);
+    for i in 0..4 {
+        let (s, _, b) = post(
+            &url,
+            Some(&key),
+            &json!({"model": MODEL, "prompt": format!("{prompt} q{i}"), "max_tokens": 4}),
+        )
+        .await;
+        assert_eq!(s, 200, "{b}");
+        let cached = b["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        assert_eq!(cached > 0, i > 0, "request {i}: {b}");
+    }
+}
