@@ -93,7 +93,8 @@ impl ModelRegistry {
         struct Building {
             info: hearth_protocol::WorkerInfo,
             workers: Vec<Arc<dyn WorkerClient>>,
-            regions: Vec<String>,
+            /// (region, role, capacity) per worker.
+            regions: Vec<(String, String, u32)>,
         }
         let mut building: Vec<Building> = Vec::new();
         for w in workers {
@@ -109,11 +110,11 @@ impl ModelRegistry {
             };
             match building.iter_mut().find(|b| b.info.model == info.model) {
                 Some(b) => {
-                    b.regions.push(info.region.clone());
+                    b.regions.push((info.region.clone(), info.role.clone(), info.capacity));
                     b.workers.push(w);
                 }
                 None => building.push(Building {
-                    regions: vec![info.region.clone()],
+                    regions: vec![(info.region.clone(), info.role.clone(), info.capacity)],
                     info,
                     workers: vec![w],
                 }),
@@ -149,10 +150,14 @@ impl ModelRegistry {
                 ..Default::default()
             });
             let mut slots = Vec::new();
-            for (w, region) in b.workers.iter().zip(&b.regions) {
+            for (w, (region, role, capacity)) in b.workers.iter().zip(&b.regions) {
                 let slot = router
                     .add_worker(w.name(), region, false)
                     .ok_or_else(|| model_err("more than 64 workers".into()))?;
+                if let Some(state) = router.worker_mut(slot) {
+                    state.role = role.clone();
+                    state.capacity = *capacity;
+                }
                 if slots.len() <= slot {
                     slots.resize(slot + 1, None);
                 }

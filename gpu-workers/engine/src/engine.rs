@@ -173,6 +173,8 @@ impl EngineHandle {
             parameters: model.n_params(),
             block_tokens: bt as u32,
             region: cfg.region.clone(),
+            role: "both".into(),
+            capacity: cfg.max_running as u32,
             tokenizer: spec,
         };
         let compute = rayon::ThreadPoolBuilder::new()

@@ -392,6 +392,8 @@ pub fn sim_info(path: &std::path::Path, model_id: &str, region: &str) -> Result<
         parameters: 0,
         block_tokens: hearth_protocol::DEFAULT_BLOCK_TOKENS as u32,
         region: region.to_string(),
+        role: "both".into(),
+        capacity: 256,
         tokenizer: spec,
     })
 }
@@ -413,6 +415,8 @@ mod handle_tests {
             parameters: 0,
             block_tokens: 16,
             region: "local".into(),
+            role: "both".into(),
+            capacity: 256,
             tokenizer: hearth_protocol::TokenizerSpec {
                 model: "none".into(),
                 pre: "default".into(),

@@ -192,7 +192,17 @@ pub struct WorkerInfo {
     /// Where the worker runs (routing prefers the gateway's own region).
     #[serde(default = "default_region")]
     pub region: String,
+    /// `both` (prefill and decode; the only role until disaggregation arrives).
+    #[serde(default = "default_role")]
+    pub role: String,
+    /// Sequences the worker runs at once.
+    #[serde(default)]
+    pub capacity: u32,
     pub tokenizer: TokenizerSpec,
+}
+
+fn default_role() -> String {
+    "both".into()
 }
 
 fn default_region() -> String {

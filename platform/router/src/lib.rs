@@ -106,6 +106,10 @@ impl Reason {
 pub struct WorkerState {
     pub name: String,
     pub region: String,
+    /// `both`, `prefill` or `decode`.
+    pub role: String,
+    /// Sequences the worker runs at once (0 = unknown).
+    pub capacity: u32,
     pub healthy: bool,
     pub draining: bool,
     /// The worker publishes KV events (exact index); otherwise the router assumes.
@@ -201,6 +205,7 @@ impl Router {
         self.workers[slot] = Some(WorkerState {
             name: name.into(),
             region: region.into(),
+            role: "both".into(),
             healthy: true,
             exact_events,
             ..Default::default()
@@ -558,6 +563,23 @@ mod tests {
             r.route(&input(&[], None), 0).unwrap().worker,
             eu,
             "an unhealthy worker is never chosen"
+        );
+    }
+
+    #[test]
+    fn tenant_namespaces_separate_equal_prefixes() {
+        use hearth_protocol::{block_hashes, cache_namespace, namespace_root};
+        let mut r = router("kv_aware", 3);
+        let prompt: Vec<u32> = (0..160).collect();
+        let a = block_hashes(namespace_root("m", &cache_namespace("tenant-a", None)), &prompt, 16);
+        let b = block_hashes(namespace_root("m", &cache_namespace("tenant-b", None)), &prompt, 16);
+        r.index.stored(1, &a);
+        assert_eq!(r.route(&input(&a, None), 0).unwrap().reason, Reason::Hit);
+        let d = r.route(&input(&b, None), 0).unwrap();
+        assert_eq!(
+            (d.reason, d.expected_cached_tokens),
+            (Reason::Miss, 0),
+            "tenant b must not see tenant a's blocks"
         );
     }
 
