@@ -83,6 +83,21 @@ fn spawn(args: &[&str]) -> Proc {
     }
 }
 
+/// A real-engine `hearth worker` and a `hearth gateway` in front of it.
+fn worker_and_gateway(data: &Path) -> (Proc, Proc) {
+    let worker = spawn(&["worker", "--listen", "127.0.0.1:0"]);
+    let gateway = spawn(&[
+        "gateway",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--worker",
+        &worker.url,
+    ]);
+    (worker, gateway)
+}
+
 fn serve(data: &Path) -> Proc {
     spawn(&["serve", "--listen", "127.0.0.1:0", "--data-dir", data.to_str().unwrap()])
 }
@@ -421,16 +436,7 @@ async fn client_disconnect_stops_generation_and_is_metered() {
 #[tokio::test]
 async fn gateway_and_worker_run_apart() {
     let data = temp_dir("split");
-    let worker = spawn(&["worker", "--listen", "127.0.0.1:0"]);
-    let gateway = spawn(&[
-        "gateway",
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        data.to_str().unwrap(),
-        "--worker",
-        &worker.url,
-    ]);
+    let (worker, gateway) = worker_and_gateway(&data);
     let key = new_key(&data, "acme");
     let url = format!("{}/v1/chat/completions", gateway.url);
     let (s, _, b) = post(&url, Some(&key), &chat_body(json!({}))).await;
@@ -604,16 +610,7 @@ async fn batching_prefix_cache_and_tenant_isolation() {
 #[tokio::test]
 async fn worker_kv_events_match_the_prompt_block_hashes() {
     let data = temp_dir("events");
-    let worker = spawn(&["worker", "--listen", "127.0.0.1:0"]);
-    let gateway = spawn(&[
-        "gateway",
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        data.to_str().unwrap(),
-        "--worker",
-        &worker.url,
-    ]);
+    let (worker, gateway) = worker_and_gateway(&data);
     let key = new_key(&data, "acme");
     let tenant: Value = serde_json::from_str(&admin(&data, &["--json", "tenant", "list"])).unwrap();
     let tenant_id = tenant[0]["id"].as_str().unwrap().to_string();

@@ -116,6 +116,27 @@ struct CachedKey {
     fetched: Instant,
 }
 
+fn tenant_from(r: &sqlx::sqlite::SqliteRow) -> Tenant {
+    Tenant {
+        id: r.get(0),
+        name: r.get(1),
+        created_at: r.get(2),
+    }
+}
+
+/// Rows of `SELECT id, tenant_id, name, created_at, revoked_at FROM api_keys`.
+const KEY_COLUMNS: &str = "SELECT id, tenant_id, name, created_at, revoked_at FROM api_keys";
+
+fn key_from(r: &sqlx::sqlite::SqliteRow) -> ApiKeyInfo {
+    ApiKeyInfo {
+        id: r.get(0),
+        tenant_id: r.get(1),
+        name: r.get(2),
+        created_at: r.get(3),
+        revoked_at: r.get(4),
+    }
+}
+
 /// Tenants and keys over SQLite (sqlx).
 pub struct TenantStore {
     pool: SqlitePool,
@@ -164,14 +185,7 @@ impl TenantStore {
         let rows = sqlx::query("SELECT id, name, created_at FROM tenants ORDER BY created_at, name")
             .fetch_all(&self.pool)
             .await?;
-        Ok(rows
-            .iter()
-            .map(|r| Tenant {
-                id: r.get(0),
-                name: r.get(1),
-                created_at: r.get(2),
-            })
-            .collect())
+        Ok(rows.iter().map(tenant_from).collect())
     }
 
     /// A tenant by name or id.
@@ -182,11 +196,7 @@ impl TenantStore {
             .fetch_optional(&self.pool)
             .await?
             .ok_or_else(|| TenantError::NoSuchTenant(name_or_id.to_string()))?;
-        Ok(Tenant {
-            id: row.get(0),
-            name: row.get(1),
-            created_at: row.get(2),
-        })
+        Ok(tenant_from(&row))
     }
 
     /// Creates a key for a tenant; the returned [`CreatedKey::key`] is never retrievable again.
@@ -218,22 +228,11 @@ impl TenantStore {
 
     pub async fn list_keys(&self, tenant: &str) -> Result<Vec<ApiKeyInfo>, TenantError> {
         let t = self.tenant(tenant).await?;
-        let rows = sqlx::query(
-            "SELECT id, tenant_id, name, created_at, revoked_at FROM api_keys WHERE tenant_id = ? ORDER BY created_at",
-        )
-        .bind(&t.id)
-        .fetch_all(&self.pool)
-        .await?;
-        Ok(rows
-            .iter()
-            .map(|r| ApiKeyInfo {
-                id: r.get(0),
-                tenant_id: r.get(1),
-                name: r.get(2),
-                created_at: r.get(3),
-                revoked_at: r.get(4),
-            })
-            .collect())
+        let rows = sqlx::query(&format!("{KEY_COLUMNS} WHERE tenant_id = ? ORDER BY created_at"))
+            .bind(&t.id)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(key_from).collect())
     }
 
     /// Revokes a key (idempotent). Other processes stop accepting it within [`KEY_CACHE_TTL`].
@@ -245,18 +244,12 @@ impl TenantStore {
             .execute(&self.pool)
             .await?;
         self.cache.lock().unwrap_or_else(|e| e.into_inner()).remove(key_id);
-        let r = sqlx::query("SELECT id, tenant_id, name, created_at, revoked_at FROM api_keys WHERE id = ?")
+        let r = sqlx::query(&format!("{KEY_COLUMNS} WHERE id = ?"))
             .bind(key_id)
             .fetch_optional(&self.pool)
             .await?
             .ok_or_else(|| TenantError::NoSuchKey(key_id.to_string()))?;
-        Ok(ApiKeyInfo {
-            id: r.get(0),
-            tenant_id: r.get(1),
-            name: r.get(2),
-            created_at: r.get(3),
-            revoked_at: r.get(4),
-        })
+        Ok(key_from(&r))
     }
 
     /// Whether any usable key exists (for the first-start hint).
