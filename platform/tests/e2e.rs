@@ -704,28 +704,9 @@ async fn two_workers_route_repeated_prefixes_to_their_cache() {
     let key = new_key(&data, "acme");
     let url = format!("{}/v1/chat/completions", server.url);
     let system = long_system();
-    // Wait until the router follows both workers' KV events (exact mode).
     let routing_url = format!("{}/admin/v1/routing", server.url);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let r: Value = client()
-            .get(&routing_url)
-            .bearer_auth(ADMIN_TOKEN)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        let workers = r["data"][0]["workers"].as_array().unwrap().clone();
-        assert_eq!(workers.len(), 2);
-        if workers.iter().all(|w| w["exact_events"] == true) {
-            assert_eq!(r["data"][0]["policy"]["policy"], "kv_aware");
-            break;
-        }
-        assert!(Instant::now() < deadline, "KV event streams not followed: {r}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let r = wait_for_exact_events(&routing_url, 2).await;
+    assert_eq!(r["data"][0]["policy"]["policy"], "kv_aware");
     let (_, _, first) = post(&url, Some(&key), &cached_chat(&system, "Hi", json!({}))).await;
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     // Every repeat of the prefix lands on the worker that cached it (round robin would
@@ -738,15 +719,7 @@ async fn two_workers_route_repeated_prefixes_to_their_cache() {
             .unwrap();
         assert!(cached >= 256, "request {q:?} missed the cache: {again}");
     }
-    let r: Value = client()
-        .get(&routing_url)
-        .bearer_auth(ADMIN_TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let r: Value = routing_state(&routing_url).await;
     let decisions = r["data"][0]["decisions"].as_array().unwrap();
     let hits = decisions
         .iter()
@@ -768,15 +741,7 @@ async fn two_workers_route_repeated_prefixes_to_their_cache() {
             .unwrap();
         assert_eq!(resp.status(), 200);
     }
-    let r: Value = client()
-        .get(&routing_url)
-        .bearer_auth(ADMIN_TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let r: Value = routing_state(&routing_url).await;
     let affinity = r["data"][0]["decisions"]
         .as_array()
         .unwrap()
@@ -846,27 +811,7 @@ async fn sim_workers_over_http_follow_events_and_hit_the_cache() {
     }
     let gateway = spawn(&args);
     let key = new_key(&data, "acme");
-    let routing_url = format!("{}/admin/v1/routing", gateway.url);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while {
-        let r: Value = client()
-            .get(&routing_url)
-            .bearer_auth(ADMIN_TOKEN)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        !r["data"][0]["workers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|w| w["exact_events"] == true)
-    } {
-        assert!(Instant::now() < deadline, "KV event streams not followed");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_for_exact_events(&format!("{}/admin/v1/routing", gateway.url), 3).await;
     let prompt: String = "word ".repeat(1500);
     let url = format!("{}/v1/completions", gateway.url);
     for i in 0..4 {
@@ -879,5 +824,32 @@ async fn sim_workers_over_http_follow_events_and_hit_the_cache() {
         assert_eq!(s, 200, "{b}");
         let cached = b["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
         assert_eq!(cached > 0, i > 0, "request {i}: {b}");
+    }
+}
+
+async fn routing_state(url: &str) -> Value {
+    client()
+        .get(url)
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// Waits until the gateway follows all `n` workers' KV events (exact mode); returns the state.
+async fn wait_for_exact_events(url: &str, n: usize) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = routing_state(url).await;
+        let workers = r["data"][0]["workers"].as_array().unwrap().clone();
+        assert_eq!(workers.len(), n);
+        if workers.iter().all(|w| w["exact_events"] == true) {
+            return r;
+        }
+        assert!(Instant::now() < deadline, "KV event streams not followed: {r}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
