@@ -508,10 +508,17 @@ async fn run(
             .map(str::to_string)
             .filter(|v| !v.is_empty())
     };
+    // The leading text, as `prefix_aware` reads it; token-id prompts use their ids.
     let text = match (&input_chat, &input_prompt) {
         (Some(m), _) => m.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n"),
         (_, Some(Prompt::Text(t))) => t.clone(),
-        _ => model.tokenizer.decode(&req.prompt, false).unwrap_or_default(),
+        _ => req
+            .prompt
+            .iter()
+            .take(512)
+            .map(|t| t.to_string())
+            .collect::<Vec<_>>()
+            .join(" "),
     };
     let hints = RouteHints {
         session: header("x-session-affinity"),
