@@ -23,6 +23,11 @@ pub fn router() -> Router<Arc<Gateway>> {
         .route("/tenants", get(list_tenants).post(create_tenant))
         .route("/tenants/{tenant}/keys", get(list_keys).post(create_key))
         .route("/keys/{key_id}", delete(revoke_key))
+        .route(
+            "/tenants/{tenant}/limits",
+            axum::routing::put(set_tenant_limits).get(get_tenant_limits),
+        )
+        .route("/keys/{key_id}/limits", axum::routing::put(set_key_limits))
         .route("/usage", get(usage))
         .route("/routing", get(routing))
         .route("/routing/{model}/workers/{slot}/drain", axum::routing::post(drain))
@@ -200,4 +205,61 @@ async fn drain(
         .ok_or_else(|| ApiError::not_found(format!("model {model} has no worker {slot}")))?;
     w.draining = draining;
     Ok(Json(json!({"model": model, "slot": slot, "draining": draining})))
+}
+
+/// `{"rpm": N|null, "tpm": N|null, "concurrent": N|null}`; null or 0 is unlimited.
+fn limits_body(body: &Bytes) -> Result<hearth_tenants::Limits, ApiError> {
+    let o = parse_object(body)?;
+    let field = |k: &str| -> Result<Option<u32>, ApiError> {
+        match o.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => match v.as_u64().and_then(|n| u32::try_from(n).ok()) {
+                Some(0) => Ok(None),
+                Some(n) => Ok(Some(n)),
+                None => Err(ApiError::invalid(
+                    k,
+                    format!("'{k}' must be a non-negative integer or null"),
+                )),
+            },
+        }
+    };
+    Ok(hearth_tenants::Limits {
+        rpm: field("rpm")?,
+        tpm: field("tpm")?,
+        concurrent: field("concurrent")?,
+    })
+}
+
+async fn set_tenant_limits(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(tenant): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let l = limits_body(&body)?;
+    let t = gw.tenants.set_tenant_limits(&tenant, l).await.map_err(store_error)?;
+    Ok(Json(json!({"tenant": t.name, "limits": l})))
+}
+
+async fn get_tenant_limits(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(tenant): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let l = gw.tenants.tenant_limits(&tenant).await.map_err(store_error)?;
+    Ok(Json(json!({"tenant": tenant, "limits": l})))
+}
+
+async fn set_key_limits(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(key_id): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let l = limits_body(&body)?;
+    gw.tenants.set_key_limits(&key_id, l).await.map_err(store_error)?;
+    Ok(Json(json!({"key": key_id, "limits": l})))
 }

@@ -13,6 +13,8 @@ pub struct ApiError {
     pub kind: &'static str,
     pub param: Option<String>,
     pub code: Option<&'static str>,
+    /// Seconds for a `retry-after` header (rate limits).
+    pub retry_after: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -37,6 +39,7 @@ impl ApiError {
             kind,
             param: None,
             code,
+            retry_after: None,
         }
     }
 
@@ -161,7 +164,11 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut resp = (self.status, Json(self.body())).into_response();
+        if let Some(secs) = self.retry_after {
+            resp.headers_mut().insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        resp
     }
 }
 

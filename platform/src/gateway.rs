@@ -29,6 +29,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::error::ApiError;
+use crate::limits::{InFlight, Limiter, RateState};
 use crate::openai::{self, Common, Prompt};
 use crate::registry::{ModelRegistry, ServedModel};
 use crate::workers::{EventStream, WorkerError};
@@ -40,6 +41,7 @@ pub struct Gateway {
     pub models: ModelRegistry,
     /// `HEARTH_ADMIN_TOKEN`; the admin API is closed without it.
     pub admin_token: Option<String>,
+    pub limiter: Limiter,
 }
 
 /// This request's id, set by the outermost middleware and echoed in `x-request-id`.
@@ -322,6 +324,7 @@ async fn relay(
     mut rec: UsageRecord,
     mut events: EventStream,
     mut placement: Placement,
+    admitted: Admitted,
     tx: mpsc::Sender<GenerateEvent>,
 ) {
     let mut generated = 0u32;
@@ -366,6 +369,9 @@ async fn relay(
         }
     };
     drop(placement);
+    gw.limiter
+        .charge_completion(&admitted.tenant, rec.completion_tokens.max(generated));
+    drop(admitted); // releases the in-flight slots
     if ended.is_none() {
         drop(events); // cancels the generation
         rec.completion_tokens = generated;
@@ -452,7 +458,27 @@ async fn handle(
         started_at,
         finished_at: started_at,
     };
-    match run(&gw, &request_id, &headers, body, endpoint, &mut rec).await {
+    let mut rate = RateState::default();
+    let outcome = match limit(&gw, &tenant, &mut rate) {
+        Ok(in_flight) => {
+            run(
+                &gw,
+                &request_id,
+                &headers,
+                body,
+                endpoint,
+                &mut rec,
+                Admitted {
+                    tenant,
+                    _in_flight: in_flight,
+                },
+                &mut rate,
+            )
+            .await
+        }
+        Err(e) => Err(e),
+    };
+    let mut resp = match outcome {
         Ok(resp) => resp,
         Err(e) => {
             // Refused before reaching a worker: still one record per request.
@@ -460,9 +486,36 @@ async fn handle(
             write_usage(&gw, &mut rec).await;
             e.into_response()
         }
+    };
+    rate.apply(resp.headers_mut());
+    resp
+}
+
+// ---- phase: limit --------------------------------------------------------------------
+
+/// An authenticated request that passed the request limits; holds its in-flight slots
+/// until it ends.
+pub struct Admitted {
+    pub tenant: TenantContext,
+    /// Released (dropped) when the request ends.
+    _in_flight: InFlight,
+}
+
+/// Requests per minute and in flight, for the tenant and the key.
+fn limit(gw: &Gateway, tenant: &TenantContext, rate: &mut RateState) -> Result<InFlight, ApiError> {
+    match gw.limiter.admit_request(tenant) {
+        Ok((in_flight, state)) => {
+            *rate = state;
+            Ok(in_flight)
+        }
+        Err(l) => {
+            *rate = l.state;
+            Err(l.error)
+        }
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run(
     gw: &Arc<Gateway>,
     request_id: &str,
@@ -470,6 +523,8 @@ async fn run(
     body: Result<Bytes, BytesRejection>,
     endpoint: Endpoint,
     rec: &mut UsageRecord,
+    admitted: Admitted,
+    rate: &mut RateState,
 ) -> Result<Response, ApiError> {
     let body = body.map_err(|e| ApiError::invalid("body", e.body_text()))?;
     let (common, input_chat, input_prompt) = match endpoint {
@@ -491,6 +546,11 @@ async fn run(
     };
     let (prompt, max_tokens) = tokenize(&model, input, &common)?;
     rec.prompt_tokens = prompt.len() as u32;
+    // Tokens per minute: the prompt now, the completion when known.
+    if let Err(l) = gw.limiter.admit_tokens(&admitted.tenant, prompt.len() as u32, rate) {
+        *rate = l.state;
+        return Err(l.error);
+    }
     let mut sampling = common.sampling.clone();
     sampling.max_tokens = max_tokens;
     let req = GenerateRequest {
@@ -528,7 +588,7 @@ async fn run(
     let (events, placement) = dispatch(&model, req, &hints).await?;
 
     let (tx, mut rx) = mpsc::channel(64);
-    tokio::spawn(relay(gw.clone(), rec.clone(), events, placement, tx));
+    tokio::spawn(relay(gw.clone(), rec.clone(), events, placement, admitted, tx));
     // Wait for the first event, so that a refusal becomes an HTTP error, not a broken stream.
     let first = rx
         .recv()

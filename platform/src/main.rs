@@ -251,12 +251,43 @@ enum AdminCommand {
     },
 }
 
+/// Rate limits; 0 or absent means unlimited.
+#[derive(Args, Clone, Copy)]
+struct LimitArgs {
+    /// Requests per minute.
+    #[arg(long, default_value_t = 0)]
+    rpm: u32,
+    /// Tokens (prompt + completion) per minute.
+    #[arg(long, default_value_t = 0)]
+    tpm: u32,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 0)]
+    concurrent: u32,
+}
+
+impl LimitArgs {
+    fn limits(self) -> hearth_tenants::Limits {
+        let some = |v: u32| (v > 0).then_some(v);
+        hearth_tenants::Limits {
+            rpm: some(self.rpm),
+            tpm: some(self.tpm),
+            concurrent: some(self.concurrent),
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum TenantCommand {
     /// Create a tenant.
     Create { name: String },
     /// List tenants.
     List,
+    /// Set a tenant's rate limits (running gateways apply them within 5 s).
+    Limits {
+        name: String,
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
 }
 
 #[derive(Subcommand)]
@@ -275,6 +306,12 @@ enum KeyCommand {
     },
     /// Revoke a key by its id (or the full key).
     Revoke { key_id: String },
+    /// Set a key's rate limits (on top of its tenant's).
+    Limits {
+        key_id: String,
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
 }
 
 #[derive(Subcommand)]
@@ -454,6 +491,7 @@ async fn run_gateway(
         ledger: UsageLedger::new(pool),
         models,
         admin_token: admin_token.filter(|t| !t.is_empty()),
+        limiter: Default::default(),
     });
     let listener = tokio::net::TcpListener::bind(listen)
         .await
@@ -596,6 +634,26 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
             print(
                 serde_json::json!(ks),
                 if ks.is_empty() { "No keys.".into() } else { text },
+            );
+        }
+        AdminCommand::Tenant {
+            command: TenantCommand::Limits { name, limits },
+        } => {
+            let l = limits.limits();
+            let t = store.set_tenant_limits(&name, l).await?;
+            print(
+                serde_json::json!({"tenant": t.name, "limits": l}),
+                format!("Tenant {} limits: {l:?}.", t.name),
+            );
+        }
+        AdminCommand::Key {
+            command: KeyCommand::Limits { key_id, limits },
+        } => {
+            let l = limits.limits();
+            store.set_key_limits(&key_id, l).await?;
+            print(
+                serde_json::json!({"key": key_id, "limits": l}),
+                format!("Key {key_id} limits: {l:?}."),
             );
         }
         AdminCommand::Key {

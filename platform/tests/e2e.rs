@@ -853,3 +853,60 @@ async fn wait_for_exact_events(url: &str, n: usize) -> Value {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+#[tokio::test]
+async fn rate_limits_answer_429_with_headers_and_are_metered() {
+    let data = temp_dir("limits");
+    let server = serve(&data);
+    let key = new_key(&data, "acme");
+    // Before the key is first used, so the server reads the limits with it.
+    admin(&data, &["tenant", "limits", "acme", "--rpm", "3"]);
+    let url = format!("{}/v1/chat/completions", server.url);
+    let body = chat_body(json!({"max_tokens": 1}));
+    for i in 0..3 {
+        let (s, h, b) = post(&url, Some(&key), &body).await;
+        assert_eq!(s, 200, "{b}");
+        assert_eq!(h["x-ratelimit-limit-requests"], "3");
+        assert_eq!(h["x-ratelimit-remaining-requests"], (2 - i).to_string().as_str());
+    }
+    let (s, h, b) = post(&url, Some(&key), &body).await;
+    assert_eq!(s, 429, "{b}");
+    assert_eq!(b["error"]["code"], "rate_limit_exceeded");
+    assert_eq!(b["error"]["type"], "requests");
+    assert!(h["retry-after"].to_str().unwrap().parse::<u64>().unwrap() >= 1);
+    assert_eq!(h["x-ratelimit-remaining-requests"], "0");
+    let rows = usage_rows(&data);
+    assert_eq!(
+        rows.iter().filter(|r| r["error_code"] == "rate_limit_exceeded").count(),
+        1
+    );
+
+    // A second key of another tenant: concurrency and tokens per minute, set over the admin API.
+    let other = new_key(&data, "beta");
+    let other_id = other.split('_').nth(1).unwrap();
+    let resp = client()
+        .put(format!("{}/admin/v1/keys/{other_id}/limits", server.url))
+        .bearer_auth(ADMIN_TOKEN)
+        .json(&json!({"concurrent": 1, "tpm": 60}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let stream = client()
+        .post(&url)
+        .bearer_auth(&other)
+        .json(&chat_body(json!({"stream": true, "max_tokens": 8})))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    let (s, _, b) = post(&url, Some(&other), &body).await;
+    assert_eq!(s, 429, "one in flight already: {b}");
+    assert!(b["error"]["message"].as_str().unwrap().contains("concurrent"));
+    sse_events(stream).await;
+    // 42 prompt tokens + 8 generated used up most of the 60 tokens per minute.
+    let (s, h, b) = post(&url, Some(&other), &body).await;
+    assert_eq!(s, 429, "{b}");
+    assert_eq!(b["error"]["type"], "tokens");
+    assert!(h.get("x-ratelimit-limit-tokens").is_some());
+}

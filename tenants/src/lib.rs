@@ -75,12 +75,40 @@ pub struct CreatedKey {
     pub key: String,
 }
 
-/// Who a request is, once authenticated.
+/// Rate limits of a tenant or a key; `None` is unlimited.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct Limits {
+    /// Requests per minute.
+    pub rpm: Option<u32>,
+    /// Tokens (prompt + completion) per minute.
+    pub tpm: Option<u32>,
+    /// Requests in flight at once.
+    pub concurrent: Option<u32>,
+}
+
+impl Limits {
+    fn from_row(r: &sqlx::sqlite::SqliteRow, first: usize) -> Self {
+        let get = |i: usize| {
+            r.get::<Option<i64>, _>(i)
+                .and_then(|v| u32::try_from(v).ok())
+                .filter(|v| *v > 0)
+        };
+        Self {
+            rpm: get(first),
+            tpm: get(first + 1),
+            concurrent: get(first + 2),
+        }
+    }
+}
+
+/// Who a request is, once authenticated, and what it may use.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TenantContext {
     pub tenant_id: String,
     pub tenant_name: String,
     pub key_id: String,
+    pub tenant_limits: Limits,
+    pub key_limits: Limits,
 }
 
 pub fn now_ms() -> i64 {
@@ -252,6 +280,48 @@ impl TenantStore {
         Ok(key_from(&r))
     }
 
+    /// Sets a tenant's limits (None = unlimited). Running gateways apply them within
+    /// [`KEY_CACHE_TTL`].
+    pub async fn set_tenant_limits(&self, tenant: &str, l: Limits) -> Result<Tenant, TenantError> {
+        let t = self.tenant(tenant).await?;
+        sqlx::query("UPDATE tenants SET rpm = ?, tpm = ?, max_concurrent = ? WHERE id = ?")
+            .bind(l.rpm)
+            .bind(l.tpm)
+            .bind(l.concurrent)
+            .bind(&t.id)
+            .execute(&self.pool)
+            .await?;
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        Ok(t)
+    }
+
+    /// Sets a key's limits (None = unlimited).
+    pub async fn set_key_limits(&self, key_id: &str, l: Limits) -> Result<(), TenantError> {
+        let key_id = key_id.strip_prefix(KEY_PREFIX).unwrap_or(key_id);
+        let res = sqlx::query("UPDATE api_keys SET rpm = ?, tpm = ?, max_concurrent = ? WHERE id = ?")
+            .bind(l.rpm)
+            .bind(l.tpm)
+            .bind(l.concurrent)
+            .bind(key_id)
+            .execute(&self.pool)
+            .await?;
+        if res.rows_affected() == 0 {
+            return Err(TenantError::NoSuchKey(key_id.to_string()));
+        }
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).remove(key_id);
+        Ok(())
+    }
+
+    /// A tenant's limits.
+    pub async fn tenant_limits(&self, tenant: &str) -> Result<Limits, TenantError> {
+        let t = self.tenant(tenant).await?;
+        let r = sqlx::query("SELECT rpm, tpm, max_concurrent FROM tenants WHERE id = ?")
+            .bind(&t.id)
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(Limits::from_row(&r, 0))
+    }
+
     /// Whether any usable key exists (for the first-start hint).
     pub async fn has_active_keys(&self) -> Result<bool, TenantError> {
         let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM api_keys WHERE revoked_at IS NULL")
@@ -275,7 +345,8 @@ impl TenantStore {
             Some(c) => c,
             None => {
                 let row = sqlx::query(
-                    "SELECT k.secret_sha256, k.revoked_at, t.id, t.name FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.id = ?",
+                    "SELECT k.secret_sha256, k.revoked_at, t.id, t.name, t.rpm, t.tpm, t.max_concurrent, k.rpm, k.tpm, k.max_concurrent \
+                     FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.id = ?",
                 )
                 .bind(id)
                 .fetch_optional(&self.pool)
@@ -290,6 +361,8 @@ impl TenantStore {
                         tenant_id: row.get(2),
                         tenant_name: row.get(3),
                         key_id: id.to_string(),
+                        tenant_limits: Limits::from_row(&row, 4),
+                        key_limits: Limits::from_row(&row, 7),
                     },
                     fetched: Instant::now(),
                 };
@@ -337,6 +410,25 @@ mod tests {
         assert!(k.key.starts_with("hk_"));
         assert!(s.has_active_keys().await.unwrap());
         let ctx = s.authenticate(&k.key).await.unwrap();
+        assert_eq!(ctx.tenant_limits, Limits::default());
+        let lim = Limits {
+            rpm: Some(10),
+            tpm: None,
+            concurrent: Some(2),
+        };
+        s.set_tenant_limits("acme", lim).await.unwrap();
+        s.set_key_limits(
+            &k.info.id,
+            Limits {
+                tpm: Some(1000),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        let limited = s.authenticate(&k.key).await.unwrap();
+        assert_eq!((limited.tenant_limits, limited.key_limits.tpm), (lim, Some(1000)));
+        assert_eq!(s.tenant_limits("acme").await.unwrap(), lim);
         assert_eq!(
             (ctx.tenant_id.as_str(), ctx.key_id.as_str()),
             (t.id.as_str(), k.info.id.as_str())
