@@ -1,9 +1,9 @@
 //! The OpenAI-compatible API and the life of a request through it.
 //!
 //! One pipeline, one function per phase, in order:
-//! [`authenticate`] → parse (`openai`) → [`resolve`] → [`tokenize`] → [`dispatch`] (route +
-//! send to a worker) → [`relay`] (stream to the client, meter). Rate limits, tenant
-//! processors and cache-aware routing slot in as phases of their own in later issues.
+//! [`authenticate`] → [`limit`] → parse (`openai`) → [`resolve`] → [`tokenize`] (and the
+//! token limit) → [`dispatch`] (route + send to a worker) → [`relay`] (stream to the client,
+//! meter). Tenant processors slot in as phases of their own in a later issue.
 
 use std::convert::Infallible;
 use std::sync::Arc;
