@@ -444,6 +444,16 @@ async fn bench_engine(model: ModelArgs, quick: bool, json: Option<PathBuf>) -> a
     write_json(&report, json)
 }
 
+/// Text for a listing: one line per row, or `empty` when there are none.
+fn lines(rows: impl IntoIterator<Item = String>, empty: &str) -> String {
+    let v: Vec<String> = rows.into_iter().collect();
+    if v.is_empty() {
+        empty.to_string()
+    } else {
+        v.join("\n")
+    }
+}
+
 fn write_json<T: serde::Serialize>(report: &T, dest: Option<PathBuf>) -> anyhow::Result<()> {
     if let Some(dest) = dest {
         let text = serde_json::to_string_pretty(report)?;
@@ -593,15 +603,8 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
             command: TenantCommand::List,
         } => {
             let ts = store.list_tenants().await?;
-            let text = ts
-                .iter()
-                .map(|t| format!("{}\t{}", t.id, t.name))
-                .collect::<Vec<_>>()
-                .join("\n");
-            print(
-                serde_json::json!(ts),
-                if ts.is_empty() { "No tenants.".into() } else { text },
-            );
+            let text = lines(ts.iter().map(|t| format!("{}\t{}", t.id, t.name)), "No tenants.");
+            print(serde_json::json!(ts), text);
         }
         AdminCommand::Key {
             command: KeyCommand::Create { tenant, name },
@@ -619,22 +622,12 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
             command: KeyCommand::List { tenant },
         } => {
             let ks = store.list_keys(&tenant).await?;
-            let text = ks
-                .iter()
-                .map(|k| {
-                    format!(
-                        "{}\t{}\t{}",
-                        k.id,
-                        if k.revoked_at.is_some() { "revoked" } else { "active" },
-                        k.name
-                    )
-                })
-                .collect::<Vec<_>>()
-                .join("\n");
-            print(
-                serde_json::json!(ks),
-                if ks.is_empty() { "No keys.".into() } else { text },
+            let state = |k: &hearth_tenants::ApiKeyInfo| if k.revoked_at.is_some() { "revoked" } else { "active" };
+            let text = lines(
+                ks.iter().map(|k| format!("{}\t{}\t{}", k.id, state(k), k.name)),
+                "No keys.",
             );
+            print(serde_json::json!(ks), text);
         }
         AdminCommand::Tenant {
             command: TenantCommand::Limits { name, limits },
@@ -671,9 +664,8 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                 None => None,
             };
             let rows = UsageLedger::new(pool).recent(tenant_id.as_deref(), limit).await?;
-            let text = rows
-                .iter()
-                .map(|r| {
+            let text = lines(
+                rows.iter().map(|r| {
                     format!(
                         "{}\t{}\t{}\tprompt={} cached={} completion={}\t{}",
                         r.request_id,
@@ -684,13 +676,10 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                         r.completion_tokens,
                         r.status
                     )
-                })
-                .collect::<Vec<_>>()
-                .join("\n");
-            print(
-                serde_json::json!(rows),
-                if rows.is_empty() { "No usage yet.".into() } else { text },
+                }),
+                "No usage yet.",
             );
+            print(serde_json::json!(rows), text);
         }
     }
     Ok(())
