@@ -1,14 +1,48 @@
-//! Usage records: one row per request, keyed by request id, written before the client
-//! receives its final response (write-before-ack), so a completed response always has its
-//! record. Prices, rating, the ledger and exports arrive with the billing issue.
+//! Prices, rating, and the usage ledger.
+//!
+//! * **Prices** are per model, per million tokens, for three disjoint token classes: uncached
+//!   input, cached input, output. They are versioned: a change is a new row with a later
+//!   `effective_from`, so history is never rewritten and every usage row is rated with the
+//!   price in force when its request started. Model `*` is the default for models without
+//!   a price of their own; a model with neither costs nothing.
+//! * **Money** is integer: prices in micro-USD per million tokens, costs in nano-USD. Each
+//!   class of each request is rounded once (half up); totals are sums of those integers, so
+//!   exports reconcile exactly.
+//! * **Ledger**: one row per request, keyed by request id (a replay changes nothing), rated
+//!   at ingestion; the same transaction adds the cost to the tenant's monthly spend, which
+//!   budgets are checked against.
+//! * **Durability: write-before-ack.** The gateway hands a request's record to
+//!   [`UsageLedger::record`] and sends the client its final event only after the record is
+//!   committed. Records from concurrent requests are committed together (group commit: one
+//!   transaction per batch), which is what lets one SQLite file keep up with thousands of
+//!   requests per second. If the database stays unavailable, records are appended (and
+//!   fsynced) to an outbox file instead and replayed, idempotently, once it is back.
 
-use serde::Serialize;
-use sqlx::{Row, SqlitePool};
+pub mod export;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hearth_tenants::{now_ms, Db};
+use serde::{Deserialize, Serialize};
+use sqlx::any::AnyRow;
+use sqlx::{AnyPool, Row};
+use tokio::sync::{mpsc, oneshot};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BillingError {
     #[error("database error: {0}")]
     Db(#[from] sqlx::Error),
+    #[error("invalid {field}: {message}")]
+    Invalid { field: &'static str, message: String },
+    #[error("the usage writer has stopped")]
+    WriterGone,
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("export failed: {0}")]
+    Export(String),
 }
 
 /// How a request ended, for billing.
@@ -31,8 +65,9 @@ impl UsageStatus {
     }
 }
 
-/// One request's usage. Token classes: `prompt_tokens` includes `cached_tokens`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// One request's usage. `prompt_tokens` includes `cached_tokens`; the billed classes are
+/// [`UsageRecord::uncached_input_tokens`], `cached_tokens` and `completion_tokens`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UsageRecord {
     pub request_id: String,
     pub tenant_id: String,
@@ -49,109 +84,555 @@ pub struct UsageRecord {
     pub finished_at: i64,
 }
 
-/// Usage rows over SQLite.
-#[derive(Debug, Clone)]
-pub struct UsageLedger {
-    pool: SqlitePool,
+impl UsageRecord {
+    pub fn uncached_input_tokens(&self) -> u32 {
+        self.prompt_tokens.saturating_sub(self.cached_tokens)
+    }
 }
 
-impl UsageLedger {
-    pub fn new(pool: SqlitePool) -> Self {
-        Self { pool }
-    }
+/// A price version, per million tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PriceRates {
+    pub input_micros_per_mtok: i64,
+    pub cached_input_micros_per_mtok: i64,
+    pub output_micros_per_mtok: i64,
+}
 
-    /// Records a request's usage. Idempotent by request id: a replay changes nothing.
-    pub async fn record(&self, u: &UsageRecord) -> Result<bool, BillingError> {
-        let res = sqlx::query(
-            "INSERT INTO usage_records (request_id, tenant_id, key_id, model, endpoint, prompt_tokens, cached_tokens, \
-             completion_tokens, status, finish_reason, error_code, started_at, finished_at) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(request_id) DO NOTHING",
-        )
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Price {
+    pub model: String,
+    pub effective_from: i64,
+    #[serde(flatten)]
+    pub rates: PriceRates,
+    pub created_at: i64,
+}
+
+/// A request's cost, per class, in nano-USD.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Cost {
+    /// The `effective_from` of the price used; None when no price applied.
+    pub price_effective_from: Option<i64>,
+    pub input_nusd: i64,
+    pub cached_nusd: i64,
+    pub output_nusd: i64,
+    pub total_nusd: i64,
+}
+
+fn class_cost(tokens: u32, micros_per_mtok: i64) -> i64 {
+    // tokens × (µUSD / 1e6 tokens) = µUSD·1e-6 … × 1e3 → nUSD: tokens × rate / 1000.
+    let v = (tokens as i128 * micros_per_mtok as i128 + 500).div_euclid(1000);
+    v.clamp(0, i64::MAX as i128) as i64
+}
+
+/// Rates a record with a price (None: free).
+pub fn rate(rec: &UsageRecord, price: Option<&Price>) -> Cost {
+    let Some(p) = price else { return Cost::default() };
+    let input = class_cost(rec.uncached_input_tokens(), p.rates.input_micros_per_mtok);
+    let cached = class_cost(rec.cached_tokens, p.rates.cached_input_micros_per_mtok);
+    let output = class_cost(rec.completion_tokens, p.rates.output_micros_per_mtok);
+    Cost {
+        price_effective_from: Some(p.effective_from),
+        input_nusd: input,
+        cached_nusd: cached,
+        output_nusd: output,
+        total_nusd: input + cached + output,
+    }
+}
+
+/// The price in force for `model` at `at_ms`: the model's own, else `*`'s.
+pub fn price_at<'a>(prices: &'a [Price], model: &str, at_ms: i64) -> Option<&'a Price> {
+    let pick = |m: &str| {
+        prices
+            .iter()
+            .filter(|p| p.model == m && p.effective_from <= at_ms)
+            .max_by_key(|p| p.effective_from)
+    };
+    pick(model).or_else(|| pick("*"))
+}
+
+/// USD as a decimal string → micro-USD (exact; at most 6 decimals).
+pub fn parse_usd_micros(s: &str) -> Option<i64> {
+    let s = s.trim().trim_start_matches('$');
+    let (int, frac) = s.split_once('.').unwrap_or((s, ""));
+    if int.is_empty() && frac.is_empty()
+        || frac.len() > 6
+        || !int.bytes().chain(frac.bytes()).all(|b| b.is_ascii_digit())
+    {
+        return None;
+    }
+    let int: i64 = if int.is_empty() { 0 } else { int.parse().ok()? };
+    let frac: i64 = format!("{frac:0<6}").parse().ok()?;
+    int.checked_mul(1_000_000)?.checked_add(frac)
+}
+
+/// nano-USD → "12.345678901" USD.
+pub fn format_nusd(n: i64) -> String {
+    let sign = if n < 0 { "-" } else { "" };
+    let n = n.unsigned_abs();
+    format!("{sign}{}.{:09}", n / 1_000_000_000, n % 1_000_000_000)
+}
+
+/// `YYYY-MM-DD` of a Unix-ms time (UTC).
+pub fn day_of(ms: i64) -> String {
+    let (y, m, d) = civil(ms.div_euclid(86_400_000));
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+/// `YYYY-MM` of a Unix-ms time (UTC): the budget month.
+pub fn month_of(ms: i64) -> String {
+    let (y, m, _) = civil(ms.div_euclid(86_400_000));
+    format!("{y:04}-{m:02}")
+}
+
+/// Days since 1970-01-01 → (year, month, day), proleptic Gregorian.
+fn civil(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (yoe + era * 400 + i64::from(m <= 2), m, d)
+}
+
+/// `YYYY-MM-DD` (UTC midnight) → Unix ms.
+pub fn parse_day(s: &str) -> Option<i64> {
+    let mut it = s.split('-');
+    let y: i64 = it.next()?.parse().ok()?;
+    let m: i64 = it.next()?.parse().ok()?;
+    let d: i64 = it.next()?.parse().ok()?;
+    if it.next().is_some() || !(1..=12).contains(&m) || !(1..=31).contains(&d) {
+        return None;
+    }
+    let (yy, mm) = if m <= 2 { (y - 1, m + 9) } else { (y, m - 3) };
+    let era = yy.div_euclid(400);
+    let yoe = yy - era * 400;
+    let doy = (153 * mm + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    (day_of(days * 86_400_000) == s).then_some(days * 86_400_000)
+}
+
+/// What recording did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recorded {
+    /// False for a replay of a request id already in the ledger.
+    pub inserted: bool,
+    pub cost: Cost,
+    /// The database was unavailable: the record is in the outbox, to be replayed.
+    pub spilled: bool,
+}
+
+struct Job {
+    rec: UsageRecord,
+    ack: oneshot::Sender<Result<Recorded, String>>,
+}
+
+const USAGE_COLUMNS: &str = "request_id, tenant_id, key_id, model, endpoint, prompt_tokens, cached_tokens, \
+     completion_tokens, status, finish_reason, error_code, started_at, finished_at, price_effective_from, \
+     cost_input_nusd, cost_cached_nusd, cost_output_nusd, cost_nusd";
+
+/// A ledger row: the record and its rating.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct LedgerRow {
+    #[serde(flatten)]
+    pub rec: UsageRecord,
+    pub cost: Cost,
+}
+
+fn ledger_row(r: &AnyRow) -> LedgerRow {
+    let u32_at = |i: usize| u32::try_from(r.get::<i64, _>(i)).unwrap_or(u32::MAX);
+    LedgerRow {
+        rec: UsageRecord {
+            request_id: r.get(0),
+            tenant_id: r.get(1),
+            key_id: r.get(2),
+            model: r.get(3),
+            endpoint: r.get(4),
+            prompt_tokens: u32_at(5),
+            cached_tokens: u32_at(6),
+            completion_tokens: u32_at(7),
+            status: r.get(8),
+            finish_reason: r.get(9),
+            error_code: r.get(10),
+            started_at: r.get(11),
+            finished_at: r.get(12),
+        },
+        cost: Cost {
+            price_effective_from: r.get(13),
+            input_nusd: r.get(14),
+            cached_nusd: r.get(15),
+            output_nusd: r.get(16),
+            total_nusd: r.get(17),
+        },
+    }
+}
+
+async fn load_prices<'e, E>(ex: E) -> Result<Vec<Price>, sqlx::Error>
+where
+    E: sqlx::Executor<'e, Database = sqlx::Any>,
+{
+    let rows = sqlx::query(
+        "SELECT model, effective_from, input_micros_per_mtok, cached_input_micros_per_mtok, output_micros_per_mtok, \
+         created_at FROM prices ORDER BY model, effective_from",
+    )
+    .fetch_all(ex)
+    .await?;
+    Ok(rows
+        .iter()
+        .map(|r| Price {
+            model: r.get(0),
+            effective_from: r.get(1),
+            rates: PriceRates {
+                input_micros_per_mtok: r.get(2),
+                cached_input_micros_per_mtok: r.get(3),
+                output_micros_per_mtok: r.get(4),
+            },
+            created_at: r.get(5),
+        })
+        .collect())
+}
+
+/// One transaction for a batch: rate each record, insert it unless its request id is
+/// already there, and add inserted costs to the tenant's monthly spend.
+async fn write_batch(pool: &AnyPool, recs: &[&UsageRecord]) -> Result<Vec<Recorded>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let prices = load_prices(&mut *tx).await?;
+    let mut out = Vec::with_capacity(recs.len());
+    for u in recs {
+        let cost = rate(u, price_at(&prices, &u.model, u.started_at));
+        let res = sqlx::query(&format!(
+            "INSERT INTO usage_records ({USAGE_COLUMNS}) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18) \
+             ON CONFLICT (request_id) DO NOTHING"
+        ))
         .bind(&u.request_id)
         .bind(&u.tenant_id)
         .bind(&u.key_id)
         .bind(&u.model)
         .bind(&u.endpoint)
-        .bind(u.prompt_tokens)
-        .bind(u.cached_tokens)
-        .bind(u.completion_tokens)
+        .bind(i64::from(u.prompt_tokens))
+        .bind(i64::from(u.cached_tokens))
+        .bind(i64::from(u.completion_tokens))
         .bind(&u.status)
         .bind(&u.finish_reason)
         .bind(&u.error_code)
         .bind(u.started_at)
         .bind(u.finished_at)
+        .bind(cost.price_effective_from)
+        .bind(cost.input_nusd)
+        .bind(cost.cached_nusd)
+        .bind(cost.output_nusd)
+        .bind(cost.total_nusd)
+        .execute(&mut *tx)
+        .await?;
+        let inserted = res.rows_affected() == 1;
+        if inserted {
+            sqlx::query(
+                "INSERT INTO tenant_spend (tenant_id, month, cost_nusd, requests) VALUES ($1, $2, $3, 1) \
+                 ON CONFLICT (tenant_id, month) DO UPDATE SET cost_nusd = tenant_spend.cost_nusd + excluded.cost_nusd, \
+                 requests = tenant_spend.requests + 1",
+            )
+            .bind(&u.tenant_id)
+            .bind(month_of(u.started_at))
+            .bind(cost.total_nusd)
+            .execute(&mut *tx)
+            .await?;
+        }
+        out.push(Recorded {
+            inserted,
+            cost,
+            spilled: false,
+        });
+    }
+    tx.commit().await?;
+    Ok(out)
+}
+
+const OUTBOX: &str = "usage-outbox.jsonl";
+const OUTBOX_REPLAY: &str = "usage-outbox.replaying.jsonl";
+const BATCH: usize = 256;
+
+fn spill(dir: &Path, recs: &[&UsageRecord]) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(OUTBOX))?;
+    let mut buf = Vec::new();
+    for r in recs {
+        serde_json::to_writer(&mut buf, r)?;
+        buf.push(b'\n');
+    }
+    f.write_all(&buf)?;
+    f.sync_all()
+}
+
+/// Replays the outbox into the database (idempotent); true when it is empty afterwards.
+async fn replay_outbox(pool: &AnyPool, dir: &Path) -> Result<usize, String> {
+    let replay = dir.join(OUTBOX_REPLAY);
+    let outbox = dir.join(OUTBOX);
+    if !replay.exists() {
+        if !outbox.exists() {
+            return Ok(0);
+        }
+        std::fs::rename(&outbox, &replay).map_err(|e| e.to_string())?;
+    }
+    let text = std::fs::read_to_string(&replay).map_err(|e| e.to_string())?;
+    let recs: Vec<UsageRecord> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .filter_map(|l| match serde_json::from_str(l) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::error!(error = %e, line = l, "unreadable outbox line skipped");
+                None
+            }
+        })
+        .collect();
+    for chunk in recs.chunks(BATCH) {
+        let refs: Vec<&UsageRecord> = chunk.iter().collect();
+        write_batch(pool, &refs).await.map_err(|e| e.to_string())?;
+    }
+    std::fs::remove_file(&replay).map_err(|e| e.to_string())?;
+    Ok(recs.len())
+}
+
+async fn writer(pool: AnyPool, mut rx: mpsc::Receiver<Job>, outbox: Option<PathBuf>) {
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < BATCH {
+            match rx.try_recv() {
+                Ok(j) => batch.push(j),
+                Err(_) => break,
+            }
+        }
+        let recs: Vec<&UsageRecord> = batch.iter().map(|j| &j.rec).collect();
+        let mut attempt = 0u32;
+        let result = loop {
+            match write_batch(&pool, &recs).await {
+                Ok(r) => break Ok(r),
+                Err(e) if attempt < 4 => {
+                    tracing::warn!(attempt, error = %e, records = recs.len(), "usage write failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+                    attempt += 1;
+                }
+                Err(e) => break Err(e.to_string()),
+            }
+        };
+        let result = match (result, &outbox) {
+            (Ok(r), _) => Ok(r),
+            (Err(e), Some(dir)) => {
+                tracing::error!(error = %e, records = recs.len(), "database unavailable: usage goes to the outbox");
+                match spill(dir, &recs) {
+                    Ok(()) => Ok(vec![
+                        Recorded {
+                            inserted: true,
+                            cost: Cost::default(),
+                            spilled: true,
+                        };
+                        recs.len()
+                    ]),
+                    Err(io) => Err(format!("{e}; and the outbox failed: {io}")),
+                }
+            }
+            (Err(e), None) => Err(e),
+        };
+        match result {
+            Ok(rs) => {
+                for (j, r) in batch.into_iter().zip(rs) {
+                    let _ = j.ack.send(Ok(r));
+                }
+            }
+            Err(e) => {
+                for j in batch {
+                    tracing::error!(record = ?j.rec, error = %e, "usage record could not be written");
+                    let _ = j.ack.send(Err(e.clone()));
+                }
+            }
+        }
+    }
+}
+
+/// The ledger: prices, rated usage rows, monthly spend.
+#[derive(Clone)]
+pub struct UsageLedger {
+    pool: AnyPool,
+    tx: mpsc::Sender<Job>,
+}
+
+impl std::fmt::Debug for UsageLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UsageLedger").finish_non_exhaustive()
+    }
+}
+
+impl UsageLedger {
+    /// Starts the writer (needs a Tokio runtime). With `outbox`, records that cannot reach
+    /// the database go to a file there, replayed now and every few seconds.
+    pub fn new(db: &Db, outbox: Option<PathBuf>) -> Self {
+        let (tx, rx) = mpsc::channel(4096);
+        let pool = db.pool.clone();
+        if let Some(dir) = outbox.clone() {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                loop {
+                    match replay_outbox(&pool, &dir).await {
+                        Ok(0) => {}
+                        Ok(n) => tracing::info!(records = n, "usage outbox replayed"),
+                        Err(e) => tracing::warn!(error = %e, "usage outbox replay failed; will retry"),
+                    }
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                }
+            });
+        }
+        tokio::spawn(writer(pool.clone(), rx, outbox));
+        Self { pool, tx }
+    }
+
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
+    /// Records a request's usage and returns once it is durable (committed, or fsynced in
+    /// the outbox). Idempotent by request id: a replay changes nothing.
+    pub async fn record(&self, u: &UsageRecord) -> Result<Recorded, BillingError> {
+        let (ack, done) = oneshot::channel();
+        self.tx
+            .send(Job { rec: u.clone(), ack })
+            .await
+            .map_err(|_| BillingError::WriterGone)?;
+        done.await
+            .map_err(|_| BillingError::WriterGone)?
+            .map_err(|e| BillingError::Db(sqlx::Error::Protocol(e)))
+    }
+
+    /// Replays an outbox directory now (also done in the background).
+    pub async fn replay_outbox(&self, dir: &Path) -> Result<usize, BillingError> {
+        replay_outbox(&self.pool, dir)
+            .await
+            .map_err(|e| BillingError::Db(sqlx::Error::Protocol(e)))
+    }
+
+    /// Adds a price version. `effective_from` may not be in the past (history is never
+    /// rewritten) — except for a model's very first price.
+    pub async fn set_price(
+        &self,
+        model: &str,
+        rates: PriceRates,
+        effective_from: Option<i64>,
+    ) -> Result<Price, BillingError> {
+        if model.is_empty() || model.len() > 128 {
+            return Err(BillingError::Invalid {
+                field: "model",
+                message: "a model id, or * for the default".into(),
+            });
+        }
+        if [
+            rates.input_micros_per_mtok,
+            rates.cached_input_micros_per_mtok,
+            rates.output_micros_per_mtok,
+        ]
+        .iter()
+        .any(|r| *r < 0)
+        {
+            return Err(BillingError::Invalid {
+                field: "price",
+                message: "prices cannot be negative".into(),
+            });
+        }
+        let now = now_ms();
+        let existing: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM prices WHERE model = $1")
+            .bind(model)
+            .fetch_one(&self.pool)
+            .await?;
+        let effective_from = match effective_from {
+            Some(t) if t < now - 1000 && existing > 0 => {
+                return Err(BillingError::Invalid {
+                    field: "effective_from",
+                    message: "a price change cannot take effect in the past; history is never rewritten".into(),
+                })
+            }
+            Some(t) => t,
+            None if existing == 0 => 0,
+            None => now,
+        };
+        let p = Price {
+            model: model.to_string(),
+            effective_from,
+            rates,
+            created_at: now,
+        };
+        let res = sqlx::query(
+            "INSERT INTO prices (model, effective_from, input_micros_per_mtok, cached_input_micros_per_mtok, \
+             output_micros_per_mtok, created_at) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (model, effective_from) DO NOTHING",
+        )
+        .bind(&p.model)
+        .bind(p.effective_from)
+        .bind(rates.input_micros_per_mtok)
+        .bind(rates.cached_input_micros_per_mtok)
+        .bind(rates.output_micros_per_mtok)
+        .bind(p.created_at)
         .execute(&self.pool)
         .await?;
-        Ok(res.rows_affected() == 1)
+        if res.rows_affected() == 0 {
+            return Err(BillingError::Invalid {
+                field: "effective_from",
+                message: format!("{model} already has a price effective from {effective_from}"),
+            });
+        }
+        Ok(p)
     }
 
-    /// The most recent records, newest first, optionally for one tenant id.
-    pub async fn recent(&self, tenant_id: Option<&str>, limit: u32) -> Result<Vec<UsageRecord>, BillingError> {
-        let rows = sqlx::query(
-            "SELECT request_id, tenant_id, key_id, model, endpoint, prompt_tokens, cached_tokens, completion_tokens, \
-             status, finish_reason, error_code, started_at, finished_at FROM usage_records \
-             WHERE (?1 IS NULL OR tenant_id = ?1) ORDER BY started_at DESC, request_id LIMIT ?2",
-        )
+    /// Every price version (of one model, or all), oldest first.
+    pub async fn prices(&self, model: Option<&str>) -> Result<Vec<Price>, BillingError> {
+        let all = load_prices(&self.pool).await?;
+        Ok(all.into_iter().filter(|p| model.is_none_or(|m| p.model == m)).collect())
+    }
+
+    /// A tenant's spend in a calendar month (`YYYY-MM`), nano-USD.
+    pub async fn month_spend(&self, tenant_id: &str, month: &str) -> Result<i64, BillingError> {
+        let v: Option<i64> =
+            sqlx::query_scalar("SELECT cost_nusd FROM tenant_spend WHERE tenant_id = $1 AND month = $2")
+                .bind(tenant_id)
+                .bind(month)
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(v.unwrap_or(0))
+    }
+
+    /// The most recent rows, newest first, optionally for one tenant id.
+    pub async fn recent(&self, tenant_id: Option<&str>, limit: u32) -> Result<Vec<LedgerRow>, BillingError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {USAGE_COLUMNS} FROM usage_records WHERE ($1 IS NULL OR tenant_id = $1) \
+             ORDER BY started_at DESC, request_id LIMIT $2"
+        ))
         .bind(tenant_id)
-        .bind(limit)
+        .bind(i64::from(limit))
         .fetch_all(&self.pool)
         .await?;
-        Ok(rows
-            .iter()
-            .map(|r| UsageRecord {
-                request_id: r.get(0),
-                tenant_id: r.get(1),
-                key_id: r.get(2),
-                model: r.get(3),
-                endpoint: r.get(4),
-                prompt_tokens: r.get(5),
-                cached_tokens: r.get(6),
-                completion_tokens: r.get(7),
-                status: r.get(8),
-                finish_reason: r.get(9),
-                error_code: r.get(10),
-                started_at: r.get(11),
-                finished_at: r.get(12),
-            })
-            .collect())
+        Ok(rows.iter().map(ledger_row).collect())
+    }
+
+    /// A tenant's rows with `from <= started_at < to`, oldest first.
+    pub async fn rows(&self, tenant_id: &str, from_ms: i64, to_ms: i64) -> Result<Vec<LedgerRow>, BillingError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {USAGE_COLUMNS} FROM usage_records WHERE tenant_id = $1 AND started_at >= $2 AND started_at < $3 \
+             ORDER BY started_at, request_id"
+        ))
+        .bind(tenant_id)
+        .bind(from_ms)
+        .bind(to_ms)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.iter().map(ledger_row).collect())
     }
 }
+
+/// Shared handle type for the gateway.
+pub type SharedLedger = Arc<UsageLedger>;
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn records_are_idempotent_by_request_id() {
-        let pool = SqlitePool::connect("sqlite::memory:").await.unwrap();
-        sqlx::migrate!("../migrations/sqlite").run(&pool).await.unwrap();
-        sqlx::query("INSERT INTO tenants (id, name, created_at) VALUES ('tn_1', 'a', 0)")
-            .execute(&pool)
-            .await
-            .unwrap();
-        let l = UsageLedger::new(pool);
-        let mut u = UsageRecord {
-            request_id: "req_1".into(),
-            tenant_id: "tn_1".into(),
-            key_id: Some("k".into()),
-            model: "m".into(),
-            endpoint: "/v1/chat/completions".into(),
-            prompt_tokens: 42,
-            cached_tokens: 0,
-            completion_tokens: 8,
-            status: UsageStatus::Completed.as_str().into(),
-            finish_reason: Some("stop".into()),
-            error_code: None,
-            started_at: 1,
-            finished_at: 2,
-        };
-        assert!(l.record(&u).await.unwrap());
-        u.completion_tokens = 999;
-        assert!(!l.record(&u).await.unwrap(), "a replay must not write");
-        let rows = l.recent(Some("tn_1"), 10).await.unwrap();
-        assert_eq!(rows.len(), 1);
-        assert_eq!(rows[0].completion_tokens, 8);
-        assert!(l.recent(Some("other"), 10).await.unwrap().is_empty());
-        assert_eq!(l.recent(None, 10).await.unwrap().len(), 1);
-    }
-}
+mod tests;

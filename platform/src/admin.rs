@@ -1,6 +1,7 @@
 //! The admin API under `/admin/v1/`, guarded by `HEARTH_ADMIN_TOKEN` (closed when unset):
-//! tenants, API keys, recent usage. The `hearth admin …` CLI does the same against the
-//! database directly.
+//! tenants, API keys, limits, budgets, JWT issuers, prices, usage and billing exports.
+//! The `hearth admin …` / `hearth billing …` CLI does the same against the database
+//! directly.
 
 use std::sync::Arc;
 
@@ -10,7 +11,10 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get};
 use axum::{Json, Router};
-use hearth_tenants::{constant_time_eq, TenantError};
+use hearth_billing::export::{render, Format, Granularity};
+use hearth_billing::{day_of, format_nusd, month_of, parse_day, parse_usd_micros, BillingError, PriceRates};
+use hearth_tenants::jwt::IssuerSpec;
+use hearth_tenants::{constant_time_eq, now_ms, Budget, KeySpec, Scopes, TenantError};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -28,6 +32,14 @@ pub fn router() -> Router<Arc<Gateway>> {
             axum::routing::put(set_tenant_limits).get(get_tenant_limits),
         )
         .route("/keys/{key_id}/limits", axum::routing::put(set_key_limits))
+        .route(
+            "/tenants/{tenant}/budget",
+            axum::routing::put(set_budget).get(get_budget),
+        )
+        .route("/tenants/{tenant}/jwt-issuers", get(list_issuers).post(add_issuer))
+        .route("/jwt-issuers/{id}", delete(remove_issuer))
+        .route("/prices", get(list_prices).post(set_price))
+        .route("/billing/export", get(billing_export))
         .route("/usage", get(usage))
         .route("/routing", get(routing))
         .route("/routing/{model}/workers/{slot}/drain", axum::routing::post(drain))
@@ -51,11 +63,14 @@ fn guard(gw: &Gateway, headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-fn store_error(e: TenantError) -> ApiError {
+pub(crate) fn store_error(e: TenantError) -> ApiError {
     match e {
         TenantError::TenantExists(_) => ApiError::conflict(e.to_string()),
         TenantError::NoSuchTenant(_) | TenantError::NoSuchKey(_) => ApiError::not_found(e.to_string()),
         TenantError::InvalidName(_) => ApiError::invalid("name", e.to_string()),
+        TenantError::NoSuchIssuer(_) => ApiError::not_found(e.to_string()),
+        TenantError::IssuerExists(_) => ApiError::conflict(e.to_string()),
+        TenantError::Invalid { field, .. } => ApiError::invalid(field, e.to_string()),
         TenantError::Db(_) | TenantError::Random(_) => {
             tracing::error!(error = %e, "admin store error");
             ApiError::internal("the tenant store failed")
@@ -63,7 +78,7 @@ fn store_error(e: TenantError) -> ApiError {
     }
 }
 
-fn name_field(body: &Bytes, required: bool) -> Result<String, ApiError> {
+pub(crate) fn name_field(body: &Bytes, required: bool) -> Result<String, ApiError> {
     if body.is_empty() && !required {
         return Ok(String::new());
     }
@@ -106,8 +121,8 @@ async fn create_key(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     guard(&gw, &headers)?;
-    let name = name_field(&body, false)?;
-    let k = gw.tenants.create_key(&tenant, &name).await.map_err(store_error)?;
+    let spec = key_spec(&body)?;
+    let k = gw.tenants.create_key(&tenant, &spec).await.map_err(store_error)?;
     Ok((StatusCode::CREATED, Json(k)).into_response())
 }
 
@@ -142,10 +157,7 @@ async fn usage(
         .ledger
         .recent(tenant_id.as_deref(), q.limit.unwrap_or(100).min(10_000))
         .await
-        .map_err(|e| {
-            tracing::error!(error = %e, "usage query failed");
-            ApiError::internal("the usage store failed")
-        })?;
+        .map_err(ledger_error)?;
     Ok(Json(json!({"object": "list", "data": rows})))
 }
 
@@ -262,4 +274,301 @@ async fn set_key_limits(
     let l = limits_body(&body)?;
     gw.tenants.set_key_limits(&key_id, l).await.map_err(store_error)?;
     Ok(Json(json!({"key": key_id, "limits": l})))
+}
+
+pub(crate) fn ledger_error(e: BillingError) -> ApiError {
+    match e {
+        BillingError::Invalid { field, .. } => ApiError::invalid(field, e.to_string()),
+        e => {
+            tracing::error!(error = %e, "ledger error");
+            ApiError::internal("the usage ledger failed")
+        }
+    }
+}
+
+/// A new key from `{"name", "scopes": ["inference","manage"], "models": [...],
+/// "expires_in": seconds | "expires_at": unix ms}`; every field optional.
+pub(crate) fn key_spec(body: &Bytes) -> Result<KeySpec, ApiError> {
+    if body.is_empty() {
+        return Ok(KeySpec::default());
+    }
+    let o = parse_object(body)?;
+    let mut spec = KeySpec {
+        name: name_field(body, false)?,
+        ..Default::default()
+    };
+    match o.get("scopes") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(a)) => {
+            let words: Vec<&str> = a.iter().filter_map(Value::as_str).collect();
+            if words.len() != a.len() {
+                return Err(ApiError::invalid("scopes", "'scopes' must be an array of strings"));
+            }
+            spec.scopes = Some(Scopes::parse(&words.join(",")).map_err(store_error)?);
+        }
+        Some(Value::String(s)) => spec.scopes = Some(Scopes::parse(s).map_err(store_error)?),
+        Some(_) => return Err(ApiError::invalid("scopes", "'scopes' must be an array of strings")),
+    }
+    match o.get("models") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(a)) => {
+            let m: Vec<String> = a.iter().filter_map(Value::as_str).map(str::to_string).collect();
+            if m.len() != a.len() {
+                return Err(ApiError::invalid("models", "'models' must be an array of model ids"));
+            }
+            spec.models = Some(m);
+        }
+        Some(_) => return Err(ApiError::invalid("models", "'models' must be an array of model ids")),
+    }
+    let int = |k: &str| -> Result<Option<i64>, ApiError> {
+        match o.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_i64()
+                .filter(|v| *v > 0)
+                .map(Some)
+                .ok_or_else(|| ApiError::invalid(k, format!("'{k}' must be a positive integer"))),
+        }
+    };
+    spec.expires_at = match (int("expires_in")?, int("expires_at")?) {
+        (Some(secs), None) => Some(now_ms().saturating_add(secs.saturating_mul(1000))),
+        (None, at) => at,
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "expires_at",
+                "give expires_in or expires_at, not both",
+            ))
+        }
+    };
+    Ok(spec)
+}
+
+/// `{"monthly_usd": "12.50" | 12.5 | null, "mode": "hard"|"soft"}`.
+async fn set_budget(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(tenant): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let o = parse_object(&body)?;
+    let micros = match o.get("monthly_usd") {
+        None | Some(Value::Null) => 0,
+        Some(Value::String(s)) => {
+            parse_usd_micros(s).ok_or_else(|| ApiError::invalid("monthly_usd", "a USD amount like \"12.50\""))?
+        }
+        Some(Value::Number(n)) => parse_usd_micros(&n.to_string())
+            .ok_or_else(|| ApiError::invalid("monthly_usd", "a USD amount like \"12.50\""))?,
+        Some(_) => return Err(ApiError::invalid("monthly_usd", "a USD amount like \"12.50\"")),
+    };
+    let hard = match o.get("mode").and_then(Value::as_str) {
+        None | Some("hard") => true,
+        Some("soft") => false,
+        Some(_) => return Err(ApiError::invalid("mode", "'mode' is hard or soft")),
+    };
+    let b = (micros > 0).then_some(Budget {
+        monthly_nusd: micros * 1000,
+        hard,
+    });
+    let t = gw.tenants.set_budget(&tenant, b).await.map_err(store_error)?;
+    Ok(Json(budget_json(&t.name, b)))
+}
+
+pub(crate) fn budget_json(tenant: &str, b: Option<Budget>) -> Value {
+    match b {
+        Some(b) => {
+            json!({"tenant": tenant, "budget": {"monthly_usd": format_nusd(b.monthly_nusd), "mode": if b.hard {"hard"} else {"soft"}}})
+        }
+        None => json!({"tenant": tenant, "budget": null}),
+    }
+}
+
+async fn get_budget(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(tenant): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let b = gw.tenants.budget(&tenant).await.map_err(store_error)?;
+    Ok(Json(budget_json(&tenant, b)))
+}
+
+async fn list_issuers(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(tenant): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let is = gw.tenants.list_issuers(Some(&tenant)).await.map_err(store_error)?;
+    Ok(Json(json!({"object": "list", "data": is})))
+}
+
+/// `{"issuer", "audience", "algorithm", "key" | "jwks" | "jwks_url"}`.
+async fn add_issuer(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(tenant): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    guard(&gw, &headers)?;
+    let spec: IssuerSpec = serde_json::from_slice(&body).map_err(|e| ApiError::invalid("body", e.to_string()))?;
+    let i = gw.tenants.add_issuer(&tenant, &spec).await.map_err(store_error)?;
+    Ok((StatusCode::CREATED, Json(i)).into_response())
+}
+
+async fn remove_issuer(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let i = gw.tenants.remove_issuer(&id).await.map_err(store_error)?;
+    Ok(Json(json!(i)))
+}
+
+#[derive(Deserialize)]
+struct PriceQuery {
+    model: Option<String>,
+}
+
+async fn list_prices(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    q: Result<Query<PriceQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
+    let ps = gw.ledger.prices(q.model.as_deref()).await.map_err(ledger_error)?;
+    Ok(Json(json!({"object": "list", "data": ps})))
+}
+
+/// `{"model", "input", "cached_input", "output"}` in USD per million tokens (strings or
+/// numbers), optional `"effective_from"` (Unix ms).
+async fn set_price(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+    guard(&gw, &headers)?;
+    let o = parse_object(&body)?;
+    let model = o
+        .get("model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::invalid("model", "'model' is required (a model id, or *)"))?;
+    let rate = |k: &str| -> Result<i64, ApiError> {
+        let text = match o.get(k) {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Number(n)) => n.to_string(),
+            _ => {
+                return Err(ApiError::invalid(
+                    k,
+                    format!("'{k}' (USD per million tokens) is required"),
+                ))
+            }
+        };
+        parse_usd_micros(&text).ok_or_else(|| ApiError::invalid(k, format!("'{k}' must be a USD amount like \"0.15\"")))
+    };
+    let rates = PriceRates {
+        input_micros_per_mtok: rate("input")?,
+        cached_input_micros_per_mtok: rate("cached_input")?,
+        output_micros_per_mtok: rate("output")?,
+    };
+    let from = match o.get("effective_from") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_i64()
+                .ok_or_else(|| ApiError::invalid("effective_from", "Unix milliseconds"))?,
+        ),
+    };
+    let p = gw.ledger.set_price(model, rates, from).await.map_err(ledger_error)?;
+    Ok((StatusCode::CREATED, Json(p)).into_response())
+}
+
+#[derive(Deserialize)]
+pub(crate) struct ExportQuery {
+    tenant: Option<String>,
+    /// YYYY-MM-DD or Unix ms (inclusive); default: the start of this month.
+    from: Option<String>,
+    /// YYYY-MM-DD or Unix ms (exclusive); default: now.
+    to: Option<String>,
+    format: Option<String>,
+    granularity: Option<String>,
+}
+
+fn time_param(v: Option<&str>, name: &str, default: i64) -> Result<i64, ApiError> {
+    match v {
+        None | Some("") => Ok(default),
+        Some(s) => s
+            .parse::<i64>()
+            .ok()
+            .or_else(|| parse_day(s))
+            .ok_or_else(|| ApiError::invalid(name, format!("'{name}' must be YYYY-MM-DD or Unix milliseconds"))),
+    }
+}
+
+/// A tenant's export as a download; totals in `x-hearth-export-*` headers.
+/// `from`..`to` of a query: by default this month so far.
+pub(crate) fn window(q: &ExportQuery) -> Result<(i64, i64), ApiError> {
+    let now = now_ms();
+    let month_start = parse_day(&format!("{}-01", month_of(now))).unwrap_or(0);
+    let from = time_param(q.from.as_deref(), "from", month_start)?;
+    let to = time_param(q.to.as_deref(), "to", now + 1)?;
+    if to <= from {
+        return Err(ApiError::invalid("to", "'to' must be after 'from'"));
+    }
+    Ok((from, to))
+}
+
+pub(crate) async fn export_response(gw: &Gateway, tenant_id: &str, q: &ExportQuery) -> Result<Response, ApiError> {
+    let (from, to) = window(q)?;
+    let format = Format::parse(q.format.as_deref().unwrap_or("csv"))
+        .ok_or_else(|| ApiError::invalid("format", "'format' is csv, jsonl or parquet"))?;
+    let granularity = Granularity::parse(q.granularity.as_deref().unwrap_or("request"))
+        .ok_or_else(|| ApiError::invalid("granularity", "'granularity' is request or day"))?;
+    let rows = gw.ledger.rows(tenant_id, from, to).await.map_err(ledger_error)?;
+    let e = render(&rows, format, granularity).map_err(ledger_error)?;
+    let t = &e.totals;
+    let file = format!(
+        "usage-{tenant_id}-{}-{}.{}",
+        day_of(from),
+        day_of(to - 1),
+        format.extension()
+    );
+    let mut resp = (
+        [
+            (header::CONTENT_TYPE, format.content_type().to_string()),
+            (header::CONTENT_DISPOSITION, format!("attachment; filename=\"{file}\"")),
+        ],
+        e.bytes,
+    )
+        .into_response();
+    let h = resp.headers_mut();
+    for (k, v) in [
+        ("x-hearth-export-lines", e.lines.to_string()),
+        ("x-hearth-export-requests", t.requests.to_string()),
+        (
+            "x-hearth-export-uncached-input-tokens",
+            t.uncached_input_tokens.to_string(),
+        ),
+        ("x-hearth-export-cached-input-tokens", t.cached_input_tokens.to_string()),
+        ("x-hearth-export-output-tokens", t.output_tokens.to_string()),
+        ("x-hearth-export-cost-nusd", t.cost_nusd.to_string()),
+        ("x-hearth-export-cost-usd", format_nusd(t.cost_nusd)),
+    ] {
+        if let Ok(v) = axum::http::HeaderValue::from_str(&v) {
+            h.insert(k, v);
+        }
+    }
+    Ok(resp)
+}
+
+async fn billing_export(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    q: Result<Query<ExportQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    guard(&gw, &headers)?;
+    let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
+    let tenant = q
+        .tenant
+        .as_deref()
+        .ok_or_else(|| ApiError::invalid("tenant", "'tenant' is required"))?;
+    let t = gw.tenants.tenant(tenant).await.map_err(store_error)?;
+    export_response(&gw, &t.id, &q).await
 }

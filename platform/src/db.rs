@@ -1,12 +1,10 @@
-//! The data directory's SQLite database: opened (created on first use) and migrated with the
-//! migrations embedded from `migrations/sqlite`. The CLI and a running server share it.
+//! The database: SQLite in the data directory by default (created and migrated on first
+//! use), or PostgreSQL with `--database-url postgres://…` (several gateways on one
+//! database). The CLI and running servers share it.
 
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
-use std::time::Duration;
 
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use sqlx::SqlitePool;
+use hearth_tenants::Db;
 
 /// `$HEARTH_DATA_DIR`, else `$XDG_DATA_HOME/hearth`, else `~/.local/share/hearth`.
 pub fn default_data_dir() -> PathBuf {
@@ -17,17 +15,13 @@ pub fn default_data_dir() -> PathBuf {
     home.join(".local").join("share").join("hearth")
 }
 
-pub async fn open(data_dir: &Path) -> anyhow::Result<SqlitePool> {
+/// Opens `database_url`, or `<data_dir>/hearth.db`.
+pub async fn open(data_dir: &Path, database_url: Option<&str>) -> anyhow::Result<Db> {
     std::fs::create_dir_all(data_dir)
         .map_err(|e| anyhow::anyhow!("cannot create data directory {}: {e}", data_dir.display()))?;
-    let path = data_dir.join("hearth.db");
-    let opts = SqliteConnectOptions::from_str(&format!("sqlite://{}", path.display()))?
-        .create_if_missing(true)
-        // WAL + a busy timeout let the CLI write while a server is running.
-        .journal_mode(SqliteJournalMode::Wal)
-        .busy_timeout(Duration::from_secs(10))
-        .foreign_keys(true);
-    let pool = SqlitePoolOptions::new().max_connections(8).connect_with(opts).await?;
-    sqlx::migrate!("../migrations/sqlite").run(&pool).await?;
-    Ok(pool)
+    let url = match database_url.filter(|u| !u.is_empty()) {
+        Some(u) => u.to_string(),
+        None => format!("sqlite://{}", data_dir.join("hearth.db").display()),
+    };
+    Ok(hearth_tenants::db::open(&url, None).await?)
 }

@@ -59,6 +59,21 @@ impl ApiError {
         .with_param(param)
     }
 
+    /// 403: the credential is valid but does not allow this (a scope, a model).
+    pub fn permission(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "permission_error", Some(code), message)
+    }
+
+    /// 402: the tenant's hard monthly budget is spent.
+    pub fn budget_exceeded(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::PAYMENT_REQUIRED,
+            "insufficient_quota",
+            Some("budget_exceeded"),
+            message,
+        )
+    }
+
     /// 400: a valid OpenAI parameter Hearth does not implement (yet).
     pub fn unsupported(param: &str, message: impl Into<String>) -> Self {
         Self::new(

@@ -1,9 +1,11 @@
 //! The OpenAI-compatible API and the life of a request through it.
 //!
 //! One pipeline, one function per phase, in order:
-//! [`authenticate`] → [`limit`] → parse (`openai`) → [`resolve`] → [`tokenize`] (and the
-//! token limit) → [`dispatch`] (route + send to a worker) → [`relay`] (stream to the client,
-//! meter). Tenant processors slot in as phases of their own in a later issue.
+//! [`authenticate`] (API key or JWT, scope) → [`budget`] → [`limit`] → parse (`openai`) →
+//! [`resolve`] (and the key's allowed models) → [`tokenize`] (and the token limit) →
+//! [`dispatch`] (route + send to a worker) → [`relay`] (stream to the client, meter: the
+//! usage record is committed before the client gets the final event). Tenant processors
+//! slot in as phases of their own in a later issue.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -18,7 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use futures_util::StreamExt;
-use hearth_billing::{UsageLedger, UsageRecord, UsageStatus};
+use hearth_billing::{format_nusd, month_of, UsageLedger, UsageRecord, UsageStatus};
 use hearth_protocol::{
     block_hashes, cache_namespace, namespace_root, FinishReason, GenerateEvent, GenerateRequest, TokenLogprob, Usage,
 };
@@ -42,6 +44,7 @@ pub struct Gateway {
     /// `HEARTH_ADMIN_TOKEN`; the admin API is closed without it.
     pub admin_token: Option<String>,
     pub limiter: Limiter,
+    pub budgets: BudgetCache,
 }
 
 /// This request's id, set by the outermost middleware and echoed in `x-request-id`.
@@ -79,6 +82,7 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/healthz", get(healthz))
         .route("/metrics", get(crate::metrics::render))
         .nest("/admin/v1", crate::admin::router())
+        .nest("/v1/tenant", crate::selfservice::router())
         .fallback(|| async {
             ApiError::not_found("no such endpoint; see /v1/chat/completions, /v1/completions, /v1/models")
         })
@@ -97,7 +101,7 @@ async fn healthz(State(gw): State<Arc<Gateway>>) -> Json<Value> {
 
 // ---- phase: authenticate -------------------------------------------------------------
 
-/// `Authorization: Bearer <key>` → who is asking.
+/// `Authorization: Bearer <API key or JWT>` → who is asking.
 pub async fn authenticate(gw: &Gateway, headers: &HeaderMap) -> Result<TenantContext, ApiError> {
     let Some(value) = headers.get(header::AUTHORIZATION) else {
         return Err(ApiError::unauthorized(
@@ -117,8 +121,119 @@ pub async fn authenticate(gw: &Gateway, headers: &HeaderMap) -> Result<TenantCon
             Err(ApiError::unavailable("authentication is temporarily unavailable"))
         }
         Err(AuthError::Revoked) => Err(ApiError::unauthorized("This API key has been revoked.")),
+        Err(AuthError::Expired(_)) => Err(ApiError::unauthorized("This API key has expired.")),
+        Err(AuthError::Jwt(why)) => Err(ApiError::unauthorized(format!("Invalid bearer token: {why}."))),
         Err(_) => Err(ApiError::unauthorized("Incorrect API key provided.")),
     }
+}
+
+/// [`authenticate`], then the scope the endpoint needs.
+pub async fn authorize(gw: &Gateway, headers: &HeaderMap, manage: bool) -> Result<TenantContext, ApiError> {
+    let ctx = authenticate(gw, headers).await?;
+    let (ok, scope) = if manage {
+        (ctx.scopes.manage, "manage")
+    } else {
+        (ctx.scopes.inference, "inference")
+    };
+    if !ok {
+        return Err(ApiError::permission(
+            "missing_scope",
+            format!("This credential lacks the '{scope}' scope needed here."),
+        ));
+    }
+    Ok(ctx)
+}
+
+// ---- phase: budget -------------------------------------------------------------------
+
+/// How long a tenant's month spend is trusted before the ledger is asked again; costs this
+/// gateway records are added at once, other gateways' within this time.
+const SPEND_TTL: Duration = Duration::from_secs(2);
+
+/// Month-to-date spend per tenant, from the ledger's `tenant_spend`.
+#[derive(Default)]
+pub struct BudgetCache {
+    spend: std::sync::Mutex<std::collections::HashMap<String, (String, i64, std::time::Instant)>>,
+}
+
+impl BudgetCache {
+    async fn spend(&self, ledger: &UsageLedger, tenant_id: &str, month: &str) -> Result<i64, ApiError> {
+        if let Some((m, v, at)) = self.lock().get(tenant_id) {
+            if m == month && at.elapsed() < SPEND_TTL {
+                return Ok(*v);
+            }
+        }
+        let v = ledger.month_spend(tenant_id, month).await.map_err(|e| {
+            tracing::error!(error = %e, "spend lookup failed");
+            ApiError::unavailable("budget check temporarily unavailable")
+        })?;
+        self.lock()
+            .insert(tenant_id.to_string(), (month.to_string(), v, std::time::Instant::now()));
+        Ok(v)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, (String, i64, std::time::Instant)>> {
+        self.spend.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Adds a cost this gateway just recorded.
+    fn add(&self, tenant_id: &str, month: &str, nusd: i64) {
+        if let Some((m, v, _)) = self.lock().get_mut(tenant_id) {
+            if m == month {
+                *v += nusd;
+            }
+        }
+    }
+}
+
+/// What the budget phase tells the client (`x-hearth-budget-*` headers).
+#[derive(Default)]
+pub struct BudgetState {
+    remaining_nusd: Option<i64>,
+    warning: Option<String>,
+}
+
+impl BudgetState {
+    fn apply(&self, h: &mut HeaderMap) {
+        if let Some(r) = self.remaining_nusd {
+            if let Ok(v) = HeaderValue::from_str(&format_nusd(r.max(0))) {
+                h.insert("x-hearth-budget-remaining-usd", v);
+            }
+        }
+        if let Some(w) = &self.warning {
+            if let Ok(v) = HeaderValue::from_str(w) {
+                h.insert("x-hearth-budget-warning", v);
+            }
+        }
+    }
+}
+
+/// The tenant's monthly budget: a hard one refuses once spent, a soft one warns.
+pub async fn budget(gw: &Gateway, tenant: &TenantContext) -> Result<BudgetState, ApiError> {
+    let Some(b) = tenant.budget else {
+        return Ok(BudgetState::default());
+    };
+    let month = month_of(now_ms());
+    let spent = gw.budgets.spend(&gw.ledger, &tenant.tenant_id, &month).await?;
+    let mut state = BudgetState {
+        remaining_nusd: Some(b.monthly_nusd - spent),
+        warning: None,
+    };
+    if spent >= b.monthly_nusd {
+        let msg = format!(
+            "The monthly budget of tenant {} (${}) is spent (${} in {month}).",
+            tenant.tenant_name,
+            format_nusd(b.monthly_nusd),
+            format_nusd(spent)
+        );
+        if b.hard {
+            return Err(ApiError::budget_exceeded(format!(
+                "{msg} Raise it with 'hearth admin tenant budget' or wait for the next month."
+            )));
+        }
+        state.warning = Some(msg);
+    }
+    Ok(state)
 }
 
 // ---- phase: resolve ------------------------------------------------------------------
@@ -370,7 +485,8 @@ async fn relay(
     };
     drop(placement);
     gw.limiter
-        .charge_completion(&admitted.tenant, rec.completion_tokens.max(generated));
+        .charge_completion(&admitted.tenant, rec.completion_tokens.max(generated))
+        .await;
     drop(admitted); // releases the in-flight slots
     if ended.is_none() {
         drop(events); // cancels the generation
@@ -381,19 +497,17 @@ async fn relay(
     }
 }
 
+/// Records a request's usage; returns once it is durable (write-before-ack).
 async fn write_usage(gw: &Gateway, rec: &mut UsageRecord) {
     rec.finished_at = now_ms();
-    // A transient database error must not lose the record: retry briefly.
-    for attempt in 0..5u32 {
-        match gw.ledger.record(rec).await {
-            Ok(_) => return,
-            Err(e) => {
-                tracing::error!(request_id = %rec.request_id, attempt, error = %e, "usage write failed");
-                tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
-            }
+    match gw.ledger.record(rec).await {
+        Ok(r) if r.inserted => {
+            gw.budgets
+                .add(&rec.tenant_id, &month_of(rec.started_at), r.cost.total_nusd);
         }
+        Ok(_) => {}
+        Err(e) => tracing::error!(record = ?rec, error = %e, "usage record could not be written"),
     }
-    tracing::error!(record = ?rec, "usage record could not be written");
 }
 
 // ---- the endpoints -------------------------------------------------------------------
@@ -438,7 +552,7 @@ async fn handle(
     body: Result<Bytes, BytesRejection>,
     endpoint: Endpoint,
 ) -> Response {
-    let tenant = match authenticate(&gw, &headers).await {
+    let tenant = match authorize(&gw, &headers, false).await {
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
@@ -459,22 +573,29 @@ async fn handle(
         finished_at: started_at,
     };
     let mut rate = RateState::default();
-    let outcome = match limit(&gw, &tenant, &mut rate) {
-        Ok(in_flight) => {
-            run(
-                &gw,
-                &request_id,
-                &headers,
-                body,
-                endpoint,
-                &mut rec,
-                Admitted {
-                    tenant,
-                    _in_flight: in_flight,
-                },
-                &mut rate,
-            )
-            .await
+    let mut spend = BudgetState::default();
+    let outcome = match budget(&gw, &tenant).await {
+        Ok(b) => {
+            spend = b;
+            match limit(&gw, &tenant, &request_id, &mut rate).await {
+                Ok(in_flight) => {
+                    run(
+                        &gw,
+                        &request_id,
+                        &headers,
+                        body,
+                        endpoint,
+                        &mut rec,
+                        Admitted {
+                            tenant,
+                            _in_flight: in_flight,
+                        },
+                        &mut rate,
+                    )
+                    .await
+                }
+                Err(e) => Err(e),
+            }
         }
         Err(e) => Err(e),
     };
@@ -488,6 +609,7 @@ async fn handle(
         }
     };
     rate.apply(resp.headers_mut());
+    spend.apply(resp.headers_mut());
     resp
 }
 
@@ -502,8 +624,13 @@ pub struct Admitted {
 }
 
 /// Requests per minute and in flight, for the tenant and the key.
-fn limit(gw: &Gateway, tenant: &TenantContext, rate: &mut RateState) -> Result<InFlight, ApiError> {
-    match gw.limiter.admit_request(tenant) {
+async fn limit(
+    gw: &Gateway,
+    tenant: &TenantContext,
+    request_id: &str,
+    rate: &mut RateState,
+) -> Result<InFlight, ApiError> {
+    match gw.limiter.admit_request(tenant, request_id).await {
         Ok((in_flight, state)) => {
             *rate = state;
             Ok(in_flight)
@@ -539,6 +666,13 @@ async fn run(
     };
     rec.model = common.model.clone();
     let model = resolve(gw, &common.model)?.clone();
+    if !admitted.tenant.allows_model(&model.id) {
+        return Err(ApiError::permission(
+            "model_not_allowed",
+            format!("This credential may not use model {}.", model.id),
+        )
+        .with_param("model"));
+    }
     let input = match (&input_chat, &input_prompt) {
         (Some(m), _) => Input::Chat(m),
         (_, Some(p)) => Input::Prompt(p),
@@ -547,7 +681,11 @@ async fn run(
     let (prompt, max_tokens) = tokenize(&model, input, &common)?;
     rec.prompt_tokens = prompt.len() as u32;
     // Tokens per minute: the prompt now, the completion when known.
-    if let Err(l) = gw.limiter.admit_tokens(&admitted.tenant, prompt.len() as u32, rate) {
+    if let Err(l) = gw
+        .limiter
+        .admit_tokens(&admitted.tenant, prompt.len() as u32, rate)
+        .await
+    {
         *rate = l.state;
         return Err(l.error);
     }
@@ -870,8 +1008,13 @@ fn model_json(m: &ServedModel) -> Value {
 }
 
 async fn list_models(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
-    authenticate(&gw, &headers).await?;
-    let data: Vec<Value> = gw.models.all().map(|m| model_json(m)).collect();
+    let ctx = authorize(&gw, &headers, false).await?;
+    let data: Vec<Value> = gw
+        .models
+        .all()
+        .filter(|m| ctx.allows_model(&m.id))
+        .map(|m| model_json(m))
+        .collect();
     Ok(Json(json!({"object": "list", "data": data})))
 }
 
@@ -880,6 +1023,9 @@ async fn get_model(
     headers: HeaderMap,
     Path(model): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    authenticate(&gw, &headers).await?;
+    let ctx = authorize(&gw, &headers, false).await?;
+    if !ctx.allows_model(&model) {
+        return Err(ApiError::model_not_found(&model));
+    }
     Ok(Json(model_json(resolve(&gw, &model)?)))
 }

@@ -1,5 +1,5 @@
 //! Hearth's API tier: the OpenAI-compatible gateway ([`gateway`]), the admin API
-//! ([`admin`]), the models it serves ([`registry`]) and how it reaches workers
+//! ([`admin`]), the tenant self-service API ([`selfservice`]), the models it serves ([`registry`]) and how it reaches workers
 //! ([`workers`]). The `hearth` binary (`main.rs`) wires these together.
 //!
 //! Invariant: the gateway talks to engines only through `hearth-protocol` and a
@@ -14,4 +14,5 @@ pub mod metrics;
 pub mod openai;
 pub mod registry;
 pub mod routing_bench;
+pub mod selfservice;
 pub mod workers;

@@ -1,6 +1,13 @@
-//! Rate limits per tenant and per API key: requests/minute and tokens/minute (GCRA, via
-//! `governor`), and requests in flight. In-process: each gateway counts alone (limits shared
-//! across gateways through Redis come with the tenants-at-scale work).
+//! Rate limits per tenant and per API key (or JWT principal): requests/minute and
+//! tokens/minute (GCRA), and requests in flight.
+//!
+//! Two implementations behind one [`Limiter`]:
+//! * in-process (`governor`): each gateway counts alone — right for one gateway;
+//! * Redis (`--redis-url`): one Lua script per phase does every check of the phase
+//!   atomically (GCRA on Redis' own clock, in-flight leases in a sorted set), so the limits
+//!   hold across any number of gateway replicas. If Redis cannot be reached, the gateway
+//!   falls back to its in-process limits (and says so in the log) rather than failing
+//!   requests.
 //!
 //! Tokens are charged as prompt tokens at admission and completion tokens once known (the
 //! latter best effort: a completion never fails after the fact, it only uses up the budget
@@ -88,14 +95,39 @@ impl RateState {
     }
 }
 
-/// Holds a request's in-flight slots; released on drop.
-#[derive(Debug, Default)]
-pub struct InFlight(Vec<Arc<AtomicU32>>);
+/// Holds a request's in-flight slots (local counters or Redis leases); released on drop.
+#[derive(Default)]
+pub struct InFlight {
+    local: Vec<Arc<AtomicU32>>,
+    redis: Option<(redis::aio::ConnectionManager, Vec<String>, String)>,
+}
+
+impl std::fmt::Debug for InFlight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InFlight")
+            .field("local", &self.local.len())
+            .field("redis", &self.redis.as_ref().map(|r| &r.1))
+            .finish()
+    }
+}
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        for c in &self.0 {
+        for c in &self.local {
             c.fetch_sub(1, Ordering::AcqRel);
+        }
+        if let Some((mut conn, keys, id)) = self.redis.take() {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let mut p = redis::pipe();
+                    for k in &keys {
+                        p.zrem(k, &id).ignore();
+                    }
+                    if let Err(e) = p.query_async::<()>(&mut conn).await {
+                        tracing::warn!(error = %e, "releasing an in-flight lease in Redis failed (it expires by itself)");
+                    }
+                });
+            }
         }
     }
 }
@@ -108,8 +140,9 @@ pub struct Limited {
     pub state: RateState,
 }
 
+/// The in-process limiter.
 #[derive(Default)]
-pub struct Limiter {
+pub struct LocalLimiter {
     subjects: Mutex<HashMap<String, Subject>>,
 }
 
@@ -130,7 +163,7 @@ fn limited(kind: &'static str, what: &str, who: &str, limit: u32, wait: Duration
     })
 }
 
-impl Limiter {
+impl LocalLimiter {
     fn subject(&self, id: &str, l: &Limits) -> (Option<Arc<Bucket>>, Option<Arc<Bucket>>, Arc<AtomicU32>) {
         let mut map = self.subjects.lock().unwrap_or_else(|e| e.into_inner());
         let s = map.entry(id.to_string()).or_default();
@@ -194,7 +227,7 @@ impl Limiter {
                         state,
                     ));
                 }
-                held.0.push(in_flight);
+                held.local.push(in_flight);
             }
         }
         Ok((held, state))
@@ -245,6 +278,356 @@ impl Limiter {
     }
 }
 
+// ---- Redis ------------------------------------------------------------------------------
+
+/// The request phase, atomically for tenant and key: GCRA on requests/minute, then the
+/// in-flight leases; nothing is consumed unless everything passes.
+/// KEYS: tenant rpm TAT, key rpm TAT, tenant in-flight set, key in-flight set.
+/// ARGV: tenant rpm, key rpm, tenant max in flight, key max in flight, request id, lease ms.
+/// Returns {allowed, failing subject (1-4), wait µs, tenant remaining, key remaining}.
+const REQUEST_SCRIPT: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local rem = {-1, -1}
+local tats = {}
+for i = 1, 2 do
+  local limit = tonumber(ARGV[i])
+  if limit > 0 then
+    local step = 60000000 / limit
+    local tat = tonumber(redis.call('GET', KEYS[i]) or now)
+    if tat < now then tat = now end
+    local new_tat = tat + step
+    if new_tat - now > 60000000 then
+      return {0, i, math.ceil(new_tat - 60000000 - now), 0, 0}
+    end
+    tats[i] = new_tat
+    rem[i] = math.floor((60000000 - (new_tat - now)) / step)
+  end
+end
+local now_ms = math.floor(now / 1000)
+for i = 3, 4 do
+  local limit = tonumber(ARGV[i])
+  if limit > 0 then
+    redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now_ms)
+    if redis.call('ZCARD', KEYS[i]) >= limit then
+      return {0, i, 1000000, 0, 0}
+    end
+  end
+end
+for i = 1, 2 do
+  if tats[i] then
+    redis.call('SET', KEYS[i], string.format('%.0f', tats[i]), 'PX', math.ceil((tats[i] - now) / 1000) + 1000)
+  end
+end
+for i = 3, 4 do
+  if tonumber(ARGV[i]) > 0 then
+    redis.call('ZADD', KEYS[i], now_ms + tonumber(ARGV[6]), ARGV[5])
+    redis.call('PEXPIRE', KEYS[i], tonumber(ARGV[6]))
+  end
+end
+return {1, 0, 0, rem[1], rem[2]}
+"#;
+
+/// The token phase: GCRA on tokens/minute for tenant and key, `n` at once. With ARGV[4] = 1
+/// the tokens are charged without a check (completion tokens, known after the fact).
+/// KEYS: tenant tpm TAT, key tpm TAT. ARGV: tenant tpm, key tpm, n, force.
+/// Returns {allowed, failing subject, wait µs (-1: never fits), tenant remaining, key remaining}.
+const TOKEN_SCRIPT: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local n = tonumber(ARGV[3])
+local force = tonumber(ARGV[4]) == 1
+local rem = {-1, -1}
+local tats = {}
+for i = 1, 2 do
+  local limit = tonumber(ARGV[i])
+  if limit > 0 then
+    local step = 60000000 / limit
+    local tat = tonumber(redis.call('GET', KEYS[i]) or now)
+    if tat < now then tat = now end
+    local new_tat = tat + n * step
+    if not force then
+      if n > limit then return {0, i, -1, 0, 0} end
+      if new_tat - now > 60000000 then
+        return {0, i, math.ceil(new_tat - 60000000 - now), 0, 0}
+      end
+    end
+    tats[i] = new_tat
+    rem[i] = math.max(0, math.floor((60000000 - (new_tat - now)) / step))
+  end
+end
+for i = 1, 2 do
+  if tats[i] then
+    redis.call('SET', KEYS[i], string.format('%.0f', tats[i]), 'PX', math.ceil((tats[i] - now) / 1000) + 1000)
+  end
+end
+return {1, 0, 0, rem[1], rem[2]}
+"#;
+
+/// How long an in-flight lease lives if its release is lost (a crashed gateway).
+const LEASE_MS: u64 = 15 * 60 * 1000;
+
+/// Limits shared through Redis.
+pub struct RedisLimiter {
+    conn: redis::aio::ConnectionManager,
+    request: redis::Script,
+    tokens: redis::Script,
+    prefix: String,
+}
+
+impl RedisLimiter {
+    pub async fn connect(url: &str, prefix: &str) -> anyhow::Result<Self> {
+        let client = redis::Client::open(url).map_err(|e| anyhow::anyhow!("bad Redis URL: {e}"))?;
+        let cfg = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(2)))
+            .set_response_timeout(Some(Duration::from_millis(500)))
+            .set_number_of_retries(2);
+        let conn = redis::aio::ConnectionManager::new_with_config(client, cfg)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot reach Redis at {url}: {e}"))?;
+        Ok(Self {
+            conn,
+            request: redis::Script::new(REQUEST_SCRIPT),
+            tokens: redis::Script::new(TOKEN_SCRIPT),
+            prefix: prefix.to_string(),
+        })
+    }
+
+    fn key(&self, subject: &str, what: &str) -> String {
+        format!("{}rl:{subject}:{what}", self.prefix)
+    }
+}
+
+fn opt(v: Option<u32>) -> u32 {
+    v.unwrap_or(0)
+}
+
+/// Rate limits, in-process or through Redis.
+pub struct Limiter {
+    local: LocalLimiter,
+    redis: Option<RedisLimiter>,
+    last_redis_error: Mutex<Option<std::time::Instant>>,
+}
+
+impl Default for Limiter {
+    fn default() -> Self {
+        Self {
+            local: LocalLimiter::default(),
+            redis: None,
+            last_redis_error: Mutex::new(None),
+        }
+    }
+}
+
+impl Limiter {
+    pub fn with_redis(redis: RedisLimiter) -> Self {
+        Self {
+            redis: Some(redis),
+            ..Default::default()
+        }
+    }
+
+    pub fn shared(&self) -> bool {
+        self.redis.is_some()
+    }
+
+    fn redis_failed(&self, e: &redis::RedisError) {
+        let mut last = self.last_redis_error.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+            tracing::error!(error = %e, "Redis is unavailable: rate limits fall back to this gateway's own counts");
+            *last = Some(std::time::Instant::now());
+        }
+    }
+
+    fn subjects(ctx: &TenantContext) -> [String; 2] {
+        [format!("t:{}", ctx.tenant_id), format!("k:{}", ctx.key_id)]
+    }
+
+    fn who(ctx: &TenantContext, i: usize) -> String {
+        if i == 0 {
+            format!("tenant {}", ctx.tenant_name)
+        } else {
+            format!("API key {}", ctx.key_id)
+        }
+    }
+
+    /// The request phase: one request and one in-flight slot, for tenant and key.
+    pub async fn admit_request(
+        &self,
+        ctx: &TenantContext,
+        request_id: &str,
+    ) -> Result<(InFlight, RateState), Box<Limited>> {
+        let (t, k) = (&ctx.tenant_limits, &ctx.key_limits);
+        let Some(r) = &self.redis else {
+            return self.local.admit_request(ctx);
+        };
+        if t.rpm.is_none() && k.rpm.is_none() && t.concurrent.is_none() && k.concurrent.is_none() {
+            return Ok((InFlight::default(), RateState::default()));
+        }
+        let [ts, ks] = Self::subjects(ctx);
+        let keys = [
+            r.key(&ts, "rpm"),
+            r.key(&ks, "rpm"),
+            r.key(&ts, "inflight"),
+            r.key(&ks, "inflight"),
+        ];
+        let mut conn = r.conn.clone();
+        let res: Result<Vec<i64>, _> = r
+            .request
+            .key(&keys[0])
+            .key(&keys[1])
+            .key(&keys[2])
+            .key(&keys[3])
+            .arg(opt(t.rpm))
+            .arg(opt(k.rpm))
+            .arg(opt(t.concurrent))
+            .arg(opt(k.concurrent))
+            .arg(request_id)
+            .arg(LEASE_MS)
+            .invoke_async(&mut conn)
+            .await;
+        let v = match res {
+            Ok(v) if v.len() == 5 => v,
+            Ok(v) => {
+                tracing::error!(reply = ?v, "unexpected Redis reply");
+                return self.local.admit_request(ctx);
+            }
+            Err(e) => {
+                self.redis_failed(&e);
+                return self.local.admit_request(ctx);
+            }
+        };
+        let mut state = RateState::default();
+        for (i, l) in [t.rpm, k.rpm].into_iter().enumerate() {
+            if let Some(l) = l {
+                state.merge(l, if v[0] == 1 { v[3 + i].max(0) as u32 } else { 0 }, false);
+            }
+        }
+        if v[0] != 1 {
+            let i = (v[1] - 1).clamp(0, 3) as usize;
+            let wait = Duration::from_micros(v[2].max(0) as u64);
+            let (what, limit) = if i < 2 {
+                ("requests per minute", [t.rpm, k.rpm][i])
+            } else {
+                ("concurrent requests", [t.concurrent, k.concurrent][i - 2])
+            };
+            return Err(limited(
+                "requests",
+                what,
+                &Self::who(ctx, i % 2),
+                limit.unwrap_or(0),
+                wait,
+                state,
+            ));
+        }
+        let mut leases = Vec::new();
+        if t.concurrent.is_some() {
+            leases.push(keys[2].clone());
+        }
+        if k.concurrent.is_some() {
+            leases.push(keys[3].clone());
+        }
+        let held = InFlight {
+            local: Vec::new(),
+            redis: (!leases.is_empty()).then(|| (r.conn.clone(), leases, request_id.to_string())),
+        };
+        Ok((held, state))
+    }
+
+    async fn redis_tokens(
+        &self,
+        r: &RedisLimiter,
+        ctx: &TenantContext,
+        n: u32,
+        force: bool,
+    ) -> Result<Vec<i64>, redis::RedisError> {
+        let [ts, ks] = Self::subjects(ctx);
+        let mut conn = r.conn.clone();
+        r.tokens
+            .key(r.key(&ts, "tpm"))
+            .key(r.key(&ks, "tpm"))
+            .arg(opt(ctx.tenant_limits.tpm))
+            .arg(opt(ctx.key_limits.tpm))
+            .arg(n)
+            .arg(u8::from(force))
+            .invoke_async(&mut conn)
+            .await
+    }
+
+    /// The token phase: charges the prompt's tokens (refused if the budget cannot cover it).
+    pub async fn admit_tokens(
+        &self,
+        ctx: &TenantContext,
+        tokens: u32,
+        state: &mut RateState,
+    ) -> Result<(), Box<Limited>> {
+        let limits = [ctx.tenant_limits.tpm, ctx.key_limits.tpm];
+        let Some(r) = &self.redis else {
+            return self.local.admit_tokens(ctx, tokens, state);
+        };
+        if limits.iter().all(Option::is_none) {
+            return Ok(());
+        }
+        let v = match self.redis_tokens(r, ctx, tokens.max(1), false).await {
+            Ok(v) if v.len() == 5 => v,
+            Ok(_) => return self.local.admit_tokens(ctx, tokens, state),
+            Err(e) => {
+                self.redis_failed(&e);
+                return self.local.admit_tokens(ctx, tokens, state);
+            }
+        };
+        for (i, l) in limits.into_iter().enumerate() {
+            if let Some(l) = l {
+                state.merge(l, if v[0] == 1 { v[3 + i].max(0) as u32 } else { 0 }, true);
+            }
+        }
+        if v[0] == 1 {
+            return Ok(());
+        }
+        let i = (v[1] - 1).clamp(0, 1) as usize;
+        let limit = limits[i].unwrap_or(0);
+        let who = Self::who(ctx, i);
+        if v[2] < 0 {
+            let mut e = limited(
+                "tokens",
+                "tokens per minute",
+                &who,
+                limit,
+                Duration::from_secs(60),
+                *state,
+            );
+            e.error.message = format!(
+                "This request needs {tokens} tokens, more than the {limit} tokens per minute allowed for {who}."
+            );
+            return Err(e);
+        }
+        Err(limited(
+            "tokens",
+            "tokens per minute",
+            &who,
+            limit,
+            Duration::from_micros(v[2] as u64),
+            *state,
+        ))
+    }
+
+    /// Charges tokens generated after admission (best effort, never blocks the request).
+    pub async fn charge_completion(&self, ctx: &TenantContext, tokens: u32) {
+        if tokens == 0 || (ctx.tenant_limits.tpm.is_none() && ctx.key_limits.tpm.is_none()) {
+            return;
+        }
+        match &self.redis {
+            None => self.local.charge_completion(ctx, tokens),
+            Some(r) => {
+                if let Err(e) = self.redis_tokens(r, ctx, tokens, true).await {
+                    self.redis_failed(&e);
+                    self.local.charge_completion(ctx, tokens);
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -254,14 +637,17 @@ mod tests {
             tenant_id: "t1".into(),
             tenant_name: "acme".into(),
             key_id: "k1".into(),
+            scopes: hearth_tenants::Scopes::ALL,
+            models: None,
             tenant_limits: tenant,
             key_limits: key,
+            budget: None,
         }
     }
 
     #[test]
     fn requests_per_minute_and_concurrency() {
-        let l = Limiter::default();
+        let l = LocalLimiter::default();
         let c = ctx(
             Limits {
                 rpm: Some(3),
@@ -293,7 +679,7 @@ mod tests {
 
     #[test]
     fn tokens_per_minute() {
-        let l = Limiter::default();
+        let l = LocalLimiter::default();
         let c = ctx(
             Limits {
                 tpm: Some(100),
@@ -308,5 +694,73 @@ mod tests {
         assert!(l.admit_tokens(&c, 20, &mut s).is_err());
         let e = l.admit_tokens(&c, 500, &mut s).unwrap_err();
         assert!(e.error.message.contains("more than the 100 tokens per minute"));
+    }
+
+    /// Two limiters sharing one Redis act as one: a 10 requests/minute tenant gets exactly
+    /// 10 admissions in total, the in-flight cap holds across both and is released on drop,
+    /// and tokens per minute are shared too. Needs `REDIS_URL` (set by the test script).
+    #[tokio::test]
+    async fn redis_limits_are_shared_across_limiters() {
+        let Ok(url) = std::env::var("REDIS_URL") else {
+            eprintln!("REDIS_URL is not set; skipping");
+            return;
+        };
+        let prefix = format!("hearth-test-{}-{}:", std::process::id(), hearth_tenants::now_ms());
+        let a = Limiter::with_redis(RedisLimiter::connect(&url, &prefix).await.unwrap());
+        let b = Limiter::with_redis(RedisLimiter::connect(&url, &prefix).await.unwrap());
+        let c = ctx(
+            Limits {
+                rpm: Some(10),
+                tpm: Some(1000),
+                ..Default::default()
+            },
+            Limits {
+                concurrent: Some(2),
+                ..Default::default()
+            },
+        );
+        let mut ok = 0;
+        let mut held = Vec::new();
+        let mut concurrency_refusals = 0;
+        for i in 0..30 {
+            let l = if i % 2 == 0 { &a } else { &b };
+            match l.admit_request(&c, &format!("req{i}")).await {
+                Ok((f, s)) => {
+                    ok += 1;
+                    assert_eq!(s.limit_requests, Some(10));
+                    held.push(f);
+                }
+                Err(e) if e.error.message.contains("concurrent") => {
+                    concurrency_refusals += 1;
+                    held.clear();
+                    // Leases are released asynchronously.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => {
+                    assert!(e.error.message.contains("requests per minute"), "{}", e.error.message);
+                    assert!(e.retry_after >= Duration::from_secs(1));
+                }
+            }
+        }
+        assert_eq!(
+            ok, 10,
+            "exactly the tenant's 10 requests per minute, across both limiters"
+        );
+        assert!(
+            concurrency_refusals > 0,
+            "the key's in-flight cap of 2 must have bitten"
+        );
+        // Tokens: 600 on one, 300 on the other, then 200 more is over 1000.
+        let mut s = RateState::default();
+        a.admit_tokens(&c, 600, &mut s).await.unwrap();
+        b.admit_tokens(&c, 300, &mut s).await.unwrap();
+        assert_eq!(s.remaining_tokens, Some(100));
+        let e = a.admit_tokens(&c, 200, &mut s).await.unwrap_err();
+        assert!(e.error.message.contains("tokens per minute"));
+        let e = b.admit_tokens(&c, 5000, &mut s).await.unwrap_err();
+        assert!(e.error.message.contains("more than the 1000"));
+        // A completion charge is taken even past the limit, and later requests wait.
+        b.charge_completion(&c, 50).await;
+        assert!(a.admit_tokens(&c, 60, &mut s).await.is_err());
     }
 }

@@ -13,6 +13,7 @@ use hearth_engine::sim::{sim_info, CostModel, SimHandle};
 use hearth_engine::{Backend, EngineConfig, EngineHandle};
 use hearth_platform::db;
 use hearth_platform::gateway::{self, Gateway};
+use hearth_platform::limits::{Limiter, RedisLimiter};
 use hearth_platform::registry::{ModelRegistry, RoutingConfig};
 use hearth_platform::workers::{HttpWorker, InProcessWorker, WorkerClient};
 use hearth_router::Policy;
@@ -33,8 +34,13 @@ enum Command {
     Worker(WorkerArgs),
     /// The API tier alone, dispatching to `hearth worker` processes.
     Gateway(GatewayArgs),
-    /// Manage tenants, API keys and usage in the data directory.
+    /// Manage tenants, API keys, JWT issuers, limits, budgets, prices and usage.
     Admin(AdminArgs),
+    /// Billing exports.
+    Billing {
+        #[command(subcommand)]
+        command: BillingCommand,
+    },
     /// Model files.
     Model {
         #[command(subcommand)]
@@ -80,11 +86,41 @@ struct DataArgs {
     /// Holds the SQLite database and local state (default: ~/.local/share/hearth).
     #[arg(long, env = "HEARTH_DATA_DIR", global = true)]
     data_dir: Option<PathBuf>,
+    /// A PostgreSQL database (postgres://…) instead of SQLite in the data directory.
+    #[arg(long, env = "HEARTH_DATABASE_URL", global = true, hide_env_values = true)]
+    database_url: Option<String>,
 }
 
 impl DataArgs {
     fn dir(&self) -> PathBuf {
         self.data_dir.clone().unwrap_or_else(db::default_data_dir)
+    }
+
+    async fn open(&self) -> anyhow::Result<hearth_tenants::Db> {
+        db::open(&self.dir(), self.database_url.as_deref()).await
+    }
+}
+
+/// Where rate limits are counted.
+#[derive(Args, Clone)]
+struct LimitStoreArgs {
+    /// Count rate limits in Redis (redis://HOST:PORT), shared by every gateway using it;
+    /// without it each gateway counts alone.
+    #[arg(long, env = "HEARTH_REDIS_URL", hide_env_values = true)]
+    redis_url: Option<String>,
+    /// Prefix of Hearth's Redis keys.
+    #[arg(long, env = "HEARTH_REDIS_PREFIX", default_value = "hearth:")]
+    redis_prefix: String,
+}
+
+impl LimitStoreArgs {
+    async fn limiter(&self) -> anyhow::Result<Limiter> {
+        match self.redis_url.as_deref().filter(|u| !u.is_empty()) {
+            None => Ok(Limiter::default()),
+            Some(url) => Ok(Limiter::with_redis(
+                RedisLimiter::connect(url, &self.redis_prefix).await?,
+            )),
+        }
     }
 }
 
@@ -188,6 +224,8 @@ struct ServeArgs {
     workers: usize,
     #[command(flatten)]
     routing: RoutingArgs,
+    #[command(flatten)]
+    limits: LimitStoreArgs,
 }
 
 #[derive(Args)]
@@ -217,6 +255,8 @@ struct GatewayArgs {
     routing: RoutingArgs,
     #[arg(long, env = "HEARTH_ADMIN_TOKEN", hide_env_values = true)]
     admin_token: Option<String>,
+    #[command(flatten)]
+    limits: LimitStoreArgs,
 }
 
 #[derive(Args)]
@@ -242,12 +282,108 @@ enum AdminCommand {
         #[command(subcommand)]
         command: KeyCommand,
     },
+    /// JWT issuers: a tenant's identity providers.
+    Jwt {
+        #[command(subcommand)]
+        command: JwtCommand,
+    },
+    /// Model prices (versioned: a change never rewrites history).
+    Price {
+        #[command(subcommand)]
+        command: PriceCommand,
+    },
     /// Recent usage records.
     Usage {
         #[arg(long)]
         tenant: Option<String>,
         #[arg(long, default_value_t = 20)]
         limit: u32,
+    },
+}
+
+#[derive(Subcommand)]
+enum JwtCommand {
+    /// Register an issuer: tokens with this `iss`, `aud` and algorithm act for the tenant.
+    Add {
+        #[arg(long)]
+        tenant: String,
+        /// The `iss` claim.
+        #[arg(long)]
+        issuer: String,
+        /// The `aud` claim Hearth requires.
+        #[arg(long)]
+        audience: String,
+        /// The one accepted algorithm: HS256/384/512, RS256/384/512, PS256/384/512, ES256/384, EdDSA.
+        #[arg(long)]
+        algorithm: String,
+        /// A PEM public key, or (HS*) a file holding the shared secret.
+        #[arg(long)]
+        key_file: Option<PathBuf>,
+        /// A JWKS document.
+        #[arg(long)]
+        jwks_file: Option<PathBuf>,
+        /// A JWKS URL (fetched and cached for 5 minutes).
+        #[arg(long)]
+        jwks_url: Option<String>,
+    },
+    /// List issuers.
+    List {
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Remove an issuer (its tokens stop working within seconds).
+    Remove { id: String },
+}
+
+#[derive(Subcommand)]
+enum PriceCommand {
+    /// Add a price version for a model (`*`: the default for unpriced models). USD per
+    /// million tokens.
+    Set {
+        #[arg(long)]
+        model: String,
+        #[arg(long)]
+        input: String,
+        #[arg(long)]
+        cached_input: String,
+        #[arg(long)]
+        output: String,
+        /// When it takes effect: YYYY-MM-DD (UTC) or Unix ms; default now (the first price
+        /// of a model covers all time).
+        #[arg(long)]
+        effective_from: Option<String>,
+    },
+    /// List price versions.
+    List {
+        #[arg(long)]
+        model: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum BillingCommand {
+    /// Export a tenant's usage: per request or per day and model, CSV, JSON Lines or Parquet.
+    /// Totals go to stderr.
+    Export {
+        #[command(flatten)]
+        data: DataArgs,
+        #[arg(long)]
+        tenant: String,
+        /// First day (YYYY-MM-DD, UTC, inclusive) or Unix ms.
+        #[arg(long)]
+        from: String,
+        /// End (YYYY-MM-DD, exclusive) or Unix ms; default: now.
+        #[arg(long)]
+        to: Option<String>,
+        /// csv, jsonl or parquet.
+        #[arg(long, default_value = "csv")]
+        format: String,
+        /// request or day.
+        #[arg(long, default_value = "request")]
+        granularity: String,
+        /// Write here instead of stdout.
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
 }
 
@@ -288,6 +424,15 @@ enum TenantCommand {
         #[command(flatten)]
         limits: LimitArgs,
     },
+    /// Set a tenant's monthly budget in USD (0 removes it).
+    Budget {
+        name: String,
+        #[arg(long)]
+        monthly_usd: String,
+        /// Warn (x-hearth-budget-warning) instead of refusing once spent.
+        #[arg(long)]
+        soft: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -298,6 +443,15 @@ enum KeyCommand {
         tenant: String,
         #[arg(long, default_value = "")]
         name: String,
+        /// inference, manage, or both (default: both).
+        #[arg(long, default_value = "inference,manage")]
+        scopes: String,
+        /// Restrict the key to these models (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        models: Option<Vec<String>>,
+        /// Expire the key after this long: 90s, 30m, 12h, 30d.
+        #[arg(long)]
+        expires_in: Option<String>,
     },
     /// List a tenant's keys (never the secrets).
     List {
@@ -343,6 +497,7 @@ fn main() -> anyhow::Result<()> {
             Command::Worker(a) => worker(a).await,
             Command::Gateway(a) => gateway_cmd(a).await,
             Command::Admin(a) => admin(a).await,
+            Command::Billing { command } => billing(command).await,
             Command::Model {
                 command: ModelCommand::Fetch { model },
             } => {
@@ -488,20 +643,24 @@ async fn shutdown_signal() {
 
 async fn run_gateway(
     listen: SocketAddr,
-    data_dir: &Path,
+    data: &DataArgs,
     workers: Vec<Arc<dyn WorkerClient>>,
     wait: Duration,
     admin_token: Option<String>,
     routing: RoutingConfig,
+    limits: &LimitStoreArgs,
 ) -> anyhow::Result<()> {
-    let pool = db::open(data_dir).await?;
+    let data_dir = data.dir();
+    let db = data.open().await?;
+    let limiter = limits.limiter().await?;
     let models = ModelRegistry::discover(workers, wait, &routing).await?;
     let gw = Arc::new(Gateway {
-        tenants: TenantStore::new(pool.clone()),
-        ledger: UsageLedger::new(pool),
+        tenants: TenantStore::new(&db),
+        ledger: UsageLedger::new(&db, Some(data_dir.clone())),
         models,
         admin_token: admin_token.filter(|t| !t.is_empty()),
-        limiter: Default::default(),
+        limiter,
+        budgets: Default::default(),
     });
     let listener = tokio::net::TcpListener::bind(listen)
         .await
@@ -511,6 +670,8 @@ async fn run_gateway(
     tracing::info!(
         listen = %addr,
         data_dir = %data_dir.display(),
+        database = db.backend.as_str(),
+        rate_limits = if gw.limiter.shared() { "redis" } else { "in-process" },
         models = ?served,
         admin_api = gw.admin_token.is_some(),
         "effective configuration"
@@ -547,7 +708,16 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         workers.push(Arc::new(InProcessWorker::new(backend, &format!("local-{i}"))));
     }
     let routing = a.routing.config(&a.model.region)?;
-    run_gateway(a.listen, &a.data.dir(), workers, Duration::ZERO, a.admin_token, routing).await
+    run_gateway(
+        a.listen,
+        &a.data,
+        workers,
+        Duration::ZERO,
+        a.admin_token,
+        routing,
+        &a.limits,
+    )
+    .await
 }
 
 async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
@@ -572,18 +742,98 @@ async fn gateway_cmd(a: GatewayArgs) -> anyhow::Result<()> {
     let routing = a.routing.config(&a.region)?;
     run_gateway(
         a.listen,
-        &a.data.dir(),
+        &a.data,
         workers,
         Duration::from_secs(a.worker_wait_secs),
         a.admin_token,
         routing,
+        &a.limits,
     )
     .await
 }
 
+/// `YYYY-MM-DD` (UTC midnight) or Unix milliseconds.
+fn parse_time(s: &str) -> anyhow::Result<i64> {
+    if let Ok(ms) = s.parse::<i64>() {
+        return Ok(ms);
+    }
+    hearth_billing::parse_day(s).ok_or_else(|| anyhow::anyhow!("{s:?} is neither YYYY-MM-DD nor Unix milliseconds"))
+}
+
+/// `90s`, `30m`, `12h`, `30d` → milliseconds.
+fn parse_duration_ms(s: &str) -> anyhow::Result<i64> {
+    let (n, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: i64 = n
+        .parse()
+        .map_err(|_| anyhow::anyhow!("bad duration {s:?}: use 90s, 30m, 12h or 30d"))?;
+    let mult = match unit {
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" | "" => 86_400_000,
+        _ => bail!("bad duration {s:?}: use 90s, 30m, 12h or 30d"),
+    };
+    n.checked_mul(mult)
+        .filter(|v| *v > 0)
+        .ok_or_else(|| anyhow::anyhow!("bad duration {s:?}"))
+}
+
+fn usd(s: &str, what: &str) -> anyhow::Result<i64> {
+    hearth_billing::parse_usd_micros(s).ok_or_else(|| anyhow::anyhow!("{what}: {s:?} is not a USD amount like 0.15"))
+}
+
+async fn billing(command: BillingCommand) -> anyhow::Result<()> {
+    let BillingCommand::Export {
+        data,
+        tenant,
+        from,
+        to,
+        format,
+        granularity,
+        out,
+    } = command;
+    use hearth_billing::export::{render, Format, Granularity};
+    let format = Format::parse(&format).ok_or_else(|| anyhow::anyhow!("--format: csv, jsonl or parquet"))?;
+    let granularity =
+        Granularity::parse(&granularity).ok_or_else(|| anyhow::anyhow!("--granularity: request or day"))?;
+    let from = parse_time(&from)?;
+    let to = match to {
+        Some(t) => parse_time(&t)?,
+        None => hearth_tenants::now_ms() + 1,
+    };
+    if to <= from {
+        bail!("--to must be after --from");
+    }
+    let db = data.open().await?;
+    let t = TenantStore::new(&db).tenant(&tenant).await?;
+    let rows = UsageLedger::new(&db, None).rows(&t.id, from, to).await?;
+    let e = render(&rows, format, granularity)?;
+    match out {
+        Some(path) => std::fs::write(&path, &e.bytes).with_context(|| format!("writing {}", path.display()))?,
+        None => {
+            use std::io::Write;
+            std::io::stdout().write_all(&e.bytes)?;
+        }
+    }
+    let tt = &e.totals;
+    eprintln!(
+        "{} lines; {} requests; tokens: {} uncached input, {} cached input, {} output; cost ${} (input ${}, cached ${}, output ${})",
+        e.lines,
+        tt.requests,
+        tt.uncached_input_tokens,
+        tt.cached_input_tokens,
+        tt.output_tokens,
+        hearth_billing::format_nusd(tt.cost_nusd),
+        hearth_billing::format_nusd(tt.cost_input_nusd),
+        hearth_billing::format_nusd(tt.cost_cached_nusd),
+        hearth_billing::format_nusd(tt.cost_output_nusd),
+    );
+    Ok(())
+}
+
 async fn admin(a: AdminArgs) -> anyhow::Result<()> {
-    let pool = db::open(&a.data.dir()).await?;
-    let store = TenantStore::new(pool.clone());
+    let db = a.data.open().await?;
+    let store = TenantStore::new(&db);
     let json = a.json;
     let print = |v: serde_json::Value, text: String| {
         if json {
@@ -607,9 +857,25 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
             print(serde_json::json!(ts), text);
         }
         AdminCommand::Key {
-            command: KeyCommand::Create { tenant, name },
+            command:
+                KeyCommand::Create {
+                    tenant,
+                    name,
+                    scopes,
+                    models,
+                    expires_in,
+                },
         } => {
-            let k = store.create_key(&tenant, &name).await?;
+            let spec = hearth_tenants::KeySpec {
+                name,
+                scopes: Some(hearth_tenants::Scopes::parse(&scopes)?),
+                models,
+                expires_at: match expires_in {
+                    Some(d) => Some(hearth_tenants::now_ms() + parse_duration_ms(&d)?),
+                    None => None,
+                },
+            };
+            let k = store.create_key(&tenant, &spec).await?;
             print(
                 serde_json::json!(k),
                 format!(
@@ -658,23 +924,155 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                 format!("Revoked key {} (running servers stop accepting it within 5 s).", k.id),
             );
         }
+        AdminCommand::Tenant {
+            command:
+                TenantCommand::Budget {
+                    name,
+                    monthly_usd,
+                    soft,
+                },
+        } => {
+            let micros = usd(&monthly_usd, "--monthly-usd")?;
+            let b = (micros > 0).then_some(hearth_tenants::Budget {
+                monthly_nusd: micros * 1000,
+                hard: !soft,
+            });
+            let t = store.set_budget(&name, b).await?;
+            let text = match b {
+                Some(b) => format!(
+                    "Tenant {} budget: ${} per month ({}).",
+                    t.name,
+                    hearth_billing::format_nusd(b.monthly_nusd),
+                    if b.hard { "hard" } else { "soft" }
+                ),
+                None => format!("Tenant {} has no budget.", t.name),
+            };
+            print(serde_json::json!({"tenant": t.name, "budget": b}), text);
+        }
+        AdminCommand::Jwt {
+            command:
+                JwtCommand::Add {
+                    tenant,
+                    issuer,
+                    audience,
+                    algorithm,
+                    key_file,
+                    jwks_file,
+                    jwks_url,
+                },
+        } => {
+            let read = |p: Option<PathBuf>| -> anyhow::Result<Option<String>> {
+                p.map(|p| std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display())))
+                    .transpose()
+            };
+            let key = read(key_file)?.map(|k| {
+                if algorithm.starts_with("HS") {
+                    k.trim().to_string()
+                } else {
+                    k
+                }
+            });
+            let spec = hearth_tenants::jwt::IssuerSpec {
+                issuer,
+                audience,
+                algorithm,
+                key,
+                jwks: read(jwks_file)?,
+                jwks_url,
+            };
+            let i = store.add_issuer(&tenant, &spec).await?;
+            print(
+                serde_json::json!(i),
+                format!(
+                    "Registered JWT issuer {} ({}, {}) as {}.",
+                    i.issuer, i.algorithm, i.key_source, i.id
+                ),
+            );
+        }
+        AdminCommand::Jwt {
+            command: JwtCommand::List { tenant },
+        } => {
+            let is = store.list_issuers(tenant.as_deref()).await?;
+            let text = lines(
+                is.iter().map(|i| {
+                    format!(
+                        "{}\t{}\t{}\taud={}\t{}\t{}",
+                        i.id, i.tenant_id, i.issuer, i.audience, i.algorithm, i.key_source
+                    )
+                }),
+                "No JWT issuers.",
+            );
+            print(serde_json::json!(is), text);
+        }
+        AdminCommand::Jwt {
+            command: JwtCommand::Remove { id },
+        } => {
+            let i = store.remove_issuer(&id).await?;
+            print(
+                serde_json::json!(i),
+                format!("Removed JWT issuer {} ({}).", i.id, i.issuer),
+            );
+        }
+        AdminCommand::Price {
+            command:
+                PriceCommand::Set {
+                    model,
+                    input,
+                    cached_input,
+                    output,
+                    effective_from,
+                },
+        } => {
+            let rates = hearth_billing::PriceRates {
+                input_micros_per_mtok: usd(&input, "--input")?,
+                cached_input_micros_per_mtok: usd(&cached_input, "--cached-input")?,
+                output_micros_per_mtok: usd(&output, "--output")?,
+            };
+            let from = effective_from.as_deref().map(parse_time).transpose()?;
+            let p = UsageLedger::new(&db, None).set_price(&model, rates, from).await?;
+            print(
+                serde_json::json!(p),
+                format!("Price for {} from {}: {:?}.", p.model, p.effective_from, p.rates),
+            );
+        }
+        AdminCommand::Price {
+            command: PriceCommand::List { model },
+        } => {
+            let ps = UsageLedger::new(&db, None).prices(model.as_deref()).await?;
+            let m = |v: i64| hearth_billing::format_nusd(v * 1000);
+            let text = lines(
+                ps.iter().map(|p| {
+                    format!(
+                        "{}\tfrom {}\tinput ${}\tcached ${}\toutput ${} per 1M tokens",
+                        p.model,
+                        p.effective_from,
+                        m(p.rates.input_micros_per_mtok),
+                        m(p.rates.cached_input_micros_per_mtok),
+                        m(p.rates.output_micros_per_mtok)
+                    )
+                }),
+                "No prices.",
+            );
+            print(serde_json::json!(ps), text);
+        }
         AdminCommand::Usage { tenant, limit } => {
             let tenant_id = match tenant {
                 Some(t) => Some(store.tenant(&t).await?.id),
                 None => None,
             };
-            let rows = UsageLedger::new(pool).recent(tenant_id.as_deref(), limit).await?;
+            let rows = UsageLedger::new(&db, None).recent(tenant_id.as_deref(), limit).await?;
             let text = lines(
                 rows.iter().map(|r| {
                     format!(
-                        "{}\t{}\t{}\tprompt={} cached={} completion={}\t{}",
-                        r.request_id,
-                        r.tenant_id,
-                        r.model,
-                        r.prompt_tokens,
-                        r.cached_tokens,
-                        r.completion_tokens,
-                        r.status
+                        "{}\t{}\t{}\tprompt={} cached={} completion={}\t{}\t${}",
+                        r.rec.request_id,
+                        r.rec.tenant_id,
+                        r.rec.model,
+                        r.rec.prompt_tokens,
+                        r.rec.cached_tokens,
+                        r.rec.completion_tokens,
+                        r.rec.status,
+                        hearth_billing::format_nusd(r.cost.total_nusd)
                     )
                 }),
                 "No usage yet.",

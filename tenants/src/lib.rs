@@ -1,17 +1,25 @@
-//! Tenants and their API keys.
+//! Tenants, their API keys, JWT issuers, limits and budgets, over SQLite or PostgreSQL.
 //!
 //! API keys look like `hk_<id>_<secret>`: the id is public (it names the key in listings and
 //! logs), the secret is 32 random bytes shown once at creation and stored only as its
 //! SHA-256. Checking a key looks the id up (cached briefly in memory) and compares hashes
-//! in constant time.
+//! in constant time. Keys carry scopes (`inference`, `manage`), an optional list of allowed
+//! models and an optional expiry. JWTs from a tenant's registered issuers are the other way
+//! in (see [`jwt`]).
+
+pub mod db;
+pub mod jwt;
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use sqlx::{Row, SqlitePool};
+use sqlx::any::AnyRow;
+use sqlx::{AnyPool, Row};
+
+pub use db::{Backend, Db};
 
 /// How long a looked-up key is trusted before the database is asked again: a revocation
 /// made by another process takes effect within this time.
@@ -27,15 +35,22 @@ pub enum TenantError {
     NoSuchTenant(String),
     #[error("API key {0:?} does not exist")]
     NoSuchKey(String),
+    #[error("JWT issuer {0:?} does not exist")]
+    NoSuchIssuer(String),
     #[error("invalid name {0:?}: use 1-64 letters, digits, '.', '_' or '-'")]
     InvalidName(String),
+    #[error("invalid {field}: {message}")]
+    Invalid { field: &'static str, message: String },
+    #[error("a JWT issuer {0:?} is already registered")]
+    IssuerExists(String),
     #[error("database error: {0}")]
     Db(#[from] sqlx::Error),
     #[error("the OS random source failed: {0}")]
     Random(String),
 }
 
-/// Why a presented key was refused (the message a client sees does not tell which).
+/// Why a presented credential was refused (the message a client sees names the reason only
+/// where that tells an attacker nothing: expired, revoked, wrong audience…).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum AuthError {
     #[error("malformed API key")]
@@ -44,6 +59,11 @@ pub enum AuthError {
     Unknown,
     #[error("revoked API key")]
     Revoked,
+    #[error("this API key expired at {0} (Unix ms)")]
+    Expired(i64),
+    /// A JWT that was refused, with the reason.
+    #[error("invalid token: {0}")]
+    Jwt(String),
     #[error("key store unavailable: {0}")]
     Store(String),
 }
@@ -55,6 +75,61 @@ pub struct Tenant {
     pub created_at: i64,
 }
 
+/// What a credential may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Scopes {
+    /// Call the model APIs (`/v1/chat/completions`, `/v1/completions`, `/v1/models`).
+    pub inference: bool,
+    /// Use the tenant self-service API (`/v1/tenant/…`): keys, usage, limits.
+    pub manage: bool,
+}
+
+impl Scopes {
+    pub const ALL: Scopes = Scopes {
+        inference: true,
+        manage: true,
+    };
+
+    /// `inference,manage` (comma- or space-separated). Unknown names are an error.
+    pub fn parse(s: &str) -> Result<Self, TenantError> {
+        let mut out = Scopes::default();
+        for part in s.split([',', ' ']).map(str::trim).filter(|p| !p.is_empty()) {
+            match part {
+                "inference" => out.inference = true,
+                "manage" => out.manage = true,
+                "all" | "*" => out = Scopes::ALL,
+                other => {
+                    return Err(TenantError::Invalid {
+                        field: "scopes",
+                        message: format!("unknown scope {other:?} (inference, manage)"),
+                    })
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn names(self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if self.inference {
+            v.push("inference");
+        }
+        if self.manage {
+            v.push("manage");
+        }
+        v
+    }
+
+    fn db(self) -> String {
+        self.names().join(",")
+    }
+
+    /// Whether `self` grants nothing `other` does not.
+    pub fn within(self, other: Scopes) -> bool {
+        (!self.inference || other.inference) && (!self.manage || other.manage)
+    }
+}
+
 /// An API key's public description (never the secret).
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 pub struct ApiKeyInfo {
@@ -63,6 +138,10 @@ pub struct ApiKeyInfo {
     pub name: String,
     pub created_at: i64,
     pub revoked_at: Option<i64>,
+    pub scopes: Vec<&'static str>,
+    /// The models the key may use; None is every model.
+    pub models: Option<Vec<String>>,
+    pub expires_at: Option<i64>,
 }
 
 /// A freshly created key: the only time the full key is known.
@@ -75,8 +154,18 @@ pub struct CreatedKey {
     pub key: String,
 }
 
+/// What a new key may do.
+#[derive(Debug, Clone, Default)]
+pub struct KeySpec {
+    pub name: String,
+    /// None: every scope.
+    pub scopes: Option<Scopes>,
+    pub models: Option<Vec<String>>,
+    pub expires_at: Option<i64>,
+}
+
 /// Rate limits of a tenant or a key; `None` is unlimited.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Limits {
     /// Requests per minute.
     pub rpm: Option<u32>,
@@ -87,9 +176,11 @@ pub struct Limits {
 }
 
 impl Limits {
-    fn from_row(r: &sqlx::sqlite::SqliteRow, first: usize) -> Self {
+    fn from_row(r: &AnyRow, first: usize) -> Self {
         let get = |i: usize| {
-            r.get::<Option<i64>, _>(i)
+            r.try_get::<Option<i64>, _>(i)
+                .ok()
+                .flatten()
                 .and_then(|v| u32::try_from(v).ok())
                 .filter(|v| *v > 0)
         };
@@ -101,14 +192,35 @@ impl Limits {
     }
 }
 
+/// A tenant's monthly spend limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Budget {
+    /// Per calendar month (UTC), in nano-USD.
+    pub monthly_nusd: i64,
+    /// Hard: requests are refused once the month's spend reaches the budget. Soft: they
+    /// carry a warning header.
+    pub hard: bool,
+}
+
 /// Who a request is, once authenticated, and what it may use.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TenantContext {
     pub tenant_id: String,
     pub tenant_name: String,
+    /// The API key's id, or `jwt:<issuer id>:<sub>` for a JWT.
     pub key_id: String,
+    pub scopes: Scopes,
+    /// Allowed models; None is every model.
+    pub models: Option<Arc<[String]>>,
     pub tenant_limits: Limits,
     pub key_limits: Limits,
+    pub budget: Option<Budget>,
+}
+
+impl TenantContext {
+    pub fn allows_model(&self, model: &str) -> bool {
+        self.models.as_ref().is_none_or(|m| m.iter().any(|x| x == model))
+    }
 }
 
 pub fn now_ms() -> i64 {
@@ -136,15 +248,27 @@ fn sha256(data: &[u8]) -> Vec<u8> {
     Sha256::digest(data).to_vec()
 }
 
+fn models_from_db(v: Option<String>) -> Option<Vec<String>> {
+    v.map(|s| s.split(',').filter(|m| !m.is_empty()).map(str::to_string).collect())
+}
+
+fn budget_from(nusd: Option<i64>, mode: &str) -> Option<Budget> {
+    nusd.filter(|n| *n > 0).map(|monthly_nusd| Budget {
+        monthly_nusd,
+        hard: mode != "soft",
+    })
+}
+
 #[derive(Clone)]
 struct CachedKey {
     secret_sha256: Vec<u8>,
     revoked: bool,
+    expires_at: Option<i64>,
     ctx: TenantContext,
     fetched: Instant,
 }
 
-fn tenant_from(r: &sqlx::sqlite::SqliteRow) -> Tenant {
+fn tenant_from(r: &AnyRow) -> Tenant {
     Tenant {
         id: r.get(0),
         name: r.get(1),
@@ -152,23 +276,32 @@ fn tenant_from(r: &sqlx::sqlite::SqliteRow) -> Tenant {
     }
 }
 
-/// Rows of `SELECT id, tenant_id, name, created_at, revoked_at FROM api_keys`.
-const KEY_COLUMNS: &str = "SELECT id, tenant_id, name, created_at, revoked_at FROM api_keys";
+const KEY_COLUMNS: &str =
+    "SELECT id, tenant_id, name, created_at, revoked_at, scopes, models, expires_at FROM api_keys";
 
-fn key_from(r: &sqlx::sqlite::SqliteRow) -> ApiKeyInfo {
+fn key_from(r: &AnyRow) -> ApiKeyInfo {
+    let scopes: String = r.get(5);
     ApiKeyInfo {
         id: r.get(0),
         tenant_id: r.get(1),
         name: r.get(2),
         created_at: r.get(3),
         revoked_at: r.get(4),
+        scopes: Scopes::parse(&scopes).unwrap_or_default().names(),
+        models: models_from_db(r.get(6)),
+        expires_at: r.get(7),
     }
 }
 
-/// Tenants and keys over SQLite (sqlx).
+fn opt_i64(v: Option<u32>) -> Option<i64> {
+    v.map(i64::from)
+}
+
+/// Tenants, keys, issuers, limits and budgets over the shared database.
 pub struct TenantStore {
-    pool: SqlitePool,
+    pool: AnyPool,
     cache: Mutex<HashMap<String, CachedKey>>,
+    jwt: jwt::IssuerCache,
 }
 
 impl std::fmt::Debug for TenantStore {
@@ -178,11 +311,21 @@ impl std::fmt::Debug for TenantStore {
 }
 
 impl TenantStore {
-    pub fn new(pool: SqlitePool) -> Self {
+    pub fn new(db: &Db) -> Self {
         Self {
-            pool,
+            pool: db.pool.clone(),
             cache: Mutex::new(HashMap::new()),
+            jwt: jwt::IssuerCache::default(),
         }
+    }
+
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
+    fn forget_cached(&self) {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.jwt.clear();
     }
 
     pub async fn create_tenant(&self, name: &str) -> Result<Tenant, TenantError> {
@@ -194,7 +337,7 @@ impl TenantStore {
             name: name.to_string(),
             created_at: now_ms(),
         };
-        let res = sqlx::query("INSERT INTO tenants (id, name, created_at) VALUES (?, ?, ?)")
+        let res = sqlx::query("INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3)")
             .bind(&t.id)
             .bind(&t.name)
             .bind(t.created_at)
@@ -218,8 +361,7 @@ impl TenantStore {
 
     /// A tenant by name or id.
     pub async fn tenant(&self, name_or_id: &str) -> Result<Tenant, TenantError> {
-        let row = sqlx::query("SELECT id, name, created_at FROM tenants WHERE name = ? OR id = ?")
-            .bind(name_or_id)
+        let row = sqlx::query("SELECT id, name, created_at FROM tenants WHERE name = $1 OR id = $1")
             .bind(name_or_id)
             .fetch_optional(&self.pool)
             .await?
@@ -228,25 +370,62 @@ impl TenantStore {
     }
 
     /// Creates a key for a tenant; the returned [`CreatedKey::key`] is never retrievable again.
-    pub async fn create_key(&self, tenant: &str, name: &str) -> Result<CreatedKey, TenantError> {
+    pub async fn create_key(&self, tenant: &str, spec: &KeySpec) -> Result<CreatedKey, TenantError> {
         let t = self.tenant(tenant).await?;
+        if spec.name.len() > 128 {
+            return Err(TenantError::Invalid {
+                field: "name",
+                message: "at most 128 bytes".into(),
+            });
+        }
+        if let Some(models) = &spec.models {
+            if models.is_empty() || models.iter().any(|m| m.is_empty() || m.contains(',') || m.len() > 128) {
+                return Err(TenantError::Invalid {
+                    field: "models",
+                    message: "a non-empty list of model ids (no commas)".into(),
+                });
+            }
+        }
+        let now = now_ms();
+        if spec.expires_at.is_some_and(|e| e <= now) {
+            return Err(TenantError::Invalid {
+                field: "expires_at",
+                message: "the expiry must be in the future".into(),
+            });
+        }
+        let scopes = spec.scopes.unwrap_or(Scopes::ALL);
+        if scopes == Scopes::default() {
+            return Err(TenantError::Invalid {
+                field: "scopes",
+                message: "a key needs at least one scope (inference, manage)".into(),
+            });
+        }
         let id = random_hex(8)?;
         let secret = random_hex(32)?;
         let info = ApiKeyInfo {
             id: id.clone(),
             tenant_id: t.id.clone(),
-            name: name.to_string(),
-            created_at: now_ms(),
+            name: spec.name.clone(),
+            created_at: now,
             revoked_at: None,
+            scopes: scopes.names(),
+            models: spec.models.clone(),
+            expires_at: spec.expires_at,
         };
-        sqlx::query("INSERT INTO api_keys (id, tenant_id, name, secret_sha256, created_at) VALUES (?, ?, ?, ?, ?)")
-            .bind(&info.id)
-            .bind(&info.tenant_id)
-            .bind(&info.name)
-            .bind(sha256(secret.as_bytes()))
-            .bind(info.created_at)
-            .execute(&self.pool)
-            .await?;
+        sqlx::query(
+            "INSERT INTO api_keys (id, tenant_id, name, secret_sha256, created_at, scopes, models, expires_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .bind(&info.id)
+        .bind(&info.tenant_id)
+        .bind(&info.name)
+        .bind(sha256(secret.as_bytes()))
+        .bind(info.created_at)
+        .bind(scopes.db())
+        .bind(spec.models.as_ref().map(|m| m.join(",")))
+        .bind(spec.expires_at)
+        .execute(&self.pool)
+        .await?;
         Ok(CreatedKey {
             info,
             tenant: t.name,
@@ -256,23 +435,18 @@ impl TenantStore {
 
     pub async fn list_keys(&self, tenant: &str) -> Result<Vec<ApiKeyInfo>, TenantError> {
         let t = self.tenant(tenant).await?;
-        let rows = sqlx::query(&format!("{KEY_COLUMNS} WHERE tenant_id = ? ORDER BY created_at"))
+        let rows = sqlx::query(&format!("{KEY_COLUMNS} WHERE tenant_id = $1 ORDER BY created_at, id"))
             .bind(&t.id)
             .fetch_all(&self.pool)
             .await?;
         Ok(rows.iter().map(key_from).collect())
     }
 
-    /// Revokes a key (idempotent). Other processes stop accepting it within [`KEY_CACHE_TTL`].
-    pub async fn revoke_key(&self, key_id: &str) -> Result<ApiKeyInfo, TenantError> {
+    /// One key's description.
+    pub async fn key(&self, key_id: &str) -> Result<ApiKeyInfo, TenantError> {
         let key_id = key_id.strip_prefix(KEY_PREFIX).unwrap_or(key_id);
-        sqlx::query("UPDATE api_keys SET revoked_at = COALESCE(revoked_at, ?) WHERE id = ?")
-            .bind(now_ms())
-            .bind(key_id)
-            .execute(&self.pool)
-            .await?;
-        self.cache.lock().unwrap_or_else(|e| e.into_inner()).remove(key_id);
-        let r = sqlx::query(&format!("{KEY_COLUMNS} WHERE id = ?"))
+        let key_id = key_id.split('_').next().unwrap_or(key_id);
+        let r = sqlx::query(&format!("{KEY_COLUMNS} WHERE id = $1"))
             .bind(key_id)
             .fetch_optional(&self.pool)
             .await?
@@ -280,28 +454,40 @@ impl TenantStore {
         Ok(key_from(&r))
     }
 
+    /// Revokes a key (idempotent). Other processes stop accepting it within [`KEY_CACHE_TTL`].
+    pub async fn revoke_key(&self, key_id: &str) -> Result<ApiKeyInfo, TenantError> {
+        let info = self.key(key_id).await?;
+        sqlx::query("UPDATE api_keys SET revoked_at = COALESCE(revoked_at, $1) WHERE id = $2")
+            .bind(now_ms())
+            .bind(&info.id)
+            .execute(&self.pool)
+            .await?;
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).remove(&info.id);
+        self.key(&info.id).await
+    }
+
     /// Sets a tenant's limits (None = unlimited). Running gateways apply them within
     /// [`KEY_CACHE_TTL`].
     pub async fn set_tenant_limits(&self, tenant: &str, l: Limits) -> Result<Tenant, TenantError> {
         let t = self.tenant(tenant).await?;
-        sqlx::query("UPDATE tenants SET rpm = ?, tpm = ?, max_concurrent = ? WHERE id = ?")
-            .bind(l.rpm)
-            .bind(l.tpm)
-            .bind(l.concurrent)
+        sqlx::query("UPDATE tenants SET rpm = $1, tpm = $2, max_concurrent = $3 WHERE id = $4")
+            .bind(opt_i64(l.rpm))
+            .bind(opt_i64(l.tpm))
+            .bind(opt_i64(l.concurrent))
             .bind(&t.id)
             .execute(&self.pool)
             .await?;
-        self.cache.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.forget_cached();
         Ok(t)
     }
 
     /// Sets a key's limits (None = unlimited).
     pub async fn set_key_limits(&self, key_id: &str, l: Limits) -> Result<(), TenantError> {
         let key_id = key_id.strip_prefix(KEY_PREFIX).unwrap_or(key_id);
-        let res = sqlx::query("UPDATE api_keys SET rpm = ?, tpm = ?, max_concurrent = ? WHERE id = ?")
-            .bind(l.rpm)
-            .bind(l.tpm)
-            .bind(l.concurrent)
+        let res = sqlx::query("UPDATE api_keys SET rpm = $1, tpm = $2, max_concurrent = $3 WHERE id = $4")
+            .bind(opt_i64(l.rpm))
+            .bind(opt_i64(l.tpm))
+            .bind(opt_i64(l.concurrent))
             .bind(key_id)
             .execute(&self.pool)
             .await?;
@@ -315,11 +501,43 @@ impl TenantStore {
     /// A tenant's limits.
     pub async fn tenant_limits(&self, tenant: &str) -> Result<Limits, TenantError> {
         let t = self.tenant(tenant).await?;
-        let r = sqlx::query("SELECT rpm, tpm, max_concurrent FROM tenants WHERE id = ?")
+        let r = sqlx::query("SELECT rpm, tpm, max_concurrent FROM tenants WHERE id = $1")
             .bind(&t.id)
             .fetch_one(&self.pool)
             .await?;
         Ok(Limits::from_row(&r, 0))
+    }
+
+    /// Sets (or, with None, removes) a tenant's monthly budget.
+    pub async fn set_budget(&self, tenant: &str, budget: Option<Budget>) -> Result<Tenant, TenantError> {
+        let t = self.tenant(tenant).await?;
+        if budget.is_some_and(|b| b.monthly_nusd <= 0) {
+            return Err(TenantError::Invalid {
+                field: "monthly_usd",
+                message: "a budget must be positive (remove it instead)".into(),
+            });
+        }
+        sqlx::query("UPDATE tenants SET monthly_budget_nusd = $1, budget_mode = $2 WHERE id = $3")
+            .bind(budget.map(|b| b.monthly_nusd))
+            .bind(if budget.is_some_and(|b| !b.hard) {
+                "soft"
+            } else {
+                "hard"
+            })
+            .bind(&t.id)
+            .execute(&self.pool)
+            .await?;
+        self.forget_cached();
+        Ok(t)
+    }
+
+    pub async fn budget(&self, tenant: &str) -> Result<Option<Budget>, TenantError> {
+        let t = self.tenant(tenant).await?;
+        let r = sqlx::query("SELECT monthly_budget_nusd, budget_mode FROM tenants WHERE id = $1")
+            .bind(&t.id)
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(budget_from(r.get(0), &r.get::<String, _>(1)))
     }
 
     /// Whether any usable key exists (for the first-start hint).
@@ -330,8 +548,18 @@ impl TenantStore {
         Ok(n > 0)
     }
 
-    /// Checks a presented API key.
+    /// Checks a presented credential: an API key (`hk_…`) or a JWT from a registered issuer.
     pub async fn authenticate(&self, presented: &str) -> Result<TenantContext, AuthError> {
+        if presented.starts_with(KEY_PREFIX) {
+            self.authenticate_key(presented).await
+        } else if presented.bytes().filter(|b| *b == b'.').count() == 2 {
+            self.authenticate_jwt(presented).await
+        } else {
+            Err(AuthError::Malformed)
+        }
+    }
+
+    async fn authenticate_key(&self, presented: &str) -> Result<TenantContext, AuthError> {
         let rest = presented.strip_prefix(KEY_PREFIX).ok_or(AuthError::Malformed)?;
         let (id, secret) = rest.split_once('_').ok_or(AuthError::Malformed)?;
         if id.is_empty() || id.len() > 64 || secret.is_empty() || secret.len() > 256 {
@@ -345,8 +573,10 @@ impl TenantStore {
             Some(c) => c,
             None => {
                 let row = sqlx::query(
-                    "SELECT k.secret_sha256, k.revoked_at, t.id, t.name, t.rpm, t.tpm, t.max_concurrent, k.rpm, k.tpm, k.max_concurrent \
-                     FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.id = ?",
+                    "SELECT k.secret_sha256, k.revoked_at, t.id, t.name, t.rpm, t.tpm, t.max_concurrent, \
+                     k.rpm, k.tpm, k.max_concurrent, k.scopes, k.models, k.expires_at, \
+                     t.monthly_budget_nusd, t.budget_mode \
+                     FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.id = $1",
                 )
                 .bind(id)
                 .fetch_optional(&self.pool)
@@ -354,15 +584,20 @@ impl TenantStore {
                 .map_err(|e| AuthError::Store(e.to_string()))?
                 .ok_or(AuthError::Unknown)?;
                 let revoked_at: Option<i64> = row.get(1);
+                let scopes: String = row.get(10);
                 let c = CachedKey {
                     secret_sha256: row.get(0),
                     revoked: revoked_at.is_some(),
+                    expires_at: row.get(12),
                     ctx: TenantContext {
                         tenant_id: row.get(2),
                         tenant_name: row.get(3),
                         key_id: id.to_string(),
+                        scopes: Scopes::parse(&scopes).unwrap_or_default(),
+                        models: models_from_db(row.get(11)).map(Into::into),
                         tenant_limits: Limits::from_row(&row, 4),
                         key_limits: Limits::from_row(&row, 7),
+                        budget: budget_from(row.get(13), &row.get::<String, _>(14)),
                     },
                     fetched: Instant::now(),
                 };
@@ -379,88 +614,12 @@ impl TenantStore {
         if entry.revoked {
             return Err(AuthError::Revoked);
         }
+        if let Some(e) = entry.expires_at.filter(|e| *e <= now_ms()) {
+            return Err(AuthError::Expired(e));
+        }
         Ok(entry.ctx)
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    async fn store() -> TenantStore {
-        let pool = SqlitePool::connect("sqlite::memory:").await.unwrap();
-        sqlx::migrate!("../migrations/sqlite").run(&pool).await.unwrap();
-        TenantStore::new(pool)
-    }
-
-    #[tokio::test]
-    async fn keys_authenticate_and_revoke() {
-        let s = store().await;
-        assert!(!s.has_active_keys().await.unwrap());
-        let t = s.create_tenant("acme").await.unwrap();
-        assert!(matches!(
-            s.create_tenant("acme").await,
-            Err(TenantError::TenantExists(_))
-        ));
-        assert!(matches!(
-            s.create_tenant("no spaces").await,
-            Err(TenantError::InvalidName(_))
-        ));
-        let k = s.create_key("acme", "ci").await.unwrap();
-        assert!(k.key.starts_with("hk_"));
-        assert!(s.has_active_keys().await.unwrap());
-        let ctx = s.authenticate(&k.key).await.unwrap();
-        assert_eq!(ctx.tenant_limits, Limits::default());
-        let lim = Limits {
-            rpm: Some(10),
-            tpm: None,
-            concurrent: Some(2),
-        };
-        s.set_tenant_limits("acme", lim).await.unwrap();
-        s.set_key_limits(
-            &k.info.id,
-            Limits {
-                tpm: Some(1000),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
-        let limited = s.authenticate(&k.key).await.unwrap();
-        assert_eq!((limited.tenant_limits, limited.key_limits.tpm), (lim, Some(1000)));
-        assert_eq!(s.tenant_limits("acme").await.unwrap(), lim);
-        assert_eq!(
-            (ctx.tenant_id.as_str(), ctx.key_id.as_str()),
-            (t.id.as_str(), k.info.id.as_str())
-        );
-        // Wrong secret, malformed, unknown.
-        let forged = format!("hk_{}_{}", k.info.id, "0".repeat(64));
-        assert_eq!(s.authenticate(&forged).await, Err(AuthError::Unknown));
-        assert_eq!(s.authenticate("sk-whatever").await, Err(AuthError::Malformed));
-        assert_eq!(s.authenticate("hk_nope_abc").await, Err(AuthError::Unknown));
-        // The secret is not stored.
-        let stored: Vec<u8> = sqlx::query_scalar("SELECT secret_sha256 FROM api_keys")
-            .fetch_one(&s.pool)
-            .await
-            .unwrap();
-        assert_eq!(stored.len(), 32);
-        assert!(!String::from_utf8_lossy(&stored).contains(&k.key[20..]));
-        // Revocation is immediate in this process.
-        let r = s.revoke_key(&k.info.id).await.unwrap();
-        assert!(r.revoked_at.is_some());
-        assert_eq!(s.authenticate(&k.key).await, Err(AuthError::Revoked));
-        assert!(matches!(s.revoke_key("missing").await, Err(TenantError::NoSuchKey(_))));
-        assert_eq!(s.list_keys("acme").await.unwrap().len(), 1);
-        assert!(matches!(
-            s.create_key("ghost", "").await,
-            Err(TenantError::NoSuchTenant(_))
-        ));
-    }
-
-    #[test]
-    fn constant_time_eq_compares() {
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"abc", b"ab"));
-    }
-}
+mod tests;

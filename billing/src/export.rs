@@ -1,0 +1,296 @@
+//! Billing exports: per-request lines or per-day aggregates (by day and model), as CSV,
+//! JSON Lines or Parquet. Aggregates and totals are sums of the ledger's integer per-request
+//! values, so an export's totals equal the sum of its lines and of the requests' usage.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use parquet::basic::{ConvertedType, Repetition, Type as PhysicalType};
+use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
+use parquet::file::properties::WriterProperties;
+use parquet::file::writer::SerializedFileWriter;
+use parquet::schema::types::Type;
+use serde::Serialize;
+
+use crate::{day_of, format_nusd, BillingError, LedgerRow};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Csv,
+    Jsonl,
+    Parquet,
+}
+
+impl Format {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "csv" => Some(Self::Csv),
+            "jsonl" | "ndjson" => Some(Self::Jsonl),
+            "parquet" => Some(Self::Parquet),
+            _ => None,
+        }
+    }
+
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Self::Csv => "text/csv; charset=utf-8",
+            Self::Jsonl => "application/x-ndjson",
+            Self::Parquet => "application/vnd.apache.parquet",
+        }
+    }
+
+    pub fn extension(self) -> &'static str {
+        match self {
+            Self::Csv => "csv",
+            Self::Jsonl => "jsonl",
+            Self::Parquet => "parquet",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Granularity {
+    Request,
+    Day,
+}
+
+impl Granularity {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "request" | "requests" => Some(Self::Request),
+            "day" | "daily" => Some(Self::Day),
+            _ => None,
+        }
+    }
+}
+
+/// Sums over a set of rows.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Totals {
+    pub requests: i64,
+    pub uncached_input_tokens: i64,
+    pub cached_input_tokens: i64,
+    pub output_tokens: i64,
+    pub cost_input_nusd: i64,
+    pub cost_cached_nusd: i64,
+    pub cost_output_nusd: i64,
+    pub cost_nusd: i64,
+}
+
+impl Totals {
+    pub fn add(&mut self, r: &LedgerRow) {
+        self.requests += 1;
+        self.uncached_input_tokens += i64::from(r.rec.uncached_input_tokens());
+        self.cached_input_tokens += i64::from(r.rec.cached_tokens);
+        self.output_tokens += i64::from(r.rec.completion_tokens);
+        self.cost_input_nusd += r.cost.input_nusd;
+        self.cost_cached_nusd += r.cost.cached_nusd;
+        self.cost_output_nusd += r.cost.output_nusd;
+        self.cost_nusd += r.cost.total_nusd;
+    }
+
+    pub fn of(rows: &[LedgerRow]) -> Self {
+        let mut t = Self::default();
+        rows.iter().for_each(|r| t.add(r));
+        t
+    }
+}
+
+/// One aggregate line: a day and a model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DayLine {
+    pub day: String,
+    pub model: String,
+    #[serde(flatten)]
+    pub totals: Totals,
+}
+
+/// Per-day, per-model aggregates, in day then model order.
+pub fn by_day(rows: &[LedgerRow]) -> Vec<DayLine> {
+    let mut m: BTreeMap<(String, String), Totals> = BTreeMap::new();
+    for r in rows {
+        m.entry((day_of(r.rec.started_at), r.rec.model.clone()))
+            .or_default()
+            .add(r);
+    }
+    m.into_iter()
+        .map(|((day, model), totals)| DayLine { day, model, totals })
+        .collect()
+}
+
+/// A column: its name and, per line, either an integer or a string.
+enum Col {
+    Int(&'static str, Vec<i64>),
+    Str(&'static str, Vec<String>),
+}
+
+fn iso(ms: i64) -> String {
+    let secs = ms.rem_euclid(86_400_000) / 1000;
+    format!(
+        "{}T{:02}:{:02}:{:02}.{:03}Z",
+        day_of(ms),
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60,
+        ms.rem_euclid(1000)
+    )
+}
+
+fn request_columns(rows: &[LedgerRow]) -> Vec<Col> {
+    let s = |name, f: &dyn Fn(&LedgerRow) -> String| Col::Str(name, rows.iter().map(f).collect());
+    let i = |name, f: &dyn Fn(&LedgerRow) -> i64| Col::Int(name, rows.iter().map(f).collect());
+    vec![
+        s("request_id", &|r| r.rec.request_id.clone()),
+        s("started_at", &|r| iso(r.rec.started_at)),
+        s("day", &|r| day_of(r.rec.started_at)),
+        s("tenant_id", &|r| r.rec.tenant_id.clone()),
+        s("key_id", &|r| r.rec.key_id.clone().unwrap_or_default()),
+        s("model", &|r| r.rec.model.clone()),
+        s("endpoint", &|r| r.rec.endpoint.clone()),
+        s("status", &|r| r.rec.status.clone()),
+        s("finish_reason", &|r| r.rec.finish_reason.clone().unwrap_or_default()),
+        i("uncached_input_tokens", &|r| i64::from(r.rec.uncached_input_tokens())),
+        i("cached_input_tokens", &|r| i64::from(r.rec.cached_tokens)),
+        i("output_tokens", &|r| i64::from(r.rec.completion_tokens)),
+        i("price_effective_from", &|r| r.cost.price_effective_from.unwrap_or(-1)),
+        i("cost_input_nusd", &|r| r.cost.input_nusd),
+        i("cost_cached_nusd", &|r| r.cost.cached_nusd),
+        i("cost_output_nusd", &|r| r.cost.output_nusd),
+        i("cost_nusd", &|r| r.cost.total_nusd),
+        s("cost_usd", &|r| format_nusd(r.cost.total_nusd)),
+    ]
+}
+
+fn day_columns(lines: &[DayLine]) -> Vec<Col> {
+    let s = |name, f: &dyn Fn(&DayLine) -> String| Col::Str(name, lines.iter().map(f).collect());
+    let i = |name, f: &dyn Fn(&DayLine) -> i64| Col::Int(name, lines.iter().map(f).collect());
+    vec![
+        s("day", &|l| l.day.clone()),
+        s("model", &|l| l.model.clone()),
+        i("requests", &|l| l.totals.requests),
+        i("uncached_input_tokens", &|l| l.totals.uncached_input_tokens),
+        i("cached_input_tokens", &|l| l.totals.cached_input_tokens),
+        i("output_tokens", &|l| l.totals.output_tokens),
+        i("cost_input_nusd", &|l| l.totals.cost_input_nusd),
+        i("cost_cached_nusd", &|l| l.totals.cost_cached_nusd),
+        i("cost_output_nusd", &|l| l.totals.cost_output_nusd),
+        i("cost_nusd", &|l| l.totals.cost_nusd),
+        s("cost_usd", &|l| format_nusd(l.totals.cost_nusd)),
+    ]
+}
+
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
+fn name(c: &Col) -> &'static str {
+    match c {
+        Col::Int(n, _) | Col::Str(n, _) => n,
+    }
+}
+
+fn len(c: &Col) -> usize {
+    match c {
+        Col::Int(_, v) => v.len(),
+        Col::Str(_, v) => v.len(),
+    }
+}
+
+fn write_csv(cols: &[Col]) -> Vec<u8> {
+    let mut out = cols.iter().map(name).collect::<Vec<_>>().join(",");
+    out.push('\n');
+    for row in 0..cols.first().map_or(0, len) {
+        let fields: Vec<String> = cols
+            .iter()
+            .map(|c| match c {
+                Col::Int(_, v) => v[row].to_string(),
+                Col::Str(_, v) => csv_field(&v[row]),
+            })
+            .collect();
+        out.push_str(&fields.join(","));
+        out.push('\n');
+    }
+    out.into_bytes()
+}
+
+fn write_jsonl(cols: &[Col]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for row in 0..cols.first().map_or(0, len) {
+        let mut o = serde_json::Map::new();
+        for c in cols {
+            let v = match c {
+                Col::Int(_, v) => serde_json::json!(v[row]),
+                Col::Str(_, v) => serde_json::json!(v[row]),
+            };
+            o.insert(name(c).to_string(), v);
+        }
+        out.extend_from_slice(serde_json::Value::Object(o).to_string().as_bytes());
+        out.push(b'\n');
+    }
+    out
+}
+
+fn write_parquet(cols: &[Col]) -> Result<Vec<u8>, parquet::errors::ParquetError> {
+    let fields =
+        cols.iter()
+            .map(|c| {
+                let b = match c {
+                    Col::Int(n, _) => Type::primitive_type_builder(n, PhysicalType::INT64),
+                    Col::Str(n, _) => Type::primitive_type_builder(n, PhysicalType::BYTE_ARRAY)
+                        .with_converted_type(ConvertedType::UTF8),
+                };
+                b.with_repetition(Repetition::REQUIRED).build().map(Arc::new)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+    let schema = Arc::new(Type::group_type_builder("hearth_usage").with_fields(fields).build()?);
+    let props = Arc::new(WriterProperties::builder().build());
+    let mut buf = Vec::new();
+    let mut w = SerializedFileWriter::new(&mut buf, schema, props)?;
+    let mut rg = w.next_row_group()?;
+    let mut i = 0;
+    while let Some(mut col) = rg.next_column()? {
+        match &cols[i] {
+            Col::Int(_, v) => {
+                col.typed::<Int64Type>().write_batch(v, None, None)?;
+            }
+            Col::Str(_, v) => {
+                let bytes: Vec<ByteArray> = v.iter().map(|s| ByteArray::from(s.as_str())).collect();
+                col.typed::<ByteArrayType>().write_batch(&bytes, None, None)?;
+            }
+        }
+        col.close()?;
+        i += 1;
+    }
+    rg.close()?;
+    w.close()?;
+    Ok(buf)
+}
+
+/// An export's bytes and its totals.
+pub struct Export {
+    pub bytes: Vec<u8>,
+    pub totals: Totals,
+    pub lines: usize,
+}
+
+/// Renders rows in a format and granularity.
+pub fn render(rows: &[LedgerRow], format: Format, granularity: Granularity) -> Result<Export, BillingError> {
+    let totals = Totals::of(rows);
+    let (cols, lines) = match granularity {
+        Granularity::Request => (request_columns(rows), rows.len()),
+        Granularity::Day => {
+            let d = by_day(rows);
+            (day_columns(&d), d.len())
+        }
+    };
+    let bytes = match format {
+        Format::Csv => write_csv(&cols),
+        Format::Jsonl => write_jsonl(&cols),
+        Format::Parquet => write_parquet(&cols).map_err(|e| BillingError::Export(e.to_string()))?,
+    };
+    Ok(Export { bytes, totals, lines })
+}

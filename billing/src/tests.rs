@@ -1,0 +1,273 @@
+//! Ledger tests; each runs on SQLite and, when `DATABASE_URL` names one, on PostgreSQL.
+
+use hearth_tenants::db::testing;
+
+use super::export::{render, Format, Granularity, Totals};
+use super::*;
+
+async fn tenant(db: &Db, id: &str) {
+    sqlx::query("INSERT INTO tenants (id, name, created_at) VALUES ($1, $1, 0)")
+        .bind(id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
+fn rec(id: &str, tenant: &str, model: &str, prompt: u32, cached: u32, completion: u32, at: i64) -> UsageRecord {
+    UsageRecord {
+        request_id: id.into(),
+        tenant_id: tenant.into(),
+        key_id: Some("k".into()),
+        model: model.into(),
+        endpoint: "/v1/chat/completions".into(),
+        prompt_tokens: prompt,
+        cached_tokens: cached,
+        completion_tokens: completion,
+        status: UsageStatus::Completed.as_str().into(),
+        finish_reason: Some("stop".into()),
+        error_code: None,
+        started_at: at,
+        finished_at: at + 5,
+    }
+}
+
+fn rates(input: &str, cached: &str, output: &str) -> PriceRates {
+    PriceRates {
+        input_micros_per_mtok: parse_usd_micros(input).unwrap(),
+        cached_input_micros_per_mtok: parse_usd_micros(cached).unwrap(),
+        output_micros_per_mtok: parse_usd_micros(output).unwrap(),
+    }
+}
+
+#[tokio::test]
+async fn records_are_idempotent_rated_and_counted() {
+    for db in testing::all().await {
+        tenant(&db, "tn_1").await;
+        let l = UsageLedger::new(&db, None);
+        // $1/M input, $0.25/M cached input, $2/M output.
+        l.set_price("m", rates("1", "0.25", "2"), None).await.unwrap();
+        let now = now_ms();
+        let mut u = rec("req_1", "tn_1", "m", 1000, 400, 100, now);
+        let r = l.record(&u).await.unwrap();
+        assert!(r.inserted && !r.spilled);
+        // 600 uncached × $1/M = 600_000 nUSD; 400 cached × $0.25/M = 100_000; 100 × $2/M = 200_000.
+        assert_eq!(
+            (
+                r.cost.input_nusd,
+                r.cost.cached_nusd,
+                r.cost.output_nusd,
+                r.cost.total_nusd
+            ),
+            (600_000, 100_000, 200_000, 900_000),
+            "{}",
+            db.backend.as_str()
+        );
+        u.completion_tokens = 999;
+        assert!(!l.record(&u).await.unwrap().inserted, "a replay must not write");
+        let rows = l.recent(Some("tn_1"), 10).await.unwrap();
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].rec.completion_tokens, 100);
+        assert_eq!(rows[0].cost.total_nusd, 900_000);
+        assert!(l.recent(Some("other"), 10).await.unwrap().is_empty());
+        // The replay did not count twice.
+        assert_eq!(l.month_spend("tn_1", &month_of(now)).await.unwrap(), 900_000);
+        // Many concurrent records: one group commit each batch, all durable, spend exact.
+        let mut tasks = Vec::new();
+        for i in 0..300 {
+            let l = l.clone();
+            tasks.push(tokio::spawn(async move {
+                l.record(&rec(&format!("req_c{i}"), "tn_1", "m", 10, 0, 10, now))
+                    .await
+                    .unwrap()
+            }));
+        }
+        for t in tasks {
+            assert!(t.await.unwrap().inserted);
+        }
+        // 10 × $1/M + 10 × $2/M = 30_000 nUSD each.
+        assert_eq!(
+            l.month_spend("tn_1", &month_of(now)).await.unwrap(),
+            900_000 + 300 * 30_000
+        );
+    }
+}
+
+#[tokio::test]
+async fn price_changes_keep_history() {
+    for db in testing::all().await {
+        tenant(&db, "tn_p").await;
+        let l = UsageLedger::new(&db, None);
+        let first = l.set_price("m", rates("1", "0.5", "2"), None).await.unwrap();
+        assert_eq!(first.effective_from, 0, "a first price covers all time");
+        let t0 = now_ms();
+        l.record(&rec("old", "tn_p", "m", 1000, 0, 0, t0)).await.unwrap();
+        // A change takes effect now (or later), never in the past.
+        assert!(matches!(
+            l.set_price("m", rates("9", "9", "9"), Some(t0 - 60_000)).await,
+            Err(BillingError::Invalid {
+                field: "effective_from",
+                ..
+            })
+        ));
+        let second = l.set_price("m", rates("3", "1", "6"), Some(t0 + 10)).await.unwrap();
+        l.record(&rec("new", "tn_p", "m", 1000, 0, 0, t0 + 20)).await.unwrap();
+        // A late record of a request that started before the change gets the old price.
+        l.record(&rec("late", "tn_p", "m", 1000, 0, 0, t0 + 5)).await.unwrap();
+        let rows = l.rows("tn_p", 0, i64::MAX).await.unwrap();
+        let cost = |id: &str| rows.iter().find(|r| r.rec.request_id == id).unwrap().cost;
+        assert_eq!(cost("old").input_nusd, 1_000_000);
+        assert_eq!(cost("late").input_nusd, 1_000_000);
+        assert_eq!(cost("new").input_nusd, 3_000_000);
+        assert_eq!(cost("new").price_effective_from, Some(second.effective_from));
+        assert_eq!(l.prices(Some("m")).await.unwrap().len(), 2, "both versions are kept");
+        // The default price applies to models without one.
+        l.set_price("*", rates("0.1", "0.1", "0.1"), None).await.unwrap();
+        let r = l
+            .record(&rec("other", "tn_p", "unpriced", 10_000, 0, 0, t0))
+            .await
+            .unwrap();
+        assert_eq!(r.cost.total_nusd, 1_000_000);
+    }
+}
+
+fn csv_sum(bytes: &[u8], column: &str) -> i64 {
+    let text = std::str::from_utf8(bytes).unwrap();
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let idx = header.iter().position(|h| *h == column).unwrap();
+    lines
+        .map(|l| l.split(',').nth(idx).unwrap().parse::<i64>().unwrap())
+        .sum()
+}
+
+fn jsonl_sum(bytes: &[u8], column: &str) -> i64 {
+    std::str::from_utf8(bytes)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()[column]
+                .as_i64()
+                .unwrap()
+        })
+        .sum()
+}
+
+fn parquet_sum(bytes: &[u8], column: &str) -> (i64, usize) {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let path = std::env::temp_dir().join(format!("hearth-export-{}-{column}.parquet", now_ms()));
+    std::fs::write(&path, bytes).unwrap();
+    let reader = SerializedFileReader::new(std::fs::File::open(&path).unwrap()).unwrap();
+    let schema = reader.metadata().file_metadata().schema_descr();
+    let idx = (0..schema.num_columns())
+        .position(|i| schema.column(i).name() == column)
+        .unwrap();
+    let mut sum = 0;
+    let mut n = 0;
+    for row in reader.get_row_iter(None).unwrap() {
+        let row = row.unwrap();
+        sum += parquet::record::RowAccessor::get_long(&row, idx).unwrap();
+        n += 1;
+    }
+    std::fs::remove_file(&path).ok();
+    (sum, n)
+}
+
+#[tokio::test]
+async fn exports_reconcile_in_every_format() {
+    for db in testing::all().await {
+        tenant(&db, "tn_e").await;
+        let l = UsageLedger::new(&db, None);
+        l.set_price("a", rates("0.15", "0.075", "0.6"), None).await.unwrap();
+        l.set_price("b", rates("1.1", "0.55", "4.4"), None).await.unwrap();
+        let day = 86_400_000;
+        let base = parse_day("2026-11-01").unwrap();
+        let mut expected = Totals::default();
+        for i in 0..50u32 {
+            let r = rec(
+                &format!("r{i}"),
+                "tn_e",
+                if i % 3 == 0 { "b" } else { "a" },
+                100 + i * 7,
+                (i % 4) * 16,
+                1 + i * 3,
+                base + i64::from(i % 5) * day + i64::from(i) * 1000,
+            );
+            let got = l.record(&r).await.unwrap();
+            expected.add(&LedgerRow { rec: r, cost: got.cost });
+        }
+        let rows = l.rows("tn_e", base, base + 30 * day).await.unwrap();
+        assert_eq!(Totals::of(&rows), expected);
+        for g in [Granularity::Request, Granularity::Day] {
+            for f in [Format::Csv, Format::Jsonl, Format::Parquet] {
+                let e = render(&rows, f, g).unwrap();
+                assert_eq!(e.totals, expected);
+                for (col, want) in [
+                    ("cost_nusd", expected.cost_nusd),
+                    ("cached_input_tokens", expected.cached_input_tokens),
+                    ("output_tokens", expected.output_tokens),
+                    ("uncached_input_tokens", expected.uncached_input_tokens),
+                ] {
+                    let got = match f {
+                        Format::Csv => csv_sum(&e.bytes, col),
+                        Format::Jsonl => jsonl_sum(&e.bytes, col),
+                        Format::Parquet => {
+                            let (s, n) = parquet_sum(&e.bytes, col);
+                            assert_eq!(n, e.lines);
+                            s
+                        }
+                    };
+                    assert_eq!(got, want, "{f:?} {g:?} {col}");
+                }
+                if g == Granularity::Day {
+                    assert_eq!(e.lines, 10, "5 days × 2 models");
+                }
+            }
+        }
+        // A window: only the first day.
+        let first = l.rows("tn_e", base, base + day).await.unwrap();
+        assert_eq!(first.len(), 10);
+    }
+}
+
+#[tokio::test]
+async fn an_unavailable_database_spills_to_the_outbox_and_replays() {
+    let dir = std::env::temp_dir().join(format!("hearth-outbox-{}-{}", std::process::id(), now_ms()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}", dir.join("ledger.db").display());
+    let db = hearth_tenants::db::open(&url, None).await.unwrap();
+    tenant(&db, "tn_o").await;
+    let l = UsageLedger::new(&db, Some(dir.clone()));
+    db.pool.close().await;
+    let r = l.record(&rec("spilled", "tn_o", "m", 5, 0, 5, now_ms())).await.unwrap();
+    assert!(r.spilled, "the record must be kept in the outbox");
+    assert!(dir.join(OUTBOX).exists());
+    // The database is back (a restarted process): the outbox is replayed, idempotently.
+    let db2 = hearth_tenants::db::open(&url, None).await.unwrap();
+    let l2 = UsageLedger::new(&db2, None);
+    assert_eq!(l2.replay_outbox(&dir).await.unwrap(), 1);
+    assert_eq!(l2.replay_outbox(&dir).await.unwrap(), 0);
+    let rows = l2.recent(Some("tn_o"), 10).await.unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].rec.request_id, "spilled");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn money_and_dates() {
+    assert_eq!(parse_usd_micros("0.15"), Some(150_000));
+    assert_eq!(parse_usd_micros("$2"), Some(2_000_000));
+    assert_eq!(parse_usd_micros(".5"), Some(500_000));
+    assert_eq!(parse_usd_micros("1.0000001"), None);
+    assert_eq!(parse_usd_micros("-1"), None);
+    assert_eq!(parse_usd_micros("abc"), None);
+    assert_eq!(format_nusd(1_500_000_001), "1.500000001");
+    assert_eq!(day_of(0), "1970-01-01");
+    assert_eq!(parse_day("2026-11-29").map(day_of).as_deref(), Some("2026-11-29"));
+    assert_eq!(parse_day("2024-02-29").map(month_of).as_deref(), Some("2024-02"));
+    assert_eq!(parse_day("2026-02-30"), None);
+    assert_eq!(parse_day("nope"), None);
+    // Rounding: half up, once per class.
+    assert_eq!(class_cost(1, 500), 1);
+    assert_eq!(class_cost(1, 499), 0);
+    assert_eq!(class_cost(3, 150_000), 450);
+}

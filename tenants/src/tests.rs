@@ -1,0 +1,402 @@
+//! Store tests; each runs on in-memory SQLite and, when `DATABASE_URL` names one, on a
+//! fresh PostgreSQL schema.
+
+use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+use serde_json::json;
+
+use super::*;
+use crate::db::testing;
+use crate::jwt::IssuerSpec;
+
+const RSA_PRIVATE: &str = include_str!("../tests/fixtures/rsa_private.pem");
+const RSA_PUBLIC: &str = include_str!("../tests/fixtures/rsa_public.pem");
+const RSA_JWKS: &str = include_str!("../tests/fixtures/rsa_jwks.json");
+const ED_PRIVATE: &str = include_str!("../tests/fixtures/ed25519_private.pem");
+const ED_PUBLIC: &str = include_str!("../tests/fixtures/ed25519_public.pem");
+const HS_SECRET: &str = "an-hmac-secret-of-at-least-32-bytes!!";
+
+#[tokio::test]
+async fn keys_authenticate_and_revoke() {
+    for db in testing::all().await {
+        let s = TenantStore::new(&db);
+        let name = db.backend.as_str();
+        assert!(!s.has_active_keys().await.unwrap(), "{name}");
+        let t = s.create_tenant("acme").await.unwrap();
+        assert!(matches!(
+            s.create_tenant("acme").await,
+            Err(TenantError::TenantExists(_))
+        ));
+        assert!(matches!(
+            s.create_tenant("no spaces").await,
+            Err(TenantError::InvalidName(_))
+        ));
+        let k = s
+            .create_key(
+                "acme",
+                &KeySpec {
+                    name: "ci".into(),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        assert!(k.key.starts_with("hk_"));
+        assert_eq!(k.info.scopes, vec!["inference", "manage"]);
+        assert!(s.has_active_keys().await.unwrap());
+        let ctx = s.authenticate(&k.key).await.unwrap();
+        assert_eq!(ctx.tenant_limits, Limits::default());
+        assert_eq!(ctx.scopes, Scopes::ALL);
+        assert!(ctx.allows_model("anything"));
+        let lim = Limits {
+            rpm: Some(10),
+            tpm: None,
+            concurrent: Some(2),
+        };
+        s.set_tenant_limits("acme", lim).await.unwrap();
+        s.set_key_limits(
+            &k.info.id,
+            Limits {
+                tpm: Some(1000),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        let limited = s.authenticate(&k.key).await.unwrap();
+        assert_eq!((limited.tenant_limits, limited.key_limits.tpm), (lim, Some(1000)));
+        assert_eq!(s.tenant_limits("acme").await.unwrap(), lim);
+        assert_eq!(
+            (ctx.tenant_id.as_str(), ctx.key_id.as_str()),
+            (t.id.as_str(), k.info.id.as_str())
+        );
+        // Wrong secret, malformed, unknown.
+        let forged = format!("hk_{}_{}", k.info.id, "0".repeat(64));
+        assert_eq!(s.authenticate(&forged).await, Err(AuthError::Unknown));
+        assert_eq!(s.authenticate("sk-whatever").await, Err(AuthError::Malformed));
+        assert_eq!(s.authenticate("hk_nope_abc").await, Err(AuthError::Unknown));
+        // The secret is not stored.
+        let stored: Vec<u8> = sqlx::query_scalar("SELECT secret_sha256 FROM api_keys")
+            .fetch_one(s.pool())
+            .await
+            .unwrap();
+        assert_eq!(stored.len(), 32);
+        assert!(!String::from_utf8_lossy(&stored).contains(&k.key[20..]));
+        // Revocation is immediate in this process.
+        let r = s.revoke_key(&k.info.id).await.unwrap();
+        assert!(r.revoked_at.is_some());
+        assert_eq!(s.authenticate(&k.key).await, Err(AuthError::Revoked));
+        assert!(matches!(s.revoke_key("missing").await, Err(TenantError::NoSuchKey(_))));
+        assert_eq!(s.list_keys("acme").await.unwrap().len(), 1);
+        assert!(matches!(
+            s.create_key("ghost", &KeySpec::default()).await,
+            Err(TenantError::NoSuchTenant(_))
+        ));
+    }
+}
+
+#[tokio::test]
+async fn key_scopes_models_and_expiry() {
+    for db in testing::all().await {
+        let s = TenantStore::new(&db);
+        s.create_tenant("scoped").await.unwrap();
+        let k = s
+            .create_key(
+                "scoped",
+                &KeySpec {
+                    name: "narrow".into(),
+                    scopes: Some(Scopes::parse("inference").unwrap()),
+                    models: Some(vec!["m1".into()]),
+                    expires_at: Some(now_ms() + 60_000),
+                },
+            )
+            .await
+            .unwrap();
+        let ctx = s.authenticate(&k.key).await.unwrap();
+        assert!(ctx.scopes.inference && !ctx.scopes.manage);
+        assert!(ctx.allows_model("m1") && !ctx.allows_model("m2"));
+        let listed = s.key(&k.info.id).await.unwrap();
+        assert_eq!(listed.models, Some(vec!["m1".to_string()]));
+        assert_eq!(listed.scopes, vec!["inference"]);
+        // An expiry in the past is refused at creation; one that passes refuses the key.
+        assert!(matches!(
+            s.create_key(
+                "scoped",
+                &KeySpec {
+                    expires_at: Some(now_ms() - 1),
+                    ..Default::default()
+                }
+            )
+            .await,
+            Err(TenantError::Invalid {
+                field: "expires_at",
+                ..
+            })
+        ));
+        let short = s
+            .create_key(
+                "scoped",
+                &KeySpec {
+                    expires_at: Some(now_ms() + 150),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        assert!(s.authenticate(&short.key).await.is_ok());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(matches!(s.authenticate(&short.key).await, Err(AuthError::Expired(_))));
+        assert!(Scopes::parse("inference,admin").is_err());
+        assert!(Scopes::parse("inference").unwrap().within(Scopes::ALL));
+        assert!(!Scopes::ALL.within(Scopes::parse("inference").unwrap()));
+    }
+}
+
+#[tokio::test]
+async fn budgets_round_trip() {
+    for db in testing::all().await {
+        let s = TenantStore::new(&db);
+        s.create_tenant("spender").await.unwrap();
+        assert_eq!(s.budget("spender").await.unwrap(), None);
+        let b = Budget {
+            monthly_nusd: 5_000_000_000,
+            hard: false,
+        };
+        s.set_budget("spender", Some(b)).await.unwrap();
+        assert_eq!(s.budget("spender").await.unwrap(), Some(b));
+        let k = s.create_key("spender", &KeySpec::default()).await.unwrap();
+        assert_eq!(s.authenticate(&k.key).await.unwrap().budget, Some(b));
+        s.set_budget("spender", None).await.unwrap();
+        assert_eq!(s.budget("spender").await.unwrap(), None);
+    }
+}
+
+fn b64url(data: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::new();
+    for chunk in data.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |acc, (i, b)| acc | (*b as u32) << (16 - 8 * i));
+        for i in 0..=chunk.len() {
+            out.push(A[(n >> (18 - 6 * i) & 63) as usize] as char);
+        }
+    }
+    out
+}
+
+fn now_s() -> i64 {
+    now_ms() / 1000
+}
+
+fn claims(iss: &str, aud: &str, exp_in: i64) -> serde_json::Value {
+    json!({"iss": iss, "aud": aud, "sub": "user-42", "exp": now_s() + exp_in, "iat": now_s(),
+           "scope": "inference manage model:m1 openid"})
+}
+
+fn sign(alg: Algorithm, key: &EncodingKey, claims: &serde_json::Value, kid: Option<&str>) -> String {
+    let mut h = Header::new(alg);
+    h.kid = kid.map(str::to_string);
+    encode(&h, claims, key).unwrap()
+}
+
+#[tokio::test]
+async fn jwt_issuers_verify_and_refuse_attacks() {
+    for db in testing::all().await {
+        let s = TenantStore::new(&db);
+        let t = s.create_tenant("idp").await.unwrap();
+        let add = |iss: &str, alg: &str, key: Option<&str>, jwks: Option<&str>| IssuerSpec {
+            issuer: iss.into(),
+            audience: "hearth".into(),
+            algorithm: alg.into(),
+            key: key.map(str::to_string),
+            jwks: jwks.map(str::to_string),
+            jwks_url: None,
+        };
+        s.add_issuer("idp", &add("https://hs.example", "HS256", Some(HS_SECRET), None))
+            .await
+            .unwrap();
+        s.add_issuer("idp", &add("https://rs.example", "RS256", Some(RSA_PUBLIC), None))
+            .await
+            .unwrap();
+        s.add_issuer("idp", &add("https://jwks.example", "RS256", None, Some(RSA_JWKS)))
+            .await
+            .unwrap();
+        let ed = s
+            .add_issuer("idp", &add("https://ed.example", "EdDSA", Some(ED_PUBLIC), None))
+            .await
+            .unwrap();
+        assert_eq!(ed.key_source, "pem");
+        // Bad registrations.
+        for (spec, field) in [
+            (add("https://x", "HS256", Some("short"), None), "key"),
+            (add("https://x", "RS256", Some("not a pem"), None), "key"),
+            (add("https://x", "none", Some(HS_SECRET), None), "algorithm"),
+            (add("https://x", "RS256", None, None), "key"),
+            (add("https://x", "EdDSA", None, Some(RSA_JWKS)), "jwks"),
+        ] {
+            match s.add_issuer("idp", &spec).await {
+                Err(TenantError::Invalid { field: f, .. }) => assert_eq!(f, field),
+                other => panic!("expected an invalid {field}, got {other:?}"),
+            }
+        }
+        assert!(matches!(
+            s.add_issuer("idp", &add("https://hs.example", "HS256", Some(HS_SECRET), None))
+                .await,
+            Err(TenantError::IssuerExists(_))
+        ));
+        assert_eq!(s.list_issuers(Some("idp")).await.unwrap().len(), 4);
+
+        let hs = EncodingKey::from_secret(HS_SECRET.as_bytes()).unwrap();
+        let rs = EncodingKey::from_rsa_pem(RSA_PRIVATE.as_bytes()).unwrap();
+        let edk = EncodingKey::from_ed_pem(ED_PRIVATE.as_bytes()).unwrap();
+        // Good tokens, each algorithm, and the claims mapping.
+        let ok = [
+            sign(
+                Algorithm::HS256,
+                &hs,
+                &claims("https://hs.example", "hearth", 300),
+                None,
+            ),
+            sign(
+                Algorithm::RS256,
+                &rs,
+                &claims("https://rs.example", "hearth", 300),
+                None,
+            ),
+            sign(
+                Algorithm::RS256,
+                &rs,
+                &claims("https://jwks.example", "hearth", 300),
+                Some("test-rsa-1"),
+            ),
+            sign(
+                Algorithm::EdDSA,
+                &edk,
+                &claims("https://ed.example", "hearth", 300),
+                None,
+            ),
+        ];
+        for tok in &ok {
+            let ctx = s.authenticate(tok).await.unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(ctx.tenant_id, t.id);
+            assert!(ctx.key_id.starts_with("jwt:iss_") && ctx.key_id.ends_with(":user-42"));
+            assert_eq!(ctx.scopes, Scopes::ALL);
+            assert!(ctx.allows_model("m1") && !ctx.allows_model("m2"));
+        }
+        // No scope claim: inference only, every model.
+        let mut plain = claims("https://hs.example", "hearth", 300);
+        plain.as_object_mut().unwrap().remove("scope");
+        let ctx = s
+            .authenticate(&sign(Algorithm::HS256, &hs, &plain, None))
+            .await
+            .unwrap();
+        assert!(ctx.scopes.inference && !ctx.scopes.manage && ctx.allows_model("m2"));
+
+        let refused = |tok: String, why: &'static str| {
+            let s = &s;
+            async move {
+                match s.authenticate(&tok).await {
+                    Err(AuthError::Jwt(m)) => assert!(m.contains(why), "{m:?} should say {why:?}"),
+                    other => panic!("expected a refusal ({why}), got {other:?}"),
+                }
+            }
+        };
+        // alg: none.
+        let none = format!(
+            "{}.{}.",
+            b64url(br#"{"alg":"none","typ":"JWT"}"#),
+            b64url(claims("https://hs.example", "hearth", 300).to_string().as_bytes())
+        );
+        refused(none, "alg 'none'").await;
+        // Algorithm confusion: HS256 "signed" with the RSA public key, against an RS256 issuer.
+        let confused = sign(
+            Algorithm::HS256,
+            &EncodingKey::from_secret(RSA_PUBLIC.as_bytes()).unwrap(),
+            &claims("https://rs.example", "hearth", 300),
+            None,
+        );
+        refused(confused, "algorithm").await;
+        // Expired (beyond the leeway), wrong audience, not yet valid, unknown issuer.
+        refused(
+            sign(
+                Algorithm::RS256,
+                &rs,
+                &claims("https://rs.example", "hearth", -120),
+                None,
+            ),
+            "expired",
+        )
+        .await;
+        refused(
+            sign(Algorithm::RS256, &rs, &claims("https://rs.example", "other", 300), None),
+            "audience",
+        )
+        .await;
+        let mut early = claims("https://rs.example", "hearth", 600);
+        early["nbf"] = json!(now_s() + 300);
+        refused(sign(Algorithm::RS256, &rs, &early, None), "not valid yet").await;
+        refused(
+            sign(
+                Algorithm::HS256,
+                &hs,
+                &claims("https://nobody.example", "hearth", 300),
+                None,
+            ),
+            "not registered",
+        )
+        .await;
+        // A forged signature: another secret.
+        let other = EncodingKey::from_secret(b"another-secret-that-is-32-bytes-long!!").unwrap();
+        refused(
+            sign(
+                Algorithm::HS256,
+                &other,
+                &claims("https://hs.example", "hearth", 300),
+                None,
+            ),
+            "signature",
+        )
+        .await;
+        // A tampered payload keeps the old signature.
+        let good = &ok[1];
+        let parts: Vec<&str> = good.split('.').collect();
+        let mut evil = claims("https://rs.example", "hearth", 300);
+        evil["sub"] = json!("admin");
+        let tampered = format!("{}.{}.{}", parts[0], b64url(evil.to_string().as_bytes()), parts[2]);
+        refused(tampered, "signature").await;
+        // No exp at all.
+        let mut no_exp = claims("https://hs.example", "hearth", 300);
+        no_exp.as_object_mut().unwrap().remove("exp");
+        refused(sign(Algorithm::HS256, &hs, &no_exp, None), "'exp'").await;
+        // Unknown kid in the JWKS.
+        refused(
+            sign(
+                Algorithm::RS256,
+                &rs,
+                &claims("https://jwks.example", "hearth", 300),
+                Some("rotated-away"),
+            ),
+            "kid",
+        )
+        .await;
+        // Removing the issuer stops its tokens.
+        let hs_id = s
+            .list_issuers(None)
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|i| i.issuer == "https://hs.example")
+            .unwrap()
+            .id;
+        s.remove_issuer(&hs_id).await.unwrap();
+        refused(ok[0].clone(), "not registered").await;
+    }
+}
+
+#[test]
+fn constant_time_eq_compares() {
+    assert!(constant_time_eq(b"abc", b"abc"));
+    assert!(!constant_time_eq(b"abc", b"abd"));
+    assert!(!constant_time_eq(b"abc", b"ab"));
+}
