@@ -1,0 +1,167 @@
+//! Helpers shared by the end-to-end test files.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+pub const MODEL: &str = "smollm2-135m-instruct";
+pub const ADMIN_TOKEN: &str = "e2e-admin-token";
+pub const QUESTION: &str = "What is the capital of France? Answer in one sentence.";
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_hearth")
+}
+
+pub fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "hearth-e2e-{tag}-{}-{}",
+        std::process::id(),
+        hearth_tenants::now_ms()
+    ));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A child process killed on drop, with the address it printed.
+pub struct Proc {
+    pub child: Child,
+    pub url: String,
+    pub stdout_head: Vec<String>,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `hearth ARGS`, waits for its "listening on http://ADDR" line.
+// The child is killed and waited for by `Proc::drop`, or before the panic on failure.
+#[allow(clippy::zombie_processes)]
+pub fn spawn(args: &[&str]) -> Proc {
+    let mut child = Command::new(bin())
+        .args(args)
+        .env("HEARTH_ADMIN_TOKEN", ADMIN_TOKEN)
+        .env("HEARTH_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn hearth");
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let mut head = Vec::new();
+    loop {
+        let line = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("hearth did not start");
+        head.push(line.clone());
+        if let Some(rest) = line.split("listening on ").nth(1) {
+            let url = rest.split_whitespace().next().unwrap().to_string();
+            // Collect what follows promptly (the first-start hint).
+            while let Ok(l) = rx.recv_timeout(Duration::from_millis(300)) {
+                head.push(l);
+            }
+            std::thread::spawn(move || while rx.recv().is_ok() {});
+            return Proc {
+                child,
+                url,
+                stdout_head: head,
+            };
+        }
+    }
+}
+
+/// A real-engine `hearth worker` and a `hearth gateway` in front of it.
+pub fn worker_and_gateway(data: &Path) -> (Proc, Proc) {
+    let worker = spawn(&["worker", "--listen", "127.0.0.1:0"]);
+    let gateway = spawn(&[
+        "gateway",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--worker",
+        &worker.url,
+    ]);
+    (worker, gateway)
+}
+
+pub fn serve(data: &Path) -> Proc {
+    spawn(&["serve", "--listen", "127.0.0.1:0", "--data-dir", data.to_str().unwrap()])
+}
+
+pub fn admin(data: &Path, args: &[&str]) -> String {
+    let out = Command::new(bin())
+        .args(["admin", "--data-dir", data.to_str().unwrap()])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "admin {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Creates a tenant and a key with the CLI; returns the key.
+pub fn new_key(data: &Path, tenant: &str) -> String {
+    admin(data, &["tenant", "create", tenant]);
+    let out = admin(data, &["key", "create", "--tenant", tenant]);
+    out.split_whitespace()
+        .find(|w| w.starts_with("hk_"))
+        .expect("key printed")
+        .to_string()
+}
+
+pub fn usage_rows(data: &Path) -> Vec<Value> {
+    serde_json::from_str::<Value>(&admin(data, &["--json", "usage", "--limit", "100"]))
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap()
+}
+
+pub async fn post(url: &str, key: Option<&str>, body: &Value) -> (u16, reqwest::header::HeaderMap, Value) {
+    let mut r = client().post(url).json(body);
+    if let Some(k) = key {
+        r = r.bearer_auth(k);
+    }
+    let resp = r.send().await.unwrap();
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    (status, headers, resp.json().await.unwrap_or(Value::Null))
+}
+
+pub fn chat_body(extra: Value) -> Value {
+    let mut b = json!({"model": MODEL, "temperature": 0, "messages": [{"role": "user", "content": QUESTION}]});
+    b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    b
+}
+
+/// Reads an SSE response to the end; returns the `data:` payloads.
+pub async fn sse_events(resp: reqwest::Response) -> Vec<String> {
+    let text = resp.text().await.unwrap();
+    text.split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect()
+}
