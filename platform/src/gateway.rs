@@ -45,6 +45,10 @@ pub struct Gateway {
     pub admin_token: Option<String>,
     pub limiter: Limiter,
     pub budgets: BudgetCache,
+    /// Only `hearth bench gateway` sets this (it is not reachable from any configuration):
+    /// requests skip authentication, budgets, limits and metering, so that the benchmark
+    /// can time the same request with and without them.
+    pub bench_unmetered: bool,
 }
 
 /// This request's id, set by the outermost middleware and echoed in `x-request-id`.
@@ -499,6 +503,9 @@ async fn relay(
 
 /// Records a request's usage; returns once it is durable (write-before-ack).
 async fn write_usage(gw: &Gateway, rec: &mut UsageRecord) {
+    if gw.bench_unmetered {
+        return;
+    }
     rec.finished_at = now_ms();
     match gw.ledger.record(rec).await {
         Ok(r) if r.inserted => {
@@ -552,6 +559,9 @@ async fn handle(
     body: Result<Bytes, BytesRejection>,
     endpoint: Endpoint,
 ) -> Response {
+    if gw.bench_unmetered {
+        return unmetered(&gw, &request_id, &headers, body, endpoint).await;
+    }
     let tenant = match authorize(&gw, &headers, false).await {
         Ok(t) => t,
         Err(e) => return e.into_response(),
@@ -611,6 +621,49 @@ async fn handle(
     rate.apply(resp.headers_mut());
     spend.apply(resp.headers_mut());
     resp
+}
+
+/// The pipeline without authentication, budgets, limits and metering (benchmark baseline).
+async fn unmetered(
+    gw: &Arc<Gateway>,
+    request_id: &str,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    endpoint: Endpoint,
+) -> Response {
+    let tenant = TenantContext {
+        tenant_id: "bench".into(),
+        tenant_name: "bench".into(),
+        key_id: "bench".into(),
+        scopes: hearth_tenants::Scopes::ALL,
+        models: None,
+        tenant_limits: Default::default(),
+        key_limits: Default::default(),
+        budget: None,
+    };
+    let mut rec = UsageRecord {
+        request_id: request_id.to_string(),
+        tenant_id: tenant.tenant_id.clone(),
+        key_id: None,
+        model: String::new(),
+        endpoint: endpoint.path().into(),
+        prompt_tokens: 0,
+        cached_tokens: 0,
+        completion_tokens: 0,
+        status: UsageStatus::Failed.as_str().into(),
+        finish_reason: None,
+        error_code: None,
+        started_at: 0,
+        finished_at: 0,
+    };
+    let admitted = Admitted {
+        tenant,
+        _in_flight: InFlight::default(),
+    };
+    let mut rate = RateState::default();
+    run(gw, request_id, headers, body, endpoint, &mut rec, admitted, &mut rate)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
 // ---- phase: limit --------------------------------------------------------------------

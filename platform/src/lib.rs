@@ -9,6 +9,7 @@ pub mod admin;
 pub mod db;
 pub mod error;
 pub mod gateway;
+pub mod gateway_bench;
 pub mod limits;
 pub mod metrics;
 pub mod openai;

@@ -55,6 +55,28 @@ enum Command {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Gateway overhead: auth, limits, budget and metering vs none, with an instant worker.
+    Gateway {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Sequential requests per mode (latency).
+        #[arg(long, default_value_t = 3000)]
+        requests: usize,
+        /// Seconds of concurrent load per mode (throughput).
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        #[arg(long, default_value_t = 32)]
+        concurrency: usize,
+        /// Also measure with the limits in Redis.
+        #[arg(long, env = "HEARTH_REDIS_URL")]
+        redis_url: Option<String>,
+        /// Fewer requests (smoke runs).
+        #[arg(long)]
+        quick: bool,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Routing policies on simulated workers (virtual time), and the router micro-benchmark.
     Routing {
         #[arg(long, default_value_t = 7)]
@@ -510,6 +532,29 @@ fn main() -> anyhow::Result<()> {
             } => bench_engine(model, quick, json).await,
             Command::Bench {
                 command:
+                    BenchCommand::Gateway {
+                        model,
+                        requests,
+                        seconds,
+                        concurrency,
+                        redis_url,
+                        quick,
+                        json,
+                    },
+            } => {
+                let (path, id) = resolve_model(&model).await?;
+                let cfg = hearth_platform::gateway_bench::GatewayBenchConfig {
+                    requests: if quick { 300 } else { requests.max(10) },
+                    seconds: if quick { 1.0 } else { seconds.max(0.5) },
+                    concurrency: concurrency.clamp(1, 1024),
+                    redis_url: redis_url.filter(|u| !u.is_empty()),
+                };
+                let report = hearth_platform::gateway_bench::run(&path, &id, cfg).await?;
+                print!("{}", report.table());
+                write_json(&report, json)
+            }
+            Command::Bench {
+                command:
                     BenchCommand::Routing {
                         workers,
                         quick,
@@ -661,6 +706,7 @@ async fn run_gateway(
         admin_token: admin_token.filter(|t| !t.is_empty()),
         limiter,
         budgets: Default::default(),
+        bench_unmetered: false,
     });
     let listener = tokio::net::TcpListener::bind(listen)
         .await

@@ -1,0 +1,379 @@
+//! `hearth bench gateway`: what authentication, limits, budgets and metering cost per
+//! request, timed over real HTTP on loopback against an instant worker (a [`WorkerClient`]
+//! that answers at once), so that only the gateway is measured.
+//!
+//! Modes, each its own gateway on its own port, in one run:
+//! * `baseline` — the same request with authentication, budgets, limits and metering
+//!   skipped (a benchmark-only switch);
+//! * `in_process` — an API key, tenant and key limits (requests, tokens, in flight;
+//!   high enough never to refuse), a monthly budget, and every request rated and committed
+//!   to the SQLite ledger before its response ends;
+//! * `redis` — the same with the limits counted in Redis (when a Redis URL is given).
+//!
+//! Latency: sequential requests on one keep-alive connection (P50/P99). Throughput: 32
+//! concurrent clients for a few seconds. Client and server share this machine's cores,
+//! so the throughput figure is a floor for the gateway alone.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::future::BoxFuture;
+use futures_util::{FutureExt, StreamExt};
+use hearth_billing::UsageLedger;
+use hearth_protocol::{FinishReason, GenerateEvent, GenerateRequest, KvEvent, LoadReport, Usage, WorkerInfo};
+use hearth_tenants::{Budget, KeySpec, Limits, TenantStore};
+use serde::Serialize;
+use serde_json::json;
+
+use crate::gateway::{self, Gateway};
+use crate::limits::{Limiter, RedisLimiter};
+use crate::registry::{ModelRegistry, RoutingConfig};
+use crate::workers::{EventStream, KvEventStream, WorkerClient, WorkerError};
+
+/// A worker that answers every request at once with `max_tokens` copies of one token.
+pub struct InstantWorker {
+    info: WorkerInfo,
+}
+
+impl WorkerClient for InstantWorker {
+    fn name(&self) -> &str {
+        "instant"
+    }
+
+    fn info(&self) -> BoxFuture<'_, Result<WorkerInfo, WorkerError>> {
+        async move { Ok(self.info.clone()) }.boxed()
+    }
+
+    fn generate(&self, req: GenerateRequest) -> BoxFuture<'_, Result<EventStream, WorkerError>> {
+        async move {
+            let n = req.sampling.max_tokens.min(4096);
+            let mut events: Vec<GenerateEvent> = (0..n)
+                .map(|_| GenerateEvent::Token {
+                    index: 0,
+                    id: 31,
+                    text: "a".into(),
+                    logprob: None,
+                    top_logprobs: Vec::new(),
+                })
+                .collect();
+            events.push(GenerateEvent::Finish {
+                index: 0,
+                finish_reason: FinishReason::Length,
+            });
+            events.push(GenerateEvent::Done {
+                finish_reason: FinishReason::Length,
+                usage: Usage {
+                    prompt_tokens: req.prompt.len() as u32,
+                    cached_tokens: 0,
+                    completion_tokens: n,
+                },
+            });
+            Ok(futures_util::stream::iter(events).boxed())
+        }
+        .boxed()
+    }
+
+    fn kv_events(&self) -> BoxFuture<'_, Result<KvEventStream, WorkerError>> {
+        async move {
+            let snap = KvEvent::Snapshot {
+                block_tokens: self.info.block_tokens,
+                blocks: Vec::new(),
+                load: LoadReport {
+                    running: 0,
+                    waiting: 0,
+                    inflight_prefill_tokens: 0,
+                    free_blocks: 1 << 20,
+                    total_blocks: 1 << 20,
+                },
+            };
+            Ok(futures_util::stream::iter([snap])
+                .chain(futures_util::stream::pending())
+                .boxed())
+        }
+        .boxed()
+    }
+
+    fn health(&self) -> BoxFuture<'_, Result<(), WorkerError>> {
+        async { Ok(()) }.boxed()
+    }
+}
+
+pub struct GatewayBenchConfig {
+    /// Sequential requests per mode for the latency figures.
+    pub requests: usize,
+    /// Seconds of the concurrent phase per mode.
+    pub seconds: f64,
+    pub concurrency: usize,
+    pub redis_url: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModeResult {
+    pub mode: String,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub mean_us: f64,
+    /// P50 minus the baseline's P50.
+    pub added_p50_us: f64,
+    pub requests_per_s: f64,
+    pub errors: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct GatewayBenchReport {
+    pub requests: usize,
+    pub concurrency: usize,
+    pub modes: Vec<ModeResult>,
+    /// The issue's reference: LiteLLM proxy 1.108.7 (one worker, master key, no database)
+    /// with an instant backend on this machine, as measured by the issue's author.
+    pub reference_litellm_added_p50_us: f64,
+    pub reference_litellm_requests_per_s: f64,
+}
+
+impl GatewayBenchReport {
+    pub fn table(&self) -> String {
+        let mut s = format!(
+            "gateway overhead, instant worker, HTTP on loopback ({} sequential requests; {} concurrent clients)\n\n",
+            self.requests, self.concurrency
+        );
+        s += &format!(
+            "{:<12} {:>10} {:>10} {:>10} {:>14} {:>12}\n",
+            "mode", "p50 µs", "p99 µs", "mean µs", "added p50 µs", "req/s"
+        );
+        for m in &self.modes {
+            s += &format!(
+                "{:<12} {:>10.1} {:>10.1} {:>10.1} {:>14.1} {:>12.0}{}\n",
+                m.mode,
+                m.p50_us,
+                m.p99_us,
+                m.mean_us,
+                m.added_p50_us,
+                m.requests_per_s,
+                if m.errors > 0 {
+                    format!("  ({} errors)", m.errors)
+                } else {
+                    String::new()
+                }
+            );
+        }
+        s += &format!(
+            "{:<12} {:>10} {:>10} {:>10} {:>14.1} {:>12.0}  (reference, from the issue)\n",
+            "litellm", "", "", "", self.reference_litellm_added_p50_us, self.reference_litellm_requests_per_s
+        );
+        let ours = |m: &str| self.modes.iter().find(|x| x.mode == m);
+        if let Some(m) = ours("in_process") {
+            s += &format!(
+                "\nin-process: auth + limits + budget + metering add {:.1} µs at P50 (target ≤ 150; LiteLLM adds {:.0}× more); {:.0} req/s (target ≥ 5000; {:.0}× LiteLLM)\n",
+                m.added_p50_us,
+                self.reference_litellm_added_p50_us / m.added_p50_us.max(1.0),
+                m.requests_per_s,
+                m.requests_per_s / self.reference_litellm_requests_per_s
+            );
+        }
+        if let Some(m) = ours("redis") {
+            s += &format!(
+                "redis: {:.1} µs added at P50 (target ≤ 1000); {:.0} req/s\n",
+                m.added_p50_us, m.requests_per_s
+            );
+        }
+        s
+    }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+struct Mode {
+    name: &'static str,
+    gw: Arc<Gateway>,
+    key: String,
+}
+
+async fn start(gw: Arc<Gateway>) -> anyhow::Result<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, gateway::router(gw)).await;
+    });
+    Ok(format!("http://{addr}/v1/chat/completions"))
+}
+
+async fn measure(url: &str, key: &str, cfg: &GatewayBenchConfig, model: &str) -> anyhow::Result<(Vec<f64>, f64, usize)> {
+    let body = serde_json::to_vec(&json!({
+        "model": model, "max_tokens": 8,
+        "messages": [{"role": "user", "content": "Say something short about the sea."}],
+    }))?;
+    let client = reqwest::Client::builder().pool_max_idle_per_host(256).build()?;
+    let (url, key): (Arc<str>, Arc<str>) = (url.into(), key.into());
+    let send = move |client: reqwest::Client, body: Vec<u8>| {
+        let url = url.clone();
+        let key = key.clone();
+        async move {
+            let r = client
+                .post(&*url)
+                .bearer_auth(&*key)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await?;
+            let ok = r.status().is_success();
+            let _ = r.bytes().await?;
+            Ok::<bool, reqwest::Error>(ok)
+        }
+    };
+    for _ in 0..200 {
+        send(client.clone(), body.clone()).await?;
+    }
+    let mut lat = Vec::with_capacity(cfg.requests);
+    let mut errors = 0;
+    for _ in 0..cfg.requests {
+        let t = Instant::now();
+        if !send(client.clone(), body.clone()).await? {
+            errors += 1;
+        }
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    lat.sort_by(f64::total_cmp);
+    // Throughput: `concurrency` clients for `seconds`.
+    let deadline = Instant::now() + Duration::from_secs_f64(cfg.seconds);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..cfg.concurrency {
+        let client = client.clone();
+        let body = body.clone();
+        let send = send.clone();
+        tasks.push(tokio::spawn(async move {
+            let (mut n, mut e) = (0usize, 0usize);
+            while Instant::now() < deadline {
+                match send(client.clone(), body.clone()).await {
+                    Ok(true) => n += 1,
+                    _ => e += 1,
+                }
+            }
+            (n, e)
+        }));
+    }
+    let (mut n, mut e) = (0, 0);
+    for t in tasks {
+        let (a, b) = t.await?;
+        n += a;
+        e += b;
+    }
+    let rps = n as f64 / started.elapsed().as_secs_f64();
+    Ok((lat, rps, errors + e))
+}
+
+/// Runs the benchmark with the model's tokenizer (`model_path`) served as `model_id`.
+pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> anyhow::Result<GatewayBenchReport> {
+    let info = hearth_engine::sim::sim_info(model_path, model_id, "local")?;
+    let dir = std::env::temp_dir().join(format!("hearth-bench-gateway-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let db = crate::db::open(&dir, None).await?;
+    let tenants = TenantStore::new(&db);
+    tenants.create_tenant("bench").await?;
+    let generous = Limits {
+        rpm: Some(100_000_000),
+        tpm: Some(1_000_000_000),
+        concurrent: Some(100_000),
+    };
+    tenants.set_tenant_limits("bench", generous).await?;
+    tenants
+        .set_budget(
+            "bench",
+            Some(Budget {
+                monthly_nusd: i64::MAX / 4,
+                hard: true,
+            }),
+        )
+        .await?;
+    let key = tenants.create_key("bench", &KeySpec::default()).await?;
+    tenants.set_key_limits(&key.info.id, generous).await?;
+    let ledger = UsageLedger::new(&db, Some(dir.clone()));
+    ledger
+        .set_price(
+            "*",
+            hearth_billing::PriceRates {
+                input_micros_per_mtok: 150_000,
+                cached_input_micros_per_mtok: 75_000,
+                output_micros_per_mtok: 600_000,
+            },
+            None,
+        )
+        .await?;
+    let gateway = |limiter: Limiter, unmetered: bool| {
+        let info = info.clone();
+        let db = db.clone();
+        let ledger = ledger.clone();
+        async move {
+            let worker: Arc<dyn WorkerClient> = Arc::new(InstantWorker { info });
+            let models = ModelRegistry::discover(vec![worker], Duration::ZERO, &RoutingConfig::default()).await?;
+            anyhow::Ok(Arc::new(Gateway {
+                tenants: TenantStore::new(&db),
+                ledger,
+                models,
+                admin_token: None,
+                limiter,
+                budgets: Default::default(),
+                bench_unmetered: unmetered,
+            }))
+        }
+    };
+    let mut modes = vec![
+        Mode {
+            name: "baseline",
+            gw: gateway(Limiter::default(), true).await?,
+            key: "unused".into(),
+        },
+        Mode {
+            name: "in_process",
+            gw: gateway(Limiter::default(), false).await?,
+            key: key.key.clone(),
+        },
+    ];
+    if let Some(url) = cfg.redis_url.as_deref() {
+        let prefix = format!("hearth-bench-{}:", std::process::id());
+        let limiter = Limiter::with_redis(RedisLimiter::connect(url, &prefix).await?);
+        modes.push(Mode {
+            name: "redis",
+            gw: gateway(limiter, false).await?,
+            key: key.key.clone(),
+        });
+    }
+    let mut results = Vec::new();
+    let mut base = 0.0;
+    for m in &modes {
+        let url = start(m.gw.clone()).await?;
+        let (lat, rps, errors) = measure(&url, &m.key, &cfg, model_id).await?;
+        let p50 = percentile(&lat, 0.5);
+        if m.name == "baseline" {
+            base = p50;
+        }
+        results.push(ModeResult {
+            mode: m.name.to_string(),
+            p50_us: p50,
+            p99_us: percentile(&lat, 0.99),
+            mean_us: lat.iter().sum::<f64>() / lat.len().max(1) as f64,
+            added_p50_us: p50 - base,
+            requests_per_s: rps,
+            errors,
+        });
+    }
+    let metered: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM usage_records")
+        .fetch_one(&db.pool)
+        .await?;
+    tracing::info!(records = metered, "usage records written during the benchmark");
+    let _ = std::fs::remove_dir_all(&dir);
+    modes.clear();
+    Ok(GatewayBenchReport {
+        requests: cfg.requests,
+        concurrency: cfg.concurrency,
+        modes: results,
+        reference_litellm_added_p50_us: 13_400.0,
+        reference_litellm_requests_per_s: 85.0,
+    })
+}
