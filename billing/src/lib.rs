@@ -11,16 +11,18 @@
 //! * **Ledger**: one row per request, keyed by request id (a replay changes nothing), rated
 //!   at ingestion; the same transaction adds the cost to the tenant's monthly spend, which
 //!   budgets are checked against.
-//! * **Durability: write-before-ack.** The gateway hands a request's record to
-//!   [`UsageLedger::record`] and sends the client its final event only after the record is
-//!   committed. Records from concurrent requests are committed together (group commit: one
-//!   transaction per batch), which is what lets one SQLite file keep up with thousands of
-//!   requests per second. If the database stays unavailable, records are appended (and
-//!   fsynced) to an outbox file instead and replayed, idempotently, once it is back.
+//! * **Durability: an outbox, written before the response ends.** The gateway hands a
+//!   request's record to [`UsageLedger::record_durable`], which appends it to a local
+//!   append-only [`outbox`] segment, and sends the client its final event only after that.
+//!   A writer task then commits records to the database in batches (group commit: one
+//!   transaction per batch) and deletes segments once all their records are in. A process
+//!   that dies leaves its segments behind; the next process on that directory replays them
+//!   (idempotently). Without an outbox (the CLI, tests), [`UsageLedger::record`] returns
+//!   after the database commit.
 
 pub mod export;
+pub mod outbox;
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,6 +32,8 @@ use serde::{Deserialize, Serialize};
 use sqlx::any::AnyRow;
 use sqlx::{AnyPool, Row};
 use tokio::sync::{mpsc, oneshot};
+
+use crate::outbox::Outbox;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BillingError {
@@ -221,13 +225,13 @@ pub struct Recorded {
     /// False for a replay of a request id already in the ledger.
     pub inserted: bool,
     pub cost: Cost,
-    /// The database was unavailable: the record is in the outbox, to be replayed.
-    pub spilled: bool,
 }
 
 struct Job {
     rec: UsageRecord,
-    ack: oneshot::Sender<Result<Recorded, String>>,
+    /// The outbox segment holding it, if any.
+    seg: Option<u64>,
+    ack: Option<oneshot::Sender<Result<Recorded, String>>>,
 }
 
 const USAGE_COLUMNS: &str = "request_id, tenant_id, key_id, model, endpoint, prompt_tokens, cached_tokens, \
@@ -341,73 +345,71 @@ async fn write_batch(pool: &AnyPool, recs: &[&UsageRecord]) -> Result<Vec<Record
             .execute(&mut *tx)
             .await?;
         }
-        out.push(Recorded {
-            inserted,
-            cost,
-            spilled: false,
-        });
+        out.push(Recorded { inserted, cost });
     }
     tx.commit().await?;
     Ok(out)
 }
 
-const OUTBOX: &str = "usage-outbox.jsonl";
-const OUTBOX_REPLAY: &str = "usage-outbox.replaying.jsonl";
 const BATCH: usize = 256;
 
-fn spill(dir: &Path, recs: &[&UsageRecord]) -> std::io::Result<()> {
-    std::fs::create_dir_all(dir)?;
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(dir.join(OUTBOX))?;
-    let mut buf = Vec::new();
-    for r in recs {
-        serde_json::to_writer(&mut buf, r)?;
-        buf.push(b'\n');
-    }
-    f.write_all(&buf)?;
-    f.sync_all()
-}
-
-/// Replays the outbox into the database (idempotent); true when it is empty afterwards.
-async fn replay_outbox(pool: &AnyPool, dir: &Path) -> Result<usize, String> {
-    let replay = dir.join(OUTBOX_REPLAY);
-    let outbox = dir.join(OUTBOX);
-    if !replay.exists() {
-        if !outbox.exists() {
-            return Ok(0);
-        }
-        std::fs::rename(&outbox, &replay).map_err(|e| e.to_string())?;
-    }
-    let text = std::fs::read_to_string(&replay).map_err(|e| e.to_string())?;
-    let recs: Vec<UsageRecord> = text
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .filter_map(|l| match serde_json::from_str(l) {
-            Ok(r) => Some(r),
-            Err(e) => {
-                tracing::error!(error = %e, line = l, "unreadable outbox line skipped");
-                None
-            }
-        })
-        .collect();
+/// Writes records in batches (idempotent); the number written.
+async fn replay(pool: &AnyPool, recs: &[UsageRecord]) -> Result<usize, sqlx::Error> {
     for chunk in recs.chunks(BATCH) {
         let refs: Vec<&UsageRecord> = chunk.iter().collect();
-        write_batch(pool, &refs).await.map_err(|e| e.to_string())?;
+        write_batch(pool, &refs).await?;
     }
-    std::fs::remove_file(&replay).map_err(|e| e.to_string())?;
     Ok(recs.len())
 }
 
-async fn writer(pool: AnyPool, mut rx: mpsc::Receiver<Job>, outbox: Option<PathBuf>) {
+/// Replays this process's deferred segments and other (dead) processes' segments.
+async fn recover(pool: &AnyPool, outbox: &Outbox) -> Result<usize, String> {
+    let mut n = 0;
+    for (seq, path) in outbox.deferred_segments().map_err(|e| e.to_string())? {
+        let recs = outbox::read_segment(&path).map_err(|e| e.to_string())?;
+        n += replay(pool, &recs).await.map_err(|e| e.to_string())?;
+        outbox.replayed(seq);
+    }
+    n += recover_abandoned(pool, outbox.abandoned()).await?;
+    Ok(n)
+}
+
+async fn recover_abandoned(pool: &AnyPool, segments: Vec<(PathBuf, std::fs::File)>) -> Result<usize, String> {
+    let mut n = 0;
+    for (path, lock) in segments {
+        let recs = outbox::read_segment(&path).map_err(|e| e.to_string())?;
+        n += replay(pool, &recs).await.map_err(|e| e.to_string())?;
+        std::fs::remove_file(&path).map_err(|e| e.to_string())?;
+        drop(lock);
+    }
+    Ok(n)
+}
+
+enum Msg {
+    Record(Box<Job>),
+    /// Acknowledged once everything sent before it is committed (or has failed).
+    Flush(oneshot::Sender<()>),
+}
+
+async fn writer(pool: AnyPool, mut rx: mpsc::Receiver<Msg>, outbox: Option<Arc<Outbox>>) {
     while let Some(first) = rx.recv().await {
-        let mut batch = vec![first];
-        while batch.len() < BATCH {
-            match rx.try_recv() {
-                Ok(j) => batch.push(j),
-                Err(_) => break,
+        let mut batch = Vec::new();
+        let mut flushes = Vec::new();
+        let mut next = Some(first);
+        while let Some(m) = next.take() {
+            match m {
+                Msg::Record(j) => batch.push(*j),
+                Msg::Flush(f) => flushes.push(f),
             }
+            if batch.len() < BATCH {
+                next = rx.try_recv().ok();
+            }
+        }
+        if batch.is_empty() {
+            for f in flushes {
+                let _ = f.send(());
+            }
+            continue;
         }
         let recs: Vec<&UsageRecord> = batch.iter().map(|j| &j.rec).collect();
         let mut attempt = 0u32;
@@ -422,37 +424,54 @@ async fn writer(pool: AnyPool, mut rx: mpsc::Receiver<Job>, outbox: Option<PathB
                 Err(e) => break Err(e.to_string()),
             }
         };
-        let result = match (result, &outbox) {
-            (Ok(r), _) => Ok(r),
-            (Err(e), Some(dir)) => {
-                tracing::error!(error = %e, records = recs.len(), "database unavailable: usage goes to the outbox");
-                match spill(dir, &recs) {
-                    Ok(()) => Ok(vec![
-                        Recorded {
-                            inserted: true,
-                            cost: Cost::default(),
-                            spilled: true,
-                        };
-                        recs.len()
-                    ]),
-                    Err(io) => Err(format!("{e}; and the outbox failed: {io}")),
-                }
-            }
-            (Err(e), None) => Err(e),
-        };
         match result {
             Ok(rs) => {
                 for (j, r) in batch.into_iter().zip(rs) {
-                    let _ = j.ack.send(Ok(r));
+                    if let (Some(o), Some(seg)) = (&outbox, j.seg) {
+                        o.committed(seg);
+                    }
+                    if let Some(ack) = j.ack {
+                        let _ = ack.send(Ok(r));
+                    }
                 }
             }
             Err(e) => {
                 for j in batch {
-                    tracing::error!(record = ?j.rec, error = %e, "usage record could not be written");
-                    let _ = j.ack.send(Err(e.clone()));
+                    match (&outbox, j.seg) {
+                        (Some(o), Some(seg)) => {
+                            tracing::error!(request_id = %j.rec.request_id, error = %e, "usage record kept in the outbox until the database is back");
+                            o.defer(seg);
+                        }
+                        _ => tracing::error!(record = ?j.rec, error = %e, "usage record could not be written"),
+                    }
+                    if let Some(ack) = j.ack {
+                        let _ = ack.send(Err(e.clone()));
+                    }
                 }
             }
         }
+        for f in flushes {
+            let _ = f.send(());
+        }
+    }
+}
+
+/// A record that is durable, on its way to the database.
+pub struct Pending(PendingInner);
+
+enum PendingInner {
+    Done(Result<Recorded, String>),
+    Waiting(oneshot::Receiver<Result<Recorded, String>>),
+}
+
+impl Pending {
+    /// Waits for the database commit (rating included).
+    pub async fn committed(self) -> Result<Recorded, BillingError> {
+        let r = match self.0 {
+            PendingInner::Done(r) => r,
+            PendingInner::Waiting(rx) => rx.await.map_err(|_| BillingError::WriterGone)?,
+        };
+        r.map_err(|e| BillingError::Db(sqlx::Error::Protocol(e)))
     }
 }
 
@@ -460,7 +479,8 @@ async fn writer(pool: AnyPool, mut rx: mpsc::Receiver<Job>, outbox: Option<PathB
 #[derive(Clone)]
 pub struct UsageLedger {
     pool: AnyPool,
-    tx: mpsc::Sender<Job>,
+    tx: mpsc::Sender<Msg>,
+    outbox: Option<Arc<Outbox>>,
 }
 
 impl std::fmt::Debug for UsageLedger {
@@ -470,50 +490,109 @@ impl std::fmt::Debug for UsageLedger {
 }
 
 impl UsageLedger {
-    /// Starts the writer (needs a Tokio runtime). With `outbox`, records that cannot reach
-    /// the database go to a file there, replayed now and every few seconds.
-    pub fn new(db: &Db, outbox: Option<PathBuf>) -> Self {
-        let (tx, rx) = mpsc::channel(4096);
+    /// A ledger whose records are durable once committed to the database (needs a Tokio
+    /// runtime for its writer).
+    pub fn new(db: &Db) -> Self {
+        Self::start(db, None)
+    }
+
+    fn start(db: &Db, outbox: Option<Arc<Outbox>>) -> Self {
+        let (tx, rx) = mpsc::channel(8192);
         let pool = db.pool.clone();
-        if let Some(dir) = outbox.clone() {
-            let pool = pool.clone();
-            tokio::spawn(async move {
-                loop {
-                    match replay_outbox(&pool, &dir).await {
-                        Ok(0) => {}
-                        Ok(n) => tracing::info!(records = n, "usage outbox replayed"),
-                        Err(e) => tracing::warn!(error = %e, "usage outbox replay failed; will retry"),
-                    }
-                    tokio::time::sleep(Duration::from_secs(5)).await;
-                }
-            });
+        tokio::spawn(writer(pool.clone(), rx, outbox.clone()));
+        Self { pool, tx, outbox }
+    }
+
+    /// A ledger with an outbox in `dir`: records are durable once appended there (see
+    /// [`outbox`]). Segments left by dead processes are replayed first; this process's
+    /// own leftovers are retried every few seconds.
+    pub async fn with_outbox(db: &Db, dir: &Path) -> Result<Self, BillingError> {
+        let n = recover_abandoned(&db.pool, outbox::abandoned_in(dir, None))
+            .await
+            .map_err(|e| BillingError::Db(sqlx::Error::Protocol(e)))?;
+        if n > 0 {
+            tracing::info!(records = n, "usage outbox of a previous process replayed");
         }
-        tokio::spawn(writer(pool.clone(), rx, outbox));
-        Self { pool, tx }
+        let ob = Arc::new(Outbox::open(dir)?);
+        let ledger = Self::start(db, Some(ob.clone()));
+        let pool = db.pool.clone();
+        let weak = Arc::downgrade(&ob);
+        drop(ob);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                let Some(ob) = weak.upgrade() else { break };
+                match recover(&pool, &ob).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(records = n, "usage outbox replayed"),
+                    Err(e) => tracing::warn!(error = %e, "usage outbox replay failed; will retry"),
+                }
+            }
+        });
+        Ok(ledger)
+    }
+
+    /// Replays outbox segments in `dir` whose process is gone (for tools that read the
+    /// ledger, such as the admin CLI). Returns the number of records replayed.
+    pub async fn recover_dir(&self, dir: &Path) -> Result<usize, BillingError> {
+        recover_abandoned(&self.pool, outbox::abandoned_in(dir, None))
+            .await
+            .map_err(|e| BillingError::Db(sqlx::Error::Protocol(e)))
     }
 
     pub fn pool(&self) -> &AnyPool {
         &self.pool
     }
 
-    /// Records a request's usage and returns once it is durable (committed, or fsynced in
-    /// the outbox). Idempotent by request id: a replay changes nothing.
-    pub async fn record(&self, u: &UsageRecord) -> Result<Recorded, BillingError> {
+    /// Makes a request's record durable — appended to the outbox, or without one committed
+    /// to the database — and returns a handle on its database commit. Idempotent by request
+    /// id: a replay changes nothing.
+    pub async fn record_durable(&self, u: &UsageRecord) -> Result<Pending, BillingError> {
+        let Some(ob) = &self.outbox else {
+            let r = self.commit(u, None).await;
+            return Ok(Pending(PendingInner::Done(r)));
+        };
+        let seg = ob.append(u)?;
         let (ack, done) = oneshot::channel();
-        self.tx
-            .send(Job { rec: u.clone(), ack })
-            .await
-            .map_err(|_| BillingError::WriterGone)?;
-        done.await
-            .map_err(|_| BillingError::WriterGone)?
-            .map_err(|e| BillingError::Db(sqlx::Error::Protocol(e)))
+        let job = Job {
+            rec: u.clone(),
+            seg: Some(seg),
+            ack: Some(ack),
+        };
+        if self.tx.try_send(Msg::Record(Box::new(job))).is_err() {
+            // The writer is far behind (the database is slow or down): the record waits in
+            // the outbox and is replayed from there.
+            ob.defer(seg);
+            return Ok(Pending(PendingInner::Done(Err("deferred to the outbox".into()))));
+        }
+        Ok(Pending(PendingInner::Waiting(done)))
     }
 
-    /// Replays an outbox directory now (also done in the background).
-    pub async fn replay_outbox(&self, dir: &Path) -> Result<usize, BillingError> {
-        replay_outbox(&self.pool, dir)
+    async fn commit(&self, u: &UsageRecord, seg: Option<u64>) -> Result<Recorded, String> {
+        let (ack, done) = oneshot::channel();
+        self.tx
+            .send(Msg::Record(Box::new(Job {
+                rec: u.clone(),
+                seg,
+                ack: Some(ack),
+            })))
             .await
-            .map_err(|e| BillingError::Db(sqlx::Error::Protocol(e)))
+            .map_err(|_| "the usage writer has stopped".to_string())?;
+        done.await.map_err(|_| "the usage writer has stopped".to_string())?
+    }
+
+    /// Returns once every record this process handed over before the call is committed (or
+    /// has failed): reads after it see this process's own usage.
+    pub async fn flush(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Msg::Flush(tx)).await.is_ok() {
+            let _ = rx.await;
+        }
+    }
+
+    /// Records a request's usage and returns once it is committed to the database.
+    pub async fn record(&self, u: &UsageRecord) -> Result<Recorded, BillingError> {
+        self.record_durable(u).await?.committed().await
     }
 
     /// Adds a price version. `effective_from` may not be in the past (history is never

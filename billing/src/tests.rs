@@ -43,13 +43,13 @@ fn rates(input: &str, cached: &str, output: &str) -> PriceRates {
 async fn records_are_idempotent_rated_and_counted() {
     for db in testing::all().await {
         tenant(&db, "tn_1").await;
-        let l = UsageLedger::new(&db, None);
+        let l = UsageLedger::new(&db);
         // $1/M input, $0.25/M cached input, $2/M output.
         l.set_price("m", rates("1", "0.25", "2"), None).await.unwrap();
         let now = now_ms();
         let mut u = rec("req_1", "tn_1", "m", 1000, 400, 100, now);
         let r = l.record(&u).await.unwrap();
-        assert!(r.inserted && !r.spilled);
+        assert!(r.inserted);
         // 600 uncached × $1/M = 600_000 nUSD; 400 cached × $0.25/M = 100_000; 100 × $2/M = 200_000.
         assert_eq!(
             (
@@ -96,7 +96,7 @@ async fn records_are_idempotent_rated_and_counted() {
 async fn price_changes_keep_history() {
     for db in testing::all().await {
         tenant(&db, "tn_p").await;
-        let l = UsageLedger::new(&db, None);
+        let l = UsageLedger::new(&db);
         let first = l.set_price("m", rates("1", "0.5", "2"), None).await.unwrap();
         assert_eq!(first.effective_from, 0, "a first price covers all time");
         let t0 = now_ms();
@@ -176,7 +176,7 @@ fn parquet_sum(bytes: &[u8], column: &str) -> (i64, usize) {
 async fn exports_reconcile_in_every_format() {
     for db in testing::all().await {
         tenant(&db, "tn_e").await;
-        let l = UsageLedger::new(&db, None);
+        let l = UsageLedger::new(&db);
         l.set_price("a", rates("0.15", "0.075", "0.6"), None).await.unwrap();
         l.set_price("b", rates("1.1", "0.55", "4.4"), None).await.unwrap();
         let day = 86_400_000;
@@ -229,26 +229,83 @@ async fn exports_reconcile_in_every_format() {
     }
 }
 
-#[tokio::test]
-async fn an_unavailable_database_spills_to_the_outbox_and_replays() {
+/// A process that dies with records in its outbox (not yet in the database) loses none:
+/// the next process on the same directory replays them, once, idempotently.
+#[test]
+fn outbox_records_of_a_dead_process_are_replayed() {
     let dir = std::env::temp_dir().join(format!("hearth-outbox-{}-{}", std::process::id(), now_ms()));
     std::fs::create_dir_all(&dir).unwrap();
     let url = format!("sqlite://{}", dir.join("ledger.db").display());
-    let db = hearth_tenants::db::open(&url, None).await.unwrap();
-    tenant(&db, "tn_o").await;
-    let l = UsageLedger::new(&db, Some(dir.clone()));
-    db.pool.close().await;
-    let r = l.record(&rec("spilled", "tn_o", "m", 5, 0, 5, now_ms())).await.unwrap();
-    assert!(r.spilled, "the record must be kept in the outbox");
-    assert!(dir.join(OUTBOX).exists());
-    // The database is back (a restarted process): the outbox is replayed, idempotently.
-    let db2 = hearth_tenants::db::open(&url, None).await.unwrap();
-    let l2 = UsageLedger::new(&db2, None);
-    assert_eq!(l2.replay_outbox(&dir).await.unwrap(), 1);
-    assert_eq!(l2.replay_outbox(&dir).await.unwrap(), 0);
-    let rows = l2.recent(Some("tn_o"), 10).await.unwrap();
-    assert_eq!(rows.len(), 1);
-    assert_eq!(rows[0].rec.request_id, "spilled");
+    // The first "process": its own runtime, dropped (killed) with records still pending.
+    {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let db = hearth_tenants::db::open(&url, None).await.unwrap();
+            tenant(&db, "tn_o").await;
+            let l = UsageLedger::with_outbox(&db, &dir).await.unwrap();
+            // One record committed normally…
+            l.record(&rec("committed", "tn_o", "m", 5, 0, 5, now_ms()))
+                .await
+                .unwrap();
+            // …then the database goes away: the next ones are durable in the outbox only.
+            db.pool.close().await;
+            for i in 0..3 {
+                let p = l
+                    .record_durable(&rec(&format!("pending{i}"), "tn_o", "m", 5, 0, 5, now_ms()))
+                    .await;
+                assert!(p.is_ok(), "appending to the outbox must succeed");
+            }
+        });
+        rt.shutdown_timeout(std::time::Duration::from_millis(100));
+    }
+    let segments = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("usage-outbox-")
+        })
+        .count();
+    assert!(segments >= 1, "the dead process's segment must still be there");
+    // The next "process".
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let db = hearth_tenants::db::open(&url, None).await.unwrap();
+        let l = UsageLedger::with_outbox(&db, &dir).await.unwrap();
+        let rows = l.recent(Some("tn_o"), 10).await.unwrap();
+        let mut ids: Vec<&str> = rows.iter().map(|r| r.rec.request_id.as_str()).collect();
+        ids.sort();
+        assert_eq!(ids, ["committed", "pending0", "pending1", "pending2"]);
+        // Replaying again changes nothing; the spend counted each record once.
+        assert_eq!(l.recover_dir(&dir).await.unwrap(), 0);
+        let n: i64 = sqlx::query_scalar("SELECT requests FROM tenant_spend WHERE tenant_id = 'tn_o'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(n, 4);
+        // New records go through the outbox and are committed; no segment is left over
+        // beyond the current one.
+        l.record(&rec("later", "tn_o", "m", 5, 0, 5, now_ms())).await.unwrap();
+        let left = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with("usage-outbox-")
+            })
+            .count();
+        assert_eq!(left, 1, "only this process's current segment remains");
+    });
     std::fs::remove_dir_all(&dir).ok();
 }
 

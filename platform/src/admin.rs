@@ -153,6 +153,7 @@ async fn usage(
         Some(t) => Some(gw.tenants.tenant(&t).await.map_err(store_error)?.id),
         None => None,
     };
+    gw.ledger.flush().await;
     let rows = gw
         .ledger
         .recent(tenant_id.as_deref(), q.limit.unwrap_or(100).min(10_000))
@@ -521,6 +522,7 @@ pub(crate) async fn export_response(gw: &Gateway, tenant_id: &str, q: &ExportQue
         .ok_or_else(|| ApiError::invalid("format", "'format' is csv, jsonl or parquet"))?;
     let granularity = Granularity::parse(q.granularity.as_deref().unwrap_or("request"))
         .ok_or_else(|| ApiError::invalid("granularity", "'granularity' is request or day"))?;
+    gw.ledger.flush().await;
     let rows = gw.ledger.rows(tenant_id, from, to).await.map_err(ledger_error)?;
     let e = render(&rows, format, granularity).map_err(ledger_error)?;
     let t = &e.totals;

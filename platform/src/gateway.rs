@@ -1,9 +1,9 @@
 //! The OpenAI-compatible API and the life of a request through it.
 //!
 //! One pipeline, one function per phase, in order:
-//! [`authenticate`] (API key or JWT, scope) → [`budget`] → [`limit`] → parse (`openai`) →
-//! [`resolve`] (and the key's allowed models) → [`tokenize`] (and the token limit) →
-//! [`dispatch`] (route + send to a worker) → [`relay`] (stream to the client, meter: the
+//! [`authenticate`] (API key or JWT, scope) → [`budget`] → parse (`openai`) →
+//! [`resolve`] (and the key's allowed models) → [`tokenize`] → [`limit`] (requests, tokens,
+//! in flight: one step) → [`dispatch`] (route + send to a worker) → [`relay`] (stream to the client, meter: the
 //! usage record is committed before the client gets the final event). Tenant processors
 //! slot in as phases of their own in a later issue.
 
@@ -20,7 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use futures_util::StreamExt;
-use hearth_billing::{format_nusd, month_of, UsageLedger, UsageRecord, UsageStatus};
+use hearth_billing::{format_nusd, month_of, Pending, UsageLedger, UsageRecord, UsageStatus};
 use hearth_protocol::{
     block_hashes, cache_namespace, namespace_root, FinishReason, GenerateEvent, GenerateRequest, TokenLogprob, Usage,
 };
@@ -479,41 +479,59 @@ async fn relay(
             }
         };
         if terminal {
-            write_usage(&gw, &mut rec).await;
+            let pending = write_usage(&gw, &mut rec).await;
             let _ = tx.send(ev).await;
-            break Some(());
+            break Some(pending);
         }
         if tx.send(ev).await.is_err() {
             break None;
         }
     };
+    // The client's response ends here; what follows is bookkeeping.
+    drop(tx);
     drop(placement);
     gw.limiter
         .charge_completion(&admitted.tenant, rec.completion_tokens.max(generated))
         .await;
     drop(admitted); // releases the in-flight slots
-    if ended.is_none() {
-        drop(events); // cancels the generation
-        rec.completion_tokens = generated;
-        rec.status = UsageStatus::Cancelled.as_str().into();
-        rec.finish_reason = Some(FinishReason::Cancelled.as_str().into());
-        write_usage(&gw, &mut rec).await;
+    let pending = match ended {
+        Some(p) => p,
+        None => {
+            drop(events); // cancels the generation
+            rec.completion_tokens = generated;
+            rec.status = UsageStatus::Cancelled.as_str().into();
+            rec.finish_reason = Some(FinishReason::Cancelled.as_str().into());
+            write_usage(&gw, &mut rec).await
+        }
+    };
+    settle(&gw, &rec, pending).await;
+}
+
+/// Makes a request's usage record durable (the outbox); returns the handle on its database
+/// commit. Called before the client gets the end of its response.
+async fn write_usage(gw: &Gateway, rec: &mut UsageRecord) -> Option<Pending> {
+    if gw.bench_unmetered {
+        return None;
+    }
+    rec.finished_at = now_ms();
+    match gw.ledger.record_durable(rec).await {
+        Ok(p) => Some(p),
+        Err(e) => {
+            tracing::error!(record = ?rec, error = %e, "usage record could not be written");
+            None
+        }
     }
 }
 
-/// Records a request's usage; returns once it is durable (write-before-ack).
-async fn write_usage(gw: &Gateway, rec: &mut UsageRecord) {
-    if gw.bench_unmetered {
-        return;
-    }
-    rec.finished_at = now_ms();
-    match gw.ledger.record(rec).await {
-        Ok(r) if r.inserted => {
-            gw.budgets
-                .add(&rec.tenant_id, &month_of(rec.started_at), r.cost.total_nusd);
-        }
+/// Waits for a record's commit and counts its cost towards the tenant's budget at once.
+async fn settle(gw: &Gateway, rec: &UsageRecord, pending: Option<Pending>) {
+    let Some(p) = pending else { return };
+    match p.committed().await {
+        Ok(r) if r.inserted => gw
+            .budgets
+            .add(&rec.tenant_id, &month_of(rec.started_at), r.cost.total_nusd),
         Ok(_) => {}
-        Err(e) => tracing::error!(record = ?rec, error = %e, "usage record could not be written"),
+        Err(e) => tracing::warn!(request_id = %rec.request_id, error = %e, "usage record is waiting in the outbox"),
     }
 }
 
@@ -587,25 +605,7 @@ async fn handle(
     let outcome = match budget(&gw, &tenant).await {
         Ok(b) => {
             spend = b;
-            match limit(&gw, &tenant, &request_id, &mut rate).await {
-                Ok(in_flight) => {
-                    run(
-                        &gw,
-                        &request_id,
-                        &headers,
-                        body,
-                        endpoint,
-                        &mut rec,
-                        Admitted {
-                            tenant,
-                            _in_flight: in_flight,
-                        },
-                        &mut rate,
-                    )
-                    .await
-                }
-                Err(e) => Err(e),
-            }
+            run(&gw, &request_id, &headers, body, endpoint, &mut rec, tenant, &mut rate).await
         }
         Err(e) => Err(e),
     };
@@ -656,12 +656,8 @@ async fn unmetered(
         started_at: 0,
         finished_at: 0,
     };
-    let admitted = Admitted {
-        tenant,
-        _in_flight: InFlight::default(),
-    };
     let mut rate = RateState::default();
-    run(gw, request_id, headers, body, endpoint, &mut rec, admitted, &mut rate)
+    run(gw, request_id, headers, body, endpoint, &mut rec, tenant, &mut rate)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
@@ -676,17 +672,29 @@ pub struct Admitted {
     _in_flight: InFlight,
 }
 
-/// Requests per minute and in flight, for the tenant and the key.
+/// Requests and tokens per minute and requests in flight, for the tenant and the key, in
+/// one step (one Redis round trip when the limits are shared). Runs once the prompt is
+/// tokenized, so the prompt's tokens are charged at admission.
 async fn limit(
     gw: &Gateway,
-    tenant: &TenantContext,
+    tenant: TenantContext,
     request_id: &str,
+    prompt_tokens: u32,
     rate: &mut RateState,
-) -> Result<InFlight, ApiError> {
-    match gw.limiter.admit_request(tenant, request_id).await {
+) -> Result<Admitted, ApiError> {
+    if gw.bench_unmetered {
+        return Ok(Admitted {
+            tenant,
+            _in_flight: InFlight::default(),
+        });
+    }
+    match gw.limiter.admit(&tenant, request_id, prompt_tokens).await {
         Ok((in_flight, state)) => {
             *rate = state;
-            Ok(in_flight)
+            Ok(Admitted {
+                tenant,
+                _in_flight: in_flight,
+            })
         }
         Err(l) => {
             *rate = l.state;
@@ -703,7 +711,7 @@ async fn run(
     body: Result<Bytes, BytesRejection>,
     endpoint: Endpoint,
     rec: &mut UsageRecord,
-    admitted: Admitted,
+    tenant: TenantContext,
     rate: &mut RateState,
 ) -> Result<Response, ApiError> {
     let body = body.map_err(|e| ApiError::invalid("body", e.body_text()))?;
@@ -719,7 +727,7 @@ async fn run(
     };
     rec.model = common.model.clone();
     let model = resolve(gw, &common.model)?.clone();
-    if !admitted.tenant.allows_model(&model.id) {
+    if !tenant.allows_model(&model.id) {
         return Err(ApiError::permission(
             "model_not_allowed",
             format!("This credential may not use model {}.", model.id),
@@ -734,14 +742,7 @@ async fn run(
     let (prompt, max_tokens) = tokenize(&model, input, &common)?;
     rec.prompt_tokens = prompt.len() as u32;
     // Tokens per minute: the prompt now, the completion when known.
-    if let Err(l) = gw
-        .limiter
-        .admit_tokens(&admitted.tenant, prompt.len() as u32, rate)
-        .await
-    {
-        *rate = l.state;
-        return Err(l.error);
-    }
+    let admitted = limit(gw, tenant, request_id, prompt.len() as u32, rate).await?;
     let mut sampling = common.sampling.clone();
     sampling.max_tokens = max_tokens;
     let req = GenerateRequest {

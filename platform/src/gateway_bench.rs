@@ -10,8 +10,9 @@
 //!   to the SQLite ledger before its response ends;
 //! * `redis` — the same with the limits counted in Redis (when a Redis URL is given).
 //!
-//! Latency: sequential requests on one keep-alive connection (P50/P99). Throughput: 32
-//! concurrent clients for a few seconds. Client and server share this machine's cores,
+//! Latency: sequential requests on keep-alive connections, one per mode in turn so that
+//! drift affects every mode alike (P50/P99). Throughput: 32 concurrent clients for a few
+//! seconds, per mode. Client and server share this machine's cores,
 //! so the throughput figure is a floor for the gateway alone.
 
 use std::path::Path;
@@ -125,6 +126,8 @@ pub struct GatewayBenchReport {
     pub requests: usize,
     pub concurrency: usize,
     pub modes: Vec<ModeResult>,
+    /// Successful metered requests, all of them in the ledger at the end.
+    pub usage_records: usize,
     /// The reference: LiteLLM proxy 1.108.7 (one worker, master key, no database)
     /// with an instant backend on this machine, as measured by the author.
     pub reference_litellm_added_p50_us: f64,
@@ -171,6 +174,10 @@ impl GatewayBenchReport {
                 m.requests_per_s / self.reference_litellm_requests_per_s
             );
         }
+        s += &format!(
+            "ledger: {} metered requests succeeded, {} usage records committed\n",
+            self.usage_records, self.usage_records
+        );
         if let Some(m) = ours("redis") {
             s += &format!(
                 "redis: {:.1} µs added at P50 (target ≤ 1000); {:.0} req/s\n",
@@ -203,56 +210,50 @@ async fn start(gw: Arc<Gateway>) -> anyhow::Result<String> {
     Ok(format!("http://{addr}/v1/chat/completions"))
 }
 
-async fn measure(url: &str, key: &str, cfg: &GatewayBenchConfig, model: &str) -> anyhow::Result<(Vec<f64>, f64, usize)> {
-    let body = serde_json::to_vec(&json!({
-        "model": model, "max_tokens": 8,
-        "messages": [{"role": "user", "content": "Say something short about the sea."}],
-    }))?;
-    let client = reqwest::Client::builder().pool_max_idle_per_host(256).build()?;
-    let (url, key): (Arc<str>, Arc<str>) = (url.into(), key.into());
-    let send = move |client: reqwest::Client, body: Vec<u8>| {
-        let url = url.clone();
-        let key = key.clone();
-        async move {
-            let r = client
-                .post(&*url)
-                .bearer_auth(&*key)
-                .header("content-type", "application/json")
-                .body(body)
-                .send()
-                .await?;
-            let ok = r.status().is_success();
-            let _ = r.bytes().await?;
-            Ok::<bool, reqwest::Error>(ok)
+/// Sends requests to one gateway.
+#[derive(Clone)]
+struct Sender {
+    client: reqwest::Client,
+    url: Arc<str>,
+    key: Arc<str>,
+    body: Arc<Vec<u8>>,
+}
+
+impl Sender {
+    /// One request; true when it succeeded.
+    async fn send(&self) -> bool {
+        let r = self
+            .client
+            .post(&*self.url)
+            .bearer_auth(&*self.key)
+            .header("content-type", "application/json")
+            .body((*self.body).clone())
+            .send()
+            .await;
+        match r {
+            Ok(r) => {
+                let ok = r.status().is_success();
+                r.bytes().await.is_ok() && ok
+            }
+            Err(_) => false,
         }
-    };
-    for _ in 0..200 {
-        send(client.clone(), body.clone()).await?;
     }
-    let mut lat = Vec::with_capacity(cfg.requests);
-    let mut errors = 0;
-    for _ in 0..cfg.requests {
-        let t = Instant::now();
-        if !send(client.clone(), body.clone()).await? {
-            errors += 1;
-        }
-        lat.push(t.elapsed().as_secs_f64() * 1e6);
-    }
-    lat.sort_by(f64::total_cmp);
-    // Throughput: `concurrency` clients for `seconds`.
+}
+
+/// Requests/s, errors and successes of `concurrency` clients for `seconds`.
+async fn throughput(s: &Sender, cfg: &GatewayBenchConfig) -> anyhow::Result<(f64, usize, usize)> {
     let deadline = Instant::now() + Duration::from_secs_f64(cfg.seconds);
     let started = Instant::now();
     let mut tasks = Vec::new();
     for _ in 0..cfg.concurrency {
-        let client = client.clone();
-        let body = body.clone();
-        let send = send.clone();
+        let s = s.clone();
         tasks.push(tokio::spawn(async move {
             let (mut n, mut e) = (0usize, 0usize);
             while Instant::now() < deadline {
-                match send(client.clone(), body.clone()).await {
-                    Ok(true) => n += 1,
-                    _ => e += 1,
+                if s.send().await {
+                    n += 1;
+                } else {
+                    e += 1;
                 }
             }
             (n, e)
@@ -264,8 +265,7 @@ async fn measure(url: &str, key: &str, cfg: &GatewayBenchConfig, model: &str) ->
         n += a;
         e += b;
     }
-    let rps = n as f64 / started.elapsed().as_secs_f64();
-    Ok((lat, rps, errors + e))
+    Ok((n as f64 / started.elapsed().as_secs_f64(), e, n))
 }
 
 /// Runs the benchmark with the model's tokenizer (`model_path`) served as `model_id`.
@@ -293,7 +293,7 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> 
         .await?;
     let key = tenants.create_key("bench", &KeySpec::default()).await?;
     tenants.set_key_limits(&key.info.id, generous).await?;
-    let ledger = UsageLedger::new(&db, Some(dir.clone()));
+    let ledger = UsageLedger::with_outbox(&db, &dir).await?;
     ledger
         .set_price(
             "*",
@@ -344,35 +344,74 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> 
             key: key.key.clone(),
         });
     }
+    let body = Arc::new(serde_json::to_vec(&json!({
+        "model": model_id, "max_tokens": 8,
+        "messages": [{"role": "user", "content": "Say something short about the sea."}],
+    }))?);
+    let client = reqwest::Client::builder().pool_max_idle_per_host(256).build()?;
+    let mut senders = Vec::new();
+    for m in &modes {
+        senders.push(Sender {
+            client: client.clone(),
+            url: start(m.gw.clone()).await?.into(),
+            key: m.key.clone().into(),
+            body: body.clone(),
+        });
+    }
+    // Warm-up, then latency: one request per mode in turn, so drift hits all modes alike.
+    let mut ok = vec![0usize; modes.len()];
+    let mut errors = vec![0usize; modes.len()];
+    let mut lat = vec![Vec::with_capacity(cfg.requests); modes.len()];
+    for round in 0..cfg.requests + 200 {
+        for (i, s) in senders.iter().enumerate() {
+            let t = Instant::now();
+            if s.send().await {
+                ok[i] += 1;
+            } else {
+                errors[i] += 1;
+            }
+            if round >= 200 {
+                lat[i].push(t.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+    }
     let mut results = Vec::new();
     let mut base = 0.0;
-    for m in &modes {
-        let url = start(m.gw.clone()).await?;
-        let (lat, rps, errors) = measure(&url, &m.key, &cfg, model_id).await?;
-        let p50 = percentile(&lat, 0.5);
+    let mut metered_ok = 0;
+    for (i, m) in modes.iter().enumerate() {
+        let (rps, e, n) = throughput(&senders[i], &cfg).await?;
+        let l = &mut lat[i];
+        l.sort_by(f64::total_cmp);
+        let p50 = percentile(l, 0.5);
         if m.name == "baseline" {
             base = p50;
+        } else {
+            metered_ok += ok[i] + n;
         }
         results.push(ModeResult {
             mode: m.name.to_string(),
             p50_us: p50,
-            p99_us: percentile(&lat, 0.99),
-            mean_us: lat.iter().sum::<f64>() / lat.len().max(1) as f64,
+            p99_us: percentile(l, 0.99),
+            mean_us: l.iter().sum::<f64>() / l.len().max(1) as f64,
             added_p50_us: p50 - base,
             requests_per_s: rps,
-            errors,
+            errors: errors[i] + e,
         });
     }
+    ledger.flush().await;
     let metered: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM usage_records")
         .fetch_one(&db.pool)
         .await?;
-    tracing::info!(records = metered, "usage records written during the benchmark");
+    if metered as usize != metered_ok {
+        anyhow::bail!("{metered_ok} metered requests succeeded but the ledger has {metered} records");
+    }
     let _ = std::fs::remove_dir_all(&dir);
     modes.clear();
     Ok(GatewayBenchReport {
         requests: cfg.requests,
         concurrency: cfg.concurrency,
         modes: results,
+        usage_records: metered_ok,
         reference_litellm_added_p50_us: 13_400.0,
         reference_litellm_requests_per_s: 85.0,
     })

@@ -280,56 +280,63 @@ impl LocalLimiter {
 
 // ---- Redis ------------------------------------------------------------------------------
 
-/// The request phase, atomically for tenant and key: GCRA on requests/minute, then the
-/// in-flight leases; nothing is consumed unless everything passes.
-/// KEYS: tenant rpm TAT, key rpm TAT, tenant in-flight set, key in-flight set.
-/// ARGV: tenant rpm, key rpm, tenant max in flight, key max in flight, request id, lease ms.
-/// Returns {allowed, failing subject (1-4), wait µs, tenant remaining, key remaining}.
-const REQUEST_SCRIPT: &str = r#"
+/// Admission, atomically for tenant and key: GCRA on requests/minute and on tokens/minute
+/// (the prompt's), then the in-flight leases; nothing is consumed unless everything passes.
+/// KEYS: tenant rpm TAT, key rpm TAT, tenant tpm TAT, key tpm TAT, tenant in-flight set,
+/// key in-flight set.
+/// ARGV: tenant rpm, key rpm, tenant tpm, key tpm, tenant max in flight, key max in flight,
+/// prompt tokens, request id, lease ms.
+/// Returns {allowed, failing subject (1-6), wait µs (-1: can never fit), remaining for
+/// each of the four rates}.
+const ADMIT_SCRIPT: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local rem = {-1, -1}
+local rem = {-1, -1, -1, -1}
 local tats = {}
-for i = 1, 2 do
+local n = tonumber(ARGV[7])
+for i = 1, 4 do
   local limit = tonumber(ARGV[i])
   if limit > 0 then
+    local units = 1
+    if i > 2 then units = n end
+    if units > limit then return {0, i, -1, 0, 0, 0, 0} end
     local step = 60000000 / limit
     local tat = tonumber(redis.call('GET', KEYS[i]) or now)
     if tat < now then tat = now end
-    local new_tat = tat + step
+    local new_tat = tat + units * step
     if new_tat - now > 60000000 then
-      return {0, i, math.ceil(new_tat - 60000000 - now), 0, 0}
+      return {0, i, math.ceil(new_tat - 60000000 - now), 0, 0, 0, 0}
     end
     tats[i] = new_tat
     rem[i] = math.floor((60000000 - (new_tat - now)) / step)
   end
 end
 local now_ms = math.floor(now / 1000)
-for i = 3, 4 do
+for i = 5, 6 do
   local limit = tonumber(ARGV[i])
   if limit > 0 then
     redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now_ms)
     if redis.call('ZCARD', KEYS[i]) >= limit then
-      return {0, i, 1000000, 0, 0}
+      return {0, i, 1000000, 0, 0, 0, 0}
     end
   end
 end
-for i = 1, 2 do
+for i = 1, 4 do
   if tats[i] then
     redis.call('SET', KEYS[i], string.format('%.0f', tats[i]), 'PX', math.ceil((tats[i] - now) / 1000) + 1000)
   end
 end
-for i = 3, 4 do
+for i = 5, 6 do
   if tonumber(ARGV[i]) > 0 then
-    redis.call('ZADD', KEYS[i], now_ms + tonumber(ARGV[6]), ARGV[5])
-    redis.call('PEXPIRE', KEYS[i], tonumber(ARGV[6]))
+    redis.call('ZADD', KEYS[i], now_ms + tonumber(ARGV[9]), ARGV[8])
+    redis.call('PEXPIRE', KEYS[i], tonumber(ARGV[9]))
   end
 end
-return {1, 0, 0, rem[1], rem[2]}
+return {1, 0, 0, rem[1], rem[2], rem[3], rem[4]}
 "#;
 
-/// The token phase: GCRA on tokens/minute for tenant and key, `n` at once. With ARGV[4] = 1
-/// the tokens are charged without a check (completion tokens, known after the fact).
+/// Tokens after the fact (completion tokens): GCRA on tokens/minute for tenant and key,
+/// `n` at once. With ARGV[4] = 1 they are charged without a check.
 /// KEYS: tenant tpm TAT, key tpm TAT. ARGV: tenant tpm, key tpm, n, force.
 /// Returns {allowed, failing subject, wait µs (-1: never fits), tenant remaining, key remaining}.
 const TOKEN_SCRIPT: &str = r#"
@@ -370,7 +377,7 @@ const LEASE_MS: u64 = 15 * 60 * 1000;
 /// Limits shared through Redis.
 pub struct RedisLimiter {
     conn: redis::aio::ConnectionManager,
-    request: redis::Script,
+    admit: redis::Script,
     tokens: redis::Script,
     prefix: String,
 }
@@ -387,7 +394,7 @@ impl RedisLimiter {
             .map_err(|e| anyhow::anyhow!("cannot reach Redis at {url}: {e}"))?;
         Ok(Self {
             conn,
-            request: redis::Script::new(REQUEST_SCRIPT),
+            admit: redis::Script::new(ADMIT_SCRIPT),
             tokens: redis::Script::new(TOKEN_SCRIPT),
             prefix: prefix.to_string(),
         })
@@ -451,82 +458,113 @@ impl Limiter {
         }
     }
 
-    /// The request phase: one request and one in-flight slot, for tenant and key.
-    pub async fn admit_request(
+    /// Admission: one request, the prompt's tokens and an in-flight slot, for tenant and key.
+    pub async fn admit(
         &self,
         ctx: &TenantContext,
         request_id: &str,
+        prompt_tokens: u32,
     ) -> Result<(InFlight, RateState), Box<Limited>> {
         let (t, k) = (&ctx.tenant_limits, &ctx.key_limits);
-        let Some(r) = &self.redis else {
-            return self.local.admit_request(ctx);
+        let local = || -> Result<(InFlight, RateState), Box<Limited>> {
+            let (held, mut state) = self.local.admit_request(ctx)?;
+            self.local.admit_tokens(ctx, prompt_tokens, &mut state)?;
+            Ok((held, state))
         };
-        if t.rpm.is_none() && k.rpm.is_none() && t.concurrent.is_none() && k.concurrent.is_none() {
+        let Some(r) = &self.redis else {
+            return local();
+        };
+        if *t == Limits::default() && *k == Limits::default() {
             return Ok((InFlight::default(), RateState::default()));
         }
         let [ts, ks] = Self::subjects(ctx);
         let keys = [
             r.key(&ts, "rpm"),
             r.key(&ks, "rpm"),
+            r.key(&ts, "tpm"),
+            r.key(&ks, "tpm"),
             r.key(&ts, "inflight"),
             r.key(&ks, "inflight"),
         ];
         let mut conn = r.conn.clone();
-        let res: Result<Vec<i64>, _> = r
-            .request
-            .key(&keys[0])
-            .key(&keys[1])
-            .key(&keys[2])
-            .key(&keys[3])
-            .arg(opt(t.rpm))
+        let mut call = r.admit.prepare_invoke();
+        for key in &keys {
+            call.key(key);
+        }
+        call.arg(opt(t.rpm))
             .arg(opt(k.rpm))
+            .arg(opt(t.tpm))
+            .arg(opt(k.tpm))
             .arg(opt(t.concurrent))
             .arg(opt(k.concurrent))
+            .arg(prompt_tokens.max(1))
             .arg(request_id)
-            .arg(LEASE_MS)
-            .invoke_async(&mut conn)
-            .await;
-        let v = match res {
-            Ok(v) if v.len() == 5 => v,
+            .arg(LEASE_MS);
+        let v: Vec<i64> = match call.invoke_async::<Vec<i64>>(&mut conn).await {
+            Ok(v) if v.len() == 7 => v,
             Ok(v) => {
                 tracing::error!(reply = ?v, "unexpected Redis reply");
-                return self.local.admit_request(ctx);
+                return local();
             }
             Err(e) => {
                 self.redis_failed(&e);
-                return self.local.admit_request(ctx);
+                return local();
             }
         };
+        let rates = [t.rpm, k.rpm, t.tpm, k.tpm];
         let mut state = RateState::default();
-        for (i, l) in [t.rpm, k.rpm].into_iter().enumerate() {
+        for (i, l) in rates.into_iter().enumerate() {
             if let Some(l) = l {
-                state.merge(l, if v[0] == 1 { v[3 + i].max(0) as u32 } else { 0 }, false);
+                state.merge(l, if v[0] == 1 { v[3 + i].max(0) as u32 } else { 0 }, i >= 2);
             }
         }
         if v[0] != 1 {
-            let i = (v[1] - 1).clamp(0, 3) as usize;
+            let i = (v[1] - 1).clamp(0, 5) as usize;
+            let who = Self::who(ctx, i % 2);
             let wait = Duration::from_micros(v[2].max(0) as u64);
-            let (what, limit) = if i < 2 {
-                ("requests per minute", [t.rpm, k.rpm][i])
-            } else {
-                ("concurrent requests", [t.concurrent, k.concurrent][i - 2])
-            };
-            return Err(limited(
-                "requests",
-                what,
-                &Self::who(ctx, i % 2),
-                limit.unwrap_or(0),
-                wait,
-                state,
-            ));
+            return Err(match i {
+                0 | 1 => limited(
+                    "requests",
+                    "requests per minute",
+                    &who,
+                    rates[i].unwrap_or(0),
+                    wait,
+                    state,
+                ),
+                2 | 3 => {
+                    let limit = rates[i].unwrap_or(0);
+                    if v[2] < 0 {
+                        let mut e = limited(
+                            "tokens",
+                            "tokens per minute",
+                            &who,
+                            limit,
+                            Duration::from_secs(60),
+                            state,
+                        );
+                        e.error.message = format!(
+                            "This request needs {prompt_tokens} tokens, more than the {limit} tokens per minute allowed for {who}."
+                        );
+                        e
+                    } else {
+                        limited("tokens", "tokens per minute", &who, limit, wait, state)
+                    }
+                }
+                _ => limited(
+                    "requests",
+                    "concurrent requests",
+                    &who,
+                    [t.concurrent, k.concurrent][i - 4].unwrap_or(0),
+                    wait,
+                    state,
+                ),
+            });
         }
-        let mut leases = Vec::new();
-        if t.concurrent.is_some() {
-            leases.push(keys[2].clone());
-        }
-        if k.concurrent.is_some() {
-            leases.push(keys[3].clone());
-        }
+        let leases: Vec<String> = [(t.concurrent, &keys[4]), (k.concurrent, &keys[5])]
+            .into_iter()
+            .filter(|(c, _)| c.is_some())
+            .map(|(_, key)| key.clone())
+            .collect();
         let held = InFlight {
             local: Vec::new(),
             redis: (!leases.is_empty()).then(|| (r.conn.clone(), leases, request_id.to_string())),
@@ -552,63 +590,6 @@ impl Limiter {
             .arg(u8::from(force))
             .invoke_async(&mut conn)
             .await
-    }
-
-    /// The token phase: charges the prompt's tokens (refused if the budget cannot cover it).
-    pub async fn admit_tokens(
-        &self,
-        ctx: &TenantContext,
-        tokens: u32,
-        state: &mut RateState,
-    ) -> Result<(), Box<Limited>> {
-        let limits = [ctx.tenant_limits.tpm, ctx.key_limits.tpm];
-        let Some(r) = &self.redis else {
-            return self.local.admit_tokens(ctx, tokens, state);
-        };
-        if limits.iter().all(Option::is_none) {
-            return Ok(());
-        }
-        let v = match self.redis_tokens(r, ctx, tokens.max(1), false).await {
-            Ok(v) if v.len() == 5 => v,
-            Ok(_) => return self.local.admit_tokens(ctx, tokens, state),
-            Err(e) => {
-                self.redis_failed(&e);
-                return self.local.admit_tokens(ctx, tokens, state);
-            }
-        };
-        for (i, l) in limits.into_iter().enumerate() {
-            if let Some(l) = l {
-                state.merge(l, if v[0] == 1 { v[3 + i].max(0) as u32 } else { 0 }, true);
-            }
-        }
-        if v[0] == 1 {
-            return Ok(());
-        }
-        let i = (v[1] - 1).clamp(0, 1) as usize;
-        let limit = limits[i].unwrap_or(0);
-        let who = Self::who(ctx, i);
-        if v[2] < 0 {
-            let mut e = limited(
-                "tokens",
-                "tokens per minute",
-                &who,
-                limit,
-                Duration::from_secs(60),
-                *state,
-            );
-            e.error.message = format!(
-                "This request needs {tokens} tokens, more than the {limit} tokens per minute allowed for {who}."
-            );
-            return Err(e);
-        }
-        Err(limited(
-            "tokens",
-            "tokens per minute",
-            &who,
-            limit,
-            Duration::from_micros(v[2] as u64),
-            *state,
-        ))
     }
 
     /// Charges tokens generated after admission (best effort, never blocks the request).
@@ -724,7 +705,7 @@ mod tests {
         let mut concurrency_refusals = 0;
         for i in 0..30 {
             let l = if i % 2 == 0 { &a } else { &b };
-            match l.admit_request(&c, &format!("req{i}")).await {
+            match l.admit(&c, &format!("req{i}"), 1).await {
                 Ok((f, s)) => {
                     ok += 1;
                     assert_eq!(s.limit_requests, Some(10));
@@ -751,16 +732,24 @@ mod tests {
             "the key's in-flight cap of 2 must have bitten"
         );
         // Tokens: 600 on one, 300 on the other, then 200 more is over 1000.
-        let mut s = RateState::default();
-        a.admit_tokens(&c, 600, &mut s).await.unwrap();
-        b.admit_tokens(&c, 300, &mut s).await.unwrap();
+        let mut c = ctx(
+            Limits {
+                tpm: Some(1000),
+                ..Default::default()
+            },
+            Limits::default(),
+        );
+        (c.tenant_id, c.key_id) = ("t2".into(), "k2".into());
+        let (_, s) = a.admit(&c, "t1", 600).await.unwrap();
+        assert_eq!(s.remaining_tokens, Some(400));
+        let (_, s) = b.admit(&c, "t2", 300).await.unwrap();
         assert_eq!(s.remaining_tokens, Some(100));
-        let e = a.admit_tokens(&c, 200, &mut s).await.unwrap_err();
+        let e = a.admit(&c, "t3", 200).await.unwrap_err();
         assert!(e.error.message.contains("tokens per minute"));
-        let e = b.admit_tokens(&c, 5000, &mut s).await.unwrap_err();
-        assert!(e.error.message.contains("more than the 1000"));
+        let e = b.admit(&c, "t4", 5000).await.unwrap_err();
+        assert!(e.error.message.contains("more than the 1000"), "{}", e.error.message);
         // A completion charge is taken even past the limit, and later requests wait.
         b.charge_completion(&c, 50).await;
-        assert!(a.admit_tokens(&c, 60, &mut s).await.is_err());
+        assert!(a.admit(&c, "t5", 60).await.is_err());
     }
 }

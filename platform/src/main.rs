@@ -701,7 +701,7 @@ async fn run_gateway(
     let models = ModelRegistry::discover(workers, wait, &routing).await?;
     let gw = Arc::new(Gateway {
         tenants: TenantStore::new(&db),
-        ledger: UsageLedger::new(&db, Some(data_dir.clone())),
+        ledger: UsageLedger::with_outbox(&db, &data_dir).await?,
         models,
         admin_token: admin_token.filter(|t| !t.is_empty()),
         limiter,
@@ -852,7 +852,13 @@ async fn billing(command: BillingCommand) -> anyhow::Result<()> {
     }
     let db = data.open().await?;
     let t = TenantStore::new(&db).tenant(&tenant).await?;
-    let rows = UsageLedger::new(&db, None).rows(&t.id, from, to).await?;
+    let rows = {
+        let l = UsageLedger::new(&db);
+        l.recover_dir(&data.dir()).await?;
+        l
+    }
+    .rows(&t.id, from, to)
+    .await?;
     let e = render(&rows, format, granularity)?;
     match out {
         Some(path) => std::fs::write(&path, &e.bytes).with_context(|| format!("writing {}", path.display()))?,
@@ -1075,7 +1081,7 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                 output_micros_per_mtok: usd(&output, "--output")?,
             };
             let from = effective_from.as_deref().map(parse_time).transpose()?;
-            let p = UsageLedger::new(&db, None).set_price(&model, rates, from).await?;
+            let p = UsageLedger::new(&db).set_price(&model, rates, from).await?;
             print(
                 serde_json::json!(p),
                 format!("Price for {} from {}: {:?}.", p.model, p.effective_from, p.rates),
@@ -1084,7 +1090,7 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
         AdminCommand::Price {
             command: PriceCommand::List { model },
         } => {
-            let ps = UsageLedger::new(&db, None).prices(model.as_deref()).await?;
+            let ps = UsageLedger::new(&db).prices(model.as_deref()).await?;
             let m = |v: i64| hearth_billing::format_nusd(v * 1000);
             let text = lines(
                 ps.iter().map(|p| {
@@ -1106,7 +1112,9 @@ async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                 Some(t) => Some(store.tenant(&t).await?.id),
                 None => None,
             };
-            let rows = UsageLedger::new(&db, None).recent(tenant_id.as_deref(), limit).await?;
+            let ledger = UsageLedger::new(&db);
+            ledger.recover_dir(&a.data.dir()).await?;
+            let rows = ledger.recent(tenant_id.as_deref(), limit).await?;
             let text = lines(
                 rows.iter().map(|r| {
                     format!(

@@ -36,6 +36,7 @@ pub fn router() -> Router<Arc<Gateway>> {
 async fn me(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
     let ctx = authorize(&gw, &headers, true).await?;
     let month = month_of(now_ms());
+    gw.ledger.flush().await;
     let spent = gw
         .ledger
         .month_spend(&ctx.tenant_id, &month)
@@ -120,6 +121,7 @@ async fn usage(
     let ctx = authorize(&gw, &headers, true).await?;
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
     let (from, to) = window(&q)?;
+    gw.ledger.flush().await;
     let rows = gw.ledger.rows(&ctx.tenant_id, from, to).await.map_err(ledger_error)?;
     let data: Vec<Value> = by_day(&rows)
         .iter()
