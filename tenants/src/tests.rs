@@ -400,3 +400,63 @@ fn constant_time_eq_compares() {
     assert!(!constant_time_eq(b"abc", b"abd"));
     assert!(!constant_time_eq(b"abc", b"ab"));
 }
+
+/// An issuer whose keys come from a JWKS URL: fetched on first use, cached, and refetched
+/// when a token names a kid the cached document lacks (key rotation).
+#[tokio::test]
+async fn jwks_url_is_fetched_and_cached() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let hits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let served = hits.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else { return };
+            served.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let mut buf = [0u8; 4096];
+            let _ = sock.read(&mut buf).await;
+            let resp = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{}",
+                RSA_JWKS.len(),
+                RSA_JWKS
+            );
+            let _ = sock.write_all(resp.as_bytes()).await;
+        }
+    });
+    let db = testing::sqlite().await;
+    let s = TenantStore::new(&db);
+    s.create_tenant("remote").await.unwrap();
+    s.add_issuer(
+        "remote",
+        &IssuerSpec {
+            issuer: "https://remote.example".into(),
+            audience: "hearth".into(),
+            algorithm: "RS256".into(),
+            jwks_url: Some(format!("http://{addr}/.well-known/jwks.json")),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let rs = EncodingKey::from_rsa_pem(RSA_PRIVATE.as_bytes()).unwrap();
+    let good = sign(
+        Algorithm::RS256,
+        &rs,
+        &claims("https://remote.example", "hearth", 300),
+        Some("test-rsa-1"),
+    );
+    for _ in 0..3 {
+        s.authenticate(&good).await.unwrap();
+    }
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 1, "the JWKS is cached");
+    // An unknown kid right after a fetch does not hammer the URL (30 s minimum between fetches).
+    let rotated = sign(
+        Algorithm::RS256,
+        &rs,
+        &claims("https://remote.example", "hearth", 300),
+        Some("next-key"),
+    );
+    assert!(matches!(s.authenticate(&rotated).await, Err(AuthError::Jwt(_))));
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
