@@ -412,7 +412,9 @@ async fn jwks_url_is_fetched_and_cached() {
     let served = hits.clone();
     tokio::spawn(async move {
         loop {
-            let Ok((mut sock, _)) = listener.accept().await else { return };
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
             served.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             let mut buf = [0u8; 4096];
             let _ = sock.read(&mut buf).await;
