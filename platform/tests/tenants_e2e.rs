@@ -119,8 +119,7 @@ async fn two_gateways_sharing_redis_enforce_one_limit() {
     }
     assert_eq!((ok, limited), (10, 20), "the limit must hold across both gateways");
     // Every request has exactly one usage record, whichever gateway served it.
-    let rows: Value = serde_json::from_str(&cli(&["--json", "usage", "--limit", "100"])).unwrap();
-    let rows = rows.as_array().unwrap();
+    let rows = usage_rows_with(&data_a, &["--database-url", db_url.as_str()]);
     assert_eq!(rows.len(), 30);
     assert_eq!(
         rows.iter().filter(|r| r["error_code"] == "rate_limit_exceeded").count(),
@@ -409,7 +408,7 @@ async fn prices_exports_budgets_and_self_service() {
     assert!(std::fs::read(&pq).unwrap().starts_with(b"PAR1"));
 
     // A price change applies to later requests only; the first requests keep their price.
-    let before: Vec<Value> = serde_json::from_str(&admin(&data, &["--json", "usage", "--limit", "100"])).unwrap();
+    let before = usage_rows(&data);
     set_price("10", "10", "10").await;
     let (s, _, r) = post(
         &url,
@@ -418,7 +417,7 @@ async fn prices_exports_budgets_and_self_service() {
     )
     .await;
     assert_eq!(s, 200, "{r}");
-    let after: Vec<Value> = serde_json::from_str(&admin(&data, &["--json", "usage", "--limit", "100"])).unwrap();
+    let after = usage_rows(&data);
     for old in &before {
         let same = after.iter().find(|r| r["request_id"] == old["request_id"]).unwrap();
         assert_eq!(same["cost"], old["cost"], "history is never rewritten");

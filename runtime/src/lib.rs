@@ -1,1 +1,515 @@
-//! The WebAssembly sandbox for tenant processors. Not built yet: see README.md.
+//! The sandbox for tenant processors: WebAssembly components of the `hearth:processor`
+//! world (`wit/processor.wit`), run by wasmtime.
+//!
+//! * **Upload**: [`Runtime::compile`] validates the component (it must be a component of
+//!   this world, importing nothing but the world's `host` interface and a restricted WASI)
+//!   and precompiles it; compiled code is cached by the SHA-256 of the upload, in memory
+//!   and, with a cache directory, on disk.
+//! * **Per request**: [`Runtime::instantiate`] makes a fresh instance from the pooling
+//!   allocator (`InstancePre`, copy-on-write memory images), so requests share nothing.
+//! * **Limits per call**: CPU through epoch interruption (a 1 ms tick; the guest also
+//!   yields to the async executor at every tick, so a busy guest cannot hold a gateway
+//!   thread), memory (growing past the limit traps), input and output bytes, captured log
+//!   bytes. Any failure is a [`ProcessorError`] for this request only.
+//! * **WASI**: only what language runtimes need to start: no preopened directories, no
+//!   environment, no sockets, empty stdin, stdout/stderr captured, clocks rounded to 1 s,
+//!   random numbers.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
+use wasmtime::{Config, Engine, PoolingAllocationConfig, Store, StoreLimits, StoreLimitsBuilder, UpdateDeadline};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::{HostMonotonicClock, HostWallClock, WasiCtx, WasiCtxView, WasiView};
+
+pub mod wat_guest;
+
+mod bindings {
+    wasmtime::component::bindgen!({
+        path: "wit",
+        world: "processor",
+        exports: { default: async },
+        additional_derives: [PartialEq, Eq],
+    });
+}
+
+pub use bindings::hearth::processor::host::Level;
+pub use bindings::hearth::processor::types::{Action, Header, Rejection, Request, Response};
+use bindings::{Processor, ProcessorPre};
+
+/// The WIT of the world, for guest toolchains (`hearth processor wit`).
+pub const WIT: &str = include_str!("../wit/processor.wit");
+
+/// Hard ceilings; a processor's own limits are clamped to these.
+pub const MAX_CPU_MS: u32 = 1_000;
+pub const MAX_MEMORY_MIB: u32 = 256;
+
+/// Limits of one processor's calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Limits {
+    /// CPU time per call (ms, in 1 ms epochs).
+    pub cpu_ms: u32,
+    /// Linear memory of the instance (MiB).
+    pub memory_mib: u32,
+    /// Bytes passed into one call.
+    pub max_input_bytes: usize,
+    /// Bytes a call may return.
+    pub max_output_bytes: usize,
+    /// Log bytes kept per request (the rest is dropped, with a marker).
+    pub max_log_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            cpu_ms: 50,
+            memory_mib: 128,
+            max_input_bytes: 1 << 20,
+            max_output_bytes: 1 << 20,
+            max_log_bytes: 4096,
+        }
+    }
+}
+
+impl Limits {
+    pub fn clamped(mut self) -> Self {
+        self.cpu_ms = self.cpu_ms.clamp(1, MAX_CPU_MS);
+        self.memory_mib = self.memory_mib.clamp(1, MAX_MEMORY_MIB);
+        self.max_input_bytes = self.max_input_bytes.clamp(1, 16 << 20);
+        self.max_output_bytes = self.max_output_bytes.clamp(1, 16 << 20);
+        self.max_log_bytes = self.max_log_bytes.min(1 << 20);
+        self
+    }
+}
+
+/// Why a processor failed (its request fails; nothing else does).
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum ProcessorError {
+    #[error("not a valid hearth:processor component: {0}")]
+    Invalid(String),
+    #[error("exceeded its CPU limit of {0} ms")]
+    Cpu(u32),
+    #[error("exceeded its memory limit of {0} MiB")]
+    Memory(u32),
+    #[error("input of {size} bytes exceeds its limit of {limit} bytes")]
+    InputTooLarge { size: usize, limit: usize },
+    #[error("returned {size} bytes, over its limit of {limit} bytes")]
+    OutputTooLarge { size: usize, limit: usize },
+    #[error("trapped: {0}")]
+    Trap(String),
+    #[error("could not be started: {0}")]
+    Instantiate(String),
+}
+
+impl ProcessorError {
+    /// A stable code for clients and metrics.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::Invalid(_) => "processor_invalid",
+            Self::Cpu(_) => "processor_cpu_limit",
+            Self::Memory(_) => "processor_memory_limit",
+            Self::InputTooLarge { .. } => "processor_input_too_large",
+            Self::OutputTooLarge { .. } => "processor_output_too_large",
+            Self::Trap(_) => "processor_trap",
+            Self::Instantiate(_) => "processor_unavailable",
+        }
+    }
+}
+
+/// Clocks with a 1 s resolution: enough for a guest's runtime, useless for timing attacks.
+struct CoarseWall;
+impl HostWallClock for CoarseWall {
+    fn resolution(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+    fn now(&self) -> Duration {
+        let d = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        Duration::from_secs(d.as_secs())
+    }
+}
+
+struct CoarseMonotonic(std::time::Instant);
+impl HostMonotonicClock for CoarseMonotonic {
+    fn resolution(&self) -> u64 {
+        1_000_000_000
+    }
+    fn now(&self) -> u64 {
+        self.0.elapsed().as_secs() * 1_000_000_000
+    }
+}
+
+/// Captured log lines, truncated at a byte limit.
+#[derive(Default)]
+struct LogBuf {
+    text: String,
+    limit: usize,
+    truncated: bool,
+}
+
+impl LogBuf {
+    fn push(&mut self, line: &str) {
+        if self.truncated {
+            return;
+        }
+        if self.text.len() + line.len() + 1 > self.limit {
+            let room = self.limit.saturating_sub(self.text.len());
+            let mut cut = room.min(line.len());
+            while !line.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            self.text.push_str(&line[..cut]);
+            self.text.push_str("…[truncated]");
+            self.truncated = true;
+            return;
+        }
+        self.text.push_str(line);
+        self.text.push('\n');
+    }
+}
+
+pub struct State {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    limits: StoreLimits,
+    config: String,
+    logs: LogBuf,
+    stdout: MemoryOutputPipe,
+    ticks: u32,
+    max_ticks: u32,
+}
+
+impl WasiView for State {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+impl bindings::hearth::processor::host::Host for State {
+    fn log(&mut self, level: Level, message: String) {
+        let l = match level {
+            Level::Debug => "debug",
+            Level::Info => "info",
+            Level::Warn => "warn",
+            Level::Error => "error",
+        };
+        self.logs.push(&format!("[{l}] {message}"));
+    }
+
+    fn config(&mut self) -> String {
+        self.config.clone()
+    }
+}
+
+impl bindings::hearth::processor::types::Host for State {}
+
+/// A validated, precompiled processor.
+pub struct Compiled {
+    pub sha256: String,
+    pre: ProcessorPre<State>,
+}
+
+impl std::fmt::Debug for Compiled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Compiled").field("sha256", &self.sha256).finish()
+    }
+}
+
+/// The engine, linker and compiled-code cache of one process.
+pub struct Runtime {
+    engine: Engine,
+    linker: Linker<State>,
+    cache: Mutex<HashMap<String, Arc<Compiled>>>,
+    cache_dir: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime").finish_non_exhaustive()
+    }
+}
+
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn classify(e: wasmtime::Error, limits: &Limits) -> ProcessorError {
+    let text = format!("{e:#}");
+    if text.contains("growing memory") || text.contains("memory limit") || text.contains("out of memory") {
+        return ProcessorError::Memory(limits.memory_mib);
+    }
+    if let Some(t) = e.downcast_ref::<wasmtime::Trap>() {
+        if *t == wasmtime::Trap::Interrupt {
+            return ProcessorError::Cpu(limits.cpu_ms);
+        }
+        return ProcessorError::Trap(t.to_string());
+    }
+    let root = e.root_cause().to_string();
+    ProcessorError::Trap(root.lines().next().unwrap_or("").chars().take(300).collect())
+}
+
+impl Runtime {
+    /// A runtime; compiled code is also kept in `cache_dir` when given.
+    pub fn new(cache_dir: Option<PathBuf>) -> anyhow::Result<Self> {
+        let mut cfg = Config::new();
+        cfg.wasm_component_model(true)
+            .epoch_interruption(true)
+            .max_wasm_stack(512 << 10)
+            .async_stack_size(2 << 20)
+            .memory_init_cow(true)
+            .cranelift_opt_level(wasmtime::OptLevel::Speed);
+        let mut pool = PoolingAllocationConfig::default();
+        pool.total_component_instances(512)
+            .total_core_instances(4096)
+            .total_memories(1024)
+            .total_tables(2048)
+            .total_stacks(512)
+            .max_core_instances_per_component(64)
+            .max_memories_per_component(8)
+            .max_tables_per_component(32)
+            .max_component_instance_size(4 << 20)
+            .max_core_instance_size(4 << 20)
+            .table_elements(100_000)
+            .max_memory_size((MAX_MEMORY_MIB as usize) << 20);
+        cfg.allocation_strategy(wasmtime::InstanceAllocationStrategy::Pooling(pool));
+        let engine = Engine::new(&cfg).map_err(|e| anyhow::anyhow!("{e:#}"))?;
+        // The CPU clock of every guest: one epoch per millisecond.
+        let ticker = engine.weak();
+        std::thread::Builder::new()
+            .name("hearth-wasm-epoch".into())
+            .spawn(move || loop {
+                std::thread::sleep(Duration::from_millis(1));
+                match ticker.upgrade() {
+                    Some(e) => e.increment_epoch(),
+                    None => break,
+                }
+            })?;
+        let mut linker: Linker<State> = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(|e| anyhow::anyhow!("{e:#}"))?;
+        Processor::add_to_linker::<State, HasSelf<State>>(&mut linker, |s| s).map_err(|e| anyhow::anyhow!("{e:#}"))?;
+        if let Some(d) = &cache_dir {
+            std::fs::create_dir_all(d)?;
+        }
+        Ok(Self {
+            engine,
+            linker,
+            cache: Mutex::new(HashMap::new()),
+            cache_dir,
+        })
+    }
+
+    fn cached(&self, sha: &str) -> Option<Arc<Compiled>> {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).get(sha).cloned()
+    }
+
+    fn cache_path(&self, sha: &str) -> Option<PathBuf> {
+        self.cache_dir.as_ref().map(|d| d.join(format!("{sha}.cwasm")))
+    }
+
+    /// Validates and precompiles `wasm` (CPU-heavy: call from a blocking thread). Compiled
+    /// code is cached by content hash.
+    pub fn compile(&self, wasm: &[u8]) -> Result<Arc<Compiled>, ProcessorError> {
+        let sha = sha256_hex(wasm);
+        if let Some(c) = self.cached(&sha) {
+            return Ok(c);
+        }
+        let from_disk = self.cache_path(&sha).filter(|p| p.exists()).and_then(|p| {
+            // SAFETY: the file was written by `Component::serialize` of this same engine
+            // configuration in this cache directory (owned by Hearth); wasmtime checks the
+            // engine/version header and refuses a mismatch.
+            unsafe { Component::deserialize_file(&self.engine, &p) }.ok()
+        });
+        let component = match from_disk {
+            Some(c) => c,
+            None => {
+                let c = Component::new(&self.engine, wasm).map_err(|e| ProcessorError::Invalid(format!("{e:#}")))?;
+                if let (Some(p), Ok(bytes)) = (self.cache_path(&sha), c.serialize()) {
+                    let tmp = p.with_extension("tmp");
+                    if std::fs::write(&tmp, bytes).is_ok() {
+                        let _ = std::fs::rename(&tmp, &p);
+                    }
+                }
+                c
+            }
+        };
+        let pre = self
+            .linker
+            .instantiate_pre(&component)
+            .map_err(|e| ProcessorError::Invalid(format!("{e:#}")))?;
+        let pre = ProcessorPre::new(pre).map_err(|e| ProcessorError::Invalid(format!("{e:#}")))?;
+        let c = Arc::new(Compiled {
+            sha256: sha.clone(),
+            pre,
+        });
+        self.cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(sha, c.clone());
+        Ok(c)
+    }
+
+    /// Compiled code by hash, from memory or the disk cache (None: compile it again).
+    pub fn lookup(&self, sha: &str, wasm: impl FnOnce() -> Option<Vec<u8>>) -> Option<Arc<Compiled>> {
+        if let Some(c) = self.cached(sha) {
+            return Some(c);
+        }
+        let bytes = wasm()?;
+        self.compile(&bytes).ok()
+    }
+
+    /// A fresh instance for one request.
+    pub async fn instantiate(
+        &self,
+        compiled: &Compiled,
+        config: &str,
+        limits: Limits,
+    ) -> Result<Instance, ProcessorError> {
+        let limits = limits.clamped();
+        let stdout = MemoryOutputPipe::new(limits.max_log_bytes.max(1024));
+        let wasi = wasmtime_wasi::WasiCtxBuilder::new()
+            .stdout(stdout.clone())
+            .stderr(stdout.clone())
+            .wall_clock(CoarseWall)
+            .monotonic_clock(CoarseMonotonic(std::time::Instant::now()))
+            .allow_tcp(false)
+            .allow_udp(false)
+            .allow_ip_name_lookup(false)
+            .build();
+        let state = State {
+            wasi,
+            table: ResourceTable::new(),
+            limits: StoreLimitsBuilder::new()
+                .memory_size((limits.memory_mib as usize) << 20)
+                .instances(64)
+                .tables(64)
+                .memories(16)
+                .trap_on_grow_failure(true)
+                .build(),
+            config: config.to_string(),
+            logs: LogBuf {
+                limit: limits.max_log_bytes,
+                ..Default::default()
+            },
+            stdout,
+            ticks: 0,
+            max_ticks: limits.cpu_ms,
+        };
+        let mut store = Store::new(&self.engine, state);
+        store.limiter(|s| &mut s.limits);
+        store.epoch_deadline_callback(|mut ctx| {
+            let s = ctx.data_mut();
+            s.ticks += 1;
+            if s.ticks > s.max_ticks {
+                Ok(UpdateDeadline::Interrupt)
+            } else {
+                Ok(UpdateDeadline::Yield(1))
+            }
+        });
+        store.set_epoch_deadline(1);
+        // Starting the guest (its initializers) is bounded by the CPU limit too.
+        let bindings = compiled
+            .pre
+            .instantiate_async(&mut store)
+            .await
+            .map_err(|e| match classify(e, &limits) {
+                ProcessorError::Trap(m) => ProcessorError::Instantiate(m),
+                other => other,
+            })?;
+        Ok(Instance {
+            store,
+            bindings,
+            limits,
+        })
+    }
+}
+
+/// One request's instance of a processor.
+pub struct Instance {
+    store: Store<State>,
+    bindings: Processor,
+    limits: Limits,
+}
+
+impl Instance {
+    fn begin(&mut self, input: usize) -> Result<(), ProcessorError> {
+        if input > self.limits.max_input_bytes {
+            return Err(ProcessorError::InputTooLarge {
+                size: input,
+                limit: self.limits.max_input_bytes,
+            });
+        }
+        self.store.data_mut().ticks = 0;
+        self.store.set_epoch_deadline(1);
+        Ok(())
+    }
+
+    fn finish(&self, r: wasmtime::Result<Action>) -> Result<Action, ProcessorError> {
+        let a = r.map_err(|e| classify(e, &self.limits))?;
+        let size = match &a {
+            Action::Continue => 0,
+            Action::Replace(s) => s.len(),
+            Action::Reject(r) => r.message.len(),
+        };
+        if size > self.limits.max_output_bytes {
+            return Err(ProcessorError::OutputTooLarge {
+                size,
+                limit: self.limits.max_output_bytes,
+            });
+        }
+        Ok(a)
+    }
+
+    pub async fn on_request(&mut self, req: &Request) -> Result<Action, ProcessorError> {
+        let size = req.body.len() + req.headers.iter().map(|h| h.name.len() + h.value.len()).sum::<usize>();
+        self.begin(size)?;
+        let r = self.bindings.call_on_request(&mut self.store, req).await;
+        self.finish(r)
+    }
+
+    pub async fn on_response(&mut self, resp: &Response) -> Result<Action, ProcessorError> {
+        self.begin(resp.body.len())?;
+        let r = self.bindings.call_on_response(&mut self.store, resp).await;
+        self.finish(r)
+    }
+
+    pub async fn on_chunk(&mut self, index: u32, text: &str) -> Result<Action, ProcessorError> {
+        self.begin(text.len())?;
+        let r = self.bindings.call_on_chunk(&mut self.store, index, text).await;
+        self.finish(r)
+    }
+
+    pub async fn on_stream_end(&mut self) -> Result<Action, ProcessorError> {
+        self.begin(0)?;
+        let r = self.bindings.call_on_stream_end(&mut self.store).await;
+        self.finish(r)
+    }
+
+    /// What the guest logged (host `log`, stdout and stderr), truncated.
+    pub fn logs(&self) -> String {
+        let s = self.store.data();
+        let mut out = s.logs.text.clone();
+        let raw = s.stdout.contents();
+        if !raw.is_empty() {
+            let room = s.logs.limit.saturating_sub(out.len());
+            let text = String::from_utf8_lossy(&raw[..raw.len().min(room)]);
+            out.push_str(&text);
+        }
+        out
+    }
+}
+
+/// Reads a component file (for tools and tests).
+pub fn read_component(path: &Path) -> std::io::Result<Vec<u8>> {
+    std::fs::read(path)
+}
+
+#[cfg(test)]
+mod tests;

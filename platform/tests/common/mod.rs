@@ -125,12 +125,32 @@ pub fn new_key(data: &Path, tenant: &str) -> String {
         .to_string()
 }
 
+/// The usage rows as the CLI sees them. A live gateway commits its records moments after
+/// each response (from its outbox), so read until two reads 150 ms apart agree.
 pub fn usage_rows(data: &Path) -> Vec<Value> {
-    serde_json::from_str::<Value>(&admin(data, &["--json", "usage", "--limit", "100"]))
-        .unwrap()
-        .as_array()
-        .unwrap()
-        .clone()
+    usage_rows_with(data, &[])
+}
+
+pub fn usage_rows_with(data: &Path, extra: &[&str]) -> Vec<Value> {
+    let read = || {
+        let mut args = extra.to_vec();
+        args.extend_from_slice(&["--json", "usage", "--limit", "1000"]);
+        serde_json::from_str::<Value>(&admin(data, &args))
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .clone()
+    };
+    let mut last = read();
+    for _ in 0..40 {
+        std::thread::sleep(Duration::from_millis(150));
+        let now = read();
+        if now.len() == last.len() {
+            return now;
+        }
+        last = now;
+    }
+    last
 }
 
 pub fn client() -> reqwest::Client {

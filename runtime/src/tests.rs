@@ -1,0 +1,252 @@
+//! Guests written as WebAssembly text (core modules following the canonical ABI, made into
+//! components with `wit-component`): a trivial one, and the hostile ones.
+
+use std::time::Instant;
+
+use super::*;
+
+use crate::wat_guest::{component, component_for, guest, trivial};
+
+fn c(core: &str) -> Vec<u8> {
+    component(core).unwrap()
+}
+
+fn runtime() -> Runtime {
+    Runtime::new(None).unwrap()
+}
+
+fn request(body: &str) -> Request {
+    Request {
+        tenant: "acme".into(),
+        model: "m".into(),
+        endpoint: "/v1/chat/completions".into(),
+        body: body.into(),
+        headers: vec![Header {
+            name: "user-agent".into(),
+            value: "test".into(),
+        }],
+    }
+}
+
+async fn run_request(rt: &Runtime, wasm: &[u8], limits: Limits) -> Result<Action, ProcessorError> {
+    let c = rt.compile(wasm)?;
+    let mut i = rt.instantiate(&c, "{}", limits).await?;
+    i.on_request(&request("{\"model\":\"m\"}")).await
+}
+
+#[tokio::test]
+async fn a_trivial_guest_continues() {
+    let rt = runtime();
+    let wasm = trivial();
+    let c = rt.compile(&wasm).unwrap();
+    let mut i = rt.instantiate(&c, "{}", Limits::default()).await.unwrap();
+    assert_eq!(i.on_request(&request("{}")).await.unwrap(), Action::Continue);
+    let resp = Response {
+        tenant: "acme".into(),
+        model: "m".into(),
+        endpoint: "/v1/chat/completions".into(),
+        body: "{}".into(),
+    };
+    assert_eq!(i.on_response(&resp).await.unwrap(), Action::Continue);
+    assert_eq!(i.on_chunk(0, "hello").await.unwrap(), Action::Continue);
+    assert_eq!(i.on_stream_end().await.unwrap(), Action::Continue);
+    // Compiled once, by content hash.
+    assert!(Arc::ptr_eq(&c, &rt.compile(&wasm).unwrap()));
+}
+
+#[tokio::test]
+async fn replace_reject_config_and_logs() {
+    let rt = runtime();
+    // on-request: log "hi", then replace the body with the config string.
+    let g = guest(
+        r#"(call $log (i32.const 1) (i32.const 512) (i32.const 2))
+           (call $config (i32.const 256))
+           (i32.store8 (i32.const 128) (i32.const 1))
+           (i32.store (i32.const 132) (i32.load (i32.const 256)))
+           (i32.store (i32.const 136) (i32.load (i32.const 260)))
+           (i32.const 128)"#,
+        r#"(import "hearth:processor/host@0.1.0" "log" (func $log (param i32 i32 i32)))
+           (import "hearth:processor/host@0.1.0" "config" (func $config (param i32)))
+           (data (i32.const 512) "hi")"#,
+    );
+    let c = rt.compile(&component(&g).unwrap()).unwrap();
+    let mut i = rt
+        .instantiate(&c, r#"{"model":"replaced"}"#, Limits::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        i.on_request(&request("{}")).await.unwrap(),
+        Action::Replace(r#"{"model":"replaced"}"#.into())
+    );
+    assert_eq!(i.logs(), "[info] hi\n");
+    // A rejection: status 451 and a message.
+    let g = guest(
+        r#"(i32.store8 (i32.const 128) (i32.const 2))
+           (i32.store16 (i32.const 132) (i32.const 451))
+           (i32.store (i32.const 136) (i32.const 512))
+           (i32.store (i32.const 140) (i32.const 7))
+           (i32.const 128)"#,
+        r#"(data (i32.const 512) "blocked")"#,
+    );
+    let got = run_request(&rt, &component(&g).unwrap(), Limits::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        got,
+        Action::Reject(Rejection {
+            status: 451,
+            message: "blocked".into()
+        })
+    );
+}
+
+#[tokio::test]
+async fn an_infinite_loop_hits_the_cpu_limit_quickly() {
+    let rt = runtime();
+    let wasm = c(&guest("(loop (br 0)) (i32.const 0)", ""));
+    let t = Instant::now();
+    let e = run_request(
+        &rt,
+        &wasm,
+        Limits {
+            cpu_ms: 20,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e, ProcessorError::Cpu(20));
+    assert!(t.elapsed() < Duration::from_secs(2), "took {:?}", t.elapsed());
+}
+
+#[tokio::test]
+async fn a_memory_bomb_hits_the_memory_limit() {
+    let rt = runtime();
+    let wasm = c(&guest(
+        "(loop (drop (memory.grow (i32.const 16))) (br 0)) (i32.const 0)",
+        "",
+    ));
+    let e = run_request(
+        &rt,
+        &wasm,
+        Limits {
+            memory_mib: 16,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e, ProcessorError::Memory(16));
+}
+
+#[tokio::test]
+async fn deep_recursion_and_traps_fail_cleanly() {
+    let rt = runtime();
+    let wasm = c(&guest(
+        "(call $down (i32.const 0))",
+        "(func $down (param i32) (result i32) (call $down (i32.add (local.get 0) (i32.const 1))))",
+    ));
+    match run_request(&rt, &wasm, Limits::default()).await {
+        Err(ProcessorError::Trap(m)) => assert!(m.contains("stack"), "{m}"),
+        other => panic!("expected a stack overflow trap, got {other:?}"),
+    }
+    let wasm = c(&guest("unreachable", ""));
+    match run_request(&rt, &wasm, Limits::default()).await {
+        Err(ProcessorError::Trap(m)) => assert!(m.contains("unreachable"), "{m}"),
+        other => panic!("expected a trap, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_huge_output_is_refused() {
+    let rt = runtime();
+    // Replace with 4 MiB of zero bytes.
+    let wasm = c(&guest(
+        r#"(drop (memory.grow (i32.const 80)))
+           (i32.store8 (i32.const 128) (i32.const 1))
+           (i32.store (i32.const 132) (i32.const 65536))
+           (i32.store (i32.const 136) (i32.const 4194304))
+           (i32.const 128)"#,
+        "",
+    ));
+    let e = run_request(&rt, &wasm, Limits::default()).await.unwrap_err();
+    assert!(
+        matches!(e, ProcessorError::OutputTooLarge { size: 4194304, .. }),
+        "{e:?}"
+    );
+    // And too large an input is refused before the guest runs.
+    let c = rt.compile(&trivial()).unwrap();
+    let mut i = rt
+        .instantiate(
+            &c,
+            "{}",
+            Limits {
+                max_input_bytes: 10,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let e = i.on_request(&request(&"x".repeat(100))).await.unwrap_err();
+    assert!(matches!(e, ProcessorError::InputTooLarge { .. }), "{e:?}");
+}
+
+#[tokio::test]
+async fn a_guest_importing_something_not_offered_is_refused_at_upload() {
+    let wit = r#"package evil:guest;
+world processor {
+    import steal-secrets: func() -> string;
+    export on-request: func() -> u32;
+}"#;
+    let core = r#"(module
+  (import "$root" "steal-secrets" (func (param i32)))
+  (memory (export "memory") 1)
+  (func (export "cabi_realloc") (param i32 i32 i32 i32) (result i32) (i32.const 1024))
+  (func (export "on-request") (result i32) (i32.const 0)))"#;
+    let wasm = component_for(core, wit, "processor").unwrap();
+    match runtime().compile(&wasm) {
+        Err(ProcessorError::Invalid(m)) => assert!(m.contains("steal-secrets"), "{m}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    // Not a component at all.
+    assert!(matches!(
+        runtime().compile(b"\0asm\x01\0\0\0"),
+        Err(ProcessorError::Invalid(_))
+    ));
+    assert!(matches!(runtime().compile(b"garbage"), Err(ProcessorError::Invalid(_))));
+}
+
+/// A guest spinning at its CPU limit does not stop other guests on the same threads: it
+/// yields to the executor every millisecond.
+#[tokio::test(flavor = "current_thread")]
+async fn a_busy_guest_does_not_block_others() {
+    let rt = Arc::new(runtime());
+    let busy = rt.compile(&c(&guest("(loop (br 0)) (i32.const 0)", ""))).unwrap();
+    let quick = rt.compile(&trivial()).unwrap();
+    let rt2 = rt.clone();
+    let spinner = tokio::spawn(async move {
+        let mut i = rt2
+            .instantiate(
+                &busy,
+                "{}",
+                Limits {
+                    cpu_ms: 500,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        i.on_request(&request("{}")).await
+    });
+    tokio::task::yield_now().await;
+    // On the single executor thread, while the spinner runs, quick guests still finish.
+    let t = Instant::now();
+    for _ in 0..20 {
+        let mut i = rt.instantiate(&quick, "{}", Limits::default()).await.unwrap();
+        assert_eq!(i.on_request(&request("{}")).await.unwrap(), Action::Continue);
+    }
+    let quick_time = t.elapsed();
+    assert!(!spinner.is_finished(), "the spinner should still be running");
+    assert!(quick_time < Duration::from_millis(400), "{quick_time:?}");
+    assert_eq!(spinner.await.unwrap().unwrap_err(), ProcessorError::Cpu(500));
+}
