@@ -9,6 +9,7 @@
 
 pub mod db;
 pub mod jwt;
+pub mod processors;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -37,6 +38,8 @@ pub enum TenantError {
     NoSuchKey(String),
     #[error("JWT issuer {0:?} does not exist")]
     NoSuchIssuer(String),
+    #[error("processor {0:?} does not exist")]
+    NoSuchProcessor(String),
     #[error("invalid name {0:?}: use 1-64 letters, digits, '.', '_' or '-'")]
     InvalidName(String),
     #[error("invalid {field}: {message}")]
@@ -302,6 +305,7 @@ pub struct TenantStore {
     pool: AnyPool,
     cache: Mutex<HashMap<String, CachedKey>>,
     jwt: jwt::IssuerCache,
+    processors: processors::ProcessorCache,
 }
 
 impl std::fmt::Debug for TenantStore {
@@ -316,6 +320,7 @@ impl TenantStore {
             pool: db.pool.clone(),
             cache: Mutex::new(HashMap::new()),
             jwt: jwt::IssuerCache::default(),
+            processors: processors::ProcessorCache::default(),
         }
     }
 

@@ -1,0 +1,61 @@
+"""PII redaction: replaces e-mail addresses and phone numbers in prompts before the model
+sees them.
+
+config: {"redact": ["email", "phone"], "email": "[EMAIL]", "phone": "[PHONE]"}
+(every key optional; by default both kinds are redacted with those placeholders).
+"""
+
+import json
+import re
+
+import wit_world
+from wit_world.imports import host, types
+
+EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}")
+# International or North-American style numbers: +44 20 7946 0958, (555) 123-4567, 555.123.4567.
+PHONE = re.compile(r"(?<![\w])(?:\+\d{1,3}[\s.-]?)?(?:\(\d{2,4}\)|\d{2,4})(?:[\s.-]?\d{2,4}){2,4}(?![\w])")
+
+
+def redact(text, cfg):
+    kinds = cfg.get("redact", ["email", "phone"])
+    count = 0
+    if "email" in kinds:
+        text, n = EMAIL.subn(cfg.get("email", "[EMAIL]"), text)
+        count += n
+    if "phone" in kinds:
+        text, n = PHONE.subn(cfg.get("phone", "[PHONE]"), text)
+        count += n
+    return text, count
+
+
+class WitWorld(wit_world.WitWorld):
+    def on_request(self, req: types.Request) -> types.Action:
+        cfg = json.loads(host.config() or "{}")
+        body = json.loads(req.body)
+        total = 0
+        if isinstance(body.get("messages"), list):
+            for m in body["messages"]:
+                if isinstance(m.get("content"), str):
+                    m["content"], n = redact(m["content"], cfg)
+                    total += n
+                elif isinstance(m.get("content"), list):
+                    for part in m["content"]:
+                        if isinstance(part, dict) and isinstance(part.get("text"), str):
+                            part["text"], n = redact(part["text"], cfg)
+                            total += n
+        if isinstance(body.get("prompt"), str):
+            body["prompt"], n = redact(body["prompt"], cfg)
+            total += n
+        if total == 0:
+            return types.Action_Continue()
+        host.log(host.Level.INFO, f"redacted {total} item(s)")
+        return types.Action_Replace(json.dumps(body))
+
+    def on_response(self, resp: types.Response) -> types.Action:
+        return types.Action_Continue()
+
+    def on_chunk(self, index: int, text: str) -> types.Action:
+        return types.Action_Continue()
+
+    def on_stream_end(self) -> types.Action:
+        return types.Action_Continue()
