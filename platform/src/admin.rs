@@ -39,6 +39,14 @@ pub fn router() -> Router<Arc<Gateway>> {
         .route("/tenants/{tenant}/jwt-issuers", get(list_issuers).post(add_issuer))
         .route("/jwt-issuers/{id}", delete(remove_issuer))
         .route("/prices", get(list_prices).post(set_price))
+        .route(
+            "/tenants/{tenant}/processors",
+            get(list_processors).post(upload_processor).layer(upload_limit()),
+        )
+        .route("/processors/{id}", delete(delete_processor))
+        .route("/processors/{id}/activate", axum::routing::post(activate_processor))
+        .route("/processors/{id}/deactivate", axum::routing::post(deactivate_processor))
+        .route("/processors/{id}/attachment", axum::routing::put(attach_processor))
         .route("/billing/export", get(billing_export))
         .route("/usage", get(usage))
         .route("/routing", get(routing))
@@ -573,4 +581,145 @@ async fn billing_export(
         .ok_or_else(|| ApiError::invalid("tenant", "'tenant' is required"))?;
     let t = gw.tenants.tenant(tenant).await.map_err(store_error)?;
     export_response(&gw, &t.id, &q).await
+}
+
+// ---- processors ------------------------------------------------------------------------
+
+/// Uploads may be large (language runtimes are 10-20 MB components).
+pub(crate) fn upload_limit() -> axum::extract::DefaultBodyLimit {
+    axum::extract::DefaultBodyLimit::max(hearth_tenants::processors::MAX_PROCESSOR_BYTES + (1 << 20))
+}
+
+#[derive(Deserialize, Default)]
+pub(crate) struct UploadQuery {
+    name: Option<String>,
+    /// JSON for the guest's `host.config` (default `{}`).
+    config: Option<String>,
+    activate: Option<bool>,
+    key_id: Option<String>,
+    position: Option<i64>,
+    cpu_ms: Option<u32>,
+    memory_mib: Option<u32>,
+}
+
+/// Validates (compiles) and stores a new processor version for `tenant`.
+pub(crate) async fn upload(gw: &Gateway, tenant: &str, q: UploadQuery, wasm: Bytes) -> Result<Response, ApiError> {
+    let host = gw
+        .processors
+        .as_ref()
+        .ok_or_else(|| ApiError::forbidden("processors are disabled on this gateway"))?;
+    let name = q
+        .name
+        .filter(|n| !n.is_empty())
+        .ok_or_else(|| ApiError::invalid("name", "'name' is required (query parameter)"))?;
+    if wasm.is_empty() {
+        return Err(ApiError::invalid("body", "the body must be the component (.wasm)"));
+    }
+    let defaults = hearth_runtime::Limits::default();
+    let limits = hearth_runtime::Limits {
+        cpu_ms: q.cpu_ms.unwrap_or(defaults.cpu_ms),
+        memory_mib: q.memory_mib.unwrap_or(defaults.memory_mib),
+        ..defaults
+    }
+    .clamped();
+    let rt = host.runtime.clone();
+    let bytes = wasm.clone();
+    let compiled = tokio::task::spawn_blocking(move || rt.compile(&bytes))
+        .await
+        .map_err(|_| ApiError::internal("compiling the processor failed"))?
+        .map_err(|e| ApiError::invalid("body", e.to_string()))?;
+    let spec = hearth_tenants::processors::ProcessorSpec {
+        name,
+        sha256: compiled.sha256.clone(),
+        config: q.config.unwrap_or_else(|| "{}".into()),
+        cpu_ms: limits.cpu_ms,
+        memory_mib: limits.memory_mib,
+        key_id: q.key_id.filter(|k| !k.is_empty()),
+        position: q.position,
+        activate: q.activate.unwrap_or(false),
+    };
+    let p = gw
+        .tenants
+        .add_processor(tenant, &spec, &wasm)
+        .await
+        .map_err(store_error)?;
+    Ok((StatusCode::CREATED, Json(p)).into_response())
+}
+
+async fn upload_processor(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(tenant): Path<String>,
+    q: Result<Query<UploadQuery>, axum::extract::rejection::QueryRejection>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    guard(&gw, &headers)?;
+    let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
+    upload(&gw, &tenant, q, body).await
+}
+
+async fn list_processors(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(tenant): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let ps = gw.tenants.list_processors(&tenant).await.map_err(store_error)?;
+    Ok(Json(json!({"object": "list", "data": ps})))
+}
+
+async fn activate_processor(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let p = gw.tenants.set_processor_active(&id, true).await.map_err(store_error)?;
+    Ok(Json(json!(p)))
+}
+
+async fn deactivate_processor(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let p = gw.tenants.set_processor_active(&id, false).await.map_err(store_error)?;
+    Ok(Json(json!(p)))
+}
+
+/// `{"key_id": "…"}` attaches to one key; `{"key_id": null}` to the whole tenant.
+pub(crate) fn attachment_body(body: &Bytes) -> Result<Option<String>, ApiError> {
+    let o = parse_object(body)?;
+    match o.get("key_id") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(ApiError::invalid("key_id", "'key_id' is a key id or null")),
+    }
+}
+
+async fn attach_processor(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let key = attachment_body(&body)?;
+    let p = gw
+        .tenants
+        .attach_processor(&id, key.as_deref())
+        .await
+        .map_err(store_error)?;
+    Ok(Json(json!(p)))
+}
+
+async fn delete_processor(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    guard(&gw, &headers)?;
+    let p = gw.tenants.delete_processor(&id).await.map_err(store_error)?;
+    Ok(Json(json!(p)))
 }

@@ -33,6 +33,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::error::ApiError;
 use crate::limits::{InFlight, Limiter, RateState};
 use crate::openai::{self, Common, Prompt};
+use crate::processors::Chain;
 use crate::registry::{ModelRegistry, ServedModel};
 use crate::workers::{EventStream, WorkerError};
 
@@ -45,6 +46,8 @@ pub struct Gateway {
     pub admin_token: Option<String>,
     pub limiter: Limiter,
     pub budgets: BudgetCache,
+    /// Tenant processors (None: processors are disabled in this gateway).
+    pub processors: Option<crate::processors::ProcessorHost>,
     /// Only `hearth bench gateway` sets this (it is not reachable from any configuration):
     /// requests skip authentication, budgets, limits and metering, so that the benchmark
     /// can time the same request with and without them.
@@ -428,6 +431,7 @@ fn worker_error(code: &str, message: &str) -> ApiError {
         "invalid_prompt" => ApiError::invalid("prompt", message.to_string()),
         "context_length_exceeded" => ApiError::context_length(message.to_string()),
         "worker_disconnected" | "engine_stopped" => ApiError::unavailable(message.to_string()),
+        c if c.starts_with("processor:") => crate::processors::stream_error(&c["processor:".len()..], message),
         _ => ApiError::internal(format!("generation failed: {message}")),
     }
 }
@@ -715,6 +719,15 @@ async fn run(
     rate: &mut RateState,
 ) -> Result<Response, ApiError> {
     let body = body.map_err(|e| ApiError::invalid("body", e.body_text()))?;
+    // Tenant processors: instantiated for this request; pre-processors may rewrite the body.
+    let mut chain = match &gw.processors {
+        Some(h) if !gw.bench_unmetered => Chain::load(h, &gw.tenants, &tenant, endpoint.path()).await?,
+        _ => None,
+    };
+    let body = match &mut chain {
+        Some(c) => c.pre(headers, body).await?,
+        None => body,
+    };
     let (common, input_chat, input_prompt) = match endpoint {
         Endpoint::Chat => {
             let r = openai::parse_chat(&body)?;
@@ -798,11 +811,21 @@ async fn run(
         created: now_ms() / 1000,
         n: common.n as usize,
     };
-    let events = futures_util::stream::iter([first]).chain(ReceiverStream::new(rx));
+    let events = futures_util::stream::iter([first])
+        .chain(ReceiverStream::new(rx))
+        .boxed();
     if common.stream {
-        Ok(sse_response(shape, common.include_usage, events.boxed()))
+        let events = match chain {
+            Some(c) => c.stream(events),
+            None => events,
+        };
+        Ok(sse_response(shape, common.include_usage, events))
     } else {
-        collect_response(shape, events.boxed()).await
+        let mut body = collect_response(&shape, events).await?;
+        if let Some(c) = &mut chain {
+            body = c.post(&model.id, body).await?;
+        }
+        Ok(Json(body).into_response())
     }
 }
 
@@ -988,9 +1011,9 @@ struct Collected {
 }
 
 async fn collect_response(
-    shape: Shape,
+    shape: &Shape,
     mut events: futures_util::stream::BoxStream<'static, GenerateEvent>,
-) -> Result<Response, ApiError> {
+) -> Result<Value, ApiError> {
     let mut choices: Vec<Collected> = (0..shape.n).map(|_| Collected::default()).collect();
     while let Some(ev) = events.next().await {
         match ev {
@@ -1008,7 +1031,7 @@ async fn collect_response(
                     c.any_logprobs = true;
                     match shape.endpoint {
                         Endpoint::Chat => c.chat_logprobs.push(shape.chat_logprob(id, lp, &top_logprobs)),
-                        Endpoint::Completions => c.legacy.push(&shape, id, lp, &top_logprobs, c.text.len()),
+                        Endpoint::Completions => c.legacy.push(shape, id, lp, &top_logprobs, c.text.len()),
                     }
                 }
                 c.text.push_str(&text);
@@ -1019,7 +1042,7 @@ async fn collect_response(
                 }
             }
             GenerateEvent::Done { finish_reason, usage } => {
-                return Ok(completion_body(&shape, &choices, finish_reason, &usage));
+                return Ok(completion_body(shape, &choices, finish_reason, &usage));
             }
             GenerateEvent::Error { code, message } => return Err(worker_error(&code, &message)),
         }
@@ -1027,7 +1050,7 @@ async fn collect_response(
     Err(ApiError::unavailable("the worker ended the stream without finishing"))
 }
 
-fn completion_body(shape: &Shape, choices: &[Collected], default_finish: FinishReason, usage: &Usage) -> Response {
+fn completion_body(shape: &Shape, choices: &[Collected], default_finish: FinishReason, usage: &Usage) -> Value {
     let choices: Vec<Value> = choices
         .iter()
         .enumerate()
@@ -1048,11 +1071,10 @@ fn completion_body(shape: &Shape, choices: &[Collected], default_finish: FinishR
             }
         })
         .collect();
-    Json(json!({
+    json!({
         "id": shape.id(), "object": shape.object(false), "created": shape.created, "model": shape.model.id,
         "system_fingerprint": fingerprint(), "choices": choices, "usage": openai::usage_json(usage),
-    }))
-    .into_response()
+    })
 }
 
 // ---- models --------------------------------------------------------------------------

@@ -319,6 +319,7 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> 
                 admin_token: None,
                 limiter,
                 budgets: Default::default(),
+                processors: None,
                 bench_unmetered: unmetered,
             }))
         }

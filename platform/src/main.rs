@@ -36,6 +36,8 @@ enum Command {
     Gateway(GatewayArgs),
     /// Manage tenants, API keys, JWT issuers, limits, budgets, prices and usage.
     Admin(AdminArgs),
+    /// Tenant processors (WebAssembly components run on requests and responses).
+    Processor(ProcessorArgs),
     /// Billing exports.
     Billing {
         #[command(subcommand)]
@@ -123,9 +125,12 @@ impl DataArgs {
     }
 }
 
-/// Where rate limits are counted.
+/// Where rate limits are counted, and where compiled processors are cached.
 #[derive(Args, Clone)]
 struct LimitStoreArgs {
+    /// Compiled processor code, by content hash (default: DATA_DIR/processors).
+    #[arg(long, env = "HEARTH_PROCESSOR_CACHE")]
+    processor_cache: Option<PathBuf>,
     /// Count rate limits in Redis (redis://HOST:PORT), shared by every gateway using it;
     /// without it each gateway counts alone.
     #[arg(long, env = "HEARTH_REDIS_URL", hide_env_values = true)]
@@ -382,6 +387,75 @@ enum PriceCommand {
     },
 }
 
+#[derive(Args)]
+struct ProcessorArgs {
+    #[command(flatten)]
+    data: DataArgs,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: ProcessorCommand,
+}
+
+#[derive(Subcommand)]
+enum ProcessorCommand {
+    /// Validate, precompile and store a new version of a processor.
+    Upload {
+        #[arg(long)]
+        tenant: String,
+        #[arg(long)]
+        name: String,
+        /// The component (.wasm).
+        file: PathBuf,
+        /// JSON for the guest's `host.config`, or @FILE.
+        #[arg(long)]
+        config: Option<String>,
+        /// Make this the active version at once.
+        #[arg(long)]
+        activate: bool,
+        /// Run only on this API key's requests (default: every request of the tenant).
+        #[arg(long)]
+        key: Option<String>,
+        /// Order among the tenant's processors (pre ascending, post descending).
+        #[arg(long)]
+        position: Option<i64>,
+        /// CPU per call, ms (≤ 1000).
+        #[arg(long, default_value_t = 50)]
+        cpu_ms: u32,
+        /// Memory of the instance, MiB (≤ 256).
+        #[arg(long, default_value_t = 128)]
+        memory_mib: u32,
+    },
+    /// List a tenant's processors (every version).
+    List {
+        #[arg(long)]
+        tenant: String,
+    },
+    /// Make a version the active one of its name.
+    Activate { id: String },
+    /// Stop running a version.
+    Deactivate { id: String },
+    /// Run a version only on one key's requests, or (`--tenant-wide`) on all.
+    Attach {
+        id: String,
+        #[arg(long, conflicts_with = "tenant_wide")]
+        key: Option<String>,
+        #[arg(long)]
+        tenant_wide: bool,
+    },
+    /// Delete a version.
+    Delete { id: String },
+    /// Print the WIT of the `hearth:processor` world.
+    Wit,
+    /// Build a component from a WebAssembly text core module (see `sdk/processors`).
+    BuildWat {
+        file: PathBuf,
+        #[arg(short, long)]
+        out: PathBuf,
+    },
+}
+
 #[derive(Subcommand)]
 enum BillingCommand {
     /// Export a tenant's usage: per request or per day and model, CSV, JSON Lines or Parquet.
@@ -520,6 +594,7 @@ fn main() -> anyhow::Result<()> {
             Command::Gateway(a) => gateway_cmd(a).await,
             Command::Admin(a) => admin(a).await,
             Command::Billing { command } => billing(command).await,
+            Command::Processor(a) => processor(a).await,
             Command::Model {
                 command: ModelCommand::Fetch { model },
             } => {
@@ -706,6 +781,14 @@ async fn run_gateway(
         admin_token: admin_token.filter(|t| !t.is_empty()),
         limiter,
         budgets: Default::default(),
+        processors: Some(hearth_platform::processors::ProcessorHost {
+            runtime: Arc::new(hearth_runtime::Runtime::new(Some(
+                limits
+                    .processor_cache
+                    .clone()
+                    .unwrap_or_else(|| data_dir.join("processors")),
+            ))?),
+        }),
         bench_unmetered: false,
     });
     let listener = tokio::net::TcpListener::bind(listen)
@@ -826,6 +909,126 @@ fn parse_duration_ms(s: &str) -> anyhow::Result<i64> {
 
 fn usd(s: &str, what: &str) -> anyhow::Result<i64> {
     hearth_billing::parse_usd_micros(s).ok_or_else(|| anyhow::anyhow!("{what}: {s:?} is not a USD amount like 0.15"))
+}
+
+async fn processor(a: ProcessorArgs) -> anyhow::Result<()> {
+    let json = a.json;
+    let show = |p: &hearth_tenants::processors::ProcessorInfo| {
+        format!(
+            "{}\t{} v{}\t{}\t{}\tposition {}\t{} bytes\tcpu {} ms, memory {} MiB\tsha256 {}",
+            p.id,
+            p.name,
+            p.version,
+            if p.active { "active" } else { "inactive" },
+            p.key_id
+                .as_deref()
+                .map_or("tenant-wide".to_string(), |k| format!("key {k}")),
+            p.position,
+            p.size,
+            p.cpu_ms,
+            p.memory_mib,
+            &p.sha256[..12]
+        )
+    };
+    let print = |v: serde_json::Value, text: String| {
+        if json {
+            println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        } else {
+            println!("{text}");
+        }
+    };
+    match a.command {
+        ProcessorCommand::Wit => {
+            print!("{}", hearth_runtime::WIT);
+            return Ok(());
+        }
+        ProcessorCommand::BuildWat { file, out } => {
+            let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
+            let wasm = hearth_runtime::wat_guest::component(&text)?;
+            std::fs::write(&out, &wasm).with_context(|| format!("writing {}", out.display()))?;
+            println!("{}: {} bytes", out.display(), wasm.len());
+            return Ok(());
+        }
+        _ => {}
+    }
+    let db = a.data.open().await?;
+    let store = TenantStore::new(&db);
+    match a.command {
+        ProcessorCommand::Upload {
+            tenant,
+            name,
+            file,
+            config,
+            activate,
+            key,
+            position,
+            cpu_ms,
+            memory_mib,
+        } => {
+            let wasm = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
+            let config = match config {
+                Some(c) if c.starts_with('@') => {
+                    std::fs::read_to_string(&c[1..]).with_context(|| format!("reading {}", &c[1..]))?
+                }
+                Some(c) => c,
+                None => "{}".into(),
+            };
+            let limits = hearth_runtime::Limits {
+                cpu_ms,
+                memory_mib,
+                ..Default::default()
+            }
+            .clamped();
+            // Compiling here validates the upload and fills the data dir's code cache that
+            // gateways on this machine share.
+            let cache = std::env::var_os("HEARTH_PROCESSOR_CACHE")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| a.data.dir().join("processors"));
+            let rt = hearth_runtime::Runtime::new(Some(cache))?;
+            let bytes = wasm.clone();
+            let compiled = tokio::task::spawn_blocking(move || rt.compile(&bytes)).await??;
+            let spec = hearth_tenants::processors::ProcessorSpec {
+                name,
+                sha256: compiled.sha256.clone(),
+                config,
+                cpu_ms: limits.cpu_ms,
+                memory_mib: limits.memory_mib,
+                key_id: key,
+                position,
+                activate,
+            };
+            let p = store.add_processor(&tenant, &spec, &wasm).await?;
+            print(serde_json::json!(p), format!("Uploaded {}", show(&p)));
+        }
+        ProcessorCommand::List { tenant } => {
+            let ps = store.list_processors(&tenant).await?;
+            print(serde_json::json!(ps), lines(ps.iter().map(show), "No processors."));
+        }
+        ProcessorCommand::Activate { id } => {
+            let p = store.set_processor_active(&id, true).await?;
+            print(
+                serde_json::json!(p),
+                format!("Activated {} (gateways follow within 5 s).", show(&p)),
+            );
+        }
+        ProcessorCommand::Deactivate { id } => {
+            let p = store.set_processor_active(&id, false).await?;
+            print(serde_json::json!(p), format!("Deactivated {}.", show(&p)));
+        }
+        ProcessorCommand::Attach { id, key, tenant_wide } => {
+            if key.is_none() && !tenant_wide {
+                bail!("give --key KEY_ID or --tenant-wide");
+            }
+            let p = store.attach_processor(&id, key.as_deref()).await?;
+            print(serde_json::json!(p), format!("Attached {}.", show(&p)));
+        }
+        ProcessorCommand::Delete { id } => {
+            let p = store.delete_processor(&id).await?;
+            print(serde_json::json!(p), format!("Deleted {}.", show(&p)));
+        }
+        ProcessorCommand::Wit | ProcessorCommand::BuildWat { .. } => unreachable!("handled above"),
+    }
+    Ok(())
 }
 
 async fn billing(command: BillingCommand) -> anyhow::Result<()> {

@@ -5,7 +5,9 @@
 //! * `GET /v1/tenant` — the tenant, its limits, budget and month-to-date spend;
 //! * `GET /v1/tenant/keys`, `POST /v1/tenant/keys`, `DELETE /v1/tenant/keys/{id}`;
 //! * `GET /v1/tenant/usage?from&to` — usage and cost by day and model, with totals;
-//! * `GET /v1/tenant/usage/export?from&to&format&granularity` — the billing export.
+//! * `GET /v1/tenant/usage/export?from&to&format&granularity` — the billing export;
+//! * `/v1/tenant/processors` — upload (POST, the `.wasm` as the body), list, activate,
+//!   deactivate, attach to a key, delete the tenant's processors.
 
 use std::sync::Arc;
 
@@ -31,6 +33,16 @@ pub fn router() -> Router<Arc<Gateway>> {
         .route("/keys/{key_id}", delete(revoke_key))
         .route("/usage", get(usage))
         .route("/usage/export", get(export))
+        .route(
+            "/processors",
+            get(list_processors)
+                .post(upload_processor)
+                .layer(crate::admin::upload_limit()),
+        )
+        .route("/processors/{id}", delete(delete_processor))
+        .route("/processors/{id}/activate", axum::routing::post(activate_processor))
+        .route("/processors/{id}/deactivate", axum::routing::post(deactivate_processor))
+        .route("/processors/{id}/attachment", axum::routing::put(attach_processor))
 }
 
 async fn me(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
@@ -145,4 +157,86 @@ async fn export(
     let ctx = authorize(&gw, &headers, true).await?;
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
     export_response(&gw, &ctx.tenant_id, &q).await
+}
+
+// ---- processors ------------------------------------------------------------------------
+
+/// A processor of the caller's tenant (another tenant's is "not found").
+async fn own_processor(
+    gw: &Gateway,
+    ctx: &hearth_tenants::TenantContext,
+    id: &str,
+) -> Result<hearth_tenants::processors::ProcessorInfo, ApiError> {
+    let p = gw.tenants.processor(id).await.map_err(store_error)?;
+    if p.tenant_id != ctx.tenant_id {
+        return Err(ApiError::not_found(format!("processor {id:?} does not exist")));
+    }
+    Ok(p)
+}
+
+async fn upload_processor(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    q: Result<Query<crate::admin::UploadQuery>, axum::extract::rejection::QueryRejection>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let ctx = authorize(&gw, &headers, true).await?;
+    let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
+    crate::admin::upload(&gw, &ctx.tenant_id, q, body).await
+}
+
+async fn list_processors(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
+    let ctx = authorize(&gw, &headers, true).await?;
+    let ps = gw.tenants.list_processors(&ctx.tenant_id).await.map_err(store_error)?;
+    Ok(Json(json!({"object": "list", "data": ps})))
+}
+
+async fn activate_processor(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let ctx = authorize(&gw, &headers, true).await?;
+    own_processor(&gw, &ctx, &id).await?;
+    let p = gw.tenants.set_processor_active(&id, true).await.map_err(store_error)?;
+    Ok(Json(json!(p)))
+}
+
+async fn deactivate_processor(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let ctx = authorize(&gw, &headers, true).await?;
+    own_processor(&gw, &ctx, &id).await?;
+    let p = gw.tenants.set_processor_active(&id, false).await.map_err(store_error)?;
+    Ok(Json(json!(p)))
+}
+
+async fn attach_processor(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let ctx = authorize(&gw, &headers, true).await?;
+    own_processor(&gw, &ctx, &id).await?;
+    let key = crate::admin::attachment_body(&body)?;
+    let p = gw
+        .tenants
+        .attach_processor(&id, key.as_deref())
+        .await
+        .map_err(store_error)?;
+    Ok(Json(json!(p)))
+}
+
+async fn delete_processor(
+    State(gw): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let ctx = authorize(&gw, &headers, true).await?;
+    own_processor(&gw, &ctx, &id).await?;
+    let p = gw.tenants.delete_processor(&id).await.map_err(store_error)?;
+    Ok(Json(json!(p)))
 }

@@ -39,13 +39,15 @@ fn limits() -> Limits {
 async fn load(rt: &Runtime, dir: &std::path::Path, name: &str, config: &str) -> hearth_runtime::Instance {
     let wasm = std::fs::read(dir.join(format!("{name}.wasm"))).unwrap_or_else(|e| panic!("{name}.wasm: {e}"));
     let c = rt.compile(&wasm).unwrap_or_else(|e| panic!("{name}: {e}"));
-    rt.instantiate(&c, config, limits()).await.unwrap_or_else(|e| panic!("{name}: {e}"))
+    rt.instantiate(&c, config, limits())
+        .await
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
 #[tokio::test]
 async fn pii_redactor_python() {
     let Some(dir) = examples() else { return };
-    let rt = Runtime::new(None).unwrap();
+    let rt = Runtime::new(Some(dir.join("cache"))).unwrap();
     let mut i = load(&rt, &dir, "pii-redactor", "{}").await;
     let body = json!({"model": "m", "messages": [{"role": "user",
         "content": "Mail jane.doe@example.com or call +1 (555) 123-4567 today."}]});
@@ -65,7 +67,7 @@ async fn pii_redactor_python() {
 #[tokio::test]
 async fn system_prompt_injector_js() {
     let Some(dir) = examples() else { return };
-    let rt = Runtime::new(None).unwrap();
+    let rt = Runtime::new(Some(dir.join("cache"))).unwrap();
     let cfg = r#"{"system_prompt": "Answer like a pirate.", "mode": "enforce"}"#;
     let mut i = load(&rt, &dir, "system-prompt", cfg).await;
     let body = json!({"model": "m", "messages": [
@@ -83,7 +85,7 @@ async fn system_prompt_injector_js() {
 #[tokio::test]
 async fn response_filter_js() {
     let Some(dir) = examples() else { return };
-    let rt = Runtime::new(None).unwrap();
+    let rt = Runtime::new(Some(dir.join("cache"))).unwrap();
     let resp = |content: &str| Response {
         tenant: "acme".into(),
         model: "m".into(),
@@ -111,7 +113,13 @@ async fn response_filter_js() {
     }
     assert_eq!(text, "Well **** it, what the ****");
     // Block mode and required JSON.
-    let mut i = load(&rt, &dir, "response-filter", r#"{"blocked_words": ["darn"], "mode": "block"}"#).await;
+    let mut i = load(
+        &rt,
+        &dir,
+        "response-filter",
+        r#"{"blocked_words": ["darn"], "mode": "block"}"#,
+    )
+    .await;
     assert!(matches!(
         i.on_response(&resp("oh darn")).await.unwrap(),
         Action::Reject(Rejection { status: 451, .. })

@@ -62,7 +62,8 @@ pub struct ActiveProcessor {
     pub position: i64,
 }
 
-const COLUMNS: &str = "id, tenant_id, name, version, sha256, LENGTH(wasm), config, cpu_ms, memory_mib, active, key_id, \
+const COLUMNS: &str =
+    "id, tenant_id, name, version, sha256, LENGTH(wasm), config, cpu_ms, memory_mib, active, key_id, \
      position, created_at";
 
 fn info(r: &AnyRow) -> ProcessorInfo {
@@ -83,10 +84,13 @@ fn info(r: &AnyRow) -> ProcessorInfo {
     }
 }
 
+/// A tenant's active processors and when they were read.
+type CachedList = (Arc<[ActiveProcessor]>, Instant);
+
 /// Active processors per tenant, cached like keys.
 #[derive(Default)]
 pub(crate) struct ProcessorCache {
-    by_tenant: Mutex<HashMap<String, (Arc<[ActiveProcessor]>, Instant)>>,
+    by_tenant: Mutex<HashMap<String, CachedList>>,
 }
 
 impl ProcessorCache {
@@ -104,13 +108,21 @@ fn invalid(field: &'static str, message: impl Into<String>) -> TenantError {
 
 impl TenantStore {
     /// Stores a new version of a processor (validated by the caller).
-    pub async fn add_processor(&self, tenant: &str, spec: &ProcessorSpec, wasm: &[u8]) -> Result<ProcessorInfo, TenantError> {
+    pub async fn add_processor(
+        &self,
+        tenant: &str,
+        spec: &ProcessorSpec,
+        wasm: &[u8],
+    ) -> Result<ProcessorInfo, TenantError> {
         let t = self.tenant(tenant).await?;
         if !valid_name(&spec.name) {
             return Err(TenantError::InvalidName(spec.name.clone()));
         }
         if wasm.is_empty() || wasm.len() > MAX_PROCESSOR_BYTES {
-            return Err(invalid("wasm", format!("a component of 1 byte to {MAX_PROCESSOR_BYTES} bytes")));
+            return Err(invalid(
+                "wasm",
+                format!("a component of 1 byte to {MAX_PROCESSOR_BYTES} bytes"),
+            ));
         }
         if serde_json::from_str::<serde_json::Value>(&spec.config).is_err() || spec.config.len() > 64 << 10 {
             return Err(invalid("config", "config must be JSON, at most 64 KiB"));
@@ -121,13 +133,11 @@ impl TenantStore {
                 return Err(TenantError::NoSuchKey(k.clone()));
             }
         }
-        let prev = sqlx::query(
-            "SELECT MAX(version), MAX(position) FROM processors WHERE tenant_id = $1 AND name = $2",
-        )
-        .bind(&t.id)
-        .bind(&spec.name)
-        .fetch_one(&self.pool)
-        .await?;
+        let prev = sqlx::query("SELECT MAX(version), MAX(position) FROM processors WHERE tenant_id = $1 AND name = $2")
+            .bind(&t.id)
+            .bind(&spec.name)
+            .fetch_one(&self.pool)
+            .await?;
         let version = prev.get::<Option<i64>, _>(0).unwrap_or(0) + 1;
         let position = match (spec.position, prev.get::<Option<i64>, _>(1)) {
             (Some(p), _) => p,
