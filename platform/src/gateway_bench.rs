@@ -417,3 +417,81 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> 
         reference_litellm_requests_per_s: 85.0,
     })
 }
+
+/// P50 (µs) of the same request through one metered gateway for a tenant without processors
+/// and a tenant with the trivial WAT processor as pre + post, interleaved.
+pub async fn processor_overhead(model_path: &Path, model_id: &str, requests: usize) -> anyhow::Result<(f64, f64)> {
+    let info = hearth_engine::sim::sim_info(model_path, model_id, "local")?;
+    let dir = std::env::temp_dir().join(format!("hearth-bench-processors-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let db = crate::db::open(&dir, None).await?;
+    let tenants = TenantStore::new(&db);
+    let mut keys = Vec::new();
+    for t in ["plain", "proc"] {
+        tenants.create_tenant(t).await?;
+        keys.push(tenants.create_key(t, &KeySpec::default()).await?.key);
+    }
+    let runtime = Arc::new(hearth_runtime::Runtime::new(None)?);
+    let wasm = hearth_runtime::wat_guest::trivial();
+    let compiled = runtime.compile(&wasm)?;
+    tenants
+        .add_processor(
+            "proc",
+            &hearth_tenants::processors::ProcessorSpec {
+                name: "trivial".into(),
+                sha256: compiled.sha256.clone(),
+                config: "{}".into(),
+                cpu_ms: 50,
+                memory_mib: 16,
+                key_id: None,
+                position: None,
+                activate: true,
+            },
+            &wasm,
+        )
+        .await?;
+    let worker: Arc<dyn WorkerClient> = Arc::new(InstantWorker { info });
+    let models = ModelRegistry::discover(vec![worker], Duration::ZERO, &RoutingConfig::default()).await?;
+    let gw = Arc::new(Gateway {
+        tenants: TenantStore::new(&db),
+        ledger: UsageLedger::with_outbox(&db, &dir).await?,
+        models,
+        admin_token: None,
+        limiter: Limiter::default(),
+        budgets: Default::default(),
+        processors: Some(crate::processors::ProcessorHost { runtime }),
+        bench_unmetered: false,
+    });
+    let url: Arc<str> = start(gw).await?.into();
+    let body = Arc::new(serde_json::to_vec(&json!({
+        "model": model_id, "max_tokens": 8,
+        "messages": [{"role": "user", "content": "Say something short about the sea."}],
+    }))?);
+    let client = reqwest::Client::builder().build()?;
+    let senders: Vec<Sender> = keys
+        .iter()
+        .map(|k| Sender {
+            client: client.clone(),
+            url: url.clone(),
+            key: k.as_str().into(),
+            body: body.clone(),
+        })
+        .collect();
+    let mut lat = [Vec::new(), Vec::new()];
+    for round in 0..requests + 200 {
+        for (i, s) in senders.iter().enumerate() {
+            let t = Instant::now();
+            anyhow::ensure!(s.send().await, "a benchmark request failed");
+            if round >= 200 {
+                lat[i].push(t.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut p50 = [0.0; 2];
+    for (i, l) in lat.iter_mut().enumerate() {
+        l.sort_by(f64::total_cmp);
+        p50[i] = percentile(l, 0.5);
+    }
+    Ok((p50[0], p50[1]))
+}

@@ -13,6 +13,7 @@ pub mod gateway_bench;
 pub mod limits;
 pub mod metrics;
 pub mod openai;
+pub mod processor_bench;
 pub mod processors;
 pub mod registry;
 pub mod routing_bench;

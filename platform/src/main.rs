@@ -57,6 +57,22 @@ enum Command {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Processor overhead per request (WAT, JavaScript, Python guests) and core scaling.
+    Processors {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Where `sdk/processors/build` put the JS/Python guests.
+        #[arg(long, default_value = "target/processors")]
+        examples: PathBuf,
+        #[arg(long, default_value_t = 2000)]
+        requests: usize,
+        /// Fewer requests (smoke runs).
+        #[arg(long)]
+        quick: bool,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Gateway overhead: auth, limits, budget and metering vs none, with an instant worker.
     Gateway {
         #[command(flatten)]
@@ -605,6 +621,24 @@ fn main() -> anyhow::Result<()> {
             Command::Bench {
                 command: BenchCommand::Engine { model, quick, json },
             } => bench_engine(model, quick, json).await,
+            Command::Bench {
+                command:
+                    BenchCommand::Processors {
+                        model,
+                        examples,
+                        requests,
+                        quick,
+                        json,
+                    },
+            } => {
+                let (path, id) = resolve_model(&model).await?;
+                let examples = examples.exists().then_some(examples);
+                let (requests, seconds) = if quick { (200, 0.5) } else { (requests.max(20), 2.0) };
+                let report =
+                    hearth_platform::processor_bench::run(examples.as_deref(), &path, &id, requests, seconds).await?;
+                print!("{}", report.table());
+                write_json(&report, json)
+            }
             Command::Bench {
                 command:
                     BenchCommand::Gateway {

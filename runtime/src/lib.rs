@@ -278,7 +278,13 @@ impl Runtime {
             .max_component_instance_size(4 << 20)
             .max_core_instance_size(4 << 20)
             .table_elements(100_000)
-            .max_memory_size((MAX_MEMORY_MIB as usize) << 20);
+            .max_memory_size((MAX_MEMORY_MIB as usize) << 20)
+            // Reset small memories, tables and stacks with memset instead of madvise: the
+            // kernel's mm lock would otherwise serialize instantiations across threads.
+            .linear_memory_keep_resident(1 << 20)
+            .table_keep_resident(64 << 10)
+            .async_stack_keep_resident(128 << 10)
+            .decommit_batch_size(64);
         cfg.allocation_strategy(wasmtime::InstanceAllocationStrategy::Pooling(pool));
         let engine = Engine::new(&cfg).map_err(|e| anyhow::anyhow!("{e:#}"))?;
         // The CPU clock of every guest: one epoch per millisecond.
