@@ -104,11 +104,20 @@ async fn one(rt: &Runtime, c: &hearth_runtime::Compiled, limits: Limits) -> anyh
     let mut i = rt.instantiate(c, "{}", limits).await?;
     let a = i.on_request(&request()).await?;
     let b = i.on_response(&response()).await?;
-    anyhow::ensure!(a == Action::Continue && b == Action::Continue, "a trivial guest must continue");
+    anyhow::ensure!(
+        a == Action::Continue && b == Action::Continue,
+        "a trivial guest must continue"
+    );
     Ok(())
 }
 
-async fn guest(rt: &Arc<Runtime>, name: &str, wasm: Vec<u8>, requests: usize, seconds: f64) -> anyhow::Result<GuestResult> {
+async fn guest(
+    rt: &Arc<Runtime>,
+    name: &str,
+    wasm: Vec<u8>,
+    requests: usize,
+    seconds: f64,
+) -> anyhow::Result<GuestResult> {
     let t = Instant::now();
     let bytes = wasm.len();
     let rt2 = rt.clone();

@@ -253,6 +253,51 @@ async fn example_processors_change_requests_and_responses() {
         "the stream must end with the rejection: {events:?}"
     );
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    // Post-processors run by descending position: a mask at 20 sees the answer before a
+    // block at 10, so the block never sees the word (ascending order would refuse it).
+    let ordered = new_key(&data, "ordered");
+    let block = enc(r#"{"blocked_words":["Paris"],"mode":"block"}"#);
+    let mask = enc(r#"{"blocked_words":["Paris"],"mode":"mask"}"#);
+    let q_small = "&cpu_ms=1000&memory_mib=256";
+    upload(
+        &base,
+        "ordered",
+        "blocker",
+        example("response-filter"),
+        &format!("{q_small}&position=10&config={block}"),
+    )
+    .await;
+    upload(
+        &base,
+        "ordered",
+        "masker",
+        example("response-filter"),
+        &format!("{q_small}&position=20&config={mask}"),
+    )
+    .await;
+    let (s, _, r) = post(&url, Some(&ordered), &q).await;
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["choices"][0]["message"]["content"], "The capital of France is ****.");
+    let resp = client()
+        .post(&url)
+        .bearer_auth(&ordered)
+        .json(&sq)
+        .send()
+        .await
+        .unwrap();
+    let mut streamed = String::new();
+    for e in sse_events(resp).await {
+        if e == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(&e).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
+            streamed.push_str(t);
+        }
+    }
+    assert_eq!(streamed, "The capital of France is ****.");
+
     // The first version is kept, inactive.
     let ps: Value = serde_json::from_str(
         &String::from_utf8(

@@ -127,12 +127,16 @@ impl TenantStore {
         if serde_json::from_str::<serde_json::Value>(&spec.config).is_err() || spec.config.len() > 64 << 10 {
             return Err(invalid("config", "config must be JSON, at most 64 KiB"));
         }
-        if let Some(k) = &spec.key_id {
-            let key = self.key(k).await?;
-            if key.tenant_id != t.id {
-                return Err(TenantError::NoSuchKey(k.clone()));
+        let key_id = match &spec.key_id {
+            Some(k) => {
+                let key = self.key(k).await?;
+                if key.tenant_id != t.id {
+                    return Err(TenantError::NoSuchKey(k.clone()));
+                }
+                Some(key.id)
             }
-        }
+            None => None,
+        };
         let prev = sqlx::query("SELECT MAX(version), MAX(position) FROM processors WHERE tenant_id = $1 AND name = $2")
             .bind(&t.id)
             .bind(&spec.name)
@@ -164,7 +168,7 @@ impl TenantStore {
         .bind(&spec.config)
         .bind(i64::from(spec.cpu_ms))
         .bind(i64::from(spec.memory_mib))
-        .bind(&spec.key_id)
+        .bind(&key_id)
         .bind(position)
         .bind(now_ms())
         .execute(&self.pool)
