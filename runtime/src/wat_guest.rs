@@ -15,7 +15,7 @@ pub fn component_for(core: &str, wit: &str, world: &str) -> anyhow::Result<Vec<u
     let mut resolve = wit_parser::Resolve::default();
     let pkg = resolve.push_str("guest.wit", wit)?;
     let world = resolve.select_world(&[pkg], Some(world))?;
-    wit_component::embed_component_metadata(&mut module, &resolve, world, wit_component::StringEncoding::UTF8, false)?;
+    wit_component::embed_component_metadata(&mut module, &resolve, world, wit_component::StringEncoding::UTF8)?;
     wit_component::ComponentEncoder::default()
         .module(&module)?
         .validate(true)
