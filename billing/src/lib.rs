@@ -89,6 +89,25 @@ pub struct UsageRecord {
 }
 
 impl UsageRecord {
+    /// A request's record as it starts: no tokens yet, `failed` until it ends otherwise.
+    pub fn started(request_id: &str, tenant_id: &str, key_id: Option<&str>, endpoint: &str, at: i64) -> Self {
+        Self {
+            request_id: request_id.to_string(),
+            tenant_id: tenant_id.to_string(),
+            key_id: key_id.map(str::to_string),
+            model: String::new(),
+            endpoint: endpoint.to_string(),
+            prompt_tokens: 0,
+            cached_tokens: 0,
+            completion_tokens: 0,
+            status: UsageStatus::Failed.as_str().into(),
+            finish_reason: None,
+            error_code: None,
+            started_at: at,
+            finished_at: at,
+        }
+    }
+
     pub fn uncached_input_tokens(&self) -> u32 {
         self.prompt_tokens.saturating_sub(self.cached_tokens)
     }

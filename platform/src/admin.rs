@@ -668,14 +668,18 @@ async fn list_processors(
     Ok(Json(json!({"object": "list", "data": ps})))
 }
 
+async fn set_active(gw: &Gateway, headers: &HeaderMap, id: &str, active: bool) -> Result<Json<Value>, ApiError> {
+    guard(gw, headers)?;
+    let p = gw.tenants.set_processor_active(id, active).await.map_err(store_error)?;
+    Ok(Json(json!(p)))
+}
+
 async fn activate_processor(
     State(gw): State<Arc<Gateway>>,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
-    let p = gw.tenants.set_processor_active(&id, true).await.map_err(store_error)?;
-    Ok(Json(json!(p)))
+    set_active(&gw, &headers, &id, true).await
 }
 
 async fn deactivate_processor(
@@ -683,9 +687,7 @@ async fn deactivate_processor(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
-    let p = gw.tenants.set_processor_active(&id, false).await.map_err(store_error)?;
-    Ok(Json(json!(p)))
+    set_active(&gw, &headers, &id, false).await
 }
 
 /// `{"key_id": "…"}` attaches to one key; `{"key_id": null}` to the whole tenant.

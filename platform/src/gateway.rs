@@ -588,22 +588,13 @@ async fn handle(
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
-    let started_at = now_ms();
-    let mut rec = UsageRecord {
-        request_id: request_id.clone(),
-        tenant_id: tenant.tenant_id.clone(),
-        key_id: Some(tenant.key_id.clone()),
-        model: String::new(),
-        endpoint: endpoint.path().into(),
-        prompt_tokens: 0,
-        cached_tokens: 0,
-        completion_tokens: 0,
-        status: UsageStatus::Failed.as_str().into(),
-        finish_reason: None,
-        error_code: None,
-        started_at,
-        finished_at: started_at,
-    };
+    let mut rec = UsageRecord::started(
+        &request_id,
+        &tenant.tenant_id,
+        Some(&tenant.key_id),
+        endpoint.path(),
+        now_ms(),
+    );
     let mut rate = RateState::default();
     let mut spend = BudgetState::default();
     let outcome = match budget(&gw, &tenant).await {
@@ -645,21 +636,7 @@ async fn unmetered(
         key_limits: Default::default(),
         budget: None,
     };
-    let mut rec = UsageRecord {
-        request_id: request_id.to_string(),
-        tenant_id: tenant.tenant_id.clone(),
-        key_id: None,
-        model: String::new(),
-        endpoint: endpoint.path().into(),
-        prompt_tokens: 0,
-        cached_tokens: 0,
-        completion_tokens: 0,
-        status: UsageStatus::Failed.as_str().into(),
-        finish_reason: None,
-        error_code: None,
-        started_at: 0,
-        finished_at: 0,
-    };
+    let mut rec = UsageRecord::started(request_id, &tenant.tenant_id, None, endpoint.path(), 0);
     let mut rate = RateState::default();
     run(gw, request_id, headers, body, endpoint, &mut rec, tenant, &mut rate)
         .await

@@ -168,15 +168,18 @@ impl Chain {
                 })
             })
             .collect();
-        let mut changed = false;
-        for (p, inst) in &mut self.items {
-            let model = serde_json::from_str::<Value>(&text)
+        let model_of = |text: &str| {
+            serde_json::from_str::<Value>(text)
                 .ok()
                 .and_then(|v| v.get("model").and_then(Value::as_str).map(str::to_string))
-                .unwrap_or_default();
+                .unwrap_or_default()
+        };
+        let mut model = model_of(&text);
+        let mut changed = false;
+        for (p, inst) in &mut self.items {
             let req = Request {
                 tenant: self.tenant.clone(),
-                model,
+                model: model.clone(),
                 endpoint: self.endpoint.to_string(),
                 body: text.clone(),
                 headers: selected.clone(),
@@ -191,6 +194,7 @@ impl Chain {
                         ));
                     }
                     text = b;
+                    model = model_of(&text);
                     changed = true;
                 }
                 Ok(Action::Reject(r)) => return Err(rejection(p, r.status, &r.message)),

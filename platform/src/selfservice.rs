@@ -191,15 +191,19 @@ async fn list_processors(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> 
     Ok(Json(json!({"object": "list", "data": ps})))
 }
 
+async fn set_active(gw: &Gateway, headers: &HeaderMap, id: &str, active: bool) -> Result<Json<Value>, ApiError> {
+    let ctx = authorize(gw, headers, true).await?;
+    own_processor(gw, &ctx, id).await?;
+    let p = gw.tenants.set_processor_active(id, active).await.map_err(store_error)?;
+    Ok(Json(json!(p)))
+}
+
 async fn activate_processor(
     State(gw): State<Arc<Gateway>>,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let ctx = authorize(&gw, &headers, true).await?;
-    own_processor(&gw, &ctx, &id).await?;
-    let p = gw.tenants.set_processor_active(&id, true).await.map_err(store_error)?;
-    Ok(Json(json!(p)))
+    set_active(&gw, &headers, &id, true).await
 }
 
 async fn deactivate_processor(
@@ -207,10 +211,7 @@ async fn deactivate_processor(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let ctx = authorize(&gw, &headers, true).await?;
-    own_processor(&gw, &ctx, &id).await?;
-    let p = gw.tenants.set_processor_active(&id, false).await.map_err(store_error)?;
-    Ok(Json(json!(p)))
+    set_active(&gw, &headers, &id, false).await
 }
 
 async fn attach_processor(

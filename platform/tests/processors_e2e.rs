@@ -70,6 +70,39 @@ fn serve_with_cache(data: &std::path::Path) -> Proc {
     serve(data)
 }
 
+/// The text of a streamed chat answer; panics on an error event.
+async fn streamed_text(resp: reqwest::Response) -> String {
+    let mut text = String::new();
+    for e in sse_events(resp).await {
+        if e == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(&e).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
+            text.push_str(t);
+        }
+    }
+    text
+}
+
+/// `hearth processor list --json` for a tenant.
+fn processor_list(data: &std::path::Path, tenant: &str) -> Value {
+    let out = std::process::Command::new(bin())
+        .args([
+            "processor",
+            "list",
+            "--json",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--tenant",
+            tenant,
+        ])
+        .output()
+        .unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 #[tokio::test]
 async fn example_processors_change_requests_and_responses() {
     let data = temp_dir("processors");
@@ -184,17 +217,7 @@ async fn example_processors_change_requests_and_responses() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
-    let mut streamed = String::new();
-    for e in sse_events(resp).await {
-        if e == "[DONE]" {
-            continue;
-        }
-        let v: Value = serde_json::from_str(&e).unwrap();
-        assert!(v.get("error").is_none(), "{v}");
-        if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
-            streamed.push_str(t);
-        }
-    }
+    let streamed = streamed_text(resp).await;
     assert_eq!(streamed, "The capital of France is ****.");
     // Usage is metered from the model's tokens, whatever the filter did to the text.
     let rows = usage_rows(&data);
@@ -205,25 +228,7 @@ async fn example_processors_change_requests_and_responses() {
     // Block mode: refused (non-streamed), an error event (streamed).
     let list: Value = serde_json::from_str(&admin(&data, &["--json", "tenant", "list"])).unwrap();
     assert!(list.as_array().unwrap().len() >= 4);
-    let ps: Value = serde_json::from_str(
-        &String::from_utf8(
-            std::process::Command::new(bin())
-                .args([
-                    "processor",
-                    "list",
-                    "--json",
-                    "--data-dir",
-                    data.to_str().unwrap(),
-                    "--tenant",
-                    "filtered",
-                ])
-                .output()
-                .unwrap()
-                .stdout,
-        )
-        .unwrap(),
-    )
-    .unwrap();
+    let ps: Value = processor_list(&data, "filtered");
     let id = ps[0]["id"].as_str().unwrap().to_string();
     let cfg = enc(r#"{"blocked_words":["Paris"],"mode":"block"}"#);
     upload(
@@ -285,39 +290,11 @@ async fn example_processors_change_requests_and_responses() {
         .send()
         .await
         .unwrap();
-    let mut streamed = String::new();
-    for e in sse_events(resp).await {
-        if e == "[DONE]" {
-            continue;
-        }
-        let v: Value = serde_json::from_str(&e).unwrap();
-        assert!(v.get("error").is_none(), "{v}");
-        if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
-            streamed.push_str(t);
-        }
-    }
+    let streamed = streamed_text(resp).await;
     assert_eq!(streamed, "The capital of France is ****.");
 
     // The first version is kept, inactive.
-    let ps: Value = serde_json::from_str(
-        &String::from_utf8(
-            std::process::Command::new(bin())
-                .args([
-                    "processor",
-                    "list",
-                    "--json",
-                    "--data-dir",
-                    data.to_str().unwrap(),
-                    "--tenant",
-                    "filtered",
-                ])
-                .output()
-                .unwrap()
-                .stdout,
-        )
-        .unwrap(),
-    )
-    .unwrap();
+    let ps: Value = processor_list(&data, "filtered");
     let first = ps.as_array().unwrap().iter().find(|p| p["id"] == id.as_str()).unwrap();
     assert_eq!(
         (first["version"].as_i64(), first["active"].as_bool()),
