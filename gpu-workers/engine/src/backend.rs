@@ -17,6 +17,18 @@ pub trait Backend: Send + Sync + 'static {
     fn generate(&self, req: GenerateRequest) -> UnboundedReceiver<GenerateEvent>;
     /// A snapshot of the prefix cache and every change after it.
     fn subscribe_kv(&self) -> Pin<Box<dyn Future<Output = KvSubscription> + Send + '_>>;
+    /// Counters for `/metrics` (None: this backend keeps none).
+    fn stats(&self) -> Option<crate::EngineStats> {
+        None
+    }
+    /// Per-request timing histograms for `/metrics`.
+    fn metrics(&self) -> Option<std::sync::Arc<crate::metrics::EngineMetrics>> {
+        None
+    }
+    /// Seconds the model took to load.
+    fn load_seconds(&self) -> Option<f64> {
+        None
+    }
 }
 
 impl Backend for crate::EngineHandle {
@@ -28,5 +40,14 @@ impl Backend for crate::EngineHandle {
     }
     fn subscribe_kv(&self) -> Pin<Box<dyn Future<Output = KvSubscription> + Send + '_>> {
         Box::pin(crate::EngineHandle::subscribe_kv(self))
+    }
+    fn stats(&self) -> Option<crate::EngineStats> {
+        Some(crate::EngineHandle::stats(self))
+    }
+    fn metrics(&self) -> Option<std::sync::Arc<crate::metrics::EngineMetrics>> {
+        Some(crate::EngineHandle::metrics(self))
+    }
+    fn load_seconds(&self) -> Option<f64> {
+        Some(crate::EngineHandle::load_seconds(self))
     }
 }

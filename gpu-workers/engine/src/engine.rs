@@ -19,6 +19,7 @@ use tokio::sync::{broadcast, oneshot, watch};
 
 use crate::gguf::{GgufError, GgufFile};
 use crate::kv::KvPool;
+use crate::metrics::EngineMetrics;
 use crate::models::llama::{Batch, ForwardScratch, LlamaModel, ModelError};
 use crate::sampling::Sampler;
 use crate::scheduler::{Scheduler, SchedulerConfig, StepItem};
@@ -126,6 +127,7 @@ pub struct EngineHandle {
     info: Arc<WorkerInfo>,
     commands: mpsc::Sender<Command>,
     stats: watch::Receiver<EngineStats>,
+    metrics: Arc<EngineMetrics>,
     load_seconds: f64,
     kv_capacity_tokens: usize,
     kv_bytes_per_token: usize,
@@ -184,6 +186,7 @@ impl EngineHandle {
             .map_err(|e| EngineError::Start(e.to_string()))?;
         let (kv_tx, _) = broadcast::channel(4096);
         let (stats_tx, stats) = watch::channel(EngineStats::default());
+        let metrics = Arc::new(EngineMetrics::default());
         let kv_capacity_tokens = num_blocks * bt;
         let kv_bytes_per_token = block_bytes / bt;
         tracing::info!(
@@ -205,6 +208,7 @@ impl EngineHandle {
             next_id: 0,
             kv_tx,
             stats_tx,
+            metrics: metrics.clone(),
             steps: 0,
             last_load: (LoadReport::default(), Instant::now()),
         };
@@ -217,6 +221,7 @@ impl EngineHandle {
             info: Arc::new(info),
             commands,
             stats,
+            metrics,
             load_seconds: started.elapsed().as_secs_f64(),
             kv_capacity_tokens,
             kv_bytes_per_token,
@@ -243,6 +248,11 @@ impl EngineHandle {
 
     pub fn stats(&self) -> EngineStats {
         *self.stats.borrow()
+    }
+
+    /// Per-request timing histograms (queue, prefill, decode).
+    pub fn metrics(&self) -> Arc<EngineMetrics> {
+        self.metrics.clone()
     }
 
     /// Queues a request; events arrive on the returned channel, ending with `Done` or
@@ -292,6 +302,8 @@ struct Request {
     forked: bool,
     choices: Vec<Choice>,
     started: Instant,
+    /// The first step that computed any of it (queue time ends here).
+    scheduled: Option<Instant>,
     first_token: Option<Instant>,
 }
 
@@ -311,6 +323,7 @@ struct Runner {
     next_id: u64,
     kv_tx: broadcast::Sender<KvEvent>,
     stats_tx: watch::Sender<EngineStats>,
+    metrics: Arc<EngineMetrics>,
     steps: u64,
     last_load: (LoadReport, Instant),
 }
@@ -420,6 +433,7 @@ impl Runner {
             forked: req.n == 1,
             choices,
             started: Instant::now(),
+            scheduled: None,
             first_token: None,
         };
         r.choices[0].seq = Some(id);
@@ -463,6 +477,15 @@ impl Runner {
             // nothing runs; validation prevents it, but never spin.
             std::thread::sleep(Duration::from_millis(1));
             return;
+        }
+        let now = Instant::now();
+        for it in &items {
+            if let Some(r) = self.owner.get(&it.seq).and_then(|o| self.requests.get_mut(&o.0)) {
+                if r.scheduled.is_none() {
+                    r.scheduled = Some(now);
+                    EngineMetrics::observe(&self.metrics.queue, now - r.started);
+                }
+            }
         }
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
@@ -526,7 +549,9 @@ impl Runner {
         let mut targets = vec![choice];
         if let Some(r) = self.requests.get_mut(&key) {
             if r.first_token.is_none() {
-                r.first_token = Some(Instant::now());
+                let now = Instant::now();
+                r.first_token = Some(now);
+                EngineMetrics::observe(&self.metrics.prefill, now - r.scheduled.unwrap_or(r.started));
                 r.cached_tokens = self.sched.get(it.seq).map_or(0, |s| s.cached_tokens);
             }
             if !r.forked {
@@ -609,6 +634,9 @@ impl Runner {
             let completion: usize = r.choices.iter().map(|c| c.generated).sum();
             let total = r.started.elapsed().as_secs_f64();
             let ttft = r.first_token.map_or(total, |t| (t - r.started).as_secs_f64());
+            if let Some(t) = r.first_token {
+                EngineMetrics::observe(&self.metrics.decode, t.elapsed());
+            }
             tracing::info!(
                 request_id = %r.request_id,
                 prompt_tokens = r.prompt_len,

@@ -17,6 +17,7 @@ pub mod fetch;
 pub mod gguf;
 pub mod kernels;
 pub mod kv;
+pub mod metrics;
 pub mod models;
 pub mod sampling;
 pub mod scheduler;

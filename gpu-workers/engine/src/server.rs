@@ -2,7 +2,9 @@
 //! `POST /v1/worker/generate` (streams [`GenerateEvent`]s as newline-delimited JSON; closing
 //! the connection cancels the generation) and `GET /v1/worker/events` (the prefix cache's
 //! `KvEvent`s and load reports: a snapshot, then every change; a subscriber that falls
-//! behind gets a fresh snapshot).
+//! behind gets a fresh snapshot) and `GET /metrics` (the engine's Prometheus metrics, see
+//! [`crate::metrics`]). The worker API is for the gateway on a private network: it has no
+//! authentication of its own.
 
 use std::convert::Infallible;
 
@@ -19,13 +21,35 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use std::sync::Arc;
 
+use crate::metrics::EngineCollector;
 use crate::Backend;
 
 type Shared = Arc<dyn Backend>;
 
-pub fn router(engine: Arc<dyn Backend>) -> Router {
+/// The worker API for `engine`; `name` labels its metrics (`worker="…"`).
+pub fn router(engine: Arc<dyn Backend>, name: &str) -> Router {
+    let mut registry = prometheus_client::registry::Registry::default();
+    registry.register_collector(Box::new(EngineCollector::new(vec![(name.to_string(), engine.clone())])));
+    let registry = Arc::new(registry);
     Router::new()
         .route("/healthz", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
+        .route(
+            "/metrics",
+            get(move || {
+                let registry = registry.clone();
+                async move {
+                    let mut out = String::new();
+                    match prometheus_client::encoding::prometheus_text::encode(&mut out, &registry) {
+                        Ok(()) => (
+                            [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+                            out,
+                        )
+                            .into_response(),
+                        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+                    }
+                }
+            }),
+        )
         .route("/v1/worker/info", get(info))
         .route("/v1/worker/generate", post(generate))
         .route("/v1/worker/events", get(events))
@@ -95,5 +119,6 @@ async fn events(State(engine): State<Shared>) -> Response {
 
 /// Serves the worker API until the process ends.
 pub async fn serve(listener: tokio::net::TcpListener, engine: Arc<dyn Backend>) -> std::io::Result<()> {
-    axum::serve(listener, router(engine)).await
+    let name = listener.local_addr()?.to_string();
+    axum::serve(listener, router(engine, &name)).await
 }

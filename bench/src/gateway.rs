@@ -3,8 +3,9 @@
 //! that answers at once), so that only the gateway is measured.
 //!
 //! Modes, each its own gateway on its own port, in one run:
-//! * `baseline` — the same request with authentication, budgets, limits and metering
-//!   skipped (a benchmark-only switch);
+//! * `baseline` — the gateway's own pipeline phases composed without authentication,
+//!   budget, limits and metering (parse → resolve → tokenize → dispatch → relay →
+//!   postprocess), behind the same request-id layer;
 //! * `in_process` — an API key, tenant and key limits (requests, tokens, in flight;
 //!   high enough never to refuse), a monthly budget, and every request rated and committed
 //!   to the SQLite ledger before its response ends;
@@ -27,10 +28,21 @@ use hearth_tenants::{Budget, KeySpec, Limits, TenantStore};
 use serde::Serialize;
 use serde_json::json;
 
-use crate::gateway::{self, Gateway};
-use crate::limits::{Limiter, RedisLimiter};
-use crate::registry::{ModelRegistry, RoutingConfig};
-use crate::workers::{EventStream, KvEventStream, WorkerClient, WorkerError};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::Extension;
+use hearth_billing::{Pending, UsageRecord};
+use hearth_gateway::app;
+use hearth_gateway::limits::{Limiter, RedisLimiter};
+use hearth_gateway::pipeline::meter::Meter;
+use hearth_gateway::pipeline::{dispatch, parse, postprocess, relay, resolve, tokenize, Endpoint, RequestContext};
+use hearth_gateway::registry::{ModelRegistry, RoutingConfig};
+use hearth_gateway::state::AppState;
+use hearth_gateway::workers::{EventStream, KvEventStream, WorkerClient, WorkerError};
+use hearth_gateway::RequestId;
 
 /// A worker that answers every request at once with `max_tokens` copies of one token.
 pub struct InstantWorker {
@@ -128,10 +140,6 @@ pub struct GatewayBenchReport {
     pub modes: Vec<ModeResult>,
     /// Successful metered requests, all of them in the ledger at the end.
     pub usage_records: usize,
-    /// The issue's reference: LiteLLM proxy 1.108.7 (one worker, master key, no database)
-    /// with an instant backend on this machine, as measured by the issue's author.
-    pub reference_litellm_added_p50_us: f64,
-    pub reference_litellm_requests_per_s: f64,
 }
 
 impl GatewayBenchReport {
@@ -160,18 +168,11 @@ impl GatewayBenchReport {
                 }
             );
         }
-        s += &format!(
-            "{:<12} {:>10} {:>10} {:>10} {:>14.1} {:>12.0}  (reference, from the issue)\n",
-            "litellm", "", "", "", self.reference_litellm_added_p50_us, self.reference_litellm_requests_per_s
-        );
         let ours = |m: &str| self.modes.iter().find(|x| x.mode == m);
         if let Some(m) = ours("in_process") {
             s += &format!(
-                "\nin-process: auth + limits + budget + metering add {:.1} µs at P50 (target ≤ 150; LiteLLM adds {:.0}× more); {:.0} req/s (target ≥ 5000; {:.0}× LiteLLM)\n",
-                m.added_p50_us,
-                self.reference_litellm_added_p50_us / m.added_p50_us.max(1.0),
-                m.requests_per_s,
-                m.requests_per_s / self.reference_litellm_requests_per_s
+                "\nin-process: auth + limits + budget + metering add {:.1} µs at P50 (target ≤ 150); {:.0} req/s (target ≥ 5000)\n(peer gateways: bench/litellm-compare measures them in the same run)\n",
+                m.added_p50_us, m.requests_per_s
             );
         }
         s += &format!(
@@ -197,17 +198,74 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 struct Mode {
     name: &'static str,
-    gw: Arc<Gateway>,
+    app: axum::Router,
     key: String,
 }
 
-async fn start(gw: Arc<Gateway>) -> anyhow::Result<String> {
+async fn start(app: axum::Router) -> anyhow::Result<String> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move {
-        let _ = axum::serve(listener, gateway::router(gw)).await;
+        let _ = axum::serve(listener, app).await;
     });
     Ok(format!("http://{addr}/v1/chat/completions"))
+}
+
+/// The baseline's meter: records nothing.
+struct Unmetered;
+
+impl Meter for Unmetered {
+    fn record<'a>(&'a self, _: &'a mut UsageRecord) -> BoxFuture<'a, Option<Pending>> {
+        async { None }.boxed()
+    }
+
+    fn settle<'a>(&'a self, _: &'a UsageRecord, _: Option<Pending>) -> BoxFuture<'a, ()> {
+        async {}.boxed()
+    }
+}
+
+/// The baseline app: the gateway's pipeline without its authenticate, budget, limit and
+/// meter phases, behind the same request-id layer as the real app.
+fn baseline_app(state: Arc<AppState>) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/chat/completions", axum::routing::post(baseline))
+        .with_state(state)
+        .layer(axum::middleware::from_fn(app::request_id))
+}
+
+async fn baseline(
+    State(state): State<Arc<AppState>>,
+    Extension(RequestId(id)): Extension<RequestId>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let mut ctx = RequestContext::new(id, Endpoint::Chat, headers, body);
+    ctx.tenant = Some(hearth_tenants::TenantContext {
+        tenant_id: "bench".into(),
+        tenant_name: "bench".into(),
+        key_id: "bench".into(),
+        scopes: hearth_tenants::Scopes::ALL,
+        models: None,
+        tenant_limits: Default::default(),
+        key_limits: Default::default(),
+        budget: None,
+    });
+    ctx.usage = Some(UsageRecord::started(
+        &ctx.request_id,
+        "bench",
+        None,
+        Endpoint::Chat.path(),
+        0,
+    ));
+    let run = async {
+        parse::run(&mut ctx)?;
+        resolve::run(&state, &mut ctx)?;
+        tokenize::run(&mut ctx)?;
+        let dispatched = dispatch::run(&mut ctx).await?;
+        let events = relay::start(state.clone(), Arc::new(Unmetered), &mut ctx, dispatched).await?;
+        postprocess::run(&state, &mut ctx, events).await
+    };
+    run.await.unwrap_or_else(IntoResponse::into_response)
 }
 
 /// Sends requests to one gateway.
@@ -273,7 +331,7 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> 
     let info = hearth_engine::sim::sim_info(model_path, model_id, "local")?;
     let dir = std::env::temp_dir().join(format!("hearth-bench-gateway-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let db = crate::db::open(&dir, None).await?;
+    let db = hearth_gateway::db::open(&dir, None).await?;
     let tenants = TenantStore::new(&db);
     tenants.create_tenant("bench").await?;
     let generous = Limits {
@@ -305,34 +363,27 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> 
             None,
         )
         .await?;
-    let gateway = |limiter: Limiter, unmetered: bool| {
+    let gateway = |limiter: Limiter| {
         let info = info.clone();
         let db = db.clone();
         let ledger = ledger.clone();
         async move {
             let worker: Arc<dyn WorkerClient> = Arc::new(InstantWorker { info });
             let models = ModelRegistry::discover(vec![worker], Duration::ZERO, &RoutingConfig::default()).await?;
-            anyhow::Ok(Arc::new(Gateway {
-                tenants: TenantStore::new(&db),
-                ledger,
-                models,
-                admin_token: None,
-                limiter,
-                budgets: Default::default(),
-                processors: None,
-                bench_unmetered: unmetered,
-            }))
+            let mut state = AppState::new(TenantStore::new(&db), ledger, models);
+            state.limiter = limiter;
+            anyhow::Ok(Arc::new(state))
         }
     };
     let mut modes = vec![
         Mode {
             name: "baseline",
-            gw: gateway(Limiter::default(), true).await?,
+            app: baseline_app(gateway(Limiter::default()).await?),
             key: "unused".into(),
         },
         Mode {
             name: "in_process",
-            gw: gateway(Limiter::default(), false).await?,
+            app: app::router(gateway(Limiter::default()).await?),
             key: key.key.clone(),
         },
     ];
@@ -341,7 +392,7 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> 
         let limiter = Limiter::with_redis(RedisLimiter::connect(url, &prefix).await?);
         modes.push(Mode {
             name: "redis",
-            gw: gateway(limiter, false).await?,
+            app: app::router(gateway(limiter).await?),
             key: key.key.clone(),
         });
     }
@@ -354,7 +405,7 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> 
     for m in &modes {
         senders.push(Sender {
             client: client.clone(),
-            url: start(m.gw.clone()).await?.into(),
+            url: start(m.app.clone()).await?.into(),
             key: m.key.clone().into(),
             body: body.clone(),
         });
@@ -413,8 +464,6 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> 
         concurrency: cfg.concurrency,
         modes: results,
         usage_records: metered_ok,
-        reference_litellm_added_p50_us: 13_400.0,
-        reference_litellm_requests_per_s: 85.0,
     })
 }
 
@@ -424,7 +473,7 @@ pub async fn processor_overhead(model_path: &Path, model_id: &str, requests: usi
     let info = hearth_engine::sim::sim_info(model_path, model_id, "local")?;
     let dir = std::env::temp_dir().join(format!("hearth-bench-processors-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let db = crate::db::open(&dir, None).await?;
+    let db = hearth_gateway::db::open(&dir, None).await?;
     let tenants = TenantStore::new(&db);
     let mut keys = Vec::new();
     for t in ["plain", "proc"] {
@@ -452,17 +501,13 @@ pub async fn processor_overhead(model_path: &Path, model_id: &str, requests: usi
         .await?;
     let worker: Arc<dyn WorkerClient> = Arc::new(InstantWorker { info });
     let models = ModelRegistry::discover(vec![worker], Duration::ZERO, &RoutingConfig::default()).await?;
-    let gw = Arc::new(Gateway {
-        tenants: TenantStore::new(&db),
-        ledger: UsageLedger::with_outbox(&db, &dir).await?,
+    let mut state = AppState::new(
+        TenantStore::new(&db),
+        UsageLedger::with_outbox(&db, &dir).await?,
         models,
-        admin_token: None,
-        limiter: Limiter::default(),
-        budgets: Default::default(),
-        processors: Some(crate::processors::ProcessorHost { runtime }),
-        bench_unmetered: false,
-    });
-    let url: Arc<str> = start(gw).await?.into();
+    );
+    state.processors = Some(hearth_gateway::processors::ProcessorHost { runtime });
+    let url: Arc<str> = start(app::router(Arc::new(state))).await?.into();
     let body = Arc::new(serde_json::to_vec(&json!({
         "model": model_id, "max_tokens": 8,
         "messages": [{"role": "user", "content": "Say something short about the sea."}],

@@ -1,4 +1,5 @@
-//! The admin API under `/admin/v1/`, guarded by `HEARTH_ADMIN_TOKEN` (closed when unset):
+//! The admin API under `/admin/v1/`, behind the admin-token layer of [`crate::app`] (closed
+//! when `HEARTH_ADMIN_TOKEN` is unset):
 //! tenants, API keys, limits, budgets, JWT issuers, prices, usage and billing exports.
 //! The `hearth admin …` / `hearth billing …` CLI does the same against the database
 //! directly.
@@ -7,22 +8,22 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get};
 use axum::{Json, Router};
 use hearth_billing::export::{render, Format, Granularity};
 use hearth_billing::{day_of, format_nusd, month_of, parse_day, parse_usd_micros, BillingError, PriceRates};
 use hearth_tenants::jwt::IssuerSpec;
-use hearth_tenants::{constant_time_eq, now_ms, Budget, KeySpec, Scopes, TenantError};
+use hearth_tenants::{now_ms, Budget, KeySpec, Scopes, TenantError};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::gateway::Gateway;
 use crate::openai::parse_object;
+use crate::state::AppState;
 
-pub fn router() -> Router<Arc<Gateway>> {
+pub fn router() -> Router<Arc<AppState>> {
     Router::new()
         .route("/tenants", get(list_tenants).post(create_tenant))
         .route("/tenants/{tenant}/keys", get(list_keys).post(create_key))
@@ -53,24 +54,6 @@ pub fn router() -> Router<Arc<Gateway>> {
         .route("/routing/{model}/workers/{slot}/drain", axum::routing::post(drain))
 }
 
-fn guard(gw: &Gateway, headers: &HeaderMap) -> Result<(), ApiError> {
-    let Some(token) = gw.admin_token.as_deref().filter(|t| !t.is_empty()) else {
-        return Err(ApiError::forbidden(
-            "the admin API is disabled: start Hearth with HEARTH_ADMIN_TOKEN set",
-        ));
-    };
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    if constant_time_eq(given.as_bytes(), token.as_bytes()) {
-        Ok(())
-    } else {
-        Err(ApiError::unauthorized("Missing or incorrect admin token."))
-    }
-}
-
 pub(crate) fn store_error(e: TenantError) -> ApiError {
     match e {
         TenantError::TenantExists(_) => ApiError::conflict(e.to_string()),
@@ -99,47 +82,33 @@ pub(crate) fn name_field(body: &Bytes, required: bool) -> Result<String, ApiErro
     }
 }
 
-async fn list_tenants(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
+async fn list_tenants(State(gw): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
     let tenants = gw.tenants.list_tenants().await.map_err(store_error)?;
     Ok(Json(json!({"object": "list", "data": tenants})))
 }
 
-async fn create_tenant(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
-    guard(&gw, &headers)?;
+async fn create_tenant(State(gw): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
     let name = name_field(&body, true)?;
     let t = gw.tenants.create_tenant(&name).await.map_err(store_error)?;
     Ok((StatusCode::CREATED, Json(t)).into_response())
 }
 
-async fn list_keys(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
-    Path(tenant): Path<String>,
-) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
+async fn list_keys(State(gw): State<Arc<AppState>>, Path(tenant): Path<String>) -> Result<Json<Value>, ApiError> {
     let keys = gw.tenants.list_keys(&tenant).await.map_err(store_error)?;
     Ok(Json(json!({"object": "list", "data": keys})))
 }
 
 async fn create_key(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
     Path(tenant): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    guard(&gw, &headers)?;
     let spec = key_spec(&body)?;
     let k = gw.tenants.create_key(&tenant, &spec).await.map_err(store_error)?;
     Ok((StatusCode::CREATED, Json(k)).into_response())
 }
 
-async fn revoke_key(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
-    Path(key_id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
+async fn revoke_key(State(gw): State<Arc<AppState>>, Path(key_id): Path<String>) -> Result<Json<Value>, ApiError> {
     let k = gw.tenants.revoke_key(&key_id).await.map_err(store_error)?;
     Ok(Json(json!(k)))
 }
@@ -151,11 +120,9 @@ struct UsageQuery {
 }
 
 async fn usage(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
     q: Result<Query<UsageQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
     let tenant_id = match q.tenant {
         Some(t) => Some(gw.tenants.tenant(&t).await.map_err(store_error)?.id),
@@ -171,8 +138,7 @@ async fn usage(
 }
 
 /// Routing state per model: policy, workers and their load, decisions, index size.
-async fn routing(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
+async fn routing(State(gw): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
     let models: Vec<Value> = gw
         .models
         .all()
@@ -205,12 +171,10 @@ async fn routing(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Result<J
 
 /// `{"draining": true|false}`: a draining worker takes no new requests; running ones finish.
 async fn drain(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
     Path((model, slot)): Path<(String, usize)>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
     let draining = if body.is_empty() {
         true
     } else {
@@ -252,34 +216,28 @@ fn limits_body(body: &Bytes) -> Result<hearth_tenants::Limits, ApiError> {
 }
 
 async fn set_tenant_limits(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
     Path(tenant): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
     let l = limits_body(&body)?;
     let t = gw.tenants.set_tenant_limits(&tenant, l).await.map_err(store_error)?;
     Ok(Json(json!({"tenant": t.name, "limits": l})))
 }
 
 async fn get_tenant_limits(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
     Path(tenant): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
     let l = gw.tenants.tenant_limits(&tenant).await.map_err(store_error)?;
     Ok(Json(json!({"tenant": tenant, "limits": l})))
 }
 
 async fn set_key_limits(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
     Path(key_id): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
     let l = limits_body(&body)?;
     gw.tenants.set_key_limits(&key_id, l).await.map_err(store_error)?;
     Ok(Json(json!({"key": key_id, "limits": l})))
@@ -354,12 +312,10 @@ pub(crate) fn key_spec(body: &Bytes) -> Result<KeySpec, ApiError> {
 
 /// `{"monthly_usd": "12.50" | 12.5 | null, "mode": "hard"|"soft"}`.
 async fn set_budget(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
     Path(tenant): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
     let o = parse_object(&body)?;
     let micros = match o.get("monthly_usd") {
         None | Some(Value::Null) => 0,
@@ -392,45 +348,28 @@ pub(crate) fn budget_json(tenant: &str, b: Option<Budget>) -> Value {
     }
 }
 
-async fn get_budget(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
-    Path(tenant): Path<String>,
-) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
+async fn get_budget(State(gw): State<Arc<AppState>>, Path(tenant): Path<String>) -> Result<Json<Value>, ApiError> {
     let b = gw.tenants.budget(&tenant).await.map_err(store_error)?;
     Ok(Json(budget_json(&tenant, b)))
 }
 
-async fn list_issuers(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
-    Path(tenant): Path<String>,
-) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
+async fn list_issuers(State(gw): State<Arc<AppState>>, Path(tenant): Path<String>) -> Result<Json<Value>, ApiError> {
     let is = gw.tenants.list_issuers(Some(&tenant)).await.map_err(store_error)?;
     Ok(Json(json!({"object": "list", "data": is})))
 }
 
 /// `{"issuer", "audience", "algorithm", "key" | "jwks" | "jwks_url"}`.
 async fn add_issuer(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
     Path(tenant): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    guard(&gw, &headers)?;
     let spec: IssuerSpec = serde_json::from_slice(&body).map_err(|e| ApiError::invalid("body", e.to_string()))?;
     let i = gw.tenants.add_issuer(&tenant, &spec).await.map_err(store_error)?;
     Ok((StatusCode::CREATED, Json(i)).into_response())
 }
 
-async fn remove_issuer(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
+async fn remove_issuer(State(gw): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     let i = gw.tenants.remove_issuer(&id).await.map_err(store_error)?;
     Ok(Json(json!(i)))
 }
@@ -441,11 +380,9 @@ struct PriceQuery {
 }
 
 async fn list_prices(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
     q: Result<Query<PriceQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
     let ps = gw.ledger.prices(q.model.as_deref()).await.map_err(ledger_error)?;
     Ok(Json(json!({"object": "list", "data": ps})))
@@ -453,8 +390,7 @@ async fn list_prices(
 
 /// `{"model", "input", "cached_input", "output"}` in USD per million tokens (strings or
 /// numbers), optional `"effective_from"` (Unix ms).
-async fn set_price(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
-    guard(&gw, &headers)?;
+async fn set_price(State(gw): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
     let o = parse_object(&body)?;
     let model = o
         .get("model")
@@ -524,7 +460,7 @@ pub(crate) fn window(q: &ExportQuery) -> Result<(i64, i64), ApiError> {
     Ok((from, to))
 }
 
-pub(crate) async fn export_response(gw: &Gateway, tenant_id: &str, q: &ExportQuery) -> Result<Response, ApiError> {
+pub(crate) async fn export_response(gw: &AppState, tenant_id: &str, q: &ExportQuery) -> Result<Response, ApiError> {
     let (from, to) = window(q)?;
     let format = Format::parse(q.format.as_deref().unwrap_or("csv"))
         .ok_or_else(|| ApiError::invalid("format", "'format' is csv, jsonl or parquet"))?;
@@ -569,11 +505,9 @@ pub(crate) async fn export_response(gw: &Gateway, tenant_id: &str, q: &ExportQue
 }
 
 async fn billing_export(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
     q: Result<Query<ExportQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
-    guard(&gw, &headers)?;
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
     let tenant = q
         .tenant
@@ -603,7 +537,7 @@ pub(crate) struct UploadQuery {
 }
 
 /// Validates (compiles) and stores a new processor version for `tenant`.
-pub(crate) async fn upload(gw: &Gateway, tenant: &str, q: UploadQuery, wasm: Bytes) -> Result<Response, ApiError> {
+pub(crate) async fn upload(gw: &AppState, tenant: &str, q: UploadQuery, wasm: Bytes) -> Result<Response, ApiError> {
     let host = gw
         .processors
         .as_ref()
@@ -647,47 +581,34 @@ pub(crate) async fn upload(gw: &Gateway, tenant: &str, q: UploadQuery, wasm: Byt
 }
 
 async fn upload_processor(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
     Path(tenant): Path<String>,
     q: Result<Query<UploadQuery>, axum::extract::rejection::QueryRejection>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    guard(&gw, &headers)?;
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
     upload(&gw, &tenant, q, body).await
 }
 
-async fn list_processors(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
-    Path(tenant): Path<String>,
-) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
+async fn list_processors(State(gw): State<Arc<AppState>>, Path(tenant): Path<String>) -> Result<Json<Value>, ApiError> {
     let ps = gw.tenants.list_processors(&tenant).await.map_err(store_error)?;
     Ok(Json(json!({"object": "list", "data": ps})))
 }
 
-async fn set_active(gw: &Gateway, headers: &HeaderMap, id: &str, active: bool) -> Result<Json<Value>, ApiError> {
-    guard(gw, headers)?;
+async fn set_active(gw: &AppState, id: &str, active: bool) -> Result<Json<Value>, ApiError> {
     let p = gw.tenants.set_processor_active(id, active).await.map_err(store_error)?;
     Ok(Json(json!(p)))
 }
 
-async fn activate_processor(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
-    set_active(&gw, &headers, &id, true).await
+async fn activate_processor(State(gw): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    set_active(&gw, &id, true).await
 }
 
 async fn deactivate_processor(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    set_active(&gw, &headers, &id, false).await
+    set_active(&gw, &id, false).await
 }
 
 /// `{"key_id": "…"}` attaches to one key; `{"key_id": null}` to the whole tenant.
@@ -701,12 +622,10 @@ pub(crate) fn attachment_body(body: &Bytes) -> Result<Option<String>, ApiError> 
 }
 
 async fn attach_processor(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
     let key = attachment_body(&body)?;
     let p = gw
         .tenants
@@ -716,12 +635,7 @@ async fn attach_processor(
     Ok(Json(json!(p)))
 }
 
-async fn delete_processor(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
-    guard(&gw, &headers)?;
+async fn delete_processor(State(gw): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     let p = gw.tenants.delete_processor(&id).await.map_err(store_error)?;
     Ok(Json(json!(p)))
 }

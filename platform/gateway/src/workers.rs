@@ -1,17 +1,15 @@
-//! How the gateway reaches engines: the [`WorkerClient`] trait, with an in-process client
-//! (the embedded `hearth serve`) and an HTTP client (`hearth gateway --worker URL`). Both
+//! How the gateway reaches engines: the [`WorkerClient`] trait and its HTTP client
+//! (`hearth gateway --worker URL`); the embedded `hearth serve` supplies an in-process
+//! client from `hearth-cli`, so that this crate never links the engine. Both
 //! yield the same stream of `hearth-protocol` events; dropping the stream cancels the
 //! generation (the HTTP client closes its connection, which the worker notices).
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use futures_util::stream::{self, BoxStream};
 use futures_util::{FutureExt, StreamExt};
-use hearth_engine::Backend;
 use hearth_protocol::{GenerateEvent, GenerateRequest, KvEvent, WorkerInfo};
-use tokio_stream::wrappers::UnboundedReceiverStream;
 
 /// Events of one generation. A stream that ends without `Done`/`Error` means the worker
 /// was lost mid-way.
@@ -37,60 +35,6 @@ pub trait WorkerClient: Send + Sync + 'static {
     fn kv_events(&self) -> BoxFuture<'_, Result<KvEventStream, WorkerError>>;
     /// Liveness.
     fn health(&self) -> BoxFuture<'_, Result<(), WorkerError>>;
-}
-
-/// An engine in this process.
-pub struct InProcessWorker {
-    engine: Arc<dyn Backend>,
-    name: String,
-}
-
-impl InProcessWorker {
-    pub fn new(engine: Arc<dyn Backend>, name: &str) -> Self {
-        Self {
-            engine,
-            name: name.to_string(),
-        }
-    }
-}
-
-impl WorkerClient for InProcessWorker {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn kv_events(&self) -> BoxFuture<'_, Result<KvEventStream, WorkerError>> {
-        async move {
-            let (snap, rx) = self
-                .engine
-                .subscribe_kv()
-                .await
-                .ok_or_else(|| WorkerError::Unavailable {
-                    worker: self.name.clone(),
-                    detail: "the engine is not running".into(),
-                })?;
-            // A lagging subscriber's stream ends; the caller resubscribes and gets a new snapshot.
-            let rest = tokio_stream::wrappers::BroadcastStream::new(rx)
-                .take_while(|r| futures_util::future::ready(r.is_ok()))
-                .filter_map(|r| futures_util::future::ready(r.ok()));
-            Ok(stream::iter([snap]).chain(rest).boxed())
-        }
-        .boxed()
-    }
-
-    fn health(&self) -> BoxFuture<'_, Result<(), WorkerError>> {
-        async move { Ok(()) }.boxed()
-    }
-
-    fn info(&self) -> BoxFuture<'_, Result<WorkerInfo, WorkerError>> {
-        let info = self.engine.info().clone();
-        async move { Ok(info) }.boxed()
-    }
-
-    fn generate(&self, req: GenerateRequest) -> BoxFuture<'_, Result<EventStream, WorkerError>> {
-        let rx = self.engine.generate(req);
-        async move { Ok(UnboundedReceiverStream::new(rx).boxed()) }.boxed()
-    }
 }
 
 /// A worker reached over HTTP (`hearth worker`).

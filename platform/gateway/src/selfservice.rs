@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get};
 use axum::{Json, Router};
@@ -23,10 +23,11 @@ use hearth_tenants::now_ms;
 use serde_json::{json, Value};
 
 use crate::admin::{budget_json, export_response, key_spec, ledger_error, store_error, window, ExportQuery};
+use crate::auth::Manager;
 use crate::error::ApiError;
-use crate::gateway::{authorize, Gateway};
+use crate::state::AppState;
 
-pub fn router() -> Router<Arc<Gateway>> {
+pub fn router() -> Router<Arc<AppState>> {
     Router::new()
         .route("/", get(me))
         .route("/keys", get(list_keys).post(create_key))
@@ -45,8 +46,7 @@ pub fn router() -> Router<Arc<Gateway>> {
         .route("/processors/{id}/attachment", axum::routing::put(attach_processor))
 }
 
-async fn me(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
-    let ctx = authorize(&gw, &headers, true).await?;
+async fn me(State(gw): State<Arc<AppState>>, Manager(ctx): Manager) -> Result<Json<Value>, ApiError> {
     let month = month_of(now_ms());
     gw.ledger.flush().await;
     let spent = gw
@@ -64,15 +64,13 @@ async fn me(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Json<V
     Ok(Json(v))
 }
 
-async fn list_keys(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
-    let ctx = authorize(&gw, &headers, true).await?;
+async fn list_keys(State(gw): State<Arc<AppState>>, Manager(ctx): Manager) -> Result<Json<Value>, ApiError> {
     let keys = gw.tenants.list_keys(&ctx.tenant_id).await.map_err(store_error)?;
     Ok(Json(json!({"object": "list", "data": keys})))
 }
 
 /// A new key for the caller's tenant; it can grant no scope and no model the caller lacks.
-async fn create_key(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
-    let ctx = authorize(&gw, &headers, true).await?;
+async fn create_key(State(gw): State<Arc<AppState>>, Manager(ctx): Manager, body: Bytes) -> Result<Response, ApiError> {
     let mut spec = key_spec(&body)?;
     let scopes = spec.scopes.unwrap_or(ctx.scopes);
     if !scopes.within(ctx.scopes) {
@@ -103,11 +101,10 @@ async fn create_key(State(gw): State<Arc<Gateway>>, headers: HeaderMap, body: By
 }
 
 async fn revoke_key(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
+    Manager(ctx): Manager,
     Path(key_id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let ctx = authorize(&gw, &headers, true).await?;
     // Another tenant's key is "not found", never "forbidden": ids are not confirmed.
     let k = gw.tenants.key(&key_id).await.map_err(store_error)?;
     if k.tenant_id != ctx.tenant_id {
@@ -126,11 +123,10 @@ fn totals_json(t: &Totals) -> Value {
 }
 
 async fn usage(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
+    Manager(ctx): Manager,
     q: Result<Query<ExportQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    let ctx = authorize(&gw, &headers, true).await?;
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
     let (from, to) = window(&q)?;
     gw.ledger.flush().await;
@@ -150,11 +146,10 @@ async fn usage(
 }
 
 async fn export(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
+    Manager(ctx): Manager,
     q: Result<Query<ExportQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
-    let ctx = authorize(&gw, &headers, true).await?;
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
     export_response(&gw, &ctx.tenant_id, &q).await
 }
@@ -163,7 +158,7 @@ async fn export(
 
 /// A processor of the caller's tenant (another tenant's is "not found").
 async fn own_processor(
-    gw: &Gateway,
+    gw: &AppState,
     ctx: &hearth_tenants::TenantContext,
     id: &str,
 ) -> Result<hearth_tenants::processors::ProcessorInfo, ApiError> {
@@ -175,52 +170,53 @@ async fn own_processor(
 }
 
 async fn upload_processor(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
+    Manager(ctx): Manager,
     q: Result<Query<crate::admin::UploadQuery>, axum::extract::rejection::QueryRejection>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let ctx = authorize(&gw, &headers, true).await?;
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
     crate::admin::upload(&gw, &ctx.tenant_id, q, body).await
 }
 
-async fn list_processors(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
-    let ctx = authorize(&gw, &headers, true).await?;
+async fn list_processors(State(gw): State<Arc<AppState>>, Manager(ctx): Manager) -> Result<Json<Value>, ApiError> {
     let ps = gw.tenants.list_processors(&ctx.tenant_id).await.map_err(store_error)?;
     Ok(Json(json!({"object": "list", "data": ps})))
 }
 
-async fn set_active(gw: &Gateway, headers: &HeaderMap, id: &str, active: bool) -> Result<Json<Value>, ApiError> {
-    let ctx = authorize(gw, headers, true).await?;
-    own_processor(gw, &ctx, id).await?;
+async fn set_active(
+    gw: &AppState,
+    ctx: &hearth_tenants::TenantContext,
+    id: &str,
+    active: bool,
+) -> Result<Json<Value>, ApiError> {
+    own_processor(gw, ctx, id).await?;
     let p = gw.tenants.set_processor_active(id, active).await.map_err(store_error)?;
     Ok(Json(json!(p)))
 }
 
 async fn activate_processor(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
+    Manager(ctx): Manager,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    set_active(&gw, &headers, &id, true).await
+    set_active(&gw, &ctx, &id, true).await
 }
 
 async fn deactivate_processor(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
+    Manager(ctx): Manager,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    set_active(&gw, &headers, &id, false).await
+    set_active(&gw, &ctx, &id, false).await
 }
 
 async fn attach_processor(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
+    Manager(ctx): Manager,
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    let ctx = authorize(&gw, &headers, true).await?;
     own_processor(&gw, &ctx, &id).await?;
     let key = crate::admin::attachment_body(&body)?;
     let p = gw
@@ -232,11 +228,10 @@ async fn attach_processor(
 }
 
 async fn delete_processor(
-    State(gw): State<Arc<Gateway>>,
-    headers: HeaderMap,
+    State(gw): State<Arc<AppState>>,
+    Manager(ctx): Manager,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let ctx = authorize(&gw, &headers, true).await?;
     own_processor(&gw, &ctx, &id).await?;
     let p = gw.tenants.delete_processor(&id).await.map_err(store_error)?;
     Ok(Json(json!(p)))

@@ -593,8 +593,12 @@ async fn two_workers_route_repeated_prefixes_to_their_cache() {
     assert!(affinity >= 2, "{r}");
 
     // Prometheus metrics.
+    // Operator-only: refused without the admin token.
+    let refused = client().get(format!("{}/metrics", server.url)).send().await.unwrap();
+    assert_eq!(refused.status(), 401);
     let metrics = client()
         .get(format!("{}/metrics", server.url))
+        .bearer_auth(ADMIN_TOKEN)
         .send()
         .await
         .unwrap()
@@ -609,6 +613,46 @@ async fn two_workers_route_repeated_prefixes_to_their_cache() {
     );
     assert!(metrics.contains("hearth_worker_inflight_requests{"));
     assert!(metrics.contains("hearth_router_index_blocks{"));
+    // Request histograms (vLLM's names in Hearth's namespace) and the in-process engines'.
+    let m = format!("model=\"{MODEL}\"");
+    assert!(
+        metric_sum(&metrics, &format!("hearth:time_to_first_token_seconds_count{{{m}}}")) >= 5.0,
+        "{metrics}"
+    );
+    assert!(
+        metric_sum(
+            &metrics,
+            &format!("hearth:e2e_request_latency_seconds_bucket{{{m},le=\"+Inf\"}}")
+        ) >= 5.0
+    );
+    assert!(metric_sum(&metrics, &format!("hearth:inter_token_latency_seconds_count{{{m}}}")) > 0.0);
+    assert!(metric_sum(&metrics, &format!("hearth:prompt_tokens_total{{{m}}}")) > 0.0);
+    assert!(metric_sum(&metrics, &format!("hearth_prompt_tokens_cached_total{{{m}}}")) > 0.0);
+    assert!(
+        metric_sum(
+            &metrics,
+            &format!("hearth_requests_total{{{m},endpoint=\"/v1/chat/completions\",status=\"200\"}}")
+        ) >= 5.0
+    );
+    assert!(
+        metric_sum(
+            &metrics,
+            "hearth_limiter_decisions_total{decision=\"admitted\",limit=\"\"}"
+        ) >= 5.0
+    );
+    for w in ["local-0", "local-1"] {
+        assert!(
+            metrics.contains(&format!("hearth:kv_cache_usage_perc{{worker=\"{w}\"}}")),
+            "{metrics}"
+        );
+        assert!(metric_sum(&metrics, &format!("hearth_model_load_seconds{{worker=\"{w}\"}}")) > 0.0);
+    }
+    assert!(
+        metric_sum(&metrics, "hearth:request_queue_time_seconds_count{") >= 5.0,
+        "{metrics}"
+    );
+    assert!(metric_sum(&metrics, "hearth:request_prefill_time_seconds_count{") >= 5.0);
+    assert!(metric_sum(&metrics, "hearth:prefix_cache_hits_total{") > 0.0);
 
     // Draining a worker sends everything to the other one.
     for slot in [0, 1] {
@@ -667,6 +711,15 @@ async fn sim_workers_over_http_follow_events_and_hit_the_cache() {
         let cached = b["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
         assert_eq!(cached > 0, i > 0, "request {i}: {b}");
     }
+}
+
+/// The sum of every sample whose line starts with `prefix` (a name, or a name and labels).
+fn metric_sum(metrics: &str, prefix: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 async fn routing_state(url: &str) -> Value {
@@ -751,4 +804,33 @@ async fn rate_limits_answer_429_with_headers_and_are_metered() {
     assert_eq!(s, 429, "{b}");
     assert_eq!(b["error"]["type"], "tokens");
     assert!(h.get("x-ratelimit-limit-tokens").is_some());
+}
+
+/// A log written to a file (not a terminal) is plain text: no ANSI escape sequences, even
+/// with colours requested by the environment's defaults.
+#[test]
+fn logs_to_a_file_carry_no_escape_sequences() {
+    use std::process::{Command, Stdio};
+    let data = temp_dir("plainlog");
+    let log_path = data.join("serve.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let mut child = Command::new(bin())
+        .args(["serve", "--listen", "127.0.0.1:0", "--backend", "sim", "--data-dir"])
+        .arg(&data)
+        .env("HEARTH_LOG", "info")
+        .env_remove("NO_COLOR")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(log))
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let started = std::io::BufRead::lines(std::io::BufReader::new(stdout))
+        .map_while(Result::ok)
+        .any(|l| l.contains("listening on "));
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(started, "hearth serve did not start");
+    let text = std::fs::read_to_string(&log_path).unwrap();
+    assert!(text.contains("INFO"), "the log has the start-up lines: {text}");
+    assert!(!text.contains('\u{1b}'), "escape sequences in a log file: {text:?}");
 }

@@ -4,7 +4,16 @@
 
 use std::path::{Path, PathBuf};
 
+use hearth_tenants::db::DbError;
 use hearth_tenants::Db;
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("cannot create data directory {dir}: {source}")]
+    DataDir { dir: PathBuf, source: std::io::Error },
+    #[error(transparent)]
+    Db(#[from] DbError),
+}
 
 /// `$HEARTH_DATA_DIR`, else `$XDG_DATA_HOME/hearth`, else `~/.local/share/hearth`.
 pub fn default_data_dir() -> PathBuf {
@@ -16,9 +25,11 @@ pub fn default_data_dir() -> PathBuf {
 }
 
 /// Opens `database_url`, or `<data_dir>/hearth.db`.
-pub async fn open(data_dir: &Path, database_url: Option<&str>) -> anyhow::Result<Db> {
-    std::fs::create_dir_all(data_dir)
-        .map_err(|e| anyhow::anyhow!("cannot create data directory {}: {e}", data_dir.display()))?;
+pub async fn open(data_dir: &Path, database_url: Option<&str>) -> Result<Db, OpenError> {
+    std::fs::create_dir_all(data_dir).map_err(|source| OpenError::DataDir {
+        dir: data_dir.to_path_buf(),
+        source,
+    })?;
     let url = match database_url.filter(|u| !u.is_empty()) {
         Some(u) => u.to_string(),
         None => format!("sqlite://{}", data_dir.join("hearth.db").display()),

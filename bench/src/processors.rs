@@ -193,7 +193,7 @@ pub async fn run(
             }
         }
     }
-    let (plain, with) = crate::gateway_bench::processor_overhead(model_path, model_id, requests).await?;
+    let (plain, with) = crate::gateway::processor_overhead(model_path, model_id, requests).await?;
     Ok(ProcessorBenchReport {
         requests,
         guests,

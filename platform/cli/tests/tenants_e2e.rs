@@ -11,8 +11,11 @@ use common::*;
 use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
 use serde_json::{json, Value};
 
-const RSA_PRIVATE: &str = include_str!("../../tenants/tests/fixtures/rsa_private.pem");
-const RSA_PUBLIC_PATH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tenants/tests/fixtures/rsa_public.pem");
+const RSA_PRIVATE: &str = include_str!("../../../tenants/tests/fixtures/rsa_private.pem");
+const RSA_PUBLIC_PATH: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../tenants/tests/fixtures/rsa_public.pem"
+);
 const HS_SECRET: &str = "an-hmac-secret-of-at-least-32-bytes!!";
 
 fn sim_serve(data: &Path, extra: &[&str]) -> Proc {

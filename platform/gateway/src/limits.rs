@@ -374,6 +374,14 @@ return {1, 0, 0, rem[1], rem[2]}
 /// How long an in-flight lease lives if its release is lost (a crashed gateway).
 const LEASE_MS: u64 = 15 * 60 * 1000;
 
+#[derive(Debug, thiserror::Error)]
+pub enum RedisConnectError {
+    #[error("bad Redis URL: {0}")]
+    Url(redis::RedisError),
+    #[error("cannot reach Redis at {url}: {source}")]
+    Unreachable { url: String, source: redis::RedisError },
+}
+
 /// Limits shared through Redis.
 pub struct RedisLimiter {
     conn: redis::aio::ConnectionManager,
@@ -383,15 +391,18 @@ pub struct RedisLimiter {
 }
 
 impl RedisLimiter {
-    pub async fn connect(url: &str, prefix: &str) -> anyhow::Result<Self> {
-        let client = redis::Client::open(url).map_err(|e| anyhow::anyhow!("bad Redis URL: {e}"))?;
+    pub async fn connect(url: &str, prefix: &str) -> Result<Self, RedisConnectError> {
+        let client = redis::Client::open(url).map_err(RedisConnectError::Url)?;
         let cfg = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(2)))
             .set_response_timeout(Some(Duration::from_millis(500)))
             .set_number_of_retries(2);
         let conn = redis::aio::ConnectionManager::new_with_config(client, cfg)
             .await
-            .map_err(|e| anyhow::anyhow!("cannot reach Redis at {url}: {e}"))?;
+            .map_err(|source| RedisConnectError::Unreachable {
+                url: url.to_string(),
+                source,
+            })?;
         Ok(Self {
             conn,
             admit: redis::Script::new(ADMIT_SCRIPT),

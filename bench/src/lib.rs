@@ -1,0 +1,14 @@
+//! Hearth's benchmarks, kept outside the production libraries and run through
+//! `hearth bench …`: each prints a table and can write JSON.
+//!
+//! * [`gateway`] — what authentication, limits, budgets and metering add per request;
+//! * [`processors`] — tenant processor overhead per guest language, and core scaling;
+//! * [`routing`] — routing policies on simulated workers, and the router micro-benchmark.
+//!
+//! (`hearth bench engine` lives with the engine, in `hearth_engine::bench`.) Side-by-side
+//! comparisons with other projects are the scripts beside this crate
+//! (`llamacpp-compare`, `litellm-compare`), measured in the same run.
+
+pub mod gateway;
+pub mod processors;
+pub mod routing;

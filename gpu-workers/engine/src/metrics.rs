@@ -1,0 +1,183 @@
+//! The worker's Prometheus metrics: what only the engine knows. Served on `hearth worker`'s
+//! `GET /metrics`; `hearth serve` adds the same collector to its gateway's registry.
+//!
+//! vLLM's names with Hearth's namespace where the meaning is the same:
+//! `hearth:request_queue_time_seconds` (arrival at the engine → first scheduled step),
+//! `hearth:request_prefill_time_seconds` (first scheduled step → first token),
+//! `hearth:request_decode_time_seconds` (first token → last), `hearth:num_requests_running`,
+//! `hearth:num_requests_waiting`, `hearth:kv_cache_usage_perc` (0–1; cached-idle blocks
+//! count as free, as vLLM's do), `hearth:prefix_cache_queries_total` and
+//! `hearth:prefix_cache_hits_total` (in tokens), `hearth:num_preemptions_total`. Hearth's
+//! own: `hearth_model_load_seconds`. Every series carries a `worker` label.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
+
+use crate::Backend;
+
+const QUEUE_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0,
+];
+
+/// Per-request timings the engine thread observes.
+pub struct EngineMetrics {
+    pub queue: Histogram,
+    pub prefill: Histogram,
+    pub decode: Histogram,
+}
+
+impl Default for EngineMetrics {
+    fn default() -> Self {
+        let h = || Histogram::new(QUEUE_BUCKETS.iter().copied());
+        Self {
+            queue: h(),
+            prefill: h(),
+            decode: h(),
+        }
+    }
+}
+
+impl EngineMetrics {
+    pub fn observe(h: &Histogram, d: Duration) {
+        h.observe(d.as_secs_f64());
+    }
+}
+
+/// Encodes the engines of this process at scrape time, one `worker` label each.
+pub struct EngineCollector {
+    engines: Vec<(String, Arc<dyn Backend>)>,
+}
+
+impl std::fmt::Debug for EngineCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineCollector")
+            .field("engines", &self.engines.iter().map(|(n, _)| n).collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl EngineCollector {
+    /// `engines`: (worker name, backend).
+    pub fn new(engines: Vec<(String, Arc<dyn Backend>)>) -> Self {
+        Self { engines }
+    }
+}
+
+type Labels<'a> = [(&'static str, &'a str); 1];
+/// A metric's name, help and how to read it from the engine's counters (and block size).
+type FromStats<T> = (&'static str, &'static str, fn(&crate::EngineStats, u64) -> T);
+type FromHistograms = (&'static str, &'static str, fn(&EngineMetrics) -> &Histogram);
+
+impl Collector for EngineCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let with_stats: Vec<_> = self
+            .engines
+            .iter()
+            .filter_map(|(name, b)| Some((name.as_str(), b.stats()?, b.info().block_tokens as u64)))
+            .collect();
+        let gauges: [FromStats<f64>; 3] = [
+            (
+                "hearth:num_requests_running",
+                "Sequences being prefilled or decoded.",
+                |s, _| s.load.running as f64,
+            ),
+            (
+                "hearth:num_requests_waiting",
+                "Sequences waiting for admission.",
+                |s, _| s.load.waiting as f64,
+            ),
+            (
+                "hearth:kv_cache_usage_perc",
+                "Fraction of KV blocks in use (cached-idle blocks count as free).",
+                |s, _| {
+                    if s.load.total_blocks == 0 {
+                        0.0
+                    } else {
+                        1.0 - s.load.free_blocks as f64 / s.load.total_blocks as f64
+                    }
+                },
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let mut m = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (worker, s, bt) in &with_stats {
+                let labels: Labels = [("worker", worker)];
+                ConstGauge::new(value(s, *bt)).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let counters: [FromStats<u64>; 3] = [
+            (
+                "hearth:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                |s, bt| s.prefix_queries * bt,
+            ),
+            (
+                "hearth:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache.",
+                |s, bt| s.prefix_hits * bt,
+            ),
+            (
+                "hearth:num_preemptions",
+                "Sequences preempted for lack of KV blocks.",
+                |s, _| s.preemptions,
+            ),
+        ];
+        for (name, help, value) in counters {
+            let mut m = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for (worker, s, bt) in &with_stats {
+                let labels: Labels = [("worker", worker)];
+                ConstCounter::new(value(s, *bt)).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let mut m = encoder.encode_descriptor(
+            "hearth_model_load_seconds",
+            "Time to load the model and start the engine.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (worker, b) in &self.engines {
+            if let Some(s) = b.load_seconds() {
+                let labels: Labels = [("worker", worker)];
+                ConstGauge::new(s).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let with_metrics: Vec<_> = self
+            .engines
+            .iter()
+            .filter_map(|(n, b)| Some((n.as_str(), b.metrics()?)))
+            .collect();
+        let hists: [FromHistograms; 3] = [
+            (
+                "hearth:request_queue_time_seconds",
+                "Time from arrival at the engine to the first scheduled step.",
+                |m| &m.queue,
+            ),
+            (
+                "hearth:request_prefill_time_seconds",
+                "Time from the first scheduled step to the first token.",
+                |m| &m.prefill,
+            ),
+            (
+                "hearth:request_decode_time_seconds",
+                "Time from the first token to the last.",
+                |m| &m.decode,
+            ),
+        ];
+        for (name, help, pick) in hists {
+            let mut m = encoder.encode_descriptor(name, help, None, MetricType::Histogram)?;
+            for (worker, em) in &with_metrics {
+                let labels: Labels = [("worker", worker)];
+                pick(em).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}

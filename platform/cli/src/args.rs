@@ -1,0 +1,583 @@
+//! The command line's shape: every subcommand and flag (clap derive), with the environment
+//! variables that override them. What each command does lives in the other modules.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use hearth_engine::fetch::DEFAULT_MODEL_ID;
+use hearth_engine::EngineConfig;
+use hearth_gateway::db;
+use hearth_gateway::limits::{Limiter, RedisLimiter};
+use hearth_gateway::registry::RoutingConfig;
+use hearth_router::Policy;
+
+#[derive(Parser)]
+#[command(name = "hearth", version, about = "Hearth: serverless multi-tenant LLM serving")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Gateway + one in-process engine worker + SQLite: everything in one process.
+    Serve(ServeArgs),
+    /// An engine worker serving one model over HTTP (for `hearth gateway --worker`).
+    Worker(WorkerArgs),
+    /// The API tier alone, dispatching to `hearth worker` processes.
+    Gateway(GatewayArgs),
+    /// Manage tenants, API keys, JWT issuers, limits, budgets, prices and usage.
+    Admin(AdminArgs),
+    /// Tenant processors (WebAssembly components run on requests and responses).
+    Processor(ProcessorArgs),
+    /// Billing exports.
+    Billing {
+        #[command(subcommand)]
+        command: BillingCommand,
+    },
+    /// Model files.
+    Model {
+        #[command(subcommand)]
+        command: ModelCommand,
+    },
+    /// Benchmarks: print a table, optionally write JSON.
+    Bench {
+        #[command(subcommand)]
+        command: BenchCommand,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Processor overhead per request (WAT, JavaScript, Python guests) and core scaling.
+    Processors {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Where `sdk/processors/build` put the JS/Python guests.
+        #[arg(long, default_value = "target/processors")]
+        examples: PathBuf,
+        #[arg(long, default_value_t = 2000)]
+        requests: usize,
+        /// Fewer requests (smoke runs).
+        #[arg(long)]
+        quick: bool,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Gateway overhead: auth, limits, budget and metering vs none, with an instant worker.
+    Gateway {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Sequential requests per mode (latency).
+        #[arg(long, default_value_t = 3000)]
+        requests: usize,
+        /// Seconds of concurrent load per mode (throughput).
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        #[arg(long, default_value_t = 32)]
+        concurrency: usize,
+        /// Also measure with the limits in Redis.
+        #[arg(long, env = "HEARTH_REDIS_URL")]
+        redis_url: Option<String>,
+        /// Fewer requests (smoke runs).
+        #[arg(long)]
+        quick: bool,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Routing policies on simulated workers (virtual time), and the router micro-benchmark.
+    Routing {
+        #[arg(long, default_value_t = 7)]
+        workers: usize,
+        /// Fewer requests (finishes in seconds).
+        #[arg(long)]
+        quick: bool,
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// The engine in-process: load, prefill, decode at 1/8/32 streams, cached TTFT, RSS.
+    Engine {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Shorter measurements (smoke runs).
+        #[arg(long)]
+        quick: bool,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+}
+
+#[derive(Args, Clone)]
+pub struct DataArgs {
+    /// Holds the SQLite database and local state (default: ~/.local/share/hearth).
+    #[arg(long, env = "HEARTH_DATA_DIR", global = true)]
+    pub data_dir: Option<PathBuf>,
+    /// A PostgreSQL database (postgres://…) instead of SQLite in the data directory.
+    #[arg(long, env = "HEARTH_DATABASE_URL", global = true, hide_env_values = true)]
+    pub database_url: Option<String>,
+}
+
+impl DataArgs {
+    pub fn dir(&self) -> PathBuf {
+        self.data_dir.clone().unwrap_or_else(db::default_data_dir)
+    }
+
+    pub async fn open(&self) -> anyhow::Result<hearth_tenants::Db> {
+        Ok(db::open(&self.dir(), self.database_url.as_deref()).await?)
+    }
+}
+
+/// Where rate limits are counted, and where compiled processors are cached.
+#[derive(Args, Clone)]
+pub struct LimitStoreArgs {
+    /// Compiled processor code, by content hash (default: DATA_DIR/processors).
+    #[arg(long, env = "HEARTH_PROCESSOR_CACHE")]
+    pub processor_cache: Option<PathBuf>,
+    /// Count rate limits in Redis (redis://HOST:PORT), shared by every gateway using it;
+    /// without it each gateway counts alone.
+    #[arg(long, env = "HEARTH_REDIS_URL", hide_env_values = true)]
+    pub redis_url: Option<String>,
+    /// Prefix of Hearth's Redis keys.
+    #[arg(long, env = "HEARTH_REDIS_PREFIX", default_value = "hearth:")]
+    pub redis_prefix: String,
+}
+
+impl LimitStoreArgs {
+    pub async fn limiter(&self) -> anyhow::Result<Limiter> {
+        match self.redis_url.as_deref().filter(|u| !u.is_empty()) {
+            None => Ok(Limiter::default()),
+            Some(url) => Ok(Limiter::with_redis(
+                RedisLimiter::connect(url, &self.redis_prefix).await?,
+            )),
+        }
+    }
+}
+
+#[derive(Args, Clone)]
+pub struct ModelArgs {
+    /// A known model id (fetched into $HEARTH_HOME/models) or a path to a Llama GGUF file.
+    #[arg(long, env = "HEARTH_MODEL", default_value = DEFAULT_MODEL_ID)]
+    pub model: String,
+    /// The id clients use for the model (default: the known id, or the file's stem).
+    #[arg(long, env = "HEARTH_MODEL_ID")]
+    pub model_id: Option<String>,
+    /// Compute threads (default: all cores).
+    #[arg(long, env = "HEARTH_THREADS")]
+    pub threads: Option<usize>,
+    /// KV cache size in MiB (default: a quarter of available memory, at most 1024).
+    #[arg(long, env = "HEARTH_KV_CACHE_MIB")]
+    pub kv_cache_mib: Option<usize>,
+    /// Tokens per engine step, shared by decodes and prefill chunks.
+    #[arg(long, env = "HEARTH_MAX_BATCH_TOKENS", default_value_t = 512)]
+    pub max_batch_tokens: usize,
+    /// Sequences decoded together.
+    #[arg(long, env = "HEARTH_MAX_RUNNING", default_value_t = 64)]
+    pub max_running: usize,
+    /// Region label of the engine(s).
+    #[arg(long, env = "HEARTH_REGION", default_value = "local")]
+    pub region: String,
+    /// `engine` (the real model) or `sim` (the real scheduler and caches, with a cost model
+    /// instead of the maths; see `hearth_engine::sim`).
+    #[arg(long, env = "HEARTH_BACKEND", default_value = "engine")]
+    pub backend: String,
+    /// For `--backend sim`: how many times faster than the cost model time runs.
+    #[arg(long, default_value_t = 1.0)]
+    pub sim_speedup: f64,
+}
+
+#[derive(Args, Clone)]
+pub struct RoutingArgs {
+    /// Routing policy: kv_aware (default), prefix_aware, least_outstanding, random; or
+    /// MODEL=POLICY for one model (repeatable).
+    #[arg(
+        long = "routing-policy",
+        env = "HEARTH_ROUTING_POLICY",
+        value_delimiter = ',',
+        default_value = "kv_aware"
+    )]
+    pub policies: Vec<String>,
+}
+
+impl RoutingArgs {
+    pub fn config(&self, region: &str) -> anyhow::Result<RoutingConfig> {
+        let mut cfg = RoutingConfig {
+            region: region.to_string(),
+            ..Default::default()
+        };
+        for p in &self.policies {
+            let (model, name) = match p.split_once('=') {
+                Some((m, n)) => (Some(m), n),
+                None => (None, p.as_str()),
+            };
+            let policy = Policy::parse(name).ok_or_else(|| {
+                anyhow::anyhow!("unknown routing policy {name:?} (kv_aware, prefix_aware, least_outstanding, random)")
+            })?;
+            match model {
+                Some(m) => {
+                    cfg.per_model.insert(m.to_string(), policy);
+                }
+                None => cfg.policy = policy,
+            }
+        }
+        Ok(cfg)
+    }
+}
+
+impl ModelArgs {
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            threads: self
+                .threads
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+            kv_cache_mib: self.kv_cache_mib,
+            max_batch_tokens: self.max_batch_tokens,
+            max_running: self.max_running,
+            region: self.region.clone(),
+        }
+    }
+}
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[arg(long, env = "HEARTH_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    #[command(flatten)]
+    pub data: DataArgs,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Enables the admin API (`/admin/v1`) for bearers of this token.
+    #[arg(long, env = "HEARTH_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// In-process engine workers (each with its own KV cache; threads are shared out).
+    #[arg(long, env = "HEARTH_WORKERS_LOCAL", default_value_t = 1)]
+    pub workers: usize,
+    #[command(flatten)]
+    pub routing: RoutingArgs,
+    #[command(flatten)]
+    pub limits: LimitStoreArgs,
+}
+
+#[derive(Args)]
+pub struct WorkerArgs {
+    #[arg(long, env = "HEARTH_LISTEN", default_value = "127.0.0.1:8081")]
+    pub listen: SocketAddr,
+    #[command(flatten)]
+    pub model: ModelArgs,
+}
+
+#[derive(Args)]
+pub struct GatewayArgs {
+    #[arg(long, env = "HEARTH_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    #[command(flatten)]
+    pub data: DataArgs,
+    /// A worker's base URL (repeat for several).
+    #[arg(long = "worker", env = "HEARTH_WORKERS", value_delimiter = ',', required = true)]
+    pub workers: Vec<String>,
+    /// How long to wait for workers to come up at start.
+    #[arg(long, default_value_t = 120)]
+    pub worker_wait_secs: u64,
+    /// This gateway's region (requests may override it with `x-hearth-region`).
+    #[arg(long, env = "HEARTH_REGION", default_value = "local")]
+    pub region: String,
+    #[command(flatten)]
+    pub routing: RoutingArgs,
+    #[arg(long, env = "HEARTH_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    #[command(flatten)]
+    pub limits: LimitStoreArgs,
+}
+
+#[derive(Args)]
+pub struct AdminArgs {
+    #[command(flatten)]
+    pub data: DataArgs,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: AdminCommand,
+}
+
+#[derive(Subcommand)]
+pub enum AdminCommand {
+    /// Tenants.
+    Tenant {
+        #[command(subcommand)]
+        command: TenantCommand,
+    },
+    /// API keys.
+    Key {
+        #[command(subcommand)]
+        command: KeyCommand,
+    },
+    /// JWT issuers: a tenant's identity providers.
+    Jwt {
+        #[command(subcommand)]
+        command: JwtCommand,
+    },
+    /// Model prices (versioned: a change never rewrites history).
+    Price {
+        #[command(subcommand)]
+        command: PriceCommand,
+    },
+    /// Recent usage records.
+    Usage {
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum JwtCommand {
+    /// Register an issuer: tokens with this `iss`, `aud` and algorithm act for the tenant.
+    Add {
+        #[arg(long)]
+        tenant: String,
+        /// The `iss` claim.
+        #[arg(long)]
+        issuer: String,
+        /// The `aud` claim Hearth requires.
+        #[arg(long)]
+        audience: String,
+        /// The one accepted algorithm: HS256/384/512, RS256/384/512, PS256/384/512, ES256/384, EdDSA.
+        #[arg(long)]
+        algorithm: String,
+        /// A PEM public key, or (HS*) a file holding the shared secret.
+        #[arg(long)]
+        key_file: Option<PathBuf>,
+        /// A JWKS document.
+        #[arg(long)]
+        jwks_file: Option<PathBuf>,
+        /// A JWKS URL (fetched and cached for 5 minutes).
+        #[arg(long)]
+        jwks_url: Option<String>,
+    },
+    /// List issuers.
+    List {
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Remove an issuer (its tokens stop working within seconds).
+    Remove { id: String },
+}
+
+#[derive(Subcommand)]
+pub enum PriceCommand {
+    /// Add a price version for a model (`*`: the default for unpriced models). USD per
+    /// million tokens.
+    Set {
+        #[arg(long)]
+        model: String,
+        #[arg(long)]
+        input: String,
+        #[arg(long)]
+        cached_input: String,
+        #[arg(long)]
+        output: String,
+        /// When it takes effect: YYYY-MM-DD (UTC) or Unix ms; default now (the first price
+        /// of a model covers all time).
+        #[arg(long)]
+        effective_from: Option<String>,
+    },
+    /// List price versions.
+    List {
+        #[arg(long)]
+        model: Option<String>,
+    },
+}
+
+#[derive(Args)]
+pub struct ProcessorArgs {
+    #[command(flatten)]
+    pub data: DataArgs,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: ProcessorCommand,
+}
+
+#[derive(Subcommand)]
+pub enum ProcessorCommand {
+    /// Validate, precompile and store a new version of a processor.
+    Upload {
+        #[arg(long)]
+        tenant: String,
+        #[arg(long)]
+        name: String,
+        /// The component (.wasm).
+        file: PathBuf,
+        /// JSON for the guest's `host.config`, or @FILE.
+        #[arg(long)]
+        config: Option<String>,
+        /// Make this the active version at once.
+        #[arg(long)]
+        activate: bool,
+        /// Run only on this API key's requests (default: every request of the tenant).
+        #[arg(long)]
+        key: Option<String>,
+        /// Order among the tenant's processors (pre ascending, post descending).
+        #[arg(long)]
+        position: Option<i64>,
+        /// CPU per call, ms (≤ 1000).
+        #[arg(long, default_value_t = 50)]
+        cpu_ms: u32,
+        /// Memory of the instance, MiB (≤ 256).
+        #[arg(long, default_value_t = 128)]
+        memory_mib: u32,
+    },
+    /// List a tenant's processors (every version).
+    List {
+        #[arg(long)]
+        tenant: String,
+    },
+    /// Make a version the active one of its name.
+    Activate { id: String },
+    /// Stop running a version.
+    Deactivate { id: String },
+    /// Run a version only on one key's requests, or (`--tenant-wide`) on all.
+    Attach {
+        id: String,
+        #[arg(long, conflicts_with = "tenant_wide")]
+        key: Option<String>,
+        #[arg(long)]
+        tenant_wide: bool,
+    },
+    /// Delete a version.
+    Delete { id: String },
+    /// Print the WIT of the `hearth:processor` world.
+    Wit,
+    /// Build a component from a WebAssembly text core module (see `sdk/processors`).
+    BuildWat {
+        file: PathBuf,
+        #[arg(short, long)]
+        out: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum BillingCommand {
+    /// Export a tenant's usage: per request or per day and model, CSV, JSON Lines or Parquet.
+    /// Totals go to stderr.
+    Export {
+        #[command(flatten)]
+        data: DataArgs,
+        #[arg(long)]
+        tenant: String,
+        /// First day (YYYY-MM-DD, UTC, inclusive) or Unix ms.
+        #[arg(long)]
+        from: String,
+        /// End (YYYY-MM-DD, exclusive) or Unix ms; default: now.
+        #[arg(long)]
+        to: Option<String>,
+        /// csv, jsonl or parquet.
+        #[arg(long, default_value = "csv")]
+        format: String,
+        /// request or day.
+        #[arg(long, default_value = "request")]
+        granularity: String,
+        /// Write here instead of stdout.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+/// Rate limits; 0 or absent means unlimited.
+#[derive(Args, Clone, Copy)]
+pub struct LimitArgs {
+    /// Requests per minute.
+    #[arg(long, default_value_t = 0)]
+    pub rpm: u32,
+    /// Tokens (prompt + completion) per minute.
+    #[arg(long, default_value_t = 0)]
+    pub tpm: u32,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 0)]
+    pub concurrent: u32,
+}
+
+impl LimitArgs {
+    pub fn limits(self) -> hearth_tenants::Limits {
+        let some = |v: u32| (v > 0).then_some(v);
+        hearth_tenants::Limits {
+            rpm: some(self.rpm),
+            tpm: some(self.tpm),
+            concurrent: some(self.concurrent),
+        }
+    }
+}
+
+#[derive(Subcommand)]
+pub enum TenantCommand {
+    /// Create a tenant.
+    Create { name: String },
+    /// List tenants.
+    List,
+    /// Set a tenant's rate limits (running gateways apply them within 5 s).
+    Limits {
+        name: String,
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
+    /// Set a tenant's monthly budget in USD (0 removes it).
+    Budget {
+        name: String,
+        #[arg(long)]
+        monthly_usd: String,
+        /// Warn (x-hearth-budget-warning) instead of refusing once spent.
+        #[arg(long)]
+        soft: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum KeyCommand {
+    /// Create an API key for a tenant; the key is printed once.
+    Create {
+        #[arg(long)]
+        tenant: String,
+        #[arg(long, default_value = "")]
+        name: String,
+        /// inference, manage, or both (default: both).
+        #[arg(long, default_value = "inference,manage")]
+        scopes: String,
+        /// Restrict the key to these models (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        models: Option<Vec<String>>,
+        /// Expire the key after this long: 90s, 30m, 12h, 30d.
+        #[arg(long)]
+        expires_in: Option<String>,
+    },
+    /// List a tenant's keys (never the secrets).
+    List {
+        #[arg(long)]
+        tenant: String,
+    },
+    /// Revoke a key by its id (or the full key).
+    Revoke { key_id: String },
+    /// Set a key's rate limits (on top of its tenant's).
+    Limits {
+        key_id: String,
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum ModelCommand {
+    /// Fetch a known model into $HEARTH_HOME/models and print its path.
+    Fetch {
+        #[arg(default_value = DEFAULT_MODEL_ID)]
+        model: String,
+    },
+}

@@ -1,0 +1,76 @@
+//! `hearth bench …`: the benchmarks (in `hearth-bench` and the engine), each printing a
+//! table and optionally writing JSON.
+
+use std::path::PathBuf;
+
+use crate::args::{BenchCommand, ModelArgs};
+use crate::launch::resolve_model;
+use crate::output::write_json;
+
+pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
+    match command {
+        BenchCommand::Engine { model, quick, json } => engine(model, quick, json).await,
+        BenchCommand::Processors {
+            model,
+            examples,
+            requests,
+            quick,
+            json,
+        } => {
+            let (path, id) = resolve_model(&model).await?;
+            let examples = examples.exists().then_some(examples);
+            let (requests, seconds) = if quick { (200, 0.5) } else { (requests.max(20), 2.0) };
+            let report = hearth_bench::processors::run(examples.as_deref(), &path, &id, requests, seconds).await?;
+            print!("{}", report.table());
+            write_json(&report, json)
+        }
+        BenchCommand::Gateway {
+            model,
+            requests,
+            seconds,
+            concurrency,
+            redis_url,
+            quick,
+            json,
+        } => {
+            let (path, id) = resolve_model(&model).await?;
+            let cfg = hearth_bench::gateway::GatewayBenchConfig {
+                requests: if quick { 300 } else { requests.max(10) },
+                seconds: if quick { 1.0 } else { seconds.max(0.5) },
+                concurrency: concurrency.clamp(1, 1024),
+                redis_url: redis_url.filter(|u| !u.is_empty()),
+            };
+            let report = hearth_bench::gateway::run(&path, &id, cfg).await?;
+            print!("{}", report.table());
+            write_json(&report, json)
+        }
+        BenchCommand::Routing {
+            workers,
+            quick,
+            seed,
+            json,
+        } => {
+            let cfg = hearth_bench::routing::RoutingBenchConfig {
+                workers: workers.clamp(1, 64),
+                quick,
+                seed,
+            };
+            let report = tokio::task::spawn_blocking(move || hearth_bench::routing::run(cfg)).await?;
+            print!("{}", report.table());
+            write_json(&report, json)
+        }
+    }
+}
+
+async fn engine(model: ModelArgs, quick: bool, json: Option<PathBuf>) -> anyhow::Result<()> {
+    let (path, id) = resolve_model(&model).await?;
+    let cfg = model.engine_config();
+    let bench = hearth_engine::bench::BenchConfig {
+        threads: cfg.threads,
+        kv_cache_mib: cfg.kv_cache_mib,
+        quick,
+    };
+    let report = hearth_engine::bench::run(&path, &id, &bench).await?;
+    print!("{}", report.table());
+    write_json(&report, json)
+}

@@ -1,0 +1,224 @@
+//! The launchers: `hearth serve` (gateway + in-process workers + SQLite), `hearth worker`
+//! and `hearth gateway`; model resolution and engine loading.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use hearth_billing::UsageLedger;
+use hearth_engine::fetch::{ensure_model, hearth_home};
+use hearth_engine::metrics::EngineCollector;
+use hearth_engine::sim::{sim_info, CostModel, SimHandle};
+use hearth_engine::{Backend, EngineHandle};
+use hearth_gateway::app;
+use hearth_gateway::registry::{ModelRegistry, RoutingConfig};
+use hearth_gateway::state::AppState;
+use hearth_gateway::workers::{HttpWorker, WorkerClient};
+use hearth_tenants::TenantStore;
+
+use crate::args::{DataArgs, GatewayArgs, LimitStoreArgs, ModelArgs, ServeArgs, WorkerArgs};
+use crate::local_worker::InProcessWorker;
+
+/// Resolves `--model` to a file (fetching a known model if needed) and the id to serve it as.
+pub async fn resolve_model(args: &ModelArgs) -> anyhow::Result<(PathBuf, String)> {
+    let as_path = Path::new(&args.model);
+    let (path, id) = if as_path.exists() || args.model.ends_with(".gguf") {
+        if !as_path.exists() {
+            bail!("model file {} does not exist", as_path.display());
+        }
+        let stem = as_path
+            .file_stem()
+            .map_or("model".into(), |s| s.to_string_lossy().to_lowercase());
+        (as_path.to_path_buf(), args.model_id.clone().unwrap_or(stem))
+    } else {
+        let model = args.model.clone();
+        let path = tokio::task::spawn_blocking(move || {
+            ensure_model(&model, &hearth_home(), &mut |m| eprintln!("hearth: {m}"))
+        })
+        .await??;
+        (path, args.model_id.clone().unwrap_or_else(|| args.model.clone()))
+    };
+    Ok((path, id))
+}
+
+/// Starts the backend `--backend` names for `--model`.
+async fn load_backend(args: &ModelArgs) -> anyhow::Result<Arc<dyn Backend>> {
+    match args.backend.as_str() {
+        "engine" => Ok(Arc::new(load_engine(args).await?)),
+        "sim" => {
+            let (path, id) = resolve_model(args).await?;
+            let info = sim_info(&path, &id, &args.region)?;
+            tracing::info!(model = %id, speedup = args.sim_speedup, "sim backend ready");
+            Ok(Arc::new(SimHandle::start(info, CostModel::default(), args.sim_speedup)))
+        }
+        other => bail!("unknown backend {other:?} (engine, sim)"),
+    }
+}
+
+/// Loads the engine for `--model`.
+async fn load_engine(args: &ModelArgs) -> anyhow::Result<EngineHandle> {
+    let (path, id) = resolve_model(args).await?;
+    let cfg = args.engine_config();
+    let threads = cfg.threads;
+    let engine = tokio::task::spawn_blocking(move || EngineHandle::load(&path, &id, &cfg))
+        .await?
+        .context("loading the model")?;
+    tracing::info!(
+        model = %engine.info().model,
+        parameters = engine.info().parameters,
+        context = engine.info().context_length,
+        threads,
+        load_ms = (engine.load_seconds() * 1000.0) as u64,
+        isa = ?hearth_engine::kernels::isa(),
+        "engine ready"
+    );
+    Ok(engine)
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            s.recv().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+    tracing::info!("shutting down");
+}
+
+/// The workers a gateway starts with.
+struct Workers {
+    clients: Vec<Arc<dyn WorkerClient>>,
+    /// How long to wait for them to answer at start.
+    wait: Duration,
+    /// In-process engines (`hearth serve`), whose metrics join the gateway's.
+    engines: Vec<(String, Arc<dyn Backend>)>,
+}
+
+async fn run_gateway(
+    listen: SocketAddr,
+    data: &DataArgs,
+    workers: Workers,
+    admin_token: Option<String>,
+    routing: RoutingConfig,
+    limits: &LimitStoreArgs,
+) -> anyhow::Result<()> {
+    let data_dir = data.dir();
+    let db = data.open().await?;
+    let limiter = limits.limiter().await?;
+    let models = ModelRegistry::discover(workers.clients, workers.wait, &routing).await?;
+    let mut state = AppState::new(
+        TenantStore::new(&db),
+        UsageLedger::with_outbox(&db, &data_dir).await?,
+        models,
+    );
+    state.admin_token = admin_token.filter(|t| !t.is_empty());
+    state.limiter = limiter;
+    state.processors = Some(hearth_gateway::processors::ProcessorHost {
+        runtime: Arc::new(hearth_runtime::Runtime::new(Some(
+            limits
+                .processor_cache
+                .clone()
+                .unwrap_or_else(|| data_dir.join("processors")),
+        ))?),
+    });
+    if !workers.engines.is_empty() {
+        state
+            .metrics
+            .register_collector(Box::new(EngineCollector::new(workers.engines)));
+    }
+    let gw = Arc::new(state);
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen}"))?;
+    let addr = listener.local_addr()?;
+    let served: Vec<String> = gw.models.all().map(|m| m.id.clone()).collect();
+    tracing::info!(
+        listen = %addr,
+        data_dir = %data_dir.display(),
+        database = db.backend.as_str(),
+        rate_limits = if gw.limiter.shared() { "redis" } else { "in-process" },
+        models = ?served,
+        admin_api = gw.admin_token.is_some(),
+        "effective configuration"
+    );
+    println!("Hearth is listening on http://{addr} (models: {})", served.join(", "));
+    if !gw.tenants.has_active_keys().await? {
+        let dd = data_dir.display();
+        println!(
+            "No API keys yet. Create a tenant and a key, then call the API with it:\n  \
+             hearth admin --data-dir {dd} tenant create demo\n  \
+             hearth admin --data-dir {dd} key create --tenant demo\n  \
+             curl http://{addr}/v1/chat/completions -H \"Authorization: Bearer $KEY\" \\\n    \
+             -H 'Content-Type: application/json' \\\n    \
+             -d '{{\"model\":\"{}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}]}}'",
+            served.first().map_or("MODEL", String::as_str)
+        );
+    }
+    axum::serve(listener, app::router(gw))
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    Ok(())
+}
+
+pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    let n = a.workers.clamp(1, 64);
+    let mut model = a.model.clone();
+    let total = model
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    model.threads = Some((total / n).max(1));
+    let mut workers = Workers {
+        clients: Vec::new(),
+        wait: Duration::ZERO,
+        engines: Vec::new(),
+    };
+    for i in 0..n {
+        let backend = load_backend(&model).await?;
+        let name = format!("local-{i}");
+        workers
+            .clients
+            .push(Arc::new(InProcessWorker::new(backend.clone(), &name)));
+        workers.engines.push((name, backend));
+    }
+    let routing = a.routing.config(&a.model.region)?;
+    run_gateway(a.listen, &a.data, workers, a.admin_token, routing, &a.limits).await
+}
+
+pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
+    let engine = load_backend(&a.model).await?;
+    let listener = tokio::net::TcpListener::bind(a.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", a.listen))?;
+    let addr = listener.local_addr()?;
+    println!("Hearth worker ({}) is listening on http://{addr}", engine.info().model);
+    axum::serve(listener, hearth_engine::server::router(engine, &addr.to_string()))
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    Ok(())
+}
+
+pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
+    let clients = a
+        .workers
+        .iter()
+        .map(|u| HttpWorker::new(u).map(|w| Arc::new(w) as Arc<dyn WorkerClient>))
+        .collect::<Result<Vec<_>, _>>()?;
+    let routing = a.routing.config(&a.region)?;
+    let workers = Workers {
+        clients,
+        wait: Duration::from_secs(a.worker_wait_secs),
+        engines: Vec::new(),
+    };
+    run_gateway(a.listen, &a.data, workers, a.admin_token, routing, &a.limits).await
+}

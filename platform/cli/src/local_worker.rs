@@ -1,0 +1,67 @@
+//! The in-process [`WorkerClient`]: an engine (or sim) backend in the same process as the
+//! gateway (`hearth serve`). Lives in the CLI so that the gateway library never links the
+//! engine.
+
+use std::sync::Arc;
+
+use futures_util::future::BoxFuture;
+use futures_util::stream;
+use futures_util::{FutureExt, StreamExt};
+use hearth_engine::Backend;
+use hearth_gateway::workers::{EventStream, KvEventStream, WorkerClient, WorkerError};
+use hearth_protocol::{GenerateRequest, WorkerInfo};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+/// An engine in this process.
+pub struct InProcessWorker {
+    engine: Arc<dyn Backend>,
+    name: String,
+}
+
+impl InProcessWorker {
+    pub fn new(engine: Arc<dyn Backend>, name: &str) -> Self {
+        Self {
+            engine,
+            name: name.to_string(),
+        }
+    }
+}
+
+impl WorkerClient for InProcessWorker {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn kv_events(&self) -> BoxFuture<'_, Result<KvEventStream, WorkerError>> {
+        async move {
+            let (snap, rx) = self
+                .engine
+                .subscribe_kv()
+                .await
+                .ok_or_else(|| WorkerError::Unavailable {
+                    worker: self.name.clone(),
+                    detail: "the engine is not running".into(),
+                })?;
+            // A lagging subscriber's stream ends; the caller resubscribes and gets a new snapshot.
+            let rest = tokio_stream::wrappers::BroadcastStream::new(rx)
+                .take_while(|r| futures_util::future::ready(r.is_ok()))
+                .filter_map(|r| futures_util::future::ready(r.ok()));
+            Ok(stream::iter([snap]).chain(rest).boxed())
+        }
+        .boxed()
+    }
+
+    fn health(&self) -> BoxFuture<'_, Result<(), WorkerError>> {
+        async move { Ok(()) }.boxed()
+    }
+
+    fn info(&self) -> BoxFuture<'_, Result<WorkerInfo, WorkerError>> {
+        let info = self.engine.info().clone();
+        async move { Ok(info) }.boxed()
+    }
+
+    fn generate(&self, req: GenerateRequest) -> BoxFuture<'_, Result<EventStream, WorkerError>> {
+        let rx = self.engine.generate(req);
+        async move { Ok(UnboundedReceiverStream::new(rx).boxed()) }.boxed()
+    }
+}

@@ -1,0 +1,102 @@
+//! The app's route table: the public OpenAI API, the tenant self-service API, and the
+//! operator routes (admin API, `/metrics`), which all sit behind one admin-token layer —
+//! a route added there is protected by construction.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Request, State};
+use axum::http::HeaderValue;
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use hearth_tenants::now_ms;
+use serde_json::{json, Value};
+
+use crate::auth::{require_admin, Caller};
+use crate::error::ApiError;
+use crate::pipeline;
+use crate::registry::ServedModel;
+use crate::state::AppState;
+use crate::RequestId;
+
+pub fn router(state: Arc<AppState>) -> Router {
+    let operator = Router::new()
+        .nest("/admin/v1", crate::admin::router())
+        .route("/metrics", get(crate::metrics::render))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_admin));
+    Router::new()
+        .route("/v1/chat/completions", post(pipeline::chat_completions))
+        .route("/v1/completions", post(pipeline::completions))
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{model}", get(get_model))
+        .route("/healthz", get(healthz))
+        .nest("/v1/tenant", crate::selfservice::router())
+        .merge(operator)
+        .fallback(|| async {
+            ApiError::not_found("no such endpoint; see /v1/chat/completions, /v1/completions, /v1/models")
+        })
+        .with_state(state)
+        .layer(middleware::from_fn(request_id))
+}
+
+fn random_id() -> String {
+    let mut b = [0u8; 12];
+    if getrandom::fill(&mut b).is_err() {
+        // Ids must still be unique if the OS source fails: fall back to time + counter.
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        b[..8].copy_from_slice(&(now_ms() as u64).to_le_bytes());
+        b[8..].copy_from_slice(&(n as u32).to_le_bytes());
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The outermost layer: a request id for every request, echoed in `x-request-id`.
+pub async fn request_id(mut req: Request, next: Next) -> Response {
+    let id = format!("req_{}", random_id());
+    req.extensions_mut().insert(RequestId(id.clone()));
+    let mut resp = next.run(req).await;
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+async fn healthz(State(state): State<Arc<AppState>>) -> Json<Value> {
+    let models: Vec<Value> = state
+        .models
+        .all()
+        .map(|m| json!({"id": m.id, "workers": m.worker_count()}))
+        .collect();
+    Json(json!({"status": "ok", "models": models}))
+}
+
+fn model_json(m: &ServedModel) -> Value {
+    json!({"id": m.id, "object": "model", "created": m.created, "owned_by": "hearth", "context_length": m.context_length})
+}
+
+async fn list_models(State(state): State<Arc<AppState>>, Caller(ctx): Caller) -> Json<Value> {
+    let data: Vec<Value> = state
+        .models
+        .all()
+        .filter(|m| ctx.allows_model(&m.id))
+        .map(|m| model_json(m))
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}
+
+async fn get_model(
+    State(state): State<Arc<AppState>>,
+    Caller(ctx): Caller,
+    Path(model): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    if !ctx.allows_model(&model) {
+        return Err(ApiError::model_not_found(&model));
+    }
+    let m = state
+        .models
+        .get(&model)
+        .ok_or_else(|| ApiError::model_not_found(&model))?;
+    Ok(Json(model_json(m)))
+}

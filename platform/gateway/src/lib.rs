@@ -1,0 +1,33 @@
+//! Hearth's API tier. A map of the crate:
+//!
+//! * [`state`] — [`AppState`](state::AppState), what one gateway process shares;
+//! * [`app`] — the route table (public API, self-service, operator routes behind one layer);
+//! * [`auth`] — the one bearer parser, tenant credentials and scopes, the admin token;
+//! * [`pipeline`] — the OpenAI request as named phases over one per-request context;
+//! * [`limits`] — rate limits (GCRA, in-process or Redis); [`processors`] — tenant Wasm chains;
+//! * [`registry`] — the models served and their routers; [`workers`] — how workers are reached;
+//! * [`admin`], [`selfservice`] — the management APIs; [`metrics`] — Prometheus;
+//! * [`openai`] — request parsing; [`error`] — every client-visible error; [`db`] — the store.
+//!
+//! Invariant: this crate never links the engine. It reaches engines only through
+//! `hearth-protocol` and a [`workers::WorkerClient`]; the embedded launcher (`hearth serve`,
+//! in `hearth-cli`) supplies an in-process client.
+
+pub mod admin;
+pub mod app;
+pub mod auth;
+pub mod db;
+pub mod error;
+pub mod limits;
+pub mod metrics;
+pub mod openai;
+pub mod pipeline;
+pub mod processors;
+pub mod registry;
+pub mod selfservice;
+pub mod state;
+pub mod workers;
+
+/// This request's id, set by the outermost middleware and echoed in `x-request-id`.
+#[derive(Debug, Clone)]
+pub struct RequestId(pub String);

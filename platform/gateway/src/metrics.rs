@@ -1,0 +1,340 @@
+//! The gateway's Prometheus metrics, every one named here, once (`prometheus-client`).
+//! Served at `GET /metrics` behind the admin token (see [`crate::app`]).
+//!
+//! Where the meaning is vLLM's, the name is vLLM's with Hearth's namespace (`hearth:`
+//! instead of `vllm:`), so vLLM dashboards work after a prefix substitution:
+//!
+//! | Hearth | vLLM | measured |
+//! |---|---|---|
+//! | `hearth:time_to_first_token_seconds` | `vllm:time_to_first_token_seconds` | request received at the gateway → first token relayed |
+//! | `hearth:inter_token_latency_seconds` | `vllm:inter_token_latency_seconds` | between consecutive tokens relayed |
+//! | `hearth:e2e_request_latency_seconds` | `vllm:e2e_request_latency_seconds` | request received → last event relayed |
+//! | `hearth:prompt_tokens_total` | `vllm:prompt_tokens_total` | prompt tokens of finished requests (engine-reported) |
+//! | `hearth:generation_tokens_total` | `vllm:generation_tokens_total` | completion tokens |
+//! | `hearth:request_success_total` | `vllm:request_success_total` | finished requests by `finished_reason` |
+//!
+//! Hearth's own: `hearth_requests_total{model,endpoint,status}` (every answered request by
+//! HTTP status), `hearth_prompt_tokens_cached_total` (prompt tokens served from the prefix
+//! cache), `hearth_limiter_decisions_total{decision,limit}`,
+//! `hearth_processor_seconds{hook}`, and per worker the router's view (in-flight requests,
+//! prefill tokens, decoding sequences, cached blocks, health, KV-event mode) and routing
+//! decisions. Engine-side metrics (queue, prefill and decode time, KV cache usage, prefix
+//! hits, model load time) come from each worker's own `/metrics`; `hearth serve` adds its
+//! in-process engines' to this registry through [`Metrics::register_collector`].
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::state::AppState;
+use std::sync::Arc;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabel {
+    pub model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// The resolved model, or `unknown` before resolution (never the client's raw text).
+    pub model: String,
+    pub endpoint: String,
+    pub status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FinishLabels {
+    pub model: String,
+    pub finished_reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LimiterLabels {
+    /// `admitted` or `rejected`.
+    pub decision: String,
+    /// What refused (`requests`, `tokens`, …); empty when admitted.
+    pub limit: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HookLabel {
+    /// `pre` or `post`.
+    pub hook: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerLabels {
+    pub model: String,
+    pub worker: String,
+    pub region: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    pub model: String,
+    pub policy: String,
+    pub reason: String,
+}
+
+type Hist = Family<ModelLabel, Histogram, fn() -> Histogram>;
+
+/// vLLM's bucket boundaries, so that the histograms compare directly.
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
+];
+const ITL_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+];
+const E2E_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+];
+const PROCESSOR_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+];
+
+fn ttft_histogram() -> Histogram {
+    Histogram::new(TTFT_BUCKETS.iter().copied())
+}
+fn itl_histogram() -> Histogram {
+    Histogram::new(ITL_BUCKETS.iter().copied())
+}
+fn e2e_histogram() -> Histogram {
+    Histogram::new(E2E_BUCKETS.iter().copied())
+}
+fn processor_histogram() -> Histogram {
+    Histogram::new(PROCESSOR_BUCKETS.iter().copied())
+}
+
+/// Every metric of one gateway process.
+pub struct Metrics {
+    registry: Registry,
+    /// Serialises scrapes: the router gauges are refreshed, then everything encoded.
+    render: Mutex<()>,
+    pub requests: Family<RequestLabels, Counter>,
+    pub ttft: Hist,
+    pub itl: Hist,
+    pub e2e: Hist,
+    pub prompt_tokens: Family<ModelLabel, Counter>,
+    pub cached_tokens: Family<ModelLabel, Counter>,
+    pub generation_tokens: Family<ModelLabel, Counter>,
+    pub finished: Family<FinishLabels, Counter>,
+    pub limiter: Family<LimiterLabels, Counter>,
+    pub processor: Family<HookLabel, Histogram, fn() -> Histogram>,
+    worker_gauges: [Family<WorkerLabels, Gauge>; 6],
+    decisions: Family<DecisionLabels, Counter>,
+    index_blocks: Family<ModelLabel, Gauge>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "hearth_requests",
+            "Requests answered, by model, endpoint and HTTP status.",
+            requests.clone(),
+        );
+        let ttft: Hist = Family::new_with_constructor(ttft_histogram);
+        registry.register(
+            "hearth:time_to_first_token_seconds",
+            "Time from the request reaching the gateway to its first token.",
+            ttft.clone(),
+        );
+        let itl: Hist = Family::new_with_constructor(itl_histogram);
+        registry.register(
+            "hearth:inter_token_latency_seconds",
+            "Time between consecutive tokens of a request.",
+            itl.clone(),
+        );
+        let e2e: Hist = Family::new_with_constructor(e2e_histogram);
+        registry.register(
+            "hearth:e2e_request_latency_seconds",
+            "Time from the request reaching the gateway to its last event.",
+            e2e.clone(),
+        );
+        let prompt_tokens = Family::<ModelLabel, Counter>::default();
+        registry.register(
+            "hearth:prompt_tokens",
+            "Prompt tokens of finished requests.",
+            prompt_tokens.clone(),
+        );
+        let cached_tokens = Family::<ModelLabel, Counter>::default();
+        registry.register(
+            "hearth_prompt_tokens_cached",
+            "Prompt tokens served from the engines' prefix caches.",
+            cached_tokens.clone(),
+        );
+        let generation_tokens = Family::<ModelLabel, Counter>::default();
+        registry.register(
+            "hearth:generation_tokens",
+            "Completion tokens of finished requests.",
+            generation_tokens.clone(),
+        );
+        let finished = Family::<FinishLabels, Counter>::default();
+        registry.register(
+            "hearth:request_success",
+            "Requests that finished generating, by finish reason.",
+            finished.clone(),
+        );
+        let limiter = Family::<LimiterLabels, Counter>::default();
+        registry.register(
+            "hearth_limiter_decisions",
+            "Rate-limit admissions and rejections (by the limit that refused).",
+            limiter.clone(),
+        );
+        let processor: Family<HookLabel, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(processor_histogram);
+        registry.register(
+            "hearth_processor_seconds",
+            "Time in tenant processors per request, by hook.",
+            processor.clone(),
+        );
+        let worker_gauges: [Family<WorkerLabels, Gauge>; 6] = Default::default();
+        let gauge_help = [
+            (
+                "hearth_worker_inflight_requests",
+                "Requests dispatched to the worker and not finished.",
+            ),
+            (
+                "hearth_worker_inflight_prefill_tokens",
+                "Prompt tokens dispatched to the worker and not yet computed (router estimate).",
+            ),
+            (
+                "hearth_worker_decoding_sequences",
+                "Requests past their first token on the worker.",
+            ),
+            (
+                "hearth_worker_cached_blocks",
+                "KV blocks the router's index says the worker holds.",
+            ),
+            ("hearth_worker_healthy", "1 when the worker passes its health check."),
+            (
+                "hearth_worker_exact_kv_events",
+                "1 when the router follows the worker's KV events (else it assumes).",
+            ),
+        ];
+        for (g, (name, help)) in worker_gauges.iter().zip(gauge_help) {
+            registry.register(name, help, g.clone());
+        }
+        let decisions = Family::<DecisionLabels, Counter>::default();
+        registry.register(
+            "hearth_routing_decisions",
+            "Routing decisions by policy and reason.",
+            decisions.clone(),
+        );
+        let index_blocks = Family::<ModelLabel, Gauge>::default();
+        registry.register(
+            "hearth_router_index_blocks",
+            "Distinct KV blocks in the router's index.",
+            index_blocks.clone(),
+        );
+        Self {
+            registry,
+            render: Mutex::new(()),
+            requests,
+            ttft,
+            itl,
+            e2e,
+            prompt_tokens,
+            cached_tokens,
+            generation_tokens,
+            finished,
+            limiter,
+            processor,
+            worker_gauges,
+            decisions,
+            index_blocks,
+        }
+    }
+
+    /// Adds metrics collected at scrape time (e.g. an in-process engine's).
+    pub fn register_collector(&mut self, collector: Box<dyn Collector>) {
+        self.registry.register_collector(collector);
+    }
+
+    pub fn model(model: &str) -> ModelLabel {
+        ModelLabel {
+            model: model.to_string(),
+        }
+    }
+
+    pub fn observe_processor(&self, hook: &str, took: Duration) {
+        self.processor
+            .get_or_create(&HookLabel { hook: hook.to_string() })
+            .observe(took.as_secs_f64());
+    }
+
+    /// The text exposition, with the router's gauges as of now.
+    pub fn render(&self, state: &AppState) -> String {
+        let _serial = self.render.lock().unwrap_or_else(|e| e.into_inner());
+        for g in &self.worker_gauges {
+            g.clear();
+        }
+        self.index_blocks.clear();
+        for m in state.models.all() {
+            let r = m.router();
+            for (slot, w) in r.workers() {
+                let labels = WorkerLabels {
+                    model: m.id.clone(),
+                    worker: w.name.clone(),
+                    region: w.region.clone(),
+                };
+                let values = [
+                    w.outstanding as i64,
+                    w.inflight_prefill_tokens as i64,
+                    w.decoding as i64,
+                    r.index.worker_blocks(slot) as i64,
+                    i64::from(w.healthy),
+                    i64::from(w.exact_events),
+                ];
+                for (g, v) in self.worker_gauges.iter().zip(values) {
+                    g.get_or_create(&labels).set(v);
+                }
+            }
+            for ((policy, reason), n) in r.decisions.iter() {
+                let labels = DecisionLabels {
+                    model: m.id.clone(),
+                    policy: policy.to_string(),
+                    reason: reason.as_str().to_string(),
+                };
+                // The router counts; the counter catches up with it.
+                let c = self.decisions.get_or_create(&labels);
+                c.inc_by(n.saturating_sub(c.get()));
+            }
+            self.index_blocks
+                .get_or_create(&Self::model(&m.id))
+                .set(r.index.len() as i64);
+        }
+        let mut out = String::new();
+        if let Err(e) = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry) {
+            tracing::error!(error = %e, "metrics encoding failed");
+        }
+        out
+    }
+}
+
+pub async fn render(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    let body = state.metrics.render(&state);
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        body,
+    )
+}

@@ -1,0 +1,209 @@
+//! The OpenAI-compatible pipeline: the life of one `/v1/chat/completions` or
+//! `/v1/completions` request as a fixed list of named phases over one per-request
+//! [`RequestContext`] (Pingora's shape). Each phase is a function in its own module; read
+//! [`run`] top to bottom for the whole request:
+//!
+//! [`authenticate`] → [`budget`] → [`preprocess`] → [`parse`] → [`resolve`] →
+//! [`tokenize`] → [`limit`] → [`route`] + [`dispatch`] → [`relay`] → [`postprocess`],
+//! with [`meter`] writing the usage record: from the relay before the client gets the final
+//! event (write-before-ack), or from [`handle`] for a request refused before dispatch.
+//!
+//! The phases are public so that other compositions can be built from them — the gateway
+//! benchmark's baseline runs the same pipeline without authentication, limits and metering.
+
+pub mod authenticate;
+pub mod budget;
+pub mod dispatch;
+pub mod limit;
+pub mod meter;
+pub mod parse;
+pub mod postprocess;
+pub mod preprocess;
+pub mod relay;
+pub mod resolve;
+pub mod respond;
+pub mod route;
+pub mod tokenize;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::Extension;
+use hearth_billing::UsageRecord;
+use hearth_tenants::TenantContext;
+
+use crate::error::ApiError;
+use crate::limits::RateState;
+use crate::metrics::RequestLabels;
+use crate::processors::Chain;
+use crate::registry::ServedModel;
+use crate::state::AppState;
+use crate::RequestId;
+
+/// Which OpenAI endpoint a request came in on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completions,
+}
+
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+        }
+    }
+}
+
+/// Everything one request carries through the phases. Each phase fills in what it
+/// produces; a later phase reads it through the accessors, which fail with an internal
+/// error (never a panic) if the phases were composed out of order.
+pub struct RequestContext {
+    /// `req_<hex>`, also the usage record's idempotency key and `x-request-id`.
+    pub request_id: String,
+    pub endpoint: Endpoint,
+    pub headers: HeaderMap,
+    pub received: Instant,
+    /// The request body: raw, then as rewritten by the pre-processors.
+    pub body: Result<Bytes, BytesRejection>,
+    /// authenticate: who is asking.
+    pub tenant: Option<TenantContext>,
+    /// authenticate: the request's usage record, filled in by the later phases.
+    pub usage: Option<UsageRecord>,
+    /// budget: what the client is told about the tenant's budget.
+    pub budget: budget::BudgetState,
+    /// preprocess: the tenant's processors, kept for the response.
+    pub chain: Option<Chain>,
+    /// parse: the validated request.
+    pub request: Option<parse::Parsed>,
+    /// resolve: the model served.
+    pub model: Option<Arc<ServedModel>>,
+    /// tokenize: the prompt's token ids and the completion's token budget.
+    pub prompt: Vec<u32>,
+    pub max_tokens: u32,
+    /// limit: the rate-limit state (response headers) and the admission held until the
+    /// request ends.
+    pub rate: RateState,
+    pub lease: Option<limit::Admitted>,
+}
+
+impl RequestContext {
+    pub fn new(
+        request_id: String,
+        endpoint: Endpoint,
+        headers: HeaderMap,
+        body: Result<Bytes, BytesRejection>,
+    ) -> Self {
+        Self {
+            request_id,
+            endpoint,
+            headers,
+            received: Instant::now(),
+            body,
+            tenant: None,
+            usage: None,
+            budget: Default::default(),
+            chain: None,
+            request: None,
+            model: None,
+            prompt: Vec::new(),
+            max_tokens: 0,
+            rate: RateState::default(),
+            lease: None,
+        }
+    }
+
+    pub fn tenant(&self) -> Result<&TenantContext, ApiError> {
+        self.tenant.as_ref().ok_or_else(|| out_of_order("authenticate"))
+    }
+
+    pub fn usage_mut(&mut self) -> Result<&mut UsageRecord, ApiError> {
+        self.usage.as_mut().ok_or_else(|| out_of_order("authenticate"))
+    }
+
+    pub fn request(&self) -> Result<&parse::Parsed, ApiError> {
+        self.request.as_ref().ok_or_else(|| out_of_order("parse"))
+    }
+
+    pub fn model(&self) -> Result<&Arc<ServedModel>, ApiError> {
+        self.model.as_ref().ok_or_else(|| out_of_order("resolve"))
+    }
+
+    /// A request header as text, if present and not empty.
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+            .filter(|v| !v.is_empty())
+    }
+}
+
+fn out_of_order(phase: &str) -> ApiError {
+    ApiError::internal(format!("pipeline phase '{phase}' did not run"))
+}
+
+/// The whole pipeline, phase by phase.
+async fn run(state: &Arc<AppState>, ctx: &mut RequestContext) -> Result<Response, ApiError> {
+    authenticate::run(state, ctx).await?;
+    budget::run(state, ctx).await?;
+    preprocess::run(state, ctx).await?;
+    parse::run(ctx)?;
+    resolve::run(state, ctx)?;
+    tokenize::run(ctx)?;
+    limit::run(state, ctx).await?;
+    let events = dispatch::run(ctx).await?;
+    let events = relay::start(state.clone(), state.clone(), ctx, events).await?;
+    postprocess::run(state, ctx, events).await
+}
+
+/// Runs the pipeline for one request; a refusal becomes its OpenAI-shaped error (and, once
+/// the request is authenticated, still one usage record).
+pub async fn handle(state: Arc<AppState>, mut ctx: RequestContext) -> Response {
+    let mut resp = match run(&state, &mut ctx).await {
+        Ok(resp) => resp,
+        Err(e) => {
+            meter::refused(&*state, &mut ctx, &e).await;
+            e.into_response()
+        }
+    };
+    ctx.rate.apply(resp.headers_mut());
+    ctx.budget.apply(resp.headers_mut());
+    state
+        .metrics
+        .requests
+        .get_or_create(&RequestLabels {
+            model: ctx
+                .model
+                .as_ref()
+                .map_or_else(|| "unknown".to_string(), |m| m.id.clone()),
+            endpoint: ctx.endpoint.path().to_string(),
+            status: resp.status().as_u16(),
+        })
+        .inc();
+    resp
+}
+
+pub(crate) async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    Extension(RequestId(id)): Extension<RequestId>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(state, RequestContext::new(id, Endpoint::Chat, headers, body)).await
+}
+
+pub(crate) async fn completions(
+    State(state): State<Arc<AppState>>,
+    Extension(RequestId(id)): Extension<RequestId>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(state, RequestContext::new(id, Endpoint::Completions, headers, body)).await
+}

@@ -1,0 +1,61 @@
+//! Phase `parse`: the body as an OpenAI request (every error names its `param`).
+
+use hearth_protocol::ChatMessage;
+
+use super::{Endpoint, RequestContext};
+use crate::error::ApiError;
+use crate::openai::{self, Common, Prompt};
+
+/// What the request asks for.
+pub enum Input {
+    Chat(Vec<ChatMessage>),
+    Prompt(Prompt),
+}
+
+/// A validated request.
+pub struct Parsed {
+    pub common: Common,
+    pub input: Input,
+}
+
+impl Parsed {
+    /// The request's leading text as `prefix_aware` routing reads it; token-id prompts use
+    /// their ids.
+    pub fn routing_text(&self) -> String {
+        match &self.input {
+            Input::Chat(m) => m.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n"),
+            Input::Prompt(Prompt::Text(t)) => t.clone(),
+            Input::Prompt(Prompt::Tokens(ids)) => {
+                ids.iter().take(512).map(u32::to_string).collect::<Vec<_>>().join(" ")
+            }
+        }
+    }
+}
+
+pub fn run(ctx: &mut RequestContext) -> Result<(), ApiError> {
+    let body = match &ctx.body {
+        Ok(b) => b,
+        Err(e) => return Err(ApiError::invalid("body", e.body_text())),
+    };
+    let parsed = match ctx.endpoint {
+        Endpoint::Chat => {
+            let r = openai::parse_chat(body)?;
+            Parsed {
+                common: r.common,
+                input: Input::Chat(r.messages),
+            }
+        }
+        Endpoint::Completions => {
+            let r = openai::parse_completion(body)?;
+            Parsed {
+                common: r.common,
+                input: Input::Prompt(r.prompt),
+            }
+        }
+    };
+    if let Some(u) = ctx.usage.as_mut() {
+        u.model = parsed.common.model.clone();
+    }
+    ctx.request = Some(parsed);
+    Ok(())
+}

@@ -1,0 +1,28 @@
+//! Phase `preprocess`: the tenant's processors, instantiated for this request; their
+//! pre-processors may rewrite the raw body (or refuse the request). The chain is kept in
+//! the context for the response.
+
+use super::RequestContext;
+use crate::error::ApiError;
+use crate::processors::Chain;
+use crate::state::AppState;
+
+pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiError> {
+    let body = match &ctx.body {
+        Ok(b) => b.clone(),
+        Err(e) => return Err(ApiError::invalid("body", e.body_text())),
+    };
+    let Some(host) = &state.processors else {
+        return Ok(());
+    };
+    let tenant = ctx.tenant()?;
+    let Some(mut chain) = Chain::load(host, &state.tenants, tenant, ctx.endpoint.path()).await? else {
+        return Ok(());
+    };
+    let started = std::time::Instant::now();
+    let rewritten = chain.pre(&ctx.headers, body).await;
+    state.metrics.observe_processor("pre", started.elapsed());
+    ctx.body = Ok(rewritten?);
+    ctx.chain = Some(chain);
+    Ok(())
+}

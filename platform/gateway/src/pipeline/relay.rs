@@ -1,0 +1,172 @@
+//! Phase `relay`: forwards the worker's events towards the response and closes the
+//! request's books — the usage record is written through the [`Meter`] before the final
+//! event reaches the client (write-before-ack), or as soon as the client goes away
+//! (recording what was generated). The relay runs as its own task, so a vanished client
+//! cannot lose a record; dropping the worker's stream cancels the generation.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures_util::StreamExt;
+use hearth_billing::{UsageRecord, UsageStatus};
+use hearth_protocol::{FinishReason, GenerateEvent};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::dispatch::Dispatched;
+use super::limit::Admitted;
+use super::meter::Meter;
+use super::respond::worker_error;
+use super::RequestContext;
+use crate::error::ApiError;
+use crate::metrics::{FinishLabels, Metrics, ModelLabel};
+use crate::state::AppState;
+use crate::workers::EventStream;
+
+/// Starts the relay and waits for the first event, so that a refusal by the worker becomes
+/// an HTTP error rather than a broken stream. Returns the events for the response.
+pub async fn start(
+    state: Arc<AppState>,
+    meter: Arc<dyn Meter>,
+    ctx: &mut RequestContext,
+    dispatched: Dispatched,
+) -> Result<EventStream, ApiError> {
+    let rec = ctx.usage_mut()?.clone();
+    let timing = Timing {
+        model: Metrics::model(&ctx.model()?.id),
+        received: ctx.received,
+        last_token: None,
+    };
+    let (tx, mut rx) = mpsc::channel(64);
+    tokio::spawn(relay(state, meter, rec, timing, dispatched, ctx.lease.take(), tx));
+    let first = rx
+        .recv()
+        .await
+        .ok_or_else(|| ApiError::internal("the relay ended early"))?;
+    if let GenerateEvent::Error { code, message } = &first {
+        // The relay has recorded this failure; drop the context's copy so that the refusal
+        // is not recorded twice (records are idempotent by request id anyway).
+        ctx.usage = None;
+        return Err(worker_error(code, message));
+    }
+    Ok(futures_util::stream::iter([first])
+        .chain(ReceiverStream::new(rx))
+        .boxed())
+}
+
+/// What the relay measures for the latency histograms.
+struct Timing {
+    model: ModelLabel,
+    received: Instant,
+    last_token: Option<Instant>,
+}
+
+impl Timing {
+    fn token(&mut self, m: &Metrics) {
+        let now = Instant::now();
+        match self.last_token {
+            None => m
+                .ttft
+                .get_or_create(&self.model)
+                .observe((now - self.received).as_secs_f64()),
+            Some(last) => m.itl.get_or_create(&self.model).observe((now - last).as_secs_f64()),
+        }
+        self.last_token = Some(now);
+    }
+
+    fn done(&self, m: &Metrics, finish_reason: &str, usage: &hearth_protocol::Usage) {
+        m.e2e
+            .get_or_create(&self.model)
+            .observe(self.received.elapsed().as_secs_f64());
+        m.prompt_tokens
+            .get_or_create(&self.model)
+            .inc_by(usage.prompt_tokens.into());
+        m.cached_tokens
+            .get_or_create(&self.model)
+            .inc_by(usage.cached_tokens.into());
+        m.generation_tokens
+            .get_or_create(&self.model)
+            .inc_by(usage.completion_tokens.into());
+        m.finished
+            .get_or_create(&FinishLabels {
+                model: self.model.model.clone(),
+                finished_reason: finish_reason.to_string(),
+            })
+            .inc();
+    }
+}
+
+async fn relay(
+    state: Arc<AppState>,
+    meter: Arc<dyn Meter>,
+    mut rec: UsageRecord,
+    mut timing: Timing,
+    Dispatched {
+        mut events,
+        mut placement,
+    }: Dispatched,
+    lease: Option<Admitted>,
+    tx: mpsc::Sender<GenerateEvent>,
+) {
+    let mut generated = 0u32;
+    let ended = loop {
+        let ev = tokio::select! {
+            ev = events.next() => ev.unwrap_or_else(|| GenerateEvent::Error {
+                code: "worker_disconnected".into(),
+                message: "the worker ended the stream without finishing".into(),
+            }),
+            () = tx.closed() => break None,
+        };
+        let terminal = match &ev {
+            GenerateEvent::Token { .. } => {
+                generated += 1;
+                timing.token(&state.metrics);
+                placement.first_token();
+                false
+            }
+            GenerateEvent::Finish { .. } => false,
+            GenerateEvent::Done { finish_reason, usage } => {
+                rec.prompt_tokens = usage.prompt_tokens;
+                rec.cached_tokens = usage.cached_tokens;
+                rec.completion_tokens = usage.completion_tokens;
+                rec.status = UsageStatus::Completed.as_str().into();
+                rec.finish_reason = Some(finish_reason.as_str().into());
+                timing.done(&state.metrics, finish_reason.as_str(), usage);
+                true
+            }
+            GenerateEvent::Error { code, message } => {
+                tracing::warn!(request_id = %rec.request_id, code = %code, message = %message, "generation failed");
+                rec.completion_tokens = generated;
+                rec.status = UsageStatus::Failed.as_str().into();
+                rec.error_code = Some(code.clone());
+                true
+            }
+        };
+        if terminal {
+            let pending = meter.record(&mut rec).await;
+            let _ = tx.send(ev).await;
+            break Some(pending);
+        }
+        if tx.send(ev).await.is_err() {
+            break None;
+        }
+    };
+    // The client's response ends here; what follows is bookkeeping.
+    drop(tx);
+    drop(placement);
+    if let Some(lease) = lease {
+        // Charges the completion's tokens and releases the in-flight slots.
+        lease.finish(&state.limiter, rec.completion_tokens.max(generated)).await;
+    }
+    let pending = match ended {
+        Some(p) => p,
+        None => {
+            drop(events); // cancels the generation
+            rec.completion_tokens = generated;
+            rec.status = UsageStatus::Cancelled.as_str().into();
+            rec.finish_reason = Some(FinishReason::Cancelled.as_str().into());
+            meter.record(&mut rec).await
+        }
+    };
+    meter.settle(&rec, pending).await;
+}

@@ -1,0 +1,22 @@
+//! Phase `resolve`: the model asked for, among those this gateway serves and those the
+//! credential may use.
+
+use super::RequestContext;
+use crate::error::ApiError;
+use crate::state::AppState;
+
+pub fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiError> {
+    let name = &ctx.request()?.common.model;
+    let model = state.models.get(name).ok_or_else(|| ApiError::model_not_found(name))?;
+    if let Some(t) = &ctx.tenant {
+        if !t.allows_model(&model.id) {
+            return Err(ApiError::permission(
+                "model_not_allowed",
+                format!("This credential may not use model {}.", model.id),
+            )
+            .with_param("model"));
+        }
+    }
+    ctx.model = Some(model.clone());
+    Ok(())
+}

@@ -1,0 +1,276 @@
+//! The OpenAI response shapes: a whole `chat.completion` / `text_completion` object, or
+//! server-sent events (`data: {chunk}` … `data: [DONE]`), built from the worker's events.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use hearth_protocol::{FinishReason, GenerateEvent, TokenLogprob, Usage};
+use serde_json::{json, Value};
+
+use super::Endpoint;
+use crate::error::ApiError;
+use crate::openai;
+use crate::registry::ServedModel;
+
+/// A worker's error event as the client's error.
+pub fn worker_error(code: &str, message: &str) -> ApiError {
+    match code {
+        "model_not_found" => ApiError::model_not_found(message),
+        "invalid_prompt" => ApiError::invalid("prompt", message.to_string()),
+        "context_length_exceeded" => ApiError::context_length(message.to_string()),
+        "worker_disconnected" | "engine_stopped" => ApiError::unavailable(message.to_string()),
+        c if c.starts_with("processor:") => crate::processors::stream_error(&c["processor:".len()..], message),
+        _ => ApiError::internal(format!("generation failed: {message}")),
+    }
+}
+
+/// What every object and chunk of one response shares.
+pub struct Shape {
+    pub endpoint: Endpoint,
+    pub id: String,
+    pub model: Arc<ServedModel>,
+    pub created: i64,
+    pub n: usize,
+}
+
+impl Shape {
+    fn id(&self) -> String {
+        match self.endpoint {
+            Endpoint::Chat => format!("chatcmpl-{}", self.id),
+            Endpoint::Completions => format!("cmpl-{}", self.id),
+        }
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.endpoint, chunk) {
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Completions, _) => "text_completion",
+        }
+    }
+
+    fn token_text(&self, id: u32) -> (String, Vec<u8>) {
+        let bytes = self
+            .model
+            .tokenizer
+            .token_bytes(id)
+            .map(<[u8]>::to_vec)
+            .unwrap_or_default();
+        (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+    }
+
+    /// OpenAI's chat logprob entry for one token.
+    fn chat_logprob(&self, id: u32, logprob: f32, top: &[TokenLogprob]) -> Value {
+        let (token, bytes) = self.token_text(id);
+        let top: Vec<Value> = top
+            .iter()
+            .map(|t| {
+                let (token, bytes) = self.token_text(t.id);
+                json!({"token": token, "logprob": t.logprob, "bytes": bytes})
+            })
+            .collect();
+        json!({"token": token, "logprob": logprob, "bytes": bytes, "top_logprobs": top})
+    }
+
+    fn chunk(&self, choices: Value, usage: Option<Value>, include_usage: bool) -> Value {
+        let mut v = json!({
+            "id": self.id(), "object": self.object(true), "created": self.created, "model": self.model.id,
+            "system_fingerprint": fingerprint(), "choices": choices,
+        });
+        if include_usage {
+            v["usage"] = usage.unwrap_or(Value::Null);
+        }
+        v
+    }
+}
+
+fn fingerprint() -> String {
+    format!("hearth-{}", env!("CARGO_PKG_VERSION"))
+}
+
+fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+/// The legacy completions `logprobs` object, built up token by token.
+#[derive(Default)]
+struct LegacyLogprobs {
+    tokens: Vec<String>,
+    token_logprobs: Vec<f32>,
+    top_logprobs: Vec<serde_json::Map<String, Value>>,
+    text_offset: Vec<usize>,
+}
+
+impl LegacyLogprobs {
+    fn push(&mut self, shape: &Shape, id: u32, logprob: f32, top: &[TokenLogprob], offset: usize) {
+        self.tokens.push(shape.token_text(id).0);
+        self.token_logprobs.push(logprob);
+        self.top_logprobs.push(
+            top.iter()
+                .map(|t| (shape.token_text(t.id).0, json!(t.logprob)))
+                .collect(),
+        );
+        self.text_offset.push(offset);
+    }
+
+    fn json(&self) -> Value {
+        json!({"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs, "text_offset": self.text_offset})
+    }
+}
+
+/// Server-sent events exactly as OpenAI clients expect: `data: {chunk}` … `data: [DONE]`.
+pub fn sse_response(
+    shape: Shape,
+    include_usage: bool,
+    events: futures_util::stream::BoxStream<'static, GenerateEvent>,
+) -> Response {
+    let mut started = vec![false; shape.n];
+    let mut offsets = vec![0usize; shape.n];
+    let body = events
+        .map(move |ev| {
+            let mut out = Vec::new();
+            match ev {
+                GenerateEvent::Token { index, id, text, logprob, top_logprobs } => {
+                    let i = index as usize;
+                    let first = !started.get(i).copied().unwrap_or(true);
+                    if first || !text.is_empty() || logprob.is_some() {
+                        let choice = match shape.endpoint {
+                            Endpoint::Chat => {
+                                let mut delta = serde_json::Map::new();
+                                if first {
+                                    delta.insert("role".into(), json!("assistant"));
+                                }
+                                delta.insert("content".into(), json!(text));
+                                let lp = logprob.map(|lp| json!({"content": [shape.chat_logprob(id, lp, &top_logprobs)]}));
+                                json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": null})
+                            }
+                            Endpoint::Completions => {
+                                let lp = logprob.map(|lp| {
+                                    let mut l = LegacyLogprobs::default();
+                                    l.push(&shape, id, lp, &top_logprobs, offsets.get(i).copied().unwrap_or(0));
+                                    l.json()
+                                });
+                                json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null})
+                            }
+                        };
+                        out.push(sse(&shape.chunk(json!([choice]), None, include_usage)));
+                        if let Some(s) = started.get_mut(i) {
+                            *s = true;
+                        }
+                    }
+                    if let Some(o) = offsets.get_mut(i) {
+                        *o += text.len();
+                    }
+                }
+                GenerateEvent::Finish { index, finish_reason } => {
+                    let choice = match shape.endpoint {
+                        Endpoint::Chat => json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish_reason.as_str()}),
+                        Endpoint::Completions => {
+                            json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish_reason.as_str()})
+                        }
+                    };
+                    out.push(sse(&shape.chunk(json!([choice]), None, include_usage)));
+                }
+                GenerateEvent::Done { usage, .. } => {
+                    if include_usage {
+                        out.push(sse(&shape.chunk(json!([]), Some(openai::usage_json(&usage)), true)));
+                    }
+                    out.push(Bytes::from_static(b"data: [DONE]\n\n"));
+                }
+                GenerateEvent::Error { code, message } => {
+                    out.push(sse(&worker_error(&code, &message).body()));
+                    out.push(Bytes::from_static(b"data: [DONE]\n\n"));
+                }
+            }
+            futures_util::stream::iter(out.into_iter().map(Ok::<_, Infallible>))
+        })
+        .flatten();
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .header("x-accel-buffering", "no")
+        .body(Body::from_stream(body))
+        .unwrap_or_else(|_| ApiError::internal("could not build the stream").into_response())
+}
+
+/// One choice of a non-streamed response, as it accumulates.
+#[derive(Default)]
+struct Collected {
+    text: String,
+    finish: Option<FinishReason>,
+    chat_logprobs: Vec<Value>,
+    legacy: LegacyLogprobs,
+    any_logprobs: bool,
+}
+
+pub async fn collect_response(
+    shape: &Shape,
+    mut events: futures_util::stream::BoxStream<'static, GenerateEvent>,
+) -> Result<Value, ApiError> {
+    let mut choices: Vec<Collected> = (0..shape.n).map(|_| Collected::default()).collect();
+    while let Some(ev) = events.next().await {
+        match ev {
+            GenerateEvent::Token {
+                index,
+                id,
+                text,
+                logprob,
+                top_logprobs,
+            } => {
+                let Some(c) = choices.get_mut(index as usize) else {
+                    continue;
+                };
+                if let Some(lp) = logprob {
+                    c.any_logprobs = true;
+                    match shape.endpoint {
+                        Endpoint::Chat => c.chat_logprobs.push(shape.chat_logprob(id, lp, &top_logprobs)),
+                        Endpoint::Completions => c.legacy.push(shape, id, lp, &top_logprobs, c.text.len()),
+                    }
+                }
+                c.text.push_str(&text);
+            }
+            GenerateEvent::Finish { index, finish_reason } => {
+                if let Some(c) = choices.get_mut(index as usize) {
+                    c.finish = Some(finish_reason);
+                }
+            }
+            GenerateEvent::Done { finish_reason, usage } => {
+                return Ok(completion_body(shape, &choices, finish_reason, &usage));
+            }
+            GenerateEvent::Error { code, message } => return Err(worker_error(&code, &message)),
+        }
+    }
+    Err(ApiError::unavailable("the worker ended the stream without finishing"))
+}
+
+fn completion_body(shape: &Shape, choices: &[Collected], default_finish: FinishReason, usage: &Usage) -> Value {
+    let choices: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let finish = c.finish.unwrap_or(default_finish).as_str();
+            match shape.endpoint {
+                Endpoint::Chat => {
+                    let lp = c.any_logprobs.then(|| json!({"content": c.chat_logprobs}));
+                    json!({
+                        "index": i, "message": {"role": "assistant", "content": c.text, "refusal": null},
+                        "logprobs": lp, "finish_reason": finish,
+                    })
+                }
+                Endpoint::Completions => {
+                    let lp = c.any_logprobs.then(|| c.legacy.json());
+                    json!({"index": i, "text": c.text, "logprobs": lp, "finish_reason": finish})
+                }
+            }
+        })
+        .collect();
+    json!({
+        "id": shape.id(), "object": shape.object(false), "created": shape.created, "model": shape.model.id,
+        "system_fingerprint": fingerprint(), "choices": choices, "usage": openai::usage_json(usage),
+    })
+}

@@ -1,0 +1,43 @@
+//! The state one gateway process shares between its requests: stores, limiter, models,
+//! processors. Built once by the launcher (`hearth serve`/`hearth gateway`) and handed to
+//! [`crate::app::router`].
+
+use hearth_billing::UsageLedger;
+use hearth_tenants::TenantStore;
+
+use crate::limits::Limiter;
+use crate::metrics::Metrics;
+use crate::pipeline::budget::BudgetCache;
+use crate::processors::ProcessorHost;
+use crate::registry::ModelRegistry;
+
+/// Shared state of one gateway process.
+pub struct AppState {
+    pub tenants: TenantStore,
+    pub ledger: UsageLedger,
+    pub models: ModelRegistry,
+    /// `HEARTH_ADMIN_TOKEN`; the admin API (and `/metrics`) is closed without it.
+    pub admin_token: Option<String>,
+    pub limiter: Limiter,
+    pub budgets: BudgetCache,
+    /// Tenant processors (None: processors are disabled in this gateway).
+    pub processors: Option<ProcessorHost>,
+    pub metrics: Metrics,
+}
+
+impl AppState {
+    /// A gateway with in-process limits, no admin token and no processors; set the public
+    /// fields for more.
+    pub fn new(tenants: TenantStore, ledger: UsageLedger, models: ModelRegistry) -> Self {
+        Self {
+            tenants,
+            ledger,
+            models,
+            admin_token: None,
+            limiter: Limiter::default(),
+            budgets: BudgetCache::default(),
+            processors: None,
+            metrics: Metrics::new(),
+        }
+    }
+}

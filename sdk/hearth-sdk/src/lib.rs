@@ -1,1 +1,0 @@
-//! Rust client for Hearth's APIs. Not built yet: see ../README.md.
