@@ -81,6 +81,7 @@ impl WorkerClient for InstantWorker {
                     cached_tokens: 0,
                     completion_tokens: n,
                 },
+                timings: Default::default(),
             });
             Ok(futures_util::stream::iter(events).boxed())
         }

@@ -11,8 +11,8 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use hearth_protocol::{
-    namespace_root, FinishReason, GenerateEvent, GenerateRequest, KvEvent, LoadReport, SamplingParams, TokenLogprob,
-    Tokenizer, TokenizerSpec, Usage, WorkerInfo,
+    namespace_root, EngineTimings, FinishReason, GenerateEvent, GenerateRequest, KvEvent, LoadReport, SamplingParams,
+    TokenLogprob, Tokenizer, TokenizerSpec, Usage, WorkerInfo,
 };
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{broadcast, oneshot, watch};
@@ -632,11 +632,20 @@ impl Runner {
         self.owner.remove(&seq);
         if r.choices.iter().all(|c| c.finish.is_some()) {
             let completion: usize = r.choices.iter().map(|c| c.generated).sum();
-            let total = r.started.elapsed().as_secs_f64();
+            let now = Instant::now();
+            let total = (now - r.started).as_secs_f64();
             let ttft = r.first_token.map_or(total, |t| (t - r.started).as_secs_f64());
             if let Some(t) = r.first_token {
-                EngineMetrics::observe(&self.metrics.decode, t.elapsed());
+                EngineMetrics::observe(&self.metrics.decode, now - t);
             }
+            let scheduled = r.scheduled.unwrap_or(r.started);
+            let first = r.first_token.unwrap_or(now);
+            let us = |d: Duration| d.as_micros() as u64;
+            let timings = EngineTimings {
+                queue_us: us(scheduled - r.started),
+                prefill_us: us(first.saturating_duration_since(scheduled)),
+                decode_us: us(now - first),
+            };
             tracing::info!(
                 request_id = %r.request_id,
                 prompt_tokens = r.prompt_len,
@@ -654,6 +663,7 @@ impl Runner {
                     cached_tokens: r.cached_tokens as u32,
                     completion_tokens: completion as u32,
                 },
+                timings,
             });
             self.requests.remove(&key);
         }

@@ -23,6 +23,7 @@ pub mod sampling;
 pub mod scheduler;
 pub mod server;
 pub mod sim;
+pub mod telemetry;
 pub mod text;
 
 pub use backend::Backend;

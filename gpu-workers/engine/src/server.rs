@@ -11,20 +11,27 @@ use std::convert::Infallible;
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::JsonRejection;
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::StreamExt;
-use hearth_protocol::{GenerateEvent, GenerateRequest};
+use hearth_protocol::{GenerateEvent, GenerateRequest, TraceParent, TRACEPARENT};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use std::sync::Arc;
 
 use crate::metrics::EngineCollector;
+use crate::telemetry;
 use crate::Backend;
 
-type Shared = Arc<dyn Backend>;
+/// What every handler of one worker shares.
+#[derive(Clone)]
+struct WorkerState {
+    engine: Arc<dyn Backend>,
+    /// This worker's name in metrics and traces.
+    name: Arc<str>,
+}
 
 /// The worker API for `engine`; `name` labels its metrics (`worker="…"`).
 pub fn router(engine: Arc<dyn Backend>, name: &str) -> Router {
@@ -53,14 +60,21 @@ pub fn router(engine: Arc<dyn Backend>, name: &str) -> Router {
         .route("/v1/worker/info", get(info))
         .route("/v1/worker/generate", post(generate))
         .route("/v1/worker/events", get(events))
-        .with_state(engine)
+        .with_state(WorkerState {
+            engine,
+            name: name.into(),
+        })
 }
 
-async fn info(State(engine): State<Shared>) -> impl IntoResponse {
+async fn info(State(WorkerState { engine, .. }): State<WorkerState>) -> impl IntoResponse {
     Json(engine.info().clone())
 }
 
-async fn generate(State(engine): State<Shared>, body: Result<Json<GenerateRequest>, JsonRejection>) -> Response {
+async fn generate(
+    State(WorkerState { engine, name }): State<WorkerState>,
+    headers: HeaderMap,
+    body: Result<Json<GenerateRequest>, JsonRejection>,
+) -> Response {
     let Json(req) = match body {
         Ok(b) => b,
         Err(e) => {
@@ -71,7 +85,19 @@ async fn generate(State(engine): State<Shared>, body: Result<Json<GenerateReques
             return (StatusCode::BAD_REQUEST, Json(ev)).into_response();
         }
     };
-    let events = UnboundedReceiverStream::new(engine.generate(req)).map(|ev| {
+    // The gateway's trace continues here when it sent `traceparent`.
+    let parent = headers
+        .get(TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .and_then(TraceParent::parse)
+        .map(|tp| telemetry::parent_from(&tp));
+    let (model, request_id) = (req.model.clone(), req.request_id.clone());
+    let events = UnboundedReceiverStream::new(engine.generate(req)).boxed();
+    let events = match parent {
+        Some(cx) => telemetry::traced(events, cx, name.to_string(), model, request_id).boxed(),
+        None => events,
+    };
+    let events = events.map(|ev| {
         let mut line = serde_json::to_vec(&ev).unwrap_or_else(|_| b"{}".to_vec());
         line.push(b'\n');
         Ok::<_, Infallible>(Bytes::from(line))
@@ -89,7 +115,7 @@ fn ndjson<T: serde::Serialize>(v: &T) -> Bytes {
     Bytes::from(line)
 }
 
-async fn events(State(engine): State<Shared>) -> Response {
+async fn events(State(WorkerState { engine, .. }): State<WorkerState>) -> Response {
     let Some((snap, rx)) = engine.subscribe_kv().await else {
         return (StatusCode::SERVICE_UNAVAILABLE, "the engine is not running").into_response();
     };

@@ -345,6 +345,7 @@ fn sim_loop(
                         cached_tokens: o.cached as u32,
                         completion_tokens: o.generated as u32,
                     },
+                    timings: Default::default(),
                 });
                 outs.remove(&id);
             }

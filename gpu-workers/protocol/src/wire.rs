@@ -100,6 +100,22 @@ impl FinishReason {
     }
 }
 
+/// Where a request's time went on the worker, in microseconds: waiting for its first
+/// scheduled step, computing the prompt up to the first token, and generating the rest.
+/// Workers report it so that traces can show the engine's phases as child spans.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineTimings {
+    pub queue_us: u64,
+    pub prefill_us: u64,
+    pub decode_us: u64,
+}
+
+impl EngineTimings {
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
 /// Token counts, as the engine reports them (it is the source of truth).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Usage {
@@ -133,6 +149,9 @@ pub enum GenerateEvent {
         /// Why choice 0 ended.
         finish_reason: FinishReason,
         usage: Usage,
+        /// Where the time went on the worker (absent from older workers: zeros).
+        #[serde(default, skip_serializing_if = "EngineTimings::is_empty")]
+        timings: EngineTimings,
     },
     /// The last event of a failed stream.
     Error { code: String, message: String },

@@ -17,6 +17,10 @@ use hearth_router::Policy;
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// Export trace spans over OTLP/HTTP (JSON) to this collector base URL
+    /// (`http://HOST:4318`; spans go to `/v1/traces`). Off when unset.
+    #[arg(long, global = true, env = "HEARTH_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
 }
 
 #[derive(Subcommand)]

@@ -11,6 +11,7 @@ use hearth_engine::Backend;
 use hearth_gateway::workers::{EventStream, KvEventStream, WorkerClient, WorkerError};
 use hearth_protocol::{GenerateRequest, WorkerInfo};
 use tokio_stream::wrappers::UnboundedReceiverStream;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// An engine in this process.
 pub struct InProcessWorker {
@@ -61,7 +62,17 @@ impl WorkerClient for InProcessWorker {
     }
 
     fn generate(&self, req: GenerateRequest) -> BoxFuture<'_, Result<EventStream, WorkerError>> {
+        // The caller's span (the gateway's dispatch phase) parents the engine's spans.
+        let parent = tracing::Span::current().context();
+        let (model, request_id) = (req.model.clone(), req.request_id.clone());
         let rx = self.engine.generate(req);
-        async move { Ok(UnboundedReceiverStream::new(rx).boxed()) }.boxed()
+        let events = hearth_engine::telemetry::traced(
+            UnboundedReceiverStream::new(rx),
+            parent,
+            self.name.clone(),
+            model,
+            request_id,
+        );
+        async move { Ok(events.boxed()) }.boxed()
     }
 }

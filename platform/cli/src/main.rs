@@ -7,31 +7,22 @@ mod launch;
 mod local_worker;
 mod manage;
 mod output;
+mod telemetry;
 
 use clap::Parser;
 use hearth_engine::fetch::{ensure_model, hearth_home};
 
 use crate::args::{Cli, Command, ModelCommand};
 
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("HEARTH_LOG")
-        .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env())
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn"));
-    // Colours only for a person at a terminal: a log file or pipe gets plain text, and
-    // NO_COLOR (https://no-color.org) turns them off everywhere.
-    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr())
-        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(colour)
-        .with_writer(std::io::stderr)
-        .init();
-}
-
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    init_logging();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let service = match cli.command {
+        Command::Worker(_) => "hearth-worker",
+        Command::Gateway(_) => "hearth-gateway",
+        _ => "hearth",
+    };
+    let _telemetry = rt.block_on(async { telemetry::init(cli.otlp_endpoint.as_deref(), service) })?;
     rt.block_on(async move {
         match cli.command {
             Command::Serve(a) => launch::serve(a).await,

@@ -7,7 +7,8 @@
 //! * [`limits`] — rate limits (GCRA, in-process or Redis); [`processors`] — tenant Wasm chains;
 //! * [`registry`] — the models served and their routers; [`workers`] — how workers are reached;
 //! * [`admin`], [`selfservice`] — the management APIs; [`metrics`] — Prometheus;
-//! * [`openai`] — request parsing; [`error`] — every client-visible error; [`db`] — the store.
+//! * [`openai`] — request parsing; [`error`] — every client-visible error; [`db`] — the store;
+//! * [`telemetry`] — the request's root span (GenAI attributes) and `traceparent` for workers.
 //!
 //! Invariant: this crate never links the engine. It reaches engines only through
 //! `hearth-protocol` and a [`workers::WorkerClient`]; the embedded launcher (`hearth serve`,
@@ -26,6 +27,7 @@ pub mod processors;
 pub mod registry;
 pub mod selfservice;
 pub mod state;
+pub mod telemetry;
 pub mod workers;
 
 /// This request's id, set by the outermost middleware and echoed in `x-request-id`.

@@ -263,7 +263,11 @@ impl Chain {
                         }],
                         Err(e) => vec![e],
                     },
-                    GenerateEvent::Done { finish_reason, usage } => {
+                    GenerateEvent::Done {
+                        finish_reason,
+                        usage,
+                        timings,
+                    } => {
                         let mut v = match self.end().await {
                             Ok(Some(tail)) => vec![GenerateEvent::Token {
                                 index: 0,
@@ -276,7 +280,11 @@ impl Chain {
                             Err(e) => vec![e],
                         };
                         if !matches!(v.last(), Some(GenerateEvent::Error { .. })) {
-                            v.push(GenerateEvent::Done { finish_reason, usage });
+                            v.push(GenerateEvent::Done {
+                                finish_reason,
+                                usage,
+                                timings,
+                            });
                         }
                         v
                     }

@@ -137,14 +137,14 @@ impl WorkerClient for HttpWorker {
     }
 
     fn generate(&self, req: GenerateRequest) -> BoxFuture<'_, Result<EventStream, WorkerError>> {
+        // The worker's spans join this request's trace (W3C traceparent).
+        let traceparent = crate::telemetry::current_traceparent();
         async move {
-            let resp = self
-                .client
-                .post(format!("{}/v1/worker/generate", self.base))
-                .json(&req)
-                .send()
-                .await
-                .map_err(|e| self.unavailable(e))?;
+            let mut post = self.client.post(format!("{}/v1/worker/generate", self.base)).json(&req);
+            if let Some(tp) = traceparent {
+                post = post.header(hearth_protocol::TRACEPARENT, tp);
+            }
+            let resp = post.send().await.map_err(|e| self.unavailable(e))?;
             if !resp.status().is_success() {
                 // The worker explains refusals as one error event.
                 let status = resp.status();

@@ -44,10 +44,17 @@ impl Drop for Proc {
 // The child is killed and waited for by `Proc::drop`, or before the panic on failure.
 #[allow(clippy::zombie_processes)]
 pub fn spawn(args: &[&str]) -> Proc {
+    spawn_with_env(args, &[])
+}
+
+/// [`spawn`] with extra environment variables.
+#[allow(clippy::zombie_processes)]
+pub fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Proc {
     let mut child = Command::new(bin())
         .args(args)
         .env("HEARTH_ADMIN_TOKEN", ADMIN_TOKEN)
         .env("HEARTH_LOG", "warn")
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()

@@ -18,6 +18,7 @@ pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiEr
         ctx.endpoint.path(),
         now_ms(),
     ));
+    ctx.span.record("hearth.tenant", tenant.tenant_name.as_str());
     ctx.tenant = Some(tenant);
     Ok(())
 }

@@ -38,7 +38,7 @@ pub async fn run(ctx: &mut RequestContext) -> Result<Dispatched, ApiError> {
     let routed = RouteRequest::new(&model, &req.prompt, &req.cache_namespace, hints);
     let mut exclude = 0u64;
     let mut last = None;
-    while let Some(placement) = route::run(&model, &routed, exclude) {
+    while let Some(placement) = tracing::info_span!("route").in_scope(|| route::run(&model, &routed, exclude)) {
         let slot = placement.slot;
         exclude |= 1 << slot;
         let Some(client) = model.client(slot).cloned() else {

@@ -36,6 +36,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use hearth_billing::UsageRecord;
 use hearth_tenants::TenantContext;
+use tracing::{info_span, Instrument};
 
 use crate::error::ApiError;
 use crate::limits::RateState;
@@ -91,6 +92,9 @@ pub struct RequestContext {
     /// request ends.
     pub rate: RateState,
     pub lease: Option<limit::Admitted>,
+    /// The request's root span; every phase's span is its child. The relay keeps a clone,
+    /// so that a streamed request's span ends with its stream.
+    pub span: tracing::Span,
 }
 
 impl RequestContext {
@@ -116,6 +120,7 @@ impl RequestContext {
             max_tokens: 0,
             rate: RateState::default(),
             lease: None,
+            span: tracing::Span::none(),
         }
     }
 
@@ -149,30 +154,40 @@ fn out_of_order(phase: &str) -> ApiError {
     ApiError::internal(format!("pipeline phase '{phase}' did not run"))
 }
 
-/// The whole pipeline, phase by phase.
+/// The whole pipeline, phase by phase, each in its own span.
 async fn run(state: &Arc<AppState>, ctx: &mut RequestContext) -> Result<Response, ApiError> {
-    authenticate::run(state, ctx).await?;
-    budget::run(state, ctx).await?;
-    preprocess::run(state, ctx).await?;
-    parse::run(ctx)?;
-    resolve::run(state, ctx)?;
-    tokenize::run(ctx)?;
-    limit::run(state, ctx).await?;
-    let events = dispatch::run(ctx).await?;
+    authenticate::run(state, ctx)
+        .instrument(info_span!("authenticate"))
+        .await?;
+    budget::run(state, ctx).instrument(info_span!("budget")).await?;
+    preprocess::run(state, ctx).instrument(info_span!("preprocess")).await?;
+    info_span!("parse").in_scope(|| parse::run(ctx))?;
+    info_span!("resolve").in_scope(|| resolve::run(state, ctx))?;
+    info_span!("tokenize").in_scope(|| tokenize::run(ctx))?;
+    limit::run(state, ctx).instrument(info_span!("limit")).await?;
+    let events = dispatch::run(ctx).instrument(info_span!("dispatch")).await?;
     let events = relay::start(state.clone(), state.clone(), ctx, events).await?;
-    postprocess::run(state, ctx, events).await
+    postprocess::run(state, ctx, events)
+        .instrument(info_span!("postprocess"))
+        .await
 }
 
 /// Runs the pipeline for one request; a refusal becomes its OpenAI-shaped error (and, once
 /// the request is authenticated, still one usage record).
 pub async fn handle(state: Arc<AppState>, mut ctx: RequestContext) -> Response {
-    let mut resp = match run(&state, &mut ctx).await {
+    ctx.span = crate::telemetry::request_span(ctx.endpoint, &ctx.request_id);
+    let span = ctx.span.clone();
+    let mut resp = match run(&state, &mut ctx).instrument(span.clone()).await {
         Ok(resp) => resp,
         Err(e) => {
-            meter::refused(&*state, &mut ctx, &e).await;
+            span.record("error.type", e.code.unwrap_or(e.kind));
+            meter::refused(&*state, &mut ctx, &e)
+                .instrument(info_span!(parent: &span, "meter"))
+                .await;
             e.into_response()
         }
     };
+    span.record("http.response.status_code", i64::from(resp.status().as_u16()));
     ctx.rate.apply(resp.headers_mut());
     ctx.budget.apply(resp.headers_mut());
     state

@@ -56,6 +56,18 @@ pub fn run(ctx: &mut RequestContext) -> Result<(), ApiError> {
     if let Some(u) = ctx.usage.as_mut() {
         u.model = parsed.common.model.clone();
     }
+    let (c, span) = (&parsed.common, &ctx.span);
+    span.record("gen_ai.request.model", c.model.as_str());
+    // Signed: OpenTelemetry's integers are i64 (unsigned ones are exported as text).
+    span.record("gen_ai.request.choice.count", i64::from(c.n));
+    if let Some(m) = c.max_tokens {
+        span.record("gen_ai.request.max_tokens", i64::from(m));
+    }
+    span.record("gen_ai.request.temperature", f64::from(c.sampling.temperature));
+    span.record("gen_ai.request.top_p", f64::from(c.sampling.top_p));
+    if let Some(seed) = c.sampling.seed.and_then(|s| i64::try_from(s).ok()) {
+        span.record("gen_ai.request.seed", seed);
+    }
     ctx.request = Some(parsed);
     Ok(())
 }

@@ -12,6 +12,7 @@ use hearth_billing::{UsageRecord, UsageStatus};
 use hearth_protocol::{FinishReason, GenerateEvent};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tracing::Instrument;
 
 use super::dispatch::Dispatched;
 use super::limit::Admitted;
@@ -36,9 +37,11 @@ pub async fn start(
         model: Metrics::model(&ctx.model()?.id),
         received: ctx.received,
         last_token: None,
+        span: ctx.span.clone(),
     };
     let (tx, mut rx) = mpsc::channel(64);
-    tokio::spawn(relay(state, meter, rec, timing, dispatched, ctx.lease.take(), tx));
+    let span = tracing::info_span!(parent: &ctx.span, "relay");
+    tokio::spawn(relay(state, meter, rec, timing, dispatched, ctx.lease.take(), tx).instrument(span));
     let first = rx
         .recv()
         .await
@@ -59,6 +62,8 @@ struct Timing {
     model: ModelLabel,
     received: Instant,
     last_token: Option<Instant>,
+    /// The request's root span, kept open until the relay ends; gets the usage.
+    span: tracing::Span,
 }
 
 impl Timing {
@@ -75,6 +80,17 @@ impl Timing {
     }
 
     fn done(&self, m: &Metrics, finish_reason: &str, usage: &hearth_protocol::Usage) {
+        // Signed: OpenTelemetry's integers are i64 (unsigned ones are exported as text).
+        self.span
+            .record("gen_ai.usage.input_tokens", i64::from(usage.prompt_tokens));
+        self.span
+            .record("gen_ai.usage.output_tokens", i64::from(usage.completion_tokens));
+        self.span
+            .record("hearth.usage.cached_tokens", i64::from(usage.cached_tokens));
+        self.span.record(
+            "gen_ai.response.finish_reasons",
+            tracing::field::display(format!("[\"{finish_reason}\"]")),
+        );
         m.e2e
             .get_or_create(&self.model)
             .observe(self.received.elapsed().as_secs_f64());
@@ -125,7 +141,9 @@ async fn relay(
                 false
             }
             GenerateEvent::Finish { .. } => false,
-            GenerateEvent::Done { finish_reason, usage } => {
+            GenerateEvent::Done {
+                finish_reason, usage, ..
+            } => {
                 rec.prompt_tokens = usage.prompt_tokens;
                 rec.cached_tokens = usage.cached_tokens;
                 rec.completion_tokens = usage.completion_tokens;
@@ -143,7 +161,7 @@ async fn relay(
             }
         };
         if terminal {
-            let pending = meter.record(&mut rec).await;
+            let pending = meter.record(&mut rec).instrument(tracing::info_span!("meter")).await;
             let _ = tx.send(ev).await;
             break Some(pending);
         }
@@ -165,7 +183,7 @@ async fn relay(
             rec.completion_tokens = generated;
             rec.status = UsageStatus::Cancelled.as_str().into();
             rec.finish_reason = Some(FinishReason::Cancelled.as_str().into());
-            meter.record(&mut rec).await
+            meter.record(&mut rec).instrument(tracing::info_span!("meter")).await
         }
     };
     meter.settle(&rec, pending).await;

@@ -5,6 +5,13 @@ use super::RequestContext;
 use crate::error::ApiError;
 use crate::state::AppState;
 
+fn operation(ctx: &RequestContext) -> &'static str {
+    match ctx.endpoint {
+        super::Endpoint::Chat => "chat",
+        super::Endpoint::Completions => "text_completion",
+    }
+}
+
 pub fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiError> {
     let name = &ctx.request()?.common.model;
     let model = state.models.get(name).ok_or_else(|| ApiError::model_not_found(name))?;
@@ -17,6 +24,8 @@ pub fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiError> {
             .with_param("model"));
         }
     }
+    ctx.span.record("gen_ai.response.model", model.id.as_str());
+    crate::telemetry::rename(&ctx.span, format!("{} {}", operation(ctx), model.id));
     ctx.model = Some(model.clone());
     Ok(())
 }

@@ -239,7 +239,9 @@ pub async fn collect_response(
                     c.finish = Some(finish_reason);
                 }
             }
-            GenerateEvent::Done { finish_reason, usage } => {
+            GenerateEvent::Done {
+                finish_reason, usage, ..
+            } => {
                 return Ok(completion_body(shape, &choices, finish_reason, &usage));
             }
             GenerateEvent::Error { code, message } => return Err(worker_error(&code, &message)),
