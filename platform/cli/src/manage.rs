@@ -4,7 +4,10 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
+use std::sync::Arc;
+
 use hearth_billing::UsageLedger;
+use hearth_gateway::management::{Actor, Management, Upload, Window};
 use hearth_tenants::TenantStore;
 
 use crate::args::*;
@@ -82,6 +85,12 @@ pub async fn processor(a: ProcessorArgs) -> anyhow::Result<()> {
     }
     let db = a.data.open().await?;
     let store = TenantStore::new(&db);
+    let ledger = UsageLedger::new(&db);
+    let manage = Management {
+        tenants: &store,
+        ledger: &ledger,
+        runtime: None,
+    };
     match a.command {
         ProcessorCommand::Upload {
             tenant,
@@ -102,57 +111,53 @@ pub async fn processor(a: ProcessorArgs) -> anyhow::Result<()> {
                 Some(c) => c,
                 None => "{}".into(),
             };
-            let limits = hearth_runtime::Limits {
-                cpu_ms,
-                memory_mib,
-                ..Default::default()
-            }
-            .clamped();
             // Compiling here validates the upload and fills the data dir's code cache that
             // gateways on this machine share.
             let cache = std::env::var_os("HEARTH_PROCESSOR_CACHE")
                 .map(PathBuf::from)
                 .unwrap_or_else(|| a.data.dir().join("processors"));
-            let rt = hearth_runtime::Runtime::new(Some(cache))?;
-            let bytes = wasm.clone();
-            let compiled = tokio::task::spawn_blocking(move || rt.compile(&bytes)).await??;
-            let spec = hearth_tenants::processors::ProcessorSpec {
+            let runtime = Arc::new(hearth_runtime::Runtime::new(Some(cache))?);
+            let up = Upload {
                 name,
-                sha256: compiled.sha256.clone(),
-                config,
-                cpu_ms: limits.cpu_ms,
-                memory_mib: limits.memory_mib,
+                config: Some(config),
+                activate,
                 key_id: key,
                 position,
-                activate,
+                cpu_ms: Some(cpu_ms),
+                memory_mib: Some(memory_mib),
             };
-            let p = store.add_processor(&tenant, &spec, &wasm).await?;
+            let p = Management {
+                runtime: Some(&runtime),
+                ..manage
+            }
+            .upload_processor(Actor::Operator, Some(&tenant), up, wasm)
+            .await?;
             print(serde_json::json!(p), format!("Uploaded {}", show(&p)));
         }
         ProcessorCommand::List { tenant } => {
-            let ps = store.list_processors(&tenant).await?;
+            let ps = manage.list_processors(Actor::Operator, Some(&tenant)).await?;
             print(serde_json::json!(ps), lines(ps.iter().map(show), "No processors."));
         }
         ProcessorCommand::Activate { id } => {
-            let p = store.set_processor_active(&id, true).await?;
+            let p = manage.set_processor_active(Actor::Operator, &id, true).await?;
             print(
                 serde_json::json!(p),
                 format!("Activated {} (gateways follow within 5 s).", show(&p)),
             );
         }
         ProcessorCommand::Deactivate { id } => {
-            let p = store.set_processor_active(&id, false).await?;
+            let p = manage.set_processor_active(Actor::Operator, &id, false).await?;
             print(serde_json::json!(p), format!("Deactivated {}.", show(&p)));
         }
         ProcessorCommand::Attach { id, key, tenant_wide } => {
             if key.is_none() && !tenant_wide {
                 bail!("give --key KEY_ID or --tenant-wide");
             }
-            let p = store.attach_processor(&id, key.as_deref()).await?;
+            let p = manage.attach_processor(Actor::Operator, &id, key.as_deref()).await?;
             print(serde_json::json!(p), format!("Attached {}.", show(&p)));
         }
         ProcessorCommand::Delete { id } => {
-            let p = store.delete_processor(&id).await?;
+            let p = manage.delete_processor(Actor::Operator, &id).await?;
             print(serde_json::json!(p), format!("Deleted {}.", show(&p)));
         }
         ProcessorCommand::Wit | ProcessorCommand::BuildWat { .. } => unreachable!("handled above"),
@@ -170,28 +175,26 @@ pub async fn billing(command: BillingCommand) -> anyhow::Result<()> {
         granularity,
         out,
     } = command;
-    use hearth_billing::export::{render, Format, Granularity};
-    let format = Format::parse(&format).ok_or_else(|| anyhow::anyhow!("--format: csv, jsonl or parquet"))?;
-    let granularity =
-        Granularity::parse(&granularity).ok_or_else(|| anyhow::anyhow!("--granularity: request or day"))?;
-    let from = parse_time(&from)?;
-    let to = match to {
-        Some(t) => parse_time(&t)?,
-        None => hearth_tenants::now_ms() + 1,
-    };
-    if to <= from {
-        bail!("--to must be after --from");
-    }
+    let window = Window::parse(Some(&from), to.as_deref())?;
     let db = data.open().await?;
-    let t = TenantStore::new(&db).tenant(&tenant).await?;
-    let rows = {
-        let l = UsageLedger::new(&db);
-        l.recover_dir(&data.dir()).await?;
-        l
-    }
-    .rows(&t.id, from, to)
-    .await?;
-    let e = render(&rows, format, granularity)?;
+    let (store, ledger) = (TenantStore::new(&db), UsageLedger::new(&db));
+    // Records still in this data directory's outbox count too.
+    ledger.recover_dir(&data.dir()).await?;
+    let manage = Management {
+        tenants: &store,
+        ledger: &ledger,
+        runtime: None,
+    };
+    let e = manage
+        .export(
+            Actor::Operator,
+            Some(&tenant),
+            window,
+            Some(&format),
+            Some(&granularity),
+        )
+        .await?
+        .export;
     match out {
         Some(path) => std::fs::write(&path, &e.bytes).with_context(|| format!("writing {}", path.display()))?,
         None => {
@@ -218,6 +221,12 @@ pub async fn billing(command: BillingCommand) -> anyhow::Result<()> {
 pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
     let db = a.data.open().await?;
     let store = TenantStore::new(&db);
+    let ledger = UsageLedger::new(&db);
+    let manage = Management {
+        tenants: &store,
+        ledger: &ledger,
+        runtime: None,
+    };
     let json = a.json;
     let print = |v: serde_json::Value, text: String| {
         if json {
@@ -259,7 +268,7 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                     None => None,
                 },
             };
-            let k = store.create_key(&tenant, &spec).await?;
+            let k = manage.create_key(Actor::Operator, Some(&tenant), spec).await?;
             print(
                 serde_json::json!(k),
                 format!(
@@ -271,7 +280,7 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
         AdminCommand::Key {
             command: KeyCommand::List { tenant },
         } => {
-            let ks = store.list_keys(&tenant).await?;
+            let ks = manage.list_keys(Actor::Operator, Some(&tenant)).await?;
             let state = |k: &hearth_tenants::ApiKeyInfo| if k.revoked_at.is_some() { "revoked" } else { "active" };
             let text = lines(
                 ks.iter().map(|k| format!("{}\t{}\t{}", k.id, state(k), k.name)),
@@ -302,7 +311,7 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
         AdminCommand::Key {
             command: KeyCommand::Revoke { key_id },
         } => {
-            let k = store.revoke_key(&key_id).await?;
+            let k = manage.revoke_key(Actor::Operator, &key_id).await?;
             print(
                 serde_json::json!(k),
                 format!("Revoked key {} (running servers stop accepting it within 5 s).", k.id),

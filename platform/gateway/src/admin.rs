@@ -12,14 +12,14 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get};
 use axum::{Json, Router};
-use hearth_billing::export::{render, Format, Granularity};
-use hearth_billing::{day_of, format_nusd, month_of, parse_day, parse_usd_micros, BillingError, PriceRates};
+use hearth_billing::{format_nusd, parse_usd_micros, BillingError, PriceRates};
 use hearth_tenants::jwt::IssuerSpec;
 use hearth_tenants::{now_ms, Budget, KeySpec, Scopes, TenantError};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
+use crate::management::{Actor, Upload, Window};
 use crate::openai::parse_object;
 use crate::state::AppState;
 
@@ -104,12 +104,12 @@ async fn create_key(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let spec = key_spec(&body)?;
-    let k = gw.tenants.create_key(&tenant, &spec).await.map_err(store_error)?;
+    let k = gw.management().create_key(Actor::Operator, Some(&tenant), spec).await?;
     Ok((StatusCode::CREATED, Json(k)).into_response())
 }
 
 async fn revoke_key(State(gw): State<Arc<AppState>>, Path(key_id): Path<String>) -> Result<Json<Value>, ApiError> {
-    let k = gw.tenants.revoke_key(&key_id).await.map_err(store_error)?;
+    let k = gw.management().revoke_key(Actor::Operator, &key_id).await?;
     Ok(Json(json!(k)))
 }
 
@@ -436,56 +436,26 @@ pub(crate) struct ExportQuery {
     granularity: Option<String>,
 }
 
-fn time_param(v: Option<&str>, name: &str, default: i64) -> Result<i64, ApiError> {
-    match v {
-        None | Some("") => Ok(default),
-        Some(s) => s
-            .parse::<i64>()
-            .ok()
-            .or_else(|| parse_day(s))
-            .ok_or_else(|| ApiError::invalid(name, format!("'{name}' must be YYYY-MM-DD or Unix milliseconds"))),
+impl ExportQuery {
+    pub(crate) fn window(&self) -> Result<Window, ApiError> {
+        Ok(Window::parse(self.from.as_deref(), self.to.as_deref())?)
     }
 }
 
 /// A tenant's export as a download; totals in `x-hearth-export-*` headers.
-/// `from`..`to` of a query: by default this month so far.
-pub(crate) fn window(q: &ExportQuery) -> Result<(i64, i64), ApiError> {
-    let now = now_ms();
-    let month_start = parse_day(&format!("{}-01", month_of(now))).unwrap_or(0);
-    let from = time_param(q.from.as_deref(), "from", month_start)?;
-    let to = time_param(q.to.as_deref(), "to", now + 1)?;
-    if to <= from {
-        return Err(ApiError::invalid("to", "'to' must be after 'from'"));
-    }
-    Ok((from, to))
-}
-
-pub(crate) async fn export_response(gw: &AppState, tenant_id: &str, q: &ExportQuery) -> Result<Response, ApiError> {
-    let (from, to) = window(q)?;
-    let format = Format::parse(q.format.as_deref().unwrap_or("csv"))
-        .ok_or_else(|| ApiError::invalid("format", "'format' is csv, jsonl or parquet"))?;
-    let granularity = Granularity::parse(q.granularity.as_deref().unwrap_or("request"))
-        .ok_or_else(|| ApiError::invalid("granularity", "'granularity' is request or day"))?;
-    gw.ledger.flush().await;
-    let rows = gw.ledger.rows(tenant_id, from, to).await.map_err(ledger_error)?;
-    let e = render(&rows, format, granularity).map_err(ledger_error)?;
-    let t = &e.totals;
-    let file = format!(
-        "usage-{tenant_id}-{}-{}.{}",
-        day_of(from),
-        day_of(to - 1),
-        format.extension()
-    );
-    let mut resp = (
-        [
-            (header::CONTENT_TYPE, format.content_type().to_string()),
-            (header::CONTENT_DISPOSITION, format!("attachment; filename=\"{file}\"")),
-        ],
-        e.bytes,
-    )
-        .into_response();
-    let h = resp.headers_mut();
-    for (k, v) in [
+pub(crate) async fn export_response(gw: &AppState, actor: Actor<'_>, q: &ExportQuery) -> Result<Response, ApiError> {
+    let f = gw
+        .management()
+        .export(
+            actor,
+            q.tenant.as_deref(),
+            q.window()?,
+            q.format.as_deref(),
+            q.granularity.as_deref(),
+        )
+        .await?;
+    let (e, t) = (&f.export, &f.export.totals);
+    let headers = [
         ("x-hearth-export-lines", e.lines.to_string()),
         ("x-hearth-export-requests", t.requests.to_string()),
         (
@@ -496,7 +466,20 @@ pub(crate) async fn export_response(gw: &AppState, tenant_id: &str, q: &ExportQu
         ("x-hearth-export-output-tokens", t.output_tokens.to_string()),
         ("x-hearth-export-cost-nusd", t.cost_nusd.to_string()),
         ("x-hearth-export-cost-usd", format_nusd(t.cost_nusd)),
-    ] {
+    ];
+    let mut resp = (
+        [
+            (header::CONTENT_TYPE, f.format.content_type().to_string()),
+            (
+                header::CONTENT_DISPOSITION,
+                format!("attachment; filename=\"{}\"", f.file_name),
+            ),
+        ],
+        f.export.bytes,
+    )
+        .into_response();
+    let h = resp.headers_mut();
+    for (k, v) in headers {
         if let Ok(v) = axum::http::HeaderValue::from_str(&v) {
             h.insert(k, v);
         }
@@ -509,12 +492,7 @@ async fn billing_export(
     q: Result<Query<ExportQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
-    let tenant = q
-        .tenant
-        .as_deref()
-        .ok_or_else(|| ApiError::invalid("tenant", "'tenant' is required"))?;
-    let t = gw.tenants.tenant(tenant).await.map_err(store_error)?;
-    export_response(&gw, &t.id, &q).await
+    export_response(&gw, Actor::Operator, &q).await
 }
 
 // ---- processors ------------------------------------------------------------------------
@@ -536,48 +514,21 @@ pub(crate) struct UploadQuery {
     memory_mib: Option<u32>,
 }
 
-/// Validates (compiles) and stores a new processor version for `tenant`.
-pub(crate) async fn upload(gw: &AppState, tenant: &str, q: UploadQuery, wasm: Bytes) -> Result<Response, ApiError> {
-    let host = gw
-        .processors
-        .as_ref()
-        .ok_or_else(|| ApiError::forbidden("processors are disabled on this gateway"))?;
-    let name = q
-        .name
-        .filter(|n| !n.is_empty())
-        .ok_or_else(|| ApiError::invalid("name", "'name' is required (query parameter)"))?;
-    if wasm.is_empty() {
-        return Err(ApiError::invalid("body", "the body must be the component (.wasm)"));
+impl UploadQuery {
+    pub(crate) fn upload(self) -> Result<Upload, ApiError> {
+        Ok(Upload {
+            name: self
+                .name
+                .filter(|n| !n.is_empty())
+                .ok_or_else(|| ApiError::invalid("name", "'name' is required (query parameter)"))?,
+            config: self.config,
+            activate: self.activate.unwrap_or(false),
+            key_id: self.key_id,
+            position: self.position,
+            cpu_ms: self.cpu_ms,
+            memory_mib: self.memory_mib,
+        })
     }
-    let defaults = hearth_runtime::Limits::default();
-    let limits = hearth_runtime::Limits {
-        cpu_ms: q.cpu_ms.unwrap_or(defaults.cpu_ms),
-        memory_mib: q.memory_mib.unwrap_or(defaults.memory_mib),
-        ..defaults
-    }
-    .clamped();
-    let rt = host.runtime.clone();
-    let bytes = wasm.clone();
-    let compiled = tokio::task::spawn_blocking(move || rt.compile(&bytes))
-        .await
-        .map_err(|_| ApiError::internal("compiling the processor failed"))?
-        .map_err(|e| ApiError::invalid("body", e.to_string()))?;
-    let spec = hearth_tenants::processors::ProcessorSpec {
-        name,
-        sha256: compiled.sha256.clone(),
-        config: q.config.unwrap_or_else(|| "{}".into()),
-        cpu_ms: limits.cpu_ms,
-        memory_mib: limits.memory_mib,
-        key_id: q.key_id.filter(|k| !k.is_empty()),
-        position: q.position,
-        activate: q.activate.unwrap_or(false),
-    };
-    let p = gw
-        .tenants
-        .add_processor(tenant, &spec, &wasm)
-        .await
-        .map_err(store_error)?;
-    Ok((StatusCode::CREATED, Json(p)).into_response())
 }
 
 async fn upload_processor(
@@ -587,28 +538,33 @@ async fn upload_processor(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
-    upload(&gw, &tenant, q, body).await
+    let p = gw
+        .management()
+        .upload_processor(Actor::Operator, Some(&tenant), q.upload()?, body.to_vec())
+        .await?;
+    Ok((StatusCode::CREATED, Json(p)).into_response())
 }
 
 async fn list_processors(State(gw): State<Arc<AppState>>, Path(tenant): Path<String>) -> Result<Json<Value>, ApiError> {
-    let ps = gw.tenants.list_processors(&tenant).await.map_err(store_error)?;
+    let ps = gw.management().list_processors(Actor::Operator, Some(&tenant)).await?;
     Ok(Json(json!({"object": "list", "data": ps})))
 }
 
-async fn set_active(gw: &AppState, id: &str, active: bool) -> Result<Json<Value>, ApiError> {
-    let p = gw.tenants.set_processor_active(id, active).await.map_err(store_error)?;
-    Ok(Json(json!(p)))
-}
-
 async fn activate_processor(State(gw): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
-    set_active(&gw, &id, true).await
+    Ok(Json(json!(
+        gw.management().set_processor_active(Actor::Operator, &id, true).await?
+    )))
 }
 
 async fn deactivate_processor(
     State(gw): State<Arc<AppState>>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    set_active(&gw, &id, false).await
+    Ok(Json(json!(
+        gw.management()
+            .set_processor_active(Actor::Operator, &id, false)
+            .await?
+    )))
 }
 
 /// `{"key_id": "…"}` attaches to one key; `{"key_id": null}` to the whole tenant.
@@ -628,14 +584,14 @@ async fn attach_processor(
 ) -> Result<Json<Value>, ApiError> {
     let key = attachment_body(&body)?;
     let p = gw
-        .tenants
-        .attach_processor(&id, key.as_deref())
-        .await
-        .map_err(store_error)?;
+        .management()
+        .attach_processor(Actor::Operator, &id, key.as_deref())
+        .await?;
     Ok(Json(json!(p)))
 }
 
 async fn delete_processor(State(gw): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
-    let p = gw.tenants.delete_processor(&id).await.map_err(store_error)?;
-    Ok(Json(json!(p)))
+    Ok(Json(json!(
+        gw.management().delete_processor(Actor::Operator, &id).await?
+    )))
 }

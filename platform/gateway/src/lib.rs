@@ -6,7 +6,8 @@
 //! * [`pipeline`] — the OpenAI request as named phases over one per-request context;
 //! * [`limits`] — rate limits (GCRA, in-process or Redis); [`processors`] — tenant Wasm chains;
 //! * [`registry`] — the models served and their routers; [`workers`] — how workers are reached;
-//! * [`admin`], [`selfservice`] — the management APIs; [`metrics`] — Prometheus;
+//! * [`management`] — the one implementation of key/processor/usage management, with its
+//!   adapters [`admin`] and [`selfservice`] (and the CLI); [`metrics`] — Prometheus;
 //! * [`openai`] — request parsing; [`error`] — every client-visible error; [`db`] — the store;
 //! * [`telemetry`] — the request's root span (GenAI attributes) and `traceparent` for workers.
 //!
@@ -20,6 +21,7 @@ pub mod auth;
 pub mod db;
 pub mod error;
 pub mod limits;
+pub mod management;
 pub mod metrics;
 pub mod openai;
 pub mod pipeline;

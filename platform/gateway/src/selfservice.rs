@@ -17,14 +17,15 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get};
 use axum::{Json, Router};
-use hearth_billing::export::{by_day, Totals};
+use hearth_billing::export::Totals;
 use hearth_billing::{format_nusd, month_of};
 use hearth_tenants::now_ms;
 use serde_json::{json, Value};
 
-use crate::admin::{budget_json, export_response, key_spec, ledger_error, store_error, window, ExportQuery};
+use crate::admin::{budget_json, export_response, key_spec, ledger_error, ExportQuery, UploadQuery};
 use crate::auth::Manager;
 use crate::error::ApiError;
+use crate::management::Actor;
 use crate::state::AppState;
 
 pub fn router() -> Router<Arc<AppState>> {
@@ -65,38 +66,14 @@ async fn me(State(gw): State<Arc<AppState>>, Manager(ctx): Manager) -> Result<Js
 }
 
 async fn list_keys(State(gw): State<Arc<AppState>>, Manager(ctx): Manager) -> Result<Json<Value>, ApiError> {
-    let keys = gw.tenants.list_keys(&ctx.tenant_id).await.map_err(store_error)?;
+    let keys = gw.management().list_keys(Actor::Tenant(&ctx), None).await?;
     Ok(Json(json!({"object": "list", "data": keys})))
 }
 
 /// A new key for the caller's tenant; it can grant no scope and no model the caller lacks.
 async fn create_key(State(gw): State<Arc<AppState>>, Manager(ctx): Manager, body: Bytes) -> Result<Response, ApiError> {
-    let mut spec = key_spec(&body)?;
-    let scopes = spec.scopes.unwrap_or(ctx.scopes);
-    if !scopes.within(ctx.scopes) {
-        return Err(ApiError::permission(
-            "scope_escalation",
-            "A key cannot grant scopes its creator lacks.",
-        ));
-    }
-    spec.scopes = Some(scopes);
-    if let Some(allowed) = &ctx.models {
-        match &spec.models {
-            None => spec.models = Some(allowed.to_vec()),
-            Some(m) if m.iter().all(|x| allowed.contains(x)) => {}
-            Some(_) => {
-                return Err(ApiError::permission(
-                    "scope_escalation",
-                    "A key cannot allow models its creator may not use.",
-                ))
-            }
-        }
-    }
-    let k = gw
-        .tenants
-        .create_key(&ctx.tenant_id, &spec)
-        .await
-        .map_err(store_error)?;
+    let spec = key_spec(&body)?;
+    let k = gw.management().create_key(Actor::Tenant(&ctx), None, spec).await?;
     Ok((StatusCode::CREATED, Json(k)).into_response())
 }
 
@@ -105,13 +82,9 @@ async fn revoke_key(
     Manager(ctx): Manager,
     Path(key_id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    // Another tenant's key is "not found", never "forbidden": ids are not confirmed.
-    let k = gw.tenants.key(&key_id).await.map_err(store_error)?;
-    if k.tenant_id != ctx.tenant_id {
-        return Err(ApiError::not_found(format!("API key {key_id:?} does not exist")));
-    }
-    let k = gw.tenants.revoke_key(&k.id).await.map_err(store_error)?;
-    Ok(Json(json!(k)))
+    Ok(Json(json!(
+        gw.management().revoke_key(Actor::Tenant(&ctx), &key_id).await?
+    )))
 }
 
 fn totals_json(t: &Totals) -> Value {
@@ -128,10 +101,9 @@ async fn usage(
     q: Result<Query<ExportQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>, ApiError> {
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
-    let (from, to) = window(&q)?;
-    gw.ledger.flush().await;
-    let rows = gw.ledger.rows(&ctx.tenant_id, from, to).await.map_err(ledger_error)?;
-    let data: Vec<Value> = by_day(&rows)
+    let window = q.window()?;
+    let (days, totals) = gw.management().usage_by_day(Actor::Tenant(&ctx), None, window).await?;
+    let data: Vec<Value> = days
         .iter()
         .map(|d| {
             let mut v = totals_json(&d.totals);
@@ -141,7 +113,7 @@ async fn usage(
         })
         .collect();
     Ok(Json(json!({
-        "object": "list", "from": from, "to": to, "data": data, "totals": totals_json(&Totals::of(&rows)),
+        "object": "list", "from": window.from, "to": window.to, "data": data, "totals": totals_json(&totals),
     })))
 }
 
@@ -151,48 +123,28 @@ async fn export(
     q: Result<Query<ExportQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
-    export_response(&gw, &ctx.tenant_id, &q).await
+    export_response(&gw, Actor::Tenant(&ctx), &q).await
 }
 
 // ---- processors ------------------------------------------------------------------------
 
-/// A processor of the caller's tenant (another tenant's is "not found").
-async fn own_processor(
-    gw: &AppState,
-    ctx: &hearth_tenants::TenantContext,
-    id: &str,
-) -> Result<hearth_tenants::processors::ProcessorInfo, ApiError> {
-    let p = gw.tenants.processor(id).await.map_err(store_error)?;
-    if p.tenant_id != ctx.tenant_id {
-        return Err(ApiError::not_found(format!("processor {id:?} does not exist")));
-    }
-    Ok(p)
-}
-
 async fn upload_processor(
     State(gw): State<Arc<AppState>>,
     Manager(ctx): Manager,
-    q: Result<Query<crate::admin::UploadQuery>, axum::extract::rejection::QueryRejection>,
+    q: Result<Query<UploadQuery>, axum::extract::rejection::QueryRejection>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
-    crate::admin::upload(&gw, &ctx.tenant_id, q, body).await
+    let p = gw
+        .management()
+        .upload_processor(Actor::Tenant(&ctx), None, q.upload()?, body.to_vec())
+        .await?;
+    Ok((StatusCode::CREATED, Json(p)).into_response())
 }
 
 async fn list_processors(State(gw): State<Arc<AppState>>, Manager(ctx): Manager) -> Result<Json<Value>, ApiError> {
-    let ps = gw.tenants.list_processors(&ctx.tenant_id).await.map_err(store_error)?;
+    let ps = gw.management().list_processors(Actor::Tenant(&ctx), None).await?;
     Ok(Json(json!({"object": "list", "data": ps})))
-}
-
-async fn set_active(
-    gw: &AppState,
-    ctx: &hearth_tenants::TenantContext,
-    id: &str,
-    active: bool,
-) -> Result<Json<Value>, ApiError> {
-    own_processor(gw, ctx, id).await?;
-    let p = gw.tenants.set_processor_active(id, active).await.map_err(store_error)?;
-    Ok(Json(json!(p)))
 }
 
 async fn activate_processor(
@@ -200,7 +152,11 @@ async fn activate_processor(
     Manager(ctx): Manager,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    set_active(&gw, &ctx, &id, true).await
+    Ok(Json(json!(
+        gw.management()
+            .set_processor_active(Actor::Tenant(&ctx), &id, true)
+            .await?
+    )))
 }
 
 async fn deactivate_processor(
@@ -208,7 +164,11 @@ async fn deactivate_processor(
     Manager(ctx): Manager,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    set_active(&gw, &ctx, &id, false).await
+    Ok(Json(json!(
+        gw.management()
+            .set_processor_active(Actor::Tenant(&ctx), &id, false)
+            .await?
+    )))
 }
 
 async fn attach_processor(
@@ -217,13 +177,11 @@ async fn attach_processor(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    own_processor(&gw, &ctx, &id).await?;
     let key = crate::admin::attachment_body(&body)?;
     let p = gw
-        .tenants
-        .attach_processor(&id, key.as_deref())
-        .await
-        .map_err(store_error)?;
+        .management()
+        .attach_processor(Actor::Tenant(&ctx), &id, key.as_deref())
+        .await?;
     Ok(Json(json!(p)))
 }
 
@@ -232,7 +190,7 @@ async fn delete_processor(
     Manager(ctx): Manager,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    own_processor(&gw, &ctx, &id).await?;
-    let p = gw.tenants.delete_processor(&id).await.map_err(store_error)?;
-    Ok(Json(json!(p)))
+    Ok(Json(json!(
+        gw.management().delete_processor(Actor::Tenant(&ctx), &id).await?
+    )))
 }

@@ -26,6 +26,15 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// The management service over this process's stores.
+    pub fn management(&self) -> crate::management::Management<'_> {
+        crate::management::Management {
+            tenants: &self.tenants,
+            ledger: &self.ledger,
+            runtime: self.processors.as_ref().map(|h| &h.runtime),
+        }
+    }
+
     /// A gateway with in-process limits, no admin token and no processors; set the public
     /// fields for more.
     pub fn new(tenants: TenantStore, ledger: UsageLedger, models: ModelRegistry) -> Self {

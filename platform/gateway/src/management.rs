@@ -1,0 +1,330 @@
+//! The management service: one implementation of the operations on tenants' keys,
+//! processors and usage, shared by its three adapters — the admin API ([`crate::admin`]),
+//! the self-service API ([`crate::selfservice`]) and the `hearth admin|processor|billing`
+//! commands. Each operation takes the [`Actor`] doing it: the operator may act on any
+//! tenant; a tenant credential only on its own tenant, and never beyond its own rights
+//! (a key it creates has no scope or model it lacks). Another tenant's key or processor is
+//! "not found", never "forbidden": ids are not confirmed across tenants.
+//!
+//! Operator-only operations (tenants, limits, budgets, issuers, prices) are plain store
+//! calls (`TenantStore`, `UsageLedger`) and need no service of their own.
+
+use std::sync::Arc;
+
+use hearth_billing::export::{by_day, render, DayLine, Export, Format, Granularity, Totals};
+use hearth_billing::{month_of, parse_day, BillingError, UsageLedger};
+use hearth_runtime::Runtime;
+use hearth_tenants::processors::{ProcessorInfo, ProcessorSpec};
+use hearth_tenants::{now_ms, ApiKeyInfo, CreatedKey, KeySpec, TenantContext, TenantError, TenantStore};
+
+/// Who is managing.
+#[derive(Clone, Copy)]
+pub enum Actor<'a> {
+    /// The operator: the admin token, or the CLI with the database.
+    Operator,
+    /// A tenant credential with the `manage` scope.
+    Tenant(&'a TenantContext),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ManageError {
+    #[error(transparent)]
+    Store(#[from] TenantError),
+    #[error(transparent)]
+    Ledger(#[from] BillingError),
+    #[error("{message}")]
+    Invalid { field: &'static str, message: String },
+    /// The request would give more than the actor has.
+    #[error("{0}")]
+    Escalation(&'static str),
+    #[error("{0}")]
+    NotFound(String),
+    /// The feature is off in this process.
+    #[error("{0}")]
+    Disabled(&'static str),
+    #[error("{0}")]
+    Internal(String),
+}
+
+fn invalid(field: &'static str, message: impl Into<String>) -> ManageError {
+    ManageError::Invalid {
+        field,
+        message: message.into(),
+    }
+}
+
+/// A new processor version, as any adapter receives it.
+#[derive(Debug, Clone, Default)]
+pub struct Upload {
+    pub name: String,
+    /// JSON for the guest's `host.config` (default `{}`).
+    pub config: Option<String>,
+    pub activate: bool,
+    pub key_id: Option<String>,
+    pub position: Option<i64>,
+    pub cpu_ms: Option<u32>,
+    pub memory_mib: Option<u32>,
+}
+
+/// A usage window: `from` inclusive, `to` exclusive (Unix ms).
+#[derive(Debug, Clone, Copy)]
+pub struct Window {
+    pub from: i64,
+    pub to: i64,
+}
+
+impl Window {
+    /// From `YYYY-MM-DD` or Unix-ms texts; by default this month so far.
+    pub fn parse(from: Option<&str>, to: Option<&str>) -> Result<Self, ManageError> {
+        let now = now_ms();
+        let month_start = parse_day(&format!("{}-01", month_of(now))).unwrap_or(0);
+        let from = time_param(from, "from", month_start)?;
+        let to = time_param(to, "to", now + 1)?;
+        if to <= from {
+            return Err(invalid("to", "'to' must be after 'from'"));
+        }
+        Ok(Self { from, to })
+    }
+}
+
+fn time_param(v: Option<&str>, name: &'static str, default: i64) -> Result<i64, ManageError> {
+    match v {
+        None | Some("") => Ok(default),
+        Some(s) => s
+            .parse::<i64>()
+            .ok()
+            .or_else(|| parse_day(s))
+            .ok_or_else(|| invalid(name, format!("'{name}' must be YYYY-MM-DD or Unix milliseconds"))),
+    }
+}
+
+/// A rendered billing export.
+pub struct ExportFile {
+    pub export: Export,
+    pub format: Format,
+    /// `usage-<tenant>-<first day>-<last day>.<ext>`.
+    pub file_name: String,
+}
+
+/// The service over one process's stores.
+#[derive(Clone, Copy)]
+pub struct Management<'a> {
+    pub tenants: &'a TenantStore,
+    pub ledger: &'a UsageLedger,
+    /// Compiles (validates) uploaded processors; None: processors are disabled.
+    pub runtime: Option<&'a Arc<Runtime>>,
+}
+
+impl Management<'_> {
+    /// The tenant an actor means: the operator names one (by name or id); a tenant
+    /// credential always means its own (naming another is "not found").
+    pub async fn tenant_id(&self, actor: Actor<'_>, tenant: Option<&str>) -> Result<String, ManageError> {
+        match (actor, tenant) {
+            (Actor::Tenant(ctx), None) => Ok(ctx.tenant_id.clone()),
+            (Actor::Tenant(ctx), Some(t)) if t == ctx.tenant_id || t == ctx.tenant_name => Ok(ctx.tenant_id.clone()),
+            (Actor::Tenant(_), Some(t)) => Err(ManageError::NotFound(format!("tenant {t:?} does not exist"))),
+            (Actor::Operator, Some(t)) => Ok(self.tenants.tenant(t).await?.id),
+            (Actor::Operator, None) => Err(invalid("tenant", "'tenant' is required")),
+        }
+    }
+
+    // ---- keys ------------------------------------------------------------------------
+
+    pub async fn list_keys(&self, actor: Actor<'_>, tenant: Option<&str>) -> Result<Vec<ApiKeyInfo>, ManageError> {
+        let t = self.tenant_id(actor, tenant).await?;
+        Ok(self.tenants.list_keys(&t).await?)
+    }
+
+    /// A new key; a tenant credential's key is narrowed to (and may not exceed) its own
+    /// scopes and models.
+    pub async fn create_key(
+        &self,
+        actor: Actor<'_>,
+        tenant: Option<&str>,
+        mut spec: KeySpec,
+    ) -> Result<CreatedKey, ManageError> {
+        let t = self.tenant_id(actor, tenant).await?;
+        if let Actor::Tenant(ctx) = actor {
+            let scopes = spec.scopes.unwrap_or(ctx.scopes);
+            if !scopes.within(ctx.scopes) {
+                return Err(ManageError::Escalation("A key cannot grant scopes its creator lacks."));
+            }
+            spec.scopes = Some(scopes);
+            if let Some(allowed) = &ctx.models {
+                match &spec.models {
+                    None => spec.models = Some(allowed.to_vec()),
+                    Some(m) if m.iter().all(|x| allowed.contains(x)) => {}
+                    Some(_) => {
+                        return Err(ManageError::Escalation(
+                            "A key cannot allow models its creator may not use.",
+                        ))
+                    }
+                }
+            }
+        }
+        Ok(self.tenants.create_key(&t, &spec).await?)
+    }
+
+    pub async fn revoke_key(&self, actor: Actor<'_>, key_id: &str) -> Result<ApiKeyInfo, ManageError> {
+        if let Actor::Tenant(ctx) = actor {
+            let k = self.tenants.key(key_id).await?;
+            if k.tenant_id != ctx.tenant_id {
+                return Err(ManageError::NotFound(format!("API key {key_id:?} does not exist")));
+            }
+        }
+        Ok(self.tenants.revoke_key(key_id).await?)
+    }
+
+    // ---- processors ------------------------------------------------------------------
+
+    /// Validates (compiles, filling the shared code cache) and stores a new version.
+    pub async fn upload_processor(
+        &self,
+        actor: Actor<'_>,
+        tenant: Option<&str>,
+        up: Upload,
+        wasm: Vec<u8>,
+    ) -> Result<ProcessorInfo, ManageError> {
+        let runtime = self
+            .runtime
+            .cloned()
+            .ok_or(ManageError::Disabled("processors are disabled on this gateway"))?;
+        let t = self.tenant_id(actor, tenant).await?;
+        if up.name.is_empty() {
+            return Err(invalid("name", "'name' is required"));
+        }
+        if wasm.is_empty() {
+            return Err(invalid("body", "the body must be the component (.wasm)"));
+        }
+        let defaults = hearth_runtime::Limits::default();
+        let limits = hearth_runtime::Limits {
+            cpu_ms: up.cpu_ms.unwrap_or(defaults.cpu_ms),
+            memory_mib: up.memory_mib.unwrap_or(defaults.memory_mib),
+            ..defaults
+        }
+        .clamped();
+        let (wasm, compiled) = tokio::task::spawn_blocking(move || {
+            let c = runtime.compile(&wasm);
+            (wasm, c)
+        })
+        .await
+        .map_err(|_| ManageError::Internal("compiling the processor failed".into()))?;
+        let compiled = compiled.map_err(|e| invalid("body", e.to_string()))?;
+        let spec = ProcessorSpec {
+            name: up.name,
+            sha256: compiled.sha256.clone(),
+            config: up.config.unwrap_or_else(|| "{}".into()),
+            cpu_ms: limits.cpu_ms,
+            memory_mib: limits.memory_mib,
+            key_id: up.key_id.filter(|k| !k.is_empty()),
+            position: up.position,
+            activate: up.activate,
+        };
+        Ok(self.tenants.add_processor(&t, &spec, &wasm).await?)
+    }
+
+    pub async fn list_processors(
+        &self,
+        actor: Actor<'_>,
+        tenant: Option<&str>,
+    ) -> Result<Vec<ProcessorInfo>, ManageError> {
+        let t = self.tenant_id(actor, tenant).await?;
+        Ok(self.tenants.list_processors(&t).await?)
+    }
+
+    /// The processor `id`, if the actor may manage it.
+    async fn own_processor(&self, actor: Actor<'_>, id: &str) -> Result<(), ManageError> {
+        if let Actor::Tenant(ctx) = actor {
+            if self.tenants.processor(id).await?.tenant_id != ctx.tenant_id {
+                return Err(ManageError::NotFound(format!("processor {id:?} does not exist")));
+            }
+        }
+        Ok(())
+    }
+
+    pub async fn set_processor_active(
+        &self,
+        actor: Actor<'_>,
+        id: &str,
+        active: bool,
+    ) -> Result<ProcessorInfo, ManageError> {
+        self.own_processor(actor, id).await?;
+        Ok(self.tenants.set_processor_active(id, active).await?)
+    }
+
+    /// Attaches to one key, or (None) to the whole tenant.
+    pub async fn attach_processor(
+        &self,
+        actor: Actor<'_>,
+        id: &str,
+        key_id: Option<&str>,
+    ) -> Result<ProcessorInfo, ManageError> {
+        self.own_processor(actor, id).await?;
+        Ok(self.tenants.attach_processor(id, key_id).await?)
+    }
+
+    pub async fn delete_processor(&self, actor: Actor<'_>, id: &str) -> Result<ProcessorInfo, ManageError> {
+        self.own_processor(actor, id).await?;
+        Ok(self.tenants.delete_processor(id).await?)
+    }
+
+    // ---- usage and exports -----------------------------------------------------------
+
+    /// Usage and cost by day and model, and the rows' totals.
+    pub async fn usage_by_day(
+        &self,
+        actor: Actor<'_>,
+        tenant: Option<&str>,
+        window: Window,
+    ) -> Result<(Vec<DayLine>, Totals), ManageError> {
+        let t = self.tenant_id(actor, tenant).await?;
+        self.ledger.flush().await;
+        let rows = self.ledger.rows(&t, window.from, window.to).await?;
+        Ok((by_day(&rows), Totals::of(&rows)))
+    }
+
+    /// The billing export of one tenant and window.
+    pub async fn export(
+        &self,
+        actor: Actor<'_>,
+        tenant: Option<&str>,
+        window: Window,
+        format: Option<&str>,
+        granularity: Option<&str>,
+    ) -> Result<ExportFile, ManageError> {
+        let format = Format::parse(format.unwrap_or("csv"))
+            .ok_or_else(|| invalid("format", "'format' is csv, jsonl or parquet"))?;
+        let granularity = Granularity::parse(granularity.unwrap_or("request"))
+            .ok_or_else(|| invalid("granularity", "'granularity' is request or day"))?;
+        let t = self.tenant_id(actor, tenant).await?;
+        self.ledger.flush().await;
+        let rows = self.ledger.rows(&t, window.from, window.to).await?;
+        let export = render(&rows, format, granularity)?;
+        let file_name = format!(
+            "usage-{t}-{}-{}.{}",
+            hearth_billing::day_of(window.from),
+            hearth_billing::day_of(window.to - 1),
+            format.extension()
+        );
+        Ok(ExportFile {
+            export,
+            format,
+            file_name,
+        })
+    }
+}
+
+impl From<ManageError> for crate::error::ApiError {
+    fn from(e: ManageError) -> Self {
+        use crate::error::ApiError;
+        match e {
+            ManageError::Store(e) => crate::admin::store_error(e),
+            ManageError::Ledger(e) => crate::admin::ledger_error(e),
+            ManageError::Invalid { field, message } => ApiError::invalid(field, message),
+            ManageError::Escalation(m) => ApiError::permission("scope_escalation", m),
+            ManageError::NotFound(m) => ApiError::not_found(m),
+            ManageError::Disabled(m) => ApiError::forbidden(m),
+            ManageError::Internal(m) => ApiError::internal(m),
+        }
+    }
+}
