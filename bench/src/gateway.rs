@@ -411,12 +411,15 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> 
             body: body.clone(),
         });
     }
-    // Warm-up, then latency: one request per mode in turn, so drift hits all modes alike.
+    // Warm-up, then latency: one request per mode in turn, so drift hits all modes alike;
+    // the mode that goes first rotates (the first request of a round pays for waking up).
     let mut ok = vec![0usize; modes.len()];
     let mut errors = vec![0usize; modes.len()];
     let mut lat = vec![Vec::with_capacity(cfg.requests); modes.len()];
     for round in 0..cfg.requests + 200 {
-        for (i, s) in senders.iter().enumerate() {
+        for k in 0..senders.len() {
+            let i = (round + k) % senders.len();
+            let s = &senders[i];
             let t = Instant::now();
             if s.send().await {
                 ok[i] += 1;
@@ -451,10 +454,19 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> 
             errors: errors[i] + e,
         });
     }
-    ledger.flush().await;
-    let metered: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM usage_records")
-        .fetch_one(&db.pool)
-        .await?;
+    // Records the writer could not take at once wait in the outbox and are replayed within
+    // seconds: give them that time, then every success must be in the ledger.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let metered = loop {
+        ledger.flush().await;
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM usage_records")
+            .fetch_one(&db.pool)
+            .await?;
+        if n as usize == metered_ok || Instant::now() > deadline {
+            break n;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
     if metered as usize != metered_ok {
         anyhow::bail!("{metered_ok} metered requests succeeded but the ledger has {metered} records");
     }

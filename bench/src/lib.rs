@@ -7,7 +7,7 @@
 //!
 //! (`hearth bench engine` lives with the engine, in `hearth_engine::bench`.) Side-by-side
 //! comparisons with other projects are the scripts beside this crate
-//! (`llamacpp-compare`, `litellm-compare`), measured in the same run.
+//! (`llamacpp-compare`, `gateway-compare`), measured in the same run.
 
 pub mod gateway;
 pub mod processors;
