@@ -172,7 +172,7 @@ impl GatewayBenchReport {
         let ours = |m: &str| self.modes.iter().find(|x| x.mode == m);
         if let Some(m) = ours("in_process") {
             s += &format!(
-                "\nin-process: auth + limits + budget + metering add {:.1} µs at P50 (target ≤ 150); {:.0} req/s (target ≥ 5000)\n(peer gateways: bench/litellm-compare measures them in the same run)\n",
+                "\nin-process: auth + limits + budget + metering add {:.1} µs at P50 (target ≤ 150); {:.0} req/s (target ≥ 5000)\n(peer gateways: bench/gateway-compare measures them in the same run)\n",
                 m.added_p50_us, m.requests_per_s
             );
         }
@@ -537,7 +537,10 @@ pub async fn processor_overhead(model_path: &Path, model_id: &str, requests: usi
         .collect();
     let mut lat = [Vec::new(), Vec::new()];
     for round in 0..requests + 200 {
-        for (i, s) in senders.iter().enumerate() {
+        // The first of each round rotates (it pays for waking the client up).
+        for k in 0..senders.len() {
+            let i = (round + k) % senders.len();
+            let s = &senders[i];
             let t = Instant::now();
             anyhow::ensure!(s.send().await, "a benchmark request failed");
             if round >= 200 {

@@ -321,12 +321,13 @@ where
 /// One transaction for a batch: rate each record, insert it unless its request id is
 /// already there, and add inserted costs to the tenant's monthly spend.
 ///
-/// The prices are read before the transaction, so that its first statement is a write: on
-/// SQLite a transaction that reads first and then writes fails at once (SQLITE_BUSY, no
-/// busy wait) when another connection — another process, or this one's outbox replay —
-/// committed in between; under load that deferred whole batches to the outbox. Reading
-/// them outside changes no result: a price version is never updated and never takes
-/// effect in the past.
+/// The prices are read just before the transaction, so that its first statement is a
+/// write: on SQLite a transaction that reads first and then writes fails at once
+/// (SQLITE_BUSY, no busy wait) when another connection — another process, or this one's
+/// outbox replay — committed in between; under load that deferred whole batches to the
+/// outbox. As before, a batch is rated with the price versions committed when it is
+/// written (a read inside the transaction saw the same snapshot); versions are never
+/// updated.
 async fn write_batch(pool: &AnyPool, recs: &[&UsageRecord]) -> Result<Vec<Recorded>, sqlx::Error> {
     let prices = load_prices(pool).await?;
     let mut tx = pool.begin().await?;

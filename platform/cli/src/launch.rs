@@ -202,10 +202,25 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", a.listen))?;
     let addr = listener.local_addr()?;
     println!("Hearth worker ({}) is listening on http://{addr}", engine.info().model);
-    axum::serve(listener, hearth_engine::server::router(engine, &addr.to_string()))
+    axum::serve(listener, hearth_engine::server::router(engine, &worker_name(addr)))
         .with_graceful_shutdown(shutdown_signal())
         .await?;
     Ok(())
+}
+
+/// How a worker names itself in metrics and traces: its address, or — listening on every
+/// interface (`0.0.0.0`) — the host's name and the port, so that workers differ.
+fn worker_name(addr: SocketAddr) -> String {
+    if !addr.ip().is_unspecified() {
+        return addr.to_string();
+    }
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| addr.ip().to_string());
+    format!("{host}:{}", addr.port())
 }
 
 pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {

@@ -239,12 +239,20 @@ async fn example_processors_change_requests_and_responses() {
         &format!("&cpu_ms=1000&memory_mib=256&config={cfg}"),
     )
     .await;
-    let (s, _, r) = post(&url, Some(&filter_key), &q).await;
+    let (s, h, r) = post(&url, Some(&filter_key), &q).await;
     assert_eq!(s, 451, "{r}");
     assert!(
         r["error"]["message"].as_str().unwrap().contains("blocked content"),
         "{r}"
     );
+    // The model did generate: the refused answer is metered with its tokens, by the relay
+    // alone (one record, not a second, failed one from the refusal).
+    let refused_id = h["x-request-id"].to_str().unwrap().to_string();
+    let rows = usage_rows(&data);
+    let mine: Vec<&Value> = rows.iter().filter(|r| r["request_id"] == refused_id.as_str()).collect();
+    assert_eq!(mine.len(), 1, "{rows:?}");
+    assert_eq!(mine[0]["status"], "completed", "{:?}", mine[0]);
+    assert_eq!(mine[0]["completion_tokens"], 8, "{:?}", mine[0]);
     let resp = client()
         .post(&url)
         .bearer_auth(&filter_key)

@@ -12,13 +12,13 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get};
 use axum::{Json, Router};
-use hearth_billing::{format_nusd, parse_usd_micros, BillingError, PriceRates};
+use hearth_billing::{format_nusd, parse_usd_micros, PriceRates};
 use hearth_tenants::jwt::IssuerSpec;
-use hearth_tenants::{now_ms, Budget, KeySpec, Scopes, TenantError};
+use hearth_tenants::{now_ms, Budget, KeySpec, Scopes};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::error::ApiError;
+use crate::error::{ledger_error, store_error, ApiError};
 use crate::management::{Actor, Upload, Window};
 use crate::openai::parse_object;
 use crate::state::AppState;
@@ -54,21 +54,6 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/routing/{model}/workers/{slot}/drain", axum::routing::post(drain))
 }
 
-pub(crate) fn store_error(e: TenantError) -> ApiError {
-    match e {
-        TenantError::TenantExists(_) => ApiError::conflict(e.to_string()),
-        TenantError::NoSuchTenant(_) | TenantError::NoSuchKey(_) => ApiError::not_found(e.to_string()),
-        TenantError::InvalidName(_) => ApiError::invalid("name", e.to_string()),
-        TenantError::NoSuchIssuer(_) | TenantError::NoSuchProcessor(_) => ApiError::not_found(e.to_string()),
-        TenantError::IssuerExists(_) => ApiError::conflict(e.to_string()),
-        TenantError::Invalid { field, .. } => ApiError::invalid(field, e.to_string()),
-        TenantError::Db(_) | TenantError::Random(_) => {
-            tracing::error!(error = %e, "admin store error");
-            ApiError::internal("the tenant store failed")
-        }
-    }
-}
-
 pub(crate) fn name_field(body: &Bytes, required: bool) -> Result<String, ApiError> {
     if body.is_empty() && !required {
         return Ok(String::new());
@@ -94,7 +79,7 @@ async fn create_tenant(State(gw): State<Arc<AppState>>, body: Bytes) -> Result<R
 }
 
 async fn list_keys(State(gw): State<Arc<AppState>>, Path(tenant): Path<String>) -> Result<Json<Value>, ApiError> {
-    let keys = gw.tenants.list_keys(&tenant).await.map_err(store_error)?;
+    let keys = gw.management().list_keys(Actor::Operator, Some(&tenant)).await?;
     Ok(Json(json!({"object": "list", "data": keys})))
 }
 
@@ -241,16 +226,6 @@ async fn set_key_limits(
     let l = limits_body(&body)?;
     gw.tenants.set_key_limits(&key_id, l).await.map_err(store_error)?;
     Ok(Json(json!({"key": key_id, "limits": l})))
-}
-
-pub(crate) fn ledger_error(e: BillingError) -> ApiError {
-    match e {
-        BillingError::Invalid { field, .. } => ApiError::invalid(field, e.to_string()),
-        e => {
-            tracing::error!(error = %e, "ledger error");
-            ApiError::internal("the usage ledger failed")
-        }
-    }
 }
 
 /// A new key from `{"name", "scopes": ["inference","manage"], "models": [...],

@@ -4,6 +4,8 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use hearth_billing::BillingError;
+use hearth_tenants::TenantError;
 use serde::Serialize;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -196,5 +198,47 @@ impl std::fmt::Display for ApiError {
             self.code.unwrap_or(self.kind),
             self.message
         )
+    }
+}
+
+/// A store failure as the client sees it.
+pub fn store_error(e: TenantError) -> ApiError {
+    match e {
+        TenantError::TenantExists(_) => ApiError::conflict(e.to_string()),
+        TenantError::NoSuchTenant(_) | TenantError::NoSuchKey(_) => ApiError::not_found(e.to_string()),
+        TenantError::InvalidName(_) => ApiError::invalid("name", e.to_string()),
+        TenantError::NoSuchIssuer(_) | TenantError::NoSuchProcessor(_) => ApiError::not_found(e.to_string()),
+        TenantError::IssuerExists(_) => ApiError::conflict(e.to_string()),
+        TenantError::Invalid { field, .. } => ApiError::invalid(field, e.to_string()),
+        TenantError::Db(_) | TenantError::Random(_) => {
+            tracing::error!(error = %e, "admin store error");
+            ApiError::internal("the tenant store failed")
+        }
+    }
+}
+
+/// A ledger failure as the client sees it.
+pub fn ledger_error(e: BillingError) -> ApiError {
+    match e {
+        BillingError::Invalid { field, .. } => ApiError::invalid(field, e.to_string()),
+        e => {
+            tracing::error!(error = %e, "ledger error");
+            ApiError::internal("the usage ledger failed")
+        }
+    }
+}
+
+impl From<crate::management::ManageError> for ApiError {
+    fn from(e: crate::management::ManageError) -> Self {
+        use crate::management::ManageError;
+        match e {
+            ManageError::Store(e) => store_error(e),
+            ManageError::Ledger(e) => ledger_error(e),
+            ManageError::Invalid { field, message } => ApiError::invalid(field, message),
+            ManageError::Escalation(m) => ApiError::permission("scope_escalation", m),
+            ManageError::NotFound(m) => ApiError::not_found(m),
+            ManageError::Disabled(m) => ApiError::forbidden(m),
+            ManageError::Internal(m) => ApiError::internal(m),
+        }
     }
 }

@@ -2,8 +2,8 @@
 //! processors and usage, shared by its three adapters — the admin API ([`crate::admin`]),
 //! the self-service API ([`crate::selfservice`]) and the `hearth admin|processor|billing`
 //! commands. Each operation takes the [`Actor`] doing it: the operator may act on any
-//! tenant; a tenant credential only on its own tenant, and never beyond its own rights
-//! (a key it creates has no scope or model it lacks). Another tenant's key or processor is
+//! tenant; a tenant credential only on its own tenant, and a key it creates has no scope
+//! or model it lacks (expiry and limits are not narrowed yet). Another tenant's key or processor is
 //! "not found", never "forbidden": ids are not confirmed across tenants.
 //!
 //! Operator-only operations (tenants, limits, budgets, issuers, prices) are plain store
@@ -311,20 +311,5 @@ impl Management<'_> {
             format,
             file_name,
         })
-    }
-}
-
-impl From<ManageError> for crate::error::ApiError {
-    fn from(e: ManageError) -> Self {
-        use crate::error::ApiError;
-        match e {
-            ManageError::Store(e) => crate::admin::store_error(e),
-            ManageError::Ledger(e) => crate::admin::ledger_error(e),
-            ManageError::Invalid { field, message } => ApiError::invalid(field, message),
-            ManageError::Escalation(m) => ApiError::permission("scope_escalation", m),
-            ManageError::NotFound(m) => ApiError::not_found(m),
-            ManageError::Disabled(m) => ApiError::forbidden(m),
-            ManageError::Internal(m) => ApiError::internal(m),
-        }
     }
 }

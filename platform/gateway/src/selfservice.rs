@@ -22,8 +22,9 @@ use hearth_billing::{format_nusd, month_of};
 use hearth_tenants::now_ms;
 use serde_json::{json, Value};
 
-use crate::admin::{budget_json, export_response, key_spec, ledger_error, ExportQuery, UploadQuery};
+use crate::admin::{budget_json, export_response, key_spec, ExportQuery, UploadQuery};
 use crate::auth::Manager;
+use crate::error::ledger_error;
 use crate::error::ApiError;
 use crate::management::Actor;
 use crate::state::AppState;

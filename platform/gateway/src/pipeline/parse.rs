@@ -57,7 +57,6 @@ pub fn run(ctx: &mut RequestContext) -> Result<(), ApiError> {
         u.model = parsed.common.model.clone();
     }
     let (c, span) = (&parsed.common, &ctx.span);
-    span.record("gen_ai.request.model", c.model.as_str());
     // Signed: OpenTelemetry's integers are i64 (unsigned ones are exported as text).
     span.record("gen_ai.request.choice.count", i64::from(c.n));
     if let Some(m) = c.max_tokens {

@@ -32,7 +32,12 @@ pub async fn start(
     ctx: &mut RequestContext,
     dispatched: Dispatched,
 ) -> Result<EventStream, ApiError> {
-    let rec = ctx.usage_mut()?.clone();
+    // From here on the relay alone meters this request (a later failure, such as a
+    // post-processor's refusal, must not record a second, stale copy).
+    let rec = ctx
+        .usage
+        .take()
+        .ok_or_else(|| ApiError::internal("pipeline phase 'authenticate' did not run"))?;
     let timing = Timing {
         model: Metrics::model(&ctx.model()?.id),
         received: ctx.received,
@@ -47,9 +52,7 @@ pub async fn start(
         .await
         .ok_or_else(|| ApiError::internal("the relay ended early"))?;
     if let GenerateEvent::Error { code, message } = &first {
-        // The relay has recorded this failure; drop the context's copy so that the refusal
-        // is not recorded twice (records are idempotent by request id anyway).
-        ctx.usage = None;
+        // The relay has recorded this failure.
         return Err(worker_error(code, message));
     }
     Ok(futures_util::stream::iter([first])

@@ -24,6 +24,8 @@ pub fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiError> {
             .with_param("model"));
         }
     }
+    // The model is named in the trace once resolved (never the client's raw text).
+    ctx.span.record("gen_ai.request.model", model.id.as_str());
     ctx.span.record("gen_ai.response.model", model.id.as_str());
     crate::telemetry::rename(&ctx.span, format!("{} {}", operation(ctx), model.id));
     ctx.model = Some(model.clone());
