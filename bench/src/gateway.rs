@@ -250,6 +250,7 @@ async fn baseline(
         tenant_limits: Default::default(),
         key_limits: Default::default(),
         budget: None,
+        expires_at: None,
     });
     ctx.usage = Some(UsageRecord::started(
         &ctx.request_id,

@@ -147,6 +147,9 @@ impl IssuerCache {
 #[derive(Deserialize)]
 struct Claims {
     sub: String,
+    /// Seconds since the epoch (required and checked by the validation).
+    #[serde(default)]
+    exp: Option<f64>,
     #[serde(default)]
     scope: Option<String>,
     #[serde(default)]
@@ -458,6 +461,7 @@ impl TenantStore {
             tenant_limits: issuer.tenant_limits,
             key_limits: Limits::default(),
             budget: issuer.budget,
+            expires_at: c.exp.map(|s| (s * 1000.0) as i64),
         })
     }
 }

@@ -218,6 +218,8 @@ pub struct TenantContext {
     pub tenant_limits: Limits,
     pub key_limits: Limits,
     pub budget: Option<Budget>,
+    /// When the credential stops working (Unix ms): the key's expiry or the JWT's `exp`.
+    pub expires_at: Option<i64>,
 }
 
 impl TenantContext {
@@ -603,6 +605,7 @@ impl TenantStore {
                         tenant_limits: Limits::from_row(&row, 4),
                         key_limits: Limits::from_row(&row, 7),
                         budget: budget_from(row.get(13), &row.get::<String, _>(14)),
+                        expires_at: row.get(12),
                     },
                     fetched: Instant::now(),
                 };

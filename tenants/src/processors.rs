@@ -106,6 +106,10 @@ fn invalid(field: &'static str, message: impl Into<String>) -> TenantError {
     }
 }
 
+/// Processor positions run from 0 to this (bounded, so that "after the last one" never
+/// overflows).
+pub const MAX_POSITION: i64 = 1_000_000;
+
 impl TenantStore {
     /// Stores a new version of a processor (validated by the caller).
     pub async fn add_processor(
@@ -143,6 +147,12 @@ impl TenantStore {
             .fetch_one(&self.pool)
             .await?;
         let version = prev.get::<Option<i64>, _>(0).unwrap_or(0) + 1;
+        if let Some(p) = spec.position.filter(|p| !(0..=MAX_POSITION).contains(p)) {
+            return Err(invalid(
+                "position",
+                format!("position {p} is outside 0..={MAX_POSITION}"),
+            ));
+        }
         let position = match (spec.position, prev.get::<Option<i64>, _>(1)) {
             (Some(p), _) => p,
             (None, Some(p)) => p,
@@ -151,7 +161,7 @@ impl TenantStore {
                     .bind(&t.id)
                     .fetch_one(&self.pool)
                     .await?;
-                max.map_or(10, |m| m + 10)
+                max.map_or(10, |m| m.saturating_add(10).min(MAX_POSITION))
             }
         };
         let id = format!("proc_{}", random_hex(8)?);

@@ -170,6 +170,40 @@ async fn budgets_round_trip() {
     }
 }
 
+#[tokio::test]
+async fn processor_positions_are_bounded() {
+    use crate::processors::{ProcessorSpec, MAX_POSITION};
+    for db in testing::all().await {
+        let s = TenantStore::new(&db);
+        s.create_tenant("placed").await.unwrap();
+        let spec = |name: &str, position| ProcessorSpec {
+            name: name.into(),
+            sha256: "00".repeat(32),
+            config: "{}".into(),
+            cpu_ms: 10,
+            memory_mib: 16,
+            key_id: None,
+            position,
+            activate: false,
+        };
+        let wasm = b"\0asm";
+        for bad in [-1, MAX_POSITION + 1, i64::MAX, i64::MIN] {
+            assert!(matches!(
+                s.add_processor("placed", &spec("p", Some(bad)), wasm).await,
+                Err(TenantError::Invalid { field: "position", .. })
+            ));
+        }
+        let last = s
+            .add_processor("placed", &spec("last", Some(MAX_POSITION)), wasm)
+            .await
+            .unwrap();
+        assert_eq!(last.position, MAX_POSITION);
+        // "After the last one" stays in range instead of wrapping.
+        let next = s.add_processor("placed", &spec("next", None), wasm).await.unwrap();
+        assert_eq!(next.position, MAX_POSITION);
+    }
+}
+
 fn b64url(data: &[u8]) -> String {
     const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
     let mut out = String::new();

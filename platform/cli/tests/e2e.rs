@@ -209,9 +209,16 @@ async fn errors_are_openai_shaped_and_keys_revoke() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 201);
+    // The response carrying a new key's secret is never cached; every response says
+    // nosniff and sends no referrer.
+    let h = resp.headers().clone();
+    assert_eq!(h["cache-control"], "no-store");
+    assert_eq!(h["x-content-type-options"], "nosniff");
+    assert_eq!(h["referrer-policy"], "no-referrer");
     let beta_key = resp.json::<Value>().await.unwrap()["key"].as_str().unwrap().to_string();
-    let (s, _, _) = post(&url, Some(&beta_key), &chat_body(json!({"max_tokens": 1}))).await;
+    let (s, h, _) = post(&url, Some(&beta_key), &chat_body(json!({"max_tokens": 1}))).await;
     assert_eq!(s, 200);
+    assert_eq!(h["x-content-type-options"], "nosniff");
     let beta_id = beta_key.split('_').nth(1).unwrap();
     let resp = client()
         .delete(format!("{}/admin/v1/keys/{beta_id}", server.url))
@@ -756,6 +763,21 @@ async fn rate_limits_answer_429_with_headers_and_are_metered() {
     let key = new_key(&data, "acme");
     // Before the key is first used, so the server reads the limits with it.
     admin(&data, &["tenant", "limits", "acme", "--rpm", "3"]);
+    admin(
+        &data,
+        &[
+            "price",
+            "set",
+            "--model",
+            "*",
+            "--input",
+            "1",
+            "--cached-input",
+            "0.1",
+            "--output",
+            "2",
+        ],
+    );
     let url = format!("{}/v1/chat/completions", server.url);
     let body = chat_body(json!({"max_tokens": 1}));
     for i in 0..3 {
@@ -771,10 +793,17 @@ async fn rate_limits_answer_429_with_headers_and_are_metered() {
     assert!(h["retry-after"].to_str().unwrap().parse::<u64>().unwrap() >= 1);
     assert_eq!(h["x-ratelimit-remaining-requests"], "0");
     let rows = usage_rows(&data);
-    assert_eq!(
-        rows.iter().filter(|r| r["error_code"] == "rate_limit_exceeded").count(),
-        1
-    );
+    let refused: Vec<&Value> = rows
+        .iter()
+        .filter(|r| r["error_code"] == "rate_limit_exceeded")
+        .collect();
+    assert_eq!(refused.len(), 1);
+    // Recorded for audit, at zero cost: a refused request is never billed.
+    assert_eq!(refused[0]["prompt_tokens"], 0, "{:?}", refused[0]);
+    assert_eq!(refused[0]["cost"]["total_nusd"], 0, "{:?}", refused[0]);
+    assert!(rows
+        .iter()
+        .any(|r| r["status"] == "completed" && r["cost"]["total_nusd"].as_i64().unwrap() > 0));
 
     // A second key of another tenant: concurrency and tokens per minute, set over the admin API.
     let other = new_key(&data, "beta");

@@ -483,6 +483,35 @@ async fn prices_exports_budgets_and_self_service() {
     assert_eq!(del.status(), 200);
     assert_eq!(post(&url, Some(&ci_key), &json!({"model": MODEL})).await.0, 401);
 
+    // Minting only narrows: a child of an expiring, rate-limited manage key expires no
+    // later than its parent and carries its parent's per-key limits.
+    let mint = |bearer: String, body: Value| {
+        let url = format!("{}/v1/tenant/keys", server.url);
+        async move {
+            let r = client().post(url).bearer_auth(bearer).json(&body).send().await.unwrap();
+            assert_eq!(r.status(), 201);
+            r.json::<Value>().await.unwrap()
+        }
+    };
+    let parent = mint(key.clone(), json!({"name": "parent", "expires_in": 600})).await;
+    let parent_key = parent["key"].as_str().unwrap().to_string();
+    let parent_id = parent["id"].as_str().unwrap().to_string();
+    let limited = client()
+        .put(format!("{}/admin/v1/keys/{parent_id}/limits", server.url))
+        .bearer_auth(ADMIN_TOKEN)
+        .json(&json!({"rpm": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(limited.status(), 200);
+    let child = mint(parent_key.clone(), json!({"name": "child"})).await;
+    let (pe, ce) = (parent["expires_at"].as_i64().unwrap(), child["expires_at"].as_i64());
+    assert!(ce.is_some_and(|c| c <= pe), "child {child} outlives parent {parent}");
+    let child_key = child["key"].as_str().unwrap().to_string();
+    let (s, _, me) = get(&format!("{}/v1/tenant", server.url), &child_key).await;
+    assert_eq!(s, 200, "{me}");
+    assert_eq!(me["limits"]["credential"]["rpm"], 2, "{me}");
+
     // Budgets: soft warns, hard refuses with 402 in OpenAI's shape, on the next request.
     let budget = |usd: &str, mode: &str| {
         let url = format!("{}/admin/v1/tenants/payer/budget", server.url);

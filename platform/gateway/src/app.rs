@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use axum::extract::{Path, Request, State};
-use axum::http::HeaderValue;
+use axum::http::{header, HeaderValue};
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
@@ -37,7 +37,26 @@ pub fn router(state: Arc<AppState>) -> Router {
             ApiError::not_found("no such endpoint; see /v1/chat/completions, /v1/completions, /v1/models")
         })
         .with_state(state)
+        .layer(middleware::from_fn(security_headers))
         .layer(middleware::from_fn(request_id))
+}
+
+/// Headers every response carries: no MIME sniffing, no referrer leaking a URL elsewhere,
+/// and no caching of anything the management APIs return (new keys' secrets, usage, keys,
+/// processors) by a browser or proxy.
+async fn security_headers(req: Request, next: Next) -> Response {
+    let private = {
+        let p = req.uri().path();
+        p.starts_with("/admin/") || p.starts_with("/v1/tenant") || p == "/metrics"
+    };
+    let mut resp = next.run(req).await;
+    let h = resp.headers_mut();
+    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    if private {
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    }
+    resp
 }
 
 fn random_id() -> String {

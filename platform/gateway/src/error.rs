@@ -239,6 +239,7 @@ impl From<crate::management::ManageError> for ApiError {
             ManageError::NotFound(m) => ApiError::not_found(m),
             ManageError::Disabled(m) => ApiError::forbidden(m),
             ManageError::Internal(m) => ApiError::internal(m),
+            ManageError::Quota(m) => ApiError::permission("quota_exceeded", m),
         }
     }
 }

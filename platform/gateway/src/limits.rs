@@ -634,6 +634,7 @@ mod tests {
             tenant_limits: tenant,
             key_limits: key,
             budget: None,
+            expires_at: None,
         }
     }
 

@@ -3,7 +3,9 @@
 //! the self-service API ([`crate::selfservice`]) and the `hearth admin|processor|billing`
 //! commands. Each operation takes the [`Actor`] doing it: the operator may act on any
 //! tenant; a tenant credential only on its own tenant, and a key it creates has no scope
-//! or model it lacks (expiry and limits are not narrowed yet). Another tenant's key or processor is
+//! or model it lacks, expires no later than it does, and carries its per-key limits; a
+//! model-restricted credential revokes only keys within its models; a tenant holds at most
+//! [`MAX_KEYS_PER_TENANT`] active keys. Another tenant's key or processor is
 //! "not found", never "forbidden": ids are not confirmed across tenants.
 //!
 //! Operator-only operations (tenants, limits, budgets, issuers, prices) are plain store
@@ -44,7 +46,13 @@ pub enum ManageError {
     Disabled(&'static str),
     #[error("{0}")]
     Internal(String),
+    /// A per-tenant quota is reached.
+    #[error("{0}")]
+    Quota(String),
 }
+
+/// Active API keys one tenant may hold.
+pub const MAX_KEYS_PER_TENANT: usize = 1000;
 
 fn invalid(field: &'static str, message: impl Into<String>) -> ManageError {
     ManageError::Invalid {
@@ -150,6 +158,10 @@ impl Management<'_> {
                 return Err(ManageError::Escalation("A key cannot grant scopes its creator lacks."));
             }
             spec.scopes = Some(scopes);
+            // A key outlives neither the key nor the token that created it.
+            if let Some(end) = ctx.expires_at {
+                spec.expires_at = Some(spec.expires_at.map_or(end, |e| e.min(end)));
+            }
             if let Some(allowed) = &ctx.models {
                 match &spec.models {
                     None => spec.models = Some(allowed.to_vec()),
@@ -162,7 +174,28 @@ impl Management<'_> {
                 }
             }
         }
-        Ok(self.tenants.create_key(&t, &spec).await?)
+        let active = self
+            .tenants
+            .list_keys(&t)
+            .await?
+            .iter()
+            .filter(|k| k.revoked_at.is_none() && k.expires_at.is_none_or(|e| e > now_ms()))
+            .count();
+        if active >= MAX_KEYS_PER_TENANT {
+            return Err(ManageError::Quota(format!(
+                "a tenant may hold at most {MAX_KEYS_PER_TENANT} active API keys; revoke some first"
+            )));
+        }
+        let created = self.tenants.create_key(&t, &spec).await?;
+        // The creator's own per-key limits bind what it creates (else a limited key would
+        // mint an unlimited one).
+        if let Actor::Tenant(ctx) = actor {
+            let l = ctx.key_limits;
+            if l.rpm.is_some() || l.tpm.is_some() || l.concurrent.is_some() {
+                self.tenants.set_key_limits(&created.info.id, l).await?;
+            }
+        }
+        Ok(created)
     }
 
     pub async fn revoke_key(&self, actor: Actor<'_>, key_id: &str) -> Result<ApiKeyInfo, ManageError> {
@@ -170,6 +203,15 @@ impl Management<'_> {
             let k = self.tenants.key(key_id).await?;
             if k.tenant_id != ctx.tenant_id {
                 return Err(ManageError::NotFound(format!("API key {key_id:?} does not exist")));
+            }
+            // A model-restricted credential manages only keys within its models.
+            if let Some(allowed) = &ctx.models {
+                let within = k.models.as_ref().is_some_and(|m| m.iter().all(|x| allowed.contains(x)));
+                if !within {
+                    return Err(ManageError::Escalation(
+                        "A model-restricted key may only revoke keys restricted to its models.",
+                    ));
+                }
             }
         }
         Ok(self.tenants.revoke_key(key_id).await?)
