@@ -123,6 +123,11 @@ async fn run_gateway(
         models,
     );
     state.admin_token = admin_token.filter(|t| !t.is_empty());
+    if let Some(r) = limiter.redis() {
+        // Budget reservations live where the limits live: shared by every gateway.
+        let (conn, prefix) = r.connection();
+        state.budgets = Arc::new(hearth_gateway::pipeline::budget::BudgetCache::with_redis(conn, prefix));
+    }
     state.limiter = limiter;
     state.processors = Some(hearth_gateway::processors::ProcessorHost {
         runtime: Arc::new(hearth_runtime::Runtime::new(Some(

@@ -130,6 +130,111 @@ async fn two_gateways_sharing_redis_enforce_one_limit() {
     );
 }
 
+/// A hard budget of $0.001 at $1 / $0.1 / $2 per million input / cached / output tokens,
+/// hit by 10 concurrent requests of up to 100 completion tokens (about $0.00024 each at
+/// worst): spend never passes the budget — in one gateway (reservations in memory) and
+/// across two gateways sharing Redis and the database (reservations in Redis).
+#[tokio::test]
+async fn hard_budgets_hold_under_concurrency() {
+    for shared in [false, true] {
+        let data_a = temp_dir("budget-a");
+        let data_b = temp_dir("budget-b");
+        let pg = hearth_tenants::db::testing::postgres().await;
+        let db_url = match (&pg, shared) {
+            (Some(pg), true) => {
+                let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
+                    .fetch_one(&pg.pool)
+                    .await
+                    .unwrap();
+                let base = std::env::var("DATABASE_URL").unwrap();
+                let sep = if base.contains('?') { '&' } else { '?' };
+                format!("{base}{sep}options=-c%20search_path%3D{schema}")
+            }
+            _ => format!("sqlite://{}", data_a.join("hearth.db").display()),
+        };
+        let prefix = format!("{}:", unique("hearth-budget"));
+        let redis = redis_url();
+        let mut args = vec![
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--backend",
+            "sim",
+            // Slow enough that the requests overlap.
+            "--sim-speedup",
+            "50",
+            "--database-url",
+            db_url.as_str(),
+        ];
+        if shared {
+            args.extend_from_slice(&["--redis-url", &redis, "--redis-prefix", &prefix]);
+        }
+        let start = |data: &Path| {
+            let mut a = args.clone();
+            a.extend_from_slice(&["--data-dir", data.to_str().unwrap()]);
+            spawn(&a)
+        };
+        let gateways = if shared {
+            vec![start(&data_a), start(&data_b)]
+        } else {
+            vec![start(&data_a)]
+        };
+        let cli = |a: &[&str]| {
+            let mut full = vec!["--database-url", db_url.as_str()];
+            full.extend_from_slice(a);
+            admin(&data_a, &full)
+        };
+        cli(&["tenant", "create", "capped"]);
+        cli(&[
+            "price",
+            "set",
+            "--model",
+            "*",
+            "--input",
+            "1",
+            "--cached-input",
+            "0.1",
+            "--output",
+            "2",
+        ]);
+        cli(&["tenant", "budget", "capped", "--monthly-usd", "0.001"]);
+        let out = cli(&["key", "create", "--tenant", "capped"]);
+        let key = out
+            .split_whitespace()
+            .find(|w| w.starts_with("hk_"))
+            .unwrap()
+            .to_string();
+        let body = json!({"model": MODEL, "max_tokens": 100, "ignore_eos": true,
+                          "messages": [{"role": "user", "content": "Write a long story."}]});
+        let mut tasks = Vec::new();
+        for i in 0..10 {
+            let url = format!("{}/v1/chat/completions", gateways[i % gateways.len()].url);
+            let (key, body) = (key.clone(), body.clone());
+            tasks.push(tokio::spawn(async move { post(&url, Some(&key), &body).await }));
+        }
+        let mut ok = 0;
+        for t in tasks {
+            let (s, _, r) = t.await.unwrap();
+            match s {
+                200 => ok += 1,
+                402 => {
+                    assert_openai_error(&r);
+                    assert_eq!(r["error"]["code"], "budget_exceeded", "{r}");
+                }
+                other => panic!("unexpected {other}: {r}"),
+            }
+        }
+        let rows = usage_rows_with(&data_a, &["--database-url", db_url.as_str()]);
+        let spent: i64 = rows.iter().map(|r| r["cost"]["total_nusd"].as_i64().unwrap()).sum();
+        assert!(ok >= 1, "shared={shared}: nothing was served");
+        assert!(
+            spent <= 1_000_000,
+            "shared={shared}: {ok} served, ${spent} nUSD spent against a budget of 1,000,000 nUSD"
+        );
+        drop(gateways);
+    }
+}
+
 fn jwt(alg: Algorithm, key: &EncodingKey, claims: Value) -> String {
     encode(&Header::new(alg), &claims, key).unwrap()
 }

@@ -411,6 +411,11 @@ impl RedisLimiter {
         })
     }
 
+    /// The connection and key prefix, for other state shared through the same Redis.
+    pub fn connection(&self) -> (redis::aio::ConnectionManager, &str) {
+        (self.conn.clone(), &self.prefix)
+    }
+
     fn key(&self, subject: &str, what: &str) -> String {
         format!("{}rl:{subject}:{what}", self.prefix)
     }
@@ -443,6 +448,11 @@ impl Limiter {
             redis: Some(redis),
             ..Default::default()
         }
+    }
+
+    /// The Redis the limits live in, if any.
+    pub fn redis(&self) -> Option<&RedisLimiter> {
+        self.redis.as_ref()
     }
 
     pub fn shared(&self) -> bool {

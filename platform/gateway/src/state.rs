@@ -19,7 +19,7 @@ pub struct AppState {
     /// `HEARTH_ADMIN_TOKEN`; the admin API (and `/metrics`) is closed without it.
     pub admin_token: Option<String>,
     pub limiter: Limiter,
-    pub budgets: BudgetCache,
+    pub budgets: std::sync::Arc<BudgetCache>,
     /// Tenant processors (None: processors are disabled in this gateway).
     pub processors: Option<ProcessorHost>,
     pub metrics: Metrics,
@@ -44,7 +44,7 @@ impl AppState {
             models,
             admin_token: None,
             limiter: Limiter::default(),
-            budgets: BudgetCache::default(),
+            budgets: Default::default(),
             processors: None,
             metrics: Metrics::new(),
         }

@@ -4,7 +4,8 @@
 //! [`run`] top to bottom for the whole request:
 //!
 //! [`authenticate`] → [`budget`] → [`preprocess`] → [`parse`] → [`resolve`] →
-//! [`tokenize`] → [`limit`] → [`route`] + [`dispatch`] → [`relay`] → [`postprocess`],
+//! [`tokenize`] → [`budget::reserve`] → [`limit`] → [`route`] + [`dispatch`] → [`relay`] →
+//! [`postprocess`],
 //! with [`meter`] writing the usage record: from the relay before the client gets the final
 //! event (write-before-ack), or from [`handle`] for a request refused before dispatch.
 //!
@@ -77,8 +78,10 @@ pub struct RequestContext {
     pub tenant: Option<TenantContext>,
     /// authenticate: the request's usage record, filled in by the later phases.
     pub usage: Option<UsageRecord>,
-    /// budget: what the client is told about the tenant's budget.
+    /// budget: what the client is told about the tenant's budget, and (after tokenize)
+    /// the request's reservation against a hard budget.
     pub budget: budget::BudgetState,
+    pub budget_hold: Option<budget::BudgetHold>,
     /// preprocess: the tenant's processors, kept for the response.
     pub chain: Option<Chain>,
     /// parse: the validated request.
@@ -113,6 +116,7 @@ impl RequestContext {
             tenant: None,
             usage: None,
             budget: Default::default(),
+            budget_hold: None,
             chain: None,
             request: None,
             model: None,
@@ -164,6 +168,7 @@ async fn run(state: &Arc<AppState>, ctx: &mut RequestContext) -> Result<Response
     info_span!("parse").in_scope(|| parse::run(ctx))?;
     info_span!("resolve").in_scope(|| resolve::run(state, ctx))?;
     info_span!("tokenize").in_scope(|| tokenize::run(ctx))?;
+    budget::reserve(state, ctx).instrument(info_span!("reserve")).await?;
     limit::run(state, ctx).instrument(info_span!("limit")).await?;
     let events = dispatch::run(ctx).instrument(info_span!("dispatch")).await?;
     let events = relay::start(state.clone(), state.clone(), ctx, events).await?;

@@ -46,7 +46,11 @@ pub async fn start(
     };
     let (tx, mut rx) = mpsc::channel(64);
     let span = tracing::info_span!(parent: &ctx.span, "relay");
-    tokio::spawn(relay(state, meter, rec, timing, dispatched, ctx.lease.take(), tx).instrument(span));
+    let holds = Holds {
+        lease: ctx.lease.take(),
+        budget: ctx.budget_hold.take(),
+    };
+    tokio::spawn(relay(state, meter, rec, timing, dispatched, holds, tx).instrument(span));
     let first = rx
         .recv()
         .await
@@ -58,6 +62,14 @@ pub async fn start(
     Ok(futures_util::stream::iter([first])
         .chain(ReceiverStream::new(rx))
         .boxed())
+}
+
+/// What a dispatched request holds until its books are closed.
+struct Holds {
+    /// Rate-limit admission (in-flight slots; completion tokens charged at the end).
+    lease: Option<Admitted>,
+    /// The reservation against a hard budget, released once the real cost is counted.
+    budget: Option<super::budget::BudgetHold>,
 }
 
 /// What the relay measures for the latency histograms.
@@ -124,7 +136,7 @@ async fn relay(
         mut events,
         mut placement,
     }: Dispatched,
-    lease: Option<Admitted>,
+    holds: Holds,
     tx: mpsc::Sender<GenerateEvent>,
 ) {
     let mut generated = 0u32;
@@ -175,7 +187,7 @@ async fn relay(
     // The client's response ends here; what follows is bookkeeping.
     drop(tx);
     drop(placement);
-    if let Some(lease) = lease {
+    if let Some(lease) = holds.lease {
         // Charges the completion's tokens and releases the in-flight slots.
         lease.finish(&state.limiter, rec.completion_tokens.max(generated)).await;
     }
@@ -190,4 +202,6 @@ async fn relay(
         }
     };
     meter.settle(&rec, pending).await;
+    // The real cost is now in the budget's spend: the worst case no longer needs holding.
+    drop(holds.budget);
 }
