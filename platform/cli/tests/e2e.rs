@@ -811,7 +811,7 @@ async fn rate_limits_answer_429_with_headers_and_are_metered() {
     let resp = client()
         .put(format!("{}/admin/v1/keys/{other_id}/limits", server.url))
         .bearer_auth(ADMIN_TOKEN)
-        .json(&json!({"concurrent": 1, "tpm": 60}))
+        .json(&json!({"concurrent": 1, "tpm": 100}))
         .send()
         .await
         .unwrap();
@@ -828,8 +828,9 @@ async fn rate_limits_answer_429_with_headers_and_are_metered() {
     assert_eq!(s, 429, "one in flight already: {b}");
     assert!(b["error"]["message"].as_str().unwrap().contains("concurrent"));
     sse_events(stream).await;
-    // 42 prompt tokens + 8 generated used up most of the 60 tokens per minute.
-    let (s, h, b) = post(&url, Some(&other), &body).await;
+    // 42 prompt tokens + 8 generated used half of the 100 tokens per minute: a request that
+    // may need 42 + 20 does not fit in what is left.
+    let (s, h, b) = post(&url, Some(&other), &chat_body(json!({"max_tokens": 20}))).await;
     assert_eq!(s, 429, "{b}");
     assert_eq!(b["error"]["type"], "tokens");
     assert!(h.get("x-ratelimit-limit-tokens").is_some());

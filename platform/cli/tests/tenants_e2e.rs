@@ -130,6 +130,67 @@ async fn two_gateways_sharing_redis_enforce_one_limit() {
     );
 }
 
+/// Tokens per minute bound completions too, the same in-process and with Redis: with a
+/// limit of 300, requests asking for 400 completion tokens are refused up front (at most 2
+/// of 8 may be served — here none), and one that leaves `max_tokens` unset is shortened to
+/// what the limit allows, after which the minute is used up.
+#[tokio::test]
+async fn token_limits_bound_completions() {
+    for shared in [false, true] {
+        let data = temp_dir("tpm");
+        let prefix = format!("{}:", unique("hearth-tpm"));
+        let redis = redis_url();
+        let mut extra = vec![];
+        if shared {
+            extra.extend_from_slice(&["--redis-url", redis.as_str(), "--redis-prefix", prefix.as_str()]);
+        }
+        let server = sim_serve(&data, &extra);
+        admin(&data, &["tenant", "create", "metered"]);
+        admin(&data, &["tenant", "limits", "metered", "--tpm", "300"]);
+        let out = admin(&data, &["key", "create", "--tenant", "metered"]);
+        let key = out
+            .split_whitespace()
+            .find(|w| w.starts_with("hk_"))
+            .unwrap()
+            .to_string();
+        let url = format!("{}/v1/chat/completions", server.url);
+        let ask = |max: Option<u32>| {
+            let mut b = json!({"model": MODEL, "ignore_eos": true, "messages": [{"role": "user", "content": "Write a story."}]});
+            if let Some(m) = max {
+                b["max_tokens"] = json!(m);
+            }
+            b
+        };
+        let mut served = 0;
+        for _ in 0..8 {
+            let (s, _, r) = post(&url, Some(&key), &ask(Some(400))).await;
+            match s {
+                200 => served += 1,
+                429 => {
+                    assert_eq!(r["error"]["type"], "tokens", "{r}");
+                    assert!(r["error"]["message"].as_str().unwrap().contains("max_tokens"), "{r}");
+                }
+                other => panic!("shared={shared}: {other} {r}"),
+            }
+        }
+        assert!(
+            served <= 2,
+            "shared={shared}: {served} of 8 served under 300 tokens/minute"
+        );
+        let (s, h, r) = post(&url, Some(&key), &ask(None)).await;
+        assert_eq!(s, 200, "shared={shared}: {r}");
+        let used = r["usage"]["total_tokens"].as_u64().unwrap();
+        assert!(
+            used <= 300,
+            "shared={shared}: {used} tokens in one request under 300/minute"
+        );
+        assert!(r["usage"]["completion_tokens"].as_u64().unwrap() > 100, "{r}");
+        assert!(h.contains_key("x-ratelimit-remaining-tokens"));
+        let (s, _, r) = post(&url, Some(&key), &ask(Some(20))).await;
+        assert_eq!(s, 429, "shared={shared}: the minute's tokens are spent: {r}");
+    }
+}
+
 /// A hard budget of $0.001 at $1 / $0.1 / $2 per million input / cached / output tokens,
 /// hit by 10 concurrent requests of up to 100 completion tokens (about $0.00024 each at
 /// worst): spend never passes the budget — in one gateway (reservations in memory) and

@@ -1,38 +1,37 @@
 //! Phase `limit`: requests and tokens per minute and requests in flight, for the tenant
-//! and the key, in one step (one Redis round trip when the limits are shared). Runs once
-//! the prompt is tokenized, so the prompt's tokens are charged at admission; the
-//! completion's are charged when it ends (see [`Admitted::finish`]).
-
-use hearth_tenants::TenantContext;
+//! and the key, in one step (all or nothing). Runs once the prompt is tokenized, so that
+//! the request's worst case is known and reserved: its prompt and `n × max_tokens`
+//! completion tokens. The [`Admission`] goes with the request and, when it ends, gives
+//! back what was not used.
+//!
+//! A request that did not set `max_tokens` gets at most what a full minute of the
+//! tightest tokens-per-minute limit leaves after its prompt; one that set more than that
+//! is refused (429) rather than silently shortened.
 
 use super::RequestContext;
 use crate::error::ApiError;
-use crate::limits::{InFlight, Limiter};
+use crate::limits::Admission;
 use crate::metrics::LimiterLabels;
 use crate::state::AppState;
 
-/// A request that passed the limits; holds its in-flight slots until it ends.
-pub struct Admitted {
-    tenant: TenantContext,
-    /// Released (dropped) when the request ends.
-    _in_flight: InFlight,
-}
-
-impl Admitted {
-    /// Charges the completion's tokens, then releases the in-flight slots.
-    pub async fn finish(self, limiter: &Limiter, completion_tokens: u32) {
-        limiter.charge_completion(&self.tenant, completion_tokens).await;
-    }
-}
-
 pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiError> {
     let tenant = ctx.tenant()?.clone();
-    match state
-        .limiter
-        .admit(&tenant, &ctx.request_id, ctx.prompt.len() as u32)
-        .await
-    {
-        Ok((in_flight, rate)) => {
+    let common = &ctx.request()?.common;
+    let n = common.n.max(1);
+    let prompt = ctx.prompt.len() as u32;
+    let tightest = [tenant.tenant_limits.tpm, tenant.key_limits.tpm]
+        .into_iter()
+        .flatten()
+        .min();
+    if let (None, Some(tpm)) = (common.max_tokens, tightest) {
+        let cap = tpm.saturating_sub(prompt) / n;
+        if cap >= 1 && ctx.max_tokens > cap {
+            ctx.max_tokens = cap;
+        }
+    }
+    let worst = prompt.saturating_add(ctx.max_tokens.saturating_mul(n));
+    match state.limiter.admit(&tenant, &ctx.request_id, worst).await {
+        Ok((admission, rate)) => {
             ctx.rate = rate;
             state
                 .metrics
@@ -42,10 +41,7 @@ pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiEr
                     limit: String::new(),
                 })
                 .inc();
-            ctx.lease = Some(Admitted {
-                tenant,
-                _in_flight: in_flight,
-            });
+            ctx.lease = Some(admission);
             Ok(())
         }
         Err(l) => {
@@ -62,3 +58,6 @@ pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiEr
         }
     }
 }
+
+/// What a request holds from this phase until it ends.
+pub type Admitted = Admission;

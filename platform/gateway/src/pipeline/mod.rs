@@ -4,7 +4,7 @@
 //! [`run`] top to bottom for the whole request:
 //!
 //! [`authenticate`] → [`budget`] → [`preprocess`] → [`parse`] → [`resolve`] →
-//! [`tokenize`] → [`budget::reserve`] → [`limit`] → [`route`] + [`dispatch`] → [`relay`] →
+//! [`tokenize`] → [`limit`] → [`budget::reserve`] → [`route`] + [`dispatch`] → [`relay`] →
 //! [`postprocess`],
 //! with [`meter`] writing the usage record: from the relay before the client gets the final
 //! event (write-before-ack), or from [`handle`] for a request refused before dispatch.
@@ -168,8 +168,8 @@ async fn run(state: &Arc<AppState>, ctx: &mut RequestContext) -> Result<Response
     info_span!("parse").in_scope(|| parse::run(ctx))?;
     info_span!("resolve").in_scope(|| resolve::run(state, ctx))?;
     info_span!("tokenize").in_scope(|| tokenize::run(ctx))?;
-    budget::reserve(state, ctx).instrument(info_span!("reserve")).await?;
     limit::run(state, ctx).instrument(info_span!("limit")).await?;
+    budget::reserve(state, ctx).instrument(info_span!("reserve")).await?;
     let events = dispatch::run(ctx).instrument(info_span!("dispatch")).await?;
     let events = relay::start(state.clone(), state.clone(), ctx, events).await?;
     postprocess::run(state, ctx, events)

@@ -188,8 +188,9 @@ async fn relay(
     drop(tx);
     drop(placement);
     if let Some(lease) = holds.lease {
-        // Charges the completion's tokens and releases the in-flight slots.
-        lease.finish(&state.limiter, rec.completion_tokens.max(generated)).await;
+        // Settles the token reservation to what was used; releases the in-flight slots.
+        let used = rec.prompt_tokens.saturating_add(rec.completion_tokens.max(generated));
+        lease.finish(used).await;
     }
     let pending = match ended {
         Some(p) => p,
