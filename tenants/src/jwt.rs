@@ -452,14 +452,19 @@ impl TenantStore {
                 }
             }
         }
+        let key_id = format!("jwt:{}:{}", issuer.id, c.sub);
+        let key_limits = self
+            .principal_limits(&key_id)
+            .await
+            .map_err(|e| AuthError::Store(e.to_string()))?;
         Ok(TenantContext {
             tenant_id: issuer.tenant_id,
             tenant_name: issuer.tenant_name,
-            key_id: format!("jwt:{}:{}", issuer.id, c.sub),
+            key_id,
             scopes,
             models: (!models.is_empty()).then(|| models.into()),
             tenant_limits: issuer.tenant_limits,
-            key_limits: Limits::default(),
+            key_limits,
             budget: issuer.budget,
             expires_at: c.exp.map(|s| (s * 1000.0) as i64),
         })

@@ -306,6 +306,10 @@ fn opt_i64(v: Option<u32>) -> Option<i64> {
 pub struct TenantStore {
     pool: AnyPool,
     cache: Mutex<HashMap<String, CachedKey>>,
+    /// JWT principals' own limits, by principal, with when they were read.
+    principals: Mutex<HashMap<String, (Limits, Instant)>>,
+    /// Processor code one tenant may store (bytes; identical components count once).
+    pub processor_quota: i64,
     jwt: jwt::IssuerCache,
     processors: processors::ProcessorCache,
 }
@@ -321,6 +325,8 @@ impl TenantStore {
         Self {
             pool: db.pool.clone(),
             cache: Mutex::new(HashMap::new()),
+            principals: Mutex::new(HashMap::new()),
+            processor_quota: processors::MAX_TENANT_PROCESSOR_BYTES,
             jwt: jwt::IssuerCache::default(),
             processors: processors::ProcessorCache::default(),
         }
@@ -489,7 +495,12 @@ impl TenantStore {
     }
 
     /// Sets a key's limits (None = unlimited).
+    /// A key's limits; for a JWT principal (`jwt:<issuer id>:<sub>`, as credentials show
+    /// it), that subject's own limits.
     pub async fn set_key_limits(&self, key_id: &str, l: Limits) -> Result<(), TenantError> {
+        if let Some(rest) = key_id.strip_prefix("jwt:") {
+            return self.set_principal_limits(key_id, rest, l).await;
+        }
         let key_id = key_id.strip_prefix(KEY_PREFIX).unwrap_or(key_id);
         let res = sqlx::query("UPDATE api_keys SET rpm = $1, tpm = $2, max_concurrent = $3 WHERE id = $4")
             .bind(opt_i64(l.rpm))
@@ -503,6 +514,59 @@ impl TenantStore {
         }
         self.cache.lock().unwrap_or_else(|e| e.into_inner()).remove(key_id);
         Ok(())
+    }
+
+    async fn set_principal_limits(&self, principal: &str, rest: &str, l: Limits) -> Result<(), TenantError> {
+        let Some((issuer_id, sub)) = rest.split_once(':').filter(|(i, s)| !i.is_empty() && !s.is_empty()) else {
+            return Err(TenantError::NoSuchKey(principal.to_string()));
+        };
+        if sub.len() > 512 {
+            return Err(TenantError::Invalid {
+                field: "key_id",
+                message: "a JWT subject of at most 512 bytes".into(),
+            });
+        }
+        let issuer = self.issuer(issuer_id).await.map_err(|e| match e {
+            TenantError::NoSuchIssuer(_) => TenantError::NoSuchKey(principal.to_string()),
+            e => e,
+        })?;
+        sqlx::query(
+            "INSERT INTO principal_limits (principal, tenant_id, rpm, tpm, max_concurrent) VALUES ($1, $2, $3, $4, $5) \
+             ON CONFLICT (principal) DO UPDATE SET rpm = excluded.rpm, tpm = excluded.tpm, \
+             max_concurrent = excluded.max_concurrent",
+        )
+        .bind(principal)
+        .bind(&issuer.tenant_id)
+        .bind(opt_i64(l.rpm))
+        .bind(opt_i64(l.tpm))
+        .bind(opt_i64(l.concurrent))
+        .execute(&self.pool)
+        .await?;
+        self.principals
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(principal);
+        Ok(())
+    }
+
+    /// A JWT principal's own limits (none set: unlimited), cached like keys.
+    pub(crate) async fn principal_limits(&self, principal: &str) -> Result<Limits, sqlx::Error> {
+        if let Some((l, at)) = self.principals.lock().unwrap_or_else(|e| e.into_inner()).get(principal) {
+            if at.elapsed() < KEY_CACHE_TTL {
+                return Ok(*l);
+            }
+        }
+        let l = sqlx::query("SELECT rpm, tpm, max_concurrent FROM principal_limits WHERE principal = $1")
+            .bind(principal)
+            .fetch_optional(&self.pool)
+            .await?
+            .map_or_else(Limits::default, |r| Limits::from_row(&r, 0));
+        let mut cache = self.principals.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.len() > 100_000 {
+            cache.clear();
+        }
+        cache.insert(principal.to_string(), (l, Instant::now()));
+        Ok(l)
     }
 
     /// A tenant's limits.

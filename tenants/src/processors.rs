@@ -15,6 +15,9 @@ use crate::{now_ms, random_hex, valid_name, TenantError, TenantStore, KEY_CACHE_
 /// Largest component accepted.
 pub const MAX_PROCESSOR_BYTES: usize = 64 << 20;
 
+/// Processor code one tenant may store, counting each distinct component once.
+pub const MAX_TENANT_PROCESSOR_BYTES: i64 = 256 << 20;
+
 /// A processor version as listings show it (never the bytes).
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 pub struct ProcessorInfo {
@@ -62,9 +65,11 @@ pub struct ActiveProcessor {
     pub position: i64,
 }
 
-const COLUMNS: &str =
-    "id, tenant_id, name, version, sha256, LENGTH(wasm), config, cpu_ms, memory_mib, active, key_id, \
-     position, created_at";
+/// Identical components are stored once (in the first row with their hash; later rows hold
+/// no bytes), so a row's size is its hash's.
+const COLUMNS: &str = "id, tenant_id, name, version, sha256, \
+     (SELECT MAX(LENGTH(b.wasm)) FROM processors b WHERE b.sha256 = processors.sha256), \
+     config, cpu_ms, memory_mib, active, key_id, position, created_at";
 
 fn info(r: &AnyRow) -> ProcessorInfo {
     ProcessorInfo {
@@ -141,6 +146,38 @@ impl TenantStore {
             }
             None => None,
         };
+        // Identical bytes are stored once; the tenant's quota counts each component once.
+        let stored: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM processors WHERE sha256 = $1 AND LENGTH(wasm) > 0")
+            .bind(&spec.sha256)
+            .fetch_one(&self.pool)
+            .await?;
+        let known: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM processors WHERE tenant_id = $1 AND sha256 = $2")
+            .bind(&t.id)
+            .bind(&spec.sha256)
+            .fetch_one(&self.pool)
+            .await?;
+        if known == 0 {
+            let used: i64 = sqlx::query_scalar(
+                "SELECT COALESCE(SUM(s.size), 0) FROM (SELECT DISTINCT p.sha256, \
+                 (SELECT MAX(LENGTH(b.wasm)) FROM processors b WHERE b.sha256 = p.sha256) AS size \
+                 FROM processors p WHERE p.tenant_id = $1) s",
+            )
+            .bind(&t.id)
+            .fetch_one(&self.pool)
+            .await?;
+            if used + wasm.len() as i64 > self.processor_quota {
+                return Err(invalid(
+                    "wasm",
+                    format!(
+                        "tenant {} stores {used} bytes of processor code; this {}-byte component would pass its quota of {} bytes (delete unused versions)",
+                        t.name,
+                        wasm.len(),
+                        self.processor_quota
+                    ),
+                ));
+            }
+        }
+        let wasm: &[u8] = if stored > 0 { &[] } else { wasm };
         let prev = sqlx::query("SELECT MAX(version), MAX(position) FROM processors WHERE tenant_id = $1 AND name = $2")
             .bind(&t.id)
             .bind(&spec.name)
@@ -256,10 +293,28 @@ impl TenantStore {
 
     pub async fn delete_processor(&self, id: &str) -> Result<ProcessorInfo, TenantError> {
         let p = self.processor(id).await?;
+        let mut tx = self.pool.begin().await?;
+        // If this row holds bytes that other rows share, they move to one of those first.
+        let bytes: Option<Vec<u8>> = sqlx::query_scalar("SELECT wasm FROM processors WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?
+            .filter(|b: &Vec<u8>| !b.is_empty());
         sqlx::query("DELETE FROM processors WHERE id = $1")
             .bind(id)
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await?;
+        if let Some(bytes) = bytes {
+            sqlx::query(
+                "UPDATE processors SET wasm = $1 WHERE id = \
+                 (SELECT id FROM processors WHERE sha256 = $2 ORDER BY created_at, id LIMIT 1)",
+            )
+            .bind(bytes)
+            .bind(&p.sha256)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
         self.processors.clear();
         Ok(p)
     }
@@ -267,7 +322,7 @@ impl TenantStore {
     /// A processor's component bytes (by content hash).
     pub async fn processor_wasm(&self, sha256: &str) -> Result<Option<Vec<u8>>, TenantError> {
         Ok(
-            sqlx::query_scalar("SELECT wasm FROM processors WHERE sha256 = $1 LIMIT 1")
+            sqlx::query_scalar("SELECT wasm FROM processors WHERE sha256 = $1 AND LENGTH(wasm) > 0 LIMIT 1")
                 .bind(sha256)
                 .fetch_optional(&self.pool)
                 .await?,

@@ -170,6 +170,54 @@ async fn budgets_round_trip() {
     }
 }
 
+/// A JWT subject can be given its own limits (as a key can), read at authentication; the
+/// token's `exp` is the credential's expiry.
+#[tokio::test]
+async fn jwt_principals_have_their_own_limits() {
+    for db in testing::all().await {
+        let s = TenantStore::new(&db);
+        s.create_tenant("sso").await.unwrap();
+        let issuer = s
+            .add_issuer(
+                "sso",
+                &IssuerSpec {
+                    issuer: "https://sso.example".into(),
+                    audience: "hearth".into(),
+                    algorithm: "HS256".into(),
+                    key: Some(HS_SECRET.into()),
+                    jwks: None,
+                    jwks_url: None,
+                },
+            )
+            .await
+            .unwrap();
+        let token = sign(
+            Algorithm::HS256,
+            &EncodingKey::from_secret(HS_SECRET.as_bytes()).unwrap(),
+            &claims("https://sso.example", "hearth", 600),
+            None,
+        );
+        let ctx = s.authenticate(&token).await.unwrap();
+        assert_eq!(ctx.key_limits, Limits::default());
+        let exp = ctx.expires_at.expect("the token's exp");
+        assert!((exp - (now_ms() + 600_000)).abs() < 5_000, "{exp}");
+        let principal = format!("jwt:{}:user-42", issuer.id);
+        assert_eq!(ctx.key_id, principal);
+        let l = Limits {
+            rpm: Some(2),
+            tpm: None,
+            concurrent: Some(1),
+        };
+        s.set_key_limits(&principal, l).await.unwrap();
+        assert_eq!(s.authenticate(&token).await.unwrap().key_limits, l);
+        // An issuer that does not exist names no principal.
+        assert!(matches!(
+            s.set_key_limits("jwt:iss_nope:user-42", l).await,
+            Err(TenantError::NoSuchKey(_))
+        ));
+    }
+}
+
 #[tokio::test]
 async fn processor_positions_are_bounded() {
     use crate::processors::{ProcessorSpec, MAX_POSITION};
@@ -201,6 +249,47 @@ async fn processor_positions_are_bounded() {
         // "After the last one" stays in range instead of wrapping.
         let next = s.add_processor("placed", &spec("next", None), wasm).await.unwrap();
         assert_eq!(next.position, MAX_POSITION);
+    }
+}
+
+/// Identical components are stored once (and survive the deletion of the row holding
+/// them); a tenant's processor code is bounded, each component counted once.
+#[tokio::test]
+async fn processor_code_is_deduplicated_and_bounded() {
+    use crate::processors::ProcessorSpec;
+    for db in testing::all().await {
+        let mut s = TenantStore::new(&db);
+        s.processor_quota = 1_000;
+        s.create_tenant("coder").await.unwrap();
+        let spec = |name: &str, sha: &str| ProcessorSpec {
+            name: name.into(),
+            sha256: sha.repeat(64),
+            config: "{}".into(),
+            cpu_ms: 10,
+            memory_mib: 16,
+            key_id: None,
+            position: None,
+            activate: false,
+        };
+        let big = vec![7u8; 600];
+        let first = s.add_processor("coder", &spec("a", "a"), &big).await.unwrap();
+        // The same bytes again: no new storage, no quota used.
+        let second = s.add_processor("coder", &spec("b", "a"), &big).await.unwrap();
+        assert_eq!((first.size, second.size), (600, 600));
+        let stored: i64 = sqlx::query_scalar("SELECT COALESCE(SUM(LENGTH(wasm)), 0) FROM processors")
+            .fetch_one(s.pool())
+            .await
+            .unwrap();
+        assert_eq!(stored, 600);
+        // Different bytes past the quota are refused.
+        assert!(matches!(
+            s.add_processor("coder", &spec("c", "c"), &vec![8u8; 500]).await,
+            Err(TenantError::Invalid { field: "wasm", .. })
+        ));
+        // Deleting the row that holds the bytes keeps them for the other.
+        s.delete_processor(&first.id).await.unwrap();
+        assert_eq!(s.processor_wasm(&"a".repeat(64)).await.unwrap(), Some(big));
+        assert_eq!(s.processor(&second.id).await.unwrap().size, 600);
     }
 }
 
