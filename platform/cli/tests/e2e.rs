@@ -763,21 +763,7 @@ async fn rate_limits_answer_429_with_headers_and_are_metered() {
     let key = new_key(&data, "acme");
     // Before the key is first used, so the server reads the limits with it.
     admin(&data, &["tenant", "limits", "acme", "--rpm", "3"]);
-    admin(
-        &data,
-        &[
-            "price",
-            "set",
-            "--model",
-            "*",
-            "--input",
-            "1",
-            "--cached-input",
-            "0.1",
-            "--output",
-            "2",
-        ],
-    );
+    admin(&data, &TEST_PRICE);
     let url = format!("{}/v1/chat/completions", server.url);
     let body = chat_body(json!({"max_tokens": 1}));
     for i in 0..3 {

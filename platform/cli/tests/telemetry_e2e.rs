@@ -63,21 +63,7 @@ async fn one_chat_request_is_one_trace_across_gateway_and_worker() {
     let data = temp_dir("otel");
     // Export quickly: the batch processor's delay, in milliseconds.
     let env = [("OTEL_BSP_SCHEDULE_DELAY", "100")];
-    let worker = spawn_with_env(&["worker", "--listen", "127.0.0.1:0", "--otlp-endpoint", &otlp], &env);
-    let gateway = spawn_with_env(
-        &[
-            "gateway",
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            data.to_str().unwrap(),
-            "--worker",
-            &worker.url,
-            "--otlp-endpoint",
-            &otlp,
-        ],
-        &env,
-    );
+    let (_worker, gateway) = worker_and_gateway_with(&data, &["--otlp-endpoint", &otlp], &env);
     let key = new_key(&data, "traced");
     let (status, _, body) = post(
         &format!("{}/v1/chat/completions", gateway.url),

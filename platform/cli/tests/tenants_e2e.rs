@@ -34,6 +34,25 @@ fn sim_serve(data: &Path, extra: &[&str]) -> Proc {
     spawn(&args)
 }
 
+/// One database for several gateways: a fresh PostgreSQL schema when `DATABASE_URL` names
+/// one (the handle keeps it), else a SQLite file in `data`.
+async fn one_database(data: &Path) -> (Option<hearth_tenants::Db>, String) {
+    let pg = hearth_tenants::db::testing::postgres().await;
+    let url = match &pg {
+        Some(db) => {
+            let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+            let base = std::env::var("DATABASE_URL").unwrap();
+            let sep = if base.contains('?') { '&' } else { '?' };
+            format!("{base}{sep}options=-c%20search_path%3D{schema}")
+        }
+        None => format!("sqlite://{}", data.join("hearth.db").display()),
+    };
+    (pg, url)
+}
+
 fn redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
@@ -63,20 +82,7 @@ fn assert_openai_error(body: &Value) {
 async fn two_gateways_sharing_redis_enforce_one_limit() {
     let data_a = temp_dir("shared-a");
     let data_b = temp_dir("shared-b");
-    // One database for both: a fresh PostgreSQL schema, or the first gateway's SQLite file.
-    let pg = hearth_tenants::db::testing::postgres().await;
-    let db_url = match &pg {
-        Some(_) => {
-            let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
-                .fetch_one(&pg.as_ref().unwrap().pool)
-                .await
-                .unwrap();
-            let base = std::env::var("DATABASE_URL").unwrap();
-            let sep = if base.contains('?') { '&' } else { '?' };
-            format!("{base}{sep}options=-c%20search_path%3D{schema}")
-        }
-        None => format!("sqlite://{}", data_a.join("hearth.db").display()),
-    };
+    let (_pg, db_url) = one_database(&data_a).await;
     let prefix = format!("{}:", unique("hearth-e2e"));
     let shared = [
         "--database-url",
@@ -200,19 +206,7 @@ async fn hard_budgets_hold_under_concurrency() {
     for shared in [false, true] {
         let data_a = temp_dir("budget-a");
         let data_b = temp_dir("budget-b");
-        let pg = hearth_tenants::db::testing::postgres().await;
-        let db_url = match (&pg, shared) {
-            (Some(pg), true) => {
-                let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
-                    .fetch_one(&pg.pool)
-                    .await
-                    .unwrap();
-                let base = std::env::var("DATABASE_URL").unwrap();
-                let sep = if base.contains('?') { '&' } else { '?' };
-                format!("{base}{sep}options=-c%20search_path%3D{schema}")
-            }
-            _ => format!("sqlite://{}", data_a.join("hearth.db").display()),
-        };
+        let (_pg, db_url) = one_database(&data_a).await;
         let prefix = format!("{}:", unique("hearth-budget"));
         let redis = redis_url();
         let mut args = vec![
@@ -246,18 +240,7 @@ async fn hard_budgets_hold_under_concurrency() {
             admin(&data_a, &full)
         };
         cli(&["tenant", "create", "capped"]);
-        cli(&[
-            "price",
-            "set",
-            "--model",
-            "*",
-            "--input",
-            "1",
-            "--cached-input",
-            "0.1",
-            "--output",
-            "2",
-        ]);
+        cli(&TEST_PRICE);
         cli(&["tenant", "budget", "capped", "--monthly-usd", "0.001"]);
         let out = cli(&["key", "create", "--tenant", "capped"]);
         let key = out

@@ -91,8 +91,15 @@ pub fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Proc {
 
 /// A real-engine `hearth worker` and a `hearth gateway` in front of it.
 pub fn worker_and_gateway(data: &Path) -> (Proc, Proc) {
-    let worker = spawn(&["worker", "--listen", "127.0.0.1:0"]);
-    let gateway = spawn(&[
+    worker_and_gateway_with(data, &[], &[])
+}
+
+/// [`worker_and_gateway`] with extra arguments and environment for both.
+pub fn worker_and_gateway_with(data: &Path, extra: &[&str], env: &[(&str, &str)]) -> (Proc, Proc) {
+    let mut w = vec!["worker", "--listen", "127.0.0.1:0"];
+    w.extend_from_slice(extra);
+    let worker = spawn_with_env(&w, env);
+    let mut g = vec![
         "gateway",
         "--listen",
         "127.0.0.1:0",
@@ -100,9 +107,26 @@ pub fn worker_and_gateway(data: &Path) -> (Proc, Proc) {
         data.to_str().unwrap(),
         "--worker",
         &worker.url,
-    ]);
+    ];
+    g.extend_from_slice(extra);
+    let gateway = spawn_with_env(&g, env);
     (worker, gateway)
 }
+
+/// `price set` arguments for the price the money tests use: $1 / $0.1 / $2 per million
+/// input / cached input / output tokens, for every model.
+pub const TEST_PRICE: [&str; 10] = [
+    "price",
+    "set",
+    "--model",
+    "*",
+    "--input",
+    "1",
+    "--cached-input",
+    "0.1",
+    "--output",
+    "2",
+];
 
 pub fn serve(data: &Path) -> Proc {
     spawn(&["serve", "--listen", "127.0.0.1:0", "--data-dir", data.to_str().unwrap()])
