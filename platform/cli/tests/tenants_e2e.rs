@@ -301,7 +301,9 @@ async fn jwts_and_scoped_keys_over_http() {
         .send()
         .await
         .unwrap();
-    assert_eq!(resp.status(), 201, "{}", resp.text().await.unwrap());
+    assert_eq!(resp.status(), 201);
+    let hs_issuer: Value = resp.json().await.unwrap();
+    let hs_issuer_id = hs_issuer["id"].as_str().unwrap().to_string();
     admin(
         &data,
         &[
@@ -331,9 +333,42 @@ async fn jwts_and_scoped_keys_over_http() {
         let (s, _, r) = post(&url, Some(&tok), &body).await;
         assert_eq!(s, 200, "{r}");
     }
-    // The JWT's principal is metered.
+    // The JWT's principal is metered…
     let rows = usage_rows(&data);
     assert!(rows.iter().any(|r| r["key_id"].as_str().unwrap().ends_with(":alice")));
+    // …and can be given limits of its own, like a key (a fresh subject, read at its first
+    // request).
+    let bob = format!("jwt:{hs_issuer_id}:bob");
+    let set = client()
+        .put(format!("{}/admin/v1/keys/{bob}/limits", server.url))
+        .bearer_auth(ADMIN_TOKEN)
+        .json(&json!({"rpm": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(set.status(), 200, "{}", set.text().await.unwrap());
+    let mut c = claims("https://hs.example", "hearth", 300);
+    c["sub"] = json!("bob");
+    let tok = jwt(Algorithm::HS256, &hs, c);
+    assert_eq!(post(&url, Some(&tok), &body).await.0, 200);
+    let (s, _, r) = post(&url, Some(&tok), &body).await;
+    assert_eq!(s, 429, "bob's own limit of 1 request/minute: {r}");
+    assert!(r["error"]["message"].as_str().unwrap().contains(&bob), "{r}");
+    // A key minted with a 10-minute token expires with the token.
+    let mut c = claims("https://hs.example", "hearth", 600);
+    c["scope"] = json!("inference manage");
+    let manager = jwt(Algorithm::HS256, &hs, c);
+    let minted = client()
+        .post(format!("{}/v1/tenant/keys", server.url))
+        .bearer_auth(&manager)
+        .json(&json!({"name": "from-a-token"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(minted.status(), 201);
+    let minted: Value = minted.json().await.unwrap();
+    let exp = minted["expires_at"].as_i64().expect("bounded by the token");
+    assert!(exp <= (now_s() + 600) * 1000 + 1000, "{minted}");
 
     let forged = jwt(
         Algorithm::HS256,
@@ -660,6 +695,35 @@ async fn prices_exports_budgets_and_self_service() {
     let (s, _, me) = get(&format!("{}/v1/tenant", server.url), &child_key).await;
     assert_eq!(s, 200, "{me}");
     assert_eq!(me["limits"]["credential"]["rpm"], 2, "{me}");
+
+    // A manage key restricted to one model revokes only keys within its models.
+    let out = admin(
+        &data,
+        &[
+            "key",
+            "create",
+            "--tenant",
+            "payer",
+            "--scopes",
+            "inference,manage",
+            "--models",
+            MODEL,
+        ],
+    );
+    let narrow = out
+        .split_whitespace()
+        .find(|w| w.starts_with("hk_"))
+        .unwrap()
+        .to_string();
+    let revoke = |bearer: String, id: String| {
+        let url = format!("{}/v1/tenant/keys/{id}", server.url);
+        async move { client().delete(url).bearer_auth(bearer).send().await.unwrap() }
+    };
+    let r = revoke(narrow.clone(), parent_id.clone()).await;
+    assert_eq!(r.status(), 403, "an unrestricted key is beyond a model-restricted one");
+    let own = mint(narrow.clone(), json!({"name": "narrower"})).await;
+    let r = revoke(narrow, own["id"].as_str().unwrap().to_string()).await;
+    assert_eq!(r.status(), 200);
 
     // Budgets: soft warns, hard refuses with 402 in OpenAI's shape, on the next request.
     let budget = |usd: &str, mode: &str| {
