@@ -518,9 +518,10 @@ impl RedisLimiter {
                 if let Some(r) = rates.get(i) {
                     let take = if v[2] < 0 { Take::Never } else { Take::Wait(v[2] as u64) };
                     RedisOutcome::Refused(refusal(ctx, r, units(r, tokens), take, state))
+                } else if let Some((s, _, max)) = conc.get(i - rates.len()) {
+                    RedisOutcome::Refused(concurrency_refusal(ctx, *s, *max, state))
                 } else {
-                    let (s, _, max) = conc[(i - rates.len()).min(conc.len().saturating_sub(1))];
-                    RedisOutcome::Refused(concurrency_refusal(ctx, s, max, state))
+                    RedisOutcome::Failed(format!("unexpected reply {v:?}"))
                 }
             }
             _ => RedisOutcome::Failed(format!("unexpected reply {v:?}")),
