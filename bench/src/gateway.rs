@@ -361,6 +361,7 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> 
                 input_micros_per_mtok: 150_000,
                 cached_input_micros_per_mtok: 75_000,
                 output_micros_per_mtok: 600_000,
+                processor_micros_per_cpu_s: 0,
             },
             None,
         )

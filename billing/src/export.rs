@@ -74,6 +74,8 @@ pub struct Totals {
     pub cost_input_nusd: i64,
     pub cost_cached_nusd: i64,
     pub cost_output_nusd: i64,
+    pub processor_us: i64,
+    pub cost_processor_nusd: i64,
     pub cost_nusd: i64,
 }
 
@@ -86,6 +88,8 @@ impl Totals {
         self.cost_input_nusd += r.cost.input_nusd;
         self.cost_cached_nusd += r.cost.cached_nusd;
         self.cost_output_nusd += r.cost.output_nusd;
+        self.processor_us += i64::try_from(r.rec.processor_us).unwrap_or(i64::MAX);
+        self.cost_processor_nusd += r.cost.processor_nusd;
         self.cost_nusd += r.cost.total_nusd;
     }
 
@@ -156,6 +160,10 @@ fn request_columns(rows: &[LedgerRow]) -> Vec<Col> {
         i("cost_input_nusd", &|r| r.cost.input_nusd),
         i("cost_cached_nusd", &|r| r.cost.cached_nusd),
         i("cost_output_nusd", &|r| r.cost.output_nusd),
+        i("processor_us", &|r| {
+            i64::try_from(r.rec.processor_us).unwrap_or(i64::MAX)
+        }),
+        i("cost_processor_nusd", &|r| r.cost.processor_nusd),
         i("cost_nusd", &|r| r.cost.total_nusd),
         s("cost_usd", &|r| format_nusd(r.cost.total_nusd)),
     ]
@@ -174,6 +182,8 @@ fn day_columns(lines: &[DayLine]) -> Vec<Col> {
         i("cost_input_nusd", &|l| l.totals.cost_input_nusd),
         i("cost_cached_nusd", &|l| l.totals.cost_cached_nusd),
         i("cost_output_nusd", &|l| l.totals.cost_output_nusd),
+        i("processor_us", &|l| l.totals.processor_us),
+        i("cost_processor_nusd", &|l| l.totals.cost_processor_nusd),
         i("cost_nusd", &|l| l.totals.cost_nusd),
         s("cost_usd", &|l| format_nusd(l.totals.cost_nusd)),
     ]

@@ -86,6 +86,9 @@ pub struct UsageRecord {
     pub error_code: Option<String>,
     pub started_at: i64,
     pub finished_at: i64,
+    /// Time the tenant's processors ran for this request (µs of guest execution).
+    #[serde(default)]
+    pub processor_us: u64,
 }
 
 impl UsageRecord {
@@ -105,6 +108,7 @@ impl UsageRecord {
             error_code: None,
             started_at: at,
             finished_at: at,
+            processor_us: 0,
         }
     }
 
@@ -119,6 +123,9 @@ pub struct PriceRates {
     pub input_micros_per_mtok: i64,
     pub cached_input_micros_per_mtok: i64,
     pub output_micros_per_mtok: i64,
+    /// Tenant processors' time, per CPU-second (0: free).
+    #[serde(default)]
+    pub processor_micros_per_cpu_s: i64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -138,6 +145,8 @@ pub struct Cost {
     pub input_nusd: i64,
     pub cached_nusd: i64,
     pub output_nusd: i64,
+    /// Tenant processors' time.
+    pub processor_nusd: i64,
     pub total_nusd: i64,
 }
 
@@ -153,12 +162,16 @@ pub fn rate(rec: &UsageRecord, price: Option<&Price>) -> Cost {
     let input = class_cost(rec.uncached_input_tokens(), p.rates.input_micros_per_mtok);
     let cached = class_cost(rec.cached_tokens, p.rates.cached_input_micros_per_mtok);
     let output = class_cost(rec.completion_tokens, p.rates.output_micros_per_mtok);
+    // µs × (µUSD / s) = 1e-6 µUSD = 1e-3 nUSD.
+    let processor = ((rec.processor_us as i128 * p.rates.processor_micros_per_cpu_s as i128 + 500).div_euclid(1000))
+        .clamp(0, i64::MAX as i128) as i64;
     Cost {
         price_effective_from: Some(p.effective_from),
         input_nusd: input,
         cached_nusd: cached,
         output_nusd: output,
-        total_nusd: input + cached + output,
+        processor_nusd: processor,
+        total_nusd: input + cached + output + processor,
     }
 }
 
@@ -255,7 +268,7 @@ struct Job {
 
 const USAGE_COLUMNS: &str = "request_id, tenant_id, key_id, model, endpoint, prompt_tokens, cached_tokens, \
      completion_tokens, status, finish_reason, error_code, started_at, finished_at, price_effective_from, \
-     cost_input_nusd, cost_cached_nusd, cost_output_nusd, cost_nusd";
+     cost_input_nusd, cost_cached_nusd, cost_output_nusd, cost_nusd, processor_us, cost_processor_nusd";
 
 /// A ledger row: the record and its rating.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -282,12 +295,14 @@ fn ledger_row(r: &AnyRow) -> LedgerRow {
             error_code: r.get(10),
             started_at: r.get(11),
             finished_at: r.get(12),
+            processor_us: u64::try_from(r.get::<i64, _>(18)).unwrap_or(0),
         },
         cost: Cost {
             price_effective_from: r.get(13),
             input_nusd: r.get(14),
             cached_nusd: r.get(15),
             output_nusd: r.get(16),
+            processor_nusd: r.get(19),
             total_nusd: r.get(17),
         },
     }
@@ -299,7 +314,7 @@ where
 {
     let rows = sqlx::query(
         "SELECT model, effective_from, input_micros_per_mtok, cached_input_micros_per_mtok, output_micros_per_mtok, \
-         created_at FROM prices ORDER BY model, effective_from",
+         created_at, processor_micros_per_cpu_s FROM prices ORDER BY model, effective_from",
     )
     .fetch_all(ex)
     .await?;
@@ -312,6 +327,7 @@ where
                 input_micros_per_mtok: r.get(2),
                 cached_input_micros_per_mtok: r.get(3),
                 output_micros_per_mtok: r.get(4),
+                processor_micros_per_cpu_s: r.get(6),
             },
             created_at: r.get(5),
         })
@@ -336,7 +352,7 @@ async fn write_batch(pool: &AnyPool, recs: &[&UsageRecord]) -> Result<Vec<Record
         let cost = rate(u, price_at(&prices, &u.model, u.started_at));
         let res = sqlx::query(&format!(
             "INSERT INTO usage_records ({USAGE_COLUMNS}) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20) \
              ON CONFLICT (request_id) DO NOTHING"
         ))
         .bind(&u.request_id)
@@ -357,6 +373,8 @@ async fn write_batch(pool: &AnyPool, recs: &[&UsageRecord]) -> Result<Vec<Record
         .bind(cost.cached_nusd)
         .bind(cost.output_nusd)
         .bind(cost.total_nusd)
+        .bind(i64::try_from(u.processor_us).unwrap_or(i64::MAX))
+        .bind(cost.processor_nusd)
         .execute(&mut *tx)
         .await?;
         let inserted = res.rows_affected() == 1;
@@ -640,6 +658,7 @@ impl UsageLedger {
             rates.input_micros_per_mtok,
             rates.cached_input_micros_per_mtok,
             rates.output_micros_per_mtok,
+            rates.processor_micros_per_cpu_s,
         ]
         .iter()
         .any(|r| *r < 0)
@@ -673,7 +692,8 @@ impl UsageLedger {
         };
         let res = sqlx::query(
             "INSERT INTO prices (model, effective_from, input_micros_per_mtok, cached_input_micros_per_mtok, \
-             output_micros_per_mtok, created_at) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (model, effective_from) DO NOTHING",
+             output_micros_per_mtok, created_at, processor_micros_per_cpu_s) VALUES ($1, $2, $3, $4, $5, $6, $7) \
+             ON CONFLICT (model, effective_from) DO NOTHING",
         )
         .bind(&p.model)
         .bind(p.effective_from)
@@ -681,6 +701,7 @@ impl UsageLedger {
         .bind(rates.cached_input_micros_per_mtok)
         .bind(rates.output_micros_per_mtok)
         .bind(p.created_at)
+        .bind(rates.processor_micros_per_cpu_s)
         .execute(&self.pool)
         .await?;
         if res.rows_affected() == 0 {

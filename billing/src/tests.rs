@@ -28,6 +28,7 @@ fn rec(id: &str, tenant: &str, model: &str, prompt: u32, cached: u32, completion
         error_code: None,
         started_at: at,
         finished_at: at + 5,
+        processor_us: 0,
     }
 }
 
@@ -36,7 +37,27 @@ fn rates(input: &str, cached: &str, output: &str) -> PriceRates {
         input_micros_per_mtok: parse_usd_micros(input).unwrap(),
         cached_input_micros_per_mtok: parse_usd_micros(cached).unwrap(),
         output_micros_per_mtok: parse_usd_micros(output).unwrap(),
+        processor_micros_per_cpu_s: 0,
     }
+}
+
+/// Processor time is its own price class: µs × USD per CPU-second, rounded once.
+#[test]
+fn processor_time_is_rated() {
+    let price = Price {
+        model: "*".into(),
+        effective_from: 0,
+        rates: PriceRates {
+            processor_micros_per_cpu_s: parse_usd_micros("0.02").unwrap(),
+            ..rates("1", "0.1", "2")
+        },
+        created_at: 0,
+    };
+    let mut r = rec("p1", "t", "m", 10, 0, 5, 0);
+    r.processor_us = 1_500; // 1.5 ms of guest time at $0.02 per CPU-second: $0.00003
+    let c = rate(&r, Some(&price));
+    assert_eq!(c.processor_nusd, 30_000);
+    assert_eq!(c.total_nusd, c.input_nusd + c.output_nusd + 30_000);
 }
 
 #[tokio::test]

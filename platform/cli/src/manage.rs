@@ -413,6 +413,7 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                     input,
                     cached_input,
                     output,
+                    processor,
                     effective_from,
                 },
         } => {
@@ -420,6 +421,7 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                 input_micros_per_mtok: usd(&input, "--input")?,
                 cached_input_micros_per_mtok: usd(&cached_input, "--cached-input")?,
                 output_micros_per_mtok: usd(&output, "--output")?,
+                processor_micros_per_cpu_s: usd(&processor, "--processor")?,
             };
             let from = effective_from.as_deref().map(parse_time).transpose()?;
             let p = UsageLedger::new(&db).set_price(&model, rates, from).await?;

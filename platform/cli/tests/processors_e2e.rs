@@ -109,6 +109,24 @@ async fn example_processors_change_requests_and_responses() {
     let server = serve_with_cache(&data);
     let base = server.url.clone();
     let url = format!("{base}/v1/chat/completions");
+    // Processor time is priced: $1 per CPU-second, tokens free.
+    admin(
+        &data,
+        &[
+            "price",
+            "set",
+            "--model",
+            "*",
+            "--input",
+            "0",
+            "--cached-input",
+            "0",
+            "--output",
+            "0",
+            "--processor",
+            "1",
+        ],
+    );
 
     // 1. PII redaction (Python), then the inspector: it sees the redacted body.
     let pii_key = new_key(&data, "pii");
@@ -219,11 +237,28 @@ async fn example_processors_change_requests_and_responses() {
     assert_eq!(resp.status(), 200);
     let streamed = streamed_text(resp).await;
     assert_eq!(streamed, "The capital of France is ****.");
-    // Usage is metered from the model's tokens, whatever the filter did to the text.
+    // Usage is metered from the model's tokens, whatever the filter did to the text, and
+    // with the time the processors ran (streamed and not).
     let rows = usage_rows(&data);
-    assert!(rows
+    let filter_key_id = filter_key.split('_').nth(1).unwrap();
+    let filtered: Vec<&Value> = rows
         .iter()
-        .any(|r| r["status"] == "completed" && r["completion_tokens"] == 8));
+        .filter(|r| r["key_id"] == filter_key_id && r["status"] == "completed" && r["completion_tokens"] == 8)
+        .collect();
+    assert!(filtered.len() >= 2, "{rows:?}");
+    assert!(
+        filtered.iter().all(|r| r["processor_us"].as_u64().unwrap() > 0),
+        "{filtered:?}"
+    );
+    // At $1 per CPU-second: 1,000 nUSD per ms of processor time.
+    for r in &filtered {
+        let (us, nusd) = (
+            r["processor_us"].as_i64().unwrap(),
+            r["cost"]["processor_nusd"].as_i64().unwrap(),
+        );
+        assert_eq!(nusd, (us * 1_000_000 + 500) / 1000, "{r}");
+        assert_eq!(r["cost"]["total_nusd"], nusd, "{r}");
+    }
 
     // Block mode: refused (non-streamed), an error event (streamed).
     let list: Value = serde_json::from_str(&admin(&data, &["--json", "tenant", "list"])).unwrap();

@@ -384,10 +384,16 @@ async fn set_price(State(gw): State<Arc<AppState>>, body: Bytes) -> Result<Respo
         };
         parse_usd_micros(&text).ok_or_else(|| ApiError::invalid(k, format!("'{k}' must be a USD amount like \"0.15\"")))
     };
+    // Processor time is optional (USD per CPU-second; default free).
+    let processor = match o.get("processor") {
+        None | Some(Value::Null) => 0,
+        Some(_) => rate("processor")?,
+    };
     let rates = PriceRates {
         input_micros_per_mtok: rate("input")?,
         cached_input_micros_per_mtok: rate("cached_input")?,
         output_micros_per_mtok: rate("output")?,
+        processor_micros_per_cpu_s: processor,
     };
     let from = match o.get("effective_from") {
         None | Some(Value::Null) => None,

@@ -29,6 +29,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::error::ApiError;
+use crate::pipeline::relay::PostDoneSender;
 use crate::workers::EventStream;
 
 /// The gateway's processor runtime.
@@ -100,6 +101,8 @@ pub struct Chain {
     items: Vec<(ActiveProcessor, Instance)>,
     tenant: String,
     endpoint: &'static str,
+    /// Time spent in guest calls so far (metered and priced as processor time).
+    spent: std::time::Duration,
 }
 
 impl Chain {
@@ -139,7 +142,13 @@ impl Chain {
             items,
             tenant: ctx.tenant_name.clone(),
             endpoint,
+            spent: std::time::Duration::ZERO,
         }))
+    }
+
+    /// Microseconds spent in guest calls so far.
+    pub fn spent_us(&self) -> u64 {
+        self.spent.as_micros() as u64
     }
 
     fn flush_logs(&self) {
@@ -184,7 +193,10 @@ impl Chain {
                 body: text.clone(),
                 headers: selected.clone(),
             };
-            match inst.on_request(&req).await {
+            let started = std::time::Instant::now();
+            let outcome = inst.on_request(&req).await;
+            self.spent += started.elapsed();
+            match outcome {
                 Ok(Action::Continue) => {}
                 Ok(Action::Replace(b)) => {
                     if !serde_json::from_str::<Value>(&b).is_ok_and(|v| v.is_object()) {
@@ -216,7 +228,10 @@ impl Chain {
                 endpoint: self.endpoint.to_string(),
                 body: text.clone(),
             };
-            match inst.on_response(&resp).await {
+            let started = std::time::Instant::now();
+            let outcome = inst.on_response(&resp).await;
+            self.spent += started.elapsed();
+            match outcome {
                 Ok(Action::Continue) => {}
                 Ok(Action::Replace(b)) => {
                     if serde_json::from_str::<Value>(&b).is_err() {
@@ -241,8 +256,10 @@ impl Chain {
     }
 
     /// Streams: every text delta through `on-chunk` (reverse order), `on-stream-end` before
-    /// the last event. A failure or rejection ends the stream with an error event.
-    pub fn stream(mut self, mut events: EventStream) -> EventStream {
+    /// the last event. A failure or rejection ends the stream with an error event. Once the
+    /// end hooks ran, the chain's time goes to `post_done` (the relay meters it) and the
+    /// last event waits until the usage record is durable.
+    pub fn stream(mut self, mut events: EventStream, mut post_done: Option<PostDoneSender>) -> EventStream {
         let (tx, rx) = mpsc::channel::<GenerateEvent>(64);
         tokio::spawn(async move {
             while let Some(ev) = events.next().await {
@@ -286,6 +303,9 @@ impl Chain {
                                 timings,
                             });
                         }
+                        if let Some(tx) = post_done.take() {
+                            crate::pipeline::relay::report_post(tx, self.spent_us()).await;
+                        }
                         v
                     }
                     other => vec![other],
@@ -309,7 +329,10 @@ impl Chain {
 
     async fn chunk(&mut self, index: u32, mut text: String) -> Result<String, GenerateEvent> {
         for (p, inst) in self.items.iter_mut().rev() {
-            match inst.on_chunk(index, &text).await {
+            let started = std::time::Instant::now();
+            let outcome = inst.on_chunk(index, &text).await;
+            self.spent += started.elapsed();
+            match outcome {
                 Ok(Action::Continue) => {}
                 Ok(Action::Replace(t)) => text = t,
                 Ok(Action::Reject(r)) => return Err(error_event(&rejection(p, r.status, &r.message))),
@@ -324,14 +347,20 @@ impl Chain {
         for (p, inst) in self.items.iter_mut().rev() {
             // What an earlier (outer) processor appends still passes the later ones' chunks.
             if !tail.is_empty() {
-                match inst.on_chunk(0, &tail).await {
+                let started = std::time::Instant::now();
+                let outcome = inst.on_chunk(0, &tail).await;
+                self.spent += started.elapsed();
+                match outcome {
                     Ok(Action::Replace(t)) => tail = t,
                     Ok(Action::Continue) => {}
                     Ok(Action::Reject(r)) => return Err(error_event(&rejection(p, r.status, &r.message))),
                     Err(e) => return Err(error_event(&failure(p, &e))),
                 }
             }
-            match inst.on_stream_end().await {
+            let started = std::time::Instant::now();
+            let outcome = inst.on_stream_end().await;
+            self.spent += started.elapsed();
+            match outcome {
                 Ok(Action::Continue) => {}
                 Ok(Action::Replace(t)) => tail.push_str(&t),
                 Ok(Action::Reject(r)) => return Err(error_event(&rejection(p, r.status, &r.message))),

@@ -82,8 +82,10 @@ pub struct RequestContext {
     /// the request's reservation against a hard budget.
     pub budget: budget::BudgetState,
     pub budget_hold: Option<budget::BudgetHold>,
-    /// preprocess: the tenant's processors, kept for the response.
+    /// preprocess: the tenant's processors, kept for the response; and (from the relay)
+    /// where post-processing reports its time.
     pub chain: Option<Chain>,
+    pub post_done: Option<relay::PostDoneSender>,
     /// parse: the validated request.
     pub request: Option<parse::Parsed>,
     /// resolve: the model served.
@@ -118,6 +120,7 @@ impl RequestContext {
             budget: Default::default(),
             budget_hold: None,
             chain: None,
+            post_done: None,
             request: None,
             model: None,
             prompt: Vec::new(),

@@ -23,9 +23,10 @@ pub async fn run(state: &AppState, ctx: &mut RequestContext, events: EventStream
         n: common.n as usize,
     };
     let mut chain = ctx.chain.take();
+    let post_done = ctx.post_done.take();
     if stream {
         let events = match chain {
-            Some(c) => c.stream(events),
+            Some(c) => c.stream(events, post_done),
             None => events,
         };
         Ok(sse_response(shape, include_usage, events))
@@ -35,6 +36,10 @@ pub async fn run(state: &AppState, ctx: &mut RequestContext, events: EventStream
             let started = std::time::Instant::now();
             let processed = c.post(&model.id, body).await;
             state.metrics.observe_processor("post", started.elapsed());
+            // The record (with the processors' time) is durable before the answer goes out.
+            if let Some(tx) = post_done {
+                super::relay::report_post(tx, c.spent_us()).await;
+            }
             body = processed?;
         }
         Ok(Json(body).into_response())

@@ -22,6 +22,9 @@ pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiEr
     let started = std::time::Instant::now();
     let rewritten = chain.pre(&ctx.headers, body).await;
     state.metrics.observe_processor("pre", started.elapsed());
+    if let Some(u) = ctx.usage.as_mut() {
+        u.processor_us = chain.spent_us();
+    }
     ctx.body = Ok(rewritten?);
     ctx.chain = Some(chain);
     Ok(())

@@ -3,6 +3,12 @@
 //! event reaches the client (write-before-ack), or as soon as the client goes away
 //! (recording what was generated). The relay runs as its own task, so a vanished client
 //! cannot lose a record; dropping the worker's stream cancels the generation.
+//!
+//! With tenant processors the answer is not final when the worker finishes: their
+//! post-processing (and its time, which is metered) comes after. Then the relay passes the
+//! worker's last event on, waits for the post-processing's [`PostDone`], records the
+//! request with the processors' time, and only then lets the answer's end go out — still
+//! write-before-ack.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -10,7 +16,9 @@ use std::time::Instant;
 use futures_util::StreamExt;
 use hearth_billing::{UsageRecord, UsageStatus};
 use hearth_protocol::{FinishReason, GenerateEvent};
-use tokio::sync::mpsc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
@@ -23,6 +31,26 @@ use crate::error::ApiError;
 use crate::metrics::{FinishLabels, Metrics, ModelLabel};
 use crate::state::AppState;
 use crate::workers::EventStream;
+
+/// What post-processing reports to the relay: the processors' total time, and where to
+/// say that the record is durable.
+pub struct PostDone {
+    pub processor_us: u64,
+    pub written: oneshot::Sender<()>,
+}
+
+pub type PostDoneSender = oneshot::Sender<PostDone>;
+
+/// How long the relay waits for post-processing (bounded by the processors' own limits).
+const POST_WAIT: Duration = Duration::from_secs(120);
+
+/// Reports post-processing's time and waits until the usage record is durable.
+pub async fn report_post(tx: PostDoneSender, processor_us: u64) {
+    let (written, durable) = oneshot::channel();
+    if tx.send(PostDone { processor_us, written }).is_ok() {
+        let _ = durable.await;
+    }
+}
 
 /// Starts the relay and waits for the first event, so that a refusal by the worker becomes
 /// an HTTP error rather than a broken stream. Returns the events for the response.
@@ -45,10 +73,16 @@ pub async fn start(
         span: ctx.span.clone(),
     };
     let (tx, mut rx) = mpsc::channel(64);
+    let post = ctx.chain.is_some().then(|| {
+        let (post_tx, post_rx) = oneshot::channel();
+        ctx.post_done = Some(post_tx);
+        post_rx
+    });
     let span = tracing::info_span!(parent: &ctx.span, "relay");
     let holds = Holds {
         lease: ctx.lease.take(),
         budget: ctx.budget_hold.take(),
+        post,
     };
     tokio::spawn(relay(state, meter, rec, timing, dispatched, holds, tx).instrument(span));
     let first = rx
@@ -70,6 +104,8 @@ struct Holds {
     lease: Option<Admitted>,
     /// The reservation against a hard budget, released once the real cost is counted.
     budget: Option<super::budget::BudgetHold>,
+    /// With processors: post-processing's report (see [`PostDone`]).
+    post: Option<oneshot::Receiver<PostDone>>,
 }
 
 /// What the relay measures for the latency histograms.
@@ -136,7 +172,7 @@ async fn relay(
         mut events,
         mut placement,
     }: Dispatched,
-    holds: Holds,
+    mut holds: Holds,
     tx: mpsc::Sender<GenerateEvent>,
 ) {
     let mut generated = 0u32;
@@ -176,6 +212,20 @@ async fn relay(
             }
         };
         if terminal {
+            let finished = matches!(ev, GenerateEvent::Done { .. });
+            if let (true, Some(post)) = (finished, holds.post.take()) {
+                // Post-processing needs the worker's last event before its time is known.
+                let _ = tx.send(ev).await;
+                let report = tokio::time::timeout(POST_WAIT, post).await.ok().and_then(Result::ok);
+                if let Some(r) = &report {
+                    rec.processor_us = r.processor_us;
+                }
+                let pending = meter.record(&mut rec).instrument(tracing::info_span!("meter")).await;
+                if let Some(r) = report {
+                    let _ = r.written.send(());
+                }
+                break Some(pending);
+            }
             let pending = meter.record(&mut rec).instrument(tracing::info_span!("meter")).await;
             let _ = tx.send(ev).await;
             break Some(pending);
