@@ -55,7 +55,7 @@ impl Meter for AppState {
 
 /// A request refused before it reached a worker (400/401/402/403/413/429, a processor's
 /// refusal, no worker): still one record per authenticated request, for audit, with the
-/// refusal's code — and no tokens, so it costs nothing. Once dispatched, the relay meters
+/// refusal's code — and no tokens or processor time, so it costs nothing. Once dispatched, the relay meters
 /// it instead: what the engine reports, or for a client that went away, the prompt and what
 /// was generated until then (the work was done).
 pub async fn refused(meter: &dyn Meter, ctx: &mut RequestContext, error: &ApiError) {
@@ -64,6 +64,7 @@ pub async fn refused(meter: &dyn Meter, ctx: &mut RequestContext, error: &ApiErr
         rec.prompt_tokens = 0;
         rec.cached_tokens = 0;
         rec.completion_tokens = 0;
+        rec.processor_us = 0;
         meter.record(rec).await;
     }
 }
