@@ -46,10 +46,12 @@ pub fn remaining(tat: u64, now: u64, per_minute: u32) -> u32 {
     (u128::from(WINDOW_US - ahead) * u128::from(per_minute) / u128::from(WINDOW_US)) as u32
 }
 
-/// Gives `units` back (a reservation larger than what was used): the TAT moves back, never
-/// before `now` (unused capacity does not accumulate past a full window).
-pub fn give_back(tat: u64, now: u64, per_minute: u32, units: u32) -> u64 {
-    tat.saturating_sub(cost(units, per_minute)).max(now)
+/// Gives `units` back from a reservation taken `elapsed` µs ago: the TAT moves back by
+/// their cost less what has refilled since (that part of the debt is already gone, and
+/// the TAT may by now carry other requests' reservations), never before `now`.
+pub fn give_back(tat: u64, now: u64, per_minute: u32, units: u32, elapsed: u64) -> u64 {
+    tat.saturating_sub(cost(units, per_minute).saturating_sub(elapsed))
+        .max(now)
 }
 
 /// Charges `units` whatever the limit says (usage beyond a reservation): the TAT moves on.
@@ -91,10 +93,31 @@ mod tests {
         };
         assert_eq!(left, 50);
         // 240 of the 250 were not used.
-        let tat = give_back(tat, now, 300, 240);
+        let tat = give_back(tat, now, 300, 240, 0);
         assert_eq!(remaining(tat, now, 300), 290);
         // Giving back more than was taken stops at a full window.
-        assert_eq!(give_back(tat, now, 300, 1_000), now);
+        assert_eq!(give_back(tat, now, 300, 1_000, 0), now);
+    }
+
+    /// A refund never reaches into later reservations: what refilled since the reservation
+    /// is not given back a second time.
+    #[test]
+    fn a_late_refund_does_not_free_other_requests_tokens() {
+        let t0 = 9_000_000_000;
+        // 1000 per minute: A takes all 1000 at t0.
+        let Take::Ok { tat, .. } = take(None, t0, 1000, 1000) else {
+            panic!()
+        };
+        // 59 s later B takes 983 (what refilled).
+        let t1 = t0 + 59_000_000;
+        let Take::Ok { tat, .. } = take(Some(tat), t1, 1000, 983) else {
+            panic!()
+        };
+        // A ends at 59.5 s having used nothing: its debt had all but refilled.
+        let t2 = t0 + 59_500_000;
+        let tat = give_back(tat, t2, 1000, 1000, t2 - t0);
+        // C cannot now take another full minute's worth.
+        assert!(matches!(take(Some(tat), t2, 1000, 1000), Take::Wait(_)));
     }
 
     #[test]

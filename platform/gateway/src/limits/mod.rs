@@ -270,7 +270,7 @@ struct Local {
 }
 
 impl Local {
-    fn admit(&self, ctx: &TenantContext, tokens: u32) -> Result<(InFlight, RateState), Box<Limited>> {
+    fn admit(&self, ctx: &TenantContext, tokens: u32) -> Result<(InFlight, RateState, u64), Box<Limited>> {
         let rates = rates(ctx);
         let now = local_now();
         let mut tats = self.tats.lock().unwrap_or_else(|e| e.into_inner());
@@ -295,16 +295,17 @@ impl Local {
         for (r, tat) in rates.iter().zip(new) {
             tats.insert(r.key.clone(), tat);
         }
-        Ok((held, state))
+        Ok((held, state, now))
     }
 
-    /// Settles a reservation of `reserved` tokens (and one request) against what was used.
-    fn settle(&self, ctx: &TenantContext, reserved: u32, used: Used) {
+    /// Settles a reservation of `reserved` tokens (and one request) taken at `admitted`
+    /// against what was used.
+    fn settle(&self, ctx: &TenantContext, reserved: u32, admitted: u64, used: Used) {
         let now = local_now();
         let mut tats = self.tats.lock().unwrap_or_else(|e| e.into_inner());
         for r in rates(ctx) {
             let tat = tats.get(&r.key).copied();
-            if let Some(t) = settle_one(&r, tat, now, reserved, used) {
+            if let Some(t) = settle_one(&r, tat, now, reserved, now.saturating_sub(admitted), used) {
                 tats.insert(r.key.clone(), t);
             }
         }
@@ -321,11 +322,11 @@ enum Used {
 }
 
 /// One rate's TAT after settling a reservation, or None when it does not change.
-fn settle_one(r: &Rate, tat: Option<u64>, now: u64, reserved: u32, used: Used) -> Option<u64> {
+fn settle_one(r: &Rate, tat: Option<u64>, now: u64, reserved: u32, elapsed: u64, used: Used) -> Option<u64> {
     let tat = tat?;
     match settle_mode(r, reserved, used) {
         (_, 0) => None,
-        (units, 1) => Some(gcra::give_back(tat, now, r.per_minute, units)),
+        (units, 1) => Some(gcra::give_back(tat, now, r.per_minute, units, elapsed)),
         (units, _) => Some(gcra::force(Some(tat), now, r.per_minute, units)),
     }
 }
@@ -340,8 +341,8 @@ fn settle_one(r: &Rate, tat: Option<u64>, now: u64, reserved: u32, used: Used) -
 
 /// Admission, all or nothing. KEYS: n TAT keys, then m in-flight sets.
 /// ARGV: n, then (per minute, units) ×n, m, then max in flight ×m, request id, lease ms.
-/// Returns {1, remaining ×n} or {0, failing index (1..n: a rate, n + j: in-flight set j),
-/// wait µs (-1: never fits)}.
+/// Returns {1, remaining ×n, now µs} or {0, failing index (1..n: a rate, n + j: in-flight
+/// set j), wait µs (-1: never fits)}.
 const ADMIT_SCRIPT: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -377,20 +378,28 @@ for j = 1, m do
 end
 local r = {1}
 for i = 1, n do r[#r + 1] = rem[i] end
+r[#r + 1] = now
 return r
 "#;
 
-/// Settling a reservation. KEYS: n TAT keys. ARGV: n, then (per minute, units, mode) ×n,
-/// mode 0: unchanged, 1: give back (never before now), 2: charge beyond the limit.
+/// Settling a reservation taken at ARGV[2] (µs, Redis' clock). KEYS: n TAT keys.
+/// ARGV: n, admitted, then (per minute, units, mode) ×n; mode 0: unchanged, 1: give back
+/// (less what refilled since admission, never before now), 2: charge beyond the limit.
 const SETTLE_SCRIPT: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local W = 60000000
 local n = tonumber(ARGV[1])
+local elapsed = now - tonumber(ARGV[2])
+if elapsed < 0 then elapsed = 0 end
 for i = 1, n do
-  local pm = tonumber(ARGV[3 * i - 1])
-  local cost = math.floor(tonumber(ARGV[3 * i]) * W / pm)
-  local mode = tonumber(ARGV[3 * i + 1])
+  local pm = tonumber(ARGV[3 * i])
+  local cost = math.floor(tonumber(ARGV[3 * i + 1]) * W / pm)
+  local mode = tonumber(ARGV[3 * i + 2])
+  if mode == 1 then
+    cost = cost - elapsed
+    if cost < 0 then cost = 0 end
+  end
   local cur = redis.call('GET', KEYS[i])
   if cur and mode > 0 then
     local tat = tonumber(cur)
@@ -474,7 +483,12 @@ impl RedisLimiter {
         format!("{}rl:{rest}", self.prefix)
     }
 
-    async fn admit(&self, ctx: &TenantContext, request_id: &str, tokens: u32) -> RedisOutcome<(InFlight, RateState)> {
+    async fn admit(
+        &self,
+        ctx: &TenantContext,
+        request_id: &str,
+        tokens: u32,
+    ) -> RedisOutcome<(InFlight, RateState, u64)> {
         let rates = rates(ctx);
         let conc = concurrency(ctx);
         let leases: Vec<String> = conc
@@ -503,7 +517,8 @@ impl RedisLimiter {
         };
         let mut state = RateState::default();
         match v.first() {
-            Some(1) if v.len() == rates.len() + 1 => {
+            Some(1) if v.len() == rates.len() + 2 => {
+                let admitted = v[rates.len() + 1].max(0) as u64;
                 for (r, rem) in rates.iter().zip(&v[1..]) {
                     state.merge(r.per_minute, (*rem).max(0) as u32, r.tokens);
                 }
@@ -511,7 +526,7 @@ impl RedisLimiter {
                     local: Vec::new(),
                     redis: (!leases.is_empty()).then(|| (self.conn.clone(), leases, request_id.to_string())),
                 };
-                RedisOutcome::Done((held, state))
+                RedisOutcome::Done((held, state, admitted))
             }
             Some(0) if v.len() == 3 => {
                 let i = v[1].max(1) as usize - 1;
@@ -528,13 +543,13 @@ impl RedisLimiter {
         }
     }
 
-    async fn settle(&self, ctx: &TenantContext, reserved: u32, used: Used) -> Result<(), String> {
+    async fn settle(&self, ctx: &TenantContext, reserved: u32, admitted: u64, used: Used) -> Result<(), String> {
         let rates = rates(ctx);
         let mut call = self.settle.prepare_invoke();
         for r in &rates {
             call.key(self.key(&r.key));
         }
-        call.arg(rates.len());
+        call.arg(rates.len()).arg(admitted);
         for r in &rates {
             let (units, mode) = settle_mode(r, reserved, used);
             call.arg(r.per_minute).arg(units).arg(mode);
@@ -594,26 +609,27 @@ impl Limiter {
         request_id: &str,
         tokens: u32,
     ) -> Result<(Admission, RateState), Box<Limited>> {
-        let admission = |in_flight, shared| Admission {
+        let admission = |in_flight, shared, admitted| Admission {
             limiter: self.clone(),
             ctx: ctx.clone(),
             reserved: tokens,
+            admitted,
             shared,
             in_flight,
             settled: false,
         };
         if ctx.tenant_limits == Limits::default() && ctx.key_limits == Limits::default() {
-            return Ok((admission(InFlight::default(), false), RateState::default()));
+            return Ok((admission(InFlight::default(), false, 0), RateState::default()));
         }
         if let Some(r) = &self.inner.redis {
             match r.admit(ctx, request_id, tokens).await {
-                RedisOutcome::Done((held, state)) => return Ok((admission(held, true), state)),
+                RedisOutcome::Done((held, state, at)) => return Ok((admission(held, true, at), state)),
                 RedisOutcome::Refused(l) => return Err(l),
                 RedisOutcome::Failed(e) => self.redis_failed(&e),
             }
         }
-        let (held, state) = self.inner.local.admit(ctx, tokens)?;
-        Ok((admission(held, false), state))
+        let (held, state, at) = self.inner.local.admit(ctx, tokens)?;
+        Ok((admission(held, false, at), state))
     }
 }
 
@@ -626,6 +642,8 @@ pub struct Admission {
     limiter: Limiter,
     ctx: TenantContext,
     reserved: u32,
+    /// When it was taken, µs on the clock of where it lives.
+    admitted: u64,
     /// Settled in Redis (else in this gateway).
     shared: bool,
     in_flight: InFlight,
@@ -655,7 +673,7 @@ impl Admission {
         settle(
             &self.limiter,
             &self.ctx,
-            self.reserved,
+            (self.reserved, self.admitted),
             self.shared,
             Used::Tokens(tokens),
         )
@@ -663,7 +681,7 @@ impl Admission {
     }
 }
 
-async fn settle(limiter: &Limiter, ctx: &TenantContext, reserved: u32, shared: bool, used: Used) {
+async fn settle(limiter: &Limiter, ctx: &TenantContext, (reserved, admitted): (u32, u64), shared: bool, used: Used) {
     if ctx.tenant_limits.rpm.is_none()
         && ctx.tenant_limits.tpm.is_none()
         && ctx.key_limits.rpm.is_none()
@@ -671,13 +689,17 @@ async fn settle(limiter: &Limiter, ctx: &TenantContext, reserved: u32, shared: b
     {
         return;
     }
-    if let (true, Some(r)) = (shared, &limiter.inner.redis) {
-        match r.settle(ctx, reserved, used).await {
-            Ok(()) => return,
-            Err(e) => limiter.redis_failed(&e),
+    if shared {
+        // A reservation in Redis settles there or not at all: refunding it into this
+        // gateway's own counts would free tokens those counts never took.
+        if let Some(r) = &limiter.inner.redis {
+            if let Err(e) = r.settle(ctx, reserved, admitted, used).await {
+                limiter.redis_failed(&e);
+            }
         }
+        return;
     }
-    limiter.inner.local.settle(ctx, reserved, used);
+    limiter.inner.local.settle(ctx, reserved, admitted, used);
 }
 
 impl Drop for Admission {
@@ -685,13 +707,18 @@ impl Drop for Admission {
         if self.settled {
             return;
         }
-        let (limiter, ctx, reserved, shared) = (self.limiter.clone(), self.ctx.clone(), self.reserved, self.shared);
+        let (limiter, ctx, held, shared) = (
+            self.limiter.clone(),
+            self.ctx.clone(),
+            (self.reserved, self.admitted),
+            self.shared,
+        );
         if !shared {
-            limiter.inner.local.settle(&ctx, reserved, Used::Nothing);
+            limiter.inner.local.settle(&ctx, held.0, held.1, Used::Nothing);
             return;
         }
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(async move { settle(&limiter, &ctx, reserved, true, Used::Nothing).await });
+            rt.spawn(async move { settle(&limiter, &ctx, held, true, Used::Nothing).await });
         }
     }
 }

@@ -92,6 +92,8 @@ impl BudgetCache {
                 return Ok(t.spent);
             }
         }
+        // Stamped before the query: what committed after this instant may be missing.
+        let asked = Instant::now();
         let v = ledger.month_spend(tenant_id, month).await.map_err(|e| {
             tracing::error!(error = %e, "spend lookup failed");
             ApiError::unavailable("budget check temporarily unavailable")
@@ -101,10 +103,13 @@ impl BudgetCache {
         if t.month != month {
             t.month = month.to_string();
             t.reserved = 0;
+            t.spent = 0;
         }
-        t.spent = v;
-        t.fetched = Some(Instant::now());
-        Ok(v)
+        // Spend only grows within a month: a read that started before this gateway added a
+        // cost must not take it away again.
+        t.spent = t.spent.max(v);
+        t.fetched = Some(asked);
+        Ok(t.spent)
     }
 
     async fn prices(&self, ledger: &UsageLedger) -> Result<Arc<[Price]>, ApiError> {
@@ -270,6 +275,8 @@ pub async fn reserve(state: &AppState, ctx: &mut RequestContext) -> Result<(), A
         None => {
             let mut map = state.budgets.lock();
             let t = map.entry(tenant.tenant_id.clone()).or_default();
+            // Checked and taken under one lock, against the freshest spend.
+            let spent = spent.max(t.spent);
             if spent + t.reserved + nusd > b.monthly_nusd {
                 return Err(refuse(t.reserved));
             }

@@ -206,6 +206,11 @@ async fn relay(
             GenerateEvent::Error { code, message } => {
                 tracing::warn!(request_id = %rec.request_id, code = %code, message = %message, "generation failed");
                 rec.completion_tokens = generated;
+                if generated == 0 {
+                    // Refused or failed before anything was served: billed nothing.
+                    rec.prompt_tokens = 0;
+                    rec.cached_tokens = 0;
+                }
                 rec.status = UsageStatus::Failed.as_str().into();
                 rec.error_code = Some(code.clone());
                 true
