@@ -714,6 +714,18 @@ impl UsageLedger {
     }
 
     /// Every price version (of one model, or all), oldest first.
+    /// The newest price version of exactly `model` (not the `*` default), if any: what a
+    /// new version leaves unsaid is inherited from it.
+    pub async fn latest_rates(&self, model: &str) -> Result<Option<PriceRates>, BillingError> {
+        Ok(self
+            .prices(Some(model))
+            .await?
+            .into_iter()
+            .filter(|p| p.model == model)
+            .max_by_key(|p| p.effective_from)
+            .map(|p| p.rates))
+    }
+
     pub async fn prices(&self, model: Option<&str>) -> Result<Vec<Price>, BillingError> {
         let all = load_prices(&self.pool).await?;
         Ok(all.into_iter().filter(|p| model.is_none_or(|m| p.model == m)).collect())

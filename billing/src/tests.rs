@@ -131,6 +131,9 @@ async fn price_changes_keep_history() {
             })
         ));
         let second = l.set_price("m", rates("3", "1", "6"), Some(t0 + 10)).await.unwrap();
+        // The newest version of exactly this model is what a new one inherits from.
+        assert_eq!(l.latest_rates("m").await.unwrap(), Some(second.rates));
+        assert_eq!(l.latest_rates("other").await.unwrap(), None);
         l.record(&rec("new", "tn_p", "m", 1000, 0, 0, t0 + 20)).await.unwrap();
         // A late record of a request that started before the change gets the old price.
         l.record(&rec("late", "tn_p", "m", 1000, 0, 0, t0 + 5)).await.unwrap();

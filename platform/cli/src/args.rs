@@ -388,9 +388,10 @@ pub enum PriceCommand {
         cached_input: String,
         #[arg(long)]
         output: String,
-        /// Tenant processors' time, USD per CPU-second.
-        #[arg(long, default_value = "0")]
-        processor: String,
+        /// Tenant processors' time, USD per CPU-second (default: the model's current rate, or
+        /// free).
+        #[arg(long)]
+        processor: Option<String>,
         /// When it takes effect: YYYY-MM-DD (UTC) or Unix ms; default now (the first price
         /// of a model covers all time).
         #[arg(long)]

@@ -417,14 +417,22 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                     effective_from,
                 },
         } => {
+            let ledger = UsageLedger::new(&db);
+            let processor = match processor {
+                Some(p) => usd(&p, "--processor")?,
+                None => ledger
+                    .latest_rates(&model)
+                    .await?
+                    .map_or(0, |r| r.processor_micros_per_cpu_s),
+            };
             let rates = hearth_billing::PriceRates {
                 input_micros_per_mtok: usd(&input, "--input")?,
                 cached_input_micros_per_mtok: usd(&cached_input, "--cached-input")?,
                 output_micros_per_mtok: usd(&output, "--output")?,
-                processor_micros_per_cpu_s: usd(&processor, "--processor")?,
+                processor_micros_per_cpu_s: processor,
             };
             let from = effective_from.as_deref().map(parse_time).transpose()?;
-            let p = UsageLedger::new(&db).set_price(&model, rates, from).await?;
+            let p = ledger.set_price(&model, rates, from).await?;
             print(
                 serde_json::json!(p),
                 format!("Price for {} from {}: {:?}.", p.model, p.effective_from, p.rates),

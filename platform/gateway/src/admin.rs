@@ -384,9 +384,15 @@ async fn set_price(State(gw): State<Arc<AppState>>, body: Bytes) -> Result<Respo
         };
         parse_usd_micros(&text).ok_or_else(|| ApiError::invalid(k, format!("'{k}' must be a USD amount like \"0.15\"")))
     };
-    // Processor time is optional (USD per CPU-second; default free).
+    // Processor time is optional (USD per CPU-second): left out, the model's current rate
+    // carries over (free when it has none).
     let processor = match o.get("processor") {
-        None | Some(Value::Null) => 0,
+        None | Some(Value::Null) => gw
+            .ledger
+            .latest_rates(model)
+            .await
+            .map_err(ledger_error)?
+            .map_or(0, |r| r.processor_micros_per_cpu_s),
         Some(_) => rate("processor")?,
     };
     let rates = PriceRates {

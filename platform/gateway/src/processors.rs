@@ -96,13 +96,18 @@ fn rejection(p: &ActiveProcessor, status: u16, message: &str) -> ApiError {
     }
 }
 
+fn add_spent(spent: &std::sync::atomic::AtomicU64, d: std::time::Duration) {
+    spent.fetch_add(d.as_micros() as u64, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// The processors of one request, instantiated, in pre order.
 pub struct Chain {
     items: Vec<(ActiveProcessor, Instance)>,
     tenant: String,
     endpoint: &'static str,
-    /// Time spent in guest calls so far (metered and priced as processor time).
-    spent: std::time::Duration,
+    /// Microseconds spent in guest calls so far (metered and priced as processor time);
+    /// shared with the relay, which meters it however the request ends.
+    spent: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Chain {
@@ -142,13 +147,18 @@ impl Chain {
             items,
             tenant: ctx.tenant_name.clone(),
             endpoint,
-            spent: std::time::Duration::ZERO,
+            spent: Arc::default(),
         }))
     }
 
     /// Microseconds spent in guest calls so far.
     pub fn spent_us(&self) -> u64 {
-        self.spent.as_micros() as u64
+        self.spent.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The running total, for whoever meters the request.
+    pub fn spent_handle(&self) -> Arc<std::sync::atomic::AtomicU64> {
+        self.spent.clone()
     }
 
     fn flush_logs(&self) {
@@ -195,7 +205,7 @@ impl Chain {
             };
             let started = std::time::Instant::now();
             let outcome = inst.on_request(&req).await;
-            self.spent += started.elapsed();
+            add_spent(&self.spent, started.elapsed());
             match outcome {
                 Ok(Action::Continue) => {}
                 Ok(Action::Replace(b)) => {
@@ -230,7 +240,7 @@ impl Chain {
             };
             let started = std::time::Instant::now();
             let outcome = inst.on_response(&resp).await;
-            self.spent += started.elapsed();
+            add_spent(&self.spent, started.elapsed());
             match outcome {
                 Ok(Action::Continue) => {}
                 Ok(Action::Replace(b)) => {
@@ -331,7 +341,7 @@ impl Chain {
         for (p, inst) in self.items.iter_mut().rev() {
             let started = std::time::Instant::now();
             let outcome = inst.on_chunk(index, &text).await;
-            self.spent += started.elapsed();
+            add_spent(&self.spent, started.elapsed());
             match outcome {
                 Ok(Action::Continue) => {}
                 Ok(Action::Replace(t)) => text = t,
@@ -349,7 +359,7 @@ impl Chain {
             if !tail.is_empty() {
                 let started = std::time::Instant::now();
                 let outcome = inst.on_chunk(0, &tail).await;
-                self.spent += started.elapsed();
+                add_spent(&self.spent, started.elapsed());
                 match outcome {
                     Ok(Action::Replace(t)) => tail = t,
                     Ok(Action::Continue) => {}
@@ -359,7 +369,7 @@ impl Chain {
             }
             let started = std::time::Instant::now();
             let outcome = inst.on_stream_end().await;
-            self.spent += started.elapsed();
+            add_spent(&self.spent, started.elapsed());
             match outcome {
                 Ok(Action::Continue) => {}
                 Ok(Action::Replace(t)) => tail.push_str(&t),

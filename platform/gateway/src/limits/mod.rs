@@ -513,7 +513,21 @@ impl RedisLimiter {
         call.arg(request_id).arg(LEASE_MS);
         let v: Vec<i64> = match call.invoke_async(&mut self.conn.clone()).await {
             Ok(v) => v,
-            Err(e) => return RedisOutcome::Failed(e.to_string()),
+            Err(e) => {
+                // The script may have run with its reply lost: take back any lease it added,
+                // or a concurrency limit would stay taken until the lease expires.
+                if !leases.is_empty() {
+                    let (mut conn, id, keys) = (self.conn.clone(), request_id.to_string(), leases.clone());
+                    tokio::spawn(async move {
+                        let mut p = redis::pipe();
+                        for k in &keys {
+                            p.zrem(k, &id).ignore();
+                        }
+                        let _ = p.query_async::<()>(&mut conn).await;
+                    });
+                }
+                return RedisOutcome::Failed(e.to_string());
+            }
         };
         let mut state = RateState::default();
         match v.first() {

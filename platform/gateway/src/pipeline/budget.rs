@@ -300,6 +300,13 @@ pub async fn reserve(state: &AppState, ctx: &mut RequestContext) -> Result<(), A
                 Ok(v) if v.first() == Some(&1) => {}
                 Ok(v) => return Err(refuse(v.get(1).copied().unwrap_or(0))),
                 Err(e) => {
+                    // The script may have run with its reply lost: take back its hold.
+                    let (mut conn, id) = (conn.clone(), ctx.request_id.clone());
+                    tokio::spawn(async move {
+                        let mut p = redis::pipe();
+                        p.hdel(&keys[0], &id).ignore().zrem(&keys[1], &id).ignore();
+                        let _ = p.query_async::<()>(&mut conn).await;
+                    });
                     // Money is not spent on a guess: without the shared holds, refuse.
                     tracing::error!(error = %e, "budget reservation in Redis failed");
                     return Err(ApiError::unavailable("budget check temporarily unavailable"));

@@ -73,6 +73,7 @@ pub async fn start(
         span: ctx.span.clone(),
     };
     let (tx, mut rx) = mpsc::channel(64);
+    let processor_time = ctx.chain.as_ref().map(|c| c.spent_handle());
     let post = ctx.chain.is_some().then(|| {
         let (post_tx, post_rx) = oneshot::channel();
         ctx.post_done = Some(post_tx);
@@ -83,6 +84,7 @@ pub async fn start(
         lease: ctx.lease.take(),
         budget: ctx.budget_hold.take(),
         post,
+        processor_time,
     };
     tokio::spawn(relay(state, meter, rec, timing, dispatched, holds, tx).instrument(span));
     let first = rx
@@ -104,8 +106,10 @@ struct Holds {
     lease: Option<Admitted>,
     /// The reservation against a hard budget, released once the real cost is counted.
     budget: Option<super::budget::BudgetHold>,
-    /// With processors: post-processing's report (see [`PostDone`]).
+    /// With processors: post-processing's report (see [`PostDone`]), and the processors'
+    /// running time (for a request that ends another way, e.g. a chunk hook's refusal).
     post: Option<oneshot::Receiver<PostDone>>,
+    processor_time: Option<Arc<std::sync::atomic::AtomicU64>>,
 }
 
 /// What the relay measures for the latency histograms.
@@ -210,6 +214,7 @@ async fn relay(
                     // Refused or failed before anything was served: billed nothing.
                     rec.prompt_tokens = 0;
                     rec.cached_tokens = 0;
+                    rec.processor_us = 0;
                 }
                 rec.status = UsageStatus::Failed.as_str().into();
                 rec.error_code = Some(code.clone());
@@ -252,6 +257,9 @@ async fn relay(
         None => {
             drop(events); // cancels the generation
             rec.completion_tokens = generated;
+            if let Some(t) = &holds.processor_time {
+                rec.processor_us = t.load(std::sync::atomic::Ordering::Relaxed);
+            }
             rec.status = UsageStatus::Cancelled.as_str().into();
             rec.finish_reason = Some(FinishReason::Cancelled.as_str().into());
             meter.record(&mut rec).instrument(tracing::info_span!("meter")).await
