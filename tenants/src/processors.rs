@@ -177,6 +177,7 @@ impl TenantStore {
                 ));
             }
         }
+        let bytes = wasm;
         let wasm: &[u8] = if stored > 0 { &[] } else { wasm };
         let prev = sqlx::query("SELECT MAX(version), MAX(position) FROM processors WHERE tenant_id = $1 AND name = $2")
             .bind(&t.id)
@@ -220,6 +221,19 @@ impl TenantStore {
         .bind(now_ms())
         .execute(&self.pool)
         .await?;
+        if wasm.is_empty() {
+            // The copy counted on above may have been deleted meanwhile (its bytes moved to
+            // no row, as this one did not exist yet): then this row keeps them.
+            sqlx::query(
+                "UPDATE processors SET wasm = $1 WHERE id = $2 AND NOT EXISTS \
+                 (SELECT 1 FROM processors WHERE sha256 = $3 AND LENGTH(wasm) > 0)",
+            )
+            .bind(bytes)
+            .bind(&id)
+            .bind(&spec.sha256)
+            .execute(&self.pool)
+            .await?;
+        }
         if spec.activate {
             return self.set_processor_active(&id, true).await;
         }
