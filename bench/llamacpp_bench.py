@@ -114,8 +114,14 @@ t = time.time(); decode(seq_prompt(prefix + prompt(100))); cold = time.time() - 
 clear(); decode(seq_prompt(prefix))
 t = time.time(); decode(seq_prompt(prompt(100), start=900)); warm = time.time() - t
 
+info = llama_cpp.llama_print_system_info()
+info = info.decode() if isinstance(info, bytes) else str(info)
+# The instruction sets ggml was built with ("AVX512 = 1 | AVX512_VNNI = 1 | …").
+features = [part.split("=")[0].strip() for part in info.replace(";", "|").split("|")
+            if part.strip().endswith("= 1") or part.strip().endswith("=1")]
 report = {
     "engine": "llama.cpp (llama-cpp-python " + llama_cpp.__version__ + ")",
+    "isa": " ".join(f.split(":")[-1].strip() for f in features),
     "threads": a.threads,
     "load_s": load_s,
     "prefill_512_tok_s": prefill,

@@ -1,8 +1,13 @@
 //! Attention over the paged KV cache: one query head against positions `0..n` of a
 //! sequence, read through its block table.
+//!
+//! Scores are computed a block at a time: keys are stored transposed per head
+//! (`[head_dim][slot]`, see [`KvPool`]), so one vector register holds the running scores
+//! of 8 positions and each query element is one broadcast multiply-add. Softmax uses a
+//! vectorised `exp`; the weighted sum of values keeps the output row in registers.
 
-use crate::kernels::{axpy, dot_f32};
-use crate::kv::KvPool;
+use crate::kernels::{exp_shifted_sum, isa};
+use crate::kv::{KvPool, KvSlice};
 
 /// Where one head's keys and values live.
 #[derive(Debug, Clone, Copy)]
@@ -26,33 +31,164 @@ pub fn attend_head(
     scores: &mut Vec<f32>,
 ) {
     let bt = pool.block_tokens();
-    let (hd, off) = (h.head_dim, h.kv_head * h.head_dim);
+    let hd = h.head_dim;
+    let nblocks = n.div_ceil(bt);
     let scale = 1.0 / (hd as f32).sqrt();
     scores.clear();
-    for (bi, &block) in table.iter().enumerate().take(n.div_ceil(bt)) {
+    scores.resize(nblocks * bt, 0.0);
+    #[cfg(target_arch = "x86_64")]
+    let simd = isa().is_simd() && bt.is_multiple_of(8) && hd.is_multiple_of(8) && hd <= 128;
+    #[cfg(not(target_arch = "x86_64"))]
+    let simd = false;
+    for (bi, &block) in table.iter().enumerate().take(nblocks) {
         let keys = pool.keys(block, h.layer);
-        let here = (n - bi * bt).min(bt);
-        for slot in 0..here {
-            scores.push(dot_f32(q, &keys[slot * h.kv_dim + off..][..hd]) * scale);
+        let dst = &mut scores[bi * bt..(bi + 1) * bt];
+        let kt_off = h.kv_head * hd * bt;
+        if simd {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: a SIMD path implies AVX2/FMA/F16C; the head's keys are `hd · bt`
+            // elements from `kt_off` inside the block section; `bt` is a multiple of 8.
+            unsafe {
+                x86::scores(q, scale, keys, kt_off, bt, dst)
+            };
+        } else {
+            for (slot, d) in dst.iter_mut().enumerate() {
+                let s: f32 = (0..hd).map(|i| q[i] * keys.get(kt_off + i * bt + slot)).sum();
+                *d = s * scale;
+            }
         }
     }
+    scores.truncate(n);
     let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut sum = 0f32;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
+    let inv = 1.0 / exp_shifted_sum(scores, max);
+    let off = h.kv_head * hd;
+    if simd {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above; every position `< n` lies in the first `nblocks` blocks, whose
+        // value rows hold `kv_dim ≥ off + hd` elements.
+        unsafe {
+            x86::weighted_values(scores, inv, table, pool, h, off, out)
+        };
+        return;
     }
-    let inv = 1.0 / sum;
     out.fill(0.0);
-    for (bi, &block) in table.iter().enumerate().take(n.div_ceil(bt)) {
+    for (bi, &block) in table.iter().enumerate().take(nblocks) {
         let values = pool.values(block, h.layer);
         let here = (n - bi * bt).min(bt);
         for slot in 0..here {
-            axpy(
-                scores[bi * bt + slot] * inv,
-                &values[slot * h.kv_dim + off..][..hd],
-                out,
-            );
+            let w = scores[bi * bt + slot] * inv;
+            for (i, o) in out.iter_mut().enumerate().take(hd) {
+                *o += w * values.get(slot * h.kv_dim + off + i);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{HeadSpec, KvPool, KvSlice};
+
+    /// 8 stored elements from `at` as f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(s: KvSlice<'_>, at: usize) -> __m256 {
+        match s {
+            KvSlice::F16(d) => _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().add(at) as *const __m128i)),
+            KvSlice::F32(d) => _mm256_loadu_ps(d.as_ptr().add(at)),
+        }
+    }
+
+    /// Scores of one block's `bt` positions: `dst[slot] = scale · Σᵢ q[i] · Kᵀ[i][slot]`.
+    ///
+    /// # Safety
+    /// AVX2/FMA/F16C; `keys` holds `kt_off + q.len() · bt` elements; `bt % 8 == 0`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn scores(q: &[f32], scale: f32, keys: KvSlice<'_>, kt_off: usize, bt: usize, dst: &mut [f32]) {
+        let hd = q.len();
+        for half in 0..bt / 8 {
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let base = kt_off + 8 * half;
+            let mut i = 0;
+            while i + 4 <= hd {
+                for (j, a) in acc.iter_mut().enumerate() {
+                    let qi = _mm256_set1_ps(*q.get_unchecked(i + j));
+                    *a = _mm256_fmadd_ps(qi, load8(keys, base + (i + j) * bt), *a);
+                }
+                i += 4;
+            }
+            while i < hd {
+                acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(q[i]), load8(keys, base + i * bt), acc[0]);
+                i += 1;
+            }
+            let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            _mm256_storeu_ps(dst.as_mut_ptr().add(8 * half), _mm256_mul_ps(s, _mm256_set1_ps(scale)));
+        }
+    }
+
+    /// `out = inv · Σⱼ p[j] · V[j][off..off + hd]` over the `p.len()` first positions.
+    ///
+    /// # Safety
+    /// AVX2/FMA/F16C; `hd = out.len()` is a multiple of 8, at most 128; the table covers
+    /// `p.len()` positions.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn weighted_values(
+        p: &[f32],
+        inv: f32,
+        table: &[u32],
+        pool: &KvPool,
+        h: HeadSpec,
+        off: usize,
+        out: &mut [f32],
+    ) {
+        match out.len() / 8 {
+            8 => weighted::<8>(p, inv, table, pool, h, off, out),
+            16 => weighted::<16>(p, inv, table, pool, h, off, out),
+            4 => weighted::<4>(p, inv, table, pool, h, off, out),
+            n => {
+                // Other head sizes: accumulate through memory.
+                out.fill(0.0);
+                let bt = pool.block_tokens();
+                for (j, &w) in p.iter().enumerate() {
+                    let v = pool.values(table[j / bt], h.layer);
+                    let row = (j % bt) * h.kv_dim + off;
+                    let wv = _mm256_set1_ps(w * inv);
+                    for c in 0..n {
+                        let o = out.as_mut_ptr().add(8 * c);
+                        _mm256_storeu_ps(o, _mm256_fmadd_ps(wv, load8(v, row + 8 * c), _mm256_loadu_ps(o)));
+                    }
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn weighted<const NV: usize>(
+        p: &[f32],
+        inv: f32,
+        table: &[u32],
+        pool: &KvPool,
+        h: HeadSpec,
+        off: usize,
+        out: &mut [f32],
+    ) {
+        let bt = pool.block_tokens();
+        let mut acc = [_mm256_setzero_ps(); NV];
+        for (bi, &block) in table.iter().enumerate().take(p.len().div_ceil(bt)) {
+            let v = pool.values(block, h.layer);
+            let here = (p.len() - bi * bt).min(bt);
+            for slot in 0..here {
+                let w = _mm256_set1_ps(*p.get_unchecked(bi * bt + slot));
+                let row = slot * h.kv_dim + off;
+                for (c, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(w, load8(v, row + 8 * c), *a);
+                }
+            }
+        }
+        let iv = _mm256_set1_ps(inv);
+        for (c, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.as_mut_ptr().add(8 * c), _mm256_mul_ps(*a, iv));
         }
     }
 }
@@ -61,51 +197,70 @@ pub fn attend_head(
 mod tests {
     use super::*;
     use crate::kernels::tests::Lcg;
+    use crate::kv::{KvDtype, KvShape};
 
     /// Paged attention equals attention over contiguous K/V, on random data with the
-    /// sequence's blocks scattered through the pool.
+    /// sequence's blocks scattered through the pool: for both storage types, on a shape the
+    /// SIMD kernels take (head 64, blocks of 16) and one only the scalar code takes.
     #[test]
     fn paged_equals_contiguous_reference() {
         let mut rng = Lcg(11);
-        let (layers, kv_heads, hd, bt) = (2, 3, 8, 4);
-        let kv_dim = kv_heads * hd;
-        let mut pool = KvPool::new(layers, kv_dim, bt, 16);
-        let table: Vec<u32> = vec![9, 2, 14, 5, 0, 11];
-        for n in [1usize, 3, 4, 5, 17, 24] {
-            let mut keys = vec![vec![0f32; kv_dim]; n];
-            let mut vals = vec![vec![0f32; kv_dim]; n];
-            for p in 0..n {
-                for x in keys[p].iter_mut().chain(vals[p].iter_mut()) {
-                    *x = rng.next_f32();
-                }
-                pool.write(table[p / bt], p % bt, 1, &keys[p], &vals[p]);
-            }
-            let q: Vec<f32> = (0..hd).map(|_| rng.next_f32()).collect();
-            for g in 0..kv_heads {
-                let mut out = vec![0f32; hd];
-                let spec = HeadSpec {
-                    layer: 1,
-                    kv_head: g,
+        for (hd, bt) in [(8usize, 4usize), (64, 16), (24, 8)] {
+            for dtype in [KvDtype::F32, KvDtype::F16] {
+                let (layers, kv_heads) = (2, 3);
+                let kv_dim = kv_heads * hd;
+                let shape = KvShape {
+                    n_layers: layers,
+                    kv_heads,
                     head_dim: hd,
-                    kv_dim,
+                    block_tokens: bt,
                 };
-                attend_head(&q, n, &table, &pool, spec, &mut out, &mut Vec::new());
-                // Reference, in f64 over contiguous rows.
-                let s: Vec<f64> = (0..n)
-                    .map(|p| {
-                        (0..hd).map(|i| q[i] as f64 * keys[p][g * hd + i] as f64).sum::<f64>() / (hd as f64).sqrt()
-                    })
-                    .collect();
-                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
-                let z: f64 = e.iter().sum();
-                for i in 0..hd {
-                    let want: f64 = (0..n).map(|p| e[p] / z * vals[p][g * hd + i] as f64).sum();
-                    assert!(
-                        (out[i] as f64 - want).abs() < 1e-5,
-                        "n={n} g={g} i={i}: {} vs {want}",
-                        out[i]
-                    );
+                let mut pool = KvPool::new(shape, dtype, 16);
+                let table: Vec<u32> = vec![9, 2, 14, 5, 0, 11, 3, 7];
+                let round = |x: f32| match dtype {
+                    KvDtype::F16 => half::f16::from_f32(x).to_f32(),
+                    KvDtype::F32 => x,
+                };
+                for n in [1usize, 3, 4, 5, 17, 24, 8 * bt] {
+                    let mut keys = vec![vec![0f32; kv_dim]; n];
+                    let mut vals = vec![vec![0f32; kv_dim]; n];
+                    for p in 0..n {
+                        for x in keys[p].iter_mut().chain(vals[p].iter_mut()) {
+                            *x = rng.next_f32() * 2.0;
+                        }
+                        pool.write(table[p / bt], p % bt, 1, &keys[p], &vals[p]);
+                    }
+                    let q: Vec<f32> = (0..hd).map(|_| rng.next_f32()).collect();
+                    for g in 0..kv_heads {
+                        let mut out = vec![0f32; hd];
+                        let spec = HeadSpec {
+                            layer: 1,
+                            kv_head: g,
+                            head_dim: hd,
+                            kv_dim,
+                        };
+                        attend_head(&q, n, &table, &pool, spec, &mut out, &mut Vec::new());
+                        // Reference, in f64 over contiguous rows of the stored values.
+                        let s: Vec<f64> = (0..n)
+                            .map(|p| {
+                                (0..hd)
+                                    .map(|i| q[i] as f64 * round(keys[p][g * hd + i]) as f64)
+                                    .sum::<f64>()
+                                    / (hd as f64).sqrt()
+                            })
+                            .collect();
+                        let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                        let z: f64 = e.iter().sum();
+                        for i in 0..hd {
+                            let want: f64 = (0..n).map(|p| e[p] / z * round(vals[p][g * hd + i]) as f64).sum();
+                            assert!(
+                                (out[i] as f64 - want).abs() < 2e-5,
+                                "{dtype:?} hd={hd} bt={bt} n={n} g={g} i={i}: {} vs {want}",
+                                out[i]
+                            );
+                        }
+                    }
                 }
             }
         }

@@ -15,6 +15,9 @@ use crate::{EngineConfig, EngineError, EngineHandle};
 pub struct BenchConfig {
     pub threads: usize,
     pub kv_cache_mib: Option<usize>,
+    pub kv_dtype: crate::kv::KvDtype,
+    /// The kernels' instruction set (None: the best this CPU runs).
+    pub isa: Option<crate::kernels::Isa>,
     /// Fewer tokens per measurement (for smoke runs).
     pub quick: bool,
 }
@@ -24,7 +27,12 @@ pub struct BenchReport {
     pub model: String,
     pub threads: usize,
     pub isa: String,
+    /// The CPU features the kernels could use.
+    pub cpu: String,
+    pub kv_dtype: String,
     pub model_file_mib: f64,
+    /// Repacked weights held in memory (0 on the scalar path).
+    pub packed_weights_mib: f64,
     pub kv_cache_mib: f64,
     pub load_s: f64,
     pub prefill_512_tok_s: f64,
@@ -139,6 +147,8 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: &BenchConfig) -> Result
     let ecfg = EngineConfig {
         threads: cfg.threads,
         kv_cache_mib: cfg.kv_cache_mib,
+        kv_dtype: cfg.kv_dtype,
+        isa: cfg.isa,
         ..Default::default()
     };
     let t0 = Instant::now();
@@ -178,8 +188,11 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: &BenchConfig) -> Result
     Ok(BenchReport {
         model: c.model.clone(),
         threads: cfg.threads,
-        isa: format!("{:?}", crate::kernels::isa()),
+        isa: crate::kernels::isa().to_string(),
+        cpu: crate::kernels::cpu_features(),
+        kv_dtype: cfg.kv_dtype.name().to_string(),
         model_file_mib: file_mib,
+        packed_weights_mib: engine.packed_bytes() as f64 / (1 << 20) as f64,
         kv_cache_mib: engine.kv_cache_bytes() as f64 / (1 << 20) as f64,
         load_s,
         prefill_512_tok_s: prefill,
@@ -234,8 +247,8 @@ impl BenchReport {
             ),
         ];
         let mut out = format!(
-            "hearth bench engine — {} — {} threads, {}\n",
-            self.model, self.threads, self.isa
+            "hearth bench engine — {} — {} threads, isa {} (cpu: {}), KV {}\n",
+            self.model, self.threads, self.isa, self.cpu, self.kv_dtype
         );
         for (k, v) in rows {
             out.push_str(&format!("  {k:<34} {v}\n"));

@@ -18,7 +18,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{broadcast, oneshot, watch};
 
 use crate::gguf::{GgufError, GgufFile};
-use crate::kv::KvPool;
+use crate::kernels::{cpu_features, isa, set_isa, Isa};
+use crate::kv::{KvDtype, KvPool};
 use crate::metrics::EngineMetrics;
 use crate::models::llama::{Batch, ForwardScratch, LlamaModel, ModelError};
 use crate::sampling::Sampler;
@@ -56,6 +57,11 @@ pub struct EngineConfig {
     pub max_running: usize,
     /// Region label reported to gateways.
     pub region: String,
+    /// How the KV cache stores keys and values.
+    pub kv_dtype: KvDtype,
+    /// The kernels' instruction set, set before the weights are repacked for it (None:
+    /// keep the process's choice, by default the best this CPU runs).
+    pub isa: Option<Isa>,
 }
 
 impl Default for EngineConfig {
@@ -66,6 +72,8 @@ impl Default for EngineConfig {
             max_batch_tokens: 512,
             max_running: 64,
             region: "local".into(),
+            kv_dtype: KvDtype::default(),
+            isa: None,
         }
     }
 }
@@ -131,6 +139,7 @@ pub struct EngineHandle {
     load_seconds: f64,
     kv_capacity_tokens: usize,
     kv_bytes_per_token: usize,
+    packed_bytes: usize,
 }
 
 impl std::fmt::Debug for EngineHandle {
@@ -143,10 +152,21 @@ impl EngineHandle {
     /// Loads a GGUF model and starts the engine thread.
     pub fn load(path: &Path, model_id: &str, cfg: &EngineConfig) -> Result<Self, EngineError> {
         let started = Instant::now();
+        if let Some(isa) = cfg.isa {
+            set_isa(isa).map_err(|e| EngineError::Start(e.to_string()))?;
+        }
         let file = GgufFile::open(path)?;
         let spec = tokenizer_spec(&file)?;
         let tokenizer = Tokenizer::from_spec(&spec)?;
         let model = LlamaModel::load(file)?;
+        tracing::info!(
+            isa = %isa(),
+            cpu = %cpu_features(),
+            repacked_mib = model.packed_bytes() >> 20,
+            repack_format = crate::kernels::packed::PACK_FORMAT,
+            "kernels"
+        );
+        let packed_bytes = model.packed_bytes();
         let end_of_generation: Vec<u32> = tokenizer
             .eos_id()
             .into_iter()
@@ -154,12 +174,12 @@ impl EngineHandle {
             .collect();
         let bt = hearth_protocol::DEFAULT_BLOCK_TOKENS;
         let c = &model.config;
-        let block_bytes = KvPool::block_bytes(c.n_layers, c.kv_dim(), bt);
+        let block_bytes = KvPool::block_bytes(model.kv_shape(bt), cfg.kv_dtype);
         let mib = cfg
             .kv_cache_mib
             .unwrap_or_else(|| available_memory_mib().map_or(512, |m| (m / 4).min(1024)));
         let num_blocks = ((mib << 20) / block_bytes).max(2);
-        let pool = KvPool::new(c.n_layers, c.kv_dim(), bt, num_blocks);
+        let pool = KvPool::new(model.kv_shape(bt), cfg.kv_dtype, num_blocks);
         let sched = Scheduler::new(
             SchedulerConfig {
                 block_tokens: bt,
@@ -191,6 +211,7 @@ impl EngineHandle {
         let kv_bytes_per_token = block_bytes / bt;
         tracing::info!(
             kv_cache_mib = mib,
+            kv_dtype = cfg.kv_dtype.name(),
             blocks = num_blocks,
             tokens = kv_capacity_tokens,
             "KV cache"
@@ -225,7 +246,13 @@ impl EngineHandle {
             load_seconds: started.elapsed().as_secs_f64(),
             kv_capacity_tokens,
             kv_bytes_per_token,
+            packed_bytes,
         })
+    }
+
+    /// Bytes of weights repacked for the SIMD kernels.
+    pub fn packed_bytes(&self) -> usize {
+        self.packed_bytes
     }
 
     pub fn info(&self) -> &WorkerInfo {

@@ -360,6 +360,23 @@ impl GgufFile {
         &self.map[t.offset..t.offset + t.len]
     }
 
+    /// Tells the OS that bytes `offset..offset + len` will not be read again soon (a tensor
+    /// whose repacked copy is used instead): their pages leave this process's resident set
+    /// and stay in the page cache; a later read faults them back in from the file.
+    pub fn release(&self, offset: usize, len: usize) {
+        const PAGE: usize = 4096;
+        let start = offset.div_ceil(PAGE) * PAGE;
+        let end = ((offset + len) / PAGE * PAGE).min(self.map.len());
+        if end > start {
+            // SAFETY: the map is a read-only file mapping, so dropping its pages loses
+            // nothing: the next access reads the file again.
+            let _ = unsafe {
+                self.map
+                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+            };
+        }
+    }
+
     pub fn get(&self, key: &str) -> Option<&MetaValue> {
         self.metadata.get(key)
     }

@@ -15,40 +15,132 @@ use std::collections::{BTreeMap, HashMap};
 
 use hearth_protocol::BlockHash;
 
+/// How K and V are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvDtype {
+    /// IEEE half precision: half the memory of f32, converted with F16C when read.
+    #[default]
+    F16,
+    F32,
+}
+
+impl KvDtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F16 => 2,
+            KvDtype::F32 => 4,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F16 => "f16",
+            KvDtype::F32 => "f32",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "f16" | "fp16" | "half" => Ok(KvDtype::F16),
+            "f32" | "fp32" | "float" => Ok(KvDtype::F32),
+            other => Err(format!("unknown KV cache type {other:?} (f16 or f32)")),
+        }
+    }
+}
+
+/// The shape of what a pool stores per block and layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvShape {
+    pub n_layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub block_tokens: usize,
+}
+
+impl KvShape {
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Elements of one block (K and V of every layer).
+    fn block_elems(&self) -> usize {
+        self.n_layers * 2 * self.block_tokens * self.kv_dim()
+    }
+}
+
+enum Store {
+    F16(Vec<u16>),
+    F32(Vec<f32>),
+}
+
+/// One block-and-layer's keys or values, as stored.
+#[derive(Debug, Clone, Copy)]
+pub enum KvSlice<'a> {
+    F16(&'a [u16]),
+    F32(&'a [f32]),
+}
+
+impl KvSlice<'_> {
+    #[inline]
+    pub fn get(&self, i: usize) -> f32 {
+        match self {
+            KvSlice::F16(s) => half::f16::from_bits(s[i]).to_f32(),
+            KvSlice::F32(s) => s[i],
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            KvSlice::F16(s) => s.len(),
+            KvSlice::F32(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// K/V storage for `num_blocks` blocks.
+///
+/// Per block and layer, keys are stored transposed per head — `[kv_head][head_dim][slot]` —
+/// so that attention scores a query against all of a block's positions with contiguous
+/// vector loads; values are stored by position — `[slot][kv_dim]` — so that the weighted
+/// sum reads whole rows.
 pub struct KvPool {
-    n_layers: usize,
-    kv_dim: usize,
-    block_tokens: usize,
+    shape: KvShape,
     num_blocks: usize,
-    data: Vec<f32>,
+    store: Store,
 }
 
 impl std::fmt::Debug for KvPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KvPool")
             .field("blocks", &self.num_blocks)
-            .field("block_tokens", &self.block_tokens)
+            .field("block_tokens", &self.shape.block_tokens)
+            .field("dtype", &self.dtype())
             .finish()
     }
 }
 
 impl KvPool {
     /// Bytes one block takes for a model shape.
-    pub fn block_bytes(n_layers: usize, kv_dim: usize, block_tokens: usize) -> usize {
-        n_layers * 2 * block_tokens * kv_dim * std::mem::size_of::<f32>()
+    pub fn block_bytes(shape: KvShape, dtype: KvDtype) -> usize {
+        shape.block_elems() * dtype.bytes()
     }
 
     /// Pages are touched only when first written, so an unused pool costs address space,
     /// not memory.
-    pub fn new(n_layers: usize, kv_dim: usize, block_tokens: usize, num_blocks: usize) -> Self {
-        let n = num_blocks * n_layers * 2 * block_tokens * kv_dim;
+    pub fn new(shape: KvShape, dtype: KvDtype, num_blocks: usize) -> Self {
+        let n = num_blocks * shape.block_elems();
+        let store = match dtype {
+            KvDtype::F16 => Store::F16(vec![0u16; n]),
+            KvDtype::F32 => Store::F32(vec![0f32; n]),
+        };
         Self {
-            n_layers,
-            kv_dim,
-            block_tokens,
+            shape,
             num_blocks,
-            data: vec![0f32; n],
+            store,
         }
     }
 
@@ -57,41 +149,84 @@ impl KvPool {
     }
 
     pub fn block_tokens(&self) -> usize {
-        self.block_tokens
+        self.shape.block_tokens
+    }
+
+    pub fn shape(&self) -> KvShape {
+        self.shape
+    }
+
+    pub fn dtype(&self) -> KvDtype {
+        match self.store {
+            Store::F16(_) => KvDtype::F16,
+            Store::F32(_) => KvDtype::F32,
+        }
     }
 
     #[inline]
     fn base(&self, block: u32, layer: usize, kind: usize) -> usize {
-        ((block as usize * self.n_layers + layer) * 2 + kind) * self.block_tokens * self.kv_dim
+        let s = &self.shape;
+        ((block as usize * s.n_layers + layer) * 2 + kind) * s.block_tokens * s.kv_dim()
     }
 
-    /// Writes one position's K and V for one layer.
+    /// Writes one position's K and V (`kv_dim` floats each) for one layer.
     pub fn write(&mut self, block: u32, slot: usize, layer: usize, k: &[f32], v: &[f32]) {
-        let d = self.kv_dim;
-        let kb = self.base(block, layer, 0) + slot * d;
-        self.data[kb..kb + d].copy_from_slice(k);
-        let vb = self.base(block, layer, 1) + slot * d;
-        self.data[vb..vb + d].copy_from_slice(v);
+        let (kb, vb) = (self.base(block, layer, 0), self.base(block, layer, 1));
+        let (d, bt, hd) = (self.shape.kv_dim(), self.shape.block_tokens, self.shape.head_dim);
+        // Key element (head h, dim i) of this slot lives at h·hd·bt + i·bt + slot.
+        let kpos = |j: usize| kb + (j / hd) * hd * bt + (j % hd) * bt + slot;
+        match &mut self.store {
+            Store::F16(data) => {
+                for (j, x) in k.iter().enumerate().take(d) {
+                    data[kpos(j)] = half::f16::from_f32(*x).to_bits();
+                }
+                for (o, x) in data[vb + slot * d..vb + (slot + 1) * d].iter_mut().zip(v) {
+                    *o = half::f16::from_f32(*x).to_bits();
+                }
+            }
+            Store::F32(data) => {
+                for (j, x) in k.iter().enumerate().take(d) {
+                    data[kpos(j)] = *x;
+                }
+                data[vb + slot * d..vb + (slot + 1) * d].copy_from_slice(&v[..d]);
+            }
+        }
     }
 
-    /// K rows (`block_tokens × kv_dim`) of one block and layer.
-    #[inline]
-    pub fn keys(&self, block: u32, layer: usize) -> &[f32] {
-        let b = self.base(block, layer, 0);
-        &self.data[b..b + self.block_tokens * self.kv_dim]
+    fn section(&self, at: usize) -> KvSlice<'_> {
+        let n = self.shape.block_tokens * self.shape.kv_dim();
+        match &self.store {
+            Store::F16(d) => KvSlice::F16(&d[at..at + n]),
+            Store::F32(d) => KvSlice::F32(&d[at..at + n]),
+        }
     }
 
+    /// Keys of one block and layer: `[kv_head][head_dim][slot]`.
     #[inline]
-    pub fn values(&self, block: u32, layer: usize) -> &[f32] {
-        let b = self.base(block, layer, 1);
-        &self.data[b..b + self.block_tokens * self.kv_dim]
+    pub fn keys(&self, block: u32, layer: usize) -> KvSlice<'_> {
+        self.section(self.base(block, layer, 0))
+    }
+
+    /// Values of one block and layer: `[slot][kv_dim]`.
+    #[inline]
+    pub fn values(&self, block: u32, layer: usize) -> KvSlice<'_> {
+        self.section(self.base(block, layer, 1))
+    }
+
+    /// Key `j` (of `kv_dim`) at `slot`, as f32 (for tests and tools).
+    pub fn key(&self, block: u32, layer: usize, slot: usize, j: usize) -> f32 {
+        let (bt, hd) = (self.shape.block_tokens, self.shape.head_dim);
+        self.keys(block, layer).get((j / hd) * hd * bt + (j % hd) * bt + slot)
     }
 
     /// Copies a whole block (copy-on-write when sequences fork).
     pub fn copy_block(&mut self, from: u32, to: u32) {
-        let len = self.n_layers * 2 * self.block_tokens * self.kv_dim;
+        let len = self.shape.block_elems();
         let (f, t) = (self.base(from, 0, 0), self.base(to, 0, 0));
-        self.data.copy_within(f..f + len, t);
+        match &mut self.store {
+            Store::F16(d) => d.copy_within(f..f + len, t),
+            Store::F32(d) => d.copy_within(f..f + len, t),
+        }
     }
 }
 
@@ -312,12 +447,25 @@ mod tests {
 
     #[test]
     fn pool_reads_what_it_wrote() {
-        let mut p = KvPool::new(2, 4, 2, 3);
-        p.write(1, 1, 1, &[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.0]);
-        assert_eq!(&p.keys(1, 1)[4..8], &[1.0, 2.0, 3.0, 4.0]);
-        assert_eq!(&p.values(1, 1)[4..8], &[5.0, 6.0, 7.0, 8.0]);
-        assert!(p.keys(1, 0).iter().all(|&x| x == 0.0));
-        p.copy_block(1, 2);
-        assert_eq!(&p.values(2, 1)[4..8], &[5.0, 6.0, 7.0, 8.0]);
+        for dtype in [KvDtype::F16, KvDtype::F32] {
+            let shape = KvShape {
+                n_layers: 2,
+                kv_heads: 2,
+                head_dim: 2,
+                block_tokens: 2,
+            };
+            let mut p = KvPool::new(shape, dtype, 3);
+            p.write(1, 1, 1, &[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.5]);
+            let keys: Vec<f32> = (0..4).map(|j| p.key(1, 1, 1, j)).collect();
+            assert_eq!(keys, [1.0, 2.0, 3.0, 4.0], "{dtype:?}");
+            // Transposed per head: [head][dim][slot].
+            assert_eq!(p.keys(1, 1).get(2 * 2 + 1), 3.0);
+            let vals: Vec<f32> = (4..8).map(|i| p.values(1, 1).get(i)).collect();
+            assert_eq!(vals, [5.0, 6.0, 7.0, 8.5]);
+            assert!((0..8).all(|i| p.keys(1, 0).get(i) == 0.0));
+            p.copy_block(1, 2);
+            assert_eq!(p.values(2, 1).get(7), 8.5);
+            assert_eq!(p.key(2, 1, 1, 3), 4.0);
+        }
     }
 }

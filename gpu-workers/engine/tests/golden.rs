@@ -6,6 +6,8 @@ use std::path::PathBuf;
 
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::gguf::GgufFile;
+use hearth_engine::kernels::{set_isa, Isa};
+use hearth_engine::kv::KvDtype;
 use hearth_engine::models::llama::{ForwardScratch, LlamaModel, Session};
 use hearth_engine::sampling::argmax;
 use hearth_engine::tokenizer_spec;
@@ -127,5 +129,87 @@ fn knife_edge_logits_stay_close_to_float_reference() {
             abs <= max_abs && centered <= max_centered,
             "{mode}: error {abs} / centred {centered}"
         );
+    }
+}
+
+/// The greedy answer and first-position logits of the golden prompt on one path.
+fn golden_run(model: &LlamaModel, ids: &[u32], kv: KvDtype) -> (Vec<f32>, Vec<u32>) {
+    let mut session = Session::with_kv(model, 256, ForwardScratch::default(), kv);
+    let first = session.feed(ids);
+    let mut logits = first.clone();
+    let mut out = Vec::new();
+    for _ in 0..16 {
+        let t = argmax(&logits);
+        out.push(t);
+        if t == 2 {
+            break;
+        }
+        logits = session.feed(&[t]);
+    }
+    (first, out)
+}
+
+/// Every instruction-set path this CPU runs (forced in turn, weights repacked for it) and
+/// both KV storage types give the golden greedy answer and GOLDEN.md's first-position top-5
+/// set. Logits are compared with the scalar path's:
+/// * SIMD paths among themselves: every logit within 0.001 (the same integer dot products
+///   and activation rounding; only float summation order differs);
+/// * SIMD against scalar: the top-5 logits within 0.6 and every logit within 1.5. The
+///   scalar path rounds activations to 8 bits with a different (equally valid) formula
+///   (`x·(1/d)` rounded half away from zero, against `x·(127/amax)` rounded half to even),
+///   and this small model is that sensitive to it: measured, the largest difference over
+///   all 49,152 logits is 1.02 and over the top 5 is 0.51, about what either path differs
+///   from the float reference by (0.75–0.90, knife-edge test).
+#[test]
+fn every_isa_path_gives_the_golden_answer_and_scalar_logits() {
+    let (_, tok, tmpl) = load();
+    let ids = prompt_ids(&tok, &tmpl, "What is the capital of France? Answer in one sentence.");
+    let want = [504u32, 3575, 282, 4649, 314, 7042, 30, 2];
+    let golden_set = [57u32, 60, 504, 7026, 38634];
+    let sorted_top = |l: &[f32]| {
+        let mut t: Vec<u32> = top5(l).iter().map(|t| t.0).collect();
+        t.sort();
+        t
+    };
+    let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    set_isa(Isa::Scalar).unwrap();
+    let scalar_model = LlamaModel::load(GgufFile::open(&model_path()).unwrap()).unwrap();
+    assert_eq!(scalar_model.packed_bytes(), 0, "the scalar path reads the GGUF bytes");
+    let (reference, answer) = golden_run(&scalar_model, &ids, KvDtype::F16);
+    assert_eq!(answer, want, "scalar");
+    assert_eq!(sorted_top(&reference), golden_set, "scalar");
+    drop(scalar_model);
+    let mut first_simd: Option<Vec<f32>> = None;
+    for isa in Isa::all_available().into_iter().filter(|i| i.is_simd()) {
+        set_isa(isa).unwrap();
+        let model = LlamaModel::load(GgufFile::open(&model_path()).unwrap()).unwrap();
+        assert!(model.packed_bytes() > 0, "{isa}");
+        let kvs: &[KvDtype] = if isa == Isa::best() {
+            &[KvDtype::F16, KvDtype::F32]
+        } else {
+            &[KvDtype::F16]
+        };
+        for &kv in kvs {
+            let (logits, answer) = golden_run(&model, &ids, kv);
+            assert_eq!(answer, want, "{isa}, KV {kv:?}");
+            assert_eq!(sorted_top(&logits), golden_set, "{isa}, KV {kv:?}");
+            let all = max_diff(&logits, &reference);
+            let top = golden_set
+                .iter()
+                .map(|&i| (logits[i as usize] - reference[i as usize]).abs())
+                .fold(0f32, f32::max);
+            eprintln!("{isa}, KV {kv:?}: vs scalar: max |Δ| {all:.4}, top-5 max |Δ| {top:.4}");
+            assert!(all <= 1.5 && top <= 0.6, "{isa}, KV {kv:?}: {all} / {top} from scalar");
+            if kv == KvDtype::F16 {
+                match &first_simd {
+                    None => first_simd = Some(logits),
+                    Some(f) => {
+                        let d = max_diff(&logits, f);
+                        eprintln!("{isa}: vs the first SIMD path: max |Δ| {d:.5}");
+                        assert!(d <= 0.001, "{isa}: {d} from the first SIMD path");
+                    }
+                }
+            }
+        }
     }
 }

@@ -6,7 +6,13 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 use hearth_engine::fetch::DEFAULT_MODEL_ID;
+use hearth_engine::kernels::Isa;
+use hearth_engine::kv::KvDtype;
 use hearth_engine::EngineConfig;
+
+fn parse_isa(s: &str) -> Result<Isa, String> {
+    Isa::parse(s).map_err(|e| e.to_string())
+}
 use hearth_gateway::db;
 use hearth_gateway::limits::{Limiter, RedisLimiter};
 use hearth_gateway::registry::RoutingConfig;
@@ -178,6 +184,13 @@ pub struct ModelArgs {
     /// KV cache size in MiB (default: a quarter of available memory, at most 1024).
     #[arg(long, env = "HEARTH_KV_CACHE_MIB")]
     pub kv_cache_mib: Option<usize>,
+    /// How the KV cache stores keys and values: f16 (half the memory) or f32.
+    #[arg(long, env = "HEARTH_KV_DTYPE", default_value = "f16", value_parser = KvDtype::parse)]
+    pub kv_dtype: KvDtype,
+    /// The kernels' instruction set: auto (the best this CPU runs), avx512, avx2 (with
+    /// AVX-VNNI where present), avx2-novnni or scalar. Refused if the CPU cannot run it.
+    #[arg(long, env = "HEARTH_ISA", default_value = "auto", value_parser = parse_isa)]
+    pub isa: Isa,
     /// Tokens per engine step, shared by decodes and prefill chunks.
     #[arg(long, env = "HEARTH_MAX_BATCH_TOKENS", default_value_t = 512)]
     pub max_batch_tokens: usize,
@@ -241,6 +254,8 @@ impl ModelArgs {
                 .threads
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
             kv_cache_mib: self.kv_cache_mib,
+            kv_dtype: self.kv_dtype,
+            isa: Some(self.isa),
             max_batch_tokens: self.max_batch_tokens,
             max_running: self.max_running,
             region: self.region.clone(),

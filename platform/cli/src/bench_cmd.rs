@@ -68,6 +68,8 @@ async fn engine(model: ModelArgs, quick: bool, json: Option<PathBuf>) -> anyhow:
     let bench = hearth_engine::bench::BenchConfig {
         threads: cfg.threads,
         kv_cache_mib: cfg.kv_cache_mib,
+        kv_dtype: cfg.kv_dtype,
+        isa: cfg.isa,
         quick,
     };
     let report = hearth_engine::bench::run(&path, &id, &bench).await?;

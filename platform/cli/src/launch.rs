@@ -71,7 +71,7 @@ async fn load_engine(args: &ModelArgs) -> anyhow::Result<EngineHandle> {
         context = engine.info().context_length,
         threads,
         load_ms = (engine.load_seconds() * 1000.0) as u64,
-        isa = ?hearth_engine::kernels::isa(),
+        isa = %hearth_engine::kernels::isa(),
         "engine ready"
     );
     Ok(engine)

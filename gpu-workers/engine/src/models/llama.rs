@@ -2,12 +2,14 @@
 //! GQA attention, RMSNorm, SwiGLU, RoPE over adjacent pairs (GGUF permutes `attn_q`/`attn_k`
 //! rows so that pairs (2i, 2i+1) rotate together), optionally tied embeddings.
 
+use std::sync::Arc;
+
 use rayon::prelude::*;
 
 use crate::attention::{attend_head, HeadSpec};
 use crate::gguf::{GgmlType, GgufError, GgufFile, TensorInfo};
-use crate::kernels::{dequantize_row, matmul, MatmulScratch, WeightView, QK};
-use crate::kv::KvPool;
+use crate::kernels::{dequantize_row, isa, matmul, matmul_many, silu_mul, MatmulScratch, PackedMatrix, WeightView, QK};
+use crate::kv::{KvDtype, KvPool, KvShape};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -94,7 +96,8 @@ impl LlamaConfig {
     }
 }
 
-/// A weight matrix: where it is in the file and its shape.
+/// A weight matrix: where it is in the file, its shape, and its repacked copy (built at
+/// load for the SIMD kernels; then the file's pages of it are no longer read).
 #[derive(Debug, Clone)]
 struct Matrix {
     ty: GgmlType,
@@ -102,6 +105,7 @@ struct Matrix {
     cols: usize,
     offset: usize,
     len: usize,
+    packed: Option<Arc<PackedMatrix>>,
 }
 
 #[derive(Debug)]
@@ -127,6 +131,7 @@ pub struct LlamaModel {
     output_norm: Vec<f32>,
     inv_freq: Vec<f32>,
     n_params: u64,
+    packed_bytes: usize,
 }
 
 impl std::fmt::Debug for LlamaModel {
@@ -166,6 +171,7 @@ fn matrix(g: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Matrix, 
         cols,
         offset: t.offset,
         len: t.len,
+        packed: None,
     })
 }
 
@@ -244,7 +250,7 @@ impl LlamaModel {
             .map(|i| c.rope_theta.powf(-((2 * i) as f32) / c.rope_dims as f32))
             .collect();
         let n_params = file.tensors.iter().map(|t| t.n_elements()).sum();
-        Ok(Self {
+        let mut model = Self {
             file,
             config: c,
             layers,
@@ -253,7 +259,72 @@ impl LlamaModel {
             output_norm,
             inv_freq,
             n_params,
-        })
+            packed_bytes: 0,
+        };
+        if isa().is_simd() {
+            model.repack();
+        }
+        Ok(model)
+    }
+
+    /// Repacks every quantized matrix for the SIMD kernels (see [`crate::kernels::packed`]),
+    /// releasing each one's file pages once its copy exists, so that resident memory holds
+    /// one copy of the weights, not two. The embedding stays in the file (rows are looked
+    /// up, not multiplied); with tied embeddings its packed copy serves the logits.
+    fn repack(&mut self) {
+        let file = &self.file;
+        let pack = |m: &mut Matrix, release: bool| -> usize {
+            let t = TensorInfo {
+                name: String::new(),
+                dims: vec![],
+                ty: m.ty,
+                offset: m.offset,
+                len: m.len,
+            };
+            let view = WeightView {
+                ty: m.ty,
+                rows: m.rows,
+                cols: m.cols,
+                data: file.tensor_data(&t),
+                packed: None,
+            };
+            let Some(p) = PackedMatrix::pack(&view) else {
+                return 0;
+            };
+            if release {
+                file.release(m.offset, m.len);
+            }
+            let n = p.bytes().len();
+            m.packed = Some(Arc::new(p));
+            n
+        };
+        let mut total = 0;
+        for layer in &mut self.layers {
+            for m in [
+                &mut layer.wq,
+                &mut layer.wk,
+                &mut layer.wv,
+                &mut layer.wo,
+                &mut layer.w_gate,
+                &mut layer.w_up,
+                &mut layer.w_down,
+            ] {
+                total += pack(m, true);
+            }
+        }
+        let tied = self.output.offset == self.embed.offset;
+        total += pack(&mut self.output, !tied);
+        if tied {
+            // The embedding's rows are still read from the file for lookups; release the
+            // pages the repacking read, lookups fault in the few they need.
+            self.file.release(self.embed.offset, self.embed.len);
+        }
+        self.packed_bytes = total;
+    }
+
+    /// Bytes of repacked weights held in memory.
+    pub fn packed_bytes(&self) -> usize {
+        self.packed_bytes
     }
 
     pub fn n_params(&self) -> u64 {
@@ -264,7 +335,7 @@ impl LlamaModel {
         &self.file
     }
 
-    fn view(&self, m: &Matrix) -> WeightView<'_> {
+    fn view<'a>(&'a self, m: &'a Matrix) -> WeightView<'a> {
         let t = TensorInfo {
             name: String::new(),
             dims: vec![],
@@ -277,21 +348,30 @@ impl LlamaModel {
             rows: m.rows,
             cols: m.cols,
             data: self.file.tensor_data(&t),
+            packed: m.packed.as_deref(),
         }
     }
 
+    /// `(cos, sin)` of every rotary frequency at each position, computed once per step and
+    /// shared by every layer.
+    fn rope_table(&self, positions: &[usize]) -> Vec<(f32, f32)> {
+        let mut t = Vec::with_capacity(positions.len() * self.inv_freq.len());
+        for &pos in positions {
+            let p = pos as f32;
+            t.extend(self.inv_freq.iter().map(|f| {
+                let (s, c) = (p * f).sin_cos();
+                (c, s)
+            }));
+        }
+        t
+    }
+
     /// Rotates adjacent pairs of each head by position (GGUF's RoPE layout).
-    fn rope(&self, x: &mut [f32], n_heads: usize, positions: &[usize]) {
+    fn rope(&self, x: &mut [f32], n_heads: usize, table: &[(f32, f32)]) {
         let hd = self.config.head_dim;
         let width = n_heads * hd;
-        for (row, &pos) in x.chunks_exact_mut(width).zip(positions) {
-            let p = pos as f32;
-            let cs: Vec<(f32, f32)> = self
-                .inv_freq
-                .iter()
-                .map(|f| (p * f).sin_cos())
-                .map(|(s, c)| (c, s))
-                .collect();
+        let nf = self.inv_freq.len();
+        for (row, cs) in x.chunks_exact_mut(width).zip(table.chunks_exact(nf)) {
             for head in row.chunks_exact_mut(hd) {
                 for (i, &(c, s)) in cs.iter().enumerate() {
                     let (a, b) = (head[2 * i], head[2 * i + 1]);
@@ -325,13 +405,17 @@ impl LlamaModel {
         let mut gate = vec![0f32; t * c.n_ff];
         let mut up = vec![0f32; t * c.n_ff];
         let group = c.n_heads / c.n_kv_heads;
+        let rope = self.rope_table(b.positions);
         for (l, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
-            matmul(&self.view(&layer.wq), &h, &mut q, &mut s.mm);
-            matmul(&self.view(&layer.wk), &h, &mut k, &mut s.mm);
-            matmul(&self.view(&layer.wv), &h, &mut v, &mut s.mm);
-            self.rope(&mut q, c.n_heads, b.positions);
-            self.rope(&mut k, c.n_kv_heads, b.positions);
+            matmul_many(
+                &[self.view(&layer.wq), self.view(&layer.wk), self.view(&layer.wv)],
+                &h,
+                &mut [&mut q, &mut k, &mut v],
+                &mut s.mm,
+            );
+            self.rope(&mut q, c.n_heads, &rope);
+            self.rope(&mut k, c.n_kv_heads, &rope);
             for r in 0..t {
                 let p = b.positions[r];
                 pool.write(
@@ -359,11 +443,13 @@ impl LlamaModel {
             matmul(&self.view(&layer.wo), &att, &mut o, &mut s.mm);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
-            matmul(&self.view(&layer.w_gate), &h, &mut gate, &mut s.mm);
-            matmul(&self.view(&layer.w_up), &h, &mut up, &mut s.mm);
-            for (g, u) in gate.iter_mut().zip(&up) {
-                *g = *g / (1.0 + (-*g).exp()) * u;
-            }
+            matmul_many(
+                &[self.view(&layer.w_gate), self.view(&layer.w_up)],
+                &h,
+                &mut [&mut gate, &mut up],
+                &mut s.mm,
+            );
+            silu_mul(&mut gate, &up);
             matmul(&self.view(&layer.w_down), &gate, &mut o, &mut s.mm);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         }
@@ -379,9 +465,19 @@ impl LlamaModel {
         logits
     }
 
+    /// The KV cache's shape for this model.
+    pub fn kv_shape(&self, block_tokens: usize) -> KvShape {
+        KvShape {
+            n_layers: self.config.n_layers,
+            kv_heads: self.config.n_kv_heads,
+            head_dim: self.config.head_dim,
+            block_tokens,
+        }
+    }
+
     /// KV bytes per cached token.
-    pub fn kv_bytes_per_token(&self) -> usize {
-        KvPool::block_bytes(self.config.n_layers, self.config.kv_dim(), 1)
+    pub fn kv_bytes_per_token(&self, dtype: KvDtype) -> usize {
+        KvPool::block_bytes(self.kv_shape(1), dtype)
     }
 }
 
@@ -404,14 +500,23 @@ pub struct Session<'m> {
 }
 
 impl<'m> Session<'m> {
-    /// A session that can hold `capacity` tokens.
+    /// A session that can hold `capacity` tokens, with the engine's default KV storage
+    /// (f32 with float activations, which are for numerics checks).
     pub fn new(model: &'m LlamaModel, capacity: usize, scratch: ForwardScratch) -> Self {
+        let dtype = if scratch.mm.precise {
+            KvDtype::F32
+        } else {
+            KvDtype::default()
+        };
+        Self::with_kv(model, capacity, scratch, dtype)
+    }
+
+    pub fn with_kv(model: &'m LlamaModel, capacity: usize, scratch: ForwardScratch, dtype: KvDtype) -> Self {
         let bt = hearth_protocol::DEFAULT_BLOCK_TOKENS;
         let blocks = capacity.div_ceil(bt);
-        let c = &model.config;
         Self {
             model,
-            pool: KvPool::new(c.n_layers, c.kv_dim(), bt, blocks),
+            pool: KvPool::new(model.kv_shape(bt), dtype, blocks),
             table: (0..blocks as u32).collect(),
             len: 0,
             scratch,
