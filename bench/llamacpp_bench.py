@@ -12,6 +12,7 @@ ap.add_argument("model")
 ap.add_argument("--threads", type=int, default=2)
 ap.add_argument("--quick", action="store_true")
 ap.add_argument("--json")
+ap.add_argument("--smoke", action="store_true", help="one short prompt, then exit (build check)")
 a = ap.parse_args()
 
 decode_tokens, stream_tokens = (32, 16) if a.quick else (128, 64)
@@ -71,6 +72,9 @@ def seq_prompt(toks, seq=0, start=0):
 
 # Warm up.
 clear(); decode(seq_prompt(prompt(32)))
+if a.smoke:
+    decode(seq_prompt(prompt(64), start=32))
+    raise SystemExit(0)
 
 prefill = 0.0
 for _ in range(1 if a.quick else 3):

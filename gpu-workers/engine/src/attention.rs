@@ -6,7 +6,7 @@
 //! of 8 positions and each query element is one broadcast multiply-add. Softmax uses a
 //! vectorised `exp`; the weighted sum of values keeps the output row in registers.
 
-use crate::kernels::{exp_shifted_sum, isa};
+use crate::kernels::{exp_shifted_sum, isa, Isa};
 use crate::kv::{KvPool, KvSlice};
 
 /// Where one head's keys and values live.
@@ -40,6 +40,8 @@ pub fn attend_head(
     let simd = isa().is_simd() && bt.is_multiple_of(8) && hd.is_multiple_of(8) && hd <= 128;
     #[cfg(not(target_arch = "x86_64"))]
     let simd = false;
+    // 512-bit registers: 16 positions (one block) or 16 output elements per register.
+    let wide = simd && isa() == Isa::Avx512 && bt.is_multiple_of(16) && (hd == 64 || hd == 128);
     for (bi, &block) in table.iter().enumerate().take(nblocks) {
         let keys = pool.keys(block, h.layer);
         let dst = &mut scores[bi * bt..(bi + 1) * bt];
@@ -49,7 +51,11 @@ pub fn attend_head(
             // SAFETY: a SIMD path implies AVX2/FMA/F16C; the head's keys are `hd · bt`
             // elements from `kt_off` inside the block section; `bt` is a multiple of 8.
             unsafe {
-                x86::scores(q, scale, keys, kt_off, bt, dst)
+                if wide {
+                    x86::scores512(q, scale, keys, kt_off, bt, dst)
+                } else {
+                    x86::scores(q, scale, keys, kt_off, bt, dst)
+                }
             };
         } else {
             for (slot, d) in dst.iter_mut().enumerate() {
@@ -67,7 +73,11 @@ pub fn attend_head(
         // SAFETY: as above; every position `< n` lies in the first `nblocks` blocks, whose
         // value rows hold `kv_dim ≥ off + hd` elements.
         unsafe {
-            x86::weighted_values(scores, inv, table, pool, h, off, out)
+            match (wide, hd) {
+                (true, 64) => x86::weighted512::<4>(scores, inv, table, pool, h, off, out),
+                (true, _) => x86::weighted512::<8>(scores, inv, table, pool, h, off, out),
+                _ => x86::weighted_values(scores, inv, table, pool, h, off, out),
+            }
         };
         return;
     }
@@ -191,6 +201,76 @@ mod x86 {
             _mm256_storeu_ps(out.as_mut_ptr().add(8 * c), _mm256_mul_ps(*a, iv));
         }
     }
+
+    /// 16 stored elements from `at` as f32.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn load16(s: KvSlice<'_>, at: usize) -> __m512 {
+        match s {
+            KvSlice::F16(d) => _mm512_cvtph_ps(_mm256_loadu_si256(d.as_ptr().add(at) as *const __m256i)),
+            KvSlice::F32(d) => _mm512_loadu_ps(d.as_ptr().add(at)),
+        }
+    }
+
+    /// [`scores`] with 16 positions per register.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL; as [`scores`], with `bt % 16 == 0`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn scores512(q: &[f32], scale: f32, keys: KvSlice<'_>, kt_off: usize, bt: usize, dst: &mut [f32]) {
+        let hd = q.len();
+        for part in 0..bt / 16 {
+            let mut acc = [_mm512_setzero_ps(); 4];
+            let base = kt_off + 16 * part;
+            let mut i = 0;
+            while i + 4 <= hd {
+                for (j, a) in acc.iter_mut().enumerate() {
+                    let qi = _mm512_set1_ps(*q.get_unchecked(i + j));
+                    *a = _mm512_fmadd_ps(qi, load16(keys, base + (i + j) * bt), *a);
+                }
+                i += 4;
+            }
+            while i < hd {
+                acc[0] = _mm512_fmadd_ps(_mm512_set1_ps(q[i]), load16(keys, base + i * bt), acc[0]);
+                i += 1;
+            }
+            let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+            _mm512_storeu_ps(dst.as_mut_ptr().add(16 * part), _mm512_mul_ps(s, _mm512_set1_ps(scale)));
+        }
+    }
+
+    /// [`weighted_values`] with the output row in `NV` 512-bit registers (`hd = 16·NV`).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL; `out.len() == 16 · NV`; the table covers `p.len()` positions.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn weighted512<const NV: usize>(
+        p: &[f32],
+        inv: f32,
+        table: &[u32],
+        pool: &KvPool,
+        h: HeadSpec,
+        off: usize,
+        out: &mut [f32],
+    ) {
+        let bt = pool.block_tokens();
+        let mut acc = [_mm512_setzero_ps(); NV];
+        for (bi, &block) in table.iter().enumerate().take(p.len().div_ceil(bt)) {
+            let v = pool.values(block, h.layer);
+            let here = (p.len() - bi * bt).min(bt);
+            for slot in 0..here {
+                let w = _mm512_set1_ps(*p.get_unchecked(bi * bt + slot));
+                let row = slot * h.kv_dim + off;
+                for (c, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(w, load16(v, row + 16 * c), *a);
+                }
+            }
+        }
+        let iv = _mm512_set1_ps(inv);
+        for (c, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(out.as_mut_ptr().add(16 * c), _mm512_mul_ps(*a, iv));
+        }
+    }
 }
 
 #[cfg(test)]
@@ -205,7 +285,7 @@ mod tests {
     #[test]
     fn paged_equals_contiguous_reference() {
         let mut rng = Lcg(11);
-        for (hd, bt) in [(8usize, 4usize), (64, 16), (24, 8)] {
+        for (hd, bt) in [(8usize, 4usize), (64, 16), (128, 32), (24, 8)] {
             for dtype in [KvDtype::F32, KvDtype::F16] {
                 let (layers, kv_heads) = (2, 3);
                 let kv_dim = kv_heads * hd;

@@ -140,6 +140,7 @@ pub struct EngineHandle {
     kv_capacity_tokens: usize,
     kv_bytes_per_token: usize,
     packed_bytes: usize,
+    repack_seconds: f64,
 }
 
 impl std::fmt::Debug for EngineHandle {
@@ -163,10 +164,11 @@ impl EngineHandle {
             isa = %isa(),
             cpu = %cpu_features(),
             repacked_mib = model.packed_bytes() >> 20,
+            repack_ms = (model.repack_seconds() * 1000.0) as u64,
             repack_format = crate::kernels::packed::PACK_FORMAT,
             "kernels"
         );
-        let packed_bytes = model.packed_bytes();
+        let (packed_bytes, repack_seconds) = (model.packed_bytes(), model.repack_seconds());
         let end_of_generation: Vec<u32> = tokenizer
             .eos_id()
             .into_iter()
@@ -247,7 +249,13 @@ impl EngineHandle {
             kv_capacity_tokens,
             kv_bytes_per_token,
             packed_bytes,
+            repack_seconds,
         })
+    }
+
+    /// Seconds of the load spent repacking weights.
+    pub fn repack_seconds(&self) -> f64 {
+        self.repack_seconds
     }
 
     /// Bytes of weights repacked for the SIMD kernels.

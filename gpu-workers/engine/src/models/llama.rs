@@ -132,6 +132,7 @@ pub struct LlamaModel {
     inv_freq: Vec<f32>,
     n_params: u64,
     packed_bytes: usize,
+    repack_seconds: f64,
 }
 
 impl std::fmt::Debug for LlamaModel {
@@ -260,9 +261,12 @@ impl LlamaModel {
             inv_freq,
             n_params,
             packed_bytes: 0,
+            repack_seconds: 0.0,
         };
         if isa().is_simd() {
+            let t = std::time::Instant::now();
             model.repack();
+            model.repack_seconds = t.elapsed().as_secs_f64();
         }
         Ok(model)
     }
@@ -320,6 +324,11 @@ impl LlamaModel {
             self.file.release(self.embed.offset, self.embed.len);
         }
         self.packed_bytes = total;
+    }
+
+    /// Seconds the repacking took at load (0 on the scalar path).
+    pub fn repack_seconds(&self) -> f64 {
+        self.repack_seconds
     }
 
     /// Bytes of repacked weights held in memory.
