@@ -32,6 +32,17 @@ pub fn attend_head(
 ) {
     let bt = pool.block_tokens();
     let hd = h.head_dim;
+    // The SIMD kernels read through raw pointers sized by these shapes.
+    let shape = pool.shape();
+    assert!(
+        q.len() == hd
+            && out.len() == hd
+            && hd == shape.head_dim
+            && h.kv_dim == shape.kv_dim()
+            && h.kv_head < shape.kv_heads,
+        "attention head shape does not match the KV pool"
+    );
+    assert!(table.len() * bt >= n, "the block table does not cover {n} positions");
     let nblocks = n.div_ceil(bt);
     let scale = 1.0 / (hd as f32).sqrt();
     scores.clear();

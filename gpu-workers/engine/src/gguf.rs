@@ -367,6 +367,7 @@ impl GgufFile {
         const PAGE: usize = 4096;
         let start = offset.div_ceil(PAGE) * PAGE;
         let end = ((offset + len) / PAGE * PAGE).min(self.map.len());
+        #[cfg(unix)]
         if end > start {
             // SAFETY: the map is a read-only file mapping, so dropping its pages loses
             // nothing: the next access reads the file again.

@@ -504,9 +504,12 @@ pub fn matmul(w: &WeightView<'_>, x: &[f32], out: &mut [f32], scratch: &mut Matm
     if w.is_quantized() && !scratch.precise {
         scratch.acts.quantize(x, cols);
         #[cfg(target_arch = "x86_64")]
-        if let (Some(p), true) = (w.packed, isa().is_simd()) {
-            packed_matmul(isa(), p, &scratch.acts, out);
-            return;
+        {
+            let isa = isa(); // read once: another thread may change it (tests do)
+            if let (Some(p), true) = (w.packed, isa.is_simd()) {
+                packed_matmul(isa, p, &scratch.acts, out);
+                return;
+            }
         }
         let acts = &scratch.acts;
         scratch.transposed.resize(w.rows * t, 0.0);
@@ -552,12 +555,18 @@ pub fn matmul(w: &WeightView<'_>, x: &[f32], out: &mut [f32], scratch: &mut Matm
 /// activations are quantized once and all the products run in one parallel region.
 pub fn matmul_many(ws: &[WeightView<'_>], x: &[f32], outs: &mut [&mut [f32]], scratch: &mut MatmulScratch) {
     debug_assert_eq!(ws.len(), outs.len());
-    #[cfg(target_arch = "x86_64")]
-    if !scratch.precise && isa().is_simd() && ws.iter().all(|w| w.packed.is_some() && w.cols == ws[0].cols) {
-        scratch.acts.quantize(x, ws[0].cols);
-        let packed: Vec<&PackedMatrix> = ws.iter().filter_map(|w| w.packed).collect();
-        packed_matmul_many(isa(), &packed, &scratch.acts, outs);
+    if ws.is_empty() {
         return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let isa = isa(); // read once: another thread may change it (tests do)
+        if !scratch.precise && isa.is_simd() && ws.iter().all(|w| w.packed.is_some() && w.cols == ws[0].cols) {
+            scratch.acts.quantize(x, ws[0].cols);
+            let packed: Vec<&PackedMatrix> = ws.iter().filter_map(|w| w.packed).collect();
+            packed_matmul_many(isa, &packed, &scratch.acts, outs);
+            return;
+        }
     }
     for (w, out) in ws.iter().zip(outs.iter_mut()) {
         matmul(w, x, out, scratch);

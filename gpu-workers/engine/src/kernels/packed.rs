@@ -94,7 +94,7 @@ impl PackedMatrix {
             GgmlType::Q8_0 => PackKind::Byte,
             _ => return None,
         };
-        if !w.cols.is_multiple_of(QK) || w.rows == 0 {
+        if !w.cols.is_multiple_of(QK) || w.rows == 0 || w.cols == 0 {
             return None;
         }
         let blocks = w.cols / QK;
@@ -110,6 +110,9 @@ impl PackedMatrix {
         // SAFETY: `Line` is 64 plain bytes with no padding.
         let bytes: &mut [u8] =
             unsafe { std::slice::from_raw_parts_mut(lines.as_mut_ptr() as *mut u8, lines.len() * 64) };
+        // A scale whose `c` overflows f16 (|d| > 511 for Q8_0): such a matrix is not packed
+        // and takes the unpacked path instead.
+        let overflow = std::sync::atomic::AtomicBool::new(false);
         bytes.par_chunks_mut(group_bytes).enumerate().for_each(|(g, dst)| {
             for r in 0..GROUP_ROWS {
                 let row = g * GROUP_ROWS + r;
@@ -126,6 +129,9 @@ impl PackedMatrix {
                         GgmlType::Q4_0 => scaled_f16(d, -8.0),
                         _ => scaled_f16(d, -128.0),
                     };
+                    if !half::f16::from_bits(c).is_finite() {
+                        overflow.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
                     o[2 * r..2 * r + 2].copy_from_slice(&d.to_le_bytes());
                     o[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&c.to_le_bytes());
                     let q = &s[q_off..];
@@ -137,6 +143,9 @@ impl PackedMatrix {
                 }
             }
         });
+        if overflow.into_inner() {
+            return None;
+        }
         Some(Self {
             kind,
             rows: w.rows,
@@ -204,8 +213,8 @@ impl PackedMatrix {
     }
 }
 
-/// `d · k` in f16 (exact: `k` is a power of two and the GGUF scales are far from the
-/// f16 limits).
+/// `d · k` in f16 (exact, `k` being a power of two, unless it overflows: checked by the
+/// caller).
 fn scaled_f16(d: u16, k: f32) -> u16 {
     half::f16::from_f32(half::f16::from_bits(d).to_f32() * k).to_bits()
 }

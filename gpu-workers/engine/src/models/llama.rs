@@ -196,6 +196,24 @@ fn vector(g: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
     Ok(v)
 }
 
+/// A matrix's bytes in the file, with its repacked copy when it has one.
+fn weight_view<'a>(file: &'a GgufFile, m: &'a Matrix) -> WeightView<'a> {
+    let t = TensorInfo {
+        name: String::new(),
+        dims: vec![],
+        ty: m.ty,
+        offset: m.offset,
+        len: m.len,
+    };
+    WeightView {
+        ty: m.ty,
+        rows: m.rows,
+        cols: m.cols,
+        data: file.tensor_data(&t),
+        packed: m.packed.as_deref(),
+    }
+}
+
 /// Reusable buffers for forward passes.
 #[derive(Debug, Default)]
 pub struct ForwardScratch {
@@ -278,21 +296,7 @@ impl LlamaModel {
     fn repack(&mut self) {
         let file = &self.file;
         let pack = |m: &mut Matrix, release: bool| -> usize {
-            let t = TensorInfo {
-                name: String::new(),
-                dims: vec![],
-                ty: m.ty,
-                offset: m.offset,
-                len: m.len,
-            };
-            let view = WeightView {
-                ty: m.ty,
-                rows: m.rows,
-                cols: m.cols,
-                data: file.tensor_data(&t),
-                packed: None,
-            };
-            let Some(p) = PackedMatrix::pack(&view) else {
+            let Some(p) = PackedMatrix::pack(&weight_view(file, m)) else {
                 return 0;
             };
             if release {
@@ -345,20 +349,7 @@ impl LlamaModel {
     }
 
     fn view<'a>(&'a self, m: &'a Matrix) -> WeightView<'a> {
-        let t = TensorInfo {
-            name: String::new(),
-            dims: vec![],
-            ty: m.ty,
-            offset: m.offset,
-            len: m.len,
-        };
-        WeightView {
-            ty: m.ty,
-            rows: m.rows,
-            cols: m.cols,
-            data: self.file.tensor_data(&t),
-            packed: m.packed.as_deref(),
-        }
+        weight_view(&self.file, m)
     }
 
     /// `(cos, sin)` of every rotary frequency at each position, computed once per step and
@@ -380,6 +371,9 @@ impl LlamaModel {
         let hd = self.config.head_dim;
         let width = n_heads * hd;
         let nf = self.inv_freq.len();
+        if nf == 0 {
+            return;
+        }
         for (row, cs) in x.chunks_exact_mut(width).zip(table.chunks_exact(nf)) {
             for head in row.chunks_exact_mut(hd) {
                 for (i, &(c, s)) in cs.iter().enumerate() {
@@ -400,6 +394,11 @@ impl LlamaModel {
         let c = &self.config;
         let (t, d, kvd, hd) = (b.tokens.len(), c.d_model, c.kv_dim(), c.head_dim);
         let bt = pool.block_tokens();
+        assert_eq!(
+            pool.shape(),
+            self.kv_shape(bt),
+            "the KV pool was built for another model shape"
+        );
         let mut x = vec![0f32; t * d];
         let embed = self.view(&self.embed);
         for (row, &tok) in x.chunks_exact_mut(d).zip(b.tokens) {
