@@ -29,6 +29,10 @@ pub trait Backend: Send + Sync + 'static {
     fn load_seconds(&self) -> Option<f64> {
         None
     }
+    /// `warm`, `loading` or `cold` (None: this backend does not load and unload models).
+    fn model_state(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 impl Backend for crate::EngineHandle {
@@ -49,5 +53,8 @@ impl Backend for crate::EngineHandle {
     }
     fn load_seconds(&self) -> Option<f64> {
         Some(crate::EngineHandle::load_seconds(self))
+    }
+    fn model_state(&self) -> Option<&'static str> {
+        Some("warm")
     }
 }

@@ -15,6 +15,7 @@ pub mod bench;
 pub mod engine;
 pub mod fetch;
 pub mod gguf;
+pub mod host;
 pub mod kernels;
 pub mod kv;
 pub mod metrics;

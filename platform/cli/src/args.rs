@@ -277,6 +277,15 @@ pub struct ServeArgs {
     /// In-process engine workers (each with its own KV cache; threads are shared out).
     #[arg(long, env = "HEARTH_WORKERS_LOCAL", default_value_t = 1)]
     pub workers: usize,
+    /// A model catalogue (TOML; see the README): several models, each loaded on its first
+    /// request and unloaded after its idle TTL, within `--memory-budget-mib`. Replaces
+    /// `--model`.
+    #[arg(long, env = "HEARTH_CATALOGUE")]
+    pub catalogue: Option<PathBuf>,
+    /// Memory all warm models of the catalogue may use together (file + KV cache each);
+    /// the least recently used idle model is unloaded to make room. Default: no limit.
+    #[arg(long, env = "HEARTH_MEMORY_BUDGET_MIB")]
+    pub memory_budget_mib: Option<u64>,
     #[command(flatten)]
     pub routing: RoutingArgs,
     #[command(flatten)]

@@ -177,6 +177,23 @@ async fn run_gateway(
 }
 
 pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    if let Some(path) = &a.catalogue {
+        let (host, ids) = crate::catalogue::host(path, &a.model, a.memory_budget_mib).await?;
+        tracing::info!(models = ?ids, "catalogue: models load on their first request");
+        let mut workers = Workers {
+            clients: Vec::new(),
+            wait: Duration::ZERO,
+            engines: Vec::new(),
+        };
+        for (name, backend) in crate::catalogue::backends(&host, &ids) {
+            workers
+                .clients
+                .push(Arc::new(InProcessWorker::new(backend.clone(), &name)));
+            workers.engines.push((name, backend));
+        }
+        let routing = a.routing.config(&a.model.region)?;
+        return run_gateway(a.listen, &a.data, workers, a.admin_token, routing, &a.limits).await;
+    }
     let n = a.workers.clamp(1, 64);
     let mut model = a.model.clone();
     let total = model

@@ -56,6 +56,10 @@ impl WorkerClient for InProcessWorker {
         async move { Ok(()) }.boxed()
     }
 
+    fn model_state(&self) -> Option<String> {
+        self.engine.model_state().map(str::to_string)
+    }
+
     fn info(&self) -> BoxFuture<'_, Result<WorkerInfo, WorkerError>> {
         let info = self.engine.info().clone();
         async move { Ok(info) }.boxed()

@@ -3,6 +3,7 @@
 
 mod args;
 mod bench_cmd;
+mod catalogue;
 mod launch;
 mod local_worker;
 mod manage;

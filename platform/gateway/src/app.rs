@@ -92,7 +92,11 @@ async fn healthz(State(state): State<Arc<AppState>>) -> Json<Value> {
 }
 
 fn model_json(m: &ServedModel) -> Value {
-    json!({"id": m.id, "object": "model", "created": m.created, "owned_by": "hearth", "context_length": m.context_length})
+    let mut v = json!({"id": m.id, "object": "model", "created": m.created, "owned_by": "hearth", "context_length": m.context_length});
+    if let Some(state) = m.state() {
+        v["state"] = json!(state);
+    }
+    v
 }
 
 async fn list_models(State(state): State<Arc<AppState>>, Caller(ctx): Caller) -> Json<Value> {

@@ -155,6 +155,18 @@ impl ApiError {
         )
     }
 
+    /// 503 with `retry-after`: the model is loading (or waiting for room to load).
+    pub fn model_loading(message: impl Into<String>) -> Self {
+        let mut e = Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            Some("model_loading"),
+            message,
+        );
+        e.retry_after = Some(1);
+        e
+    }
+
     /// 500: Hearth's fault; the message says what failed, never internals a client can abuse.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(

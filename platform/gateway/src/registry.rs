@@ -46,6 +46,20 @@ impl ServedModel {
     pub fn worker_count(&self) -> usize {
         self.workers.iter().flatten().count()
     }
+
+    /// The warmest state its workers report (`warm` > `loading` > `cold`), if any reports.
+    pub fn state(&self) -> Option<String> {
+        let rank = |s: &str| match s {
+            "warm" => 2,
+            "loading" => 1,
+            _ => 0,
+        };
+        self.workers
+            .iter()
+            .flatten()
+            .filter_map(|w| w.model_state())
+            .max_by_key(|s| rank(s))
+    }
 }
 
 #[derive(Default)]

@@ -35,6 +35,11 @@ pub trait WorkerClient: Send + Sync + 'static {
     fn kv_events(&self) -> BoxFuture<'_, Result<KvEventStream, WorkerError>>;
     /// Liveness.
     fn health(&self) -> BoxFuture<'_, Result<(), WorkerError>>;
+    /// `warm`, `loading` or `cold` for a worker that loads its model on demand (None: it
+    /// does not say).
+    fn model_state(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A worker reached over HTTP (`hearth worker`).

@@ -3,7 +3,7 @@
 //! A quantized matrix (Q4_0, Q4_1 or Q8_0, blocks of 32 values) is cut into groups of
 //! [`GROUP_ROWS`] = 16 rows (the last group padded with zero rows). A group's blocks follow
 //! each other in column order; block `b` of group `g` starts at byte
-//! `(g · blocks_per_row + b) · block_bytes` of a 64-byte-aligned buffer and holds:
+//! `(g · blocks_per_row + b) · block_bytes` of a page-aligned buffer and holds:
 //!
 //! | bytes | content |
 //! |---|---|
@@ -58,10 +58,6 @@ impl PackKind {
     }
 }
 
-#[repr(C, align(64))]
-#[derive(Clone, Copy)]
-struct Line([u8; 64]);
-
 /// A quantized matrix in the layout above.
 pub struct PackedMatrix {
     pub kind: PackKind,
@@ -69,7 +65,9 @@ pub struct PackedMatrix {
     pub cols: usize,
     /// Blocks of 32 values per row.
     pub blocks: usize,
-    lines: Vec<Line>,
+    /// Anonymous pages of their own (page-aligned, so 64-byte aligned), returned to the OS
+    /// when the matrix is dropped: an unloaded model's RSS really goes.
+    data: memmap2::MmapMut,
 }
 
 impl std::fmt::Debug for PackedMatrix {
@@ -101,15 +99,15 @@ impl PackedMatrix {
         let groups = w.rows.div_ceil(GROUP_ROWS);
         let bb = kind.block_bytes();
         let group_bytes = blocks * bb;
-        let mut lines = vec![Line([0; 64]); groups * group_bytes / 64];
+        let Ok(mut data) = memmap2::MmapMut::map_anon(groups * group_bytes) else {
+            return None;
+        };
         let (src_block, q_off) = match w.ty {
             GgmlType::Q4_0 => (18, 2),
             GgmlType::Q4_1 => (20, 4),
             _ => (34, 2),
         };
-        // SAFETY: `Line` is 64 plain bytes with no padding.
-        let bytes: &mut [u8] =
-            unsafe { std::slice::from_raw_parts_mut(lines.as_mut_ptr() as *mut u8, lines.len() * 64) };
+        let bytes: &mut [u8] = &mut data;
         // A scale whose `c` overflows f16 (|d| > 511 for Q8_0): such a matrix is not packed
         // and takes the unpacked path instead.
         let overflow = std::sync::atomic::AtomicBool::new(false);
@@ -151,7 +149,7 @@ impl PackedMatrix {
             rows: w.rows,
             cols: w.cols,
             blocks,
-            lines,
+            data,
         })
     }
 
@@ -166,8 +164,7 @@ impl PackedMatrix {
 
     /// The packed bytes.
     pub fn bytes(&self) -> &[u8] {
-        // SAFETY: `Line` is 64 plain bytes with no padding.
-        unsafe { std::slice::from_raw_parts(self.lines.as_ptr() as *const u8, self.lines.len() * 64) }
+        &self.data
     }
 
     /// Group `g`'s bytes (64-byte aligned).

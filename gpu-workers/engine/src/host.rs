@@ -1,0 +1,533 @@
+//! Several models in one worker within a memory budget: each is loaded on its first
+//! request, kept warm while used, unloaded after its idle TTL (scale to zero), and evicted
+//! least-recently-used when another needs the room — never while it has requests in
+//! flight. Concurrent requests for a model that is loading wait on that one load (a bounded
+//! number of them, for a bounded time; then `model_loading`, which the gateway answers with
+//! 503 and `retry-after`).
+//!
+//! [`ModelHost::model`] gives one [`HostedModel`] per catalogue entry: a [`Backend`] whose
+//! `info` comes from the file's metadata (no weights read), so a gateway can list, tokenize
+//! for and route to a model that is not loaded.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use hearth_protocol::{GenerateEvent, GenerateRequest, WorkerInfo};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::sync::{watch, Notify};
+
+use crate::backend::{Backend, KvSubscription};
+use crate::{EngineConfig, EngineError, EngineHandle};
+
+/// One model the host may serve.
+#[derive(Debug, Clone)]
+pub struct ModelEntry {
+    pub id: String,
+    pub path: PathBuf,
+    /// Unload after this long without requests (None: stay warm once loaded).
+    pub idle_ttl: Option<Duration>,
+    /// Keep warm: never unloaded for idleness or evicted for room (load it with
+    /// [`ModelHost::preload`]).
+    pub pinned: bool,
+}
+
+/// How the host shares out memory and waits.
+#[derive(Debug, Clone)]
+pub struct HostConfig {
+    /// Bytes all warm models may use together (None: no limit). A model's estimate is its
+    /// file size plus its KV cache.
+    pub memory_budget: Option<u64>,
+    /// How long a request waits for its model to load (or for room to load it).
+    pub load_timeout: Duration,
+    /// Requests that may wait for one model at once; more are answered `model_loading` at once.
+    pub max_waiting: usize,
+    /// Settings of every engine the host starts.
+    pub engine: EngineConfig,
+}
+
+impl Default for HostConfig {
+    fn default() -> Self {
+        Self {
+            memory_budget: None,
+            load_timeout: Duration::from_secs(60),
+            max_waiting: 256,
+            engine: EngineConfig::default(),
+        }
+    }
+}
+
+/// A model's state, as listed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ModelState {
+    Cold,
+    Loading,
+    Warm,
+}
+
+impl ModelState {
+    pub fn name(self) -> &'static str {
+        match self {
+            ModelState::Cold => "cold",
+            ModelState::Loading => "loading",
+            ModelState::Warm => "warm",
+        }
+    }
+}
+
+/// Why a request could not get its model.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum HostError {
+    #[error("model {0:?} is not in this worker's catalogue")]
+    Unknown(String),
+    /// Still loading (or no room yet) after the wait; try again after `retry_after`.
+    #[error("model {model:?} is loading; retry in {} s", retry_after.as_secs())]
+    Loading { model: String, retry_after: Duration },
+    #[error("model {model:?} failed to load: {message}")]
+    Failed { model: String, message: String },
+}
+
+impl HostError {
+    /// The error event a request gets.
+    pub fn event(&self) -> GenerateEvent {
+        let code = match self {
+            HostError::Unknown(_) => "model_not_found",
+            HostError::Loading { .. } => "model_loading",
+            HostError::Failed { .. } => "model_load_failed",
+        };
+        GenerateEvent::Error {
+            code: code.into(),
+            message: self.to_string(),
+        }
+    }
+}
+
+enum Slot {
+    Cold,
+    /// Done when the value becomes `Some` (Ok: warm; Err: the load's error).
+    Loading(watch::Receiver<Option<Result<(), String>>>),
+    Warm(EngineHandle),
+}
+
+struct Model {
+    entry: ModelEntry,
+    info: Arc<WorkerInfo>,
+    estimate: u64,
+    slot: Slot,
+    in_flight: usize,
+    waiting: usize,
+    last_used: Instant,
+}
+
+struct Inner {
+    cfg: HostConfig,
+    models: Mutex<HashMap<String, Model>>,
+    /// Signalled whenever a request ends or a model unloads (room may have appeared).
+    released: Notify,
+    loads: std::sync::atomic::AtomicU64,
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Model>> {
+        self.models.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The models of one worker. Cheap to clone.
+#[derive(Clone)]
+pub struct ModelHost {
+    inner: Arc<Inner>,
+}
+
+/// A request's hold on a warm model: while any exists the model is not evicted.
+struct Lease {
+    inner: Arc<Inner>,
+    id: String,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Some(m) = self.inner.lock().get_mut(&self.id) {
+            m.in_flight = m.in_flight.saturating_sub(1);
+            m.last_used = Instant::now();
+        }
+        self.inner.released.notify_waiters();
+    }
+}
+
+impl ModelHost {
+    /// A host for `entries` (their metadata is read now; no weights are loaded), with the
+    /// entries whose metadata could not be read and why (they are left out; the others
+    /// are served). Starts the idle-TTL reaper on the current tokio runtime.
+    pub fn new(entries: Vec<ModelEntry>, cfg: HostConfig) -> (Self, Vec<(String, EngineError)>) {
+        let kv_bytes = cfg.engine.kv_cache_mib.unwrap_or(1024) as u64 * (1 << 20);
+        let mut models = HashMap::new();
+        let mut failed = Vec::new();
+        for entry in entries {
+            let mut info = match crate::sim::sim_info(&entry.path, &entry.id, &cfg.engine.region) {
+                Ok(i) => i,
+                Err(e) => {
+                    tracing::warn!(model = %entry.id, error = %e, "model left out of the catalogue");
+                    failed.push((entry.id, e));
+                    continue;
+                }
+            };
+            info.architecture = "llama".into();
+            info.capacity = cfg.engine.max_running as u32;
+            let file_bytes = std::fs::metadata(&entry.path).map_or(0, |m| m.len());
+            models.insert(
+                entry.id.clone(),
+                Model {
+                    entry,
+                    info: Arc::new(info),
+                    estimate: file_bytes + kv_bytes,
+                    slot: Slot::Cold,
+                    in_flight: 0,
+                    waiting: 0,
+                    last_used: Instant::now(),
+                },
+            );
+        }
+        let host = Self {
+            inner: Arc::new(Inner {
+                cfg,
+                models: Mutex::new(models),
+                released: Notify::new(),
+                loads: Default::default(),
+            }),
+        };
+        host.start_reaper();
+        (host, failed)
+    }
+
+    /// The [`Backend`] for one catalogue entry.
+    pub fn model(&self, id: &str) -> Option<HostedModel> {
+        let info = self.inner.lock().get(id)?.info.clone();
+        Some(HostedModel {
+            host: self.clone(),
+            info,
+        })
+    }
+
+    /// Every model and its state.
+    pub fn states(&self) -> Vec<(String, ModelState)> {
+        let mut v: Vec<_> = self
+            .inner
+            .lock()
+            .iter()
+            .map(|(id, m)| {
+                let s = match m.slot {
+                    Slot::Cold => ModelState::Cold,
+                    Slot::Loading(_) => ModelState::Loading,
+                    Slot::Warm(_) => ModelState::Warm,
+                };
+                (id.clone(), s)
+            })
+            .collect();
+        v.sort();
+        v
+    }
+
+    pub fn state(&self, id: &str) -> Option<ModelState> {
+        self.states().into_iter().find(|(m, _)| m == id).map(|(_, s)| s)
+    }
+
+    /// Loads a model now (for pinned models at start).
+    pub async fn preload(&self, id: &str) -> Result<(), HostError> {
+        self.acquire(id).await.map(|_| ())
+    }
+
+    /// Loads started so far (all models).
+    pub fn loads(&self) -> u64 {
+        self.inner.loads.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Unloads every idle model whose TTL has passed; returns how many.
+    pub fn reap(&self) -> usize {
+        let mut n = 0;
+        {
+            let mut models = self.inner.lock();
+            for m in models.values_mut() {
+                let expired = !m.entry.pinned && m.entry.idle_ttl.is_some_and(|ttl| m.last_used.elapsed() >= ttl);
+                if expired && m.in_flight == 0 && matches!(m.slot, Slot::Warm(_)) {
+                    m.slot = Slot::Cold; // dropping the handle stops the engine thread
+                    tracing::info!(model = %m.entry.id, "idle TTL passed: model unloaded");
+                    n += 1;
+                }
+            }
+        }
+        if n > 0 {
+            self.inner.released.notify_waiters();
+        }
+        n
+    }
+
+    fn start_reaper(&self) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let ttl = self.inner.lock().values().filter_map(|m| m.entry.idle_ttl).min();
+        let Some(ttl) = ttl else { return };
+        let every = (ttl / 4).clamp(Duration::from_millis(50), Duration::from_secs(5));
+        let weak = Arc::downgrade(&self.inner);
+        rt.spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let Some(inner) = weak.upgrade() else { return };
+                ModelHost { inner }.reap();
+            }
+        });
+    }
+
+    /// A warm engine for `id` and a lease on it: loads the model if needed (one load for
+    /// every concurrent request), evicting least-recently-used idle models to make room.
+    async fn acquire(&self, id: &str) -> Result<(EngineHandle, Lease), HostError> {
+        let deadline = Instant::now() + self.inner.cfg.load_timeout;
+        let loading = |id: &str| HostError::Loading {
+            model: id.to_string(),
+            retry_after: Duration::from_secs(1),
+        };
+        let mut counted_waiting = false;
+        let result = loop {
+            let step = {
+                let mut models = self.inner.lock();
+                let Some(m) = models.get_mut(id) else {
+                    break Err(HostError::Unknown(id.to_string()));
+                };
+                match &m.slot {
+                    Slot::Warm(engine) => {
+                        m.in_flight += 1;
+                        m.last_used = Instant::now();
+                        let engine = engine.clone();
+                        break Ok((
+                            engine,
+                            Lease {
+                                inner: self.inner.clone(),
+                                id: id.to_string(),
+                            },
+                        ));
+                    }
+                    Slot::Loading(rx) => Some(rx.clone()),
+                    Slot::Cold => {
+                        let need = m.estimate;
+                        if self.make_room(&mut models, id, need) {
+                            let (tx, rx) = watch::channel(None);
+                            let m = models.get_mut(id).expect("present");
+                            m.slot = Slot::Loading(rx.clone());
+                            self.start_load(m.entry.clone(), tx);
+                            Some(rx)
+                        } else {
+                            None // no room yet: wait for a request to end
+                        }
+                    }
+                }
+            };
+            if !counted_waiting {
+                let mut models = self.inner.lock();
+                if let Some(m) = models.get_mut(id) {
+                    if m.waiting >= self.inner.cfg.max_waiting {
+                        break Err(loading(id));
+                    }
+                    m.waiting += 1;
+                    counted_waiting = true;
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break Err(loading(id));
+            }
+            match step {
+                Some(mut rx) => {
+                    let done = tokio::time::timeout(left, rx.wait_for(|v| v.is_some())).await;
+                    match done {
+                        Err(_) => break Err(loading(id)),
+                        Ok(Ok(v)) => {
+                            if let Some(Err(message)) = v.clone() {
+                                break Err(HostError::Failed {
+                                    model: id.to_string(),
+                                    message,
+                                });
+                            }
+                        }
+                        Ok(Err(_)) => {} // the loader vanished: look again
+                    }
+                }
+                None => {
+                    // Wake on a release, or look again shortly (a release between the check
+                    // above and this wait is not missed for long).
+                    let nap = left.min(Duration::from_millis(100));
+                    let _ = tokio::time::timeout(nap, self.inner.released.notified()).await;
+                }
+            }
+        };
+        if counted_waiting {
+            if let Some(m) = self.inner.lock().get_mut(id) {
+                m.waiting = m.waiting.saturating_sub(1);
+            }
+        }
+        result
+    }
+
+    /// Makes room for `need` bytes for `id`, unloading least-recently-used warm models with
+    /// nothing in flight; false if that is not enough (nothing is unloaded then).
+    fn make_room(&self, models: &mut HashMap<String, Model>, id: &str, need: u64) -> bool {
+        let Some(budget) = self.inner.cfg.memory_budget else {
+            return true;
+        };
+        let used: u64 = models
+            .values()
+            .filter(|m| !matches!(m.slot, Slot::Cold))
+            .map(|m| m.estimate)
+            .sum();
+        if used + need <= budget {
+            return true;
+        }
+        let mut idle: Vec<(Instant, String, u64)> = models
+            .iter()
+            .filter(|(k, m)| k.as_str() != id && !m.entry.pinned && m.in_flight == 0 && matches!(m.slot, Slot::Warm(_)))
+            .map(|(k, m)| (m.last_used, k.clone(), m.estimate))
+            .collect();
+        idle.sort();
+        let mut freed = 0;
+        let mut victims = Vec::new();
+        for (_, k, est) in idle {
+            if used - freed + need <= budget {
+                break;
+            }
+            freed += est;
+            victims.push(k);
+        }
+        if used - freed + need > budget {
+            return false;
+        }
+        for k in victims {
+            if let Some(m) = models.get_mut(&k) {
+                m.slot = Slot::Cold;
+                tracing::info!(model = %k, for_model = %id, "evicted (least recently used) to make room");
+            }
+        }
+        true
+    }
+
+    fn start_load(&self, entry: ModelEntry, done: watch::Sender<Option<Result<(), String>>>) {
+        self.inner.loads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let inner = self.inner.clone();
+        let cfg = self.inner.cfg.engine.clone();
+        tracing::info!(model = %entry.id, "loading on first request");
+        let load = move || {
+            let r = EngineHandle::load(&entry.path, &entry.id, &cfg);
+            let mut models = inner.lock();
+            let outcome = match (r, models.get_mut(&entry.id)) {
+                (Ok(engine), Some(m)) => {
+                    tracing::info!(model = %entry.id, load_ms = (engine.load_seconds() * 1000.0) as u64, "model loaded");
+                    m.slot = Slot::Warm(engine);
+                    m.last_used = Instant::now();
+                    Ok(())
+                }
+                (Err(e), Some(m)) => {
+                    tracing::warn!(model = %entry.id, error = %e, "model failed to load");
+                    m.slot = Slot::Cold;
+                    Err(e.to_string())
+                }
+                (r, None) => r.map(|_| ()).map_err(|e| e.to_string()),
+            };
+            drop(models);
+            let _ = done.send(Some(outcome));
+            inner.released.notify_waiters();
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn_blocking(load);
+            }
+            Err(_) => {
+                std::thread::spawn(load);
+            }
+        }
+    }
+}
+
+/// One catalogue entry as a [`Backend`]: requests load the model when it is cold.
+#[derive(Clone)]
+pub struct HostedModel {
+    host: ModelHost,
+    info: Arc<WorkerInfo>,
+}
+
+impl HostedModel {
+    pub fn state(&self) -> ModelState {
+        self.host.state(&self.info.model).unwrap_or(ModelState::Cold)
+    }
+
+    fn warm(&self) -> Option<EngineHandle> {
+        match &self.host.inner.lock().get(&self.info.model)?.slot {
+            Slot::Warm(e) => Some(e.clone()),
+            _ => None,
+        }
+    }
+}
+
+impl Backend for HostedModel {
+    fn info(&self) -> &WorkerInfo {
+        &self.info
+    }
+
+    fn generate(&self, req: GenerateRequest) -> UnboundedReceiver<GenerateEvent> {
+        let (tx, rx) = unbounded_channel();
+        let host = self.host.clone();
+        let id = self.info.model.clone();
+        tokio::spawn(async move {
+            let (engine, lease) = match host.acquire(&id).await {
+                Ok(v) => v,
+                Err(e) => {
+                    let _ = tx.send(e.event());
+                    return;
+                }
+            };
+            let mut events = engine.generate(req);
+            loop {
+                tokio::select! {
+                    ev = events.recv() => match ev {
+                        Some(ev) => {
+                            let last = matches!(ev, GenerateEvent::Done { .. } | GenerateEvent::Error { .. });
+                            if tx.send(ev).is_err() || last {
+                                break;
+                            }
+                        }
+                        None => break,
+                    },
+                    // The client went away: dropping `events` cancels the generation.
+                    () = tx.closed() => break,
+                }
+            }
+            drop(lease);
+        });
+        rx
+    }
+
+    fn subscribe_kv(&self) -> Pin<Box<dyn std::future::Future<Output = KvSubscription> + Send + '_>> {
+        Box::pin(async move {
+            match self.warm() {
+                Some(e) => e.subscribe_kv().await,
+                None => None,
+            }
+        })
+    }
+
+    fn stats(&self) -> Option<crate::EngineStats> {
+        self.warm().map(|e| e.stats())
+    }
+
+    fn metrics(&self) -> Option<Arc<crate::metrics::EngineMetrics>> {
+        self.warm().map(|e| e.metrics())
+    }
+
+    fn load_seconds(&self) -> Option<f64> {
+        self.warm().map(|e| e.load_seconds())
+    }
+
+    fn model_state(&self) -> Option<&'static str> {
+        Some(self.state().name())
+    }
+}

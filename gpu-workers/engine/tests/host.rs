@@ -1,0 +1,188 @@
+//! The multi-model host with the real default model: one load for concurrent first
+//! requests, no eviction of a busy model, scale to zero after the idle TTL, and a model
+//! whose file went bad failing alone.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
+use hearth_engine::host::{HostConfig, ModelEntry, ModelHost, ModelState};
+use hearth_engine::{Backend, EngineConfig};
+use hearth_protocol::{GenerateEvent, GenerateRequest, SamplingParams};
+
+fn model_path() -> PathBuf {
+    ensure_model(DEFAULT_MODEL_ID, &hearth_home(), &mut |m| eprintln!("{m}")).expect("default model")
+}
+
+fn entry(id: &str, path: PathBuf, ttl: Option<Duration>) -> ModelEntry {
+    ModelEntry {
+        id: id.into(),
+        path,
+        idle_ttl: ttl,
+        pinned: false,
+    }
+}
+
+fn config(budget_models: Option<u64>) -> HostConfig {
+    let file = std::fs::metadata(model_path()).unwrap().len();
+    HostConfig {
+        // Room for this many models of the default size (file + 16 MiB of KV) and a bit.
+        memory_budget: budget_models.map(|n| n * (file + (16 << 20)) + (8 << 20)),
+        load_timeout: Duration::from_secs(30),
+        max_waiting: 64,
+        engine: EngineConfig {
+            threads: 2,
+            kv_cache_mib: Some(16),
+            ..Default::default()
+        },
+    }
+}
+
+/// Runs one request to its end: (tokens, error code).
+async fn run(b: &dyn Backend, model: &str, max_tokens: u32) -> (usize, Option<String>) {
+    let req = GenerateRequest {
+        request_id: "t".into(),
+        model: model.into(),
+        prompt: vec![1, 9690, 198, 2683, 359, 253],
+        sampling: SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        },
+        cache_namespace: String::new(),
+        n: 1,
+    };
+    let mut rx = b.generate(req);
+    let mut tokens = 0;
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            GenerateEvent::Token { .. } => tokens += 1,
+            GenerateEvent::Done { .. } => return (tokens, None),
+            GenerateEvent::Error { code, message } => {
+                eprintln!("{code}: {message}");
+                return (tokens, Some(code));
+            }
+            GenerateEvent::Finish { .. } => {}
+        }
+    }
+    (tokens, Some("closed".into()))
+}
+
+/// Resident memory of this process (nextest runs each test in its own process).
+fn rss_mib() -> f64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: f64 = s
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap();
+    kib / 1024.0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_first_requests_share_one_load() {
+    let (host, failed) = ModelHost::new(vec![entry("a", model_path(), None)], config(None));
+    assert!(failed.is_empty());
+    let a = host.model("a").unwrap();
+    assert_eq!(a.state(), ModelState::Cold);
+    assert_eq!(a.info().model, "a");
+    let runs: Vec<_> = (0..4)
+        .map(|_| {
+            let a = a.clone();
+            tokio::spawn(async move { run(&a, "a", 4).await })
+        })
+        .collect();
+    for r in runs {
+        assert_eq!(r.await.unwrap(), (4, None));
+    }
+    assert_eq!(host.loads(), 1, "four concurrent first requests, one load");
+    assert_eq!(a.state(), ModelState::Warm);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_model_is_never_evicted() {
+    // Room for one model: B's request must wait for A's to finish, then evict A.
+    let (host, _) = ModelHost::new(
+        vec![entry("a", model_path(), None), entry("b", model_path(), None)],
+        config(Some(1)),
+    );
+    let (a, b) = (host.model("a").unwrap(), host.model("b").unwrap());
+    let long = {
+        let a = a.clone();
+        tokio::spawn(async move { run(&a, "a", 96).await })
+    };
+    while a.state() != ModelState::Warm {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let other = run(&b, "b", 4).await;
+    assert_eq!(long.await.unwrap(), (96, None), "A's request ran to its end");
+    assert_eq!(other, (4, None), "B was served once A was free");
+    assert_eq!(a.state(), ModelState::Cold, "A was evicted for B, after its request");
+    assert_eq!(b.state(), ModelState::Warm);
+    // Alternating: every request answered, each after a load.
+    for i in 0..4 {
+        let (m, id) = if i % 2 == 0 { (&a, "a") } else { (&b, "b") };
+        assert_eq!(run(m, id, 2).await, (2, None));
+    }
+    assert_eq!(host.loads(), 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_models_scale_to_zero_and_reload() {
+    let ttl = Duration::from_millis(300);
+    let (host, _) = ModelHost::new(vec![entry("a", model_path(), Some(ttl))], config(None));
+    let a = host.model("a").unwrap();
+    assert_eq!(run(&a, "a", 2).await, (2, None));
+    assert_eq!(a.state(), ModelState::Warm);
+    let warm_rss = rss_mib();
+    let t = std::time::Instant::now();
+    while a.state() != ModelState::Cold {
+        assert!(t.elapsed() < Duration::from_secs(10), "not unloaded after its TTL");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The engine thread ends with its last handle; give it a moment to free the weights.
+    let t = std::time::Instant::now();
+    while warm_rss - rss_mib() < 60.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "RSS {warm_rss:.0} MiB warm, {:.0} MiB cold: the weights were not released",
+            rss_mib()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(run(&a, "a", 2).await, (2, None), "the next request loads it again");
+    assert_eq!(host.loads(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_whose_file_went_bad_fails_alone() {
+    let dir = std::env::temp_dir().join(format!("hearth-host-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let copy = dir.join("copy.gguf");
+    std::fs::copy(model_path(), &copy).unwrap();
+    let missing = dir.join("missing.gguf");
+    let (host, failed) = ModelHost::new(
+        vec![
+            entry("good", model_path(), None),
+            entry("bad", copy.clone(), None),
+            entry("gone", missing, None),
+        ],
+        config(None),
+    );
+    assert_eq!(failed.len(), 1, "an unreadable file is left out of the catalogue");
+    assert!(failed[0].1.to_string().contains("missing.gguf"), "{}", failed[0].1);
+    // Truncated after the catalogue read it: its load fails with a clear error.
+    let f = std::fs::OpenOptions::new().write(true).open(&copy).unwrap();
+    f.set_len(4 << 20).unwrap();
+    let (bad, good) = (host.model("bad").unwrap(), host.model("good").unwrap());
+    assert_eq!(run(&bad, "bad", 2).await, (0, Some("model_load_failed".into())));
+    assert_eq!(bad.state(), ModelState::Cold);
+    assert_eq!(
+        run(&good, "good", 2).await,
+        (2, None),
+        "the other model is still served"
+    );
+    assert!(host.model("nope").is_none());
+    std::fs::remove_dir_all(&dir).ok();
+}
