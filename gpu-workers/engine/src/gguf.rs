@@ -161,6 +161,8 @@ impl TensorInfo {
 /// An open, parsed GGUF file.
 pub struct GgufFile {
     map: Mmap,
+    /// Where it was opened from.
+    pub path: std::path::PathBuf,
     pub version: u32,
     pub metadata: HashMap<String, MetaValue>,
     pub tensors: Vec<TensorInfo>,
@@ -262,10 +264,10 @@ impl GgufFile {
         // concurrent writer could change weights under us, but not memory safety of the
         // parser, which copies everything it interprets and bounds-checks all offsets).
         let map = unsafe { Mmap::map(&file) }.map_err(open_err)?;
-        Self::parse(map)
+        Self::parse(map, path.to_path_buf())
     }
 
-    fn parse(map: Mmap) -> Result<Self, GgufError> {
+    fn parse(map: Mmap, path: std::path::PathBuf) -> Result<Self, GgufError> {
         let (version, metadata, mut tensors, header_end) = {
             let mut c = Cursor { buf: &map, pos: 0 };
             let magic = c.u32()?;
@@ -339,6 +341,7 @@ impl GgufFile {
         }
         Ok(Self {
             map,
+            path,
             version,
             metadata,
             tensors,

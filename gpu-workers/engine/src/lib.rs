@@ -20,6 +20,7 @@ pub mod kernels;
 pub mod kv;
 pub mod metrics;
 pub mod models;
+pub mod pack_cache;
 pub mod sampling;
 pub mod scheduler;
 pub mod server;

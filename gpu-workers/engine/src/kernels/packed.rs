@@ -65,9 +65,17 @@ pub struct PackedMatrix {
     pub cols: usize,
     /// Blocks of 32 values per row.
     pub blocks: usize,
+    data: Storage,
+}
+
+/// Where packed bytes live.
+enum Storage {
     /// Anonymous pages of their own (page-aligned, so 64-byte aligned), returned to the OS
     /// when the matrix is dropped: an unloaded model's RSS really goes.
-    data: memmap2::MmapMut,
+    Owned(memmap2::MmapMut),
+    /// A page-aligned range of a mapped pack cache file (see [`crate::pack_cache`]): page
+    /// cache, shared, nothing copied.
+    Mapped(std::sync::Arc<memmap2::Mmap>, usize, usize),
 }
 
 impl std::fmt::Debug for PackedMatrix {
@@ -149,7 +157,7 @@ impl PackedMatrix {
             rows: w.rows,
             cols: w.cols,
             blocks,
-            data,
+            data: Storage::Owned(data),
         })
     }
 
@@ -164,7 +172,42 @@ impl PackedMatrix {
 
     /// The packed bytes.
     pub fn bytes(&self) -> &[u8] {
-        &self.data
+        match &self.data {
+            Storage::Owned(m) => m,
+            Storage::Mapped(m, at, len) => &m[*at..*at + *len],
+        }
+    }
+
+    /// Bytes the layout takes for a matrix of this shape.
+    pub fn size_for(kind: PackKind, rows: usize, cols: usize) -> usize {
+        rows.div_ceil(GROUP_ROWS) * (cols / QK) * kind.block_bytes()
+    }
+
+    /// A packed matrix over `len` bytes at `at` of a mapped cache file (`at` 64-byte
+    /// aligned; `len` = [`Self::size_for`]).
+    pub fn mapped(
+        kind: PackKind,
+        rows: usize,
+        cols: usize,
+        map: std::sync::Arc<memmap2::Mmap>,
+        at: usize,
+    ) -> Option<Self> {
+        let len = Self::size_for(kind, rows, cols);
+        if !at.is_multiple_of(64) || at + len > map.len() || !cols.is_multiple_of(QK) || rows == 0 {
+            return None;
+        }
+        Some(Self {
+            kind,
+            rows,
+            cols,
+            blocks: cols / QK,
+            data: Storage::Mapped(map, at, len),
+        })
+    }
+
+    /// Whether the bytes come from a cache file (not repacked in this process).
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.data, Storage::Mapped(..))
     }
 
     /// Group `g`'s bytes (64-byte aligned).

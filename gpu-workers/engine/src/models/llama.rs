@@ -8,8 +8,10 @@ use rayon::prelude::*;
 
 use crate::attention::{attend_head, HeadSpec};
 use crate::gguf::{GgmlType, GgufError, GgufFile, TensorInfo};
+use crate::kernels::packed::PackKind;
 use crate::kernels::{dequantize_row, isa, matmul, matmul_many, silu_mul, MatmulScratch, PackedMatrix, WeightView, QK};
 use crate::kv::{KvDtype, KvPool, KvShape};
+use crate::pack_cache::{self, Wanted};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -133,6 +135,7 @@ pub struct LlamaModel {
     n_params: u64,
     packed_bytes: usize,
     repack_seconds: f64,
+    packed_from_cache: bool,
 }
 
 impl std::fmt::Debug for LlamaModel {
@@ -280,6 +283,7 @@ impl LlamaModel {
             n_params,
             packed_bytes: 0,
             repack_seconds: 0.0,
+            packed_from_cache: false,
         };
         if isa().is_simd() {
             let t = std::time::Instant::now();
@@ -293,22 +297,17 @@ impl LlamaModel {
     /// releasing each one's file pages once its copy exists, so that resident memory holds
     /// one copy of the weights, not two. The embedding stays in the file (rows are looked
     /// up, not multiplied); with tied embeddings its packed copy serves the logits.
+    ///
+    /// The packed layout is first looked for in the on-disk cache beside the model
+    /// ([`crate::pack_cache`]; mapped, not copied); on a miss the matrices are repacked and
+    /// the cache written for the next load. `HEARTH_PACK_CACHE=0` turns the cache off.
     fn repack(&mut self) {
         let file = &self.file;
-        let pack = |m: &mut Matrix, release: bool| -> usize {
-            let Some(p) = PackedMatrix::pack(&weight_view(file, m)) else {
-                return 0;
-            };
-            if release {
-                file.release(m.offset, m.len);
-            }
-            let n = p.bytes().len();
-            m.packed = Some(Arc::new(p));
-            n
-        };
-        let mut total = 0;
+        let tied = self.output.offset == self.embed.offset;
+        // Every quantized matrix, in a fixed order: each layer's seven, then the output.
+        let mut ms: Vec<&mut Matrix> = Vec::new();
         for layer in &mut self.layers {
-            for m in [
+            ms.extend([
                 &mut layer.wq,
                 &mut layer.wk,
                 &mut layer.wv,
@@ -316,18 +315,80 @@ impl LlamaModel {
                 &mut layer.w_gate,
                 &mut layer.w_up,
                 &mut layer.w_down,
-            ] {
-                total += pack(m, true);
+            ]);
+        }
+        ms.push(&mut self.output);
+        let kind = |ty: GgmlType| match ty {
+            GgmlType::Q4_0 | GgmlType::Q4_1 => Some(PackKind::Nibble),
+            GgmlType::Q8_0 => Some(PackKind::Byte),
+            _ => None,
+        };
+        ms.retain(|m| kind(m.ty).is_some() && m.cols.is_multiple_of(QK));
+        let wanted: Vec<Wanted> = ms
+            .iter()
+            .filter_map(|m| {
+                Some(Wanted {
+                    kind: kind(m.ty)?,
+                    rows: m.rows,
+                    cols: m.cols,
+                    tensor_offset: m.offset as u64,
+                })
+            })
+            .collect();
+        let use_cache = std::env::var_os("HEARTH_PACK_CACHE").is_none_or(|v| v != "0");
+        let cached = if use_cache {
+            pack_cache::load(&file.path, &wanted)
+        } else {
+            Err("turned off".into())
+        };
+        let mut total = 0;
+        match cached {
+            Ok(packed) => {
+                for (m, p) in ms.iter_mut().zip(packed) {
+                    total += p.bytes().len();
+                    m.packed = Some(Arc::new(p));
+                }
+                self.packed_from_cache = true;
+            }
+            Err(why) => {
+                tracing::debug!(reason = %why, "pack cache not used: repacking");
+                for m in ms.iter_mut() {
+                    if let Some(p) = PackedMatrix::pack(&weight_view(file, m)) {
+                        total += p.bytes().len();
+                        m.packed = Some(Arc::new(p));
+                    }
+                }
+                let all: Option<Vec<(Wanted, &PackedMatrix)>> = ms
+                    .iter()
+                    .zip(&wanted)
+                    .map(|(m, w)| Some((*w, m.packed.as_deref()?)))
+                    .collect();
+                if let (true, Some(all)) = (use_cache, all) {
+                    match pack_cache::store(&file.path, &all) {
+                        Ok(p) => tracing::info!(path = %p.display(), "pack cache written for the next load"),
+                        Err(e) => {
+                            tracing::info!(error = %e, "pack cache not written (the model's directory is not writable?)")
+                        }
+                    }
+                }
             }
         }
-        let tied = self.output.offset == self.embed.offset;
-        total += pack(&mut self.output, !tied);
+        // The file's pages of every packed matrix leave the resident set. The embedding's
+        // rows are still read from the file for lookups; they fault in as needed.
+        for m in &ms {
+            if m.packed.is_some() && !(tied && m.offset == self.embed.offset) {
+                file.release(m.offset, m.len);
+            }
+        }
         if tied {
-            // The embedding's rows are still read from the file for lookups; release the
-            // pages the repacking read, lookups fault in the few they need.
-            self.file.release(self.embed.offset, self.embed.len);
+            file.release(self.embed.offset, self.embed.len);
         }
         self.packed_bytes = total;
+    }
+
+    /// Whether the repacked weights were mapped from the on-disk cache.
+    pub fn packed_from_cache(&self) -> bool {
+        self.packed_from_cache
     }
 
     /// Seconds the repacking took at load (0 on the scalar path).

@@ -1,0 +1,181 @@
+//! The on-disk cache of repacked weights: written beside the model file after its first
+//! repacking (`MODEL.gguf.hearth-pack-v1`), then mapped — not read into memory, not
+//! copied — by every later load, so a cold start costs reading the file, not recomputing.
+//!
+//! Layout (little-endian), version [`PACK_FORMAT`]:
+//!
+//! | bytes | content |
+//! |---|---|
+//! | 0..8 | magic `HRTHPACK` |
+//! | 8..12 | layout version ([`PACK_FORMAT`]) |
+//! | 12..16 | number of matrices `n` |
+//! | 16..24 | the model file's size |
+//! | 24..36 | the model file's modification time (seconds u64, nanoseconds u32) |
+//! | 36..40 | reserved (0) |
+//! | 40..48 | XXH3-64 of every matrix's bytes, in order |
+//! | 48.. | `n` entries of 48 bytes: kind (u32: 0 nibble, 1 byte), reserved u32, rows u64, cols u64, the tensor's offset in the model file u64, the bytes' offset in this file u64, their length u64 |
+//!
+//! Each matrix's bytes start at a multiple of 4096. A cache is used only if the version, the
+//! model file's size and time, every entry's shape and tensor offset and the checksum all
+//! match; anything else is a miss, and the load repacks and rewrites the cache (atomically:
+//! a temporary file renamed into place).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::kernels::packed::{PackKind, PackedMatrix, PACK_FORMAT};
+
+const MAGIC: &[u8; 8] = b"HRTHPACK";
+const ENTRY: usize = 48;
+const ALIGN: usize = 4096;
+
+/// What a cached matrix must be to stand for one of the model's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wanted {
+    pub kind: PackKind,
+    pub rows: usize,
+    pub cols: usize,
+    /// The tensor's offset in the model file (its identity there).
+    pub tensor_offset: u64,
+}
+
+/// The cache file for a model file.
+pub fn path_for(model: &Path) -> PathBuf {
+    let mut name = model.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".hearth-pack-v{PACK_FORMAT}"));
+    model.with_file_name(name)
+}
+
+fn source_id(model: &Path) -> Option<(u64, u64, u32)> {
+    let m = std::fs::metadata(model).ok()?;
+    let t = m.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?;
+    Some((m.len(), t.as_secs(), t.subsec_nanos()))
+}
+
+fn u32_at(b: &[u8], i: usize) -> u32 {
+    u32::from_le_bytes(b[i..i + 4].try_into().unwrap_or_default())
+}
+
+fn u64_at(b: &[u8], i: usize) -> u64 {
+    u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default())
+}
+
+fn kind_code(k: PackKind) -> u32 {
+    match k {
+        PackKind::Nibble => 0,
+        PackKind::Byte => 1,
+    }
+}
+
+/// Maps the cache for `model` if it holds exactly `want`; `Err` says why not (missing,
+/// stale, corrupt).
+pub fn load(model: &Path, want: &[Wanted]) -> Result<Vec<PackedMatrix>, String> {
+    let cache = path_for(model);
+    let file = std::fs::File::open(&cache).map_err(|e| format!("no cache ({e})"))?;
+    // SAFETY: read-only map of a file Hearth writes once (renamed into place complete) and
+    // never modifies; a concurrent writer replaces it by rename, leaving this map intact.
+    let map = Arc::new(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| e.to_string())?);
+    let b: &[u8] = &map;
+    let header = 48 + want.len() * ENTRY;
+    if b.len() < header || &b[0..8] != MAGIC {
+        return Err("not a pack cache".into());
+    }
+    if u32_at(b, 8) != PACK_FORMAT {
+        return Err(format!(
+            "layout version {} (this build uses {PACK_FORMAT})",
+            u32_at(b, 8)
+        ));
+    }
+    if u32_at(b, 12) as usize != want.len() {
+        return Err("another set of matrices".into());
+    }
+    let (size, secs, nanos) = source_id(model).ok_or("cannot stat the model file")?;
+    if (u64_at(b, 16), u64_at(b, 24), u32_at(b, 32)) != (size, secs, nanos) {
+        return Err("stale: the model file changed".into());
+    }
+    let mut ranges = Vec::with_capacity(want.len());
+    for (i, w) in want.iter().enumerate() {
+        let e = 48 + i * ENTRY;
+        let (kind, rows, cols, toff, at, len) = (
+            u32_at(b, e),
+            u64_at(b, e + 8) as usize,
+            u64_at(b, e + 16) as usize,
+            u64_at(b, e + 24),
+            u64_at(b, e + 32) as usize,
+            u64_at(b, e + 40) as usize,
+        );
+        if (kind, rows, cols, toff) != (kind_code(w.kind), w.rows, w.cols, w.tensor_offset)
+            || len != PackedMatrix::size_for(w.kind, rows, cols)
+            || at.checked_add(len).is_none_or(|end| end > b.len())
+        {
+            return Err(format!("entry {i} does not match the model"));
+        }
+        ranges.push((at, len));
+    }
+    let mut h = Xxh3::new();
+    for &(at, len) in &ranges {
+        h.update(&b[at..at + len]);
+    }
+    if h.digest() != u64_at(b, 40) {
+        return Err("checksum mismatch (corrupt)".into());
+    }
+    want.iter()
+        .zip(&ranges)
+        .map(|(w, &(at, _))| {
+            PackedMatrix::mapped(w.kind, w.rows, w.cols, map.clone(), at).ok_or_else(|| "misaligned entry".to_string())
+        })
+        .collect()
+}
+
+/// Writes the cache for `model` (atomically). Returns its path.
+pub fn store(model: &Path, matrices: &[(Wanted, &PackedMatrix)]) -> std::io::Result<PathBuf> {
+    let cache = path_for(model);
+    let (size, secs, nanos) = source_id(model).ok_or_else(|| std::io::Error::other("cannot stat the model file"))?;
+    let header = (48 + matrices.len() * ENTRY).div_ceil(ALIGN) * ALIGN;
+    let mut at = header;
+    let mut entries = Vec::new();
+    let mut h = Xxh3::new();
+    for (w, p) in matrices {
+        let len = p.bytes().len();
+        entries.push((w, at, len));
+        h.update(p.bytes());
+        at = (at + len).div_ceil(ALIGN) * ALIGN;
+    }
+    let mut head = Vec::with_capacity(header);
+    head.extend_from_slice(MAGIC);
+    head.extend_from_slice(&PACK_FORMAT.to_le_bytes());
+    head.extend_from_slice(&(matrices.len() as u32).to_le_bytes());
+    head.extend_from_slice(&size.to_le_bytes());
+    head.extend_from_slice(&secs.to_le_bytes());
+    head.extend_from_slice(&nanos.to_le_bytes());
+    head.extend_from_slice(&0u32.to_le_bytes());
+    head.extend_from_slice(&h.digest().to_le_bytes());
+    for (w, at, len) in &entries {
+        head.extend_from_slice(&kind_code(w.kind).to_le_bytes());
+        head.extend_from_slice(&0u32.to_le_bytes());
+        for v in [w.rows as u64, w.cols as u64, w.tensor_offset, *at as u64, *len as u64] {
+            head.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    head.resize(header, 0);
+    let tmp = cache.with_extension(format!("tmp{}", std::process::id()));
+    let result = (|| {
+        let mut f = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp)?);
+        f.write_all(&head)?;
+        let mut pos = header;
+        for ((_, p), (_, at, len)) in matrices.iter().zip(&entries) {
+            f.write_all(&vec![0u8; at - pos])?;
+            f.write_all(p.bytes())?;
+            pos = at + len;
+        }
+        f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        std::fs::rename(&tmp, &cache)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.map(|()| cache)
+}

@@ -1,0 +1,59 @@
+//! The on-disk cache of repacked weights: written by the first load, mapped by the next
+//! (same logits, bit for bit), refused when corrupt or stale (the load repacks and rewrites
+//! it).
+
+use std::io::{Seek, SeekFrom, Write};
+use std::path::Path;
+
+use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
+use hearth_engine::gguf::GgufFile;
+use hearth_engine::kernels::{set_isa, Isa};
+use hearth_engine::models::llama::{ForwardScratch, LlamaModel, Session};
+use hearth_engine::pack_cache;
+
+fn logits(path: &Path) -> (Vec<f32>, bool) {
+    let model = LlamaModel::load(GgufFile::open(path).unwrap()).unwrap();
+    let out = Session::new(&model, 64, ForwardScratch::default()).feed(&[1, 9690, 198, 2683, 359, 253, 5356]);
+    (out, model.packed_from_cache())
+}
+
+#[test]
+fn the_pack_cache_is_written_mapped_and_refused_when_bad() {
+    set_isa(Isa::best()).unwrap();
+    if !Isa::best().is_simd() {
+        eprintln!("no SIMD path on this CPU: nothing is packed");
+        return;
+    }
+    let src = ensure_model(DEFAULT_MODEL_ID, &hearth_home(), &mut |m| eprintln!("{m}")).unwrap();
+    let dir = std::env::temp_dir().join(format!("hearth-pack-cache-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("model.gguf");
+    std::fs::copy(&src, &model).unwrap();
+    let cache = pack_cache::path_for(&model);
+
+    let (first, from_cache) = logits(&model);
+    assert!(!from_cache, "no cache yet: repacked");
+    assert!(cache.exists(), "the first load wrote {}", cache.display());
+    let (second, from_cache) = logits(&model);
+    assert!(from_cache, "the second load maps the cache");
+    assert_eq!(first, second, "mapped and repacked weights give the same logits");
+
+    // One flipped byte in the payload: refused, repacked, rewritten.
+    let len = std::fs::metadata(&cache).unwrap().len();
+    let mut f = std::fs::OpenOptions::new().read(true).write(true).open(&cache).unwrap();
+    f.seek(SeekFrom::Start(len / 2)).unwrap();
+    f.write_all(&[0x5A]).unwrap();
+    drop(f);
+    let (third, from_cache) = logits(&model);
+    assert!(!from_cache, "a corrupt cache is not used");
+    assert_eq!(first, third);
+    assert!(logits(&model).1, "the rewritten cache is used again");
+
+    // The model file changed (its time): the cache is stale.
+    let f = std::fs::OpenOptions::new().write(true).open(&model).unwrap();
+    f.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5))
+        .unwrap();
+    drop(f);
+    assert!(!logits(&model).1, "a stale cache is not used");
+    std::fs::remove_dir_all(&dir).ok();
+}
