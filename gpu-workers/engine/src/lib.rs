@@ -12,6 +12,7 @@
 pub mod attention;
 pub mod backend;
 pub mod bench;
+pub mod bench_coldstart;
 pub mod engine;
 pub mod fetch;
 pub mod gguf;

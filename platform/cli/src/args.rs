@@ -122,6 +122,18 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Cold start: a request for an unloaded model → first token, against reading the file
+    /// plus one prefill; with and without the pack cache, page cache warm and dropped.
+    Coldstart {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Prompt length.
+        #[arg(long, default_value_t = 128)]
+        prompt_tokens: usize,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
 }
 
 #[derive(Args, Clone)]

@@ -10,6 +10,17 @@ use crate::output::write_json;
 pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
         BenchCommand::Engine { model, quick, json } => engine(model, quick, json).await,
+        BenchCommand::Coldstart {
+            model,
+            prompt_tokens,
+            json,
+        } => {
+            let (path, id) = resolve_model(&model).await?;
+            let cfg = model.engine_config();
+            let report = hearth_engine::bench_coldstart::run(&path, &id, &cfg, prompt_tokens.clamp(1, 4096)).await?;
+            print!("{}", report.table());
+            write_json(&report, json)
+        }
         BenchCommand::Processors {
             model,
             examples,
