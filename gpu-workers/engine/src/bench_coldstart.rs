@@ -93,6 +93,8 @@ async fn cold_request(path: &Path, id: &str, cfg: &EngineConfig, prompt: &[u32],
             path: path.to_path_buf(),
             idle_ttl: None,
             pinned: false,
+            context_length: None,
+            memory_bytes: None,
         }],
         HostConfig {
             engine: cfg.clone(),
@@ -112,8 +114,13 @@ pub async fn run(
     prompt_tokens: usize,
 ) -> Result<ColdstartReport, EngineError> {
     let file_mib = std::fs::metadata(model_path).map_or(0.0, |m| m.len() as f64 / (1 << 20) as f64);
-    // Ordinary token ids (above the special tokens), deterministic.
-    let prompt: Vec<u32> = (0..prompt_tokens as u32).map(|i| 17 + (i * 7919) % 40_000).collect();
+    // Ordinary token ids (above the special tokens), deterministic, inside the vocabulary.
+    let vocab = crate::sim::sim_info(model_path, model_id, "local")?
+        .tokenizer
+        .tokens
+        .len() as u32;
+    let span = vocab.saturating_sub(17).clamp(1, 40_000);
+    let prompt: Vec<u32> = (0..prompt_tokens as u32).map(|i| 17 + (i * 7919) % span).collect();
     let pack = crate::pack_cache::path_for(model_path);
 
     // The floor: reading the file, and one prefill on a loaded engine.
@@ -127,9 +134,11 @@ pub async fn run(
     // Warm page cache, pack cache present.
     let first_token_warm_cache_ms = cold_request(model_path, model_id, cfg, &prompt, "cached").await;
     // No pack cache: repack at load.
-    std::env::set_var("HEARTH_PACK_CACHE", "0");
-    let first_token_no_pack_cache_ms = cold_request(model_path, model_id, cfg, &prompt, "nocache").await;
-    std::env::remove_var("HEARTH_PACK_CACHE");
+    let no_cache = EngineConfig {
+        pack_cache: false,
+        ..cfg.clone()
+    };
+    let first_token_no_pack_cache_ms = cold_request(model_path, model_id, &no_cache, &prompt, "nocache").await;
     // Cold disk: the model's and the pack cache's pages dropped first.
     let cold_disk_measured = drop_page_cache(model_path) && (!pack.exists() || drop_page_cache(&pack));
     let (file_read_cold_ms, first_token_cold_disk_ms) = if cold_disk_measured {

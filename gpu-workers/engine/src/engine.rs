@@ -62,6 +62,11 @@ pub struct EngineConfig {
     /// The kernels' instruction set, set before the weights are repacked for it (None:
     /// keep the process's choice, by default the best this CPU runs).
     pub isa: Option<Isa>,
+    /// Serve at most this context (prompt + output), below the model's own (None: the
+    /// model's).
+    pub max_context: Option<usize>,
+    /// Map (or write) the on-disk cache of repacked weights beside the model.
+    pub pack_cache: bool,
 }
 
 impl Default for EngineConfig {
@@ -74,6 +79,8 @@ impl Default for EngineConfig {
             region: "local".into(),
             kv_dtype: KvDtype::default(),
             isa: None,
+            max_context: None,
+            pack_cache: crate::pack_cache::enabled_by_env(),
         }
     }
 }
@@ -159,9 +166,10 @@ impl EngineHandle {
         let file = GgufFile::open(path)?;
         let spec = tokenizer_spec(&file)?;
         let tokenizer = Tokenizer::from_spec(&spec)?;
-        let model = LlamaModel::load(file)?;
+        let model = LlamaModel::load_with(file, cfg.pack_cache)?;
         tracing::info!(
             isa = %isa(),
+            pack_cache = model.packed_from_cache(),
             cpu = %cpu_features(),
             repacked_mib = model.packed_bytes() >> 20,
             repack_ms = (model.repack_seconds() * 1000.0) as u64,
@@ -193,7 +201,9 @@ impl EngineHandle {
         let info = WorkerInfo {
             model: model_id.to_string(),
             architecture: "llama".into(),
-            context_length: c.context_length as u32,
+            context_length: cfg
+                .max_context
+                .map_or(c.context_length, |m| m.clamp(1, c.context_length)) as u32,
             parameters: model.n_params(),
             block_tokens: bt as u32,
             region: cfg.region.clone(),
@@ -218,8 +228,12 @@ impl EngineHandle {
             tokens = kv_capacity_tokens,
             "KV cache"
         );
+        let context = cfg
+            .max_context
+            .map_or(model.config.context_length, |m| m.clamp(1, model.config.context_length));
         let mut runner = Runner {
             model,
+            context,
             tokenizer,
             model_id: model_id.to_string(),
             end_of_generation,
@@ -345,6 +359,8 @@ struct Request {
 /// What the engine thread owns.
 struct Runner {
     model: LlamaModel,
+    /// The context served (the model's, or less by configuration).
+    context: usize,
     tokenizer: Tokenizer,
     model_id: String,
     end_of_generation: Vec<u32>,
@@ -416,7 +432,7 @@ impl Runner {
                 format!("token id {bad} is outside the vocabulary (size {vocab})"),
             ));
         }
-        let ctx = self.model.config.context_length.min(self.sched.capacity_tokens());
+        let ctx = self.context.min(self.sched.capacity_tokens());
         if req.prompt.len() >= ctx {
             return Err(error(
                 "context_length_exceeded",
@@ -440,7 +456,7 @@ impl Runner {
             let _ = tx.send(e);
             return;
         }
-        let ctx = self.model.config.context_length.min(self.sched.capacity_tokens());
+        let ctx = self.context.min(self.sched.capacity_tokens());
         let max_tokens = (req.sampling.max_tokens as usize).min(ctx - req.prompt.len()).max(1);
         let id = self.next_id;
         self.next_id += 1;

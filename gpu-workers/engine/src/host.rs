@@ -32,6 +32,10 @@ pub struct ModelEntry {
     /// Keep warm: never unloaded for idleness or evicted for room (load it with
     /// [`ModelHost::preload`]).
     pub pinned: bool,
+    /// Serve at most this context (None: the model's).
+    pub context_length: Option<usize>,
+    /// Bytes it counts against the budget (None: its file size plus its KV cache).
+    pub memory_bytes: Option<u64>,
 }
 
 /// How the host shares out memory and waits.
@@ -119,6 +123,25 @@ struct Model {
     in_flight: usize,
     waiting: usize,
     last_used: Instant,
+    /// The last failed load (fails requests fast for [`FAILURE_BACKOFF`]).
+    failed: Option<(Instant, String)>,
+}
+
+/// How long a failed load is remembered before a request tries again.
+const FAILURE_BACKOFF: Duration = Duration::from_secs(10);
+
+/// A request counted as waiting for its model; uncounted however the wait ends.
+struct WaitGuard {
+    inner: Arc<Inner>,
+    id: String,
+}
+
+impl Drop for WaitGuard {
+    fn drop(&mut self) {
+        if let Some(m) = self.inner.lock().get_mut(&self.id) {
+            m.waiting = m.waiting.saturating_sub(1);
+        }
+    }
 }
 
 struct Inner {
@@ -176,17 +199,22 @@ impl ModelHost {
             };
             info.architecture = "llama".into();
             info.capacity = cfg.engine.max_running as u32;
+            if let Some(c) = entry.context_length {
+                info.context_length = info.context_length.min(c.max(1) as u32);
+            }
             let file_bytes = std::fs::metadata(&entry.path).map_or(0, |m| m.len());
+            let estimate = entry.memory_bytes.unwrap_or(file_bytes + kv_bytes);
             models.insert(
                 entry.id.clone(),
                 Model {
                     entry,
                     info: Arc::new(info),
-                    estimate: file_bytes + kv_bytes,
+                    estimate,
                     slot: Slot::Cold,
                     in_flight: 0,
                     waiting: 0,
                     last_used: Instant::now(),
+                    failed: None,
                 },
             );
         }
@@ -236,7 +264,7 @@ impl ModelHost {
 
     /// Loads a model now (for pinned models at start).
     pub async fn preload(&self, id: &str) -> Result<(), HostError> {
-        self.acquire(id).await.map(|_| ())
+        self.acquire(id, Duration::from_secs(24 * 3600)).await.map(|_| ())
     }
 
     /// Loads started so far (all models).
@@ -283,25 +311,30 @@ impl ModelHost {
 
     /// A warm engine for `id` and a lease on it: loads the model if needed (one load for
     /// every concurrent request), evicting least-recently-used idle models to make room.
-    async fn acquire(&self, id: &str) -> Result<(EngineHandle, Lease), HostError> {
-        let deadline = Instant::now() + self.inner.cfg.load_timeout;
+    /// Waits at most `wait`.
+    async fn acquire(&self, id: &str, wait: Duration) -> Result<(EngineHandle, Lease), HostError> {
+        let deadline = Instant::now() + wait;
         let loading = |id: &str| HostError::Loading {
             model: id.to_string(),
             retry_after: Duration::from_secs(1),
         };
-        let mut counted_waiting = false;
-        let result = loop {
+        let failed = |id: &str, message: String| HostError::Failed {
+            model: id.to_string(),
+            message,
+        };
+        let mut waiting: Option<WaitGuard> = None;
+        loop {
             let step = {
                 let mut models = self.inner.lock();
                 let Some(m) = models.get_mut(id) else {
-                    break Err(HostError::Unknown(id.to_string()));
+                    return Err(HostError::Unknown(id.to_string()));
                 };
                 match &m.slot {
                     Slot::Warm(engine) => {
                         m.in_flight += 1;
                         m.last_used = Instant::now();
                         let engine = engine.clone();
-                        break Ok((
+                        return Ok((
                             engine,
                             Lease {
                                 inner: self.inner.clone(),
@@ -311,7 +344,16 @@ impl ModelHost {
                     }
                     Slot::Loading(rx) => Some(rx.clone()),
                     Slot::Cold => {
+                        // A load that failed lately fails fast (and evicts nobody).
+                        if let Some((at, why)) = &m.failed {
+                            if at.elapsed() < FAILURE_BACKOFF {
+                                return Err(failed(id, why.clone()));
+                            }
+                        }
                         let need = m.estimate;
+                        if let Some(why) = self.never_fits(&models, id, need) {
+                            return Err(failed(id, why));
+                        }
                         if self.make_room(&mut models, id, need) {
                             let (tx, rx) = watch::channel(None);
                             let m = models.get_mut(id).expect("present");
@@ -324,36 +366,34 @@ impl ModelHost {
                     }
                 }
             };
-            if !counted_waiting {
+            if waiting.is_none() {
                 let mut models = self.inner.lock();
                 if let Some(m) = models.get_mut(id) {
                     if m.waiting >= self.inner.cfg.max_waiting {
-                        break Err(loading(id));
+                        return Err(loading(id));
                     }
                     m.waiting += 1;
-                    counted_waiting = true;
+                    waiting = Some(WaitGuard {
+                        inner: self.inner.clone(),
+                        id: id.to_string(),
+                    });
                 }
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                break Err(loading(id));
+                return Err(loading(id));
             }
             match step {
-                Some(mut rx) => {
-                    let done = tokio::time::timeout(left, rx.wait_for(|v| v.is_some())).await;
-                    match done {
-                        Err(_) => break Err(loading(id)),
-                        Ok(Ok(v)) => {
-                            if let Some(Err(message)) = v.clone() {
-                                break Err(HostError::Failed {
-                                    model: id.to_string(),
-                                    message,
-                                });
-                            }
+                Some(mut rx) => match tokio::time::timeout(left, rx.wait_for(|v| v.is_some())).await {
+                    Err(_) => return Err(loading(id)),
+                    Ok(Ok(v)) => {
+                        if let Some(Err(message)) = v.clone() {
+                            return Err(failed(id, message));
                         }
-                        Ok(Err(_)) => {} // the loader vanished: look again
                     }
-                }
+                    // The loader vanished without a word (cannot happen: it always sends).
+                    Ok(Err(_)) => return Err(failed(id, "the load was abandoned".into())),
+                },
                 None => {
                     // Wake on a release, or look again shortly (a release between the check
                     // above and this wait is not missed for long).
@@ -361,13 +401,26 @@ impl ModelHost {
                     let _ = tokio::time::timeout(nap, self.inner.released.notified()).await;
                 }
             }
-        };
-        if counted_waiting {
-            if let Some(m) = self.inner.lock().get_mut(id) {
-                m.waiting = m.waiting.saturating_sub(1);
-            }
         }
-        result
+    }
+
+    /// Why `id` can never be loaded within the budget, if so: it needs more than the budget
+    /// less the pinned models.
+    fn never_fits(&self, models: &HashMap<String, Model>, id: &str, need: u64) -> Option<String> {
+        let budget = self.inner.cfg.memory_budget?;
+        let pinned: u64 = models
+            .iter()
+            .filter(|(k, m)| k.as_str() != id && m.entry.pinned && !matches!(m.slot, Slot::Cold))
+            .map(|(_, m)| m.estimate)
+            .sum();
+        (need + pinned > budget).then(|| {
+            format!(
+                "it needs {} MiB and the worker's memory budget is {} MiB ({} MiB of it held by pinned models)",
+                need >> 20,
+                budget >> 20,
+                pinned >> 20
+            )
+        })
     }
 
     /// Makes room for `need` bytes for `id`, unloading least-recently-used warm models with
@@ -414,22 +467,35 @@ impl ModelHost {
     fn start_load(&self, entry: ModelEntry, done: watch::Sender<Option<Result<(), String>>>) {
         self.inner.loads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let inner = self.inner.clone();
-        let cfg = self.inner.cfg.engine.clone();
+        let mut cfg = self.inner.cfg.engine.clone();
+        cfg.max_context = entry.context_length.or(cfg.max_context);
         tracing::info!(model = %entry.id, "loading on first request");
         let load = move || {
-            let r = EngineHandle::load(&entry.path, &entry.id, &cfg);
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                EngineHandle::load(&entry.path, &entry.id, &cfg)
+            }))
+            .unwrap_or_else(|_| Err(EngineError::Start("the load panicked".into())));
             let mut models = inner.lock();
             let outcome = match (r, models.get_mut(&entry.id)) {
                 (Ok(engine), Some(m)) => {
                     tracing::info!(model = %entry.id, load_ms = (engine.load_seconds() * 1000.0) as u64, "model loaded");
                     m.slot = Slot::Warm(engine);
                     m.last_used = Instant::now();
+                    m.failed = None;
                     Ok(())
                 }
                 (Err(e), Some(m)) => {
+                    // The details (paths) stay in the worker's log; clients get the kind.
                     tracing::warn!(model = %entry.id, error = %e, "model failed to load");
+                    let why = match e {
+                        EngineError::Gguf(_) => "its model file is unreadable or corrupt (see the worker's log)",
+                        EngineError::Model(_) => "its model is not supported (see the worker's log)",
+                        _ => "see the worker's log",
+                    }
+                    .to_string();
                     m.slot = Slot::Cold;
-                    Err(e.to_string())
+                    m.failed = Some((Instant::now(), why.clone()));
+                    Err(why)
                 }
                 (r, None) => r.map(|_| ()).map_err(|e| e.to_string()),
             };
@@ -478,7 +544,13 @@ impl Backend for HostedModel {
         let host = self.host.clone();
         let id = self.info.model.clone();
         tokio::spawn(async move {
-            let (engine, lease) = match host.acquire(&id).await {
+            let wait = host.inner.cfg.load_timeout;
+            let got = tokio::select! {
+                r = host.acquire(&id, wait) => r,
+                // The client went away while its model loaded: stop waiting.
+                () = tx.closed() => return,
+            };
+            let (engine, lease) = match got {
                 Ok(v) => v,
                 Err(e) => {
                     let _ = tx.send(e.event());
@@ -501,6 +573,9 @@ impl Backend for HostedModel {
                     () = tx.closed() => break,
                 }
             }
+            // Cancel (or finish) the generation before the model may be evicted.
+            drop(events);
+            drop(engine);
             drop(lease);
         });
         rx

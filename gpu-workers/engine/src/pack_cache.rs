@@ -42,6 +42,11 @@ pub struct Wanted {
     pub tensor_offset: u64,
 }
 
+/// Whether the cache is on by default: yes unless `HEARTH_PACK_CACHE=0`.
+pub fn enabled_by_env() -> bool {
+    std::env::var_os("HEARTH_PACK_CACHE").is_none_or(|v| v != "0")
+}
+
 /// The cache file for a model file.
 pub fn path_for(model: &Path) -> PathBuf {
     let mut name = model.file_name().unwrap_or_default().to_os_string();
@@ -75,8 +80,10 @@ fn kind_code(k: PackKind) -> u32 {
 pub fn load(model: &Path, want: &[Wanted]) -> Result<Vec<PackedMatrix>, String> {
     let cache = path_for(model);
     let file = std::fs::File::open(&cache).map_err(|e| format!("no cache ({e})"))?;
-    // SAFETY: read-only map of a file Hearth writes once (renamed into place complete) and
-    // never modifies; a concurrent writer replaces it by rename, leaving this map intact.
+    // SAFETY: read-only map of a file Hearth writes under a unique temporary name and
+    // renames into place complete, never modifying it after; a later writer replaces it by
+    // rename, leaving this map intact. (A file truncated in place by someone else would
+    // fault on access, as any mapped model file would.)
     let map = Arc::new(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| e.to_string())?);
     let b: &[u8] = &map;
     let header = 48 + want.len() * ENTRY;
@@ -161,9 +168,13 @@ pub fn store(model: &Path, matrices: &[(Wanted, &PackedMatrix)]) -> std::io::Res
         }
     }
     head.resize(header, 0);
-    let tmp = cache.with_extension(format!("tmp{}", std::process::id()));
+    // A name no other writer (thread or process) uses; the rename makes it whole at once.
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = cache.with_extension(format!("tmp{}-{seq}", std::process::id()));
     let result = (|| {
-        let mut f = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp)?);
+        let file = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        let mut f = std::io::BufWriter::with_capacity(1 << 20, file);
         f.write_all(&head)?;
         let mut pos = header;
         for ((_, p), (_, at, len)) in matrices.iter().zip(&entries) {

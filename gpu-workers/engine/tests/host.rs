@@ -20,6 +20,8 @@ fn entry(id: &str, path: PathBuf, ttl: Option<Duration>) -> ModelEntry {
         path,
         idle_ttl: ttl,
         pinned: false,
+        context_length: None,
+        memory_bytes: None,
     }
 }
 
@@ -185,4 +187,19 @@ async fn a_model_whose_file_went_bad_fails_alone() {
     );
     assert!(host.model("nope").is_none());
     std::fs::remove_dir_all(&dir).ok();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_larger_than_the_budget_fails_at_once() {
+    let mut cfg = config(Some(1));
+    cfg.memory_budget = Some(32 << 20);
+    let (host, _) = ModelHost::new(vec![entry("big", model_path(), None)], cfg);
+    let big = host.model("big").unwrap();
+    let t = std::time::Instant::now();
+    assert_eq!(run(&big, "big", 2).await, (0, Some("model_load_failed".into())));
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "refused at once, not after the load timeout"
+    );
+    assert_eq!(host.loads(), 0);
 }

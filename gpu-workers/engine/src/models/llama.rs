@@ -136,6 +136,7 @@ pub struct LlamaModel {
     packed_bytes: usize,
     repack_seconds: f64,
     packed_from_cache: bool,
+    use_pack_cache: bool,
 }
 
 impl std::fmt::Debug for LlamaModel {
@@ -243,7 +244,13 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 }
 
 impl LlamaModel {
+    /// Loads with the pack cache on unless `HEARTH_PACK_CACHE=0`.
     pub fn load(file: GgufFile) -> Result<Self, ModelError> {
+        Self::load_with(file, pack_cache::enabled_by_env())
+    }
+
+    /// Loads; `use_pack_cache`: map (or write) the on-disk cache of repacked weights.
+    pub fn load_with(file: GgufFile, use_pack_cache: bool) -> Result<Self, ModelError> {
         let c = LlamaConfig::from_gguf(&file)?;
         let (d, kv) = (c.d_model, c.kv_dim());
         let mut layers = Vec::with_capacity(c.n_layers);
@@ -284,6 +291,7 @@ impl LlamaModel {
             packed_bytes: 0,
             repack_seconds: 0.0,
             packed_from_cache: false,
+            use_pack_cache,
         };
         if isa().is_simd() {
             let t = std::time::Instant::now();
@@ -303,7 +311,7 @@ impl LlamaModel {
     /// the cache written for the next load. `HEARTH_PACK_CACHE=0` turns the cache off.
     fn repack(&mut self) {
         let file = &self.file;
-        let tied = self.output.offset == self.embed.offset;
+        let (embed_offset, embed_len) = (self.embed.offset, self.embed.len);
         // Every quantized matrix, in a fixed order: each layer's seven, then the output.
         let mut ms: Vec<&mut Matrix> = Vec::new();
         for layer in &mut self.layers {
@@ -335,7 +343,7 @@ impl LlamaModel {
                 })
             })
             .collect();
-        let use_cache = std::env::var_os("HEARTH_PACK_CACHE").is_none_or(|v| v != "0");
+        let use_cache = self.use_pack_cache;
         let cached = if use_cache {
             pack_cache::load(&file.path, &wanted)
         } else {
@@ -347,6 +355,9 @@ impl LlamaModel {
                 for (m, p) in ms.iter_mut().zip(packed) {
                     total += p.bytes().len();
                     m.packed = Some(Arc::new(p));
+                    if m.offset != embed_offset {
+                        file.release(m.offset, m.len);
+                    }
                 }
                 self.packed_from_cache = true;
             }
@@ -356,6 +367,11 @@ impl LlamaModel {
                     if let Some(p) = PackedMatrix::pack(&weight_view(file, m)) {
                         total += p.bytes().len();
                         m.packed = Some(Arc::new(p));
+                        // This matrix's file pages leave the resident set at once, so that
+                        // memory holds one copy of the weights, not two.
+                        if m.offset != embed_offset {
+                            file.release(m.offset, m.len);
+                        }
                     }
                 }
                 let all: Option<Vec<(Wanted, &PackedMatrix)>> = ms
@@ -373,16 +389,9 @@ impl LlamaModel {
                 }
             }
         }
-        // The file's pages of every packed matrix leave the resident set. The embedding's
-        // rows are still read from the file for lookups; they fault in as needed.
-        for m in &ms {
-            if m.packed.is_some() && !(tied && m.offset == self.embed.offset) {
-                file.release(m.offset, m.len);
-            }
-        }
-        if tied {
-            file.release(self.embed.offset, self.embed.len);
-        }
+        // The embedding's rows are still read from the file for lookups (with tied
+        // embeddings its packed copy serves the logits); they fault in as needed.
+        file.release(embed_offset, embed_len);
         self.packed_bytes = total;
     }
 

@@ -202,6 +202,11 @@ pub async fn post(url: &str, key: Option<&str>, body: &Value) -> (u16, reqwest::
     (status, headers, resp.json().await.unwrap_or(Value::Null))
 }
 
+/// `GET url` with a bearer key, as JSON.
+pub async fn get_json(url: &str, key: &str) -> Value {
+    client().get(url).bearer_auth(key).send().await.unwrap().json().await.unwrap()
+}
+
 pub fn chat_body(extra: Value) -> Value {
     let mut b = json!({"model": MODEL, "temperature": 0, "messages": [{"role": "user", "content": QUESTION}]});
     b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
