@@ -1,4 +1,6 @@
-//! The worker's HTTP server: `GET /healthz`, `GET /v1/worker/info`,
+//! The worker's HTTP server. A worker may serve several models (`hearth worker --catalogue`):
+//! `GET /v1/worker/models` lists them with their state, and `/v1/worker/m/{model}/…` has the
+//! routes below for each; the unprefixed routes serve the first. Routes: `GET /healthz`, `GET /v1/worker/info`,
 //! `POST /v1/worker/generate` (streams [`GenerateEvent`]s as newline-delimited JSON; closing
 //! the connection cancels the generation) and `GET /v1/worker/events` (the prefix cache's
 //! `KvEvent`s and load reports: a snapshot, then every change; a subscriber that falls
@@ -10,7 +12,7 @@ use std::convert::Infallible;
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::JsonRejection;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -28,15 +30,54 @@ use crate::Backend;
 /// What every handler of one worker shares.
 #[derive(Clone)]
 struct WorkerState {
-    engine: Arc<dyn Backend>,
+    /// The models served, by id; the first answers the unprefixed routes.
+    engines: Arc<Vec<(String, Arc<dyn Backend>)>>,
     /// This worker's name in metrics and traces.
     name: Arc<str>,
 }
 
+impl WorkerState {
+    fn first(&self) -> Arc<dyn Backend> {
+        self.engines[0].1.clone()
+    }
+
+    /// The model's backend, or the 404 a request for another model gets.
+    fn model(&self, id: &str) -> Result<Arc<dyn Backend>, Box<Response>> {
+        self.engines
+            .iter()
+            .find(|(m, _)| m == id)
+            .map(|(_, e)| e.clone())
+            .ok_or_else(|| {
+                let ev = GenerateEvent::Error {
+                    code: "model_not_found".into(),
+                    message: format!("this worker does not serve {id:?}"),
+                };
+                Box::new((StatusCode::NOT_FOUND, Json(ev)).into_response())
+            })
+    }
+}
+
 /// The worker API for `engine`; `name` labels its metrics (`worker="…"`).
 pub fn router(engine: Arc<dyn Backend>, name: &str) -> Router {
+    router_many(vec![(engine.info().model.clone(), engine)], name)
+}
+
+/// The worker API for several models (at least one).
+pub fn router_many(engines: Vec<(String, Arc<dyn Backend>)>, name: &str) -> Router {
+    assert!(!engines.is_empty(), "a worker serves at least one model");
     let mut registry = prometheus_client::registry::Registry::default();
-    registry.register_collector(Box::new(EngineCollector::new(vec![(name.to_string(), engine.clone())])));
+    let labelled = engines
+        .iter()
+        .map(|(m, e)| {
+            let label = if engines.len() == 1 {
+                name.to_string()
+            } else {
+                format!("{name}/{m}")
+            };
+            (label, e.clone())
+        })
+        .collect();
+    registry.register_collector(Box::new(EngineCollector::new(labelled)));
     let registry = Arc::new(registry);
     Router::new()
         .route("/healthz", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
@@ -57,21 +98,73 @@ pub fn router(engine: Arc<dyn Backend>, name: &str) -> Router {
                 }
             }),
         )
-        .route("/v1/worker/info", get(info))
-        .route("/v1/worker/generate", post(generate))
-        .route("/v1/worker/events", get(events))
+        .route(
+            "/v1/worker/info",
+            get(|State(w): State<WorkerState>| async move { info(w.first()) }),
+        )
+        .route(
+            "/v1/worker/generate",
+            post(|State(w): State<WorkerState>, headers: HeaderMap, body| async move {
+                generate(w.first(), &w.name, headers, body)
+            }),
+        )
+        .route(
+            "/v1/worker/events",
+            get(|State(w): State<WorkerState>| events(w.first())),
+        )
+        .route("/v1/worker/models", get(models))
+        .route(
+            "/v1/worker/m/{model}/info",
+            get(|State(w): State<WorkerState>, Path(m): Path<String>| async move {
+                match w.model(&m) {
+                    Ok(e) => info(e),
+                    Err(r) => *r,
+                }
+            }),
+        )
+        .route(
+            "/v1/worker/m/{model}/generate",
+            post(
+                |State(w): State<WorkerState>, Path(m): Path<String>, headers: HeaderMap, body| async move {
+                    match w.model(&m) {
+                        Ok(e) => generate(e, &w.name, headers, body),
+                        Err(r) => *r,
+                    }
+                },
+            ),
+        )
+        .route(
+            "/v1/worker/m/{model}/events",
+            get(|State(w): State<WorkerState>, Path(m): Path<String>| async move {
+                match w.model(&m) {
+                    Ok(e) => events(e).await,
+                    Err(r) => *r,
+                }
+            }),
+        )
         .with_state(WorkerState {
-            engine,
+            engines: Arc::new(engines),
             name: name.into(),
         })
 }
 
-async fn info(State(WorkerState { engine, .. }): State<WorkerState>) -> impl IntoResponse {
-    Json(engine.info().clone())
+fn info(engine: Arc<dyn Backend>) -> Response {
+    Json(engine.info().clone()).into_response()
 }
 
-async fn generate(
-    State(WorkerState { engine, name }): State<WorkerState>,
+/// The models served: `{"models": [{"info": WorkerInfo, "state": "warm"|"loading"|"cold"|null}]}`.
+async fn models(State(w): State<WorkerState>) -> Response {
+    let models: Vec<serde_json::Value> = w
+        .engines
+        .iter()
+        .map(|(_, e)| serde_json::json!({"info": e.info(), "state": e.model_state()}))
+        .collect();
+    Json(serde_json::json!({ "models": models })).into_response()
+}
+
+fn generate(
+    engine: Arc<dyn Backend>,
+    name: &str,
     headers: HeaderMap,
     body: Result<Json<GenerateRequest>, JsonRejection>,
 ) -> Response {
@@ -115,7 +208,7 @@ fn ndjson<T: serde::Serialize>(v: &T) -> Bytes {
     Bytes::from(line)
 }
 
-async fn events(State(WorkerState { engine, .. }): State<WorkerState>) -> Response {
+async fn events(engine: Arc<dyn Backend>) -> Response {
     let Some((snap, rx)) = engine.subscribe_kv().await else {
         return (StatusCode::SERVICE_UNAVAILABLE, "the engine is not running").into_response();
     };

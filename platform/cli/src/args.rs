@@ -312,6 +312,13 @@ pub struct WorkerArgs {
     pub listen: SocketAddr,
     #[command(flatten)]
     pub model: ModelArgs,
+    /// A model catalogue (TOML, as for `hearth serve`): this worker serves every model in
+    /// it, loading each on demand. Replaces `--model`.
+    #[arg(long, env = "HEARTH_CATALOGUE")]
+    pub catalogue: Option<PathBuf>,
+    /// Memory all warm models of the catalogue may use together.
+    #[arg(long, env = "HEARTH_MEMORY_BUDGET_MIB")]
+    pub memory_budget_mib: Option<u64>,
 }
 
 #[derive(Args)]

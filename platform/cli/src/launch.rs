@@ -218,15 +218,31 @@ pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
 }
 
 pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
-    let engine = load_backend(&a.model).await?;
+    let engines: Vec<(String, Arc<dyn Backend>)> = match &a.catalogue {
+        Some(path) => {
+            let (host, ids) = crate::catalogue::host(path, &a.model, a.memory_budget_mib).await?;
+            crate::catalogue::backends(&host, &ids)
+                .into_iter()
+                .map(|(_, b)| (b.info().model.clone(), b))
+                .collect()
+        }
+        None => {
+            let engine = load_backend(&a.model).await?;
+            vec![(engine.info().model.clone(), engine)]
+        }
+    };
     let listener = tokio::net::TcpListener::bind(a.listen)
         .await
         .with_context(|| format!("cannot listen on {}", a.listen))?;
     let addr = listener.local_addr()?;
-    println!("Hearth worker ({}) is listening on http://{addr}", engine.info().model);
-    axum::serve(listener, hearth_engine::server::router(engine, &worker_name(addr)))
-        .with_graceful_shutdown(shutdown_signal())
-        .await?;
+    let served: Vec<&str> = engines.iter().map(|(m, _)| m.as_str()).collect();
+    println!("Hearth worker ({}) is listening on http://{addr}", served.join(", "));
+    axum::serve(
+        listener,
+        hearth_engine::server::router_many(engines, &worker_name(addr)),
+    )
+    .with_graceful_shutdown(shutdown_signal())
+    .await?;
     Ok(())
 }
 
@@ -246,11 +262,25 @@ fn worker_name(addr: SocketAddr) -> String {
 }
 
 pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
-    let clients = a
-        .workers
-        .iter()
-        .map(|u| HttpWorker::new(u).map(|w| Arc::new(w) as Arc<dyn WorkerClient>))
-        .collect::<Result<Vec<_>, _>>()?;
+    // One client per model of each worker (a catalogue worker serves several); a worker
+    // not up yet is waited for up to --worker-wait-secs.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(a.worker_wait_secs);
+    let mut clients: Vec<Arc<dyn WorkerClient>> = Vec::new();
+    for u in &a.workers {
+        let found = loop {
+            match HttpWorker::discover(u).await {
+                Ok(ws) => break ws,
+                Err(hearth_gateway::workers::WorkerError::Unavailable { .. })
+                    if tokio::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                // Unreachable past the wait: the registry reports it.
+                Err(_) => break vec![HttpWorker::new(u)?],
+            }
+        };
+        clients.extend(found.into_iter().map(|w| Arc::new(w) as Arc<dyn WorkerClient>));
+    }
     let routing = a.routing.config(&a.region)?;
     let workers = Workers {
         clients,

@@ -90,3 +90,53 @@ context_length = 256
     assert_eq!(states(&url, &key).await[0], warm("alpha"));
     drop(server);
 }
+
+/// A catalogue worker behind a separate gateway: the gateway finds both models through
+/// `GET /v1/worker/models`, routes each to the worker's per-model routes, and follows their
+/// states through its health checks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_catalogue_worker_serves_several_models_to_a_gateway() {
+    let data = temp_dir("catalogue-worker");
+    let file = data.join("catalogue.toml");
+    std::fs::write(
+        &file,
+        format!("[[model]]\nid = \"alpha\"\nsource = \"{MODEL}\"\n\n[[model]]\nid = \"beta\"\nsource = \"{MODEL}\"\n"),
+    )
+    .unwrap();
+    let worker = spawn(&[
+        "worker",
+        "--listen",
+        "127.0.0.1:0",
+        "--catalogue",
+        file.to_str().unwrap(),
+        "--kv-cache-mib",
+        "32",
+    ]);
+    let gateway = spawn(&[
+        "gateway",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--worker",
+        &worker.url,
+    ]);
+    let key = new_key(&data, "acme");
+    let url = gateway.url.clone();
+    let ids: Vec<String> = states(&url, &key).await.into_iter().map(|(id, _)| id).collect();
+    assert_eq!(ids, ["alpha", "beta"]);
+    ask(&url, &key, "beta").await;
+    // The gateway learns beta's state at its next health check (every 2 s).
+    let t = Instant::now();
+    while states(&url, &key).await
+        != [
+            ("alpha".to_string(), "cold".to_string()),
+            ("beta".to_string(), "warm".to_string()),
+        ]
+    {
+        assert!(t.elapsed() < Duration::from_secs(20), "{:?}", states(&url, &key).await);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    ask(&url, &key, "alpha").await;
+    drop((gateway, worker));
+}

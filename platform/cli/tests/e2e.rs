@@ -722,15 +722,7 @@ fn metric_sum(metrics: &str, prefix: &str) -> f64 {
 }
 
 async fn routing_state(url: &str) -> Value {
-    client()
-        .get(url)
-        .bearer_auth(ADMIN_TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    get_json(url, ADMIN_TOKEN).await
 }
 
 /// Waits until the gateway follows all `n` workers' KV events (exact mode); returns the state.

@@ -42,10 +42,28 @@ pub trait WorkerClient: Send + Sync + 'static {
     }
 }
 
-/// A worker reached over HTTP (`hearth worker`).
+/// A worker reached over HTTP (`hearth worker`): one of its models.
 pub struct HttpWorker {
     base: String,
     client: reqwest::Client,
+    /// Where this model's routes are: `/v1/worker`, or `/v1/worker/m/{model}` on a worker
+    /// serving a catalogue.
+    prefix: String,
+    /// The model, on a catalogue worker (its state is followed through health checks).
+    model: Option<String>,
+    state: std::sync::Mutex<Option<String>>,
+}
+
+/// One entry of a catalogue worker's `GET /v1/worker/models`.
+#[derive(serde::Deserialize)]
+struct ListedModel {
+    info: WorkerInfo,
+    state: Option<String>,
+}
+
+#[derive(serde::Deserialize)]
+struct ModelList {
+    models: Vec<ListedModel>,
 }
 
 impl HttpWorker {
@@ -64,7 +82,50 @@ impl HttpWorker {
                 worker: base.clone(),
                 detail: e.to_string(),
             })?;
-        Ok(Self { base, client })
+        Ok(Self {
+            base,
+            client,
+            prefix: "/v1/worker".into(),
+            model: None,
+            state: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// One client per model the worker at `base` serves: a catalogue worker lists its
+    /// models; an older or single-model worker is one client.
+    pub async fn discover(base: &str) -> Result<Vec<Self>, WorkerError> {
+        let one = Self::new(base)?;
+        let resp = one
+            .client
+            .get(format!("{}/v1/worker/models", one.base))
+            .timeout(Duration::from_secs(30))
+            .send()
+            .await
+            .map_err(|e| one.unavailable(e))?;
+        if resp.status() == reqwest::StatusCode::NOT_FOUND {
+            return Ok(vec![one]);
+        }
+        if !resp.status().is_success() {
+            return Err(one.protocol(format!("models returned {}", resp.status())));
+        }
+        let list: ModelList = resp.json().await.map_err(|e| one.protocol(e))?;
+        if list.models.len() <= 1 {
+            return Ok(vec![one]);
+        }
+        list.models
+            .into_iter()
+            .map(|m| {
+                let mut w = Self::new(base)?;
+                w.prefix = format!("/v1/worker/m/{}", m.info.model);
+                *w.state.lock().unwrap_or_else(|e| e.into_inner()) = m.state;
+                w.model = Some(m.info.model);
+                Ok(w)
+            })
+            .collect()
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{}/{path}", self.base, self.prefix)
     }
 
     fn unavailable(&self, e: impl std::fmt::Display) -> WorkerError {
@@ -91,7 +152,7 @@ impl WorkerClient for HttpWorker {
         async move {
             let resp = self
                 .client
-                .get(format!("{}/v1/worker/events", self.base))
+                .get(self.url("events"))
                 .send()
                 .await
                 .map_err(|e| self.unavailable(e))?;
@@ -115,20 +176,42 @@ impl WorkerClient for HttpWorker {
                 .send()
                 .await
                 .map_err(|e| self.unavailable(e))?;
-            if resp.status().is_success() {
-                Ok(())
-            } else {
-                Err(self.unavailable(format!("healthz returned {}", resp.status())))
+            if !resp.status().is_success() {
+                return Err(self.unavailable(format!("healthz returned {}", resp.status())));
             }
+            // A catalogue worker: follow the model's state (warm / loading / cold).
+            if let Some(model) = &self.model {
+                let listed = self
+                    .client
+                    .get(format!("{}/v1/worker/models", self.base))
+                    .timeout(Duration::from_secs(3))
+                    .send()
+                    .await
+                    .map_err(|e| self.unavailable(e))?
+                    .json::<ModelList>()
+                    .await
+                    .map_err(|e| self.protocol(e))?;
+                let state = listed
+                    .models
+                    .into_iter()
+                    .find(|m| &m.info.model == model)
+                    .and_then(|m| m.state);
+                *self.state.lock().unwrap_or_else(|e| e.into_inner()) = state;
+            }
+            Ok(())
         }
         .boxed()
+    }
+
+    fn model_state(&self) -> Option<String> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     fn info(&self) -> BoxFuture<'_, Result<WorkerInfo, WorkerError>> {
         async move {
             let resp = self
                 .client
-                .get(format!("{}/v1/worker/info", self.base))
+                .get(self.url("info"))
                 .timeout(Duration::from_secs(30))
                 .send()
                 .await
@@ -145,7 +228,7 @@ impl WorkerClient for HttpWorker {
         // The worker's spans join this request's trace (W3C traceparent).
         let traceparent = crate::telemetry::current_traceparent();
         async move {
-            let mut post = self.client.post(format!("{}/v1/worker/generate", self.base)).json(&req);
+            let mut post = self.client.post(self.url("generate")).json(&req);
             if let Some(tp) = traceparent {
                 post = post.header(hearth_protocol::TRACEPARENT, tp);
             }

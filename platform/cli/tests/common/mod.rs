@@ -204,7 +204,15 @@ pub async fn post(url: &str, key: Option<&str>, body: &Value) -> (u16, reqwest::
 
 /// `GET url` with a bearer key, as JSON.
 pub async fn get_json(url: &str, key: &str) -> Value {
-    client().get(url).bearer_auth(key).send().await.unwrap().json().await.unwrap()
+    client()
+        .get(url)
+        .bearer_auth(key)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
 }
 
 pub fn chat_body(extra: Value) -> Value {
