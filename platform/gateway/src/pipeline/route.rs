@@ -65,18 +65,48 @@ impl Drop for Placement {
     }
 }
 
+/// Workers that would have to load the model (they report it `cold` or `loading`), as a
+/// slot mask — when at least one other usable worker has it warm; else 0.
+fn not_warm(model: &ServedModel, exclude: u64) -> u64 {
+    let (mut warm, mut other) = (0u64, 0u64);
+    for slot in 0..64 {
+        let Some(state) = model.client(slot).and_then(|c| c.model_state()) else {
+            continue;
+        };
+        if state == "warm" {
+            warm |= 1 << slot;
+        } else {
+            other |= 1 << slot;
+        }
+    }
+    if warm & !exclude != 0 {
+        other
+    } else {
+        0
+    }
+}
+
 /// The best worker not in `exclude` (a bit mask of router slots), or None when none is left.
+/// Warm replicas come first: a worker that would have to load the model (catalogue
+/// workers report its state) is chosen only when no warm one can take the request; then
+/// the policy picks which one loads it.
 pub fn run(model: &Arc<ServedModel>, req: &RouteRequest, exclude: u64) -> Option<Placement> {
     let mut r = model.router();
-    let input = RouteInput {
+    let mut input = RouteInput {
         hashes: &req.hashes,
         prompt_tokens: req.prompt_tokens,
         prefix_key: req.hints.prefix_key,
         session: req.hints.session.as_deref(),
         region: req.hints.region.as_deref(),
-        exclude,
+        exclude: exclude | not_warm(model, exclude),
     };
-    let d = r.route(&input, model.now_ms())?;
+    let d = match r.route(&input, model.now_ms()) {
+        Some(d) => d,
+        None => {
+            input.exclude = exclude;
+            r.route(&input, model.now_ms())?
+        }
+    };
     let uncached = req.prompt_tokens - d.expected_cached_tokens;
     r.on_dispatch(d.worker, uncached);
     tracing::debug!(
@@ -102,4 +132,139 @@ pub fn prefix_key(model: &ServedModel, text: &str, namespace: &str) -> u64 {
     };
     let lead: String = text.chars().take(len).collect();
     xxhash_rust::xxh3::xxh3_64(format!("{namespace}\0{lead}").as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use futures_util::future::BoxFuture;
+    use futures_util::FutureExt;
+    use hearth_protocol::{GenerateRequest, WorkerInfo};
+
+    use super::*;
+    use crate::registry::{ModelRegistry, RoutingConfig};
+    use crate::workers::{EventStream, KvEventStream, WorkerClient, WorkerError};
+
+    /// A worker that only reports a model state.
+    struct Stateful {
+        name: String,
+        state: Mutex<Option<String>>,
+    }
+
+    impl WorkerClient for Stateful {
+        fn name(&self) -> &str {
+            &self.name
+        }
+        fn info(&self) -> BoxFuture<'_, Result<WorkerInfo, WorkerError>> {
+            // GPT-2's byte-level alphabet: printable bytes stand for themselves, the others
+            // for 256 + n.
+            let mut n = 0;
+            let mut tokens: Vec<String> = (0..256u32)
+                .map(|b| {
+                    let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+                    let c = if printable {
+                        b
+                    } else {
+                        n += 1;
+                        255 + n
+                    };
+                    char::from_u32(c).unwrap().to_string()
+                })
+                .collect();
+            tokens.resize(1000, "x".into());
+            let info = WorkerInfo {
+                model: "m".into(),
+                architecture: "test".into(),
+                context_length: 4096,
+                parameters: 0,
+                block_tokens: 16,
+                region: "local".into(),
+                role: "both".into(),
+                capacity: 8,
+                tokenizer: hearth_protocol::TokenizerSpec {
+                    model: "gpt2".into(),
+                    pre: "default".into(),
+                    token_types: vec![1; tokens.len()],
+                    tokens,
+                    merges: vec![],
+                    bos_id: None,
+                    eos_id: None,
+                    add_bos: false,
+                    chat_template: None,
+                },
+            };
+            async move { Ok(info) }.boxed()
+        }
+        fn generate(&self, _: GenerateRequest) -> BoxFuture<'_, Result<EventStream, WorkerError>> {
+            async move {
+                Err(WorkerError::Unavailable {
+                    worker: self.name.clone(),
+                    detail: "test".into(),
+                })
+            }
+            .boxed()
+        }
+        fn kv_events(&self) -> BoxFuture<'_, Result<KvEventStream, WorkerError>> {
+            async move {
+                Err(WorkerError::Unavailable {
+                    worker: self.name.clone(),
+                    detail: "test".into(),
+                })
+            }
+            .boxed()
+        }
+        fn health(&self) -> BoxFuture<'_, Result<(), WorkerError>> {
+            async move { Ok(()) }.boxed()
+        }
+        fn model_state(&self) -> Option<String> {
+            self.state.lock().unwrap().clone()
+        }
+    }
+
+    #[tokio::test]
+    async fn warm_replicas_are_chosen_before_workers_that_must_load() {
+        let workers: Vec<Arc<Stateful>> = ["cold", "warm", "cold"]
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                Arc::new(Stateful {
+                    name: format!("w{i}"),
+                    state: Mutex::new(Some(s.to_string())),
+                })
+            })
+            .collect();
+        let clients: Vec<Arc<dyn WorkerClient>> = workers.iter().map(|w| w.clone() as Arc<dyn WorkerClient>).collect();
+        let cfg = RoutingConfig {
+            policy: Policy::parse("least_outstanding").unwrap(),
+            ..Default::default()
+        };
+        let reg = ModelRegistry::discover(clients, Duration::ZERO, &cfg).await.unwrap();
+        let model = reg.get("m").unwrap().clone();
+        let req = |n: u64| RouteRequest {
+            hashes: vec![],
+            prompt_tokens: 10,
+            hints: RouteHints {
+                session: None,
+                region: None,
+                prefix_key: n,
+            },
+        };
+        // Every request goes to the one warm worker, even as its load grows.
+        let held: Vec<Placement> = (0..4).map(|i| run(&model, &req(i), 0).unwrap()).collect();
+        assert!(
+            held.iter().all(|p| p.slot == 1),
+            "{:?}",
+            held.iter().map(|p| p.slot).collect::<Vec<_>>()
+        );
+        // The warm worker excluded (it failed): a cold one loads it.
+        let p = run(&model, &req(9), 1 << 1).unwrap();
+        assert_ne!(p.slot, 1);
+        // Nothing warm: the policy chooses among all (least outstanding: not the busy one).
+        *workers[1].state.lock().unwrap() = Some("cold".into());
+        let slots: Vec<usize> = (0..3).map(|i| run(&model, &req(i), 0).unwrap().slot).collect();
+        assert!(slots.iter().all(|&s| s != 1), "{slots:?}");
+        drop(held);
+    }
 }
