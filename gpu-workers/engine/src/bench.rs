@@ -49,7 +49,8 @@ pub struct BenchReport {
     pub peak_rss_mib: f64,
 }
 
-fn rss_mib(field: &str) -> f64 {
+/// A memory figure of this process from `/proc/self/status` (`VmRSS:`, `VmHWM:`), in MiB.
+pub fn rss_mib(field: &str) -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {

@@ -115,7 +115,7 @@ pub async fn run(
 ) -> Result<ColdstartReport, EngineError> {
     let file_mib = std::fs::metadata(model_path).map_or(0.0, |m| m.len() as f64 / (1 << 20) as f64);
     // Ordinary token ids (above the special tokens), deterministic, inside the vocabulary.
-    let vocab = crate::sim::sim_info(model_path, model_id, "local")?
+    let vocab = crate::engine::file_info(model_path, model_id, "local")?
         .tokenizer
         .tokens
         .len() as u32;

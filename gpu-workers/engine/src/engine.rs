@@ -115,6 +115,26 @@ pub fn tokenizer_spec(g: &GgufFile) -> Result<TokenizerSpec, GgufError> {
     })
 }
 
+/// What a worker reports for a model file, from its metadata alone (no weights read): the
+/// gateway can list, tokenize for and route to a model before it is loaded.
+pub fn file_info(path: &Path, model_id: &str, region: &str) -> Result<WorkerInfo, EngineError> {
+    let file = GgufFile::open(path)?;
+    let spec = tokenizer_spec(&file)?;
+    let arch = file.get_str("general.architecture").unwrap_or("llama").to_string();
+    let context = file.get_u64(&format!("{arch}.context_length")).unwrap_or(8192) as u32;
+    Ok(WorkerInfo {
+        model: model_id.to_string(),
+        context_length: context,
+        parameters: file.tensors.iter().map(|t| t.n_elements()).sum(),
+        architecture: arch,
+        block_tokens: hearth_protocol::DEFAULT_BLOCK_TOKENS as u32,
+        region: region.to_string(),
+        role: "both".into(),
+        capacity: 0,
+        tokenizer: spec,
+    })
+}
+
 /// Counters the engine publishes after every step.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct EngineStats {

@@ -115,6 +115,16 @@ enum Slot {
     Warm(EngineHandle),
 }
 
+impl Slot {
+    fn state(&self) -> ModelState {
+        match self {
+            Slot::Cold => ModelState::Cold,
+            Slot::Loading(_) => ModelState::Loading,
+            Slot::Warm(_) => ModelState::Warm,
+        }
+    }
+}
+
 struct Model {
     entry: ModelEntry,
     info: Arc<WorkerInfo>,
@@ -189,7 +199,7 @@ impl ModelHost {
         let mut models = HashMap::new();
         let mut failed = Vec::new();
         for entry in entries {
-            let mut info = match crate::sim::sim_info(&entry.path, &entry.id, &cfg.engine.region) {
+            let mut info = match crate::engine::file_info(&entry.path, &entry.id, &cfg.engine.region) {
                 Ok(i) => i,
                 Err(e) => {
                     tracing::warn!(model = %entry.id, error = %e, "model left out of the catalogue");
@@ -197,7 +207,6 @@ impl ModelHost {
                     continue;
                 }
             };
-            info.architecture = "llama".into();
             info.capacity = cfg.engine.max_running as u32;
             if let Some(c) = entry.context_length {
                 info.context_length = info.context_length.min(c.max(1) as u32);
@@ -245,21 +254,14 @@ impl ModelHost {
             .inner
             .lock()
             .iter()
-            .map(|(id, m)| {
-                let s = match m.slot {
-                    Slot::Cold => ModelState::Cold,
-                    Slot::Loading(_) => ModelState::Loading,
-                    Slot::Warm(_) => ModelState::Warm,
-                };
-                (id.clone(), s)
-            })
+            .map(|(id, m)| (id.clone(), m.slot.state()))
             .collect();
         v.sort();
         v
     }
 
     pub fn state(&self, id: &str) -> Option<ModelState> {
-        self.states().into_iter().find(|(m, _)| m == id).map(|(_, s)| s)
+        self.inner.lock().get(id).map(|m| m.slot.state())
     }
 
     /// Loads a model now (for pinned models at start).

@@ -383,19 +383,11 @@ impl crate::backend::Backend for SimHandle {
 /// Describes a model for the sim from its GGUF file (tokenizer and context only; the
 /// weights are never read).
 pub fn sim_info(path: &std::path::Path, model_id: &str, region: &str) -> Result<WorkerInfo, crate::EngineError> {
-    let file = crate::gguf::GgufFile::open(path)?;
-    let spec = crate::tokenizer_spec(&file)?;
-    let context = file.get_u64("llama.context_length").unwrap_or(8192) as u32;
     Ok(WorkerInfo {
-        model: model_id.to_string(),
         architecture: "sim".into(),
-        context_length: context,
         parameters: 0,
-        block_tokens: hearth_protocol::DEFAULT_BLOCK_TOKENS as u32,
-        region: region.to_string(),
-        role: "both".into(),
         capacity: 256,
-        tokenizer: spec,
+        ..crate::engine::file_info(path, model_id, region)?
     })
 }
 

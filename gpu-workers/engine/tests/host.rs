@@ -73,13 +73,7 @@ async fn run(b: &dyn Backend, model: &str, max_tokens: u32) -> (usize, Option<St
 
 /// Resident memory of this process (nextest runs each test in its own process).
 fn rss_mib() -> f64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap();
-    let kib: f64 = s
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        .unwrap();
-    kib / 1024.0
+    hearth_engine::bench::rss_mib("VmRSS:")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

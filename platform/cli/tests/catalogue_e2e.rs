@@ -112,15 +112,7 @@ async fn a_catalogue_worker_serves_several_models_to_a_gateway() {
         "--kv-cache-mib",
         "32",
     ]);
-    let gateway = spawn(&[
-        "gateway",
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        data.to_str().unwrap(),
-        "--worker",
-        &worker.url,
-    ]);
+    let gateway = gateway_with(&data, &worker.url, &[], &[]);
     let key = new_key(&data, "acme");
     let url = gateway.url.clone();
     let ids: Vec<String> = states(&url, &key).await.into_iter().map(|(id, _)| id).collect();

@@ -43,6 +43,11 @@ impl ServedModel {
         self.workers.get(slot).and_then(Option::as_ref)
     }
 
+    /// Router slots (workers, including ones removed since: their slot stays empty).
+    pub fn slots(&self) -> usize {
+        self.workers.len()
+    }
+
     pub fn worker_count(&self) -> usize {
         self.workers.iter().flatten().count()
     }

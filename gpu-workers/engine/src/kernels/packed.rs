@@ -49,6 +49,15 @@ pub enum PackKind {
 }
 
 impl PackKind {
+    /// The layout a GGUF type packs into, if it has one.
+    pub fn of(ty: GgmlType) -> Option<Self> {
+        match ty {
+            GgmlType::Q4_0 | GgmlType::Q4_1 => Some(PackKind::Nibble),
+            GgmlType::Q8_0 => Some(PackKind::Byte),
+            _ => None,
+        }
+    }
+
     /// Bytes of one block of a 16-row group.
     pub const fn block_bytes(self) -> usize {
         match self {
@@ -95,11 +104,7 @@ fn f16_bits(b: &[u8], i: usize) -> u16 {
 impl PackedMatrix {
     /// Repacks a quantized matrix; `None` for types the packed kernels do not take.
     pub fn pack(w: &WeightView<'_>) -> Option<Self> {
-        let kind = match w.ty {
-            GgmlType::Q4_0 | GgmlType::Q4_1 => PackKind::Nibble,
-            GgmlType::Q8_0 => PackKind::Byte,
-            _ => return None,
-        };
+        let kind = PackKind::of(w.ty)?;
         if !w.cols.is_multiple_of(QK) || w.rows == 0 || w.cols == 0 {
             return None;
         }

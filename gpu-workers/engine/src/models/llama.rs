@@ -326,23 +326,19 @@ impl LlamaModel {
             ]);
         }
         ms.push(&mut self.output);
-        let kind = |ty: GgmlType| match ty {
-            GgmlType::Q4_0 | GgmlType::Q4_1 => Some(PackKind::Nibble),
-            GgmlType::Q8_0 => Some(PackKind::Byte),
-            _ => None,
-        };
-        ms.retain(|m| kind(m.ty).is_some() && m.cols.is_multiple_of(QK));
-        let wanted: Vec<Wanted> = ms
-            .iter()
-            .filter_map(|m| {
-                Some(Wanted {
-                    kind: kind(m.ty)?,
+        let mut wanted = Vec::new();
+        ms.retain(|m| match PackKind::of(m.ty) {
+            Some(kind) if m.cols.is_multiple_of(QK) => {
+                wanted.push(Wanted {
+                    kind,
                     rows: m.rows,
                     cols: m.cols,
                     tensor_offset: m.offset as u64,
-                })
-            })
-            .collect();
+                });
+                true
+            }
+            _ => false,
+        });
         let use_cache = self.use_pack_cache;
         let cached = if use_cache {
             pack_cache::load(&file.path, &wanted)

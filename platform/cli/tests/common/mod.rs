@@ -99,6 +99,12 @@ pub fn worker_and_gateway_with(data: &Path, extra: &[&str], env: &[(&str, &str)]
     let mut w = vec!["worker", "--listen", "127.0.0.1:0"];
     w.extend_from_slice(extra);
     let worker = spawn_with_env(&w, env);
+    let gateway = gateway_with(data, &worker.url, extra, env);
+    (worker, gateway)
+}
+
+/// A `hearth gateway` in front of the worker at `worker_url`.
+pub fn gateway_with(data: &Path, worker_url: &str, extra: &[&str], env: &[(&str, &str)]) -> Proc {
     let mut g = vec![
         "gateway",
         "--listen",
@@ -106,11 +112,10 @@ pub fn worker_and_gateway_with(data: &Path, extra: &[&str], env: &[(&str, &str)]
         "--data-dir",
         data.to_str().unwrap(),
         "--worker",
-        &worker.url,
+        worker_url,
     ];
     g.extend_from_slice(extra);
-    let gateway = spawn_with_env(&g, env);
-    (worker, gateway)
+    spawn_with_env(&g, env)
 }
 
 /// `price set` arguments for the price the money tests use: $1 / $0.1 / $2 per million

@@ -69,7 +69,7 @@ impl Drop for Placement {
 /// slot mask — when at least one other usable worker has it warm; else 0.
 fn not_warm(model: &ServedModel, exclude: u64) -> u64 {
     let (mut warm, mut other) = (0u64, 0u64);
-    for slot in 0..64 {
+    for slot in 0..model.slots() {
         let Some(state) = model.client(slot).and_then(|c| c.model_state()) else {
             continue;
         };
