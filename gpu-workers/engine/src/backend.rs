@@ -33,6 +33,11 @@ pub trait Backend: Send + Sync + 'static {
     fn model_state(&self) -> Option<&'static str> {
         None
     }
+    /// Starts loading the model in the background if it is cold (the gateway spreads a
+    /// busy model to more workers); false if this backend does not load on demand.
+    fn preload(&self) -> bool {
+        false
+    }
 }
 
 impl Backend for crate::EngineHandle {

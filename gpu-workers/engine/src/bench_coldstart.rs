@@ -1,7 +1,9 @@
 //! `hearth bench coldstart`: how long a request for a model that is not loaded waits for
 //! its first token, against the floor — reading the file plus one prefill of the prompt —
 //! with and without the on-disk pack cache, with the page cache warm and (where the OS lets
-//! this process drop a file's pages) cold.
+//! this process drop a file's pages) cold; and how long a worker process takes from start to
+//! ready. For the GGUF and for the same model as a Hugging Face directory (F16 safetensors,
+//! exported for the run).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -16,20 +18,67 @@ use crate::{Backend, EngineConfig, EngineError, EngineHandle};
 pub struct ColdstartReport {
     pub model: String,
     pub isa: String,
-    pub file_mib: f64,
     pub prompt_tokens: usize,
-    /// Whether dropping the file's pages from the page cache worked (cold-disk rows).
+    /// Whether dropping the files' pages from the page cache worked (cold-disk rows).
     pub cold_disk_measured: bool,
+    /// The GGUF, then the same model as a Hugging Face directory (F16 safetensors).
+    pub formats: Vec<FormatColdstart>,
+    /// Three models, room for two, requests alternating between them.
+    pub alternating: Alternating,
+}
+
+/// A worker with three models (the GGUF under three ids) and a memory budget for two,
+/// serving three clients whose requests rotate over the models.
+#[derive(Debug, Clone, Serialize)]
+pub struct Alternating {
+    pub models: usize,
+    pub room_for: usize,
+    pub requests: usize,
+    pub answered: usize,
+    /// Requests that got an error (by code) or no answer: the target is none.
+    pub failed: Vec<String>,
+    pub loads: u64,
+    pub p50_ms: f64,
+    pub max_ms: f64,
+}
+
+/// One format's cold start.
+#[derive(Debug, Clone, Serialize)]
+pub struct FormatColdstart {
+    pub format: String,
+    pub weights_mib: f64,
     pub file_read_warm_ms: f64,
     pub file_read_cold_ms: Option<f64>,
     /// One prefill of the prompt on a loaded engine.
     pub prefill_ms: f64,
+    /// `hearth worker --model …` started → listening (model loaded), when measured.
+    pub process_ready_ms: Option<f64>,
     /// Request for an unloaded model → first token.
     pub first_token_warm_cache_ms: f64,
-    pub first_token_no_pack_cache_ms: f64,
+    /// The same without the on-disk load cache (None: the format computes nothing at load
+    /// to cache — float safetensors are used as they are).
+    pub first_token_no_pack_cache_ms: Option<f64>,
     pub first_token_cold_disk_ms: Option<f64>,
     /// first_token_warm_cache / (file_read_warm + prefill): the target is ≤ 1.2.
     pub ratio_to_floor: f64,
+    /// first_token_cold_disk / (file_read_cold + prefill).
+    pub ratio_to_floor_cold: Option<f64>,
+}
+
+/// The files a model is read from: the GGUF, or a directory's safetensors.
+fn weight_files(path: &Path) -> Vec<std::path::PathBuf> {
+    if !path.is_dir() {
+        return vec![path.to_path_buf()];
+    }
+    let mut v: Vec<_> = std::fs::read_dir(path)
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    v.sort();
+    v
 }
 
 /// Drops a file's pages from the page cache (only clean pages no one maps); false if the OS
@@ -51,9 +100,41 @@ fn drop_page_cache(path: &Path) -> bool {
 
 fn read_ms(path: &Path) -> f64 {
     let t = Instant::now();
-    let n = std::fs::read(path).map_or(0, |b| b.len());
-    std::hint::black_box(n);
+    for f in weight_files(path) {
+        let n = std::fs::read(f).map_or(0, |b| b.len());
+        std::hint::black_box(n);
+    }
     t.elapsed().as_secs_f64() * 1000.0
+}
+
+fn drop_all(path: &Path) -> bool {
+    weight_files(path).iter().all(|f| drop_page_cache(f))
+}
+
+/// `exe worker --model PATH --listen 127.0.0.1:0` started → "listening" printed (the model
+/// loaded), in ms; the process is killed after.
+fn process_ready_ms(exe: &Path, path: &Path, cfg: &EngineConfig) -> Option<f64> {
+    use std::io::BufRead;
+    let t = Instant::now();
+    let mut child = std::process::Command::new(exe)
+        .args(["worker", "--listen", "127.0.0.1:0", "--model"])
+        .arg(path)
+        .args(["--threads", &cfg.threads.to_string()])
+        .args(["--kv-cache-mib", &cfg.kv_cache_mib.unwrap_or(64).to_string()])
+        .env("HEARTH_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    let stdout = child.stdout.take()?;
+    let ready = std::io::BufReader::new(stdout)
+        .lines()
+        .map_while(Result::ok)
+        .any(|l| l.contains("listening on"));
+    let ms = t.elapsed().as_secs_f64() * 1000.0;
+    let _ = child.kill();
+    let _ = child.wait();
+    ready.then_some(ms)
 }
 
 fn request(model: &str, prompt: &[u32], tag: &str) -> GenerateRequest {
@@ -95,6 +176,7 @@ async fn cold_request(path: &Path, id: &str, cfg: &EngineConfig, prompt: &[u32],
             pinned: false,
             context_length: None,
             memory_bytes: None,
+            tenants: Vec::new(),
         }],
         HostConfig {
             engine: cfg.clone(),
@@ -107,13 +189,16 @@ async fn cold_request(path: &Path, id: &str, cfg: &EngineConfig, prompt: &[u32],
     first_token_ms(&m, request(id, prompt, tag)).await
 }
 
+/// Measures the GGUF at `model_path` and the same model exported as a Hugging Face
+/// directory (F16 safetensors, written to a temporary directory and removed after).
+/// `exe`: the `hearth` binary, for the process start → ready rows.
 pub async fn run(
     model_path: &Path,
     model_id: &str,
     cfg: &EngineConfig,
     prompt_tokens: usize,
+    exe: Option<&Path>,
 ) -> Result<ColdstartReport, EngineError> {
-    let file_mib = std::fs::metadata(model_path).map_or(0.0, |m| m.len() as f64 / (1 << 20) as f64);
     // Ordinary token ids (above the special tokens), deterministic, inside the vocabulary.
     let vocab = crate::engine::file_info(model_path, model_id, "local")?
         .tokenizer
@@ -121,86 +206,262 @@ pub async fn run(
         .len() as u32;
     let span = vocab.saturating_sub(17).clamp(1, 40_000);
     let prompt: Vec<u32> = (0..prompt_tokens as u32).map(|i| 17 + (i * 7919) % span).collect();
-    let pack = crate::pack_cache::path_for(model_path);
-
-    // The floor: reading the file, and one prefill on a loaded engine.
-    read_ms(model_path);
-    let file_read_warm_ms = read_ms(model_path);
-    let engine = EngineHandle::load(model_path, model_id, cfg)?;
-    first_token_ms(&engine, request(model_id, &prompt[..16.min(prompt.len())], "warmup")).await;
-    let prefill_ms = first_token_ms(&engine, request(model_id, &prompt, "prefill")).await;
-    drop(engine); // this load also wrote the pack cache if it was missing
-
-    // Warm page cache, pack cache present.
-    let first_token_warm_cache_ms = cold_request(model_path, model_id, cfg, &prompt, "cached").await;
-    // No pack cache: repack at load.
-    let no_cache = EngineConfig {
-        pack_cache: false,
-        ..cfg.clone()
-    };
-    let first_token_no_pack_cache_ms = cold_request(model_path, model_id, &no_cache, &prompt, "nocache").await;
-    // Cold disk: the model's and the pack cache's pages dropped first.
-    let cold_disk_measured = drop_page_cache(model_path) && (!pack.exists() || drop_page_cache(&pack));
-    let (file_read_cold_ms, first_token_cold_disk_ms) = if cold_disk_measured {
-        let t = cold_request(model_path, model_id, cfg, &prompt, "colddisk").await;
-        drop_page_cache(model_path);
-        (Some(read_ms(model_path)), Some(t))
-    } else {
-        (None, None)
-    };
+    let hf_dir = std::env::temp_dir().join(format!("hearth-coldstart-hf-{}", std::process::id()));
+    let gguf = crate::gguf::GgufFile::open(model_path)?;
+    crate::hf::export(&gguf, &hf_dir, crate::hf::ExportDtype::F16, 1)?;
+    drop(gguf);
+    let mut formats = Vec::new();
+    let mut cold_disk_measured = true;
+    for (format, path) in [("gguf", model_path), ("safetensors (f16)", hf_dir.as_path())] {
+        let (f, cold) = measure(format, path, model_id, cfg, &prompt, exe).await;
+        cold_disk_measured &= cold;
+        formats.push(f?);
+    }
+    let _ = std::fs::remove_dir_all(&hf_dir);
+    let alternating = alternating(model_path, cfg, &prompt[..32.min(prompt.len())]).await;
     Ok(ColdstartReport {
         model: model_id.to_string(),
         isa: crate::kernels::isa().to_string(),
-        file_mib,
         prompt_tokens,
         cold_disk_measured,
+        formats,
+        alternating,
+    })
+}
+
+/// Three clients, each sending 10 requests (8 tokens) in turn to models a, b, c (offset by
+/// client), to a host with room for two of the three.
+async fn alternating(path: &Path, cfg: &EngineConfig, prompt: &[u32]) -> Alternating {
+    const MODELS: [&str; 3] = ["a", "b", "c"];
+    const PER_CLIENT: usize = 10;
+    let kv_mib = 16;
+    let engine = EngineConfig {
+        kv_cache_mib: Some(kv_mib),
+        ..cfg.clone()
+    };
+    let per_model = crate::hf::weights_bytes(path) + ((kv_mib as u64) << 20);
+    let entries = MODELS
+        .iter()
+        .map(|id| ModelEntry {
+            id: id.to_string(),
+            path: path.to_path_buf(),
+            idle_ttl: None,
+            pinned: false,
+            context_length: None,
+            memory_bytes: None,
+            tenants: Vec::new(),
+        })
+        .collect();
+    let (host, failed) = ModelHost::new(
+        entries,
+        HostConfig {
+            memory_budget: Some(2 * per_model + (per_model / 2)),
+            load_timeout: Duration::from_secs(300),
+            engine,
+            ..Default::default()
+        },
+    );
+    assert!(failed.is_empty(), "{failed:?}");
+    let clients = (0..MODELS.len()).map(|c| {
+        let host = host.clone();
+        let prompt = prompt.to_vec();
+        tokio::spawn(async move {
+            let mut out = Vec::new();
+            for j in 0..PER_CLIENT {
+                let id = MODELS[(c + j) % MODELS.len()];
+                let m = host.model(id).expect("catalogued");
+                let mut req = request(id, &prompt, &format!("alt-{c}-{j}"));
+                req.sampling.max_tokens = 8;
+                req.sampling.ignore_eos = true;
+                let t = Instant::now();
+                let mut rx = m.generate(req);
+                let mut outcome = Err("no answer".to_string());
+                while let Some(ev) = rx.recv().await {
+                    match ev {
+                        GenerateEvent::Done { .. } => {
+                            outcome = Ok(());
+                            break;
+                        }
+                        GenerateEvent::Error { code, .. } => {
+                            outcome = Err(code);
+                            break;
+                        }
+                        _ => {}
+                    }
+                }
+                out.push((outcome, t.elapsed().as_secs_f64() * 1000.0));
+            }
+            out
+        })
+    });
+    let mut results = Vec::new();
+    for c in clients.collect::<Vec<_>>() {
+        results.extend(c.await.unwrap_or_default());
+    }
+    let mut times: Vec<f64> = results.iter().map(|r| r.1).collect();
+    times.sort_by(f64::total_cmp);
+    Alternating {
+        models: MODELS.len(),
+        room_for: 2,
+        requests: MODELS.len() * PER_CLIENT,
+        answered: results.iter().filter(|r| r.0.is_ok()).count(),
+        failed: results.iter().filter_map(|r| r.0.clone().err()).collect(),
+        loads: host.loads(),
+        p50_ms: times.get(times.len() / 2).copied().unwrap_or(0.0),
+        max_ms: times.last().copied().unwrap_or(0.0),
+    }
+}
+
+async fn measure(
+    format: &str,
+    path: &Path,
+    model_id: &str,
+    cfg: &EngineConfig,
+    prompt: &[u32],
+    exe: Option<&Path>,
+) -> (Result<FormatColdstart, EngineError>, bool) {
+    let weights_mib = crate::hf::weights_bytes(path) as f64 / (1 << 20) as f64;
+    let is_gguf = !path.is_dir();
+    let pack = crate::pack_cache::path_for(path);
+
+    // The floor: reading the file(s), and one prefill on a loaded engine.
+    read_ms(path);
+    let file_read_warm_ms = read_ms(path);
+    let engine = match EngineHandle::load(path, model_id, cfg) {
+        Ok(e) => e,
+        Err(e) => return (Err(e), false),
+    };
+    first_token_ms(&engine, request(model_id, &prompt[..16.min(prompt.len())], "warmup")).await;
+    let prefill_ms = first_token_ms(&engine, request(model_id, prompt, "prefill")).await;
+    drop(engine); // this load also wrote the pack cache if it was missing
+    let process_ready_ms = exe.and_then(|exe| process_ready_ms(exe, path, cfg));
+
+    // Warm page cache, load cache present.
+    let first_token_warm_cache_ms = cold_request(path, model_id, cfg, prompt, "cached").await;
+    // No load cache: repack at load (a GGUF's quantized matrices; float safetensors have
+    // nothing to repack).
+    let first_token_no_pack_cache_ms = if is_gguf {
+        let no_cache = EngineConfig {
+            pack_cache: false,
+            ..cfg.clone()
+        };
+        Some(cold_request(path, model_id, &no_cache, prompt, "nocache").await)
+    } else {
+        None
+    };
+    // Cold disk: the model's (and the pack cache's) pages dropped first.
+    let cold = drop_all(path) && (!is_gguf || !pack.exists() || drop_page_cache(&pack));
+    let (file_read_cold_ms, first_token_cold_disk_ms) = if cold {
+        let t = cold_request(path, model_id, cfg, prompt, "colddisk").await;
+        drop_all(path);
+        (Some(read_ms(path)), Some(t))
+    } else {
+        (None, None)
+    };
+    let report = FormatColdstart {
+        format: format.to_string(),
+        weights_mib,
         file_read_warm_ms,
         file_read_cold_ms,
         prefill_ms,
+        process_ready_ms,
         first_token_warm_cache_ms,
         first_token_no_pack_cache_ms,
         first_token_cold_disk_ms,
         ratio_to_floor: first_token_warm_cache_ms / (file_read_warm_ms + prefill_ms),
-    })
+        ratio_to_floor_cold: first_token_cold_disk_ms
+            .zip(file_read_cold_ms)
+            .map(|(t, r)| t / (r + prefill_ms)),
+    };
+    (Ok(report), cold)
 }
 
 impl ColdstartReport {
     pub fn table(&self) -> String {
-        let opt = |v: Option<f64>| {
-            v.map_or("not measured (page cache could not be dropped)".into(), |v| {
-                format!("{v:.1} ms")
-            })
-        };
-        let rows = [
+        let ms = |v: Option<f64>| v.map_or("—".to_string(), |v| format!("{v:.1} ms"));
+        let mut out = format!(
+            "hearth bench coldstart — {} — isa {} — {}-token prompt — cold disk: {}\n",
+            self.model,
+            self.isa,
+            self.prompt_tokens,
+            if self.cold_disk_measured {
+                "page cache dropped with posix_fadvise(DONTNEED)"
+            } else {
+                "not measured (the page cache could not be dropped)"
+            }
+        );
+        out.push_str(&format!("  {:<44}", "measure"));
+        for f in &self.formats {
+            out.push_str(&format!(" {:>26}", f.format));
+        }
+        out.push('\n');
+        type Cell<'a> = Box<dyn Fn(&FormatColdstart) -> String + 'a>;
+        let rows: [(&str, Cell); 9] = [
+            ("weights on disk", Box::new(|f| format!("{:.0} MiB", f.weights_mib))),
             (
-                "read the file, page cache warm",
-                format!("{:.1} ms ({:.0} MiB)", self.file_read_warm_ms, self.file_mib),
+                "read the files, page cache warm",
+                Box::new(|f| ms(Some(f.file_read_warm_ms))),
             ),
-            ("read the file, page cache dropped", opt(self.file_read_cold_ms)),
+            (
+                "read the files, page cache dropped",
+                Box::new(|f| ms(f.file_read_cold_ms)),
+            ),
             (
                 "one prefill of the prompt (loaded)",
-                format!("{:.1} ms ({} tokens)", self.prefill_ms, self.prompt_tokens),
+                Box::new(|f| ms(Some(f.prefill_ms))),
             ),
             (
-                "cold model → first token, pack cache",
-                format!(
-                    "{:.1} ms ({:.2}x read + prefill; target ≤ 1.2x)",
-                    self.first_token_warm_cache_ms, self.ratio_to_floor
-                ),
+                "process start → ready (worker, model loaded)",
+                Box::new(|f| ms(f.process_ready_ms)),
             ),
             (
-                "cold model → first token, no pack cache",
-                format!("{:.1} ms", self.first_token_no_pack_cache_ms),
+                "cold model → first token (load cache)",
+                Box::new(|f| format!("{:.1} ms = {:.2}x", f.first_token_warm_cache_ms, f.ratio_to_floor)),
+            ),
+            (
+                "cold model → first token, no load cache",
+                Box::new(|f| ms(f.first_token_no_pack_cache_ms)),
             ),
             (
                 "cold model → first token, cold disk",
-                opt(self.first_token_cold_disk_ms),
+                Box::new(|f| match (f.first_token_cold_disk_ms, f.ratio_to_floor_cold) {
+                    (Some(t), Some(r)) => format!("{t:.1} ms = {r:.2}x"),
+                    _ => "—".into(),
+                }),
+            ),
+            (
+                "target: first token ≤ 1.2x (read + prefill)",
+                Box::new(|f| {
+                    if f.ratio_to_floor <= 1.2 {
+                        "met".into()
+                    } else {
+                        "MISSED".into()
+                    }
+                }),
             ),
         ];
-        let mut out = format!("hearth bench coldstart — {} — isa {}\n", self.model, self.isa);
-        for (k, v) in rows {
-            out.push_str(&format!("  {k:<40} {v}\n"));
+        for (name, cell) in rows {
+            out.push_str(&format!("  {name:<44}"));
+            for f in &self.formats {
+                out.push_str(&format!(" {:>26}", cell(f)));
+            }
+            out.push('\n');
         }
+        out.push_str("  (x: against the same format's file read + prefill; no load cache: safetensors are float weights, used as mapped)\n");
+        let a = &self.alternating;
+        out.push_str(&format!(
+            "alternating workload: {} models, room for {}, {} requests from 3 clients: {} answered, {} failed {:?}, {} loads, p50 {:.0} ms, max {:.0} ms ({})\n",
+            a.models,
+            a.room_for,
+            a.requests,
+            a.answered,
+            a.failed.len(),
+            a.failed,
+            a.loads,
+            a.p50_ms,
+            a.max_ms,
+            if a.answered == a.requests { "target met: none lost" } else { "target MISSED" }
+        ));
         out
     }
 }

@@ -39,6 +39,8 @@ pub enum EngineError {
     Gguf(#[from] GgufError),
     #[error(transparent)]
     Model(#[from] ModelError),
+    #[error(transparent)]
+    HuggingFace(#[from] crate::hf::HfError),
     #[error("tokenizer: {0}")]
     Tokenizer(#[from] hearth_protocol::TokenizeError),
     #[error("cannot start the engine: {0}")]
@@ -118,7 +120,7 @@ pub fn tokenizer_spec(g: &GgufFile) -> Result<TokenizerSpec, GgufError> {
 /// What a worker reports for a model file, from its metadata alone (no weights read): the
 /// gateway can list, tokenize for and route to a model before it is loaded.
 pub fn file_info(path: &Path, model_id: &str, region: &str) -> Result<WorkerInfo, EngineError> {
-    let file = GgufFile::open(path)?;
+    let file = crate::hf::open_model(path)?;
     let spec = tokenizer_spec(&file)?;
     let arch = file.get_str("general.architecture").unwrap_or("llama").to_string();
     let context = file.get_u64(&format!("{arch}.context_length")).unwrap_or(8192) as u32;
@@ -132,6 +134,7 @@ pub fn file_info(path: &Path, model_id: &str, region: &str) -> Result<WorkerInfo
         role: "both".into(),
         capacity: 0,
         tokenizer: spec,
+        tenants: Vec::new(),
     })
 }
 
@@ -183,7 +186,7 @@ impl EngineHandle {
         if let Some(isa) = cfg.isa {
             set_isa(isa).map_err(|e| EngineError::Start(e.to_string()))?;
         }
-        let file = GgufFile::open(path)?;
+        let file = crate::hf::open_model(path)?;
         let spec = tokenizer_spec(&file)?;
         let tokenizer = Tokenizer::from_spec(&spec)?;
         let model = LlamaModel::load_with(file, cfg.pack_cache)?;
@@ -230,6 +233,7 @@ impl EngineHandle {
             role: "both".into(),
             capacity: cfg.max_running as u32,
             tokenizer: spec,
+            tenants: Vec::new(),
         };
         let compute = rayon::ThreadPoolBuilder::new()
             .num_threads(cfg.threads.max(1))

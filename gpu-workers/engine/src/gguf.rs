@@ -150,6 +150,9 @@ pub struct TensorInfo {
     pub offset: usize,
     /// Byte length (0 when the type is unsupported and so the size is unknown).
     pub len: usize,
+    /// Which mapped file holds it: always 0 for GGUF; a Hugging Face directory's
+    /// safetensors shards are numbered in the order they were opened ([`crate::hf`]).
+    pub shard: usize,
 }
 
 impl TensorInfo {
@@ -158,10 +161,13 @@ impl TensorInfo {
     }
 }
 
-/// An open, parsed GGUF file.
+/// An open, parsed GGUF file: metadata under GGUF's key names and tensors under GGUF's
+/// names, over one memory map. A Hugging Face model directory opens as the same view
+/// ([`crate::hf::open`]): its `config.json` and tokenizer files become the same metadata keys
+/// and its safetensors shards the maps, so the model code reads one format.
 pub struct GgufFile {
-    map: Mmap,
-    /// Where it was opened from.
+    maps: Vec<Mmap>,
+    /// Where it was opened from (a directory for a Hugging Face model).
     pub path: std::path::PathBuf,
     pub version: u32,
     pub metadata: HashMap<String, MetaValue>,
@@ -175,7 +181,7 @@ impl std::fmt::Debug for GgufFile {
         f.debug_struct("GgufFile")
             .field("version", &self.version)
             .field("tensors", &self.tensors.len())
-            .field("bytes", &self.map.len())
+            .field("bytes", &self.file_len())
             .finish()
     }
 }
@@ -303,6 +309,7 @@ impl GgufFile {
                     ty,
                     offset: offset as usize,
                     len: 0,
+                    shard: 0,
                 });
             }
             (version, metadata, tensors, c.pos)
@@ -340,7 +347,7 @@ impl GgufFile {
             by_name.insert(t.name.clone(), i);
         }
         Ok(Self {
-            map,
+            maps: vec![map],
             path,
             version,
             metadata,
@@ -350,8 +357,29 @@ impl GgufFile {
         })
     }
 
+    /// Assembles the view from already-checked parts: every tensor lies within its shard.
+    pub(crate) fn from_parts(
+        path: std::path::PathBuf,
+        maps: Vec<Mmap>,
+        metadata: HashMap<String, MetaValue>,
+        tensors: Vec<TensorInfo>,
+    ) -> Self {
+        debug_assert!(tensors.iter().all(|t| t.offset + t.len <= maps[t.shard].len()));
+        let by_name = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        Self {
+            maps,
+            path,
+            version: 3,
+            metadata,
+            tensors,
+            by_name,
+            alignment: DEFAULT_ALIGNMENT,
+        }
+    }
+
+    /// Bytes mapped, over every shard.
     pub fn file_len(&self) -> usize {
-        self.map.len()
+        self.maps.iter().map(|m| m.len()).sum()
     }
 
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
@@ -360,24 +388,22 @@ impl GgufFile {
 
     /// The bytes of a tensor, borrowed from the map.
     pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
-        &self.map[t.offset..t.offset + t.len]
+        &self.maps[t.shard][t.offset..t.offset + t.len]
     }
 
     /// Tells the OS that bytes `offset..offset + len` will not be read again soon (a tensor
     /// whose repacked copy is used instead): their pages leave this process's resident set
     /// and stay in the page cache; a later read faults them back in from the file.
-    pub fn release(&self, offset: usize, len: usize) {
+    pub fn release(&self, shard: usize, offset: usize, len: usize) {
         const PAGE: usize = 4096;
+        let map = &self.maps[shard];
         let start = offset.div_ceil(PAGE) * PAGE;
-        let end = ((offset + len) / PAGE * PAGE).min(self.map.len());
+        let end = ((offset + len) / PAGE * PAGE).min(map.len());
         #[cfg(unix)]
         if end > start {
             // SAFETY: the map is a read-only file mapping, so dropping its pages loses
             // nothing: the next access reads the file again.
-            let _ = unsafe {
-                self.map
-                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
-            };
+            let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
         }
     }
 

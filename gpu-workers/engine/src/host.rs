@@ -36,6 +36,9 @@ pub struct ModelEntry {
     pub context_length: Option<usize>,
     /// Bytes it counts against the budget (None: its file size plus its KV cache).
     pub memory_bytes: Option<u64>,
+    /// Tenants (names or ids) that may see and use it (empty: all); reported in its
+    /// `WorkerInfo` for the gateway to enforce.
+    pub tenants: Vec<String>,
 }
 
 /// How the host shares out memory and waits.
@@ -125,6 +128,15 @@ impl Slot {
     }
 }
 
+/// Why a model could not be added at runtime.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum AddError {
+    #[error("model {0:?} is already in the catalogue")]
+    Exists(String),
+    #[error("{0}")]
+    Unreadable(String),
+}
+
 struct Model {
     entry: ModelEntry,
     info: Arc<WorkerInfo>,
@@ -135,6 +147,32 @@ struct Model {
     last_used: Instant,
     /// The last failed load (fails requests fast for [`FAILURE_BACKOFF`]).
     failed: Option<(Instant, String)>,
+}
+
+impl Model {
+    /// A cold model from its entry: metadata read (no weights), memory estimated.
+    fn prepare(entry: ModelEntry, cfg: &HostConfig) -> Result<Self, EngineError> {
+        let mut info = crate::engine::file_info(&entry.path, &entry.id, &cfg.engine.region)?;
+        info.capacity = cfg.engine.max_running as u32;
+        if let Some(c) = entry.context_length {
+            info.context_length = info.context_length.min(c.max(1) as u32);
+        }
+        info.tenants = entry.tenants.clone();
+        let kv_bytes = cfg.engine.kv_cache_mib.unwrap_or(1024) as u64 * (1 << 20);
+        let estimate = entry
+            .memory_bytes
+            .unwrap_or(crate::hf::weights_bytes(&entry.path) + kv_bytes);
+        Ok(Model {
+            entry,
+            info: Arc::new(info),
+            estimate,
+            slot: Slot::Cold,
+            in_flight: 0,
+            waiting: 0,
+            last_used: Instant::now(),
+            failed: None,
+        })
+    }
 }
 
 /// How long a failed load is remembered before a request tries again.
@@ -195,37 +233,18 @@ impl ModelHost {
     /// entries whose metadata could not be read and why (they are left out; the others
     /// are served). Starts the idle-TTL reaper on the current tokio runtime.
     pub fn new(entries: Vec<ModelEntry>, cfg: HostConfig) -> (Self, Vec<(String, EngineError)>) {
-        let kv_bytes = cfg.engine.kv_cache_mib.unwrap_or(1024) as u64 * (1 << 20);
         let mut models = HashMap::new();
         let mut failed = Vec::new();
         for entry in entries {
-            let mut info = match crate::engine::file_info(&entry.path, &entry.id, &cfg.engine.region) {
-                Ok(i) => i,
+            match Model::prepare(entry.clone(), &cfg) {
+                Ok(m) => {
+                    models.insert(entry.id, m);
+                }
                 Err(e) => {
                     tracing::warn!(model = %entry.id, error = %e, "model left out of the catalogue");
                     failed.push((entry.id, e));
-                    continue;
                 }
-            };
-            info.capacity = cfg.engine.max_running as u32;
-            if let Some(c) = entry.context_length {
-                info.context_length = info.context_length.min(c.max(1) as u32);
             }
-            let file_bytes = std::fs::metadata(&entry.path).map_or(0, |m| m.len());
-            let estimate = entry.memory_bytes.unwrap_or(file_bytes + kv_bytes);
-            models.insert(
-                entry.id.clone(),
-                Model {
-                    entry,
-                    info: Arc::new(info),
-                    estimate,
-                    slot: Slot::Cold,
-                    in_flight: 0,
-                    waiting: 0,
-                    last_used: Instant::now(),
-                    failed: None,
-                },
-            );
         }
         let host = Self {
             inner: Arc::new(Inner {
@@ -237,6 +256,40 @@ impl ModelHost {
         };
         host.start_reaper();
         (host, failed)
+    }
+
+    /// Adds a model at runtime (its metadata is read now; it loads on its first request, or
+    /// now if pinned — call [`ModelHost::preload`]). Refused if the id is taken.
+    pub fn add(&self, entry: ModelEntry) -> Result<HostedModel, AddError> {
+        if self.inner.lock().contains_key(&entry.id) {
+            return Err(AddError::Exists(entry.id));
+        }
+        let id = entry.id.clone();
+        let m = Model::prepare(entry, &self.inner.cfg).map_err(|e| AddError::Unreadable(e.to_string()))?;
+        let info = m.info.clone();
+        match self.inner.lock().entry(id.clone()) {
+            std::collections::hash_map::Entry::Occupied(_) => return Err(AddError::Exists(id)),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(m);
+            }
+        }
+        tracing::info!(model = %id, "model added to the catalogue");
+        Ok(HostedModel {
+            host: self.clone(),
+            info,
+        })
+    }
+
+    /// Removes a model: new requests for it get `model_not_found` at once; requests in
+    /// flight finish on the engine they hold, which stops when the last one ends. False if
+    /// there was no such model.
+    pub fn remove(&self, id: &str) -> bool {
+        let removed = self.inner.lock().remove(id).is_some();
+        if removed {
+            tracing::info!(model = %id, "model removed from the catalogue");
+            self.inner.released.notify_waiters();
+        }
+        removed
     }
 
     /// The [`Backend`] for one catalogue entry.
@@ -294,16 +347,21 @@ impl ModelHost {
         n
     }
 
+    /// Checks for expired models every quarter of the shortest TTL (50 ms to 5 s; the
+    /// catalogue may change, so it is looked up each time).
     fn start_reaper(&self) {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let ttl = self.inner.lock().values().filter_map(|m| m.entry.idle_ttl).min();
-        let Some(ttl) = ttl else { return };
-        let every = (ttl / 4).clamp(Duration::from_millis(50), Duration::from_secs(5));
         let weak = Arc::downgrade(&self.inner);
         rt.spawn(async move {
             loop {
+                let every = {
+                    let Some(inner) = weak.upgrade() else { return };
+                    let ttl = inner.lock().values().filter_map(|m| m.entry.idle_ttl).min();
+                    ttl.map_or(Duration::from_secs(5), |t| t / 4)
+                        .clamp(Duration::from_millis(50), Duration::from_secs(5))
+                };
                 tokio::time::sleep(every).await;
                 let Some(inner) = weak.upgrade() else { return };
                 ModelHost { inner }.reap();
@@ -489,9 +547,19 @@ impl ModelHost {
                 (Err(e), Some(m)) => {
                     // The details (paths) stay in the worker's log; clients get the kind.
                     tracing::warn!(model = %entry.id, error = %e, "model failed to load");
+                    use crate::hf::HfError;
                     let why = match e {
-                        EngineError::Gguf(_) => "its model file is unreadable or corrupt (see the worker's log)",
-                        EngineError::Model(_) => "its model is not supported (see the worker's log)",
+                        EngineError::Gguf(_)
+                        | EngineError::HuggingFace(
+                            HfError::Gguf(_)
+                            | HfError::Io { .. }
+                            | HfError::Invalid { .. }
+                            | HfError::Safetensors { .. },
+                        ) => "its model file is unreadable or corrupt (see the worker's log)",
+                        EngineError::Model(_)
+                        | EngineError::HuggingFace(HfError::Unsupported(_) | HfError::Model(_)) => {
+                            "its model is not supported (see the worker's log)"
+                        }
                         _ => "see the worker's log",
                     }
                     .to_string();
@@ -606,5 +674,16 @@ impl Backend for HostedModel {
 
     fn model_state(&self) -> Option<&'static str> {
         Some(self.state().name())
+    }
+
+    fn preload(&self) -> bool {
+        let (host, id) = (self.host.clone(), self.info.model.clone());
+        tokio::spawn(async move {
+            match host.acquire(&id, host.inner.cfg.load_timeout).await {
+                Ok(_) => tracing::info!(model = %id, "preloaded at the gateway's request"),
+                Err(e) => tracing::info!(model = %id, error = %e, "preload did not complete"),
+            }
+        });
+        true
     }
 }

@@ -1,6 +1,6 @@
 //! Hearth's inference engine.
 //!
-//! * [`gguf`] reads model files; [`kernels`] holds the CPU maths; [`models`] has one file
+//! * [`gguf`] reads model files ([`hf`] opens Hugging Face directories as the same view); [`kernels`] holds the CPU maths; [`models`] has one file
 //!   per architecture; [`kv`] is the paged KV cache and prefix cache; [`attention`] reads it;
 //!   [`scheduler`] plans continuous batching; [`sampling`] and [`text`] turn logits into
 //!   tokens and tokens into streamed text.
@@ -16,6 +16,7 @@ pub mod bench_coldstart;
 pub mod engine;
 pub mod fetch;
 pub mod gguf;
+pub mod hf;
 pub mod host;
 pub mod kernels;
 pub mod kv;

@@ -52,22 +52,33 @@ impl EngineMetrics {
 }
 
 /// Encodes the engines of this process at scrape time, one `worker` label each.
+/// The engines to report, as (`worker` label, backend), read at every scrape (a catalogue
+/// worker's models change at runtime).
+type EngineList = Box<dyn Fn() -> Vec<(String, Arc<dyn Backend>)> + Send + Sync>;
+
 pub struct EngineCollector {
-    engines: Vec<(String, Arc<dyn Backend>)>,
+    engines: EngineList,
 }
 
 impl std::fmt::Debug for EngineCollector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EngineCollector")
-            .field("engines", &self.engines.iter().map(|(n, _)| n).collect::<Vec<_>>())
+            .field("engines", &(self.engines)().len())
             .finish()
     }
 }
 
 impl EngineCollector {
-    /// `engines`: (worker name, backend).
+    /// A fixed set of (worker label, backend).
     pub fn new(engines: Vec<(String, Arc<dyn Backend>)>) -> Self {
-        Self { engines }
+        Self::dynamic(move || engines.clone())
+    }
+
+    /// A set read at every scrape.
+    pub fn dynamic(engines: impl Fn() -> Vec<(String, Arc<dyn Backend>)> + Send + Sync + 'static) -> Self {
+        Self {
+            engines: Box::new(engines),
+        }
     }
 }
 
@@ -78,8 +89,8 @@ type FromHistograms = (&'static str, &'static str, fn(&EngineMetrics) -> &Histog
 
 impl Collector for EngineCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let with_stats: Vec<_> = self
-            .engines
+        let engines = (self.engines)();
+        let with_stats: Vec<_> = engines
             .iter()
             .filter_map(|(name, b)| Some((name.as_str(), b.stats()?, b.info().block_tokens as u64)))
             .collect();
@@ -143,14 +154,13 @@ impl Collector for EngineCollector {
             None,
             MetricType::Gauge,
         )?;
-        for (worker, b) in &self.engines {
+        for (worker, b) in &engines {
             if let Some(s) = b.load_seconds() {
                 let labels: Labels = [("worker", worker)];
                 ConstGauge::new(s).encode(m.encode_family(&labels)?)?;
             }
         }
-        let with_metrics: Vec<_> = self
-            .engines
+        let with_metrics: Vec<_> = engines
             .iter()
             .filter_map(|(n, b)| Some((n.as_str(), b.metrics()?)))
             .collect();

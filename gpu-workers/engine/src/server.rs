@@ -5,8 +5,11 @@
 //! the connection cancels the generation) and `GET /v1/worker/events` (the prefix cache's
 //! `KvEvent`s and load reports: a snapshot, then every change; a subscriber that falls
 //! behind gets a fresh snapshot) and `GET /metrics` (the engine's Prometheus metrics, see
-//! [`crate::metrics`]). The worker API is for the gateway on a private network: it has no
-//! authentication of its own.
+//! [`crate::metrics`]). A catalogue worker also takes `POST /v1/worker/models` (a
+//! [`ModelSpec`]: add a model at runtime), `DELETE /v1/worker/models/{id}` (remove one;
+//! its requests in flight finish) and `POST /v1/worker/m/{id}/load` (load it now, in the
+//! background: the gateway spreads a busy model to more workers). The worker API is for the gateway on a private network:
+//! it has no authentication of its own.
 
 use std::convert::Infallible;
 
@@ -15,44 +18,83 @@ use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::{Json, Router};
+use futures_util::future::BoxFuture;
 use futures_util::StreamExt;
-use hearth_protocol::{GenerateEvent, GenerateRequest, TraceParent, TRACEPARENT};
+use hearth_protocol::{GenerateEvent, GenerateRequest, ModelSpec, TraceParent, TRACEPARENT};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use crate::metrics::EngineCollector;
 use crate::telemetry;
 use crate::Backend;
 
+/// The models a worker serves, by id (shared with its metrics collector).
+pub type SharedEngines = Arc<RwLock<Vec<(String, Arc<dyn Backend>)>>>;
+
+/// Why a runtime catalogue change was refused.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ControlError {
+    /// The model id is taken (add) or unknown (remove).
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    NotFound(String),
+    /// A bad spec, or a source that cannot be read.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Runtime changes to a catalogue worker's models.
+pub trait CatalogueControl: Send + Sync + 'static {
+    /// Adds a model; its backend serves the new `/v1/worker/m/{id}/…` routes.
+    fn add(&self, spec: ModelSpec) -> BoxFuture<'_, Result<Arc<dyn Backend>, ControlError>>;
+    /// Removes a model (requests in flight finish).
+    fn remove(&self, id: &str) -> BoxFuture<'_, Result<(), ControlError>>;
+}
+
 /// What every handler of one worker shares.
 #[derive(Clone)]
 struct WorkerState {
     /// The models served, by id; the first answers the unprefixed routes.
-    engines: Arc<Vec<(String, Arc<dyn Backend>)>>,
+    engines: SharedEngines,
     /// This worker's name in metrics and traces.
     name: Arc<str>,
+    /// Runtime catalogue changes (a catalogue worker only).
+    control: Option<Arc<dyn CatalogueControl>>,
 }
 
 impl WorkerState {
-    fn first(&self) -> Arc<dyn Backend> {
-        self.engines[0].1.clone()
+    fn list(&self) -> std::sync::RwLockReadGuard<'_, Vec<(String, Arc<dyn Backend>)>> {
+        self.engines.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The first model (for the unprefixed routes), or the 404 of an empty worker.
+    fn first(&self) -> Result<Arc<dyn Backend>, Box<Response>> {
+        match self.list().first() {
+            Some((_, e)) => Ok(e.clone()),
+            None => Err(error_response(
+                StatusCode::NOT_FOUND,
+                "model_not_found",
+                "this worker serves no model".into(),
+            )),
+        }
     }
 
     /// The model's backend, or the 404 a request for another model gets.
     fn model(&self, id: &str) -> Result<Arc<dyn Backend>, Box<Response>> {
-        self.engines
+        self.list()
             .iter()
             .find(|(m, _)| m == id)
             .map(|(_, e)| e.clone())
             .ok_or_else(|| {
-                let ev = GenerateEvent::Error {
-                    code: "model_not_found".into(),
-                    message: format!("this worker does not serve {id:?}"),
-                };
-                Box::new((StatusCode::NOT_FOUND, Json(ev)).into_response())
+                error_response(
+                    StatusCode::NOT_FOUND,
+                    "model_not_found",
+                    format!("this worker does not serve {id:?}"),
+                )
             })
     }
 }
@@ -62,22 +104,54 @@ pub fn router(engine: Arc<dyn Backend>, name: &str) -> Router {
     router_many(vec![(engine.info().model.clone(), engine)], name)
 }
 
+fn error_response(status: StatusCode, code: &str, message: String) -> Box<Response> {
+    let ev = GenerateEvent::Error {
+        code: code.into(),
+        message,
+    };
+    Box::new((status, Json(ev)).into_response())
+}
+
 /// The worker API for several models (at least one).
 pub fn router_many(engines: Vec<(String, Arc<dyn Backend>)>, name: &str) -> Router {
     assert!(!engines.is_empty(), "a worker serves at least one model");
+    router_with(engines, name, None)
+}
+
+/// The worker API for a catalogue whose models change at runtime through `control`.
+pub fn router_catalogue(
+    engines: Vec<(String, Arc<dyn Backend>)>,
+    name: &str,
+    control: Arc<dyn CatalogueControl>,
+) -> Router {
+    router_with(engines, name, Some(control))
+}
+
+fn router_with(
+    engines: Vec<(String, Arc<dyn Backend>)>,
+    name: &str,
+    control: Option<Arc<dyn CatalogueControl>>,
+) -> Router {
     let mut registry = prometheus_client::registry::Registry::default();
-    let labelled = engines
-        .iter()
-        .map(|(m, e)| {
-            let label = if engines.len() == 1 {
-                name.to_string()
-            } else {
-                format!("{name}/{m}")
-            };
-            (label, e.clone())
-        })
-        .collect();
-    registry.register_collector(Box::new(EngineCollector::new(labelled)));
+    // One model: labelled by the worker; a catalogue: `worker/model`.
+    let per_model = engines.len() > 1 || control.is_some();
+    let engines: SharedEngines = Arc::new(RwLock::new(engines));
+    let (shared, worker) = (engines.clone(), name.to_string());
+    registry.register_collector(Box::new(EngineCollector::dynamic(move || {
+        shared
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(m, e)| {
+                let label = if per_model {
+                    format!("{worker}/{m}")
+                } else {
+                    worker.clone()
+                };
+                (label, e.clone())
+            })
+            .collect()
+    })));
     let registry = Arc::new(registry);
     Router::new()
         .route("/healthz", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
@@ -100,19 +174,33 @@ pub fn router_many(engines: Vec<(String, Arc<dyn Backend>)>, name: &str) -> Rout
         )
         .route(
             "/v1/worker/info",
-            get(|State(w): State<WorkerState>| async move { info(w.first()) }),
+            get(|State(w): State<WorkerState>| async move {
+                match w.first() {
+                    Ok(e) => info(e),
+                    Err(r) => *r,
+                }
+            }),
         )
         .route(
             "/v1/worker/generate",
             post(|State(w): State<WorkerState>, headers: HeaderMap, body| async move {
-                generate(w.first(), &w.name, headers, body)
+                match w.first() {
+                    Ok(e) => generate(e, &w.name, headers, body),
+                    Err(r) => *r,
+                }
             }),
         )
         .route(
             "/v1/worker/events",
-            get(|State(w): State<WorkerState>| events(w.first())),
+            get(|State(w): State<WorkerState>| async move {
+                match w.first() {
+                    Ok(e) => events(e).await,
+                    Err(r) => *r,
+                }
+            }),
         )
-        .route("/v1/worker/models", get(models))
+        .route("/v1/worker/models", get(models).post(add_model))
+        .route("/v1/worker/models/{model}", delete(remove_model))
         .route(
             "/v1/worker/m/{model}/info",
             get(|State(w): State<WorkerState>, Path(m): Path<String>| async move {
@@ -134,6 +222,19 @@ pub fn router_many(engines: Vec<(String, Arc<dyn Backend>)>, name: &str) -> Rout
             ),
         )
         .route(
+            "/v1/worker/m/{model}/load",
+            post(|State(w): State<WorkerState>, Path(m): Path<String>| async move {
+                match w.model(&m) {
+                    Ok(e) => {
+                        let started = e.preload();
+                        Json(serde_json::json!({"model": m, "loading": started, "state": e.model_state()}))
+                            .into_response()
+                    }
+                    Err(r) => *r,
+                }
+            }),
+        )
+        .route(
             "/v1/worker/m/{model}/events",
             get(|State(w): State<WorkerState>, Path(m): Path<String>| async move {
                 match w.model(&m) {
@@ -143,23 +244,84 @@ pub fn router_many(engines: Vec<(String, Arc<dyn Backend>)>, name: &str) -> Rout
             }),
         )
         .with_state(WorkerState {
-            engines: Arc::new(engines),
+            engines,
             name: name.into(),
+            control,
         })
+}
+
+fn control_error(e: ControlError) -> Response {
+    let (status, code) = match &e {
+        ControlError::Conflict(_) => (StatusCode::CONFLICT, "model_exists"),
+        ControlError::NotFound(_) => (StatusCode::NOT_FOUND, "model_not_found"),
+        ControlError::Invalid(_) => (StatusCode::BAD_REQUEST, "invalid_model"),
+    };
+    *error_response(status, code, e.to_string())
+}
+
+/// `POST /v1/worker/models`: adds a model; answers its `{"info", "state"}`.
+async fn add_model(State(w): State<WorkerState>, body: Result<Json<ModelSpec>, JsonRejection>) -> Response {
+    let Some(control) = w.control.clone() else {
+        return *error_response(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "not_a_catalogue",
+            "this worker serves a fixed model; start it with --catalogue to add models".into(),
+        );
+    };
+    let spec = match body {
+        Ok(Json(s)) => s,
+        Err(e) => return *error_response(StatusCode::BAD_REQUEST, "invalid_request", e.body_text()),
+    };
+    if let Err(e) = spec.validate() {
+        return *error_response(StatusCode::BAD_REQUEST, "invalid_model", e);
+    }
+    let id = spec.id.clone();
+    match control.add(spec).await {
+        Ok(backend) => {
+            let body = serde_json::json!({"info": backend.info(), "state": backend.model_state()});
+            let mut list = w.engines.write().unwrap_or_else(|e| e.into_inner());
+            list.retain(|(m, _)| *m != id);
+            list.push((id, backend));
+            (StatusCode::CREATED, Json(body)).into_response()
+        }
+        Err(e) => control_error(e),
+    }
+}
+
+/// `DELETE /v1/worker/models/{id}`.
+async fn remove_model(State(w): State<WorkerState>, Path(id): Path<String>) -> Response {
+    let Some(control) = w.control.clone() else {
+        return *error_response(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "not_a_catalogue",
+            "this worker serves a fixed model".into(),
+        );
+    };
+    match control.remove(&id).await {
+        Ok(()) => {
+            w.engines
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|(m, _)| *m != id);
+            Json(serde_json::json!({"id": id, "deleted": true})).into_response()
+        }
+        Err(e) => control_error(e),
+    }
 }
 
 fn info(engine: Arc<dyn Backend>) -> Response {
     Json(engine.info().clone()).into_response()
 }
 
-/// The models served: `{"models": [{"info": WorkerInfo, "state": "warm"|"loading"|"cold"|null}]}`.
+/// The models served: `{"models": [{"info": WorkerInfo, "state": "warm"|"loading"|"cold"|null}],
+/// "catalogue": bool}` (`catalogue`: models may be added and removed at runtime).
 async fn models(State(w): State<WorkerState>) -> Response {
     let models: Vec<serde_json::Value> = w
-        .engines
+        .list()
         .iter()
         .map(|(_, e)| serde_json::json!({"info": e.info(), "state": e.model_state()}))
         .collect();
-    Json(serde_json::json!({ "models": models })).into_response()
+    Json(serde_json::json!({ "models": models, "catalogue": w.control.is_some() })).into_response()
 }
 
 fn generate(
@@ -170,13 +332,7 @@ fn generate(
 ) -> Response {
     let Json(req) = match body {
         Ok(b) => b,
-        Err(e) => {
-            let ev = GenerateEvent::Error {
-                code: "invalid_request".into(),
-                message: e.body_text(),
-            };
-            return (StatusCode::BAD_REQUEST, Json(ev)).into_response();
-        }
+        Err(e) => return *error_response(StatusCode::BAD_REQUEST, "invalid_request", e.body_text()),
     };
     // The gateway's trace continues here when it sent `traceparent`.
     let parent = headers

@@ -421,6 +421,7 @@ mod handle_tests {
                 add_bos: false,
                 chat_template: None,
             },
+            tenants: Vec::new(),
         }
     }
 

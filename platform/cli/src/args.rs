@@ -184,7 +184,8 @@ impl LimitStoreArgs {
 
 #[derive(Args, Clone)]
 pub struct ModelArgs {
-    /// A known model id (fetched into $HEARTH_HOME/models) or a path to a Llama GGUF file.
+    /// A known model id (fetched into $HEARTH_HOME/models), a path to a Llama GGUF file, or a
+    /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
     #[arg(long, env = "HEARTH_MODEL", default_value = DEFAULT_MODEL_ID)]
     pub model: String,
     /// The id clients use for the model (default: the known id, or the file's stem).
@@ -384,6 +385,62 @@ pub enum AdminCommand {
         #[arg(long, default_value_t = 20)]
         limit: u32,
     },
+    /// The model catalogue of a running gateway (through its admin API, not the database):
+    /// list, add and remove models at runtime.
+    Model {
+        #[command(flatten)]
+        gateway: GatewayApiArgs,
+        #[command(subcommand)]
+        command: AdminModelCommand,
+    },
+}
+
+/// Where a running gateway's admin API is.
+#[derive(Args, Debug, Clone)]
+pub struct GatewayApiArgs {
+    /// The gateway's base URL.
+    #[arg(
+        long = "gateway-url",
+        env = "HEARTH_GATEWAY_URL",
+        default_value = "http://127.0.0.1:8080",
+        global = true
+    )]
+    pub url: String,
+    /// The gateway's admin token.
+    #[arg(long, env = "HEARTH_ADMIN_TOKEN", hide_env_values = true, global = true)]
+    pub admin_token: Option<String>,
+}
+
+#[derive(Subcommand)]
+pub enum AdminModelCommand {
+    /// Every model served, its state on each worker and who may see it.
+    List,
+    /// Add a model to every worker catalogue and serve it (it loads on its first request).
+    Add {
+        /// The name clients use.
+        #[arg(long)]
+        id: String,
+        /// A known model, a GGUF path or a Hugging Face directory (as the worker sees it).
+        #[arg(long)]
+        source: String,
+        /// Unload after this many idle seconds (0: never).
+        #[arg(long)]
+        idle_ttl_s: Option<f64>,
+        /// 1: load now and keep warm.
+        #[arg(long, default_value_t = 0)]
+        min_warm: u32,
+        /// Serve at most this context.
+        #[arg(long)]
+        context_length: Option<usize>,
+        /// MiB it counts against each worker's memory budget.
+        #[arg(long)]
+        memory_mib: Option<u64>,
+        /// Only this tenant (name or id) sees it; repeat for more (default: every tenant).
+        #[arg(long = "tenant")]
+        tenants: Vec<String>,
+    },
+    /// Stop serving a model and remove it from every catalogue (requests in flight finish).
+    Remove { id: String },
 }
 
 #[derive(Subcommand)]
@@ -632,5 +689,21 @@ pub enum ModelCommand {
     Fetch {
         #[arg(default_value = DEFAULT_MODEL_ID)]
         model: String,
+    },
+    /// Write a Hugging Face directory (config.json, tokenizer.json, tokenizer_config.json,
+    /// safetensors) from a GGUF model, dequantized: a catalogue `source` Hearth can serve.
+    ExportHf {
+        /// A known model (fetched if needed) or a GGUF path.
+        #[arg(long, default_value = DEFAULT_MODEL_ID)]
+        model: String,
+        /// Directory to write (created if missing).
+        #[arg(long)]
+        out: std::path::PathBuf,
+        /// Element type of the matrices: f16, bf16 or f32 (norms are always f32).
+        #[arg(long, default_value = "f16")]
+        dtype: String,
+        /// Number of safetensors files (more than one writes model.safetensors.index.json).
+        #[arg(long, default_value_t = 1)]
+        shards: usize,
     },
 }

@@ -17,7 +17,10 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
         } => {
             let (path, id) = resolve_model(&model).await?;
             let cfg = model.engine_config();
-            let report = hearth_engine::bench_coldstart::run(&path, &id, &cfg, prompt_tokens.clamp(1, 4096)).await?;
+            let exe = std::env::current_exe().ok();
+            let report =
+                hearth_engine::bench_coldstart::run(&path, &id, &cfg, prompt_tokens.clamp(1, 4096), exe.as_deref())
+                    .await?;
             print!("{}", report.table());
             write_json(&report, json)
         }

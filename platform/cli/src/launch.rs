@@ -15,10 +15,11 @@ use hearth_engine::{Backend, EngineHandle};
 use hearth_gateway::app;
 use hearth_gateway::registry::{ModelRegistry, RoutingConfig};
 use hearth_gateway::state::AppState;
-use hearth_gateway::workers::{HttpWorker, WorkerClient};
+use hearth_gateway::workers::{HttpWorker, ModelHostClient, WorkerClient};
 use hearth_tenants::TenantStore;
 
 use crate::args::{DataArgs, GatewayArgs, LimitStoreArgs, ModelArgs, ServeArgs, WorkerArgs};
+use crate::catalogue::LocalCatalogue;
 use crate::local_worker::InProcessWorker;
 
 /// Resolves `--model` to a file (fetching a known model if needed) and the id to serve it as.
@@ -102,7 +103,9 @@ struct Workers {
     /// How long to wait for them to answer at start.
     wait: Duration,
     /// In-process engines (`hearth serve`), whose metrics join the gateway's.
-    engines: Vec<(String, Arc<dyn Backend>)>,
+    engines: Option<EngineCollector>,
+    /// The workers' catalogues (models added and removed at runtime).
+    hosts: Vec<Arc<dyn ModelHostClient>>,
 }
 
 async fn run_gateway(
@@ -117,6 +120,7 @@ async fn run_gateway(
     let db = data.open().await?;
     let limiter = limits.limiter().await?;
     let models = ModelRegistry::discover(workers.clients, workers.wait, &routing).await?;
+    models.set_hosts(workers.hosts);
     let mut state = AppState::new(
         TenantStore::new(&db),
         UsageLedger::with_outbox(&db, &data_dir).await?,
@@ -137,17 +141,15 @@ async fn run_gateway(
                 .unwrap_or_else(|| data_dir.join("processors")),
         ))?),
     });
-    if !workers.engines.is_empty() {
-        state
-            .metrics
-            .register_collector(Box::new(EngineCollector::new(workers.engines)));
+    if let Some(engines) = workers.engines {
+        state.metrics.register_collector(Box::new(engines));
     }
     let gw = Arc::new(state);
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
     let addr = listener.local_addr()?;
-    let served: Vec<String> = gw.models.all().map(|m| m.id.clone()).collect();
+    let served: Vec<String> = gw.models.all().iter().map(|m| m.id.clone()).collect();
     tracing::info!(
         listen = %addr,
         data_dir = %data_dir.display(),
@@ -178,19 +180,30 @@ async fn run_gateway(
 
 pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if let Some(path) = &a.catalogue {
-        let (host, ids) = crate::catalogue::host(path, &a.model, a.memory_budget_mib).await?;
-        tracing::info!(models = ?ids, "catalogue: models load on their first request");
-        let mut workers = Workers {
-            clients: Vec::new(),
+        let catalogue = LocalCatalogue::open(path, &a.model, a.memory_budget_mib).await?;
+        tracing::info!(models = ?catalogue.ids(), "catalogue: models load on their first request");
+        let clients = catalogue
+            .backends()
+            .into_iter()
+            .map(|(id, backend)| {
+                Arc::new(InProcessWorker::new(backend, &format!("local-{id}"))) as Arc<dyn WorkerClient>
+            })
+            .collect();
+        // Metrics follow the catalogue as models are added and removed.
+        let listed = catalogue.clone();
+        let engines = EngineCollector::dynamic(move || {
+            listed
+                .backends()
+                .into_iter()
+                .map(|(id, b)| (format!("local-{id}"), b))
+                .collect()
+        });
+        let workers = Workers {
+            clients,
             wait: Duration::ZERO,
-            engines: Vec::new(),
+            engines: Some(engines),
+            hosts: vec![catalogue as Arc<dyn ModelHostClient>],
         };
-        for (name, backend) in crate::catalogue::backends(&host, &ids) {
-            workers
-                .clients
-                .push(Arc::new(InProcessWorker::new(backend.clone(), &name)));
-            workers.engines.push((name, backend));
-        }
         let routing = a.routing.config(&a.model.region)?;
         return run_gateway(a.listen, &a.data, workers, a.admin_token, routing, &a.limits).await;
     }
@@ -200,35 +213,33 @@ pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     model.threads = Some((total / n).max(1));
-    let mut workers = Workers {
-        clients: Vec::new(),
-        wait: Duration::ZERO,
-        engines: Vec::new(),
-    };
+    let mut clients: Vec<Arc<dyn WorkerClient>> = Vec::new();
+    let mut engines = Vec::new();
     for i in 0..n {
         let backend = load_backend(&model).await?;
         let name = format!("local-{i}");
-        workers
-            .clients
-            .push(Arc::new(InProcessWorker::new(backend.clone(), &name)));
-        workers.engines.push((name, backend));
+        clients.push(Arc::new(InProcessWorker::new(backend.clone(), &name)));
+        engines.push((name, backend));
     }
+    let workers = Workers {
+        clients,
+        wait: Duration::ZERO,
+        engines: Some(EngineCollector::new(engines)),
+        hosts: Vec::new(),
+    };
     let routing = a.routing.config(&a.model.region)?;
     run_gateway(a.listen, &a.data, workers, a.admin_token, routing, &a.limits).await
 }
 
 pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
-    let engines: Vec<(String, Arc<dyn Backend>)> = match &a.catalogue {
+    let (engines, catalogue): (Vec<(String, Arc<dyn Backend>)>, _) = match &a.catalogue {
         Some(path) => {
-            let (host, ids) = crate::catalogue::host(path, &a.model, a.memory_budget_mib).await?;
-            crate::catalogue::backends(&host, &ids)
-                .into_iter()
-                .map(|(_, b)| (b.info().model.clone(), b))
-                .collect()
+            let catalogue = LocalCatalogue::open(path, &a.model, a.memory_budget_mib).await?;
+            (catalogue.backends(), Some(catalogue))
         }
         None => {
             let engine = load_backend(&a.model).await?;
-            vec![(engine.info().model.clone(), engine)]
+            (vec![(engine.info().model.clone(), engine)], None)
         }
     };
     let listener = tokio::net::TcpListener::bind(a.listen)
@@ -237,12 +248,14 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     let served: Vec<&str> = engines.iter().map(|(m, _)| m.as_str()).collect();
     println!("Hearth worker ({}) is listening on http://{addr}", served.join(", "));
-    axum::serve(
-        listener,
-        hearth_engine::server::router_many(engines, &worker_name(addr)),
-    )
-    .with_graceful_shutdown(shutdown_signal())
-    .await?;
+    let name = worker_name(addr);
+    let app = match catalogue {
+        Some(c) => hearth_engine::server::router_catalogue(engines, &name, c),
+        None => hearth_engine::server::router_many(engines, &name),
+    };
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
     Ok(())
 }
 
@@ -266,10 +279,14 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
     // not up yet is waited for up to --worker-wait-secs.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(a.worker_wait_secs);
     let mut clients: Vec<Arc<dyn WorkerClient>> = Vec::new();
+    let mut hosts: Vec<Arc<dyn ModelHostClient>> = Vec::new();
     for u in &a.workers {
         let found = loop {
             match HttpWorker::discover(u).await {
-                Ok(ws) => break ws,
+                Ok((ws, host)) => {
+                    hosts.extend(host.map(|h| Arc::new(h) as Arc<dyn ModelHostClient>));
+                    break ws;
+                }
                 Err(hearth_gateway::workers::WorkerError::Unavailable { .. })
                     if tokio::time::Instant::now() < deadline =>
                 {
@@ -285,7 +302,8 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
     let workers = Workers {
         clients,
         wait: Duration::from_secs(a.worker_wait_secs),
-        engines: Vec::new(),
+        engines: None,
+        hosts,
     };
     run_gateway(a.listen, &a.data, workers, a.admin_token, routing, &a.limits).await
 }

@@ -60,6 +60,11 @@ impl WorkerClient for InProcessWorker {
         self.engine.model_state().map(str::to_string)
     }
 
+    fn preload(&self) -> BoxFuture<'_, Result<(), WorkerError>> {
+        self.engine.preload();
+        async move { Ok(()) }.boxed()
+    }
+
     fn info(&self) -> BoxFuture<'_, Result<WorkerInfo, WorkerError>> {
         let info = self.engine.info().clone();
         async move { Ok(info) }.boxed()

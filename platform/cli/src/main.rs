@@ -39,6 +39,28 @@ fn main() -> anyhow::Result<()> {
                 println!("{}", path.display());
                 Ok(())
             }
+            Command::Model {
+                command:
+                    ModelCommand::ExportHf {
+                        model,
+                        out,
+                        dtype,
+                        shards,
+                    },
+            } => {
+                let dtype = hearth_engine::hf::ExportDtype::parse(&dtype)
+                    .ok_or_else(|| anyhow::anyhow!("unknown --dtype {dtype:?} (f16, bf16, f32)"))?;
+                let path = if std::path::Path::new(&model).exists() {
+                    model.into()
+                } else {
+                    ensure_model(&model, &hearth_home(), &mut |m| eprintln!("{m}"))?
+                };
+                let file = hearth_engine::gguf::GgufFile::open(&path)?;
+                let bytes = hearth_engine::hf::export(&file, &out, dtype, shards)?;
+                eprintln!("hearth: wrote {} MiB of weights", bytes >> 20);
+                println!("{}", out.display());
+                Ok(())
+            }
             Command::Bench { command } => bench_cmd::run(command).await,
         }
     })

@@ -218,7 +218,92 @@ pub async fn billing(command: BillingCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `hearth admin model …`: the gateway's `/admin/v1/models` over HTTP.
+async fn admin_models(gw: GatewayApiArgs, command: AdminModelCommand, json: bool) -> anyhow::Result<()> {
+    let token = gw
+        .admin_token
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| anyhow::anyhow!("set HEARTH_ADMIN_TOKEN (or --admin-token) to the gateway's admin token"))?;
+    let base = format!("{}/admin/v1/models", gw.url.trim_end_matches('/'));
+    let client = reqwest::Client::new();
+    let req = match command {
+        AdminModelCommand::List => client.get(&base),
+        AdminModelCommand::Add {
+            id,
+            source,
+            idle_ttl_s,
+            min_warm,
+            context_length,
+            memory_mib,
+            tenants,
+        } => client.post(&base).json(&hearth_protocol::ModelSpec {
+            id,
+            source,
+            idle_ttl_s,
+            min_warm,
+            context_length,
+            memory_mib,
+            tenants,
+        }),
+        AdminModelCommand::Remove { id } => client.delete(format!("{base}/{id}")),
+    };
+    let resp = req
+        .bearer_auth(token)
+        .timeout(std::time::Duration::from_secs(900))
+        .send()
+        .await
+        .with_context(|| format!("cannot reach the gateway at {}", gw.url))?;
+    let status = resp.status();
+    let body: serde_json::Value = resp.json().await.unwrap_or_default();
+    if !status.is_success() {
+        let msg = body["error"]["message"].as_str().unwrap_or("no explanation");
+        bail!("the gateway answered {status}: {msg}");
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&body).unwrap_or_default());
+        return Ok(());
+    }
+    let one = |m: &serde_json::Value| {
+        let workers: Vec<String> = m["workers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|w| {
+                format!(
+                    "{}={}",
+                    w["worker"].as_str().unwrap_or("?"),
+                    w["state"].as_str().unwrap_or("-")
+                )
+            })
+            .collect();
+        let tenants = match m["tenants"].as_array() {
+            Some(t) if !t.is_empty() => t.iter().filter_map(|v| v.as_str()).collect::<Vec<_>>().join(","),
+            _ => "all tenants".into(),
+        };
+        format!(
+            "{}\t{}\t{}\t{}",
+            m["id"].as_str().unwrap_or("?"),
+            m["state"].as_str().unwrap_or("-"),
+            workers.join(" "),
+            tenants
+        )
+    };
+    if let Some(list) = body["data"].as_array() {
+        for m in list {
+            println!("{}", one(m));
+        }
+    } else if body["deleted"] == serde_json::json!(true) {
+        println!("removed {}", body["id"].as_str().unwrap_or("?"));
+    } else {
+        println!("{}", one(&body));
+    }
+    Ok(())
+}
+
 pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
+    if let AdminCommand::Model { gateway, command } = a.command {
+        return admin_models(gateway, command, a.json).await;
+    }
     let db = a.data.open().await?;
     let store = TenantStore::new(&db);
     let ledger = UsageLedger::new(&db);
@@ -484,6 +569,7 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
             );
             print(serde_json::json!(rows), text);
         }
+        AdminCommand::Model { .. } => unreachable!("answered by admin_models above"),
     }
     Ok(())
 }

@@ -1,6 +1,8 @@
 //! The admin API under `/admin/v1/`, behind the admin-token layer of [`crate::app`] (closed
 //! when `HEARTH_ADMIN_TOKEN` is unset):
-//! tenants, API keys, limits, budgets, JWT issuers, prices, usage and billing exports.
+//! tenants, API keys, limits, budgets, JWT issuers, prices, usage and billing exports;
+//! and the model catalogue (`/models`: list, add, remove at runtime through the workers'
+//! catalogues).
 //! The `hearth admin …` / `hearth billing …` CLI does the same against the database
 //! directly.
 
@@ -51,6 +53,8 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/billing/export", get(billing_export))
         .route("/usage", get(usage))
         .route("/routing", get(routing))
+        .route("/models", get(list_models).post(add_model))
+        .route("/models/{model}", delete(remove_model))
         .route("/routing/{model}/workers/{slot}/drain", axum::routing::post(drain))
 }
 
@@ -127,6 +131,7 @@ async fn routing(State(gw): State<Arc<AppState>>) -> Result<Json<Value>, ApiErro
     let models: Vec<Value> = gw
         .models
         .all()
+        .iter()
         .map(|m| {
             let r = m.router();
             let workers: Vec<Value> = r
@@ -152,6 +157,112 @@ async fn routing(State(gw): State<Arc<AppState>>) -> Result<Json<Value>, ApiErro
         })
         .collect();
     Ok(Json(json!({"object": "list", "data": models})))
+}
+
+fn served_json(m: &crate::registry::ServedModel) -> Value {
+    let workers: Vec<Value> = m
+        .worker_states()
+        .into_iter()
+        .map(|(name, state)| json!({"worker": name, "state": state}))
+        .collect();
+    json!({
+        "id": m.id, "context_length": m.context_length, "state": m.state(),
+        "tenants": m.tenants, "workers": workers,
+        "spread_loads": m.spreads.load(std::sync::atomic::Ordering::Relaxed),
+    })
+}
+
+/// Every model served, with its state on each worker and who may see it.
+async fn list_models(State(gw): State<Arc<AppState>>) -> Json<Value> {
+    let data: Vec<Value> = gw.models.all().iter().map(|m| served_json(m)).collect();
+    let hosts: Vec<String> = gw.models.hosts().iter().map(|h| h.name().to_string()).collect();
+    Json(json!({"object": "list", "data": data, "catalogues": hosts}))
+}
+
+/// `POST /admin/v1/models` (a catalogue entry: `id`, `source`, `idle_ttl_s`, `min_warm`,
+/// `context_length`, `memory_mib`, `tenants`): adds the model to every worker catalogue
+/// and serves it. It loads on its first request (at once with `min_warm`). Refused (409)
+/// if the id is served already; if no catalogue takes it, the first refusal is answered.
+async fn add_model(State(gw): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+    let spec: hearth_protocol::ModelSpec = serde_json::from_slice(&body).map_err(|e| {
+        if e.is_syntax() || e.is_eof() {
+            ApiError::malformed_json(e)
+        } else {
+            ApiError::invalid("model", format!("invalid model: {e}"))
+        }
+    })?;
+    spec.validate().map_err(|e| ApiError::invalid("id", e))?;
+    if gw.models.get(&spec.id).is_some() {
+        return Err(ApiError::conflict(format!("model {} is already served", spec.id)));
+    }
+    let hosts = gw.models.hosts();
+    if hosts.is_empty() {
+        return Err(ApiError::conflict(
+            "no worker of this gateway has a catalogue: start workers with --catalogue to add models at runtime",
+        ));
+    }
+    let mut added = Vec::new();
+    let mut refusals = Vec::new();
+    for h in &hosts {
+        match h.add_model(spec.clone()).await {
+            Ok(v) => added.push((h.clone(), v)),
+            Err(e) => {
+                tracing::warn!(catalogue = h.name(), model = %spec.id, error = %e, "catalogue refused a model");
+                refusals.push(e);
+            }
+        }
+    }
+    let Some(info) = added.first().map(|(_, (info, _))| info.clone()) else {
+        let e = refusals.into_iter().next().expect("one catalogue at least");
+        return Err(host_change_error(e));
+    };
+    let regions = added
+        .iter()
+        .map(|(_, (i, _))| (i.region.clone(), i.role.clone(), i.capacity))
+        .collect();
+    let clients = added.iter().map(|(_, (_, c))| c.clone()).collect();
+    match gw.models.insert(info, clients, regions) {
+        Ok(m) => Ok((StatusCode::CREATED, Json(served_json(&m))).into_response()),
+        Err(e) => {
+            // Added meanwhile by another request: undo ours.
+            for (h, _) in &added {
+                let _ = h.remove_model(&spec.id).await;
+            }
+            Err(ApiError::conflict(e.to_string()))
+        }
+    }
+}
+
+fn host_change_error(e: crate::workers::HostChangeError) -> ApiError {
+    use crate::workers::HostChangeError;
+    match e {
+        HostChangeError::Refused {
+            status: 409, message, ..
+        } => ApiError::conflict(message),
+        HostChangeError::Refused {
+            status: 404, message, ..
+        } => ApiError::not_found(message),
+        HostChangeError::Refused { status, message, .. } if (400..500).contains(&status) => {
+            ApiError::invalid("source", message)
+        }
+        other => ApiError::unavailable(other.to_string()),
+    }
+}
+
+/// `DELETE /admin/v1/models/{id}`: stops serving the model and removes it from every
+/// catalogue; requests in flight finish.
+async fn remove_model(State(gw): State<Arc<AppState>>, Path(model): Path<String>) -> Result<Json<Value>, ApiError> {
+    gw.models
+        .remove(&model)
+        .ok_or_else(|| ApiError::model_not_found(&model))?;
+    let mut errors = Vec::new();
+    for h in gw.models.hosts() {
+        match h.remove_model(&model).await {
+            Ok(()) | Err(crate::workers::HostChangeError::Refused { status: 404, .. }) => {}
+            Err(e) => errors.push(format!("{}: {e}", h.name())),
+        }
+    }
+    Ok(Json(json!({"id": model, "deleted": true, "errors": errors})))
 }
 
 /// `{"draining": true|false}`: a draining worker takes no new requests; running ones finish.

@@ -86,6 +86,7 @@ async fn healthz(State(state): State<Arc<AppState>>) -> Json<Value> {
     let models: Vec<Value> = state
         .models
         .all()
+        .iter()
         .map(|m| json!({"id": m.id, "workers": m.worker_count()}))
         .collect();
     Json(json!({"status": "ok", "models": models}))
@@ -103,7 +104,8 @@ async fn list_models(State(state): State<Arc<AppState>>, Caller(ctx): Caller) ->
     let data: Vec<Value> = state
         .models
         .all()
-        .filter(|m| ctx.allows_model(&m.id))
+        .iter()
+        .filter(|m| ctx.allows_model(&m.id) && m.visible_to(&ctx))
         .map(|m| model_json(m))
         .collect();
     Json(json!({"object": "list", "data": data}))
@@ -120,6 +122,7 @@ async fn get_model(
     let m = state
         .models
         .get(&model)
+        .filter(|m| m.visible_to(&ctx))
         .ok_or_else(|| ApiError::model_not_found(&model))?;
-    Ok(Json(model_json(m)))
+    Ok(Json(model_json(&m)))
 }

@@ -5,16 +5,21 @@
 //! Per worker, two background tasks keep the router current: one follows the worker's KV
 //! events into the prefix index (exact mode; while the stream is down the router records
 //! its own decisions instead — approximate mode), one checks its health.
+//!
+//! Models are added and removed at runtime (`POST`/`DELETE /admin/v1/models`, through the
+//! workers' catalogues, [`ModelHostClient`]): a removed model's tasks stop and its requests
+//! in flight finish on the [`ServedModel`] they hold.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use hearth_protocol::{ChatTemplate, KvEvent, Tokenizer};
 use hearth_router::{Policy, Router, RouterConfig};
 
-use crate::workers::{WorkerClient, WorkerError};
+use crate::workers::{ModelHostClient, WorkerClient, WorkerError};
 
 /// One model, its workers (by router slot) and its router.
 pub struct ServedModel {
@@ -24,9 +29,17 @@ pub struct ServedModel {
     pub context_length: u32,
     pub block_tokens: usize,
     pub created: i64,
+    /// Tenants (names or ids) that may see and use it; empty: every tenant.
+    pub tenants: Vec<String>,
     workers: Vec<Option<Arc<dyn WorkerClient>>>,
     router: Mutex<Router>,
     epoch: Instant,
+    /// Removed from the registry: its background tasks stop.
+    retired: AtomicBool,
+    /// When the gateway last asked one more worker to load the model (it was busy).
+    pub(crate) last_spread: Mutex<Option<Instant>>,
+    /// Loads started on more workers because the model was busy.
+    pub spreads: std::sync::atomic::AtomicU64,
 }
 
 impl ServedModel {
@@ -52,6 +65,24 @@ impl ServedModel {
         self.workers.iter().flatten().count()
     }
 
+    /// Whether a tenant may see and use the model (its catalogue entry's `tenants`).
+    pub fn visible_to(&self, tenant: &hearth_tenants::TenantContext) -> bool {
+        self.tenants.is_empty()
+            || self
+                .tenants
+                .iter()
+                .any(|t| *t == tenant.tenant_id || *t == tenant.tenant_name)
+    }
+
+    /// Each worker's name and the state it reports for this model.
+    pub fn worker_states(&self) -> Vec<(String, Option<String>)> {
+        self.workers
+            .iter()
+            .flatten()
+            .map(|w| (w.name().to_string(), w.model_state()))
+            .collect()
+    }
+
     /// The warmest state its workers report (`warm` > `loading` > `cold`), if any reports.
     pub fn state(&self) -> Option<String> {
         let rank = |s: &str| match s {
@@ -69,7 +100,10 @@ impl ServedModel {
 
 #[derive(Default)]
 pub struct ModelRegistry {
-    models: HashMap<String, Arc<ServedModel>>,
+    models: RwLock<HashMap<String, Arc<ServedModel>>>,
+    routing: RoutingConfig,
+    /// The workers' catalogues, through which models are added and removed at runtime.
+    hosts: RwLock<Vec<Arc<dyn ModelHostClient>>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -78,6 +112,8 @@ pub enum RegistryError {
     Worker(#[from] WorkerError),
     #[error("model {model}: {detail}")]
     Model { model: String, detail: String },
+    #[error("model {0} is already served")]
+    Exists(String),
 }
 
 /// How the gateway routes.
@@ -139,9 +175,29 @@ impl ModelRegistry {
                 }),
             }
         }
-        let mut reg = Self::default();
+        let reg = Self {
+            routing: routing.clone(),
+            ..Default::default()
+        };
         for b in building {
-            let info = b.info;
+            reg.insert(b.info, b.workers, b.regions)?;
+        }
+        Ok(reg)
+    }
+
+    /// Serves a model on `workers` (with each one's (region, role, capacity)): builds its
+    /// router and starts the event and health tasks. Refused if the id is served already.
+    pub fn insert(
+        &self,
+        info: hearth_protocol::WorkerInfo,
+        workers: Vec<Arc<dyn WorkerClient>>,
+        regions: Vec<(String, String, u32)>,
+    ) -> Result<Arc<ServedModel>, RegistryError> {
+        if self.get(&info.model).is_some() {
+            return Err(RegistryError::Exists(info.model));
+        }
+        let routing = &self.routing;
+        {
             let model_err = |detail: String| RegistryError::Model {
                 model: info.model.clone(),
                 detail,
@@ -169,7 +225,7 @@ impl ModelRegistry {
                 ..Default::default()
             });
             let mut slots = Vec::new();
-            for (w, (region, role, capacity)) in b.workers.iter().zip(&b.regions) {
+            for (w, (region, role, capacity)) in workers.iter().zip(&regions) {
                 let slot = router
                     .add_worker(w.name(), region, false)
                     .ok_or_else(|| model_err("more than 64 workers".into()))?;
@@ -182,7 +238,7 @@ impl ModelRegistry {
                 }
                 slots[slot] = Some(w.clone());
             }
-            tracing::info!(model = %info.model, workers = b.workers.len(), policy = policy.name(), context = info.context_length, "serving model");
+            tracing::info!(model = %info.model, workers = workers.len(), policy = policy.name(), context = info.context_length, "serving model");
             let model = Arc::new(ServedModel {
                 id: info.model.clone(),
                 tokenizer,
@@ -190,9 +246,13 @@ impl ModelRegistry {
                 context_length: info.context_length,
                 block_tokens: info.block_tokens as usize,
                 created: hearth_tenants::now_ms() / 1000,
+                tenants: info.tenants.clone(),
                 workers: slots,
                 router: Mutex::new(router),
                 epoch: Instant::now(),
+                retired: AtomicBool::new(false),
+                last_spread: Mutex::new(None),
+                spreads: Default::default(),
             });
             for slot in 0..model.workers.len() {
                 if model.client(slot).is_some() {
@@ -200,19 +260,48 @@ impl ModelRegistry {
                     tokio::spawn(check_health(model.clone(), slot));
                 }
             }
-            reg.models.insert(info.model.clone(), model);
+            let mut models = self.models.write().unwrap_or_else(|e| e.into_inner());
+            if models.contains_key(&info.model) {
+                model.retired.store(true, Ordering::Relaxed);
+                return Err(RegistryError::Exists(info.model));
+            }
+            models.insert(info.model.clone(), model.clone());
+            Ok(model)
         }
-        Ok(reg)
     }
 
-    pub fn get(&self, id: &str) -> Option<&Arc<ServedModel>> {
-        self.models.get(id)
+    /// Stops serving a model (its requests in flight finish); the model, if it was served.
+    pub fn remove(&self, id: &str) -> Option<Arc<ServedModel>> {
+        let m = self.models.write().unwrap_or_else(|e| e.into_inner()).remove(id)?;
+        m.retired.store(true, Ordering::Relaxed);
+        tracing::info!(model = %id, "model no longer served");
+        Some(m)
     }
 
-    pub fn all(&self) -> impl Iterator<Item = &Arc<ServedModel>> {
-        let mut v: Vec<_> = self.models.values().collect();
+    pub fn get(&self, id: &str) -> Option<Arc<ServedModel>> {
+        self.models.read().unwrap_or_else(|e| e.into_inner()).get(id).cloned()
+    }
+
+    /// Every model, by id.
+    pub fn all(&self) -> Vec<Arc<ServedModel>> {
+        let mut v: Vec<_> = self
+            .models
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
         v.sort_by(|a, b| a.id.cmp(&b.id));
-        v.into_iter()
+        v
+    }
+
+    /// The catalogues models can be added to at runtime.
+    pub fn hosts(&self) -> Vec<Arc<dyn ModelHostClient>> {
+        self.hosts.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn set_hosts(&self, hosts: Vec<Arc<dyn ModelHostClient>>) {
+        *self.hosts.write().unwrap_or_else(|e| e.into_inner()) = hosts;
     }
 }
 
@@ -222,10 +311,13 @@ async fn follow_kv_events(model: Arc<ServedModel>, slot: usize) {
     let Some(client) = model.client(slot).cloned() else {
         return;
     };
-    loop {
+    while !model.retired.load(Ordering::Relaxed) {
         match client.kv_events().await {
             Ok(mut events) => {
                 while let Some(ev) = events.next().await {
+                    if model.retired.load(Ordering::Relaxed) {
+                        return;
+                    }
                     let mut r = model.router();
                     match ev {
                         KvEvent::Snapshot { blocks, .. } => {
@@ -254,7 +346,7 @@ async fn check_health(model: Arc<ServedModel>, slot: usize) {
     let Some(client) = model.client(slot).cloned() else {
         return;
     };
-    loop {
+    while !model.retired.load(Ordering::Relaxed) {
         let ok = client.health().await.is_ok();
         {
             let mut r = model.router();

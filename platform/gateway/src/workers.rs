@@ -4,12 +4,13 @@
 //! yield the same stream of `hearth-protocol` events; dropping the stream cancels the
 //! generation (the HTTP client closes its connection, which the worker notices).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use futures_util::stream::{self, BoxStream};
 use futures_util::{FutureExt, StreamExt};
-use hearth_protocol::{GenerateEvent, GenerateRequest, KvEvent, WorkerInfo};
+use hearth_protocol::{GenerateEvent, GenerateRequest, KvEvent, ModelSpec, WorkerInfo};
 
 /// Events of one generation. A stream that ends without `Done`/`Error` means the worker
 /// was lost mid-way.
@@ -40,6 +41,10 @@ pub trait WorkerClient: Send + Sync + 'static {
     fn model_state(&self) -> Option<String> {
         None
     }
+    /// Asks a worker that loads on demand to load the model now, in the background.
+    fn preload(&self) -> BoxFuture<'_, Result<(), WorkerError>> {
+        async move { Ok(()) }.boxed()
+    }
 }
 
 /// A worker reached over HTTP (`hearth worker`): one of its models.
@@ -64,6 +69,97 @@ struct ListedModel {
 #[derive(serde::Deserialize)]
 struct ModelList {
     models: Vec<ListedModel>,
+    /// The worker takes runtime catalogue changes (its models may change).
+    #[serde(default)]
+    catalogue: bool,
+}
+
+/// Why a worker's catalogue refused a change.
+#[derive(Debug, thiserror::Error)]
+pub enum HostChangeError {
+    #[error(transparent)]
+    Worker(#[from] WorkerError),
+    /// The worker's answer: HTTP status, error code, message.
+    #[error("{message}")]
+    Refused { status: u16, code: String, message: String },
+}
+
+/// A model a catalogue took: its info and a client for it.
+pub type AddedModel = (WorkerInfo, Arc<dyn WorkerClient>);
+
+/// A worker's model catalogue, to which models are added (and removed) at runtime.
+pub trait ModelHostClient: Send + Sync + 'static {
+    fn name(&self) -> &str;
+    /// Adds a model: its info and a client for it.
+    fn add_model(&self, spec: ModelSpec) -> BoxFuture<'_, Result<AddedModel, HostChangeError>>;
+    /// Removes a model (the worker lets its requests in flight finish).
+    fn remove_model(&self, id: &str) -> BoxFuture<'_, Result<(), HostChangeError>>;
+}
+
+/// The catalogue of a worker reached over HTTP (`hearth worker --catalogue`).
+pub struct HttpModelHost {
+    worker: HttpWorker,
+}
+
+impl HttpModelHost {
+    async fn refused(resp: reqwest::Response) -> HostChangeError {
+        let status = resp.status().as_u16();
+        match resp.json::<GenerateEvent>().await {
+            Ok(GenerateEvent::Error { code, message }) => HostChangeError::Refused { status, code, message },
+            _ => HostChangeError::Refused {
+                status,
+                code: "worker_error".into(),
+                message: format!("the worker answered {status}"),
+            },
+        }
+    }
+}
+
+impl ModelHostClient for HttpModelHost {
+    fn name(&self) -> &str {
+        &self.worker.base
+    }
+
+    fn add_model(&self, spec: ModelSpec) -> BoxFuture<'_, Result<AddedModel, HostChangeError>> {
+        async move {
+            let w = &self.worker;
+            let resp = w
+                .client
+                .post(format!("{}/v1/worker/models", w.base))
+                // Reading the model's metadata (or fetching a known model) takes a while.
+                .timeout(Duration::from_secs(600))
+                .json(&spec)
+                .send()
+                .await
+                .map_err(|e| w.unavailable(e))?;
+            if !resp.status().is_success() {
+                return Err(Self::refused(resp).await);
+            }
+            let listed: ListedModel = resp.json().await.map_err(|e| w.protocol(e))?;
+            let client = HttpWorker::for_model(&w.base, &listed.info.model, listed.state)?;
+            Ok((listed.info, Arc::new(client) as Arc<dyn WorkerClient>))
+        }
+        .boxed()
+    }
+
+    fn remove_model(&self, id: &str) -> BoxFuture<'_, Result<(), HostChangeError>> {
+        let id = id.to_string();
+        async move {
+            let w = &self.worker;
+            let resp = w
+                .client
+                .delete(format!("{}/v1/worker/models/{id}", w.base))
+                .timeout(Duration::from_secs(30))
+                .send()
+                .await
+                .map_err(|e| w.unavailable(e))?;
+            if !resp.status().is_success() {
+                return Err(Self::refused(resp).await);
+            }
+            Ok(())
+        }
+        .boxed()
+    }
 }
 
 impl HttpWorker {
@@ -91,9 +187,31 @@ impl HttpWorker {
         })
     }
 
-    /// One client per model the worker at `base` serves: a catalogue worker lists its
-    /// models; an older or single-model worker is one client.
-    pub async fn discover(base: &str) -> Result<Vec<Self>, WorkerError> {
+    /// The client of one model of a catalogue worker.
+    pub fn for_model(base: &str, model: &str, state: Option<String>) -> Result<Self, WorkerError> {
+        let mut w = Self::new(base)?;
+        w.prefix = format!("/v1/worker/m/{model}");
+        *w.state.lock().unwrap_or_else(|e| e.into_inner()) = state;
+        w.model = Some(model.to_string());
+        Ok(w)
+    }
+
+    /// One client per model the worker at `base` serves (a catalogue worker lists its
+    /// models; an older or single-model worker is one client), and the worker's catalogue
+    /// when it takes runtime changes.
+    pub async fn discover(base: &str) -> Result<(Vec<Self>, Option<HttpModelHost>), WorkerError> {
+        let (clients, catalogue) = Self::discover_models(base).await?;
+        let host = if catalogue {
+            Some(HttpModelHost {
+                worker: Self::new(base)?,
+            })
+        } else {
+            None
+        };
+        Ok((clients, host))
+    }
+
+    async fn discover_models(base: &str) -> Result<(Vec<Self>, bool), WorkerError> {
         let one = Self::new(base)?;
         let resp = one
             .client
@@ -103,25 +221,23 @@ impl HttpWorker {
             .await
             .map_err(|e| one.unavailable(e))?;
         if resp.status() == reqwest::StatusCode::NOT_FOUND {
-            return Ok(vec![one]);
+            return Ok((vec![one], false));
         }
         if !resp.status().is_success() {
             return Err(one.protocol(format!("models returned {}", resp.status())));
         }
         let list: ModelList = resp.json().await.map_err(|e| one.protocol(e))?;
-        if list.models.len() <= 1 {
-            return Ok(vec![one]);
+        // A single-model worker is reached through the unprefixed routes; a catalogue's
+        // models (which may change) each through their own.
+        if list.models.len() <= 1 && !list.catalogue {
+            return Ok((vec![one], false));
         }
-        list.models
+        let clients = list
+            .models
             .into_iter()
-            .map(|m| {
-                let mut w = Self::new(base)?;
-                w.prefix = format!("/v1/worker/m/{}", m.info.model);
-                *w.state.lock().unwrap_or_else(|e| e.into_inner()) = m.state;
-                w.model = Some(m.info.model);
-                Ok(w)
-            })
-            .collect()
+            .map(|m| Self::for_model(base, &m.info.model, m.state))
+            .collect::<Result<_, _>>()?;
+        Ok((clients, list.catalogue))
     }
 
     fn url(&self, path: &str) -> String {
@@ -205,6 +321,28 @@ impl WorkerClient for HttpWorker {
 
     fn model_state(&self) -> Option<String> {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn preload(&self) -> BoxFuture<'_, Result<(), WorkerError>> {
+        async move {
+            if self.model.is_none() {
+                return Ok(()); // a single-model worker is always loaded
+            }
+            let resp = self
+                .client
+                .post(self.url("load"))
+                .timeout(Duration::from_secs(10))
+                .send()
+                .await
+                .map_err(|e| self.unavailable(e))?;
+            if !resp.status().is_success() {
+                return Err(self.protocol(format!("load returned {}", resp.status())));
+            }
+            // Reported `loading` from now on (the next health check confirms).
+            *self.state.lock().unwrap_or_else(|e| e.into_inner()) = Some("loading".into());
+            Ok(())
+        }
+        .boxed()
     }
 
     fn info(&self) -> BoxFuture<'_, Result<WorkerInfo, WorkerError>> {

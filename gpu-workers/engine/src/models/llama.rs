@@ -1,6 +1,8 @@
-//! The Llama architecture (SmolLM2, Llama 2/3, TinyLlama, …) as stored in GGUF:
-//! GQA attention, RMSNorm, SwiGLU, RoPE over adjacent pairs (GGUF permutes `attn_q`/`attn_k`
-//! rows so that pairs (2i, 2i+1) rotate together), optionally tied embeddings.
+//! The Llama architecture (SmolLM2, Llama 2/3, TinyLlama, …) as stored in GGUF or a Hugging
+//! Face directory: GQA attention, RMSNorm, SwiGLU, RoPE, optionally tied embeddings. RoPE
+//! pairs differ by format: GGUF permutes `attn_q`/`attn_k` rows so that pairs (2i, 2i+1)
+//! rotate together; Hugging Face checkpoints rotate the two halves of each head (i, i + d/2)
+//! ([`RopeLayout`]).
 
 use std::sync::Arc;
 
@@ -31,6 +33,20 @@ pub enum ModelError {
     Config(String),
 }
 
+/// Which elements of a head RoPE rotates together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RopeLayout {
+    /// Pairs (2i, 2i+1): llama.cpp's layout, whose converter permutes the Q/K rows.
+    #[default]
+    Adjacent,
+    /// Pairs (i, i + d/2): Hugging Face's `rotate_half`, on unpermuted Q/K rows.
+    Halves,
+}
+
+/// The metadata key a Hugging Face directory sets (to `"halves"`) when opened as a model
+/// view; GGUF files never carry it.
+pub const ROPE_LAYOUT_KEY: &str = "hearth.rope.layout";
+
 /// Hyper-parameters, from the GGUF metadata.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlamaConfig {
@@ -45,6 +61,7 @@ pub struct LlamaConfig {
     pub rms_eps: f32,
     pub context_length: usize,
     pub vocab_size: usize,
+    pub rope_layout: RopeLayout,
 }
 
 impl LlamaConfig {
@@ -90,6 +107,11 @@ impl LlamaConfig {
             rms_eps: g.get_f64("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5) as f32,
             context_length: u("context_length").unwrap_or(2048),
             vocab_size,
+            rope_layout: match g.get_str(ROPE_LAYOUT_KEY) {
+                Ok("halves") => RopeLayout::Halves,
+                Ok("adjacent") | Err(_) => RopeLayout::Adjacent,
+                Ok(other) => return Err(ModelError::Config(format!("unknown RoPE layout {other:?}"))),
+            },
         })
     }
 
@@ -105,6 +127,7 @@ struct Matrix {
     ty: GgmlType,
     rows: usize,
     cols: usize,
+    shard: usize,
     offset: usize,
     len: usize,
     packed: Option<Arc<PackedMatrix>>,
@@ -174,6 +197,7 @@ fn matrix(g: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Matrix, 
         ty: t.ty,
         rows,
         cols,
+        shard: t.shard,
         offset: t.offset,
         len: t.len,
         packed: None,
@@ -208,6 +232,7 @@ fn weight_view<'a>(file: &'a GgufFile, m: &'a Matrix) -> WeightView<'a> {
         ty: m.ty,
         offset: m.offset,
         len: m.len,
+        shard: m.shard,
     };
     WeightView {
         ty: m.ty,
@@ -311,7 +336,8 @@ impl LlamaModel {
     /// the cache written for the next load. `HEARTH_PACK_CACHE=0` turns the cache off.
     fn repack(&mut self) {
         let file = &self.file;
-        let (embed_offset, embed_len) = (self.embed.offset, self.embed.len);
+        let embed = (self.embed.shard, self.embed.offset, self.embed.len);
+        let is_embed = |m: &Matrix| (m.shard, m.offset) == (embed.0, embed.1);
         // Every quantized matrix, in a fixed order: each layer's seven, then the output.
         let mut ms: Vec<&mut Matrix> = Vec::new();
         for layer in &mut self.layers {
@@ -339,6 +365,10 @@ impl LlamaModel {
             }
             _ => false,
         });
+        if ms.is_empty() {
+            // Float weights only (a Hugging Face checkpoint): nothing to repack or cache.
+            return;
+        }
         let use_cache = self.use_pack_cache;
         let cached = if use_cache {
             pack_cache::load(&file.path, &wanted)
@@ -351,8 +381,8 @@ impl LlamaModel {
                 for (m, p) in ms.iter_mut().zip(packed) {
                     total += p.bytes().len();
                     m.packed = Some(Arc::new(p));
-                    if m.offset != embed_offset {
-                        file.release(m.offset, m.len);
+                    if !is_embed(m) {
+                        file.release(m.shard, m.offset, m.len);
                     }
                 }
                 self.packed_from_cache = true;
@@ -365,8 +395,8 @@ impl LlamaModel {
                         m.packed = Some(Arc::new(p));
                         // This matrix's file pages leave the resident set at once, so that
                         // memory holds one copy of the weights, not two.
-                        if m.offset != embed_offset {
-                            file.release(m.offset, m.len);
+                        if !is_embed(m) {
+                            file.release(m.shard, m.offset, m.len);
                         }
                     }
                 }
@@ -387,7 +417,7 @@ impl LlamaModel {
         }
         // The embedding's rows are still read from the file for lookups (with tied
         // embeddings its packed copy serves the logits); they fault in as needed.
-        file.release(embed_offset, embed_len);
+        file.release(embed.0, embed.1, embed.2);
         self.packed_bytes = total;
     }
 
@@ -432,7 +462,7 @@ impl LlamaModel {
         t
     }
 
-    /// Rotates adjacent pairs of each head by position (GGUF's RoPE layout).
+    /// Rotates each head's pairs by position, in the model's [`RopeLayout`].
     fn rope(&self, x: &mut [f32], n_heads: usize, table: &[(f32, f32)]) {
         let hd = self.config.head_dim;
         let width = n_heads * hd;
@@ -440,12 +470,18 @@ impl LlamaModel {
         if nf == 0 {
             return;
         }
+        // Element i of a pair and its partner: (2i, 2i+1) or (i, i + nf).
+        let (stride, partner) = match self.config.rope_layout {
+            RopeLayout::Adjacent => (2, 1),
+            RopeLayout::Halves => (1, nf),
+        };
         for (row, cs) in x.chunks_exact_mut(width).zip(table.chunks_exact(nf)) {
             for head in row.chunks_exact_mut(hd) {
                 for (i, &(c, s)) in cs.iter().enumerate() {
-                    let (a, b) = (head[2 * i], head[2 * i + 1]);
-                    head[2 * i] = a * c - b * s;
-                    head[2 * i + 1] = a * s + b * c;
+                    let (ia, ib) = (stride * i, stride * i + partner);
+                    let (a, b) = (head[ia], head[ib]);
+                    head[ia] = a * c - b * s;
+                    head[ib] = a * s + b * c;
                 }
             }
         }

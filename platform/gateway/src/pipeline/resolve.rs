@@ -15,6 +15,10 @@ fn operation(ctx: &RequestContext) -> &'static str {
 pub fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiError> {
     let name = &ctx.request()?.common.model;
     let model = state.models.get(name).ok_or_else(|| ApiError::model_not_found(name))?;
+    // A model the tenant may not see is one it cannot tell from a missing one.
+    if ctx.tenant.as_ref().is_some_and(|t| !model.visible_to(t)) {
+        return Err(ApiError::model_not_found(name));
+    }
     if let Some(t) = &ctx.tenant {
         if !t.allows_model(&model.id) {
             return Err(ApiError::permission(

@@ -2,11 +2,18 @@
 //! default), session affinity (`x-session-affinity`), region (`x-hearth-region`, else the
 //! gateway's), skipping workers already tried. The decision is a [`Placement`], which keeps
 //! the router's load accounting until the request ends.
+//!
+//! Warm replicas come first; when they are busy (outstanding requests at [`SPREAD_AT`] of
+//! their capacity) and a catalogue worker has the model cold, that worker is asked to load
+//! it in the background ([`spread`]), so the next requests find one more warm replica
+//! instead of one request paying the load.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use hearth_protocol::{block_hashes, namespace_root, BlockHash};
-use hearth_router::{Policy, RouteInput};
+use hearth_router::{Policy, RouteInput, Router};
 
 use crate::registry::ServedModel;
 
@@ -109,6 +116,11 @@ pub fn run(model: &Arc<ServedModel>, req: &RouteRequest, exclude: u64) -> Option
     };
     let uncached = req.prompt_tokens - d.expected_cached_tokens;
     r.on_dispatch(d.worker, uncached);
+    let spread_to = spread_target(model, &r);
+    drop(r);
+    if let Some(slot) = spread_to {
+        spread(model, slot);
+    }
     tracing::debug!(
         worker = d.worker,
         reason = d.reason.as_str(),
@@ -121,6 +133,59 @@ pub fn run(model: &Arc<ServedModel>, req: &RouteRequest, exclude: u64) -> Option
         uncached,
         started: false,
     })
+}
+
+/// Warm replicas this busy (outstanding ÷ capacity) make the gateway load the model on one
+/// more worker.
+pub const SPREAD_AT: f64 = 0.75;
+/// At most one such load per model in this interval.
+const SPREAD_EVERY: Duration = Duration::from_secs(10);
+
+/// The worker that should load the model now, if the model is busy: its warm replicas
+/// are at [`SPREAD_AT`] of their capacity, no replica is loading, and a healthy catalogue
+/// worker has it cold (the least loaded one is chosen).
+fn spread_target(model: &ServedModel, r: &Router) -> Option<usize> {
+    let (mut outstanding, mut capacity) = (0u64, 0u64);
+    let mut cold: Option<(u32, usize)> = None;
+    for (slot, w) in r.workers() {
+        if !w.healthy || w.draining {
+            continue;
+        }
+        match model.client(slot)?.model_state()?.as_str() {
+            "warm" => {
+                outstanding += u64::from(w.outstanding);
+                capacity += u64::from(w.capacity.max(1));
+            }
+            "loading" => return None,
+            _ => {
+                if cold.is_none_or(|(o, _)| w.outstanding < o) {
+                    cold = Some((w.outstanding, slot));
+                }
+            }
+        }
+    }
+    let busy = capacity > 0 && outstanding as f64 >= SPREAD_AT * capacity as f64;
+    let due = model
+        .last_spread
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .is_none_or(|t| t.elapsed() >= SPREAD_EVERY);
+    (busy && due).then_some(cold?.1)
+}
+
+/// Asks worker `slot` to load the model in the background.
+fn spread(model: &Arc<ServedModel>, slot: usize) {
+    let Some(client) = model.client(slot).cloned() else {
+        return;
+    };
+    *model.last_spread.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+    model.spreads.fetch_add(1, Ordering::Relaxed);
+    tracing::info!(model = %model.id, worker = client.name(), "model busy: loading it on one more worker");
+    tokio::spawn(async move {
+        if let Err(e) = client.preload().await {
+            tracing::warn!(worker = client.name(), error = %e, "could not start the load");
+        }
+    });
 }
 
 /// `prefix_aware`'s key: the first `prefix_length` characters of the request's text and
@@ -147,10 +212,11 @@ mod tests {
     use crate::registry::{ModelRegistry, RoutingConfig};
     use crate::workers::{EventStream, KvEventStream, WorkerClient, WorkerError};
 
-    /// A worker that only reports a model state.
+    /// A worker that only reports a model state (and counts requests to load it).
     struct Stateful {
         name: String,
         state: Mutex<Option<String>>,
+        preloads: std::sync::atomic::AtomicUsize,
     }
 
     impl WorkerClient for Stateful {
@@ -194,6 +260,7 @@ mod tests {
                     add_bos: false,
                     chat_template: None,
                 },
+                tenants: Vec::new(),
             };
             async move { Ok(info) }.boxed()
         }
@@ -221,17 +288,21 @@ mod tests {
         fn model_state(&self) -> Option<String> {
             self.state.lock().unwrap().clone()
         }
+        fn preload(&self) -> BoxFuture<'_, Result<(), WorkerError>> {
+            self.preloads.fetch_add(1, Ordering::Relaxed);
+            async move { Ok(()) }.boxed()
+        }
     }
 
-    #[tokio::test]
-    async fn warm_replicas_are_chosen_before_workers_that_must_load() {
-        let workers: Vec<Arc<Stateful>> = ["cold", "warm", "cold"]
+    async fn model_on(states: &[&str]) -> (Vec<Arc<Stateful>>, Arc<ServedModel>, ModelRegistry) {
+        let workers: Vec<Arc<Stateful>> = states
             .iter()
             .enumerate()
             .map(|(i, s)| {
                 Arc::new(Stateful {
                     name: format!("w{i}"),
                     state: Mutex::new(Some(s.to_string())),
+                    preloads: Default::default(),
                 })
             })
             .collect();
@@ -241,8 +312,12 @@ mod tests {
             ..Default::default()
         };
         let reg = ModelRegistry::discover(clients, Duration::ZERO, &cfg).await.unwrap();
-        let model = reg.get("m").unwrap().clone();
-        let req = |n: u64| RouteRequest {
+        let model = reg.get("m").unwrap();
+        (workers, model, reg)
+    }
+
+    fn req(n: u64) -> RouteRequest {
+        RouteRequest {
             hashes: vec![],
             prompt_tokens: 10,
             hints: RouteHints {
@@ -250,7 +325,47 @@ mod tests {
                 region: None,
                 prefix_key: n,
             },
+        }
+    }
+
+    #[tokio::test]
+    async fn a_busy_model_is_loaded_on_one_more_worker() {
+        // Capacity 8 per worker: the warm one is busy at 6 outstanding.
+        let (workers, model, _reg) = model_on(&["warm", "cold", "cold"]).await;
+        let mut held: Vec<Placement> = (0..5).map(|i| run(&model, &req(i), 0).unwrap()).collect();
+        let preloads = || {
+            workers
+                .iter()
+                .map(|w| w.preloads.load(Ordering::Relaxed))
+                .collect::<Vec<_>>()
         };
+        assert_eq!(preloads(), [0, 0, 0], "5 of 8: not busy yet");
+        held.push(run(&model, &req(5), 0).unwrap());
+        tokio::task::yield_now().await;
+        assert!(held.iter().all(|p| p.slot == 0), "requests stay on the warm replica");
+        assert_eq!(
+            preloads().iter().sum::<usize>(),
+            1,
+            "one cold worker asked to load: {:?}",
+            preloads()
+        );
+        assert_eq!(preloads()[0], 0);
+        assert_eq!(model.spreads.load(Ordering::Relaxed), 1);
+        // Still busy moments later: no second load (one per 10 s, and none while loading).
+        held.push(run(&model, &req(6), 0).unwrap());
+        tokio::task::yield_now().await;
+        assert_eq!(preloads().iter().sum::<usize>(), 1);
+        *workers[1].state.lock().unwrap() = Some("loading".into());
+        *model.last_spread.lock().unwrap() = None;
+        held.push(run(&model, &req(7), 0).unwrap());
+        tokio::task::yield_now().await;
+        assert_eq!(preloads().iter().sum::<usize>(), 1, "a load under way is waited for");
+        drop(held);
+    }
+
+    #[tokio::test]
+    async fn warm_replicas_are_chosen_before_workers_that_must_load() {
+        let (workers, model, _reg) = model_on(&["cold", "warm", "cold"]).await;
         // Every request goes to the one warm worker, even as its load grows.
         let held: Vec<Placement> = (0..4).map(|i| run(&model, &req(i), 0).unwrap()).collect();
         assert!(

@@ -1,0 +1,783 @@
+//! Hugging Face model directories: `config.json`, `*.safetensors` (F32, F16 or BF16; one
+//! file or shards listed by `model.safetensors.index.json`), `tokenizer.json` and
+//! `tokenizer_config.json` (special tokens, chat template).
+//!
+//! [`open`] maps every shard (nothing is copied: the weights are used from the page cache
+//! as GGUF weights are) and presents the directory as the same [`GgufFile`] view the model
+//! code reads: the configuration under GGUF's `llama.*` keys, the tokenizer under
+//! `tokenizer.ggml.*`, tensors under GGUF's names with their dimensions reversed, and
+//! [`ROPE_LAYOUT_KEY`] = `halves`, because Hugging Face checkpoints keep Q/K rows unpermuted
+//! and rotate the two halves of each head.
+//!
+//! The tokenizer is Hearth's own byte-level BPE, built from `tokenizer.json`'s vocabulary,
+//! merges and added tokens; the pre-tokenizers it reproduces exactly (plain GPT-2
+//! `ByteLevel`, and `Digits` + `ByteLevel` as SmolLM2 uses) are accepted, anything else is
+//! refused by name. The engine tests check it against the `tokenizers` crate token for
+//! token. It is Hearth's own because the gateway tokenizes too (for routing and limits),
+//! from the [`hearth_protocol::TokenizerSpec`] a worker hands it.
+//!
+//! [`export`] writes such a directory from a GGUF model (dequantized; Q/K rows un-permuted),
+//! for tests and `hearth model export-hf`.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use serde_json::{json, Value};
+
+use crate::gguf::{GgmlType, GgufError, GgufFile, MetaValue, TensorInfo};
+use crate::kernels::dequantize_row;
+use crate::models::llama::{LlamaConfig, ModelError, RopeLayout, ROPE_LAYOUT_KEY};
+
+#[derive(Debug, thiserror::Error)]
+pub enum HfError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("{path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Invalid { path: String, message: String },
+    #[error("{path}: not a valid safetensors file ({message}); is it truncated or corrupt?")]
+    Safetensors { path: String, message: String },
+    #[error("{0}")]
+    Unsupported(String),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> HfError + '_ {
+    move |source| HfError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+fn invalid(path: &Path, message: impl Into<String>) -> HfError {
+    HfError::Invalid {
+        path: path.display().to_string(),
+        message: message.into(),
+    }
+}
+
+fn read_json(path: &Path) -> Result<Value, HfError> {
+    let text = std::fs::read_to_string(path).map_err(io_err(path))?;
+    serde_json::from_str(&text).map_err(|e| invalid(path, format!("not valid JSON: {e}")))
+}
+
+/// Opens a model: a GGUF file, or a Hugging Face directory.
+pub fn open_model(path: &Path) -> Result<GgufFile, HfError> {
+    if path.is_dir() {
+        open(path)
+    } else {
+        Ok(GgufFile::open(path)?)
+    }
+}
+
+/// Bytes of weights a model occupies on disk: the GGUF file, or a directory's safetensors.
+pub fn weights_bytes(path: &Path) -> u64 {
+    if !path.is_dir() {
+        return std::fs::metadata(path).map_or(0, |m| m.len());
+    }
+    std::fs::read_dir(path)
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum()
+}
+
+/// Hugging Face tensor name → GGUF tensor name (Llama architecture).
+fn gguf_name(hf: &str) -> Option<String> {
+    match hf {
+        "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
+        "model.norm.weight" => return Some("output_norm.weight".into()),
+        "lm_head.weight" => return Some("output.weight".into()),
+        _ => {}
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, part) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let g = match part {
+        "input_layernorm.weight" => "attn_norm",
+        "self_attn.q_proj.weight" => "attn_q",
+        "self_attn.k_proj.weight" => "attn_k",
+        "self_attn.v_proj.weight" => "attn_v",
+        "self_attn.o_proj.weight" => "attn_output",
+        "post_attention_layernorm.weight" => "ffn_norm",
+        "mlp.gate_proj.weight" => "ffn_gate",
+        "mlp.up_proj.weight" => "ffn_up",
+        "mlp.down_proj.weight" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{g}.weight"))
+}
+
+/// GGUF tensor name → Hugging Face tensor name (the inverse of [`gguf_name`]).
+fn hf_name(gguf: &str) -> Option<String> {
+    match gguf {
+        "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
+        "output_norm.weight" => return Some("model.norm.weight".into()),
+        "output.weight" => return Some("lm_head.weight".into()),
+        _ => {}
+    }
+    let rest = gguf.strip_prefix("blk.")?;
+    let (layer, part) = rest.split_once('.')?;
+    let p = match part {
+        "attn_norm.weight" => "input_layernorm",
+        "attn_q.weight" => "self_attn.q_proj",
+        "attn_k.weight" => "self_attn.k_proj",
+        "attn_v.weight" => "self_attn.v_proj",
+        "attn_output.weight" => "self_attn.o_proj",
+        "ffn_norm.weight" => "post_attention_layernorm",
+        "ffn_gate.weight" => "mlp.gate_proj",
+        "ffn_up.weight" => "mlp.up_proj",
+        "ffn_down.weight" => "mlp.down_proj",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{p}.weight"))
+}
+
+/// The safetensors files of a directory: the index's shards, or `model.safetensors`, or
+/// every `*.safetensors` file (sorted).
+/// Tensor name → shard file, from `model.safetensors.index.json`.
+type WeightMap = HashMap<String, String>;
+
+fn shard_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<WeightMap>), HfError> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let v = read_json(&index)?;
+        let map = v
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| invalid(&index, "no weight_map object"))?;
+        let mut weight_map = HashMap::new();
+        let mut files: Vec<String> = Vec::new();
+        for (name, file) in map {
+            let file = file
+                .as_str()
+                .ok_or_else(|| invalid(&index, format!("weight_map[{name:?}] is not a file name")))?;
+            if file.contains('/') || file.contains("..") {
+                return Err(invalid(&index, format!("shard {file:?} is outside the directory")));
+            }
+            if !files.iter().any(|f| f == file) {
+                files.push(file.to_string());
+            }
+            weight_map.insert(name.clone(), file.to_string());
+        }
+        files.sort();
+        return Ok((files.iter().map(|f| dir.join(f)).collect(), Some(weight_map)));
+    }
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok((vec![single], None));
+    }
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(io_err(dir))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(invalid(dir, "no *.safetensors weights in the directory"));
+    }
+    Ok((files, None))
+}
+
+fn ggml_type(d: Dtype) -> Option<GgmlType> {
+    match d {
+        Dtype::F32 => Some(GgmlType::F32),
+        Dtype::F16 => Some(GgmlType::F16),
+        Dtype::BF16 => Some(GgmlType::BF16),
+        _ => None,
+    }
+}
+
+/// Maps every shard and lists its tensors under GGUF names (dims reversed to GGUF order).
+fn open_weights(dir: &Path) -> Result<(Vec<Mmap>, Vec<TensorInfo>), HfError> {
+    let (files, weight_map) = shard_files(dir)?;
+    let mut maps = Vec::with_capacity(files.len());
+    let mut tensors = Vec::new();
+    let mut seen = HashSet::new();
+    for (shard, path) in files.iter().enumerate() {
+        let file = File::open(path).map_err(io_err(path))?;
+        // SAFETY: read-only map of a model file that is not modified while served (as for
+        // GGUF); `SafeTensors::deserialize` bounds-checks every tensor against it.
+        let map = unsafe { Mmap::map(&file) }.map_err(io_err(path))?;
+        let st = SafeTensors::deserialize(&map).map_err(|e| HfError::Safetensors {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        let base = map.as_ptr() as usize;
+        for (name, view) in st.tensors() {
+            if name.ends_with("rotary_emb.inv_freq") {
+                continue; // recomputed from rope_theta
+            }
+            let Some(gname) = gguf_name(&name) else {
+                return Err(invalid(
+                    path,
+                    format!("tensor {name:?} is not part of a Llama model Hearth can run"),
+                ));
+            };
+            let ty = ggml_type(view.dtype()).ok_or_else(|| {
+                HfError::Unsupported(format!(
+                    "{}: tensor {name} is {:?}; Hearth loads F32, F16 and BF16 safetensors",
+                    path.display(),
+                    view.dtype()
+                ))
+            })?;
+            if let Some(wm) = &weight_map {
+                let listed = wm.get(&name).map(|f| dir.join(f));
+                if listed.as_deref() != Some(path.as_path()) {
+                    return Err(invalid(path, format!("tensor {name} is not where the index says")));
+                }
+            }
+            if !seen.insert(name.clone()) {
+                return Err(invalid(path, format!("tensor {name} appears twice")));
+            }
+            let data = view.data();
+            tensors.push(TensorInfo {
+                name: gname,
+                dims: view.shape().iter().rev().map(|&d| d as u64).collect(),
+                ty,
+                offset: data.as_ptr() as usize - base,
+                len: data.len(),
+                shard,
+            });
+        }
+        maps.push(map);
+    }
+    if let Some(wm) = &weight_map {
+        if let Some(missing) = wm
+            .keys()
+            .find(|k| !seen.contains(*k) && !k.ends_with("rotary_emb.inv_freq"))
+        {
+            return Err(invalid(
+                dir,
+                format!("tensor {missing} is in the index but in no shard"),
+            ));
+        }
+    }
+    Ok((maps, tensors))
+}
+
+fn uint(cfg: &Value, path: &Path, key: &str) -> Result<u64, HfError> {
+    cfg.get(key)
+        .and_then(Value::as_u64)
+        .ok_or_else(|| invalid(path, format!("{key} is missing or not a whole number")))
+}
+
+/// `config.json` → GGUF `llama.*` metadata, refusing what the Llama forward pass does not do.
+fn config_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<(), HfError> {
+    let path = dir.join("config.json");
+    let cfg = read_json(&path)?;
+    let model_type = cfg.get("model_type").and_then(Value::as_str).unwrap_or("");
+    if model_type != "llama" {
+        return Err(HfError::Unsupported(format!(
+            "{}: model_type {model_type:?} is not supported (Hearth serves Llama-architecture models)",
+            path.display()
+        )));
+    }
+    let unsupported = |what: &str| HfError::Unsupported(format!("{}: {what} is not supported", path.display()));
+    if cfg.get("rope_scaling").is_some_and(|v| !v.is_null()) {
+        return Err(unsupported("rope_scaling"));
+    }
+    for flag in ["attention_bias", "mlp_bias"] {
+        if cfg.get(flag).and_then(Value::as_bool) == Some(true) {
+            return Err(unsupported(flag));
+        }
+    }
+    if let Some(act) = cfg.get("hidden_act").and_then(Value::as_str) {
+        if act != "silu" {
+            return Err(unsupported(&format!("hidden_act {act:?}")));
+        }
+    }
+    let d = uint(&cfg, &path, "hidden_size")?;
+    let heads = uint(&cfg, &path, "num_attention_heads")?;
+    let kv_heads = cfg.get("num_key_value_heads").and_then(Value::as_u64).unwrap_or(heads);
+    if heads == 0 || d % heads != 0 {
+        return Err(invalid(
+            &path,
+            format!("hidden_size {d} does not split into {heads} heads"),
+        ));
+    }
+    if let Some(hd) = cfg.get("head_dim").and_then(Value::as_u64) {
+        if hd != d / heads {
+            return Err(unsupported(&format!("head_dim {hd} ≠ hidden_size / heads")));
+        }
+    }
+    let f = |key: &str, default: f64| cfg.get(key).and_then(Value::as_f64).unwrap_or(default);
+    let mut put = |k: &str, v: MetaValue| {
+        meta.insert(k.to_string(), v);
+    };
+    put("general.architecture", MetaValue::String("llama".into()));
+    put(ROPE_LAYOUT_KEY, MetaValue::String("halves".into()));
+    put("llama.embedding_length", MetaValue::U64(d));
+    put("llama.attention.head_count", MetaValue::U64(heads));
+    put("llama.attention.head_count_kv", MetaValue::U64(kv_heads));
+    put(
+        "llama.block_count",
+        MetaValue::U64(uint(&cfg, &path, "num_hidden_layers")?),
+    );
+    put(
+        "llama.feed_forward_length",
+        MetaValue::U64(uint(&cfg, &path, "intermediate_size")?),
+    );
+    put("llama.vocab_size", MetaValue::U64(uint(&cfg, &path, "vocab_size")?));
+    put(
+        "llama.context_length",
+        MetaValue::U64(
+            cfg.get("max_position_embeddings")
+                .and_then(Value::as_u64)
+                .unwrap_or(2048),
+        ),
+    );
+    put("llama.rope.freq_base", MetaValue::F64(f("rope_theta", 10000.0)));
+    put(
+        "llama.attention.layer_norm_rms_epsilon",
+        MetaValue::F64(f("rms_norm_eps", 1e-6)),
+    );
+    // Token ids from config.json, used when tokenizer_config.json does not name the tokens.
+    let first_id = |k: &str| match cfg.get(k) {
+        Some(Value::Array(a)) => a.first().and_then(Value::as_u64),
+        Some(v) => v.as_u64(),
+        None => None,
+    };
+    for (key, gkey) in [
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+    ] {
+        if let Some(id) = first_id(key) {
+            meta.insert(gkey.into(), MetaValue::U64(id));
+        }
+    }
+    Ok(())
+}
+
+/// A token in `tokenizer_config.json`: a string or `{"content": …}`.
+fn token_text(v: Option<&Value>) -> Option<&str> {
+    match v? {
+        Value::String(s) => Some(s),
+        Value::Object(o) => o.get("content")?.as_str(),
+        _ => None,
+    }
+}
+
+/// `tokenizer.json` (+ `tokenizer_config.json`) → GGUF `tokenizer.ggml.*` metadata.
+fn tokenizer_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<(), HfError> {
+    let path = dir.join("tokenizer.json");
+    let tj = read_json(&path)?;
+    let unsupported = |what: String| HfError::Unsupported(format!("{}: {what}", path.display()));
+    let model = tj.get("model").ok_or_else(|| invalid(&path, "no model"))?;
+    let ty = model.get("type").and_then(Value::as_str).unwrap_or("");
+    if ty != "BPE" {
+        return Err(unsupported(format!(
+            "tokenizer model {ty:?} is not supported (Hearth runs byte-level BPE)"
+        )));
+    }
+    for (key, ok) in [
+        ("byte_fallback", Value::Bool(false)),
+        ("ignore_merges", Value::Bool(false)),
+        ("continuing_subword_prefix", Value::Null),
+        ("end_of_word_suffix", Value::Null),
+    ] {
+        if let Some(v) = model.get(key) {
+            if *v != ok && !(v.is_string() && v.as_str() == Some("")) {
+                return Err(unsupported(format!("BPE option {key} = {v} is not supported")));
+            }
+        }
+    }
+    if tj.get("normalizer").is_some_and(|v| !v.is_null()) {
+        return Err(unsupported("a normalizer is not supported".into()));
+    }
+    let pre = pre_tokenizer_name(tj.get("pre_tokenizer").unwrap_or(&Value::Null)).ok_or_else(|| {
+        unsupported(format!(
+            "pre-tokenizer {} is not supported (ByteLevel, or Digits(individual) + ByteLevel)",
+            tj.get("pre_tokenizer").unwrap_or(&Value::Null)
+        ))
+    })?;
+    let vocab = model
+        .get("vocab")
+        .and_then(Value::as_object)
+        .ok_or_else(|| invalid(&path, "model.vocab is not an object"))?;
+    // id → (text, GGUF token type): 1 normal, 3 control (special), 4 user-defined.
+    let mut by_id: BTreeMap<u64, (String, i64)> = BTreeMap::new();
+    for (tok, id) in vocab {
+        let id = id
+            .as_u64()
+            .ok_or_else(|| invalid(&path, format!("vocab[{tok:?}] is not an id")))?;
+        by_id.insert(id, (tok.clone(), 1));
+    }
+    for a in tj.get("added_tokens").and_then(Value::as_array).into_iter().flatten() {
+        let (Some(id), Some(content)) = (
+            a.get("id").and_then(Value::as_u64),
+            a.get("content").and_then(Value::as_str),
+        ) else {
+            return Err(invalid(&path, "an added token lacks id or content"));
+        };
+        let special = a.get("special").and_then(Value::as_bool).unwrap_or(false);
+        by_id.insert(id, (content.to_string(), if special { 3 } else { 4 }));
+    }
+    let n = by_id.len() as u64;
+    if by_id.keys().next_back().is_some_and(|&last| last + 1 != n) {
+        return Err(invalid(&path, "token ids are not contiguous from 0"));
+    }
+    let merges = model
+        .get("merges")
+        .and_then(Value::as_array)
+        .ok_or_else(|| invalid(&path, "model.merges is not a list"))?
+        .iter()
+        .map(|m| match m {
+            Value::String(s) => Some(s.clone()),
+            Value::Array(p) if p.len() == 2 => Some(format!("{} {}", p[0].as_str()?, p[1].as_str()?)),
+            _ => None,
+        })
+        .collect::<Option<Vec<String>>>()
+        .ok_or_else(|| invalid(&path, "a merge is neither \"a b\" nor [a, b]"))?;
+    let ids: HashMap<&str, u64> = by_id.iter().map(|(id, (t, _))| (t.as_str(), *id)).collect();
+    let strs = |v: Vec<String>| MetaValue::Array(v.into_iter().map(MetaValue::String).collect());
+    meta.insert("tokenizer.ggml.model".into(), MetaValue::String("gpt2".into()));
+    meta.insert("tokenizer.ggml.pre".into(), MetaValue::String(pre.into()));
+    meta.insert(
+        "tokenizer.ggml.token_type".into(),
+        MetaValue::Array(by_id.values().map(|(_, t)| MetaValue::I64(*t)).collect()),
+    );
+    meta.insert("tokenizer.ggml.merges".into(), strs(merges));
+    let cfg_path = dir.join("tokenizer_config.json");
+    if cfg_path.exists() {
+        let tc = read_json(&cfg_path)?;
+        for (key, gkey) in [
+            ("bos_token", "tokenizer.ggml.bos_token_id"),
+            ("eos_token", "tokenizer.ggml.eos_token_id"),
+        ] {
+            if let Some(t) = token_text(tc.get(key)) {
+                let id = ids
+                    .get(t)
+                    .ok_or_else(|| invalid(&cfg_path, format!("{key} {t:?} is not in the vocabulary")))?;
+                meta.insert(gkey.into(), MetaValue::U64(*id));
+            }
+        }
+        if let Some(b) = tc.get("add_bos_token").and_then(Value::as_bool) {
+            meta.insert("tokenizer.ggml.add_bos_token".into(), MetaValue::Bool(b));
+        }
+        let template = match tc.get("chat_template") {
+            Some(Value::String(s)) => Some(s.clone()),
+            // A list of named templates: the one called "default".
+            Some(Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                .and_then(|t| t.get("template")?.as_str().map(str::to_string)),
+            _ => None,
+        };
+        if let Some(t) = template {
+            meta.insert("tokenizer.chat_template".into(), MetaValue::String(t));
+        }
+    }
+    meta.insert(
+        "tokenizer.ggml.tokens".into(),
+        strs(by_id.into_values().map(|(t, _)| t).collect()),
+    );
+    Ok(())
+}
+
+/// Hearth's name for a pre-tokenizer it reproduces exactly, if it is one.
+fn pre_tokenizer_name(p: &Value) -> Option<&'static str> {
+    let byte_level = |v: &Value| {
+        v.get("type").and_then(Value::as_str) == Some("ByteLevel")
+            && v.get("add_prefix_space").and_then(Value::as_bool) != Some(true)
+            && v.get("use_regex").and_then(Value::as_bool) != Some(false)
+    };
+    if byte_level(p) {
+        return Some("gpt2");
+    }
+    if p.get("type").and_then(Value::as_str) == Some("Sequence") {
+        let list = p.get("pretokenizers")?.as_array()?;
+        if let [digits, bl] = list.as_slice() {
+            if digits.get("type").and_then(Value::as_str) == Some("Digits")
+                && digits.get("individual_digits").and_then(Value::as_bool) == Some(true)
+                && byte_level(bl)
+            {
+                return Some("smollm");
+            }
+        }
+    }
+    None
+}
+
+/// Opens a Hugging Face model directory as a [`GgufFile`] view (see the module docs).
+pub fn open(dir: &Path) -> Result<GgufFile, HfError> {
+    let mut meta = HashMap::new();
+    config_metadata(dir, &mut meta)?;
+    tokenizer_metadata(dir, &mut meta)?;
+    let name = dir
+        .file_name()
+        .map_or("model".into(), |n| n.to_string_lossy().to_string());
+    meta.insert("general.name".into(), MetaValue::String(name));
+    let (maps, tensors) = open_weights(dir)?;
+    let file = GgufFile::from_parts(dir.to_path_buf(), maps, meta, tensors);
+    // Fail here, with the directory named, rather than at the first request.
+    LlamaConfig::from_gguf(&file)?;
+    Ok(file)
+}
+
+/// Element type of an exported directory's matrices (norms are always F32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExportDtype {
+    F32,
+    F16,
+    BF16,
+}
+
+impl ExportDtype {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "float32" => Some(Self::F32),
+            "f16" | "float16" => Some(Self::F16),
+            "bf16" | "bfloat16" => Some(Self::BF16),
+            _ => None,
+        }
+    }
+
+    fn dtype(self) -> Dtype {
+        match self {
+            Self::F32 => Dtype::F32,
+            Self::F16 => Dtype::F16,
+            Self::BF16 => Dtype::BF16,
+        }
+    }
+
+    fn torch_name(self) -> &'static str {
+        match self {
+            Self::F32 => "float32",
+            Self::F16 => "float16",
+            Self::BF16 => "bfloat16",
+        }
+    }
+
+    fn encode(self, v: &[f32]) -> Vec<u8> {
+        match self {
+            Self::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Self::F16 => v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(),
+            Self::BF16 => v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
+        }
+    }
+}
+
+/// A tensor of a GGUF model dequantized, in Hugging Face row order: GGUF's Q/K rows are
+/// permuted so that RoPE pairs are adjacent; this undoes it (row `h·d + 2i + s` of a head
+/// returns to `h·d + s·d/2 + i`).
+fn hf_tensor(g: &GgufFile, t: &TensorInfo, c: &LlamaConfig) -> Result<Vec<f32>, HfError> {
+    let cols = t.dims.first().copied().unwrap_or(1) as usize;
+    let rows = (t.n_elements() as usize) / cols.max(1);
+    let (per_block, block_bytes) =
+        t.ty.block_layout()
+            .ok_or_else(|| HfError::Unsupported(format!("tensor {} has type {:?}", t.name, t.ty)))?;
+    let row_bytes = cols / per_block * block_bytes;
+    let data = g.tensor_data(t);
+    let mut out = vec![0f32; rows * cols];
+    for (r, o) in out.chunks_exact_mut(cols).enumerate() {
+        dequantize_row(t.ty, &data[r * row_bytes..(r + 1) * row_bytes], o);
+    }
+    let heads = if t.name.ends_with("attn_q.weight") {
+        c.n_heads
+    } else if t.name.ends_with("attn_k.weight") {
+        c.n_kv_heads
+    } else {
+        return Ok(out);
+    };
+    if c.rope_dims != c.head_dim || c.rope_layout != RopeLayout::Adjacent {
+        return Err(HfError::Unsupported(
+            "partial rotary dimensions cannot be exported".into(),
+        ));
+    }
+    let (hd, half) = (c.head_dim, c.head_dim / 2);
+    let mut hf = vec![0f32; out.len()];
+    for h in 0..heads {
+        for i in 0..half {
+            for s in 0..2 {
+                let from = (h * hd + 2 * i + s) * cols;
+                let to = (h * hd + s * half + i) * cols;
+                hf[to..to + cols].copy_from_slice(&out[from..from + cols]);
+            }
+        }
+    }
+    Ok(hf)
+}
+
+/// An f32 as the f64 its shortest decimal form names (1e-5, not 9.999999747378752e-6).
+fn shortest(v: f32) -> f64 {
+    v.to_string().parse().unwrap_or(v as f64)
+}
+
+/// Writes a Hugging Face directory (config, tokenizer, safetensors in `shards` files) from a
+/// GGUF Llama model. Returns the total bytes of weights written.
+pub fn export(g: &GgufFile, out: &Path, dtype: ExportDtype, shards: usize) -> Result<u64, HfError> {
+    let c = LlamaConfig::from_gguf(g)?;
+    std::fs::create_dir_all(out).map_err(io_err(out))?;
+    let spec = crate::engine::tokenizer_spec(g)?;
+    // Weights, dequantized, in the order of the GGUF file.
+    let mut items: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = Vec::new();
+    for t in &g.tensors {
+        let Some(name) = hf_name(&t.name) else { continue };
+        let v = hf_tensor(g, t, &c)?;
+        let shape: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect();
+        let dt = if shape.len() == 1 { ExportDtype::F32 } else { dtype };
+        items.push((name, shape, dt.dtype(), dt.encode(&v)));
+    }
+    let total: u64 = items.iter().map(|i| i.3.len() as u64).sum();
+    let shards = shards.clamp(1, items.len().max(1));
+    let per_shard = total.div_ceil(shards as u64);
+    let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
+    let mut filled = 0u64;
+    for (i, it) in items.iter().enumerate() {
+        if filled >= per_shard && groups.len() < shards {
+            groups.push(Vec::new());
+            filled = 0;
+        }
+        groups.last_mut().expect("one group").push(i);
+        filled += it.3.len() as u64;
+    }
+    let n = groups.len();
+    let mut weight_map = serde_json::Map::new();
+    for (k, group) in groups.iter().enumerate() {
+        let file = if n == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{n:05}.safetensors", k + 1)
+        };
+        let views = group
+            .iter()
+            .map(|&i| {
+                let (name, shape, dt, bytes) = &items[i];
+                weight_map.insert(name.clone(), json!(file));
+                safetensors::tensor::TensorView::new(*dt, shape.clone(), bytes)
+                    .map(|v| (name.clone(), v))
+                    .map_err(|e| HfError::Unsupported(format!("tensor {name}: {e}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let path = out.join(&file);
+        safetensors::serialize_to_file(views, None, &path).map_err(|e| HfError::Safetensors {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+    }
+    let write = |name: &str, v: &Value| {
+        let path = out.join(name);
+        std::fs::write(&path, serde_json::to_vec_pretty(v).expect("JSON")).map_err(io_err(&path))
+    };
+    if n > 1 {
+        write(
+            "model.safetensors.index.json",
+            &json!({"metadata": {"total_size": total}, "weight_map": weight_map}),
+        )?;
+    }
+    write(
+        "config.json",
+        &json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": c.d_model,
+            "intermediate_size": c.n_ff,
+            "num_attention_heads": c.n_heads,
+            "num_key_value_heads": c.n_kv_heads,
+            "num_hidden_layers": c.n_layers,
+            "rms_norm_eps": shortest(c.rms_eps),
+            "rope_theta": shortest(c.rope_theta),
+            "rope_scaling": null,
+            "max_position_embeddings": c.context_length,
+            "vocab_size": c.vocab_size,
+            "hidden_act": "silu",
+            "attention_bias": false,
+            "tie_word_embeddings": g.tensor("output.weight").is_none(),
+            "bos_token_id": spec.bos_id,
+            "eos_token_id": spec.eos_id,
+            "torch_dtype": dtype.torch_name(),
+        }),
+    )?;
+    let added: Vec<Value> = spec
+        .tokens
+        .iter()
+        .zip(&spec.token_types)
+        .enumerate()
+        .filter(|(_, (_, &ty))| ty == 3 || ty == 4)
+        .map(|(id, (t, &ty))| {
+            json!({"id": id, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
+                   "normalized": false, "special": ty == 3})
+        })
+        .collect();
+    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    let pre = match spec.pre.as_str() {
+        "smollm" => {
+            json!({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level]})
+        }
+        _ => byte_level.clone(),
+    };
+    let vocab: serde_json::Map<String, Value> = spec
+        .tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), json!(i)))
+        .collect();
+    write(
+        "tokenizer.json",
+        &json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+            "normalizer": null, "pre_tokenizer": pre,
+            "post_processor": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
+            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                      "ignore_merges": false, "vocab": vocab, "merges": spec.merges},
+        }),
+    )?;
+    let name_of = |id: Option<u32>| id.and_then(|i| spec.tokens.get(i as usize).cloned());
+    write(
+        "tokenizer_config.json",
+        &json!({
+            "bos_token": name_of(spec.bos_id),
+            "eos_token": name_of(spec.eos_id),
+            "add_bos_token": spec.add_bos,
+            "chat_template": spec.chat_template,
+            "model_max_length": c.context_length,
+        }),
+    )?;
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_names_map_both_ways() {
+        for g in [
+            "token_embd.weight",
+            "output.weight",
+            "output_norm.weight",
+            "blk.0.attn_q.weight",
+            "blk.29.ffn_down.weight",
+            "blk.3.ffn_norm.weight",
+        ] {
+            let h = hf_name(g).unwrap();
+            assert_eq!(gguf_name(&h).as_deref(), Some(g), "{h}");
+        }
+        assert_eq!(gguf_name("model.layers.0.self_attn.q_proj.bias"), None);
+    }
+
+    #[test]
+    fn pre_tokenizers_hearth_reproduces() {
+        let bl = json!({"type": "ByteLevel", "add_prefix_space": false, "use_regex": true});
+        assert_eq!(pre_tokenizer_name(&bl), Some("gpt2"));
+        let smol = json!({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true}, bl]});
+        assert_eq!(pre_tokenizer_name(&smol), Some("smollm"));
+        let llama3 = json!({"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": "x"}}, bl]});
+        assert_eq!(pre_tokenizer_name(&llama3), None);
+        assert_eq!(
+            pre_tokenizer_name(&json!({"type": "ByteLevel", "add_prefix_space": true})),
+            None
+        );
+    }
+}

@@ -1,0 +1,220 @@
+//! Hugging Face directories (safetensors + tokenizer.json), written from the default GGUF in
+//! the test itself: the same logits as the GGUF when exported in F32, the golden greedy
+//! answer from a sharded F16 export, Hearth's tokenizer identical to the `tokenizers` crate
+//! on `tokenizer.json`, and clear errors for broken directories.
+
+use std::path::{Path, PathBuf};
+
+use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
+use hearth_engine::gguf::GgufFile;
+use hearth_engine::hf::{self, ExportDtype};
+use hearth_engine::models::llama::{ForwardScratch, LlamaModel, RopeLayout, Session};
+use hearth_engine::tokenizer_spec;
+use hearth_protocol::chat::{ChatMessage, ChatTemplate};
+use hearth_protocol::tokenizer::Tokenizer;
+
+const GOLDEN_QUESTION: &str = "What is the capital of France? Answer in one sentence.";
+const GOLDEN_ANSWER: [u32; 8] = [504, 3575, 282, 4649, 314, 7042, 30, 2];
+
+fn model_path() -> PathBuf {
+    ensure_model(DEFAULT_MODEL_ID, &hearth_home(), &mut |m| eprintln!("{m}")).expect("default model")
+}
+
+/// A fresh directory under the system temp dir, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("hearth-hf-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        Self(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn export(dtype: ExportDtype, shards: usize, name: &str) -> TempDir {
+    let dir = TempDir::new(name);
+    let g = GgufFile::open(&model_path()).unwrap();
+    hf::export(&g, &dir.0, dtype, shards).unwrap();
+    dir
+}
+
+fn golden_ids(file: &GgufFile) -> Vec<u32> {
+    let spec = tokenizer_spec(file).unwrap();
+    let tok = Tokenizer::from_spec(&spec).unwrap();
+    let tmpl = ChatTemplate::new(spec.chat_template.as_deref().unwrap(), "<|im_start|>", "<|im_end|>").unwrap();
+    let text = tmpl
+        .render(
+            &[ChatMessage {
+                role: "user".into(),
+                content: GOLDEN_QUESTION.into(),
+            }],
+            true,
+        )
+        .unwrap();
+    tok.encode(&text)
+}
+
+fn greedy(model: &LlamaModel, ids: &[u32]) -> Vec<u32> {
+    let mut s = Session::new(model, 128, ForwardScratch::default());
+    let mut logits = s.feed(ids);
+    let mut out = Vec::new();
+    for _ in 0..12 {
+        let t = (0..logits.len())
+            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
+            .unwrap() as u32;
+        out.push(t);
+        if t == 2 {
+            break;
+        }
+        logits = s.feed(&[t]);
+    }
+    out
+}
+
+#[test]
+fn f32_export_gives_the_gguf_logits() {
+    // Float activations on both sides and weights dequantized exactly: any difference is a
+    // layout error (Q/K un-permuting, rotate-half RoPE, names, transposition).
+    let dir = export(ExportDtype::F32, 1, "f32");
+    let gguf = LlamaModel::load(GgufFile::open(&model_path()).unwrap()).unwrap();
+    let hfm = LlamaModel::load(hf::open(&dir.0).unwrap()).unwrap();
+    assert_eq!(hfm.config.rope_layout, RopeLayout::Halves);
+    assert_eq!(gguf.config.rope_layout, RopeLayout::Adjacent);
+    assert_eq!(
+        LlamaModel::load(hf::open(&dir.0).unwrap()).unwrap().n_params(),
+        gguf.n_params()
+    );
+    let ids = golden_ids(gguf.file());
+    assert_eq!(golden_ids(hfm.file()), ids, "the tokenizer from tokenizer.json");
+    let a = Session::new(&gguf, 64, ForwardScratch::precise()).feed(&ids);
+    let b = Session::new(&hfm, 64, ForwardScratch::precise()).feed(&ids);
+    let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    eprintln!("max |logit difference| GGUF vs safetensors F32: {worst}");
+    assert!(worst < 1e-3, "logits differ by {worst}");
+}
+
+#[test]
+fn sharded_f16_export_answers_the_golden_prompt() {
+    let dir = export(ExportDtype::F16, 3, "f16");
+    assert!(dir.0.join("model.safetensors.index.json").exists());
+    assert!(dir.0.join("model-00003-of-00003.safetensors").exists());
+    let file = hf::open(&dir.0).unwrap();
+    assert_eq!(file.tensor("blk.0.attn_q.weight").unwrap().dims, [576, 576]);
+    let ids = golden_ids(&file);
+    let model = LlamaModel::load(file).unwrap();
+    assert_eq!(greedy(&model, &ids), GOLDEN_ANSWER);
+    // BF16 only rounds more: the same answer.
+    let dir = export(ExportDtype::BF16, 1, "bf16");
+    let model = LlamaModel::load(hf::open(&dir.0).unwrap()).unwrap();
+    assert_eq!(greedy(&model, &ids), GOLDEN_ANSWER);
+}
+
+#[test]
+fn hearth_tokenizer_matches_the_tokenizers_crate_on_tokenizer_json() {
+    let dir = TempDir::new("tok");
+    let g = GgufFile::open(&model_path()).unwrap();
+    hf::export(&g, &dir.0, ExportDtype::F16, 1).unwrap();
+    let hearth = Tokenizer::from_spec(&tokenizer_spec(&hf::open(&dir.0).unwrap()).unwrap()).unwrap();
+    let reference = tokenizers::Tokenizer::from_file(dir.0.join("tokenizer.json")).unwrap();
+    let corpus = [
+        "Hello world! 12345",
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+        "  leading spaces,\ttabs\tand\n\n\nnewlines   ",
+        "It's we're they'll I'd you've she'S DON'T",
+        "Ünïcödé: naïve café, 日本語のテキスト, Ελληνικά, русский, العربية",
+        "emoji 🤖🔥👩‍👩‍👧 and symbols ∑∫√ ≠ ≤ → ←",
+        "fn main() { let x: Vec<u8> = vec![1, 2, 3]; println!(\"{x:?}\"); }",
+        "def f(a, b=3.14159):\n    return a ** b  # 2024-11-30T12:00:00Z",
+        "<|endoftext|>special<|im_end|>inside<|im_start|>text",
+        "numbers 0.5 1,000,000 -42 3e10 0x1F 007",
+        "\u{0}\u{1}\u{7f} control bytes \r\n windows",
+        "",
+        "a",
+        "   ",
+    ];
+    let mut long = String::new();
+    for i in 0..200 {
+        long.push_str(&format!("word{i} {} ", "xyz".repeat(i % 7)));
+    }
+    for text in corpus.iter().copied().chain([long.as_str()]) {
+        let want = reference.encode(text, false).unwrap().get_ids().to_vec();
+        let got = hearth.encode(text);
+        assert_eq!(got, want, "{text:?}");
+        assert_eq!(
+            hearth.decode(&got, false).unwrap(),
+            reference.decode(&want, false).unwrap(),
+            "decode {text:?}"
+        );
+    }
+}
+
+fn write(path: &Path, text: &str) {
+    std::fs::write(path, text).unwrap();
+}
+
+#[test]
+fn broken_directories_are_refused_with_the_reason() {
+    let dir = export(ExportDtype::F16, 2, "broken");
+    let err = |d: &Path| hf::open(d).err().map(|e| e.to_string()).unwrap_or_default();
+    let shard = dir.0.join("model-00002-of-00002.safetensors");
+    let bytes = std::fs::read(&shard).unwrap();
+
+    // Truncated shard.
+    std::fs::write(&shard, &bytes[..bytes.len() / 2]).unwrap();
+    let e = err(&dir.0);
+    assert!(
+        e.contains("model-00002-of-00002.safetensors") && e.contains("truncated or corrupt"),
+        "{e}"
+    );
+    // Corrupt header.
+    let mut bad = bytes.clone();
+    bad[8..16].copy_from_slice(b"garbage!");
+    std::fs::write(&shard, &bad).unwrap();
+    assert!(err(&dir.0).contains("not a valid safetensors file"), "{}", err(&dir.0));
+    // Missing shard.
+    std::fs::remove_file(&shard).unwrap();
+    assert!(
+        err(&dir.0).contains("model-00002-of-00002.safetensors"),
+        "{}",
+        err(&dir.0)
+    );
+    std::fs::write(&shard, &bytes).unwrap();
+    assert!(hf::open(&dir.0).is_ok());
+
+    // Unsupported architecture and options are named.
+    let cfg_path = dir.0.join("config.json");
+    let cfg = std::fs::read_to_string(&cfg_path).unwrap();
+    write(&cfg_path, &cfg.replace("\"llama\"", "\"mistral\""));
+    assert!(err(&dir.0).contains("model_type \"mistral\""), "{}", err(&dir.0));
+    write(
+        &cfg_path,
+        &cfg.replace("\"rope_scaling\": null", "\"rope_scaling\": {\"type\": \"yarn\"}"),
+    );
+    assert!(err(&dir.0).contains("rope_scaling"), "{}", err(&dir.0));
+    write(&cfg_path, "{not json");
+    assert!(err(&dir.0).contains("not valid JSON"), "{}", err(&dir.0));
+    write(&cfg_path, &cfg);
+
+    // A tokenizer Hearth cannot reproduce exactly is refused, not approximated.
+    let tok_path = dir.0.join("tokenizer.json");
+    let tok = std::fs::read_to_string(&tok_path).unwrap();
+    write(
+        &tok_path,
+        &tok.replace("\"byte_fallback\": false", "\"byte_fallback\": true"),
+    );
+    assert!(err(&dir.0).contains("byte_fallback"), "{}", err(&dir.0));
+    write(
+        &tok_path,
+        &tok.replacen("\"type\": \"Digits\"", "\"type\": \"Punctuation\"", 1),
+    );
+    assert!(err(&dir.0).contains("pre-tokenizer"), "{}", err(&dir.0));
+    write(&tok_path, &tok);
+    assert!(hf::open(&dir.0).is_ok());
+}
