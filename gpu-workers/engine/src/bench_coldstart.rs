@@ -127,10 +127,17 @@ fn process_ready_ms(exe: &Path, path: &Path, cfg: &EngineConfig) -> Option<f64> 
         .spawn()
         .ok()?;
     let stdout = child.stdout.take()?;
-    let ready = std::io::BufReader::new(stdout)
-        .lines()
-        .map_while(Result::ok)
-        .any(|l| l.contains("listening on"));
+    // Read on a thread, waited for at most 2 minutes: a worker that never gets ready is
+    // killed, not waited for forever.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let ready = std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .any(|l| l.contains("listening on"));
+        let _ = tx.send(ready);
+    });
+    let ready = rx.recv_timeout(Duration::from_secs(120)).unwrap_or(false);
     let ms = t.elapsed().as_secs_f64() * 1000.0;
     let _ = child.kill();
     let _ = child.wait();
@@ -206,18 +213,25 @@ pub async fn run(
         .len() as u32;
     let span = vocab.saturating_sub(17).clamp(1, 40_000);
     let prompt: Vec<u32> = (0..prompt_tokens as u32).map(|i| 17 + (i * 7919) % span).collect();
-    let hf_dir = std::env::temp_dir().join(format!("hearth-coldstart-hf-{}", std::process::id()));
+    /// Removes the exported copy however the run ends.
+    struct Removed(std::path::PathBuf);
+    impl Drop for Removed {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let hf_dir = Removed(std::env::temp_dir().join(format!("hearth-coldstart-hf-{}", std::process::id())));
     let gguf = crate::gguf::GgufFile::open(model_path)?;
-    crate::hf::export(&gguf, &hf_dir, crate::hf::ExportDtype::F16, 1)?;
+    crate::hf::export(&gguf, &hf_dir.0, crate::hf::ExportDtype::F16, 1)?;
     drop(gguf);
     let mut formats = Vec::new();
     let mut cold_disk_measured = true;
-    for (format, path) in [("gguf", model_path), ("safetensors (f16)", hf_dir.as_path())] {
+    for (format, path) in [("gguf", model_path), ("safetensors (f16)", hf_dir.0.as_path())] {
         let (f, cold) = measure(format, path, model_id, cfg, &prompt, exe).await;
         cold_disk_measured &= cold;
         formats.push(f?);
     }
-    let _ = std::fs::remove_dir_all(&hf_dir);
+    drop(hf_dir);
     let alternating = alternating(model_path, cfg, &prompt[..32.min(prompt.len())]).await;
     Ok(ColdstartReport {
         model: model_id.to_string(),
@@ -261,7 +275,6 @@ async fn alternating(path: &Path, cfg: &EngineConfig, prompt: &[u32]) -> Alterna
             ..Default::default()
         },
     );
-    assert!(failed.is_empty(), "{failed:?}");
     let clients = (0..MODELS.len()).map(|c| {
         let host = host.clone();
         let prompt = prompt.to_vec();
@@ -269,7 +282,10 @@ async fn alternating(path: &Path, cfg: &EngineConfig, prompt: &[u32]) -> Alterna
             let mut out = Vec::new();
             for j in 0..PER_CLIENT {
                 let id = MODELS[(c + j) % MODELS.len()];
-                let m = host.model(id).expect("catalogued");
+                let Some(m) = host.model(id) else {
+                    out.push((Err("not catalogued".to_string()), 0.0));
+                    continue;
+                };
                 let mut req = request(id, &prompt, &format!("alt-{c}-{j}"));
                 req.sampling.max_tokens = 8;
                 req.sampling.ignore_eos = true;
@@ -294,7 +310,10 @@ async fn alternating(path: &Path, cfg: &EngineConfig, prompt: &[u32]) -> Alterna
             out
         })
     });
-    let mut results = Vec::new();
+    let mut results: Vec<(Result<(), String>, f64)> = failed
+        .into_iter()
+        .map(|(id, e)| (Err(format!("{id}: {e}")), 0.0))
+        .collect();
     for c in clients.collect::<Vec<_>>() {
         results.extend(c.await.unwrap_or_default());
     }

@@ -75,17 +75,17 @@ pub fn open_model(path: &Path) -> Result<GgufFile, HfError> {
     }
 }
 
-/// Bytes of weights a model occupies on disk: the GGUF file, or a directory's safetensors.
+/// Bytes of weights a model occupies on disk: the GGUF file, or the safetensors a directory
+/// is loaded from.
 pub fn weights_bytes(path: &Path) -> u64 {
-    if !path.is_dir() {
-        return std::fs::metadata(path).map_or(0, |m| m.len());
-    }
-    std::fs::read_dir(path)
-        .into_iter()
-        .flatten()
-        .filter_map(Result::ok)
-        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
-        .filter_map(|e| e.metadata().ok())
+    let files = if path.is_dir() {
+        shard_files(path).map(|(f, _)| f).unwrap_or_default()
+    } else {
+        vec![path.to_path_buf()]
+    };
+    files
+        .iter()
+        .filter_map(|f| std::fs::metadata(f).ok())
         .map(|m| m.len())
         .sum()
 }
@@ -141,11 +141,11 @@ fn hf_name(gguf: &str) -> Option<String> {
     Some(format!("model.layers.{layer}.{p}.weight"))
 }
 
-/// The safetensors files of a directory: the index's shards, or `model.safetensors`, or
-/// every `*.safetensors` file (sorted).
 /// Tensor name → shard file, from `model.safetensors.index.json`.
 type WeightMap = HashMap<String, String>;
 
+/// The safetensors files of a directory: the index's shards, or `model.safetensors`, or
+/// every `*.safetensors` file (sorted).
 fn shard_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<WeightMap>), HfError> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
@@ -383,6 +383,8 @@ fn tokenizer_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Resu
         ("ignore_merges", Value::Bool(false)),
         ("continuing_subword_prefix", Value::Null),
         ("end_of_word_suffix", Value::Null),
+        ("dropout", Value::Null),
+        ("unk_token", Value::Null),
     ] {
         if let Some(v) = model.get(key) {
             if *v != ok && !(v.is_string() && v.as_str() == Some("")) {
@@ -418,6 +420,14 @@ fn tokenizer_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Resu
         ) else {
             return Err(invalid(&path, "an added token lacks id or content"));
         };
+        // Hearth splits added tokens out exactly as written.
+        for flag in ["lstrip", "rstrip", "single_word"] {
+            if a.get(flag).and_then(Value::as_bool) == Some(true) {
+                return Err(unsupported(format!(
+                    "added token {content:?} has {flag}, which is not supported"
+                )));
+            }
+        }
         let special = a.get("special").and_then(Value::as_bool).unwrap_or(false);
         by_id.insert(id, (content.to_string(), if special { 3 } else { 4 }));
     }
@@ -476,6 +486,42 @@ fn tokenizer_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Resu
             meta.insert("tokenizer.chat_template".into(), MetaValue::String(t));
         }
     }
+    // The post-processor (after tokenizer_config.json: it is what the tokenizer does): none,
+    // ByteLevel (offsets only), or a template that puts one special token before a single
+    // sequence (BOS, as `add_bos_token`).
+    match tj.get("post_processor") {
+        None | Some(Value::Null) => {}
+        Some(p) if p.get("type").and_then(Value::as_str) == Some("ByteLevel") => {}
+        Some(p) if p.get("type").and_then(Value::as_str) == Some("TemplateProcessing") => {
+            let single = p.get("single").and_then(Value::as_array).cloned().unwrap_or_default();
+            let special = |v: &Value| v.get("SpecialToken")?.get("id")?.as_str().map(str::to_string);
+            let is_sequence = |v: &Value| v.get("Sequence").is_some();
+            match single.as_slice() {
+                [seq] if is_sequence(seq) => {
+                    meta.insert("tokenizer.ggml.add_bos_token".into(), MetaValue::Bool(false));
+                }
+                [bos, seq] if is_sequence(seq) && special(bos).is_some() => {
+                    let bos = special(bos).unwrap_or_default();
+                    let id = ids.get(bos.as_str()).ok_or_else(|| {
+                        invalid(&path, format!("post-processor token {bos:?} is not in the vocabulary"))
+                    })?;
+                    meta.insert("tokenizer.ggml.bos_token_id".into(), MetaValue::U64(*id));
+                    meta.insert("tokenizer.ggml.add_bos_token".into(), MetaValue::Bool(true));
+                }
+                _ => {
+                    return Err(unsupported(
+                        "a post-processor template other than [BOS] + sequence is not supported".into(),
+                    ))
+                }
+            }
+        }
+        Some(p) => {
+            return Err(unsupported(format!(
+                "post-processor {} is not supported",
+                p.get("type").unwrap_or(&Value::Null)
+            )))
+        }
+    }
     meta.insert(
         "tokenizer.ggml.tokens".into(),
         strs(by_id.into_values().map(|(t, _)| t).collect()),
@@ -519,7 +565,18 @@ pub fn open(dir: &Path) -> Result<GgufFile, HfError> {
     let (maps, tensors) = open_weights(dir)?;
     let file = GgufFile::from_parts(dir.to_path_buf(), maps, meta, tensors);
     // Fail here, with the directory named, rather than at the first request.
-    LlamaConfig::from_gguf(&file)?;
+    let c = LlamaConfig::from_gguf(&file)?;
+    let layers = file
+        .tensors
+        .iter()
+        .filter(|t| t.name.ends_with(".attn_norm.weight"))
+        .count();
+    if layers != c.n_layers {
+        return Err(invalid(
+            dir,
+            format!("config.json says {} layers; the weights have {layers}", c.n_layers),
+        ));
+    }
     Ok(file)
 }
 
@@ -588,7 +645,12 @@ fn hf_tensor(g: &GgufFile, t: &TensorInfo, c: &LlamaConfig) -> Result<Vec<f32>, 
     } else {
         return Ok(out);
     };
-    if c.rope_dims != c.head_dim || c.rope_layout != RopeLayout::Adjacent {
+    if c.rope_layout != RopeLayout::Adjacent {
+        return Err(HfError::Unsupported(
+            "the model is already in Hugging Face's RoPE layout (export a GGUF)".into(),
+        ));
+    }
+    if c.rope_dims != c.head_dim {
         return Err(HfError::Unsupported(
             "partial rotary dimensions cannot be exported".into(),
         ));

@@ -138,6 +138,10 @@ pub enum AddError {
 }
 
 struct Model {
+    /// Unique per catalogue entry: a model removed and added again under the same id is a
+    /// new generation, and what the old one's loads, leases and waits report is not
+    /// mistaken for the new one's.
+    generation: u64,
     entry: ModelEntry,
     info: Arc<WorkerInfo>,
     estimate: u64,
@@ -162,7 +166,9 @@ impl Model {
         let estimate = entry
             .memory_bytes
             .unwrap_or(crate::hf::weights_bytes(&entry.path) + kv_bytes);
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(Model {
+            generation: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             entry,
             info: Arc::new(info),
             estimate,
@@ -182,19 +188,36 @@ const FAILURE_BACKOFF: Duration = Duration::from_secs(10);
 struct WaitGuard {
     inner: Arc<Inner>,
     id: String,
+    generation: u64,
 }
 
 impl Drop for WaitGuard {
     fn drop(&mut self) {
-        if let Some(m) = self.inner.lock().get_mut(&self.id) {
+        if let Some(m) = self
+            .inner
+            .lock()
+            .get_mut(&self.id)
+            .filter(|m| m.generation == self.generation)
+        {
             m.waiting = m.waiting.saturating_sub(1);
         }
     }
 }
 
+/// A model removed from the catalogue while it still held memory (requests in flight, or
+/// loading): it counts against the budget until they end.
+struct Retiring {
+    estimate: u64,
+    in_flight: usize,
+    loading: bool,
+}
+
 struct Inner {
     cfg: HostConfig,
     models: Mutex<HashMap<String, Model>>,
+    /// Removed models still holding memory, by generation. Locked after `models`, never
+    /// before.
+    retiring: Mutex<HashMap<u64, Retiring>>,
     /// Signalled whenever a request ends or a model unloads (room may have appeared).
     released: Notify,
     loads: std::sync::atomic::AtomicU64,
@@ -203,6 +226,26 @@ struct Inner {
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, HashMap<String, Model>> {
         self.models.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn retiring(&self) -> MutexGuard<'_, HashMap<u64, Retiring>> {
+        self.retiring.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Memory removed models still hold.
+    fn retiring_bytes(&self) -> u64 {
+        self.retiring().values().map(|r| r.estimate).sum()
+    }
+
+    /// Applies `f` to a removed model's record and forgets it once it holds nothing.
+    fn retire_update(&self, generation: u64, f: impl FnOnce(&mut Retiring)) {
+        let mut r = self.retiring();
+        if let Some(e) = r.get_mut(&generation) {
+            f(e);
+            if e.in_flight == 0 && !e.loading {
+                r.remove(&generation);
+            }
+        }
     }
 }
 
@@ -216,13 +259,22 @@ pub struct ModelHost {
 struct Lease {
     inner: Arc<Inner>,
     id: String,
+    generation: u64,
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        if let Some(m) = self.inner.lock().get_mut(&self.id) {
-            m.in_flight = m.in_flight.saturating_sub(1);
-            m.last_used = Instant::now();
+        {
+            let mut models = self.inner.lock();
+            match models.get_mut(&self.id).filter(|m| m.generation == self.generation) {
+                Some(m) => {
+                    m.in_flight = m.in_flight.saturating_sub(1);
+                    m.last_used = Instant::now();
+                }
+                None => self
+                    .inner
+                    .retire_update(self.generation, |r| r.in_flight = r.in_flight.saturating_sub(1)),
+            }
         }
         self.inner.released.notify_waiters();
     }
@@ -250,6 +302,7 @@ impl ModelHost {
             inner: Arc::new(Inner {
                 cfg,
                 models: Mutex::new(models),
+                retiring: Mutex::new(HashMap::new()),
                 released: Notify::new(),
                 loads: Default::default(),
             }),
@@ -281,15 +334,32 @@ impl ModelHost {
     }
 
     /// Removes a model: new requests for it get `model_not_found` at once; requests in
-    /// flight finish on the engine they hold, which stops when the last one ends. False if
-    /// there was no such model.
+    /// flight finish on the engine they hold, which stops when the last one ends (its
+    /// memory counts against the budget until then; a load under way is discarded when it
+    /// ends). False if there was no such model.
     pub fn remove(&self, id: &str) -> bool {
-        let removed = self.inner.lock().remove(id).is_some();
-        if removed {
-            tracing::info!(model = %id, "model removed from the catalogue");
-            self.inner.released.notify_waiters();
+        // Under the models lock throughout, so that a lease ending meanwhile finds either
+        // the model or its retiring record.
+        let mut models = self.inner.lock();
+        let Some(m) = models.remove(id) else {
+            return false;
+        };
+        let loading = matches!(m.slot, Slot::Loading(_));
+        if m.in_flight > 0 || loading {
+            self.inner.retiring().insert(
+                m.generation,
+                Retiring {
+                    estimate: m.estimate,
+                    in_flight: m.in_flight,
+                    loading,
+                },
+            );
         }
-        removed
+        drop(models);
+        tracing::info!(model = %id, in_flight = m.in_flight, "model removed from the catalogue");
+        drop(m);
+        self.inner.released.notify_waiters();
+        true
     }
 
     /// The [`Backend`] for one catalogue entry.
@@ -399,6 +469,7 @@ impl ModelHost {
                             Lease {
                                 inner: self.inner.clone(),
                                 id: id.to_string(),
+                                generation: m.generation,
                             },
                         ));
                     }
@@ -416,9 +487,11 @@ impl ModelHost {
                         }
                         if self.make_room(&mut models, id, need) {
                             let (tx, rx) = watch::channel(None);
-                            let m = models.get_mut(id).expect("present");
+                            let Some(m) = models.get_mut(id) else {
+                                return Err(HostError::Unknown(id.to_string()));
+                            };
                             m.slot = Slot::Loading(rx.clone());
-                            self.start_load(m.entry.clone(), tx);
+                            self.start_load(m.entry.clone(), m.generation, tx);
                             Some(rx)
                         } else {
                             None // no room yet: wait for a request to end
@@ -436,6 +509,7 @@ impl ModelHost {
                     waiting = Some(WaitGuard {
                         inner: self.inner.clone(),
                         id: id.to_string(),
+                        generation: m.generation,
                     });
                 }
             }
@@ -493,7 +567,8 @@ impl ModelHost {
             .values()
             .filter(|m| !matches!(m.slot, Slot::Cold))
             .map(|m| m.estimate)
-            .sum();
+            .sum::<u64>()
+            + self.inner.retiring_bytes();
         if used + need <= budget {
             return true;
         }
@@ -524,7 +599,7 @@ impl ModelHost {
         true
     }
 
-    fn start_load(&self, entry: ModelEntry, done: watch::Sender<Option<Result<(), String>>>) {
+    fn start_load(&self, entry: ModelEntry, generation: u64, done: watch::Sender<Option<Result<(), String>>>) {
         self.inner.loads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let inner = self.inner.clone();
         let mut cfg = self.inner.cfg.engine.clone();
@@ -536,7 +611,8 @@ impl ModelHost {
             }))
             .unwrap_or_else(|_| Err(EngineError::Start("the load panicked".into())));
             let mut models = inner.lock();
-            let outcome = match (r, models.get_mut(&entry.id)) {
+            let current = models.get_mut(&entry.id).filter(|m| m.generation == generation);
+            let outcome = match (r, current) {
                 (Ok(engine), Some(m)) => {
                     tracing::info!(model = %entry.id, load_ms = (engine.load_seconds() * 1000.0) as u64, "model loaded");
                     m.slot = Slot::Warm(engine);
@@ -567,7 +643,11 @@ impl ModelHost {
                     m.failed = Some((Instant::now(), why.clone()));
                     Err(why)
                 }
-                (r, None) => r.map(|_| ()).map_err(|e| e.to_string()),
+                // Removed (or removed and added again) while loading: the engine is dropped.
+                (r, None) => {
+                    inner.retire_update(generation, |r| r.loading = false);
+                    r.map(|_| ()).map_err(|e| e.to_string())
+                }
             };
             drop(models);
             let _ = done.send(Some(outcome));

@@ -51,11 +51,11 @@ impl EngineMetrics {
     }
 }
 
-/// Encodes the engines of this process at scrape time, one `worker` label each.
 /// The engines to report, as (`worker` label, backend), read at every scrape (a catalogue
 /// worker's models change at runtime).
 type EngineList = Box<dyn Fn() -> Vec<(String, Arc<dyn Backend>)> + Send + Sync>;
 
+/// Encodes the engines of this process at scrape time, one `worker` label each.
 pub struct EngineCollector {
     engines: EngineList,
 }

@@ -25,14 +25,11 @@ use futures_util::StreamExt;
 use hearth_protocol::{GenerateEvent, GenerateRequest, ModelSpec, TraceParent, TRACEPARENT};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 use crate::metrics::EngineCollector;
 use crate::telemetry;
 use crate::Backend;
-
-/// The models a worker serves, by id (shared with its metrics collector).
-pub type SharedEngines = Arc<RwLock<Vec<(String, Arc<dyn Backend>)>>>;
 
 /// Why a runtime catalogue change was refused.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -47,8 +44,10 @@ pub enum ControlError {
     Invalid(String),
 }
 
-/// Runtime changes to a catalogue worker's models.
+/// A catalogue worker's models, changed at runtime.
 pub trait CatalogueControl: Send + Sync + 'static {
+    /// The models served now, by id.
+    fn models(&self) -> Vec<(String, Arc<dyn Backend>)>;
     /// Adds a model; its backend serves the new `/v1/worker/m/{id}/…` routes.
     fn add(&self, spec: ModelSpec) -> BoxFuture<'_, Result<Arc<dyn Backend>, ControlError>>;
     /// Removes a model (requests in flight finish).
@@ -58,23 +57,55 @@ pub trait CatalogueControl: Send + Sync + 'static {
 /// What every handler of one worker shares.
 #[derive(Clone)]
 struct WorkerState {
-    /// The models served, by id; the first answers the unprefixed routes.
-    engines: SharedEngines,
+    /// The models served, by id (a fixed worker); the first answers the unprefixed routes.
+    engines: Arc<Vec<(String, Arc<dyn Backend>)>>,
     /// This worker's name in metrics and traces.
     name: Arc<str>,
-    /// Runtime catalogue changes (a catalogue worker only).
+    /// A catalogue worker's models (which then replace `engines`), changed at runtime.
     control: Option<Arc<dyn CatalogueControl>>,
+    /// The bearer token runtime catalogue changes need (none: they are refused).
+    token: Option<Arc<str>>,
 }
 
 impl WorkerState {
-    fn list(&self) -> std::sync::RwLockReadGuard<'_, Vec<(String, Arc<dyn Backend>)>> {
-        self.engines.read().unwrap_or_else(|e| e.into_inner())
+    fn list(&self) -> Vec<(String, Arc<dyn Backend>)> {
+        match &self.control {
+            Some(c) => c.models(),
+            None => self.engines.to_vec(),
+        }
+    }
+
+    /// Whether a request may change the catalogue: it carries the worker token.
+    fn authorized(&self, headers: &HeaderMap) -> Result<(), Box<Response>> {
+        let Some(want) = &self.token else {
+            return Err(error_response(
+                StatusCode::FORBIDDEN,
+                "catalogue_changes_disabled",
+                "runtime catalogue changes need a worker token: start the worker and the gateway with HEARTH_WORKER_TOKEN".into(),
+            ));
+        };
+        let got = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        // Constant time in the token's length.
+        let same = got.len() == want.len() && got.bytes().zip(want.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
+        if same {
+            Ok(())
+        } else {
+            Err(error_response(
+                StatusCode::UNAUTHORIZED,
+                "invalid_worker_token",
+                "a catalogue change needs Authorization: Bearer <worker token>".into(),
+            ))
+        }
     }
 
     /// The first model (for the unprefixed routes), or the 404 of an empty worker.
     fn first(&self) -> Result<Arc<dyn Backend>, Box<Response>> {
-        match self.list().first() {
-            Some((_, e)) => Ok(e.clone()),
+        match self.list().into_iter().next() {
+            Some((_, e)) => Ok(e),
             None => Err(error_response(
                 StatusCode::NOT_FOUND,
                 "model_not_found",
@@ -86,9 +117,9 @@ impl WorkerState {
     /// The model's backend, or the 404 a request for another model gets.
     fn model(&self, id: &str) -> Result<Arc<dyn Backend>, Box<Response>> {
         self.list()
-            .iter()
+            .into_iter()
             .find(|(m, _)| m == id)
-            .map(|(_, e)| e.clone())
+            .map(|(_, e)| e)
             .ok_or_else(|| {
                 error_response(
                     StatusCode::NOT_FOUND,
@@ -115,40 +146,43 @@ fn error_response(status: StatusCode, code: &str, message: String) -> Box<Respon
 /// The worker API for several models (at least one).
 pub fn router_many(engines: Vec<(String, Arc<dyn Backend>)>, name: &str) -> Router {
     assert!(!engines.is_empty(), "a worker serves at least one model");
-    router_with(engines, name, None)
+    router_with(engines, name, None, None)
 }
 
-/// The worker API for a catalogue whose models change at runtime through `control`.
-pub fn router_catalogue(
-    engines: Vec<(String, Arc<dyn Backend>)>,
-    name: &str,
-    control: Arc<dyn CatalogueControl>,
-) -> Router {
-    router_with(engines, name, Some(control))
+/// The worker API for a catalogue whose models change at runtime through `control`
+/// (`POST`/`DELETE /v1/worker/models` need `Authorization: Bearer <token>`; without a token
+/// they are refused).
+pub fn router_catalogue(name: &str, control: Arc<dyn CatalogueControl>, token: Option<String>) -> Router {
+    router_with(Vec::new(), name, Some(control), token)
 }
 
 fn router_with(
     engines: Vec<(String, Arc<dyn Backend>)>,
     name: &str,
     control: Option<Arc<dyn CatalogueControl>>,
+    token: Option<String>,
 ) -> Router {
     let mut registry = prometheus_client::registry::Registry::default();
+    let state = WorkerState {
+        engines: Arc::new(engines),
+        name: name.into(),
+        control,
+        token: token.filter(|t| !t.is_empty()).map(Into::into),
+    };
     // One model: labelled by the worker; a catalogue: `worker/model`.
-    let per_model = engines.len() > 1 || control.is_some();
-    let engines: SharedEngines = Arc::new(RwLock::new(engines));
-    let (shared, worker) = (engines.clone(), name.to_string());
+    let per_model = state.engines.len() > 1 || state.control.is_some();
+    let (listed, worker) = (state.clone(), name.to_string());
     registry.register_collector(Box::new(EngineCollector::dynamic(move || {
-        shared
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
+        listed
+            .list()
+            .into_iter()
             .map(|(m, e)| {
                 let label = if per_model {
                     format!("{worker}/{m}")
                 } else {
                     worker.clone()
                 };
-                (label, e.clone())
+                (label, e)
             })
             .collect()
     })));
@@ -243,11 +277,7 @@ fn router_with(
                 }
             }),
         )
-        .with_state(WorkerState {
-            engines,
-            name: name.into(),
-            control,
-        })
+        .with_state(state)
 }
 
 fn control_error(e: ControlError) -> Response {
@@ -260,7 +290,11 @@ fn control_error(e: ControlError) -> Response {
 }
 
 /// `POST /v1/worker/models`: adds a model; answers its `{"info", "state"}`.
-async fn add_model(State(w): State<WorkerState>, body: Result<Json<ModelSpec>, JsonRejection>) -> Response {
+async fn add_model(
+    State(w): State<WorkerState>,
+    headers: HeaderMap,
+    body: Result<Json<ModelSpec>, JsonRejection>,
+) -> Response {
     let Some(control) = w.control.clone() else {
         return *error_response(
             StatusCode::METHOD_NOT_ALLOWED,
@@ -268,6 +302,9 @@ async fn add_model(State(w): State<WorkerState>, body: Result<Json<ModelSpec>, J
             "this worker serves a fixed model; start it with --catalogue to add models".into(),
         );
     };
+    if let Err(r) = w.authorized(&headers) {
+        return *r;
+    }
     let spec = match body {
         Ok(Json(s)) => s,
         Err(e) => return *error_response(StatusCode::BAD_REQUEST, "invalid_request", e.body_text()),
@@ -275,13 +312,9 @@ async fn add_model(State(w): State<WorkerState>, body: Result<Json<ModelSpec>, J
     if let Err(e) = spec.validate() {
         return *error_response(StatusCode::BAD_REQUEST, "invalid_model", e);
     }
-    let id = spec.id.clone();
     match control.add(spec).await {
         Ok(backend) => {
             let body = serde_json::json!({"info": backend.info(), "state": backend.model_state()});
-            let mut list = w.engines.write().unwrap_or_else(|e| e.into_inner());
-            list.retain(|(m, _)| *m != id);
-            list.push((id, backend));
             (StatusCode::CREATED, Json(body)).into_response()
         }
         Err(e) => control_error(e),
@@ -289,7 +322,7 @@ async fn add_model(State(w): State<WorkerState>, body: Result<Json<ModelSpec>, J
 }
 
 /// `DELETE /v1/worker/models/{id}`.
-async fn remove_model(State(w): State<WorkerState>, Path(id): Path<String>) -> Response {
+async fn remove_model(State(w): State<WorkerState>, headers: HeaderMap, Path(id): Path<String>) -> Response {
     let Some(control) = w.control.clone() else {
         return *error_response(
             StatusCode::METHOD_NOT_ALLOWED,
@@ -297,14 +330,11 @@ async fn remove_model(State(w): State<WorkerState>, Path(id): Path<String>) -> R
             "this worker serves a fixed model".into(),
         );
     };
+    if let Err(r) = w.authorized(&headers) {
+        return *r;
+    }
     match control.remove(&id).await {
-        Ok(()) => {
-            w.engines
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .retain(|(m, _)| *m != id);
-            Json(serde_json::json!({"id": id, "deleted": true})).into_response()
-        }
+        Ok(()) => Json(serde_json::json!({"id": id, "deleted": true})).into_response(),
         Err(e) => control_error(e),
     }
 }

@@ -238,3 +238,99 @@ async fn a_corrupt_safetensors_model_fails_alone() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A model removed while it loads and added again under the same id: the old load's engine
+/// is discarded, not installed as the new entry (the new one loads for itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_removed_while_loading_and_added_again_loads_anew() {
+    let (host, _) = ModelHost::new(vec![entry("a", model_path(), None)], config(None));
+    let first = host.model("a").unwrap();
+    let pending = tokio::spawn(async move { run(&first, "a", 2).await });
+    while host.state("a") != Some(ModelState::Loading) {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(host.remove("a"));
+    assert!(!host.remove("a"), "removed once");
+    let mut again = entry("a", model_path(), None);
+    again.context_length = Some(128);
+    let b = host.add(again).unwrap();
+    assert_eq!(b.info().context_length, 128);
+    // The waiting request either saw its model removed, or was served by the new entry
+    // (which then loaded for itself) — never by the old load's engine.
+    let got = pending.await.unwrap();
+    match got {
+        (0, Some(code)) if code == "model_not_found" => {
+            assert_eq!(
+                host.state("a"),
+                Some(ModelState::Cold),
+                "the old engine was not installed"
+            );
+            assert_eq!(run(&b, "a", 2).await, (2, None));
+        }
+        other => assert_eq!(other, (2, None)),
+    }
+    assert_eq!(host.loads(), 2, "the new entry loaded for itself");
+    assert_eq!(host.state("a"), Some(ModelState::Warm));
+}
+
+/// A removed model's requests in flight finish, and its memory counts against the budget
+/// until they do: another model waits for the room rather than overcommitting it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_model_holds_its_memory_until_its_requests_end() {
+    let (host, _) = ModelHost::new(vec![entry("a", model_path(), None)], config(Some(1)));
+    let a = host.model("a").unwrap();
+    let (order_tx, mut order) = tokio::sync::mpsc::unbounded_channel::<&'static str>();
+    let req = |model: &str, max_tokens: u32| GenerateRequest {
+        request_id: format!("{model}-{max_tokens}"),
+        model: model.into(),
+        prompt: vec![1, 9690, 198, 2683, 359, 253],
+        sampling: SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        },
+        cache_namespace: String::new(),
+        n: 1,
+    };
+    let mut rx_a = a.generate(req("a", 48));
+    assert!(
+        matches!(rx_a.recv().await, Some(GenerateEvent::Token { .. })),
+        "a is running"
+    );
+    assert!(host.remove("a"));
+    let b = host.add(entry("b", model_path(), None)).unwrap();
+    let tx = order_tx.clone();
+    let a_done = tokio::spawn(async move {
+        let mut tokens = 1;
+        while let Some(ev) = rx_a.recv().await {
+            match ev {
+                GenerateEvent::Token { .. } => tokens += 1,
+                GenerateEvent::Finish { .. } => {}
+                GenerateEvent::Done { .. } => break,
+                other => panic!("a: {other:?}"),
+            }
+        }
+        let _ = tx.send("a done");
+        tokens
+    });
+    let mut rx_b = b.generate(req("b", 2));
+    let tx = order_tx;
+    let b_first = tokio::spawn(async move {
+        while let Some(ev) = rx_b.recv().await {
+            if let GenerateEvent::Token { .. } = ev {
+                let _ = tx.send("b token");
+                return true;
+            }
+        }
+        false
+    });
+    assert_eq!(a_done.await.unwrap(), 48, "the removed model's request finished");
+    assert!(b_first.await.unwrap());
+    assert_eq!(order.recv().await, Some("a done"));
+    assert_eq!(
+        order.recv().await,
+        Some("b token"),
+        "b loaded only once a's memory was free"
+    );
+}

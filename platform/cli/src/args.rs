@@ -320,6 +320,10 @@ pub struct WorkerArgs {
     /// Memory all warm models of the catalogue may use together.
     #[arg(long, env = "HEARTH_MEMORY_BUDGET_MIB")]
     pub memory_budget_mib: Option<u64>,
+    /// The token gateways present to add or remove catalogue models at runtime
+    /// (`POST`/`DELETE /v1/worker/models`); unset: runtime changes are refused.
+    #[arg(long, env = "HEARTH_WORKER_TOKEN", hide_env_values = true)]
+    pub worker_token: Option<String>,
 }
 
 #[derive(Args)]
@@ -341,6 +345,9 @@ pub struct GatewayArgs {
     pub routing: RoutingArgs,
     #[arg(long, env = "HEARTH_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// The workers' token, for adding and removing catalogue models at runtime.
+    #[arg(long, env = "HEARTH_WORKER_TOKEN", hide_env_values = true)]
+    pub worker_token: Option<String>,
     #[command(flatten)]
     pub limits: LimitStoreArgs,
 }

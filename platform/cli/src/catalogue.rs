@@ -50,14 +50,12 @@ pub struct CatalogueFile {
     pub models: Vec<ModelSpec>,
 }
 
-/// Reads and checks a catalogue file.
+/// Reads and checks a catalogue file. It may declare no model (a worker whose models are
+/// all added at runtime, or whose last one was removed).
 pub fn read(path: &Path) -> anyhow::Result<CatalogueFile> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading the catalogue {}", path.display()))?;
     let file: CatalogueFile =
         toml::from_str(&text).with_context(|| format!("parsing the catalogue {}", path.display()))?;
-    if file.models.is_empty() {
-        bail!("the catalogue {} declares no [[model]]", path.display());
-    }
     let mut ids: Vec<&str> = file.models.iter().map(|m| m.id.as_str()).collect();
     ids.sort();
     if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
@@ -128,8 +126,11 @@ impl LocalCatalogue {
         for (id, e) in &failed {
             tracing::warn!(model = %id, error = %e, "catalogue model left out");
         }
-        if host.states().is_empty() {
+        if host.states().is_empty() && !file.models.is_empty() {
             bail!("no model of the catalogue {} could be read", path.display());
+        }
+        if file.models.is_empty() {
+            tracing::warn!(catalogue = %path.display(), "the catalogue declares no model yet: add them with hearth admin model add");
         }
         for id in pinned {
             host.preload(&id)
@@ -163,13 +164,9 @@ impl LocalCatalogue {
     /// Writes the catalogue back with `change` applied (atomically: a temporary file
     /// renamed over it).
     fn persist(&self, change: impl FnOnce(&mut Vec<ModelSpec>)) -> anyhow::Result<()> {
-        let mut file = read(&self.file).or_else(|_| -> anyhow::Result<CatalogueFile> {
-            // Emptied by removals (a file with no model does not read back): start over.
-            let text = std::fs::read_to_string(&self.file)?;
-            let mut f: CatalogueFile = toml::from_str(&text)?;
-            f.models.clear();
-            Ok(f)
-        })?;
+        // A file that no longer reads (edited by hand meanwhile) is left alone: the change
+        // is refused rather than the file rewritten from a partial view.
+        let mut file = read(&self.file)?;
         change(&mut file.models);
         let text = format!(
             "# Hearth model catalogue (rewritten by Hearth when models are added or removed at runtime).\n{}",
@@ -224,18 +221,23 @@ impl LocalCatalogue {
 
     async fn remove_id(&self, id: &str) -> Result<(), ControlError> {
         let _one = self.changes.lock().await;
-        if !self.host.remove(id) {
+        if self.host.state(id).is_none() {
             return Err(ControlError::NotFound(format!("model {id:?} is not in the catalogue")));
         }
-        if let Err(e) = self.persist(|models| models.retain(|m| m.id != id)) {
-            tracing::warn!(model = %id, error = %e, "removed, but the catalogue file cannot be written");
-        }
+        // The file first: a removal that would come back at the next start is refused.
+        self.persist(|models| models.retain(|m| m.id != id))
+            .map_err(|e| ControlError::Invalid(format!("the catalogue file cannot be written: {e:#}")))?;
+        self.host.remove(id);
         Ok(())
     }
 }
 
 /// `hearth worker --catalogue`: the worker's `POST`/`DELETE /v1/worker/models`.
 impl CatalogueControl for LocalCatalogue {
+    fn models(&self) -> Vec<(String, Arc<dyn Backend>)> {
+        self.backends()
+    }
+
     fn add(&self, spec: ModelSpec) -> BoxFuture<'_, Result<Arc<dyn Backend>, ControlError>> {
         self.add_spec(spec).boxed()
     }

@@ -250,7 +250,7 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
     println!("Hearth worker ({}) is listening on http://{addr}", served.join(", "));
     let name = worker_name(addr);
     let app = match catalogue {
-        Some(c) => hearth_engine::server::router_catalogue(engines, &name, c),
+        Some(c) => hearth_engine::server::router_catalogue(&name, c, a.worker_token.clone()),
         None => hearth_engine::server::router_many(engines, &name),
     };
     axum::serve(listener, app)
@@ -284,6 +284,7 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
         let found = loop {
             match HttpWorker::discover(u).await {
                 Ok((ws, host)) => {
+                    let host = host.map(|h| h.with_token(a.worker_token.clone()));
                     hosts.extend(host.map(|h| Arc::new(h) as Arc<dyn ModelHostClient>));
                     break ws;
                 }

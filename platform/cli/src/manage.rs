@@ -245,7 +245,13 @@ async fn admin_models(gw: GatewayApiArgs, command: AdminModelCommand, json: bool
             memory_mib,
             tenants,
         }),
-        AdminModelCommand::Remove { id } => client.delete(format!("{base}/{id}")),
+        AdminModelCommand::Remove { id } => {
+            let mut url = reqwest::Url::parse(&base).with_context(|| format!("bad --gateway-url {}", gw.url))?;
+            url.path_segments_mut()
+                .map_err(|()| anyhow::anyhow!("bad --gateway-url {}", gw.url))?
+                .push(&id);
+            client.delete(url)
+        }
     };
     let resp = req
         .bearer_auth(token)

@@ -194,6 +194,13 @@ async fn models_are_added_and_removed_at_runtime_and_visible_per_tenant() {
     let ids = |v: Vec<(String, String)>| v.into_iter().map(|(id, _)| id).collect::<Vec<_>>();
     assert_eq!(ids(states(&url, &acme).await), ["alpha", "private"]);
     assert_eq!(ids(states(&url, &globex).await), ["alpha"]);
+    let hidden = client()
+        .get(format!("{url}/v1/models/private"))
+        .bearer_auth(&globex)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(hidden.status(), 404);
     ask(&url, &acme, "private").await;
     let body = json!({"model": "private", "messages": [{"role": "user", "content": "hi"}]});
     let (status, _, err) = post(&format!("{url}/v1/chat/completions"), Some(&globex), &body).await;
@@ -222,6 +229,29 @@ async fn models_are_added_and_removed_at_runtime_and_visible_per_tenant() {
     let gone = hearth_fails(&cli(&["remove", "private"]));
     assert!(gone.contains("404"), "{gone}");
     ask(&url, &acme, "alpha").await;
+
+    // The last model removed: the catalogue is empty, and a restart still serves it (none).
+    assert_eq!(hearth(&cli(&["remove", "alpha"])).trim(), "removed alpha");
+    drop(server);
+    let server = spawn(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--catalogue",
+        file.to_str().unwrap(),
+    ]);
+    assert!(states(&server.url, &acme).await.is_empty());
+    let cli = |rest: &[&str]| -> Vec<String> {
+        ["admin", "model", "--gateway-url", server.url.as_str()]
+            .iter()
+            .chain(rest)
+            .map(|s| s.to_string())
+            .collect()
+    };
+    hearth(&cli(&["add", "--id", "alpha", "--source", MODEL]));
+    ask(&server.url, &acme, "alpha").await;
     drop(server);
 }
 
@@ -237,16 +267,20 @@ async fn a_catalogue_worker_serves_several_models_to_a_gateway() {
         format!("[[model]]\nid = \"alpha\"\nsource = \"{MODEL}\"\n\n[[model]]\nid = \"beta\"\nsource = \"{MODEL}\"\n"),
     )
     .unwrap();
-    let worker = spawn(&[
-        "worker",
-        "--listen",
-        "127.0.0.1:0",
-        "--catalogue",
-        file.to_str().unwrap(),
-        "--kv-cache-mib",
-        "32",
-    ]);
-    let gateway = gateway_with(&data, &worker.url, &[], &[]);
+    let token = [("HEARTH_WORKER_TOKEN", "e2e-worker-token")];
+    let worker = spawn_with_env(
+        &[
+            "worker",
+            "--listen",
+            "127.0.0.1:0",
+            "--catalogue",
+            file.to_str().unwrap(),
+            "--kv-cache-mib",
+            "32",
+        ],
+        &token,
+    );
+    let gateway = gateway_with(&data, &worker.url, &[], &token);
     let key = new_key(&data, "acme");
     let url = gateway.url.clone();
     let ids: Vec<String> = states(&url, &key).await.into_iter().map(|(id, _)| id).collect();
@@ -284,6 +318,14 @@ async fn a_catalogue_worker_serves_several_models_to_a_gateway() {
         .await
         .unwrap();
     assert_eq!(bad.status(), 400);
+    // Catalogue changes need the worker token: straight to the worker without it, refused.
+    let direct = client()
+        .post(format!("{}/v1/worker/models", worker.url))
+        .json(&json!({"id": "sneaky", "source": MODEL}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(direct.status(), 401);
     let resp = admin(reqwest::Method::DELETE, "/gamma").send().await.unwrap();
     assert_eq!(resp.status(), 200);
     let body = json!({"model": "gamma", "messages": [{"role": "user", "content": "hi"}]});

@@ -191,30 +191,36 @@ async fn add_model(State(gw): State<Arc<AppState>>, body: Bytes) -> Result<Respo
             ApiError::invalid("model", format!("invalid model: {e}"))
         }
     })?;
-    spec.validate().map_err(|e| ApiError::invalid("id", e))?;
+    spec.validate().map_err(|e| ApiError::invalid("model", e))?;
     if gw.models.get(&spec.id).is_some() {
         return Err(ApiError::conflict(format!("model {} is already served", spec.id)));
     }
     let hosts = gw.models.hosts();
     if hosts.is_empty() {
-        return Err(ApiError::conflict(
+        return Err(ApiError::unsupported(
+            "model",
             "no worker of this gateway has a catalogue: start workers with --catalogue to add models at runtime",
         ));
     }
     let mut added = Vec::new();
     let mut refusals = Vec::new();
+    // Catalogues that did not take it (the others serve it): reported in the answer.
+    let mut refused: Vec<Value> = Vec::new();
     for h in &hosts {
         match h.add_model(spec.clone()).await {
             Ok(v) => added.push((h.clone(), v)),
             Err(e) => {
                 tracing::warn!(catalogue = h.name(), model = %spec.id, error = %e, "catalogue refused a model");
+                refused.push(json!({"catalogue": h.name(), "error": e.to_string()}));
                 refusals.push(e);
             }
         }
     }
     let Some(info) = added.first().map(|(_, (info, _))| info.clone()) else {
-        let e = refusals.into_iter().next().expect("one catalogue at least");
-        return Err(host_change_error(e));
+        return Err(refusals
+            .into_iter()
+            .next()
+            .map_or_else(|| ApiError::internal("no catalogue answered"), host_change_error));
     };
     let regions = added
         .iter()
@@ -222,13 +228,21 @@ async fn add_model(State(gw): State<Arc<AppState>>, body: Bytes) -> Result<Respo
         .collect();
     let clients = added.iter().map(|(_, (_, c))| c.clone()).collect();
     match gw.models.insert(info, clients, regions) {
-        Ok(m) => Ok((StatusCode::CREATED, Json(served_json(&m))).into_response()),
+        Ok(m) => {
+            let mut body = served_json(&m);
+            body["refused"] = json!(refused);
+            Ok((StatusCode::CREATED, Json(body)).into_response())
+        }
         Err(e) => {
-            // Added meanwhile by another request: undo ours.
+            // Added meanwhile by another request, or unusable (its tokenizer or template):
+            // undo ours.
             for (h, _) in &added {
                 let _ = h.remove_model(&spec.id).await;
             }
-            Err(ApiError::conflict(e.to_string()))
+            Err(match e {
+                crate::registry::RegistryError::Exists(_) => ApiError::conflict(e.to_string()),
+                other => ApiError::invalid("source", other.to_string()),
+            })
         }
     }
 }
@@ -242,6 +256,11 @@ fn host_change_error(e: crate::workers::HostChangeError) -> ApiError {
         HostChangeError::Refused {
             status: 404, message, ..
         } => ApiError::not_found(message),
+        HostChangeError::Refused {
+            status: 401 | 403,
+            message,
+            ..
+        } => ApiError::forbidden(message),
         HostChangeError::Refused { status, message, .. } if (400..500).contains(&status) => {
             ApiError::invalid("source", message)
         }
@@ -250,7 +269,8 @@ fn host_change_error(e: crate::workers::HostChangeError) -> ApiError {
 }
 
 /// `DELETE /admin/v1/models/{id}`: stops serving the model and removes it from every
-/// catalogue; requests in flight finish.
+/// catalogue; requests in flight finish. A catalogue that could not remove it (it would
+/// serve the model again after a restart) is listed in `errors`.
 async fn remove_model(State(gw): State<Arc<AppState>>, Path(model): Path<String>) -> Result<Json<Value>, ApiError> {
     gw.models
         .remove(&model)

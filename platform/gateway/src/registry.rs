@@ -11,7 +11,6 @@
 //! in flight finish on the [`ServedModel`] they hold.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
@@ -34,8 +33,8 @@ pub struct ServedModel {
     workers: Vec<Option<Arc<dyn WorkerClient>>>,
     router: Mutex<Router>,
     epoch: Instant,
-    /// Removed from the registry: its background tasks stop.
-    retired: AtomicBool,
+    /// Set when removed from the registry: its background tasks stop at once.
+    retired: tokio::sync::watch::Sender<bool>,
     /// When the gateway last asked one more worker to load the model (it was busy).
     pub(crate) last_spread: Mutex<Option<Instant>>,
     /// Loads started on more workers because the model was busy.
@@ -250,7 +249,7 @@ impl ModelRegistry {
                 workers: slots,
                 router: Mutex::new(router),
                 epoch: Instant::now(),
-                retired: AtomicBool::new(false),
+                retired: tokio::sync::watch::Sender::new(false),
                 last_spread: Mutex::new(None),
                 spreads: Default::default(),
             });
@@ -262,7 +261,7 @@ impl ModelRegistry {
             }
             let mut models = self.models.write().unwrap_or_else(|e| e.into_inner());
             if models.contains_key(&info.model) {
-                model.retired.store(true, Ordering::Relaxed);
+                model.retired.send_replace(true);
                 return Err(RegistryError::Exists(info.model));
             }
             models.insert(info.model.clone(), model.clone());
@@ -273,7 +272,7 @@ impl ModelRegistry {
     /// Stops serving a model (its requests in flight finish); the model, if it was served.
     pub fn remove(&self, id: &str) -> Option<Arc<ServedModel>> {
         let m = self.models.write().unwrap_or_else(|e| e.into_inner()).remove(id)?;
-        m.retired.store(true, Ordering::Relaxed);
+        m.retired.send_replace(true);
         tracing::info!(model = %id, "model no longer served");
         Some(m)
     }
@@ -308,16 +307,21 @@ impl ModelRegistry {
 /// Feeds one worker's KV events into the model's prefix index, reconnecting when the stream
 /// ends; while it is down the router assumes (approximate mode).
 async fn follow_kv_events(model: Arc<ServedModel>, slot: usize) {
+    let mut retired = model.retired.subscribe();
+    tokio::select! {
+        () = follow_kv_events_until_retired(&model, slot) => {}
+        _ = retired.wait_for(|r| *r) => {}
+    }
+}
+
+async fn follow_kv_events_until_retired(model: &ServedModel, slot: usize) {
     let Some(client) = model.client(slot).cloned() else {
         return;
     };
-    while !model.retired.load(Ordering::Relaxed) {
+    loop {
         match client.kv_events().await {
             Ok(mut events) => {
                 while let Some(ev) = events.next().await {
-                    if model.retired.load(Ordering::Relaxed) {
-                        return;
-                    }
                     let mut r = model.router();
                     match ev {
                         KvEvent::Snapshot { blocks, .. } => {
@@ -346,8 +350,12 @@ async fn check_health(model: Arc<ServedModel>, slot: usize) {
     let Some(client) = model.client(slot).cloned() else {
         return;
     };
-    while !model.retired.load(Ordering::Relaxed) {
-        let ok = client.health().await.is_ok();
+    let mut retired = model.retired.subscribe();
+    loop {
+        let ok = tokio::select! {
+            r = client.health() => r.is_ok(),
+            _ = retired.wait_for(|r| *r) => return,
+        };
         {
             let mut r = model.router();
             if let Some(w) = r.worker_mut(slot) {
@@ -358,6 +366,9 @@ async fn check_health(model: Arc<ServedModel>, slot: usize) {
             }
             r.sweep(model.now_ms());
         }
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_secs(2)) => {}
+            _ = retired.wait_for(|r| *r) => return,
+        }
     }
 }

@@ -99,9 +99,24 @@ pub trait ModelHostClient: Send + Sync + 'static {
 /// The catalogue of a worker reached over HTTP (`hearth worker --catalogue`).
 pub struct HttpModelHost {
     worker: HttpWorker,
+    /// The worker token (`HEARTH_WORKER_TOKEN`) catalogue changes carry.
+    token: Option<String>,
 }
 
 impl HttpModelHost {
+    /// Sends `token` with every catalogue change.
+    pub fn with_token(mut self, token: Option<String>) -> Self {
+        self.token = token.filter(|t| !t.is_empty());
+        self
+    }
+
+    fn authorized(&self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.token {
+            Some(t) => req.bearer_auth(t),
+            None => req,
+        }
+    }
+
     async fn refused(resp: reqwest::Response) -> HostChangeError {
         let status = resp.status().as_u16();
         match resp.json::<GenerateEvent>().await {
@@ -123,9 +138,8 @@ impl ModelHostClient for HttpModelHost {
     fn add_model(&self, spec: ModelSpec) -> BoxFuture<'_, Result<AddedModel, HostChangeError>> {
         async move {
             let w = &self.worker;
-            let resp = w
-                .client
-                .post(format!("{}/v1/worker/models", w.base))
+            let resp = self
+                .authorized(w.client.post(format!("{}/v1/worker/models", w.base)))
                 // Reading the model's metadata (or fetching a known model) takes a while.
                 .timeout(Duration::from_secs(600))
                 .json(&spec)
@@ -146,9 +160,8 @@ impl ModelHostClient for HttpModelHost {
         let id = id.to_string();
         async move {
             let w = &self.worker;
-            let resp = w
-                .client
-                .delete(format!("{}/v1/worker/models/{id}", w.base))
+            let resp = self
+                .authorized(w.client.delete(format!("{}/v1/worker/models/{id}", w.base)))
                 .timeout(Duration::from_secs(30))
                 .send()
                 .await
@@ -204,6 +217,7 @@ impl HttpWorker {
         let host = if catalogue {
             Some(HttpModelHost {
                 worker: Self::new(base)?,
+                token: None,
             })
         } else {
             None

@@ -95,10 +95,23 @@ impl LlamaConfig {
             Ok(v) => v,
             Err(_) => g.get_str_array("tokenizer.ggml.tokens")?.len(),
         };
+        // Implausible sizes are a corrupt or hostile file, refused before any allocation.
+        let n_layers = u("block_count")?;
+        let n_ff = u("feed_forward_length")?;
+        for (what, v, max) in [
+            ("layers", n_layers, 1 << 12),
+            ("embedding length", d_model, 1 << 17),
+            ("feed-forward length", n_ff, 1 << 20),
+            ("vocabulary", vocab_size, 1 << 22),
+        ] {
+            if v == 0 || v > max {
+                return Err(ModelError::Config(format!("{what} {v} is out of range (1..={max})")));
+            }
+        }
         Ok(Self {
-            n_layers: u("block_count")?,
+            n_layers,
             d_model,
-            n_ff: u("feed_forward_length")?,
+            n_ff,
             n_heads,
             n_kv_heads,
             head_dim,

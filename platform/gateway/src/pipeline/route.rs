@@ -151,7 +151,11 @@ fn spread_target(model: &ServedModel, r: &Router) -> Option<usize> {
         if !w.healthy || w.draining {
             continue;
         }
-        match model.client(slot)?.model_state()?.as_str() {
+        // A worker that does not load on demand (no state) neither counts nor loads.
+        let Some(state) = model.client(slot).and_then(|c| c.model_state()) else {
+            continue;
+        };
+        match state.as_str() {
             "warm" => {
                 outstanding += u64::from(w.outstanding);
                 capacity += u64::from(w.capacity.max(1));
@@ -165,12 +169,14 @@ fn spread_target(model: &ServedModel, r: &Router) -> Option<usize> {
         }
     }
     let busy = capacity > 0 && outstanding as f64 >= SPREAD_AT * capacity as f64;
-    let due = model
-        .last_spread
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .is_none_or(|t| t.elapsed() >= SPREAD_EVERY);
-    (busy && due).then_some(cold?.1)
+    let target = cold?.1;
+    // Checked and claimed together (the router lock is held), so one load per interval.
+    let mut last = model.last_spread.lock().unwrap_or_else(|e| e.into_inner());
+    if !busy || last.is_some_and(|t| t.elapsed() < SPREAD_EVERY) {
+        return None;
+    }
+    *last = Some(Instant::now());
+    Some(target)
 }
 
 /// Asks worker `slot` to load the model in the background.
@@ -178,7 +184,6 @@ fn spread(model: &Arc<ServedModel>, slot: usize) {
     let Some(client) = model.client(slot).cloned() else {
         return;
     };
-    *model.last_spread.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
     model.spreads.fetch_add(1, Ordering::Relaxed);
     tracing::info!(model = %model.id, worker = client.name(), "model busy: loading it on one more worker");
     tokio::spawn(async move {
