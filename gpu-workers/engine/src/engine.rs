@@ -11,8 +11,8 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use hearth_protocol::{
-    namespace_root, EngineTimings, FinishReason, GenerateEvent, GenerateRequest, KvEvent, LoadReport, SamplingParams,
-    TokenLogprob, Tokenizer, TokenizerSpec, Usage, WorkerInfo,
+    namespace_root, BlockHash, EngineTimings, FinishReason, GenerateEvent, GenerateRequest, KvEvent, LoadReport,
+    SamplingParams, TokenLogprob, Tokenizer, TokenizerSpec, Usage, WorkerInfo,
 };
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{broadcast, oneshot, watch};
@@ -20,6 +20,7 @@ use tokio::sync::{broadcast, oneshot, watch};
 use crate::gguf::{GgufError, GgufFile};
 use crate::kernels::{cpu_features, isa, set_isa, Isa};
 use crate::kv::{KvDtype, KvPool};
+use crate::kv_transfer::{ImportError, ImportReport, KvBlock, KvLayout};
 use crate::metrics::EngineMetrics;
 use crate::models::llama::{Batch, ForwardScratch, LlamaModel, ModelError};
 use crate::sampling::Sampler;
@@ -157,6 +158,11 @@ struct Job {
 enum Command {
     Generate(Job),
     Subscribe(oneshot::Sender<(KvEvent, broadcast::Receiver<KvEvent>)>),
+    /// The cached blocks with these hashes (None: not cached here).
+    ExportBlocks(Vec<BlockHash>, oneshot::Sender<Vec<Option<KvBlock>>>),
+    /// Which of these hashes are not cached here.
+    MissingBlocks(Vec<BlockHash>, oneshot::Sender<Vec<BlockHash>>),
+    ImportBlocks(Vec<KvBlock>, oneshot::Sender<ImportReport>),
 }
 
 /// A cheap, cloneable handle to a running engine.
@@ -171,6 +177,7 @@ pub struct EngineHandle {
     kv_bytes_per_token: usize,
     packed_bytes: usize,
     repack_seconds: f64,
+    kv_layout: KvLayout,
 }
 
 impl std::fmt::Debug for EngineHandle {
@@ -213,6 +220,14 @@ impl EngineHandle {
             .unwrap_or_else(|| available_memory_mib().map_or(512, |m| (m / 4).min(1024)));
         let num_blocks = ((mib << 20) / block_bytes).max(2);
         let pool = KvPool::new(model.kv_shape(bt), cfg.kv_dtype, num_blocks);
+        let shape = model.kv_shape(bt);
+        let kv_layout = KvLayout {
+            n_layers: shape.n_layers as u32,
+            kv_dim: shape.kv_dim() as u32,
+            head_dim: shape.head_dim as u32,
+            block_tokens: bt as u32,
+            dtype: cfg.kv_dtype.into(),
+        };
         let sched = Scheduler::new(
             SchedulerConfig {
                 block_tokens: bt,
@@ -288,6 +303,7 @@ impl EngineHandle {
             kv_bytes_per_token,
             packed_bytes,
             repack_seconds,
+            kv_layout,
         })
     }
 
@@ -339,6 +355,57 @@ impl EngineHandle {
             });
         }
         rx
+    }
+
+    /// What another engine's KV blocks must match to be imported here.
+    pub fn kv_layout(&self) -> KvLayout {
+        self.kv_layout
+    }
+
+    /// The prefix-cache hashes of a prompt's full blocks (all but its last token), as this
+    /// engine and the gateway compute them.
+    pub fn prompt_block_hashes(&self, prompt: &[u32], cache_namespace: &str) -> Vec<BlockHash> {
+        let root = namespace_root(&self.info.model, cache_namespace);
+        hearth_protocol::block_hashes(
+            root,
+            &prompt[..prompt.len().saturating_sub(1)],
+            self.kv_layout.block_tokens as usize,
+        )
+    }
+
+    /// Copies out the cached blocks with these hashes (None for those not cached), each with
+    /// its checksum.
+    pub async fn export_blocks(&self, hashes: Vec<BlockHash>) -> Result<Vec<Option<KvBlock>>, ImportError> {
+        let (tx, rx) = oneshot::channel();
+        self.commands
+            .send(Command::ExportBlocks(hashes, tx))
+            .map_err(|_| ImportError::Stopped)?;
+        rx.await.map_err(|_| ImportError::Stopped)
+    }
+
+    /// Which of these hashes this engine does not hold (the blocks worth sending).
+    pub async fn missing_blocks(&self, hashes: Vec<BlockHash>) -> Result<Vec<BlockHash>, ImportError> {
+        let (tx, rx) = oneshot::channel();
+        self.commands
+            .send(Command::MissingBlocks(hashes, tx))
+            .map_err(|_| ImportError::Stopped)?;
+        rx.await.map_err(|_| ImportError::Stopped)
+    }
+
+    /// Imports blocks exported by an engine with the same `layout` into the prefix cache
+    /// (see [`crate::kv_transfer`]).
+    pub async fn import_blocks(&self, layout: KvLayout, blocks: Vec<KvBlock>) -> Result<ImportReport, ImportError> {
+        if layout != self.kv_layout {
+            return Err(ImportError::Layout {
+                ours: self.kv_layout,
+                theirs: layout,
+            });
+        }
+        let (tx, rx) = oneshot::channel();
+        self.commands
+            .send(Command::ImportBlocks(blocks, tx))
+            .map_err(|_| ImportError::Stopped)?;
+        rx.await.map_err(|_| ImportError::Stopped)
     }
 
     /// The cache's current content (a `Snapshot`) and every change after it, with no gap.
@@ -436,7 +503,56 @@ impl Runner {
                 };
                 let _ = reply.send((snap, self.kv_tx.subscribe()));
             }
+            Command::ExportBlocks(hashes, reply) => {
+                let blocks = hashes
+                    .into_iter()
+                    .map(|h| {
+                        let b = self.sched.blocks.peek(h)?;
+                        Some(KvBlock::new(h, self.pool.read_block(b)))
+                    })
+                    .collect();
+                let _ = reply.send(blocks);
+            }
+            Command::MissingBlocks(hashes, reply) => {
+                let missing = hashes.into_iter().filter(|h| !self.sched.blocks.contains(*h)).collect();
+                let _ = reply.send(missing);
+            }
+            Command::ImportBlocks(blocks, reply) => {
+                let _ = reply.send(self.import(blocks));
+                // Announce the new cached blocks now, not at the next step.
+                self.publish();
+            }
         }
+    }
+
+    /// Writes intact blocks not held yet into free (or evicted) blocks and names them in
+    /// the prefix cache, unreferenced: reusable by the next request, evictable like any
+    /// cached block.
+    fn import(&mut self, blocks: Vec<KvBlock>) -> ImportReport {
+        let mut report = ImportReport::default();
+        for block in blocks {
+            if self.sched.blocks.contains(block.hash) {
+                report.already_held += 1;
+                continue;
+            }
+            if !block.intact() {
+                report.rejected.push((block.hash, "checksum mismatch".into()));
+                continue;
+            }
+            let Some(b) = self.sched.blocks.allocate() else {
+                report.rejected.push((block.hash, "no free KV block".into()));
+                continue;
+            };
+            if self.pool.write_block(b, &block.data) {
+                self.sched.blocks.register(b, block.hash);
+                report.imported += 1;
+                report.bytes += block.data.len() as u64;
+            } else {
+                report.rejected.push((block.hash, "wrong block size".into()));
+            }
+            self.sched.blocks.release(b);
+        }
+        report
     }
 
     fn validate(&self, req: &GenerateRequest) -> Result<(), GenerateEvent> {

@@ -219,6 +219,39 @@ impl KvPool {
         self.keys(block, layer).get((j / hd) * hd * bt + (j % hd) * bt + slot)
     }
 
+    /// A whole block's bytes (every layer's keys and values, little-endian, in the pool's
+    /// element type): what moves between workers.
+    pub fn read_block(&self, block: u32) -> Vec<u8> {
+        let len = self.shape.block_elems();
+        let at = self.base(block, 0, 0);
+        match &self.store {
+            Store::F16(d) => d[at..at + len].iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Store::F32(d) => d[at..at + len].iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+
+    /// Overwrites a whole block with bytes from [`KvPool::read_block`] of a pool of the same
+    /// shape and element type; false (nothing written) if the length differs.
+    pub fn write_block(&mut self, block: u32, bytes: &[u8]) -> bool {
+        let len = self.shape.block_elems();
+        let at = self.base(block, 0, 0);
+        match &mut self.store {
+            Store::F16(d) if bytes.len() == len * 2 => {
+                for (o, c) in d[at..at + len].iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = u16::from_le_bytes([c[0], c[1]]);
+                }
+                true
+            }
+            Store::F32(d) if bytes.len() == len * 4 => {
+                for (o, c) in d[at..at + len].iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Copies a whole block (copy-on-write when sequences fork).
     pub fn copy_block(&mut self, from: u32, to: u32) {
         let len = self.shape.block_elems();
@@ -313,6 +346,11 @@ impl BlockManager {
     /// Whether a hash is cached (no reference taken).
     pub fn contains(&self, h: BlockHash) -> bool {
         self.cached.contains_key(&h)
+    }
+
+    /// The cached block with this hash, if any (no reference taken).
+    pub fn peek(&self, h: BlockHash) -> Option<u32> {
+        self.cached.get(&h).copied()
     }
 
     /// One more reference to a block in use (sequences forking).

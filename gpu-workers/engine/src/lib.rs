@@ -20,6 +20,7 @@ pub mod hf;
 pub mod host;
 pub mod kernels;
 pub mod kv;
+pub mod kv_transfer;
 pub mod metrics;
 pub mod models;
 pub mod pack_cache;

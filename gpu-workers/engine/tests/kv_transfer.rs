@@ -1,0 +1,146 @@
+//! Moving a prompt's KV blocks from one engine to another (the engine half of
+//! prefill/decode disaggregation): the receiving engine continues exactly as colocated
+//! serving does, receives only the blocks it lacks, and computes what arrives corrupted.
+
+use std::path::PathBuf;
+
+use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
+use hearth_engine::{EngineConfig, EngineHandle};
+use hearth_protocol::{GenerateEvent, GenerateRequest, SamplingParams};
+
+fn model_path() -> PathBuf {
+    ensure_model(DEFAULT_MODEL_ID, &hearth_home(), &mut |m| eprintln!("{m}")).expect("default model")
+}
+
+fn engine() -> EngineHandle {
+    let cfg = EngineConfig {
+        threads: 2,
+        kv_cache_mib: Some(32),
+        ..Default::default()
+    };
+    EngineHandle::load(&model_path(), DEFAULT_MODEL_ID, &cfg).unwrap()
+}
+
+/// A chat-shaped prompt of about 200 tokens (12 full blocks of 16).
+fn prompt() -> Vec<u32> {
+    let mut p = vec![
+        1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
+    ];
+    for i in 0..180u32 {
+        p.push(200 + (i * 37) % 5000);
+    }
+    p.extend([2, 198, 1, 520, 9531, 198]);
+    p
+}
+
+/// Greedy tokens and the prompt tokens the engine reused from its cache.
+async fn greedy(e: &EngineHandle, prompt: &[u32], max_tokens: u32) -> (Vec<u32>, u32) {
+    let req = GenerateRequest {
+        request_id: "t".into(),
+        model: DEFAULT_MODEL_ID.into(),
+        prompt: prompt.to_vec(),
+        sampling: SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        },
+        cache_namespace: String::new(),
+        n: 1,
+    };
+    let mut rx = e.generate(req);
+    let mut tokens = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            GenerateEvent::Token { id, .. } => tokens.push(id),
+            GenerateEvent::Done { usage, .. } => return (tokens, usage.cached_tokens),
+            GenerateEvent::Error { message, .. } => panic!("{message}"),
+            GenerateEvent::Finish { .. } => {}
+        }
+    }
+    panic!("no Done")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn imported_blocks_continue_exactly_as_colocated() {
+    let prompt = prompt();
+    // Colocated: one engine prefills and decodes.
+    let colocated = engine();
+    let (want, cached) = greedy(&colocated, &prompt, 12).await;
+    assert_eq!(cached, 0);
+
+    // Prefill side: computes the prompt (and its first token), keeps the blocks cached.
+    let prefill = engine();
+    let (first, _) = greedy(&prefill, &prompt, 1).await;
+    assert_eq!(first[0], want[0]);
+    let hashes = prefill.prompt_block_hashes(&prompt, "");
+    assert_eq!(hashes.len(), (prompt.len() - 1) / 16);
+    let blocks: Vec<_> = prefill
+        .export_blocks(hashes.clone())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|b| b.expect("every full block is cached on the prefill side"))
+        .collect();
+
+    // Decode side: receives the blocks it lacks, then continues.
+    let decode = engine();
+    assert_eq!(decode.missing_blocks(hashes.clone()).await.unwrap(), hashes);
+    let report = decode.import_blocks(prefill.kv_layout(), blocks.clone()).await.unwrap();
+    assert_eq!((report.imported, report.already_held), (hashes.len(), 0), "{report:?}");
+    assert!(report.rejected.is_empty());
+    assert!(decode.missing_blocks(hashes.clone()).await.unwrap().is_empty());
+    let (got, cached) = greedy(&decode, &prompt, 12).await;
+    assert_eq!(
+        cached as usize,
+        hashes.len() * 16,
+        "the whole imported prefix was reused"
+    );
+    assert_eq!(got, want, "decoding continues exactly as colocated");
+
+    // Sent again: nothing new is written.
+    let again = decode.import_blocks(prefill.kv_layout(), blocks).await.unwrap();
+    assert_eq!((again.imported, again.already_held), (0, hashes.len()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_missing_blocks_travel_and_corrupted_ones_are_computed() {
+    let prompt = prompt();
+    let prefill = engine();
+    greedy(&prefill, &prompt, 1).await;
+    let hashes = prefill.prompt_block_hashes(&prompt, "");
+    // The decode side already holds the first half of the prefix (an earlier request).
+    let decode = engine();
+    let half = &prompt[..(hashes.len() / 2) * 16 + 1];
+    greedy(&decode, half, 1).await;
+    let missing = decode.missing_blocks(hashes.clone()).await.unwrap();
+    assert_eq!(missing, hashes[hashes.len() / 2..], "only the second half is missing");
+    let mut blocks: Vec<_> = prefill
+        .export_blocks(missing.clone())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(Option::unwrap)
+        .collect();
+    // One block arrives corrupted: refused by its checksum, and computed by the request.
+    let last = blocks.len() - 1;
+    blocks[last].data[100] ^= 0x40;
+    let report = decode.import_blocks(prefill.kv_layout(), blocks).await.unwrap();
+    assert_eq!(report.imported, missing.len() - 1);
+    assert_eq!(report.rejected.len(), 1);
+    assert_eq!(report.rejected[0].1, "checksum mismatch");
+    let colocated = engine();
+    let (want, _) = greedy(&colocated, &prompt, 8).await;
+    let (got, cached) = greedy(&decode, &prompt, 8).await;
+    assert_eq!(got, want);
+    assert_eq!(
+        cached as usize,
+        (hashes.len() - 1) * 16,
+        "all but the corrupted block reused"
+    );
+
+    // Another layout is refused whole.
+    let mut other = prefill.kv_layout();
+    other.block_tokens *= 2;
+    assert!(decode.import_blocks(other, Vec::new()).await.is_err());
+}
