@@ -38,6 +38,10 @@ pub trait Backend: Send + Sync + 'static {
     fn preload(&self) -> bool {
         false
     }
+    /// The running engine, for KV transfers (None: not loaded, or not a real engine).
+    fn engine(&self) -> Option<crate::EngineHandle> {
+        None
+    }
 }
 
 impl Backend for crate::EngineHandle {
@@ -61,5 +65,8 @@ impl Backend for crate::EngineHandle {
     }
     fn model_state(&self) -> Option<&'static str> {
         Some("warm")
+    }
+    fn engine(&self) -> Option<crate::EngineHandle> {
+        Some(self.clone())
     }
 }

@@ -756,6 +756,10 @@ impl Backend for HostedModel {
         Some(self.state().name())
     }
 
+    fn engine(&self) -> Option<EngineHandle> {
+        self.warm()
+    }
+
     fn preload(&self) -> bool {
         let (host, id) = (self.host.clone(), self.info.model.clone());
         tokio::spawn(async move {

@@ -225,8 +225,8 @@ impl KvPool {
         let len = self.shape.block_elems();
         let at = self.base(block, 0, 0);
         match &self.store {
-            Store::F16(d) => d[at..at + len].iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Store::F32(d) => d[at..at + len].iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Store::F16(d) => as_bytes(&d[at..at + len]).to_vec(),
+            Store::F32(d) => as_bytes(&d[at..at + len]).to_vec(),
         }
     }
 
@@ -237,15 +237,11 @@ impl KvPool {
         let at = self.base(block, 0, 0);
         match &mut self.store {
             Store::F16(d) if bytes.len() == len * 2 => {
-                for (o, c) in d[at..at + len].iter_mut().zip(bytes.chunks_exact(2)) {
-                    *o = u16::from_le_bytes([c[0], c[1]]);
-                }
+                as_bytes_mut(&mut d[at..at + len]).copy_from_slice(bytes);
                 true
             }
             Store::F32(d) if bytes.len() == len * 4 => {
-                for (o, c) in d[at..at + len].iter_mut().zip(bytes.chunks_exact(4)) {
-                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                }
+                as_bytes_mut(&mut d[at..at + len]).copy_from_slice(bytes);
                 true
             }
             _ => false,
@@ -261,6 +257,26 @@ impl KvPool {
             Store::F32(d) => d.copy_within(f..f + len, t),
         }
     }
+}
+
+/// Element types whose bytes may be viewed directly: no padding, every bit pattern valid.
+trait Plain: Copy {}
+impl Plain for u16 {}
+impl Plain for f32 {}
+
+// The transfer format is little-endian; so is every target Hearth builds for.
+#[cfg(not(target_endian = "little"))]
+compile_error!("the KV transfer format assumes a little-endian target");
+
+fn as_bytes<T: Plain>(v: &[T]) -> &[u8] {
+    // SAFETY: `T` is u16 or f32 (no padding, no invalid bit patterns); the view covers
+    // exactly the slice's memory and borrows it.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+fn as_bytes_mut<T: Plain>(v: &mut [T]) -> &mut [u8] {
+    // SAFETY: as `as_bytes`; any bytes written form valid u16/f32 values.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
 /// Events for subscribers, drained by the engine after each step.

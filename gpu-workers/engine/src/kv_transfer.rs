@@ -86,3 +86,415 @@ pub enum ImportError {
     #[error("the engine is not running")]
     Stopped,
 }
+
+/// Longest block a peer may announce (a guard against hostile lengths).
+const MAX_BLOCK_BYTES: usize = 64 << 20;
+const MAGIC: &[u8; 4] = b"HKV1";
+
+/// The wire format, a framed byte stream (little-endian):
+///
+/// | frame | bytes |
+/// |---|---|
+/// | header | `HKV1`, u32 n, n bytes of JSON `{"layout": KvLayout, "count": blocks}` |
+/// | block (× count) | u64 hash, u64 XXH3 of the data, u32 length (`u32::MAX`: not held), the data |
+///
+/// Each block is checked on import by its checksum, so a corrupted frame costs a recompute,
+/// not a wrong answer.
+pub fn encode_header(layout: KvLayout, count: usize) -> Vec<u8> {
+    let json = serde_json::to_vec(&serde_json::json!({"layout": layout, "count": count})).unwrap_or_default();
+    let mut out = MAGIC.to_vec();
+    out.extend((json.len() as u32).to_le_bytes());
+    out.extend(json);
+    out
+}
+
+/// One block frame (`None`: the sender does not hold that hash).
+pub fn encode_block(hash: BlockHash, block: Option<&KvBlock>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(20 + block.map_or(0, |b| b.data.len()));
+    out.extend(hash.0.to_le_bytes());
+    match block {
+        Some(b) => {
+            out.extend(b.checksum.to_le_bytes());
+            out.extend((b.data.len() as u32).to_le_bytes());
+            out.extend(&b.data);
+        }
+        None => {
+            out.extend(0u64.to_le_bytes());
+            out.extend(u32::MAX.to_le_bytes());
+        }
+    }
+    out
+}
+
+/// What a frame decodes to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    Header {
+        layout: KvLayout,
+        count: usize,
+    },
+    /// A block, or a hash the sender does not hold.
+    Block(BlockHash, Option<KvBlock>),
+}
+
+/// Why a transfer failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransferError {
+    #[error("cannot reach {peer}: {detail}")]
+    Unreachable { peer: String, detail: String },
+    #[error("{peer} sent a malformed stream: {detail}")]
+    Malformed { peer: String, detail: String },
+    #[error("{peer} stopped sending for {secs} s")]
+    Timeout { peer: String, secs: u64 },
+    #[error("the stream from {peer} ended after {got} of {want} blocks")]
+    Truncated { peer: String, got: usize, want: usize },
+}
+
+/// Splits bytes as they arrive into frames; holds at most one partial frame.
+#[derive(Debug, Default)]
+pub struct FrameReader {
+    buf: Vec<u8>,
+    header_seen: bool,
+}
+
+impl FrameReader {
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// The next complete frame, if the buffer holds one; an error for malformed bytes.
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, String> {
+        if !self.header_seen {
+            if self.buf.len() < 8 {
+                return Ok(None);
+            }
+            if &self.buf[..4] != MAGIC {
+                return Err("not a Hearth KV stream (bad magic)".into());
+            }
+            let n = u32::from_le_bytes([self.buf[4], self.buf[5], self.buf[6], self.buf[7]]) as usize;
+            if n > 1 << 20 {
+                return Err(format!("header of {n} bytes"));
+            }
+            if self.buf.len() < 8 + n {
+                return Ok(None);
+            }
+            #[derive(Deserialize)]
+            struct Header {
+                layout: KvLayout,
+                count: usize,
+            }
+            let h: Header = serde_json::from_slice(&self.buf[8..8 + n]).map_err(|e| format!("header: {e}"))?;
+            self.buf.drain(..8 + n);
+            self.header_seen = true;
+            return Ok(Some(Frame::Header {
+                layout: h.layout,
+                count: h.count,
+            }));
+        }
+        if self.buf.len() < 20 {
+            return Ok(None);
+        }
+        let u64_at = |b: &[u8], i: usize| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(a)
+        };
+        let hash = BlockHash(u64_at(&self.buf, 0));
+        let checksum = u64_at(&self.buf, 8);
+        let len = u32::from_le_bytes([self.buf[16], self.buf[17], self.buf[18], self.buf[19]]);
+        if len == u32::MAX {
+            self.buf.drain(..20);
+            return Ok(Some(Frame::Block(hash, None)));
+        }
+        let len = len as usize;
+        if len > MAX_BLOCK_BYTES {
+            return Err(format!("a block of {len} bytes"));
+        }
+        if self.buf.len() < 20 + len {
+            return Ok(None);
+        }
+        let data = self.buf[20..20 + len].to_vec();
+        self.buf.drain(..20 + len);
+        Ok(Some(Frame::Block(hash, Some(KvBlock { hash, checksum, data }))))
+    }
+}
+
+/// A stream of frames from a peer, ending with the last block (or an error).
+pub type FrameStream = futures_util::stream::BoxStream<'static, Result<Frame, TransferError>>;
+
+/// How a worker fetches KV blocks from another worker. The HTTP implementation
+/// ([`HttpKvTransport`]) streams frames over a plain connection; an RDMA/NVLink-class
+/// transport (Mooncake's Transfer Engine, NIXL) would implement the same call, moving the
+/// bytes between the two pools directly and yielding the same frames (or importing in
+/// place).
+pub trait KvTransport: Send + Sync + 'static {
+    /// The blocks with these hashes from the worker at `peer` serving `model`, as frames:
+    /// a header, then one block frame per hash, in order.
+    fn fetch(
+        &self,
+        peer: &str,
+        model: &str,
+        hashes: Vec<BlockHash>,
+    ) -> futures_util::future::BoxFuture<'static, Result<FrameStream, TransferError>>;
+}
+
+/// KV blocks over HTTP: `POST {peer}/v1/worker/m/{model}/kv/export` with the hashes, the
+/// framed stream back. A peer that stops sending for `idle_timeout` fails the transfer.
+#[derive(Debug, Clone)]
+pub struct HttpKvTransport {
+    client: reqwest::Client,
+    pub idle_timeout: std::time::Duration,
+}
+
+impl Default for HttpKvTransport {
+    fn default() -> Self {
+        Self {
+            client: reqwest::Client::builder()
+                .connect_timeout(std::time::Duration::from_secs(5))
+                .tcp_nodelay(true)
+                .build()
+                .unwrap_or_default(),
+            idle_timeout: std::time::Duration::from_secs(10),
+        }
+    }
+}
+
+impl KvTransport for HttpKvTransport {
+    fn fetch(
+        &self,
+        peer: &str,
+        model: &str,
+        hashes: Vec<BlockHash>,
+    ) -> futures_util::future::BoxFuture<'static, Result<FrameStream, TransferError>> {
+        use futures_util::{FutureExt, StreamExt};
+        let peer = peer.trim_end_matches('/').to_string();
+        let url = format!("{peer}/v1/worker/m/{model}/kv/export");
+        let (client, idle) = (self.client.clone(), self.idle_timeout);
+        async move {
+            let unreachable = |detail: String| TransferError::Unreachable {
+                peer: peer.clone(),
+                detail,
+            };
+            let body = serde_json::json!({"hashes": hashes.iter().map(|h| h.0).collect::<Vec<_>>()});
+            let resp = tokio::time::timeout(idle, client.post(&url).json(&body).send())
+                .await
+                .map_err(|_| unreachable("no answer".into()))?
+                .map_err(|e| unreachable(e.to_string()))?;
+            if !resp.status().is_success() {
+                return Err(unreachable(format!("export answered {}", resp.status())));
+            }
+            let want = hashes.len();
+            let bytes = resp.bytes_stream();
+            let stream = futures_util::stream::unfold(
+                (bytes, FrameReader::default(), 0usize, false, peer),
+                move |(mut bytes, mut reader, mut got, mut done, peer)| async move {
+                    loop {
+                        if done {
+                            return None;
+                        }
+                        match reader.next_frame() {
+                            Ok(Some(f)) => {
+                                if matches!(f, Frame::Block(..)) {
+                                    got += 1;
+                                    done = got == want;
+                                }
+                                return Some((Ok(f), (bytes, reader, got, done, peer)));
+                            }
+                            Ok(None) => {}
+                            Err(detail) => {
+                                let e = TransferError::Malformed {
+                                    peer: peer.clone(),
+                                    detail,
+                                };
+                                return Some((Err(e), (bytes, reader, got, true, peer)));
+                            }
+                        }
+                        match tokio::time::timeout(idle, bytes.next()).await {
+                            Ok(Some(Ok(chunk))) => reader.push(&chunk),
+                            Ok(Some(Err(e))) => {
+                                let e = TransferError::Unreachable {
+                                    peer: peer.clone(),
+                                    detail: e.to_string(),
+                                };
+                                return Some((Err(e), (bytes, reader, got, true, peer)));
+                            }
+                            Ok(None) => {
+                                let e = TransferError::Truncated {
+                                    peer: peer.clone(),
+                                    got,
+                                    want,
+                                };
+                                return Some((Err(e), (bytes, reader, got, true, peer)));
+                            }
+                            Err(_) => {
+                                let e = TransferError::Timeout {
+                                    peer: peer.clone(),
+                                    secs: idle.as_secs(),
+                                };
+                                return Some((Err(e), (bytes, reader, got, true, peer)));
+                            }
+                        }
+                    }
+                },
+            );
+            Ok(stream.boxed())
+        }
+        .boxed()
+    }
+}
+
+/// Result of a pull: what was asked, what was missing here, what the import did, and how
+/// long the transfer took.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct PullReport {
+    pub blocks: usize,
+    pub missing: usize,
+    pub import: ImportReport,
+    /// Blocks the peer did not hold.
+    pub not_held: usize,
+    pub seconds: f64,
+    /// Set when the transfer failed midway (what arrived before is imported).
+    pub error: Option<String>,
+}
+
+/// Blocks imported per batch: bounds the memory a transfer holds (about 12 MiB for the
+/// default model) and lets the engine run steps between batches.
+const IMPORT_BATCH: usize = 32;
+
+/// Fetches the blocks of `prompt` this engine lacks from `peer` and imports them.
+pub async fn pull(
+    engine: &crate::EngineHandle,
+    transport: &dyn KvTransport,
+    peer: &str,
+    prompt: &[u32],
+    cache_namespace: &str,
+) -> PullReport {
+    use futures_util::StreamExt;
+    let started = std::time::Instant::now();
+    let hashes = engine.prompt_block_hashes(prompt, cache_namespace);
+    let mut report = PullReport {
+        blocks: hashes.len(),
+        ..Default::default()
+    };
+    let missing = match engine.missing_blocks(hashes).await {
+        Ok(m) => m,
+        Err(e) => {
+            report.error = Some(e.to_string());
+            return report;
+        }
+    };
+    report.missing = missing.len();
+    if missing.is_empty() {
+        return report;
+    }
+    let model = engine.info().model.clone();
+    let mut frames = match transport.fetch(peer, &model, missing).await {
+        Ok(f) => f,
+        Err(e) => {
+            report.error = Some(e.to_string());
+            return report;
+        }
+    };
+    let mut layout = None;
+    let mut batch = Vec::with_capacity(IMPORT_BATCH);
+    let mut fail = None;
+    while let Some(frame) = frames.next().await {
+        match frame {
+            Ok(Frame::Header { layout: l, .. }) => layout = Some(l),
+            Ok(Frame::Block(_, None)) => report.not_held += 1,
+            Ok(Frame::Block(_, Some(b))) => {
+                batch.push(b);
+                if batch.len() == IMPORT_BATCH {
+                    if let Err(e) = import_batch(engine, layout, &mut batch, &mut report.import).await {
+                        fail = Some(e);
+                        break;
+                    }
+                }
+            }
+            Err(e) => {
+                fail = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    // What arrived before a failure is still good (each block is checked on its own).
+    if let Err(e) = import_batch(engine, layout, &mut batch, &mut report.import).await {
+        fail.get_or_insert(e);
+    }
+    report.error = fail;
+    report.seconds = started.elapsed().as_secs_f64();
+    report
+}
+
+async fn import_batch(
+    engine: &crate::EngineHandle,
+    layout: Option<KvLayout>,
+    batch: &mut Vec<KvBlock>,
+    total: &mut ImportReport,
+) -> Result<(), String> {
+    if batch.is_empty() {
+        return Ok(());
+    }
+    let layout = layout.ok_or("blocks before the header")?;
+    let r = engine
+        .import_blocks(layout, std::mem::take(batch))
+        .await
+        .map_err(|e| e.to_string())?;
+    total.imported += r.imported;
+    total.already_held += r.already_held;
+    total.bytes += r.bytes;
+    total.rejected.extend(r.rejected);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_in_any_chunking() {
+        let layout = KvLayout {
+            n_layers: 2,
+            kv_dim: 4,
+            head_dim: 2,
+            block_tokens: 16,
+            dtype: KvDtypeName::F16,
+        };
+        let a = KvBlock::new(BlockHash(7), (0..200u8).collect());
+        let mut bytes = encode_header(layout, 2);
+        bytes.extend(encode_block(BlockHash(7), Some(&a)));
+        bytes.extend(encode_block(BlockHash(9), None));
+        for chunk in [1, 3, 17, 1000] {
+            let mut r = FrameReader::default();
+            let mut frames = Vec::new();
+            for c in bytes.chunks(chunk) {
+                r.push(c);
+                while let Some(f) = r.next_frame().unwrap() {
+                    frames.push(f);
+                }
+            }
+            assert_eq!(
+                frames,
+                [
+                    Frame::Header { layout, count: 2 },
+                    Frame::Block(BlockHash(7), Some(a.clone())),
+                    Frame::Block(BlockHash(9), None)
+                ]
+            );
+        }
+        let mut bad = FrameReader::default();
+        bad.push(b"GET / HTTP/1.1\r\n");
+        assert!(bad.next_frame().is_err());
+        let mut huge = FrameReader::default();
+        huge.push(&encode_header(layout, 1));
+        huge.next_frame().unwrap();
+        let mut frame = 1u64.to_le_bytes().to_vec();
+        frame.extend(0u64.to_le_bytes());
+        frame.extend(((MAX_BLOCK_BYTES + 1) as u32).to_le_bytes());
+        huge.push(&frame);
+        assert!(
+            huge.next_frame().is_err(),
+            "a hostile length is refused before allocating"
+        );
+    }
+}

@@ -13,6 +13,7 @@ pub mod attention;
 pub mod backend;
 pub mod bench;
 pub mod bench_coldstart;
+pub mod bench_kvtransfer;
 pub mod engine;
 pub mod fetch;
 pub mod gguf;

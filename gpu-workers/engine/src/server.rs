@@ -22,11 +22,12 @@ use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use futures_util::future::BoxFuture;
 use futures_util::StreamExt;
-use hearth_protocol::{GenerateEvent, GenerateRequest, ModelSpec, TraceParent, TRACEPARENT};
+use hearth_protocol::{BlockHash, GenerateEvent, GenerateRequest, ModelSpec, TraceParent, TRACEPARENT};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use std::sync::Arc;
 
+use crate::kv_transfer::{self, HttpKvTransport, KvTransport};
 use crate::metrics::EngineCollector;
 use crate::telemetry;
 use crate::Backend;
@@ -65,6 +66,8 @@ struct WorkerState {
     control: Option<Arc<dyn CatalogueControl>>,
     /// The bearer token runtime catalogue changes need (none: they are refused).
     token: Option<Arc<str>>,
+    /// How this worker fetches KV blocks from another (`…/kv/pull`).
+    transport: Arc<dyn KvTransport>,
 }
 
 impl WorkerState {
@@ -168,6 +171,7 @@ fn router_with(
         name: name.into(),
         control,
         token: token.filter(|t| !t.is_empty()).map(Into::into),
+        transport: Arc::new(HttpKvTransport::default()),
     };
     // One model: labelled by the worker; a catalogue: `worker/model`.
     let per_model = state.engines.len() > 1 || state.control.is_some();
@@ -256,6 +260,42 @@ fn router_with(
             ),
         )
         .route(
+            "/v1/worker/kv/export",
+            post(|State(w): State<WorkerState>, body| async move {
+                match w.first() {
+                    Ok(e) => kv_export(e, body).await,
+                    Err(r) => *r,
+                }
+            }),
+        )
+        .route(
+            "/v1/worker/m/{model}/kv/export",
+            post(|State(w): State<WorkerState>, Path(m): Path<String>, body| async move {
+                match w.model(&m) {
+                    Ok(e) => kv_export(e, body).await,
+                    Err(r) => *r,
+                }
+            }),
+        )
+        .route(
+            "/v1/worker/kv/pull",
+            post(|State(w): State<WorkerState>, body| async move {
+                match w.first() {
+                    Ok(e) => kv_pull(e, &*w.transport, body).await,
+                    Err(r) => *r,
+                }
+            }),
+        )
+        .route(
+            "/v1/worker/m/{model}/kv/pull",
+            post(|State(w): State<WorkerState>, Path(m): Path<String>, body| async move {
+                match w.model(&m) {
+                    Ok(e) => kv_pull(e, &*w.transport, body).await,
+                    Err(r) => *r,
+                }
+            }),
+        )
+        .route(
             "/v1/worker/m/{model}/load",
             post(|State(w): State<WorkerState>, Path(m): Path<String>| async move {
                 match w.model(&m) {
@@ -337,6 +377,85 @@ async fn remove_model(State(w): State<WorkerState>, headers: HeaderMap, Path(id)
         Ok(()) => Json(serde_json::json!({"id": id, "deleted": true})).into_response(),
         Err(e) => control_error(e),
     }
+}
+
+#[derive(serde::Deserialize)]
+struct ExportBody {
+    hashes: Vec<u64>,
+}
+
+/// `POST …/kv/export` `{"hashes": [u64]}`: the blocks as a framed stream
+/// ([`crate::kv_transfer`]), read from the engine a batch at a time (bounded memory; the
+/// connection's back-pressure paces the reads).
+async fn kv_export(backend: Arc<dyn Backend>, body: Result<Json<ExportBody>, JsonRejection>) -> Response {
+    let Json(body) = match body {
+        Ok(b) => b,
+        Err(e) => return *error_response(StatusCode::BAD_REQUEST, "invalid_request", e.body_text()),
+    };
+    let Some(engine) = backend.engine() else {
+        return *error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "model_not_loaded",
+            "the model is not loaded here: no KV blocks to export".into(),
+        );
+    };
+    let hashes: Vec<BlockHash> = body.hashes.into_iter().map(BlockHash).collect();
+    let header = kv_transfer::encode_header(engine.kv_layout(), hashes.len());
+    let batches: Vec<Vec<BlockHash>> = hashes.chunks(32).map(<[BlockHash]>::to_vec).collect();
+    let blocks = futures_util::stream::iter(batches).then(move |batch| {
+        let engine = engine.clone();
+        async move {
+            let blocks = engine.export_blocks(batch.clone()).await.unwrap_or_default();
+            let mut out = Vec::new();
+            for (i, h) in batch.iter().enumerate() {
+                out.extend(kv_transfer::encode_block(*h, blocks.get(i).and_then(Option::as_ref)));
+            }
+            Ok::<_, Infallible>(Bytes::from(out))
+        }
+    });
+    let stream = futures_util::stream::once(async move { Ok::<_, Infallible>(Bytes::from(header)) }).chain(blocks);
+    (
+        [(header::CONTENT_TYPE, "application/octet-stream")],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}
+
+#[derive(serde::Deserialize)]
+struct PullBody {
+    /// The worker holding the blocks (its base URL).
+    source: String,
+    prompt: Vec<u32>,
+    #[serde(default)]
+    cache_namespace: String,
+}
+
+/// `POST …/kv/pull` `{"source", "prompt", "cache_namespace"}`: fetches the prompt's blocks
+/// this engine lacks from `source` and imports them; answers the [`kv_transfer::PullReport`]
+/// (502 with it when the transfer failed midway: what arrived is kept).
+async fn kv_pull(
+    backend: Arc<dyn Backend>,
+    transport: &dyn KvTransport,
+    body: Result<Json<PullBody>, JsonRejection>,
+) -> Response {
+    let Json(body) = match body {
+        Ok(b) => b,
+        Err(e) => return *error_response(StatusCode::BAD_REQUEST, "invalid_request", e.body_text()),
+    };
+    let Some(engine) = backend.engine() else {
+        return *error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "model_not_loaded",
+            "the model is not loaded here".into(),
+        );
+    };
+    let report = kv_transfer::pull(&engine, transport, &body.source, &body.prompt, &body.cache_namespace).await;
+    let status = if report.error.is_some() {
+        StatusCode::BAD_GATEWAY
+    } else {
+        StatusCode::OK
+    };
+    (status, Json(report)).into_response()
 }
 
 fn info(engine: Arc<dyn Backend>) -> Response {

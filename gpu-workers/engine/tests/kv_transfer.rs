@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 
+use futures_util::StreamExt;
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::{EngineConfig, EngineHandle};
 use hearth_protocol::{GenerateEvent, GenerateRequest, SamplingParams};
@@ -143,4 +144,87 @@ async fn only_missing_blocks_travel_and_corrupted_ones_are_computed() {
     let mut other = prefill.kv_layout();
     other.block_tokens *= 2;
     assert!(decode.import_blocks(other, Vec::new()).await.is_err());
+}
+
+/// Serves `engine` as a worker on a loopback port; its base URL.
+async fn serve(engine: EngineHandle) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = hearth_engine::server::router(std::sync::Arc::new(engine), "test");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}")
+}
+
+async fn pull(decode_url: &str, source: &str, prompt: &[u32]) -> (u16, serde_json::Value) {
+    let resp = reqwest::Client::new()
+        .post(format!("{decode_url}/v1/worker/m/{DEFAULT_MODEL_ID}/kv/pull"))
+        .json(&serde_json::json!({"source": source, "prompt": prompt}))
+        .send()
+        .await
+        .unwrap();
+    (resp.status().as_u16(), resp.json().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_move_worker_to_worker_over_http() {
+    let prompt = prompt();
+    let prefill = engine();
+    greedy(&prefill, &prompt, 1).await;
+    let n = prefill.prompt_block_hashes(&prompt, "").len();
+    let prefill_url = serve(prefill).await;
+    let decode = engine();
+    let decode_url = serve(decode.clone()).await;
+    let (status, report) = pull(&decode_url, &prefill_url, &prompt).await;
+    assert_eq!(status, 200, "{report}");
+    assert_eq!(report["missing"], n);
+    assert_eq!(report["import"]["imported"], n, "{report}");
+    let (got, cached) = greedy(&decode, &prompt, 8).await;
+    assert_eq!(cached as usize, n * 16);
+    let (want, _) = greedy(&engine(), &prompt, 8).await;
+    assert_eq!(got, want);
+    // Pulled again: nothing is missing, nothing travels.
+    let (status, report) = pull(&decode_url, &prefill_url, &prompt).await;
+    assert_eq!((status, report["missing"].as_u64()), (200, Some(0)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_cut_midway_keeps_what_arrived_and_the_request_completes() {
+    use axum::body::{Body, Bytes};
+    use hearth_engine::kv_transfer::{encode_block, encode_header};
+    let prompt = prompt();
+    let prefill = engine();
+    greedy(&prefill, &prompt, 1).await;
+    let hashes = prefill.prompt_block_hashes(&prompt, "");
+    let blocks = prefill.export_blocks(hashes.clone()).await.unwrap();
+    // A source that sends the header and three blocks, then drops the connection.
+    let mut partial = encode_header(prefill.kv_layout(), hashes.len());
+    for (h, b) in hashes.iter().zip(&blocks).take(3) {
+        partial.extend(encode_block(*h, b.as_ref()));
+    }
+    let app = axum::Router::new().route(
+        "/v1/worker/m/{model}/kv/export",
+        axum::routing::post(move || {
+            let partial = partial.clone();
+            async move {
+                let s = futures_util::stream::iter([Ok::<_, std::io::Error>(Bytes::from(partial))]).chain(
+                    futures_util::stream::once(async { Err(std::io::Error::other("the prefill worker died")) }),
+                );
+                Body::from_stream(s)
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let source = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let decode = engine();
+    let decode_url = serve(decode.clone()).await;
+    let (status, report) = pull(&decode_url, &source, &prompt).await;
+    assert_eq!(status, 502, "{report}");
+    assert!(report["error"].as_str().is_some(), "{report}");
+    assert_eq!(report["import"]["imported"], 3, "what arrived intact is kept: {report}");
+    // The request completes: the missing blocks are computed.
+    let (got, cached) = greedy(&decode, &prompt, 8).await;
+    assert_eq!(cached, 3 * 16);
+    let (want, _) = greedy(&engine(), &prompt, 8).await;
+    assert_eq!(got, want);
 }

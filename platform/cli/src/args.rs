@@ -134,6 +134,18 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// KV transfer between engines (prefill/decode disaggregation): in process and worker to
+    /// worker over loopback HTTP, in GB/s.
+    KvTransfer {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Prompt length (its full blocks move).
+        #[arg(long, default_value_t = 2048)]
+        prompt_tokens: usize,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
 }
 
 #[derive(Args, Clone)]

@@ -10,6 +10,19 @@ use crate::output::write_json;
 pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
         BenchCommand::Engine { model, quick, json } => engine(model, quick, json).await,
+        BenchCommand::KvTransfer {
+            model,
+            prompt_tokens,
+            json,
+        } => {
+            let (path, id) = resolve_model(&model).await?;
+            let mut cfg = model.engine_config();
+            // Room for the prompt's blocks in each engine, whatever the machine's memory.
+            cfg.kv_cache_mib.get_or_insert(256);
+            let report = hearth_engine::bench_kvtransfer::run(&path, &id, &cfg, prompt_tokens.clamp(32, 8192)).await?;
+            print!("{}", report.table());
+            write_json(&report, json)
+        }
         BenchCommand::Coldstart {
             model,
             prompt_tokens,
