@@ -61,10 +61,14 @@ async fn first_token(e: &EngineHandle, prompt: &[u32]) -> (f64, u32) {
     (ms, 0)
 }
 
+/// The workers' shared token in this benchmark.
+const TOKEN: &str = "kv-bench";
+
 async fn serve(engine: EngineHandle) -> std::io::Result<String> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    let app = crate::server::router(Arc::new(engine), "bench");
+    let engines: Vec<(String, Arc<dyn crate::Backend>)> = vec![(engine.info().model.clone(), Arc::new(engine))];
+    let app = crate::server::router_many(engines, "bench", Some(TOKEN.into()));
     tokio::spawn(async move { axum::serve(listener, app).await });
     Ok(format!("http://{addr}"))
 }
@@ -110,7 +114,7 @@ pub async fn run(
         .await
         .map_err(|e| EngineError::Start(e.to_string()))?;
     let receiver = load()?;
-    let pulled = pull(&receiver, &HttpKvTransport::default(), &url, &prompt, "").await;
+    let pulled = pull(&receiver, &HttpKvTransport::new(Some(TOKEN.into())), &url, &prompt, "").await;
     if let Some(e) = &pulled.error {
         return Err(EngineError::Start(format!("loopback transfer failed: {e}")));
     }

@@ -158,11 +158,12 @@ struct Job {
 enum Command {
     Generate(Job),
     Subscribe(oneshot::Sender<(KvEvent, broadcast::Receiver<KvEvent>)>),
-    /// The cached blocks with these hashes (None: not cached here).
-    ExportBlocks(Vec<BlockHash>, oneshot::Sender<Vec<Option<KvBlock>>>),
+    /// The bytes of the cached blocks with these hashes (None: not cached here).
+    ExportBlocks(Vec<BlockHash>, oneshot::Sender<Vec<Option<Vec<u8>>>>),
     /// Which of these hashes are not cached here.
     MissingBlocks(Vec<BlockHash>, oneshot::Sender<Vec<BlockHash>>),
-    ImportBlocks(Vec<KvBlock>, oneshot::Sender<ImportReport>),
+    /// Blocks in chain order, each with why it was already refused (its checksum).
+    ImportBlocks(Vec<(KvBlock, Option<String>)>, oneshot::Sender<ImportReport>),
 }
 
 /// A cheap, cloneable handle to a running engine.
@@ -378,9 +379,14 @@ impl EngineHandle {
     pub async fn export_blocks(&self, hashes: Vec<BlockHash>) -> Result<Vec<Option<KvBlock>>, ImportError> {
         let (tx, rx) = oneshot::channel();
         self.commands
-            .send(Command::ExportBlocks(hashes, tx))
+            .send(Command::ExportBlocks(hashes.clone(), tx))
             .map_err(|_| ImportError::Stopped)?;
-        rx.await.map_err(|_| ImportError::Stopped)
+        let data = rx.await.map_err(|_| ImportError::Stopped)?;
+        Ok(hashes
+            .into_iter()
+            .zip(data)
+            .map(|(h, d)| d.map(|d| KvBlock::new(h, d)))
+            .collect())
     }
 
     /// Which of these hashes this engine does not hold (the blocks worth sending).
@@ -401,9 +407,17 @@ impl EngineHandle {
                 theirs: layout,
             });
         }
+        // Checksums are verified here, off the engine thread.
+        let checked = blocks
+            .into_iter()
+            .map(|b| {
+                let why = (!b.intact()).then(|| "checksum mismatch".to_string());
+                (b, why)
+            })
+            .collect();
         let (tx, rx) = oneshot::channel();
         self.commands
-            .send(Command::ImportBlocks(blocks, tx))
+            .send(Command::ImportBlocks(checked, tx))
             .map_err(|_| ImportError::Stopped)?;
         rx.await.map_err(|_| ImportError::Stopped)
     }
@@ -504,12 +518,10 @@ impl Runner {
                 let _ = reply.send((snap, self.kv_tx.subscribe()));
             }
             Command::ExportBlocks(hashes, reply) => {
+                // Copies only: checksums are taken off the engine thread.
                 let blocks = hashes
                     .into_iter()
-                    .map(|h| {
-                        let b = self.sched.blocks.peek(h)?;
-                        Some(KvBlock::new(h, self.pool.read_block(b)))
-                    })
+                    .map(|h| Some(self.pool.read_block(self.sched.blocks.peek(h)?)))
                     .collect();
                 let _ = reply.send(blocks);
             }
@@ -528,19 +540,35 @@ impl Runner {
     /// Writes intact blocks not held yet into free (or evicted) blocks and names them in
     /// the prefix cache, unreferenced: reusable by the next request, evictable like any
     /// cached block.
-    fn import(&mut self, blocks: Vec<KvBlock>) -> ImportReport {
+    ///
+    /// Blocks are a prompt's chain in order (checksums already verified): the import stops at
+    /// the first one it cannot write, since a prefix is reused only up to its first missing
+    /// block. The blocks written stay referenced until the end, so that making room for a
+    /// later block never evicts an earlier one of the same import; they are then released
+    /// last-first, so that the cache evicts a prefix's tail before its head.
+    fn import(&mut self, blocks: Vec<(KvBlock, Option<String>)>) -> ImportReport {
         let mut report = ImportReport::default();
-        for block in blocks {
+        let mut held = Vec::new();
+        let mut gap = false;
+        for (block, rejected) in blocks {
+            if gap {
+                report
+                    .rejected
+                    .push((block.hash, "follows a block that could not be imported".into()));
+                continue;
+            }
             if self.sched.blocks.contains(block.hash) {
                 report.already_held += 1;
                 continue;
             }
-            if !block.intact() {
-                report.rejected.push((block.hash, "checksum mismatch".into()));
+            if let Some(why) = rejected {
+                report.rejected.push((block.hash, why));
+                gap = true;
                 continue;
             }
             let Some(b) = self.sched.blocks.allocate() else {
                 report.rejected.push((block.hash, "no free KV block".into()));
+                gap = true;
                 continue;
             };
             if self.pool.write_block(b, &block.data) {
@@ -549,7 +577,11 @@ impl Runner {
                 report.bytes += block.data.len() as u64;
             } else {
                 report.rejected.push((block.hash, "wrong block size".into()));
+                gap = true;
             }
+            held.push(b);
+        }
+        for b in held.into_iter().rev() {
             self.sched.blocks.release(b);
         }
         report

@@ -259,10 +259,15 @@ impl KvPool {
     }
 }
 
-/// Element types whose bytes may be viewed directly: no padding, every bit pattern valid.
-trait Plain: Copy {}
-impl Plain for u16 {}
-impl Plain for f32 {}
+/// Element types whose bytes may be viewed directly.
+///
+/// # Safety
+/// Implementors have no padding and every bit pattern is a valid value.
+unsafe trait Plain: Copy {}
+// SAFETY: u16 and f32 have no padding; every bit pattern is a u16 or an f32 (NaNs included).
+unsafe impl Plain for u16 {}
+// SAFETY: as above.
+unsafe impl Plain for f32 {}
 
 // The transfer format is little-endian; so is every target Hearth builds for.
 #[cfg(not(target_endian = "little"))]

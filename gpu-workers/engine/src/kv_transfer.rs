@@ -6,8 +6,11 @@
 //! exactly as on the prefill side.
 //!
 //! Imported blocks are ordinary cached blocks: unreferenced, evictable (least recently used
-//! first), announced in the engine's KV events. A block whose checksum does not match, or
-//! that finds no room, is not imported; the request then computes it.
+//! first), announced in the engine's KV events. The checksum catches damage in transit, not
+//! a lying peer: only workers holding the shared worker token may export or pull (the
+//! worker API checks it). An import stops at the first block it cannot write (bad checksum,
+//! wrong size, no block free even by eviction): the request computes it and what follows.
+//! A pull guarantees nothing about later: its blocks may be evicted before a request comes.
 
 use hearth_protocol::BlockHash;
 use serde::{Deserialize, Serialize};
@@ -23,6 +26,17 @@ pub struct KvLayout {
     pub block_tokens: u32,
     /// `f16` or `f32`.
     pub dtype: KvDtypeName,
+}
+
+impl KvLayout {
+    /// Bytes of one block in this layout.
+    pub fn block_bytes(&self) -> usize {
+        let elem = match self.dtype {
+            KvDtypeName::F16 => 2,
+            KvDtypeName::F32 => 4,
+        };
+        self.n_layers as usize * 2 * self.block_tokens as usize * self.kv_dim as usize * elem
+    }
 }
 
 /// [`KvDtype`] as it travels.
@@ -150,11 +164,13 @@ pub enum TransferError {
     Truncated { peer: String, got: usize, want: usize },
 }
 
-/// Splits bytes as they arrive into frames; holds at most one partial frame.
+/// Splits bytes as they arrive into frames; holds at most one partial frame. After the
+/// header, every block frame must have the header's layout's block size.
 #[derive(Debug, Default)]
 pub struct FrameReader {
     buf: Vec<u8>,
     header_seen: bool,
+    block_bytes: usize,
 }
 
 impl FrameReader {
@@ -186,6 +202,10 @@ impl FrameReader {
             let h: Header = serde_json::from_slice(&self.buf[8..8 + n]).map_err(|e| format!("header: {e}"))?;
             self.buf.drain(..8 + n);
             self.header_seen = true;
+            self.block_bytes = h.layout.block_bytes();
+            if self.block_bytes == 0 || self.block_bytes > MAX_BLOCK_BYTES {
+                return Err(format!("a layout of {} bytes per block", self.block_bytes));
+            }
             return Ok(Some(Frame::Header {
                 layout: h.layout,
                 count: h.count,
@@ -207,8 +227,8 @@ impl FrameReader {
             return Ok(Some(Frame::Block(hash, None)));
         }
         let len = len as usize;
-        if len > MAX_BLOCK_BYTES {
-            return Err(format!("a block of {len} bytes"));
+        if len != self.block_bytes {
+            return Err(format!("a block of {len} bytes in a layout of {}", self.block_bytes));
         }
         if self.buf.len() < 20 + len {
             return Ok(None);
@@ -238,22 +258,27 @@ pub trait KvTransport: Send + Sync + 'static {
     ) -> futures_util::future::BoxFuture<'static, Result<FrameStream, TransferError>>;
 }
 
-/// KV blocks over HTTP: `POST {peer}/v1/worker/m/{model}/kv/export` with the hashes, the
-/// framed stream back. A peer that stops sending for `idle_timeout` fails the transfer.
+/// KV blocks over HTTP: `POST {peer}/v1/worker/m/{model}/kv/export` with the hashes and
+/// the worker token, the framed stream back. A peer that stops sending for `idle_timeout`
+/// fails the transfer; redirects are not followed.
 #[derive(Debug, Clone)]
 pub struct HttpKvTransport {
     client: reqwest::Client,
+    token: Option<String>,
     pub idle_timeout: std::time::Duration,
 }
 
-impl Default for HttpKvTransport {
-    fn default() -> Self {
+impl HttpKvTransport {
+    /// A transport presenting `token` (the workers' shared token) to peers.
+    pub fn new(token: Option<String>) -> Self {
         Self {
             client: reqwest::Client::builder()
                 .connect_timeout(std::time::Duration::from_secs(5))
+                .redirect(reqwest::redirect::Policy::none())
                 .tcp_nodelay(true)
                 .build()
                 .unwrap_or_default(),
+            token: token.filter(|t| !t.is_empty()),
             idle_timeout: std::time::Duration::from_secs(10),
         }
     }
@@ -268,15 +293,27 @@ impl KvTransport for HttpKvTransport {
     ) -> futures_util::future::BoxFuture<'static, Result<FrameStream, TransferError>> {
         use futures_util::{FutureExt, StreamExt};
         let peer = peer.trim_end_matches('/').to_string();
-        let url = format!("{peer}/v1/worker/m/{model}/kv/export");
-        let (client, idle) = (self.client.clone(), self.idle_timeout);
+        // The model id is a path segment, escaped.
+        let url = reqwest::Url::parse(&peer).ok().and_then(|mut u| {
+            u.path_segments_mut()
+                .ok()?
+                .pop_if_empty()
+                .extend(["v1", "worker", "m", model, "kv", "export"]);
+            Some(u)
+        });
+        let (client, idle, token) = (self.client.clone(), self.idle_timeout, self.token.clone());
         async move {
             let unreachable = |detail: String| TransferError::Unreachable {
                 peer: peer.clone(),
                 detail,
             };
+            let url = url.ok_or_else(|| unreachable("not a base URL".into()))?;
             let body = serde_json::json!({"hashes": hashes.iter().map(|h| h.0).collect::<Vec<_>>()});
-            let resp = tokio::time::timeout(idle, client.post(&url).json(&body).send())
+            let mut post = client.post(url).json(&body);
+            if let Some(t) = &token {
+                post = post.bearer_auth(t);
+            }
+            let resp = tokio::time::timeout(idle, post.send())
                 .await
                 .map_err(|_| unreachable("no answer".into()))?
                 .map_err(|e| unreachable(e.to_string()))?;
@@ -357,9 +394,9 @@ pub struct PullReport {
     pub error: Option<String>,
 }
 
-/// Blocks imported per batch: bounds the memory a transfer holds (about 12 MiB for the
-/// default model) and lets the engine run steps between batches.
-const IMPORT_BATCH: usize = 32;
+/// Blocks per batch, on both sides: bounds the memory a transfer holds (about 12 MiB for
+/// the default model) and lets the engine run steps between batches.
+pub const TRANSFER_BATCH: usize = 32;
 
 /// Fetches the blocks of `prompt` this engine lacks from `peer` and imports them.
 pub async fn pull(
@@ -388,7 +425,7 @@ pub async fn pull(
         return report;
     }
     let model = engine.info().model.clone();
-    let mut frames = match transport.fetch(peer, &model, missing).await {
+    let mut frames = match transport.fetch(peer, &model, missing.clone()).await {
         Ok(f) => f,
         Err(e) => {
             report.error = Some(e.to_string());
@@ -396,18 +433,56 @@ pub async fn pull(
         }
     };
     let mut layout = None;
-    let mut batch = Vec::with_capacity(IMPORT_BATCH);
+    let mut batch = Vec::with_capacity(TRANSFER_BATCH);
     let mut fail = None;
-    while let Some(frame) = frames.next().await {
+    let mut next = 0usize;
+    // The whole transfer is bounded too, not only each pause: 30 s plus 50 ms a block.
+    let deadline = tokio::time::Instant::now()
+        + std::time::Duration::from_secs(30)
+        + std::time::Duration::from_millis(50 * missing.len() as u64);
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, frames.next()).await {
+            Ok(Some(f)) => f,
+            Ok(None) => break,
+            Err(_) => {
+                fail = Some(format!("the transfer from {peer} did not finish in time"));
+                break;
+            }
+        };
+        let malformed = |what: String| Some(format!("{peer} sent {what}"));
         match frame {
-            Ok(Frame::Header { layout: l, .. }) => layout = Some(l),
-            Ok(Frame::Block(_, None)) => report.not_held += 1,
-            Ok(Frame::Block(_, Some(b))) => {
+            Ok(Frame::Header { layout: l, count }) => {
+                if l != engine.kv_layout() {
+                    fail = malformed(format!("another KV layout ({l:?})"));
+                    break;
+                }
+                if count != missing.len() {
+                    fail = malformed(format!("{count} blocks for {} asked", missing.len()));
+                    break;
+                }
+                layout = Some(l);
+            }
+            // Frames answer the hashes asked, in order; anything else ends the transfer.
+            Ok(Frame::Block(h, block)) => {
+                if missing.get(next) != Some(&h) {
+                    fail = malformed("a block that was not asked for".into());
+                    break;
+                }
+                next += 1;
+                let Some(b) = block else {
+                    // Not held there: what follows cannot be reused here.
+                    report.not_held += 1;
+                    break;
+                };
                 batch.push(b);
-                if batch.len() == IMPORT_BATCH {
-                    if let Err(e) = import_batch(engine, layout, &mut batch, &mut report.import).await {
-                        fail = Some(e);
-                        break;
+                if batch.len() == TRANSFER_BATCH {
+                    match import_batch(engine, layout, &mut batch, &mut report.import).await {
+                        Ok(true) => {}
+                        Ok(false) => break, // a block could not be imported: stop there
+                        Err(e) => {
+                            fail = Some(e);
+                            break;
+                        }
                     }
                 }
             }
@@ -417,7 +492,7 @@ pub async fn pull(
             }
         }
     }
-    // What arrived before a failure is still good (each block is checked on its own).
+    // What arrived intact before a failure is still good (each block is checked on its own).
     if let Err(e) = import_batch(engine, layout, &mut batch, &mut report.import).await {
         fail.get_or_insert(e);
     }
@@ -426,14 +501,15 @@ pub async fn pull(
     report
 }
 
+/// Imports a batch; Ok(false) if a block was refused (the chain is broken there).
 async fn import_batch(
     engine: &crate::EngineHandle,
     layout: Option<KvLayout>,
     batch: &mut Vec<KvBlock>,
     total: &mut ImportReport,
-) -> Result<(), String> {
+) -> Result<bool, String> {
     if batch.is_empty() {
-        return Ok(());
+        return Ok(true);
     }
     let layout = layout.ok_or("blocks before the header")?;
     let r = engine
@@ -443,8 +519,9 @@ async fn import_batch(
     total.imported += r.imported;
     total.already_held += r.already_held;
     total.bytes += r.bytes;
+    let whole = r.rejected.is_empty();
     total.rejected.extend(r.rejected);
-    Ok(())
+    Ok(whole)
 }
 
 #[cfg(test)]
@@ -460,7 +537,7 @@ mod tests {
             block_tokens: 16,
             dtype: KvDtypeName::F16,
         };
-        let a = KvBlock::new(BlockHash(7), (0..200u8).collect());
+        let a = KvBlock::new(BlockHash(7), (0..layout.block_bytes()).map(|i| i as u8).collect());
         let mut bytes = encode_header(layout, 2);
         bytes.extend(encode_block(BlockHash(7), Some(&a)));
         bytes.extend(encode_block(BlockHash(9), None));
@@ -496,5 +573,13 @@ mod tests {
             huge.next_frame().is_err(),
             "a hostile length is refused before allocating"
         );
+        let mut short = FrameReader::default();
+        short.push(&encode_header(layout, 1));
+        short.next_frame().unwrap();
+        short.push(&encode_block(
+            BlockHash(1),
+            Some(&KvBlock::new(BlockHash(1), vec![0; 10])),
+        ));
+        assert!(short.next_frame().is_err(), "a block of another size than the layout's");
     }
 }

@@ -84,7 +84,7 @@ impl WorkerState {
             return Err(error_response(
                 StatusCode::FORBIDDEN,
                 "catalogue_changes_disabled",
-                "runtime catalogue changes need a worker token: start the worker and the gateway with HEARTH_WORKER_TOKEN".into(),
+                "catalogue changes and KV transfers need the worker token: start the workers and the gateway with HEARTH_WORKER_TOKEN".into(),
             ));
         };
         let got = headers
@@ -100,7 +100,7 @@ impl WorkerState {
             Err(error_response(
                 StatusCode::UNAUTHORIZED,
                 "invalid_worker_token",
-                "a catalogue change needs Authorization: Bearer <worker token>".into(),
+                "this route needs Authorization: Bearer <worker token>".into(),
             ))
         }
     }
@@ -135,7 +135,7 @@ impl WorkerState {
 
 /// The worker API for `engine`; `name` labels its metrics (`worker="…"`).
 pub fn router(engine: Arc<dyn Backend>, name: &str) -> Router {
-    router_many(vec![(engine.info().model.clone(), engine)], name)
+    router_many(vec![(engine.info().model.clone(), engine)], name, None)
 }
 
 fn error_response(status: StatusCode, code: &str, message: String) -> Box<Response> {
@@ -146,10 +146,11 @@ fn error_response(status: StatusCode, code: &str, message: String) -> Box<Respon
     Box::new((status, Json(ev)).into_response())
 }
 
-/// The worker API for several models (at least one).
-pub fn router_many(engines: Vec<(String, Arc<dyn Backend>)>, name: &str) -> Router {
+/// The worker API for several models (at least one). `token`: the workers' shared token,
+/// which KV transfers (`…/kv/export`, `…/kv/pull`) require (none: transfers are refused).
+pub fn router_many(engines: Vec<(String, Arc<dyn Backend>)>, name: &str, token: Option<String>) -> Router {
     assert!(!engines.is_empty(), "a worker serves at least one model");
-    router_with(engines, name, None, None)
+    router_with(engines, name, None, token)
 }
 
 /// The worker API for a catalogue whose models change at runtime through `control`
@@ -170,8 +171,8 @@ fn router_with(
         engines: Arc::new(engines),
         name: name.into(),
         control,
-        token: token.filter(|t| !t.is_empty()).map(Into::into),
-        transport: Arc::new(HttpKvTransport::default()),
+        token: token.clone().filter(|t| !t.is_empty()).map(Into::into),
+        transport: Arc::new(HttpKvTransport::new(token)),
     };
     // One model: labelled by the worker; a catalogue: `worker/model`.
     let per_model = state.engines.len() > 1 || state.control.is_some();
@@ -261,8 +262,8 @@ fn router_with(
         )
         .route(
             "/v1/worker/kv/export",
-            post(|State(w): State<WorkerState>, body| async move {
-                match w.first() {
+            post(|State(w): State<WorkerState>, headers: HeaderMap, body| async move {
+                match w.authorized(&headers).and_then(|()| w.first()) {
                     Ok(e) => kv_export(e, body).await,
                     Err(r) => *r,
                 }
@@ -270,17 +271,19 @@ fn router_with(
         )
         .route(
             "/v1/worker/m/{model}/kv/export",
-            post(|State(w): State<WorkerState>, Path(m): Path<String>, body| async move {
-                match w.model(&m) {
-                    Ok(e) => kv_export(e, body).await,
-                    Err(r) => *r,
-                }
-            }),
+            post(
+                |State(w): State<WorkerState>, Path(m): Path<String>, headers: HeaderMap, body| async move {
+                    match w.authorized(&headers).and_then(|()| w.model(&m)) {
+                        Ok(e) => kv_export(e, body).await,
+                        Err(r) => *r,
+                    }
+                },
+            ),
         )
         .route(
             "/v1/worker/kv/pull",
-            post(|State(w): State<WorkerState>, body| async move {
-                match w.first() {
+            post(|State(w): State<WorkerState>, headers: HeaderMap, body| async move {
+                match w.authorized(&headers).and_then(|()| w.first()) {
                     Ok(e) => kv_pull(e, &*w.transport, body).await,
                     Err(r) => *r,
                 }
@@ -288,12 +291,14 @@ fn router_with(
         )
         .route(
             "/v1/worker/m/{model}/kv/pull",
-            post(|State(w): State<WorkerState>, Path(m): Path<String>, body| async move {
-                match w.model(&m) {
-                    Ok(e) => kv_pull(e, &*w.transport, body).await,
-                    Err(r) => *r,
-                }
-            }),
+            post(
+                |State(w): State<WorkerState>, Path(m): Path<String>, headers: HeaderMap, body| async move {
+                    match w.authorized(&headers).and_then(|()| w.model(&m)) {
+                        Ok(e) => kv_pull(e, &*w.transport, body).await,
+                        Err(r) => *r,
+                    }
+                },
+            ),
         )
         .route(
             "/v1/worker/m/{model}/load",
@@ -399,21 +404,38 @@ async fn kv_export(backend: Arc<dyn Backend>, body: Result<Json<ExportBody>, Jso
             "the model is not loaded here: no KV blocks to export".into(),
         );
     };
+    // A prompt's blocks: at most the longest context's, each once.
+    let max = engine.info().context_length as usize / engine.kv_layout().block_tokens.max(1) as usize + 1;
+    let mut seen = std::collections::HashSet::new();
+    if body.hashes.len() > max || !body.hashes.iter().all(|h| seen.insert(*h)) {
+        return *error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            format!("hashes must be distinct and at most {max}"),
+        );
+    }
     let hashes: Vec<BlockHash> = body.hashes.into_iter().map(BlockHash).collect();
     let header = kv_transfer::encode_header(engine.kv_layout(), hashes.len());
-    let batches: Vec<Vec<BlockHash>> = hashes.chunks(32).map(<[BlockHash]>::to_vec).collect();
+    let batches: Vec<Vec<BlockHash>> = hashes
+        .chunks(kv_transfer::TRANSFER_BATCH)
+        .map(<[BlockHash]>::to_vec)
+        .collect();
     let blocks = futures_util::stream::iter(batches).then(move |batch| {
         let engine = engine.clone();
         async move {
-            let blocks = engine.export_blocks(batch.clone()).await.unwrap_or_default();
+            // A stopped engine ends the stream with an error (the receiver sees it cut).
+            let blocks = engine
+                .export_blocks(batch.clone())
+                .await
+                .map_err(std::io::Error::other)?;
             let mut out = Vec::new();
             for (i, h) in batch.iter().enumerate() {
                 out.extend(kv_transfer::encode_block(*h, blocks.get(i).and_then(Option::as_ref)));
             }
-            Ok::<_, Infallible>(Bytes::from(out))
+            Ok::<_, std::io::Error>(Bytes::from(out))
         }
     });
-    let stream = futures_util::stream::once(async move { Ok::<_, Infallible>(Bytes::from(header)) }).chain(blocks);
+    let stream = futures_util::stream::once(async move { Ok::<_, std::io::Error>(Bytes::from(header)) }).chain(blocks);
     (
         [(header::CONTENT_TYPE, "application/octet-stream")],
         Body::from_stream(stream),

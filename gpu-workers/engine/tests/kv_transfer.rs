@@ -146,11 +146,16 @@ async fn only_missing_blocks_travel_and_corrupted_ones_are_computed() {
     assert!(decode.import_blocks(other, Vec::new()).await.is_err());
 }
 
+/// The workers' shared token in these tests.
+const TOKEN: &str = "kv-test-token";
+
 /// Serves `engine` as a worker on a loopback port; its base URL.
 async fn serve(engine: EngineHandle) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = hearth_engine::server::router(std::sync::Arc::new(engine), "test");
+    let engines: Vec<(String, std::sync::Arc<dyn hearth_engine::Backend>)> =
+        vec![(DEFAULT_MODEL_ID.into(), std::sync::Arc::new(engine))];
+    let app = hearth_engine::server::router_many(engines, "test", Some(TOKEN.into()));
     tokio::spawn(async move { axum::serve(listener, app).await });
     format!("http://{addr}")
 }
@@ -158,6 +163,7 @@ async fn serve(engine: EngineHandle) -> String {
 async fn pull(decode_url: &str, source: &str, prompt: &[u32]) -> (u16, serde_json::Value) {
     let resp = reqwest::Client::new()
         .post(format!("{decode_url}/v1/worker/m/{DEFAULT_MODEL_ID}/kv/pull"))
+        .bearer_auth(TOKEN)
         .json(&serde_json::json!({"source": source, "prompt": prompt}))
         .send()
         .await
@@ -185,6 +191,16 @@ async fn blocks_move_worker_to_worker_over_http() {
     // Pulled again: nothing is missing, nothing travels.
     let (status, report) = pull(&decode_url, &prefill_url, &prompt).await;
     assert_eq!((status, report["missing"].as_u64()), (200, Some(0)));
+    // Without the workers' token, neither side moves a block.
+    for path in ["kv/pull", "kv/export"] {
+        let resp = reqwest::Client::new()
+            .post(format!("{decode_url}/v1/worker/m/{DEFAULT_MODEL_ID}/{path}"))
+            .json(&serde_json::json!({"source": prefill_url, "prompt": prompt, "hashes": []}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 401, "{path}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

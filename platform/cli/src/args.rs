@@ -332,8 +332,9 @@ pub struct WorkerArgs {
     /// Memory all warm models of the catalogue may use together.
     #[arg(long, env = "HEARTH_MEMORY_BUDGET_MIB")]
     pub memory_budget_mib: Option<u64>,
-    /// The token gateways present to add or remove catalogue models at runtime
-    /// (`POST`/`DELETE /v1/worker/models`); unset: runtime changes are refused.
+    /// The workers' shared token: gateways present it to add or remove catalogue models at
+    /// runtime (`POST`/`DELETE /v1/worker/models`), workers to move KV blocks between them
+    /// (`…/kv/export`, `…/kv/pull`); unset: both are refused.
     #[arg(long, env = "HEARTH_WORKER_TOKEN", hide_env_values = true)]
     pub worker_token: Option<String>,
 }

@@ -251,7 +251,7 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
     let name = worker_name(addr);
     let app = match catalogue {
         Some(c) => hearth_engine::server::router_catalogue(&name, c, a.worker_token.clone()),
-        None => hearth_engine::server::router_many(engines, &name),
+        None => hearth_engine::server::router_many(engines, &name, a.worker_token.clone()),
     };
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown_signal())
