@@ -68,7 +68,12 @@ struct WorkerState {
     token: Option<Arc<str>>,
     /// How this worker fetches KV blocks from another (`…/kv/pull`).
     transport: Arc<dyn KvTransport>,
+    /// KV transfers (exports and pulls) running at once, at most [`MAX_TRANSFERS`].
+    transfers: Arc<tokio::sync::Semaphore>,
 }
+
+/// KV transfers one worker serves at once; more are answered 503 `transfer_busy`.
+const MAX_TRANSFERS: usize = 4;
 
 impl WorkerState {
     fn list(&self) -> Vec<(String, Arc<dyn Backend>)> {
@@ -76,6 +81,17 @@ impl WorkerState {
             Some(c) => c.models(),
             None => self.engines.to_vec(),
         }
+    }
+
+    /// A place among the KV transfers running now, or the 503 of a busy worker.
+    fn transfer_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Box<Response>> {
+        self.transfers.clone().try_acquire_owned().map_err(|_| {
+            error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "transfer_busy",
+                format!("this worker is already running {MAX_TRANSFERS} KV transfers"),
+            )
+        })
     }
 
     /// Whether a request may change the catalogue: it carries the worker token.
@@ -173,6 +189,7 @@ fn router_with(
         control,
         token: token.clone().filter(|t| !t.is_empty()).map(Into::into),
         transport: Arc::new(HttpKvTransport::new(token)),
+        transfers: Arc::new(tokio::sync::Semaphore::new(MAX_TRANSFERS)),
     };
     // One model: labelled by the worker; a catalogue: `worker/model`.
     let per_model = state.engines.len() > 1 || state.control.is_some();
@@ -263,8 +280,11 @@ fn router_with(
         .route(
             "/v1/worker/kv/export",
             post(|State(w): State<WorkerState>, headers: HeaderMap, body| async move {
-                match w.authorized(&headers).and_then(|()| w.first()) {
-                    Ok(e) => kv_export(e, body).await,
+                match w
+                    .authorized(&headers)
+                    .and_then(|()| Ok((w.first()?, w.transfer_permit()?)))
+                {
+                    Ok((e, permit)) => kv_export(e, permit, body).await,
                     Err(r) => *r,
                 }
             }),
@@ -273,8 +293,11 @@ fn router_with(
             "/v1/worker/m/{model}/kv/export",
             post(
                 |State(w): State<WorkerState>, Path(m): Path<String>, headers: HeaderMap, body| async move {
-                    match w.authorized(&headers).and_then(|()| w.model(&m)) {
-                        Ok(e) => kv_export(e, body).await,
+                    match w
+                        .authorized(&headers)
+                        .and_then(|()| Ok((w.model(&m)?, w.transfer_permit()?)))
+                    {
+                        Ok((e, permit)) => kv_export(e, permit, body).await,
                         Err(r) => *r,
                     }
                 },
@@ -283,8 +306,11 @@ fn router_with(
         .route(
             "/v1/worker/kv/pull",
             post(|State(w): State<WorkerState>, headers: HeaderMap, body| async move {
-                match w.authorized(&headers).and_then(|()| w.first()) {
-                    Ok(e) => kv_pull(e, &*w.transport, body).await,
+                match w
+                    .authorized(&headers)
+                    .and_then(|()| Ok((w.first()?, w.transfer_permit()?)))
+                {
+                    Ok((e, _permit)) => kv_pull(e, &*w.transport, body).await,
                     Err(r) => *r,
                 }
             }),
@@ -293,8 +319,11 @@ fn router_with(
             "/v1/worker/m/{model}/kv/pull",
             post(
                 |State(w): State<WorkerState>, Path(m): Path<String>, headers: HeaderMap, body| async move {
-                    match w.authorized(&headers).and_then(|()| w.model(&m)) {
-                        Ok(e) => kv_pull(e, &*w.transport, body).await,
+                    match w
+                        .authorized(&headers)
+                        .and_then(|()| Ok((w.model(&m)?, w.transfer_permit()?)))
+                    {
+                        Ok((e, _permit)) => kv_pull(e, &*w.transport, body).await,
                         Err(r) => *r,
                     }
                 },
@@ -392,7 +421,11 @@ struct ExportBody {
 /// `POST …/kv/export` `{"hashes": [u64]}`: the blocks as a framed stream
 /// ([`crate::kv_transfer`]), read from the engine a batch at a time (bounded memory; the
 /// connection's back-pressure paces the reads).
-async fn kv_export(backend: Arc<dyn Backend>, body: Result<Json<ExportBody>, JsonRejection>) -> Response {
+async fn kv_export(
+    backend: Arc<dyn Backend>,
+    permit: tokio::sync::OwnedSemaphorePermit,
+    body: Result<Json<ExportBody>, JsonRejection>,
+) -> Response {
     let Json(body) = match body {
         Ok(b) => b,
         Err(e) => return *error_response(StatusCode::BAD_REQUEST, "invalid_request", e.body_text()),
@@ -435,7 +468,12 @@ async fn kv_export(backend: Arc<dyn Backend>, body: Result<Json<ExportBody>, Jso
             Ok::<_, std::io::Error>(Bytes::from(out))
         }
     });
-    let stream = futures_util::stream::once(async move { Ok::<_, std::io::Error>(Bytes::from(header)) }).chain(blocks);
+    let stream = futures_util::stream::once(async move { Ok::<_, std::io::Error>(Bytes::from(header)) })
+        .chain(blocks)
+        // The transfer's place is held until the stream ends or the peer goes away.
+        .inspect(move |_| {
+            let _held = &permit;
+        });
     (
         [(header::CONTENT_TYPE, "application/octet-stream")],
         Body::from_stream(stream),
