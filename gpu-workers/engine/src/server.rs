@@ -49,6 +49,8 @@ pub enum ControlError {
 pub trait CatalogueControl: Send + Sync + 'static {
     /// The models served now, by id.
     fn models(&self) -> Vec<(String, Arc<dyn Backend>)>;
+    /// One model's backend (without listing them all: every request looks one up).
+    fn model(&self, id: &str) -> Option<Arc<dyn Backend>>;
     /// Adds a model; its backend serves the new `/v1/worker/m/{id}/…` routes.
     fn add(&self, spec: ModelSpec) -> BoxFuture<'_, Result<Arc<dyn Backend>, ControlError>>;
     /// Removes a model (requests in flight finish).
@@ -83,15 +85,26 @@ impl WorkerState {
         }
     }
 
-    /// A place among the KV transfers running now, or the 503 of a busy worker.
-    fn transfer_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Box<Response>> {
-        self.transfers.clone().try_acquire_owned().map_err(|_| {
+    /// What a KV transfer route needs: the worker token, the model (`None`: the first) and
+    /// a place among the transfers running now (else the 503 of a busy worker).
+    fn transfer(
+        &self,
+        headers: &HeaderMap,
+        model: Option<&str>,
+    ) -> Result<(Arc<dyn Backend>, tokio::sync::OwnedSemaphorePermit), Box<Response>> {
+        self.authorized(headers)?;
+        let backend = match model {
+            Some(m) => self.model(m)?,
+            None => self.first()?,
+        };
+        let permit = self.transfers.clone().try_acquire_owned().map_err(|_| {
             error_response(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "transfer_busy",
                 format!("this worker is already running {MAX_TRANSFERS} KV transfers"),
             )
-        })
+        })?;
+        Ok((backend, permit))
     }
 
     /// Whether a request may change the catalogue: it carries the worker token.
@@ -135,17 +148,17 @@ impl WorkerState {
 
     /// The model's backend, or the 404 a request for another model gets.
     fn model(&self, id: &str) -> Result<Arc<dyn Backend>, Box<Response>> {
-        self.list()
-            .into_iter()
-            .find(|(m, _)| m == id)
-            .map(|(_, e)| e)
-            .ok_or_else(|| {
-                error_response(
-                    StatusCode::NOT_FOUND,
-                    "model_not_found",
-                    format!("this worker does not serve {id:?}"),
-                )
-            })
+        let found = match &self.control {
+            Some(c) => c.model(id),
+            None => self.engines.iter().find(|(m, _)| m == id).map(|(_, e)| e.clone()),
+        };
+        found.ok_or_else(|| {
+            error_response(
+                StatusCode::NOT_FOUND,
+                "model_not_found",
+                format!("this worker does not serve {id:?}"),
+            )
+        })
     }
 }
 
@@ -280,10 +293,7 @@ fn router_with(
         .route(
             "/v1/worker/kv/export",
             post(|State(w): State<WorkerState>, headers: HeaderMap, body| async move {
-                match w
-                    .authorized(&headers)
-                    .and_then(|()| Ok((w.first()?, w.transfer_permit()?)))
-                {
+                match w.transfer(&headers, None) {
                     Ok((e, permit)) => kv_export(e, permit, body).await,
                     Err(r) => *r,
                 }
@@ -293,10 +303,7 @@ fn router_with(
             "/v1/worker/m/{model}/kv/export",
             post(
                 |State(w): State<WorkerState>, Path(m): Path<String>, headers: HeaderMap, body| async move {
-                    match w
-                        .authorized(&headers)
-                        .and_then(|()| Ok((w.model(&m)?, w.transfer_permit()?)))
-                    {
+                    match w.transfer(&headers, Some(&m)) {
                         Ok((e, permit)) => kv_export(e, permit, body).await,
                         Err(r) => *r,
                     }
@@ -306,10 +313,7 @@ fn router_with(
         .route(
             "/v1/worker/kv/pull",
             post(|State(w): State<WorkerState>, headers: HeaderMap, body| async move {
-                match w
-                    .authorized(&headers)
-                    .and_then(|()| Ok((w.first()?, w.transfer_permit()?)))
-                {
+                match w.transfer(&headers, None) {
                     Ok((e, _permit)) => kv_pull(e, &*w.transport, body).await,
                     Err(r) => *r,
                 }
@@ -319,10 +323,7 @@ fn router_with(
             "/v1/worker/m/{model}/kv/pull",
             post(
                 |State(w): State<WorkerState>, Path(m): Path<String>, headers: HeaderMap, body| async move {
-                    match w
-                        .authorized(&headers)
-                        .and_then(|()| Ok((w.model(&m)?, w.transfer_permit()?)))
-                    {
+                    match w.transfer(&headers, Some(&m)) {
                         Ok((e, _permit)) => kv_pull(e, &*w.transport, body).await,
                         Err(r) => *r,
                     }

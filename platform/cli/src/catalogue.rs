@@ -238,6 +238,10 @@ impl CatalogueControl for LocalCatalogue {
         self.backends()
     }
 
+    fn model(&self, id: &str) -> Option<Arc<dyn Backend>> {
+        Some(Arc::new(self.host.model(id)?))
+    }
+
     fn add(&self, spec: ModelSpec) -> BoxFuture<'_, Result<Arc<dyn Backend>, ControlError>> {
         self.add_spec(spec).boxed()
     }
