@@ -3,12 +3,15 @@
 //!
 //! * [`gateway`] — what authentication, limits, budgets and metering add per request;
 //! * [`processors`] — tenant processor overhead per guest language, and core scaling;
-//! * [`routing`] — routing policies on simulated workers, and the router micro-benchmark.
+//! * [`routing`] — routing policies on simulated workers, and the router micro-benchmark;
+//! * [`pd`] — prefill/decode disaggregation vs colocated serving, on real worker processes
+//!   and on simulated workers.
 //!
 //! (`hearth bench engine` lives with the engine, in `hearth_engine::bench`.) Side-by-side
 //! comparisons with other projects are the scripts beside this crate
 //! (`llamacpp-compare`, `gateway-compare`), measured in the same run.
 
 pub mod gateway;
+pub mod pd;
 pub mod processors;
 pub mod routing;

@@ -88,6 +88,9 @@ async fn run_one(engine: &EngineHandle, prompt: Vec<u32>, max_tokens: u32, names
         },
         cache_namespace: namespace,
         n: 1,
+        prefill_only: false,
+        resume: Vec::new(),
+        kv_source: None,
     };
     let start = Instant::now();
     let mut rx = engine.generate(req);

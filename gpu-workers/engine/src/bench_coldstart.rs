@@ -156,6 +156,9 @@ fn request(model: &str, prompt: &[u32], tag: &str) -> GenerateRequest {
         },
         cache_namespace: tag.into(),
         n: 1,
+        prefill_only: false,
+        resume: Vec::new(),
+        kv_source: None,
     }
 }
 

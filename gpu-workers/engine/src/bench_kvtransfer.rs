@@ -48,6 +48,9 @@ async fn first_token(e: &EngineHandle, prompt: &[u32]) -> (f64, u32) {
         },
         cache_namespace: String::new(),
         n: 1,
+        prefill_only: false,
+        resume: Vec::new(),
+        kv_source: None,
     });
     let mut ms = 0.0;
     while let Some(ev) = rx.recv().await {
@@ -68,7 +71,14 @@ async fn serve(engine: EngineHandle) -> std::io::Result<String> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let engines: Vec<(String, Arc<dyn crate::Backend>)> = vec![(engine.info().model.clone(), Arc::new(engine))];
-    let app = crate::server::router_many(engines, "bench", Some(TOKEN.into()));
+    let app = crate::server::router_many(
+        engines,
+        "bench",
+        crate::server::WorkerOptions {
+            token: Some(TOKEN.into()),
+            role: None,
+        },
+    );
     tokio::spawn(async move { axum::serve(listener, app).await });
     Ok(format!("http://{addr}"))
 }
@@ -114,7 +124,15 @@ pub async fn run(
         .await
         .map_err(|e| EngineError::Start(e.to_string()))?;
     let receiver = load()?;
-    let pulled = pull(&receiver, &HttpKvTransport::new(Some(TOKEN.into())), &url, &prompt, "").await;
+    let pulled = pull(
+        &receiver,
+        &HttpKvTransport::new(Some(TOKEN.into())),
+        &url,
+        &prompt,
+        "",
+        None,
+    )
+    .await;
     if let Some(e) = &pulled.error {
         return Err(EngineError::Start(format!("loopback transfer failed: {e}")));
     }

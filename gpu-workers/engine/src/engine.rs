@@ -33,6 +33,9 @@ const END_OF_GENERATION: [&str; 5] = ["<|im_end|>", "<|endoftext|>", "<|eot_id|>
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// At most this many choices per request.
 pub const MAX_N: u32 = 16;
+/// How long a prefill worker holds a handed-off prompt's KV blocks for its decode worker
+/// (released earlier when the decode worker has fetched them).
+pub const HOLD_TTL: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -156,7 +159,7 @@ struct Job {
 }
 
 enum Command {
-    Generate(Job),
+    Generate(Box<Job>),
     Subscribe(oneshot::Sender<(KvEvent, broadcast::Receiver<KvEvent>)>),
     /// The bytes of the cached blocks with these hashes (None: not cached here).
     ExportBlocks(Vec<BlockHash>, oneshot::Sender<Vec<Option<Vec<u8>>>>),
@@ -164,6 +167,8 @@ enum Command {
     MissingBlocks(Vec<BlockHash>, oneshot::Sender<Vec<BlockHash>>),
     /// Blocks in chain order, each with why it was already refused (its checksum).
     ImportBlocks(Vec<(KvBlock, Option<String>)>, oneshot::Sender<ImportReport>),
+    /// The decode worker has what a handed-off request held (or gave up on it).
+    ReleaseHold(String),
 }
 
 /// A cheap, cloneable handle to a running engine.
@@ -288,6 +293,7 @@ impl EngineHandle {
             metrics: metrics.clone(),
             steps: 0,
             last_load: (LoadReport::default(), Instant::now()),
+            holds: HashMap::new(),
         };
         let (commands, rx) = mpsc::channel::<Command>();
         std::thread::Builder::new()
@@ -349,7 +355,9 @@ impl EngineHandle {
     /// `Error`. Dropping the receiver cancels the request.
     pub fn generate(&self, req: GenerateRequest) -> UnboundedReceiver<GenerateEvent> {
         let (tx, rx) = unbounded_channel();
-        if let Err(mpsc::SendError(Command::Generate(job))) = self.commands.send(Command::Generate(Job { req, tx })) {
+        if let Err(mpsc::SendError(Command::Generate(job))) =
+            self.commands.send(Command::Generate(Box::new(Job { req, tx })))
+        {
             let _ = job.tx.send(GenerateEvent::Error {
                 code: "engine_stopped".into(),
                 message: "the engine is not running".into(),
@@ -422,6 +430,12 @@ impl EngineHandle {
         rx.await.map_err(|_| ImportError::Stopped)
     }
 
+    /// Releases the KV blocks a prefill-only request held for its decode worker (see
+    /// [`GenerateRequest::prefill_only`]); unknown or expired holds are ignored.
+    pub fn release_hold(&self, hold: &str) {
+        let _ = self.commands.send(Command::ReleaseHold(hold.to_string()));
+    }
+
     /// The cache's current content (a `Snapshot`) and every change after it, with no gap.
     pub async fn subscribe_kv(&self) -> Option<(KvEvent, broadcast::Receiver<KvEvent>)> {
         let (tx, rx) = oneshot::channel();
@@ -454,6 +468,8 @@ struct Request {
     cached_tokens: usize,
     n: u32,
     forked: bool,
+    /// Ends after the first token with `Handoff` (disaggregated prefill).
+    prefill_only: bool,
     choices: Vec<Choice>,
     started: Instant,
     /// The first step that computed any of it (queue time ends here).
@@ -482,17 +498,28 @@ struct Runner {
     metrics: Arc<EngineMetrics>,
     steps: u64,
     last_load: (LoadReport, Instant),
+    /// Blocks held for decode workers, by the prefill request's id, until released or
+    /// [`HOLD_TTL`] passes.
+    holds: HashMap<String, (Vec<u32>, Instant)>,
 }
 
 impl Runner {
     fn run(&mut self, rx: mpsc::Receiver<Command>) {
         loop {
             if self.sched.is_idle() {
-                match rx.recv() {
+                // Holds expire even while nothing runs.
+                let cmd = if self.holds.is_empty() {
+                    rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected)
+                } else {
+                    rx.recv_timeout(Duration::from_secs(1))
+                };
+                match cmd {
                     Ok(cmd) => self.command(cmd),
-                    Err(_) => return, // every handle dropped
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return, // every handle dropped
                 }
             }
+            self.expire_holds();
             while let Ok(cmd) = rx.try_recv() {
                 self.command(cmd);
             }
@@ -508,7 +535,7 @@ impl Runner {
 
     fn command(&mut self, cmd: Command) {
         match cmd {
-            Command::Generate(job) => self.admit(job),
+            Command::Generate(job) => self.admit(*job),
             Command::Subscribe(reply) => {
                 let snap = KvEvent::Snapshot {
                     block_tokens: self.sched.config().block_tokens as u32,
@@ -533,6 +560,37 @@ impl Runner {
                 let _ = reply.send(self.import(blocks));
                 // Announce the new cached blocks now, not at the next step.
                 self.publish();
+            }
+            Command::ReleaseHold(id) => {
+                if let Some((blocks, _)) = self.holds.remove(&id) {
+                    self.release_blocks(blocks);
+                }
+            }
+        }
+    }
+
+    /// Tail first, as a finished sequence releases its blocks.
+    fn release_blocks(&mut self, blocks: Vec<u32>) {
+        for b in blocks.into_iter().rev() {
+            self.sched.blocks.release(b);
+        }
+    }
+
+    fn expire_holds(&mut self) {
+        if self.holds.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let expired: Vec<String> = self
+            .holds
+            .iter()
+            .filter(|(_, (_, until))| *until <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in expired {
+            tracing::warn!(request_id = %id, "no decode worker fetched the handed-off KV blocks; released");
+            if let Some((blocks, _)) = self.holds.remove(&id) {
+                self.release_blocks(blocks);
             }
         }
     }
@@ -614,6 +672,28 @@ impl Runner {
         if req.n == 0 || req.n > MAX_N {
             return Err(error("invalid_request", format!("n must be between 1 and {MAX_N}")));
         }
+        if (req.prefill_only || !req.resume.is_empty()) && req.n != 1 {
+            return Err(error(
+                "invalid_request",
+                "a disaggregated request (prefill_only or resume) has n = 1".into(),
+            ));
+        }
+        if let Some(bad) = req.resume.iter().find(|&&t| t >= vocab) {
+            return Err(error(
+                "invalid_request",
+                format!("resumed token id {bad} is outside the vocabulary (size {vocab})"),
+            ));
+        }
+        if req.prompt.len() + req.resume.len() >= ctx || req.resume.len() >= req.sampling.max_tokens.max(1) as usize {
+            return Err(error(
+                "invalid_request",
+                format!(
+                    "{} resumed tokens leave nothing to generate (max_tokens {}, context {ctx})",
+                    req.resume.len(),
+                    req.sampling.max_tokens
+                ),
+            ));
+        }
         if req.sampling.top_logprobs > MAX_TOP_LOGPROBS {
             return Err(error(
                 "invalid_request",
@@ -632,7 +712,7 @@ impl Runner {
         let max_tokens = (req.sampling.max_tokens as usize).min(ctx - req.prompt.len()).max(1);
         let id = self.next_id;
         self.next_id += 1;
-        let choices = (0..req.n)
+        let mut choices: Vec<Choice> = (0..req.n)
             .map(|i| {
                 let mut p = req.sampling.clone();
                 p.seed = p.seed.map(|s| s.wrapping_add(i as u64));
@@ -645,6 +725,16 @@ impl Runner {
                 }
             })
             .collect();
+        // Resumed tokens were sent by the prefill worker: the text stream takes them in
+        // (what it releases was sent), so it holds back exactly what the prefill worker's
+        // stream held back.
+        for &t in &req.resume {
+            let c = &mut choices[0];
+            c.generated += 1;
+            if !self.tokenizer.is_special(t) {
+                c.text.push(self.tokenizer.token_bytes(t).unwrap_or(&[]));
+            }
+        }
         let mut r = Request {
             request_id: req.request_id,
             tx,
@@ -654,6 +744,7 @@ impl Runner {
             cached_tokens: 0,
             n: req.n,
             forked: req.n == 1,
+            prefill_only: req.prefill_only,
             choices,
             started: Instant::now(),
             scheduled: None,
@@ -661,8 +752,10 @@ impl Runner {
         };
         r.choices[0].seq = Some(id);
         self.owner.insert(id, (id, 0));
+        let mut tokens = req.prompt;
+        tokens.extend_from_slice(&req.resume);
         self.sched
-            .add(id, req.prompt, namespace_root(&self.model_id, &req.cache_namespace));
+            .add(id, tokens, namespace_root(&self.model_id, &req.cache_namespace));
         self.requests.insert(id, r);
     }
 
@@ -775,7 +868,7 @@ impl Runner {
                 let now = Instant::now();
                 r.first_token = Some(now);
                 EngineMetrics::observe(&self.metrics.prefill, now - r.scheduled.unwrap_or(r.started));
-                r.cached_tokens = self.sched.get(it.seq).map_or(0, |s| s.cached_tokens);
+                r.cached_tokens = self.sched.get(it.seq).map_or(0, |s| s.cached_tokens).min(r.prompt_len);
             }
             if !r.forked {
                 // n > 1: the other choices share this prompt's blocks from here on.
@@ -827,11 +920,14 @@ impl Runner {
             Some(FinishReason::Stop)
         } else if ch.generated >= r.max_tokens {
             Some(FinishReason::Length)
+        } else if r.prefill_only {
+            Some(FinishReason::Handoff)
         } else {
             None
         };
         let mut text = released.text;
-        if finish.is_some() && !released.stopped {
+        // A handed-off request's held-back text is the decode worker's to release.
+        if finish.is_some_and(|f| f != FinishReason::Handoff) && !released.stopped {
             text.push_str(&ch.text.finish());
         }
         let _ = r.tx.send(GenerateEvent::Token {
@@ -851,6 +947,19 @@ impl Runner {
             index: ci as u32,
             finish_reason: reason,
         });
+        if reason == FinishReason::Handoff {
+            // The prompt's cached blocks stay referenced until the decode worker has them.
+            let blocks = self.sched.cached_blocks(seq);
+            for &b in &blocks {
+                self.sched.blocks.share(b);
+            }
+            let until = Instant::now() + HOLD_TTL;
+            if let Some((old, _)) = self.holds.insert(r.request_id.clone(), (blocks, until)) {
+                for b in old.into_iter().rev() {
+                    self.sched.blocks.release(b);
+                }
+            }
+        }
         self.sched.remove(seq);
         self.owner.remove(&seq);
         if r.choices.iter().all(|c| c.finish.is_some()) {

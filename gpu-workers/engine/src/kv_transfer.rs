@@ -12,7 +12,7 @@
 //! wrong size, no block free even by eviction): the request computes it and what follows.
 //! A pull guarantees nothing about later: its blocks may be evicted before a request comes.
 
-use hearth_protocol::BlockHash;
+use hearth_protocol::{BlockHash, GenerateRequest};
 use serde::{Deserialize, Serialize};
 
 use crate::kv::KvDtype;
@@ -249,13 +249,97 @@ pub type FrameStream = futures_util::stream::BoxStream<'static, Result<Frame, Tr
 /// place).
 pub trait KvTransport: Send + Sync + 'static {
     /// The blocks with these hashes from the worker at `peer` serving `model`, as frames:
-    /// a header, then one block frame per hash, in order.
+    /// a header, then one block frame per hash, in order. `release`: the hold (a
+    /// prefill-only request's id) the peer releases once the stream ends.
     fn fetch(
         &self,
         peer: &str,
         model: &str,
         hashes: Vec<BlockHash>,
+        release: Option<String>,
     ) -> futures_util::future::BoxFuture<'static, Result<FrameStream, TransferError>>;
+}
+
+/// KV blocks between engines of one process (`hearth serve --prefill-workers N
+/// --decode-workers M`): `peer` is the exporting engine's name; blocks are copied out of
+/// one pool and into the other a batch at a time, with the same frames and checks as
+/// over HTTP.
+#[derive(Default)]
+pub struct LocalKvTransport {
+    peers: std::sync::RwLock<std::collections::HashMap<String, crate::EngineHandle>>,
+}
+
+impl LocalKvTransport {
+    /// Makes `engine` reachable as `name`.
+    pub fn add(&self, name: &str, engine: crate::EngineHandle) {
+        self.peers
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string(), engine);
+    }
+}
+
+/// Releases a hold when dropped: at the end of an export's stream, or when the peer goes
+/// away midway.
+pub struct HoldRelease(pub Option<(crate::EngineHandle, String)>);
+
+impl Drop for HoldRelease {
+    fn drop(&mut self) {
+        if let Some((engine, hold)) = self.0.take() {
+            engine.release_hold(&hold);
+        }
+    }
+}
+
+impl KvTransport for LocalKvTransport {
+    fn fetch(
+        &self,
+        peer: &str,
+        _model: &str,
+        hashes: Vec<BlockHash>,
+        release: Option<String>,
+    ) -> futures_util::future::BoxFuture<'static, Result<FrameStream, TransferError>> {
+        use futures_util::{FutureExt, StreamExt};
+        let engine = self.peers.read().unwrap_or_else(|e| e.into_inner()).get(peer).cloned();
+        let peer = peer.to_string();
+        async move {
+            let engine = engine.ok_or_else(|| TransferError::Unreachable {
+                peer: peer.clone(),
+                detail: "no such local worker".into(),
+            })?;
+            let header = Frame::Header {
+                layout: engine.kv_layout(),
+                count: hashes.len(),
+            };
+            let guard = HoldRelease(release.map(|h| (engine.clone(), h)));
+            let batches: Vec<Vec<BlockHash>> = hashes.chunks(TRANSFER_BATCH).map(<[BlockHash]>::to_vec).collect();
+            let blocks = futures_util::stream::iter(batches)
+                .then(move |batch| {
+                    let (engine, peer) = (engine.clone(), peer.clone());
+                    async move {
+                        match engine.export_blocks(batch.clone()).await {
+                            Ok(blocks) => batch
+                                .into_iter()
+                                .zip(blocks)
+                                .map(|(h, b)| Ok(Frame::Block(h, b)))
+                                .collect::<Vec<_>>(),
+                            Err(e) => vec![Err(TransferError::Unreachable {
+                                peer,
+                                detail: e.to_string(),
+                            })],
+                        }
+                    }
+                })
+                .flat_map(futures_util::stream::iter)
+                .inspect(move |_| {
+                    let _held = &guard;
+                });
+            Ok(futures_util::stream::once(async move { Ok(header) })
+                .chain(blocks)
+                .boxed())
+        }
+        .boxed()
+    }
 }
 
 /// KV blocks over HTTP: `POST {peer}/v1/worker/m/{model}/kv/export` with the hashes and
@@ -290,6 +374,7 @@ impl KvTransport for HttpKvTransport {
         peer: &str,
         model: &str,
         hashes: Vec<BlockHash>,
+        release: Option<String>,
     ) -> futures_util::future::BoxFuture<'static, Result<FrameStream, TransferError>> {
         use futures_util::{FutureExt, StreamExt};
         let peer = peer.trim_end_matches('/').to_string();
@@ -308,7 +393,10 @@ impl KvTransport for HttpKvTransport {
                 detail,
             };
             let url = url.ok_or_else(|| unreachable("not a base URL".into()))?;
-            let body = serde_json::json!({"hashes": hashes.iter().map(|h| h.0).collect::<Vec<_>>()});
+            let body = serde_json::json!({
+                "hashes": hashes.iter().map(|h| h.0).collect::<Vec<_>>(),
+                "release": release,
+            });
             let mut post = client.post(url).json(&body);
             if let Some(t) = &token {
                 post = post.bearer_auth(t);
@@ -331,10 +419,11 @@ impl KvTransport for HttpKvTransport {
                         }
                         match reader.next_frame() {
                             Ok(Some(f)) => {
+                                // The header comes first: nothing asked, nothing follows it.
                                 if matches!(f, Frame::Block(..)) {
                                     got += 1;
-                                    done = got == want;
                                 }
+                                done = got == want;
                                 return Some((Ok(f), (bytes, reader, got, done, peer)));
                             }
                             Ok(None) => {}
@@ -398,13 +487,15 @@ pub struct PullReport {
 /// the default model) and lets the engine run steps between batches.
 pub const TRANSFER_BATCH: usize = 32;
 
-/// Fetches the blocks of `prompt` this engine lacks from `peer` and imports them.
+/// Fetches the blocks of `prompt` this engine lacks from `peer` and imports them; then
+/// the peer releases `hold` (if any), even when nothing was missing.
 pub async fn pull(
     engine: &crate::EngineHandle,
     transport: &dyn KvTransport,
     peer: &str,
     prompt: &[u32],
     cache_namespace: &str,
+    hold: Option<&str>,
 ) -> PullReport {
     use futures_util::StreamExt;
     let started = std::time::Instant::now();
@@ -421,11 +512,14 @@ pub async fn pull(
         }
     };
     report.missing = missing.len();
-    if missing.is_empty() {
+    if missing.is_empty() && hold.is_none() {
         return report;
     }
     let model = engine.info().model.clone();
-    let mut frames = match transport.fetch(peer, &model, missing.clone()).await {
+    let mut frames = match transport
+        .fetch(peer, &model, missing.clone(), hold.map(str::to_string))
+        .await
+    {
         Ok(f) => f,
         Err(e) => {
             report.error = Some(e.to_string());
@@ -499,6 +593,50 @@ pub async fn pull(
     report.error = fail;
     report.seconds = started.elapsed().as_secs_f64();
     report
+}
+
+/// Before a disaggregated request starts on this (decode) engine: fetches the blocks of
+/// its prompt this engine lacks from its `kv_source` and imports them, in the span
+/// `kv_transfer`, counted in the engine's transfer metrics. Whatever does not arrive intact
+/// is computed by the request itself, so a failure costs time, never correctness.
+pub async fn prepare(
+    engine: &crate::EngineHandle,
+    transport: &dyn KvTransport,
+    req: &GenerateRequest,
+    worker: &str,
+    parent: &opentelemetry::Context,
+) -> Option<PullReport> {
+    let src = req.kv_source.as_ref()?;
+    let started = std::time::SystemTime::now();
+    let report = pull(
+        engine,
+        transport,
+        &src.worker,
+        &req.prompt,
+        &req.cache_namespace,
+        Some(&src.hold),
+    )
+    .await;
+    crate::telemetry::record_transfer(parent, worker, &req.request_id, started, &report);
+    let m = engine.metrics();
+    m.transfer.observe(report.seconds);
+    m.transfer_bytes.inc_by(report.import.bytes);
+    m.transfer_blocks.inc_by(report.import.imported as u64);
+    let broken = report.error.is_some() || !report.import.rejected.is_empty() || report.not_held > 0;
+    if broken {
+        m.transfer_failures.inc();
+        tracing::warn!(
+            request_id = %req.request_id,
+            source = %src.worker,
+            error = report.error.as_deref().unwrap_or(""),
+            rejected = report.import.rejected.len(),
+            not_held = report.not_held,
+            "KV transfer incomplete: the decode worker computes the rest"
+        );
+    } else {
+        tracing::debug!(request_id = %req.request_id, blocks = report.import.imported, bytes = report.import.bytes, seconds = report.seconds, "KV blocks received");
+    }
+    Some(report)
 }
 
 /// Imports a batch; Ok(false) if a block was refused (the chain is broken there).

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
-use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
@@ -27,11 +27,22 @@ const QUEUE_BUCKETS: &[f64] = &[
     120.0, 240.0, 480.0, 960.0,
 ];
 
-/// Per-request timings the engine thread observes.
+const TRANSFER_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// Per-request timings the engine thread observes, and the KV transfers this engine
+/// received (disaggregated decode).
 pub struct EngineMetrics {
     pub queue: Histogram,
     pub prefill: Histogram,
     pub decode: Histogram,
+    /// Whole pulls (asking what is missing, fetching, importing).
+    pub transfer: Histogram,
+    pub transfer_bytes: Counter,
+    pub transfer_blocks: Counter,
+    /// Pulls that failed or were cut (the request computed what did not arrive).
+    pub transfer_failures: Counter,
 }
 
 impl Default for EngineMetrics {
@@ -41,6 +52,10 @@ impl Default for EngineMetrics {
             queue: h(),
             prefill: h(),
             decode: h(),
+            transfer: Histogram::new(TRANSFER_BUCKETS.iter().copied()),
+            transfer_bytes: Counter::default(),
+            transfer_blocks: Counter::default(),
+            transfer_failures: Counter::default(),
         }
     }
 }
@@ -86,6 +101,7 @@ type Labels<'a> = [(&'static str, &'a str); 1];
 /// A metric's name, help and how to read it from the engine's counters (and block size).
 type FromStats<T> = (&'static str, &'static str, fn(&crate::EngineStats, u64) -> T);
 type FromHistograms = (&'static str, &'static str, fn(&EngineMetrics) -> &Histogram);
+type FromCounters = (&'static str, &'static str, fn(&EngineMetrics) -> &Counter);
 
 impl Collector for EngineCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
@@ -164,7 +180,31 @@ impl Collector for EngineCollector {
             .iter()
             .filter_map(|(n, b)| Some((n.as_str(), b.metrics()?)))
             .collect();
-        let hists: [FromHistograms; 3] = [
+        let transfer_counters: [FromCounters; 3] = [
+            (
+                "hearth_kv_transfer_bytes",
+                "KV cache bytes imported from other workers (disaggregated decode).",
+                |m| &m.transfer_bytes,
+            ),
+            (
+                "hearth_kv_transfer_blocks",
+                "KV blocks imported from other workers.",
+                |m| &m.transfer_blocks,
+            ),
+            (
+                "hearth_kv_transfer_failures",
+                "KV transfers that failed or were cut (the request computed the rest).",
+                |m| &m.transfer_failures,
+            ),
+        ];
+        for (name, help, pick) in transfer_counters {
+            let mut m = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for (worker, em) in &with_metrics {
+                let labels: Labels = [("worker", worker)];
+                pick(em).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let hists: [FromHistograms; 4] = [
             (
                 "hearth:request_queue_time_seconds",
                 "Time from arrival at the engine to the first scheduled step.",
@@ -179,6 +219,11 @@ impl Collector for EngineCollector {
                 "hearth:request_decode_time_seconds",
                 "Time from the first token to the last.",
                 |m| &m.decode,
+            ),
+            (
+                "hearth_kv_transfer_seconds",
+                "Time to fetch and import a request's missing KV blocks from its prefill worker.",
+                |m| &m.transfer,
             ),
         ];
         for (name, help, pick) in hists {

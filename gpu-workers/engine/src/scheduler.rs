@@ -143,6 +143,13 @@ impl Scheduler {
         Some(seq)
     }
 
+    /// The blocks of `id`'s computed full blocks, which are in the prefix cache.
+    pub fn cached_blocks(&self, id: u64) -> Vec<u32> {
+        self.seqs
+            .get(&id)
+            .map_or_else(Vec::new, |s| s.table[..s.hashes.len()].to_vec())
+    }
+
     pub fn push_token(&mut self, id: u64, token: u32) {
         if let Some(s) = self.seqs.get_mut(&id) {
             s.tokens.push(token);

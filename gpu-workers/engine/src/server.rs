@@ -72,12 +72,23 @@ struct WorkerState {
     transport: Arc<dyn KvTransport>,
     /// KV transfers (exports and pulls) running at once, at most [`MAX_TRANSFERS`].
     transfers: Arc<tokio::sync::Semaphore>,
+    /// The role reported in `info` (None: the engine's, `both`).
+    role: Option<Arc<str>>,
 }
 
 /// KV transfers one worker serves at once; more are answered 503 `transfer_busy`.
 const MAX_TRANSFERS: usize = 4;
 
 impl WorkerState {
+    /// A model's info as this worker reports it (with its role).
+    fn info(&self, engine: &dyn Backend) -> hearth_protocol::WorkerInfo {
+        let mut info = engine.info().clone();
+        if let Some(r) = &self.role {
+            info.role = r.to_string();
+        }
+        info
+    }
+
     fn list(&self) -> Vec<(String, Arc<dyn Backend>)> {
         match &self.control {
             Some(c) => c.models(),
@@ -164,7 +175,11 @@ impl WorkerState {
 
 /// The worker API for `engine`; `name` labels its metrics (`worker="…"`).
 pub fn router(engine: Arc<dyn Backend>, name: &str) -> Router {
-    router_many(vec![(engine.info().model.clone(), engine)], name, None)
+    router_many(
+        vec![(engine.info().model.clone(), engine)],
+        name,
+        WorkerOptions::default(),
+    )
 }
 
 fn error_response(status: StatusCode, code: &str, message: String) -> Box<Response> {
@@ -175,27 +190,37 @@ fn error_response(status: StatusCode, code: &str, message: String) -> Box<Respon
     Box::new((status, Json(ev)).into_response())
 }
 
-/// The worker API for several models (at least one). `token`: the workers' shared token,
-/// which KV transfers (`…/kv/export`, `…/kv/pull`) require (none: transfers are refused).
-pub fn router_many(engines: Vec<(String, Arc<dyn Backend>)>, name: &str, token: Option<String>) -> Router {
+/// How a worker presents itself.
+#[derive(Debug, Clone, Default)]
+pub struct WorkerOptions {
+    /// The workers' shared token: KV transfers (`…/kv/export`, `…/kv/pull`, a decode request
+    /// with a `kv_source`) and catalogue changes require it (none: they are refused).
+    pub token: Option<String>,
+    /// `both`, `prefill` or `decode`, reported in `info` for the gateway (None: `both`).
+    pub role: Option<String>,
+}
+
+/// The worker API for several models (at least one).
+pub fn router_many(engines: Vec<(String, Arc<dyn Backend>)>, name: &str, opts: WorkerOptions) -> Router {
     assert!(!engines.is_empty(), "a worker serves at least one model");
-    router_with(engines, name, None, token)
+    router_with(engines, name, None, opts)
 }
 
 /// The worker API for a catalogue whose models change at runtime through `control`
 /// (`POST`/`DELETE /v1/worker/models` need `Authorization: Bearer <token>`; without a token
 /// they are refused).
-pub fn router_catalogue(name: &str, control: Arc<dyn CatalogueControl>, token: Option<String>) -> Router {
-    router_with(Vec::new(), name, Some(control), token)
+pub fn router_catalogue(name: &str, control: Arc<dyn CatalogueControl>, opts: WorkerOptions) -> Router {
+    router_with(Vec::new(), name, Some(control), opts)
 }
 
 fn router_with(
     engines: Vec<(String, Arc<dyn Backend>)>,
     name: &str,
     control: Option<Arc<dyn CatalogueControl>>,
-    token: Option<String>,
+    opts: WorkerOptions,
 ) -> Router {
     let mut registry = prometheus_client::registry::Registry::default();
+    let token = opts.token;
     let state = WorkerState {
         engines: Arc::new(engines),
         name: name.into(),
@@ -203,6 +228,7 @@ fn router_with(
         token: token.clone().filter(|t| !t.is_empty()).map(Into::into),
         transport: Arc::new(HttpKvTransport::new(token)),
         transfers: Arc::new(tokio::sync::Semaphore::new(MAX_TRANSFERS)),
+        role: opts.role.map(Into::into),
     };
     // One model: labelled by the worker; a catalogue: `worker/model`.
     let per_model = state.engines.len() > 1 || state.control.is_some();
@@ -245,7 +271,7 @@ fn router_with(
             "/v1/worker/info",
             get(|State(w): State<WorkerState>| async move {
                 match w.first() {
-                    Ok(e) => info(e),
+                    Ok(e) => Json(w.info(&*e)).into_response(),
                     Err(r) => *r,
                 }
             }),
@@ -254,7 +280,7 @@ fn router_with(
             "/v1/worker/generate",
             post(|State(w): State<WorkerState>, headers: HeaderMap, body| async move {
                 match w.first() {
-                    Ok(e) => generate(e, &w.name, headers, body),
+                    Ok(e) => generate(e, &w, headers, body).await,
                     Err(r) => *r,
                 }
             }),
@@ -274,7 +300,7 @@ fn router_with(
             "/v1/worker/m/{model}/info",
             get(|State(w): State<WorkerState>, Path(m): Path<String>| async move {
                 match w.model(&m) {
-                    Ok(e) => info(e),
+                    Ok(e) => Json(w.info(&*e)).into_response(),
                     Err(r) => *r,
                 }
             }),
@@ -284,7 +310,7 @@ fn router_with(
             post(
                 |State(w): State<WorkerState>, Path(m): Path<String>, headers: HeaderMap, body| async move {
                     match w.model(&m) {
-                        Ok(e) => generate(e, &w.name, headers, body),
+                        Ok(e) => generate(e, &w, headers, body).await,
                         Err(r) => *r,
                     }
                 },
@@ -417,6 +443,9 @@ async fn remove_model(State(w): State<WorkerState>, headers: HeaderMap, Path(id)
 #[derive(serde::Deserialize)]
 struct ExportBody {
     hashes: Vec<u64>,
+    /// A prefill-only request's id: its hold on the blocks ends with this stream.
+    #[serde(default)]
+    release: Option<String>,
 }
 
 /// `POST …/kv/export` `{"hashes": [u64]}`: the blocks as a framed stream
@@ -450,6 +479,7 @@ async fn kv_export(
     }
     let hashes: Vec<BlockHash> = body.hashes.into_iter().map(BlockHash).collect();
     let header = kv_transfer::encode_header(engine.kv_layout(), hashes.len());
+    let hold = kv_transfer::HoldRelease(body.release.map(|h| (engine.clone(), h)));
     let batches: Vec<Vec<BlockHash>> = hashes
         .chunks(kv_transfer::TRANSFER_BATCH)
         .map(<[BlockHash]>::to_vec)
@@ -471,9 +501,10 @@ async fn kv_export(
     });
     let stream = futures_util::stream::once(async move { Ok::<_, std::io::Error>(Bytes::from(header)) })
         .chain(blocks)
-        // The transfer's place is held until the stream ends or the peer goes away.
+        // The transfer's place (and the prefill's hold on the blocks) is kept until the
+        // stream ends or the peer goes away.
         .inspect(move |_| {
-            let _held = &permit;
+            let _held = (&permit, &hold);
         });
     (
         [(header::CONTENT_TYPE, "application/octet-stream")],
@@ -510,7 +541,15 @@ async fn kv_pull(
             "the model is not loaded here".into(),
         );
     };
-    let report = kv_transfer::pull(&engine, transport, &body.source, &body.prompt, &body.cache_namespace).await;
+    let report = kv_transfer::pull(
+        &engine,
+        transport,
+        &body.source,
+        &body.prompt,
+        &body.cache_namespace,
+        None,
+    )
+    .await;
     let status = if report.error.is_some() {
         StatusCode::BAD_GATEWAY
     } else {
@@ -519,27 +558,27 @@ async fn kv_pull(
     (status, Json(report)).into_response()
 }
 
-fn info(engine: Arc<dyn Backend>) -> Response {
-    Json(engine.info().clone()).into_response()
-}
-
 /// The models served: `{"models": [{"info": WorkerInfo, "state": "warm"|"loading"|"cold"|null}],
 /// "catalogue": bool}` (`catalogue`: models may be added and removed at runtime).
 async fn models(State(w): State<WorkerState>) -> Response {
     let models: Vec<serde_json::Value> = w
         .list()
         .iter()
-        .map(|(_, e)| serde_json::json!({"info": e.info(), "state": e.model_state()}))
+        .map(|(_, e)| serde_json::json!({"info": w.info(&**e), "state": e.model_state()}))
         .collect();
     Json(serde_json::json!({ "models": models, "catalogue": w.control.is_some() })).into_response()
 }
 
-fn generate(
+/// `POST …/generate`. A disaggregated decode request (`kv_source`) needs the worker token,
+/// since it makes this worker fetch from another; its blocks are fetched first (a busy
+/// worker, or a model not loaded yet, computes them instead).
+async fn generate(
     engine: Arc<dyn Backend>,
-    name: &str,
+    w: &WorkerState,
     headers: HeaderMap,
     body: Result<Json<GenerateRequest>, JsonRejection>,
 ) -> Response {
+    let name = &*w.name;
     let Json(req) = match body {
         Ok(b) => b,
         Err(e) => return *error_response(StatusCode::BAD_REQUEST, "invalid_request", e.body_text()),
@@ -550,6 +589,20 @@ fn generate(
         .and_then(|v| v.to_str().ok())
         .and_then(TraceParent::parse)
         .map(|tp| telemetry::parent_from(&tp));
+    if req.kv_source.is_some() {
+        if let Err(r) = w.authorized(&headers) {
+            return *r;
+        }
+        match (engine.engine(), w.transfers.clone().try_acquire_owned()) {
+            (Some(e), Ok(_permit)) => {
+                let cx = parent.clone().unwrap_or_default();
+                kv_transfer::prepare(&e, &*w.transport, &req, name, &cx).await;
+            }
+            _ => {
+                tracing::warn!(request_id = %req.request_id, "KV transfer skipped (busy or not loaded): the prompt is computed here")
+            }
+        }
+    }
     let (model, request_id) = (req.model.clone(), req.request_id.clone());
     let events = UnboundedReceiverStream::new(engine.generate(req)).boxed();
     let events = match parent {

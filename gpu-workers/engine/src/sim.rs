@@ -101,6 +101,25 @@ impl SimWorker {
         self.sched.is_idle()
     }
 
+    /// A prompt's KV blocks arrived from another worker (disaggregated serving): its full
+    /// blocks are cached here, unreferenced, as the engine's import leaves them.
+    pub fn import_prefix(&mut self, prompt: &[u32], root: BlockHash) {
+        let bt = self.sched.config().block_tokens;
+        let hashes = hearth_protocol::block_hashes(root, &prompt[..prompt.len().saturating_sub(1)], bt);
+        let mut held = Vec::new();
+        for h in hashes {
+            if self.sched.blocks.contains(h) {
+                continue;
+            }
+            let Some(b) = self.sched.blocks.allocate() else { break };
+            self.sched.blocks.register(b, h);
+            held.push(b);
+        }
+        for b in held.into_iter().rev() {
+            self.sched.blocks.release(b);
+        }
+    }
+
     pub fn load(&self) -> LoadReport {
         self.sched.load()
     }
@@ -193,7 +212,7 @@ mod tests {
 }
 
 enum SimCommand {
-    Generate(GenerateRequest, UnboundedSender<GenerateEvent>),
+    Generate(Box<GenerateRequest>, UnboundedSender<GenerateEvent>),
     Subscribe(tokio::sync::oneshot::Sender<(KvEvent, broadcast::Receiver<KvEvent>)>),
 }
 
@@ -360,7 +379,9 @@ impl crate::backend::Backend for SimHandle {
 
     fn generate(&self, req: GenerateRequest) -> UnboundedReceiver<GenerateEvent> {
         let (tx, rx) = unbounded_channel();
-        if let Err(mpsc::SendError(SimCommand::Generate(_, tx))) = self.commands.send(SimCommand::Generate(req, tx)) {
+        if let Err(mpsc::SendError(SimCommand::Generate(_, tx))) =
+            self.commands.send(SimCommand::Generate(Box::new(req), tx))
+        {
             let _ = tx.send(GenerateEvent::Error {
                 code: "engine_stopped".into(),
                 message: "the sim is not running".into(),
@@ -443,6 +464,9 @@ mod handle_tests {
             },
             cache_namespace: "t".into(),
             n: 1,
+            prefill_only: false,
+            resume: Vec::new(),
+            kv_source: None,
         };
         let mut rx = h.generate(req);
         let mut tokens = 0;

@@ -80,6 +80,39 @@ pub fn record(parent: &Context, t: &RequestTrace<'_>) {
     cx.span().end_with_timestamp(end);
 }
 
+/// Records `worker.kv_transfer`: a disaggregated request's KV blocks fetched from its
+/// prefill worker (`started` → now), with what moved and whether it broke.
+pub fn record_transfer(
+    parent: &Context,
+    worker: &str,
+    request_id: &str,
+    started: SystemTime,
+    report: &crate::kv_transfer::PullReport,
+) {
+    if !parent.span().span_context().is_valid() {
+        return;
+    }
+    let tracer = global::tracer("hearth-engine");
+    let mut attrs = vec![
+        KeyValue::new("hearth.worker", worker.to_string()),
+        KeyValue::new("hearth.request_id", request_id.to_string()),
+        KeyValue::new("hearth.kv.blocks_missing", report.missing as i64),
+        KeyValue::new("hearth.kv.blocks", report.import.imported as i64),
+        KeyValue::new("hearth.kv.bytes", report.import.bytes as i64),
+    ];
+    if let Some(e) = &report.error {
+        attrs.push(KeyValue::new("error.type", "kv_transfer"));
+        attrs.push(KeyValue::new("hearth.kv.error", e.clone()));
+    }
+    let mut span = tracer
+        .span_builder("worker.kv_transfer")
+        .with_kind(SpanKind::Client)
+        .with_start_time(started)
+        .with_attributes(attrs)
+        .start_with_context(&tracer, parent);
+    span.end();
+}
+
 /// Wraps a worker's event stream so that its end records the request's spans.
 pub fn traced<S>(
     events: S,

@@ -55,6 +55,9 @@ async fn run(b: &dyn Backend, model: &str, max_tokens: u32) -> (usize, Option<St
         },
         cache_namespace: String::new(),
         n: 1,
+        prefill_only: false,
+        resume: Vec::new(),
+        kv_source: None,
     };
     let mut rx = b.generate(req);
     let mut tokens = 0;
@@ -292,6 +295,9 @@ async fn a_removed_model_holds_its_memory_until_its_requests_end() {
         },
         cache_namespace: String::new(),
         n: 1,
+        prefill_only: false,
+        resume: Vec::new(),
+        kv_source: None,
     };
     let mut rx_a = a.generate(req("a", 48));
     assert!(

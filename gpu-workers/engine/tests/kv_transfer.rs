@@ -48,6 +48,9 @@ async fn greedy(e: &EngineHandle, prompt: &[u32], max_tokens: u32) -> (Vec<u32>,
         },
         cache_namespace: String::new(),
         n: 1,
+        prefill_only: false,
+        resume: Vec::new(),
+        kv_source: None,
     };
     let mut rx = e.generate(req);
     let mut tokens = Vec::new();
@@ -155,7 +158,14 @@ async fn serve(engine: EngineHandle) -> String {
     let addr = listener.local_addr().unwrap();
     let engines: Vec<(String, std::sync::Arc<dyn hearth_engine::Backend>)> =
         vec![(DEFAULT_MODEL_ID.into(), std::sync::Arc::new(engine))];
-    let app = hearth_engine::server::router_many(engines, "test", Some(TOKEN.into()));
+    let app = hearth_engine::server::router_many(
+        engines,
+        "test",
+        hearth_engine::server::WorkerOptions {
+            token: Some(TOKEN.into()),
+            role: None,
+        },
+    );
     tokio::spawn(async move { axum::serve(listener, app).await });
     format!("http://{addr}")
 }
@@ -243,4 +253,214 @@ async fn a_transfer_cut_midway_keeps_what_arrived_and_the_request_completes() {
     assert_eq!(cached, 3 * 16);
     let (want, _) = greedy(&engine(), &prompt, 8).await;
     assert_eq!(got, want);
+}
+
+/// A request's events: tokens, their text, the finish reason and the usage.
+struct Run {
+    tokens: Vec<u32>,
+    text: String,
+    finish: hearth_protocol::FinishReason,
+    usage: hearth_protocol::Usage,
+}
+
+async fn run(e: &EngineHandle, req: GenerateRequest) -> Run {
+    let mut rx = e.generate(req);
+    let (mut tokens, mut text) = (Vec::new(), String::new());
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            GenerateEvent::Token { id, text: t, .. } => {
+                tokens.push(id);
+                text.push_str(&t);
+            }
+            GenerateEvent::Done {
+                usage, finish_reason, ..
+            } => {
+                return Run {
+                    tokens,
+                    text,
+                    finish: finish_reason,
+                    usage,
+                }
+            }
+            GenerateEvent::Error { message, .. } => panic!("{message}"),
+            GenerateEvent::Finish { .. } => {}
+        }
+    }
+    panic!("no Done")
+}
+
+fn request(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        request_id: "pd-1".into(),
+        model: DEFAULT_MODEL_ID.into(),
+        prompt: prompt.to_vec(),
+        sampling: SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        },
+        cache_namespace: String::new(),
+        n: 1,
+        prefill_only: false,
+        resume: Vec::new(),
+        kv_source: None,
+    }
+}
+
+/// Blocks referenced by nothing but the cache (cached-idle blocks count as free).
+fn all_free(e: &EngineHandle) -> bool {
+    let l = e.stats().load;
+    l.free_blocks == l.total_blocks
+}
+
+async fn settle() {
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+}
+
+/// A transport that passes a peer's frames on, damaging or cutting them.
+struct Faulty {
+    inner: std::sync::Arc<hearth_engine::kv_transfer::LocalKvTransport>,
+    /// Flip a byte of this block (by position in the stream).
+    corrupt: Option<usize>,
+    /// End the stream with an error after this many blocks.
+    cut_after: Option<usize>,
+}
+
+impl hearth_engine::kv_transfer::KvTransport for Faulty {
+    fn fetch(
+        &self,
+        peer: &str,
+        model: &str,
+        hashes: Vec<hearth_protocol::BlockHash>,
+        release: Option<String>,
+    ) -> futures_util::future::BoxFuture<
+        'static,
+        Result<hearth_engine::kv_transfer::FrameStream, hearth_engine::kv_transfer::TransferError>,
+    > {
+        use futures_util::FutureExt;
+        use hearth_engine::kv_transfer::{Frame, TransferError};
+        let inner = self.inner.fetch(peer, model, hashes, release);
+        let (corrupt, cut) = (self.corrupt, self.cut_after);
+        async move {
+            let frames = inner.await?;
+            let mut block = 0usize;
+            Ok(frames
+                .map(move |f| match f {
+                    Ok(Frame::Block(h, Some(mut b))) => {
+                        block += 1;
+                        if cut.is_some_and(|c| block > c) {
+                            return Err(TransferError::Truncated {
+                                peer: "test".into(),
+                                got: block - 1,
+                                want: block,
+                            });
+                        }
+                        if corrupt == Some(block - 1) {
+                            b.data[7] ^= 0x10;
+                        }
+                        Ok(Frame::Block(h, Some(b)))
+                    }
+                    other => other,
+                })
+                .boxed())
+        }
+        .boxed()
+    }
+}
+
+/// Prefill-only on one engine, then the rest on another that fetches the blocks through
+/// `transport`: the stitched tokens and text, the decode half's usage, and its import.
+async fn disaggregated(
+    prefill: &EngineHandle,
+    decode: &EngineHandle,
+    transport: &dyn hearth_engine::kv_transfer::KvTransport,
+    prompt: &[u32],
+    max_tokens: u32,
+) -> (Run, Run, hearth_engine::kv_transfer::PullReport) {
+    let mut first = request(prompt, max_tokens);
+    first.prefill_only = true;
+    let head = run(prefill, first).await;
+    assert_eq!(head.finish, hearth_protocol::FinishReason::Handoff);
+    assert_eq!(head.tokens.len(), 1);
+    assert!(!all_free(prefill), "the prompt's blocks are held for the decode worker");
+    let mut rest = request(prompt, max_tokens);
+    rest.resume = head.tokens.clone();
+    rest.kv_source = Some(hearth_protocol::KvSource {
+        worker: "prefill".into(),
+        hold: "pd-1".into(),
+    });
+    let report = hearth_engine::kv_transfer::prepare(decode, transport, &rest, "decode", &Default::default())
+        .await
+        .expect("a kv_source means a pull");
+    let tail = run(decode, rest).await;
+    (head, tail, report)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_only_request_hands_off_and_the_decode_side_continues_exactly() {
+    let prompt = prompt();
+    let colocated = engine();
+    let want = run(&colocated, request(&prompt, 12)).await;
+
+    let (prefill, decode) = (engine(), engine());
+    let local = std::sync::Arc::new(hearth_engine::kv_transfer::LocalKvTransport::default());
+    local.add("prefill", prefill.clone());
+    let (head, tail, report) = disaggregated(&prefill, &decode, &*local, &prompt, 12).await;
+    let blocks = (prompt.len() - 1) / 16;
+    assert_eq!((report.missing, report.import.imported), (blocks, blocks), "{report:?}");
+    assert!(report.error.is_none());
+    let mut tokens = head.tokens.clone();
+    tokens.extend(&tail.tokens);
+    assert_eq!(tokens, want.tokens, "greedy output is the colocated one");
+    assert_eq!(format!("{}{}", head.text, tail.text), want.text);
+    assert_eq!(tail.usage.completion_tokens, 12, "the resumed token counts");
+    assert_eq!(tail.usage.prompt_tokens as usize, prompt.len());
+    assert_eq!(tail.usage.cached_tokens as usize, blocks * 16);
+    assert_eq!(tail.finish, hearth_protocol::FinishReason::Length);
+    settle().await;
+    assert!(all_free(&prefill), "the hold ends with the transfer");
+    assert!(all_free(&decode));
+    let m = decode.metrics();
+    assert_eq!(m.transfer_blocks.get(), blocks as u64);
+    assert_eq!(m.transfer_failures.get(), 0);
+
+    // The decode side holds the prefix now: a second hand-off moves no block.
+    let (_, _, again) = disaggregated(&prefill, &decode, &*local, &prompt, 4).await;
+    assert_eq!((again.missing, again.import.imported), (0, 0));
+    settle().await;
+    assert!(all_free(&prefill), "released even when nothing was fetched");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_or_cut_transfer_still_completes_and_frees_every_block() {
+    let prompt = prompt();
+    let colocated = engine();
+    let want = run(&colocated, request(&prompt, 8)).await;
+    let blocks = (prompt.len() - 1) / 16;
+    for (corrupt, cut_after) in [(Some(3), None), (None, Some(5))] {
+        let (prefill, decode) = (engine(), engine());
+        let local = std::sync::Arc::new(hearth_engine::kv_transfer::LocalKvTransport::default());
+        local.add("prefill", prefill.clone());
+        let faulty = Faulty {
+            inner: local,
+            corrupt,
+            cut_after,
+        };
+        let (head, tail, report) = disaggregated(&prefill, &decode, &faulty, &prompt, 8).await;
+        let mut tokens = head.tokens.clone();
+        tokens.extend(&tail.tokens);
+        assert_eq!(
+            tokens, want.tokens,
+            "computed what did not arrive ({corrupt:?}, {cut_after:?})"
+        );
+        let kept = corrupt.or(cut_after).unwrap();
+        assert_eq!(report.import.imported, kept, "{report:?}");
+        assert_eq!(tail.usage.cached_tokens as usize, kept * 16);
+        assert!(kept < blocks);
+        assert_eq!(decode.metrics().transfer_failures.get(), 1);
+        settle().await;
+        assert!(all_free(&prefill), "the prefill side's hold is released");
+        assert!(all_free(&decode), "nothing stays referenced on the decode side");
+    }
 }

@@ -65,6 +65,57 @@ pub struct GenerateRequest {
     /// Completions to generate from the one prompt; they share the prompt's KV blocks.
     #[serde(default = "one")]
     pub n: u32,
+    /// Disaggregated serving, prefill half: compute the prompt and the first token only,
+    /// then end with [`FinishReason::Handoff`] (unless the request is finished anyway) and
+    /// hold the prompt's KV blocks for a decode worker to fetch (see [`KvSource`]).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub prefill_only: bool,
+    /// Disaggregated serving, decode half: tokens choice 0 has already generated (on a
+    /// prefill worker). The worker continues after them as if it had generated them —
+    /// they count against `max_tokens`, stop strings and the text already sent — without
+    /// sending them again. `n` must be 1.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resume: Vec<u32>,
+    /// Where the prompt's KV blocks are: the worker fetches the ones it lacks from there
+    /// before it starts (and computes whatever does not arrive intact).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_source: Option<KvSource>,
+}
+
+/// A prefill worker holding a prompt's KV blocks for a decode worker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvSource {
+    /// The prefill worker, as the decode worker's transport reaches it (a base URL over
+    /// HTTP; a local worker's name in one process).
+    pub worker: String,
+    /// The hold to release once the blocks are fetched (the prefill request's id).
+    pub hold: String,
+}
+
+impl GenerateRequest {
+    /// A plain request: one completion, no disaggregation.
+    pub fn new(
+        request_id: impl Into<String>,
+        model: impl Into<String>,
+        prompt: Vec<u32>,
+        sampling: SamplingParams,
+    ) -> Self {
+        Self {
+            request_id: request_id.into(),
+            model: model.into(),
+            prompt,
+            sampling,
+            cache_namespace: String::new(),
+            n: 1,
+            prefill_only: false,
+            resume: Vec::new(),
+            kv_source: None,
+        }
+    }
+}
+
+fn is_false(v: &bool) -> bool {
+    !*v
 }
 
 fn one() -> u32 {
@@ -88,6 +139,9 @@ pub enum FinishReason {
     Length,
     /// The consumer went away before the end.
     Cancelled,
+    /// A prefill-only request produced its first token; a decode worker continues it.
+    /// Never shown to clients.
+    Handoff,
 }
 
 impl FinishReason {
@@ -96,6 +150,7 @@ impl FinishReason {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Cancelled => "cancelled",
+            FinishReason::Handoff => "handoff",
         }
     }
 }
@@ -211,7 +266,8 @@ pub struct WorkerInfo {
     /// Where the worker runs (routing prefers the gateway's own region).
     #[serde(default = "default_region")]
     pub region: String,
-    /// `both` (prefill and decode; the only role until disaggregation arrives).
+    /// `both` (prefill and decode), `prefill` or `decode`: what the gateway sends it when
+    /// it disaggregates long prompts (any worker still serves any request).
     #[serde(default = "default_role")]
     pub role: String,
     /// Sequences the worker runs at once.

@@ -134,6 +134,43 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Prefill/decode disaggregation vs colocated serving at equal worker count, under steady
+    /// short streams plus bursts of long prompts: real worker processes, then sim workers.
+    Pd {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Seconds of load per mode (real engines).
+        #[arg(long, default_value_t = 60.0)]
+        seconds: f64,
+        /// Steady short-prompt streams.
+        #[arg(long, default_value_t = 6)]
+        streams: usize,
+        /// Tokens each short request generates.
+        #[arg(long, default_value_t = 32)]
+        short_tokens: u32,
+        /// Words (about tokens) in a long prompt.
+        #[arg(long, default_value_t = 1200)]
+        long_words: usize,
+        /// Seconds between bursts of long prompts.
+        #[arg(long, default_value_t = 8.0)]
+        burst_every: f64,
+        /// Long prompts per burst.
+        #[arg(long, default_value_t = 1)]
+        burst: usize,
+        /// The gateway's `--pd-threshold`.
+        #[arg(long, default_value_t = 256)]
+        threshold: usize,
+        /// The sim's KV transfer rate in GB/s (default: the loopback rate `hearth bench
+        /// kv-transfer` measured).
+        #[arg(long, default_value_t = 0.5)]
+        sim_transfer_gbs: f64,
+        /// Shorter runs (smoke).
+        #[arg(long)]
+        quick: bool,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// KV transfer between engines (prefill/decode disaggregation): in process and worker to
     /// worker over loopback HTTP, in GB/s.
     KvTransfer {
@@ -245,12 +282,18 @@ pub struct RoutingArgs {
         default_value = "kv_aware"
     )]
     pub policies: Vec<String>,
+    /// Prefill/decode disaggregation: a request with at least this many prompt tokens not
+    /// cached on the best prefill worker is prefilled on a `prefill` worker and decoded on a
+    /// `decode` worker (pools without such workers never disaggregate); 0: never.
+    #[arg(long, env = "HEARTH_PD_THRESHOLD", default_value_t = hearth_gateway::registry::DEFAULT_PD_THRESHOLD)]
+    pub pd_threshold: usize,
 }
 
 impl RoutingArgs {
     pub fn config(&self, region: &str) -> anyhow::Result<RoutingConfig> {
         let mut cfg = RoutingConfig {
             region: region.to_string(),
+            pd_threshold: self.pd_threshold,
             ..Default::default()
         };
         for p in &self.policies {
@@ -304,6 +347,13 @@ pub struct ServeArgs {
     /// In-process engine workers (each with its own KV cache; threads are shared out).
     #[arg(long, env = "HEARTH_WORKERS_LOCAL", default_value_t = 1)]
     pub workers: usize,
+    /// In-process prefill workers (with `--decode-workers`, a one-command prefill/decode
+    /// disaggregated setup; they replace `--workers`).
+    #[arg(long, env = "HEARTH_PREFILL_WORKERS", default_value_t = 0)]
+    pub prefill_workers: usize,
+    /// In-process decode workers (see `--prefill-workers`).
+    #[arg(long, env = "HEARTH_DECODE_WORKERS", default_value_t = 0)]
+    pub decode_workers: usize,
     /// A model catalogue (TOML; see the README): several models, each loaded on its first
     /// request and unloaded after its idle TTL, within `--memory-budget-mib`. Replaces
     /// `--model`.
@@ -337,6 +387,11 @@ pub struct WorkerArgs {
     /// (`…/kv/export`, `…/kv/pull`); unset: both are refused.
     #[arg(long, env = "HEARTH_WORKER_TOKEN", hide_env_values = true)]
     pub worker_token: Option<String>,
+    /// What the gateway sends this worker: `both` (whole requests), `prefill` (the prompt
+    /// and first token of long requests, whose KV blocks decode workers then fetch) or
+    /// `decode` (the rest of long requests, and short requests whole).
+    #[arg(long, env = "HEARTH_WORKER_ROLE", default_value = "both", value_parser = ["both", "prefill", "decode"])]
+    pub role: String,
 }
 
 #[derive(Args)]

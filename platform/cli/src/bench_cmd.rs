@@ -10,6 +10,39 @@ use crate::output::write_json;
 pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
         BenchCommand::Engine { model, quick, json } => engine(model, quick, json).await,
+        BenchCommand::Pd {
+            model,
+            seconds,
+            streams,
+            short_tokens,
+            long_words,
+            burst_every,
+            burst,
+            threshold,
+            sim_transfer_gbs,
+            quick,
+            json,
+        } => {
+            let (path, id) = resolve_model(&model).await?;
+            let cfg = hearth_bench::pd::PdBenchConfig {
+                exe: std::env::current_exe()?,
+                model: path.to_string_lossy().into_owned(),
+                model_id: id,
+                threads: model.engine_config().threads,
+                seconds: if quick { 15.0 } else { seconds.max(5.0) },
+                streams: streams.clamp(1, 256),
+                short_tokens: short_tokens.clamp(2, 4096),
+                long_words: long_words.clamp(16, 7000),
+                burst_every: burst_every.max(1.0),
+                burst: burst.clamp(1, 64),
+                threshold: threshold.max(1),
+                sim_transfer_gbs,
+                quick,
+            };
+            let report = hearth_bench::pd::run(cfg).await?;
+            print!("{}", report.table());
+            write_json(&report, json)
+        }
         BenchCommand::KvTransfer {
             model,
             prompt_tokens,

@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use hearth_billing::UsageLedger;
 use hearth_engine::fetch::{ensure_model, hearth_home};
+use hearth_engine::kv_transfer::LocalKvTransport;
 use hearth_engine::metrics::EngineCollector;
 use hearth_engine::sim::{sim_info, CostModel, SimHandle};
 use hearth_engine::{Backend, EngineHandle};
@@ -180,6 +181,9 @@ async fn run_gateway(
 
 pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if let Some(path) = &a.catalogue {
+        if a.prefill_workers + a.decode_workers > 0 {
+            bail!("--prefill-workers and --decode-workers serve one model: they do not combine with --catalogue");
+        }
         let catalogue = LocalCatalogue::open(path, &a.model, a.memory_budget_mib).await?;
         tracing::info!(models = ?catalogue.ids(), "catalogue: models load on their first request");
         let clients = catalogue
@@ -207,18 +211,37 @@ pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         let routing = a.routing.config(&a.model.region)?;
         return run_gateway(a.listen, &a.data, workers, a.admin_token, routing, &a.limits).await;
     }
-    let n = a.workers.clamp(1, 64);
+    // Roles: `--prefill-workers`/`--decode-workers` (disaggregated), else `--workers` alike.
+    let pd = a.prefill_workers + a.decode_workers > 0;
+    let roles: Vec<&str> = if pd {
+        let mut r = vec!["prefill"; a.prefill_workers];
+        r.extend(vec!["decode"; a.decode_workers]);
+        r
+    } else {
+        vec!["both"; a.workers.clamp(1, 64)]
+    };
+    anyhow::ensure!(roles.len() <= 64, "at most 64 in-process workers");
+    let n = roles.len();
     let mut model = a.model.clone();
     let total = model
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     model.threads = Some((total / n).max(1));
+    let transport = Arc::new(LocalKvTransport::default());
     let mut clients: Vec<Arc<dyn WorkerClient>> = Vec::new();
     let mut engines = Vec::new();
-    for i in 0..n {
+    for (i, role) in roles.into_iter().enumerate() {
         let backend = load_backend(&model).await?;
-        let name = format!("local-{i}");
-        clients.push(Arc::new(InProcessWorker::new(backend.clone(), &name)));
+        let name = if pd {
+            format!("local-{role}-{i}")
+        } else {
+            format!("local-{i}")
+        };
+        let mut worker = InProcessWorker::new(backend.clone(), &name);
+        if pd {
+            worker = worker.with_role(role, transport.clone());
+        }
+        clients.push(Arc::new(worker));
         engines.push((name, backend));
     }
     let workers = Workers {
@@ -249,9 +272,13 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
     let served: Vec<&str> = engines.iter().map(|(m, _)| m.as_str()).collect();
     println!("Hearth worker ({}) is listening on http://{addr}", served.join(", "));
     let name = worker_name(addr);
+    let opts = hearth_engine::server::WorkerOptions {
+        token: a.worker_token.clone(),
+        role: Some(a.role.clone()),
+    };
     let app = match catalogue {
-        Some(c) => hearth_engine::server::router_catalogue(&name, c, a.worker_token.clone()),
-        None => hearth_engine::server::router_many(engines, &name, a.worker_token.clone()),
+        Some(c) => hearth_engine::server::router_catalogue(&name, c, opts),
+        None => hearth_engine::server::router_many(engines, &name, opts),
     };
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown_signal())
@@ -286,7 +313,10 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
                 Ok((ws, host)) => {
                     let host = host.map(|h| h.with_token(a.worker_token.clone()));
                     hosts.extend(host.map(|h| Arc::new(h) as Arc<dyn ModelHostClient>));
-                    break ws;
+                    break ws
+                        .into_iter()
+                        .map(|w| w.with_token(a.worker_token.clone()))
+                        .collect::<Vec<_>>();
                 }
                 Err(hearth_gateway::workers::WorkerError::Unavailable { .. })
                     if tokio::time::Instant::now() < deadline =>
@@ -294,7 +324,7 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
                 // Unreachable past the wait: the registry reports it.
-                Err(_) => break vec![HttpWorker::new(u)?],
+                Err(_) => break vec![HttpWorker::new(u)?.with_token(a.worker_token.clone())],
             }
         };
         clients.extend(found.into_iter().map(|w| Arc::new(w) as Arc<dyn WorkerClient>));

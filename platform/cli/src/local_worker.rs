@@ -7,6 +7,7 @@ use std::sync::Arc;
 use futures_util::future::BoxFuture;
 use futures_util::stream;
 use futures_util::{FutureExt, StreamExt};
+use hearth_engine::kv_transfer::LocalKvTransport;
 use hearth_engine::Backend;
 use hearth_gateway::workers::{EventStream, KvEventStream, WorkerClient, WorkerError};
 use hearth_protocol::{GenerateRequest, WorkerInfo};
@@ -17,6 +18,10 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 pub struct InProcessWorker {
     engine: Arc<dyn Backend>,
     name: String,
+    /// `prefill` or `decode` in a disaggregated setup (None: `both`).
+    role: Option<String>,
+    /// How it fetches KV blocks from the other local workers (disaggregated setups only).
+    transport: Option<Arc<LocalKvTransport>>,
 }
 
 impl InProcessWorker {
@@ -24,7 +29,20 @@ impl InProcessWorker {
         Self {
             engine,
             name: name.to_string(),
+            role: None,
+            transport: None,
         }
+    }
+
+    /// A worker of a disaggregated setup: it reports `role`, and its engine joins
+    /// `transport` under its name, so that its peers fetch KV blocks from it.
+    pub fn with_role(mut self, role: &str, transport: Arc<LocalKvTransport>) -> Self {
+        if let Some(e) = self.engine.engine() {
+            transport.add(&self.name, e);
+        }
+        self.role = Some(role.to_string());
+        self.transport = Some(transport);
+        self
     }
 }
 
@@ -66,22 +84,37 @@ impl WorkerClient for InProcessWorker {
     }
 
     fn info(&self) -> BoxFuture<'_, Result<WorkerInfo, WorkerError>> {
-        let info = self.engine.info().clone();
+        let mut info = self.engine.info().clone();
+        if let Some(r) = &self.role {
+            info.role = r.clone();
+        }
         async move { Ok(info) }.boxed()
+    }
+
+    fn kv_address(&self) -> Option<String> {
+        self.transport.as_ref().map(|_| self.name.clone())
     }
 
     fn generate(&self, req: GenerateRequest) -> BoxFuture<'_, Result<EventStream, WorkerError>> {
         // The caller's span (the gateway's dispatch phase) parents the engine's spans.
         let parent = tracing::Span::current().context();
         let (model, request_id) = (req.model.clone(), req.request_id.clone());
-        let rx = self.engine.generate(req);
-        let events = hearth_engine::telemetry::traced(
-            UnboundedReceiverStream::new(rx),
-            parent,
-            self.name.clone(),
-            model,
-            request_id,
-        );
-        async move { Ok(events.boxed()) }.boxed()
+        async move {
+            // A disaggregated decode request: the blocks it lacks come from its prefill
+            // worker first (what does not arrive is computed).
+            if let (Some(t), Some(e)) = (&self.transport, self.engine.engine()) {
+                hearth_engine::kv_transfer::prepare(&e, &**t, &req, &self.name, &parent).await;
+            }
+            let rx = self.engine.generate(req);
+            let events = hearth_engine::telemetry::traced(
+                UnboundedReceiverStream::new(rx),
+                parent,
+                self.name.clone(),
+                model,
+                request_id,
+            );
+            Ok(events.boxed())
+        }
+        .boxed()
     }
 }

@@ -153,6 +153,8 @@ async fn routing(State(gw): State<Arc<AppState>>) -> Result<Json<Value>, ApiErro
                 "model": m.id, "policy": r.cfg.policy, "load_factor": r.cfg.load_factor,
                 "home_region": r.cfg.home_region, "index_blocks": r.index.len(),
                 "workers": workers, "decisions": decisions,
+                "pd_threshold": m.pd_threshold,
+                "pd": m.pd.snapshot().iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
             })
         })
         .collect();

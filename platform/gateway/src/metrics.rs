@@ -80,6 +80,14 @@ pub struct WorkerLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PdLabels {
+    pub model: String,
+    /// `disaggregated` (prefill and decode workers), `prefill_only` (finished at its first
+    /// token), `retried_colocated` (a failure; served by one worker instead) or `failed`.
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DecisionLabels {
     pub model: String,
     pub policy: String,
@@ -132,6 +140,7 @@ pub struct Metrics {
     pub finished: Family<FinishLabels, Counter>,
     pub limiter: Family<LimiterLabels, Counter>,
     pub processor: Family<HookLabel, Histogram, fn() -> Histogram>,
+    pub pd: Family<PdLabels, Counter>,
     worker_gauges: [Family<WorkerLabels, Gauge>; 6],
     decisions: Family<DecisionLabels, Counter>,
     index_blocks: Family<ModelLabel, Gauge>,
@@ -207,6 +216,12 @@ impl Metrics {
             "Time in tenant processors per request, by hook.",
             processor.clone(),
         );
+        let pd = Family::<PdLabels, Counter>::default();
+        registry.register(
+            "hearth_pd_requests",
+            "Requests sent to a prefill and a decode worker, by outcome.",
+            pd.clone(),
+        );
         let worker_gauges: [Family<WorkerLabels, Gauge>; 6] = Default::default();
         let gauge_help = [
             (
@@ -258,6 +273,7 @@ impl Metrics {
             generation_tokens,
             finished,
             limiter,
+            pd,
             processor,
             worker_gauges,
             decisions,
@@ -322,6 +338,17 @@ impl Metrics {
             self.index_blocks
                 .get_or_create(&Self::model(&m.id))
                 .set(r.index.len() as i64);
+            drop(r);
+            for (outcome, n) in m.pd.snapshot() {
+                if n == 0 {
+                    continue;
+                }
+                let c = self.pd.get_or_create(&PdLabels {
+                    model: m.id.clone(),
+                    outcome: outcome.to_string(),
+                });
+                c.inc_by(n.saturating_sub(c.get()));
+            }
         }
         let mut out = String::new();
         if let Err(e) = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry) {

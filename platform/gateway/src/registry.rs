@@ -39,6 +39,40 @@ pub struct ServedModel {
     pub(crate) last_spread: Mutex<Option<Instant>>,
     /// Loads started on more workers because the model was busy.
     pub spreads: std::sync::atomic::AtomicU64,
+    /// See [`RoutingConfig::pd_threshold`].
+    pub pd_threshold: usize,
+    /// Disaggregated requests by outcome.
+    pub pd: PdCounts,
+}
+
+/// What became of disaggregated requests (`hearth_pd_requests{outcome}`).
+#[derive(Debug, Default)]
+pub struct PdCounts {
+    /// Prefill on one worker, decode on another.
+    pub disaggregated: std::sync::atomic::AtomicU64,
+    /// Finished at the first token (end of sequence, a stop string, `max_tokens`).
+    pub prefill_only: std::sync::atomic::AtomicU64,
+    /// A worker or the transfer failed: served by one worker instead.
+    pub retried_colocated: std::sync::atomic::AtomicU64,
+    /// Failed after tokens were sent (the client got a clean error).
+    pub failed: std::sync::atomic::AtomicU64,
+}
+
+impl PdCounts {
+    pub fn count(c: &std::sync::atomic::AtomicU64) {
+        c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// (outcome, count) for each outcome.
+    pub fn snapshot(&self) -> [(&'static str, u64); 4] {
+        let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        [
+            ("disaggregated", get(&self.disaggregated)),
+            ("prefill_only", get(&self.prefill_only)),
+            ("retried_colocated", get(&self.retried_colocated)),
+            ("failed", get(&self.failed)),
+        ]
+    }
 }
 
 impl ServedModel {
@@ -123,7 +157,14 @@ pub struct RoutingConfig {
     pub per_model: HashMap<String, Policy>,
     /// The gateway's own region (requests may override it with `x-hearth-region`).
     pub region: String,
+    /// Disaggregate a request (prefill on one worker, decode on another) when at least this
+    /// many of its prompt tokens are not cached on the prefill worker; 0: never. Only pools
+    /// with `prefill` or `decode` workers disaggregate.
+    pub pd_threshold: usize,
 }
+
+/// Uncached prompt tokens from which a request is disaggregated, by default.
+pub const DEFAULT_PD_THRESHOLD: usize = 256;
 
 impl Default for RoutingConfig {
     fn default() -> Self {
@@ -131,6 +172,7 @@ impl Default for RoutingConfig {
             policy: Policy::parse("kv_aware").unwrap_or(Policy::Random),
             per_model: HashMap::new(),
             region: "local".into(),
+            pd_threshold: DEFAULT_PD_THRESHOLD,
         }
     }
 }
@@ -252,6 +294,8 @@ impl ModelRegistry {
                 retired: tokio::sync::watch::Sender::new(false),
                 last_spread: Mutex::new(None),
                 spreads: Default::default(),
+                pd_threshold: routing.pd_threshold,
+                pd: PdCounts::default(),
             });
             for slot in 0..model.workers.len() {
                 if model.client(slot).is_some() {

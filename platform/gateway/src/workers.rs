@@ -45,6 +45,13 @@ pub trait WorkerClient: Send + Sync + 'static {
     fn preload(&self) -> BoxFuture<'_, Result<(), WorkerError>> {
         async move { Ok(()) }.boxed()
     }
+    /// Where a decode worker fetches the KV blocks this worker holds ([`KvSource`]'s
+    /// `worker`: a base URL, or a local worker's name). None: it cannot hand requests off.
+    ///
+    /// [`KvSource`]: hearth_protocol::KvSource
+    fn kv_address(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A worker reached over HTTP (`hearth worker`): one of its models.
@@ -57,6 +64,9 @@ pub struct HttpWorker {
     /// The model, on a catalogue worker (its state is followed through health checks).
     model: Option<String>,
     state: std::sync::Mutex<Option<String>>,
+    /// The workers' shared token, sent with disaggregated decode requests (they make the
+    /// worker fetch KV blocks from another).
+    token: Option<String>,
 }
 
 /// One entry of a catalogue worker's `GET /v1/worker/models`.
@@ -197,7 +207,14 @@ impl HttpWorker {
             prefix: "/v1/worker".into(),
             model: None,
             state: std::sync::Mutex::new(None),
+            token: None,
         })
+    }
+
+    /// Sends `token` (the workers' shared token) with disaggregated decode requests.
+    pub fn with_token(mut self, token: Option<String>) -> Self {
+        self.token = token.filter(|t| !t.is_empty());
+        self
     }
 
     /// The client of one model of a catalogue worker.
@@ -276,6 +293,10 @@ impl HttpWorker {
 impl WorkerClient for HttpWorker {
     fn name(&self) -> &str {
         &self.base
+    }
+
+    fn kv_address(&self) -> Option<String> {
+        Some(self.base.clone())
     }
 
     fn kv_events(&self) -> BoxFuture<'_, Result<KvEventStream, WorkerError>> {
@@ -383,6 +404,9 @@ impl WorkerClient for HttpWorker {
             let mut post = self.client.post(self.url("generate")).json(&req);
             if let Some(tp) = traceparent {
                 post = post.header(hearth_protocol::TRACEPARENT, tp);
+            }
+            if let (Some(_), Some(t)) = (&req.kv_source, &self.token) {
+                post = post.bearer_auth(t);
             }
             let resp = post.send().await.map_err(|e| self.unavailable(e))?;
             if !resp.status().is_success() {

@@ -1,18 +1,24 @@
-//! Phase `dispatch`: the engine request, sent to the worker [`route`](super::route) chose.
-//! An unreachable worker is marked unhealthy and the next choice tried — nothing has been
-//! streamed yet, so a retry is safe.
+//! Phase `dispatch`: the engine request, sent to the worker [`route`](super::route) chose —
+//! or, for a long prompt on a pool with prefill and decode workers, to two workers
+//! ([`disaggregate`](super::disaggregate)), whose streams become one. An unreachable worker
+//! is marked unhealthy and the next choice tried — nothing has been streamed yet, so a retry
+//! is safe.
+
+use std::sync::Arc;
 
 use hearth_protocol::{cache_namespace, GenerateRequest};
 
 use super::route::{self, Placement, RouteHints, RouteRequest};
 use super::RequestContext;
 use crate::error::ApiError;
+use crate::registry::ServedModel;
 use crate::workers::{EventStream, WorkerError};
 
-/// The worker's event stream and the request's place on it.
+/// The worker's event stream and the request's place on it (None when disaggregated: the
+/// stitching task holds both places).
 pub struct Dispatched {
     pub events: EventStream,
-    pub placement: Placement,
+    pub placement: Option<Placement>,
 }
 
 pub async fn run(ctx: &mut RequestContext) -> Result<Dispatched, ApiError> {
@@ -29,6 +35,9 @@ pub async fn run(ctx: &mut RequestContext) -> Result<Dispatched, ApiError> {
         sampling,
         cache_namespace: cache_namespace(&tenant_id, request.common.prompt_cache_key.as_deref()),
         n: request.common.n,
+        prefill_only: false,
+        resume: Vec::new(),
+        kv_source: None,
     };
     let hints = RouteHints {
         session: ctx.header("x-session-affinity"),
@@ -36,21 +45,44 @@ pub async fn run(ctx: &mut RequestContext) -> Result<Dispatched, ApiError> {
         prefix_key: route::prefix_key(&model, &request.routing_text(), &req.cache_namespace),
     };
     let routed = RouteRequest::new(&model, &req.prompt, &req.cache_namespace, hints);
-    let mut exclude = 0u64;
+    // One completion only: `n` choices share one prompt on one worker.
+    if req.n == 1 && req.sampling.max_tokens > 1 {
+        let pd = tracing::info_span!("route").in_scope(|| route::run_pd(&model, &routed, 0));
+        if let Some(pd) = pd {
+            match super::disaggregate::start(&model, req, routed, pd).await {
+                Ok(d) => return Ok(d),
+                Err((req, routed, exclude)) => return colocated(&model, &req, &routed, exclude).await,
+            }
+        }
+    }
+    colocated(&model, &req, &routed, 0).await
+}
+
+/// Sends `req` to the best worker not in `exclude` (a mask of router slots), then the next
+/// best while workers are unreachable.
+pub async fn colocated(
+    model: &Arc<ServedModel>,
+    req: &GenerateRequest,
+    routed: &RouteRequest,
+    mut exclude: u64,
+) -> Result<Dispatched, ApiError> {
     let mut last = None;
-    while let Some(placement) = tracing::info_span!("route").in_scope(|| route::run(&model, &routed, exclude)) {
+    while let Some(placement) = tracing::info_span!("route").in_scope(|| route::run(model, routed, exclude)) {
         let slot = placement.slot;
         exclude |= 1 << slot;
         let Some(client) = model.client(slot).cloned() else {
             continue;
         };
         match client.generate(req.clone()).await {
-            Ok(events) => return Ok(Dispatched { events, placement }),
+            Ok(events) => {
+                return Ok(Dispatched {
+                    events,
+                    placement: Some(placement),
+                })
+            }
             Err(e @ WorkerError::Unavailable { .. }) => {
                 tracing::warn!(worker = client.name(), error = %e, "worker unavailable; trying the next");
-                if let Some(w) = model.router().worker_mut(slot) {
-                    w.healthy = false;
-                }
+                mark_unhealthy(model, slot);
                 last = Some(e);
             }
             Err(e) => {
@@ -64,4 +96,11 @@ pub async fn run(ctx: &mut RequestContext) -> Result<Dispatched, ApiError> {
         "no worker for model {} is reachable{detail}",
         model.id
     )))
+}
+
+/// Until its health check passes again.
+pub fn mark_unhealthy(model: &ServedModel, slot: usize) {
+    if let Some(w) = model.router().worker_mut(slot) {
+        w.healthy = false;
+    }
 }

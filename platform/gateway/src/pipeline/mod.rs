@@ -4,8 +4,8 @@
 //! [`run`] top to bottom for the whole request:
 //!
 //! [`authenticate`] → [`budget`] → [`preprocess`] → [`parse`] → [`resolve`] →
-//! [`tokenize`] → [`limit`] → [`budget::reserve`] → [`route`] + [`dispatch`] → [`relay`] →
-//! [`postprocess`],
+//! [`tokenize`] → [`limit`] → [`budget::reserve`] → [`route`] + [`dispatch`] (or
+//! [`disaggregate`]) → [`relay`] → [`postprocess`],
 //! with [`meter`] writing the usage record: from the relay before the client gets the final
 //! event (write-before-ack), or from [`handle`] for a request refused before dispatch.
 //!
@@ -14,6 +14,7 @@
 
 pub mod authenticate;
 pub mod budget;
+pub mod disaggregate;
 pub mod dispatch;
 pub mod limit;
 pub mod meter;

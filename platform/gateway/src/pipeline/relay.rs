@@ -192,7 +192,9 @@ async fn relay(
             GenerateEvent::Token { .. } => {
                 generated += 1;
                 timing.token(&state.metrics);
-                placement.first_token();
+                if let Some(p) = placement.as_mut() {
+                    p.first_token();
+                }
                 false
             }
             GenerateEvent::Finish { .. } => false,

@@ -99,6 +99,13 @@ fn not_warm(model: &ServedModel, exclude: u64) -> u64 {
 /// the policy picks which one loads it.
 pub fn run(model: &Arc<ServedModel>, req: &RouteRequest, exclude: u64) -> Option<Placement> {
     let mut r = model.router();
+    // Prefill workers serve whole requests only when nothing else can.
+    let prefill = role_mask(&r, "prefill");
+    let exclude = if usable(&r) & !exclude & !prefill != 0 {
+        exclude | prefill
+    } else {
+        exclude
+    };
     let mut input = RouteInput {
         hashes: &req.hashes,
         prompt_tokens: req.prompt_tokens,
@@ -132,6 +139,98 @@ pub fn run(model: &Arc<ServedModel>, req: &RouteRequest, exclude: u64) -> Option
         slot: d.worker,
         uncached,
         started: false,
+    })
+}
+
+/// Healthy, not draining workers, as a slot mask.
+fn usable(r: &Router) -> u64 {
+    r.workers()
+        .filter(|(_, w)| w.healthy && !w.draining)
+        .fold(0, |m, (i, _)| m | (1 << i))
+}
+
+/// Workers with this role, as a slot mask.
+fn role_mask(r: &Router, role: &str) -> u64 {
+    r.workers()
+        .filter(|(_, w)| w.role == role)
+        .fold(0, |m, (i, _)| m | (1 << i))
+}
+
+/// A disaggregated request's two places: the prefill worker computes the prompt and the
+/// first token, the decode worker the rest.
+pub struct PdPlacement {
+    pub prefill: Placement,
+    pub decode: Placement,
+}
+
+/// Prefill/decode disaggregation, when it pays: the pool has `prefill` or `decode` workers
+/// and at least [`ServedModel::pd_threshold`] of the prompt's tokens are not cached on the
+/// best prefill worker. The prefill worker is chosen among `prefill` workers (else `both`)
+/// by the model's policy — cache overlap and prefill tokens in flight, for `kv_aware` —
+/// and the decode worker among `decode` workers (else `both`, never the same one) by the
+/// same policy, which weighs its running sequences and what of the prompt it already
+/// holds (only the rest is transferred). None: serve colocated.
+pub fn run_pd(model: &Arc<ServedModel>, req: &RouteRequest, exclude: u64) -> Option<PdPlacement> {
+    if model.pd_threshold == 0 {
+        return None;
+    }
+    let mut r = model.router();
+    let ok = usable(&r) & !exclude;
+    let (prefill, decode) = (role_mask(&r, "prefill") & ok, role_mask(&r, "decode") & ok);
+    if prefill == 0 && decode == 0 {
+        return None;
+    }
+    let both = ok & !prefill & !decode;
+    let p_cands = if prefill != 0 { prefill } else { both };
+    let d_cands = if decode != 0 { decode } else { both };
+    if p_cands == 0 || d_cands == 0 || (p_cands == d_cands && p_cands.count_ones() < 2) {
+        return None;
+    }
+    // Worth it only for a long uncached part (a short one is cheaper than a transfer).
+    let now = model.now_ms();
+    let matched = r.index.matches(&req.hashes, p_cands, now);
+    let best = (0..64)
+        .filter(|i| p_cands & (1u64 << i) != 0)
+        .map(|i| matched[i] as usize * model.block_tokens)
+        .max()
+        .unwrap_or(0)
+        .min(req.prompt_tokens.saturating_sub(1));
+    if req.prompt_tokens - best < model.pd_threshold {
+        return None;
+    }
+    // No session pinning: affinity belongs to colocated serving.
+    let mut input = RouteInput {
+        hashes: &req.hashes,
+        prompt_tokens: req.prompt_tokens,
+        prefix_key: req.hints.prefix_key,
+        session: None,
+        region: req.hints.region.as_deref(),
+        exclude: !p_cands,
+    };
+    let p = r.route(&input, now)?;
+    input.exclude = !(d_cands & !(1u64 << p.worker));
+    let d = r.route(&input, now)?;
+    let uncached = req.prompt_tokens - p.expected_cached_tokens;
+    // The decode worker computes only the prompt's tail (the rest is transferred).
+    let tail = req.prompt_tokens % model.block_tokens.max(1) + 1;
+    r.on_dispatch(p.worker, uncached);
+    r.on_dispatch(d.worker, tail);
+    drop(r);
+    tracing::debug!(
+        prefill = p.worker,
+        decode = d.worker,
+        expected_cached = p.expected_cached_tokens,
+        "disaggregated"
+    );
+    let place = |slot, uncached| Placement {
+        model: model.clone(),
+        slot,
+        uncached,
+        started: false,
+    };
+    Some(PdPlacement {
+        prefill: place(p.worker, uncached),
+        decode: place(d.worker, tail),
     })
 }
 

@@ -1,0 +1,719 @@
+//! `hearth bench pd`: prefill/decode disaggregation against colocated serving, at equal
+//! worker count, under one mixed workload — steady short-prompt streams, plus bursts of
+//! long prompts that, colocated, stall every running stream's next token.
+//!
+//! * **engine**: real processes — for each mode a `hearth gateway` and two `hearth worker`s
+//!   (`both` + `both`, or `prefill` + `decode`), each worker with an equal share of the
+//!   CPU threads; the load comes through the gateway's OpenAI API, streamed, and every
+//!   token's arrival time is recorded at the client.
+//! * **sim**: the same workload shape at larger scale on `sim` workers (the real scheduler
+//!   and prefix cache, a cost model, virtual time), with the KV transfer costed at a given
+//!   rate (by default the loopback rate `hearth bench kv-transfer` measures).
+//!
+//! Reported per mode: TTFT and inter-token latency P50/P90/P99, output tokens/s, KV bytes
+//! moved and the transfer rate; then the ratios the issue's targets name.
+
+use std::collections::{BinaryHeap, HashMap};
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use hearth_engine::sim::{CostModel, SimWorker};
+use hearth_protocol::namespace_root;
+use serde::Serialize;
+use serde_json::json;
+
+const TOKEN: &str = "hearth-bench-pd-token";
+
+#[derive(Debug, Clone)]
+pub struct PdBenchConfig {
+    /// The `hearth` executable (workers and gateways are started from it).
+    pub exe: PathBuf,
+    /// `--model` for the workers (a known model or a path) and the id it is served as.
+    pub model: String,
+    pub model_id: String,
+    /// CPU threads shared out between the two workers.
+    pub threads: usize,
+    /// Seconds of load per mode.
+    pub seconds: f64,
+    /// Steady short-prompt streams.
+    pub streams: usize,
+    /// Tokens each short request generates.
+    pub short_tokens: u32,
+    /// A long prompt's length in words (about as many tokens).
+    pub long_words: usize,
+    /// Seconds between bursts of long prompts, and prompts per burst.
+    pub burst_every: f64,
+    pub burst: usize,
+    /// The gateway's `--pd-threshold`.
+    pub threshold: usize,
+    /// The sim's KV transfer rate, GB/s.
+    pub sim_transfer_gbs: f64,
+    pub quick: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModeResult {
+    /// `engine` or `sim`.
+    pub backend: String,
+    /// `colocated` or `disaggregated`.
+    pub mode: String,
+    pub workers: String,
+    pub requests: usize,
+    pub errors: usize,
+    pub ttft_p50_ms: f64,
+    pub ttft_p90_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub itl_p50_ms: f64,
+    pub itl_p90_ms: f64,
+    pub itl_p99_ms: f64,
+    pub output_tok_s: f64,
+    /// Requests the gateway disaggregated.
+    pub disaggregated: u64,
+    pub kv_bytes: u64,
+    pub transfer_gbs: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PdReport {
+    pub isa: String,
+    pub cpu: String,
+    pub workload: String,
+    pub results: Vec<ModeResult>,
+    /// Disaggregated ÷ colocated, engine then sim: P90 ITL (target ≤ 0.5) and output
+    /// tokens/s (target ≥ 0.9).
+    pub engine_itl_p90_ratio: f64,
+    pub engine_throughput_ratio: f64,
+    pub sim_itl_p90_ratio: f64,
+    pub sim_throughput_ratio: f64,
+}
+
+impl PdReport {
+    pub fn table(&self) -> String {
+        let mut out = format!(
+            "Prefill/decode disaggregation vs colocated (ISA {}; {})\n{}\n\n",
+            self.isa, self.cpu, self.workload
+        );
+        out += "| backend | mode | workers | requests | errors | TTFT P50/P90/P99 ms | ITL P50/P90/P99 ms | output tok/s | disaggregated | KV moved MB | transfer GB/s |\n";
+        out += "|---|---|---|---:|---:|---|---|---:|---:|---:|---:|\n";
+        for r in &self.results {
+            out += &format!(
+                "| {} | {} | {} | {} | {} | {:.0} / {:.0} / {:.0} | {:.1} / {:.1} / {:.1} | {:.1} | {} | {:.1} | {:.2} |\n",
+                r.backend,
+                r.mode,
+                r.workers,
+                r.requests,
+                r.errors,
+                r.ttft_p50_ms,
+                r.ttft_p90_ms,
+                r.ttft_p99_ms,
+                r.itl_p50_ms,
+                r.itl_p90_ms,
+                r.itl_p99_ms,
+                r.output_tok_s,
+                r.disaggregated,
+                r.kv_bytes as f64 / 1e6,
+                r.transfer_gbs
+            );
+        }
+        out += &format!(
+            "\nP90 ITL, disaggregated ÷ colocated: engine {:.2}×, sim {:.2}× (target ≤ 0.5×)\n\
+             Output tokens/s, disaggregated ÷ colocated: engine {:.2}×, sim {:.2}× (target ≥ 0.9×)\n",
+            self.engine_itl_p90_ratio, self.sim_itl_p90_ratio, self.engine_throughput_ratio, self.sim_throughput_ratio
+        );
+        out
+    }
+}
+
+pub async fn run(cfg: PdBenchConfig) -> anyhow::Result<PdReport> {
+    let mut results = Vec::new();
+    for pd in [false, true] {
+        results.push(engine_mode(&cfg, pd).await?);
+    }
+    let sim_cfg = cfg.clone();
+    let sim = tokio::task::spawn_blocking(move || [false, true].map(|pd| sim_mode(&sim_cfg, pd))).await?;
+    results.extend(sim);
+    let ratio = |i: usize, j: usize, f: fn(&ModeResult) -> f64| f(&results[j]) / f(&results[i]).max(1e-9);
+    Ok(PdReport {
+        isa: hearth_engine::kernels::isa().name().to_string(),
+        cpu: hearth_engine::kernels::cpu_features(),
+        workload: format!(
+            "{} steady streams (short prompts, {} tokens each) + every {:.0} s a burst of {} prompts of ~{} tokens (16 out); {:.0} s per mode; --pd-threshold {}",
+            cfg.streams, cfg.short_tokens, cfg.burst_every, cfg.burst, cfg.long_words, cfg.seconds, cfg.threshold
+        ),
+        engine_itl_p90_ratio: ratio(0, 1, |r| r.itl_p90_ms),
+        engine_throughput_ratio: ratio(0, 1, |r| r.output_tok_s),
+        sim_itl_p90_ratio: ratio(2, 3, |r| r.itl_p90_ms),
+        sim_throughput_ratio: ratio(2, 3, |r| r.output_tok_s),
+        results,
+    })
+}
+
+/// A child process killed on drop.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `hearth ARGS` and waits for its "listening on http://ADDR" line.
+fn spawn(exe: &PathBuf, args: &[&str]) -> anyhow::Result<(Proc, String)> {
+    let mut child = Command::new(exe)
+        .args(args)
+        .env("HEARTH_WORKER_TOKEN", TOKEN)
+        .env("HEARTH_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()?;
+    let stdout = child.stdout.take().ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+    let proc = Proc(child);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let line = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .map_err(|_| anyhow::anyhow!("hearth {args:?} did not start"))?;
+        if let Some(rest) = line.split("listening on ").nth(1) {
+            let url = rest.split_whitespace().next().unwrap_or_default().to_string();
+            std::thread::spawn(move || while rx.recv().is_ok() {});
+            return Ok((proc, url));
+        }
+    }
+}
+
+fn admin(exe: &PathBuf, data: &str, args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new(exe)
+        .args(["admin", "--data-dir", data])
+        .args(args)
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "admin {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// One streamed request's timings at the client.
+struct Timed {
+    ttft: f64,
+    /// Gaps between consecutive tokens.
+    itl: Vec<f64>,
+    tokens: usize,
+}
+
+async fn stream(client: &reqwest::Client, url: &str, key: &str, body: serde_json::Value) -> Option<Timed> {
+    let start = Instant::now();
+    let resp = client.post(url).bearer_auth(key).json(&body).send().await.ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    let mut bytes = resp.bytes_stream();
+    let (mut buf, mut times) = (Vec::<u8>::new(), Vec::new());
+    let mut ok = false;
+    while let Some(chunk) = bytes.next().await {
+        buf.extend_from_slice(&chunk.ok()?);
+        while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = buf.drain(..end + 2).collect();
+            let text = String::from_utf8_lossy(&event);
+            let Some(data) = text.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                ok = true;
+                continue;
+            }
+            let v: serde_json::Value = serde_json::from_str(data).ok()?;
+            if v.get("error").is_some() {
+                return None;
+            }
+            if v["choices"][0]["delta"]["content"]
+                .as_str()
+                .is_some_and(|c| !c.is_empty())
+            {
+                times.push(start.elapsed().as_secs_f64());
+            }
+        }
+    }
+    if !ok || times.is_empty() {
+        return None;
+    }
+    Some(Timed {
+        ttft: times[0],
+        itl: times.windows(2).map(|w| w[1] - w[0]).collect(),
+        tokens: times.len(),
+    })
+}
+
+fn long_prompt(words: usize, n: usize) -> String {
+    let mut s = format!("Document {n}. ");
+    for i in 0..words {
+        s.push_str(["alpha ", "beta ", "gamma ", "delta ", "omega ", "sigma "][(i * 7 + n) % 6]);
+        if i % 13 == 12 {
+            s.push_str(&format!("{} ", i + n));
+        }
+    }
+    s + "\nSummarise the document in one line."
+}
+
+fn metric(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+async fn engine_mode(cfg: &PdBenchConfig, pd: bool) -> anyhow::Result<ModeResult> {
+    let data = std::env::temp_dir().join(format!("hearth-bench-pd-{}-{pd}", std::process::id()));
+    std::fs::create_dir_all(&data)?;
+    let data_s = data.to_string_lossy().to_string();
+    admin(&cfg.exe, &data_s, &["tenant", "create", "bench"])?;
+    let out = admin(&cfg.exe, &data_s, &["key", "create", "--tenant", "bench"])?;
+    let key = out
+        .split_whitespace()
+        .find(|w| w.starts_with("hk_"))
+        .ok_or_else(|| anyhow::anyhow!("no key printed"))?
+        .to_string();
+    let threads = (cfg.threads / 2).max(1).to_string();
+    let roles = if pd { ["prefill", "decode"] } else { ["both", "both"] };
+    let mut procs = Vec::new();
+    let mut urls = Vec::new();
+    for role in roles {
+        let (p, url) = spawn(
+            &cfg.exe,
+            &[
+                "worker",
+                "--listen",
+                "127.0.0.1:0",
+                "--model",
+                &cfg.model,
+                "--model-id",
+                &cfg.model_id,
+                "--threads",
+                &threads,
+                "--role",
+                role,
+            ],
+        )?;
+        procs.push(p);
+        urls.push(url);
+    }
+    let threshold = cfg.threshold.to_string();
+    let (gw, gw_url) = spawn(
+        &cfg.exe,
+        &[
+            "gateway",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            &data_s,
+            "--worker",
+            &urls[0],
+            "--worker",
+            &urls[1],
+            "--pd-threshold",
+            &threshold,
+        ],
+    )?;
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(600)).build()?;
+    let url = format!("{gw_url}/v1/chat/completions");
+    let model = cfg.model_id.clone();
+    // Warm up both workers' code paths.
+    for i in 0..2 {
+        let body = json!({"model": model, "stream": true, "max_tokens": 4,
+            "messages": [{"role": "user", "content": long_prompt(cfg.long_words, 900 + i)}]});
+        stream(&client, &url, &key, body).await;
+    }
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs_f64(cfg.seconds);
+    let mut tasks = Vec::new();
+    for s in 0..cfg.streams {
+        let (client, url, key, model) = (client.clone(), url.clone(), key.clone(), model.clone());
+        let short = cfg.short_tokens;
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            let mut n = 0;
+            while Instant::now() < deadline {
+                n += 1;
+                let body = json!({"model": model, "stream": true, "max_tokens": short, "ignore_eos": true,
+                    "messages": [{"role": "user", "content": format!("Stream {s}, request {n}: name a colour.")}]});
+                out.push(stream(&client, &url, &key, body).await);
+            }
+            out
+        }));
+    }
+    {
+        let (client, url, key, model) = (client.clone(), url.clone(), key.clone(), model.clone());
+        let (every, burst, words) = (cfg.burst_every, cfg.burst, cfg.long_words);
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            let mut k = 0;
+            tokio::time::sleep(Duration::from_secs_f64(every / 2.0)).await;
+            while Instant::now() + Duration::from_secs_f64(every / 2.0) < deadline {
+                let mut burst_reqs = Vec::new();
+                for _ in 0..burst {
+                    k += 1;
+                    let body = json!({"model": model, "stream": true, "max_tokens": 16, "ignore_eos": true,
+                        "messages": [{"role": "user", "content": long_prompt(words, k)}]});
+                    let (client, url, key) = (client.clone(), url.clone(), key.clone());
+                    burst_reqs.push(tokio::spawn(async move { stream(&client, &url, &key, body).await }));
+                }
+                tokio::time::sleep(Duration::from_secs_f64(every)).await;
+                for r in burst_reqs {
+                    out.push(r.await.ok().flatten());
+                }
+            }
+            out
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await?);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let mut kv_bytes = 0.0;
+    let mut kv_seconds = 0.0;
+    for u in &urls {
+        let m = client.get(format!("{u}/metrics")).send().await?.text().await?;
+        kv_bytes += metric(&m, "hearth_kv_transfer_bytes_total");
+        kv_seconds += metric(&m, "hearth_kv_transfer_seconds_sum");
+    }
+    let gm = client.get(format!("{gw_url}/metrics")).send().await?.text().await?;
+    let disaggregated = gm
+        .lines()
+        .filter(|l| l.starts_with("hearth_pd_requests_total") && l.contains("outcome=\"disaggregated\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64;
+    drop(gw);
+    drop(procs);
+    let _ = std::fs::remove_dir_all(&data);
+    let errors = all.iter().filter(|r| r.is_none()).count();
+    let ok: Vec<Timed> = all.into_iter().flatten().collect();
+    Ok(summarise(
+        "engine",
+        pd,
+        if pd {
+            format!("1 prefill + 1 decode ({threads} threads each)")
+        } else {
+            format!("2 both ({threads} threads each)")
+        },
+        &ok,
+        errors,
+        elapsed,
+        disaggregated,
+        kv_bytes as u64,
+        kv_seconds,
+    ))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn summarise(
+    backend: &str,
+    pd: bool,
+    workers: String,
+    ok: &[Timed],
+    errors: usize,
+    elapsed: f64,
+    disaggregated: u64,
+    kv_bytes: u64,
+    kv_seconds: f64,
+) -> ModeResult {
+    let mut ttft: Vec<f64> = ok.iter().map(|t| t.ttft * 1000.0).collect();
+    let mut itl: Vec<f64> = ok.iter().flat_map(|t| t.itl.iter().map(|x| x * 1000.0)).collect();
+    let tokens: usize = ok.iter().map(|t| t.tokens).sum();
+    ModeResult {
+        backend: backend.into(),
+        mode: if pd { "disaggregated" } else { "colocated" }.into(),
+        workers,
+        requests: ok.len(),
+        errors,
+        ttft_p50_ms: percentile(&mut ttft, 0.5),
+        ttft_p90_ms: percentile(&mut ttft, 0.9),
+        ttft_p99_ms: percentile(&mut ttft, 0.99),
+        itl_p50_ms: percentile(&mut itl, 0.5),
+        itl_p90_ms: percentile(&mut itl, 0.9),
+        itl_p99_ms: percentile(&mut itl, 0.99),
+        output_tok_s: tokens as f64 / elapsed.max(1e-9),
+        disaggregated,
+        kv_bytes,
+        transfer_gbs: if kv_seconds > 0.0 {
+            kv_bytes as f64 / kv_seconds / 1e9
+        } else {
+            0.0
+        },
+    }
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+// ---- sim ----
+
+/// KV bytes per token of the sim's model (a 70B-class Llama: 80 layers, 8 KV heads of 128,
+/// fp16 keys and values).
+const SIM_KV_BYTES_PER_TOKEN: f64 = 80.0 * 8.0 * 128.0 * 2.0 * 2.0;
+
+/// One simulated request.
+struct SimFlight {
+    arrival: f64,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    /// A steady stream's request (the stream sends its next one when it ends).
+    stream: Option<usize>,
+    first: Option<f64>,
+    last: Option<f64>,
+    itl: Vec<f64>,
+    tokens: usize,
+}
+
+/// An event time, earliest first in a max-heap.
+struct At(f64);
+impl PartialEq for At {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o).is_eq()
+    }
+}
+impl Eq for At {}
+impl PartialOrd for At {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for At {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        o.0.total_cmp(&self.0)
+    }
+}
+
+enum SimEv {
+    Arrive(u64),
+    /// A worker's step ended.
+    Step(usize),
+    /// A disaggregated request's blocks reached its decode worker.
+    Transferred(u64),
+}
+
+/// The simulation's state: workers, the event queue, requests by id.
+struct Sim {
+    sims: Vec<SimWorker>,
+    pending: Vec<Option<hearth_engine::sim::SimStep>>,
+    heap: BinaryHeap<(At, u64)>,
+    evs: HashMap<u64, SimEv>,
+    seq: u64,
+    flights: HashMap<u64, SimFlight>,
+    next_flight: u64,
+    /// Sim request id → (flight, whether it is a prefill-only half).
+    on_worker: HashMap<u64, (u64, bool)>,
+    next_rid: u64,
+    rng: hearth_engine::sampling::Rng,
+    root: hearth_protocol::BlockHash,
+}
+
+impl Sim {
+    fn push(&mut self, t: f64, e: SimEv) {
+        self.seq += 1;
+        self.evs.insert(self.seq, e);
+        self.heap.push((At(t), self.seq));
+    }
+
+    fn flight(&mut self, at: f64, len: usize, out: usize, stream: Option<usize>) {
+        let prompt: Vec<u32> = (0..len).map(|_| (self.rng.next_u64() % 40_000) as u32 + 17).collect();
+        let id = self.next_flight;
+        self.next_flight += 1;
+        self.flights.insert(
+            id,
+            SimFlight {
+                arrival: at,
+                prompt,
+                max_tokens: out,
+                stream,
+                first: None,
+                last: None,
+                itl: Vec::new(),
+                tokens: 0,
+            },
+        );
+        self.push(at, SimEv::Arrive(id));
+    }
+
+    /// The least loaded of `ws` (prefill tokens in flight, then sequences).
+    fn least(&self, ws: &[usize]) -> usize {
+        *ws.iter()
+            .min_by_key(|&&w| {
+                let l = self.sims[w].load();
+                (l.inflight_prefill_tokens, l.running + l.waiting)
+            })
+            .unwrap_or(&0)
+    }
+
+    fn submit(&mut self, w: usize, fid: u64, prompt: Vec<u32>, max_tokens: usize, prefill: bool, now: f64) {
+        let rid = self.next_rid;
+        self.next_rid += 1;
+        self.sims[w].submit(rid, prompt, self.root, max_tokens);
+        self.on_worker.insert(rid, (fid, prefill));
+        self.start(w, now);
+    }
+
+    /// Starts worker `w`'s next step unless one is running.
+    fn start(&mut self, w: usize, now: f64) {
+        if self.pending[w].is_some() {
+            return;
+        }
+        if let Some(step) = self.sims[w].step() {
+            self.sims[w].take_events();
+            self.push(now + step.seconds, SimEv::Step(w));
+            self.pending[w] = Some(step);
+        }
+    }
+}
+
+/// The mixed workload at sim scale: 4 workers (2 + 2 when disaggregated), 64 steady
+/// streams (200-token prompts, 128 tokens out), and every 10 s a burst of 4 prompts of
+/// 8,000 tokens; a KV transfer takes its bytes ÷ `sim_transfer_gbs`.
+fn sim_mode(cfg: &PdBenchConfig, pd: bool) -> ModeResult {
+    let workers = 4usize;
+    let (streams, short_prompt, short_out, long_prompt) = (64usize, 200usize, 128usize, 8000usize);
+    let (every, burst) = (10.0, 4usize);
+    let horizon = if cfg.quick { 60.0 } else { 300.0 };
+    let mut sim = Sim {
+        sims: (0..workers).map(|_| SimWorker::new(CostModel::default())).collect(),
+        pending: (0..workers).map(|_| None).collect(),
+        heap: BinaryHeap::new(),
+        evs: HashMap::new(),
+        seq: 0,
+        flights: HashMap::new(),
+        next_flight: 0,
+        on_worker: HashMap::new(),
+        next_rid: 0,
+        rng: hearth_engine::sampling::Rng::new(11),
+        root: namespace_root("sim-70b", "bench"),
+    };
+    for s in 0..streams {
+        sim.flight(s as f64 * 0.05, short_prompt, short_out, Some(s));
+    }
+    let mut t = every / 2.0;
+    while t < horizon {
+        for _ in 0..burst {
+            sim.flight(t, long_prompt, 16, None);
+        }
+        t += every;
+    }
+    let (prefill_ws, decode_ws): (Vec<usize>, Vec<usize>) = if pd {
+        ((0..workers / 2).collect(), (workers / 2..workers).collect())
+    } else {
+        ((0..workers).collect(), (0..workers).collect())
+    };
+    let (mut kv_bytes, mut kv_seconds, mut disaggregated) = (0u64, 0f64, 0u64);
+    let mut done: Vec<SimFlight> = Vec::new();
+    let mut end = 0f64;
+    while let Some((At(now), id)) = sim.heap.pop() {
+        if now > horizon * 2.0 {
+            break;
+        }
+        let Some(ev) = sim.evs.remove(&id) else { continue };
+        match ev {
+            SimEv::Arrive(fid) => {
+                let (prompt, max_tokens) = {
+                    let f = &sim.flights[&fid];
+                    (f.prompt.clone(), f.max_tokens)
+                };
+                if pd && prompt.len() >= cfg.threshold {
+                    let w = sim.least(&prefill_ws);
+                    sim.submit(w, fid, prompt, 1, true, now);
+                } else {
+                    let w = sim.least(&decode_ws);
+                    sim.submit(w, fid, prompt, max_tokens, false, now);
+                }
+            }
+            SimEv::Transferred(fid) => {
+                // The decode worker holds the prompt's blocks now: it computes the prompt's
+                // last block and the first token, then decodes.
+                let (mut prompt, max_tokens) = {
+                    let f = &sim.flights[&fid];
+                    (f.prompt.clone(), f.max_tokens)
+                };
+                let w = sim.least(&decode_ws);
+                let root = sim.root;
+                sim.sims[w].import_prefix(&prompt, root);
+                prompt.push(17);
+                sim.submit(w, fid, prompt, max_tokens - 1, false, now);
+            }
+            SimEv::Step(w) => {
+                let step = sim.pending[w].take().unwrap_or_default();
+                for rid in &step.sampled {
+                    let Some(&(fid, _)) = sim.on_worker.get(rid) else {
+                        continue;
+                    };
+                    let Some(f) = sim.flights.get_mut(&fid) else { continue };
+                    f.first.get_or_insert(now);
+                    if let Some(l) = f.last {
+                        f.itl.push(now - l);
+                    }
+                    f.last = Some(now);
+                    f.tokens += 1;
+                }
+                for rid in &step.finished {
+                    let Some((fid, prefill)) = sim.on_worker.remove(rid) else {
+                        continue;
+                    };
+                    if prefill {
+                        disaggregated += 1;
+                        let bytes = sim.flights[&fid].prompt.len() as f64 * SIM_KV_BYTES_PER_TOKEN;
+                        let secs = bytes / (cfg.sim_transfer_gbs.max(1e-3) * 1e9);
+                        kv_bytes += bytes as u64;
+                        kv_seconds += secs;
+                        sim.push(now + secs, SimEv::Transferred(fid));
+                        continue;
+                    }
+                    let Some(f) = sim.flights.remove(&fid) else { continue };
+                    end = end.max(now);
+                    if let Some(s) = f.stream.filter(|_| now < horizon) {
+                        sim.flight(now, short_prompt, short_out, Some(s));
+                    }
+                    done.push(f);
+                }
+                sim.start(w, now);
+            }
+        }
+    }
+    let timed: Vec<Timed> = done
+        .iter()
+        .filter_map(|f| {
+            Some(Timed {
+                ttft: f.first? - f.arrival,
+                itl: f.itl.clone(),
+                tokens: f.tokens,
+            })
+        })
+        .collect();
+    summarise(
+        "sim",
+        pd,
+        if pd {
+            format!("{} prefill + {} decode", workers / 2, workers / 2)
+        } else {
+            format!("{workers} both")
+        },
+        &timed,
+        0,
+        end.max(1e-9),
+        disaggregated,
+        kv_bytes,
+        kv_seconds,
+    )
+}

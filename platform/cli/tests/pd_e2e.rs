@@ -1,0 +1,249 @@
+//! Prefill/decode disaggregation end to end: a prefill worker, a decode worker and a
+//! gateway, as three processes, answer as colocated serving does — streamed and not — with
+//! one usage record whose cached tokens are the prefill side's; when the decode worker is
+//! gone, the request still completes on the prefill worker.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+const TOKEN: &str = "pd-e2e-worker-token";
+const GOLDEN: &str = "The capital of France is Paris.";
+
+fn metric_sum(metrics: &str, prefix: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A process's `/metrics` (the gateway's needs the admin token).
+async fn metrics(base: &str) -> String {
+    client()
+        .get(format!("{base}/metrics"))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// A long shared system prompt and a question of its own, so that a second question
+/// still has more uncached tokens than the threshold.
+fn with_system(question: &str) -> Value {
+    let system: String = (0..12)
+        .map(|i| format!("Rule {i}: answer briefly and precisely. "))
+        .collect();
+    json!({"model": MODEL, "temperature": 0, "max_tokens": 6,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
+}
+
+#[tokio::test]
+async fn prefill_and_decode_workers_answer_as_one_worker_would() {
+    let data = temp_dir("pd");
+    let env = [("HEARTH_WORKER_TOKEN", TOKEN)];
+    let prefill = spawn_with_env(&["worker", "--listen", "127.0.0.1:0", "--role", "prefill"], &env);
+    let decode = spawn_with_env(&["worker", "--listen", "127.0.0.1:0", "--role", "decode"], &env);
+    let gateway = spawn_with_env(
+        &[
+            "gateway",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--worker",
+            &prefill.url,
+            "--worker",
+            &decode.url,
+            "--pd-threshold",
+            "16",
+        ],
+        &env,
+    );
+    let key = new_key(&data, "acme");
+    let url = format!("{}/v1/chat/completions", gateway.url);
+
+    // The registry shows the roles, and follows both workers' KV events.
+    let routing_url = format!("{}/admin/v1/routing", gateway.url);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = get_json(&routing_url, ADMIN_TOKEN).await;
+        let workers = r["data"][0]["workers"].as_array().unwrap().clone();
+        let roles: Vec<&str> = workers.iter().map(|w| w["role"].as_str().unwrap()).collect();
+        assert_eq!(roles, ["prefill", "decode"], "{r}");
+        assert_eq!(r["data"][0]["pd_threshold"], 16);
+        if workers.iter().all(|w| w["exact_events"] == true) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "KV events not followed: {r}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // The golden prompt (42 tokens, 2 full blocks), not streamed: the colocated answer.
+    let (status, _, body) = post(&url, Some(&key), &chat_body(json!({}))).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["message"]["content"], GOLDEN);
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    assert_eq!(body["usage"]["prompt_tokens"], 42);
+    assert_eq!(body["usage"]["completion_tokens"], 8);
+
+    // Streamed, with usage: the same text and usage. (Another tenant: nothing of its
+    // prompt is cached, so it is disaggregated too.)
+    let other = new_key(&data, "beta");
+    let resp = client()
+        .post(&url)
+        .bearer_auth(&other)
+        .json(&chat_body(
+            json!({"stream": true, "stream_options": {"include_usage": true}}),
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let events = sse_events(resp).await;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, GOLDEN);
+    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "stop");
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(
+        (usage["prompt_tokens"].clone(), usage["completion_tokens"].clone()),
+        (json!(42), json!(8))
+    );
+
+    // Two questions after one long system prompt: the second finds the system prompt's
+    // blocks cached on the prefill worker (reported as cached tokens), and the decode
+    // worker, which received them with the first, is sent only the blocks it lacks.
+    let (s, _, first) = post(&url, Some(&key), &with_system("Name three primary colours, please.")).await;
+    assert_eq!(s, 200, "{first}");
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let blocks_before = metric_sum(&metrics(&decode.url).await, "hearth_kv_transfer_blocks_total");
+    let (s, _, second) = post(
+        &url,
+        Some(&key),
+        &with_system("Which planet is the largest in the solar system, and why?"),
+    )
+    .await;
+    assert_eq!(s, 200, "{second}");
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let prompt_tokens = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(cached >= 64, "the system prompt's blocks were cached: {second}");
+    let moved = metric_sum(&metrics(&decode.url).await, "hearth_kv_transfer_blocks_total") - blocks_before;
+    let full = (prompt_tokens - 1) / 16;
+    assert!(
+        moved > 0.0 && moved < (full - cached / 16 + 1) as f64,
+        "moved {moved} of {full} blocks"
+    );
+
+    let gw = metrics(&gateway.url).await;
+    assert_eq!(
+        metric_sum(
+            &gw,
+            "hearth_pd_requests_total{model=\"smollm2-135m-instruct\",outcome=\"disaggregated\"}"
+        ),
+        4.0,
+        "{gw}"
+    );
+    assert!(metric_sum(&metrics(&decode.url).await, "hearth_kv_transfer_bytes_total") > 0.0);
+
+    // One usage record per request, with the prefill side's cached tokens.
+    let rows = usage_rows(&data);
+    assert_eq!(rows.len(), 4, "{rows:?}");
+    assert!(rows.iter().all(|r| r["status"] == "completed"), "{rows:?}");
+    assert!(
+        rows.iter()
+            .any(|r| r["cached_tokens"] == json!(cached) && r["prompt_tokens"] == json!(prompt_tokens)),
+        "{rows:?}"
+    );
+
+    // The decode worker dies: the next long request still gets the golden answer, from
+    // the prefill worker continuing after its own first token.
+    drop(decode);
+    let (status, _, body) = post(&url, Some(&key), &chat_body(json!({}))).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["message"]["content"], GOLDEN);
+    assert_eq!(body["usage"]["completion_tokens"], 8);
+    let rows = usage_rows(&data);
+    assert_eq!(rows.len(), 5);
+    assert!(rows.iter().all(|r| r["status"] == "completed"), "{rows:?}");
+}
+
+#[tokio::test]
+async fn serve_runs_a_disaggregated_setup_in_one_process() {
+    let data = temp_dir("pd-serve");
+    let server = spawn(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--prefill-workers",
+        "1",
+        "--decode-workers",
+        "1",
+        "--pd-threshold",
+        "16",
+    ]);
+    let key = new_key(&data, "acme");
+    let url = format!("{}/v1/chat/completions", server.url);
+    for stream in [false, true] {
+        let resp = client()
+            .post(&url)
+            .bearer_auth(&key)
+            .json(&chat_body(
+                json!({"stream": stream, "prompt_cache_key": format!("{stream}")}),
+            ))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let text = if stream {
+            let events = sse_events(resp).await;
+            events
+                .iter()
+                .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+                .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+                .collect::<String>()
+        } else {
+            let body: Value = resp.json().await.unwrap();
+            body["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+        };
+        assert_eq!(text, GOLDEN);
+    }
+    let m = metrics(&server.url).await;
+    assert_eq!(
+        metric_sum(
+            &m,
+            "hearth_pd_requests_total{model=\"smollm2-135m-instruct\",outcome=\"disaggregated\"}"
+        ),
+        2.0,
+        "{m}"
+    );
+    assert!(
+        metric_sum(&m, "hearth_kv_transfer_blocks_total{worker=\"local-decode-1\"}") >= 4.0,
+        "{m}"
+    );
+    let r = get_json(&format!("{}/admin/v1/routing", server.url), ADMIN_TOKEN).await;
+    let roles: Vec<&str> = r["data"][0]["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(roles, ["prefill", "decode"]);
+}
