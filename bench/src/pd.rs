@@ -36,6 +36,8 @@ pub struct PdBenchConfig {
     pub model_id: String,
     /// CPU threads shared out between the two workers.
     pub threads: usize,
+    /// The workers' `--max-batch-tokens` (decodes and prefill chunks per step).
+    pub step_tokens: usize,
     /// Seconds of load per mode.
     pub seconds: f64,
     /// Steady short-prompt streams.
@@ -66,6 +68,8 @@ pub struct ModeResult {
     pub ttft_p50_ms: f64,
     pub ttft_p90_ms: f64,
     pub ttft_p99_ms: f64,
+    /// The long prompts' own TTFT.
+    pub long_ttft_p50_ms: f64,
     pub itl_p50_ms: f64,
     pub itl_p90_ms: f64,
     pub itl_p99_ms: f64,
@@ -88,7 +92,13 @@ pub struct PdReport {
     pub engine_throughput_ratio: f64,
     pub sim_itl_p90_ratio: f64,
     pub sim_throughput_ratio: f64,
+    /// The same with an RDMA-class link ([`RDMA_GBS`]).
+    pub sim_rdma_itl_p90_ratio: f64,
+    pub sim_rdma_throughput_ratio: f64,
 }
+
+/// An RDMA-class KV link for the sim's second disaggregated run, GB/s (one 200 Gb/s NIC).
+pub const RDMA_GBS: f64 = 25.0;
 
 impl PdReport {
     pub fn table(&self) -> String {
@@ -96,11 +106,12 @@ impl PdReport {
             "Prefill/decode disaggregation vs colocated (ISA {}; {})\n{}\n\n",
             self.isa, self.cpu, self.workload
         );
-        out += "| backend | mode | workers | requests | errors | TTFT P50/P90/P99 ms | ITL P50/P90/P99 ms | output tok/s | disaggregated | KV moved MB | transfer GB/s |\n";
-        out += "|---|---|---|---:|---:|---|---|---:|---:|---:|---:|\n";
+        out += &format!("{SIM_WORKLOAD}\n\n");
+        out += "| backend | mode | workers | requests | errors | TTFT P50/P90/P99 ms | long-prompt TTFT P50 ms | ITL P50/P90/P99 ms | output tok/s | disaggregated | KV moved MB | transfer GB/s |\n";
+        out += "|---|---|---|---:|---:|---|---:|---|---:|---:|---:|---:|\n";
         for r in &self.results {
             out += &format!(
-                "| {} | {} | {} | {} | {} | {:.0} / {:.0} / {:.0} | {:.1} / {:.1} / {:.1} | {:.1} | {} | {:.1} | {:.2} |\n",
+                "| {} | {} | {} | {} | {} | {:.0} / {:.0} / {:.0} | {:.0} | {:.1} / {:.1} / {:.1} | {:.1} | {} | {:.1} | {:.2} |\n",
                 r.backend,
                 r.mode,
                 r.workers,
@@ -109,6 +120,7 @@ impl PdReport {
                 r.ttft_p50_ms,
                 r.ttft_p90_ms,
                 r.ttft_p99_ms,
+                r.long_ttft_p50_ms,
                 r.itl_p50_ms,
                 r.itl_p90_ms,
                 r.itl_p99_ms,
@@ -119,9 +131,14 @@ impl PdReport {
             );
         }
         out += &format!(
-            "\nP90 ITL, disaggregated ÷ colocated: engine {:.2}×, sim {:.2}× (target ≤ 0.5×)\n\
-             Output tokens/s, disaggregated ÷ colocated: engine {:.2}×, sim {:.2}× (target ≥ 0.9×)\n",
-            self.engine_itl_p90_ratio, self.sim_itl_p90_ratio, self.engine_throughput_ratio, self.sim_throughput_ratio
+            "\nP90 ITL, disaggregated ÷ colocated: engine {:.2}×, sim {:.2}× (RDMA-class link {:.2}×) (target ≤ 0.5×)\n\
+             Output tokens/s, disaggregated ÷ colocated: engine {:.2}×, sim {:.2}× (RDMA-class link {:.2}×) (target ≥ 0.9×)\n",
+            self.engine_itl_p90_ratio,
+            self.sim_itl_p90_ratio,
+            self.sim_rdma_itl_p90_ratio,
+            self.engine_throughput_ratio,
+            self.sim_throughput_ratio,
+            self.sim_rdma_throughput_ratio
         );
         out
     }
@@ -133,20 +150,25 @@ pub async fn run(cfg: PdBenchConfig) -> anyhow::Result<PdReport> {
         results.push(engine_mode(&cfg, pd).await?);
     }
     let sim_cfg = cfg.clone();
-    let sim = tokio::task::spawn_blocking(move || [false, true].map(|pd| sim_mode(&sim_cfg, pd))).await?;
+    let sim = tokio::task::spawn_blocking(move || {
+        [None, Some(sim_cfg.sim_transfer_gbs), Some(RDMA_GBS)].map(|g| sim_mode(&sim_cfg, g))
+    })
+    .await?;
     results.extend(sim);
     let ratio = |i: usize, j: usize, f: fn(&ModeResult) -> f64| f(&results[j]) / f(&results[i]).max(1e-9);
     Ok(PdReport {
         isa: hearth_engine::kernels::isa().name().to_string(),
         cpu: hearth_engine::kernels::cpu_features(),
         workload: format!(
-            "{} steady streams (short prompts, {} tokens each) + every {:.0} s a burst of {} prompts of ~{} tokens (16 out); {:.0} s per mode; --pd-threshold {}",
-            cfg.streams, cfg.short_tokens, cfg.burst_every, cfg.burst, cfg.long_words, cfg.seconds, cfg.threshold
+            "engine: {} steady streams (short prompts, {} tokens each) + every {:.1} s a burst of {} prompts of ~{} words (16 out); {:.0} s per mode; {}-token steps; --pd-threshold {}",
+            cfg.streams, cfg.short_tokens, cfg.burst_every, cfg.burst, cfg.long_words, cfg.seconds, cfg.step_tokens, cfg.threshold
         ),
         engine_itl_p90_ratio: ratio(0, 1, |r| r.itl_p90_ms),
         engine_throughput_ratio: ratio(0, 1, |r| r.output_tok_s),
         sim_itl_p90_ratio: ratio(2, 3, |r| r.itl_p90_ms),
         sim_throughput_ratio: ratio(2, 3, |r| r.output_tok_s),
+        sim_rdma_itl_p90_ratio: ratio(2, 4, |r| r.itl_p90_ms),
+        sim_rdma_throughput_ratio: ratio(2, 4, |r| r.output_tok_s),
         results,
     })
 }
@@ -166,6 +188,7 @@ fn spawn(exe: &PathBuf, args: &[&str]) -> anyhow::Result<(Proc, String)> {
     let mut child = Command::new(exe)
         .args(args)
         .env("HEARTH_WORKER_TOKEN", TOKEN)
+        .env("HEARTH_ADMIN_TOKEN", TOKEN)
         .env("HEARTH_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -206,13 +229,15 @@ fn admin(exe: &PathBuf, data: &str, args: &[&str]) -> anyhow::Result<String> {
 
 /// One streamed request's timings at the client.
 struct Timed {
+    /// A long prompt (the bursts).
+    long: bool,
     ttft: f64,
     /// Gaps between consecutive tokens.
     itl: Vec<f64>,
     tokens: usize,
 }
 
-async fn stream(client: &reqwest::Client, url: &str, key: &str, body: serde_json::Value) -> Option<Timed> {
+async fn stream(client: &reqwest::Client, url: &str, key: &str, body: serde_json::Value, long: bool) -> Option<Timed> {
     let start = Instant::now();
     let resp = client.post(url).bearer_auth(key).json(&body).send().await.ok()?;
     if !resp.status().is_success() {
@@ -249,6 +274,7 @@ async fn stream(client: &reqwest::Client, url: &str, key: &str, body: serde_json
         return None;
     }
     Some(Timed {
+        long,
         ttft: times[0],
         itl: times.windows(2).map(|w| w[1] - w[0]).collect(),
         tokens: times.len(),
@@ -285,6 +311,7 @@ async fn engine_mode(cfg: &PdBenchConfig, pd: bool) -> anyhow::Result<ModeResult
         .ok_or_else(|| anyhow::anyhow!("no key printed"))?
         .to_string();
     let threads = (cfg.threads / 2).max(1).to_string();
+    let step_tokens = cfg.step_tokens.to_string();
     let roles = if pd { ["prefill", "decode"] } else { ["both", "both"] };
     let mut procs = Vec::new();
     let mut urls = Vec::new();
@@ -301,6 +328,8 @@ async fn engine_mode(cfg: &PdBenchConfig, pd: bool) -> anyhow::Result<ModeResult
                 &cfg.model_id,
                 "--threads",
                 &threads,
+                "--max-batch-tokens",
+                &step_tokens,
                 "--role",
                 role,
             ],
@@ -332,7 +361,7 @@ async fn engine_mode(cfg: &PdBenchConfig, pd: bool) -> anyhow::Result<ModeResult
     for i in 0..2 {
         let body = json!({"model": model, "stream": true, "max_tokens": 4,
             "messages": [{"role": "user", "content": long_prompt(cfg.long_words, 900 + i)}]});
-        stream(&client, &url, &key, body).await;
+        stream(&client, &url, &key, body, true).await;
     }
     let started = Instant::now();
     let deadline = started + Duration::from_secs_f64(cfg.seconds);
@@ -347,7 +376,7 @@ async fn engine_mode(cfg: &PdBenchConfig, pd: bool) -> anyhow::Result<ModeResult
                 n += 1;
                 let body = json!({"model": model, "stream": true, "max_tokens": short, "ignore_eos": true,
                     "messages": [{"role": "user", "content": format!("Stream {s}, request {n}: name a colour.")}]});
-                out.push(stream(&client, &url, &key, body).await);
+                out.push(stream(&client, &url, &key, body, false).await);
             }
             out
         }));
@@ -366,7 +395,9 @@ async fn engine_mode(cfg: &PdBenchConfig, pd: bool) -> anyhow::Result<ModeResult
                     let body = json!({"model": model, "stream": true, "max_tokens": 16, "ignore_eos": true,
                         "messages": [{"role": "user", "content": long_prompt(words, k)}]});
                     let (client, url, key) = (client.clone(), url.clone(), key.clone());
-                    burst_reqs.push(tokio::spawn(async move { stream(&client, &url, &key, body).await }));
+                    burst_reqs.push(tokio::spawn(
+                        async move { stream(&client, &url, &key, body, true).await },
+                    ));
                 }
                 tokio::time::sleep(Duration::from_secs_f64(every)).await;
                 for r in burst_reqs {
@@ -388,7 +419,13 @@ async fn engine_mode(cfg: &PdBenchConfig, pd: bool) -> anyhow::Result<ModeResult
         kv_bytes += metric(&m, "hearth_kv_transfer_bytes_total");
         kv_seconds += metric(&m, "hearth_kv_transfer_seconds_sum");
     }
-    let gm = client.get(format!("{gw_url}/metrics")).send().await?.text().await?;
+    let gm = client
+        .get(format!("{gw_url}/metrics"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await?
+        .text()
+        .await?;
     let disaggregated = gm
         .lines()
         .filter(|l| l.starts_with("hearth_pd_requests_total") && l.contains("outcome=\"disaggregated\""))
@@ -429,6 +466,7 @@ fn summarise(
     kv_seconds: f64,
 ) -> ModeResult {
     let mut ttft: Vec<f64> = ok.iter().map(|t| t.ttft * 1000.0).collect();
+    let mut long_ttft: Vec<f64> = ok.iter().filter(|t| t.long).map(|t| t.ttft * 1000.0).collect();
     let mut itl: Vec<f64> = ok.iter().flat_map(|t| t.itl.iter().map(|x| x * 1000.0)).collect();
     let tokens: usize = ok.iter().map(|t| t.tokens).sum();
     ModeResult {
@@ -440,6 +478,7 @@ fn summarise(
         ttft_p50_ms: percentile(&mut ttft, 0.5),
         ttft_p90_ms: percentile(&mut ttft, 0.9),
         ttft_p99_ms: percentile(&mut ttft, 0.99),
+        long_ttft_p50_ms: percentile(&mut long_ttft, 0.5),
         itl_p50_ms: percentile(&mut itl, 0.5),
         itl_p90_ms: percentile(&mut itl, 0.9),
         itl_p99_ms: percentile(&mut itl, 0.99),
@@ -517,8 +556,10 @@ struct Sim {
     seq: u64,
     flights: HashMap<u64, SimFlight>,
     next_flight: u64,
-    /// Sim request id → (flight, whether it is a prefill-only half).
-    on_worker: HashMap<u64, (u64, bool)>,
+    /// Sim request id → (flight, the worker if it is a prefill-only half).
+    on_worker: HashMap<u64, (u64, Option<usize>)>,
+    /// When each prefill worker's link is free again (its transfers queue on it).
+    link_free: Vec<f64>,
     next_rid: u64,
     rng: hearth_engine::sampling::Rng,
     root: hearth_protocol::BlockHash,
@@ -565,7 +606,7 @@ impl Sim {
         let rid = self.next_rid;
         self.next_rid += 1;
         self.sims[w].submit(rid, prompt, self.root, max_tokens);
-        self.on_worker.insert(rid, (fid, prefill));
+        self.on_worker.insert(rid, (fid, prefill.then_some(w)));
         self.start(w, now);
     }
 
@@ -582,16 +623,24 @@ impl Sim {
     }
 }
 
-/// The mixed workload at sim scale: 4 workers (2 + 2 when disaggregated), 64 steady
-/// streams (200-token prompts, 128 tokens out), and every 10 s a burst of 4 prompts of
-/// 8,000 tokens; a KV transfer takes its bytes ÷ `sim_transfer_gbs`.
-fn sim_mode(cfg: &PdBenchConfig, pd: bool) -> ModeResult {
+/// The sim's workload: 64 steady streams (200-token prompts, 128 tokens out) and every 2 s
+/// a burst of 5 prompts of 8,000 tokens (16 out), on 4 workers (2 + 2 disaggregated) with
+/// 2,048-token steps (chunked prefill); a KV transfer takes its bytes ÷ `gbs`, one at a
+/// time per prefill worker.
+pub const SIM_WORKLOAD: &str = "sim: 64 streams (200-token prompts, 128 out) + every 2 s 5 prompts of 8,000 tokens (16 out); 4 workers, 2,048-token steps; 70B-class cost model";
+
+/// `gbs`: None for colocated serving, else the transfer rate of a disaggregated run.
+fn sim_mode(cfg: &PdBenchConfig, gbs: Option<f64>) -> ModeResult {
+    let pd = gbs.is_some();
     let workers = 4usize;
     let (streams, short_prompt, short_out, long_prompt) = (64usize, 200usize, 128usize, 8000usize);
-    let (every, burst) = (10.0, 4usize);
+    let (every, burst) = (2.0, 5usize);
     let horizon = if cfg.quick { 60.0 } else { 300.0 };
     let mut sim = Sim {
-        sims: (0..workers).map(|_| SimWorker::new(CostModel::default())).collect(),
+        sims: (0..workers)
+            .map(|_| SimWorker::with_batch_tokens(CostModel::default(), 2048))
+            .collect(),
+        link_free: vec![0.0; workers],
         pending: (0..workers).map(|_| None).collect(),
         heap: BinaryHeap::new(),
         evs: HashMap::new(),
@@ -632,7 +681,7 @@ fn sim_mode(cfg: &PdBenchConfig, pd: bool) -> ModeResult {
                     let f = &sim.flights[&fid];
                     (f.prompt.clone(), f.max_tokens)
                 };
-                if pd && prompt.len() >= cfg.threshold {
+                if pd && prompt.len() >= long_prompt {
                     let w = sim.least(&prefill_ws);
                     sim.submit(w, fid, prompt, 1, true, now);
                 } else {
@@ -671,13 +720,15 @@ fn sim_mode(cfg: &PdBenchConfig, pd: bool) -> ModeResult {
                     let Some((fid, prefill)) = sim.on_worker.remove(rid) else {
                         continue;
                     };
-                    if prefill {
+                    if let Some(pw) = prefill {
                         disaggregated += 1;
                         let bytes = sim.flights[&fid].prompt.len() as f64 * SIM_KV_BYTES_PER_TOKEN;
-                        let secs = bytes / (cfg.sim_transfer_gbs.max(1e-3) * 1e9);
+                        let secs = bytes / (gbs.unwrap_or(1.0).max(1e-3) * 1e9);
                         kv_bytes += bytes as u64;
                         kv_seconds += secs;
-                        sim.push(now + secs, SimEv::Transferred(fid));
+                        let arrives = sim.link_free[pw].max(now) + secs;
+                        sim.link_free[pw] = arrives;
+                        sim.push(arrives, SimEv::Transferred(fid));
                         continue;
                     }
                     let Some(f) = sim.flights.remove(&fid) else { continue };
@@ -695,6 +746,7 @@ fn sim_mode(cfg: &PdBenchConfig, pd: bool) -> ModeResult {
         .iter()
         .filter_map(|f| {
             Some(Timed {
+                long: f.stream.is_none(),
                 ttft: f.first? - f.arrival,
                 itl: f.itl.clone(),
                 tokens: f.tokens,
@@ -704,10 +756,9 @@ fn sim_mode(cfg: &PdBenchConfig, pd: bool) -> ModeResult {
     summarise(
         "sim",
         pd,
-        if pd {
-            format!("{} prefill + {} decode", workers / 2, workers / 2)
-        } else {
-            format!("{workers} both")
+        match gbs {
+            Some(g) => format!("{} prefill + {} decode, KV link {g} GB/s", workers / 2, workers / 2),
+            None => format!("{workers} both"),
         },
         &timed,
         0,

@@ -72,10 +72,15 @@ pub struct SimWorker {
 
 impl SimWorker {
     pub fn new(cost: CostModel) -> Self {
+        Self::with_batch_tokens(cost, 8192)
+    }
+
+    /// A worker whose steps hold at most `max_batch_tokens` (decodes and prefill chunks).
+    pub fn with_batch_tokens(cost: CostModel, max_batch_tokens: usize) -> Self {
         let bt = hearth_protocol::DEFAULT_BLOCK_TOKENS;
         let cfg = SchedulerConfig {
             block_tokens: bt,
-            max_batch_tokens: 8192,
+            max_batch_tokens: max_batch_tokens.max(bt),
             max_running: 256,
         };
         Self {

@@ -143,17 +143,21 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 60.0)]
         seconds: f64,
         /// Steady short-prompt streams.
-        #[arg(long, default_value_t = 6)]
+        #[arg(long, default_value_t = 4)]
         streams: usize,
         /// Tokens each short request generates.
-        #[arg(long, default_value_t = 32)]
+        #[arg(long, default_value_t = 64)]
         short_tokens: u32,
-        /// Words (about tokens) in a long prompt.
-        #[arg(long, default_value_t = 1200)]
+        /// Words in a long prompt (a few more tokens).
+        #[arg(long, default_value_t = 500)]
         long_words: usize,
         /// Seconds between bursts of long prompts.
-        #[arg(long, default_value_t = 8.0)]
+        #[arg(long, default_value_t = 3.5)]
         burst_every: f64,
+        /// The workers' tokens per engine step (decodes and prefill chunks): how long one
+        /// prefill chunk stalls the decodes it shares a step with.
+        #[arg(long, default_value_t = 16)]
+        step_tokens: usize,
         /// Long prompts per burst.
         #[arg(long, default_value_t = 1)]
         burst: usize,
