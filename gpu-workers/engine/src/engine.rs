@@ -731,6 +731,7 @@ impl Runner {
         for &t in &req.resume {
             let c = &mut choices[0];
             c.generated += 1;
+            c.sampler.skip();
             if !self.tokenizer.is_special(t) {
                 c.text.push(self.tokenizer.token_bytes(t).unwrap_or(&[]));
             }
@@ -967,7 +968,7 @@ impl Runner {
             let now = Instant::now();
             let total = (now - r.started).as_secs_f64();
             let ttft = r.first_token.map_or(total, |t| (t - r.started).as_secs_f64());
-            if let Some(t) = r.first_token {
+            if let Some(t) = r.first_token.filter(|_| reason != FinishReason::Handoff) {
                 EngineMetrics::observe(&self.metrics.decode, now - t);
             }
             let scheduled = r.scheduled.unwrap_or(r.started);

@@ -258,6 +258,10 @@ pub trait KvTransport: Send + Sync + 'static {
         hashes: Vec<BlockHash>,
         release: Option<String>,
     ) -> futures_util::future::BoxFuture<'static, Result<FrameStream, TransferError>>;
+
+    /// Makes `peer` release `hold` without fetching anything (the decode side gave up on the
+    /// blocks, or the fetch failed before the peer's stream began). Best effort.
+    fn release(&self, peer: &str, model: &str, hold: String) -> futures_util::future::BoxFuture<'static, ()>;
 }
 
 /// KV blocks between engines of one process (`hearth serve --prefill-workers N
@@ -281,7 +285,14 @@ impl LocalKvTransport {
 
 /// Releases a hold when dropped: at the end of an export's stream, or when the peer goes
 /// away midway.
-pub struct HoldRelease(pub Option<(crate::EngineHandle, String)>);
+pub struct HoldRelease(Option<(crate::EngineHandle, String)>);
+
+impl HoldRelease {
+    /// Releases `hold` (if any) on `engine` when dropped.
+    pub fn new(engine: &crate::EngineHandle, hold: Option<String>) -> Self {
+        Self(hold.map(|h| (engine.clone(), h)))
+    }
+}
 
 impl Drop for HoldRelease {
     fn drop(&mut self) {
@@ -311,7 +322,7 @@ impl KvTransport for LocalKvTransport {
                 layout: engine.kv_layout(),
                 count: hashes.len(),
             };
-            let guard = HoldRelease(release.map(|h| (engine.clone(), h)));
+            let guard = HoldRelease::new(&engine, release);
             let batches: Vec<Vec<BlockHash>> = hashes.chunks(TRANSFER_BATCH).map(<[BlockHash]>::to_vec).collect();
             let blocks = futures_util::stream::iter(batches)
                 .then(move |batch| {
@@ -340,6 +351,14 @@ impl KvTransport for LocalKvTransport {
         }
         .boxed()
     }
+
+    fn release(&self, peer: &str, _model: &str, hold: String) -> futures_util::future::BoxFuture<'static, ()> {
+        use futures_util::FutureExt;
+        if let Some(e) = self.peers.read().unwrap_or_else(|e| e.into_inner()).get(peer) {
+            e.release_hold(&hold);
+        }
+        async {}.boxed()
+    }
 }
 
 /// KV blocks over HTTP: `POST {peer}/v1/worker/m/{model}/kv/export` with the hashes and
@@ -366,9 +385,41 @@ impl HttpKvTransport {
             idle_timeout: std::time::Duration::from_secs(10),
         }
     }
+
+    /// `{peer}/v1/worker/m/{model}/kv/{route}`, the model escaped as a path segment.
+    fn url(peer: &str, model: &str, route: &str) -> Option<reqwest::Url> {
+        reqwest::Url::parse(peer.trim_end_matches('/')).ok().and_then(|mut u| {
+            u.path_segments_mut()
+                .ok()?
+                .pop_if_empty()
+                .extend(["v1", "worker", "m", model, "kv", route]);
+            Some(u)
+        })
+    }
 }
 
 impl KvTransport for HttpKvTransport {
+    fn release(&self, peer: &str, model: &str, hold: String) -> futures_util::future::BoxFuture<'static, ()> {
+        use futures_util::FutureExt;
+        let url = Self::url(peer, model, "release");
+        let (client, idle, token) = (self.client.clone(), self.idle_timeout, self.token.clone());
+        async move {
+            let Some(url) = url else { return };
+            let mut post = client.post(url).json(&serde_json::json!({ "hold": hold }));
+            if let Some(t) = &token {
+                post = post.bearer_auth(t);
+            }
+            match tokio::time::timeout(idle, post.send()).await {
+                Ok(Ok(r)) if r.status().is_success() => {}
+                other => {
+                    let outcome = other.map(|r| r.map(|r| r.status()));
+                    tracing::debug!(?outcome, "releasing a KV hold failed (it expires)");
+                }
+            }
+        }
+        .boxed()
+    }
+
     fn fetch(
         &self,
         peer: &str,
@@ -378,14 +429,7 @@ impl KvTransport for HttpKvTransport {
     ) -> futures_util::future::BoxFuture<'static, Result<FrameStream, TransferError>> {
         use futures_util::{FutureExt, StreamExt};
         let peer = peer.trim_end_matches('/').to_string();
-        // The model id is a path segment, escaped.
-        let url = reqwest::Url::parse(&peer).ok().and_then(|mut u| {
-            u.path_segments_mut()
-                .ok()?
-                .pop_if_empty()
-                .extend(["v1", "worker", "m", model, "kv", "export"]);
-            Some(u)
-        });
+        let url = Self::url(&peer, model, "export");
         let (client, idle, token) = (self.client.clone(), self.idle_timeout, self.token.clone());
         async move {
             let unreachable = |detail: String| TransferError::Unreachable {
@@ -617,6 +661,10 @@ pub async fn prepare(
         Some(&src.hold),
     )
     .await;
+    if report.error.is_some() {
+        // The peer's export may never have begun (busy, unreachable): its hold ends now.
+        transport.release(&src.worker, &req.model, src.hold.clone()).await;
+    }
     crate::telemetry::record_transfer(parent, worker, &req.request_id, started, &report);
     let m = engine.metrics();
     m.transfer.observe(report.seconds);

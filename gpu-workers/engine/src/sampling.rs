@@ -68,6 +68,15 @@ impl Sampler {
         }
     }
 
+    /// Advances the random stream past one token generated elsewhere (a disaggregated
+    /// request's first token, sampled by its prefill worker from the same seed), so that the
+    /// next token gets the draw colocated serving would give it.
+    pub fn skip(&mut self) {
+        if !(self.temperature <= GREEDY_BELOW || self.top_k == 1) {
+            self.rng.next_f64();
+        }
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.temperature <= GREEDY_BELOW || self.top_k == 1 {
             return argmax(logits);

@@ -337,6 +337,20 @@ fn router_with(
             ),
         )
         .route(
+            "/v1/worker/kv/release",
+            post(|State(w): State<WorkerState>, headers: HeaderMap, body| async move {
+                kv_release(&w, &headers, None, body)
+            }),
+        )
+        .route(
+            "/v1/worker/m/{model}/kv/release",
+            post(
+                |State(w): State<WorkerState>, Path(m): Path<String>, headers: HeaderMap, body| async move {
+                    kv_release(&w, &headers, Some(&m), body)
+                },
+            ),
+        )
+        .route(
             "/v1/worker/kv/pull",
             post(|State(w): State<WorkerState>, headers: HeaderMap, body| async move {
                 match w.transfer(&headers, None) {
@@ -467,6 +481,8 @@ async fn kv_export(
             "the model is not loaded here: no KV blocks to export".into(),
         );
     };
+    // The hold ends with this stream, or now if the request is refused.
+    let hold = kv_transfer::HoldRelease::new(&engine, body.release.clone());
     // A prompt's blocks: at most the longest context's, each once.
     let max = engine.info().context_length as usize / engine.kv_layout().block_tokens.max(1) as usize + 1;
     let mut seen = std::collections::HashSet::new();
@@ -479,7 +495,6 @@ async fn kv_export(
     }
     let hashes: Vec<BlockHash> = body.hashes.into_iter().map(BlockHash).collect();
     let header = kv_transfer::encode_header(engine.kv_layout(), hashes.len());
-    let hold = kv_transfer::HoldRelease(body.release.map(|h| (engine.clone(), h)));
     let batches: Vec<Vec<BlockHash>> = hashes
         .chunks(kv_transfer::TRANSFER_BATCH)
         .map(<[BlockHash]>::to_vec)
@@ -511,6 +526,41 @@ async fn kv_export(
         Body::from_stream(stream),
     )
         .into_response()
+}
+
+#[derive(serde::Deserialize)]
+struct ReleaseBody {
+    hold: String,
+}
+
+/// `POST …/kv/release` `{"hold"}`: ends a prefill-only request's hold on its KV blocks
+/// without exporting them (the decode side gave up on them). Needs the worker token, not
+/// a transfer place; an unknown hold is not an error.
+fn kv_release(
+    w: &WorkerState,
+    headers: &HeaderMap,
+    model: Option<&str>,
+    body: Result<Json<ReleaseBody>, JsonRejection>,
+) -> Response {
+    if let Err(r) = w.authorized(headers) {
+        return *r;
+    }
+    let backend = match model {
+        Some(m) => w.model(m),
+        None => w.first(),
+    };
+    let backend = match backend {
+        Ok(b) => b,
+        Err(r) => return *r,
+    };
+    let Json(body) = match body {
+        Ok(b) => b,
+        Err(e) => return *error_response(StatusCode::BAD_REQUEST, "invalid_request", e.body_text()),
+    };
+    if let Some(e) = backend.engine() {
+        e.release_hold(&body.hold);
+    }
+    StatusCode::NO_CONTENT.into_response()
 }
 
 #[derive(serde::Deserialize)]
@@ -589,17 +639,21 @@ async fn generate(
         .and_then(|v| v.to_str().ok())
         .and_then(TraceParent::parse)
         .map(|tp| telemetry::parent_from(&tp));
-    if req.kv_source.is_some() {
+    // Disaggregated halves hold or fetch KV blocks: the workers' token only.
+    if req.kv_source.is_some() || req.prefill_only {
         if let Err(r) = w.authorized(&headers) {
             return *r;
         }
+    }
+    if let Some(src) = &req.kv_source {
         match (engine.engine(), w.transfers.clone().try_acquire_owned()) {
             (Some(e), Ok(_permit)) => {
                 let cx = parent.clone().unwrap_or_default();
                 kv_transfer::prepare(&e, &*w.transport, &req, name, &cx).await;
             }
             _ => {
-                tracing::warn!(request_id = %req.request_id, "KV transfer skipped (busy or not loaded): the prompt is computed here")
+                tracing::warn!(request_id = %req.request_id, "KV transfer skipped (busy or not loaded): the prompt is computed here");
+                tokio::spawn(w.transport.release(&src.worker, &req.model, src.hold.clone()));
             }
         }
     }

@@ -253,7 +253,10 @@ struct SimOut {
     tx: UnboundedSender<GenerateEvent>,
     prompt: usize,
     cached: usize,
+    /// Including the resumed tokens of a disaggregated decode half.
     generated: usize,
+    /// `Handoff` for a prefill-only half, else `Length`.
+    finish: FinishReason,
 }
 
 fn sim_loop(
@@ -293,17 +296,27 @@ fn sim_loop(
                     }
                     let id = next;
                     next += 1;
-                    let max = (req.sampling.max_tokens as usize).clamp(1, context - req.prompt.len());
+                    let full = (req.sampling.max_tokens as usize).clamp(1, context - req.prompt.len());
+                    // Disaggregated halves: the first token only, or the rest after it.
+                    let resumed = req.resume.len();
+                    let (max, finish) = if req.prefill_only && full > 1 {
+                        (1, FinishReason::Handoff)
+                    } else {
+                        (full.saturating_sub(resumed).max(1), FinishReason::Length)
+                    };
                     outs.insert(
                         id,
                         SimOut {
                             tx,
                             prompt: req.prompt.len(),
                             cached: 0,
-                            generated: 0,
+                            generated: resumed,
+                            finish,
                         },
                     );
-                    w.submit(id, req.prompt, namespace_root(&model, &req.cache_namespace), max);
+                    let mut tokens = req.prompt;
+                    tokens.extend(req.resume);
+                    w.submit(id, tokens, namespace_root(&model, &req.cache_namespace), max);
                 }
                 SimCommand::Subscribe(reply) => {
                     let snap = KvEvent::Snapshot {
@@ -360,13 +373,13 @@ fn sim_loop(
             if finished.contains(&id) {
                 let _ = o.tx.send(GenerateEvent::Finish {
                     index: 0,
-                    finish_reason: FinishReason::Length,
+                    finish_reason: o.finish,
                 });
                 let _ = o.tx.send(GenerateEvent::Done {
-                    finish_reason: FinishReason::Length,
+                    finish_reason: o.finish,
                     usage: Usage {
                         prompt_tokens: o.prompt as u32,
-                        cached_tokens: o.cached as u32,
+                        cached_tokens: o.cached.min(o.prompt) as u32,
                         completion_tokens: o.generated as u32,
                     },
                     timings: Default::default(),

@@ -328,6 +328,10 @@ struct Faulty {
 }
 
 impl hearth_engine::kv_transfer::KvTransport for Faulty {
+    fn release(&self, peer: &str, model: &str, hold: String) -> futures_util::future::BoxFuture<'static, ()> {
+        self.inner.release(peer, model, hold)
+    }
+
     fn fetch(
         &self,
         peer: &str,
@@ -383,6 +387,7 @@ async fn disaggregated(
     let head = run(prefill, first).await;
     assert_eq!(head.finish, hearth_protocol::FinishReason::Handoff);
     assert_eq!(head.tokens.len(), 1);
+    settle().await; // the engine publishes its counters after the step that sent `Done`
     assert!(!all_free(prefill), "the prompt's blocks are held for the decode worker");
     let mut rest = request(prompt, max_tokens);
     rest.resume = head.tokens.clone();

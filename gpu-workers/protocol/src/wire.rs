@@ -92,28 +92,6 @@ pub struct KvSource {
     pub hold: String,
 }
 
-impl GenerateRequest {
-    /// A plain request: one completion, no disaggregation.
-    pub fn new(
-        request_id: impl Into<String>,
-        model: impl Into<String>,
-        prompt: Vec<u32>,
-        sampling: SamplingParams,
-    ) -> Self {
-        Self {
-            request_id: request_id.into(),
-            model: model.into(),
-            prompt,
-            sampling,
-            cache_namespace: String::new(),
-            n: 1,
-            prefill_only: false,
-            resume: Vec::new(),
-            kv_source: None,
-        }
-    }
-}
-
 fn is_false(v: &bool) -> bool {
     !*v
 }

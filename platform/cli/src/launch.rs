@@ -121,6 +121,7 @@ async fn run_gateway(
     let db = data.open().await?;
     let limiter = limits.limiter().await?;
     let models = ModelRegistry::discover(workers.clients, workers.wait, &routing).await?;
+    let routing_pd = routing.pd_threshold;
     models.set_hosts(workers.hosts);
     let mut state = AppState::new(
         TenantStore::new(&db),
@@ -158,6 +159,7 @@ async fn run_gateway(
         rate_limits = if gw.limiter.shared() { "redis" } else { "in-process" },
         models = ?served,
         admin_api = gw.admin_token.is_some(),
+        pd_threshold = routing_pd,
         "effective configuration"
     );
     println!("Hearth is listening on http://{addr} (models: {})", served.join(", "));
@@ -270,7 +272,17 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", a.listen))?;
     let addr = listener.local_addr()?;
     let served: Vec<&str> = engines.iter().map(|(m, _)| m.as_str()).collect();
-    println!("Hearth worker ({}) is listening on http://{addr}", served.join(", "));
+    println!(
+        "Hearth worker ({}, role {}) is listening on http://{addr}",
+        served.join(", "),
+        a.role
+    );
+    if a.role != "both" && a.worker_token.is_none() {
+        tracing::warn!(
+            role = %a.role,
+            "no worker token (HEARTH_WORKER_TOKEN): requests are never disaggregated to this worker; give the workers and the gateway the same token"
+        );
+    }
     let name = worker_name(addr);
     let opts = hearth_engine::server::WorkerOptions {
         token: a.worker_token.clone(),

@@ -95,6 +95,13 @@ impl WorkerClient for InProcessWorker {
         self.transport.as_ref().map(|_| self.name.clone())
     }
 
+    fn release_hold(&self, hold: &str) -> BoxFuture<'_, ()> {
+        if let Some(e) = self.engine.engine() {
+            e.release_hold(hold);
+        }
+        async {}.boxed()
+    }
+
     fn generate(&self, req: GenerateRequest) -> BoxFuture<'_, Result<EventStream, WorkerError>> {
         // The caller's span (the gateway's dispatch phase) parents the engine's spans.
         let parent = tracing::Span::current().context();

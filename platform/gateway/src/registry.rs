@@ -52,7 +52,9 @@ pub struct PdCounts {
     pub disaggregated: std::sync::atomic::AtomicU64,
     /// Finished at the first token (end of sequence, a stop string, `max_tokens`).
     pub prefill_only: std::sync::atomic::AtomicU64,
-    /// A worker or the transfer failed: served by one worker instead.
+    /// A worker failed before its part (or could not take it): served by one worker,
+    /// which computed the prompt. (A damaged transfer is computed by the decode worker and
+    /// counts as disaggregated.)
     pub retried_colocated: std::sync::atomic::AtomicU64,
     /// Failed after tokens were sent (the client got a clean error).
     pub failed: std::sync::atomic::AtomicU64,

@@ -52,6 +52,11 @@ pub trait WorkerClient: Send + Sync + 'static {
     fn kv_address(&self) -> Option<String> {
         None
     }
+    /// Ends a prefill-only request's hold on its KV blocks (its decode half went elsewhere
+    /// or was abandoned). Best effort: holds also expire.
+    fn release_hold(&self, _hold: &str) -> BoxFuture<'_, ()> {
+        async {}.boxed()
+    }
 }
 
 /// A worker reached over HTTP (`hearth worker`): one of its models.
@@ -295,8 +300,23 @@ impl WorkerClient for HttpWorker {
         &self.base
     }
 
+    /// Only with the workers' token: without it, a decode worker refuses to fetch.
     fn kv_address(&self) -> Option<String> {
-        Some(self.base.clone())
+        self.token.as_ref().map(|_| self.base.clone())
+    }
+
+    fn release_hold(&self, hold: &str) -> BoxFuture<'_, ()> {
+        let body = serde_json::json!({ "hold": hold });
+        async move {
+            let mut post = self.client.post(self.url("kv/release")).json(&body);
+            if let Some(t) = &self.token {
+                post = post.bearer_auth(t);
+            }
+            if let Err(e) = post.timeout(Duration::from_secs(10)).send().await {
+                tracing::debug!(worker = %self.base, error = %e, "releasing a KV hold failed (it expires)");
+            }
+        }
+        .boxed()
     }
 
     fn kv_events(&self) -> BoxFuture<'_, Result<KvEventStream, WorkerError>> {
@@ -405,7 +425,11 @@ impl WorkerClient for HttpWorker {
             if let Some(tp) = traceparent {
                 post = post.header(hearth_protocol::TRACEPARENT, tp);
             }
-            if let (Some(_), Some(t)) = (&req.kv_source, &self.token) {
+            if let Some(t) = self
+                .token
+                .as_ref()
+                .filter(|_| req.kv_source.is_some() || req.prefill_only)
+            {
                 post = post.bearer_auth(t);
             }
             let resp = post.send().await.map_err(|e| self.unavailable(e))?;

@@ -28,7 +28,7 @@ use tracing::Instrument;
 use super::dispatch::{self, mark_unhealthy, Dispatched};
 use super::route::{PdPlacement, Placement, RouteRequest};
 use crate::registry::{PdCounts, ServedModel};
-use crate::workers::{EventStream, WorkerError};
+use crate::workers::{EventStream, WorkerClient, WorkerError};
 
 /// What the caller gets back when disaggregation could not start: the request, and the
 /// workers to leave out when serving it colocated.
@@ -68,6 +68,7 @@ pub async fn start(
         req,
         routed,
         source,
+        prefill: prefill.clone(),
         tx,
     };
     let span = tracing::info_span!("disaggregate", prefill = prefill.name(), decode = decode.name());
@@ -84,6 +85,7 @@ struct Stitch {
     routed: RouteRequest,
     /// Where the decode worker fetches the blocks (the prefill worker's address).
     source: String,
+    prefill: Arc<dyn WorkerClient>,
     tx: mpsc::Sender<GenerateEvent>,
 }
 
@@ -91,10 +93,13 @@ struct Stitch {
 enum Forwarded {
     /// Its `Done` went out.
     Done,
-    /// It failed before sending anything: nothing reached the client, a retry is safe.
-    FailedEarly(String),
-    /// It failed after sending events (the client got its error), or the client left.
-    Ended,
+    /// It failed before sending anything (its error code and message): nothing reached the
+    /// client, a retry is safe.
+    FailedEarly(String, String),
+    /// It failed after sending events (the client got its error).
+    Failed,
+    /// The client went away (the worker's stream is dropped: its generation is cancelled).
+    Gone,
 }
 
 impl Stitch {
@@ -105,6 +110,12 @@ impl Stitch {
             ev = events.next() => Some(ev),
             () = self.tx.closed() => None,
         }
+    }
+
+    /// The prefill worker need not keep the prompt's blocks any longer.
+    fn release_hold(&self) {
+        let (prefill, hold) = (self.prefill.clone(), self.req.request_id.clone());
+        tokio::spawn(async move { prefill.release_hold(&hold).await });
     }
 
     async fn run(self, mut events: EventStream, mut prefill: Placement, decode: Placement) {
@@ -166,10 +177,17 @@ impl Stitch {
         drop(prefill);
         let Some(first) = first else {
             // Nothing was sent: the whole request goes to one worker.
+            drop(decode);
             PdCounts::count(&self.model.pd.retried_colocated);
             self.colocated(Vec::new(), None, 1 << p_slot).await;
             return;
         };
+        if self.tx.is_closed() {
+            if handed_off.is_some() {
+                self.release_hold();
+            }
+            return;
+        }
         // The decode half: after the first token, with the blocks from the prefill worker.
         let d_slot = decode.slot;
         let mut rest = self.req.clone();
@@ -180,33 +198,53 @@ impl Stitch {
                 hold: self.req.request_id.clone(),
             });
         }
-        let why = match self.model.client(d_slot).cloned() {
-            Some(client) => match client.generate(rest).await {
-                Ok(events) => match self.forward(events, handed_off, Some(decode)).await {
-                    Forwarded::Done if handed_off.is_some() => {
-                        PdCounts::count(&self.model.pd.disaggregated);
+        let sent = match self.model.client(d_slot).cloned() {
+            Some(client) => {
+                tokio::select! {
+                    r = client.generate(rest) => r.map_err(|e| {
+                        if matches!(e, WorkerError::Unavailable { .. }) {
+                            mark_unhealthy(&self.model, d_slot);
+                        }
+                        e.to_string()
+                    }),
+                    () = self.tx.closed() => {
+                        if handed_off.is_some() {
+                            self.release_hold();
+                        }
                         return;
                     }
-                    Forwarded::Done => {
-                        PdCounts::count(&self.model.pd.retried_colocated);
-                        return;
-                    }
-                    Forwarded::Ended => {
-                        PdCounts::count(&self.model.pd.failed);
-                        return;
-                    }
-                    Forwarded::FailedEarly(why) => why,
-                },
-                Err(e) => {
-                    if matches!(e, WorkerError::Unavailable { .. }) {
-                        mark_unhealthy(&self.model, d_slot);
-                    }
-                    e.to_string()
                 }
+            }
+            None => Err("the decode worker was removed".into()),
+        };
+        let why = match sent {
+            Ok(events) => match self.forward(events, handed_off, Some(decode)).await {
+                Forwarded::Done => {
+                    // Without a handoff the decode worker computed the prompt itself.
+                    let outcome = if handed_off.is_some() {
+                        &self.model.pd.disaggregated
+                    } else {
+                        &self.model.pd.retried_colocated
+                    };
+                    PdCounts::count(outcome);
+                    return;
+                }
+                Forwarded::Failed => {
+                    PdCounts::count(&self.model.pd.failed);
+                    return;
+                }
+                Forwarded::Gone => return,
+                Forwarded::FailedEarly(code, message) => format!("{code}: {message}"),
             },
-            None => "the decode worker was removed".into(),
+            Err(e) => {
+                drop(decode);
+                e
+            }
         };
         tracing::warn!(error = %why, "the decode worker failed before its first token; continuing on one worker");
+        if handed_off.is_some() {
+            self.release_hold();
+        }
         PdCounts::count(&self.model.pd.retried_colocated);
         self.colocated(vec![first], handed_off, 1 << d_slot).await;
     }
@@ -216,20 +254,19 @@ impl Stitch {
     async fn colocated(&self, resume: Vec<u32>, prompt_usage: Option<Usage>, exclude: u64) {
         let mut req = self.req.clone();
         req.resume = resume;
-        let failure = match dispatch::colocated(&self.model, &req, &self.routed, exclude).await {
+        let (code, message) = match dispatch::colocated(&self.model, &req, &self.routed, exclude).await {
             Ok(d) => match self.forward(d.events, prompt_usage, d.placement).await {
-                Forwarded::Done | Forwarded::Ended => return,
-                Forwarded::FailedEarly(why) => why,
+                Forwarded::FailedEarly(code, message) => (code, message),
+                Forwarded::Failed => {
+                    PdCounts::count(&self.model.pd.failed);
+                    return;
+                }
+                Forwarded::Done | Forwarded::Gone => return,
             },
-            Err(e) => e.message,
+            Err(e) => ("worker_unavailable".to_string(), e.message),
         };
-        let _ = self
-            .tx
-            .send(GenerateEvent::Error {
-                code: "worker_unavailable".into(),
-                message: failure,
-            })
-            .await;
+        // The worker's own code, so that the client gets the status it would have colocated.
+        let _ = self.tx.send(GenerateEvent::Error { code, message }).await;
     }
 
     /// Passes one worker's events on; its `Done` gets the prompt's usage from the prefill
@@ -243,27 +280,25 @@ impl Stitch {
         let mut sent = false;
         loop {
             let Some(ev) = self.next(&mut events).await else {
-                return Forwarded::Ended;
+                return Forwarded::Gone;
             };
             let ev = match ev {
                 Some(GenerateEvent::Error { code, message }) if !sent => {
-                    return Forwarded::FailedEarly(format!("{code}: {message}"));
+                    return Forwarded::FailedEarly(code, message);
                 }
-                None if !sent => return Forwarded::FailedEarly("the stream ended before any event".into()),
+                None if !sent => {
+                    return Forwarded::FailedEarly(
+                        "worker_disconnected".into(),
+                        "the worker ended the stream before any event".into(),
+                    )
+                }
                 // The relay reports a stream cut short.
-                None => return Forwarded::Ended,
+                None => return Forwarded::Failed,
                 Some(ev) => ev,
             };
-            let done = match &ev {
-                GenerateEvent::Token { .. } => {
-                    if let Some(p) = place.as_mut() {
-                        p.first_token();
-                    }
-                    false
-                }
-                GenerateEvent::Done { .. } | GenerateEvent::Error { .. } => true,
-                GenerateEvent::Finish { .. } => false,
-            };
+            if let (GenerateEvent::Token { .. }, Some(p)) = (&ev, place.as_mut()) {
+                p.first_token();
+            }
             let ev = match (ev, prompt_usage) {
                 (
                     GenerateEvent::Done {
@@ -283,13 +318,17 @@ impl Stitch {
                 }
                 (ev, _) => ev,
             };
-            let is_done = matches!(ev, GenerateEvent::Done { .. });
+            let end = match &ev {
+                GenerateEvent::Done { .. } => Some(Forwarded::Done),
+                GenerateEvent::Error { .. } => Some(Forwarded::Failed),
+                _ => None,
+            };
             sent = true;
             if self.tx.send(ev).await.is_err() {
-                return Forwarded::Ended;
+                return Forwarded::Gone;
             }
-            if done {
-                return if is_done { Forwarded::Done } else { Forwarded::Ended };
+            if let Some(end) = end {
+                return end;
             }
         }
     }

@@ -22,7 +22,7 @@ pub fn worker_error(code: &str, message: &str) -> ApiError {
         "model_not_found" => ApiError::model_not_found(message),
         "invalid_prompt" => ApiError::invalid("prompt", message.to_string()),
         "context_length_exceeded" => ApiError::context_length(message.to_string()),
-        "worker_disconnected" | "engine_stopped" => ApiError::unavailable(message.to_string()),
+        "worker_disconnected" | "engine_stopped" | "worker_unavailable" => ApiError::unavailable(message.to_string()),
         "model_loading" => ApiError::model_loading(message.to_string()),
         "model_load_failed" => ApiError::unavailable(message.to_string()),
         c if c.starts_with("processor:") => crate::processors::stream_error(&c["processor:".len()..], message),

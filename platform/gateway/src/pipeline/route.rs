@@ -164,8 +164,8 @@ pub struct PdPlacement {
 }
 
 /// Prefill/decode disaggregation, when it pays: the pool has `prefill` or `decode` workers
-/// and at least [`ServedModel::pd_threshold`] of the prompt's tokens are not cached on the
-/// best prefill worker. The prefill worker is chosen among `prefill` workers (else `both`)
+/// and at least [`ServedModel::pd_threshold`] of the prompt's tokens are cached on no
+/// usable worker. The prefill worker is chosen among `prefill` workers (else `both`)
 /// by the model's policy — cache overlap and prefill tokens in flight, for `kv_aware` —
 /// and the decode worker among `decode` workers (else `both`, never the same one) by the
 /// same policy, which weighs its running sequences and what of the prompt it already
@@ -180,17 +180,19 @@ pub fn run_pd(model: &Arc<ServedModel>, req: &RouteRequest, exclude: u64) -> Opt
     if prefill == 0 && decode == 0 {
         return None;
     }
+    // Disjoint sets: a worker is never both halves.
     let both = ok & !prefill & !decode;
     let p_cands = if prefill != 0 { prefill } else { both };
     let d_cands = if decode != 0 { decode } else { both };
-    if p_cands == 0 || d_cands == 0 || (p_cands == d_cands && p_cands.count_ones() < 2) {
+    if p_cands == 0 || d_cands == 0 {
         return None;
     }
-    // Worth it only for a long uncached part (a short one is cheaper than a transfer).
+    // Worth it only for a long part cached nowhere: a worker that holds most of the prompt
+    // (the next turn of a conversation it served) computes the rest cheaper than a transfer.
     let now = model.now_ms();
-    let matched = r.index.matches(&req.hashes, p_cands, now);
+    let matched = r.index.matches(&req.hashes, ok, now);
     let best = (0..64)
-        .filter(|i| p_cands & (1u64 << i) != 0)
+        .filter(|i| ok & (1u64 << i) != 0)
         .map(|i| matched[i] as usize * model.block_tokens)
         .max()
         .unwrap_or(0)
@@ -208,7 +210,7 @@ pub fn run_pd(model: &Arc<ServedModel>, req: &RouteRequest, exclude: u64) -> Opt
         exclude: !p_cands,
     };
     let p = r.route(&input, now)?;
-    input.exclude = !(d_cands & !(1u64 << p.worker));
+    input.exclude = !d_cands;
     let d = r.route(&input, now)?;
     let uncached = req.prompt_tokens - p.expected_cached_tokens;
     // The decode worker computes only the prompt's tail (the rest is transferred).
@@ -321,6 +323,7 @@ mod tests {
         name: String,
         state: Mutex<Option<String>>,
         preloads: std::sync::atomic::AtomicUsize,
+        role: &'static str,
     }
 
     impl WorkerClient for Stateful {
@@ -351,7 +354,7 @@ mod tests {
                 parameters: 0,
                 block_tokens: 16,
                 region: "local".into(),
-                role: "both".into(),
+                role: self.role.into(),
                 capacity: 8,
                 tokenizer: hearth_protocol::TokenizerSpec {
                     model: "gpt2".into(),
@@ -407,6 +410,7 @@ mod tests {
                     name: format!("w{i}"),
                     state: Mutex::new(Some(s.to_string())),
                     preloads: Default::default(),
+                    role: "both",
                 })
             })
             .collect();
@@ -418,6 +422,72 @@ mod tests {
         let reg = ModelRegistry::discover(clients, Duration::ZERO, &cfg).await.unwrap();
         let model = reg.get("m").unwrap();
         (workers, model, reg)
+    }
+
+    /// A model on workers with these roles (no model states: nothing loads on demand).
+    async fn model_with_roles(roles: &[&'static str]) -> (Arc<ServedModel>, ModelRegistry) {
+        let clients: Vec<Arc<dyn WorkerClient>> = roles
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                Arc::new(Stateful {
+                    name: format!("w{i}"),
+                    state: Mutex::new(None),
+                    preloads: Default::default(),
+                    role: r,
+                }) as Arc<dyn WorkerClient>
+            })
+            .collect();
+        let reg = ModelRegistry::discover(clients, Duration::ZERO, &RoutingConfig::default())
+            .await
+            .unwrap();
+        (reg.get("m").unwrap(), reg)
+    }
+
+    fn prompt_of(tokens: usize) -> RouteRequest {
+        RouteRequest {
+            prompt_tokens: tokens,
+            ..req(0)
+        }
+    }
+
+    #[tokio::test]
+    async fn long_prompts_go_to_a_prefill_and_a_decode_worker_short_ones_to_decode() {
+        let (model, _reg) = model_with_roles(&["prefill", "decode", "decode"]).await;
+        assert_eq!(model.pd_threshold, crate::registry::DEFAULT_PD_THRESHOLD);
+        // Short: colocated, never on the prefill worker.
+        assert!(run_pd(&model, &prompt_of(100), 0).is_none());
+        let held: Vec<Placement> = (0..4).map(|i| run(&model, &req(i), 0).unwrap()).collect();
+        assert!(held.iter().all(|p| p.slot != 0));
+        drop(held);
+        // Long: the prefill worker, and a decode worker.
+        let pd = run_pd(&model, &prompt_of(1000), 0).unwrap();
+        assert_eq!(pd.prefill.slot, 0);
+        assert!(pd.decode.slot == 1 || pd.decode.slot == 2);
+        drop(pd);
+        // The prefill worker down: colocated; all decode workers down: colocated on prefill.
+        model.router().worker_mut(0).unwrap().healthy = false;
+        assert!(run_pd(&model, &prompt_of(1000), 0).is_none());
+        model.router().worker_mut(0).unwrap().healthy = true;
+        assert!(run_pd(&model, &prompt_of(1000), 0b110).is_none());
+        assert_eq!(run(&model, &req(1), 0b110).unwrap().slot, 0);
+        let loads: u32 = model.router().workers().map(|(_, w)| w.outstanding).sum();
+        assert_eq!(loads, 0, "every placement released its load");
+    }
+
+    #[tokio::test]
+    async fn pools_without_roles_or_without_a_threshold_never_disaggregate() {
+        let (model, _reg) = model_with_roles(&["both", "both"]).await;
+        assert!(run_pd(&model, &prompt_of(5000), 0).is_none());
+        // A prefill worker with `both` workers: they decode.
+        let (model, _reg) = model_with_roles(&["prefill", "both"]).await;
+        let pd = run_pd(&model, &prompt_of(5000), 0).unwrap();
+        assert_eq!((pd.prefill.slot, pd.decode.slot), (0, 1));
+        drop(pd);
+        // A lone prefill worker: nothing can decode elsewhere.
+        let (model, _reg) = model_with_roles(&["prefill"]).await;
+        assert!(run_pd(&model, &prompt_of(5000), 0).is_none());
+        assert_eq!(run(&model, &req(0), 0).unwrap().slot, 0);
     }
 
     fn req(n: u64) -> RouteRequest {
