@@ -333,3 +333,274 @@ impl Stitch {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use futures_util::future::BoxFuture;
+    use futures_util::FutureExt;
+    use hearth_protocol::{SamplingParams, WorkerInfo};
+
+    use super::*;
+    use crate::pipeline::route::tests::Stateful;
+    use crate::pipeline::route::{self, RouteHints};
+    use crate::registry::{ModelRegistry, RoutingConfig};
+    use crate::workers::KvEventStream;
+
+    /// A worker answering each `generate` with the next scripted stream (or refusal), and
+    /// recording the requests it got and the holds it was asked to release.
+    struct Scripted {
+        info: Stateful,
+        script: Mutex<VecDeque<Result<Vec<GenerateEvent>, ()>>>,
+        got: Mutex<Vec<GenerateRequest>>,
+        released: Mutex<Vec<String>>,
+    }
+
+    impl WorkerClient for Scripted {
+        fn name(&self) -> &str {
+            &self.info.name
+        }
+        fn info(&self) -> BoxFuture<'_, Result<WorkerInfo, WorkerError>> {
+            self.info.info()
+        }
+        fn generate(&self, req: GenerateRequest) -> BoxFuture<'_, Result<EventStream, WorkerError>> {
+            self.got.lock().unwrap().push(req);
+            let next = self.script.lock().unwrap().pop_front().unwrap_or(Err(()));
+            async move {
+                next.map(|evs| futures_util::stream::iter(evs).boxed())
+                    .map_err(|()| WorkerError::Unavailable {
+                        worker: self.info.name.clone(),
+                        detail: "scripted".into(),
+                    })
+            }
+            .boxed()
+        }
+        fn kv_events(&self) -> BoxFuture<'_, Result<KvEventStream, WorkerError>> {
+            async move { Ok(futures_util::stream::pending().boxed()) }.boxed()
+        }
+        fn health(&self) -> BoxFuture<'_, Result<(), WorkerError>> {
+            async move { Ok(()) }.boxed()
+        }
+        fn kv_address(&self) -> Option<String> {
+            Some(self.info.name.clone())
+        }
+        fn release_hold(&self, hold: &str) -> BoxFuture<'_, ()> {
+            self.released.lock().unwrap().push(hold.to_string());
+            async {}.boxed()
+        }
+    }
+
+    fn worker(name: &str, role: &'static str, script: Vec<Result<Vec<GenerateEvent>, ()>>) -> Arc<Scripted> {
+        Arc::new(Scripted {
+            info: Stateful {
+                name: name.into(),
+                state: Mutex::new(None),
+                preloads: Default::default(),
+                role,
+            },
+            script: Mutex::new(script.into()),
+            got: Mutex::new(Vec::new()),
+            released: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn token(id: u32) -> GenerateEvent {
+        GenerateEvent::Token {
+            index: 0,
+            id,
+            text: format!("t{id}"),
+            logprob: None,
+            top_logprobs: Vec::new(),
+        }
+    }
+
+    fn done(reason: FinishReason, prompt: u32, cached: u32, completion: u32) -> Vec<GenerateEvent> {
+        vec![
+            GenerateEvent::Finish {
+                index: 0,
+                finish_reason: reason,
+            },
+            GenerateEvent::Done {
+                finish_reason: reason,
+                usage: Usage {
+                    prompt_tokens: prompt,
+                    cached_tokens: cached,
+                    completion_tokens: completion,
+                },
+                timings: Default::default(),
+            },
+        ]
+    }
+
+    /// Runs one request of 300 prompt tokens through `start` on (prefill, decode) workers.
+    async fn stitched(prefill: &Arc<Scripted>, decode: &Arc<Scripted>) -> (Vec<GenerateEvent>, Arc<ServedModel>) {
+        let clients: Vec<Arc<dyn WorkerClient>> = vec![prefill.clone(), decode.clone()];
+        let reg = ModelRegistry::discover(clients, Duration::ZERO, &RoutingConfig::default())
+            .await
+            .unwrap();
+        let model = reg.get("m").unwrap();
+        let req = GenerateRequest {
+            request_id: "req_1".into(),
+            model: "m".into(),
+            prompt: (0..300).map(|i| 17 + i % 200).collect(),
+            sampling: SamplingParams {
+                max_tokens: 3,
+                ..Default::default()
+            },
+            cache_namespace: String::new(),
+            n: 1,
+            prefill_only: false,
+            resume: Vec::new(),
+            kv_source: None,
+        };
+        let hints = RouteHints {
+            session: None,
+            region: None,
+            prefix_key: 0,
+        };
+        let routed = RouteRequest::new(&model, &req.prompt, "", hints);
+        let pd = route::run_pd(&model, &routed, 0).expect("a long prompt is disaggregated");
+        let Ok(d) = start(&model, req, routed, pd).await else {
+            panic!("the prefill half was taken")
+        };
+        let events = tokio::time::timeout(Duration::from_secs(10), d.events.collect::<Vec<_>>())
+            .await
+            .expect("the stitched stream ends");
+        (events, model)
+    }
+
+    fn final_usage(events: &[GenerateEvent]) -> Usage {
+        match events.last() {
+            Some(GenerateEvent::Done { usage, .. }) => *usage,
+            other => panic!("ends with {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_first_token_from_prefill_the_rest_from_decode_one_usage() {
+        let mut head = vec![token(5)];
+        head.extend(done(FinishReason::Handoff, 300, 32, 1));
+        let prefill = worker("p", "prefill", vec![Ok(head)]);
+        let mut rest = vec![token(6), token(7)];
+        rest.extend(done(FinishReason::Length, 300, 288, 3));
+        let decode = worker("d", "decode", vec![Ok(rest)]);
+        let (events, model) = stitched(&prefill, &decode).await;
+        let ids: Vec<u32> = events
+            .iter()
+            .filter_map(|e| match e {
+                GenerateEvent::Token { id, .. } => Some(*id),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(ids, [5, 6, 7]);
+        assert!(!events.iter().any(|e| matches!(
+            e,
+            GenerateEvent::Finish {
+                finish_reason: FinishReason::Handoff,
+                ..
+            }
+        )));
+        let u = final_usage(&events);
+        assert_eq!((u.prompt_tokens, u.cached_tokens, u.completion_tokens), (300, 32, 3));
+        let sent = decode.got.lock().unwrap()[0].clone();
+        assert_eq!(sent.resume, [5]);
+        assert_eq!(
+            sent.kv_source,
+            Some(KvSource {
+                worker: "p".into(),
+                hold: "req_1".into()
+            })
+        );
+        assert!(prefill.got.lock().unwrap()[0].prefill_only);
+        assert_eq!(model.pd.snapshot()[0], ("disaggregated", 1));
+        assert!(
+            prefill.released.lock().unwrap().is_empty(),
+            "the decode side's fetch releases it"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_decode_worker_that_fails_first_leaves_the_rest_to_one_worker() {
+        // The prefill worker hands off, then serves the rest itself (after the first token).
+        let mut head = vec![token(5)];
+        head.extend(done(FinishReason::Handoff, 300, 32, 1));
+        let mut rest = vec![token(6), token(7)];
+        rest.extend(done(FinishReason::Length, 300, 0, 3));
+        let prefill = worker("p", "prefill", vec![Ok(head), Ok(rest)]);
+        let decode = worker("d", "decode", vec![Err(())]);
+        let (events, model) = stitched(&prefill, &decode).await;
+        assert_eq!(
+            events
+                .iter()
+                .filter(|e| matches!(e, GenerateEvent::Token { .. }))
+                .count(),
+            3
+        );
+        let u = final_usage(&events);
+        assert_eq!((u.prompt_tokens, u.cached_tokens, u.completion_tokens), (300, 32, 3));
+        let retry = prefill.got.lock().unwrap()[1].clone();
+        assert_eq!(
+            (retry.resume.clone(), retry.kv_source.clone(), retry.prefill_only),
+            (vec![5], None, false)
+        );
+        assert_eq!(*prefill.released.lock().unwrap(), ["req_1"], "its hold is released");
+        assert_eq!(model.pd.snapshot()[2], ("retried_colocated", 1));
+        let load: u32 = model.router().workers().map(|(_, w)| w.outstanding).sum();
+        assert_eq!(load, 0, "both placements released");
+    }
+
+    #[tokio::test]
+    async fn a_prefill_worker_that_fails_before_its_token_is_retried_whole() {
+        let prefill = worker(
+            "p",
+            "prefill",
+            vec![Ok(vec![GenerateEvent::Error {
+                code: "engine_error".into(),
+                message: "boom".into(),
+            }])],
+        );
+        let mut whole = vec![token(5), token(6), token(7)];
+        whole.extend(done(FinishReason::Length, 300, 0, 3));
+        let decode = worker("d", "decode", vec![Ok(whole)]);
+        let (events, model) = stitched(&prefill, &decode).await;
+        assert_eq!(
+            events
+                .iter()
+                .filter(|e| matches!(e, GenerateEvent::Token { .. }))
+                .count(),
+            3
+        );
+        let u = final_usage(&events);
+        assert_eq!((u.prompt_tokens, u.completion_tokens), (300, 3));
+        let sent = decode.got.lock().unwrap()[0].clone();
+        assert!(sent.resume.is_empty() && sent.kv_source.is_none() && !sent.prefill_only);
+        assert_eq!(model.pd.snapshot()[2], ("retried_colocated", 1));
+    }
+
+    #[tokio::test]
+    async fn when_every_worker_fails_the_client_gets_the_error_not_a_hang() {
+        let mut head = vec![token(5)];
+        head.extend(done(FinishReason::Handoff, 300, 0, 1));
+        let prefill = worker(
+            "p",
+            "prefill",
+            vec![
+                Ok(head),
+                Ok(vec![GenerateEvent::Error {
+                    code: "model_loading".into(),
+                    message: "still loading".into(),
+                }]),
+            ],
+        );
+        let decode = worker("d", "decode", vec![Err(())]);
+        let (events, _) = stitched(&prefill, &decode).await;
+        assert!(matches!(events.first(), Some(GenerateEvent::Token { id: 5, .. })));
+        match events.last() {
+            Some(GenerateEvent::Error { code, .. }) => assert_eq!(code, "model_loading", "the worker's own code"),
+            other => panic!("ends with {other:?}"),
+        }
+    }
+}

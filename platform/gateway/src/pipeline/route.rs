@@ -306,7 +306,7 @@ pub fn prefix_key(model: &ServedModel, text: &str, namespace: &str) -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::sync::Mutex;
     use std::time::Duration;
 
@@ -318,12 +318,13 @@ mod tests {
     use crate::registry::{ModelRegistry, RoutingConfig};
     use crate::workers::{EventStream, KvEventStream, WorkerClient, WorkerError};
 
-    /// A worker that only reports a model state (and counts requests to load it).
-    struct Stateful {
-        name: String,
-        state: Mutex<Option<String>>,
-        preloads: std::sync::atomic::AtomicUsize,
-        role: &'static str,
+    /// A worker that only reports a model state (and counts requests to load it); its
+    /// `info` serves the disaggregation tests' scripted workers too.
+    pub(crate) struct Stateful {
+        pub(crate) name: String,
+        pub(crate) state: Mutex<Option<String>>,
+        pub(crate) preloads: std::sync::atomic::AtomicUsize,
+        pub(crate) role: &'static str,
     }
 
     impl WorkerClient for Stateful {
