@@ -23,6 +23,8 @@ use futures_util::StreamExt;
 use hearth_engine::sim::{CostModel, SimWorker};
 use hearth_protocol::namespace_root;
 use serde::Serialize;
+
+use crate::routing::percentile;
 use serde_json::json;
 
 const TOKEN: &str = "hearth-bench-pd-token";
@@ -426,11 +428,10 @@ async fn engine_mode(cfg: &PdBenchConfig, pd: bool) -> anyhow::Result<ModeResult
         .await?
         .text()
         .await?;
-    let disaggregated = gm
-        .lines()
-        .filter(|l| l.starts_with("hearth_pd_requests_total") && l.contains("outcome=\"disaggregated\""))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64;
+    let disaggregated = metric(
+        &gm,
+        &format!("hearth_pd_requests_total{{model=\"{model}\",outcome=\"disaggregated\"}}"),
+    ) as u64;
     drop(gw);
     drop(procs);
     let _ = std::fs::remove_dir_all(&data);
@@ -491,14 +492,6 @@ fn summarise(
             0.0
         },
     }
-}
-
-fn percentile(v: &mut [f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
 // ---- sim ----

@@ -130,7 +130,8 @@ fn conversations(rng: &mut Rng, n: usize) -> Vec<Req> {
         .collect()
 }
 
-fn percentile(v: &mut [f64], p: f64) -> f64 {
+/// The `p` quantile (nearest rank) of `v`, sorting it; 0 when empty.
+pub(crate) fn percentile(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
     }

@@ -104,10 +104,7 @@ impl WorkerState {
         model: Option<&str>,
     ) -> Result<(Arc<dyn Backend>, tokio::sync::OwnedSemaphorePermit), Box<Response>> {
         self.authorized(headers)?;
-        let backend = match model {
-            Some(m) => self.model(m)?,
-            None => self.first()?,
-        };
+        let backend = self.backend(model)?;
         let permit = self.transfers.clone().try_acquire_owned().map_err(|_| {
             error_response(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -116,6 +113,14 @@ impl WorkerState {
             )
         })?;
         Ok((backend, permit))
+    }
+
+    /// The model a route names (`None`: the unprefixed routes' first model).
+    fn backend(&self, model: Option<&str>) -> Result<Arc<dyn Backend>, Box<Response>> {
+        match model {
+            Some(m) => self.model(m),
+            None => self.first(),
+        }
     }
 
     /// Whether a request may change the catalogue: it carries the worker token.
@@ -545,11 +550,7 @@ fn kv_release(
     if let Err(r) = w.authorized(headers) {
         return *r;
     }
-    let backend = match model {
-        Some(m) => w.model(m),
-        None => w.first(),
-    };
-    let backend = match backend {
+    let backend = match w.backend(model) {
         Ok(b) => b,
         Err(r) => return *r,
     };

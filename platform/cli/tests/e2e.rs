@@ -713,14 +713,6 @@ async fn sim_workers_over_http_follow_events_and_hit_the_cache() {
 }
 
 /// The sum of every sample whose line starts with `prefix` (a name, or a name and labels).
-fn metric_sum(metrics: &str, prefix: &str) -> f64 {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with(prefix))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 async fn routing_state(url: &str) -> Value {
     get_json(url, ADMIN_TOKEN).await
 }

@@ -13,14 +13,6 @@ use serde_json::{json, Value};
 const TOKEN: &str = "pd-e2e-worker-token";
 const GOLDEN: &str = "The capital of France is Paris.";
 
-fn metric_sum(metrics: &str, prefix: &str) -> f64 {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with(prefix))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 /// A process's `/metrics` (the gateway's needs the admin token).
 async fn metrics(base: &str) -> String {
     client()

@@ -189,6 +189,15 @@ pub fn usage_rows_with(data: &Path, extra: &[&str]) -> Vec<Value> {
     last
 }
 
+/// The sum of the samples of a Prometheus text whose lines start with `prefix`.
+pub fn metric_sum(metrics: &str, prefix: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .timeout(Duration::from_secs(120))
