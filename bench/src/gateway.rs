@@ -340,6 +340,7 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> 
         rpm: Some(100_000_000),
         tpm: Some(1_000_000_000),
         concurrent: Some(100_000),
+        ..Default::default()
     };
     tenants.set_tenant_limits("bench", generous).await?;
     tenants

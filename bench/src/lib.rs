@@ -5,12 +5,15 @@
 //! * [`processors`] — tenant processor overhead per guest language, and core scaling;
 //! * [`routing`] — routing policies on simulated workers, and the router micro-benchmark;
 //! * [`pd`] — prefill/decode disaggregation vs colocated serving, on real worker processes
-//!   and on simulated workers.
+//!   and on simulated workers;
+//! * [`fairness`] — FIFO vs fair scheduling between tenants and classes on one saturated
+//!   worker (sim and engine).
 //!
 //! (`hearth bench engine` lives with the engine, in `hearth_engine::bench`.) Side-by-side
 //! comparisons with other projects are the scripts beside this crate
 //! (`llamacpp-compare`, `gateway-compare`), measured in the same run.
 
+pub mod fairness;
 pub mod gateway;
 pub mod pd;
 pub mod processors;

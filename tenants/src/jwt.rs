@@ -305,7 +305,7 @@ impl TenantStore {
         }
         let row = sqlx::query(
             "SELECT i.id, i.audience, i.algorithm, i.key_material, i.jwks, i.jwks_url, t.id, t.name, \
-             t.rpm, t.tpm, t.max_concurrent, t.monthly_budget_nusd, t.budget_mode \
+             t.rpm, t.tpm, t.max_concurrent, t.share, t.priority, t.monthly_budget_nusd, t.budget_mode \
              FROM jwt_issuers i JOIN tenants t ON t.id = i.tenant_id WHERE i.issuer = $1",
         )
         .bind(iss)
@@ -332,7 +332,7 @@ impl TenantStore {
             tenant_id: row.get(6),
             tenant_name: row.get(7),
             tenant_limits: Limits::from_row(&row, 8),
-            budget: budget_from(row.get(11), &row.get::<String, _>(12)),
+            budget: budget_from(row.get(13), &row.get::<String, _>(14)),
             fetched: Instant::now(),
         };
         self.jwt

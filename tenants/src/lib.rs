@@ -15,6 +15,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+pub use hearth_protocol::{Priority, MAX_SHARE};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use sqlx::any::AnyRow;
@@ -167,7 +168,8 @@ pub struct KeySpec {
     pub expires_at: Option<i64>,
 }
 
-/// Rate limits of a tenant or a key; `None` is unlimited.
+/// Rate limits of a tenant or a key (`None` is unlimited), and how its requests are
+/// scheduled on a shared worker.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Limits {
     /// Requests per minute.
@@ -176,9 +178,18 @@ pub struct Limits {
     pub tpm: Option<u32>,
     /// Requests in flight at once.
     pub concurrent: Option<u32>,
+    /// The tenant's weight in fair scheduling (1 to [`MAX_SHARE`]; None: 1). A tenant
+    /// setting: keys have none.
+    #[serde(default)]
+    pub share: Option<u32>,
+    /// The class of its requests (None: interactive). A key's class can only lower its
+    /// tenant's, and a request's only lower its key's.
+    #[serde(default)]
+    pub priority: Option<Priority>,
 }
 
 impl Limits {
+    /// Reads `rpm, tpm, max_concurrent, share, priority` from `first` on.
     fn from_row(r: &AnyRow, first: usize) -> Self {
         let get = |i: usize| {
             r.try_get::<Option<i64>, _>(i)
@@ -191,7 +202,23 @@ impl Limits {
             rpm: get(first),
             tpm: get(first + 1),
             concurrent: get(first + 2),
+            share: get(first + 3),
+            priority: r
+                .try_get::<Option<String>, _>(first + 4)
+                .ok()
+                .flatten()
+                .and_then(|p| Priority::parse(&p)),
         }
+    }
+
+    fn check(&self) -> Result<(), TenantError> {
+        if self.share.is_some_and(|s| s > MAX_SHARE) {
+            return Err(TenantError::Invalid {
+                field: "share",
+                message: format!("a share is 1 to {MAX_SHARE}"),
+            });
+        }
+        Ok(())
     }
 }
 
@@ -225,6 +252,19 @@ pub struct TenantContext {
 impl TenantContext {
     pub fn allows_model(&self, model: &str) -> bool {
         self.models.as_ref().is_none_or(|m| m.iter().any(|x| x == model))
+    }
+
+    /// The class of this credential's requests: the tenant's, lowered by the key's.
+    pub fn priority(&self) -> Priority {
+        self.tenant_limits
+            .priority
+            .unwrap_or_default()
+            .lowered_by(self.key_limits.priority)
+    }
+
+    /// The tenant's fair-scheduling weight.
+    pub fn share(&self) -> u32 {
+        self.tenant_limits.share.unwrap_or(1).clamp(1, MAX_SHARE)
     }
 }
 
@@ -482,14 +522,19 @@ impl TenantStore {
     /// Sets a tenant's limits (None = unlimited). Running gateways apply them within
     /// [`KEY_CACHE_TTL`].
     pub async fn set_tenant_limits(&self, tenant: &str, l: Limits) -> Result<Tenant, TenantError> {
+        l.check()?;
         let t = self.tenant(tenant).await?;
-        sqlx::query("UPDATE tenants SET rpm = $1, tpm = $2, max_concurrent = $3 WHERE id = $4")
-            .bind(opt_i64(l.rpm))
-            .bind(opt_i64(l.tpm))
-            .bind(opt_i64(l.concurrent))
-            .bind(&t.id)
-            .execute(&self.pool)
-            .await?;
+        sqlx::query(
+            "UPDATE tenants SET rpm = $1, tpm = $2, max_concurrent = $3, share = $4, priority = $5 WHERE id = $6",
+        )
+        .bind(opt_i64(l.rpm))
+        .bind(opt_i64(l.tpm))
+        .bind(opt_i64(l.concurrent))
+        .bind(opt_i64(l.share))
+        .bind(l.priority.map(Priority::as_str))
+        .bind(&t.id)
+        .execute(&self.pool)
+        .await?;
         self.forget_cached();
         Ok(t)
     }
@@ -498,17 +543,25 @@ impl TenantStore {
     /// A key's limits; for a JWT principal (`jwt:<issuer id>:<sub>`, as credentials show
     /// it), that subject's own limits.
     pub async fn set_key_limits(&self, key_id: &str, l: Limits) -> Result<(), TenantError> {
+        if l.share.is_some() {
+            return Err(TenantError::Invalid {
+                field: "share",
+                message: "a share is set per tenant, not per key or subject".into(),
+            });
+        }
         if let Some(rest) = key_id.strip_prefix("jwt:") {
             return self.set_principal_limits(key_id, rest, l).await;
         }
         let key_id = key_id.strip_prefix(KEY_PREFIX).unwrap_or(key_id);
-        let res = sqlx::query("UPDATE api_keys SET rpm = $1, tpm = $2, max_concurrent = $3 WHERE id = $4")
-            .bind(opt_i64(l.rpm))
-            .bind(opt_i64(l.tpm))
-            .bind(opt_i64(l.concurrent))
-            .bind(key_id)
-            .execute(&self.pool)
-            .await?;
+        let res =
+            sqlx::query("UPDATE api_keys SET rpm = $1, tpm = $2, max_concurrent = $3, priority = $4 WHERE id = $5")
+                .bind(opt_i64(l.rpm))
+                .bind(opt_i64(l.tpm))
+                .bind(opt_i64(l.concurrent))
+                .bind(l.priority.map(Priority::as_str))
+                .bind(key_id)
+                .execute(&self.pool)
+                .await?;
         if res.rows_affected() == 0 {
             return Err(TenantError::NoSuchKey(key_id.to_string()));
         }
@@ -531,15 +584,17 @@ impl TenantStore {
             e => e,
         })?;
         sqlx::query(
-            "INSERT INTO principal_limits (principal, tenant_id, rpm, tpm, max_concurrent) VALUES ($1, $2, $3, $4, $5) \
+            "INSERT INTO principal_limits (principal, tenant_id, rpm, tpm, max_concurrent, priority) \
+             VALUES ($1, $2, $3, $4, $5, $6) \
              ON CONFLICT (principal) DO UPDATE SET rpm = excluded.rpm, tpm = excluded.tpm, \
-             max_concurrent = excluded.max_concurrent",
+             max_concurrent = excluded.max_concurrent, priority = excluded.priority",
         )
         .bind(principal)
         .bind(&issuer.tenant_id)
         .bind(opt_i64(l.rpm))
         .bind(opt_i64(l.tpm))
         .bind(opt_i64(l.concurrent))
+        .bind(l.priority.map(Priority::as_str))
         .execute(&self.pool)
         .await?;
         self.principals
@@ -556,11 +611,12 @@ impl TenantStore {
                 return Ok(*l);
             }
         }
-        let l = sqlx::query("SELECT rpm, tpm, max_concurrent FROM principal_limits WHERE principal = $1")
-            .bind(principal)
-            .fetch_optional(&self.pool)
-            .await?
-            .map_or_else(Limits::default, |r| Limits::from_row(&r, 0));
+        let l =
+            sqlx::query("SELECT rpm, tpm, max_concurrent, share, priority FROM principal_limits WHERE principal = $1")
+                .bind(principal)
+                .fetch_optional(&self.pool)
+                .await?
+                .map_or_else(Limits::default, |r| Limits::from_row(&r, 0));
         let mut cache = self.principals.lock().unwrap_or_else(|e| e.into_inner());
         if cache.len() > 100_000 {
             cache.clear();
@@ -572,7 +628,7 @@ impl TenantStore {
     /// A tenant's limits.
     pub async fn tenant_limits(&self, tenant: &str) -> Result<Limits, TenantError> {
         let t = self.tenant(tenant).await?;
-        let r = sqlx::query("SELECT rpm, tpm, max_concurrent FROM tenants WHERE id = $1")
+        let r = sqlx::query("SELECT rpm, tpm, max_concurrent, share, priority FROM tenants WHERE id = $1")
             .bind(&t.id)
             .fetch_one(&self.pool)
             .await?;
@@ -644,8 +700,9 @@ impl TenantStore {
             Some(c) => c,
             None => {
                 let row = sqlx::query(
-                    "SELECT k.secret_sha256, k.revoked_at, t.id, t.name, t.rpm, t.tpm, t.max_concurrent, \
-                     k.rpm, k.tpm, k.max_concurrent, k.scopes, k.models, k.expires_at, \
+                    "SELECT k.secret_sha256, k.revoked_at, t.id, t.name, \
+                     t.rpm, t.tpm, t.max_concurrent, t.share, t.priority, \
+                     k.rpm, k.tpm, k.max_concurrent, k.share, k.priority, k.scopes, k.models, k.expires_at, \
                      t.monthly_budget_nusd, t.budget_mode \
                      FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.id = $1",
                 )
@@ -655,21 +712,21 @@ impl TenantStore {
                 .map_err(|e| AuthError::Store(e.to_string()))?
                 .ok_or(AuthError::Unknown)?;
                 let revoked_at: Option<i64> = row.get(1);
-                let scopes: String = row.get(10);
+                let scopes: String = row.get(14);
                 let c = CachedKey {
                     secret_sha256: row.get(0),
                     revoked: revoked_at.is_some(),
-                    expires_at: row.get(12),
+                    expires_at: row.get(16),
                     ctx: TenantContext {
                         tenant_id: row.get(2),
                         tenant_name: row.get(3),
                         key_id: id.to_string(),
                         scopes: Scopes::parse(&scopes).unwrap_or_default(),
-                        models: models_from_db(row.get(11)).map(Into::into),
+                        models: models_from_db(row.get(15)).map(Into::into),
                         tenant_limits: Limits::from_row(&row, 4),
-                        key_limits: Limits::from_row(&row, 7),
-                        budget: budget_from(row.get(13), &row.get::<String, _>(14)),
-                        expires_at: row.get(12),
+                        key_limits: Limits::from_row(&row, 9),
+                        budget: budget_from(row.get(17), &row.get::<String, _>(18)),
+                        expires_at: row.get(16),
                     },
                     fetched: Instant::now(),
                 };

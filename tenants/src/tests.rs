@@ -51,6 +51,8 @@ async fn keys_authenticate_and_revoke() {
             rpm: Some(10),
             tpm: None,
             concurrent: Some(2),
+            share: Some(3),
+            priority: None,
         };
         s.set_tenant_limits("acme", lim).await.unwrap();
         s.set_key_limits(
@@ -65,6 +67,40 @@ async fn keys_authenticate_and_revoke() {
         let limited = s.authenticate(&k.key).await.unwrap();
         assert_eq!((limited.tenant_limits, limited.key_limits.tpm), (lim, Some(1000)));
         assert_eq!(s.tenant_limits("acme").await.unwrap(), lim);
+        assert_eq!((limited.share(), limited.priority()), (3, Priority::Interactive));
+        // A key lowers its tenant's class; a share is the tenant's alone.
+        s.set_key_limits(
+            &k.info.id,
+            Limits {
+                priority: Some(Priority::Batch),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!(s.authenticate(&k.key).await.unwrap().priority(), Priority::Batch);
+        let e = s
+            .set_key_limits(
+                &k.info.id,
+                Limits {
+                    share: Some(2),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(e, TenantError::Invalid { field: "share", .. }), "{e}");
+        let e = s
+            .set_tenant_limits(
+                "acme",
+                Limits {
+                    share: Some(MAX_SHARE + 1),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(e, TenantError::Invalid { field: "share", .. }), "{e}");
         assert_eq!(
             (ctx.tenant_id.as_str(), ctx.key_id.as_str()),
             (t.id.as_str(), k.info.id.as_str())
@@ -207,6 +243,8 @@ async fn jwt_principals_have_their_own_limits() {
             rpm: Some(2),
             tpm: None,
             concurrent: Some(1),
+            share: None,
+            priority: Some(Priority::Batch),
         };
         s.set_key_limits(&principal, l).await.unwrap();
         assert_eq!(s.authenticate(&token).await.unwrap().key_limits, l);

@@ -91,6 +91,7 @@ async fn run_one(engine: &EngineHandle, prompt: Vec<u32>, max_tokens: u32, names
         prefill_only: false,
         resume: Vec::new(),
         kv_source: None,
+        qos: Default::default(),
     };
     let start = Instant::now();
     let mut rx = engine.generate(req);

@@ -159,6 +159,7 @@ fn request(model: &str, prompt: &[u32], tag: &str) -> GenerateRequest {
         prefill_only: false,
         resume: Vec::new(),
         kv_source: None,
+        qos: Default::default(),
     }
 }
 

@@ -51,6 +51,7 @@ async fn first_token(e: &EngineHandle, prompt: &[u32]) -> (f64, u32) {
         prefill_only: false,
         resume: Vec::new(),
         kv_source: None,
+        qos: Default::default(),
     });
     let mut ms = 0.0;
     while let Some(ev) = rx.recv().await {

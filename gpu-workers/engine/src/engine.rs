@@ -24,7 +24,7 @@ use crate::kv_transfer::{ImportError, ImportReport, KvBlock, KvLayout};
 use crate::metrics::EngineMetrics;
 use crate::models::llama::{Batch, ForwardScratch, LlamaModel, ModelError};
 use crate::sampling::Sampler;
-use crate::scheduler::{Scheduler, SchedulerConfig, StepItem};
+use crate::scheduler::{Policy, Scheduler, SchedulerConfig, StepItem};
 use crate::text::TextStream;
 
 /// Tokens that end generation besides the declared EOS, when the vocabulary has them.
@@ -73,6 +73,12 @@ pub struct EngineConfig {
     pub max_context: Option<usize>,
     /// Map (or write) the on-disk cache of repacked weights beside the model.
     pub pack_cache: bool,
+    /// The queue limit in prompt tokens not yet computed (None: as many as the KV cache
+    /// holds; 0: unbounded). Requests past it are refused as `overloaded` (see
+    /// [`hearth_protocol::QueueState`]).
+    pub max_queue_tokens: Option<usize>,
+    /// Admission order: fair between tenants (default) or FIFO.
+    pub policy: Policy,
 }
 
 impl Default for EngineConfig {
@@ -87,6 +93,8 @@ impl Default for EngineConfig {
             isa: None,
             max_context: None,
             pack_cache: crate::pack_cache::enabled_by_env(),
+            max_queue_tokens: None,
+            policy: Policy::default(),
         }
     }
 }
@@ -137,6 +145,7 @@ pub fn file_info(path: &Path, model_id: &str, region: &str) -> Result<WorkerInfo
         region: region.to_string(),
         role: "both".into(),
         capacity: 0,
+        queue_tokens: 0,
         tokenizer: spec,
         tenants: Vec::new(),
     })
@@ -239,9 +248,12 @@ impl EngineHandle {
                 block_tokens: bt,
                 max_batch_tokens: cfg.max_batch_tokens.max(1),
                 max_running: cfg.max_running.max(1),
+                policy: cfg.policy,
+                ..Default::default()
             },
             num_blocks,
         );
+        let queue_tokens = cfg.max_queue_tokens.unwrap_or(num_blocks * bt) as u64;
         let info = WorkerInfo {
             model: model_id.to_string(),
             architecture: "llama".into(),
@@ -253,6 +265,7 @@ impl EngineHandle {
             region: cfg.region.clone(),
             role: "both".into(),
             capacity: cfg.max_running as u32,
+            queue_tokens,
             tokenizer: spec,
             tenants: Vec::new(),
         };
@@ -294,6 +307,7 @@ impl EngineHandle {
             steps: 0,
             last_load: (LoadReport::default(), Instant::now()),
             holds: HashMap::new(),
+            queue_tokens,
         };
         let (commands, rx) = mpsc::channel::<Command>();
         std::thread::Builder::new()
@@ -501,6 +515,8 @@ struct Runner {
     /// Blocks held for decode workers, by the prefill request's id, until released or
     /// [`HOLD_TTL`] passes.
     holds: HashMap<String, (Vec<u32>, Instant)>,
+    /// The queue limit (0: unbounded), as reported in [`WorkerInfo::queue_tokens`].
+    queue_tokens: u64,
 }
 
 impl Runner {
@@ -708,6 +724,18 @@ impl Runner {
             let _ = tx.send(e);
             return;
         }
+        let queue = self.sched.queue_state(&req.qos.tenant, self.queue_tokens);
+        if let Err(shed) = queue.admit(req.qos.priority, req.prompt.len() as u64) {
+            self.metrics.shed(req.qos.priority).inc();
+            let _ = tx.send(error(
+                "overloaded",
+                format!(
+                    "this worker's queue is full for {} work ({} of {} prompt tokens queued; {} must drain first)",
+                    req.qos.priority, queue.queued, queue.limit, shed.excess
+                ),
+            ));
+            return;
+        }
         let ctx = self.context.min(self.sched.capacity_tokens());
         let max_tokens = (req.sampling.max_tokens as usize).min(ctx - req.prompt.len()).max(1);
         let id = self.next_id;
@@ -755,8 +783,12 @@ impl Runner {
         self.owner.insert(id, (id, 0));
         let mut tokens = req.prompt;
         tokens.extend_from_slice(&req.resume);
-        self.sched
-            .add(id, tokens, namespace_root(&self.model_id, &req.cache_namespace));
+        self.sched.add_for(
+            id,
+            tokens,
+            namespace_root(&self.model_id, &req.cache_namespace),
+            &req.qos,
+        );
         self.requests.insert(id, r);
     }
 

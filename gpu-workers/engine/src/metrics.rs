@@ -8,7 +8,8 @@
 //! `hearth:num_requests_waiting`, `hearth:kv_cache_usage_perc` (0–1; cached-idle blocks
 //! count as free, as vLLM's do), `hearth:prefix_cache_queries_total` and
 //! `hearth:prefix_cache_hits_total` (in tokens), `hearth:num_preemptions_total`. Hearth's
-//! own: `hearth_model_load_seconds`. Every series carries a `worker` label.
+//! own: `hearth_model_load_seconds`, `hearth_engine_shed_total{priority}` (requests refused
+//! because the queue was full). Every series carries a `worker` label.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,6 +20,8 @@ use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
+
+use hearth_protocol::Priority;
 
 use crate::Backend;
 
@@ -43,6 +46,8 @@ pub struct EngineMetrics {
     pub transfer_blocks: Counter,
     /// Pulls that failed or were cut (the request computed what did not arrive).
     pub transfer_failures: Counter,
+    /// Requests refused because the queue was full, by priority class.
+    pub shed: [Counter; 2],
 }
 
 impl Default for EngineMetrics {
@@ -56,6 +61,7 @@ impl Default for EngineMetrics {
             transfer_bytes: Counter::default(),
             transfer_blocks: Counter::default(),
             transfer_failures: Counter::default(),
+            shed: Default::default(),
         }
     }
 }
@@ -63,6 +69,10 @@ impl Default for EngineMetrics {
 impl EngineMetrics {
     pub fn observe(h: &Histogram, d: Duration) {
         h.observe(d.as_secs_f64());
+    }
+
+    pub fn shed(&self, p: Priority) -> &Counter {
+        &self.shed[p as usize]
     }
 }
 
@@ -202,6 +212,18 @@ impl Collector for EngineCollector {
             for (worker, em) in &with_metrics {
                 let labels: Labels = [("worker", worker)];
                 pick(em).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let mut m = encoder.encode_descriptor(
+            "hearth_engine_shed",
+            "Requests refused because the worker's queue was full, by priority class.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (worker, em) in &with_metrics {
+            for p in Priority::ALL {
+                let labels = [("worker", *worker), ("priority", p.as_str())];
+                em.shed(p).encode(m.encode_family(&labels)?)?;
             }
         }
         let hists: [FromHistograms; 4] = [

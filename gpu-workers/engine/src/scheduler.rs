@@ -1,22 +1,112 @@
-//! Continuous batching: which tokens of which sequences run in the next forward step.
+//! Continuous batching: which tokens of which sequences run in the next forward step, and
+//! whose sequences are admitted first when they do not all fit.
 //!
 //! Each step has a token budget shared by decodes and prefills:
-//! 1. every running sequence that is decoding gets its one token (oldest first); if it needs
-//!    a new block and none is free, the newest running sequence is preempted (its blocks
-//!    freed; it recomputes later, mostly from the prefix cache);
+//! 1. every running sequence that is decoding gets its one token, in running order; if it
+//!    needs a new block and none is free, a running sequence is preempted (its blocks
+//!    freed; it recomputes later, mostly from the prefix cache): FIFO the newest, fair the
+//!    victim below;
 //! 2. sequences part-way through their prompt continue in chunks;
-//! 3. waiting sequences are admitted in arrival order while the budget, the running limit
-//!    and the free blocks allow: first their longest cached prefix is taken from the prefix
-//!    cache, then the rest of the prompt is prefilled in chunks.
+//! 3. waiting sequences are admitted while the budget, the running limit and the free
+//!    blocks allow: first their longest cached prefix is taken from the prefix cache, then
+//!    the rest of the prompt is prefilled in chunks.
 //!
-//! No sequence starves: admission is FIFO, decodes go first, and preemption always picks
-//! the newest, so the oldest sequence always progresses.
+//! ## Fairness ([`Policy::Fair`], the default)
+//! Who is admitted next is a virtual token counter per tenant (VTC: Sheng et al., "Fairness
+//! in Serving Large Language Models", OSDI '24):
+//! - every token a step computes is charged to its tenant's counter, divided by the
+//!   tenant's share: prompt tokens at [`FairWeights::prefill`], generated tokens at
+//!   [`FairWeights::decode`], prompt tokens served from the prefix cache at
+//!   [`FairWeights::cached`] (they cost KV memory, not compute); recomputation after a
+//!   preemption is not charged again;
+//! - the next sequence admitted is the oldest waiting one of the tenant with the lowest
+//!   counter, in the highest priority class with waiting work (strict between classes);
+//! - a tenant that becomes active again is lifted to the lowest active counter, so idle
+//!   time is not banked as credit;
+//! - when that sequence does not fit, the newest running sequences of tenants with higher
+//!   counters (same or lower class) are preempted for it — they lose little: their computed
+//!   full blocks stay in the prefix cache, so they recompute at most a partial block;
+//! - prompt chunks get the step's budget lowest class and counter first;
+//! - when blocks run out, the sequence preempted is the newest of the lowest class's
+//!   tenant with the highest counter;
+//! - it is work-conserving: a sequence waits only while no other can use the budget.
+//!
+//! Classes are strict:
+//! - running sequences are kept ordered by class, then admission, and decodes go in that
+//!   order; batch work is preempted before interactive work;
+//! - an interactive sequence that does not fit (no free blocks, or the running limit)
+//!   preempts running batch sequences to make room;
+//! - a step that prefills interactive work leaves batch work out (at most
+//!   [`MAX_DEFERRED_STEPS`] steps in a row), so an interactive first token does not share
+//!   its step with the batch class's tokens.
+//!
+//! **Starvation bound for the lowest class.** A batch sequence that has waited
+//! [`SchedulerConfig::starvation_steps`] steps is admitted ahead of all other waiting work,
+//! and from then on runs as interactive (it is not preempted before interactive work). So
+//! it waits at most that many steps plus the time for its blocks to free, which the oldest
+//! running sequence's progress guarantees.
+//!
+//! [`Policy::Fifo`] admits in arrival order and ignores tenants and classes (for
+//! comparison in `hearth bench fairness`). Either way no sequence starves: under FIFO the
+//! first running sequence always progresses; under fair scheduling a preempted sequence's
+//! tenant is not charged while the others are, so it does not stay the victim (the
+//! property tests drain random workloads of one and of two tenants).
 
 use std::collections::{HashMap, VecDeque};
 
-use hearth_protocol::{chain, BlockHash, LoadReport};
+use hearth_protocol::{chain, BlockHash, LoadReport, Priority, Qos, QueueState};
 
 use crate::kv::BlockManager;
+
+/// How waiting sequences are admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Policy {
+    /// Arrival order, regardless of tenant or class.
+    Fifo,
+    /// Virtual token counters per tenant within strict priority classes.
+    #[default]
+    Fair,
+}
+
+impl Policy {
+    pub fn parse(s: &str) -> Option<Policy> {
+        match s {
+            "fifo" => Some(Policy::Fifo),
+            "fair" => Some(Policy::Fair),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::Fifo => "fifo",
+            Policy::Fair => "fair",
+        }
+    }
+}
+
+/// What one token costs a tenant's counter (before dividing by its share).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FairWeights {
+    /// A prompt token computed.
+    pub prefill: f64,
+    /// A generated token (a decode step of one sequence).
+    pub decode: f64,
+    /// A prompt token served from the prefix cache.
+    pub cached: f64,
+}
+
+impl Default for FairWeights {
+    /// VTC's weights (output tokens twice input tokens); a cached token a tenth of a
+    /// computed one.
+    fn default() -> Self {
+        Self {
+            prefill: 1.0,
+            decode: 2.0,
+            cached: 0.1,
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy)]
 pub struct SchedulerConfig {
@@ -25,7 +115,14 @@ pub struct SchedulerConfig {
     pub max_batch_tokens: usize,
     /// Sequences running at once.
     pub max_running: usize,
+    pub policy: Policy,
+    pub weights: FairWeights,
+    /// A batch sequence waiting this many steps is admitted ahead of everything else.
+    pub starvation_steps: u64,
 }
+
+/// Default [`SchedulerConfig::starvation_steps`]: about 30 s at 30 ms a step.
+pub const DEFAULT_STARVATION_STEPS: u64 = 1000;
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
@@ -33,6 +130,9 @@ impl Default for SchedulerConfig {
             block_tokens: hearth_protocol::DEFAULT_BLOCK_TOKENS,
             max_batch_tokens: 512,
             max_running: 64,
+            policy: Policy::default(),
+            weights: FairWeights::default(),
+            starvation_steps: DEFAULT_STARVATION_STEPS,
         }
     }
 }
@@ -53,12 +153,56 @@ pub struct Sequence {
     pub cached_tokens: usize,
     admitted: bool,
     pub preemptions: u32,
+    /// Its tenant's account.
+    account: usize,
+    /// The class it is scheduled in (a batch sequence that waited too long runs as
+    /// interactive).
+    pub priority: Priority,
+    /// Tokens at arrival (the prompt, with any resumed tokens).
+    prompt_len: usize,
+    /// Positions already charged to the account (recomputation is free).
+    charged: usize,
+    /// Arrival order (FIFO, and the oldest-first order inside an account).
+    arrival: u64,
+    /// The step it arrived at (for the starvation bound).
+    arrived_step: u64,
 }
 
 impl Sequence {
     fn remaining(&self) -> usize {
         self.tokens.len() - self.computed
     }
+}
+
+/// Tokens served to one tenant, by kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Served {
+    pub prefill: u64,
+    pub decode: u64,
+    pub cached: u64,
+}
+
+/// One tenant's fairness account.
+#[derive(Debug, Clone)]
+struct Account {
+    name: String,
+    share: f64,
+    /// The virtual token counter: weighted tokens served ÷ share (plus lifts).
+    counter: f64,
+    /// Waiting sequences per class, oldest first.
+    waiting: [VecDeque<u64>; 2],
+    /// Sequences it has (waiting or running).
+    seqs: usize,
+    served: Served,
+}
+
+/// A tenant's account as tests and benchmarks read it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AccountView {
+    pub counter: f64,
+    pub share: f64,
+    pub served: Served,
+    pub seqs: usize,
 }
 
 /// A slice of one sequence to run in this step.
@@ -77,11 +221,27 @@ pub struct Scheduler {
     cfg: SchedulerConfig,
     pub blocks: BlockManager,
     seqs: HashMap<u64, Sequence>,
-    waiting: VecDeque<u64>,
+    accounts: Vec<Account>,
+    account_ids: HashMap<String, usize>,
+    /// Ordered by class, then admission (see the module's doc).
     running: Vec<u64>,
     /// Block copies (from, to) the engine must apply before the next step (forks).
     pub pending_copies: Vec<(u32, u32)>,
     pub preemptions: u64,
+    arrivals: u64,
+    steps: u64,
+    /// Consecutive steps that left batch work out.
+    deferred: u32,
+}
+
+/// At most this many steps in a row leave batch work out for interactive prefills.
+pub const MAX_DEFERRED_STEPS: u32 = 4;
+
+fn class(p: Priority) -> usize {
+    match p {
+        Priority::Interactive => 0,
+        Priority::Batch => 1,
+    }
 }
 
 impl Scheduler {
@@ -90,10 +250,14 @@ impl Scheduler {
             cfg,
             blocks: BlockManager::new(num_blocks),
             seqs: HashMap::new(),
-            waiting: VecDeque::new(),
+            accounts: Vec::new(),
+            account_ids: HashMap::new(),
             running: Vec::new(),
             pending_copies: Vec::new(),
             preemptions: 0,
+            arrivals: 0,
+            steps: 0,
+            deferred: 0,
         }
     }
 
@@ -106,9 +270,76 @@ impl Scheduler {
         self.blocks.total() * self.cfg.block_tokens
     }
 
+    /// Queues a sequence for the anonymous tenant, interactive.
     pub fn add(&mut self, id: u64, tokens: Vec<u32>, root: BlockHash) {
+        self.add_for(id, tokens, root, &Qos::default());
+    }
+
+    fn account_for(&mut self, qos: &Qos) -> usize {
+        let share = f64::from(qos.share.max(1));
+        if let Some(&a) = self.account_ids.get(&qos.tenant) {
+            self.accounts[a].share = share;
+            return a;
+        }
+        if self.accounts.len() >= 100_000 {
+            self.forget_idle_accounts();
+        }
+        self.accounts.push(Account {
+            name: qos.tenant.clone(),
+            share,
+            counter: 0.0,
+            waiting: Default::default(),
+            seqs: 0,
+            served: Served::default(),
+        });
+        let a = self.accounts.len() - 1;
+        self.account_ids.insert(qos.tenant.clone(), a);
+        a
+    }
+
+    /// Drops the accounts of tenants with no sequences (a returning tenant is lifted to the
+    /// active counters anyway, so only its debt beyond them is forgotten).
+    fn forget_idle_accounts(&mut self) {
+        let mut remap = vec![usize::MAX; self.accounts.len()];
+        let mut kept = Vec::new();
+        for (i, a) in std::mem::take(&mut self.accounts).into_iter().enumerate() {
+            if a.seqs > 0 {
+                remap[i] = kept.len();
+                kept.push(a);
+            }
+        }
+        self.accounts = kept;
+        self.account_ids = self
+            .accounts
+            .iter()
+            .enumerate()
+            .map(|(i, a)| (a.name.clone(), i))
+            .collect();
+        for s in self.seqs.values_mut() {
+            s.account = remap[s.account];
+        }
+    }
+
+    /// Queues a sequence for a tenant, in a class.
+    pub fn add_for(&mut self, id: u64, tokens: Vec<u32>, root: BlockHash, qos: &Qos) {
+        let account = self.account_for(qos);
+        if self.accounts[account].seqs == 0 {
+            // Idle time is not credit: start from the lowest active counter.
+            let floor = self
+                .accounts
+                .iter()
+                .filter(|a| a.seqs > 0)
+                .map(|a| a.counter)
+                .fold(f64::INFINITY, f64::min);
+            if floor.is_finite() {
+                let a = &mut self.accounts[account];
+                a.counter = a.counter.max(floor);
+            }
+        }
+        self.arrivals += 1;
         let seq = Sequence {
             id,
+            prompt_len: tokens.len(),
             tokens,
             computed: 0,
             table: Vec::new(),
@@ -117,9 +348,16 @@ impl Scheduler {
             cached_tokens: 0,
             admitted: false,
             preemptions: 0,
+            account,
+            priority: qos.priority,
+            charged: 0,
+            arrival: self.arrivals,
+            arrived_step: self.steps,
         };
         self.seqs.insert(id, seq);
-        self.waiting.push_back(id);
+        let a = &mut self.accounts[account];
+        a.seqs += 1;
+        a.waiting[class(qos.priority)].push_back(id);
     }
 
     pub fn get(&self, id: u64) -> Option<&Sequence> {
@@ -128,6 +366,44 @@ impl Scheduler {
 
     pub fn is_idle(&self) -> bool {
         self.seqs.is_empty()
+    }
+
+    /// A tenant's account (None: it never had a sequence here).
+    pub fn account(&self, tenant: &str) -> Option<AccountView> {
+        let a = &self.accounts[*self.account_ids.get(tenant)?];
+        Some(AccountView {
+            counter: a.counter,
+            share: a.share,
+            served: a.served,
+            seqs: a.seqs,
+        })
+    }
+
+    /// The queue a new request of `tenant` would join, measured as the gateway measures it
+    /// (prompt tokens not yet computed), against `limit`.
+    pub fn queue_state(&self, tenant: &str, limit: u64) -> QueueState {
+        let mine = self.account_ids.get(tenant).copied();
+        let mut tenants = vec![false; self.accounts.len()];
+        let (mut queued, mut tenant_queued) = (0u64, 0u64);
+        for s in self.seqs.values().filter(|s| s.queued()) {
+            let t = s.remaining() as u64;
+            queued += t;
+            tenants[s.account] = true;
+            if Some(s.account) == mine {
+                tenant_queued += t;
+            }
+        }
+        let others = tenants
+            .iter()
+            .enumerate()
+            .filter(|(i, q)| **q && Some(*i) != mine)
+            .count() as u64;
+        QueueState {
+            limit,
+            queued,
+            tenant_queued,
+            tenants: others + 1,
+        }
     }
 
     /// Ends a sequence (finished or cancelled): its blocks are released at once.
@@ -139,7 +415,11 @@ impl Scheduler {
             self.blocks.release(b);
         }
         self.running.retain(|&r| r != id);
-        self.waiting.retain(|&w| w != id);
+        let a = &mut self.accounts[seq.account];
+        a.seqs -= 1;
+        for q in &mut a.waiting {
+            q.retain(|&w| w != id);
+        }
         Some(seq)
     }
 
@@ -181,10 +461,61 @@ impl Scheduler {
             seq.hashes.clear();
             seq.computed = 0;
             seq.preemptions += 1;
+            // First in its account's queue: it is older than what waits there.
+            self.accounts[seq.account].waiting[class(seq.priority)].push_front(id);
         }
         self.preemptions += 1;
         self.running.retain(|&r| r != id);
-        self.waiting.push_front(id);
+    }
+
+    /// Where `id` goes in the running order: after every sequence of its class or higher
+    /// (FIFO: at the end).
+    fn insert_running(&mut self, id: u64) {
+        let c = self.seqs.get(&id).map_or(0, |s| class(s.priority));
+        let at = match self.cfg.policy {
+            Policy::Fifo => self.running.len(),
+            Policy::Fair => self
+                .running
+                .iter()
+                .position(|r| self.seqs.get(r).is_some_and(|s| class(s.priority) > c))
+                .unwrap_or(self.running.len()),
+        };
+        self.running.insert(at, id);
+    }
+
+    /// The waiting sequence to admit next (not removed from its queue).
+    fn next_waiting(&self) -> Option<u64> {
+        let front = |a: &Account, c: usize| a.waiting[c].front().map(|id| (self.seqs[id].arrival, *id));
+        match self.cfg.policy {
+            Policy::Fifo => self
+                .accounts
+                .iter()
+                .flat_map(|a| [front(a, 0), front(a, 1)])
+                .flatten()
+                .min()
+                .map(|(_, id)| id),
+            Policy::Fair => {
+                // A batch sequence that has waited too long goes first (oldest first).
+                let aged = self
+                    .accounts
+                    .iter()
+                    .filter_map(|a| front(a, 1))
+                    .filter(|(_, id)| self.steps - self.seqs[id].arrived_step >= self.cfg.starvation_steps)
+                    .min();
+                if let Some((_, id)) = aged {
+                    return Some(id);
+                }
+                // Ties (a tenant just lifted to the lowest counter) go to the tenant with
+                // fewer sequences, then to the oldest.
+                (0..2).find_map(|c| {
+                    self.accounts
+                        .iter()
+                        .filter_map(|a| front(a, c).map(|(arrival, id)| (a.counter, a.seqs, arrival, id)))
+                        .min_by(|x, y| x.0.total_cmp(&y.0).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2)))
+                        .map(|(_, _, _, id)| id)
+                })
+            }
+        }
     }
 
     /// Takes the longest cached prefix (whole blocks, leaving at least one token to compute).
@@ -224,15 +555,41 @@ impl Scheduler {
     }
 
     /// Plans the next step. If nothing can run (sequences part-way through their prompts
-    /// hold the last blocks), the newest running sequence is preempted until something can.
+    /// hold the last blocks), the last running sequence is preempted until something can.
     pub fn schedule(&mut self) -> Vec<StepItem> {
+        self.steps += 1;
         loop {
             let items = self.plan();
             if !items.is_empty() || self.running.len() <= 1 {
                 return items;
             }
-            let newest = self.running[self.running.len() - 1];
-            self.preempt(newest);
+            if let Some(victim) = self.victim() {
+                self.preempt(victim);
+            }
+        }
+    }
+
+    /// The running sequence to preempt when blocks run out: FIFO, the newest; fair, the
+    /// newest of the lowest class's tenant with the highest counter (it has had the most).
+    fn victim(&self) -> Option<u64> {
+        match self.cfg.policy {
+            Policy::Fifo => self.running.last().copied(),
+            Policy::Fair => self
+                .running
+                .iter()
+                .enumerate()
+                .max_by(|(i, a), (j, b)| {
+                    let (sa, sb) = (&self.seqs[*a], &self.seqs[*b]);
+                    class(sa.priority)
+                        .cmp(&class(sb.priority))
+                        .then(
+                            self.accounts[sa.account]
+                                .counter
+                                .total_cmp(&self.accounts[sb.account].counter),
+                        )
+                        .then(i.cmp(j))
+                })
+                .map(|(_, id)| *id),
         }
     }
 
@@ -241,7 +598,7 @@ impl Scheduler {
         let mut items = Vec::new();
         let mut budget = self.cfg.max_batch_tokens;
 
-        // 1. Decodes, oldest first; preempt the newest when blocks run out.
+        // 1. Decodes in running order; preempt the victim when blocks run out.
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
@@ -255,15 +612,22 @@ impl Scheduler {
             }
             let mut preempted_self = false;
             while !self.ensure(id, computed + 1) {
-                let victim = *self.running.last().unwrap_or(&id);
+                let victim = self.victim().unwrap_or(id);
+                let at = self.running.iter().position(|&r| r == victim).unwrap_or(usize::MAX);
+                if let Some(p) = items.iter().position(|it: &StepItem| it.seq == victim) {
+                    budget += items.remove(p).len;
+                }
                 self.preempt(victim);
                 if victim == id {
                     preempted_self = true;
                     break;
                 }
+                if at < i {
+                    i -= 1; // `id` moved one place down
+                }
             }
             if preempted_self {
-                break; // everything after it is newer and was preempted first
+                continue; // the next sequence is at `i` now
             }
             items.push(StepItem {
                 seq: id,
@@ -275,41 +639,42 @@ impl Scheduler {
             i += 1;
         }
 
-        // 2. Running sequences part-way through their prompt.
-        let prefilling: Vec<u64> = self
+        // 2. Running sequences part-way through their prompt. Fair: the lowest class and
+        //    counter first, and those ranked after the next waiting sequence only after
+        //    admission (a newly admitted under-served tenant's prompt gets the budget before
+        //    an over-served tenant's chunks).
+        let mut prefilling: Vec<u64> = self
             .running
             .iter()
             .copied()
             .filter(|id| self.seqs[id].remaining() > 1)
             .collect();
+        let mut later = Vec::new();
+        if self.cfg.policy == Policy::Fair {
+            prefilling.sort_by(|a, b| self.rank(*a).total_cmp(&self.rank(*b)));
+            if let Some(bar) = self.next_waiting().map(|w| self.rank(w)) {
+                let split = prefilling.partition_point(|id| self.rank(*id) <= bar);
+                later = prefilling.split_off(split);
+            }
+        }
         for id in prefilling {
-            if budget == 0 {
-                break;
-            }
-            let (computed, remaining, total) = {
-                let s = &self.seqs[&id];
-                (s.computed, s.remaining(), s.tokens.len())
-            };
-            let mut len = remaining.min(budget);
-            if !self.ensure(id, computed + len) {
-                len = self.seqs[&id].table.len() * bt - computed;
-                len = len.min(remaining).min(budget);
-                if len == 0 {
-                    continue;
-                }
-            }
-            items.push(StepItem {
-                seq: id,
-                start: computed,
-                len,
-                sample: computed + len == total,
-            });
-            budget -= len;
+            self.prefill_chunk(id, &mut items, &mut budget);
         }
 
-        // 3. Admission, in arrival order.
-        while budget > 0 && self.running.len() < self.cfg.max_running {
-            let Some(&id) = self.waiting.front() else { break };
+        // 3. Admission: the fair (or FIFO) choice; when it does not fit, nothing jumps it,
+        //    but interactive work may preempt running batch work to make room.
+        while budget > 0 {
+            let Some(id) = self.next_waiting() else { break };
+            let urgent =
+                self.cfg.policy == Policy::Fair && (self.seqs[&id].priority == Priority::Interactive || self.aged(id));
+            if self.running.len() >= self.cfg.max_running {
+                if (urgent && self.preempt_batch(&mut items, &mut budget))
+                    || self.preempt_for(id, &mut items, &mut budget)
+                {
+                    continue;
+                }
+                break;
+            }
             self.match_prefix(id);
             let (computed, total, have) = {
                 let s = &self.seqs[&id];
@@ -319,13 +684,14 @@ impl Scheduler {
             let need = (total + 1).div_ceil(bt).saturating_sub(have);
             if self.blocks.available() < need {
                 self.unmatch(id);
+                if (urgent && self.preempt_batch(&mut items, &mut budget))
+                    || self.preempt_for(id, &mut items, &mut budget)
+                {
+                    continue;
+                }
                 break;
             }
-            self.waiting.pop_front();
-            self.running.push(id);
-            if let Some(s) = self.seqs.get_mut(&id) {
-                s.admitted = true;
-            }
+            self.admit(id);
             let len = (total - computed).min(budget);
             let ok = self.ensure(id, computed + len);
             debug_assert!(ok, "admission checked the free blocks");
@@ -337,18 +703,177 @@ impl Scheduler {
             });
             budget -= len;
         }
+        for id in later {
+            self.prefill_chunk(id, &mut items, &mut budget);
+        }
+        self.defer_batch_work(&mut items);
         items
     }
 
-    /// Records that a step ran: advances each sequence and publishes its newly full blocks
-    /// to the prefix cache.
+    /// Fair order: class first, then the tenant's counter (as one sortable number).
+    fn rank(&self, id: u64) -> f64 {
+        let s = &self.seqs[&id];
+        let aged = s.priority == Priority::Batch && !s.admitted && self.aged(id);
+        let c = if aged { 0 } else { class(s.priority) };
+        // Counters are far below 1e15 (a trillion weighted tokens per unit of share).
+        c as f64 * 1e15 + self.accounts[s.account].counter
+    }
+
+    /// The next chunk of a running sequence's prompt, as far as the budget and its blocks
+    /// allow.
+    fn prefill_chunk(&mut self, id: u64, items: &mut Vec<StepItem>, budget: &mut usize) {
+        let bt = self.cfg.block_tokens;
+        if *budget == 0 {
+            return;
+        }
+        let (computed, remaining, total) = {
+            let s = &self.seqs[&id];
+            (s.computed, s.remaining(), s.tokens.len())
+        };
+        let mut len = remaining.min(*budget);
+        if !self.ensure(id, computed + len) {
+            len = self.seqs[&id].table.len() * bt - computed;
+            len = len.min(remaining).min(*budget);
+            if len == 0 {
+                return;
+            }
+        }
+        items.push(StepItem {
+            seq: id,
+            start: computed,
+            len,
+            sample: computed + len == total,
+        });
+        *budget -= len;
+    }
+
+    /// Strict order between classes inside a step: a step that prefills interactive work
+    /// leaves batch work out (a step's time grows with its tokens, and an interactive first
+    /// token should not wait on them) — but never more than [`MAX_DEFERRED_STEPS`] steps in
+    /// a row, so running batch work keeps a bounded token rate.
+    fn defer_batch_work(&mut self, items: &mut Vec<StepItem>) {
+        if self.cfg.policy != Policy::Fair {
+            return;
+        }
+        // (a prompt chunk, class) of each item.
+        let kinds: Vec<(bool, Priority)> = items
+            .iter()
+            .map(|it| {
+                let s = &self.seqs[&it.seq];
+                (!(it.len == 1 && it.sample && it.start >= s.prompt_len), s.priority)
+            })
+            .collect();
+        let interactive_prefill = kinds.contains(&(true, Priority::Interactive));
+        let batch = kinds.iter().any(|k| k.1 == Priority::Batch);
+        if !interactive_prefill || !batch || self.deferred >= MAX_DEFERRED_STEPS {
+            self.deferred = 0;
+            return;
+        }
+        self.deferred += 1;
+        let mut k = kinds.into_iter();
+        items.retain(|_| k.next().is_none_or(|k| k.1 != Priority::Batch));
+    }
+
+    /// Whether waiting sequence `id` is batch work past its wait bound.
+    fn aged(&self, id: u64) -> bool {
+        self.seqs
+            .get(&id)
+            .is_some_and(|s| s.priority == Priority::Batch && self.steps - s.arrived_step >= self.cfg.starvation_steps)
+    }
+
+    /// Preempts the last running sequence if it is batch work (dropping what this step
+    /// planned for it); false if none is.
+    fn preempt_batch(&mut self, items: &mut Vec<StepItem>, budget: &mut usize) -> bool {
+        let Some(&victim) = self.running.last() else {
+            return false;
+        };
+        if self.seqs.get(&victim).is_none_or(|s| s.priority != Priority::Batch) {
+            return false;
+        }
+        if let Some(pos) = items.iter().position(|it| it.seq == victim) {
+            *budget += items.remove(pos).len;
+        }
+        self.preempt(victim);
+        true
+    }
+
+    /// Fairness preemption: when the fair choice `id` does not fit, a running sequence of a
+    /// tenant with a higher counter, in the same or a lower class, makes room — the newest
+    /// still computing its prompt, else the newest. It loses little while the cache keeps
+    /// its computed full blocks (prompt and output): admitted again, it recomputes only
+    /// its last partial block (on a cache too small to keep them, more). False if there is
+    /// none.
+    fn preempt_for(&mut self, id: u64, items: &mut Vec<StepItem>, budget: &mut usize) -> bool {
+        if self.cfg.policy != Policy::Fair {
+            return false;
+        }
+        let Some(w) = self.seqs.get(&id) else { return false };
+        let (account, c) = (w.account, if self.aged(id) { 0 } else { class(w.priority) });
+        let counter = self.accounts[account].counter;
+        let over_served = |r: &u64| {
+            let s = &self.seqs[r];
+            s.account != account && class(s.priority) >= c && self.accounts[s.account].counter > counter
+        };
+        // Cheapest first: a sequence still computing its prompt has produced nothing yet.
+        let prefilling = |r: &u64| self.seqs[r].tokens.len() == self.seqs[r].prompt_len;
+        let victim = (self.running.iter().rev().copied())
+            .find(|r| over_served(r) && prefilling(r))
+            .or_else(|| self.running.iter().rev().copied().find(over_served));
+        let Some(victim) = victim else { return false };
+        if let Some(p) = items.iter().position(|it| it.seq == victim) {
+            *budget += items.remove(p).len;
+        }
+        self.preempt(victim);
+        true
+    }
+
+    /// Moves `id` from its queue to the running set; the first time, charges its cached
+    /// prefix.
+    fn admit(&mut self, id: u64) {
+        let w = self.cfg.weights;
+        let (policy, steps, bound) = (self.cfg.policy, self.steps, self.cfg.starvation_steps);
+        let Some(s) = self.seqs.get_mut(&id) else { return };
+        let a = &mut self.accounts[s.account];
+        let c = class(s.priority);
+        if a.waiting[c].front() == Some(&id) {
+            a.waiting[c].pop_front();
+        } else {
+            a.waiting[c].retain(|&x| x != id);
+        }
+        if !s.admitted {
+            s.admitted = true;
+            a.counter += s.cached_tokens as f64 * w.cached / a.share;
+            a.served.cached += s.cached_tokens as u64;
+        }
+        s.charged = s.charged.max(s.computed);
+        // Past its wait bound, a batch sequence runs as interactive from now on.
+        if c == 1 && policy == Policy::Fair && steps - s.arrived_step >= bound {
+            s.priority = Priority::Interactive;
+        }
+        self.insert_running(id);
+    }
+
+    /// Records that a step ran: advances each sequence, charges its tenant for the new
+    /// tokens and publishes its newly full blocks to the prefix cache.
     pub fn complete(&mut self, items: &[StepItem]) {
         let bt = self.cfg.block_tokens;
+        let w = self.cfg.weights;
         for it in items {
             let Some(seq) = self.seqs.get_mut(&it.seq) else {
                 continue;
             };
-            seq.computed = seq.computed.max(it.start + it.len);
+            let end = it.start + it.len;
+            if end > seq.charged {
+                let from = seq.charged.max(it.start);
+                let prompt = seq.prompt_len.clamp(from, end) - from;
+                let generated = end - from - prompt;
+                let a = &mut self.accounts[seq.account];
+                a.counter += (prompt as f64 * w.prefill + generated as f64 * w.decode) / a.share;
+                a.served.prefill += prompt as u64;
+                a.served.decode += generated as u64;
+                seq.charged = end;
+            }
+            seq.computed = seq.computed.max(end);
             while (seq.hashes.len() + 1) * bt <= seq.computed {
                 let i = seq.hashes.len();
                 let parent = if i == 0 { seq.root } else { seq.hashes[i - 1] };
@@ -377,7 +902,12 @@ impl Scheduler {
                     table.push(b);
                 }
                 None => {
-                    self.add(child, p.tokens.clone(), p.root);
+                    let qos = Qos {
+                        tenant: self.accounts[p.account].name.clone(),
+                        priority: p.priority,
+                        share: self.accounts[p.account].share as u32,
+                    };
+                    self.add_for(child, p.tokens.clone(), p.root, &qos);
                     return;
                 }
             }
@@ -391,20 +921,20 @@ impl Scheduler {
             preemptions: 0,
             ..p
         };
+        self.accounts[seq.account].seqs += 1;
         self.seqs.insert(child, seq);
-        self.running.push(child);
+        self.insert_running(child);
     }
 
     pub fn load(&self) -> LoadReport {
-        let inflight: usize = self
-            .seqs
-            .values()
-            .filter(|s| s.remaining() > 1 || !s.admitted)
-            .map(Sequence::remaining)
-            .sum();
+        let inflight: usize = self.seqs.values().filter(|s| s.queued()).map(Sequence::remaining).sum();
         LoadReport {
             running: self.running.len() as u32,
-            waiting: self.waiting.len() as u32,
+            waiting: self
+                .accounts
+                .iter()
+                .map(|a| a.waiting[0].len() + a.waiting[1].len())
+                .sum::<usize>() as u32,
             inflight_prefill_tokens: inflight as u64,
             free_blocks: self.blocks.available() as u32,
             total_blocks: self.blocks.total() as u32,
@@ -414,6 +944,13 @@ impl Scheduler {
     /// Every block reference sequences hold (for the ownership check).
     pub fn owned_blocks(&self) -> Vec<u32> {
         self.seqs.values().flat_map(|s| s.table.iter().copied()).collect()
+    }
+}
+
+impl Sequence {
+    /// Waiting, or part-way through its prompt: what a queue limit counts.
+    fn queued(&self) -> bool {
+        self.remaining() > 1 || !self.admitted
     }
 }
 
@@ -428,6 +965,7 @@ mod tests {
             block_tokens: 4,
             max_batch_tokens: budget,
             max_running: 8,
+            ..Default::default()
         }
     }
 
@@ -528,6 +1066,362 @@ mod tests {
         assert!(s.preemptions > 0);
     }
 
+    /// Two tenants kept backlogged (each tops its queue up to `depth[i]` waiting requests
+    /// of `prompt` tokens and `out` generated tokens) on one scheduler; returns the largest
+    /// counter gap seen after the warm-up, the bound it must stay under, and each tenant's
+    /// weighted service.
+    struct Backlogged {
+        s: Scheduler,
+        tenants: [Qos; 2],
+        depth: [usize; 2],
+        prompt: [usize; 2],
+        out: [usize; 2],
+        generated: HashMap<u64, (usize, usize)>,
+        next: u64,
+    }
+
+    impl Backlogged {
+        fn new(policy: Policy, shares: [u32; 2], depth: [usize; 2], prompt: [usize; 2], out: [usize; 2]) -> Self {
+            let cfg = SchedulerConfig {
+                block_tokens: 4,
+                max_batch_tokens: 32,
+                max_running: 6,
+                policy,
+                ..Default::default()
+            };
+            let tenant = |i: usize| Qos {
+                tenant: format!("t{i}"),
+                priority: Priority::Interactive,
+                share: shares[i],
+            };
+            Self {
+                // Room for every running sequence at its longest: no preemption.
+                s: Scheduler::new(cfg, 6 * (prompt[0].max(prompt[1]) + out[0].max(out[1]) + 8) / 4),
+                tenants: [tenant(0), tenant(1)],
+                depth,
+                prompt,
+                out,
+                generated: HashMap::new(),
+                next: 0,
+            }
+        }
+
+        fn top_up(&mut self) {
+            let root = namespace_root("m", "t");
+            for i in 0..2 {
+                let waiting = self
+                    .s
+                    .account_ids
+                    .get(&format!("t{i}"))
+                    .map_or(0, |&a| self.s.accounts[a].waiting[0].len());
+                for _ in waiting..self.depth[i] {
+                    // Distinct tokens: no prefix sharing between requests.
+                    let base = (self.next * 1000) as u32;
+                    let prompt = (0..self.prompt[i] as u32).map(|t| base + t).collect();
+                    self.s.add_for(self.next, prompt, root, &self.tenants[i]);
+                    self.generated.insert(self.next, (i, 0));
+                    self.next += 1;
+                }
+            }
+        }
+
+        fn step(&mut self) {
+            self.top_up();
+            let items = self.s.schedule();
+            self.s.complete(&items);
+            for it in items.iter().filter(|i| i.sample) {
+                let Some((t, g)) = self.generated.get_mut(&it.seq) else {
+                    continue;
+                };
+                *g += 1;
+                if *g >= self.out[*t] {
+                    self.s.remove(it.seq);
+                    self.generated.remove(&it.seq);
+                } else {
+                    self.s.push_token(it.seq, 7);
+                }
+            }
+        }
+
+        fn counters(&self) -> [f64; 2] {
+            [0, 1].map(|i| self.s.account(&format!("t{i}")).map_or(0.0, |a| a.counter))
+        }
+
+        /// The service-gap bound for two backlogged tenants: a full running set of the
+        /// largest requests, plus one step's tokens, at the dearest weight, over the
+        /// smaller share.
+        fn bound(&self) -> f64 {
+            let w = self.s.cfg.weights;
+            let cost = (0..2)
+                .map(|i| self.prompt[i] as f64 * w.prefill + self.out[i] as f64 * w.decode)
+                .fold(0.0, f64::max);
+            let min_share = self.tenants.iter().map(|t| t.share).min().unwrap_or(1) as f64;
+            (self.s.cfg.max_running as f64 * cost + self.s.cfg.max_batch_tokens as f64 * w.decode) / min_share
+        }
+
+        /// Runs `steps` steps; the largest gap after the first `warmup`.
+        fn run(&mut self, warmup: usize, steps: usize) -> f64 {
+            let mut worst: f64 = 0.0;
+            for n in 0..steps {
+                self.step();
+                if n >= warmup {
+                    let [a, b] = self.counters();
+                    worst = worst.max((a - b).abs());
+                }
+            }
+            worst
+        }
+    }
+
+    proptest! {
+        /// VTC's guarantee: while two tenants are backlogged on a saturated worker (each
+        /// keeps more requests waiting than the worker runs at once, so someone always
+        /// waits), the gap between their counters (weighted service ÷ share) stays under a
+        /// constant, whatever their shares, request sizes and how much each floods. (On a
+        /// worker with room for everyone, each gets what it asks and no bound applies.)
+        #[test]
+        fn the_service_gap_between_backlogged_tenants_is_bounded(
+            shares in (1u32..5, 1u32..5),
+            depth in (7usize..16, 7usize..16),
+            prompt in (1usize..24, 1usize..24),
+            out in (1usize..12, 1usize..12),
+        ) {
+            let mut b = Backlogged::new(
+                Policy::Fair,
+                [shares.0, shares.1],
+                [depth.0, depth.1],
+                [prompt.0, prompt.1],
+                [out.0, out.1],
+            );
+            let gap = b.run(0, 400);
+            prop_assert!(gap <= b.bound(), "gap {gap} > bound {}", b.bound());
+            b.s.blocks.check(&b.s.owned_blocks()).map_err(TestCaseError::fail)?;
+        }
+    }
+
+    #[test]
+    fn fifo_lets_a_flooder_take_the_worker_and_fair_does_not() {
+        // Tenant 0 keeps ten requests waiting, tenant 1 one.
+        let run = |policy| {
+            let mut b = Backlogged::new(policy, [1, 1], [10, 1], [16, 16], [8, 8]);
+            let gap = b.run(0, 2000);
+            let served = [0, 1].map(|i| b.s.account(&format!("t{i}")).unwrap().served);
+            (gap, b.bound(), served)
+        };
+        let (fair_gap, bound, fair) = run(Policy::Fair);
+        let (fifo_gap, _, fifo) = run(Policy::Fifo);
+        assert!(fair_gap <= bound, "fair: {fair_gap} > {bound}");
+        assert!(
+            fifo_gap > 10.0 * bound,
+            "FIFO's gap should grow without bound: {fifo_gap}"
+        );
+        let split = |s: [Served; 2]| s[0].decode as f64 / (s[0].decode + s[1].decode) as f64;
+        assert!((split(fair) - 0.5).abs() < 0.05, "fair split {}", split(fair));
+        assert!(split(fifo) > 0.8, "FIFO split {}", split(fifo));
+    }
+
+    #[test]
+    fn shares_split_a_saturated_worker() {
+        let mut b = Backlogged::new(Policy::Fair, [3, 1], [4, 4], [12, 12], [8, 8]);
+        b.run(0, 3000);
+        let s = [0, 1].map(|i| b.s.account(&format!("t{i}")).unwrap().served);
+        let w = |s: Served| s.prefill as f64 + 2.0 * s.decode as f64;
+        let share0 = w(s[0]) / (w(s[0]) + w(s[1]));
+        assert!(
+            (share0 - 0.75).abs() < 0.075,
+            "tenant 0 got {share0} of the service, configured 0.75"
+        );
+    }
+
+    #[test]
+    fn a_returning_tenant_does_not_bank_idle_time() {
+        let root = namespace_root("m", "t");
+        let mut s = Scheduler::new(cfg(64), 64);
+        let q = |t: &str| Qos {
+            tenant: t.into(),
+            ..Qos::default()
+        };
+        s.add_for(1, vec![1; 20], root, &q("a"));
+        let items = s.schedule();
+        run_step(&mut s, &items, 3);
+        let a = s.account("a").unwrap().counter;
+        assert!(a >= 20.0);
+        // b arrives while a is active: it starts at a's counter, not at zero.
+        s.add_for(2, vec![2; 4], root, &q("b"));
+        assert_eq!(s.account("b").unwrap().counter, a);
+    }
+
+    #[test]
+    fn interactive_goes_first_and_batch_is_preempted_first() {
+        let root = namespace_root("m", "t");
+        let batch = Qos {
+            tenant: "b".into(),
+            priority: Priority::Batch,
+            share: 1,
+        };
+        let inter = Qos {
+            tenant: "i".into(),
+            ..Qos::default()
+        };
+        // Room for two 5-token sequences at first (4 blocks of 4 tokens).
+        let mut s = Scheduler::new(cfg(64), 4);
+        s.add_for(1, vec![1; 5], root, &batch);
+        s.add_for(2, vec![2; 5], root, &inter);
+        let a = s.schedule();
+        // Both fit and are admitted, the interactive one first although it arrived second;
+        // its prompt's step leaves the batch prompt out.
+        assert_eq!(a.iter().map(|i| i.seq).collect::<Vec<_>>(), [2]);
+        assert_eq!(s.load().running, 2);
+        run_step(&mut s, &a, 7);
+        // Then the batch prompt runs beside the interactive decode.
+        let b = s.schedule();
+        assert_eq!(b.iter().map(|i| (i.seq, i.len)).collect::<Vec<_>>(), [(2, 1), (1, 5)]);
+        run_step(&mut s, &b, 7);
+        for _ in 0..6 {
+            let items = s.schedule();
+            assert!(
+                items.iter().any(|i| i.seq == 2),
+                "interactive always progresses: {items:?}"
+            );
+            run_step(&mut s, &items, 7);
+        }
+        assert!(s.get(1).unwrap().preemptions > 0, "the batch sequence made room");
+        assert_eq!(s.get(2).unwrap().preemptions, 0);
+    }
+
+    #[test]
+    fn a_batch_request_waits_at_most_the_starvation_bound() {
+        let root = namespace_root("m", "t");
+        let bound = 50;
+        let mut s = Scheduler::new(
+            SchedulerConfig {
+                starvation_steps: bound,
+                ..cfg(16)
+            },
+            64,
+        );
+        let inter = Qos {
+            tenant: "i".into(),
+            ..Qos::default()
+        };
+        let batch = Qos {
+            tenant: "b".into(),
+            priority: Priority::Batch,
+            share: 1,
+        };
+        s.add_for(0, vec![9; 6], root, &batch);
+        let mut next = 1;
+        let mut generated: HashMap<u64, usize> = HashMap::new();
+        let mut admitted_at = None;
+        for step in 1..=400u64 {
+            // An interactive flood that always keeps eight requests waiting.
+            while s.load().waiting < 9 {
+                s.add_for(next, vec![next as u32; 6], root, &inter);
+                next += 1;
+            }
+            let items = s.schedule();
+            if admitted_at.is_none() && items.iter().any(|i| i.seq == 0) {
+                admitted_at = Some(step);
+            }
+            run_step(&mut s, &items, 1);
+            for it in items.iter().filter(|i| i.sample) {
+                let g = generated.entry(it.seq).or_default();
+                *g += 1;
+                if *g >= 4 {
+                    s.remove(it.seq);
+                }
+            }
+        }
+        let at = admitted_at.expect("the batch request was never admitted");
+        assert!(at > 1, "interactive work goes first while it waits");
+        // The bound, plus the steps for a running sequence to finish and free room.
+        assert!(at <= bound + 1 + 8, "admitted at step {at}, bound {bound}");
+    }
+
+    #[test]
+    fn an_under_served_tenant_preempts_an_over_served_one_when_the_cache_is_full() {
+        let root = namespace_root("m", "t");
+        let q = |t: &str| Qos {
+            tenant: t.into(),
+            ..Qos::default()
+        };
+        // 6 blocks of 4 tokens: room for two 10-token requests.
+        let mut s = Scheduler::new(cfg(64), 6);
+        s.add_for(1, (0..10).collect(), root, &q("flood"));
+        s.add_for(2, (10..20).collect(), root, &q("flood"));
+        let a = s.schedule();
+        run_step(&mut s, &a, 7);
+        assert_eq!(s.load().running, 2);
+        // A newcomer (lifted to the flooder's counter, then the flooder is charged more).
+        s.add_for(3, (20..30).collect(), root, &q("steady"));
+        let b = s.schedule();
+        run_step(&mut s, &b, 7);
+        let c = s.schedule();
+        assert!(c.iter().any(|i| i.seq == 3), "the newcomer runs: {c:?}");
+        assert_eq!(s.get(2).unwrap().preemptions, 1, "the flooder's newest made room");
+        assert_eq!(s.get(1).unwrap().preemptions, 0);
+        s.blocks.check(&s.owned_blocks()).unwrap();
+    }
+
+    #[test]
+    fn running_batch_work_is_deferred_for_a_bounded_number_of_steps() {
+        let root = namespace_root("m", "t");
+        let batch = Qos {
+            tenant: "b".into(),
+            priority: Priority::Batch,
+            share: 1,
+        };
+        let inter = Qos {
+            tenant: "i".into(),
+            ..Qos::default()
+        };
+        let mut s = Scheduler::new(cfg(8), 256);
+        s.add_for(0, vec![1; 4], root, &batch);
+        let a = s.schedule();
+        run_step(&mut s, &a, 7);
+        // Interactive prompts arrive every step, so every step prefills interactive work.
+        let mut since_batch = 0;
+        let mut worst = 0;
+        for n in 1..=60u64 {
+            s.add_for(n, vec![n as u32 + 2; 6], root, &inter);
+            let items = s.schedule();
+            if items.iter().any(|i| i.seq == 0) {
+                since_batch = 0;
+            } else {
+                since_batch += 1;
+                worst = worst.max(since_batch);
+            }
+            run_step(&mut s, &items, 7);
+            for it in items.iter().filter(|i| i.sample && i.seq != 0) {
+                s.remove(it.seq);
+            }
+        }
+        assert!(worst >= 1, "interactive prompts did defer the batch decode");
+        assert!(
+            worst <= MAX_DEFERRED_STEPS,
+            "the batch decode waited {worst} steps in a row"
+        );
+    }
+
+    #[test]
+    fn the_queue_state_counts_uncomputed_prompt_tokens_per_tenant() {
+        let root = namespace_root("m", "t");
+        let mut s = Scheduler::new(cfg(4), 64);
+        let q = |t: &str| Qos {
+            tenant: t.into(),
+            ..Qos::default()
+        };
+        s.add_for(1, vec![1; 10], root, &q("a"));
+        s.add_for(2, vec![2; 6], root, &q("b"));
+        let st = s.queue_state("a", 100);
+        assert_eq!((st.queued, st.tenant_queued, st.tenants), (16, 10, 2));
+        let items = s.schedule(); // 4 of a's tokens
+        run_step(&mut s, &items, 3);
+        assert_eq!(s.queue_state("a", 100).queued, 12);
+        assert_eq!(s.queue_state("c", 100).tenants, 3);
+        assert_eq!(s.load().inflight_prefill_tokens, 12);
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
         Arrive(usize),
@@ -602,8 +1496,15 @@ mod tests {
                 match op {
                     Op::Arrive(len) => {
                         // Prompts must fit the cache with their output (as the engine checks).
+                        // Three tenants, one in five requests batch: fair admission,
+                        // preemption and deferral all get exercised.
+                        let qos = Qos {
+                            tenant: ["", "a", "b"][len % 3].into(),
+                            priority: if len % 5 == 0 { Priority::Batch } else { Priority::Interactive },
+                            share: 1 + (len % 2) as u32,
+                        };
                         let len = len.min(blocks * 4 - 8).max(1);
-                        w.s.add(w.next, (0..len as u32).map(|t| t % 5).collect(), root);
+                        w.s.add_for(w.next, (0..len as u32).map(|t| t % 5).collect(), root, &qos);
                         w.live.push(w.next);
                         w.next += 1;
                     }

@@ -12,8 +12,8 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use hearth_protocol::{
-    namespace_root, BlockHash, FinishReason, GenerateEvent, GenerateRequest, KvEvent, LoadReport, Tokenizer, Usage,
-    WorkerInfo,
+    namespace_root, BlockHash, FinishReason, GenerateEvent, GenerateRequest, KvEvent, LoadReport, Qos, Tokenizer,
+    Usage, WorkerInfo,
 };
 use tokio::sync::broadcast;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
@@ -78,19 +78,38 @@ impl SimWorker {
     /// A worker whose steps hold at most `max_batch_tokens` (decodes and prefill chunks).
     pub fn with_batch_tokens(cost: CostModel, max_batch_tokens: usize) -> Self {
         let bt = hearth_protocol::DEFAULT_BLOCK_TOKENS;
-        let cfg = SchedulerConfig {
-            block_tokens: bt,
-            max_batch_tokens: max_batch_tokens.max(bt),
-            max_running: 256,
-        };
+        Self::with_scheduler(
+            cost,
+            SchedulerConfig {
+                block_tokens: bt,
+                max_batch_tokens: max_batch_tokens.max(bt),
+                max_running: 256,
+                ..Default::default()
+            },
+        )
+    }
+
+    /// A worker with this scheduler configuration (its block size must divide the cost
+    /// model's KV tokens sensibly; the default's does).
+    pub fn with_scheduler(cost: CostModel, cfg: SchedulerConfig) -> Self {
         Self {
-            sched: Scheduler::new(cfg, cost.kv_tokens / bt),
+            sched: Scheduler::new(cfg, cost.kv_tokens / cfg.block_tokens.max(1)),
             cost,
             requests: HashMap::new(),
         }
     }
 
+    /// The scheduler (fairness accounts, queue state).
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.sched
+    }
+
     pub fn submit(&mut self, id: u64, prompt: Vec<u32>, root: BlockHash, max_tokens: usize) {
+        self.submit_for(id, prompt, root, max_tokens, &Qos::default());
+    }
+
+    /// Queues a request of a tenant, in a class.
+    pub fn submit_for(&mut self, id: u64, prompt: Vec<u32>, root: BlockHash, max_tokens: usize, qos: &Qos) {
         self.requests.insert(
             id,
             SimRequest {
@@ -99,7 +118,7 @@ impl SimWorker {
                 cached_tokens: 0,
             },
         );
-        self.sched.add(id, prompt, root);
+        self.sched.add_for(id, prompt, root, qos);
     }
 
     pub fn is_idle(&self) -> bool {
@@ -234,13 +253,21 @@ impl SimHandle {
     /// `info` describes the model being simulated (its tokenizer is used for text);
     /// `speedup` compresses time (2.0 = twice as fast as the cost model says).
     pub fn start(info: WorkerInfo, cost: CostModel, speedup: f64) -> Self {
+        // The sim queues as much as its cache holds, as the engine does by default.
+        let queue = cost.kv_tokens as u64;
+        Self::start_with_queue(info, cost, speedup, queue)
+    }
+
+    /// [`Self::start`] with a queue limit in prompt tokens not yet computed (0: unbounded).
+    pub fn start_with_queue(mut info: WorkerInfo, cost: CostModel, speedup: f64, queue_tokens: u64) -> Self {
+        info.queue_tokens = queue_tokens;
         let tokenizer = Tokenizer::from_spec(&info.tokenizer).ok();
         let (commands, rx) = mpsc::channel::<SimCommand>();
         let model = info.model.clone();
         let context = info.context_length as usize;
         std::thread::Builder::new()
             .name("hearth-sim".into())
-            .spawn(move || sim_loop(rx, cost, speedup.max(1e-3), model, context, tokenizer))
+            .spawn(move || sim_loop(rx, cost, speedup.max(1e-3), model, context, tokenizer, queue_tokens))
             .ok();
         Self {
             info: Arc::new(info),
@@ -266,6 +293,7 @@ fn sim_loop(
     model: String,
     context: usize,
     tokenizer: Option<Tokenizer>,
+    queue_tokens: u64,
 ) {
     let mut w = SimWorker::new(cost);
     let (kv_tx, _) = broadcast::channel(4096);
@@ -294,6 +322,17 @@ fn sim_loop(
                         });
                         continue;
                     }
+                    let queue = w.sched.queue_state(&req.qos.tenant, queue_tokens);
+                    if let Err(shed) = queue.admit(req.qos.priority, req.prompt.len() as u64) {
+                        let _ = tx.send(GenerateEvent::Error {
+                            code: "overloaded".into(),
+                            message: format!(
+                                "the sim's queue is full for {} work ({} must drain first)",
+                                req.qos.priority, shed.excess
+                            ),
+                        });
+                        continue;
+                    }
                     let id = next;
                     next += 1;
                     let full = (req.sampling.max_tokens as usize).clamp(1, context - req.prompt.len());
@@ -316,7 +355,7 @@ fn sim_loop(
                     );
                     let mut tokens = req.prompt;
                     tokens.extend(req.resume);
-                    w.submit(id, tokens, namespace_root(&model, &req.cache_namespace), max);
+                    w.submit_for(id, tokens, namespace_root(&model, &req.cache_namespace), max, &req.qos);
                 }
                 SimCommand::Subscribe(reply) => {
                     let snap = KvEvent::Snapshot {
@@ -449,6 +488,7 @@ mod handle_tests {
             region: "local".into(),
             role: "both".into(),
             capacity: 256,
+            queue_tokens: 0,
             tokenizer: hearth_protocol::TokenizerSpec {
                 model: "none".into(),
                 pre: "default".into(),
@@ -485,6 +525,7 @@ mod handle_tests {
             prefill_only: false,
             resume: Vec::new(),
             kv_source: None,
+            qos: Qos::default(),
         };
         let mut rx = h.generate(req);
         let mut tokens = 0;

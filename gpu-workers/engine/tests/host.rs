@@ -58,6 +58,7 @@ async fn run(b: &dyn Backend, model: &str, max_tokens: u32) -> (usize, Option<St
         prefill_only: false,
         resume: Vec::new(),
         kv_source: None,
+        qos: Default::default(),
     };
     let mut rx = b.generate(req);
     let mut tokens = 0;
@@ -298,6 +299,7 @@ async fn a_removed_model_holds_its_memory_until_its_requests_end() {
         prefill_only: false,
         resume: Vec::new(),
         kv_source: None,
+        qos: Default::default(),
     };
     let mut rx_a = a.generate(req("a", 48));
     assert!(

@@ -51,6 +51,7 @@ async fn greedy(e: &EngineHandle, prompt: &[u32], max_tokens: u32) -> (Vec<u32>,
         prefill_only: false,
         resume: Vec::new(),
         kv_source: None,
+        qos: Default::default(),
     };
     let mut rx = e.generate(req);
     let mut tokens = Vec::new();
@@ -305,6 +306,7 @@ fn request(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
         prefill_only: false,
         resume: Vec::new(),
         kv_source: None,
+        qos: Default::default(),
     }
 }
 

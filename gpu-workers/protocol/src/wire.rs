@@ -80,6 +80,14 @@ pub struct GenerateRequest {
     /// before it starts (and computes whatever does not arrive intact).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_source: Option<KvSource>,
+    /// The tenant, its share and the request's priority class: what the engine schedules
+    /// fairly by (see [`crate::qos`]).
+    #[serde(default, skip_serializing_if = "is_default_qos")]
+    pub qos: crate::Qos,
+}
+
+fn is_default_qos(q: &crate::Qos) -> bool {
+    *q == crate::Qos::default()
 }
 
 /// A prefill worker holding a prompt's KV blocks for a decode worker.
@@ -251,6 +259,10 @@ pub struct WorkerInfo {
     /// Sequences the worker runs at once.
     #[serde(default)]
     pub capacity: u32,
+    /// The worker's queue limit, in prompt tokens not yet computed (0: unbounded); the
+    /// gateway sheds by the same measure and rule (see [`crate::QueueState`]).
+    #[serde(default)]
+    pub queue_tokens: u64,
     pub tokenizer: TokenizerSpec,
     /// Tenants (names or ids) that may see and use the model; empty: every tenant.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

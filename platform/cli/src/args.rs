@@ -98,6 +98,35 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Fairness between tenants on one saturated worker: a steady tenant beside a flooder,
+    /// shares 3:1, interactive beside batch; FIFO vs fair, sim (virtual time) then engine.
+    Fairness {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Seconds of arrivals per sim run (virtual).
+        #[arg(long, default_value_t = 120.0)]
+        sim_seconds: f64,
+        /// The steady tenant's requests per second (sim).
+        #[arg(long, default_value_t = 1.0)]
+        steady_rps: f64,
+        /// The flooder's rate as a multiple of the steady tenant's.
+        #[arg(long, default_value_t = 20.0)]
+        flood: f64,
+        /// Seconds per engine mode (solo, FIFO, fair).
+        #[arg(long, default_value_t = 40.0)]
+        engine_seconds: f64,
+        /// Skip the real-engine run.
+        #[arg(long)]
+        sim_only: bool,
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// Shorter runs (smoke).
+        #[arg(long)]
+        quick: bool,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Routing policies on simulated workers (virtual time), and the router micro-benchmark.
     Routing {
         #[arg(long, default_value_t = 7)]
@@ -263,6 +292,13 @@ pub struct ModelArgs {
     /// Sequences decoded together.
     #[arg(long, env = "HEARTH_MAX_RUNNING", default_value_t = 64)]
     pub max_running: usize,
+    /// The queue limit in prompt tokens not yet computed (default: what the KV cache
+    /// holds; 0: unbounded). Gateways shed by it; the engine refuses past it.
+    #[arg(long, env = "HEARTH_MAX_QUEUE_TOKENS")]
+    pub max_queue_tokens: Option<usize>,
+    /// Admission order on a busy engine: `fair` (between tenants, by class) or `fifo`.
+    #[arg(long, env = "HEARTH_SCHEDULE", default_value = "fair", value_parser = parse_schedule)]
+    pub schedule: hearth_engine::scheduler::Policy,
     /// Region label of the engine(s).
     #[arg(long, env = "HEARTH_REGION", default_value = "local")]
     pub region: String,
@@ -333,8 +369,14 @@ impl ModelArgs {
             max_batch_tokens: self.max_batch_tokens,
             max_running: self.max_running,
             region: self.region.clone(),
+            max_queue_tokens: self.max_queue_tokens,
+            policy: self.schedule,
         }
     }
+}
+
+fn parse_schedule(s: &str) -> Result<hearth_engine::scheduler::Policy, String> {
+    hearth_engine::scheduler::Policy::parse(s).ok_or_else(|| format!("{s:?} is not a schedule (fair, fifo)"))
 }
 
 #[derive(Args)]
@@ -693,6 +735,17 @@ pub struct LimitArgs {
     /// Requests in flight at once.
     #[arg(long, default_value_t = 0)]
     pub concurrent: u32,
+    /// A tenant's weight in fair scheduling on saturated workers (default 1; tenants only).
+    #[arg(long, default_value_t = 0)]
+    pub share: u32,
+    /// The class of the requests: interactive (default) or batch (admitted after
+    /// interactive work, shed first). A key's class can only lower its tenant's.
+    #[arg(long, value_parser = parse_priority)]
+    pub priority: Option<hearth_protocol::Priority>,
+}
+
+fn parse_priority(s: &str) -> Result<hearth_protocol::Priority, String> {
+    hearth_protocol::Priority::parse(s).ok_or_else(|| format!("{s:?} is not a class (interactive, batch)"))
 }
 
 impl LimitArgs {
@@ -702,6 +755,8 @@ impl LimitArgs {
             rpm: some(self.rpm),
             tpm: some(self.tpm),
             concurrent: some(self.concurrent),
+            share: some(self.share),
+            priority: self.priority,
         }
     }
 }

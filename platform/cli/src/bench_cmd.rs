@@ -106,6 +106,39 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
             print!("{}", report.table());
             write_json(&report, json)
         }
+        BenchCommand::Fairness {
+            model,
+            sim_seconds,
+            steady_rps,
+            flood,
+            engine_seconds,
+            sim_only,
+            seed,
+            quick,
+            json,
+        } => {
+            let engine = if sim_only {
+                None
+            } else {
+                let (path, id) = resolve_model(&model).await?;
+                Some(hearth_bench::fairness::EngineRun {
+                    model: path,
+                    model_id: id,
+                    threads: model.engine_config().threads,
+                    seconds: if quick { 12.0 } else { engine_seconds.max(6.0) },
+                })
+            };
+            let cfg = hearth_bench::fairness::FairnessConfig {
+                sim_seconds: if quick { 30.0 } else { sim_seconds.clamp(5.0, 3600.0) },
+                steady_rps: steady_rps.clamp(0.01, 100.0),
+                flood: flood.clamp(1.0, 1000.0),
+                seed,
+                engine,
+            };
+            let report = hearth_bench::fairness::run(cfg).await?;
+            print!("{}", report.table());
+            write_json(&report, json)
+        }
         BenchCommand::Routing {
             workers,
             quick,

@@ -53,7 +53,14 @@ async fn load_backend(args: &ModelArgs) -> anyhow::Result<Arc<dyn Backend>> {
             let (path, id) = resolve_model(args).await?;
             let info = sim_info(&path, &id, &args.region)?;
             tracing::info!(model = %id, speedup = args.sim_speedup, "sim backend ready");
-            Ok(Arc::new(SimHandle::start(info, CostModel::default(), args.sim_speedup)))
+            let cost = CostModel::default();
+            let queue = args.max_queue_tokens.unwrap_or(cost.kv_tokens) as u64;
+            Ok(Arc::new(SimHandle::start_with_queue(
+                info,
+                cost,
+                args.sim_speedup,
+                queue,
+            )))
         }
         other => bail!("unknown backend {other:?} (engine, sim)"),
     }

@@ -668,7 +668,7 @@ async fn prices_exports_budgets_and_self_service() {
     assert_eq!(post(&url, Some(&ci_key), &json!({"model": MODEL})).await.0, 401);
 
     // Minting only narrows: a child of an expiring, rate-limited manage key expires no
-    // later than its parent and carries its parent's per-key limits.
+    // later than its parent and carries its parent's per-key limits and class.
     let mint = |bearer: String, body: Value| {
         let url = format!("{}/v1/tenant/keys", server.url);
         async move {
@@ -683,7 +683,7 @@ async fn prices_exports_budgets_and_self_service() {
     let limited = client()
         .put(format!("{}/admin/v1/keys/{parent_id}/limits", server.url))
         .bearer_auth(ADMIN_TOKEN)
-        .json(&json!({"rpm": 2}))
+        .json(&json!({"rpm": 2, "priority": "batch"}))
         .send()
         .await
         .unwrap();
@@ -695,6 +695,7 @@ async fn prices_exports_budgets_and_self_service() {
     let (s, _, me) = get(&format!("{}/v1/tenant", server.url), &child_key).await;
     assert_eq!(s, 200, "{me}");
     assert_eq!(me["limits"]["credential"]["rpm"], 2, "{me}");
+    assert_eq!(me["limits"]["credential"]["priority"], "batch", "{me}");
 
     // A manage key restricted to one model revokes only keys within its models.
     let out = admin(

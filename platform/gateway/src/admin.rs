@@ -226,7 +226,7 @@ async fn add_model(State(gw): State<Arc<AppState>>, body: Bytes) -> Result<Respo
     };
     let regions = added
         .iter()
-        .map(|(_, (i, _))| (i.region.clone(), i.role.clone(), i.capacity))
+        .map(|(_, (i, _))| crate::registry::WorkerPlace::from(i))
         .collect();
     let clients = added.iter().map(|(_, (_, c))| c.clone()).collect();
     match gw.models.insert(info, clients, regions) {
@@ -310,8 +310,9 @@ async fn drain(
     Ok(Json(json!({"model": model, "slot": slot, "draining": draining})))
 }
 
-/// `{"rpm": N|null, "tpm": N|null, "concurrent": N|null}`; null or 0 is unlimited.
-fn limits_body(body: &Bytes) -> Result<hearth_tenants::Limits, ApiError> {
+/// `{"rpm": N|null, "tpm": N|null, "concurrent": N|null, "share": N|null,
+/// "priority": "interactive"|"batch"|null}`; null or 0 is unlimited (share 1, interactive).
+pub(crate) fn limits_body(body: &Bytes) -> Result<hearth_tenants::Limits, ApiError> {
     let o = parse_object(body)?;
     let field = |k: &str| -> Result<Option<u32>, ApiError> {
         match o.get(k) {
@@ -326,10 +327,19 @@ fn limits_body(body: &Bytes) -> Result<hearth_tenants::Limits, ApiError> {
             },
         }
     };
+    let priority =
+        match o.get("priority") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(v.as_str().and_then(hearth_protocol::Priority::parse).ok_or_else(|| {
+                ApiError::invalid("priority", "'priority' must be \"interactive\", \"batch\" or null")
+            })?),
+        };
     Ok(hearth_tenants::Limits {
         rpm: field("rpm")?,
         tpm: field("tpm")?,
         concurrent: field("concurrent")?,
+        share: field("share")?,
+        priority,
     })
 }
 

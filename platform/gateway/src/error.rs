@@ -167,6 +167,19 @@ impl ApiError {
         e
     }
 
+    /// 503 with `retry-after`: the model's pool is at capacity for this request's class
+    /// (admission control shed it before it queued).
+    pub fn overloaded(message: impl Into<String>, retry_after: u64) -> Self {
+        let mut e = Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            Some("overloaded"),
+            message,
+        );
+        e.retry_after = Some(retry_after.max(1));
+        e
+    }
+
     /// 500: Hearth's fault; the message says what failed, never internals a client can abuse.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(

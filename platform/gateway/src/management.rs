@@ -187,11 +187,11 @@ impl Management<'_> {
             )));
         }
         let created = self.tenants.create_key(&t, &spec).await?;
-        // The creator's own per-key limits bind what it creates (else a limited key would
-        // mint an unlimited one).
+        // The creator's own per-key limits and class bind what it creates (else a limited or
+        // batch key would mint an unlimited or interactive one).
         if let Actor::Tenant(ctx) = actor {
             let l = ctx.key_limits;
-            if l.rpm.is_some() || l.tpm.is_some() || l.concurrent.is_some() {
+            if l.rpm.is_some() || l.tpm.is_some() || l.concurrent.is_some() || l.priority.is_some() {
                 self.tenants.set_key_limits(&created.info.id, l).await?;
             }
         }

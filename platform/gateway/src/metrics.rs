@@ -16,7 +16,9 @@
 //! Hearth's own: `hearth_requests_total{model,endpoint,status}` (every answered request by
 //! HTTP status), `hearth_prompt_tokens_cached_total` (prompt tokens served from the prefix
 //! cache), `hearth_limiter_decisions_total{decision,limit}`,
-//! `hearth_processor_seconds{hook}`, and per worker the router's view (in-flight requests,
+//! `hearth_processor_seconds{hook}`, per tenant and class `hearth_shed_requests_total`,
+//! `hearth_tenant_time_to_first_token_seconds` and `hearth_tenant_queue_time_seconds`
+//! (the engine's queue), and per worker the router's view (in-flight requests,
 //! prefill tokens, decoding sequences, cached blocks, health, KV-event mode) and routing
 //! decisions. Engine-side metrics (queue, prefill and decode time, KV cache usage, prefix
 //! hits, model load time) come from each worker's own `/metrics`; `hearth serve` adds its
@@ -87,6 +89,16 @@ pub struct PdLabels {
     pub outcome: String,
 }
 
+/// Per tenant and class. The tenant is its name: one series per tenant and class, so a
+/// deployment with very many tenants should scrape these at a lower rate or drop them.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantClassLabels {
+    pub model: String,
+    pub tenant: String,
+    /// `interactive` or `batch`.
+    pub priority: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DecisionLabels {
     pub model: String,
@@ -141,6 +153,11 @@ pub struct Metrics {
     pub limiter: Family<LimiterLabels, Counter>,
     pub processor: Family<HookLabel, Histogram, fn() -> Histogram>,
     pub pd: Family<PdLabels, Counter>,
+    /// Requests shed by admission control.
+    pub shed: Family<TenantClassLabels, Counter>,
+    pub tenant_ttft: Family<TenantClassLabels, Histogram, fn() -> Histogram>,
+    /// The engine's queue time (arrival at the worker → first scheduled step).
+    pub tenant_queue: Family<TenantClassLabels, Histogram, fn() -> Histogram>,
     worker_gauges: [Family<WorkerLabels, Gauge>; 6],
     decisions: Family<DecisionLabels, Counter>,
     index_blocks: Family<ModelLabel, Gauge>,
@@ -222,6 +239,26 @@ impl Metrics {
             "Requests sent to a prefill and a decode worker, by outcome.",
             pd.clone(),
         );
+        let shed = Family::<TenantClassLabels, Counter>::default();
+        registry.register(
+            "hearth_shed_requests",
+            "Requests refused by admission control because the model's pool was at capacity for their class.",
+            shed.clone(),
+        );
+        let tenant_ttft: Family<TenantClassLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(ttft_histogram);
+        registry.register(
+            "hearth_tenant_time_to_first_token_seconds",
+            "Time to first token, by tenant and priority class.",
+            tenant_ttft.clone(),
+        );
+        let tenant_queue: Family<TenantClassLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(ttft_histogram);
+        registry.register(
+            "hearth_tenant_queue_time_seconds",
+            "Time waiting in the engine's queue (arrival to first scheduled step), by tenant and priority class.",
+            tenant_queue.clone(),
+        );
         let worker_gauges: [Family<WorkerLabels, Gauge>; 6] = Default::default();
         let gauge_help = [
             (
@@ -274,6 +311,9 @@ impl Metrics {
             finished,
             limiter,
             pd,
+            shed,
+            tenant_ttft,
+            tenant_queue,
             processor,
             worker_gauges,
             decisions,

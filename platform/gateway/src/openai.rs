@@ -25,6 +25,10 @@ pub struct Common {
     pub n: u32,
     /// Separates prefix-cache entries within a tenant (OpenAI's `prompt_cache_key`).
     pub prompt_cache_key: Option<String>,
+    /// OpenAI's `service_tier` (`flex` is Hearth's `batch` class; `auto`, `default`,
+    /// `priority` are interactive; Hearth's names work too): lowers the request's class,
+    /// never raises it.
+    pub service_tier: Option<hearth_protocol::Priority>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -189,6 +193,16 @@ fn parse_common(o: &Map<String, Value>, max_tokens_keys: &[&str]) -> Result<Comm
         }
         Some(v) => return Err(wrong_type("prompt_cache_key", "a string", v)),
     };
+    let service_tier = match get(o, "service_tier") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(hearth_protocol::Priority::parse(s).ok_or_else(|| {
+            ApiError::invalid(
+                "service_tier",
+                format!("'service_tier' must be one of auto, default, flex, priority, interactive, batch; got {s:?}"),
+            )
+        })?),
+        Some(v) => return Err(wrong_type("service_tier", "a string", v)),
+    };
     for key in ["presence_penalty", "frequency_penalty"] {
         if let Some(p) = in_range(key, opt_f64(o, key)?, -2.0, 2.0)? {
             if p != 0.0 {
@@ -247,6 +261,7 @@ fn parse_common(o: &Map<String, Value>, max_tokens_keys: &[&str]) -> Result<Comm
         include_usage,
         n,
         prompt_cache_key,
+        service_tier,
     })
 }
 

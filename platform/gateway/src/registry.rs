@@ -43,6 +43,29 @@ pub struct ServedModel {
     pub pd_threshold: usize,
     /// Disaggregated requests by outcome.
     pub pd: PdCounts,
+    /// Prompt tokens queued on the pool per tenant, and how fast the queue drains (see
+    /// [`crate::pipeline::admit`]).
+    pub queues: crate::pipeline::admit::TenantQueues,
+}
+
+/// Where a worker of a model's pool is and what it can take, from its `WorkerInfo`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerPlace {
+    pub region: String,
+    pub role: String,
+    pub capacity: u32,
+    pub queue_tokens: u64,
+}
+
+impl From<&hearth_protocol::WorkerInfo> for WorkerPlace {
+    fn from(i: &hearth_protocol::WorkerInfo) -> Self {
+        Self {
+            region: i.region.clone(),
+            role: i.role.clone(),
+            capacity: i.capacity,
+            queue_tokens: i.queue_tokens,
+        }
+    }
 }
 
 /// What became of disaggregated requests (`hearth_pd_requests{outcome}`).
@@ -191,8 +214,7 @@ impl ModelRegistry {
         struct Building {
             info: hearth_protocol::WorkerInfo,
             workers: Vec<Arc<dyn WorkerClient>>,
-            /// (region, role, capacity) per worker.
-            regions: Vec<(String, String, u32)>,
+            regions: Vec<WorkerPlace>,
         }
         let mut building: Vec<Building> = Vec::new();
         for w in workers {
@@ -208,11 +230,11 @@ impl ModelRegistry {
             };
             match building.iter_mut().find(|b| b.info.model == info.model) {
                 Some(b) => {
-                    b.regions.push((info.region.clone(), info.role.clone(), info.capacity));
+                    b.regions.push(WorkerPlace::from(&info));
                     b.workers.push(w);
                 }
                 None => building.push(Building {
-                    regions: vec![(info.region.clone(), info.role.clone(), info.capacity)],
+                    regions: vec![WorkerPlace::from(&info)],
                     info,
                     workers: vec![w],
                 }),
@@ -228,13 +250,13 @@ impl ModelRegistry {
         Ok(reg)
     }
 
-    /// Serves a model on `workers` (with each one's (region, role, capacity)): builds its
-    /// router and starts the event and health tasks. Refused if the id is served already.
+    /// Serves a model on `workers` (with each one's place): builds its router and starts
+    /// the event and health tasks. Refused if the id is served already.
     pub fn insert(
         &self,
         info: hearth_protocol::WorkerInfo,
         workers: Vec<Arc<dyn WorkerClient>>,
-        regions: Vec<(String, String, u32)>,
+        regions: Vec<WorkerPlace>,
     ) -> Result<Arc<ServedModel>, RegistryError> {
         if self.get(&info.model).is_some() {
             return Err(RegistryError::Exists(info.model));
@@ -268,13 +290,14 @@ impl ModelRegistry {
                 ..Default::default()
             });
             let mut slots = Vec::new();
-            for (w, (region, role, capacity)) in workers.iter().zip(&regions) {
+            for (w, place) in workers.iter().zip(&regions) {
                 let slot = router
-                    .add_worker(w.name(), region, false)
+                    .add_worker(w.name(), &place.region, false)
                     .ok_or_else(|| model_err("more than 64 workers".into()))?;
                 if let Some(state) = router.worker_mut(slot) {
-                    state.role = role.clone();
-                    state.capacity = *capacity;
+                    state.role = place.role.clone();
+                    state.capacity = place.capacity;
+                    state.queue_tokens = place.queue_tokens;
                 }
                 if slots.len() <= slot {
                     slots.resize(slot + 1, None);
@@ -298,6 +321,7 @@ impl ModelRegistry {
                 spreads: Default::default(),
                 pd_threshold: routing.pd_threshold,
                 pd: PdCounts::default(),
+                queues: Default::default(),
             });
             for slot in 0..model.workers.len() {
                 if model.client(slot).is_some() {

@@ -110,6 +110,8 @@ pub struct WorkerState {
     pub role: String,
     /// Sequences the worker runs at once (0 = unknown).
     pub capacity: u32,
+    /// Its queue limit in prompt tokens not yet computed (0: unbounded).
+    pub queue_tokens: u64,
     pub healthy: bool,
     pub draining: bool,
     /// The worker publishes KV events (exact index); otherwise the router assumes.

@@ -455,11 +455,13 @@ mod tests {
             prefill_only: false,
             resume: Vec::new(),
             kv_source: None,
+            qos: Default::default(),
         };
         let hints = RouteHints {
             session: None,
             region: None,
             prefix_key: 0,
+            tenant: String::new(),
         };
         let routed = RouteRequest::new(&model, &req.prompt, "", hints);
         let pd = route::run_pd(&model, &routed, 0).expect("a long prompt is disaggregated");

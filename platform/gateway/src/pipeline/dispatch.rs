@@ -38,11 +38,13 @@ pub async fn run(ctx: &mut RequestContext) -> Result<Dispatched, ApiError> {
         prefill_only: false,
         resume: Vec::new(),
         kv_source: None,
+        qos: ctx.qos.clone(),
     };
     let hints = RouteHints {
         session: ctx.header("x-session-affinity"),
         region: ctx.header("x-hearth-region"),
         prefix_key: route::prefix_key(&model, &request.routing_text(), &req.cache_namespace),
+        tenant: ctx.qos.tenant.clone(),
     };
     let routed = RouteRequest::new(&model, &req.prompt, &req.cache_namespace, hints);
     // One completion only: `n` choices share one prompt on one worker.

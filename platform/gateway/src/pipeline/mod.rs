@@ -4,7 +4,7 @@
 //! [`run`] top to bottom for the whole request:
 //!
 //! [`authenticate`] → [`budget`] → [`preprocess`] → [`parse`] → [`resolve`] →
-//! [`tokenize`] → [`limit`] → [`budget::reserve`] → [`route`] + [`dispatch`] (or
+//! [`tokenize`] → [`limit`] → [`admit`] → [`budget::reserve`] → [`route`] + [`dispatch`] (or
 //! [`disaggregate`]) → [`relay`] → [`postprocess`],
 //! with [`meter`] writing the usage record: from the relay before the client gets the final
 //! event (write-before-ack), or from [`handle`] for a request refused before dispatch.
@@ -12,6 +12,7 @@
 //! The phases are public so that other compositions can be built from them — the gateway
 //! benchmark's baseline runs the same pipeline without authentication, limits and metering.
 
+pub mod admit;
 pub mod authenticate;
 pub mod budget;
 pub mod disaggregate;
@@ -98,6 +99,8 @@ pub struct RequestContext {
     /// request ends.
     pub rate: RateState,
     pub lease: Option<limit::Admitted>,
+    /// admit: the tenant, its share and the request's class, sent to the worker.
+    pub qos: hearth_protocol::Qos,
     /// The request's root span; every phase's span is its child. The relay keeps a clone,
     /// so that a streamed request's span ends with its stream.
     pub span: tracing::Span,
@@ -128,6 +131,7 @@ impl RequestContext {
             max_tokens: 0,
             rate: RateState::default(),
             lease: None,
+            qos: Default::default(),
             span: tracing::Span::none(),
         }
     }
@@ -173,6 +177,7 @@ async fn run(state: &Arc<AppState>, ctx: &mut RequestContext) -> Result<Response
     info_span!("resolve").in_scope(|| resolve::run(state, ctx))?;
     info_span!("tokenize").in_scope(|| tokenize::run(ctx))?;
     limit::run(state, ctx).instrument(info_span!("limit")).await?;
+    info_span!("admit").in_scope(|| admit::run(state, ctx))?;
     budget::reserve(state, ctx).instrument(info_span!("reserve")).await?;
     let events = dispatch::run(ctx).instrument(info_span!("dispatch")).await?;
     let events = relay::start(state.clone(), state.clone(), ctx, events).await?;

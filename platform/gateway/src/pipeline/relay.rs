@@ -28,7 +28,7 @@ use super::meter::Meter;
 use super::respond::worker_error;
 use super::RequestContext;
 use crate::error::ApiError;
-use crate::metrics::{FinishLabels, Metrics, ModelLabel};
+use crate::metrics::{FinishLabels, Metrics, ModelLabel, TenantClassLabels};
 use crate::state::AppState;
 use crate::workers::EventStream;
 
@@ -66,8 +66,13 @@ pub async fn start(
         .usage
         .take()
         .ok_or_else(|| ApiError::internal("pipeline phase 'authenticate' did not run"))?;
+    let tenant = match ctx.tenant.as_ref() {
+        Some(t) => Some(super::admit::labels(ctx.model()?, &t.tenant_name, ctx.qos.priority)),
+        None => None,
+    };
     let timing = Timing {
         model: Metrics::model(&ctx.model()?.id),
+        tenant,
         received: ctx.received,
         last_token: None,
         span: ctx.span.clone(),
@@ -93,7 +98,15 @@ pub async fn start(
         .ok_or_else(|| ApiError::internal("the relay ended early"))?;
     if let GenerateEvent::Error { code, message } = &first {
         // The relay has recorded this failure.
-        return Err(worker_error(code, message));
+        let mut e = worker_error(code, message);
+        if code == "overloaded" {
+            // The worker's own queue refused it (another gateway filled it first): retry
+            // once what is queued now has drained.
+            let model = ctx.model()?;
+            let queued = super::admit::pool_queue(model, &ctx.qos.tenant).queued;
+            e.retry_after = Some(model.queues.retry_after(queued));
+        }
+        return Err(e);
     }
     Ok(futures_util::stream::iter([first])
         .chain(ReceiverStream::new(rx))
@@ -115,6 +128,8 @@ struct Holds {
 /// What the relay measures for the latency histograms.
 struct Timing {
     model: ModelLabel,
+    /// Per-tenant series (absent for an unauthenticated composition).
+    tenant: Option<TenantClassLabels>,
     received: Instant,
     last_token: Option<Instant>,
     /// The request's root span, kept open until the relay ends; gets the usage.
@@ -125,10 +140,13 @@ impl Timing {
     fn token(&mut self, m: &Metrics) {
         let now = Instant::now();
         match self.last_token {
-            None => m
-                .ttft
-                .get_or_create(&self.model)
-                .observe((now - self.received).as_secs_f64()),
+            None => {
+                let ttft = (now - self.received).as_secs_f64();
+                m.ttft.get_or_create(&self.model).observe(ttft);
+                if let Some(t) = &self.tenant {
+                    m.tenant_ttft.get_or_create(t).observe(ttft);
+                }
+            }
             Some(last) => m.itl.get_or_create(&self.model).observe((now - last).as_secs_f64()),
         }
         self.last_token = Some(now);
@@ -199,7 +217,9 @@ async fn relay(
             }
             GenerateEvent::Finish { .. } => false,
             GenerateEvent::Done {
-                finish_reason, usage, ..
+                finish_reason,
+                usage,
+                timings,
             } => {
                 rec.prompt_tokens = usage.prompt_tokens;
                 rec.cached_tokens = usage.cached_tokens;
@@ -207,6 +227,10 @@ async fn relay(
                 rec.status = UsageStatus::Completed.as_str().into();
                 rec.finish_reason = Some(finish_reason.as_str().into());
                 timing.done(&state.metrics, finish_reason.as_str(), usage);
+                if let (Some(t), false) = (&timing.tenant, timings.is_empty()) {
+                    let queue = timings.queue_us as f64 / 1e6;
+                    state.metrics.tenant_queue.get_or_create(t).observe(queue);
+                }
                 true
             }
             GenerateEvent::Error { code, message } => {

@@ -24,6 +24,7 @@ pub fn worker_error(code: &str, message: &str) -> ApiError {
         "context_length_exceeded" => ApiError::context_length(message.to_string()),
         "worker_disconnected" | "engine_stopped" | "worker_unavailable" => ApiError::unavailable(message.to_string()),
         "model_loading" => ApiError::model_loading(message.to_string()),
+        "overloaded" => ApiError::overloaded(message.to_string(), 1),
         "model_load_failed" => ApiError::unavailable(message.to_string()),
         c if c.starts_with("processor:") => crate::processors::stream_error(&c["processor:".len()..], message),
         _ => ApiError::internal(format!("generation failed: {message}")),

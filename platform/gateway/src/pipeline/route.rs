@@ -25,6 +25,9 @@ pub struct RouteHints {
     pub region: Option<String>,
     /// `prefix_aware`'s key: the leading text of the request and its cache namespace.
     pub prefix_key: u64,
+    /// The tenant, whose queued tokens the placement accounts for (see
+    /// [`super::admit::TenantQueues`]).
+    pub tenant: String,
 }
 
 /// The request as the router sees it: its prompt's block hashes and hints.
@@ -47,21 +50,34 @@ impl RouteRequest {
     }
 }
 
-/// A request's place on a worker, for the router's load accounting; released on drop
-/// (completion, failure, cancellation alike).
+/// A request's place on a worker, for the router's load accounting and its tenant's
+/// queued tokens; released on drop (completion, failure, cancellation alike).
 pub struct Placement {
     model: Arc<ServedModel>,
     pub slot: usize,
     uncached: usize,
     started: bool,
+    tenant: String,
 }
 
 impl Placement {
+    fn new(model: &Arc<ServedModel>, slot: usize, uncached: usize, tenant: &str) -> Self {
+        model.queues.add(tenant, uncached as u64);
+        Self {
+            model: model.clone(),
+            slot,
+            uncached,
+            started: false,
+            tenant: tenant.to_string(),
+        }
+    }
+
     /// The worker produced its first token: its prefill is done.
     pub fn first_token(&mut self) {
         if !self.started {
             self.started = true;
             self.model.router().on_first_token(self.slot, self.uncached);
+            self.model.queues.remove(&self.tenant, self.uncached as u64, true);
         }
     }
 }
@@ -69,6 +85,9 @@ impl Placement {
 impl Drop for Placement {
     fn drop(&mut self) {
         self.model.router().on_finish(self.slot, self.uncached, self.started);
+        if !self.started {
+            self.model.queues.remove(&self.tenant, self.uncached as u64, false);
+        }
     }
 }
 
@@ -134,12 +153,7 @@ pub fn run(model: &Arc<ServedModel>, req: &RouteRequest, exclude: u64) -> Option
         expected_cached = d.expected_cached_tokens,
         "routed"
     );
-    Some(Placement {
-        model: model.clone(),
-        slot: d.worker,
-        uncached,
-        started: false,
-    })
+    Some(Placement::new(model, d.worker, uncached, &req.hints.tenant))
 }
 
 /// Healthy, not draining workers, as a slot mask.
@@ -224,12 +238,7 @@ pub fn run_pd(model: &Arc<ServedModel>, req: &RouteRequest, exclude: u64) -> Opt
         expected_cached = p.expected_cached_tokens,
         "disaggregated"
     );
-    let place = |slot, uncached| Placement {
-        model: model.clone(),
-        slot,
-        uncached,
-        started: false,
-    };
+    let place = |slot, uncached| Placement::new(model, slot, uncached, &req.hints.tenant);
     Some(PdPlacement {
         prefill: place(p.worker, uncached),
         decode: place(d.worker, tail),
@@ -357,6 +366,7 @@ pub(crate) mod tests {
                 region: "local".into(),
                 role: self.role.into(),
                 capacity: 8,
+                queue_tokens: 0,
                 tokenizer: hearth_protocol::TokenizerSpec {
                     model: "gpt2".into(),
                     pre: "default".into(),
@@ -499,6 +509,7 @@ pub(crate) mod tests {
                 session: None,
                 region: None,
                 prefix_key: n,
+                tenant: String::new(),
             },
         }
     }

@@ -1,0 +1,560 @@
+//! `hearth bench fairness`: one saturated worker shared by tenants, FIFO against fair
+//! scheduling, in one run.
+//!
+//! **Sim** (the engine's real scheduler and KV cache, the model's time from the sim's cost
+//! model, virtual time): requests of ~450 prompt tokens and 32 output tokens (the issue's
+//! shape) on one worker whose KV cache holds about 32 of them.
+//! - `flood`: a steady tenant at a low rate plus a flooder at `flood`× its rate: the steady
+//!   tenant's TTFT against its solo run, FIFO, fair, and fair with the queue limit
+//!   (admission control as the gateway applies it: [`QueueState::admit`]);
+//! - `shares`: two tenants with shares 3 and 1, both backlogged: the split of the weighted
+//!   service while both are backlogged, against 75/25;
+//! - `classes`: an interactive tenant at the steady rate plus a batch tenant saturating the
+//!   worker: the interactive TTFT against its solo run.
+//!
+//! **Engine** (unless `--sim-only`): the same steady-plus-flooder shape on the real engine,
+//! small (short prompts, a KV cache that holds a few requests), FIFO against fair.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use hearth_engine::scheduler::{Policy, SchedulerConfig};
+use hearth_engine::sim::{CostModel, SimWorker};
+use hearth_protocol::{namespace_root, GenerateEvent, GenerateRequest, Priority, Qos, QueueState, SamplingParams};
+use serde::Serialize;
+
+use crate::routing::percentile;
+
+#[derive(Debug, Clone)]
+pub struct FairnessConfig {
+    /// Seconds of arrivals (virtual) per sim run.
+    pub sim_seconds: f64,
+    /// The steady tenant's rate, requests per second.
+    pub steady_rps: f64,
+    /// How many times the steady rate the flooder sends.
+    pub flood: f64,
+    pub seed: u64,
+    /// The real-engine run: (model path, model id, threads, seconds per mode).
+    pub engine: Option<EngineRun>,
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineRun {
+    pub model: std::path::PathBuf,
+    pub model_id: String,
+    pub threads: usize,
+    pub seconds: f64,
+}
+
+/// One tenant's outcome in one run.
+#[derive(Debug, Clone, Serialize)]
+pub struct TenantResult {
+    pub tenant: String,
+    pub priority: String,
+    pub share: u32,
+    pub requests: usize,
+    pub completed: usize,
+    /// Refused by the queue limit.
+    pub shed: usize,
+    pub ttft_p50_ms: f64,
+    pub ttft_p90_ms: f64,
+    pub ttft_p99_ms: f64,
+    /// Output tokens per second over the arrival window.
+    pub output_tok_s: f64,
+    /// Its share of the worker's weighted service (prefill + 2 × decode tokens) over the
+    /// arrival window.
+    pub service_share: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RunResult {
+    pub backend: String,
+    pub scenario: String,
+    pub policy: String,
+    pub queue_limit: bool,
+    pub tenants: Vec<TenantResult>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FairnessReport {
+    pub isa: String,
+    pub cpu: String,
+    pub workload: String,
+    pub runs: Vec<RunResult>,
+    /// Steady tenant's P90 TTFT with the flooder ÷ solo: fair (target ≤ 1.5), FIFO beside.
+    pub sim_steady_p90_vs_solo_fair: f64,
+    pub sim_steady_p90_vs_solo_fifo: f64,
+    pub sim_steady_p90_vs_solo_fair_limited: f64,
+    /// Shares 3:1, both backlogged: the first tenant's service share (target 0.75 ± 10%).
+    pub sim_share_split_fair: f64,
+    pub sim_share_split_fifo: f64,
+    /// Interactive P90 TTFT beside a saturating batch class ÷ solo (target ≤ 1.2).
+    pub sim_interactive_p90_vs_solo_fair: f64,
+    pub sim_interactive_p90_vs_solo_fifo: f64,
+    pub engine_steady_p90_vs_solo_fair: Option<f64>,
+    pub engine_steady_p90_vs_solo_fifo: Option<f64>,
+}
+
+impl FairnessReport {
+    pub fn table(&self) -> String {
+        let mut out = format!(
+            "Fairness on one saturated worker (ISA {}; {})\n{}\n\n",
+            self.isa, self.cpu, self.workload
+        );
+        out += "| backend | scenario | policy | queue limit | tenant | class | share | requests | completed | shed | TTFT P50/P90/P99 ms | output tok/s | service share |\n";
+        out += "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+        for r in &self.runs {
+            for t in &r.tenants {
+                out += &format!(
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0}/{:.0}/{:.0} | {:.1} | {:.3} |\n",
+                    r.backend,
+                    r.scenario,
+                    r.policy,
+                    if r.queue_limit { "yes" } else { "no" },
+                    t.tenant,
+                    t.priority,
+                    t.share,
+                    t.requests,
+                    t.completed,
+                    t.shed,
+                    t.ttft_p50_ms,
+                    t.ttft_p90_ms,
+                    t.ttft_p99_ms,
+                    t.output_tok_s,
+                    t.service_share
+                );
+            }
+        }
+        let engine = match (self.engine_steady_p90_vs_solo_fair, self.engine_steady_p90_vs_solo_fifo) {
+            (Some(fair), Some(fifo)) => format!("; engine: fair {fair:.2}×, FIFO {fifo:.2}×"),
+            _ => String::new(),
+        };
+        out += &format!(
+            "\nSteady tenant P90 TTFT beside a {}× flooder ÷ solo: sim fair {:.2}× (with the queue limit {:.2}×), FIFO {:.2}×{engine} (target ≤ 1.5×)\n\
+             Service split with shares 3:1, both backlogged: fair {:.3}, FIFO {:.3} (target 0.75 ± 0.075)\n\
+             Interactive P90 TTFT beside a saturating batch class ÷ solo: fair {:.2}×, FIFO {:.2}× (target ≤ 1.2×)\n",
+            self.workload_flood(),
+            self.sim_steady_p90_vs_solo_fair,
+            self.sim_steady_p90_vs_solo_fair_limited,
+            self.sim_steady_p90_vs_solo_fifo,
+            self.sim_share_split_fair,
+            self.sim_share_split_fifo,
+            self.sim_interactive_p90_vs_solo_fair,
+            self.sim_interactive_p90_vs_solo_fifo,
+        );
+        out
+    }
+
+    fn workload_flood(&self) -> String {
+        self.runs
+            .iter()
+            .find(|r| r.scenario == "flood")
+            .map(|r| {
+                let rate = |i: usize| r.tenants.get(i).map_or(1.0, |t| t.requests as f64);
+                format!("{:.0}", rate(1) / rate(0).max(1.0))
+            })
+            .unwrap_or_default()
+    }
+}
+
+/// A tenant's traffic in a sim run.
+#[derive(Debug, Clone)]
+struct Traffic {
+    qos: Qos,
+    rps: f64,
+}
+
+/// The sim's pool: the default cost model with a cache for about 32 requests of the
+/// workload, 512-token steps (chunked prefill's usual size: a step's time grows with its
+/// tokens, so this is how long an arrival can wait for the step in progress).
+fn sim_pool(policy: Policy) -> SimWorker {
+    SimWorker::with_scheduler(
+        CostModel {
+            kv_tokens: 16_384,
+            ..CostModel::default()
+        },
+        SchedulerConfig {
+            max_batch_tokens: 512,
+            max_running: 256,
+            policy,
+            ..SchedulerConfig::default()
+        },
+    )
+}
+
+const PROMPT: (usize, usize) = (400, 500);
+const OUTPUT: usize = 32;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Exponential inter-arrival time at `rate` per second.
+    fn gap(&mut self, rate: f64) -> f64 {
+        -(1.0 - self.unit()).ln() / rate
+    }
+}
+
+/// Runs tenants' Poisson traffic for `seconds` (virtual) on one sim worker, then drains it.
+fn sim_run(scenario: &str, policy: Policy, limit: bool, traffic: &[Traffic], seconds: f64, seed: u64) -> RunResult {
+    let mut rng = Rng(seed | 1);
+    // (arrival, tenant index, prompt length)
+    let mut arrivals: Vec<(f64, usize, usize)> = Vec::new();
+    for (i, t) in traffic.iter().enumerate() {
+        let mut at = rng.gap(t.rps);
+        while at < seconds {
+            let len = PROMPT.0 + (rng.next() as usize) % (PROMPT.1 - PROMPT.0);
+            arrivals.push((at, i, len));
+            at += rng.gap(t.rps);
+        }
+    }
+    arrivals.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut w = sim_pool(policy);
+    let root = namespace_root("sim", "");
+    let n = traffic.len();
+    let mut ttft: Vec<Vec<f64>> = vec![Vec::new(); n];
+    let (mut requests, mut completed, mut shed, mut tokens) = (vec![0; n], vec![0; n], vec![0; n], vec![0u64; n]);
+    let mut owner: HashMap<u64, (usize, f64)> = HashMap::new();
+    let mut window_service: Vec<f64> = vec![0.0; n];
+    let mut t = 0.0;
+    let mut next = 0usize;
+    let mut id = 0u64;
+    let limit_tokens = w.scheduler().capacity_tokens() as u64;
+    loop {
+        while next < arrivals.len() && arrivals[next].0 <= t {
+            let (at, i, len) = arrivals[next];
+            next += 1;
+            requests[i] += 1;
+            let q = &traffic[i].qos;
+            if limit {
+                let state: QueueState = w.scheduler().queue_state(&q.tenant, limit_tokens);
+                if state.admit(q.priority, len as u64).is_err() {
+                    shed[i] += 1;
+                    continue;
+                }
+            }
+            // Distinct random tokens: no prefix sharing between requests.
+            let prompt = (0..len).map(|_| 17 + (rng.next() % 40_000) as u32).collect();
+            w.submit_for(id, prompt, root, OUTPUT, q);
+            owner.insert(id, (i, at));
+            id += 1;
+        }
+        if w.is_idle() {
+            match arrivals.get(next) {
+                Some(a) => {
+                    t = a.0;
+                    continue;
+                }
+                None => break,
+            }
+        }
+        let before: Vec<f64> = traffic
+            .iter()
+            .map(|tr| {
+                w.scheduler()
+                    .account(&tr.qos.tenant)
+                    .map_or(0.0, |a| weighted(a.served))
+            })
+            .collect();
+        let Some(step) = w.step() else { break };
+        t += step.seconds;
+        if t <= seconds {
+            for (i, tr) in traffic.iter().enumerate() {
+                let after = w
+                    .scheduler()
+                    .account(&tr.qos.tenant)
+                    .map_or(0.0, |a| weighted(a.served));
+                window_service[i] += after - before[i];
+            }
+        }
+        for (sid, _) in &step.first_tokens {
+            if let Some(&(i, at)) = owner.get(sid) {
+                ttft[i].push((t - at) * 1000.0);
+            }
+        }
+        for sid in &step.sampled {
+            if let Some(&(i, _)) = owner.get(sid) {
+                if t <= seconds {
+                    tokens[i] += 1;
+                }
+            }
+        }
+        for sid in &step.finished {
+            if let Some((i, _)) = owner.remove(sid) {
+                completed[i] += 1;
+            }
+        }
+    }
+    let total: f64 = window_service.iter().sum::<f64>().max(1e-9);
+    let tenants = traffic
+        .iter()
+        .enumerate()
+        .map(|(i, tr)| TenantResult {
+            tenant: tr.qos.tenant.clone(),
+            priority: tr.qos.priority.as_str().into(),
+            share: tr.qos.share,
+            requests: requests[i],
+            completed: completed[i],
+            shed: shed[i],
+            ttft_p50_ms: percentile(&mut ttft[i], 0.5),
+            ttft_p90_ms: percentile(&mut ttft[i], 0.9),
+            ttft_p99_ms: percentile(&mut ttft[i], 0.99),
+            output_tok_s: tokens[i] as f64 / seconds,
+            service_share: window_service[i] / total,
+        })
+        .collect();
+    RunResult {
+        backend: "sim".into(),
+        scenario: scenario.into(),
+        policy: policy.as_str().into(),
+        queue_limit: limit,
+        tenants,
+    }
+}
+
+fn weighted(s: hearth_engine::scheduler::Served) -> f64 {
+    s.prefill as f64 + 2.0 * s.decode as f64 + 0.1 * s.cached as f64
+}
+
+fn qos(tenant: &str, priority: Priority, share: u32) -> Qos {
+    Qos {
+        tenant: tenant.into(),
+        priority,
+        share,
+    }
+}
+
+pub async fn run(cfg: FairnessConfig) -> anyhow::Result<FairnessReport> {
+    let sim_cfg = cfg.clone();
+    let mut runs = tokio::task::spawn_blocking(move || sim_runs(&sim_cfg)).await?;
+    let (mut engine_fair, mut engine_fifo) = (None, None);
+    if let Some(e) = &cfg.engine {
+        let solo = engine_run(e, Policy::Fair, false, &cfg).await?;
+        let fifo = engine_run(e, Policy::Fifo, true, &cfg).await?;
+        let fair = engine_run(e, Policy::Fair, true, &cfg).await?;
+        let p90 = |r: &RunResult| r.tenants[0].ttft_p90_ms;
+        engine_fifo = Some(p90(&fifo) / p90(&solo).max(1e-9));
+        engine_fair = Some(p90(&fair) / p90(&solo).max(1e-9));
+        runs.extend([solo, fifo, fair]);
+    }
+    let find = |scenario: &str, policy: &str, limit: bool| {
+        runs.iter()
+            .find(|r| r.backend == "sim" && r.scenario == scenario && r.policy == policy && r.queue_limit == limit)
+            .map(|r| r.tenants[0].clone())
+    };
+    let solo = find("solo", "fair", false).map_or(1.0, |t| t.ttft_p90_ms).max(1e-9);
+    let ratio =
+        |scenario: &str, policy: &str, limit: bool| find(scenario, policy, limit).map_or(0.0, |t| t.ttft_p90_ms / solo);
+    let split = |policy: &str| find("shares", policy, false).map_or(0.0, |t| t.service_share);
+    Ok(FairnessReport {
+        isa: hearth_engine::kernels::isa().name().to_string(),
+        cpu: hearth_engine::kernels::cpu_features(),
+        workload: format!(
+            "sim: one worker (the sim's default cost model, 16,384 KV tokens, 512-token steps), prompts {}-{} tokens, {OUTPUT} out, {:.0} s of Poisson arrivals; steady tenant {:.1} req/s, flooder {:.0}× that; engine: {}",
+            PROMPT.0,
+            PROMPT.1,
+            cfg.sim_seconds,
+            cfg.steady_rps,
+            cfg.flood,
+            cfg.engine.as_ref().map_or_else(
+                || "not run".to_string(),
+                |e| format!("{} s per mode, {} threads; see the engine rows", e.seconds, e.threads)
+            )
+        ),
+        sim_steady_p90_vs_solo_fair: ratio("flood", "fair", false),
+        sim_steady_p90_vs_solo_fifo: ratio("flood", "fifo", false),
+        sim_steady_p90_vs_solo_fair_limited: ratio("flood", "fair", true),
+        sim_share_split_fair: split("fair"),
+        sim_share_split_fifo: split("fifo"),
+        sim_interactive_p90_vs_solo_fair: ratio("classes", "fair", false),
+        sim_interactive_p90_vs_solo_fifo: ratio("classes", "fifo", false),
+        engine_steady_p90_vs_solo_fair: engine_fair,
+        engine_steady_p90_vs_solo_fifo: engine_fifo,
+        runs,
+    })
+}
+
+fn sim_runs(cfg: &FairnessConfig) -> Vec<RunResult> {
+    let s = cfg.sim_seconds;
+    let steady = Traffic {
+        qos: qos("steady", Priority::Interactive, 1),
+        rps: cfg.steady_rps,
+    };
+    let flooder = Traffic {
+        qos: qos("flooder", Priority::Interactive, 1),
+        rps: cfg.steady_rps * cfg.flood,
+    };
+    let mut runs = vec![sim_run(
+        "solo",
+        Policy::Fair,
+        false,
+        std::slice::from_ref(&steady),
+        s,
+        cfg.seed,
+    )];
+    for (policy, limit) in [(Policy::Fifo, false), (Policy::Fair, false), (Policy::Fair, true)] {
+        runs.push(sim_run(
+            "flood",
+            policy,
+            limit,
+            &[steady.clone(), flooder.clone()],
+            s,
+            cfg.seed,
+        ));
+    }
+    // Both far past the worker's capacity: backlogged throughout.
+    let heavy = cfg.steady_rps * cfg.flood;
+    let shares = [
+        Traffic {
+            qos: qos("gold", Priority::Interactive, 3),
+            rps: heavy,
+        },
+        Traffic {
+            qos: qos("bronze", Priority::Interactive, 1),
+            rps: heavy,
+        },
+    ];
+    for policy in [Policy::Fifo, Policy::Fair] {
+        runs.push(sim_run("shares", policy, false, &shares, s, cfg.seed));
+    }
+    let classes = [
+        steady.clone(),
+        Traffic {
+            qos: qos("batch", Priority::Batch, 1),
+            rps: heavy,
+        },
+    ];
+    for policy in [Policy::Fifo, Policy::Fair] {
+        runs.push(sim_run("classes", policy, false, &classes, s, cfg.seed));
+    }
+    runs
+}
+
+/// The real engine: a steady tenant (one request every 2 s) and, with `flood`, a flooder
+/// keeping eight requests in flight; short prompts on a KV cache for a few of them.
+async fn engine_run(e: &EngineRun, policy: Policy, flood: bool, cfg: &FairnessConfig) -> anyhow::Result<RunResult> {
+    let ecfg = hearth_engine::EngineConfig {
+        threads: e.threads,
+        kv_cache_mib: Some(8),
+        max_batch_tokens: 128,
+        max_running: 8,
+        policy,
+        max_queue_tokens: Some(0),
+        ..Default::default()
+    };
+    let engine = hearth_engine::EngineHandle::load(&e.model, &e.model_id, &ecfg)?;
+    let vocab = engine.info().tokenizer.tokens.len() as u32;
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs_f64(e.seconds);
+    let request = |tenant: &str, n: u64| {
+        // Distinct prompts (no prefix sharing): 96 pseudo-random ordinary tokens.
+        let mut rng = Rng(cfg.seed ^ (n + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        GenerateRequest {
+            request_id: format!("{tenant}-{n}"),
+            model: e.model_id.clone(),
+            prompt: (0..96)
+                .map(|_| 300 + (rng.next() % u64::from(vocab - 400)) as u32)
+                .collect(),
+            sampling: SamplingParams {
+                max_tokens: 16,
+                temperature: 0.0,
+                ignore_eos: true,
+                ..Default::default()
+            },
+            cache_namespace: tenant.into(),
+            n: 1,
+            prefill_only: false,
+            resume: Vec::new(),
+            kv_source: None,
+            qos: qos(tenant, Priority::Interactive, 1),
+        }
+    };
+    // One request: (TTFT ms, output tokens).
+    async fn one(engine: hearth_engine::EngineHandle, req: GenerateRequest) -> Option<(f64, u64)> {
+        let sent = Instant::now();
+        let mut rx = engine.generate(req);
+        let (mut first, mut tokens) = (None, 0u64);
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                GenerateEvent::Token { .. } => {
+                    tokens += 1;
+                    first.get_or_insert(sent.elapsed().as_secs_f64() * 1000.0);
+                }
+                GenerateEvent::Done { .. } => return first.map(|f| (f, tokens)),
+                GenerateEvent::Error { .. } => return None,
+                GenerateEvent::Finish { .. } => {}
+            }
+        }
+        None
+    }
+    let mut flooders = Vec::new();
+    if flood {
+        for c in 0..8u64 {
+            let engine = engine.clone();
+            let reqs: Vec<GenerateRequest> = (0..10_000).map(|k| request("flooder", c * 10_000 + k)).collect();
+            flooders.push(tokio::spawn(async move {
+                let mut out = Vec::new();
+                for r in reqs {
+                    if Instant::now() >= deadline {
+                        break;
+                    }
+                    out.extend(one(engine.clone(), r).await);
+                }
+                out
+            }));
+        }
+    }
+    let mut steady = Vec::new();
+    let mut k = 0;
+    while Instant::now() < deadline {
+        steady.push(tokio::spawn(one(engine.clone(), request("steady", k))));
+        k += 1;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    let mut results = vec![Vec::new(), Vec::new()];
+    for h in steady {
+        results[0].extend(h.await?);
+    }
+    for h in flooders {
+        results[1].extend(h.await?);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let tenants = ["steady", "flooder"]
+        .iter()
+        .zip(results)
+        .filter(|(name, r)| **name == "steady" || !r.is_empty())
+        .map(|(name, r)| {
+            let mut ttft: Vec<f64> = r.iter().map(|x| x.0).collect();
+            TenantResult {
+                tenant: (*name).into(),
+                priority: "interactive".into(),
+                share: 1,
+                requests: r.len(),
+                completed: r.len(),
+                shed: 0,
+                ttft_p50_ms: percentile(&mut ttft, 0.5),
+                ttft_p90_ms: percentile(&mut ttft, 0.9),
+                ttft_p99_ms: percentile(&mut ttft, 0.99),
+                output_tok_s: r.iter().map(|x| x.1).sum::<u64>() as f64 / elapsed,
+                service_share: 0.0,
+            }
+        })
+        .collect();
+    Ok(RunResult {
+        backend: "engine".into(),
+        scenario: if flood { "flood" } else { "solo" }.into(),
+        policy: policy.as_str().into(),
+        queue_limit: false,
+        tenants,
+    })
+}
