@@ -80,6 +80,8 @@ pub struct FairnessReport {
     pub isa: String,
     pub cpu: String,
     pub workload: String,
+    /// The flooder's rate ÷ the steady tenant's.
+    pub flood: f64,
     pub runs: Vec<RunResult>,
     /// Steady tenant's P90 TTFT with the flooder ÷ solo: fair (target ≤ 1.5), FIFO beside.
     pub sim_steady_p90_vs_solo_fair: f64,
@@ -130,10 +132,10 @@ impl FairnessReport {
             _ => String::new(),
         };
         out += &format!(
-            "\nSteady tenant P90 TTFT beside a {}× flooder ÷ solo: sim fair {:.2}× (with the queue limit {:.2}×), FIFO {:.2}×{engine} (target ≤ 1.5×)\n\
+            "\nSteady tenant P90 TTFT beside a {:.0}× flooder ÷ solo: sim fair {:.2}× (with the queue limit {:.2}×), FIFO {:.2}×{engine} (target ≤ 1.5×)\n\
              Service split with shares 3:1, both backlogged: fair {:.3}, FIFO {:.3} (target 0.75 ± 0.075)\n\
              Interactive P90 TTFT beside a saturating batch class ÷ solo: fair {:.2}×, FIFO {:.2}× (target ≤ 1.2×)\n",
-            self.workload_flood(),
+            self.flood,
             self.sim_steady_p90_vs_solo_fair,
             self.sim_steady_p90_vs_solo_fair_limited,
             self.sim_steady_p90_vs_solo_fifo,
@@ -143,17 +145,6 @@ impl FairnessReport {
             self.sim_interactive_p90_vs_solo_fifo,
         );
         out
-    }
-
-    fn workload_flood(&self) -> String {
-        self.runs
-            .iter()
-            .find(|r| r.scenario == "flood")
-            .map(|r| {
-                let rate = |i: usize| r.tenants.get(i).map_or(1.0, |t| t.requests as f64);
-                format!("{:.0}", rate(1) / rate(0).max(1.0))
-            })
-            .unwrap_or_default()
     }
 }
 
@@ -371,6 +362,7 @@ pub async fn run(cfg: FairnessConfig) -> anyhow::Result<FairnessReport> {
                 |e| format!("{} s per mode, {} threads; see the engine rows", e.seconds, e.threads)
             )
         ),
+        flood: cfg.flood,
         sim_steady_p90_vs_solo_fair: ratio("flood", "fair", false),
         sim_steady_p90_vs_solo_fifo: ratio("flood", "fifo", false),
         sim_steady_p90_vs_solo_fair_limited: ratio("flood", "fair", true),

@@ -129,6 +129,35 @@ pub fn tokenizer_spec(g: &GgufFile) -> Result<TokenizerSpec, GgufError> {
     })
 }
 
+/// The KV cache an engine with `cfg` gets: (MiB, blocks).
+fn kv_blocks(shape: crate::kv::KvShape, cfg: &EngineConfig) -> (usize, usize) {
+    let mib = cfg
+        .kv_cache_mib
+        .unwrap_or_else(|| available_memory_mib().map_or(512, |m| (m / 4).min(1024)));
+    (mib, ((mib << 20) / KvPool::block_bytes(shape, cfg.kv_dtype)).max(2))
+}
+
+/// The queue limit: configured, else what the KV cache holds.
+fn queue_limit(kv_tokens: usize, cfg: &EngineConfig) -> u64 {
+    cfg.max_queue_tokens.unwrap_or(kv_tokens) as u64
+}
+
+/// The queue limit ([`WorkerInfo::queue_tokens`]) an engine with `cfg` will have for this
+/// model, from its metadata alone (0 when the file does not say enough).
+pub fn queue_tokens_for(file: &GgufFile, cfg: &EngineConfig) -> u64 {
+    let Ok(c) = crate::models::llama::LlamaConfig::from_gguf(file) else {
+        return cfg.max_queue_tokens.unwrap_or(0) as u64;
+    };
+    let bt = hearth_protocol::DEFAULT_BLOCK_TOKENS;
+    let shape = crate::kv::KvShape {
+        n_layers: c.n_layers,
+        kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        block_tokens: bt,
+    };
+    queue_limit(kv_blocks(shape, cfg).1 * bt, cfg)
+}
+
 /// What a worker reports for a model file, from its metadata alone (no weights read): the
 /// gateway can list, tokenize for and route to a model before it is loaded.
 pub fn file_info(path: &Path, model_id: &str, region: &str) -> Result<WorkerInfo, EngineError> {
@@ -229,11 +258,8 @@ impl EngineHandle {
             .collect();
         let bt = hearth_protocol::DEFAULT_BLOCK_TOKENS;
         let c = &model.config;
+        let (mib, num_blocks) = kv_blocks(model.kv_shape(bt), cfg);
         let block_bytes = KvPool::block_bytes(model.kv_shape(bt), cfg.kv_dtype);
-        let mib = cfg
-            .kv_cache_mib
-            .unwrap_or_else(|| available_memory_mib().map_or(512, |m| (m / 4).min(1024)));
-        let num_blocks = ((mib << 20) / block_bytes).max(2);
         let pool = KvPool::new(model.kv_shape(bt), cfg.kv_dtype, num_blocks);
         let shape = model.kv_shape(bt);
         let kv_layout = KvLayout {
@@ -253,7 +279,7 @@ impl EngineHandle {
             },
             num_blocks,
         );
-        let queue_tokens = cfg.max_queue_tokens.unwrap_or(num_blocks * bt) as u64;
+        let queue_tokens = queue_limit(num_blocks * bt, cfg);
         let info = WorkerInfo {
             model: model_id.to_string(),
             architecture: "llama".into(),

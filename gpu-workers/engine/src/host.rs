@@ -158,6 +158,9 @@ impl Model {
     fn prepare(entry: ModelEntry, cfg: &HostConfig) -> Result<Self, EngineError> {
         let mut info = crate::engine::file_info(&entry.path, &entry.id, &cfg.engine.region)?;
         info.capacity = cfg.engine.max_running as u32;
+        // What the engine will refuse past, so that gateways shed by the same limit.
+        info.queue_tokens =
+            crate::hf::open_model(&entry.path).map_or(0, |f| crate::engine::queue_tokens_for(&f, &cfg.engine));
         if let Some(c) = entry.context_length {
             info.context_length = info.context_length.min(c.max(1) as u32);
         }

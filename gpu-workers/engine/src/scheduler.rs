@@ -29,7 +29,9 @@
 //! - prompt chunks get the step's budget lowest class and counter first;
 //! - when blocks run out, the sequence preempted is the newest of the lowest class's
 //!   tenant with the highest counter;
-//! - it is work-conserving: a sequence waits only while no other can use the budget.
+//! - admission is head-of-line in that order: a sequence that does not fit waits for room
+//!   and is not jumped by smaller ones (so large requests are not starved); meanwhile the
+//!   step's budget goes to running work.
 //!
 //! Classes are strict:
 //! - running sequences are kept ordered by class, then admission, and decodes go in that
@@ -164,8 +166,9 @@ pub struct Sequence {
     charged: usize,
     /// Arrival order (FIFO, and the oldest-first order inside an account).
     arrival: u64,
-    /// The step it arrived at (for the starvation bound).
-    arrived_step: u64,
+    /// The step it last started waiting at: arrival, or its last preemption (for the
+    /// starvation bound).
+    waiting_since: u64,
 }
 
 impl Sequence {
@@ -352,7 +355,7 @@ impl Scheduler {
             priority: qos.priority,
             charged: 0,
             arrival: self.arrivals,
-            arrived_step: self.steps,
+            waiting_since: self.steps,
         };
         self.seqs.insert(id, seq);
         let a = &mut self.accounts[account];
@@ -461,6 +464,7 @@ impl Scheduler {
             seq.hashes.clear();
             seq.computed = 0;
             seq.preemptions += 1;
+            seq.waiting_since = self.steps;
             // First in its account's queue: it is older than what waits there.
             self.accounts[seq.account].waiting[class(seq.priority)].push_front(id);
         }
@@ -500,7 +504,7 @@ impl Scheduler {
                     .accounts
                     .iter()
                     .filter_map(|a| front(a, 1))
-                    .filter(|(_, id)| self.steps - self.seqs[id].arrived_step >= self.cfg.starvation_steps)
+                    .filter(|(_, id)| self.steps - self.seqs[id].waiting_since >= self.cfg.starvation_steps)
                     .min();
                 if let Some((_, id)) = aged {
                     return Some(id);
@@ -703,8 +707,11 @@ impl Scheduler {
             });
             budget -= len;
         }
+        // (Admission may have preempted some of them, or re-admitted one with a chunk.)
         for id in later {
-            self.prefill_chunk(id, &mut items, &mut budget);
+            if self.running.contains(&id) && !items.iter().any(|it| it.seq == id) {
+                self.prefill_chunk(id, &mut items, &mut budget);
+            }
         }
         self.defer_batch_work(&mut items);
         items
@@ -713,8 +720,7 @@ impl Scheduler {
     /// Fair order: class first, then the tenant's counter (as one sortable number).
     fn rank(&self, id: u64) -> f64 {
         let s = &self.seqs[&id];
-        let aged = s.priority == Priority::Batch && !s.admitted && self.aged(id);
-        let c = if aged { 0 } else { class(s.priority) };
+        let c = if self.aged(id) { 0 } else { class(s.priority) };
         // Counters are far below 1e15 (a trillion weighted tokens per unit of share).
         c as f64 * 1e15 + self.accounts[s.account].counter
     }
@@ -774,11 +780,14 @@ impl Scheduler {
         items.retain(|_| k.next().is_none_or(|k| k.1 != Priority::Batch));
     }
 
-    /// Whether waiting sequence `id` is batch work past its wait bound.
+    /// Whether `id` is waiting batch work past its wait bound (a waiting sequence holds no
+    /// blocks; a running one always holds some).
     fn aged(&self, id: u64) -> bool {
-        self.seqs
-            .get(&id)
-            .is_some_and(|s| s.priority == Priority::Batch && self.steps - s.arrived_step >= self.cfg.starvation_steps)
+        self.seqs.get(&id).is_some_and(|s| {
+            s.table.is_empty()
+                && s.priority == Priority::Batch
+                && self.steps - s.waiting_since >= self.cfg.starvation_steps
+        })
     }
 
     /// Preempts the last running sequence if it is batch work (dropping what this step
@@ -847,7 +856,7 @@ impl Scheduler {
         }
         s.charged = s.charged.max(s.computed);
         // Past its wait bound, a batch sequence runs as interactive from now on.
-        if c == 1 && policy == Policy::Fair && steps - s.arrived_step >= bound {
+        if c == 1 && policy == Policy::Fair && steps - s.waiting_since >= bound {
             s.priority = Priority::Interactive;
         }
         self.insert_running(id);
@@ -1453,6 +1462,12 @@ mod tests {
         fn step(&mut self, fork: bool) -> Result<(), TestCaseError> {
             let items = self.s.schedule();
             prop_assert!(items.iter().map(|i| i.len).sum::<usize>() <= 16);
+            // Each item is a running sequence's, once.
+            let mut seen = std::collections::HashSet::new();
+            for it in &items {
+                prop_assert!(self.s.running.contains(&it.seq), "{it:?} is not running");
+                prop_assert!(seen.insert(it.seq), "{it:?} planned twice");
+            }
             for it in &items {
                 let seq = self.s.get(it.seq).unwrap();
                 prop_assert!(seq.table.len() * 4 >= it.start + it.len);

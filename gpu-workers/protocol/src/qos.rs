@@ -31,10 +31,10 @@ impl Priority {
     }
 
     /// `interactive` or `batch`; OpenAI's `service_tier` names map onto them (`flex` is
-    /// batch; `auto`, `default` and `priority` are interactive).
+    /// batch; `auto`, `default`, `scale` and `priority` are interactive).
     pub fn parse(s: &str) -> Option<Priority> {
         match s.trim().to_ascii_lowercase().as_str() {
-            "interactive" | "auto" | "default" | "priority" => Some(Priority::Interactive),
+            "interactive" | "auto" | "default" | "priority" | "scale" => Some(Priority::Interactive),
             "batch" | "flex" => Some(Priority::Batch),
             _ => None,
         }
@@ -133,13 +133,13 @@ impl QueueState {
             Priority::Interactive => self.limit,
             Priority::Batch => ((self.limit as f64 * BATCH_QUEUE_FRACTION) as u64).max(1),
         };
-        let after = self.queued + tokens;
+        let after = self.queued.saturating_add(tokens);
         if after <= cap {
             return Ok(());
         }
         if priority == Priority::Interactive {
             let fair = self.limit / self.tenants.max(1);
-            if self.tenant_queued + tokens <= fair && after <= 2 * self.limit {
+            if self.tenant_queued.saturating_add(tokens) <= fair && after <= self.limit.saturating_mul(2) {
                 return Ok(());
             }
         }

@@ -198,7 +198,9 @@ fn parse_common(o: &Map<String, Value>, max_tokens_keys: &[&str]) -> Result<Comm
         Some(Value::String(s)) => Some(hearth_protocol::Priority::parse(s).ok_or_else(|| {
             ApiError::invalid(
                 "service_tier",
-                format!("'service_tier' must be one of auto, default, flex, priority, interactive, batch; got {s:?}"),
+                format!(
+                    "'service_tier' must be one of auto, default, flex, scale, priority, interactive, batch; got {s:?}"
+                ),
             )
         })?),
         Some(v) => return Err(wrong_type("service_tier", "a string", v)),

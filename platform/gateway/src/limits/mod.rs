@@ -632,7 +632,9 @@ impl Limiter {
             in_flight,
             settled: false,
         };
-        if ctx.tenant_limits == Limits::default() && ctx.key_limits == Limits::default() {
+        // Share and class are the scheduler's; only rates need the limiter.
+        let unlimited = |l: &Limits| l.rpm.is_none() && l.tpm.is_none() && l.concurrent.is_none();
+        if unlimited(&ctx.tenant_limits) && unlimited(&ctx.key_limits) {
             return Ok((admission(InFlight::default(), false, 0), RateState::default()));
         }
         if let Some(r) = &self.inner.redis {

@@ -11,7 +11,8 @@
 //! [`QueueState::admit`] decides, as the engine does: batch work is shed past half the
 //! queue, interactive work past all of it unless its tenant holds less than its part. A
 //! shed request gets a 503 `overloaded` with a `retry-after` from how fast the pool has
-//! been draining its queue.
+//! been draining its queue. A worker that refuses a request itself (another gateway filled
+//! its queue) is skipped for the next one (see [`super::dispatch`]).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -30,6 +31,9 @@ pub const PRIORITY_HEADER: &str = "x-hearth-priority";
 
 /// How long one bucket of the drain-rate estimate spans.
 const DRAIN_BUCKET: Duration = Duration::from_secs(5);
+
+/// `retry-after` when nothing drained lately: the pool is stalled, or nothing measured yet.
+const STALLED_RETRY_S: u64 = 5;
 
 pub fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiError> {
     let asked = match ctx.header(PRIORITY_HEADER) {
@@ -93,8 +97,8 @@ pub fn pool_queue(model: &ServedModel, tenant: &str) -> QueueState {
     for (_, w) in model.router().workers().filter(|(_, w)| w.healthy && !w.draining) {
         any = true;
         bounded &= w.queue_tokens > 0;
-        limit += w.queue_tokens;
-        queued += w.inflight_prefill_tokens;
+        limit = limit.saturating_add(w.queue_tokens);
+        queued = queued.saturating_add(w.inflight_prefill_tokens);
     }
     let (tenant_queued, others) = model.queues.tenant(tenant);
     QueueState {
@@ -116,10 +120,11 @@ pub struct TenantQueues {
 #[derive(Debug, Default)]
 struct Queues {
     queued: HashMap<String, u64>,
-    /// Tokens drained in the current bucket, and in the one before it.
+    /// Tokens drained since `bucket` began, and in the bucket before it (over its span).
     bucket: Option<Instant>,
     current: u64,
     previous: u64,
+    previous_span: Duration,
 }
 
 impl TenantQueues {
@@ -147,7 +152,12 @@ impl TenantQueues {
             match q.bucket {
                 Some(b) if now - b < DRAIN_BUCKET => {}
                 Some(b) => {
-                    q.previous = if now - b < 2 * DRAIN_BUCKET { q.current } else { 0 };
+                    let span = now - b;
+                    (q.previous, q.previous_span) = if span < 2 * DRAIN_BUCKET {
+                        (q.current, span)
+                    } else {
+                        (0, Duration::ZERO)
+                    };
                     q.current = 0;
                     q.bucket = Some(now);
                 }
@@ -174,19 +184,19 @@ impl TenantQueues {
             return None;
         }
         let (tokens, span) = if q.previous > 0 {
-            (q.previous + q.current, DRAIN_BUCKET + age)
+            (q.previous + q.current, q.previous_span + age)
         } else {
             (q.current, age.max(Duration::from_millis(100)))
         };
         (tokens > 0).then(|| tokens as f64 / span.as_secs_f64())
     }
 
-    /// Seconds until `excess` queued tokens have drained at the recent rate (1 to 60; 1
-    /// when nothing was measured).
+    /// Seconds until `excess` queued tokens have drained at the recent rate (1 to 60;
+    /// [`STALLED_RETRY_S`] when nothing drained in the last 5–10 s).
     pub fn retry_after(&self, excess: u64) -> u64 {
         match self.drain_rate() {
             Some(rate) => (excess as f64 / rate).ceil().clamp(1.0, 60.0) as u64,
-            None => 1,
+            None => STALLED_RETRY_S,
         }
     }
 }
@@ -202,7 +212,7 @@ mod tests {
         q.add("b", 100);
         assert_eq!(q.tenant("a"), (300, 1));
         assert_eq!(q.tenant("c"), (0, 2));
-        assert_eq!(q.retry_after(1000), 1, "nothing measured yet");
+        assert_eq!(q.retry_after(1000), STALLED_RETRY_S, "nothing measured yet");
         q.remove("a", 300, true);
         q.remove("b", 100, false);
         assert_eq!(q.tenant("a"), (0, 0));

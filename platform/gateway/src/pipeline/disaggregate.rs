@@ -481,6 +481,69 @@ mod tests {
         }
     }
 
+    /// A worker whose own queue refuses (another gateway filled it) is skipped for the next;
+    /// when every worker refuses, the client gets 503 `overloaded` with a `retry-after`. Either
+    /// way the refused placements are released.
+    #[tokio::test]
+    async fn a_worker_refusing_for_a_full_queue_is_skipped() {
+        let overloaded = || {
+            Ok(vec![GenerateEvent::Error {
+                code: "overloaded".into(),
+                message: "full".into(),
+            }])
+        };
+        let mut served = vec![token(5)];
+        served.extend(done(FinishReason::Length, 10, 0, 1));
+        let full = worker("full", "both", vec![overloaded(), overloaded()]);
+        let open = worker("open", "both", vec![Ok(served), overloaded()]);
+        let clients: Vec<Arc<dyn WorkerClient>> = vec![full.clone(), open.clone()];
+        let reg = ModelRegistry::discover(clients, Duration::ZERO, &RoutingConfig::default())
+            .await
+            .unwrap();
+        let model = reg.get("m").unwrap();
+        let mut req = GenerateRequest {
+            request_id: "req_1".into(),
+            model: "m".into(),
+            prompt: (17..27).collect(),
+            sampling: SamplingParams::default(),
+            cache_namespace: String::new(),
+            n: 1,
+            prefill_only: false,
+            resume: Vec::new(),
+            kv_source: None,
+            qos: Default::default(),
+        };
+        req.qos.tenant = "t".into();
+        let routed = |req: &GenerateRequest| {
+            let hints = RouteHints {
+                session: None,
+                region: None,
+                prefix_key: 0,
+                tenant: "t".into(),
+            };
+            RouteRequest::new(&model, &req.prompt, "", hints)
+        };
+        let Ok(d) = crate::pipeline::dispatch::colocated(&model, &req, &routed(&req), 0).await else {
+            panic!("the open worker serves it")
+        };
+        let events: Vec<GenerateEvent> = d.events.collect().await;
+        assert_eq!(events.first(), Some(&token(5)), "{events:?}");
+        drop(d.placement);
+        // Both refuse now.
+        let e = crate::pipeline::dispatch::colocated(&model, &req, &routed(&req), 0)
+            .await
+            .err()
+            .expect("every worker refused");
+        assert_eq!((e.status.as_u16(), e.code), (503, Some("overloaded")));
+        assert!(e.retry_after.is_some_and(|s| s >= 1));
+        let r = model.router();
+        assert!(r
+            .workers()
+            .all(|(_, w)| w.outstanding == 0 && w.inflight_prefill_tokens == 0));
+        drop(r);
+        assert_eq!(model.queues.tenant("t"), (0, 0));
+    }
+
     #[tokio::test]
     async fn the_first_token_from_prefill_the_rest_from_decode_one_usage() {
         let mut head = vec![token(5)];

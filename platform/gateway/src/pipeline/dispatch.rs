@@ -5,8 +5,11 @@
 //! is safe.
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use hearth_protocol::{cache_namespace, GenerateRequest};
+use futures_util::StreamExt;
+
+use hearth_protocol::{cache_namespace, GenerateEvent, GenerateRequest};
 
 use super::route::{self, Placement, RouteHints, RouteRequest};
 use super::RequestContext;
@@ -60,8 +63,13 @@ pub async fn run(ctx: &mut RequestContext) -> Result<Dispatched, ApiError> {
     colocated(&model, &req, &routed, 0).await
 }
 
+/// How long dispatch waits for a worker's first event to see whether its queue refused the
+/// request (a refusal comes at once; a first token takes longer and is passed on).
+const REFUSAL_WAIT: Duration = Duration::from_millis(50);
+
 /// Sends `req` to the best worker not in `exclude` (a mask of router slots), then the next
-/// best while workers are unreachable.
+/// best while workers are unreachable or their own queues refuse it (`overloaded`: another
+/// gateway filled them; nothing has been streamed, so trying the next is safe).
 pub async fn colocated(
     model: &Arc<ServedModel>,
     req: &GenerateRequest,
@@ -69,6 +77,7 @@ pub async fn colocated(
     mut exclude: u64,
 ) -> Result<Dispatched, ApiError> {
     let mut last = None;
+    let mut refused = None;
     while let Some(placement) = tracing::info_span!("route").in_scope(|| route::run(model, routed, exclude)) {
         let slot = placement.slot;
         exclude |= 1 << slot;
@@ -76,11 +85,21 @@ pub async fn colocated(
             continue;
         };
         match client.generate(req.clone()).await {
-            Ok(events) => {
+            Ok(mut events) => {
+                match tokio::time::timeout(REFUSAL_WAIT, events.next()).await {
+                    Ok(Some(GenerateEvent::Error { code, message })) if code == "overloaded" => {
+                        tracing::info!(worker = client.name(), "worker's queue is full; trying the next");
+                        refused = Some(message);
+                        continue; // the placement is released
+                    }
+                    Ok(Some(first)) => events = futures_util::stream::iter([first]).chain(events).boxed(),
+                    // Ended (the relay reports it), or still queued.
+                    Ok(None) | Err(_) => {}
+                }
                 return Ok(Dispatched {
                     events,
                     placement: Some(placement),
-                })
+                });
             }
             Err(e @ WorkerError::Unavailable { .. }) => {
                 tracing::warn!(worker = client.name(), error = %e, "worker unavailable; trying the next");
@@ -92,6 +111,10 @@ pub async fn colocated(
                 return Err(ApiError::unavailable(format!("the worker for {} failed", model.id)));
             }
         }
+    }
+    if let Some(message) = refused {
+        let queued = super::admit::pool_queue(model, &req.qos.tenant).queued;
+        return Err(ApiError::overloaded(message, model.queues.retry_after(queued)));
     }
     let detail = last.map_or_else(String::new, |e| format!(": {e}"));
     Err(ApiError::unavailable(format!(
