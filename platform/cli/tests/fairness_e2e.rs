@@ -108,15 +108,7 @@ async fn a_saturated_pool_sheds_the_flooder_and_batch_work_first() {
     assert!(bulk_headers.contains_key("retry-after"));
     assert_eq!(flex_status, 503, "service_tier flex is batch: {flex_body}");
 
-    let metrics = client()
-        .get(format!("{}/metrics", gateway.url))
-        .bearer_auth(ADMIN_TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics(&gateway.url).await;
     let shed_flood = metric_sum(
         &metrics,
         &format!("hearth_shed_requests_total{{model=\"{MODEL}\",tenant=\"flood\",priority=\"interactive\"}}"),

@@ -13,19 +13,6 @@ use serde_json::{json, Value};
 const TOKEN: &str = "pd-e2e-worker-token";
 const GOLDEN: &str = "The capital of France is Paris.";
 
-/// A process's `/metrics` (the gateway's needs the admin token).
-async fn metrics(base: &str) -> String {
-    client()
-        .get(format!("{base}/metrics"))
-        .bearer_auth(ADMIN_TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 /// A long shared system prompt and a question of its own, so that a second question
 /// still has more uncached tokens than the threshold.
 fn with_system(question: &str) -> Value {

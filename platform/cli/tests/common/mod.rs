@@ -198,6 +198,19 @@ pub fn metric_sum(metrics: &str, prefix: &str) -> f64 {
         .sum()
 }
 
+/// A process's `/metrics` (the gateway's needs the admin token).
+pub async fn metrics(base: &str) -> String {
+    client()
+        .get(format!("{base}/metrics"))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .timeout(Duration::from_secs(120))
