@@ -978,6 +978,15 @@ mod tests {
         }
     }
 
+    /// A tenant's requests in a class, share 1.
+    fn qos(tenant: &str, priority: Priority) -> Qos {
+        Qos {
+            tenant: tenant.into(),
+            priority,
+            share: 1,
+        }
+    }
+
     /// Runs a step as the engine would: complete it, then give sampled sequences a token.
     fn run_step(s: &mut Scheduler, items: &[StepItem], tok: u32) {
         s.complete(items);
@@ -1246,10 +1255,7 @@ mod tests {
     fn a_returning_tenant_does_not_bank_idle_time() {
         let root = namespace_root("m", "t");
         let mut s = Scheduler::new(cfg(64), 64);
-        let q = |t: &str| Qos {
-            tenant: t.into(),
-            ..Qos::default()
-        };
+        let q = |t: &str| qos(t, Priority::Interactive);
         s.add_for(1, vec![1; 20], root, &q("a"));
         let items = s.schedule();
         run_step(&mut s, &items, 3);
@@ -1263,15 +1269,8 @@ mod tests {
     #[test]
     fn interactive_goes_first_and_batch_is_preempted_first() {
         let root = namespace_root("m", "t");
-        let batch = Qos {
-            tenant: "b".into(),
-            priority: Priority::Batch,
-            share: 1,
-        };
-        let inter = Qos {
-            tenant: "i".into(),
-            ..Qos::default()
-        };
+        let batch = qos("b", Priority::Batch);
+        let inter = qos("i", Priority::Interactive);
         // Room for two 5-token sequences at first (4 blocks of 4 tokens).
         let mut s = Scheduler::new(cfg(64), 4);
         s.add_for(1, vec![1; 5], root, &batch);
@@ -1309,15 +1308,8 @@ mod tests {
             },
             64,
         );
-        let inter = Qos {
-            tenant: "i".into(),
-            ..Qos::default()
-        };
-        let batch = Qos {
-            tenant: "b".into(),
-            priority: Priority::Batch,
-            share: 1,
-        };
+        let inter = qos("i", Priority::Interactive);
+        let batch = qos("b", Priority::Batch);
         s.add_for(0, vec![9; 6], root, &batch);
         let mut next = 1;
         let mut generated: HashMap<u64, usize> = HashMap::new();
@@ -1350,10 +1342,7 @@ mod tests {
     #[test]
     fn an_under_served_tenant_preempts_an_over_served_one_when_the_cache_is_full() {
         let root = namespace_root("m", "t");
-        let q = |t: &str| Qos {
-            tenant: t.into(),
-            ..Qos::default()
-        };
+        let q = |t: &str| qos(t, Priority::Interactive);
         // 6 blocks of 4 tokens: room for two 10-token requests.
         let mut s = Scheduler::new(cfg(64), 6);
         s.add_for(1, (0..10).collect(), root, &q("flood"));
@@ -1375,15 +1364,8 @@ mod tests {
     #[test]
     fn running_batch_work_is_deferred_for_a_bounded_number_of_steps() {
         let root = namespace_root("m", "t");
-        let batch = Qos {
-            tenant: "b".into(),
-            priority: Priority::Batch,
-            share: 1,
-        };
-        let inter = Qos {
-            tenant: "i".into(),
-            ..Qos::default()
-        };
+        let batch = qos("b", Priority::Batch);
+        let inter = qos("i", Priority::Interactive);
         let mut s = Scheduler::new(cfg(8), 256);
         s.add_for(0, vec![1; 4], root, &batch);
         let a = s.schedule();
@@ -1416,10 +1398,7 @@ mod tests {
     fn the_queue_state_counts_uncomputed_prompt_tokens_per_tenant() {
         let root = namespace_root("m", "t");
         let mut s = Scheduler::new(cfg(4), 64);
-        let q = |t: &str| Qos {
-            tenant: t.into(),
-            ..Qos::default()
-        };
+        let q = |t: &str| qos(t, Priority::Interactive);
         s.add_for(1, vec![1; 10], root, &q("a"));
         s.add_for(2, vec![2; 6], root, &q("b"));
         let st = s.queue_state("a", 100);
