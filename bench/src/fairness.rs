@@ -469,6 +469,7 @@ async fn engine_run(e: &EngineRun, policy: Policy, flood: bool, cfg: &FairnessCo
             resume: Vec::new(),
             kv_source: None,
             qos: qos(tenant, Priority::Interactive, 1),
+            constraint: None,
         }
     };
     // One request: (TTFT ms, output tokens).

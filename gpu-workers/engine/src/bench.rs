@@ -92,6 +92,7 @@ async fn run_one(engine: &EngineHandle, prompt: Vec<u32>, max_tokens: u32, names
         resume: Vec::new(),
         kv_source: None,
         qos: Default::default(),
+        constraint: None,
     };
     let start = Instant::now();
     let mut rx = engine.generate(req);

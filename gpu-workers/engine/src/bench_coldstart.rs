@@ -160,6 +160,7 @@ fn request(model: &str, prompt: &[u32], tag: &str) -> GenerateRequest {
         resume: Vec::new(),
         kv_source: None,
         qos: Default::default(),
+        constraint: None,
     }
 }
 

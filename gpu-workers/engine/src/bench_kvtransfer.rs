@@ -52,6 +52,7 @@ async fn first_token(e: &EngineHandle, prompt: &[u32]) -> (f64, u32) {
         resume: Vec::new(),
         kv_source: None,
         qos: Default::default(),
+        constraint: None,
     });
     let mut ms = 0.0;
     while let Some(ev) = rx.recv().await {

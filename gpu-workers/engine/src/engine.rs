@@ -18,6 +18,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{broadcast, oneshot, watch};
 
 use crate::gguf::{GgufError, GgufFile};
+use crate::grammar::{Grammar, Grammars};
 use crate::kernels::{cpu_features, isa, set_isa, Isa};
 use crate::kv::{KvDtype, KvPool};
 use crate::kv_transfer::{ImportError, ImportReport, KvBlock, KvLayout};
@@ -25,6 +26,7 @@ use crate::metrics::EngineMetrics;
 use crate::models::llama::{Batch, ForwardScratch, LlamaModel, ModelError};
 use crate::sampling::Sampler;
 use crate::scheduler::{Policy, Scheduler, SchedulerConfig, StepItem};
+use crate::speculative::{Drafter, PromptLookup, Speculation};
 use crate::text::TextStream;
 
 /// Tokens that end generation besides the declared EOS, when the vocabulary has them.
@@ -79,7 +81,14 @@ pub struct EngineConfig {
     pub max_queue_tokens: Option<usize>,
     /// Admission order: fair between tenants (default) or FIFO.
     pub policy: Policy,
+    /// Speculative decoding: at most this many draft tokens (prompt lookup) verified per
+    /// sequence and step (0: off for every request; a request opts out with
+    /// `speculative: false`).
+    pub speculative_tokens: usize,
 }
+
+/// The default draft length (see [`EngineConfig::speculative_tokens`]).
+pub const DEFAULT_SPECULATIVE_TOKENS: usize = 6;
 
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -95,6 +104,7 @@ impl Default for EngineConfig {
             pack_cache: crate::pack_cache::enabled_by_env(),
             max_queue_tokens: None,
             policy: Policy::default(),
+            speculative_tokens: DEFAULT_SPECULATIVE_TOKENS,
         }
     }
 }
@@ -239,7 +249,7 @@ impl EngineHandle {
         }
         let file = crate::hf::open_model(path)?;
         let spec = tokenizer_spec(&file)?;
-        let tokenizer = Tokenizer::from_spec(&spec)?;
+        let tokenizer = Arc::new(Tokenizer::from_spec(&spec)?);
         let model = LlamaModel::load_with(file, cfg.pack_cache)?;
         tracing::info!(
             isa = %isa(),
@@ -315,10 +325,14 @@ impl EngineHandle {
         let context = cfg
             .max_context
             .map_or(model.config.context_length, |m| m.clamp(1, model.config.context_length));
+        let grammars = Grammars::new(tokenizer.clone(), model.config.vocab_size, end_of_generation.clone());
         let mut runner = Runner {
             model,
             context,
             tokenizer,
+            grammars,
+            drafter: PromptLookup::default(),
+            speculative_tokens: cfg.speculative_tokens,
             model_id: model_id.to_string(),
             end_of_generation,
             pool,
@@ -497,6 +511,10 @@ struct Choice {
     text: TextStream,
     generated: usize,
     finish: Option<FinishReason>,
+    /// Constrained decoding: the choice's own grammar state.
+    grammar: Option<Grammar>,
+    /// Speculative decoding's draft length for this choice (off: 0).
+    spec: Speculation,
 }
 
 struct Request {
@@ -522,7 +540,13 @@ struct Runner {
     model: LlamaModel,
     /// The context served (the model's, or less by configuration).
     context: usize,
-    tokenizer: Tokenizer,
+    tokenizer: Arc<Tokenizer>,
+    /// Compiles constrained requests' grammars (tables built on first use).
+    grammars: Grammars,
+    /// Proposes speculative decoding's draft tokens.
+    drafter: PromptLookup,
+    /// The most draft tokens per sequence and step (0: no speculation).
+    speculative_tokens: usize,
     model_id: String,
     end_of_generation: Vec<u32>,
     pool: KvPool,
@@ -762,10 +786,26 @@ impl Runner {
             ));
             return;
         }
+        let grammar = match &req.constraint {
+            None => None,
+            Some(c) => match self.grammars.compile(c) {
+                Ok(g) => Some(g),
+                Err(e) => {
+                    let _ = tx.send(error(e.code(), e.to_string()));
+                    return;
+                }
+            },
+        };
         let ctx = self.context.min(self.sched.capacity_tokens());
         let max_tokens = (req.sampling.max_tokens as usize).min(ctx - req.prompt.len()).max(1);
         let id = self.next_id;
         self.next_id += 1;
+        // Speculation serves one choice decoding on this worker.
+        let draft_tokens = if req.sampling.speculative && req.n == 1 && !req.prefill_only {
+            self.speculative_tokens
+        } else {
+            0
+        };
         let mut choices: Vec<Choice> = (0..req.n)
             .map(|i| {
                 let mut p = req.sampling.clone();
@@ -776,6 +816,8 @@ impl Runner {
                     text: TextStream::new(&p.stop),
                     generated: 0,
                     finish: None,
+                    grammar: grammar.clone(),
+                    spec: Speculation::new(draft_tokens),
                 }
             })
             .collect();
@@ -786,6 +828,9 @@ impl Runner {
             let c = &mut choices[0];
             c.generated += 1;
             c.sampler.skip();
+            if let Some(g) = c.grammar.as_mut() {
+                g.advance(t);
+            }
             if !self.tokenizer.is_special(t) {
                 c.text.push(self.tokenizer.token_bytes(t).unwrap_or(&[]));
             }
@@ -842,7 +887,35 @@ impl Runner {
         }
     }
 
+    /// Proposes draft tokens for every decoding sequence that speculates (prompt lookup
+    /// over its own tokens, no longer than what it may still generate).
+    fn propose_drafts(&mut self) {
+        if self.speculative_tokens == 0 {
+            return;
+        }
+        let mut drafts = Vec::new();
+        for r in self.requests.values() {
+            let ch = &r.choices[0];
+            let (Some(id), false) = (ch.seq, ch.spec.is_off()) else {
+                continue;
+            };
+            let Some(seq) = self.sched.get(id) else { continue };
+            if seq.computed + 1 != seq.tokens.len() {
+                continue; // waiting or prefilling
+            }
+            let k = ch.spec.draft_len().min(r.max_tokens.saturating_sub(ch.generated + 1));
+            let draft = self.drafter.draft(&seq.tokens, k);
+            if !draft.is_empty() {
+                drafts.push((id, draft));
+            }
+        }
+        for (id, draft) in drafts {
+            self.sched.set_draft(id, draft);
+        }
+    }
+
     fn step(&mut self) {
+        self.propose_drafts();
         let items = self.sched.schedule();
         for (from, to) in std::mem::take(&mut self.sched.pending_copies) {
             self.pool.copy_block(from, to);
@@ -866,16 +939,28 @@ impl Runner {
         let mut positions = Vec::new();
         let mut row_seq = Vec::new();
         let mut logit_rows = Vec::new();
+        // The draft tokens each item verifies (positions past the sequence's tokens).
+        let mut drafts: Vec<Vec<u32>> = Vec::with_capacity(items.len());
         for it in &items {
-            let Some(seq) = self.sched.get(it.seq) else { continue };
+            let Some(seq) = self.sched.get(it.seq) else {
+                drafts.push(Vec::new());
+                continue;
+            };
+            let draft = seq.draft[..it.draft.min(seq.draft.len())].to_vec();
             for p in it.start..it.start + it.len {
-                tokens.push(seq.tokens[p]);
+                let t = match seq.tokens.get(p) {
+                    Some(&t) => t,
+                    None => draft.get(p - seq.tokens.len()).copied().unwrap_or(0),
+                };
+                tokens.push(t);
                 positions.push(p);
                 row_seq.push(it.seq);
             }
             if it.sample {
-                logit_rows.push(tokens.len() - 1);
+                // The last real token's row, then one per draft token.
+                logit_rows.extend(tokens.len() - 1 - it.draft..tokens.len());
             }
+            drafts.push(draft);
         }
         let tables: Vec<&[u32]> = row_seq
             .iter()
@@ -911,13 +996,16 @@ impl Runner {
         self.steps += 1;
         self.sched.complete(&items);
         let vocab = self.model.config.vocab_size;
-        for (it, row) in items.iter().filter(|i| i.sample).zip(logits.chunks_exact(vocab)) {
-            self.on_logits(it, row);
+        let mut rows = logits.chunks_exact(vocab);
+        for (it, draft) in items.iter().zip(&drafts).filter(|(i, _)| i.sample) {
+            let group: Vec<&[f32]> = rows.by_ref().take(1 + it.draft).collect();
+            self.on_logits(it, &group, draft);
         }
     }
 
-    /// A sequence reached its sampling point.
-    fn on_logits(&mut self, it: &StepItem, logits: &[f32]) {
+    /// A sequence reached its sampling point: `rows` are the logits after its last token
+    /// and after each of its `draft` tokens.
+    fn on_logits(&mut self, it: &StepItem, rows: &[&[f32]], draft: &[u32]) {
         let Some(&(key, choice)) = self.owner.get(&it.seq) else {
             return;
         };
@@ -943,39 +1031,107 @@ impl Runner {
             }
         }
         for c in targets {
-            self.sample_choice(key, c, logits);
+            self.sample_choice(key, c, rows, draft);
         }
     }
 
-    fn sample_choice(&mut self, key: u64, ci: usize, logits: &[f32]) {
-        let Some(r) = self.requests.get_mut(&key) else { return };
+    /// Emits the choice's next token, and with a draft, verifies it token by token: each
+    /// draft token the sampler agrees with is kept (its K/V is already computed), the first
+    /// disagreement emits the sampler's token instead, and a fully accepted draft also gets
+    /// the token after it.
+    fn sample_choice(&mut self, key: u64, ci: usize, rows: &[&[f32]], draft: &[u32]) {
+        let mut accepted = 0;
+        for (i, logits) in rows.iter().enumerate() {
+            let proposal = draft.get(i).copied();
+            let Some(tok) = self.choose(key, ci, logits, proposal) else {
+                return;
+            };
+            let hit = proposal == Some(tok);
+            let more = self.emit(key, ci, tok, logits, hit);
+            if hit {
+                accepted += 1;
+            }
+            if !more || !hit {
+                break;
+            }
+        }
+        if draft.is_empty() {
+            return;
+        }
+        self.metrics.spec_drafted.inc_by(draft.len() as u64);
+        self.metrics.spec_accepted.inc_by(accepted as u64);
+        if let Some(r) = self.requests.get_mut(&key) {
+            r.choices[ci].spec.record(draft.len(), accepted);
+        }
+    }
+
+    /// The token to emit after `logits`: end-of-sequence suppressed where asked, the
+    /// grammar's mask applied, then sampled — or, with a draft token, verified.
+    fn choose(&mut self, key: u64, ci: usize, logits: &[f32], proposal: Option<u32>) -> Option<u32> {
+        let r = self.requests.get_mut(&key)?;
         let params = &r.params;
         let ch = &mut r.choices[ci];
-        let Some(seq) = ch.seq else { return };
+        ch.seq?;
         let suppress_eos = params.ignore_eos || ch.generated < params.min_tokens as usize;
-        let tok = if suppress_eos {
-            let mut masked = logits.to_vec();
-            for &e in &self.end_of_generation {
-                masked[e as usize] = f32::NEG_INFINITY;
+        let mut masked = None;
+        if let Some(g) = ch.grammar.as_mut() {
+            let mut l = logits.to_vec();
+            let took = g.mask(&mut l);
+            self.metrics.grammar_masks.inc();
+            self.metrics.grammar_mask_seconds.inc_by(took.as_secs_f64());
+            masked = Some(l);
+        }
+        if suppress_eos {
+            let l = masked.get_or_insert_with(|| logits.to_vec());
+            let eog = &self.end_of_generation;
+            // A grammar that allows nothing but the end wins over min_tokens / ignore_eos.
+            let other = ch.grammar.is_none()
+                || l.iter()
+                    .enumerate()
+                    .any(|(t, v)| v.is_finite() && !eog.contains(&(t as u32)));
+            if other {
+                for &e in eog {
+                    l[e as usize] = f32::NEG_INFINITY;
+                }
             }
-            ch.sampler.sample(&masked)
-        } else {
-            ch.sampler.sample(logits)
+        }
+        let l = masked.as_deref().unwrap_or(logits);
+        Some(match proposal {
+            Some(d) => ch.sampler.verify(l, d),
+            None => ch.sampler.sample(l),
+        })
+    }
+
+    /// Sends `tok` and advances the choice; `kv_ready`: it was a verified draft token (its
+    /// K/V is computed). False when the choice has finished.
+    fn emit(&mut self, key: u64, ci: usize, tok: u32, logits: &[f32], kv_ready: bool) -> bool {
+        let Some(r) = self.requests.get_mut(&key) else {
+            return false;
         };
+        let params = &r.params;
+        let ch = &mut r.choices[ci];
+        let Some(seq) = ch.seq else { return false };
+        let suppress_eos = params.ignore_eos || ch.generated < params.min_tokens as usize;
         let (logprob, top_logprobs) = if params.logprobs || params.top_logprobs > 0 {
             log_probs(logits, tok, params.top_logprobs as usize)
         } else {
             (None, Vec::new())
         };
         ch.generated += 1;
-        let eog = !suppress_eos && self.end_of_generation.contains(&tok);
+        // (A grammar offers the end only when it allows nothing else.)
+        let eog = (!suppress_eos || ch.grammar.is_some()) && self.end_of_generation.contains(&tok);
+        let mut grammar_done = false;
+        if let (Some(g), false) = (ch.grammar.as_mut(), eog) {
+            g.advance(tok);
+            grammar_done = g.is_stopped();
+        }
         let bytes = if eog || self.tokenizer.is_special(tok) {
             &[][..]
         } else {
             self.tokenizer.token_bytes(tok).unwrap_or(&[])
         };
         let released = ch.text.push(bytes);
-        let finish = if released.stopped || eog {
+        let finish = if released.stopped || eog || grammar_done {
             Some(FinishReason::Stop)
         } else if ch.generated >= r.max_tokens {
             Some(FinishReason::Length)
@@ -997,8 +1153,12 @@ impl Runner {
             top_logprobs,
         });
         let Some(reason) = finish else {
-            self.sched.push_token(seq, tok);
-            return;
+            if kv_ready {
+                self.sched.accept_draft(seq, tok);
+            } else {
+                self.sched.push_token(seq, tok);
+            }
+            return true;
         };
         ch.finish = Some(reason);
         ch.seq = None;
@@ -1058,6 +1218,7 @@ impl Runner {
             });
             self.requests.remove(&key);
         }
+        false
     }
 
     /// Sends KV events and (at most every 50 ms, when it changed) the load report.

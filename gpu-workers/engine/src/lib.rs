@@ -3,7 +3,8 @@
 //! * [`gguf`] reads model files ([`hf`] opens Hugging Face directories as the same view); [`kernels`] holds the CPU maths; [`models`] has one file
 //!   per architecture; [`kv`] is the paged KV cache and prefix cache; [`attention`] reads it;
 //!   [`scheduler`] plans continuous batching; [`sampling`] and [`text`] turn logits into
-//!   tokens and tokens into streamed text.
+//!   tokens and tokens into streamed text; [`grammar`] constrains them (llguidance) and
+//!   [`speculative`] drafts several per step.
 //! * [`EngineHandle`] runs a model on its own thread; [`server`] exposes it over HTTP as a
 //!   worker; [`fetch`] acquires the default model; [`bench`] measures it.
 //!
@@ -17,6 +18,7 @@ pub mod bench_kvtransfer;
 pub mod engine;
 pub mod fetch;
 pub mod gguf;
+pub mod grammar;
 pub mod hf;
 pub mod host;
 pub mod kernels;
@@ -29,6 +31,7 @@ pub mod sampling;
 pub mod scheduler;
 pub mod server;
 pub mod sim;
+pub mod speculative;
 pub mod telemetry;
 pub mod text;
 

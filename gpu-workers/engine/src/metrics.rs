@@ -9,7 +9,10 @@
 //! count as free, as vLLM's do), `hearth:prefix_cache_queries_total` and
 //! `hearth:prefix_cache_hits_total` (in tokens), `hearth:num_preemptions_total`. Hearth's
 //! own: `hearth_model_load_seconds`, `hearth_engine_shed_total{priority}` (requests refused
-//! because the queue was full). Every series carries a `worker` label.
+//! because the queue was full), `hearth_spec_draft_tokens_total` and
+//! `hearth_spec_accepted_tokens_total` (speculative decoding's acceptance rate is their
+//! ratio), `hearth_grammar_masks_total` and `hearth_grammar_mask_seconds_total`
+//! (constrained decoding). Every series carries a `worker` label.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -48,6 +51,12 @@ pub struct EngineMetrics {
     pub transfer_failures: Counter,
     /// Requests refused because the queue was full, by priority class.
     pub shed: [Counter; 2],
+    /// Speculative decoding: draft tokens proposed and verified, and those accepted.
+    pub spec_drafted: Counter,
+    pub spec_accepted: Counter,
+    /// Constrained decoding: token masks computed, and the seconds they took.
+    pub grammar_masks: Counter,
+    pub grammar_mask_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
 }
 
 impl Default for EngineMetrics {
@@ -62,6 +71,10 @@ impl Default for EngineMetrics {
             transfer_blocks: Counter::default(),
             transfer_failures: Counter::default(),
             shed: Default::default(),
+            spec_drafted: Counter::default(),
+            spec_accepted: Counter::default(),
+            grammar_masks: Counter::default(),
+            grammar_mask_seconds: Counter::default(),
         }
     }
 }
@@ -190,7 +203,7 @@ impl Collector for EngineCollector {
             .iter()
             .filter_map(|(n, b)| Some((n.as_str(), b.metrics()?)))
             .collect();
-        let transfer_counters: [FromCounters; 3] = [
+        let transfer_counters: [FromCounters; 6] = [
             (
                 "hearth_kv_transfer_bytes",
                 "KV cache bytes imported from other workers (disaggregated decode).",
@@ -206,6 +219,21 @@ impl Collector for EngineCollector {
                 "KV transfers that failed or were cut (the request computed the rest).",
                 |m| &m.transfer_failures,
             ),
+            (
+                "hearth_spec_draft_tokens",
+                "Speculative decoding: draft tokens verified.",
+                |m| &m.spec_drafted,
+            ),
+            (
+                "hearth_spec_accepted_tokens",
+                "Speculative decoding: draft tokens accepted (acceptance rate = accepted / draft).",
+                |m| &m.spec_accepted,
+            ),
+            (
+                "hearth_grammar_masks",
+                "Constrained decoding: token masks computed.",
+                |m| &m.grammar_masks,
+            ),
         ];
         for (name, help, pick) in transfer_counters {
             let mut m = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
@@ -213,6 +241,16 @@ impl Collector for EngineCollector {
                 let labels: Labels = [("worker", worker)];
                 pick(em).encode(m.encode_family(&labels)?)?;
             }
+        }
+        let mut m = encoder.encode_descriptor(
+            "hearth_grammar_mask_seconds",
+            "Constrained decoding: time spent computing token masks.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (worker, em) in &with_metrics {
+            let labels: Labels = [("worker", worker)];
+            em.grammar_mask_seconds.encode(m.encode_family(&labels)?)?;
         }
         let mut m = encoder.encode_descriptor(
             "hearth_engine_shed",

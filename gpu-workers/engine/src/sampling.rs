@@ -77,12 +77,24 @@ impl Sampler {
         }
     }
 
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.temperature <= GREEDY_BELOW || self.top_k == 1 {
-            return argmax(logits);
-        }
+    fn greedy(&self) -> bool {
+        self.temperature <= GREEDY_BELOW || self.top_k == 1
+    }
+
+    /// The distribution sampling draws from, after temperature, top-k and top-p: candidates
+    /// with unnormalised weights, and their total.
+    fn distribution(&self, logits: &[f32]) -> (Vec<(u32, f32)>, f64) {
         let inv_t = 1.0 / self.temperature;
-        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l * inv_t)).collect();
+        let mut cand: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.is_finite())
+            .map(|(i, &l)| (i as u32, l * inv_t))
+            .collect();
+        if cand.is_empty() {
+            // Everything masked: nothing better to offer than the argmax.
+            return (vec![(argmax(logits), 1.0)], 1.0);
+        }
         let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1);
         if self.top_k > 0 && self.top_k < cand.len() {
             cand.select_nth_unstable_by(self.top_k - 1, by_logit_desc);
@@ -112,14 +124,48 @@ impl Sampler {
             cand.truncate(keep.max(1));
             total = cand.iter().map(|c| c.1 as f64).sum();
         }
+        (cand, total)
+    }
+
+    fn draw(&mut self, cand: &[(u32, f32)], total: f64) -> u32 {
         let mut r = self.rng.next_f64() * total;
-        for c in &cand {
+        for c in cand {
             r -= c.1 as f64;
             if r < 0.0 {
                 return c.0;
             }
         }
         cand.last().map_or(0, |c| c.0)
+    }
+
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        if self.greedy() {
+            return argmax(logits);
+        }
+        let (cand, total) = self.distribution(logits);
+        self.draw(&cand, total)
+    }
+
+    /// Speculative verification of one draft token: the token to emit at this position.
+    /// Greedy: the argmax (the draft is accepted when they agree). Sampled: the draft is
+    /// accepted with probability p(draft); otherwise a token is drawn from p with the draft
+    /// removed, renormalised. A draft proposed with certainty (prompt lookup) makes this
+    /// rejection sampling exact: the emitted token is distributed as p.
+    pub fn verify(&mut self, logits: &[f32], draft: u32) -> u32 {
+        if self.greedy() {
+            return argmax(logits);
+        }
+        let (mut cand, total) = self.distribution(logits);
+        let p_draft = cand.iter().find(|c| c.0 == draft).map_or(0.0, |c| c.1 as f64) / total;
+        if self.rng.next_f64() < p_draft {
+            return draft;
+        }
+        cand.retain(|c| c.0 != draft);
+        if cand.is_empty() {
+            return draft;
+        }
+        let rest = cand.iter().map(|c| c.1 as f64).sum();
+        self.draw(&cand, rest)
     }
 }
 
@@ -171,5 +217,33 @@ mod tests {
         // With top_p 1 the others appear.
         let mut s = Sampler::new(&params(1.0, 0, 1.0, 3));
         assert!((0..500).any(|_| s.sample(&logits) != 0));
+    }
+
+    #[test]
+    fn verifying_a_draft_keeps_the_target_distribution() {
+        // p = softmax([2, 1, 0.5, 0]) at temperature 1; whatever the draft, what is emitted
+        // must follow p (rejection sampling against a draft proposed with certainty).
+        let logits = [2.0f32, 1.0, 0.5, 0.0];
+        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        let p: Vec<f64> = logits.iter().map(|&l| (l as f64).exp() / z).collect();
+        for draft in [0u32, 2, 3] {
+            let mut s = Sampler::new(&params(1.0, 0, 1.0, 11 + draft as u64));
+            let n = 40_000;
+            let mut counts = [0usize; 4];
+            for _ in 0..n {
+                counts[s.verify(&logits, draft) as usize] += 1;
+            }
+            for (t, &c) in counts.iter().enumerate() {
+                let f = c as f64 / n as f64;
+                assert!(
+                    (f - p[t]).abs() < 0.01,
+                    "draft {draft}: token {t} at {f:.4}, want {:.4}",
+                    p[t]
+                );
+            }
+        }
+        // Greedy verification is the argmax, draft or not.
+        let mut g = Sampler::new(&params(0.0, 0, 1.0, 1));
+        assert_eq!(g.verify(&logits, 3), 0);
     }
 }

@@ -169,6 +169,9 @@ pub struct Sequence {
     /// The step it last started waiting at: arrival, or its last preemption (for the
     /// starvation bound).
     waiting_since: u64,
+    /// Draft tokens to verify after the last token in the next step (speculative
+    /// decoding); cleared by every step.
+    pub draft: Vec<u32>,
 }
 
 impl Sequence {
@@ -217,6 +220,9 @@ pub struct StepItem {
     pub len: usize,
     /// The step computes the sequence's last token: sample from its logits.
     pub sample: bool,
+    /// The last `draft` positions are draft tokens (speculative decoding): logits come back
+    /// for each of them too, and none counts as computed until it is accepted.
+    pub draft: usize,
 }
 
 #[derive(Debug)]
@@ -356,6 +362,7 @@ impl Scheduler {
             charged: 0,
             arrival: self.arrivals,
             waiting_since: self.steps,
+            draft: Vec::new(),
         };
         self.seqs.insert(id, seq);
         let a = &mut self.accounts[account];
@@ -439,6 +446,30 @@ impl Scheduler {
         }
     }
 
+    /// Proposes draft tokens to verify in `id`'s next decode step (speculative decoding).
+    pub fn set_draft(&mut self, id: u64, draft: Vec<u32>) {
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.draft = draft;
+        }
+    }
+
+    /// A verified draft token: appended as computed (the step that verified it wrote its
+    /// K/V), charged as generated, and its block published once full.
+    pub fn accept_draft(&mut self, id: u64, token: u32) {
+        let Some(s) = self.seqs.get_mut(&id) else { return };
+        debug_assert_eq!(s.computed, s.tokens.len(), "a draft follows a computed token");
+        s.tokens.push(token);
+        let end = s.tokens.len();
+        let item = StepItem {
+            seq: id,
+            start: end - 1,
+            len: 1,
+            sample: false,
+            draft: 0,
+        };
+        self.complete(&[item]);
+    }
+
     /// Grows `id`'s block table to cover `upto` positions; false if blocks ran out (the
     /// table keeps what it got).
     fn ensure(&mut self, id: u64, upto: usize) -> bool {
@@ -462,6 +493,7 @@ impl Scheduler {
             }
             seq.table.clear();
             seq.hashes.clear();
+            seq.draft.clear();
             seq.computed = 0;
             seq.preemptions += 1;
             seq.waiting_since = self.steps;
@@ -633,13 +665,19 @@ impl Scheduler {
             if preempted_self {
                 continue; // the next sequence is at `i` now
             }
+            // Draft tokens ride along where blocks and budget allow (never preempting).
+            let mut k = self.seqs[&id].draft.len().min(budget - 1);
+            if k > 0 && !self.ensure(id, computed + 1 + k) {
+                k = (self.seqs[&id].table.len() * bt).saturating_sub(computed + 1).min(k);
+            }
             items.push(StepItem {
                 seq: id,
                 start: computed,
-                len: 1,
+                len: 1 + k,
                 sample: true,
+                draft: k,
             });
-            budget -= 1;
+            budget -= 1 + k;
             i += 1;
         }
 
@@ -704,6 +742,7 @@ impl Scheduler {
                 start: computed,
                 len,
                 sample: computed + len == total,
+                draft: 0,
             });
             budget -= len;
         }
@@ -749,6 +788,7 @@ impl Scheduler {
             start: computed,
             len,
             sample: computed + len == total,
+            draft: 0,
         });
         *budget -= len;
     }
@@ -871,7 +911,9 @@ impl Scheduler {
             let Some(seq) = self.seqs.get_mut(&it.seq) else {
                 continue;
             };
-            let end = it.start + it.len;
+            // Draft positions are not computed until verified (see `accept_draft`).
+            seq.draft.clear();
+            let end = it.start + it.len - it.draft;
             if end > seq.charged {
                 let from = seq.charged.max(it.start);
                 let prompt = seq.prompt_len.clamp(from, end) - from;
@@ -928,6 +970,7 @@ impl Scheduler {
             id: child,
             table,
             preemptions: 0,
+            draft: Vec::new(),
             ..p
         };
         self.accounts[seq.account].seqs += 1;
@@ -1007,7 +1050,8 @@ mod tests {
                 seq: 1,
                 start: 0,
                 len: 6,
-                sample: false
+                sample: false,
+                draft: 0
             }]
         );
         run_step(&mut s, &a, 99);
@@ -1018,7 +1062,8 @@ mod tests {
                 seq: 1,
                 start: 6,
                 len: 4,
-                sample: true
+                sample: true,
+                draft: 0
             }]
         );
         run_step(&mut s, &b, 99);
@@ -1029,7 +1074,8 @@ mod tests {
                 seq: 1,
                 start: 10,
                 len: 1,
-                sample: true
+                sample: true,
+                draft: 0
             }]
         );
         run_step(&mut s, &c, 98);
@@ -1043,7 +1089,8 @@ mod tests {
                 seq: 2,
                 start: 8,
                 len: 2,
-                sample: true
+                sample: true,
+                draft: 0
             }]
         );
         assert_eq!(s.get(2).unwrap().cached_tokens, 8);
@@ -1055,7 +1102,8 @@ mod tests {
                 seq: 3,
                 start: 0,
                 len: 4,
-                sample: false
+                sample: false,
+                draft: 0
             }),
             "{e:?}"
         );

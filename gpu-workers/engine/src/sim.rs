@@ -526,6 +526,7 @@ mod handle_tests {
             resume: Vec::new(),
             kv_source: None,
             qos: Qos::default(),
+            constraint: None,
         };
         let mut rx = h.generate(req);
         let mut tokens = 0;

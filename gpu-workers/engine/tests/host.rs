@@ -59,6 +59,7 @@ async fn run(b: &dyn Backend, model: &str, max_tokens: u32) -> (usize, Option<St
         resume: Vec::new(),
         kv_source: None,
         qos: Default::default(),
+        constraint: None,
     };
     let mut rx = b.generate(req);
     let mut tokens = 0;
@@ -300,6 +301,7 @@ async fn a_removed_model_holds_its_memory_until_its_requests_end() {
         resume: Vec::new(),
         kv_source: None,
         qos: Default::default(),
+        constraint: None,
     };
     let mut rx_a = a.generate(req("a", 48));
     assert!(

@@ -52,6 +52,7 @@ async fn greedy(e: &EngineHandle, prompt: &[u32], max_tokens: u32) -> (Vec<u32>,
         resume: Vec::new(),
         kv_source: None,
         qos: Default::default(),
+        constraint: None,
     };
     let mut rx = e.generate(req);
     let mut tokens = Vec::new();
@@ -307,6 +308,7 @@ fn request(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
         resume: Vec::new(),
         kv_source: None,
         qos: Default::default(),
+        constraint: None,
     }
 }
 

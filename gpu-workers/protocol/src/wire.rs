@@ -28,6 +28,10 @@ pub struct SamplingParams {
     pub logprobs: bool,
     /// Also report this many most likely alternatives per position (at most 20).
     pub top_logprobs: u32,
+    /// Let the engine draft tokens from the sequence's own context and verify several per
+    /// step (speculative decoding). The output is the same either way: greedy output is
+    /// identical, sampled output keeps its distribution. Off: one token per step.
+    pub speculative: bool,
 }
 
 impl Default for SamplingParams {
@@ -43,8 +47,31 @@ impl Default for SamplingParams {
             min_tokens: 0,
             logprobs: false,
             top_logprobs: 0,
+            speculative: true,
         }
     }
+}
+
+/// The JSON layout constrained output uses, as llguidance's `x-guidance` options: one space
+/// after `,` and `:` (as Python's `json.dumps` writes) and no other whitespace, which a
+/// model sampling at temperature 1 could otherwise repeat until `max_tokens`. The engine
+/// adds it to a [`Constraint::JsonSchema`]; a [`Constraint::Lark`] grammar's `%json`
+/// schemas carry it themselves.
+pub fn json_layout() -> serde_json::Value {
+    serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+}
+
+/// What a constrained request's output must match: the engine masks, at every step, the
+/// tokens that would leave the grammar (llguidance), so the output always parses.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Constraint {
+    /// JSON valid against this JSON Schema (`{"type": "object"}` for OpenAI's
+    /// `json_object`).
+    JsonSchema { schema: serde_json::Value },
+    /// A grammar in llguidance's Lark dialect (which embeds JSON Schemas with `%json`): how
+    /// the gateway constrains tool calls.
+    Lark { grammar: String },
 }
 
 /// `POST /v1/worker/generate`: token ids in, a stream of [`GenerateEvent`]s out
@@ -84,6 +111,9 @@ pub struct GenerateRequest {
     /// fairly by (see [`crate::qos`]).
     #[serde(default, skip_serializing_if = "is_default_qos")]
     pub qos: crate::Qos,
+    /// Constrained decoding: every choice's output matches this grammar.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub constraint: Option<Constraint>,
 }
 
 fn is_default_qos(q: &crate::Qos) -> bool {

@@ -456,6 +456,7 @@ mod tests {
             resume: Vec::new(),
             kv_source: None,
             qos: Default::default(),
+            constraint: None,
         };
         let hints = RouteHints {
             session: None,
@@ -512,6 +513,7 @@ mod tests {
             resume: Vec::new(),
             kv_source: None,
             qos: Default::default(),
+            constraint: None,
         };
         req.qos.tenant = "t".into();
         let routed = |req: &GenerateRequest| {

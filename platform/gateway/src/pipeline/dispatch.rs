@@ -42,6 +42,7 @@ pub async fn run(ctx: &mut RequestContext) -> Result<Dispatched, ApiError> {
         resume: Vec::new(),
         kv_source: None,
         qos: ctx.qos.clone(),
+        constraint: request.constraint.clone(),
     };
     let hints = RouteHints {
         session: ctx.header("x-session-affinity"),

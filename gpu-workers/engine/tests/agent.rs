@@ -1,0 +1,267 @@
+//! Agent workloads on the real default model: speculative decoding gives the same greedy
+//! output as decoding one token at a time (alone and batched), and constrained decoding's
+//! outputs always parse and validate against their JSON Schema — at temperature 1 over many
+//! seeds — while a schema llguidance cannot honour is refused, naming what is wrong.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
+use hearth_engine::{EngineConfig, EngineHandle};
+use hearth_protocol::{ChatMessage, ChatTemplate, Constraint, GenerateEvent, GenerateRequest, SamplingParams};
+use serde_json::{json, Value};
+
+fn model_path() -> PathBuf {
+    ensure_model(DEFAULT_MODEL_ID, &hearth_home(), &mut |m| eprintln!("{m}")).expect("default model")
+}
+
+fn engine() -> &'static EngineHandle {
+    static E: OnceLock<EngineHandle> = OnceLock::new();
+    E.get_or_init(|| {
+        let cfg = EngineConfig {
+            threads: 2,
+            kv_cache_mib: Some(64),
+            ..Default::default()
+        };
+        EngineHandle::load(&model_path(), DEFAULT_MODEL_ID, &cfg).expect("engine")
+    })
+}
+
+fn chat(e: &EngineHandle, system: &str, user: &str) -> Vec<u32> {
+    let spec = &e.info().tokenizer;
+    let tmpl = ChatTemplate::new(spec.chat_template.as_deref().unwrap(), "<|im_start|>", "<|im_end|>").unwrap();
+    let tok = hearth_protocol::Tokenizer::from_spec(spec).unwrap();
+    let msg = |role: &str, content: &str| ChatMessage {
+        role: role.into(),
+        content: content.into(),
+    };
+    tok.encode(&tmpl.render(&[msg("system", system), msg("user", user)], true).unwrap())
+}
+
+struct Out {
+    ids: Vec<u32>,
+    text: String,
+    finish: Option<String>,
+    error: Option<(String, String)>,
+}
+
+async fn generate(e: &EngineHandle, prompt: Vec<u32>, sampling: SamplingParams, constraint: Option<Constraint>) -> Out {
+    let mut rx = e.generate(GenerateRequest {
+        request_id: "t".into(),
+        model: DEFAULT_MODEL_ID.into(),
+        prompt,
+        sampling,
+        cache_namespace: "agent-test".into(),
+        n: 1,
+        prefill_only: false,
+        resume: Vec::new(),
+        kv_source: None,
+        qos: Default::default(),
+        constraint,
+    });
+    let mut out = Out {
+        ids: Vec::new(),
+        text: String::new(),
+        finish: None,
+        error: None,
+    };
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            GenerateEvent::Token { id, text, .. } => {
+                out.ids.push(id);
+                out.text.push_str(&text);
+            }
+            GenerateEvent::Finish { finish_reason, .. } => out.finish = Some(finish_reason.as_str().into()),
+            GenerateEvent::Done { .. } => break,
+            GenerateEvent::Error { code, message } => {
+                out.error = Some((code, message));
+                break;
+            }
+        }
+    }
+    out
+}
+
+fn greedy(max_tokens: u32, speculative: bool) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        max_tokens,
+        speculative,
+        ..Default::default()
+    }
+}
+
+const DOCUMENT: &str = "The quarterly report shows revenue of 4.2 million dollars, up 12 percent from last year. \
+Operating costs rose to 3.1 million dollars, mainly from new hires in the support team. \
+The board approved a budget of 500 thousand dollars for the new data centre in Lisbon.";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculation_gives_the_same_greedy_output_alone_and_batched() {
+    let e = engine();
+    let prompts = [
+        chat(
+            e,
+            "You are a careful editor.",
+            &format!("Repeat this text exactly, replacing 'Lisbon' with 'Porto':\n\n{DOCUMENT}"),
+        ),
+        chat(e, "You are a helpful assistant.", "Write a short poem about the sea."),
+        chat(
+            e,
+            "Extract the fields as JSON.",
+            &format!("{DOCUMENT}\n\nGive revenue, costs and the city."),
+        ),
+    ];
+    let metrics = e.metrics();
+    let accepted_before = metrics.spec_accepted.get();
+    for p in &prompts {
+        let plain = generate(e, p.clone(), greedy(48, false), None).await;
+        let spec = generate(e, p.clone(), greedy(48, true), None).await;
+        assert!(plain.error.is_none(), "{:?}", plain.error);
+        assert_eq!(
+            plain.ids, spec.ids,
+            "speculation changed the greedy output:\n{}\n---\n{}",
+            plain.text, spec.text
+        );
+        assert_eq!(plain.finish, spec.finish);
+    }
+    // Batched: all three at once, speculating, against their one-at-a-time outputs.
+    let singles: Vec<Vec<u32>> = {
+        let mut v = Vec::new();
+        for p in &prompts {
+            v.push(generate(e, p.clone(), greedy(48, false), None).await.ids);
+        }
+        v
+    };
+    let batched =
+        futures_util::future::join_all(prompts.iter().map(|p| generate(e, p.clone(), greedy(48, true), None))).await;
+    for (b, s) in batched.iter().zip(&singles) {
+        assert_eq!(&b.ids, s, "batched speculation changed the greedy output");
+    }
+    assert!(
+        metrics.spec_accepted.get() > accepted_before,
+        "the editing prompt repeats its context: some draft tokens must be accepted"
+    );
+}
+
+fn person_schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 130},
+            "city": {"type": "string", "enum": ["Paris", "Lisbon", "Tokyo", "Other"]},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+            "employed": {"type": "boolean"}
+        },
+        "required": ["name", "age", "city", "tags", "employed"],
+        "additionalProperties": false
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn constrained_outputs_always_validate_at_temperature_one() {
+    let e = engine();
+    let schema = person_schema();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    let prompt = chat(e, "Reply in JSON.", "Describe a person who lives in Lisbon.");
+    let masks_before = e.metrics().grammar_masks.get();
+    for seed in 0..12u64 {
+        let sampling = SamplingParams {
+            temperature: 1.0,
+            seed: Some(seed),
+            max_tokens: 200,
+            speculative: seed % 2 == 0,
+            ..Default::default()
+        };
+        let out = generate(
+            e,
+            prompt.clone(),
+            sampling,
+            Some(Constraint::JsonSchema { schema: schema.clone() }),
+        )
+        .await;
+        assert!(out.error.is_none(), "{:?}", out.error);
+        assert_eq!(out.finish.as_deref(), Some("stop"), "seed {seed}: {}", out.text);
+        let v: Value = serde_json::from_str(&out.text).unwrap_or_else(|e| panic!("seed {seed}: {e}: {}", out.text));
+        let errors: Vec<String> = validator.iter_errors(&v).map(|e| e.to_string()).collect();
+        assert!(errors.is_empty(), "seed {seed}: {} → {errors:?}", out.text);
+    }
+    assert!(e.metrics().grammar_masks.get() > masks_before);
+
+    // json_object: any object.
+    let out = generate(
+        e,
+        prompt.clone(),
+        SamplingParams {
+            temperature: 1.0,
+            seed: Some(99),
+            max_tokens: 300,
+            ..Default::default()
+        },
+        Some(Constraint::JsonSchema {
+            schema: json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": false}),
+        }),
+    )
+    .await;
+    let v: Value = serde_json::from_str(&out.text).unwrap();
+    assert!(v["a"].is_i64(), "{}", out.text);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lark_grammar_with_an_embedded_schema_constrains_tool_calls() {
+    let e = engine();
+    let args = json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                      "required": ["city"], "additionalProperties": false, "x-guidance": hearth_protocol::json_layout()});
+    let call = json!({"type": "object", "properties": {"name": {"const": "get_weather"}, "arguments": args},
+                      "required": ["name", "arguments"], "additionalProperties": false, "x-guidance": hearth_protocol::json_layout()});
+    let grammar = format!("start: \"<tool_call>\\n\" call \"\\n</tool_call>\"\ncall: %json {call}\n");
+    let prompt = chat(e, "You can call get_weather.", "What's the weather in Paris?");
+    for seed in 0..4u64 {
+        let out = generate(
+            e,
+            prompt.clone(),
+            SamplingParams {
+                temperature: 1.0,
+                seed: Some(seed),
+                max_tokens: 100,
+                ..Default::default()
+            },
+            Some(Constraint::Lark {
+                grammar: grammar.clone(),
+            }),
+        )
+        .await;
+        assert!(out.error.is_none(), "{:?}", out.error);
+        let body = out
+            .text
+            .strip_prefix("<tool_call>\n")
+            .and_then(|t| t.strip_suffix("\n</tool_call>"))
+            .unwrap_or_else(|| panic!("seed {seed}: {:?}", out.text));
+        let v: Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["name"], "get_weather");
+        assert!(v["arguments"]["city"].is_string(), "{body}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schemas_that_cannot_be_honoured_are_refused() {
+    let e = engine();
+    let prompt = chat(e, "Reply in JSON.", "Anything.");
+    let refuse = |schema: Value| {
+        let prompt = prompt.clone();
+        async move {
+            generate(e, prompt, greedy(8, true), Some(Constraint::JsonSchema { schema }))
+                .await
+                .error
+                .expect("refused")
+        }
+    };
+    let (code, message) =
+        refuse(json!({"type": "object", "properties": {"a": {"type": "string"}}, "dependentSchemas": {"a": {}}})).await;
+    assert_eq!(code, "unsupported_schema", "{message}");
+    assert!(message.contains("dependentSchemas"), "{message}");
+    let (code, message) = refuse(json!({"type": "nonsense"})).await;
+    assert_eq!(code, "invalid_schema", "{message}");
+    let (code, _) = refuse(json!([1, 2])).await;
+    assert_eq!(code, "invalid_schema");
+}
