@@ -296,6 +296,10 @@ pub struct ModelArgs {
     /// holds; 0: unbounded). Gateways shed by it; the engine refuses past it.
     #[arg(long, env = "HEARTH_MAX_QUEUE_TOKENS")]
     pub max_queue_tokens: Option<usize>,
+    /// Speculative decoding: at most this many prompt-lookup draft tokens verified per
+    /// sequence and step (0: off).
+    #[arg(long, env = "HEARTH_SPECULATIVE_TOKENS", default_value_t = hearth_engine::engine::DEFAULT_SPECULATIVE_TOKENS)]
+    pub speculative_tokens: usize,
     /// Admission order on a busy engine: `fair` (between tenants, by class) or `fifo`.
     #[arg(long, env = "HEARTH_SCHEDULE", default_value = "fair", value_parser = parse_schedule)]
     pub schedule: hearth_engine::scheduler::Policy,
@@ -371,6 +375,7 @@ impl ModelArgs {
             region: self.region.clone(),
             max_queue_tokens: self.max_queue_tokens,
             policy: self.schedule,
+            speculative_tokens: self.speculative_tokens,
         }
     }
 }

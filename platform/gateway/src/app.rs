@@ -59,7 +59,7 @@ async fn security_headers(req: Request, next: Next) -> Response {
     resp
 }
 
-fn random_id() -> String {
+pub(crate) fn random_id() -> String {
     let mut b = [0u8; 12];
     if getrandom::fill(&mut b).is_err() {
         // Ids must still be unique if the OS source fails: fall back to time + counter.

@@ -30,6 +30,7 @@ pub mod registry;
 pub mod selfservice;
 pub mod state;
 pub mod telemetry;
+pub mod tools;
 pub mod workers;
 
 /// This request's id, set by the outermost middleware and echoed in `x-request-id`.

@@ -2,10 +2,11 @@
 //! and `/v1/completions` bodies (with the offending `param` named in every error), and
 //! building response objects and stream chunks.
 
-use hearth_protocol::{ChatMessage, SamplingParams, Usage};
+use hearth_protocol::{ChatMessage, Constraint, SamplingParams, Usage};
 use serde_json::{json, Map, Value};
 
 use crate::error::ApiError;
+use crate::tools::{self, Tools};
 
 /// OpenAI allows at most four stop sequences.
 const MAX_STOP: usize = 4;
@@ -29,6 +30,11 @@ pub struct Common {
     /// `priority` are interactive; Hearth's names work too): lowers the request's class,
     /// never raises it.
     pub service_tier: Option<hearth_protocol::Priority>,
+    /// What the output must match (`response_format`, or the tools under `required` /
+    /// a named `tool_choice`): decoded under the engine's grammar mask.
+    pub constraint: Option<Constraint>,
+    /// The request's tools (chat only).
+    pub tools: Option<Tools>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -215,20 +221,9 @@ fn parse_common(o: &Map<String, Value>, max_tokens_keys: &[&str]) -> Result<Comm
             }
         }
     }
-    if let Some(Value::Array(tools)) = get(o, "tools") {
-        if !tools.is_empty() {
-            return Err(ApiError::unsupported("tools", "tool calling is not supported yet"));
-        }
-    }
-    if let Some(rf) = get(o, "response_format") {
-        let kind = rf.get("type").and_then(Value::as_str).unwrap_or("");
-        if kind != "text" {
-            return Err(ApiError::unsupported(
-                "response_format",
-                format!("response_format {kind:?} is not supported yet"),
-            ));
-        }
-    }
+    let constraint = tools::parse_response_format(o)?;
+    // Hearth's extension: opt out of speculative decoding (the output is the same either way).
+    let speculative = opt_bool(o, "speculative")?.unwrap_or(true);
     let stream = opt_bool(o, "stream")?.unwrap_or(false);
     let include_usage = match get(o, "stream_options") {
         None => false,
@@ -258,19 +253,22 @@ fn parse_common(o: &Map<String, Value>, max_tokens_keys: &[&str]) -> Result<Comm
             min_tokens,
             logprobs: false,
             top_logprobs: 0,
+            speculative,
         },
         stream,
         include_usage,
         n,
         prompt_cache_key,
         service_tier,
+        constraint,
+        tools: None,
     })
 }
 
 fn message_content(i: usize, v: Option<&Value>) -> Result<String, ApiError> {
     let param = format!("messages[{i}].content");
     match v {
-        None => Ok(String::new()),
+        None | Some(Value::Null) => Ok(String::new()),
         Some(Value::String(s)) => Ok(s.clone()),
         Some(Value::Array(parts)) => {
             let mut text = String::new();
@@ -323,7 +321,8 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
         Some(v) => return Err(wrong_type("messages", "an array", v)),
         None => return Err(ApiError::invalid("messages", "you must provide 'messages'")),
     };
-    let mut messages = Vec::with_capacity(msgs.len());
+    let tools = tools::parse_tools(&o)?;
+    let mut messages = Vec::with_capacity(msgs.len() + 1);
     for (i, m) in msgs.iter().enumerate() {
         let Some(m) = m.as_object() else {
             return Err(wrong_type(&format!("messages[{i}]"), "an object", m));
@@ -344,11 +343,53 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
                 ))
             }
         };
+        let mut content = message_content(i, m.get("content"))?;
+        match (role, get(m, "tool_calls")) {
+            ("assistant", Some(Value::Array(calls))) if !calls.is_empty() => {
+                let blocks = tools::render_calls(i, calls)?;
+                content = if content.is_empty() {
+                    blocks
+                } else {
+                    format!("{content}\n{blocks}")
+                };
+            }
+            (_, Some(Value::Array(_)) | None) => {}
+            (_, Some(v)) => return Err(wrong_type(&format!("messages[{i}].tool_calls"), "an array", v)),
+        }
+        if role == "tool" {
+            if !matches!(get(m, "tool_call_id"), Some(Value::String(_))) {
+                return Err(ApiError::invalid(
+                    &format!("messages[{i}].tool_call_id"),
+                    "a 'tool' message needs the 'tool_call_id' it answers",
+                ));
+            }
+            content = tools::render_result(&content);
+        }
         messages.push(ChatMessage {
             role: role.to_string(),
-            content: message_content(i, m.get("content"))?,
+            content,
         });
     }
+    if let Some(t) = tools.as_ref().filter(|t| t.active()) {
+        // Hearth's tool format (see `tools`): the definitions close the system message.
+        let section = t.system_prompt();
+        match messages.first_mut() {
+            Some(m) if m.role == "system" => {
+                m.content = format!("{}\n\n{section}", m.content);
+            }
+            _ => messages.insert(
+                0,
+                ChatMessage {
+                    role: "system".into(),
+                    content: section,
+                },
+            ),
+        }
+        if let Some(c) = t.constraint() {
+            common.constraint = Some(c);
+        }
+    }
+    common.tools = tools;
     Ok(ChatRequest { common, messages })
 }
 
@@ -399,6 +440,12 @@ pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
         Prompt::Text(s) if s.is_empty() => return Err(ApiError::invalid("prompt", "'prompt' must not be empty")),
         Prompt::Tokens(t) if t.is_empty() => return Err(ApiError::invalid("prompt", "'prompt' must not be empty")),
         _ => {}
+    }
+    if get(&o, "tools").is_some_and(|t| t.as_array().is_none_or(|a| !a.is_empty())) {
+        return Err(ApiError::unsupported(
+            "tools",
+            "tools are a chat feature: use /v1/chat/completions",
+        ));
     }
     if opt_bool(&o, "echo")? == Some(true) {
         return Err(ApiError::unsupported("echo", "'echo' is not supported yet"));

@@ -42,7 +42,7 @@ pub async fn run(ctx: &mut RequestContext) -> Result<Dispatched, ApiError> {
         resume: Vec::new(),
         kv_source: None,
         qos: ctx.qos.clone(),
-        constraint: request.constraint.clone(),
+        constraint: request.common.constraint.clone(),
     };
     let hints = RouteHints {
         session: ctx.header("x-session-affinity"),

@@ -99,6 +99,15 @@ pub async fn start(
     if let GenerateEvent::Error { code, message } = &first {
         // The relay has recorded this failure.
         let mut e = worker_error(code, message);
+        if code.ends_with("_schema") {
+            // The grammar came from the tools (required / named tool_choice), not response_format.
+            let by_tools = ctx
+                .request()
+                .is_ok_and(|r| r.common.tools.as_ref().is_some_and(|t| t.constraint().is_some()));
+            if by_tools {
+                e.param = Some("tools".into());
+            }
+        }
         if code == "overloaded" {
             // The worker's own queue refused it (another gateway filled it first): retry
             // once what is queued now has drained.

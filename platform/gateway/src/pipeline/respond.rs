@@ -15,6 +15,7 @@ use super::Endpoint;
 use crate::error::ApiError;
 use crate::openai;
 use crate::registry::ServedModel;
+use crate::tools::{self, Delta, ToolStream};
 
 /// A worker's error event as the client's error.
 pub fn worker_error(code: &str, message: &str) -> ApiError {
@@ -26,6 +27,9 @@ pub fn worker_error(code: &str, message: &str) -> ApiError {
         "model_loading" => ApiError::model_loading(message.to_string()),
         "overloaded" => ApiError::overloaded(message.to_string(), 1),
         "model_load_failed" => ApiError::unavailable(message.to_string()),
+        // A schema the engine's grammar compiler refused (the relay names the parameter).
+        "unsupported_schema" => ApiError::unsupported("response_format", message.to_string()),
+        "invalid_schema" => ApiError::invalid("response_format", message.to_string()),
         c if c.starts_with("processor:") => crate::processors::stream_error(&c["processor:".len()..], message),
         _ => ApiError::internal(format!("generation failed: {message}")),
     }
@@ -38,6 +42,8 @@ pub struct Shape {
     pub model: Arc<ServedModel>,
     pub created: i64,
     pub n: usize,
+    /// The answer is parsed for tool calls (chat with active `tools`).
+    pub tools: bool,
 }
 
 impl Shape {
@@ -133,6 +139,7 @@ pub fn sse_response(
 ) -> Response {
     let mut started = vec![false; shape.n];
     let mut offsets = vec![0usize; shape.n];
+    let mut calls: Vec<ToolStream> = (0..shape.n).map(|_| ToolStream::default()).collect();
     let body = events
         .map(move |ev| {
             let mut out = Vec::new();
@@ -140,38 +147,48 @@ pub fn sse_response(
                 GenerateEvent::Token { index, id, text, logprob, top_logprobs } => {
                     let i = index as usize;
                     let first = !started.get(i).copied().unwrap_or(true);
-                    if first || !text.is_empty() || logprob.is_some() {
-                        let choice = match shape.endpoint {
-                            Endpoint::Chat => {
-                                let mut delta = serde_json::Map::new();
-                                if first {
-                                    delta.insert("role".into(), json!("assistant"));
-                                }
-                                delta.insert("content".into(), json!(text));
-                                let lp = logprob.map(|lp| json!({"content": [shape.chat_logprob(id, lp, &top_logprobs)]}));
-                                json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": null})
-                            }
-                            Endpoint::Completions => {
+                    match shape.endpoint {
+                        Endpoint::Chat => {
+                            let lp = logprob.map(|lp| json!({"content": [shape.chat_logprob(id, lp, &top_logprobs)]}));
+                            let deltas = match calls.get_mut(i) {
+                                Some(s) if shape.tools => s.push(&text),
+                                _ => vec![Delta::Content(text)],
+                            };
+                            chat_deltas(&shape, &mut out, index, first, deltas, lp, include_usage);
+                        }
+                        Endpoint::Completions => {
+                            if first || !text.is_empty() || logprob.is_some() {
                                 let lp = logprob.map(|lp| {
                                     let mut l = LegacyLogprobs::default();
                                     l.push(&shape, id, lp, &top_logprobs, offsets.get(i).copied().unwrap_or(0));
                                     l.json()
                                 });
-                                json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null})
+                                let choice = json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null});
+                                out.push(sse(&shape.chunk(json!([choice]), None, include_usage)));
                             }
-                        };
-                        out.push(sse(&shape.chunk(json!([choice]), None, include_usage)));
+                            if let Some(o) = offsets.get_mut(i) {
+                                *o += text.len();
+                            }
+                        }
+                    }
+                    if !out.is_empty() {
                         if let Some(s) = started.get_mut(i) {
                             *s = true;
                         }
                     }
-                    if let Some(o) = offsets.get_mut(i) {
-                        *o += text.len();
-                    }
                 }
                 GenerateEvent::Finish { index, finish_reason } => {
+                    let i = index as usize;
+                    let mut reason = finish_reason.as_str();
+                    if let (true, Some(s)) = (shape.tools, calls.get_mut(i)) {
+                        let first = !started.get(i).copied().unwrap_or(true);
+                        chat_deltas(&shape, &mut out, index, first, s.finish(), None, include_usage);
+                        if s.calls() > 0 && finish_reason == FinishReason::Stop {
+                            reason = "tool_calls";
+                        }
+                    }
                     let choice = match shape.endpoint {
-                        Endpoint::Chat => json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish_reason.as_str()}),
+                        Endpoint::Chat => json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": reason}),
                         Endpoint::Completions => {
                             json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish_reason.as_str()})
                         }
@@ -199,6 +216,49 @@ pub fn sse_response(
         .header("x-accel-buffering", "no")
         .body(Body::from_stream(body))
         .unwrap_or_else(|_| ApiError::internal("could not build the stream").into_response())
+}
+
+/// A streamed chat token's deltas as chunks: content, or tool-call pieces. The first chunk of
+/// a choice carries its role; a token that produced nothing yet sends a chunk only when it is
+/// the first or has log-probabilities to report.
+fn chat_deltas(
+    shape: &Shape,
+    out: &mut Vec<Bytes>,
+    index: u32,
+    first: bool,
+    deltas: Vec<Delta>,
+    mut lp: Option<Value>,
+    include_usage: bool,
+) {
+    let mut pieces: Vec<serde_json::Map<String, Value>> = deltas
+        .into_iter()
+        .filter(|d| !matches!(d, Delta::Content(t) if t.is_empty()))
+        .map(|d| {
+            let v = match d {
+                Delta::Content(text) => json!({"content": text}),
+                Delta::CallStart { index, id, name } => json!({"tool_calls": [
+                    {"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}
+                ]}),
+                Delta::Arguments { index, text } => {
+                    json!({"tool_calls": [{"index": index, "function": {"arguments": text}}]})
+                }
+            };
+            match v {
+                Value::Object(m) => m,
+                _ => serde_json::Map::new(),
+            }
+        })
+        .collect();
+    if pieces.is_empty() && (first || lp.is_some()) {
+        pieces.push(serde_json::Map::from_iter([("content".to_string(), json!(""))]));
+    }
+    for (k, mut delta) in pieces.into_iter().enumerate() {
+        if first && k == 0 {
+            delta.insert("role".into(), json!("assistant"));
+        }
+        let choice = json!({"index": index, "delta": delta, "logprobs": lp.take(), "finish_reason": null});
+        out.push(sse(&shape.chunk(json!([choice]), None, include_usage)));
+    }
 }
 
 /// One choice of a non-streamed response, as it accumulates.
@@ -258,8 +318,22 @@ fn completion_body(shape: &Shape, choices: &[Collected], default_finish: FinishR
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            let finish = c.finish.unwrap_or(default_finish).as_str();
+            let reason = c.finish.unwrap_or(default_finish);
+            let finish = reason.as_str();
             match shape.endpoint {
+                Endpoint::Chat if shape.tools => {
+                    let lp = c.any_logprobs.then(|| json!({"content": c.chat_logprobs}));
+                    let (content, calls) = tools::parse_output(&c.text);
+                    let mut message = json!({"role": "assistant", "content": content, "refusal": null});
+                    let mut finish = finish;
+                    if !calls.is_empty() {
+                        message["tool_calls"] = calls.iter().map(tools::Call::json).collect();
+                        if reason == FinishReason::Stop {
+                            finish = "tool_calls";
+                        }
+                    }
+                    json!({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
+                }
                 Endpoint::Chat => {
                     let lp = c.any_logprobs.then(|| json!({"content": c.chat_logprobs}));
                     json!({
