@@ -894,8 +894,9 @@ impl Runner {
             return;
         }
         let mut drafts = Vec::new();
-        for r in self.requests.values() {
-            let ch = &r.choices[0];
+        for r in self.requests.values_mut() {
+            let room = r.max_tokens.saturating_sub(r.choices[0].generated + 1);
+            let ch = &mut r.choices[0];
             let (Some(id), false) = (ch.seq, ch.spec.is_off()) else {
                 continue;
             };
@@ -903,8 +904,28 @@ impl Runner {
             if seq.computed + 1 != seq.tokens.len() {
                 continue; // waiting or prefilling
             }
-            let k = ch.spec.draft_len().min(r.max_tokens.saturating_sub(ch.generated + 1));
-            let draft = self.drafter.draft(&seq.tokens, k);
+            let k = ch.spec.draft_len().min(room);
+            let draft = match ch.grammar.as_mut() {
+                None => self.drafter.draft(&seq.tokens, k),
+                Some(g) => {
+                    // What the grammar forces is certain (a JSON key, its `": "`); the
+                    // context's guess follows, cut where the grammar would refuse it.
+                    let started = Instant::now();
+                    let mut draft = g.forced(self.speculative_tokens.min(room));
+                    let more = k.saturating_sub(draft.len());
+                    if more > 0 {
+                        let mut ctx = seq.tokens.clone();
+                        ctx.extend_from_slice(&draft);
+                        draft.extend(self.drafter.draft(&ctx, more));
+                    }
+                    let n = g.valid_prefix(&draft);
+                    draft.truncate(n);
+                    self.metrics
+                        .grammar_mask_seconds
+                        .inc_by(started.elapsed().as_secs_f64());
+                    draft
+                }
+            };
             if !draft.is_empty() {
                 drafts.push((id, draft));
             }

@@ -177,6 +177,20 @@ impl Grammar {
         self.matcher.validate_tokens(&[token]).is_ok_and(|n| n == 1)
     }
 
+    /// Up to `k` tokens the grammar forces next (the rest of a JSON key, `": "` after it…):
+    /// certain drafts for speculative decoding.
+    pub fn forced(&mut self, k: usize) -> Vec<u32> {
+        let mut f = self.matcher.compute_ff_tokens();
+        f.truncate(k);
+        f
+    }
+
+    /// How many of `tokens`, in order, the grammar accepts from here (its state unchanged):
+    /// a draft is cut where the grammar would refuse it.
+    pub fn valid_prefix(&mut self, tokens: &[u32]) -> usize {
+        self.matcher.validate_tokens(tokens).unwrap_or(0)
+    }
+
     /// Advances past a generated token (EOS tokens end the output and are not consumed).
     pub fn advance(&mut self, token: u32) {
         if let Err(e) = self.matcher.consume_token(token) {

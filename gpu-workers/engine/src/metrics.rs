@@ -244,7 +244,7 @@ impl Collector for EngineCollector {
         }
         let mut m = encoder.encode_descriptor(
             "hearth_grammar_mask_seconds",
-            "Constrained decoding: time spent computing token masks.",
+            "Constrained decoding: time spent in the grammar (token masks, and checking drafts against it).",
             None,
             MetricType::Counter,
         )?;

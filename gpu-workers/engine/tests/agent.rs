@@ -159,6 +159,35 @@ fn person_schema() -> Value {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn constrained_speculation_drafts_what_the_grammar_forces_and_keeps_greedy_output() {
+    let e = engine();
+    let schema = person_schema();
+    let prompt = chat(e, "Reply in JSON.", "Describe a person who lives in Lisbon.");
+    let constraint = Some(Constraint::JsonSchema { schema: schema.clone() });
+    let metrics = e.metrics();
+    let plain = generate(e, prompt.clone(), greedy(200, false), constraint.clone()).await;
+    let (drafted, accepted) = (metrics.spec_drafted.get(), metrics.spec_accepted.get());
+    let spec = generate(e, prompt.clone(), greedy(200, true), constraint).await;
+    assert!(
+        plain.error.is_none() && spec.error.is_none(),
+        "{:?} {:?}",
+        plain.error,
+        spec.error
+    );
+    assert_eq!(plain.ids, spec.ids, "{}\n---\n{}", plain.text, spec.text);
+    assert_eq!(plain.finish.as_deref(), Some("stop"));
+    let v: Value = serde_json::from_str(&spec.text).unwrap();
+    assert!(jsonschema::is_valid(&schema, &v), "{}", spec.text);
+    // The prompt repeats nothing of the answer's keys: the drafts come from the grammar
+    // (`"name": "`, `", "age": `…), and most of them are kept.
+    let (d, a) = (
+        metrics.spec_drafted.get() - drafted,
+        metrics.spec_accepted.get() - accepted,
+    );
+    assert!(d >= 10 && a * 2 >= d, "drafted {d}, accepted {a}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn constrained_outputs_always_validate_at_temperature_one() {
     let e = engine();
     let schema = person_schema();

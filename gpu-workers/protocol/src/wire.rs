@@ -61,6 +61,37 @@ pub fn json_layout() -> serde_json::Value {
     serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
 }
 
+/// `v` as text in [`json_layout`]'s layout (one line, `", "` and `": "`): how the gateway
+/// writes JSON back into a prompt (earlier tool calls), so the model reads what it would
+/// write, and prompt lookup can draft it.
+pub fn layout_json(v: &serde_json::Value) -> String {
+    struct Layout;
+    impl serde_json::ser::Formatter for Layout {
+        fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+            if first {
+                Ok(())
+            } else {
+                w.write_all(b", ")
+            }
+        }
+        fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+            if first {
+                Ok(())
+            } else {
+                w.write_all(b", ")
+            }
+        }
+        fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+            w.write_all(b": ")
+        }
+    }
+    let mut out = Vec::new();
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, Layout);
+    // Serializing a Value into memory cannot fail; the output is UTF-8 by construction.
+    let _ = serde::Serialize::serialize(v, &mut ser);
+    String::from_utf8(out).unwrap_or_default()
+}
+
 /// What a constrained request's output must match: the engine masks, at every step, the
 /// tokens that would leave the grammar (llguidance), so the output always parses.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
