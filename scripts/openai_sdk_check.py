@@ -56,6 +56,90 @@ try:
     check("completions", r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4, r)
     check("models", [m.id for m in c.models.list()] == [model])
 
+    # Tool calling: a round trip (call → role "tool" result → final answer), plain and streamed.
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"], "additionalProperties": False}}}]
+    ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    result = json.dumps({"city": "Paris", "temperature_c": 18, "conditions": "sunny"})
+
+    def final_answer(call_id, name, arguments, stream):
+        history = ask + [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": result}]
+        if not stream:
+            r = c.chat.completions.create(model=model, messages=history, tools=tools, tool_choice="none",
+                                          temperature=0, max_tokens=48)
+            return r.choices[0].message.content, r.choices[0].finish_reason
+        text, finish = "", None
+        for ch in c.chat.completions.create(model=model, messages=history, tools=tools, tool_choice="none",
+                                            temperature=0, max_tokens=48, stream=True):
+            if ch.choices:
+                text += ch.choices[0].delta.content or ""
+                finish = ch.choices[0].finish_reason or finish
+        return text, finish
+
+    r = c.chat.completions.create(model=model, messages=ask, tools=tools, tool_choice="required",
+                                  parallel_tool_calls=False, temperature=0)
+    m = r.choices[0].message
+    ok = r.choices[0].finish_reason == "tool_calls" and len(m.tool_calls or []) == 1
+    call = m.tool_calls[0] if ok else None
+    args = json.loads(call.function.arguments) if ok else {}
+    check("tool call", ok and call.type == "function" and call.function.name == "get_weather"
+          and call.id.startswith("call_") and isinstance(args.get("city"), str), r)
+    if ok:
+        text, finish = final_answer(call.id, call.function.name, call.function.arguments, stream=False)
+        check("tool result → final answer", bool(text and text.strip()) and finish in ("stop", "length"),
+              (text, finish))
+
+    calls, finish, content = {}, None, ""
+    for ch in c.chat.completions.create(model=model, messages=ask, tools=tools, tool_choice="required",
+                                        parallel_tool_calls=False, temperature=0, stream=True):
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            slot = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+            slot["id"] = tc.id or slot["id"]
+            if tc.function:
+                slot["name"] = tc.function.name or slot["name"]
+                slot["arguments"] += tc.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    streamed = calls.get(0, {})
+    try:
+        streamed_args = json.loads(streamed.get("arguments") or "null")
+    except ValueError:
+        streamed_args = None
+    check("streamed tool call", finish == "tool_calls" and len(calls) == 1 and streamed.get("name") == "get_weather"
+          and (streamed.get("id") or "").startswith("call_") and isinstance(streamed_args, dict)
+          and isinstance(streamed_args.get("city"), str), (calls, finish, content))
+    if streamed.get("id"):
+        text, finish = final_answer(streamed["id"], streamed["name"], streamed["arguments"], stream=True)
+        check("streamed tool result → final answer", bool(text.strip()) and finish in ("stop", "length"),
+              (text, finish))
+
+    # Structured outputs: the SDK's parse helper with a Pydantic model (json_schema, strict).
+    from typing import Annotated
+    from pydantic import BaseModel, Field
+
+    Short = Annotated[str, Field(max_length=40)]
+
+    class City(BaseModel):
+        name: Short
+        country: Short
+        is_capital: bool
+        landmarks: list[Short] = Field(max_length=3)
+
+    parse = getattr(c.chat.completions, "parse", None) or c.beta.chat.completions.parse
+    r = parse(model=model, temperature=0, max_tokens=400, response_format=City,
+              messages=[{"role": "user", "content": "Describe Paris as JSON."}])
+    parsed = r.choices[0].message.parsed
+    check("parse returns a Pydantic object", isinstance(parsed, City) and r.choices[0].finish_reason == "stop",
+          r.choices[0].message)
+
     try:
         c.chat.completions.create(model="nope", messages=q)
         check("unknown model is NotFoundError", False)

@@ -20,7 +20,7 @@
 //! parse and validate; with `auto` the model may answer in text, and blocks it writes are
 //! parsed into `tool_calls` when they are well-formed.
 
-use hearth_protocol::{json_layout, Constraint};
+use hearth_protocol::{json_layout, layout_json, Constraint};
 use serde_json::{json, Map, Value};
 
 use crate::error::ApiError;
@@ -290,12 +290,11 @@ impl Tools {
                 })
             })
             .collect();
-        let call = if calls.len() == 1 {
+        let mut call = if calls.len() == 1 {
             calls.into_iter().next().unwrap_or_default()
         } else {
             json!({"anyOf": calls})
         };
-        let mut call = call;
         if let Some(o) = call.as_object_mut() {
             o.insert("x-guidance".into(), json_layout());
         }
@@ -338,7 +337,7 @@ pub fn render_calls(i: usize, calls: &[Value]) -> Result<String, ApiError> {
         }
         out.push_str(&format!(
             "{CALL_OPEN}\n{}\n{CALL_CLOSE}",
-            json!({"name": name, "arguments": args})
+            layout_json(&json!({"name": name, "arguments": args}))
         ));
     }
     Ok(out)
@@ -392,7 +391,9 @@ pub fn parse_output(text: &str) -> (Option<String>, Vec<Call>) {
             } else {
                 return None;
             };
-            Some((name, args.to_string(), consumed))
+            // In the layout the model writes (and a constrained call has): the same text
+            // a streamed call's arguments arrive as.
+            Some((name, layout_json(args), consumed))
         });
         match call {
             Some((name, arguments, consumed)) => {
@@ -726,7 +727,7 @@ mod tests {
         assert_eq!(calls.len(), 2);
         assert_eq!(
             (calls[0].name.as_str(), calls[0].arguments.as_str()),
-            ("get_weather", "{\"city\":\"Paris\"}")
+            ("get_weather", "{\"city\": \"Paris\"}")
         );
         assert!(calls[0].id.starts_with("call_") && calls[0].id != calls[1].id);
         let (content, calls) =
@@ -739,6 +740,23 @@ mod tests {
             (Some("<tool_call>{\"name\": 3}</tool_call>"), 0)
         );
         assert_eq!(parse_output("Paris."), (Some("Paris.".into()), vec![]));
+    }
+
+    #[test]
+    fn history_calls_are_written_as_the_model_writes_them() {
+        let calls = json!([
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\",\"days\":[1,2]}"}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+        ]);
+        let text = render_calls(0, calls.as_array().unwrap()).unwrap();
+        assert_eq!(
+            text,
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": [1, 2]}}\n</tool_call>\n\
+             <tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>"
+        );
+        let (_, parsed) = parse_output(&text);
+        assert_eq!(parsed.len(), 2);
+        assert_eq!(parsed[0].arguments, "{\"city\": \"Paris\", \"days\": [1, 2]}");
     }
 
     #[test]
