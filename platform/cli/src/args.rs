@@ -127,6 +127,27 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Agent workloads on the engine: JSON-schema extraction, tool-call turns, document edits
+    /// and open chat, decode tokens/s with and without speculative decoding, acceptance,
+    /// the grammar mask's cost at batch 8 and schema validity.
+    Agent {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Requests per workload (each run with and without speculation).
+        #[arg(long, default_value_t = 8)]
+        requests: usize,
+        /// Constrained requests at temperature 1.0 (eight at a time) for the mask and validity.
+        #[arg(long, default_value_t = 32)]
+        seeds: usize,
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// Fewer requests (smoke).
+        #[arg(long)]
+        quick: bool,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Routing policies on simulated workers (virtual time), and the router micro-benchmark.
     Routing {
         #[arg(long, default_value_t = 7)]

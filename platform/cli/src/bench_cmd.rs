@@ -139,6 +139,27 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
             print!("{}", report.table());
             write_json(&report, json)
         }
+        BenchCommand::Agent {
+            model,
+            requests,
+            seeds,
+            seed,
+            quick,
+            json,
+        } => {
+            let (path, id) = resolve_model(&model).await?;
+            let cfg = hearth_bench::agent::AgentConfig {
+                model: path,
+                model_id: id,
+                engine: model.engine_config(),
+                requests: if quick { 2 } else { requests.clamp(1, 1000) },
+                seeds: if quick { 8 } else { seeds.clamp(1, 10_000) },
+                seed,
+            };
+            let report = hearth_bench::agent::run(cfg).await?;
+            print!("{}", report.table());
+            write_json(&report, json)
+        }
         BenchCommand::Routing {
             workers,
             quick,
