@@ -911,6 +911,7 @@ impl Runner {
                     // What the grammar forces is certain (a JSON key, its `": "`); the
                     // context's guess follows, cut where the grammar would refuse it.
                     let started = Instant::now();
+                    // (Forced tokens are drafted even while the lookup is paused.)
                     let mut draft = g.forced(self.speculative_tokens.min(room));
                     let more = k.saturating_sub(draft.len());
                     if more > 0 {

@@ -65,21 +65,39 @@ impl Drafter for PromptLookup {
 }
 
 /// One sequence's speculation: the draft length adapts to what gets accepted (longer after
-/// a fully accepted draft, shorter after a rejection), so that text the context does not
-/// predict costs little.
+/// a fully accepted draft, shorter after a rejection), and after drafts that were rejected
+/// outright it pauses (1, 2, 4 … up to 16 steps, doubling while they keep failing), so that
+/// text the context does not predict costs little: a rejected draft token still costs its
+/// row in the forward pass.
 #[derive(Debug, Clone, Copy)]
 pub struct Speculation {
     k: usize,
     max: usize,
+    /// Drafts rejected outright in a row.
+    misses: u32,
+    /// Steps left before drafting again.
+    pause: u32,
 }
+
+/// The longest pause after failed drafts, in steps.
+const MAX_PAUSE: u32 = 16;
 
 impl Speculation {
     pub fn new(max: usize) -> Self {
-        Self { k: max, max }
+        Self {
+            k: max,
+            max,
+            misses: 0,
+            pause: 0,
+        }
     }
 
-    /// Draft tokens to propose now.
-    pub fn draft_len(&self) -> usize {
+    /// Draft tokens to propose this step (0 while paused); called once per step.
+    pub fn draft_len(&mut self) -> usize {
+        if self.pause > 0 {
+            self.pause -= 1;
+            return 0;
+        }
         self.k
     }
 
@@ -91,6 +109,12 @@ impl Speculation {
     pub fn record(&mut self, drafted: usize, accepted: usize) {
         if drafted == 0 {
             return;
+        }
+        if accepted == 0 {
+            self.misses += 1;
+            self.pause = (1u32 << (self.misses - 1).min(4)).min(MAX_PAUSE);
+        } else {
+            self.misses = 0;
         }
         self.k = if accepted == drafted {
             (self.k + 2).min(self.max)
@@ -127,10 +151,32 @@ mod tests {
         assert_eq!(s.draft_len(), 2);
         s.record(2, 2);
         assert_eq!(s.draft_len(), 4);
-        s.record(4, 0);
-        assert_eq!(s.draft_len(), 1);
         s.record(0, 0);
-        assert_eq!(s.draft_len(), 1);
+        assert_eq!(s.draft_len(), 4);
         assert!(Speculation::new(0).is_off());
+    }
+
+    #[test]
+    fn drafts_rejected_outright_pause_drafting_longer_each_time() {
+        let mut s = Speculation::new(6);
+        // Rejected outright: one step without a draft, then a one-token draft.
+        s.record(6, 0);
+        assert_eq!((s.draft_len(), s.draft_len()), (0, 1));
+        // Again: two steps, then four, …, capped at 16.
+        s.record(1, 0);
+        assert_eq!([s.draft_len(), s.draft_len(), s.draft_len()], [0, 0, 1]);
+        for misses in 3..8u32 {
+            s.record(1, 0);
+            let pause = (1u32 << (misses - 1)).min(16);
+            for _ in 0..pause {
+                assert_eq!(s.draft_len(), 0, "after {misses} misses");
+            }
+            assert_eq!(s.draft_len(), 1);
+        }
+        // One accepted token ends the streak.
+        s.record(1, 1);
+        assert_eq!(s.draft_len(), 3);
+        s.record(3, 0);
+        assert_eq!((s.draft_len(), s.draft_len()), (0, 1));
     }
 }
