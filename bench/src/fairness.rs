@@ -24,6 +24,7 @@ use hearth_protocol::{namespace_root, GenerateEvent, GenerateRequest, Priority, 
 use serde::Serialize;
 
 use crate::routing::percentile;
+use crate::Rng;
 
 #[derive(Debug, Clone)]
 pub struct FairnessConfig {
@@ -175,26 +176,6 @@ fn sim_pool(policy: Policy) -> SimWorker {
 
 const PROMPT: (usize, usize) = (400, 500);
 const OUTPUT: usize = 32;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Exponential inter-arrival time at `rate` per second.
-    fn gap(&mut self, rate: f64) -> f64 {
-        -(1.0 - self.unit()).ln() / rate
-    }
-}
 
 /// Runs tenants' Poisson traffic for `seconds` (virtual) on one sim worker, then drains it.
 fn sim_run(scenario: &str, policy: Policy, limit: bool, traffic: &[Traffic], seconds: f64, seed: u64) -> RunResult {

@@ -21,3 +21,34 @@ pub mod gateway;
 pub mod pd;
 pub mod processors;
 pub mod routing;
+
+/// The benchmarks' seeded xorshift generator (workloads must be the same run to run).
+pub(crate) struct Rng(pub(crate) u64);
+
+impl Rng {
+    pub(crate) fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Uniform in [0, 1).
+    pub(crate) fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Exponential inter-arrival time at `rate` per second.
+    pub(crate) fn gap(&mut self, rate: f64) -> f64 {
+        -(1.0 - self.unit()).ln() / rate
+    }
+
+    pub(crate) fn pick<'a>(&mut self, xs: &[&'a str]) -> &'a str {
+        xs[(self.next() % xs.len() as u64) as usize]
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub(crate) fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo + 1)
+    }
+}

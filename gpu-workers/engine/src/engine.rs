@@ -1057,15 +1057,19 @@ impl Runner {
         }
     }
 
-    /// Emits the choice's next token, and with a draft, verifies it token by token: each
-    /// draft token the sampler agrees with is kept (its K/V is already computed), the first
-    /// disagreement emits the sampler's token instead, and a fully accepted draft also gets
-    /// the token after it.
+    /// Emits the choice's next token, and with a draft, verifies it token by token: at each
+    /// position the token is sampled exactly as without a draft, and kept as accepted when it
+    /// equals the draft token (its K/V is already computed); the first disagreement is
+    /// emitted and ends the step, and a fully accepted draft also gets the token after it.
+    /// For a draft proposed with certainty (prompt lookup, grammar-forced tokens) this is
+    /// rejection sampling — the draft kept with probability p(draft), else a draw from the
+    /// rest — with one random draw per emitted token, so a seeded request gives the same
+    /// text with speculation or without.
     fn sample_choice(&mut self, key: u64, ci: usize, rows: &[&[f32]], draft: &[u32]) {
         let mut accepted = 0;
         for (i, logits) in rows.iter().enumerate() {
             let proposal = draft.get(i).copied();
-            let Some(tok) = self.choose(key, ci, logits, proposal) else {
+            let Some(tok) = self.choose(key, ci, logits) else {
                 return;
             };
             let hit = proposal == Some(tok);
@@ -1088,8 +1092,8 @@ impl Runner {
     }
 
     /// The token to emit after `logits`: end-of-sequence suppressed where asked, the
-    /// grammar's mask applied, then sampled — or, with a draft token, verified.
-    fn choose(&mut self, key: u64, ci: usize, logits: &[f32], proposal: Option<u32>) -> Option<u32> {
+    /// grammar's mask applied, then sampled.
+    fn choose(&mut self, key: u64, ci: usize, logits: &[f32]) -> Option<u32> {
         let r = self.requests.get_mut(&key)?;
         let params = &r.params;
         let ch = &mut r.choices[ci];
@@ -1118,10 +1122,7 @@ impl Runner {
             }
         }
         let l = masked.as_deref().unwrap_or(logits);
-        Some(match proposal {
-            Some(d) => ch.sampler.verify(l, d),
-            None => ch.sampler.sample(l),
-        })
+        Some(ch.sampler.sample(l))
     }
 
     /// Sends `tok` and advances the choice; `kv_ready`: it was a verified draft token (its

@@ -23,6 +23,10 @@ pub enum GrammarError {
     /// The schema or grammar is malformed or unsatisfiable.
     #[error("{0}")]
     Invalid(String),
+    /// The worker cannot constrain at all (its token tables failed to build): not the
+    /// request's fault.
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 impl GrammarError {
@@ -31,6 +35,7 @@ impl GrammarError {
         match self {
             GrammarError::Unsupported(_) => "unsupported_schema",
             GrammarError::Invalid(_) => "invalid_schema",
+            GrammarError::Unavailable(_) => "grammar_unavailable",
         }
     }
 }
@@ -102,7 +107,7 @@ impl Grammars {
                 Ok(f)
             })
             .as_ref()
-            .map_err(|e| GrammarError::Invalid(format!("constrained decoding is unavailable: {e}")))
+            .map_err(|e| GrammarError::Unavailable(format!("constrained decoding is unavailable on this worker: {e}")))
     }
 
     /// A fresh matcher for `c`, or why it cannot be compiled.
@@ -130,6 +135,7 @@ impl Grammars {
         Ok(Grammar {
             matcher,
             vocab: self.vocab,
+            end_of_generation: self.end_of_generation.clone(),
         })
     }
 }
@@ -148,6 +154,7 @@ fn classify(message: &str) -> GrammarError {
 pub struct Grammar {
     matcher: Matcher,
     vocab: usize,
+    end_of_generation: Vec<u32>,
 }
 
 impl Grammar {
@@ -165,16 +172,14 @@ impl Grammar {
             }
             Err(e) => {
                 tracing::warn!(error = %e, "grammar failed; ending the output");
+                let end: Vec<f32> = self.end_of_generation.iter().map(|&t| logits[t as usize]).collect();
                 logits.fill(f32::NEG_INFINITY);
+                for (&t, l) in self.end_of_generation.iter().zip(end) {
+                    logits[t as usize] = if l.is_finite() { l } else { 0.0 };
+                }
             }
         }
         started.elapsed()
-    }
-
-    /// Whether `token` is allowed next (checks a draft without computing a whole mask when
-    /// the grammar can tell at once).
-    pub fn allows(&mut self, token: u32) -> bool {
-        self.matcher.validate_tokens(&[token]).is_ok_and(|n| n == 1)
     }
 
     /// Up to `k` tokens the grammar forces next (the rest of a JSON key, `": "` after it…):

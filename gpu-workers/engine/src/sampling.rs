@@ -72,7 +72,7 @@ impl Sampler {
     /// request's first token, sampled by its prefill worker from the same seed), so that the
     /// next token gets the draw colocated serving would give it.
     pub fn skip(&mut self) {
-        if !(self.temperature <= GREEDY_BELOW || self.top_k == 1) {
+        if !self.greedy() {
             self.rng.next_f64();
         }
     }
@@ -145,28 +145,6 @@ impl Sampler {
         let (cand, total) = self.distribution(logits);
         self.draw(&cand, total)
     }
-
-    /// Speculative verification of one draft token: the token to emit at this position.
-    /// Greedy: the argmax (the draft is accepted when they agree). Sampled: the draft is
-    /// accepted with probability p(draft); otherwise a token is drawn from p with the draft
-    /// removed, renormalised. A draft proposed with certainty (prompt lookup) makes this
-    /// rejection sampling exact: the emitted token is distributed as p.
-    pub fn verify(&mut self, logits: &[f32], draft: u32) -> u32 {
-        if self.greedy() {
-            return argmax(logits);
-        }
-        let (mut cand, total) = self.distribution(logits);
-        let p_draft = cand.iter().find(|c| c.0 == draft).map_or(0.0, |c| c.1 as f64) / total;
-        if self.rng.next_f64() < p_draft {
-            return draft;
-        }
-        cand.retain(|c| c.0 != draft);
-        if cand.is_empty() {
-            return draft;
-        }
-        let rest = cand.iter().map(|c| c.1 as f64).sum();
-        self.draw(&cand, rest)
-    }
 }
 
 #[cfg(test)]
@@ -217,33 +195,5 @@ mod tests {
         // With top_p 1 the others appear.
         let mut s = Sampler::new(&params(1.0, 0, 1.0, 3));
         assert!((0..500).any(|_| s.sample(&logits) != 0));
-    }
-
-    #[test]
-    fn verifying_a_draft_keeps_the_target_distribution() {
-        // p = softmax([2, 1, 0.5, 0]) at temperature 1; whatever the draft, what is emitted
-        // must follow p (rejection sampling against a draft proposed with certainty).
-        let logits = [2.0f32, 1.0, 0.5, 0.0];
-        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
-        let p: Vec<f64> = logits.iter().map(|&l| (l as f64).exp() / z).collect();
-        for draft in [0u32, 2, 3] {
-            let mut s = Sampler::new(&params(1.0, 0, 1.0, 11 + draft as u64));
-            let n = 40_000;
-            let mut counts = [0usize; 4];
-            for _ in 0..n {
-                counts[s.verify(&logits, draft) as usize] += 1;
-            }
-            for (t, &c) in counts.iter().enumerate() {
-                let f = c as f64 / n as f64;
-                assert!(
-                    (f - p[t]).abs() < 0.01,
-                    "draft {draft}: token {t} at {f:.4}, want {:.4}",
-                    p[t]
-                );
-            }
-        }
-        // Greedy verification is the argmax, draft or not.
-        let mut g = Sampler::new(&params(0.0, 0, 1.0, 1));
-        assert_eq!(g.verify(&logits, 3), 0);
     }
 }

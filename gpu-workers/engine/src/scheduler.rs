@@ -665,19 +665,15 @@ impl Scheduler {
             if preempted_self {
                 continue; // the next sequence is at `i` now
             }
-            // Draft tokens ride along where blocks and budget allow (never preempting).
-            let mut k = self.seqs[&id].draft.len().min(budget - 1);
-            if k > 0 && !self.ensure(id, computed + 1 + k) {
-                k = (self.seqs[&id].table.len() * bt).saturating_sub(computed + 1).min(k);
-            }
+            // (Its draft tokens, if any, come last: `attach_drafts`.)
             items.push(StepItem {
                 seq: id,
                 start: computed,
-                len: 1 + k,
+                len: 1,
                 sample: true,
-                draft: k,
+                draft: 0,
             });
-            budget -= 1 + k;
+            budget -= 1;
             i += 1;
         }
 
@@ -752,8 +748,36 @@ impl Scheduler {
                 self.prefill_chunk(id, &mut items, &mut budget);
             }
         }
+        self.attach_drafts(&mut items, &mut budget);
         self.defer_batch_work(&mut items);
         items
+    }
+
+    /// Speculative decoding's draft tokens ride along their sequence's decode row with what
+    /// the step has left once every decode, prefill chunk and admission has its share — the
+    /// budget, and blocks still free — so that a draft never delays, starves or preempts
+    /// other work.
+    fn attach_drafts(&mut self, items: &mut [StepItem], budget: &mut usize) {
+        let bt = self.cfg.block_tokens;
+        for it in items.iter_mut() {
+            if *budget == 0 {
+                break;
+            }
+            let s = &self.seqs[&it.seq];
+            let decode = it.sample && it.len == 1 && it.start + 1 == s.tokens.len();
+            let mut k = s.draft.len().min(*budget);
+            if !decode || k == 0 {
+                continue;
+            }
+            if !self.ensure(it.seq, it.start + 1 + k) {
+                k = (self.seqs[&it.seq].table.len() * bt)
+                    .saturating_sub(it.start + 1)
+                    .min(k);
+            }
+            it.len += k;
+            it.draft = k;
+            *budget -= k;
+        }
     }
 
     /// Fair order: class first, then the tenant's counter (as one sortable number).
@@ -1036,6 +1060,45 @@ mod tests {
         for it in items.iter().filter(|i| i.sample) {
             s.push_token(it.seq, tok);
         }
+    }
+
+    #[test]
+    fn drafts_get_only_what_decodes_prefill_and_admission_leave() {
+        let root = namespace_root("m", "t");
+        let item = |seq, start, len, sample, draft| StepItem {
+            seq,
+            start,
+            len,
+            sample,
+            draft,
+        };
+        // Budget: two decoding sequences, one drafting 7 tokens, and a waiting prompt of 4.
+        let mut s = Scheduler::new(cfg(8), 16);
+        s.add(1, vec![1, 2, 3], root);
+        s.add(2, vec![4, 5, 6], root);
+        let a = s.schedule();
+        run_step(&mut s, &a, 99);
+        s.set_draft(1, vec![10, 11, 12, 13, 14, 15, 16]);
+        s.add(3, vec![7, 8, 9, 10], root);
+        let b = s.schedule();
+        assert_eq!(
+            b,
+            [item(1, 3, 3, true, 2), item(2, 3, 1, true, 0), item(3, 0, 4, true, 0)],
+            "the draft gets the 2 tokens left"
+        );
+
+        // Blocks (4 tokens each, 4 in all): the other sequence's next block comes first; the
+        // draft takes only what is still free, and nothing is preempted.
+        let mut s = Scheduler::new(cfg(16), 4);
+        s.add(1, vec![1, 2, 3], root);
+        s.add(2, vec![4, 5, 6, 7], root);
+        let a = s.schedule();
+        run_step(&mut s, &a, 99);
+        s.set_draft(1, vec![10, 11, 12, 13, 14, 15, 16]);
+        let b = s.schedule();
+        assert_eq!(b, [item(1, 3, 5, true, 4), item(2, 4, 1, true, 0)]);
+        assert_eq!(s.running.len(), 2);
+        s.blocks.check(&s.owned_blocks()).unwrap();
     }
 
     #[test]

@@ -11,7 +11,9 @@
 //! [`Drafter`] is the seam for a draft model or an EAGLE-style head: such a drafter needs
 //! its own KV (a small model's, or the head's over the target's hidden states — which
 //! `forward_batch` would have to return for the draft rows), and a draft with
-//! probabilities would make verification use `min(1, p/q)` instead of `p`.
+//! probabilities q would make verification accept with `min(1, p/q)` and redraw from the
+//! residual `max(0, p − q)`, instead of today's sample-and-compare (exact only for a
+//! draft proposed with certainty).
 
 /// Proposes up to `k` tokens to follow `tokens`.
 pub trait Drafter {
