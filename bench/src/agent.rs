@@ -109,7 +109,7 @@ impl AgentReport {
         out += "|---|---|---|---|---|---|---|---|---|---|---|---|\n";
         for w in &self.workloads {
             out += &format!(
-                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.2}× | {} | {} | {:.1}% | {:.2} | {} |\n",
+                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.2}× | {} | {} | {:.1}% | {:.2} | {}/{} |\n",
                 w.workload,
                 if w.constrained { "yes" } else { "no" },
                 w.requests,
@@ -121,7 +121,8 @@ impl AgentReport {
                 w.accepted,
                 100.0 * w.acceptance,
                 w.tokens_per_step,
-                format!("{}/{}", w.identical, w.requests),
+                w.identical,
+                w.requests,
             );
         }
         let m = &self.mask;
