@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use hearth_engine::{EngineConfig, EngineHandle};
-use hearth_gateway::tools::{parse_output, parse_tools, render_calls, render_result, ToolChoice, Tools};
+use hearth_gateway::tools::{parse_output, parse_tools, render_calls, render_result, Tools};
 use hearth_protocol::{
     ChatMessage, ChatTemplate, Constraint, FinishReason, GenerateEvent, GenerateRequest, Priority, Qos, SamplingParams,
     Tokenizer,
@@ -304,7 +304,7 @@ fn extraction(rng: &mut Rng) -> Task {
     }
 }
 
-fn agent_tools() -> Tools {
+fn agent_tools() -> anyhow::Result<Tools> {
     let body = json!({
         "tools": [
             {"type": "function", "function": {
@@ -333,17 +333,16 @@ fn agent_tools() -> Tools {
         "parallel_tool_calls": false
     });
     let obj = body.as_object().cloned().unwrap_or_default();
-    parse_tools(&obj).ok().flatten().unwrap_or(Tools {
-        tools: Vec::new(),
-        choice: ToolChoice::None,
-        parallel: false,
-    })
+    // The gateway's own parser: a mistake here fails the run instead of measuring no tools.
+    parse_tools(&obj)
+        .map_err(|e| anyhow::anyhow!("the workload's tools: {}", e.message))?
+        .ok_or_else(|| anyhow::anyhow!("the workload has no tools"))
 }
 
 /// An agent turn: the ticket, an earlier lookup and its result, and the next step to take.
 fn tool_call(rng: &mut Rng) -> anyhow::Result<Task> {
     let (text, order, city) = ticket(rng);
-    let tools = agent_tools();
+    let tools = agent_tools()?;
     // The history as the gateway writes it: the earlier call, then its result.
     let call = json!({"id": "call_1", "type": "function",
                       "function": {"name": "lookup_order", "arguments": json!({"order_id": order}).to_string()}});
