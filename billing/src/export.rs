@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use parquet::basic::{ConvertedType, Repetition, Type as PhysicalType};
-use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
+use parquet::basic::{ConvertedType, LogicalType, Repetition, TimeUnit, Type as PhysicalType};
+use parquet::data_type::{ByteArray, ByteArrayType, Int32Type, Int64Type};
 use parquet::file::properties::WriterProperties;
 use parquet::file::writer::SerializedFileWriter;
 use parquet::schema::types::Type;
@@ -122,11 +122,23 @@ pub fn by_day(rows: &[LedgerRow]) -> Vec<DayLine> {
         .collect()
 }
 
-/// A column: its name and, per line, either an integer or a string.
+/// A column: its name and, per line, its values. Text formats write times, days and money
+/// as text (ISO 8601, `YYYY-MM-DD`, decimal USD); Parquet gives them the logical types
+/// analysts' tools read natively: TIMESTAMP(MILLIS, UTC), DATE and DECIMAL(18, 9).
 enum Col {
     Int(&'static str, Vec<i64>),
     Str(&'static str, Vec<String>),
+    /// Unix milliseconds.
+    Time(&'static str, Vec<i64>),
+    /// Unix milliseconds, as the UTC day they fall on.
+    Day(&'static str, Vec<i64>),
+    /// Nano-USD (exactly: DECIMAL with scale 9).
+    Usd(&'static str, Vec<i64>),
 }
+
+/// Digits of the money columns' DECIMAL: 18 fit an INT64, so up to 999,999,999.999999999 USD.
+const USD_PRECISION: i32 = 18;
+const USD_SCALE: i32 = 9;
 
 fn iso(ms: i64) -> String {
     let secs = ms.rem_euclid(86_400_000) / 1000;
@@ -145,8 +157,8 @@ fn request_columns(rows: &[LedgerRow]) -> Vec<Col> {
     let i = |name, f: &dyn Fn(&LedgerRow) -> i64| Col::Int(name, rows.iter().map(f).collect());
     vec![
         s("request_id", &|r| r.rec.request_id.clone()),
-        s("started_at", &|r| iso(r.rec.started_at)),
-        s("day", &|r| day_of(r.rec.started_at)),
+        Col::Time("started_at", rows.iter().map(|r| r.rec.started_at).collect()),
+        Col::Day("day", rows.iter().map(|r| r.rec.started_at).collect()),
         s("tenant_id", &|r| r.rec.tenant_id.clone()),
         s("key_id", &|r| r.rec.key_id.clone().unwrap_or_default()),
         s("model", &|r| r.rec.model.clone()),
@@ -165,7 +177,7 @@ fn request_columns(rows: &[LedgerRow]) -> Vec<Col> {
         }),
         i("cost_processor_nusd", &|r| r.cost.processor_nusd),
         i("cost_nusd", &|r| r.cost.total_nusd),
-        s("cost_usd", &|r| format_nusd(r.cost.total_nusd)),
+        Col::Usd("cost_usd", rows.iter().map(|r| r.cost.total_nusd).collect()),
     ]
 }
 
@@ -173,7 +185,10 @@ fn day_columns(lines: &[DayLine]) -> Vec<Col> {
     let s = |name, f: &dyn Fn(&DayLine) -> String| Col::Str(name, lines.iter().map(f).collect());
     let i = |name, f: &dyn Fn(&DayLine) -> i64| Col::Int(name, lines.iter().map(f).collect());
     vec![
-        s("day", &|l| l.day.clone()),
+        Col::Day(
+            "day",
+            lines.iter().map(|l| crate::parse_day(&l.day).unwrap_or(0)).collect(),
+        ),
         s("model", &|l| l.model.clone()),
         i("requests", &|l| l.totals.requests),
         i("uncached_input_tokens", &|l| l.totals.uncached_input_tokens),
@@ -185,7 +200,7 @@ fn day_columns(lines: &[DayLine]) -> Vec<Col> {
         i("processor_us", &|l| l.totals.processor_us),
         i("cost_processor_nusd", &|l| l.totals.cost_processor_nusd),
         i("cost_nusd", &|l| l.totals.cost_nusd),
-        s("cost_usd", &|l| format_nusd(l.totals.cost_nusd)),
+        Col::Usd("cost_usd", lines.iter().map(|l| l.totals.cost_nusd).collect()),
     ]
 }
 
@@ -199,14 +214,25 @@ fn csv_field(s: &str) -> String {
 
 fn name(c: &Col) -> &'static str {
     match c {
-        Col::Int(n, _) | Col::Str(n, _) => n,
+        Col::Int(n, _) | Col::Str(n, _) | Col::Time(n, _) | Col::Day(n, _) | Col::Usd(n, _) => n,
     }
 }
 
 fn len(c: &Col) -> usize {
     match c {
-        Col::Int(_, v) => v.len(),
+        Col::Int(_, v) | Col::Time(_, v) | Col::Day(_, v) | Col::Usd(_, v) => v.len(),
         Col::Str(_, v) => v.len(),
+    }
+}
+
+/// A value as the text formats write it.
+fn text(c: &Col, row: usize) -> Option<String> {
+    match c {
+        Col::Int(..) => None,
+        Col::Str(_, v) => Some(v[row].clone()),
+        Col::Time(_, v) => Some(iso(v[row])),
+        Col::Day(_, v) => Some(day_of(v[row])),
+        Col::Usd(_, v) => Some(format_nusd(v[row])),
     }
 }
 
@@ -216,9 +242,9 @@ fn write_csv(cols: &[Col]) -> Vec<u8> {
     for row in 0..cols.first().map_or(0, len) {
         let fields: Vec<String> = cols
             .iter()
-            .map(|c| match c {
-                Col::Int(_, v) => v[row].to_string(),
-                Col::Str(_, v) => csv_field(&v[row]),
+            .map(|c| match (c, text(c, row)) {
+                (Col::Int(_, v), _) => v[row].to_string(),
+                (_, t) => csv_field(&t.unwrap_or_default()),
             })
             .collect();
         out.push_str(&fields.join(","));
@@ -232,9 +258,9 @@ fn write_jsonl(cols: &[Col]) -> Vec<u8> {
     for row in 0..cols.first().map_or(0, len) {
         let mut o = serde_json::Map::new();
         for c in cols {
-            let v = match c {
-                Col::Int(_, v) => serde_json::json!(v[row]),
-                Col::Str(_, v) => serde_json::json!(v[row]),
+            let v = match (c, text(c, row)) {
+                (Col::Int(_, v), _) => serde_json::json!(v[row]),
+                (_, t) => serde_json::json!(t),
             };
             o.insert(name(c).to_string(), v);
         }
@@ -252,6 +278,15 @@ fn write_parquet(cols: &[Col]) -> Result<Vec<u8>, parquet::errors::ParquetError>
                     Col::Int(n, _) => Type::primitive_type_builder(n, PhysicalType::INT64),
                     Col::Str(n, _) => Type::primitive_type_builder(n, PhysicalType::BYTE_ARRAY)
                         .with_converted_type(ConvertedType::UTF8),
+                    Col::Time(n, _) => Type::primitive_type_builder(n, PhysicalType::INT64)
+                        .with_logical_type(Some(LogicalType::timestamp(true, TimeUnit::MILLIS))),
+                    Col::Day(n, _) => {
+                        Type::primitive_type_builder(n, PhysicalType::INT32).with_logical_type(Some(LogicalType::Date))
+                    }
+                    Col::Usd(n, _) => Type::primitive_type_builder(n, PhysicalType::INT64)
+                        .with_logical_type(Some(LogicalType::decimal(USD_SCALE, USD_PRECISION)))
+                        .with_precision(USD_PRECISION)
+                        .with_scale(USD_SCALE),
                 };
                 b.with_repetition(Repetition::REQUIRED).build().map(Arc::new)
             })
@@ -264,8 +299,15 @@ fn write_parquet(cols: &[Col]) -> Result<Vec<u8>, parquet::errors::ParquetError>
     let mut i = 0;
     while let Some(mut col) = rg.next_column()? {
         match &cols[i] {
-            Col::Int(_, v) => {
+            Col::Int(_, v) | Col::Time(_, v) | Col::Usd(_, v) => {
                 col.typed::<Int64Type>().write_batch(v, None, None)?;
+            }
+            Col::Day(_, v) => {
+                let days: Vec<i32> = v
+                    .iter()
+                    .map(|ms| i32::try_from(ms.div_euclid(86_400_000)).unwrap_or(i32::MAX))
+                    .collect();
+                col.typed::<Int32Type>().write_batch(&days, None, None)?;
             }
             Col::Str(_, v) => {
                 let bytes: Vec<ByteArray> = v.iter().map(|s| ByteArray::from(s.as_str())).collect();

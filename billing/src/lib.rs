@@ -89,6 +89,10 @@ pub struct UsageRecord {
     /// Time the tenant's processors ran for this request (µs of guest execution).
     #[serde(default)]
     pub processor_us: u64,
+    /// Milliseconds from the request's arrival at the gateway to its first token relayed;
+    /// None when no token was.
+    #[serde(default)]
+    pub ttft_ms: Option<u32>,
 }
 
 impl UsageRecord {
@@ -109,6 +113,7 @@ impl UsageRecord {
             started_at: at,
             finished_at: at,
             processor_us: 0,
+            ttft_ms: None,
         }
     }
 
@@ -268,7 +273,7 @@ struct Job {
 
 const USAGE_COLUMNS: &str = "request_id, tenant_id, key_id, model, endpoint, prompt_tokens, cached_tokens, \
      completion_tokens, status, finish_reason, error_code, started_at, finished_at, price_effective_from, \
-     cost_input_nusd, cost_cached_nusd, cost_output_nusd, cost_nusd, processor_us, cost_processor_nusd";
+     cost_input_nusd, cost_cached_nusd, cost_output_nusd, cost_nusd, processor_us, cost_processor_nusd, ttft_ms";
 
 /// A ledger row: the record and its rating.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -296,6 +301,9 @@ fn ledger_row(r: &AnyRow) -> LedgerRow {
             started_at: r.get(11),
             finished_at: r.get(12),
             processor_us: u64::try_from(r.get::<i64, _>(18)).unwrap_or(0),
+            ttft_ms: r
+                .get::<Option<i64>, _>(20)
+                .map(|v| u32::try_from(v).unwrap_or(u32::MAX)),
         },
         cost: Cost {
             price_effective_from: r.get(13),
@@ -352,7 +360,7 @@ async fn write_batch(pool: &AnyPool, recs: &[&UsageRecord]) -> Result<Vec<Record
         let cost = rate(u, price_at(&prices, &u.model, u.started_at));
         let res = sqlx::query(&format!(
             "INSERT INTO usage_records ({USAGE_COLUMNS}) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21) \
              ON CONFLICT (request_id) DO NOTHING"
         ))
         .bind(&u.request_id)
@@ -375,6 +383,7 @@ async fn write_batch(pool: &AnyPool, recs: &[&UsageRecord]) -> Result<Vec<Record
         .bind(cost.total_nusd)
         .bind(i64::try_from(u.processor_us).unwrap_or(i64::MAX))
         .bind(cost.processor_nusd)
+        .bind(u.ttft_ms.map(i64::from))
         .execute(&mut *tx)
         .await?;
         let inserted = res.rows_affected() == 1;
@@ -740,6 +749,15 @@ impl UsageLedger {
                 .fetch_optional(&self.pool)
                 .await?;
         Ok(v.unwrap_or(0))
+    }
+
+    /// Every tenant's spend and request count in a month (`YYYY-MM`), by tenant id.
+    pub async fn month_spends(&self, month: &str) -> Result<Vec<(String, i64, i64)>, BillingError> {
+        let rows = sqlx::query("SELECT tenant_id, cost_nusd, requests FROM tenant_spend WHERE month = $1")
+            .bind(month)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect())
     }
 
     /// The most recent rows, newest first, optionally for one tenant id.

@@ -29,6 +29,7 @@ fn rec(id: &str, tenant: &str, model: &str, prompt: u32, cached: u32, completion
         started_at: at,
         finished_at: at + 5,
         processor_us: 0,
+        ttft_ms: Some(3),
     }
 }
 
@@ -250,6 +251,55 @@ async fn exports_reconcile_in_every_format() {
         // A window: only the first day.
         let first = l.rows("tn_e", base, base + day).await.unwrap();
         assert_eq!(first.len(), 10);
+        assert!(first.iter().all(|r| r.rec.ttft_ms == Some(3)), "ttft round-trips");
+        parquet_types_are_native(&rows);
+    }
+}
+
+/// The Parquet export's times, days and money have the logical types DuckDB, pandas and
+/// Spark read natively (TIMESTAMP, DATE, DECIMAL), and their values are exact.
+fn parquet_types_are_native(rows: &[LedgerRow]) {
+    use parquet::basic::{LogicalType, TimeUnit};
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    use parquet::record::Field;
+    for g in [Granularity::Request, Granularity::Day] {
+        let e = render(rows, Format::Parquet, g).unwrap();
+        let path = std::env::temp_dir().join(format!("hearth-types-{}-{g:?}.parquet", now_ms()));
+        std::fs::write(&path, &e.bytes).unwrap();
+        let reader = SerializedFileReader::new(std::fs::File::open(&path).unwrap()).unwrap();
+        std::fs::remove_file(&path).ok();
+        let schema = reader.metadata().file_metadata().schema_descr();
+        let col = |name: &str| (0..schema.num_columns()).find(|i| schema.column(*i).name() == name);
+        let logical = |name: &str| schema.column(col(name).unwrap()).logical_type_ref().cloned();
+        assert_eq!(logical("day"), Some(LogicalType::Date), "{g:?}");
+        assert_eq!(logical("cost_usd"), Some(LogicalType::decimal(9, 18)), "{g:?}");
+        if g == Granularity::Request {
+            assert_eq!(
+                logical("started_at"),
+                Some(LogicalType::timestamp(true, TimeUnit::MILLIS))
+            );
+        }
+        let first = reader.get_row_iter(None).unwrap().next().unwrap().unwrap();
+        let field = |name: &str| {
+            first
+                .get_column_iter()
+                .find(|(n, _)| n.as_str() == name)
+                .map(|(_, f)| f.clone())
+                .unwrap()
+        };
+        let want_day = rows[0].rec.started_at.div_euclid(86_400_000);
+        assert_eq!(field("day"), Field::Date(want_day as i32), "{g:?}");
+        if g == Granularity::Request {
+            assert_eq!(field("started_at"), Field::TimestampMillis(rows[0].rec.started_at));
+            let Field::Decimal(d) = field("cost_usd") else {
+                panic!("cost_usd is a decimal")
+            };
+            assert_eq!((d.precision(), d.scale()), (18, 9));
+            assert_eq!(
+                i64::from_be_bytes(d.data().try_into().unwrap()),
+                rows[0].cost.total_nusd
+            );
+        }
     }
 }
 

@@ -7,9 +7,11 @@
 //! models and an optional expiry. JWTs from a tenant's registered issuers are the other way
 //! in (see [`jwt`]).
 
+pub mod audit;
 pub mod db;
 pub mod jwt;
 pub mod processors;
+pub mod sessions;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -43,6 +45,8 @@ pub enum TenantError {
     NoSuchProcessor(String),
     #[error("invalid name {0:?}: use 1-64 letters, digits, '.', '_' or '-'")]
     InvalidName(String),
+    #[error("invalid tenant name {0:?}: use 1-64 printable characters, without control characters, surrounding spaces or the 'tn_' prefix of tenant ids")]
+    InvalidTenantName(String),
     #[error("invalid {field}: {message}")]
     Invalid { field: &'static str, message: String },
     #[error("a JWT issuer {0:?} is already registered")]
@@ -284,6 +288,18 @@ fn valid_name(name: &str) -> bool {
     (1..=64).contains(&name.len()) && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
 }
 
+/// A tenant's name is a label people read (the id is the handle): any 1-64 printable
+/// characters, trimmed, and never shaped like an id (`tn_…`), since a tenant is looked up by
+/// name or id. Pages and exports escape it; it is never part of a file name or a cache key.
+fn valid_tenant_name(name: &str) -> bool {
+    let n = name.chars().count();
+    (1..=64).contains(&n)
+        && name.len() <= 256
+        && name.trim() == name
+        && !name.starts_with("tn_")
+        && !name.chars().any(char::is_control)
+}
+
 /// Equal-length byte comparison whose time does not depend on where the inputs differ.
 pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
@@ -382,8 +398,8 @@ impl TenantStore {
     }
 
     pub async fn create_tenant(&self, name: &str) -> Result<Tenant, TenantError> {
-        if !valid_name(name) {
-            return Err(TenantError::InvalidName(name.to_string()));
+        if !valid_tenant_name(name) {
+            return Err(TenantError::InvalidTenantName(name.to_string()));
         }
         let t = Tenant {
             id: format!("tn_{}", random_hex(8)?),
@@ -692,6 +708,23 @@ impl TenantStore {
         if id.is_empty() || id.len() > 64 || secret.is_empty() || secret.len() > 256 {
             return Err(AuthError::Malformed);
         }
+        let entry = self.key_entry(id).await?;
+        if !constant_time_eq(&sha256(secret.as_bytes()), &entry.secret_sha256) {
+            return Err(AuthError::Unknown);
+        }
+        entry.usable()
+    }
+
+    /// The context of the API key `id` without its secret, for a dashboard session opened
+    /// with that key: revoked or expired keys are refused, so ending the key ends the session.
+    pub async fn key_context(&self, id: &str) -> Result<TenantContext, AuthError> {
+        if id.is_empty() || id.len() > 64 {
+            return Err(AuthError::Malformed);
+        }
+        self.key_entry(id).await?.usable()
+    }
+
+    async fn key_entry(&self, id: &str) -> Result<CachedKey, AuthError> {
         let cached = {
             let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
             cache.get(id).filter(|c| c.fetched.elapsed() < KEY_CACHE_TTL).cloned()
@@ -737,9 +770,13 @@ impl TenantStore {
                 c
             }
         };
-        if !constant_time_eq(&sha256(secret.as_bytes()), &entry.secret_sha256) {
-            return Err(AuthError::Unknown);
-        }
+        Ok(entry)
+    }
+}
+
+impl CachedKey {
+    fn usable(self) -> Result<TenantContext, AuthError> {
+        let entry = self;
         if entry.revoked {
             return Err(AuthError::Revoked);
         }

@@ -26,10 +26,15 @@ async fn keys_authenticate_and_revoke() {
             s.create_tenant("acme").await,
             Err(TenantError::TenantExists(_))
         ));
-        assert!(matches!(
-            s.create_tenant("no spaces").await,
-            Err(TenantError::InvalidName(_))
-        ));
+        // A tenant name is a label: any printable text, but never shaped like an id.
+        for bad in ["", " padded", "line\nbreak", "tn_0123456789abcdef"] {
+            assert!(
+                matches!(s.create_tenant(bad).await, Err(TenantError::InvalidTenantName(_))),
+                "{name}: {bad:?}"
+            );
+        }
+        let odd = s.create_tenant("<img src=x onerror=alert(1)>").await.unwrap();
+        assert_eq!(s.tenant("<img src=x onerror=alert(1)>").await.unwrap().id, odd.id);
         let k = s
             .create_key(
                 "acme",
@@ -622,4 +627,121 @@ async fn jwks_url_is_fetched_and_cached() {
     );
     assert!(matches!(s.authenticate(&rotated).await, Err(AuthError::Jwt(_))));
     assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+/// Dashboard sessions: only the token's hash is stored; a key session ends with its key;
+/// a JWT session carries the token's scopes and never outlives its `exp`; sign-out ends it.
+#[tokio::test]
+async fn sessions_follow_their_credentials() {
+    use crate::sessions::{admin_fingerprint, SessionKind};
+    for db in testing::all().await {
+        let s = TenantStore::new(&db);
+        let t = s.create_tenant("dash").await.unwrap();
+        let k = s.create_key("dash", &KeySpec::default()).await.unwrap();
+        let ctx = s.authenticate(&k.key).await.unwrap();
+        let kind = SessionKind::Tenant {
+            tenant_id: t.id.clone(),
+            credential: ctx.key_id.clone(),
+            scopes: ctx.scopes,
+            models: None,
+        };
+        let (token, opened) = s.create_session(kind, None, Some("127.0.0.1")).await.unwrap();
+        let stored: String = sqlx::query_scalar("SELECT token_sha256 FROM dashboard_sessions")
+            .fetch_one(s.pool())
+            .await
+            .unwrap();
+        assert_ne!(stored, token, "the token itself is never stored");
+        let live = s.session(&token).await.unwrap().expect("live");
+        assert_eq!(live.csrf, opened.csrf);
+        assert_eq!(s.session_context(&live).await.unwrap().tenant_id, t.id);
+        assert!(s.session("f".repeat(64).as_str()).await.unwrap().is_none());
+        assert!(s.session("not hex").await.unwrap().is_none());
+        // Revoking the key ends what it opened.
+        s.revoke_key(&k.info.id).await.unwrap();
+        assert!(matches!(s.session_context(&live).await, Err(AuthError::Revoked)));
+        s.end_session(&token).await.unwrap();
+        assert!(s.session(&token).await.unwrap().is_none());
+
+        // An operator session; one past its end is gone.
+        let op = SessionKind::Operator {
+            admin_fp: admin_fingerprint("secret"),
+        };
+        let (token, _) = s.create_session(op.clone(), None, None).await.unwrap();
+        assert_eq!(s.session(&token).await.unwrap().unwrap().kind, op);
+        let (gone, _) = s.create_session(op, Some(now_ms() - 1), None).await.unwrap();
+        assert!(s.session(&gone).await.unwrap().is_none());
+        assert_eq!(
+            s.purge_sessions().await.unwrap(),
+            0,
+            "the expired one was deleted on read"
+        );
+
+        // A JWT principal: scopes from the token, limits and budget from the tenant now.
+        let issuer = s
+            .add_issuer(
+                "dash",
+                &IssuerSpec {
+                    issuer: "https://dash.example".into(),
+                    audience: "hearth".into(),
+                    algorithm: "HS256".into(),
+                    key: Some(HS_SECRET.into()),
+                    jwks: None,
+                    jwks_url: None,
+                },
+            )
+            .await
+            .unwrap();
+        let end = now_ms() + 60_000;
+        let kind = SessionKind::Tenant {
+            tenant_id: t.id.clone(),
+            credential: format!("jwt:{}:alice", issuer.id),
+            scopes: Scopes::ALL,
+            models: Some(vec!["m1".into()]),
+        };
+        let (token, _) = s.create_session(kind, Some(end), None).await.unwrap();
+        let live = s.session(&token).await.unwrap().unwrap();
+        assert_eq!(live.expires_at, end, "never past the token's exp");
+        let ctx = s.session_context(&live).await.unwrap();
+        assert_eq!(
+            (ctx.tenant_name.as_str(), ctx.models.as_deref()),
+            ("dash", Some(&["m1".to_string()][..]))
+        );
+        s.remove_issuer(&issuer.id).await.unwrap();
+        assert!(
+            s.session_context(&live).await.is_err(),
+            "a removed issuer ends its sessions"
+        );
+    }
+}
+
+#[tokio::test]
+async fn audit_entries_are_per_tenant_and_newest_first() {
+    use crate::audit::NewAudit;
+    for db in testing::all().await {
+        let s = TenantStore::new(&db);
+        let a = s.create_tenant("audit-a").await.unwrap();
+        let b = s.create_tenant("audit-b").await.unwrap();
+        for (t, action) in [(&a, "key.create"), (&b, "key.create"), (&a, "key.revoke")] {
+            s.audit(&NewAudit {
+                tenant_id: Some(&t.id),
+                actor: "admin",
+                channel: "api",
+                address: Some("10.0.0.1"),
+                action,
+                object: "key:k1",
+                detail: json!({"name": "<b>x</b>"}),
+            })
+            .await
+            .unwrap();
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        let mine = s.audit_log(Some(&a.id), 10).await.unwrap();
+        assert_eq!(
+            mine.iter().map(|e| e.action.as_str()).collect::<Vec<_>>(),
+            ["key.revoke", "key.create"]
+        );
+        assert_eq!(mine[0].detail["name"], "<b>x</b>");
+        assert_eq!(s.audit_log(None, 10).await.unwrap().len(), 3);
+        assert_eq!(s.audit_log(Some(&b.id), 10).await.unwrap().len(), 1);
+    }
 }

@@ -532,6 +532,14 @@ pub enum AdminCommand {
         #[arg(long, default_value_t = 20)]
         limit: u32,
     },
+    /// The audit log of management actions (API, dashboard and CLI), newest first.
+    Audit {
+        /// One tenant's entries (name or id); default: everyone's and the platform's.
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+    },
     /// The model catalogue of a running gateway (through its admin API, not the database):
     /// list, add and remove models at runtime.
     Model {

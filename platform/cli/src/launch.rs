@@ -170,6 +170,9 @@ async fn run_gateway(
         "effective configuration"
     );
     println!("Hearth is listening on http://{addr} (models: {})", served.join(", "));
+    println!(
+        "Dashboard: http://{addr}/dashboard (sign in with an API key that has the 'manage' scope, or the admin token)"
+    );
     if !gw.tenants.has_active_keys().await? {
         let dd = data_dir.display();
         println!(
@@ -182,7 +185,9 @@ async fn run_gateway(
             served.first().map_or("MODEL", String::as_str)
         );
     }
-    axum::serve(listener, app::router(gw))
+    // With the peer's address: the audit log records where management actions came from.
+    let service = app::router(gw).into_make_service_with_connect_info::<SocketAddr>();
+    axum::serve(listener, service)
         .with_graceful_shutdown(shutdown_signal())
         .await?;
     Ok(())

@@ -7,7 +7,7 @@ use anyhow::{bail, Context};
 use std::sync::Arc;
 
 use hearth_billing::UsageLedger;
-use hearth_gateway::management::{Actor, Management, Upload, Window};
+use hearth_gateway::management::{Actor, Management, Origin, Upload, Window};
 use hearth_tenants::TenantStore;
 
 use crate::args::*;
@@ -90,6 +90,7 @@ pub async fn processor(a: ProcessorArgs) -> anyhow::Result<()> {
         tenants: &store,
         ledger: &ledger,
         runtime: None,
+        origin: Origin::cli(),
     };
     match a.command {
         ProcessorCommand::Upload {
@@ -184,6 +185,7 @@ pub async fn billing(command: BillingCommand) -> anyhow::Result<()> {
         tenants: &store,
         ledger: &ledger,
         runtime: None,
+        origin: Origin::cli(),
     };
     let e = manage
         .export(
@@ -317,6 +319,7 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
         tenants: &store,
         ledger: &ledger,
         runtime: None,
+        origin: Origin::cli(),
     };
     let json = a.json;
     let print = |v: serde_json::Value, text: String| {
@@ -330,7 +333,7 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
         AdminCommand::Tenant {
             command: TenantCommand::Create { name },
         } => {
-            let t = store.create_tenant(&name).await?;
+            let t = manage.create_tenant(&name).await?;
             print(serde_json::json!(t), format!("Created tenant {} ({}).", t.name, t.id));
         }
         AdminCommand::Tenant {
@@ -383,7 +386,7 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
             command: TenantCommand::Limits { name, limits },
         } => {
             let l = limits.limits();
-            let t = store.set_tenant_limits(&name, l).await?;
+            let t = manage.set_tenant_limits(&name, l).await?;
             print(
                 serde_json::json!({"tenant": t.name, "limits": l}),
                 format!("Tenant {} limits: {l:?}.", t.name),
@@ -393,7 +396,7 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
             command: KeyCommand::Limits { key_id, limits },
         } => {
             let l = limits.limits();
-            store.set_key_limits(&key_id, l).await?;
+            manage.set_key_limits(&key_id, l).await?;
             print(
                 serde_json::json!({"key": key_id, "limits": l}),
                 format!("Key {key_id} limits: {l:?}."),
@@ -421,7 +424,7 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                 monthly_nusd: micros * 1000,
                 hard: !soft,
             });
-            let t = store.set_budget(&name, b).await?;
+            let t = manage.set_budget(&name, b).await?;
             let text = match b {
                 Some(b) => format!(
                     "Tenant {} budget: ${} per month ({}).",
@@ -464,7 +467,7 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                 jwks: read(jwks_file)?,
                 jwks_url,
             };
-            let i = store.add_issuer(&tenant, &spec).await?;
+            let i = manage.add_issuer(&tenant, &spec).await?;
             print(
                 serde_json::json!(i),
                 format!(
@@ -491,7 +494,7 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
         AdminCommand::Jwt {
             command: JwtCommand::Remove { id },
         } => {
-            let i = store.remove_issuer(&id).await?;
+            let i = manage.remove_issuer(&id).await?;
             print(
                 serde_json::json!(i),
                 format!("Removed JWT issuer {} ({}).", i.id, i.issuer),
@@ -508,7 +511,6 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                     effective_from,
                 },
         } => {
-            let ledger = UsageLedger::new(&db);
             let processor = match processor {
                 Some(p) => usd(&p, "--processor")?,
                 None => ledger
@@ -523,7 +525,7 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                 processor_micros_per_cpu_s: processor,
             };
             let from = effective_from.as_deref().map(parse_time).transpose()?;
-            let p = ledger.set_price(&model, rates, from).await?;
+            let p = manage.set_price(&model, rates, from).await?;
             print(
                 serde_json::json!(p),
                 format!("Price for {} from {}: {:?}.", p.model, p.effective_from, p.rates),
@@ -548,6 +550,25 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
                 "No prices.",
             );
             print(serde_json::json!(ps), text);
+        }
+        AdminCommand::Audit { tenant, limit } => {
+            let entries = manage.audit_log(Actor::Operator, tenant.as_deref(), limit).await?;
+            let text = lines(
+                entries.iter().map(|e| {
+                    format!(
+                        "{}\t{}\t{}\t{}\t{}\t{}\t{}",
+                        hearth_billing::day_of(e.at),
+                        e.at,
+                        e.actor,
+                        e.channel,
+                        e.address.as_deref().unwrap_or("-"),
+                        e.action,
+                        e.object
+                    )
+                }),
+                "No audit entries.",
+            );
+            print(serde_json::json!(entries), text);
         }
         AdminCommand::Usage { tenant, limit } => {
             let tenant_id = match tenant {

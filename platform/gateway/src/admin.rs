@@ -20,6 +20,7 @@ use hearth_tenants::{now_ms, Budget, KeySpec, Scopes};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::auth::ClientOrigin;
 use crate::error::{ledger_error, store_error, ApiError};
 use crate::management::{Actor, Upload, Window};
 use crate::openai::parse_object;
@@ -56,6 +57,27 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/models", get(list_models).post(add_model))
         .route("/models/{model}", delete(remove_model))
         .route("/routing/{model}/workers/{slot}/drain", axum::routing::post(drain))
+        .route("/audit", get(audit_log))
+}
+
+#[derive(Deserialize)]
+struct AuditQuery {
+    tenant: Option<String>,
+    limit: Option<u32>,
+}
+
+/// `GET /admin/v1/audit?tenant&limit`: the audit log, newest first (all tenants' and the
+/// platform's by default).
+async fn audit_log(
+    State(gw): State<Arc<AppState>>,
+    q: Result<Query<AuditQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
+    let entries = gw
+        .management()
+        .audit_log(Actor::Operator, q.tenant.as_deref(), q.limit.unwrap_or(100))
+        .await?;
+    Ok(Json(json!({"object": "list", "data": entries})))
 }
 
 pub(crate) fn name_field(body: &Bytes, required: bool) -> Result<String, ApiError> {
@@ -76,9 +98,13 @@ async fn list_tenants(State(gw): State<Arc<AppState>>) -> Result<Json<Value>, Ap
     Ok(Json(json!({"object": "list", "data": tenants})))
 }
 
-async fn create_tenant(State(gw): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+async fn create_tenant(
+    State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let name = name_field(&body, true)?;
-    let t = gw.tenants.create_tenant(&name).await.map_err(store_error)?;
+    let t = gw.management().via(origin).create_tenant(&name).await?;
     Ok((StatusCode::CREATED, Json(t)).into_response())
 }
 
@@ -89,16 +115,25 @@ async fn list_keys(State(gw): State<Arc<AppState>>, Path(tenant): Path<String>) 
 
 async fn create_key(
     State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
     Path(tenant): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let spec = key_spec(&body)?;
-    let k = gw.management().create_key(Actor::Operator, Some(&tenant), spec).await?;
+    let k = gw
+        .management()
+        .via(origin)
+        .create_key(Actor::Operator, Some(&tenant), spec)
+        .await?;
     Ok((StatusCode::CREATED, Json(k)).into_response())
 }
 
-async fn revoke_key(State(gw): State<Arc<AppState>>, Path(key_id): Path<String>) -> Result<Json<Value>, ApiError> {
-    let k = gw.management().revoke_key(Actor::Operator, &key_id).await?;
+async fn revoke_key(
+    State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
+    Path(key_id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let k = gw.management().via(origin).revoke_key(Actor::Operator, &key_id).await?;
     Ok(Json(json!(k)))
 }
 
@@ -185,7 +220,11 @@ async fn list_models(State(gw): State<Arc<AppState>>) -> Json<Value> {
 /// `context_length`, `memory_mib`, `tenants`): adds the model to every worker catalogue
 /// and serves it. It loads on its first request (at once with `min_warm`). Refused (409)
 /// if the id is served already; if no catalogue takes it, the first refusal is answered.
-async fn add_model(State(gw): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+async fn add_model(
+    State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let spec: hearth_protocol::ModelSpec = serde_json::from_slice(&body).map_err(|e| {
         if e.is_syntax() || e.is_eof() {
             ApiError::malformed_json(e)
@@ -233,6 +272,17 @@ async fn add_model(State(gw): State<Arc<AppState>>, body: Bytes) -> Result<Respo
         Ok(m) => {
             let mut body = served_json(&m);
             body["refused"] = json!(refused);
+            let detail = json!({"source": spec.source, "tenants": spec.tenants, "refused": refused});
+            gw.management()
+                .via(origin)
+                .audit(
+                    Actor::Operator,
+                    None,
+                    "model.add",
+                    &format!("model:{}", spec.id),
+                    detail,
+                )
+                .await;
             Ok((StatusCode::CREATED, Json(body)).into_response())
         }
         Err(e) => {
@@ -273,7 +323,11 @@ fn host_change_error(e: crate::workers::HostChangeError) -> ApiError {
 /// `DELETE /admin/v1/models/{id}`: stops serving the model and removes it from every
 /// catalogue; requests in flight finish. A catalogue that could not remove it (it would
 /// serve the model again after a restart) is listed in `errors`.
-async fn remove_model(State(gw): State<Arc<AppState>>, Path(model): Path<String>) -> Result<Json<Value>, ApiError> {
+async fn remove_model(
+    State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
+    Path(model): Path<String>,
+) -> Result<Json<Value>, ApiError> {
     gw.models
         .remove(&model)
         .ok_or_else(|| ApiError::model_not_found(&model))?;
@@ -284,12 +338,23 @@ async fn remove_model(State(gw): State<Arc<AppState>>, Path(model): Path<String>
             Err(e) => errors.push(format!("{}: {e}", h.name())),
         }
     }
+    gw.management()
+        .via(origin)
+        .audit(
+            Actor::Operator,
+            None,
+            "model.remove",
+            &format!("model:{model}"),
+            json!({"errors": errors}),
+        )
+        .await;
     Ok(Json(json!({"id": model, "deleted": true, "errors": errors})))
 }
 
 /// `{"draining": true|false}`: a draining worker takes no new requests; running ones finish.
 async fn drain(
     State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
     Path((model, slot)): Path<(String, usize)>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
@@ -302,11 +367,19 @@ async fn drain(
             .unwrap_or(true)
     };
     let m = gw.models.get(&model).ok_or_else(|| ApiError::model_not_found(&model))?;
-    let mut r = m.router();
-    let w = r
-        .worker_mut(slot)
-        .ok_or_else(|| ApiError::not_found(format!("model {model} has no worker {slot}")))?;
-    w.draining = draining;
+    let worker = {
+        let mut r = m.router();
+        let w = r
+            .worker_mut(slot)
+            .ok_or_else(|| ApiError::not_found(format!("model {model} has no worker {slot}")))?;
+        w.draining = draining;
+        w.name.clone()
+    };
+    let detail = json!({"slot": slot, "worker": worker, "draining": draining});
+    gw.management()
+        .via(origin)
+        .audit(Actor::Operator, None, "worker.drain", &format!("model:{model}"), detail)
+        .await;
     Ok(Json(json!({"model": model, "slot": slot, "draining": draining})))
 }
 
@@ -345,11 +418,12 @@ pub(crate) fn limits_body(body: &Bytes) -> Result<hearth_tenants::Limits, ApiErr
 
 async fn set_tenant_limits(
     State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
     Path(tenant): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let l = limits_body(&body)?;
-    let t = gw.tenants.set_tenant_limits(&tenant, l).await.map_err(store_error)?;
+    let t = gw.management().via(origin).set_tenant_limits(&tenant, l).await?;
     Ok(Json(json!({"tenant": t.name, "limits": l})))
 }
 
@@ -363,11 +437,12 @@ async fn get_tenant_limits(
 
 async fn set_key_limits(
     State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
     Path(key_id): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let l = limits_body(&body)?;
-    gw.tenants.set_key_limits(&key_id, l).await.map_err(store_error)?;
+    gw.management().via(origin).set_key_limits(&key_id, l).await?;
     Ok(Json(json!({"key": key_id, "limits": l})))
 }
 
@@ -431,6 +506,7 @@ pub(crate) fn key_spec(body: &Bytes) -> Result<KeySpec, ApiError> {
 /// `{"monthly_usd": "12.50" | 12.5 | null, "mode": "hard"|"soft"}`.
 async fn set_budget(
     State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
     Path(tenant): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
@@ -453,7 +529,7 @@ async fn set_budget(
         monthly_nusd: micros * 1000,
         hard,
     });
-    let t = gw.tenants.set_budget(&tenant, b).await.map_err(store_error)?;
+    let t = gw.management().via(origin).set_budget(&tenant, b).await?;
     Ok(Json(budget_json(&t.name, b)))
 }
 
@@ -479,16 +555,21 @@ async fn list_issuers(State(gw): State<Arc<AppState>>, Path(tenant): Path<String
 /// `{"issuer", "audience", "algorithm", "key" | "jwks" | "jwks_url"}`.
 async fn add_issuer(
     State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
     Path(tenant): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let spec: IssuerSpec = serde_json::from_slice(&body).map_err(|e| ApiError::invalid("body", e.to_string()))?;
-    let i = gw.tenants.add_issuer(&tenant, &spec).await.map_err(store_error)?;
+    let i = gw.management().via(origin).add_issuer(&tenant, &spec).await?;
     Ok((StatusCode::CREATED, Json(i)).into_response())
 }
 
-async fn remove_issuer(State(gw): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
-    let i = gw.tenants.remove_issuer(&id).await.map_err(store_error)?;
+async fn remove_issuer(
+    State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let i = gw.management().via(origin).remove_issuer(&id).await?;
     Ok(Json(json!(i)))
 }
 
@@ -508,7 +589,11 @@ async fn list_prices(
 
 /// `{"model", "input", "cached_input", "output"}` in USD per million tokens (strings or
 /// numbers), optional `"effective_from"` (Unix ms).
-async fn set_price(State(gw): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+async fn set_price(
+    State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let o = parse_object(&body)?;
     let model = o
         .get("model")
@@ -551,7 +636,7 @@ async fn set_price(State(gw): State<Arc<AppState>>, body: Bytes) -> Result<Respo
                 .ok_or_else(|| ApiError::invalid("effective_from", "Unix milliseconds"))?,
         ),
     };
-    let p = gw.ledger.set_price(model, rates, from).await.map_err(ledger_error)?;
+    let p = gw.management().via(origin).set_price(model, rates, from).await?;
     Ok((StatusCode::CREATED, Json(p)).into_response())
 }
 
@@ -663,6 +748,7 @@ impl UploadQuery {
 
 async fn upload_processor(
     State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
     Path(tenant): Path<String>,
     q: Result<Query<UploadQuery>, axum::extract::rejection::QueryRejection>,
     body: Bytes,
@@ -670,6 +756,7 @@ async fn upload_processor(
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
     let p = gw
         .management()
+        .via(origin)
         .upload_processor(Actor::Operator, Some(&tenant), q.upload()?, body.to_vec())
         .await?;
     Ok((StatusCode::CREATED, Json(p)).into_response())
@@ -680,18 +767,27 @@ async fn list_processors(State(gw): State<Arc<AppState>>, Path(tenant): Path<Str
     Ok(Json(json!({"object": "list", "data": ps})))
 }
 
-async fn activate_processor(State(gw): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+async fn activate_processor(
+    State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
     Ok(Json(json!(
-        gw.management().set_processor_active(Actor::Operator, &id, true).await?
+        gw.management()
+            .via(origin)
+            .set_processor_active(Actor::Operator, &id, true)
+            .await?
     )))
 }
 
 async fn deactivate_processor(
     State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     Ok(Json(json!(
         gw.management()
+            .via(origin)
             .set_processor_active(Actor::Operator, &id, false)
             .await?
     )))
@@ -709,19 +805,28 @@ pub(crate) fn attachment_body(body: &Bytes) -> Result<Option<String>, ApiError> 
 
 async fn attach_processor(
     State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let key = attachment_body(&body)?;
     let p = gw
         .management()
+        .via(origin)
         .attach_processor(Actor::Operator, &id, key.as_deref())
         .await?;
     Ok(Json(json!(p)))
 }
 
-async fn delete_processor(State(gw): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+async fn delete_processor(
+    State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
     Ok(Json(json!(
-        gw.management().delete_processor(Actor::Operator, &id).await?
+        gw.management()
+            .via(origin)
+            .delete_processor(Actor::Operator, &id)
+            .await?
     )))
 }

@@ -32,6 +32,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models/{model}", get(get_model))
         .route("/healthz", get(healthz))
         .nest("/v1/tenant", crate::selfservice::router())
+        .nest("/dashboard", crate::dashboard::router())
+        .route("/", get(|| async { axum::response::Redirect::to("/dashboard") }))
         .merge(operator)
         .fallback(|| async {
             ApiError::not_found("no such endpoint; see /v1/chat/completions, /v1/completions, /v1/models")
@@ -47,12 +49,15 @@ pub fn router(state: Arc<AppState>) -> Router {
 async fn security_headers(req: Request, next: Next) -> Response {
     let private = {
         let p = req.uri().path();
-        p.starts_with("/admin/") || p.starts_with("/v1/tenant") || p == "/metrics"
+        p.starts_with("/admin/") || p.starts_with("/v1/tenant") || p.starts_with("/dashboard") || p == "/metrics"
     };
     let mut resp = next.run(req).await;
     let h = resp.headers_mut();
     h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
-    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    // The dashboard sets its own (`same-origin`).
+    if !h.contains_key(header::REFERRER_POLICY) {
+        h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    }
     if private {
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     }

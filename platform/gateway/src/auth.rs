@@ -15,6 +15,7 @@ use axum::response::{IntoResponse, Response};
 use hearth_tenants::{constant_time_eq, AuthError, TenantContext};
 
 use crate::error::ApiError;
+use crate::management::Origin;
 use crate::state::AppState;
 
 /// The token of an `Authorization: Bearer <token>` header (the scheme is
@@ -90,6 +91,25 @@ impl FromRequestParts<Arc<AppState>> for Caller {
 
     async fn from_request_parts(parts: &mut Parts, state: &Arc<AppState>) -> Result<Self, ApiError> {
         authorize(state, &parts.headers, Scope::Inference).await.map(Caller)
+    }
+}
+
+/// The client's address: the TCP peer (the launchers serve with connect info). A proxy's
+/// `X-Forwarded-For` is not trusted: any client can send one.
+pub fn client_address(extensions: &axum::http::Extensions) -> Option<String> {
+    extensions
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map(|c| c.0.ip().to_string())
+}
+
+/// Where an API management call comes from, for the audit log.
+pub struct ClientOrigin(pub Origin);
+
+impl<S: Send + Sync> FromRequestParts<S> for ClientOrigin {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(Self(Origin::api(client_address(&parts.extensions))))
     }
 }
 

@@ -232,6 +232,7 @@ pub fn store_error(e: TenantError) -> ApiError {
         TenantError::TenantExists(_) => ApiError::conflict(e.to_string()),
         TenantError::NoSuchTenant(_) | TenantError::NoSuchKey(_) => ApiError::not_found(e.to_string()),
         TenantError::InvalidName(_) => ApiError::invalid("name", e.to_string()),
+        TenantError::InvalidTenantName(_) => ApiError::invalid("name", e.to_string()),
         TenantError::NoSuchIssuer(_) | TenantError::NoSuchProcessor(_) => ApiError::not_found(e.to_string()),
         TenantError::IssuerExists(_) => ApiError::conflict(e.to_string()),
         TenantError::Invalid { field, .. } => ApiError::invalid(field, e.to_string()),

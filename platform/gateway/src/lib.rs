@@ -18,6 +18,7 @@
 pub mod admin;
 pub mod app;
 pub mod auth;
+pub mod dashboard;
 pub mod db;
 pub mod error;
 pub mod limits;

@@ -8,16 +8,78 @@
 //! [`MAX_KEYS_PER_TENANT`] active keys. Another tenant's key or processor is
 //! "not found", never "forbidden": ids are not confirmed across tenants.
 //!
-//! Operator-only operations (tenants, limits, budgets, issuers, prices) are plain store
-//! calls (`TenantStore`, `UsageLedger`) and need no service of their own.
+//! Operator-only operations (tenants, limits, budgets, issuers, prices) are thin wrappers
+//! over the stores (`TenantStore`, `UsageLedger`), here so that they are audited too.
+//!
+//! **Audit.** Every successful change made through the service writes one
+//! [`hearth_tenants::audit`] entry: the actor (`admin`, `cli:<user>`, `key:<id>`,
+//! `jwt:<issuer>:<sub>`), the adapter it came through and the client's address
+//! ([`Origin`]), the action, the object and its parameters (never a secret). The entry is
+//! written after the change commits; if that write fails the change stands and the failure
+//! is logged as an error (and counted in `hearth_audit_write_failures_total`).
 
 use std::sync::Arc;
 
 use hearth_billing::export::{by_day, render, DayLine, Export, Format, Granularity, Totals};
-use hearth_billing::{month_of, parse_day, BillingError, UsageLedger};
+use hearth_billing::{month_of, parse_day, BillingError, Price, PriceRates, UsageLedger};
 use hearth_runtime::Runtime;
+use hearth_tenants::audit::{AuditEntry, NewAudit};
+use hearth_tenants::jwt::{IssuerInfo, IssuerSpec};
 use hearth_tenants::processors::{ProcessorInfo, ProcessorSpec};
-use hearth_tenants::{now_ms, ApiKeyInfo, CreatedKey, KeySpec, TenantContext, TenantError, TenantStore};
+use hearth_tenants::{
+    now_ms, ApiKeyInfo, Budget, CreatedKey, KeySpec, Limits, Tenant, TenantContext, TenantError, TenantStore,
+};
+use serde_json::json;
+
+/// Through which adapter, and from where, a management action came.
+#[derive(Debug, Clone, Default)]
+pub struct Origin {
+    pub channel: Channel,
+    /// The client's address (API, dashboard); None for the CLI.
+    pub address: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Channel {
+    #[default]
+    Api,
+    Dashboard,
+    /// The `hearth` CLI against the database; the actor is `cli:<$USER>`.
+    Cli,
+}
+
+impl Channel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Channel::Api => "api",
+            Channel::Dashboard => "dashboard",
+            Channel::Cli => "cli",
+        }
+    }
+}
+
+impl Origin {
+    pub fn api(address: Option<String>) -> Self {
+        Self {
+            channel: Channel::Api,
+            address,
+        }
+    }
+
+    pub fn dashboard(address: Option<String>) -> Self {
+        Self {
+            channel: Channel::Dashboard,
+            address,
+        }
+    }
+
+    pub fn cli() -> Self {
+        Self {
+            channel: Channel::Cli,
+            address: None,
+        }
+    }
+}
 
 /// Who is managing.
 #[derive(Clone, Copy)]
@@ -115,15 +177,165 @@ pub struct ExportFile {
 }
 
 /// The service over one process's stores.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub struct Management<'a> {
     pub tenants: &'a TenantStore,
     pub ledger: &'a UsageLedger,
     /// Compiles (validates) uploaded processors; None: processors are disabled.
     pub runtime: Option<&'a Arc<Runtime>>,
+    /// Where the actions come from, for the audit log.
+    pub origin: Origin,
+}
+
+/// Counts audit entries that could not be written (see the module's docs).
+pub static AUDIT_WRITE_FAILURES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+impl Actor<'_> {
+    /// The audit log's name for the actor.
+    pub fn audit_name(&self, origin: &Origin) -> String {
+        match self {
+            Actor::Operator if origin.channel == Channel::Cli => {
+                let user = std::env::var("USER").unwrap_or_default();
+                format!("cli:{}", if user.is_empty() { "unknown" } else { &user })
+            }
+            Actor::Operator => "admin".into(),
+            Actor::Tenant(ctx) if ctx.key_id.starts_with("jwt:") => ctx.key_id.clone(),
+            Actor::Tenant(ctx) => format!("key:{}", ctx.key_id),
+        }
+    }
 }
 
 impl Management<'_> {
+    /// The same service, acting from `origin`.
+    pub fn via(self, origin: Origin) -> Self {
+        Self { origin, ..self }
+    }
+
+    /// Writes an audit entry for a change that has been made (see the module's docs).
+    pub async fn audit(
+        &self,
+        actor: Actor<'_>,
+        tenant_id: Option<&str>,
+        action: &str,
+        object: &str,
+        detail: serde_json::Value,
+    ) {
+        let who = actor.audit_name(&self.origin);
+        let e = NewAudit {
+            tenant_id,
+            actor: &who,
+            channel: self.origin.channel.as_str(),
+            address: self.origin.address.as_deref(),
+            action,
+            object,
+            detail,
+        };
+        if let Err(err) = self.tenants.audit(&e).await {
+            AUDIT_WRITE_FAILURES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::error!(error = %err, actor = %who, action, object, "audit entry could not be written");
+        }
+    }
+
+    /// The audit log: a tenant credential sees its tenant's entries; the operator one
+    /// tenant's (`tenant`) or everyone's.
+    pub async fn audit_log(
+        &self,
+        actor: Actor<'_>,
+        tenant: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<AuditEntry>, ManageError> {
+        let t = match (actor, tenant) {
+            (Actor::Operator, None) => None,
+            _ => Some(self.tenant_id(actor, tenant).await?),
+        };
+        Ok(self.tenants.audit_log(t.as_deref(), limit).await?)
+    }
+
+    // ---- operator-only changes -------------------------------------------------------
+
+    pub async fn create_tenant(&self, name: &str) -> Result<Tenant, ManageError> {
+        let t = self.tenants.create_tenant(name).await?;
+        self.audit(
+            Actor::Operator,
+            Some(&t.id),
+            "tenant.create",
+            &format!("tenant:{}", t.id),
+            json!({"name": t.name}),
+        )
+        .await;
+        Ok(t)
+    }
+
+    pub async fn set_tenant_limits(&self, tenant: &str, l: Limits) -> Result<Tenant, ManageError> {
+        let t = self.tenants.set_tenant_limits(tenant, l).await?;
+        let object = format!("tenant:{}", t.id);
+        self.audit(Actor::Operator, Some(&t.id), "tenant.limits", &object, json!(l))
+            .await;
+        Ok(t)
+    }
+
+    pub async fn set_key_limits(&self, key_id: &str, l: Limits) -> Result<(), ManageError> {
+        self.tenants.set_key_limits(key_id, l).await?;
+        // A key id, or a JWT principal (`jwt:<issuer>:<sub>`, limits without a key row).
+        let tenant = self.tenants.key(key_id).await.ok().map(|k| k.tenant_id);
+        self.audit(
+            Actor::Operator,
+            tenant.as_deref(),
+            "key.limits",
+            &format!("key:{key_id}"),
+            json!(l),
+        )
+        .await;
+        Ok(())
+    }
+
+    pub async fn set_budget(&self, tenant: &str, b: Option<Budget>) -> Result<Tenant, ManageError> {
+        let t = self.tenants.set_budget(tenant, b).await?;
+        let object = format!("tenant:{}", t.id);
+        self.audit(Actor::Operator, Some(&t.id), "tenant.budget", &object, json!(b))
+            .await;
+        Ok(t)
+    }
+
+    pub async fn add_issuer(&self, tenant: &str, spec: &IssuerSpec) -> Result<IssuerInfo, ManageError> {
+        let i = self.tenants.add_issuer(tenant, spec).await?;
+        self.audit(
+            Actor::Operator,
+            Some(&i.tenant_id),
+            "jwt_issuer.add",
+            &format!("jwt_issuer:{}", i.id),
+            json!({"issuer": i.issuer, "audience": i.audience, "algorithm": i.algorithm}),
+        )
+        .await;
+        Ok(i)
+    }
+
+    pub async fn remove_issuer(&self, id: &str) -> Result<IssuerInfo, ManageError> {
+        let i = self.tenants.remove_issuer(id).await?;
+        self.audit(
+            Actor::Operator,
+            Some(&i.tenant_id),
+            "jwt_issuer.remove",
+            &format!("jwt_issuer:{}", i.id),
+            json!({"issuer": i.issuer}),
+        )
+        .await;
+        Ok(i)
+    }
+
+    pub async fn set_price(&self, model: &str, rates: PriceRates, from: Option<i64>) -> Result<Price, ManageError> {
+        let p = self.ledger.set_price(model, rates, from).await?;
+        self.audit(
+            Actor::Operator,
+            None,
+            "price.set",
+            &format!("price:{}", p.model),
+            json!(p),
+        )
+        .await;
+        Ok(p)
+    }
+
     /// The tenant an actor means: the operator names one (by name or id); a tenant
     /// credential always means its own (naming another is "not found").
     pub async fn tenant_id(&self, actor: Actor<'_>, tenant: Option<&str>) -> Result<String, ManageError> {
@@ -195,6 +407,15 @@ impl Management<'_> {
                 self.tenants.set_key_limits(&created.info.id, l).await?;
             }
         }
+        let i = &created.info;
+        self.audit(
+            actor,
+            Some(&t),
+            "key.create",
+            &format!("key:{}", i.id),
+            json!({"name": i.name, "scopes": i.scopes, "models": i.models, "expires_at": i.expires_at}),
+        )
+        .await;
         Ok(created)
     }
 
@@ -214,7 +435,16 @@ impl Management<'_> {
                 }
             }
         }
-        Ok(self.tenants.revoke_key(key_id).await?)
+        let k = self.tenants.revoke_key(key_id).await?;
+        self.audit(
+            actor,
+            Some(&k.tenant_id),
+            "key.revoke",
+            &format!("key:{}", k.id),
+            json!({"name": k.name}),
+        )
+        .await;
+        Ok(k)
     }
 
     // ---- processors ------------------------------------------------------------------
@@ -262,7 +492,16 @@ impl Management<'_> {
             position: up.position,
             activate: up.activate,
         };
-        Ok(self.tenants.add_processor(&t, &spec, &wasm).await?)
+        let p = self.tenants.add_processor(&t, &spec, &wasm).await?;
+        self.audit(
+            actor,
+            Some(&t),
+            "processor.upload",
+            &format!("processor:{}", p.id),
+            json!({"name": p.name, "version": p.version, "sha256": p.sha256, "active": p.active, "key_id": p.key_id}),
+        )
+        .await;
+        Ok(p)
     }
 
     pub async fn list_processors(
@@ -291,7 +530,26 @@ impl Management<'_> {
         active: bool,
     ) -> Result<ProcessorInfo, ManageError> {
         self.own_processor(actor, id).await?;
-        Ok(self.tenants.set_processor_active(id, active).await?)
+        let p = self.tenants.set_processor_active(id, active).await?;
+        let action = if active {
+            "processor.activate"
+        } else {
+            "processor.deactivate"
+        };
+        self.audit_processor(actor, action, &p, json!({"name": p.name, "version": p.version}))
+            .await;
+        Ok(p)
+    }
+
+    async fn audit_processor(&self, actor: Actor<'_>, action: &str, p: &ProcessorInfo, detail: serde_json::Value) {
+        self.audit(
+            actor,
+            Some(&p.tenant_id),
+            action,
+            &format!("processor:{}", p.id),
+            detail,
+        )
+        .await;
     }
 
     /// Attaches to one key, or (None) to the whole tenant.
@@ -302,12 +560,23 @@ impl Management<'_> {
         key_id: Option<&str>,
     ) -> Result<ProcessorInfo, ManageError> {
         self.own_processor(actor, id).await?;
-        Ok(self.tenants.attach_processor(id, key_id).await?)
+        let p = self.tenants.attach_processor(id, key_id).await?;
+        self.audit_processor(actor, "processor.attach", &p, json!({"key_id": key_id}))
+            .await;
+        Ok(p)
     }
 
     pub async fn delete_processor(&self, actor: Actor<'_>, id: &str) -> Result<ProcessorInfo, ManageError> {
         self.own_processor(actor, id).await?;
-        Ok(self.tenants.delete_processor(id).await?)
+        let p = self.tenants.delete_processor(id).await?;
+        self.audit_processor(
+            actor,
+            "processor.delete",
+            &p,
+            json!({"name": p.name, "version": p.version}),
+        )
+        .await;
+        Ok(p)
     }
 
     // ---- usage and exports -----------------------------------------------------------

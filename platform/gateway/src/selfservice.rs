@@ -7,7 +7,8 @@
 //! * `GET /v1/tenant/usage?from&to` — usage and cost by day and model, with totals;
 //! * `GET /v1/tenant/usage/export?from&to&format&granularity` — the billing export;
 //! * `/v1/tenant/processors` — upload (POST, the `.wasm` as the body), list, activate,
-//!   deactivate, attach to a key, delete the tenant's processors.
+//!   deactivate, attach to a key, delete the tenant's processors;
+//! * `GET /v1/tenant/audit?limit` — the tenant's audit log (who changed what, when, from where).
 
 use std::sync::Arc;
 
@@ -23,7 +24,7 @@ use hearth_tenants::now_ms;
 use serde_json::{json, Value};
 
 use crate::admin::{budget_json, export_response, key_spec, ExportQuery, UploadQuery};
-use crate::auth::Manager;
+use crate::auth::{ClientOrigin, Manager};
 use crate::error::ledger_error;
 use crate::error::ApiError;
 use crate::management::Actor;
@@ -46,6 +47,26 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/processors/{id}/activate", axum::routing::post(activate_processor))
         .route("/processors/{id}/deactivate", axum::routing::post(deactivate_processor))
         .route("/processors/{id}/attachment", axum::routing::put(attach_processor))
+        .route("/audit", get(audit_log))
+}
+
+#[derive(serde::Deserialize)]
+struct AuditQuery {
+    limit: Option<u32>,
+}
+
+/// The tenant's audit log, newest first.
+async fn audit_log(
+    State(gw): State<Arc<AppState>>,
+    Manager(ctx): Manager,
+    q: Result<Query<AuditQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
+    let entries = gw
+        .management()
+        .audit_log(Actor::Tenant(&ctx), None, q.limit.unwrap_or(100))
+        .await?;
+    Ok(Json(json!({"object": "list", "data": entries})))
 }
 
 async fn me(State(gw): State<Arc<AppState>>, Manager(ctx): Manager) -> Result<Json<Value>, ApiError> {
@@ -72,19 +93,32 @@ async fn list_keys(State(gw): State<Arc<AppState>>, Manager(ctx): Manager) -> Re
 }
 
 /// A new key for the caller's tenant; it can grant no scope and no model the caller lacks.
-async fn create_key(State(gw): State<Arc<AppState>>, Manager(ctx): Manager, body: Bytes) -> Result<Response, ApiError> {
+async fn create_key(
+    State(gw): State<Arc<AppState>>,
+    Manager(ctx): Manager,
+    ClientOrigin(origin): ClientOrigin,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let spec = key_spec(&body)?;
-    let k = gw.management().create_key(Actor::Tenant(&ctx), None, spec).await?;
+    let k = gw
+        .management()
+        .via(origin)
+        .create_key(Actor::Tenant(&ctx), None, spec)
+        .await?;
     Ok((StatusCode::CREATED, Json(k)).into_response())
 }
 
 async fn revoke_key(
     State(gw): State<Arc<AppState>>,
     Manager(ctx): Manager,
+    ClientOrigin(origin): ClientOrigin,
     Path(key_id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     Ok(Json(json!(
-        gw.management().revoke_key(Actor::Tenant(&ctx), &key_id).await?
+        gw.management()
+            .via(origin)
+            .revoke_key(Actor::Tenant(&ctx), &key_id)
+            .await?
     )))
 }
 
@@ -132,12 +166,14 @@ async fn export(
 async fn upload_processor(
     State(gw): State<Arc<AppState>>,
     Manager(ctx): Manager,
+    ClientOrigin(origin): ClientOrigin,
     q: Result<Query<UploadQuery>, axum::extract::rejection::QueryRejection>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
     let p = gw
         .management()
+        .via(origin)
         .upload_processor(Actor::Tenant(&ctx), None, q.upload()?, body.to_vec())
         .await?;
     Ok((StatusCode::CREATED, Json(p)).into_response())
@@ -151,10 +187,12 @@ async fn list_processors(State(gw): State<Arc<AppState>>, Manager(ctx): Manager)
 async fn activate_processor(
     State(gw): State<Arc<AppState>>,
     Manager(ctx): Manager,
+    ClientOrigin(origin): ClientOrigin,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     Ok(Json(json!(
         gw.management()
+            .via(origin)
             .set_processor_active(Actor::Tenant(&ctx), &id, true)
             .await?
     )))
@@ -163,10 +201,12 @@ async fn activate_processor(
 async fn deactivate_processor(
     State(gw): State<Arc<AppState>>,
     Manager(ctx): Manager,
+    ClientOrigin(origin): ClientOrigin,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     Ok(Json(json!(
         gw.management()
+            .via(origin)
             .set_processor_active(Actor::Tenant(&ctx), &id, false)
             .await?
     )))
@@ -175,12 +215,14 @@ async fn deactivate_processor(
 async fn attach_processor(
     State(gw): State<Arc<AppState>>,
     Manager(ctx): Manager,
+    ClientOrigin(origin): ClientOrigin,
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let key = crate::admin::attachment_body(&body)?;
     let p = gw
         .management()
+        .via(origin)
         .attach_processor(Actor::Tenant(&ctx), &id, key.as_deref())
         .await?;
     Ok(Json(json!(p)))
@@ -189,9 +231,13 @@ async fn attach_processor(
 async fn delete_processor(
     State(gw): State<Arc<AppState>>,
     Manager(ctx): Manager,
+    ClientOrigin(origin): ClientOrigin,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     Ok(Json(json!(
-        gw.management().delete_processor(Actor::Tenant(&ctx), &id).await?
+        gw.management()
+            .via(origin)
+            .delete_processor(Actor::Tenant(&ctx), &id)
+            .await?
     )))
 }

@@ -26,12 +26,14 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// The management service over this process's stores.
+    /// The management service over this process's stores (acting through the API; see
+    /// [`crate::management::Management::via`]).
     pub fn management(&self) -> crate::management::Management<'_> {
         crate::management::Management {
             tenants: &self.tenants,
             ledger: &self.ledger,
             runtime: self.processors.as_ref().map(|h| &h.runtime),
+            origin: Default::default(),
         }
     }
 

@@ -119,6 +119,10 @@ pub struct WorkerState {
     pub outstanding: u32,
     pub inflight_prefill_tokens: u64,
     pub decoding: u32,
+    /// Prompt tokens of the requests this worker finished, and how many of them its prefix
+    /// cache served (the engine's `cached_tokens`): the worker's measured cache hit rate.
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -433,6 +437,14 @@ impl Router {
             } else {
                 w.inflight_prefill_tokens = w.inflight_prefill_tokens.saturating_sub(uncached as u64);
             }
+        }
+    }
+
+    /// A request on `slot` reported its usage: counts its prompt and cached tokens.
+    pub fn on_usage(&mut self, slot: usize, prompt_tokens: u32, cached_tokens: u32) {
+        if let Some(w) = self.worker_mut(slot) {
+            w.prompt_tokens += u64::from(prompt_tokens);
+            w.cached_tokens += u64::from(cached_tokens.min(prompt_tokens));
         }
     }
 

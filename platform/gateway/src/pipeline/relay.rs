@@ -218,6 +218,9 @@ async fn relay(
         let terminal = match &ev {
             GenerateEvent::Token { .. } => {
                 generated += 1;
+                if rec.ttft_ms.is_none() {
+                    rec.ttft_ms = Some(u32::try_from(timing.received.elapsed().as_millis()).unwrap_or(u32::MAX));
+                }
                 timing.token(&state.metrics);
                 if let Some(p) = placement.as_mut() {
                     p.first_token();
@@ -233,6 +236,9 @@ async fn relay(
                 rec.prompt_tokens = usage.prompt_tokens;
                 rec.cached_tokens = usage.cached_tokens;
                 rec.completion_tokens = usage.completion_tokens;
+                if let Some(p) = &placement {
+                    p.usage(usage.prompt_tokens, usage.cached_tokens);
+                }
                 rec.status = UsageStatus::Completed.as_str().into();
                 rec.finish_reason = Some(finish_reason.as_str().into());
                 timing.done(&state.metrics, finish_reason.as_str(), usage);

@@ -72,6 +72,11 @@ impl Placement {
         }
     }
 
+    /// The request's usage, for its worker's cache hit rate.
+    pub fn usage(&self, prompt_tokens: u32, cached_tokens: u32) {
+        self.model.router().on_usage(self.slot, prompt_tokens, cached_tokens);
+    }
+
     /// The worker produced its first token: its prefill is done.
     pub fn first_token(&mut self) {
         if !self.started {

@@ -1,0 +1,418 @@
+//! The dashboard over HTTP against a real `hearth serve`: sign-in and its cookies, CSRF,
+//! the security headers, usage numbers equal to the API's `usage`, key creation and
+//! revocation (the revoked key gets 401, and a session opened with a revoked key ends),
+//! tenant isolation, escaping of tenant-supplied names, the audit log from the API, the
+//! dashboard and the CLI, and the Parquet export's types. (The browser test,
+//! `scripts/dashboard-check`, drives the same pages in headless Chromium.)
+
+mod common;
+
+use common::*;
+use reqwest::header::{HeaderMap, LOCATION, SET_COOKIE};
+use reqwest::redirect::Policy;
+use serde_json::{json, Value};
+
+fn browser() -> reqwest::Client {
+    reqwest::Client::builder()
+        .redirect(Policy::none())
+        .timeout(std::time::Duration::from_secs(60))
+        .build()
+        .unwrap()
+}
+
+fn cookie_value(h: &HeaderMap, name: &str) -> Option<(String, String)> {
+    h.get_all(SET_COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .find(|v| v.starts_with(&format!("{name}=")))
+        .map(|v| {
+            let value = v.split(';').next().unwrap()[name.len() + 1..].to_string();
+            (value, v.to_string())
+        })
+}
+
+/// The value of `<input … name="NAME" value="…">` or `<meta name="NAME" content="…">`.
+fn field(html: &str, name: &str) -> String {
+    let i = html
+        .find(&format!("name=\"{name}\""))
+        .unwrap_or_else(|| panic!("{name} in page"));
+    let rest = &html[i..];
+    let v = rest.find("value=\"").or_else(|| rest.find("content=\"")).unwrap();
+    let rest = &rest[v..];
+    let start = rest.find('"').unwrap() + 1;
+    let end = rest[start..].find('"').unwrap();
+    rest[start..start + end].to_string()
+}
+
+/// The text of the element with `id="ID"`.
+fn by_id(html: &str, id: &str) -> String {
+    let i = html
+        .find(&format!("id=\"{id}\""))
+        .unwrap_or_else(|| panic!("#{id} in page"));
+    let rest = &html[i..];
+    let start = rest.find('>').unwrap() + 1;
+    let end = rest[start..].find('<').unwrap();
+    rest[start..start + end].trim().to_string()
+}
+
+struct Session {
+    cookie: String,
+    csrf: String,
+}
+
+/// Signs in through the form; returns the session cookie and the page's CSRF token.
+async fn sign_in(base: &str, credential: &str) -> Result<Session, (u16, String)> {
+    let c = browser();
+    let form = c.get(format!("{base}/dashboard/login")).send().await.unwrap();
+    assert_eq!(form.status(), 200);
+    let (login, attrs) = cookie_value(form.headers(), "hearth_login").expect("login cookie");
+    assert!(
+        attrs.contains("HttpOnly") && attrs.contains("SameSite=Strict"),
+        "{attrs}"
+    );
+    let html = form.text().await.unwrap();
+    let nonce = field(&html, "login_csrf");
+    let resp = c
+        .post(format!("{base}/dashboard/login"))
+        .header("cookie", format!("hearth_login={login}"))
+        .header("origin", base)
+        .form(&[("credential", credential), ("login_csrf", &nonce)])
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    if status != 303 {
+        return Err((status, resp.text().await.unwrap()));
+    }
+    let (cookie, attrs) = cookie_value(resp.headers(), "hearth_session").expect("session cookie");
+    for a in ["HttpOnly", "SameSite=Strict", "Path=/dashboard"] {
+        assert!(attrs.contains(a), "{attrs}");
+    }
+    assert!(!attrs.contains("Secure"), "plain HTTP: no Secure flag ({attrs})");
+    let page = c
+        .get(format!("{base}/dashboard"))
+        .header("cookie", format!("hearth_session={cookie}"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    Ok(Session {
+        csrf: field(&page, "csrf-token"),
+        cookie,
+    })
+}
+
+async fn page(base: &str, s: &Session, path: &str) -> (u16, String) {
+    let r = browser()
+        .get(format!("{base}{path}"))
+        .header("cookie", format!("hearth_session={}", s.cookie))
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+async fn post_form(base: &str, s: &Session, path: &str, form: &[(&str, &str)]) -> reqwest::Response {
+    browser()
+        .post(format!("{base}{path}"))
+        .header("cookie", format!("hearth_session={}", s.cookie))
+        .header("origin", base)
+        .form(form)
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn dashboard_sessions_usage_keys_isolation_and_audit() {
+    let data = temp_dir("dashboard");
+    let server = serve(&data);
+    let base = server.url.clone();
+    let key_a = new_key(&data, "acme");
+    let odd = "<img src=x onerror=alert(1)>";
+    let key_b = new_key(&data, odd);
+    admin(&data, &TEST_PRICE);
+
+    // The root and unauthenticated pages lead to the sign-in form.
+    let r = browser().get(format!("{base}/")).send().await.unwrap();
+    assert_eq!(r.headers()[LOCATION], "/dashboard");
+    let r = browser().get(format!("{base}/dashboard")).send().await.unwrap();
+    assert_eq!(
+        (r.status().as_u16(), r.headers()[LOCATION].to_str().unwrap()),
+        (303, "/dashboard/login")
+    );
+    let r = browser().get(format!("{base}/dashboard/login")).send().await.unwrap();
+    let csp = r.headers()["content-security-policy"].to_str().unwrap().to_string();
+    for d in ["default-src 'none'", "script-src 'self'", "frame-ancestors 'none'"] {
+        assert!(csp.contains(d), "{csp}");
+    }
+    assert!(!csp.contains("unsafe-inline"));
+    assert_eq!(r.headers()["x-frame-options"], "DENY");
+    assert_eq!(r.headers()["cache-control"], "no-store");
+
+    // Sign-in: a wrong credential, a missing login token, another site's form, no manage scope.
+    assert_eq!(sign_in(&base, "hk_nope_nope").await.err().unwrap().0, 401);
+    let r = browser()
+        .post(format!("{base}/dashboard/login"))
+        .form(&[("credential", key_a.as_str()), ("login_csrf", "x")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403, "no login cookie");
+    let inference_only = {
+        let out = admin(
+            &data,
+            &["--json", "key", "create", "--tenant", "acme", "--scopes", "inference"],
+        );
+        serde_json::from_str::<Value>(&out).unwrap()["key"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let (status, html) = sign_in(&base, &inference_only).await.err().unwrap();
+    assert_eq!(status, 403);
+    assert!(
+        html.contains("lacks the &#x27;manage&#x27; scope") || html.contains("lacks the 'manage' scope"),
+        "{html}"
+    );
+
+    // Traffic for tenant A; the dashboard's totals are the sum of the API's usage.
+    let url = format!("{base}/v1/chat/completions");
+    let mut want = (0u64, 0u64, 0u64, 0u64);
+    for i in 0..3 {
+        let body = chat_body(
+            json!({"max_tokens": 6, "messages": [{"role": "user", "content": format!("Say a colour. #{i}")}]}),
+        );
+        let (status, _, v) = post(&url, Some(&key_a), &body).await;
+        assert_eq!(status, 200, "{v}");
+        let u = &v["usage"];
+        want.0 += 1;
+        want.1 += u["prompt_tokens"].as_u64().unwrap();
+        want.2 += u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+        want.3 += u["completion_tokens"].as_u64().unwrap();
+    }
+    let a = sign_in(&base, &key_a).await.unwrap();
+    let (status, html) = page(&base, &a, "/dashboard").await;
+    assert_eq!(status, 200);
+    let num = |id: &str| by_id(&html, id).parse::<u64>().unwrap();
+    assert_eq!(
+        (
+            num("total-requests"),
+            num("total-input"),
+            num("total-cached"),
+            num("total-output")
+        ),
+        want,
+        "dashboard totals = the API's usage"
+    );
+    assert_eq!(num("total-uncached"), want.1 - want.2);
+    assert!(html.contains("<svg id=\"tokens-chart\""));
+    let (_, reqs) = page(&base, &a, "/dashboard/requests").await;
+    assert_eq!(reqs.matches("<td><code>req_").count(), 3);
+
+    // A new key: CSRF refused without the token or from another origin; shown once; works.
+    let create = [
+        ("name", "from-dashboard"),
+        ("scope_inference", "on"),
+        ("csrf", a.csrf.as_str()),
+    ];
+    assert_eq!(
+        post_form(&base, &a, "/dashboard/keys", &create[..2]).await.status(),
+        403
+    );
+    let r = browser()
+        .post(format!("{base}/dashboard/keys"))
+        .header("cookie", format!("hearth_session={}", a.cookie))
+        .header("origin", "http://evil.example")
+        .form(&create)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403, "cross-origin form");
+    for (origin, site) in [
+        ("null", None),
+        ("null", Some("cross-site")),
+        (base.as_str(), Some("cross-site")),
+    ] {
+        let mut req = browser()
+            .post(format!("{base}/dashboard/keys"))
+            .header("cookie", format!("hearth_session={}", a.cookie))
+            .header("origin", origin)
+            .form(&create);
+        if let Some(site) = site {
+            req = req.header("sec-fetch-site", site);
+        }
+        assert_eq!(req.send().await.unwrap().status(), 403, "{origin} {site:?}");
+    }
+    let r = post_form(&base, &a, "/dashboard/keys", &create).await;
+    assert_eq!(r.status(), 201);
+    let html = r.text().await.unwrap();
+    let new_key = by_id(&html, "new-key");
+    let new_id = by_id(&html, "new-key-id");
+    assert!(new_key.starts_with("hk_"));
+    let models = format!("{base}/v1/models");
+    let ok = client().get(&models).bearer_auth(&new_key).send().await.unwrap();
+    assert_eq!(ok.status(), 200);
+    let (_, keys) = page(&base, &a, "/dashboard/keys").await;
+    assert!(
+        keys.contains(&new_id) && !keys.contains(&new_key),
+        "the secret is shown once"
+    );
+    let r = post_form(
+        &base,
+        &a,
+        &format!("/dashboard/keys/{new_id}/revoke"),
+        &[("csrf", &a.csrf)],
+    )
+    .await;
+    assert_eq!(r.status(), 303);
+    let gone = client().get(&models).bearer_auth(&new_key).send().await.unwrap();
+    assert_eq!(gone.status(), 401, "the revoked key is refused");
+
+    // Tenant B (named like markup) sees none of A's data and cannot touch A's keys.
+    let b = sign_in(&base, &key_b).await.unwrap();
+    let (_, html) = page(&base, &b, "/dashboard").await;
+    assert_eq!(by_id(&html, "total-requests"), "0");
+    assert!(
+        html.contains("&lt;img src=x onerror=alert(1)&gt;"),
+        "the name is escaped"
+    );
+    assert!(!html.contains(odd), "never raw markup");
+    let (_, reqs) = page(&base, &b, "/dashboard/requests").await;
+    assert!(!reqs.contains("req_"));
+    let (_, keys) = page(&base, &b, "/dashboard/keys").await;
+    assert!(!keys.contains(&new_id));
+    let a_key_id = key_a.split('_').nth(1).unwrap();
+    let r = post_form(
+        &base,
+        &b,
+        &format!("/dashboard/keys/{a_key_id}/revoke"),
+        &[("csrf", &b.csrf)],
+    )
+    .await;
+    assert_eq!(r.status(), 404, "another tenant's key does not exist");
+    let r = post_form(
+        &base,
+        &b,
+        &format!("/dashboard/keys/{a_key_id}/revoke"),
+        &[("csrf", &a.csrf)],
+    )
+    .await;
+    assert_eq!(r.status(), 403, "another session's CSRF token");
+    let (status, _) = page(&base, &b, "/dashboard/processors").await;
+    assert_eq!(status, 200);
+
+    // The operator: every tenant with its spend; names escaped.
+    let op = sign_in(&base, ADMIN_TOKEN).await.unwrap();
+    let (status, html) = page(&base, &op, "/dashboard").await;
+    assert_eq!(status, 200);
+    assert!(html.contains("&lt;img src=x onerror=alert(1)&gt;") && !html.contains(odd));
+    assert!(html.contains("acme") && html.contains(MODEL), "tenants and models");
+    let (status, _) = page(&base, &a, "/dashboard/audit").await;
+    assert_eq!(status, 200);
+
+    // The audit log: the dashboard's actions with their address, the CLI's, per tenant.
+    let audit = get_json(&format!("{base}/v1/tenant/audit"), &key_a).await;
+    let actions: Vec<(&str, &str)> = audit["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["action"].as_str().unwrap(), e["channel"].as_str().unwrap()))
+        .collect();
+    for want in [
+        ("key.revoke", "dashboard"),
+        ("key.create", "dashboard"),
+        ("session.sign_in", "dashboard"),
+        ("key.create", "cli"),
+        ("tenant.create", "cli"),
+    ] {
+        assert!(actions.contains(&want), "{want:?} in {actions:?}");
+    }
+    let revoke = audit["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["action"] == "key.revoke")
+        .unwrap();
+    assert_eq!(revoke["address"], "127.0.0.1");
+    assert_eq!(revoke["object"], format!("key:{new_id}"));
+    assert!(revoke["actor"].as_str().unwrap().starts_with("key:"));
+    let b_audit = get_json(&format!("{base}/v1/tenant/audit"), &key_b).await;
+    assert!(
+        b_audit["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| e["object"] != format!("key:{new_id}")),
+        "tenants see only their own entries"
+    );
+    let all: Value = client()
+        .get(format!("{base}/admin/v1/audit"))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(all["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|e| e["action"] == "price.set"));
+    let cli: Value = serde_json::from_str(&admin(&data, &["--json", "audit", "--tenant", "acme"])).unwrap();
+    assert!(cli.as_array().unwrap().iter().any(|e| e["action"] == "key.revoke"));
+
+    // Exports from the dashboard: the billing export, Parquet with native types.
+    let r = browser()
+        .get(format!("{base}/dashboard/export?format=parquet"))
+        .header("cookie", format!("hearth_session={}", a.cookie))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["content-type"], "application/vnd.apache.parquet");
+    assert!(r.bytes().await.unwrap().starts_with(b"PAR1"));
+
+    // Revoking the key a session was opened with ends the session.
+    let out = admin(&data, &["--json", "key", "create", "--tenant", "acme"]);
+    let k2 = serde_json::from_str::<Value>(&out).unwrap()["key"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let s2 = sign_in(&base, &k2).await.unwrap();
+    assert_eq!(page(&base, &s2, "/dashboard/keys").await.0, 200);
+    admin(&data, &["key", "revoke", k2.split('_').nth(1).unwrap()]);
+    tokio::time::sleep(std::time::Duration::from_millis(5_200)).await; // the key cache's 5 s
+    let r = browser()
+        .get(format!("{base}/dashboard/keys"))
+        .header("cookie", format!("hearth_session={}", s2.cookie))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()[LOCATION], "/dashboard/login");
+
+    // Sign-out ends the session on the server, not just in the browser.
+    let r = post_form(&base, &a, "/dashboard/logout", &[("csrf", &a.csrf)]).await;
+    assert_eq!(r.status(), 303);
+    let (_, attrs) = cookie_value(r.headers(), "hearth_session").unwrap();
+    assert!(attrs.contains("Max-Age=0"));
+    let r = browser()
+        .get(format!("{base}/dashboard/keys"))
+        .header("cookie", format!("hearth_session={}", a.cookie))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 303);
+
+    // Behind a TLS proxy the session cookie is Secure.
+    let form = browser()
+        .get(format!("{base}/dashboard/login"))
+        .header("x-forwarded-proto", "https")
+        .send()
+        .await
+        .unwrap();
+    let (_, attrs) = cookie_value(form.headers(), "hearth_login").unwrap();
+    assert!(attrs.contains("Secure"), "{attrs}");
+}

@@ -1,0 +1,915 @@
+//! The dashboard: server-rendered pages for tenants and the operator, served by the gateway
+//! under `/dashboard` and built into the binary (templates, stylesheet and script are
+//! `include_str!`ed; charts are SVG drawn on the server).
+//!
+//! * **Sign-in** exchanges a credential — an API key or JWT with the `manage` scope, or the
+//!   admin token — for a server-side session ([`hearth_tenants::sessions`]): the cookie
+//!   `hearth_session` holds a random token (HttpOnly, SameSite=Strict, Path=/dashboard, and
+//!   Secure when the request came over TLS: `X-Forwarded-Proto: https`); the database holds
+//!   its hash. Sessions end on sign-out, after 30 minutes idle, after 12 hours, or with their
+//!   credential (a revoked key, a JWT's `exp`, a changed admin token).
+//! * **CSRF**: every POST carries the session's token (a form field or `x-csrf-token`),
+//!   compared in constant time, and is refused when `Origin` or `Sec-Fetch-Site` says it
+//!   came from another site. Sign-in carries a one-time token from a cookie set with the
+//!   form (double submit), so a third party cannot sign a browser into its own account.
+//! * **CSP**: `default-src 'none'`; scripts, styles and images only from the dashboard
+//!   itself, no inline script, no framing. Every value a template prints is HTML-escaped
+//!   (minijinja's auto-escaping for `.html` templates); nothing is marked safe.
+//! * **Isolation**: a tenant session acts as [`Actor::Tenant`] through the management
+//!   service and reads the ledger by its own tenant id only; operator pages need an operator
+//!   session.
+//!
+//! Every change goes through [`crate::management::Management`] with the dashboard's
+//! [`Origin`], so it lands in the audit log like the API's and the CLI's.
+
+pub mod views;
+
+use std::sync::{Arc, OnceLock};
+
+use axum::body::Bytes;
+use axum::extract::{FromRequestParts, Path, Query, Request, State};
+use axum::http::request::Parts;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::{Form, Json, Router};
+use hearth_billing::{format_nusd, month_of};
+use hearth_tenants::sessions::{admin_fingerprint, Session, SessionKind};
+use hearth_tenants::{constant_time_eq, now_ms, AuthError, KeySpec, Scopes, TenantContext};
+use minijinja::{context, Environment};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::auth::client_address;
+use crate::error::ApiError;
+use crate::management::{Actor, Origin, Upload, Window};
+use crate::state::AppState;
+
+const SESSION_COOKIE: &str = "hearth_session";
+const LOGIN_COOKIE: &str = "hearth_login";
+
+/// The policy on every dashboard response: nothing inline, nothing from elsewhere.
+pub const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; \
+     connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
+
+pub fn router() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/", get(home))
+        .route("/login", get(login_form).post(login))
+        .route("/logout", post(logout))
+        .route("/requests", get(requests))
+        .route("/keys", get(keys).post(create_key))
+        .route("/keys/{id}/revoke", post(revoke_key))
+        .route(
+            "/processors",
+            get(processors)
+                .post(upload_processor)
+                .layer(crate::admin::upload_limit()),
+        )
+        .route("/processors/{id}/{action}", post(processor_action))
+        .route("/export", get(export))
+        .route("/audit", get(audit))
+        .route("/static/app.css", get(css))
+        .route("/static/app.js", get(js))
+        .layer(middleware::from_fn(headers))
+}
+
+/// Headers on every dashboard response.
+async fn headers(req: Request, next: Next) -> Response {
+    let mut resp = next.run(req).await;
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    // Browsers then send a real `Origin` on the dashboard's own form posts (under
+    // `no-referrer` it is "null"); nothing leaks to other sites.
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("same-origin"));
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    h.insert("cross-origin-opener-policy", HeaderValue::from_static("same-origin"));
+    resp
+}
+
+// ---- templates ---------------------------------------------------------------------------
+
+fn env() -> &'static Environment<'static> {
+    static ENV: OnceLock<Environment<'static>> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let mut env = Environment::new();
+        // `.html` templates escape every printed value (minijinja's default callback).
+        for (name, src) in [
+            ("base.html", include_str!("templates/base.html")),
+            ("login.html", include_str!("templates/login.html")),
+            ("overview.html", include_str!("templates/overview.html")),
+            ("chart.html", include_str!("templates/chart.html")),
+            ("requests.html", include_str!("templates/requests.html")),
+            ("keys.html", include_str!("templates/keys.html")),
+            ("key_created.html", include_str!("templates/key_created.html")),
+            ("processors.html", include_str!("templates/processors.html")),
+            ("audit.html", include_str!("templates/audit.html")),
+            ("operator.html", include_str!("templates/operator.html")),
+            ("error.html", include_str!("templates/error.html")),
+        ] {
+            env.add_template(name, src).expect("dashboard templates parse");
+        }
+        env.add_filter("time", |ms: i64| iso_time(ms));
+        env
+    })
+}
+
+fn iso_time(ms: i64) -> String {
+    let secs = ms.rem_euclid(86_400_000) / 1000;
+    format!(
+        "{} {:02}:{:02}:{:02}",
+        hearth_billing::day_of(ms),
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60
+    )
+}
+
+fn page(status: StatusCode, name: &str, ctx: minijinja::Value) -> Response {
+    match env().get_template(name).and_then(|t| t.render(ctx)) {
+        Ok(html) => (status, [(header::CONTENT_TYPE, "text/html; charset=utf-8")], html).into_response(),
+        Err(e) => {
+            tracing::error!(template = name, error = %e, "dashboard template failed");
+            (StatusCode::INTERNAL_SERVER_ERROR, "the page could not be rendered").into_response()
+        }
+    }
+}
+
+/// A page-level error: an HTML page with the message (escaped) and the status.
+struct PageError {
+    status: StatusCode,
+    message: String,
+}
+
+impl From<ApiError> for PageError {
+    fn from(e: ApiError) -> Self {
+        Self {
+            status: e.status,
+            message: e.message,
+        }
+    }
+}
+
+impl From<crate::management::ManageError> for PageError {
+    fn from(e: crate::management::ManageError) -> Self {
+        ApiError::from(e).into()
+    }
+}
+
+impl IntoResponse for PageError {
+    fn into_response(self) -> Response {
+        page(
+            self.status,
+            "error.html",
+            context! {message => self.message, status => self.status.as_u16()},
+        )
+    }
+}
+
+// ---- sessions ----------------------------------------------------------------------------
+
+fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|c| c.trim().split_once('='))
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v)
+}
+
+/// Whether the client reached us over TLS (a terminating proxy says so).
+fn over_tls(headers: &HeaderMap) -> bool {
+    headers
+        .get("x-forwarded-proto")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case("https"))
+}
+
+fn set_cookie(headers: &HeaderMap, name: &str, value: &str, max_age_s: i64) -> HeaderValue {
+    let secure = if over_tls(headers) { "; Secure" } else { "" };
+    HeaderValue::from_str(&format!(
+        "{name}={value}; Path=/dashboard; HttpOnly; SameSite=Strict; Max-Age={max_age_s}{secure}"
+    ))
+    .unwrap_or_else(|_| HeaderValue::from_static(""))
+}
+
+/// A signed-in visitor: its session and, for a tenant, its credential as it stands now.
+pub struct Visitor {
+    pub session: Session,
+    pub tenant: Option<TenantContext>,
+    pub origin: Origin,
+}
+
+impl Visitor {
+    fn actor(&self) -> Actor<'_> {
+        match &self.tenant {
+            Some(ctx) => Actor::Tenant(ctx),
+            None => Actor::Operator,
+        }
+    }
+
+    fn tenant(&self) -> Result<&TenantContext, PageError> {
+        self.tenant.as_ref().ok_or(PageError {
+            status: StatusCode::FORBIDDEN,
+            message: "This page is a tenant's; the operator's pages are on the dashboard's home.".into(),
+        })
+    }
+
+    fn base(&self) -> minijinja::Value {
+        match &self.tenant {
+            Some(t) => context! {
+                kind => "tenant", tenant_name => t.tenant_name, tenant_id => t.tenant_id,
+                credential => t.key_id, csrf => self.session.csrf,
+            },
+            None => context! {kind => "operator", csrf => self.session.csrf},
+        }
+    }
+}
+
+/// No session: pages redirect to the sign-in form, other requests get a 401.
+pub enum Unauthenticated {
+    Redirect,
+    Refused(ApiError),
+}
+
+impl IntoResponse for Unauthenticated {
+    fn into_response(self) -> Response {
+        match self {
+            Unauthenticated::Redirect => Redirect::to("/dashboard/login").into_response(),
+            Unauthenticated::Refused(e) => e.into_response(),
+        }
+    }
+}
+
+impl FromRequestParts<Arc<AppState>> for Visitor {
+    type Rejection = Unauthenticated;
+
+    async fn from_request_parts(parts: &mut Parts, gw: &Arc<AppState>) -> Result<Self, Unauthenticated> {
+        let refuse = |e: ApiError| {
+            if parts.method == axum::http::Method::GET {
+                Unauthenticated::Redirect
+            } else {
+                Unauthenticated::Refused(e)
+            }
+        };
+        let token = cookie(&parts.headers, SESSION_COOKIE).unwrap_or("");
+        let session = match gw.tenants.session(token).await {
+            Ok(Some(s)) => s,
+            Ok(None) => return Err(refuse(ApiError::unauthorized("Sign in to the dashboard first."))),
+            Err(e) => {
+                tracing::error!(error = %e, "dashboard session store unavailable");
+                return Err(Unauthenticated::Refused(ApiError::unavailable(
+                    "sessions are temporarily unavailable",
+                )));
+            }
+        };
+        let tenant = match &session.kind {
+            SessionKind::Operator { admin_fp } => {
+                let current = gw.admin_token.as_deref().map(admin_fingerprint);
+                if current
+                    .as_deref()
+                    .is_none_or(|c| !constant_time_eq(c.as_bytes(), admin_fp.as_bytes()))
+                {
+                    let _ = gw.tenants.end_session(token).await;
+                    return Err(refuse(ApiError::unauthorized(
+                        "The admin token has changed: sign in again.",
+                    )));
+                }
+                None
+            }
+            SessionKind::Tenant { .. } => match gw.tenants.session_context(&session).await {
+                Ok(ctx) => Some(ctx),
+                Err(AuthError::Store(e)) => {
+                    tracing::error!(error = %e, "dashboard credential check unavailable");
+                    return Err(Unauthenticated::Refused(ApiError::unavailable(
+                        "authentication is temporarily unavailable",
+                    )));
+                }
+                Err(_) => {
+                    // The key was revoked or expired, or the issuer removed: the session ends.
+                    let _ = gw.tenants.end_session(token).await;
+                    return Err(refuse(ApiError::unauthorized(
+                        "This session's credential is no longer valid: sign in again.",
+                    )));
+                }
+            },
+        };
+        Ok(Visitor {
+            session,
+            tenant,
+            origin: Origin::dashboard(client_address(&parts.extensions)),
+        })
+    }
+}
+
+/// The request came from this site (`Origin` and `Sec-Fetch-Site`, where the browser sent
+/// them). An opaque `Origin: null` (sent under some referrer policies and from sandboxed
+/// frames) counts only with `Sec-Fetch-Site: same-origin`.
+fn same_origin(headers: &HeaderMap) -> bool {
+    let site = headers.get("sec-fetch-site").and_then(|v| v.to_str().ok());
+    if site.is_some_and(|s| !matches!(s, "same-origin" | "none")) {
+        return false;
+    }
+    let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) else {
+        return true;
+    };
+    if origin == "null" {
+        return site == Some("same-origin");
+    }
+    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let bare = origin
+        .strip_prefix("http://")
+        .or_else(|| origin.strip_prefix("https://"))
+        .unwrap_or("");
+    !host.is_empty() && bare == host
+}
+
+fn csrf_ok(v: &Visitor, headers: &HeaderMap, presented: Option<&str>) -> Result<(), ApiError> {
+    let given = presented
+        .or_else(|| headers.get("x-csrf-token").and_then(|h| h.to_str().ok()))
+        .unwrap_or("");
+    if !same_origin(headers) || !constant_time_eq(given.as_bytes(), v.session.csrf.as_bytes()) {
+        return Err(ApiError::permission(
+            "csrf_failed",
+            "This request did not come from a dashboard page (missing or wrong CSRF token): reload the page and try again.",
+        ));
+    }
+    Ok(())
+}
+
+// ---- sign-in -------------------------------------------------------------------------------
+
+async fn home(v: Result<Visitor, Unauthenticated>, State(gw): State<Arc<AppState>>, q: Query<RangeQuery>) -> Response {
+    match v {
+        Err(e) => e.into_response(),
+        Ok(v) if v.tenant.is_some() => overview(&gw, &v, &q).await.into_response(),
+        Ok(v) => operator(&gw, &v).await.into_response(),
+    }
+}
+
+fn login_page(headers: &HeaderMap, status: StatusCode, error: Option<&str>) -> Response {
+    let nonce = match hearth_tenants_random() {
+        Some(n) => n,
+        None => return (StatusCode::SERVICE_UNAVAILABLE, "the OS random source failed").into_response(),
+    };
+    let mut resp = page(status, "login.html", context! {login_csrf => nonce, error => error});
+    resp.headers_mut()
+        .append(header::SET_COOKIE, set_cookie(headers, LOGIN_COOKIE, &nonce, 600));
+    resp
+}
+
+fn hearth_tenants_random() -> Option<String> {
+    let mut b = [0u8; 24];
+    getrandom::fill(&mut b).ok()?;
+    Some(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+async fn login_form(headers: HeaderMap) -> Response {
+    login_page(&headers, StatusCode::OK, None)
+}
+
+#[derive(Deserialize)]
+struct LoginForm {
+    credential: String,
+    login_csrf: String,
+}
+
+async fn login(
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    extensions: axum::http::Extensions,
+    form: Result<Form<LoginForm>, axum::extract::rejection::FormRejection>,
+) -> Response {
+    let headers = &headers;
+    let Ok(Form(form)) = form else {
+        return login_page(
+            headers,
+            StatusCode::BAD_REQUEST,
+            Some("The sign-in form was incomplete."),
+        );
+    };
+    let expected = cookie(headers, LOGIN_COOKIE).unwrap_or("");
+    if expected.is_empty()
+        || !same_origin(headers)
+        || !constant_time_eq(expected.as_bytes(), form.login_csrf.as_bytes())
+    {
+        return login_page(
+            headers,
+            StatusCode::FORBIDDEN,
+            Some("The sign-in form expired or came from another site: try again."),
+        );
+    }
+    let credential = form.credential.trim();
+    let address = client_address(&extensions);
+    let origin = Origin::dashboard(address.clone());
+    let admin = gw.admin_token.as_deref().filter(|t| !t.is_empty());
+    let opened = if admin.is_some_and(|t| constant_time_eq(credential.as_bytes(), t.as_bytes())) {
+        let kind = SessionKind::Operator {
+            admin_fp: admin_fingerprint(credential),
+        };
+        let s = gw.tenants.create_session(kind, None, address.as_deref()).await;
+        if s.is_ok() {
+            gw.management()
+                .via(origin)
+                .audit(Actor::Operator, None, "session.sign_in", "dashboard", json!({}))
+                .await;
+        }
+        s
+    } else {
+        let ctx = match gw.tenants.authenticate(credential).await {
+            Ok(ctx) => ctx,
+            Err(AuthError::Store(e)) => {
+                tracing::error!(error = %e, "key store unavailable");
+                return login_page(
+                    headers,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    Some("Sign-in is temporarily unavailable."),
+                );
+            }
+            Err(AuthError::Revoked) => {
+                return login_page(
+                    headers,
+                    StatusCode::UNAUTHORIZED,
+                    Some("This API key has been revoked."),
+                )
+            }
+            Err(AuthError::Expired(_)) => {
+                return login_page(headers, StatusCode::UNAUTHORIZED, Some("This credential has expired."))
+            }
+            Err(_) => {
+                return login_page(
+                    headers,
+                    StatusCode::UNAUTHORIZED,
+                    Some("That is not a valid API key, JWT or admin token."),
+                )
+            }
+        };
+        if !ctx.scopes.manage {
+            return login_page(
+                headers,
+                StatusCode::FORBIDDEN,
+                Some("This credential lacks the 'manage' scope the dashboard needs."),
+            );
+        }
+        let kind = SessionKind::Tenant {
+            tenant_id: ctx.tenant_id.clone(),
+            credential: ctx.key_id.clone(),
+            scopes: ctx.scopes,
+            models: ctx.models.as_ref().map(|m| m.to_vec()),
+        };
+        let s = gw
+            .tenants
+            .create_session(kind, ctx.expires_at, address.as_deref())
+            .await;
+        if s.is_ok() {
+            gw.management()
+                .via(origin)
+                .audit(
+                    Actor::Tenant(&ctx),
+                    Some(&ctx.tenant_id),
+                    "session.sign_in",
+                    "dashboard",
+                    json!({}),
+                )
+                .await;
+        }
+        s
+    };
+    // Sessions nobody reads again (closed tabs) are deleted here; live ones are checked on read.
+    if let Err(e) = gw.tenants.purge_sessions().await {
+        tracing::warn!(error = %e, "expired dashboard sessions could not be purged");
+    }
+    match opened {
+        Ok((token, s)) => {
+            let mut resp = Redirect::to("/dashboard").into_response();
+            let age = (s.expires_at - now_ms()) / 1000;
+            let h = resp.headers_mut();
+            h.append(
+                header::SET_COOKIE,
+                set_cookie(headers, SESSION_COOKIE, &token, age.max(1)),
+            );
+            h.append(header::SET_COOKIE, set_cookie(headers, LOGIN_COOKIE, "", 0));
+            resp
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "dashboard session could not be created");
+            login_page(
+                headers,
+                StatusCode::SERVICE_UNAVAILABLE,
+                Some("Sign-in is temporarily unavailable."),
+            )
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct CsrfForm {
+    csrf: Option<String>,
+}
+
+async fn logout(v: Visitor, State(gw): State<Arc<AppState>>, headers: HeaderMap, Form(f): Form<CsrfForm>) -> Response {
+    if let Err(e) = csrf_ok(&v, &headers, f.csrf.as_deref()) {
+        return PageError::from(e).into_response();
+    }
+    let token = cookie(&headers, SESSION_COOKIE).unwrap_or("");
+    if let Err(e) = gw.tenants.end_session(token).await {
+        tracing::error!(error = %e, "dashboard session could not be ended");
+        return PageError::from(ApiError::unavailable("sign-out failed; try again")).into_response();
+    }
+    let tenant = v.tenant.as_ref().map(|t| t.tenant_id.clone());
+    gw.management()
+        .via(v.origin.clone())
+        .audit(v.actor(), tenant.as_deref(), "session.sign_out", "dashboard", json!({}))
+        .await;
+    let mut resp = Redirect::to("/dashboard/login").into_response();
+    resp.headers_mut()
+        .append(header::SET_COOKIE, set_cookie(&headers, SESSION_COOKIE, "", 0));
+    resp
+}
+
+// ---- tenant pages ----------------------------------------------------------------------------
+
+#[derive(Deserialize, Default)]
+struct RangeQuery {
+    range: Option<String>,
+}
+
+async fn overview(gw: &AppState, v: &Visitor, q: &RangeQuery) -> Result<Response, PageError> {
+    let ctx = v.tenant()?;
+    let range = views::Range::parse(q.range.as_deref());
+    let now = now_ms();
+    let (from, to) = range.window(now);
+    // The same ledger rows as `GET /v1/tenant/usage`, after pending records are written.
+    gw.ledger.flush().await;
+    let rows = gw
+        .ledger
+        .rows(&ctx.tenant_id, from, to)
+        .await
+        .map_err(crate::error::ledger_error)?;
+    let prices = gw.ledger.prices(None).await.map_err(crate::error::ledger_error)?;
+    let view = views::usage_view(&rows, &prices, range, now);
+    let month = month_of(now);
+    let spent = gw
+        .ledger
+        .month_spend(&ctx.tenant_id, &month)
+        .await
+        .map_err(crate::error::ledger_error)?;
+    let budget = ctx.budget.map(|b| {
+        json!({
+            "monthly_usd": format_nusd(b.monthly_nusd), "mode": if b.hard {"hard"} else {"soft"},
+            "used": format!("{:.1} %", spent as f64 * 100.0 / b.monthly_nusd.max(1) as f64),
+        })
+    });
+    let limits = |l: hearth_tenants::Limits| {
+        json!({
+            "rpm": l.rpm, "tpm": l.tpm, "concurrent": l.concurrent, "share": l.share,
+            "priority": l.priority.map(|p| p.as_str()),
+        })
+    };
+    Ok(page(
+        StatusCode::OK,
+        "overview.html",
+        context! {
+            base => v.base(), page => "overview", usage => view,
+            month => month, spent_usd => format_nusd(spent), budget => budget,
+            tenant_limits => limits(ctx.tenant_limits), key_limits => limits(ctx.key_limits),
+            from => from, to => to,
+        },
+    ))
+}
+
+async fn requests(v: Visitor, State(gw): State<Arc<AppState>>) -> Result<Response, PageError> {
+    let ctx = v.tenant()?;
+    gw.ledger.flush().await;
+    let rows = gw
+        .ledger
+        .recent(Some(&ctx.tenant_id), 100)
+        .await
+        .map_err(crate::error::ledger_error)?;
+    let data: Vec<Value> = rows
+        .iter()
+        .map(|r| {
+            json!({
+                "id": r.rec.request_id, "at": r.rec.started_at, "model": r.rec.model,
+                "status": r.rec.status, "finish_reason": r.rec.finish_reason, "error": r.rec.error_code,
+                "prompt": r.rec.prompt_tokens, "cached": r.rec.cached_tokens, "completion": r.rec.completion_tokens,
+                "cost_usd": format_nusd(r.cost.total_nusd), "ttft_ms": r.rec.ttft_ms,
+                "latency_ms": r.rec.finished_at - r.rec.started_at, "key_id": r.rec.key_id,
+            })
+        })
+        .collect();
+    Ok(page(
+        StatusCode::OK,
+        "requests.html",
+        context! {base => v.base(), page => "requests", rows => data},
+    ))
+}
+
+async fn keys(v: Visitor, State(gw): State<Arc<AppState>>) -> Result<Response, PageError> {
+    v.tenant()?;
+    let list = gw.management().list_keys(v.actor(), None).await?;
+    let now = now_ms();
+    let data: Vec<Value> = list
+        .iter()
+        .map(|k| {
+            let state = if k.revoked_at.is_some() {
+                "revoked"
+            } else if k.expires_at.is_some_and(|e| e <= now) {
+                "expired"
+            } else {
+                "active"
+            };
+            json!({
+                "id": k.id, "name": k.name, "scopes": k.scopes.join(", "),
+                "models": k.models.as_ref().map_or("all".to_string(), |m| m.join(", ")),
+                "created_at": k.created_at, "expires_at": k.expires_at, "state": state,
+                "current": v.tenant.as_ref().is_some_and(|t| t.key_id == k.id),
+            })
+        })
+        .collect();
+    Ok(page(
+        StatusCode::OK,
+        "keys.html",
+        context! {base => v.base(), page => "keys", keys => data},
+    ))
+}
+
+#[derive(Deserialize)]
+struct NewKeyForm {
+    csrf: Option<String>,
+    name: Option<String>,
+    scope_inference: Option<String>,
+    scope_manage: Option<String>,
+    models: Option<String>,
+    expires_days: Option<String>,
+}
+
+async fn create_key(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Form(f): Form<NewKeyForm>,
+) -> Result<Response, PageError> {
+    csrf_ok(&v, &headers, f.csrf.as_deref())?;
+    v.tenant()?;
+    let models: Vec<String> = f
+        .models
+        .as_deref()
+        .unwrap_or("")
+        .split([',', ' ', '\n'])
+        .map(str::trim)
+        .filter(|m| !m.is_empty())
+        .map(str::to_string)
+        .collect();
+    let expires_at = match f.expires_days.as_deref().map(str::trim).filter(|d| !d.is_empty()) {
+        None => None,
+        Some(d) => match d.parse::<u32>() {
+            Ok(days) if (1..=3650).contains(&days) => Some(now_ms() + i64::from(days) * views::DAY_MS),
+            _ => return Err(ApiError::invalid("expires_days", "expiry must be 1 to 3650 days, or empty").into()),
+        },
+    };
+    let scopes = Scopes {
+        inference: f.scope_inference.is_some(),
+        manage: f.scope_manage.is_some(),
+    };
+    if scopes == Scopes::default() {
+        return Err(ApiError::invalid("scopes", "choose at least one scope").into());
+    }
+    let spec = KeySpec {
+        name: f.name.unwrap_or_default().trim().to_string(),
+        scopes: Some(scopes),
+        models: (!models.is_empty()).then_some(models),
+        expires_at,
+    };
+    let created = gw
+        .management()
+        .via(v.origin.clone())
+        .create_key(v.actor(), None, spec)
+        .await?;
+    Ok(page(
+        StatusCode::CREATED,
+        "key_created.html",
+        context! {base => v.base(), page => "keys", key => created.key, id => created.info.id, name => created.info.name},
+    ))
+}
+
+async fn revoke_key(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Form(f): Form<CsrfForm>,
+) -> Result<Response, PageError> {
+    csrf_ok(&v, &headers, f.csrf.as_deref())?;
+    v.tenant()?;
+    gw.management().via(v.origin.clone()).revoke_key(v.actor(), &id).await?;
+    Ok(Redirect::to("/dashboard/keys").into_response())
+}
+
+async fn processors(v: Visitor, State(gw): State<Arc<AppState>>) -> Result<Response, PageError> {
+    v.tenant()?;
+    let enabled = gw.processors.is_some();
+    let list = gw.management().list_processors(v.actor(), None).await?;
+    let keys: Vec<Value> = gw
+        .management()
+        .list_keys(v.actor(), None)
+        .await?
+        .iter()
+        .filter(|k| k.revoked_at.is_none())
+        .map(|k| json!({"id": k.id, "name": k.name}))
+        .collect();
+    Ok(page(
+        StatusCode::OK,
+        "processors.html",
+        context! {base => v.base(), page => "processors", processors => list, keys => keys, enabled => enabled},
+    ))
+}
+
+#[derive(Deserialize)]
+struct UploadQuery {
+    name: Option<String>,
+    activate: Option<bool>,
+}
+
+/// The dashboard's upload: the component as the raw body (sent by `app.js` with the CSRF
+/// header); answers JSON like the API.
+async fn upload_processor(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    q: Result<Query<UploadQuery>, axum::extract::rejection::QueryRejection>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    csrf_ok(&v, &headers, None)?;
+    let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
+    if v.tenant.is_none() {
+        return Err(ApiError::forbidden("processors are managed from a tenant's session"));
+    }
+    let up = Upload {
+        name: q.name.unwrap_or_default(),
+        activate: q.activate.unwrap_or(false),
+        ..Default::default()
+    };
+    let p = gw
+        .management()
+        .via(v.origin.clone())
+        .upload_processor(v.actor(), None, up, body.to_vec())
+        .await?;
+    Ok((StatusCode::CREATED, Json(p)).into_response())
+}
+
+#[derive(Deserialize)]
+struct ProcessorForm {
+    csrf: Option<String>,
+    key_id: Option<String>,
+}
+
+async fn processor_action(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path((id, action)): Path<(String, String)>,
+    Form(f): Form<ProcessorForm>,
+) -> Result<Response, PageError> {
+    csrf_ok(&v, &headers, f.csrf.as_deref())?;
+    v.tenant()?;
+    let m = gw.management().via(v.origin.clone());
+    match action.as_str() {
+        "activate" => m.set_processor_active(v.actor(), &id, true).await.map(drop),
+        "deactivate" => m.set_processor_active(v.actor(), &id, false).await.map(drop),
+        "delete" => m.delete_processor(v.actor(), &id).await.map(drop),
+        "attach" => {
+            let key = f.key_id.filter(|k| !k.is_empty());
+            m.attach_processor(v.actor(), &id, key.as_deref()).await.map(drop)
+        }
+        _ => return Err(ApiError::not_found(format!("no processor action {action:?}")).into()),
+    }?;
+    Ok(Redirect::to("/dashboard/processors").into_response())
+}
+
+#[derive(Deserialize)]
+struct ExportForm {
+    format: Option<String>,
+    granularity: Option<String>,
+    from: Option<String>,
+    to: Option<String>,
+}
+
+/// The billing export, as `GET /v1/tenant/usage/export` renders it.
+async fn export(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    q: Result<Query<ExportForm>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, PageError> {
+    v.tenant()?;
+    let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
+    let window = Window::parse(q.from.as_deref(), q.to.as_deref())?;
+    let f = gw
+        .management()
+        .export(v.actor(), None, window, q.format.as_deref(), q.granularity.as_deref())
+        .await?;
+    Ok((
+        [
+            (header::CONTENT_TYPE, f.format.content_type().to_string()),
+            (
+                header::CONTENT_DISPOSITION,
+                format!("attachment; filename=\"{}\"", f.file_name),
+            ),
+        ],
+        f.export.bytes,
+    )
+        .into_response())
+}
+
+async fn audit(v: Visitor, State(gw): State<Arc<AppState>>) -> Result<Response, PageError> {
+    let entries = gw.management().audit_log(v.actor(), None, 200).await?;
+    Ok(page(
+        StatusCode::OK,
+        "audit.html",
+        context! {base => v.base(), page => "audit", entries => entries},
+    ))
+}
+
+// ---- operator -----------------------------------------------------------------------------
+
+async fn operator(gw: &AppState, v: &Visitor) -> Result<Response, PageError> {
+    let month = month_of(now_ms());
+    gw.ledger.flush().await;
+    let spends = gw
+        .ledger
+        .month_spends(&month)
+        .await
+        .map_err(crate::error::ledger_error)?;
+    let tenants = gw.tenants.list_tenants().await.map_err(crate::error::store_error)?;
+    let mut rows = Vec::new();
+    for t in &tenants {
+        let (cost, reqs) = spends
+            .iter()
+            .find(|(id, _, _)| *id == t.id)
+            .map_or((0, 0), |(_, c, r)| (*c, *r));
+        let budget = gw.tenants.budget(&t.id).await.map_err(crate::error::store_error)?;
+        rows.push(json!({
+            "id": t.id, "name": t.name, "created_at": t.created_at, "spend_usd": format_nusd(cost),
+            "spend_nusd": cost, "requests": reqs,
+            "budget": budget.map(|b| format!("${} ({})", format_nusd(b.monthly_nusd), if b.hard {"hard"} else {"soft"})),
+        }));
+    }
+    rows.sort_by_key(|r| std::cmp::Reverse(r["spend_nusd"].as_i64().unwrap_or(0)));
+    let models: Vec<Value> = gw
+        .models
+        .all()
+        .iter()
+        .map(|m| {
+            let r = m.router();
+            let workers: Vec<Value> = r
+                .workers()
+                .map(|(slot, w)| {
+                    json!({
+                        "slot": slot, "name": w.name, "role": w.role, "region": w.region,
+                        "health": if !w.healthy {"unhealthy"} else if w.draining {"draining"} else {"healthy"},
+                        "outstanding": w.outstanding, "decoding": w.decoding, "capacity": w.capacity,
+                        "prefill_tokens": w.inflight_prefill_tokens,
+                        "cache_hit": if w.prompt_tokens == 0 { "–".to_string() } else {
+                            format!("{:.1} %", w.cached_tokens as f64 * 100.0 / w.prompt_tokens as f64)
+                        },
+                        "cached_blocks": r.index.worker_blocks(slot),
+                        "events": if w.exact_events {"exact"} else {"approximate"},
+                    })
+                })
+                .collect();
+            json!({
+                "id": m.id, "state": m.state(), "context_length": m.context_length,
+                "policy": format!("{:?}", r.cfg.policy), "index_blocks": r.index.len(),
+                "tenants": if m.tenants.is_empty() { "all".to_string() } else { m.tenants.join(", ") },
+                "workers": workers,
+            })
+        })
+        .collect();
+    Ok(page(
+        StatusCode::OK,
+        "operator.html",
+        context! {base => v.base(), page => "overview", month => month, tenants => rows, models => models},
+    ))
+}
+
+// ---- assets -------------------------------------------------------------------------------
+
+async fn css() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
+        include_str!("static/app.css"),
+    )
+        .into_response()
+}
+
+async fn js() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
+        include_str!("static/app.js"),
+    )
+        .into_response()
+}

@@ -1,0 +1,231 @@
+"""The dashboard in a real browser: headless Chromium (Debian's chromium + chromium-driver),
+driven by Selenium, against a real `hearth serve` started here on a free port with a fresh
+data directory.
+
+It signs in with an API key, checks the usage numbers equal the sum of the `usage` the API
+returned for requests it made, creates a key (which then works) and revokes it (which then
+gets 401), uploads and activates a processor, signs out, checks that a tenant named
+`<img src=x onerror=alert(1)>` is shown as text (no alert, no element) and sees none of the
+first tenant's data, and that the operator's view lists both tenants. With --screenshots DIR
+it saves the main pages there (the README's pictures come from this run).
+
+Usage: dashboard_check.py HEARTH_BINARY [--screenshots DIR]
+"""
+import json, os, subprocess, sys, tempfile, time, urllib.error, urllib.request
+
+from selenium import webdriver
+from selenium.common.exceptions import NoAlertPresentException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support import expected_conditions as EC
+from selenium.webdriver.support.ui import WebDriverWait
+
+hearth = sys.argv[1]
+shots = None
+if "--screenshots" in sys.argv:
+    shots = sys.argv[sys.argv.index("--screenshots") + 1]
+    os.makedirs(shots, exist_ok=True)
+ADMIN = "dashboard-check-admin-token"
+ODD = "<img src=x onerror=alert(1)>"
+data = tempfile.mkdtemp(prefix="hearth-dashboard-")
+env = dict(os.environ, HEARTH_LOG="warn", HEARTH_ADMIN_TOKEN=ADMIN)
+server = subprocess.Popen([hearth, "serve", "--listen", "127.0.0.1:0", "--data-dir", data],
+                          stdout=subprocess.PIPE, text=True, env=env)
+passed = failed = 0
+
+
+def check(name, cond, detail=""):
+    global passed, failed
+    if cond:
+        passed += 1
+        print(f"ok   {name}")
+    else:
+        failed += 1
+        print(f"FAIL {name} {detail}")
+
+
+def admin(*a):
+    return subprocess.run([hearth, "admin", "--data-dir", data, "--json", *a],
+                          check=True, capture_output=True, text=True, env=env).stdout
+
+
+def api(path, key, body=None):
+    req = urllib.request.Request(url + path, method="POST" if body is not None else "GET",
+                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+                                 data=json.dumps(body).encode() if body is not None else None)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+driver = None
+try:
+    deadline = time.time() + 180
+    url = None
+    while url is None and time.time() < deadline:
+        line = server.stdout.readline()
+        if not line:
+            sys.exit("hearth serve exited before listening")
+        if "listening on " in line:
+            url = line.split("listening on ")[1].split()[0]
+    admin("tenant", "create", "acme")
+    key_a = json.loads(admin("key", "create", "--tenant", "acme", "--name", "ops"))["key"]
+    admin("tenant", "create", ODD)
+    key_b = json.loads(admin("key", "create", "--tenant", ODD))["key"]
+    admin("price", "set", "--model", "*", "--input", "1", "--cached-input", "0.1", "--output", "2")
+
+    # Traffic: the same system prompt three times, so the later requests hit the prefix cache.
+    want = {"requests": 0, "input": 0, "cached": 0, "output": 0}
+    ids = []
+    system = "You are a terse assistant for Acme's support desk. " * 6
+    for q in ["Name a colour.", "Name a fruit.", "Name a city."]:
+        status, r = api("/v1/chat/completions", key_a, {
+            "model": "smollm2-135m-instruct", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]})
+        check(f"chat {q!r}", status == 200, r)
+        u = r["usage"]
+        want["requests"] += 1
+        want["input"] += u["prompt_tokens"]
+        want["cached"] += (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        want["output"] += u["completion_tokens"]
+        ids.append(r["id"])
+
+    wasm = os.path.join(data, "trivial.wasm")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([hearth, "processor", "build-wat",
+                    os.path.join(root, "sdk/processors/examples/trivial/trivial.wat"), "-o", wasm], check=True)
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+    for flag in ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1360,1000",
+                 f"--user-data-dir={tempfile.mkdtemp(prefix='hearth-chromium-')}"]:
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(os.environ.get("CHROMEDRIVER", "/usr/bin/chromedriver")), options=opts)
+    driver.set_page_load_timeout(60)
+    wait = WebDriverWait(driver, 30)
+
+    def shot(name):
+        if shots:
+            driver.save_screenshot(os.path.join(shots, name))
+
+    def no_alert():
+        try:
+            driver.switch_to.alert
+            return False
+        except NoAlertPresentException:
+            return True
+
+    def sign_in(credential):
+        driver.get(url + "/dashboard")
+        wait.until(EC.presence_of_element_located((By.ID, "credential")))
+        driver.find_element(By.ID, "credential").send_keys(credential)
+        driver.find_element(By.ID, "sign-in").click()
+        try:
+            wait.until(EC.presence_of_element_located((By.ID, "sign-out")))
+        except Exception:
+            print("sign-in failed at", driver.current_url, driver.page_source[:3000])
+            raise
+
+    def sign_out():
+        driver.find_element(By.ID, "sign-out").click()
+        wait.until(EC.presence_of_element_located((By.ID, "credential")))
+
+    def text(id_):
+        return driver.find_element(By.ID, id_).text.strip()
+
+    # ---- tenant A: usage --------------------------------------------------------------------
+    driver.get(url + "/")
+    check("/ leads to the sign-in form", "/dashboard/login" in driver.current_url, driver.current_url)
+    if shots:
+        shot("sign-in.png")
+    sign_in(key_a)
+    check("signed in as acme", text("tenant-name") == "acme", text("tenant-name"))
+    got = {"requests": int(text("total-requests")), "input": int(text("total-input")),
+           "cached": int(text("total-cached")), "output": int(text("total-output"))}
+    check("usage numbers equal the API's usage", got == want, f"{got} != {want}")
+    check("uncached + cached = input", int(text("total-uncached")) + got["cached"] == got["input"])
+    check("charts drawn", len(driver.find_elements(By.CSS_SELECTOR, "#tokens-chart rect")) > 0)
+    shot("usage.png")
+    driver.get(url + "/dashboard/requests")
+    page = driver.find_element(By.ID, "requests").text
+    check("recent requests listed", page.count("req_") == len(ids), page[:300])
+    shot("requests.png")
+
+    # ---- keys: create (shown once), use, revoke ----------------------------------------------
+    driver.get(url + "/dashboard/keys")
+    driver.find_element(By.ID, "key-name").send_keys("browser-made")
+    driver.find_element(By.ID, "key-expiry").send_keys("7")
+    driver.find_element(By.ID, "create-key").click()
+    wait.until(EC.presence_of_element_located((By.ID, "new-key")))
+    new_key, new_id = text("new-key"), text("new-key-id")
+    check("new key shown", new_key.startswith("hk_"), new_key)
+    status, _ = api("/v1/models", new_key)
+    check("new key works", status == 200, status)
+    driver.get(url + "/dashboard/keys")
+    check("secret not shown again", new_key not in driver.page_source)
+    shot("keys.png")
+    driver.find_element(By.ID, f"revoke-{new_id}").click()
+    wait.until(EC.alert_is_present())
+    driver.switch_to.alert.accept()
+    wait.until(EC.text_to_be_present_in_element((By.ID, f"key-{new_id}"), "revoked"))
+    status, body = api("/v1/models", new_key)
+    check("revoked key gets 401", status == 401, (status, body))
+
+    # ---- processors: upload, activate ----------------------------------------------------------
+    driver.get(url + "/dashboard/processors")
+    driver.find_element(By.ID, "processor-name").send_keys("trivial")
+    driver.find_element(By.ID, "processor-file").send_keys(wasm)
+    driver.find_element(By.ID, "upload").click()
+    wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "button[id^='activate-']")))
+    button = driver.find_element(By.CSS_SELECTOR, "button[id^='activate-']")
+    pid = button.get_attribute("id")[len("activate-"):]
+    button.click()
+    wait.until(EC.presence_of_element_located((By.ID, f"deactivate-{pid}")))
+    row = driver.find_element(By.ID, f"processor-{pid}").text
+    check("processor uploaded and active", "trivial" in row and "active" in row, row)
+    status, r = api("/v1/tenant/processors", key_a)
+    check("the API agrees", status == 200 and any(p["id"] == pid and p["active"] for p in r["data"]), r)
+    shot("processors.png")
+    driver.get(url + "/dashboard/audit")
+    audit = driver.find_element(By.ID, "audit").text
+    check("audit shows the dashboard's actions",
+          all(a in audit for a in ["key.create", "key.revoke", "processor.upload", "processor.activate"]), audit[:400])
+    shot("audit.png")
+    sign_out()
+
+    # ---- tenant B, named like markup ---------------------------------------------------------
+    sign_in(key_b)
+    check("markup name shown as text", text("tenant-name") == ODD, text("tenant-name"))
+    check("no script ran", no_alert())
+    check("no element injected", len(driver.find_elements(By.CSS_SELECTOR, "header img, main img")) == 0)
+    check("B sees no usage of A", text("total-requests") == "0", text("total-requests"))
+    driver.get(url + "/dashboard/requests")
+    check("B sees none of A's requests", "req_" not in driver.find_element(By.ID, "requests").text)
+    driver.get(url + "/dashboard/keys")
+    check("B sees none of A's keys", new_id not in driver.page_source and key_a.split("_")[1] not in driver.page_source)
+    driver.get(url + "/dashboard/processors")
+    check("B sees none of A's processors", pid not in driver.page_source)
+    sign_out()
+
+    # ---- the operator -----------------------------------------------------------------------
+    sign_in(ADMIN)
+    names = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#tenants .tenant-name")]
+    check("operator sees every tenant, names as text", "acme" in names and ODD in names, names)
+    check("operator sees workers", len(driver.find_elements(By.CSS_SELECTOR, "table.workers tbody tr")) >= 1)
+    check("no script ran for the operator", no_alert())
+    shot("operator.png")
+    sign_out()
+    driver.get(url + "/dashboard/keys")
+    check("signed out: back to the sign-in form", "/dashboard/login" in driver.current_url, driver.current_url)
+finally:
+    if driver is not None:
+        driver.quit()
+    server.terminate()
+    server.wait(timeout=30)
+
+print(f"dashboard browser check: {passed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
