@@ -43,7 +43,7 @@ use serde_json::{json, Value};
 
 use crate::auth::client_address;
 use crate::error::ApiError;
-use crate::management::{Actor, Origin, Upload, Window};
+use crate::management::{Actor, Origin, Upload};
 use crate::state::AppState;
 
 const SESSION_COOKIE: &str = "hearth_session";
@@ -791,38 +791,15 @@ async fn processor_action(
     Ok(Redirect::to("/dashboard/processors").into_response())
 }
 
-#[derive(Deserialize)]
-struct ExportForm {
-    format: Option<String>,
-    granularity: Option<String>,
-    from: Option<String>,
-    to: Option<String>,
-}
-
-/// The billing export, as `GET /v1/tenant/usage/export` renders it.
+/// The billing export, exactly as `GET /v1/tenant/usage/export` renders it.
 async fn export(
     v: Visitor,
     State(gw): State<Arc<AppState>>,
-    q: Result<Query<ExportForm>, axum::extract::rejection::QueryRejection>,
+    q: Result<Query<crate::admin::ExportQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, PageError> {
     v.tenant()?;
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
-    let window = Window::parse(q.from.as_deref(), q.to.as_deref())?;
-    let f = gw
-        .management()
-        .export(v.actor(), None, window, q.format.as_deref(), q.granularity.as_deref())
-        .await?;
-    Ok((
-        [
-            (header::CONTENT_TYPE, f.format.content_type().to_string()),
-            (
-                header::CONTENT_DISPOSITION,
-                format!("attachment; filename=\"{}\"", f.file_name),
-            ),
-        ],
-        f.export.bytes,
-    )
-        .into_response())
+    Ok(crate::admin::export_response(&gw, v.actor(), &q).await?)
 }
 
 async fn audit(v: Visitor, State(gw): State<Arc<AppState>>) -> Result<Response, PageError> {
