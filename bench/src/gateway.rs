@@ -263,7 +263,7 @@ async fn baseline(
         parse::run(&mut ctx)?;
         resolve::run(&state, &mut ctx)?;
         tokenize::run(&mut ctx)?;
-        let dispatched = dispatch::run(&mut ctx).await?;
+        let dispatched = dispatch::run(&state, &mut ctx).await?;
         let events = relay::start(state.clone(), Arc::new(Unmetered), &mut ctx, dispatched).await?;
         postprocess::run(&state, &mut ctx, events).await
     };

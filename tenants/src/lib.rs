@@ -392,6 +392,12 @@ impl TenantStore {
         &self.pool
     }
 
+    /// Whether the database answers (a gateway's readiness).
+    pub async fn ping(&self) -> Result<(), TenantError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
     fn forget_cached(&self) {
         self.cache.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.jwt.clear();

@@ -78,7 +78,7 @@ async fn serve(engine: EngineHandle) -> std::io::Result<String> {
         "bench",
         crate::server::WorkerOptions {
             token: Some(TOKEN.into()),
-            role: None,
+            ..Default::default()
         },
     );
     tokio::spawn(async move { axum::serve(listener, app).await });

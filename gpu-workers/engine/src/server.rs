@@ -10,6 +10,11 @@
 //! its requests in flight finish) and `POST /v1/worker/m/{id}/load` (load it now, in the
 //! background: the gateway spreads a busy model to more workers). The worker API is for the gateway on a private network:
 //! it has no authentication of its own.
+//!
+//! Lifecycle ([`Lifecycle`]): `GET /livez` answers while the process runs; `GET /readyz`
+//! (and `/healthz`) answer 503 once the worker drains (SIGTERM): it then refuses new
+//! generations with `draining` (the gateway tries another worker), ends its KV event
+//! streams, and counts the generations in flight until they finish.
 
 use std::convert::Infallible;
 
@@ -74,12 +79,25 @@ struct WorkerState {
     transfers: Arc<tokio::sync::Semaphore>,
     /// The role reported in `info` (None: the engine's, `both`).
     role: Option<Arc<str>>,
+    lifecycle: Arc<Lifecycle>,
 }
 
 /// KV transfers one worker serves at once; more are answered 503 `transfer_busy`.
 const MAX_TRANSFERS: usize = 4;
 
 impl WorkerState {
+    /// 200 while serving, 503 once draining.
+    fn readiness(&self) -> Response {
+        if self.lifecycle.is_draining() {
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Json(serde_json::json!({"status": "draining", "in_flight": self.lifecycle.in_flight()})),
+            )
+                .into_response();
+        }
+        Json(serde_json::json!({"status": "ok"})).into_response()
+    }
+
     /// A model's info as this worker reports it (with its role).
     fn info(&self, engine: &dyn Backend) -> hearth_protocol::WorkerInfo {
         let mut info = engine.info().clone();
@@ -195,6 +213,67 @@ fn error_response(status: StatusCode, code: &str, message: String) -> Box<Respon
     Box::new((status, Json(ev)).into_response())
 }
 
+/// A worker's lifecycle: serving, then draining (see the module's docs).
+#[derive(Debug)]
+pub struct Lifecycle {
+    draining: tokio::sync::watch::Sender<bool>,
+    in_flight: std::sync::atomic::AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+impl Default for Lifecycle {
+    fn default() -> Self {
+        Self {
+            draining: tokio::sync::watch::Sender::new(false),
+            in_flight: Default::default(),
+            idle: Default::default(),
+        }
+    }
+}
+
+impl Lifecycle {
+    /// Starts draining: not ready, new generations refused, event streams ended.
+    pub fn drain(&self) {
+        self.draining.send_replace(true);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        *self.draining.borrow()
+    }
+
+    /// Generations streaming now.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Returns when no generation is in flight.
+    pub async fn idle(&self) {
+        loop {
+            let woken = self.idle.notified();
+            if self.in_flight() == 0 {
+                return;
+            }
+            woken.await;
+        }
+    }
+
+    fn start(self: &Arc<Self>) -> InFlight {
+        self.in_flight.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        InFlight(self.clone())
+    }
+}
+
+/// One generation in flight; dropped with its response stream.
+struct InFlight(Arc<Lifecycle>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.0.in_flight.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
 /// How a worker presents itself.
 #[derive(Debug, Clone, Default)]
 pub struct WorkerOptions {
@@ -203,6 +282,8 @@ pub struct WorkerOptions {
     pub token: Option<String>,
     /// `both`, `prefill` or `decode`, reported in `info` for the gateway (None: `both`).
     pub role: Option<String>,
+    /// Drained by the launcher on SIGTERM (None: a lifecycle of its own, never drained).
+    pub lifecycle: Option<Arc<Lifecycle>>,
 }
 
 /// The worker API for several models (at least one).
@@ -234,6 +315,7 @@ fn router_with(
         transport: Arc::new(HttpKvTransport::new(token)),
         transfers: Arc::new(tokio::sync::Semaphore::new(MAX_TRANSFERS)),
         role: opts.role.map(Into::into),
+        lifecycle: opts.lifecycle.unwrap_or_default(),
     };
     // One model: labelled by the worker; a catalogue: `worker/model`.
     let per_model = state.engines.len() > 1 || state.control.is_some();
@@ -254,7 +336,15 @@ fn router_with(
     })));
     let registry = Arc::new(registry);
     Router::new()
-        .route("/healthz", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
+        .route("/livez", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
+        .route(
+            "/healthz",
+            get(|State(w): State<WorkerState>| async move { w.readiness() }),
+        )
+        .route(
+            "/readyz",
+            get(|State(w): State<WorkerState>| async move { w.readiness() }),
+        )
         .route(
             "/metrics",
             get(move || {
@@ -294,7 +384,7 @@ fn router_with(
             "/v1/worker/events",
             get(|State(w): State<WorkerState>| async move {
                 match w.first() {
-                    Ok(e) => events(e).await,
+                    Ok(e) => events(e, &w).await,
                     Err(r) => *r,
                 }
             }),
@@ -392,7 +482,7 @@ fn router_with(
             "/v1/worker/m/{model}/events",
             get(|State(w): State<WorkerState>, Path(m): Path<String>| async move {
                 match w.model(&m) {
-                    Ok(e) => events(e).await,
+                    Ok(e) => events(e, &w).await,
                     Err(r) => *r,
                 }
             }),
@@ -630,6 +720,14 @@ async fn generate(
     body: Result<Json<GenerateRequest>, JsonRejection>,
 ) -> Response {
     let name = &*w.name;
+    if w.lifecycle.is_draining() {
+        return *error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "draining",
+            "this worker is shutting down; it takes no new requests".into(),
+        );
+    }
+    let in_flight = w.lifecycle.start();
     let Json(req) = match body {
         Ok(b) => b,
         Err(e) => return *error_response(StatusCode::BAD_REQUEST, "invalid_request", e.body_text()),
@@ -664,7 +762,8 @@ async fn generate(
         Some(cx) => telemetry::traced(events, cx, name.to_string(), model, request_id).boxed(),
         None => events,
     };
-    let events = events.map(|ev| {
+    let events = events.map(move |ev| {
+        let _in_flight = &in_flight; // counted until the response stream is dropped
         let mut line = serde_json::to_vec(&ev).unwrap_or_else(|_| b"{}".to_vec());
         line.push(b'\n');
         Ok::<_, Infallible>(Bytes::from(line))
@@ -682,7 +781,7 @@ fn ndjson<T: serde::Serialize>(v: &T) -> Bytes {
     Bytes::from(line)
 }
 
-async fn events(engine: Arc<dyn Backend>) -> Response {
+async fn events(engine: Arc<dyn Backend>, w: &WorkerState) -> Response {
     let Some((snap, rx)) = engine.subscribe_kv().await else {
         return (StatusCode::SERVICE_UNAVAILABLE, "the engine is not running").into_response();
     };
@@ -705,9 +804,17 @@ async fn events(engine: Arc<dyn Backend>) -> Response {
     });
     (
         [(header::CONTENT_TYPE, "application/x-ndjson")],
-        Body::from_stream(stream),
+        // A draining worker ends its streams (gateways stop following it).
+        Body::from_stream(stream.take_until(until_draining(&w.lifecycle))),
     )
         .into_response()
+}
+
+fn until_draining(l: &Lifecycle) -> impl std::future::Future<Output = ()> + Send + 'static {
+    let mut rx = l.draining.subscribe();
+    async move {
+        let _ = rx.wait_for(|d| *d).await;
+    }
 }
 
 /// Serves the worker API until the process ends.

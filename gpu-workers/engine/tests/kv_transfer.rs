@@ -165,7 +165,7 @@ async fn serve(engine: EngineHandle) -> String {
         "test",
         hearth_engine::server::WorkerOptions {
             token: Some(TOKEN.into()),
-            role: None,
+            ..Default::default()
         },
     );
     tokio::spawn(async move { axum::serve(listener, app).await });

@@ -439,6 +439,8 @@ pub struct ServeArgs {
     pub routing: RoutingArgs,
     #[command(flatten)]
     pub limits: LimitStoreArgs,
+    #[command(flatten)]
+    pub lifecycle: LifecycleArgs,
 }
 
 #[derive(Args)]
@@ -464,6 +466,36 @@ pub struct WorkerArgs {
     /// `decode` (the rest of long requests, and short requests whole).
     #[arg(long, env = "HEARTH_WORKER_ROLE", default_value = "both", value_parser = ["both", "prefill", "decode"])]
     pub role: String,
+    /// Register in the worker registry in this Redis (redis://HOST:PORT) and heartbeat
+    /// there; gateways started with `--discover` on the same Redis find the worker. Needs
+    /// the worker token (registrations are sealed with it).
+    #[arg(long, env = "HEARTH_REDIS_URL", hide_env_values = true)]
+    pub redis_url: Option<String>,
+    /// Prefix of Hearth's Redis keys (the gateways' too).
+    #[arg(long, env = "HEARTH_REDIS_PREFIX", default_value = "hearth:")]
+    pub redis_prefix: String,
+    /// The base URL gateways reach this worker at (default: http:// and the listen
+    /// address, or the host name and port when listening on every interface).
+    #[arg(long, env = "HEARTH_ADVERTISE_URL")]
+    pub advertise_url: Option<String>,
+    /// How often the registration is renewed; it expires after three missed heartbeats.
+    #[arg(long, env = "HEARTH_HEARTBEAT_MS", default_value_t = 1000)]
+    pub heartbeat_ms: u64,
+    #[command(flatten)]
+    pub lifecycle: LifecycleArgs,
+}
+
+/// How a process shuts down (SIGTERM or Ctrl-C).
+#[derive(Args, Clone)]
+pub struct LifecycleArgs {
+    /// How long requests in flight may take to finish after SIGTERM; those still running
+    /// then end with an error (and their usage record).
+    #[arg(long, env = "HEARTH_DRAIN_TIMEOUT_SECS", default_value_t = 30)]
+    pub drain_timeout_secs: u64,
+    /// After SIGTERM, how long the listener stays open while `/readyz` answers 503, so
+    /// that load balancers stop sending requests first (Kubernetes: a few seconds).
+    #[arg(long, env = "HEARTH_SHUTDOWN_DELAY_SECS", default_value_t = 0)]
+    pub shutdown_delay_secs: u64,
 }
 
 #[derive(Args)]
@@ -473,8 +505,20 @@ pub struct GatewayArgs {
     #[command(flatten)]
     pub data: DataArgs,
     /// A worker's base URL (repeat for several).
-    #[arg(long = "worker", env = "HEARTH_WORKERS", value_delimiter = ',', required = true)]
+    #[arg(
+        long = "worker",
+        env = "HEARTH_WORKERS",
+        value_delimiter = ',',
+        required_unless_present = "discover"
+    )]
     pub workers: Vec<String>,
+    /// Find workers in the worker registry in Redis (`--redis-url`) as they register, and
+    /// drop those whose heartbeats stop; with `--worker`, both.
+    #[arg(long, env = "HEARTH_DISCOVER")]
+    pub discover: bool,
+    /// How often the registry is read.
+    #[arg(long, env = "HEARTH_DISCOVERY_INTERVAL_MS", default_value_t = 500)]
+    pub discovery_interval_ms: u64,
     /// How long to wait for workers to come up at start.
     #[arg(long, default_value_t = 120)]
     pub worker_wait_secs: u64,
@@ -485,11 +529,14 @@ pub struct GatewayArgs {
     pub routing: RoutingArgs,
     #[arg(long, env = "HEARTH_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
-    /// The workers' token, for adding and removing catalogue models at runtime.
+    /// The workers' token, for adding and removing catalogue models at runtime, and for
+    /// accepting registrations (`--discover`).
     #[arg(long, env = "HEARTH_WORKER_TOKEN", hide_env_values = true)]
     pub worker_token: Option<String>,
     #[command(flatten)]
     pub limits: LimitStoreArgs,
+    #[command(flatten)]
+    pub lifecycle: LifecycleArgs,
 }
 
 #[derive(Args)]

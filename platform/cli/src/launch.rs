@@ -11,15 +11,17 @@ use hearth_billing::UsageLedger;
 use hearth_engine::fetch::{ensure_model, hearth_home};
 use hearth_engine::kv_transfer::LocalKvTransport;
 use hearth_engine::metrics::EngineCollector;
+use hearth_engine::server::Lifecycle;
 use hearth_engine::sim::{sim_info, CostModel, SimHandle};
 use hearth_engine::{Backend, EngineHandle};
 use hearth_gateway::app;
+use hearth_gateway::cluster::{Discovery, Registrar, SharedRouting, WorkerRecord};
 use hearth_gateway::registry::{ModelRegistry, RoutingConfig};
 use hearth_gateway::state::AppState;
 use hearth_gateway::workers::{HttpWorker, ModelHostClient, WorkerClient};
 use hearth_tenants::TenantStore;
 
-use crate::args::{DataArgs, GatewayArgs, LimitStoreArgs, ModelArgs, ServeArgs, WorkerArgs};
+use crate::args::{DataArgs, GatewayArgs, LifecycleArgs, LimitStoreArgs, ModelArgs, ServeArgs, WorkerArgs};
 use crate::catalogue::LocalCatalogue;
 use crate::local_worker::InProcessWorker;
 
@@ -114,6 +116,25 @@ struct Workers {
     engines: Option<EngineCollector>,
     /// The workers' catalogues (models added and removed at runtime).
     hosts: Vec<Arc<dyn ModelHostClient>>,
+    /// Workers found in the registry in Redis as they register.
+    discover: Option<Discover>,
+}
+
+/// `hearth gateway --discover`: the registry is read with the workers' token.
+struct Discover {
+    token: String,
+    interval: Duration,
+}
+
+/// This process's id among the gateways sharing routing state: host, pid, start time.
+fn gateway_id() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "gateway".into());
+    format!("{host}-{}-{:x}", std::process::id(), hearth_tenants::now_ms())
 }
 
 async fn run_gateway(
@@ -123,10 +144,14 @@ async fn run_gateway(
     admin_token: Option<String>,
     routing: RoutingConfig,
     limits: &LimitStoreArgs,
+    lifecycle: &LifecycleArgs,
 ) -> anyhow::Result<()> {
     let data_dir = data.dir();
     let db = data.open().await?;
     let limiter = limits.limiter().await?;
+    if workers.discover.is_some() && limiter.redis().is_none() {
+        bail!("--discover reads the worker registry in Redis: give --redis-url (HEARTH_REDIS_URL)");
+    }
     let models = ModelRegistry::discover(workers.clients, workers.wait, &routing).await?;
     let routing_pd = routing.pd_threshold;
     models.set_hosts(workers.hosts);
@@ -136,10 +161,20 @@ async fn run_gateway(
         models,
     );
     state.admin_token = admin_token.filter(|t| !t.is_empty());
+    let mut discovery = None;
     if let Some(r) = limiter.redis() {
         // Budget reservations live where the limits live: shared by every gateway.
         let (conn, prefix) = r.connection();
-        state.budgets = Arc::new(hearth_gateway::pipeline::budget::BudgetCache::with_redis(conn, prefix));
+        state.budgets = Arc::new(hearth_gateway::pipeline::budget::BudgetCache::with_redis(
+            conn.clone(),
+            prefix,
+        ));
+        // So do session pins and load: N gateways route like one.
+        state.shared_routing = Some(Arc::new(SharedRouting::new(conn.clone(), prefix, &gateway_id())));
+        discovery = workers
+            .discover
+            .as_ref()
+            .map(|d| (Discovery::new(conn, prefix, &d.token), d.interval));
     }
     state.limiter = limiter;
     state.processors = Some(hearth_gateway::processors::ProcessorHost {
@@ -154,6 +189,17 @@ async fn run_gateway(
         state.metrics.register_collector(Box::new(engines));
     }
     let gw = Arc::new(state);
+    if let Some(shared) = gw.shared_routing.clone() {
+        tokio::spawn(shared.sync_load(gw.clone(), Duration::from_millis(500)));
+    }
+    if let Some((discovery, interval)) = discovery {
+        // The first poll before listening: workers already registered serve from the start.
+        let mut discovery = discovery;
+        if let Err(e) = discovery.poll(&gw.models).await {
+            tracing::warn!(error = %e, "worker registry unreachable at start");
+        }
+        tokio::spawn(discovery.run(gw.clone(), interval));
+    }
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
@@ -167,6 +213,7 @@ async fn run_gateway(
         models = ?served,
         admin_api = gw.admin_token.is_some(),
         pd_threshold = routing_pd,
+        shared_routing = gw.shared_routing.as_ref().map(|s| s.gateway().to_string()),
         "effective configuration"
     );
     println!("Hearth is listening on http://{addr} (models: {})", served.join(", "));
@@ -186,10 +233,40 @@ async fn run_gateway(
         );
     }
     // With the peer's address: the audit log records where management actions came from.
-    let service = app::router(gw).into_make_service_with_connect_info::<SocketAddr>();
-    axum::serve(listener, service)
-        .with_graceful_shutdown(shutdown_signal())
-        .await?;
+    let service = app::router(gw.clone()).into_make_service_with_connect_info::<SocketAddr>();
+    // SIGTERM: readiness off, the shutdown delay (load balancers notice), then no new
+    // connections while requests in flight finish — bounded by the drain timeout, past
+    // which they end with an error and their usage record — then the usage is flushed.
+    let (drained_tx, drained) = tokio::sync::watch::channel(false);
+    let draining = gw.clone();
+    let delay = Duration::from_secs(lifecycle.shutdown_delay_secs);
+    let shutdown = async move {
+        shutdown_signal().await;
+        draining.draining.store(true, std::sync::atomic::Ordering::SeqCst);
+        tracing::info!(
+            delay_s = delay.as_secs(),
+            "draining: /readyz answers 503; requests in flight finish"
+        );
+        tokio::time::sleep(delay).await;
+        drained_tx.send_replace(true);
+    };
+    let server = std::future::IntoFuture::into_future(axum::serve(listener, service).with_graceful_shutdown(shutdown));
+    let timeout = Duration::from_secs(lifecycle.drain_timeout_secs);
+    let abort = gw.clone();
+    let overrun = async move {
+        let mut drained = drained;
+        let _ = drained.wait_for(|d| *d).await;
+        tokio::time::sleep(timeout).await;
+        tracing::warn!("drain timeout: ending the requests still in flight");
+        abort.abort.send_replace(true);
+        std::future::pending::<()>().await;
+    };
+    tokio::select! {
+        r = server => r?,
+        () = overrun => {}
+    }
+    gw.ledger.flush().await;
+    tracing::info!("usage flushed; exiting");
     Ok(())
 }
 
@@ -221,9 +298,19 @@ pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
             wait: Duration::ZERO,
             engines: Some(engines),
             hosts: vec![catalogue as Arc<dyn ModelHostClient>],
+            discover: None,
         };
         let routing = a.routing.config(&a.model.region)?;
-        return run_gateway(a.listen, &a.data, workers, a.admin_token, routing, &a.limits).await;
+        return run_gateway(
+            a.listen,
+            &a.data,
+            workers,
+            a.admin_token,
+            routing,
+            &a.limits,
+            &a.lifecycle,
+        )
+        .await;
     }
     // Roles: `--prefill-workers`/`--decode-workers` (disaggregated), else `--workers` alike.
     let pd = a.prefill_workers + a.decode_workers > 0;
@@ -263,9 +350,19 @@ pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         wait: Duration::ZERO,
         engines: Some(EngineCollector::new(engines)),
         hosts: Vec::new(),
+        discover: None,
     };
     let routing = a.routing.config(&a.model.region)?;
-    run_gateway(a.listen, &a.data, workers, a.admin_token, routing, &a.limits).await
+    run_gateway(
+        a.listen,
+        &a.data,
+        workers,
+        a.admin_token,
+        routing,
+        &a.limits,
+        &a.lifecycle,
+    )
+    .await
 }
 
 pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
@@ -296,17 +393,92 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         );
     }
     let name = worker_name(addr);
+    let lifecycle = Arc::new(Lifecycle::default());
+    let registrar = match a.redis_url.as_deref().filter(|u| !u.is_empty()) {
+        Some(url) => {
+            let token = a.worker_token.as_deref().filter(|t| !t.is_empty()).context(
+                "--redis-url registers this worker, and registrations are sealed with the workers' token: set HEARTH_WORKER_TOKEN",
+            )?;
+            let info = engines.first().map(|(_, e)| e.info().clone());
+            let now = hearth_tenants::now_ms();
+            let record = WorkerRecord {
+                id: format!("{name}-{:x}", now),
+                url: a.advertise_url.clone().unwrap_or_else(|| format!("http://{name}")),
+                models: engines.iter().map(|(m, _)| m.clone()).collect(),
+                region: a.model.region.clone(),
+                role: a.role.clone(),
+                capacity: info.map_or(0, |i| i.capacity),
+                draining: false,
+                started_ms: now,
+                heartbeat_ms: now,
+            };
+            let conn = hearth_gateway::cluster::connect(url).await?;
+            let heartbeat = Duration::from_millis(a.heartbeat_ms.max(50));
+            let r = Registrar::start(conn, &a.redis_prefix, token, record.clone(), heartbeat)
+                .await
+                .context("registering in the worker registry")?;
+            tracing::info!(id = %record.id, url = %record.url, region = %record.region, role = %record.role, "registered");
+            Some(r)
+        }
+        None => None,
+    };
     let opts = hearth_engine::server::WorkerOptions {
         token: a.worker_token.clone(),
         role: Some(a.role.clone()),
+        lifecycle: Some(lifecycle.clone()),
     };
     let app = match catalogue {
         Some(c) => hearth_engine::server::router_catalogue(&name, c, opts),
         None => hearth_engine::server::router_many(engines, &name, opts),
     };
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
-        .await?;
+    // SIGTERM: refuse new work and say so (readiness, the registry), finish the streams in
+    // flight (bounded), deregister, exit.
+    let (drained_tx, drained) = tokio::sync::watch::channel(false);
+    let timeout = Duration::from_secs(a.lifecycle.drain_timeout_secs);
+    let delay = Duration::from_secs(a.lifecycle.shutdown_delay_secs);
+    let draining = lifecycle.clone();
+    let reg = registrar.clone();
+    let shutdown = async move {
+        shutdown_signal().await;
+        draining.drain();
+        if let Some(r) = &reg {
+            r.drain().await;
+        }
+        tracing::info!(
+            in_flight = draining.in_flight(),
+            "draining: new requests refused; finishing those in flight"
+        );
+        let finished = tokio::time::timeout(timeout, async {
+            draining.idle().await;
+            tokio::time::sleep(delay).await;
+        })
+        .await;
+        if finished.is_err() {
+            tracing::warn!(
+                in_flight = draining.in_flight(),
+                "drain timeout: ending the generations still running"
+            );
+        }
+        if let Some(r) = &reg {
+            r.deregister().await;
+        }
+        drained_tx.send_replace(true);
+    };
+    let server = std::future::IntoFuture::into_future(axum::serve(listener, app).with_graceful_shutdown(shutdown));
+    // Past the drain, open connections (streams over the timeout) do not hold the exit.
+    let overrun = async move {
+        let mut drained = drained;
+        let _ = drained.wait_for(|d| *d).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        if lifecycle.in_flight() > 0 {
+            tracing::warn!(in_flight = lifecycle.in_flight(), "exiting with generations unfinished");
+        }
+    };
+    tokio::select! {
+        r = server => r?,
+        () = overrun => {}
+    }
+    tracing::info!("worker stopped");
     Ok(())
 }
 
@@ -354,11 +526,33 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
         clients.extend(found.into_iter().map(|w| Arc::new(w) as Arc<dyn WorkerClient>));
     }
     let routing = a.routing.config(&a.region)?;
+    let discover = if a.discover {
+        let token =
+            a.worker_token.clone().filter(|t| !t.is_empty()).context(
+                "--discover accepts only registrations sealed with the workers' token: set HEARTH_WORKER_TOKEN",
+            )?;
+        Some(Discover {
+            token,
+            interval: Duration::from_millis(a.discovery_interval_ms.max(50)),
+        })
+    } else {
+        None
+    };
     let workers = Workers {
         clients,
         wait: Duration::from_secs(a.worker_wait_secs),
         engines: None,
         hosts,
+        discover,
     };
-    run_gateway(a.listen, &a.data, workers, a.admin_token, routing, &a.limits).await
+    run_gateway(
+        a.listen,
+        &a.data,
+        workers,
+        a.admin_token,
+        routing,
+        &a.limits,
+        &a.lifecycle,
+    )
+    .await
 }

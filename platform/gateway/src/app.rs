@@ -31,6 +31,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(list_models))
         .route("/v1/models/{model}", get(get_model))
         .route("/healthz", get(healthz))
+        .route("/livez", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/readyz", get(readyz))
         .nest("/v1/tenant", crate::selfservice::router())
         .nest("/dashboard", crate::dashboard::router())
         .route("/", get(|| async { axum::response::Redirect::to("/dashboard") }))
@@ -85,6 +87,36 @@ pub async fn request_id(mut req: Request, next: Next) -> Response {
         resp.headers_mut().insert("x-request-id", v);
     }
     resp
+}
+
+/// Readiness: not shutting down, and the database answers. (Liveness, `/livez`, is the
+/// process answering at all.)
+async fn readyz(State(state): State<Arc<AppState>>) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    if state.draining.load(std::sync::atomic::Ordering::Relaxed) {
+        return (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "draining"})),
+        )
+            .into_response();
+    }
+    let db = tokio::time::timeout(std::time::Duration::from_secs(2), state.tenants.ping()).await;
+    match db {
+        Ok(Ok(())) => {
+            let workers: usize = state.models.all().iter().map(|m| m.worker_count()).sum();
+            Json(json!({"status": "ready", "models": state.models.all().len(), "workers": workers})).into_response()
+        }
+        Ok(Err(e)) => (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "database unavailable", "error": e.to_string()})),
+        )
+            .into_response(),
+        Err(_) => (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "database unavailable", "error": "no answer in 2 s"})),
+        )
+            .into_response(),
+    }
 }
 
 async fn healthz(State(state): State<Arc<AppState>>) -> Json<Value> {

@@ -6,6 +6,7 @@
 //! * [`pipeline`] — the OpenAI request as named phases over one per-request context;
 //! * [`limits`] — rate limits (GCRA, in-process or Redis); [`processors`] — tenant Wasm chains;
 //! * [`registry`] — the models served and their routers; [`workers`] — how workers are reached;
+//! * [`cluster`] — workers registering through Redis, discovery, routing state shared by gateways;
 //! * [`management`] — the one implementation of key/processor/usage management, with its
 //!   adapters [`admin`] and [`selfservice`] (and the CLI); [`metrics`] — Prometheus;
 //! * [`openai`] — request parsing; [`error`] — every client-visible error; [`db`] — the store;
@@ -18,6 +19,7 @@
 pub mod admin;
 pub mod app;
 pub mod auth;
+pub mod cluster;
 pub mod dashboard;
 pub mod db;
 pub mod error;

@@ -30,7 +30,10 @@ pub struct ServedModel {
     pub created: i64,
     /// Tenants (names or ids) that may see and use it; empty: every tenant.
     pub tenants: Vec<String>,
-    workers: Vec<Option<Arc<dyn WorkerClient>>>,
+    /// Clients by router slot. Workers join and leave at runtime (discovery): a slot's
+    /// background tasks stop when it no longer holds their client. Lock order: the router,
+    /// then this.
+    workers: RwLock<Vec<Option<Arc<dyn WorkerClient>>>>,
     router: Mutex<Router>,
     epoch: Instant,
     /// Set when removed from the registry: its background tasks stop at once.
@@ -110,17 +113,90 @@ impl ServedModel {
         self.router.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn client(&self, slot: usize) -> Option<&Arc<dyn WorkerClient>> {
-        self.workers.get(slot).and_then(Option::as_ref)
+    pub fn client(&self, slot: usize) -> Option<Arc<dyn WorkerClient>> {
+        self.clients().get(slot).cloned().flatten()
+    }
+
+    fn clients(&self) -> std::sync::RwLockReadGuard<'_, Vec<Option<Arc<dyn WorkerClient>>>> {
+        self.workers.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether `slot` still holds `client` (it may have left, and the slot been reused).
+    fn holds(&self, slot: usize, client: &Arc<dyn WorkerClient>) -> bool {
+        self.clients()
+            .get(slot)
+            .and_then(Option::as_ref)
+            .is_some_and(|c| Arc::ptr_eq(c, client))
     }
 
     /// Router slots (workers, including ones removed since: their slot stays empty).
     pub fn slots(&self) -> usize {
-        self.workers.len()
+        self.clients().len()
     }
 
     pub fn worker_count(&self) -> usize {
-        self.workers.iter().flatten().count()
+        self.clients().iter().flatten().count()
+    }
+
+    /// Whether a worker of this name serves the model.
+    pub fn has_worker(&self, name: &str) -> bool {
+        self.clients().iter().flatten().any(|w| w.name() == name)
+    }
+
+    /// Adds a worker to the pool at runtime (discovery): a router slot, then its event and
+    /// health tasks.
+    pub fn add_worker(
+        self: &Arc<Self>,
+        client: Arc<dyn WorkerClient>,
+        place: &WorkerPlace,
+    ) -> Result<usize, RegistryError> {
+        let slot = {
+            let mut r = self.router();
+            let slot = r
+                .add_worker(client.name(), &place.region, false)
+                .ok_or_else(|| RegistryError::Model {
+                    model: self.id.clone(),
+                    detail: "more than 64 workers".into(),
+                })?;
+            if let Some(state) = r.worker_mut(slot) {
+                state.role = place.role.clone();
+                state.capacity = place.capacity;
+                state.queue_tokens = place.queue_tokens;
+            }
+            let mut ws = self.workers.write().unwrap_or_else(|e| e.into_inner());
+            if ws.len() <= slot {
+                ws.resize(slot + 1, None);
+            }
+            ws[slot] = Some(client);
+            slot
+        };
+        tokio::spawn(follow_kv_events(self.clone(), slot));
+        tokio::spawn(check_health(self.clone(), slot));
+        Ok(slot)
+    }
+
+    /// Takes the worker named `name` out of the pool: no new requests; those in flight
+    /// finish on the client they hold. Whether it was there.
+    pub fn remove_worker(&self, name: &str) -> bool {
+        let mut r = self.router();
+        let Some(slot) = r.slot_of(name) else {
+            return false;
+        };
+        r.remove_worker(slot);
+        if let Some(w) = self.workers.write().unwrap_or_else(|e| e.into_inner()).get_mut(slot) {
+            *w = None;
+        }
+        true
+    }
+
+    /// Marks the worker named `name` draining (it is shutting down): no new requests.
+    pub fn set_draining(&self, name: &str, draining: bool) {
+        let mut r = self.router();
+        if let Some(slot) = r.slot_of(name) {
+            if let Some(w) = r.worker_mut(slot) {
+                w.draining = draining;
+            }
+        }
     }
 
     /// Whether a tenant may see and use the model (its catalogue entry's `tenants`).
@@ -134,7 +210,7 @@ impl ServedModel {
 
     /// Each worker's name and the state it reports for this model.
     pub fn worker_states(&self) -> Vec<(String, Option<String>)> {
-        self.workers
+        self.clients()
             .iter()
             .flatten()
             .map(|w| (w.name().to_string(), w.model_state()))
@@ -148,7 +224,7 @@ impl ServedModel {
             "loading" => 1,
             _ => 0,
         };
-        self.workers
+        self.clients()
             .iter()
             .flatten()
             .filter_map(|w| w.model_state())
@@ -162,6 +238,9 @@ pub struct ModelRegistry {
     routing: RoutingConfig,
     /// The workers' catalogues, through which models are added and removed at runtime.
     hosts: RwLock<Vec<Arc<dyn ModelHostClient>>>,
+    /// Models served because a discovered worker brought them: no longer served when their
+    /// last worker leaves.
+    discovered: Mutex<std::collections::HashSet<String>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -313,7 +392,7 @@ impl ModelRegistry {
                 block_tokens: info.block_tokens as usize,
                 created: hearth_tenants::now_ms() / 1000,
                 tenants: info.tenants.clone(),
-                workers: slots,
+                workers: RwLock::new(slots),
                 router: Mutex::new(router),
                 epoch: Instant::now(),
                 retired: tokio::sync::watch::Sender::new(false),
@@ -323,7 +402,7 @@ impl ModelRegistry {
                 pd: PdCounts::default(),
                 queues: Default::default(),
             });
-            for slot in 0..model.workers.len() {
+            for slot in 0..model.slots() {
                 if model.client(slot).is_some() {
                     tokio::spawn(follow_kv_events(model.clone(), slot));
                     tokio::spawn(check_health(model.clone(), slot));
@@ -372,6 +451,74 @@ impl ModelRegistry {
     pub fn set_hosts(&self, hosts: Vec<Arc<dyn ModelHostClient>>) {
         *self.hosts.write().unwrap_or_else(|e| e.into_inner()) = hosts;
     }
+
+    /// Adds a discovered worker's catalogue (replacing one of the same name).
+    pub fn add_host(&self, host: Arc<dyn ModelHostClient>) {
+        let mut hosts = self.hosts.write().unwrap_or_else(|e| e.into_inner());
+        hosts.retain(|h| h.name() != host.name());
+        hosts.push(host);
+    }
+
+    /// A worker joined (discovery): it serves the model `info` names — in that model's
+    /// pool, or as a new model. A worker already in the pool (same name) is left as it is.
+    pub fn attach(
+        &self,
+        info: hearth_protocol::WorkerInfo,
+        client: Arc<dyn WorkerClient>,
+    ) -> Result<(), RegistryError> {
+        let place = WorkerPlace::from(&info);
+        if let Some(model) = self.get(&info.model) {
+            if model.has_worker(client.name()) {
+                return Ok(());
+            }
+            if model.block_tokens != info.block_tokens as usize {
+                return Err(RegistryError::Model {
+                    model: info.model.clone(),
+                    detail: format!(
+                        "worker {} uses {}-token KV blocks, the pool {}",
+                        client.name(),
+                        info.block_tokens,
+                        model.block_tokens
+                    ),
+                });
+            }
+            model.add_worker(client, &place)?;
+            return Ok(());
+        }
+        let id = info.model.clone();
+        self.insert(info, vec![client], vec![place])?;
+        self.discovered.lock().unwrap_or_else(|e| e.into_inner()).insert(id);
+        Ok(())
+    }
+
+    /// A worker left (deregistered, or its heartbeats stopped): out of every pool, and out
+    /// of the catalogues. A model only it brought is no longer served.
+    pub fn detach(&self, name: &str) {
+        self.hosts
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|h| h.name() != name);
+        for model in self.all() {
+            if model.remove_worker(name) {
+                tracing::info!(model = %model.id, worker = name, "worker left the pool");
+                let discovered = self
+                    .discovered
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .contains(&model.id);
+                if discovered && model.worker_count() == 0 {
+                    self.remove(&model.id);
+                }
+            }
+        }
+    }
+
+    /// Marks a worker draining in every pool.
+    pub fn set_draining(&self, name: &str, draining: bool) {
+        for model in self.all() {
+            model.set_draining(name, draining);
+        }
+    }
 }
 
 /// Feeds one worker's KV events into the model's prefix index, reconnecting when the stream
@@ -385,13 +532,16 @@ async fn follow_kv_events(model: Arc<ServedModel>, slot: usize) {
 }
 
 async fn follow_kv_events_until_retired(model: &ServedModel, slot: usize) {
-    let Some(client) = model.client(slot).cloned() else {
+    let Some(client) = model.client(slot) else {
         return;
     };
-    loop {
+    while model.holds(slot, &client) {
         match client.kv_events().await {
             Ok(mut events) => {
                 while let Some(ev) = events.next().await {
+                    if !model.holds(slot, &client) {
+                        return; // the worker left; the slot may be another's now
+                    }
                     let mut r = model.router();
                     match ev {
                         KvEvent::Snapshot { blocks, .. } => {
@@ -408,6 +558,9 @@ async fn follow_kv_events_until_retired(model: &ServedModel, slot: usize) {
             }
             Err(e) => tracing::debug!(worker = client.name(), error = %e, "no KV events"),
         }
+        if !model.holds(slot, &client) {
+            return;
+        }
         if let Some(w) = model.router().worker_mut(slot) {
             w.exact_events = false;
         }
@@ -417,7 +570,7 @@ async fn follow_kv_events_until_retired(model: &ServedModel, slot: usize) {
 
 /// Marks a worker unhealthy while its health check fails.
 async fn check_health(model: Arc<ServedModel>, slot: usize) {
-    let Some(client) = model.client(slot).cloned() else {
+    let Some(client) = model.client(slot) else {
         return;
     };
     let mut retired = model.retired.subscribe();
@@ -426,6 +579,9 @@ async fn check_health(model: Arc<ServedModel>, slot: usize) {
             r = client.health() => r.is_ok(),
             _ = retired.wait_for(|r| *r) => return,
         };
+        if !model.holds(slot, &client) {
+            return;
+        }
         {
             let mut r = model.router();
             if let Some(w) = r.worker_mut(slot) {

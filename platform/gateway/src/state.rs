@@ -23,6 +23,14 @@ pub struct AppState {
     /// Tenant processors (None: processors are disabled in this gateway).
     pub processors: Option<ProcessorHost>,
     pub metrics: Metrics,
+    /// Session pins and load shared with the other gateways (None: this gateway alone).
+    pub shared_routing: Option<std::sync::Arc<crate::cluster::SharedRouting>>,
+    /// Set when the process is shutting down: `/readyz` answers 503 so that load balancers
+    /// stop sending requests, while those in flight finish.
+    pub draining: std::sync::atomic::AtomicBool,
+    /// Set when the drain timeout passes: requests still in flight end with an error (and
+    /// their usage record) so that the process can exit.
+    pub abort: tokio::sync::watch::Sender<bool>,
 }
 
 impl AppState {
@@ -49,6 +57,9 @@ impl AppState {
             budgets: Default::default(),
             processors: None,
             metrics: Metrics::new(),
+            shared_routing: None,
+            draining: Default::default(),
+            abort: tokio::sync::watch::Sender::new(false),
         }
     }
 }

@@ -437,6 +437,9 @@ impl WorkerClient for HttpWorker {
                 // The worker explains refusals as one error event.
                 let status = resp.status();
                 return match resp.json::<GenerateEvent>().await {
+                    // Shutting down: it takes nothing new, another worker will (nothing
+                    // has been streamed).
+                    Ok(GenerateEvent::Error { code, message }) if code == "draining" => Err(self.unavailable(message)),
                     Ok(ev @ GenerateEvent::Error { .. }) => Ok(stream::iter([ev]).boxed()),
                     _ => Err(self.protocol(format!("generate returned {status}"))),
                 };

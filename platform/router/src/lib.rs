@@ -123,6 +123,21 @@ pub struct WorkerState {
     /// cache served (the engine's `cached_tokens`): the worker's measured cache hit rate.
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
+    /// Which worker holds this slot: slots are reused after a worker leaves, so whoever
+    /// accounts for a request checks that its worker still holds the slot.
+    pub serial: u64,
+    /// Load other gateways placed on this worker (shared through Redis; see the gateway's
+    /// `cluster` module): counted with this gateway's own in the load bound and the costs.
+    pub remote_outstanding: u32,
+    pub remote_prefill_tokens: u64,
+    pub remote_decoding: u32,
+}
+
+impl WorkerState {
+    /// Requests in flight on the worker, from every gateway this one knows of.
+    pub fn load(&self) -> u32 {
+        self.outstanding + self.remote_outstanding
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -183,6 +198,8 @@ pub struct Router {
     affinity: HashMap<String, (usize, u64)>,
     rng: u64,
     pub decisions: HashMap<(&'static str, Reason), u64>,
+    /// The last slot serial handed out.
+    serials: u64,
 }
 
 impl Router {
@@ -195,6 +212,7 @@ impl Router {
             affinity: HashMap::new(),
             rng: 0x9E37_79B9_7F4A_7C15,
             decisions: HashMap::new(),
+            serials: 0,
         }
     }
 
@@ -208,12 +226,14 @@ impl Router {
             }
             None => return None,
         };
+        self.serials += 1;
         self.workers[slot] = Some(WorkerState {
             name: name.into(),
             region: region.into(),
             role: "both".into(),
             healthy: true,
             exact_events,
+            serial: self.serials,
             ..Default::default()
         });
         self.rebuild_ring();
@@ -270,13 +290,13 @@ impl Router {
         let total: u32 = self
             .workers()
             .filter(|(i, _)| usable & (1 << i) != 0)
-            .map(|(_, w)| w.outstanding)
+            .map(|(_, w)| w.load())
             .sum();
         (self.cfg.load_factor * (total as f64 + 1.0) / n).ceil() as u32 + 1
     }
 
     fn under(&self, slot: usize, bound: u32) -> bool {
-        self.worker(slot).is_some_and(|w| w.outstanding < bound)
+        self.worker(slot).is_some_and(|w| w.load() < bound)
     }
 
     fn least_outstanding(&mut self, set: u64) -> Option<usize> {
@@ -285,7 +305,7 @@ impl Router {
         while bits != 0 {
             let i = bits.trailing_zeros() as usize;
             bits &= bits - 1;
-            let load = self.worker(i).map_or(u32::MAX, |w| w.outstanding);
+            let load = self.worker(i).map_or(u32::MAX, WorkerState::load);
             let tie = self.next_rand();
             if best.is_none_or(|(l, t, _)| (load, tie) < (l, t)) {
                 best = Some((load, tie, i));
@@ -363,7 +383,7 @@ impl Router {
                     .walk(input.prefix_key)
                     .find(|&w| candidates & (1 << w) != 0 && self.under(w, bound));
                 match owner {
-                    Some(w) if self.worker(w).is_some_and(|s| s.outstanding < concurrency_threshold) => {
+                    Some(w) if self.worker(w).is_some_and(|s| s.load() < concurrency_threshold) => {
                         decide(w, if matched[w] > 0 { Reason::Hit } else { Reason::Miss })
                     }
                     _ => decide(self.least_outstanding(candidates)?, Reason::Overflow),
@@ -381,8 +401,8 @@ impl Router {
                     let Some(w) = self.worker(i) else { continue };
                     let cached = (m as usize * bt).min(input.prompt_tokens.saturating_sub(1));
                     let cost = (input.prompt_tokens - cached) as f64 * prefill_weight
-                        + w.inflight_prefill_tokens as f64
-                        + w.decoding as f64 * decode_weight;
+                        + (w.inflight_prefill_tokens + w.remote_prefill_tokens) as f64
+                        + (w.decoding + w.remote_decoding) as f64 * decode_weight;
                     let tie = self.next_rand();
                     if best.is_none_or(|(c, t, _)| (cost, tie) < (c, t)) {
                         best = Some((cost, tie, i));
@@ -410,6 +430,20 @@ impl Router {
             self.index.assume(d.worker, input.hashes, now, self.cfg.approx_ttl);
         }
         d
+    }
+
+    /// Pins `session` to `slot` (another gateway's decision, shared through Redis): the next
+    /// [`Router::route`] for it goes there while the worker is usable and under its bound.
+    pub fn pin(&mut self, session: &str, slot: usize, now: u64) {
+        if self.worker(slot).is_some() {
+            self.affinity
+                .insert(session.to_string(), (slot, now + self.cfg.affinity_ttl));
+        }
+    }
+
+    /// The slot of the worker named `name`.
+    pub fn slot_of(&self, name: &str) -> Option<usize> {
+        self.workers().find(|(_, w)| w.name == name).map(|(i, _)| i)
     }
 
     /// Load accounting: a request was sent (`uncached` prompt tokens to compute).
@@ -515,6 +549,29 @@ mod tests {
             r.route(&input(&[], Some("s1")), 10_000_000).unwrap().reason,
             Reason::Affinity
         );
+    }
+
+    #[test]
+    fn other_gateways_load_counts_and_their_pins_hold() {
+        let mut r = router("least_outstanding", 2);
+        // Another gateway keeps worker 0 busy: this one's own counts are equal, yet it
+        // sends new work to worker 1.
+        r.worker_mut(0).unwrap().remote_outstanding = 20;
+        for t in 0..3 {
+            assert_eq!(r.route(&input(&[], None), t).unwrap().worker, 1);
+        }
+        // A session another gateway pinned to worker 0 stays there once worker 0 is under
+        // the bound again.
+        r.worker_mut(0).unwrap().remote_outstanding = 0;
+        r.pin("s", 0, 5);
+        let d = r.route(&input(&[], Some("s")), 6).unwrap();
+        assert_eq!((d.worker, d.reason), (0, Reason::Affinity));
+        // Slots are reused with a new serial; names find them.
+        let serial = r.worker(0).unwrap().serial;
+        r.remove_worker(0);
+        assert_eq!(r.add_worker("w9", "local", true), Some(0));
+        assert_ne!(r.worker(0).unwrap().serial, serial);
+        assert_eq!((r.slot_of("w9"), r.slot_of("w0")), (Some(0), None));
     }
 
     #[test]

@@ -42,7 +42,7 @@ pub async fn start(
     pd: PdPlacement,
 ) -> Result<Dispatched, NotStarted> {
     let (p_slot, d_slot) = (pd.prefill.slot, pd.decode.slot);
-    let (Some(prefill), Some(decode)) = (model.client(p_slot).cloned(), model.client(d_slot).cloned()) else {
+    let (Some(prefill), Some(decode)) = (model.client(p_slot), model.client(d_slot)) else {
         return Err((req, routed, 0));
     };
     let Some(source) = prefill.kv_address() else {
@@ -198,7 +198,7 @@ impl Stitch {
                 hold: self.req.request_id.clone(),
             });
         }
-        let sent = match self.model.client(d_slot).cloned() {
+        let sent = match self.model.client(d_slot) {
             Some(client) => {
                 tokio::select! {
                     r = client.generate(rest) => r.map_err(|e| {
@@ -463,6 +463,8 @@ mod tests {
             region: None,
             prefix_key: 0,
             tenant: String::new(),
+            pinned: None,
+            shared: None,
         };
         let routed = RouteRequest::new(&model, &req.prompt, "", hints);
         let pd = route::run_pd(&model, &routed, 0).expect("a long prompt is disaggregated");
@@ -522,6 +524,8 @@ mod tests {
                 region: None,
                 prefix_key: 0,
                 tenant: "t".into(),
+                pinned: None,
+                shared: None,
             };
             RouteRequest::new(&model, &req.prompt, "", hints)
         };

@@ -24,7 +24,7 @@ pub struct Dispatched {
     pub placement: Option<Placement>,
 }
 
-pub async fn run(ctx: &mut RequestContext) -> Result<Dispatched, ApiError> {
+pub async fn run(state: &crate::state::AppState, ctx: &mut RequestContext) -> Result<Dispatched, ApiError> {
     let model = ctx.model()?.clone();
     let tenant_id = ctx.tenant()?.tenant_id.clone();
     let prompt = std::mem::take(&mut ctx.prompt);
@@ -44,11 +44,19 @@ pub async fn run(ctx: &mut RequestContext) -> Result<Dispatched, ApiError> {
         qos: ctx.qos.clone(),
         constraint: request.common.constraint.clone(),
     };
+    let session = ctx.header("x-session-affinity");
+    // The session's pin, shared by every gateway (one Redis read; none without Redis).
+    let (shared, pinned) = match (&state.shared_routing, &session) {
+        (Some(sh), Some(s)) => (Some(sh.clone()), sh.pinned(&model.id, s).await),
+        _ => (None, None),
+    };
     let hints = RouteHints {
-        session: ctx.header("x-session-affinity"),
+        session,
         region: ctx.header("x-hearth-region"),
         prefix_key: route::prefix_key(&model, &request.routing_text(), &req.cache_namespace),
         tenant: ctx.qos.tenant.clone(),
+        pinned,
+        shared,
     };
     let routed = RouteRequest::new(&model, &req.prompt, &req.cache_namespace, hints);
     // One completion only: `n` choices share one prompt on one worker.
@@ -79,10 +87,28 @@ pub async fn colocated(
 ) -> Result<Dispatched, ApiError> {
     let mut last = None;
     let mut refused = None;
-    while let Some(placement) = tracing::info_span!("route").in_scope(|| route::run(model, routed, exclude)) {
+    let mut pinned = routed.hints.pinned.clone();
+    let mut claimed = false;
+    while let Some(placement) =
+        tracing::info_span!("route").in_scope(|| route::run_pinned(model, routed, exclude, pinned.as_deref()))
+    {
         let slot = placement.slot;
+        // A session's first placement is claimed in the shared store: if another gateway
+        // pinned the session elsewhere meanwhile, the request follows that pin instead.
+        if let (Some(shared), Some(session), false) = (&routed.hints.shared, &routed.hints.session, claimed) {
+            claimed = true;
+            if let Some(name) = placement.worker_name() {
+                let owner = shared.claim(&model.id, session, &name, pinned.as_deref()).await;
+                if let Some(owner) = owner.filter(|o| *o != name) {
+                    tracing::debug!(worker = %owner, "session pinned by another gateway");
+                    pinned = Some(owner);
+                    drop(placement);
+                    continue;
+                }
+            }
+        }
         exclude |= 1 << slot;
-        let Some(client) = model.client(slot).cloned() else {
+        let Some(client) = model.client(slot) else {
             continue;
         };
         match client.generate(req.clone()).await {

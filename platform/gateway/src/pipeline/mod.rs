@@ -179,7 +179,7 @@ async fn run(state: &Arc<AppState>, ctx: &mut RequestContext) -> Result<Response
     limit::run(state, ctx).instrument(info_span!("limit")).await?;
     info_span!("admit").in_scope(|| admit::run(state, ctx))?;
     budget::reserve(state, ctx).instrument(info_span!("reserve")).await?;
-    let events = dispatch::run(ctx).instrument(info_span!("dispatch")).await?;
+    let events = dispatch::run(state, ctx).instrument(info_span!("dispatch")).await?;
     let events = relay::start(state.clone(), state.clone(), ctx, events).await?;
     postprocess::run(state, ctx, events)
         .instrument(info_span!("postprocess"))

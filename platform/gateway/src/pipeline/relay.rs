@@ -194,6 +194,13 @@ impl Timing {
     }
 }
 
+/// Returns when the gateway's drain timeout has passed.
+async fn aborted(rx: &mut tokio::sync::watch::Receiver<bool>) {
+    if rx.wait_for(|a| *a).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
 async fn relay(
     state: Arc<AppState>,
     meter: Arc<dyn Meter>,
@@ -207,6 +214,7 @@ async fn relay(
     tx: mpsc::Sender<GenerateEvent>,
 ) {
     let mut generated = 0u32;
+    let mut abort = state.abort.subscribe();
     let ended = loop {
         let ev = tokio::select! {
             ev = events.next() => ev.unwrap_or_else(|| GenerateEvent::Error {
@@ -214,6 +222,10 @@ async fn relay(
                 message: "the worker ended the stream without finishing".into(),
             }),
             () = tx.closed() => break None,
+            () = aborted(&mut abort) => GenerateEvent::Error {
+                code: "shutting_down".into(),
+                message: "the gateway is shutting down and its drain timeout passed".into(),
+            },
         };
         let terminal = match &ev {
             GenerateEvent::Token { .. } => {

@@ -23,9 +23,12 @@ pub fn worker_error(code: &str, message: &str) -> ApiError {
         "model_not_found" => ApiError::model_not_found(message),
         "invalid_prompt" => ApiError::invalid("prompt", message.to_string()),
         "context_length_exceeded" => ApiError::context_length(message.to_string()),
-        "worker_disconnected" | "engine_stopped" | "worker_unavailable" | "grammar_unavailable" => {
-            ApiError::unavailable(message.to_string())
-        }
+        "worker_disconnected"
+        | "engine_stopped"
+        | "worker_unavailable"
+        | "grammar_unavailable"
+        | "draining"
+        | "shutting_down" => ApiError::unavailable(message.to_string()),
         "model_loading" => ApiError::model_loading(message.to_string()),
         "overloaded" => ApiError::overloaded(message.to_string(), 1),
         "model_load_failed" => ApiError::unavailable(message.to_string()),

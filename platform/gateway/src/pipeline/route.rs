@@ -28,6 +28,11 @@ pub struct RouteHints {
     /// The tenant, whose queued tokens the placement accounts for (see
     /// [`super::admit::TenantQueues`]).
     pub tenant: String,
+    /// The worker (by name) the shared store pins `session` to: another gateway's decision
+    /// (see [`crate::cluster::SharedRouting`]).
+    pub pinned: Option<String>,
+    /// Where session pins are shared with the other gateways (None: this gateway alone).
+    pub shared: Option<Arc<crate::cluster::SharedRouting>>,
 }
 
 /// The request as the router sees it: its prompt's block hashes and hints.
@@ -55,33 +60,53 @@ impl RouteRequest {
 pub struct Placement {
     model: Arc<ServedModel>,
     pub slot: usize,
+    /// The slot's worker when placed (slots are reused after a worker leaves).
+    serial: u64,
     uncached: usize,
     started: bool,
     tenant: String,
 }
 
 impl Placement {
-    fn new(model: &Arc<ServedModel>, slot: usize, uncached: usize, tenant: &str) -> Self {
+    fn new(model: &Arc<ServedModel>, r: &Router, slot: usize, uncached: usize, tenant: &str) -> Self {
         model.queues.add(tenant, uncached as u64);
         Self {
             model: model.clone(),
             slot,
+            serial: r.worker(slot).map_or(0, |w| w.serial),
             uncached,
             started: false,
             tenant: tenant.to_string(),
         }
     }
 
+    /// The model's router, when the slot still holds this placement's worker.
+    fn router(&self) -> Option<std::sync::MutexGuard<'_, Router>> {
+        let r = self.model.router();
+        r.worker(self.slot)
+            .is_some_and(|w| w.serial == self.serial)
+            .then_some(r)
+    }
+
+    /// The name of the worker the request went to (None: it has left the pool).
+    pub fn worker_name(&self) -> Option<String> {
+        self.router()?.worker(self.slot).map(|w| w.name.clone())
+    }
+
     /// The request's usage, for its worker's cache hit rate.
     pub fn usage(&self, prompt_tokens: u32, cached_tokens: u32) {
-        self.model.router().on_usage(self.slot, prompt_tokens, cached_tokens);
+        if let Some(mut r) = self.router() {
+            r.on_usage(self.slot, prompt_tokens, cached_tokens);
+        }
     }
 
     /// The worker produced its first token: its prefill is done.
     pub fn first_token(&mut self) {
         if !self.started {
             self.started = true;
-            self.model.router().on_first_token(self.slot, self.uncached);
+            if let Some(mut r) = self.router() {
+                r.on_first_token(self.slot, self.uncached);
+            }
             self.model.queues.remove(&self.tenant, self.uncached as u64, true);
         }
     }
@@ -89,7 +114,9 @@ impl Placement {
 
 impl Drop for Placement {
     fn drop(&mut self) {
-        self.model.router().on_finish(self.slot, self.uncached, self.started);
+        if let Some(mut r) = self.router() {
+            r.on_finish(self.slot, self.uncached, self.started);
+        }
         if !self.started {
             self.model.queues.remove(&self.tenant, self.uncached as u64, false);
         }
@@ -122,6 +149,16 @@ fn not_warm(model: &ServedModel, exclude: u64) -> u64 {
 /// workers report its state) is chosen only when no warm one can take the request; then
 /// the policy picks which one loads it.
 pub fn run(model: &Arc<ServedModel>, req: &RouteRequest, exclude: u64) -> Option<Placement> {
+    run_pinned(model, req, exclude, req.hints.pinned.as_deref())
+}
+
+/// [`run`], with the session pinned to the worker named `pinned` (another gateway's choice).
+pub fn run_pinned(
+    model: &Arc<ServedModel>,
+    req: &RouteRequest,
+    exclude: u64,
+    pinned: Option<&str>,
+) -> Option<Placement> {
     let mut r = model.router();
     // Prefill workers serve whole requests only when nothing else can.
     let prefill = role_mask(&r, "prefill");
@@ -130,6 +167,12 @@ pub fn run(model: &Arc<ServedModel>, req: &RouteRequest, exclude: u64) -> Option
     } else {
         exclude
     };
+    // Another gateway's pin for the session (shared affinity) becomes this router's.
+    if let (Some(session), Some(pinned)) = (&req.hints.session, pinned) {
+        if let Some(slot) = r.slot_of(pinned) {
+            r.pin(session, slot, model.now_ms());
+        }
+    }
     let mut input = RouteInput {
         hashes: &req.hashes,
         prompt_tokens: req.prompt_tokens,
@@ -148,6 +191,7 @@ pub fn run(model: &Arc<ServedModel>, req: &RouteRequest, exclude: u64) -> Option
     let uncached = req.prompt_tokens - d.expected_cached_tokens;
     r.on_dispatch(d.worker, uncached);
     let spread_to = spread_target(model, &r);
+    let placement = Placement::new(model, &r, d.worker, uncached, &req.hints.tenant);
     drop(r);
     if let Some(slot) = spread_to {
         spread(model, slot);
@@ -158,7 +202,7 @@ pub fn run(model: &Arc<ServedModel>, req: &RouteRequest, exclude: u64) -> Option
         expected_cached = d.expected_cached_tokens,
         "routed"
     );
-    Some(Placement::new(model, d.worker, uncached, &req.hints.tenant))
+    Some(placement)
 }
 
 /// Healthy, not draining workers, as a slot mask.
@@ -236,6 +280,8 @@ pub fn run_pd(model: &Arc<ServedModel>, req: &RouteRequest, exclude: u64) -> Opt
     let tail = req.prompt_tokens % model.block_tokens.max(1) + 1;
     r.on_dispatch(p.worker, uncached);
     r.on_dispatch(d.worker, tail);
+    let place = |slot, uncached| Placement::new(model, &r, slot, uncached, &req.hints.tenant);
+    let (prefill, decode) = (place(p.worker, uncached), place(d.worker, tail));
     drop(r);
     tracing::debug!(
         prefill = p.worker,
@@ -243,11 +289,7 @@ pub fn run_pd(model: &Arc<ServedModel>, req: &RouteRequest, exclude: u64) -> Opt
         expected_cached = p.expected_cached_tokens,
         "disaggregated"
     );
-    let place = |slot, uncached| Placement::new(model, slot, uncached, &req.hints.tenant);
-    Some(PdPlacement {
-        prefill: place(p.worker, uncached),
-        decode: place(d.worker, tail),
-    })
+    Some(PdPlacement { prefill, decode })
 }
 
 /// Warm replicas this busy (outstanding ÷ capacity) make the gateway load the model on one
@@ -296,7 +338,7 @@ fn spread_target(model: &ServedModel, r: &Router) -> Option<usize> {
 
 /// Asks worker `slot` to load the model in the background.
 fn spread(model: &Arc<ServedModel>, slot: usize) {
-    let Some(client) = model.client(slot).cloned() else {
+    let Some(client) = model.client(slot) else {
         return;
     };
     model.spreads.fetch_add(1, Ordering::Relaxed);
@@ -515,6 +557,8 @@ pub(crate) mod tests {
                 region: None,
                 prefix_key: n,
                 tenant: String::new(),
+                pinned: None,
+                shared: None,
             },
         }
     }
