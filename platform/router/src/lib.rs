@@ -350,10 +350,12 @@ impl Router {
             expected_cached_tokens: (matched[worker] as usize * bt).min(input.prompt_tokens.saturating_sub(1)),
         };
 
-        // Session affinity, while the pinned worker is under its bound.
+        // Session affinity, while the pinned worker is usable and under its bound — in any
+        // region: the session's cache is there (a session pinned by a gateway of another
+        // region stays where it is).
         if let Some(s) = input.session {
             if let Some(&(w, exp)) = self.affinity.get(s) {
-                if exp >= now && candidates & (1 << w) != 0 && self.under(w, bound) {
+                if exp >= now && usable & (1 << w) != 0 && self.under(w, bound) {
                     self.affinity.insert(s.to_string(), (w, now + self.cfg.affinity_ttl));
                     return Some(self.finish(decide(w, Reason::Affinity), input, now));
                 }
