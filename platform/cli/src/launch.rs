@@ -171,10 +171,11 @@ async fn run_gateway(
         ));
         // So do session pins and load: N gateways route like one.
         state.shared_routing = Some(Arc::new(SharedRouting::new(conn.clone(), prefix, &gateway_id())));
-        discovery = workers
-            .discover
-            .as_ref()
-            .map(|d| (Discovery::new(conn, prefix, &d.token), d.interval));
+        discovery = workers.discover.as_ref().map(|d| {
+            let mut discovery = Discovery::new(conn, prefix, &d.token);
+            discovery.refused = state.metrics.registrations_refused.clone();
+            (discovery, d.interval)
+        });
     }
     state.limiter = limiter;
     state.processors = Some(hearth_gateway::processors::ProcessorHost {

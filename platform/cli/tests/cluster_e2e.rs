@@ -95,6 +95,8 @@ impl Cluster {
                 "200",
                 "--region",
                 "eu",
+                "--shutdown-delay-secs",
+                "1",
             ],
             &[("HEARTH_WORKER_TOKEN", TOKEN)],
         )
@@ -255,7 +257,8 @@ async fn gateways_share_sessions_and_follow_workers_joining_leaving_and_draining
     let stray = c.worker("eu", "not-the-token");
     let ga = c.gateway(&data_a, &db_url);
     let gb = c.gateway(&data_b, &db_url);
-    let gws = [ga.url.as_str(), gb.url.as_str()];
+    let (ga_url, gb_url) = (ga.url.clone(), gb.url.clone());
+    let gws = [ga_url.as_str(), gb_url.as_str()];
     let mut want: Vec<String> = workers.iter().map(|w| w.url.clone()).collect();
     want.sort();
     wait_for_pools(gws, &want, Duration::from_secs(30)).await;
@@ -368,6 +371,41 @@ async fn gateways_share_sessions_and_follow_workers_joining_leaving_and_draining
     assert!(status.success(), "{status}");
     want.retain(|w| *w != leaving.url);
     wait_for_pools(gws, &want, Duration::from_secs(5)).await;
+
+    // SIGTERM a gateway with a stream in flight: it stops being ready at once, finishes
+    // the stream, flushes its usage and exits.
+    let stream = start_stream(&gb.url, &key, "last-words", 300).await;
+    sent += 1;
+    signal(&gb, "TERM");
+    // Within its shutdown delay (1 s) the gateway still answers, and says it is not ready.
+    let mut not_ready = false;
+    for _ in 0..40 {
+        match client().get(format!("{}/readyz", gb.url)).send().await {
+            Ok(r) if r.status() == 503 => {
+                not_ready = true;
+                break;
+            }
+            Ok(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(_) => break,
+        }
+    }
+    assert!(not_ready, "a draining gateway reports it is not ready");
+    let text = finish_stream(stream, Duration::from_secs(20)).await;
+    assert!(!text.contains("\"error\""), "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    succeeded += 1;
+    let mut gb = gb;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(s) = gb.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the drained gateway exits");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "{status}");
+    let ready = client().get(format!("{}/readyz", ga.url)).send().await.unwrap();
+    assert_eq!(ready.status(), 200);
 
     // Every request has exactly one usage record, whichever gateway served it: the
     // successes completed, the killed stream failed with what it had generated.

@@ -88,7 +88,7 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 fn unhex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     (0..s.len())
@@ -249,8 +249,8 @@ pub struct Discovery {
     known: HashMap<String, Known>,
     /// Ids already warned about (bad seal, unreachable), so each is logged once.
     warned: HashSet<String>,
-    /// Registrations refused (bad seal or stale), for `/metrics`.
-    pub refused: Arc<std::sync::atomic::AtomicU64>,
+    /// Registrations refused (bad seal, stale, another's id): `hearth_worker_registrations_refused`.
+    pub refused: prometheus_client::metrics::counter::Counter,
 }
 
 impl Discovery {
@@ -295,14 +295,14 @@ impl Discovery {
             match open(&self.token, &v, now) {
                 Ok(rec) if rec.id == id => out.push(rec),
                 Ok(_) | Err(_) if !self.warned.insert(id.clone()) => {
-                    self.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    self.refused.inc();
                 }
                 Ok(rec) => {
-                    self.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    self.refused.inc();
                     tracing::warn!(entry = %id, claimed = %rec.id, "registry entry under another worker's id: ignored");
                 }
                 Err(e) => {
-                    self.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    self.refused.inc();
                     tracing::warn!(entry = %id, error = %e, "worker registration refused");
                 }
             }
@@ -600,7 +600,7 @@ mod tests {
         assert_eq!(ids(good.records().await.unwrap()), ["w1-abc"]);
         // A gateway with another token sees nothing, and counts the refusal.
         assert!(stray.records().await.unwrap().is_empty());
-        assert_eq!(stray.refused.load(std::sync::atomic::Ordering::Relaxed), 1);
+        assert_eq!(stray.refused.get(), 1);
         // A record written without the token is refused too.
         let mut forged = rec.clone();
         forged.id = "intruder".into();

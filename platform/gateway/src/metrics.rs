@@ -155,6 +155,8 @@ pub struct Metrics {
     pub pd: Family<PdLabels, Counter>,
     /// Requests shed by admission control.
     pub shed: Family<TenantClassLabels, Counter>,
+    /// Registry entries a discovering gateway refused (bad seal, stale, wrong id).
+    pub registrations_refused: Counter,
     pub tenant_ttft: Family<TenantClassLabels, Histogram, fn() -> Histogram>,
     /// The engine's queue time (arrival at the worker → first scheduled step).
     pub tenant_queue: Family<TenantClassLabels, Histogram, fn() -> Histogram>,
@@ -245,6 +247,12 @@ impl Metrics {
             "Requests refused by admission control because the model's pool was at capacity for their class.",
             shed.clone(),
         );
+        let registrations_refused = Counter::default();
+        registry.register(
+            "hearth_worker_registrations_refused",
+            "Worker registry entries refused: not sealed with this gateway's worker token, stale, or under another worker's id.",
+            registrations_refused.clone(),
+        );
         let tenant_ttft: Family<TenantClassLabels, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(ttft_histogram);
         registry.register(
@@ -312,6 +320,7 @@ impl Metrics {
             limiter,
             pd,
             shed,
+            registrations_refused,
             tenant_ttft,
             tenant_queue,
             processor,

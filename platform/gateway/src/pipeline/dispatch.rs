@@ -44,7 +44,10 @@ pub async fn run(state: &crate::state::AppState, ctx: &mut RequestContext) -> Re
         qos: ctx.qos.clone(),
         constraint: request.common.constraint.clone(),
     };
-    let session = ctx.header("x-session-affinity");
+    // Sessions are the tenant's own: equal header values of two tenants are two sessions.
+    let session = ctx
+        .header("x-session-affinity")
+        .map(|s| format!("{tenant_id}\u{1f}{s}"));
     // The session's pin, shared by every gateway (one Redis read; none without Redis).
     let (shared, pinned) = match (&state.shared_routing, &session) {
         (Some(sh), Some(s)) => (Some(sh.clone()), sh.pinned(&model.id, s).await),
