@@ -42,7 +42,8 @@ procs = []
 
 
 def spawn(name, argv, env=None):
-    e = dict(os.environ, HEARTH_ADMIN_TOKEN=ADMIN, HEARTH_WORKER_TOKEN=TOKEN, HEARTH_LOG="warn")
+    e = dict(os.environ, HEARTH_ADMIN_TOKEN=ADMIN, HEARTH_WORKER_TOKEN=TOKEN,
+             HEARTH_LOG=os.environ.get("LOCAL_CLUSTER_LOG", "warn"))
     e.update(env or {})
     log = open(os.path.join(data, f"{name}.log"), "w")
     p = subprocess.Popen([args.hearth] + argv, stdout=subprocess.PIPE, stderr=log, env=e, text=True)
@@ -196,10 +197,16 @@ try:
 
     # Affinity across gateways, measured quietly: each session's requests alternate
     # between the gateways; the worker is the one whose prompt tokens grew.
+    # The gateways' shared load refreshes every 500 ms: after the load phase, wait until
+    # it shows the workers idle, so that a pin holds by affinity, not by a stale bound
+    # (a pinned worker over its load bound is left, by design).
+    time.sleep(1.5)
     consistent = 0
     sessions = 8
+    split = []
     for s in range(sessions):
         seen = set()
+        order = []
         for r in range(4):
             gw = gws[r % 2]
             before = pool(gw)
@@ -213,9 +220,13 @@ try:
                 moved = [w for w, t in after.items() if t > before.get(w, 0)]
                 if len(moved) == 1:
                     seen.add(moved[0])
+                    order.append((gw, moved[0]))
                     break
                 time.sleep(0.02)
         consistent += len(seen) == 1
+        if len(seen) != 1:
+            split.append({"session": f"affinity-{s}", "gateway_worker": order})
+    report["affinity_split"] = split
 
     served = sum(r["ok"] for r in results)
     errors = {}
@@ -259,7 +270,7 @@ print()
 print("local cluster: 2 gateways, 3 workers (eu, eu, us) + 1 added, PostgreSQL + Redis, backend", args.backend)
 print(f"{'':2}{'measure':44} value")
 for k in ("startup_s", "requests", "served", "errors", "killed_worker_left_pools_s", "added_worker_joined_pools_s",
-          "affinity_sessions", "affinity_consistent", "usage_rows", "usage_completed", "usage_failed_by_code",
+          "affinity_sessions", "affinity_consistent", "affinity_split", "usage_rows", "usage_completed", "usage_failed_by_code",
           "duration_s"):
     print(f"  {k:44} {report.get(k)}")
 for name, ok in checks:

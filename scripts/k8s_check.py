@@ -12,7 +12,9 @@ Checks, for one rendered overlay:
     (HEARTH_REDIS_URL, HEARTH_WORKER_TOKEN from the Secret); gateways discover;
   * every HEARTH_* variable the manifests set is one that `hearth <command> --help` lists
     (a misspelt variable would be silently ignored);
-  * the gpu overlay has a pool that requests nvidia.com/gpu; production uses a real image.
+  * everything is in one namespace and runs one image (pulled if not present); overlays
+    other than `bundled` pin its tag; the gpu overlay has a pool that requests
+    nvidia.com/gpu.
 """
 
 import re
@@ -147,11 +149,23 @@ if overlay == "gpu":
     ]
     if not gpu:
         fail("the gpu overlay has no pool requesting nvidia.com/gpu")
-if overlay == "production":
-    for w in hearth_workloads:
-        image = w["spec"]["template"]["spec"]["containers"][0]["image"]
-        if image.endswith(":latest") or ":" not in image:
-            fail(f"{w['metadata']['name']}: production pins an image tag, not {image}")
+# One namespace for everything (a resource outside it would miss the Secret and the
+# ConfigMap); production overlays pin one image tag; images are pulled only when missing.
+namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"}
+if len(namespaces) != 1 or None in namespaces:
+    fail(f"objects in several namespaces or none: {sorted(map(str, namespaces))}")
+images = set()
+for w in hearth_workloads:
+    for c in w["spec"]["template"]["spec"]["containers"]:
+        images.add(c["image"])
+        if c.get("imagePullPolicy") != "IfNotPresent":
+            fail(f"{w['metadata']['name']}: imagePullPolicy should be IfNotPresent (a loaded image must be used)")
+if len(images) != 1:
+    fail(f"Hearth workloads run different images: {sorted(images)}")
+if overlay != "bundled":
+    for image in images:
+        if image.endswith(":latest") or ":" not in image.rsplit("/", 1)[-1]:
+            fail(f"{overlay} pins an image tag, not {image}")
 
 kinds = sorted({d["kind"] for d in docs})
 if failures:

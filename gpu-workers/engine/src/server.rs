@@ -720,6 +720,9 @@ async fn generate(
     body: Result<Json<GenerateRequest>, JsonRejection>,
 ) -> Response {
     let name = &*w.name;
+    // Counted before the check: a drain that starts now either sees this request or
+    // refuses it, never neither.
+    let in_flight = w.lifecycle.start();
     if w.lifecycle.is_draining() {
         return *error_response(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -727,7 +730,6 @@ async fn generate(
             "this worker is shutting down; it takes no new requests".into(),
         );
     }
-    let in_flight = w.lifecycle.start();
     let Json(req) = match body {
         Ok(b) => b,
         Err(e) => return *error_response(StatusCode::BAD_REQUEST, "invalid_request", e.body_text()),

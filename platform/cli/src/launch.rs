@@ -260,11 +260,21 @@ async fn run_gateway(
         tokio::time::sleep(timeout).await;
         tracing::warn!("drain timeout: ending the requests still in flight");
         abort.abort.send_replace(true);
-        std::future::pending::<()>().await;
+        // Their relays record them and end at once; a connection still open after that (a
+        // client that does not read) does not hold the exit.
+        tokio::time::sleep(Duration::from_secs(5)).await;
     };
     tokio::select! {
         r = server => r?,
-        () = overrun => {}
+        () = overrun => tracing::warn!("closing the connections still open"),
+    }
+    // Every request's usage is handed to the ledger (a relay records even a client that
+    // went away after the connection closed), then committed.
+    if tokio::time::timeout(Duration::from_secs(10), gw.relays.idle())
+        .await
+        .is_err()
+    {
+        tracing::warn!(running = gw.relays.running(), "relays still running at exit");
     }
     gw.ledger.flush().await;
     tracing::info!("usage flushed; exiting");
@@ -412,6 +422,7 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
                 draining: false,
                 started_ms: now,
                 heartbeat_ms: now,
+                ttl_ms: 0, // set by each heartbeat
             };
             let conn = hearth_gateway::cluster::connect(url).await?;
             let heartbeat = Duration::from_millis(a.heartbeat_ms.max(50));

@@ -76,7 +76,7 @@ impl Cluster {
         )
     }
 
-    fn gateway(&self, data: &Path, db_url: &str) -> Proc {
+    fn gateway(&self, data: &Path, db_url: &str, region: &str) -> Proc {
         spawn_with_env(
             &[
                 "gateway",
@@ -94,9 +94,11 @@ impl Cluster {
                 "--discovery-interval-ms",
                 "200",
                 "--region",
-                "eu",
+                region,
                 "--shutdown-delay-secs",
                 "1",
+                "--drain-timeout-secs",
+                "3",
             ],
             &[("HEARTH_WORKER_TOKEN", TOKEN)],
         )
@@ -255,8 +257,10 @@ async fn gateways_share_sessions_and_follow_workers_joining_leaving_and_draining
     let mut workers = vec![c.worker("eu", TOKEN), c.worker("eu", TOKEN), c.worker("us", TOKEN)];
     // A process without the workers' token registers too, and is never used.
     let stray = c.worker("eu", "not-the-token");
-    let ga = c.gateway(&data_a, &db_url);
-    let gb = c.gateway(&data_b, &db_url);
+    // Gateways in two regions: each prefers its own region's workers, and a session
+    // placed through one stays on its worker through the other.
+    let ga = c.gateway(&data_a, &db_url, "eu");
+    let gb = c.gateway(&data_b, &db_url, "us");
     let (ga_url, gb_url) = (ga.url.clone(), gb.url.clone());
     let gws = [ga_url.as_str(), gb_url.as_str()];
     let mut want: Vec<String> = workers.iter().map(|w| w.url.clone()).collect();
@@ -286,7 +290,7 @@ async fn gateways_share_sessions_and_follow_workers_joining_leaving_and_draining
         let session = format!("session-{i}");
         let mut seen = Vec::new();
         for round in 0..4 {
-            let (w, _) = one(gws[round % 2], &key, &session).await;
+            let (w, _) = one(gws[(round + i) % 2], &key, &session).await;
             seen.push(w);
             sent += 1;
             succeeded += 1;
@@ -301,6 +305,32 @@ async fn gateways_share_sessions_and_follow_workers_joining_leaving_and_draining
             break;
         }
     }
+    // Redis loses the registry (a restart without persistence): both gateways keep their
+    // pools, and the workers re-register within a heartbeat.
+    let redis_cli = |args: &[&str]| {
+        let out = std::process::Command::new("redis-cli")
+            .args(["-u", &c.redis])
+            .args(args)
+            .output()
+            .expect("redis-cli");
+        assert!(out.status.success(), "redis-cli {args:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let pattern = format!("{}worker*", c.prefix);
+    let keys = redis_cli(&["--scan", "--pattern", &pattern]);
+    let keys: Vec<&str> = keys.split_whitespace().collect();
+    assert!(keys.len() >= 4, "the index and the records: {keys:?}");
+    let mut del = vec!["DEL"];
+    del.extend(keys.iter().copied());
+    redis_cli(&del);
+    tokio::time::sleep(Duration::from_millis(2 * HEARTBEAT_MS + 500)).await;
+    assert_eq!(names(&pool(gws[0]).await), want);
+    assert_eq!(names(&pool(gws[1]).await), want);
+    assert!(
+        !redis_cli(&["--scan", "--pattern", &pattern]).trim().is_empty(),
+        "re-registered"
+    );
+
     let on = |worker: &str| {
         placed
             .iter()
@@ -325,13 +355,14 @@ async fn gateways_share_sessions_and_follow_workers_joining_leaving_and_draining
     want.retain(|w| *w != victim.url);
     wait_for_pools(gws, &want, Duration::from_millis(3 * HEARTBEAT_MS + 2_000)).await;
     let gone_after = killed_at.elapsed();
-    // Its sessions move; requests keep succeeding through both gateways.
+    // Its sessions move to one live worker, through both gateways.
+    let mut moved = Vec::new();
     for round in 0..4 {
-        let (w, _) = one(gws[round % 2], &key, &victim_session).await;
-        assert_ne!(w, victim.url);
+        moved.push(one(gws[round % 2], &key, &victim_session).await.0);
         sent += 1;
         succeeded += 1;
     }
+    assert!(moved.iter().all(|w| *w == moved[0]), "{moved:?}");
 
     // A new worker joins both pools.
     let added = c.worker("us", TOKEN);
@@ -347,7 +378,16 @@ async fn gateways_share_sessions_and_follow_workers_joining_leaving_and_draining
     let stream = start_stream(&gb.url, &key, &leaving_session, 300).await;
     sent += 1;
     signal(&leaving, "TERM");
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while client()
+        .get(format!("{}/readyz", leaving.url))
+        .send()
+        .await
+        .is_ok_and(|r| r.status() == 200)
+    {
+        assert!(Instant::now() < deadline, "the worker reports draining");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     for round in 0..4 {
         let (w, _) = one(gws[round % 2], &key, &leaving_session).await;
         assert_ne!(w, leaving.url, "a draining worker takes nothing new");
@@ -372,10 +412,13 @@ async fn gateways_share_sessions_and_follow_workers_joining_leaving_and_draining
     want.retain(|w| *w != leaving.url);
     wait_for_pools(gws, &want, Duration::from_secs(5)).await;
 
-    // SIGTERM a gateway with a stream in flight: it stops being ready at once, finishes
-    // the stream, flushes its usage and exits.
-    let stream = start_stream(&gb.url, &key, "last-words", 300).await;
-    sent += 1;
+    // SIGTERM a gateway with two streams in flight: it stops being ready at once; the
+    // short stream (≈ 2 s) outlives the 1 s shutdown delay and finishes, the long one
+    // (≈ 15 s) is ended at the 3 s drain timeout with `shutting_down` and a usage record;
+    // it flushes its usage and exits.
+    let stream = start_stream(&gb.url, &key, "last-words", 600).await;
+    let long = start_stream(&gb.url, &key, "cut-off", 5000).await;
+    sent += 2;
     signal(&gb, "TERM");
     // Within its shutdown delay (1 s) the gateway still answers, and says it is not ready.
     let mut not_ready = false;
@@ -392,8 +435,12 @@ async fn gateways_share_sessions_and_follow_workers_joining_leaving_and_draining
     assert!(not_ready, "a draining gateway reports it is not ready");
     let text = finish_stream(stream, Duration::from_secs(20)).await;
     assert!(!text.contains("\"error\""), "{text}");
+    assert!(text.contains("\"finish_reason\":\"length\""), "{text}");
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     succeeded += 1;
+    let text = finish_stream(long, Duration::from_secs(20)).await;
+    assert!(text.contains("\"error\"") && text.contains("drain timeout"), "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     let mut gb = gb;
     let deadline = Instant::now() + Duration::from_secs(15);
     let status = loop {
@@ -413,10 +460,11 @@ async fn gateways_share_sessions_and_follow_workers_joining_leaving_and_draining
     assert_eq!(rows.len(), sent, "{rows:?}");
     let completed = rows.iter().filter(|r| r["status"] == "completed").count();
     assert_eq!(completed, succeeded);
-    let failed: Vec<&Value> = rows.iter().filter(|r| r["status"] == "failed").collect();
-    assert_eq!(failed.len(), 1, "{failed:?}");
-    assert_eq!(failed[0]["error_code"], "worker_disconnected");
-    assert!(failed[0]["completion_tokens"].as_u64().unwrap() > 0);
+    let mut failed: Vec<&Value> = rows.iter().filter(|r| r["status"] == "failed").collect();
+    failed.sort_by_key(|r| r["error_code"].as_str().unwrap_or("").to_string());
+    let codes: Vec<&str> = failed.iter().map(|r| r["error_code"].as_str().unwrap_or("")).collect();
+    assert_eq!(codes, ["shutting_down", "worker_disconnected"], "{failed:?}");
+    assert!(failed.iter().all(|r| r["completion_tokens"].as_u64().unwrap() > 0));
     eprintln!(
         "cluster e2e: {sent} requests, {} sessions placed; killed worker left both pools after {gone_after:?}; new worker joined in {joined_in:?}",
         placed.len()

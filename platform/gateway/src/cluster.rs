@@ -4,18 +4,23 @@
 //!
 //! **Registration.** A worker writes a [`WorkerRecord`] (address, models, region, role,
 //! capacity, draining) under `{prefix}worker:{id}` with a time to live of three heartbeats,
-//! and its id into the set `{prefix}workers`; it rewrites both every heartbeat. The record
-//! is sealed with an HMAC-SHA256 under the workers' shared token (`HEARTH_WORKER_TOKEN`):
-//! a gateway accepts only records sealed with its own token and at most
-//! [`MAX_RECORD_AGE`] old, so a process without the token cannot join a pool even with
-//! write access to Redis. A record whose key expired (three missed heartbeats) is a dead
-//! worker: gateways drop it from every pool at their next poll.
+//! and its id into the sorted set `{prefix}worker-index` (scored by the heartbeat's time);
+//! it rewrites both every heartbeat. The record is sealed with an HMAC-SHA256 of the key
+//! prefix and the record under the workers' shared token (`HEARTH_WORKER_TOKEN`): a gateway
+//! accepts only records sealed with its own token for its own prefix, whose heartbeat is
+//! within the record's time to live (± [`MAX_SKEW_MS`]), so a process without the token
+//! cannot join a pool even with write access to Redis, and a replayed record dies with its
+//! time to live. An indexed id whose record expired (three missed heartbeats, or deleted at
+//! deregistration) is a gone worker: every gateway drops it from every pool at its next
+//! poll. A worker missing from the index altogether (Redis restarted empty) is dropped only
+//! after [`MISSING_GRACE`]: live workers re-register within a heartbeat. Workers are known
+//! by address: one restarted at the same address is the same pool member.
 //!
 //! **Shared routing.** The `x-session-affinity` pin lives in Redis
 //! (`{prefix}aff:{model}:{hash of the session}`): before routing a session's request a
 //! gateway reads it (and pins its own router to that worker), after choosing it claims the
 //! key with one script that keeps an owner chosen concurrently by another gateway (the
-//! request is then routed to that owner). Each gateway publishes its requests in flight per
+//! request is then routed to that owner, unless it is not usable or over its load bound). Each gateway publishes its requests in flight per
 //! worker (`{prefix}load:{model}`, one field per gateway and worker) every sync interval and
 //! adds the other gateways' fresh entries to its router's load, so the load bound and the
 //! policies see every gateway's work. What stays per gateway: the KV prefix index (each
@@ -37,8 +42,15 @@ use sha2::Sha256;
 use crate::registry::ModelRegistry;
 use crate::workers::{HttpWorker, ModelHostClient, WorkerClient};
 
-/// How old (by the worker's clock) a record may be: a replayed record is refused after this.
-pub const MAX_RECORD_AGE: Duration = Duration::from_secs(60);
+/// Clock skew allowed between a worker and a gateway: a record whose heartbeat is older
+/// than its time to live plus this, or later than now plus this, is refused (a replayed
+/// record dies with its time to live).
+pub const MAX_SKEW_MS: i64 = 5_000;
+
+/// How long a registered worker may be missing from the registry set (not expired: gone,
+/// as when Redis restarts empty) before gateways drop it; live workers re-register within a
+/// heartbeat.
+pub const MISSING_GRACE: Duration = Duration::from_secs(5);
 
 /// What a worker says about itself in the registry.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -58,6 +70,8 @@ pub struct WorkerRecord {
     /// Unix milliseconds (the worker's clock).
     pub started_ms: i64,
     pub heartbeat_ms: i64,
+    /// The record's time to live (three heartbeats).
+    pub ttl_ms: i64,
 }
 
 /// Why a registry entry was refused.
@@ -67,8 +81,8 @@ pub enum RecordError {
     Malformed,
     #[error("the record's seal does not match this gateway's worker token")]
     BadSeal,
-    #[error("the record is stale (heartbeat {age_s} s ago)")]
-    Stale { age_s: i64 },
+    #[error("the record is stale (heartbeat {age_ms} ms ago, time to live {ttl_ms} ms)")]
+    Stale { age_ms: i64, ttl_ms: i64 },
 }
 
 #[derive(Serialize, Deserialize)]
@@ -77,8 +91,12 @@ struct Sealed {
     mac: String,
 }
 
-fn mac(token: &str, bytes: &[u8]) -> Hmac<Sha256> {
+/// The seal covers the key prefix too: a record is valid only in the registry it was
+/// written to.
+fn mac(token: &str, prefix: &str, bytes: &[u8]) -> Hmac<Sha256> {
     let mut m = <Hmac<Sha256> as Mac>::new_from_slice(token.as_bytes()).expect("HMAC takes any key length");
+    m.update(prefix.as_bytes());
+    m.update(b"\0");
     m.update(bytes);
     m
 }
@@ -97,25 +115,30 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// The record as stored: its JSON and an HMAC-SHA256 of that JSON under `token`.
-pub fn seal(token: &str, record: &WorkerRecord) -> String {
+/// The record as stored under `prefix`: its JSON and an HMAC-SHA256 of the prefix and that
+/// JSON under `token`.
+pub fn seal(token: &str, prefix: &str, record: &WorkerRecord) -> String {
     let json = serde_json::to_string(record).expect("a record serializes");
-    let tag = hex(&mac(token, json.as_bytes()).finalize().into_bytes());
+    let tag = hex(&mac(token, prefix, json.as_bytes()).finalize().into_bytes());
     serde_json::to_string(&Sealed { record: json, mac: tag }).expect("serializes")
 }
 
-/// The record in `stored`, if sealed with `token` (compared in constant time) and at most
-/// [`MAX_RECORD_AGE`] old at `now_ms`.
-pub fn open(token: &str, stored: &str, now_ms: i64) -> Result<WorkerRecord, RecordError> {
+/// The record in `stored` (read under `prefix`), if sealed with `token` (compared in
+/// constant time) and its heartbeat is within its time to live of `now_ms` (give or take
+/// [`MAX_SKEW_MS`]).
+pub fn open(token: &str, prefix: &str, stored: &str, now_ms: i64) -> Result<WorkerRecord, RecordError> {
     let sealed: Sealed = serde_json::from_str(stored).map_err(|_| RecordError::Malformed)?;
     let tag = unhex(&sealed.mac).ok_or(RecordError::Malformed)?;
-    mac(token, sealed.record.as_bytes())
+    mac(token, prefix, sealed.record.as_bytes())
         .verify_slice(&tag)
         .map_err(|_| RecordError::BadSeal)?;
     let record: WorkerRecord = serde_json::from_str(&sealed.record).map_err(|_| RecordError::Malformed)?;
     let age = now_ms - record.heartbeat_ms;
-    if age > MAX_RECORD_AGE.as_millis() as i64 {
-        return Err(RecordError::Stale { age_s: age / 1000 });
+    if age > record.ttl_ms.max(0) + MAX_SKEW_MS || age < -MAX_SKEW_MS {
+        return Err(RecordError::Stale {
+            age_ms: age,
+            ttl_ms: record.ttl_ms,
+        });
     }
     Ok(record)
 }
@@ -139,6 +162,9 @@ pub struct Registrar {
     record: Mutex<WorkerRecord>,
     interval: Duration,
     stopped: tokio::sync::watch::Sender<bool>,
+    /// One write at a time: a heartbeat in flight never lands after a drain or a
+    /// deregistration it predates.
+    writing: tokio::sync::Mutex<()>,
 }
 
 impl Registrar {
@@ -158,6 +184,7 @@ impl Registrar {
             record: Mutex::new(record),
             interval,
             stopped: tokio::sync::watch::Sender::new(false),
+            writing: tokio::sync::Mutex::new(()),
         });
         r.beat().await?;
         let beating = r.clone();
@@ -182,15 +209,17 @@ impl Registrar {
 
     /// Writes the record now (expiring after three heartbeats).
     pub async fn beat(&self) -> redis::RedisResult<()> {
+        let _writing = self.writing.lock().await;
         if *self.stopped.borrow() {
             return Ok(());
         }
+        let ttl = (self.interval * 3).as_millis() as u64;
         let (id, sealed) = {
             let mut rec = self.record.lock().unwrap_or_else(|e| e.into_inner());
             rec.heartbeat_ms = now_ms();
-            (rec.id.clone(), seal(&self.token, &rec))
+            rec.ttl_ms = ttl as i64;
+            (rec.id.clone(), seal(&self.token, &self.prefix, &rec))
         };
-        let ttl = (self.interval * 3).as_millis() as u64;
         redis::pipe()
             .cmd("SET")
             .arg(self.key(&id))
@@ -198,8 +227,9 @@ impl Registrar {
             .arg("PX")
             .arg(ttl.max(1))
             .ignore()
-            .cmd("SADD")
-            .arg(format!("{}workers", self.prefix))
+            .cmd("ZADD")
+            .arg(index_key(&self.prefix))
+            .arg(now_ms())
             .arg(&id)
             .ignore()
             .query_async::<()>(&mut self.conn.clone())
@@ -214,18 +244,14 @@ impl Registrar {
         }
     }
 
-    /// Stops the heartbeat and removes the record.
+    /// Stops the heartbeat and removes the record. (The id stays in the index: every gateway
+    /// sees its record gone, as if expired, and drops the worker at its next poll.)
     pub async fn deregister(&self) {
         self.stopped.send_replace(true);
+        let _writing = self.writing.lock().await; // a heartbeat in flight lands first
         let id = self.record.lock().unwrap_or_else(|e| e.into_inner()).id.clone();
-        let done = redis::pipe()
-            .cmd("DEL")
+        let done = redis::cmd("DEL")
             .arg(self.key(&id))
-            .ignore()
-            .cmd("SREM")
-            .arg(format!("{}workers", self.prefix))
-            .arg(&id)
-            .ignore()
             .query_async::<()>(&mut self.conn.clone())
             .await;
         match done {
@@ -235,10 +261,23 @@ impl Registrar {
     }
 }
 
-/// What a gateway knows of one registered worker.
+/// What a gateway knows of one registered worker (by its address: a worker restarted at
+/// the same address is the same pool member).
 struct Known {
-    url: String,
+    /// The newest registration at this address.
+    id: String,
     draining: bool,
+    /// When its registration was last seen live (or, missing, when it went missing).
+    seen: std::time::Instant,
+}
+
+/// What one read of the registry found.
+#[derive(Default)]
+struct Read {
+    /// Live, correctly sealed records.
+    live: Vec<WorkerRecord>,
+    /// Ids whose record expired: their workers missed three heartbeats.
+    expired: Vec<String>,
 }
 
 /// A gateway's view of the registry: polls it and keeps the model registry's pools in step.
@@ -246,12 +285,21 @@ pub struct Discovery {
     conn: ConnectionManager,
     prefix: String,
     token: String,
+    /// By worker name (its normalised URL).
     known: HashMap<String, Known>,
-    /// Ids already warned about (bad seal, unreachable), so each is logged once.
+    /// Addresses that could not be attached, and when to try again.
+    backoff: HashMap<String, std::time::Instant>,
+    /// Entries already warned about (bad seal, unreachable), so each is logged once.
     warned: HashSet<String>,
-    /// Registrations refused (bad seal, stale, another's id): `hearth_worker_registrations_refused`.
+    /// Registrations refused (bad seal, stale, another's id), counted per poll:
+    /// `hearth_worker_registrations_refused`.
     pub refused: prometheus_client::metrics::counter::Counter,
 }
+
+/// How long a registered worker has to answer `models`/`info` before the next poll.
+const ATTACH_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long an address that could not be attached waits before the next try.
+const ATTACH_BACKOFF: Duration = Duration::from_secs(5);
 
 impl Discovery {
     pub fn new(conn: ConnectionManager, prefix: &str, token: &str) -> Self {
@@ -260,6 +308,7 @@ impl Discovery {
             prefix: prefix.to_string(),
             token: token.to_string(),
             known: HashMap::new(),
+            backoff: HashMap::new(),
             warned: HashSet::new(),
             refused: Default::default(),
         }
@@ -275,118 +324,167 @@ impl Discovery {
         }
     }
 
-    /// The live, correctly sealed records.
-    async fn records(&mut self) -> redis::RedisResult<Vec<WorkerRecord>> {
-        let set = format!("{}workers", self.prefix);
-        let ids: Vec<String> = redis::cmd("SMEMBERS").arg(&set).query_async(&mut self.conn).await?;
+    /// The registry now: live, correctly sealed records and expired ids.
+    async fn read(&mut self) -> redis::RedisResult<Read> {
+        let index = index_key(&self.prefix);
+        // Ids that have not heartbeaten for an hour leave the index (every gateway has long
+        // seen their record expire); until then an expired record reads as expired to all.
+        let (ids,): (Vec<String>,) = redis::pipe()
+            .cmd("ZREMRANGEBYSCORE")
+            .arg(&index)
+            .arg("-inf")
+            .arg(now_ms() - INDEX_RETENTION_MS)
+            .ignore()
+            .cmd("ZRANGE")
+            .arg(&index)
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut self.conn)
+            .await?;
         if ids.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Read::default());
         }
         let keys: Vec<String> = ids.iter().map(|id| format!("{}worker:{id}", self.prefix)).collect();
         let values: Vec<Option<String>> = redis::cmd("MGET").arg(&keys).query_async(&mut self.conn).await?;
         let now = now_ms();
-        let mut out = Vec::new();
-        let mut expired = Vec::new();
+        let mut read = Read::default();
         for (id, v) in ids.into_iter().zip(values) {
             let Some(v) = v else {
-                expired.push(id); // three heartbeats missed
+                read.expired.push(id); // three heartbeats missed
                 continue;
             };
-            match open(&self.token, &v, now) {
-                Ok(rec) if rec.id == id => out.push(rec),
-                Ok(_) | Err(_) if !self.warned.insert(id.clone()) => {
-                    self.refused.inc();
+            let refusal = match open(&self.token, &self.prefix, &v, now) {
+                Ok(rec) if rec.id == id => {
+                    read.live.push(rec);
+                    continue;
                 }
-                Ok(rec) => {
-                    self.refused.inc();
-                    tracing::warn!(entry = %id, claimed = %rec.id, "registry entry under another worker's id: ignored");
-                }
-                Err(e) => {
-                    self.refused.inc();
-                    tracing::warn!(entry = %id, error = %e, "worker registration refused");
-                }
+                Ok(rec) => format!("registry entry under another worker's id ({})", rec.id),
+                Err(e) => e.to_string(),
+            };
+            self.refused.inc();
+            if self.warned.insert(format!("refused:{id}")) {
+                tracing::warn!(entry = %id, error = %refusal, "worker registration refused");
             }
         }
-        if !expired.is_empty() {
-            redis::cmd("SREM")
-                .arg(&set)
-                .arg(&expired)
-                .query_async::<()>(&mut self.conn)
-                .await?;
-        }
-        Ok(out)
+        Ok(read)
     }
 
-    /// One poll: new workers join their models' pools, draining ones get nothing new, gone
-    /// ones leave.
+    /// For tests: the live records.
+    #[cfg(test)]
+    async fn records(&mut self) -> redis::RedisResult<Vec<WorkerRecord>> {
+        Ok(self.read().await?.live)
+    }
+
+    /// One poll: new workers join their models' pools, draining ones get nothing new,
+    /// expired ones leave at once, missing ones (not expired: gone from the set, as when
+    /// Redis restarts empty) after [`MISSING_GRACE`].
     pub async fn poll(&mut self, models: &ModelRegistry) -> redis::RedisResult<()> {
-        let records = self.records().await?;
-        let live: HashSet<&str> = records.iter().map(|r| r.id.as_str()).collect();
-        let gone: Vec<String> = self
-            .known
-            .keys()
-            .filter(|id| !live.contains(id.as_str()))
-            .cloned()
-            .collect();
-        for id in gone {
-            if let Some(k) = self.known.remove(&id) {
-                tracing::info!(worker = %id, url = %k.url, "worker left the registry");
-                models.detach(&worker_name(&k.url));
+        let read = self.read().await?;
+        let now = std::time::Instant::now();
+        // The newest registration per address.
+        let mut newest: HashMap<String, &WorkerRecord> = HashMap::new();
+        for rec in &read.live {
+            let name = worker_name(&rec.url);
+            if newest.get(&name).is_none_or(|r| r.started_ms < rec.started_ms) {
+                newest.insert(name, rec);
             }
         }
-        for rec in &records {
-            if let Some(k) = self.known.get_mut(&rec.id) {
+        let expired: HashSet<&str> = read.expired.iter().map(String::as_str).collect();
+        let names: Vec<String> = self.known.keys().cloned().collect();
+        for name in names {
+            if newest.contains_key(&name) {
+                continue;
+            }
+            let Some(k) = self.known.get_mut(&name) else { continue };
+            let gone = expired.contains(k.id.as_str()) || now.duration_since(k.seen) >= MISSING_GRACE;
+            if gone {
+                tracing::info!(worker = %k.id, url = %name, "worker left the registry");
+                self.known.remove(&name);
+                models.detach(&name);
+            }
+        }
+        for (name, rec) in newest {
+            if let Some(k) = self.known.get_mut(&name) {
+                k.seen = now;
+                k.id = rec.id.clone();
                 if k.draining != rec.draining {
                     k.draining = rec.draining;
                     tracing::info!(worker = %rec.id, draining = rec.draining, "worker drain state");
-                    models.set_draining(&worker_name(&k.url), rec.draining);
+                    models.set_draining(&name, rec.draining);
                 }
                 continue;
             }
-            if rec.draining {
-                continue; // never joins while shutting down
+            if rec.draining || self.backoff.get(&name).is_some_and(|t| now < *t) {
+                continue; // never joins while shutting down; retried after a failure
             }
-            match tokio::time::timeout(Duration::from_secs(5), self.attach(models, rec)).await {
-                Ok(Ok(n)) => {
-                    tracing::info!(worker = %rec.id, url = %rec.url, region = %rec.region, role = %rec.role, models = n, "worker joined");
-                    self.warned.remove(&rec.id);
+            match tokio::time::timeout(ATTACH_TIMEOUT, self.attach(models, rec)).await {
+                Ok((joined, _)) if joined > 0 => {
+                    tracing::info!(worker = %rec.id, url = %rec.url, region = %rec.region, role = %rec.role, models = joined, "worker joined");
+                    self.backoff.remove(&name);
+                    self.warned.remove(&format!("attach:{name}"));
                     self.known.insert(
-                        rec.id.clone(),
+                        name,
                         Known {
-                            url: rec.url.clone(),
+                            id: rec.id.clone(),
                             draining: false,
+                            seen: now,
                         },
                     );
                 }
-                Ok(Err(e)) if self.warned.insert(rec.id.clone()) => {
-                    tracing::warn!(worker = %rec.id, url = %rec.url, error = %e, "registered worker not usable yet (retrying)");
+                outcome => {
+                    let why = match outcome {
+                        Ok((_, Some(e))) => e,
+                        Ok((_, None)) => "it serves no model".into(),
+                        Err(_) => format!("no answer in {ATTACH_TIMEOUT:?}"),
+                    };
+                    self.backoff.insert(name.clone(), now + ATTACH_BACKOFF);
+                    if self.warned.insert(format!("attach:{name}")) {
+                        tracing::warn!(worker = %rec.id, url = %rec.url, error = %why, "registered worker not usable yet (retrying)");
+                    }
                 }
-                Err(_) if self.warned.insert(rec.id.clone()) => {
-                    tracing::warn!(worker = %rec.id, url = %rec.url, "registered worker did not answer in 5 s (retrying)");
-                }
-                _ => {}
             }
         }
         Ok(())
     }
 
-    /// Asks the worker what it serves and adds it to those models' pools.
-    async fn attach(&self, models: &ModelRegistry, rec: &WorkerRecord) -> Result<usize, String> {
+    /// Asks the worker what it serves and adds it to those models' pools: how many joined,
+    /// and the first failure (a model that failed is retried by nobody: the worker is
+    /// known once one of its models joined).
+    async fn attach(&self, models: &ModelRegistry, rec: &WorkerRecord) -> (usize, Option<String>) {
         let token = Some(self.token.clone());
-        let (clients, host) = HttpWorker::discover(&rec.url).await.map_err(|e| e.to_string())?;
-        let mut joined = 0;
+        let (clients, host) = match HttpWorker::discover(&rec.url).await {
+            Ok(found) => found,
+            Err(e) => return (0, Some(e.to_string())),
+        };
+        let (mut joined, mut failed) = (0, None);
         for c in clients {
             let c: Arc<dyn WorkerClient> = Arc::new(c.with_token(token.clone()));
-            let info = c.info().await.map_err(|e| e.to_string())?;
-            models.attach(info, c).map_err(|e| e.to_string())?;
-            joined += 1;
+            let attached = match c.info().await {
+                Ok(info) => models.attach(info, c).map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            match attached {
+                Ok(()) => joined += 1,
+                Err(e) => {
+                    tracing::warn!(url = %rec.url, error = %e, "a model of a registered worker could not join");
+                    failed.get_or_insert(e);
+                }
+            }
         }
         if let Some(h) = host {
             models.add_host(Arc::new(h.with_token(token)) as Arc<dyn ModelHostClient>);
         }
-        Ok(joined)
+        (joined, failed)
     }
 }
+
+/// The index of registered ids: a sorted set scored by each id's last heartbeat.
+fn index_key(prefix: &str) -> String {
+    format!("{prefix}worker-index")
+}
+
+/// How long an id stays in the index after its last heartbeat.
+const INDEX_RETENTION_MS: i64 = 3_600_000;
 
 /// How a gateway names an HTTP worker (as [`HttpWorker`] does).
 fn worker_name(url: &str) -> String {
@@ -415,6 +513,9 @@ pub struct SharedRouting {
     pub affinity_ttl: Duration,
 }
 
+/// How long a request waits for a session pin from Redis before routing without it.
+pub const PIN_TIMEOUT: Duration = Duration::from_millis(50);
+
 /// A load entry older than this is another gateway that stopped publishing: not counted.
 const LOAD_FRESH_MS: i64 = 3_000;
 
@@ -438,31 +539,43 @@ impl SharedRouting {
         format!("{}aff:{model}:{h:032x}", self.prefix)
     }
 
-    /// The worker (by name) the session is pinned to, if any. Redis failing: None.
+    /// The worker (by name) the session is pinned to, if any. Redis failing or slower than
+    /// [`PIN_TIMEOUT`]: None (this gateway's own pin holds).
     pub async fn pinned(&self, model: &str, session: &str) -> Option<String> {
-        let got: redis::RedisResult<Option<String>> = redis::cmd("GET")
-            .arg(self.pin_key(model, session))
-            .query_async(&mut self.conn.clone())
-            .await;
-        got.unwrap_or_else(|e| {
-            tracing::debug!(error = %e, "shared affinity unavailable");
-            None
-        })
+        let mut conn = self.conn.clone();
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(self.pin_key(model, session));
+        match tokio::time::timeout(PIN_TIMEOUT, cmd.query_async::<Option<String>>(&mut conn)).await {
+            Ok(Ok(pin)) => pin,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "shared affinity unavailable");
+                None
+            }
+            Err(_) => {
+                tracing::debug!("shared affinity too slow");
+                None
+            }
+        }
     }
 
     /// Pins the session to `chosen` unless another gateway pinned it elsewhere since this
     /// one read `previous`; the pin's worker afterwards. Redis failing: None.
     pub async fn claim(&self, model: &str, session: &str, chosen: &str, previous: Option<&str>) -> Option<String> {
-        let got: redis::RedisResult<String> = self
-            .claim
-            .key(self.pin_key(model, session))
+        let mut conn = self.conn.clone();
+        let mut invocation = self.claim.key(self.pin_key(model, session));
+        invocation
             .arg(chosen)
             .arg(previous.unwrap_or(""))
-            .arg(self.affinity_ttl.as_millis() as u64)
-            .invoke_async(&mut self.conn.clone())
-            .await;
-        got.map_err(|e| tracing::debug!(error = %e, "shared affinity unavailable"))
-            .ok()
+            .arg(self.affinity_ttl.as_millis() as u64);
+        let claimed = invocation.invoke_async::<String>(&mut conn);
+        match tokio::time::timeout(PIN_TIMEOUT, claimed).await {
+            Ok(Ok(owner)) => Some(owner),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "shared affinity unavailable");
+                None
+            }
+            Err(_) => None,
+        }
     }
 
     /// Publishes this gateway's load on each worker and takes in the others', every
@@ -560,24 +673,33 @@ mod tests {
             draining: false,
             started_ms: 1,
             heartbeat_ms: 1_000_000,
+            ttl_ms: 3_000,
         }
     }
 
     #[test]
     fn records_open_only_with_the_token_they_were_sealed_with() {
-        let sealed = seal("secret", &record());
-        assert_eq!(open("secret", &sealed, 1_000_500), Ok(record()));
-        assert_eq!(open("other", &sealed, 1_000_500), Err(RecordError::BadSeal));
+        let sealed = seal("secret", "p:", &record());
+        assert_eq!(open("secret", "p:", &sealed, 1_000_500), Ok(record()));
+        assert_eq!(open("other", "p:", &sealed, 1_000_500), Err(RecordError::BadSeal));
+        // Valid only in the registry it was written to.
+        assert_eq!(open("secret", "q:", &sealed, 1_000_500), Err(RecordError::BadSeal));
         // Any change to the record breaks the seal.
         let forged = sealed.replace("10.0.0.7", "10.6.6.6");
-        assert_eq!(open("secret", &forged, 1_000_500), Err(RecordError::BadSeal));
-        // A replayed old record is refused.
+        assert_eq!(open("secret", "p:", &forged, 1_000_500), Err(RecordError::BadSeal));
+        // A replayed record dies with its time to live (plus the allowed skew); one from the
+        // future is refused too.
+        assert!(open("secret", "p:", &sealed, 1_000_000 + 3_000 + MAX_SKEW_MS).is_ok());
         assert_eq!(
-            open("secret", &sealed, 1_000_000 + 61_000),
-            Err(RecordError::Stale { age_s: 61 })
+            open("secret", "p:", &sealed, 1_000_000 + 3_001 + MAX_SKEW_MS),
+            Err(RecordError::Stale {
+                age_ms: 3_001 + MAX_SKEW_MS,
+                ttl_ms: 3_000
+            })
         );
-        assert_eq!(open("secret", "{}", 0), Err(RecordError::Malformed));
-        assert_eq!(open("secret", "not json", 0), Err(RecordError::Malformed));
+        assert!(open("secret", "p:", &sealed, 1_000_000 - MAX_SKEW_MS - 1).is_err());
+        assert_eq!(open("secret", "p:", "{}", 0), Err(RecordError::Malformed));
+        assert_eq!(open("secret", "p:", "not json", 0), Err(RecordError::Malformed));
     }
 
     /// Against the Redis the test suite starts (`REDIS_URL`); skipped without one.
@@ -607,10 +729,11 @@ mod tests {
         redis::pipe()
             .cmd("SET")
             .arg(format!("{prefix}worker:intruder"))
-            .arg(seal("guess", &forged))
+            .arg(seal("guess", &prefix, &forged))
             .ignore()
-            .cmd("SADD")
-            .arg(format!("{prefix}workers"))
+            .cmd("ZADD")
+            .arg(index_key(&prefix))
+            .arg(now_ms())
             .arg("intruder")
             .ignore()
             .query_async::<()>(&mut conn.clone())
@@ -631,7 +754,7 @@ mod tests {
             .unwrap();
         assert_eq!(good.records().await.unwrap().len(), 1);
         reg2.stopped.send_replace(true); // as if SIGKILLed: no more heartbeats
-        tokio::time::sleep(Duration::from_millis(350)).await;
+        tokio::time::sleep(Duration::from_millis(700)).await; // past its 300 ms time to live
         assert!(good.records().await.unwrap().is_empty());
 
         // Shared pins: the first claim wins; a later gateway keeps it; moving it needs the

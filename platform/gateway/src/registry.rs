@@ -122,7 +122,9 @@ impl ServedModel {
     }
 
     /// Whether `slot` still holds `client` (it may have left, and the slot been reused).
-    fn holds(&self, slot: usize, client: &Arc<dyn WorkerClient>) -> bool {
+    /// Checked under the router lock, the answer holds while that lock is held: slots change
+    /// hands only under it.
+    pub(crate) fn holds(&self, slot: usize, client: &Arc<dyn WorkerClient>) -> bool {
         self.clients()
             .get(slot)
             .and_then(Option::as_ref)
@@ -539,10 +541,10 @@ async fn follow_kv_events_until_retired(model: &ServedModel, slot: usize) {
         match client.kv_events().await {
             Ok(mut events) => {
                 while let Some(ev) = events.next().await {
+                    let mut r = model.router();
                     if !model.holds(slot, &client) {
                         return; // the worker left; the slot may be another's now
                     }
-                    let mut r = model.router();
                     match ev {
                         KvEvent::Snapshot { blocks, .. } => {
                             r.index.reset_worker(slot, &blocks);
@@ -558,11 +560,14 @@ async fn follow_kv_events_until_retired(model: &ServedModel, slot: usize) {
             }
             Err(e) => tracing::debug!(worker = client.name(), error = %e, "no KV events"),
         }
-        if !model.holds(slot, &client) {
-            return;
-        }
-        if let Some(w) = model.router().worker_mut(slot) {
-            w.exact_events = false;
+        {
+            let mut r = model.router();
+            if !model.holds(slot, &client) {
+                return;
+            }
+            if let Some(w) = r.worker_mut(slot) {
+                w.exact_events = false;
+            }
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
@@ -579,11 +584,11 @@ async fn check_health(model: Arc<ServedModel>, slot: usize) {
             r = client.health() => r.is_ok(),
             _ = retired.wait_for(|r| *r) => return,
         };
-        if !model.holds(slot, &client) {
-            return;
-        }
         {
             let mut r = model.router();
+            if !model.holds(slot, &client) {
+                return;
+            }
             if let Some(w) = r.worker_mut(slot) {
                 if w.healthy != ok {
                     tracing::warn!(worker = client.name(), healthy = ok, "worker health changed");

@@ -31,6 +31,48 @@ pub struct AppState {
     /// Set when the drain timeout passes: requests still in flight end with an error (and
     /// their usage record) so that the process can exit.
     pub abort: tokio::sync::watch::Sender<bool>,
+    /// Relay tasks running (each holds a request's books until its usage is recorded): the
+    /// launcher waits for them before flushing the usage at shutdown.
+    pub relays: Tasks,
+}
+
+/// A count of running tasks that can be waited on until it reaches zero.
+#[derive(Debug, Default)]
+pub struct Tasks {
+    running: std::sync::Arc<(std::sync::atomic::AtomicUsize, tokio::sync::Notify)>,
+}
+
+/// One running task, counted until dropped.
+pub struct TaskGuard(std::sync::Arc<(std::sync::atomic::AtomicUsize, tokio::sync::Notify)>);
+
+impl Drop for TaskGuard {
+    fn drop(&mut self) {
+        if self.0 .0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) == 1 {
+            self.0 .1.notify_waiters();
+        }
+    }
+}
+
+impl Tasks {
+    pub fn start(&self) -> TaskGuard {
+        self.running.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        TaskGuard(self.running.clone())
+    }
+
+    pub fn running(&self) -> usize {
+        self.running.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Returns when none is running.
+    pub async fn idle(&self) {
+        loop {
+            let woken = self.running.1.notified();
+            if self.running() == 0 {
+                return;
+            }
+            woken.await;
+        }
+    }
 }
 
 impl AppState {
@@ -60,6 +102,7 @@ impl AppState {
             shared_routing: None,
             draining: Default::default(),
             abort: tokio::sync::watch::Sender::new(false),
+            relays: Tasks::default(),
         }
     }
 }

@@ -55,7 +55,7 @@ pub async fn start(
         Err(e) => {
             tracing::warn!(worker = prefill.name(), error = %e, "prefill worker unavailable; serving colocated");
             if matches!(e, WorkerError::Unavailable { .. }) {
-                mark_unhealthy(model, p_slot);
+                mark_unhealthy(model, p_slot, &prefill);
             }
             PdCounts::count(&model.pd.retried_colocated);
             return Err((req, routed, 1 << p_slot));
@@ -69,6 +69,7 @@ pub async fn start(
         routed,
         source,
         prefill: prefill.clone(),
+        decode: decode.clone(),
         tx,
     };
     let span = tracing::info_span!("disaggregate", prefill = prefill.name(), decode = decode.name());
@@ -86,6 +87,8 @@ struct Stitch {
     /// Where the decode worker fetches the blocks (the prefill worker's address).
     source: String,
     prefill: Arc<dyn WorkerClient>,
+    /// The decode worker placed (held here: its slot may change hands meanwhile).
+    decode: Arc<dyn WorkerClient>,
     tx: mpsc::Sender<GenerateEvent>,
 }
 
@@ -198,24 +201,20 @@ impl Stitch {
                 hold: self.req.request_id.clone(),
             });
         }
-        let sent = match self.model.client(d_slot) {
-            Some(client) => {
-                tokio::select! {
-                    r = client.generate(rest) => r.map_err(|e| {
-                        if matches!(e, WorkerError::Unavailable { .. }) {
-                            mark_unhealthy(&self.model, d_slot);
-                        }
-                        e.to_string()
-                    }),
-                    () = self.tx.closed() => {
-                        if handed_off.is_some() {
-                            self.release_hold();
-                        }
-                        return;
-                    }
+        let client = self.decode.clone();
+        let sent = tokio::select! {
+            r = client.generate(rest) => r.map_err(|e| {
+                if matches!(e, WorkerError::Unavailable { .. }) {
+                    mark_unhealthy(&self.model, d_slot, &client);
                 }
+                e.to_string()
+            }),
+            () = self.tx.closed() => {
+                if handed_off.is_some() {
+                    self.release_hold();
+                }
+                return;
             }
-            None => Err("the decode worker was removed".into()),
         };
         let why = match sent {
             Ok(events) => match self.forward(events, handed_off, Some(decode)).await {

@@ -133,7 +133,7 @@ pub async fn colocated(
             }
             Err(e @ WorkerError::Unavailable { .. }) => {
                 tracing::warn!(worker = client.name(), error = %e, "worker unavailable; trying the next");
-                mark_unhealthy(model, slot);
+                mark_unhealthy(model, slot, &client);
                 last = Some(e);
             }
             Err(e) => {
@@ -153,9 +153,13 @@ pub async fn colocated(
     )))
 }
 
-/// Until its health check passes again.
-pub fn mark_unhealthy(model: &ServedModel, slot: usize) {
-    if let Some(w) = model.router().worker_mut(slot) {
-        w.healthy = false;
+/// Until its health check passes again — if `slot` still holds `client` (the worker may
+/// have left, and the slot been reused, while the request was on its way).
+pub fn mark_unhealthy(model: &ServedModel, slot: usize, client: &std::sync::Arc<dyn crate::workers::WorkerClient>) {
+    let mut r = model.router();
+    if model.holds(slot, client) {
+        if let Some(w) = r.worker_mut(slot) {
+            w.healthy = false;
+        }
     }
 }

@@ -91,7 +91,14 @@ pub async fn start(
         post,
         processor_time,
     };
-    tokio::spawn(relay(state, meter, rec, timing, dispatched, holds, tx).instrument(span));
+    let running = state.relays.start();
+    tokio::spawn(
+        async move {
+            let _running = running; // until the usage is recorded
+            relay(state, meter, rec, timing, dispatched, holds, tx).await;
+        }
+        .instrument(span),
+    );
     let first = rx
         .recv()
         .await
@@ -194,6 +201,22 @@ impl Timing {
     }
 }
 
+/// Sends one event towards the client; false if the client is gone, or the drain timeout
+/// passed while a client was not reading.
+async fn send(
+    tx: &mpsc::Sender<GenerateEvent>,
+    ev: GenerateEvent,
+    abort: &mut tokio::sync::watch::Receiver<bool>,
+) -> bool {
+    // A send with room goes first, even after the abort: the error event that ends the
+    // stream must still go out.
+    tokio::select! {
+        biased;
+        r = tx.send(ev) => r.is_ok(),
+        () = aborted(abort) => false,
+    }
+}
+
 /// Returns when the gateway's drain timeout has passed.
 async fn aborted(rx: &mut tokio::sync::watch::Receiver<bool>) {
     if rx.wait_for(|a| *a).await.is_err() {
@@ -278,8 +301,11 @@ async fn relay(
             let finished = matches!(ev, GenerateEvent::Done { .. });
             if let (true, Some(post)) = (finished, holds.post.take()) {
                 // Post-processing needs the worker's last event before its time is known.
-                let _ = tx.send(ev).await;
-                let report = tokio::time::timeout(POST_WAIT, post).await.ok().and_then(Result::ok);
+                send(&tx, ev, &mut abort).await;
+                let report = tokio::select! {
+                    r = tokio::time::timeout(POST_WAIT, post) => r.ok().and_then(Result::ok),
+                    () = aborted(&mut abort) => None,
+                };
                 if let Some(r) = &report {
                     rec.processor_us = r.processor_us;
                 }
@@ -290,10 +316,10 @@ async fn relay(
                 break Some(pending);
             }
             let pending = meter.record(&mut rec).instrument(tracing::info_span!("meter")).await;
-            let _ = tx.send(ev).await;
+            send(&tx, ev, &mut abort).await;
             break Some(pending);
         }
-        if tx.send(ev).await.is_err() {
+        if !send(&tx, ev, &mut abort).await {
             break None;
         }
     };
