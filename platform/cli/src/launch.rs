@@ -128,13 +128,17 @@ struct Discover {
 
 /// This process's id among the gateways sharing routing state: host, pid, start time.
 fn gateway_id() -> String {
-    let host = std::env::var("HOSTNAME")
+    let host = host_name().unwrap_or_else(|| "gateway".into());
+    format!("{host}-{}-{:x}", std::process::id(), hearth_tenants::now_ms())
+}
+
+/// The host's name (`HOSTNAME`, else the kernel's), if it has one.
+fn host_name() -> Option<String> {
+    std::env::var("HOSTNAME")
         .ok()
         .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
         .map(|h| h.trim().to_string())
         .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "gateway".into());
-    format!("{host}-{}-{:x}", std::process::id(), hearth_tenants::now_ms())
 }
 
 async fn run_gateway(
@@ -500,12 +504,7 @@ fn worker_name(addr: SocketAddr) -> String {
     if !addr.ip().is_unspecified() {
         return addr.to_string();
     }
-    let host = std::env::var("HOSTNAME")
-        .ok()
-        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
-        .map(|h| h.trim().to_string())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| addr.ip().to_string());
+    let host = host_name().unwrap_or_else(|| addr.ip().to_string());
     format!("{host}:{}", addr.port())
 }
 

@@ -21,29 +21,6 @@ use serde_json::{json, Value};
 const TOKEN: &str = "cluster-e2e-worker-token";
 const HEARTBEAT_MS: u64 = 300;
 
-/// One database for both gateways: a fresh PostgreSQL schema when `DATABASE_URL` names
-/// one (the handle keeps it), else a SQLite file in `data`.
-async fn one_database(data: &Path) -> (Option<hearth_tenants::Db>, String) {
-    let pg = hearth_tenants::db::testing::postgres().await;
-    let url = match &pg {
-        Some(db) => {
-            let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
-                .fetch_one(&db.pool)
-                .await
-                .unwrap();
-            let base = std::env::var("DATABASE_URL").unwrap();
-            let sep = if base.contains('?') { '&' } else { '?' };
-            format!("{base}{sep}options=-c%20search_path%3D{schema}")
-        }
-        None => format!("sqlite://{}", data.join("hearth.db").display()),
-    };
-    (pg, url)
-}
-
-fn redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
-
 struct Cluster {
     prefix: String,
     redis: String,
@@ -400,15 +377,8 @@ async fn gateways_share_sessions_and_follow_workers_joining_leaving_and_draining
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     succeeded += 1;
     let mut leaving = leaving;
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let status = loop {
-        if let Some(s) = leaving.child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "the drained worker exits");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    assert!(status.success(), "{status}");
+    let status = wait_exit(&mut leaving, Duration::from_secs(15)).await;
+    assert!(status.success(), "the drained worker exits cleanly: {status}");
     want.retain(|w| *w != leaving.url);
     wait_for_pools(gws, &want, Duration::from_secs(5)).await;
 
@@ -442,15 +412,8 @@ async fn gateways_share_sessions_and_follow_workers_joining_leaving_and_draining
     assert!(text.contains("\"error\"") && text.contains("drain timeout"), "{text}");
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     let mut gb = gb;
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let status = loop {
-        if let Some(s) = gb.child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "the drained gateway exits");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    assert!(status.success(), "{status}");
+    let status = wait_exit(&mut gb, Duration::from_secs(15)).await;
+    assert!(status.success(), "the drained gateway exits cleanly: {status}");
     let ready = client().get(format!("{}/readyz", ga.url)).send().await.unwrap();
     assert_eq!(ready.status(), 200);
 

@@ -34,29 +34,6 @@ fn sim_serve(data: &Path, extra: &[&str]) -> Proc {
     spawn(&args)
 }
 
-/// One database for several gateways: a fresh PostgreSQL schema when `DATABASE_URL` names
-/// one (the handle keeps it), else a SQLite file in `data`.
-async fn one_database(data: &Path) -> (Option<hearth_tenants::Db>, String) {
-    let pg = hearth_tenants::db::testing::postgres().await;
-    let url = match &pg {
-        Some(db) => {
-            let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
-                .fetch_one(&db.pool)
-                .await
-                .unwrap();
-            let base = std::env::var("DATABASE_URL").unwrap();
-            let sep = if base.contains('?') { '&' } else { '?' };
-            format!("{base}{sep}options=-c%20search_path%3D{schema}")
-        }
-        None => format!("sqlite://{}", data.join("hearth.db").display()),
-    };
-    (pg, url)
-}
-
-fn redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
-
 fn unique(tag: &str) -> String {
     format!("{tag}-{}-{}", std::process::id(), hearth_tenants::now_ms())
 }

@@ -256,3 +256,39 @@ pub async fn sse_events(resp: reqwest::Response) -> Vec<String> {
         .map(str::to_string)
         .collect()
 }
+
+/// One database for several gateways: a fresh PostgreSQL schema when `DATABASE_URL` names
+/// one (the handle keeps it), else a SQLite file in `data`.
+pub async fn one_database(data: &Path) -> (Option<hearth_tenants::Db>, String) {
+    let pg = hearth_tenants::db::testing::postgres().await;
+    let url = match &pg {
+        Some(db) => {
+            let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+            let base = std::env::var("DATABASE_URL").unwrap();
+            let sep = if base.contains('?') { '&' } else { '?' };
+            format!("{base}{sep}options=-c%20search_path%3D{schema}")
+        }
+        None => format!("sqlite://{}", data.join("hearth.db").display()),
+    };
+    (pg, url)
+}
+
+/// The Redis the suite uses (`REDIS_URL`, else the local one `scripts/services` starts).
+pub fn redis_url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// Waits for the process to exit by itself within `within`; its exit status.
+pub async fn wait_exit(p: &mut Proc, within: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(s) = p.child.try_wait().unwrap() {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "{} did not exit within {within:?}", p.url);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
