@@ -20,7 +20,8 @@
 //! (`{prefix}aff:{model}:{hash of the session}`): before routing a session's request a
 //! gateway reads it (and pins its own router to that worker), after choosing it claims the
 //! key with one script that keeps an owner chosen concurrently by another gateway (the
-//! request is then routed to that owner, unless it is not usable or over its load bound). Each gateway publishes its requests in flight per
+//! request is then routed to that owner; if the owner cannot take it, a second claim moves
+//! the pin to where the request went). Each gateway publishes its requests in flight per
 //! worker (`{prefix}load:{model}`, one field per gateway and worker) every sync interval and
 //! adds the other gateways' fresh entries to its router's load, so the load bound and the
 //! policies see every gateway's work. What stays per gateway: the KV prefix index (each

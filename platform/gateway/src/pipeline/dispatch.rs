@@ -91,23 +91,26 @@ pub async fn colocated(
     let mut last = None;
     let mut refused = None;
     let mut pinned = routed.hints.pinned.clone();
-    let mut claimed = false;
+    // A session's placement is claimed in the shared store: if another gateway pinned the
+    // session elsewhere meanwhile, the request follows that pin instead — and if that
+    // worker cannot take it here (not usable, over its bound), the second claim, naming it
+    // as the previous owner, moves the pin to where the request went.
+    let mut claims = 2;
     while let Some(placement) =
         tracing::info_span!("route").in_scope(|| route::run_pinned(model, routed, exclude, pinned.as_deref()))
     {
         let slot = placement.slot;
-        // A session's first placement is claimed in the shared store: if another gateway
-        // pinned the session elsewhere meanwhile, the request follows that pin instead.
-        if let (Some(shared), Some(session), false) = (&routed.hints.shared, &routed.hints.session, claimed) {
-            claimed = true;
+        if let (Some(shared), Some(session), true) = (&routed.hints.shared, &routed.hints.session, claims > 0) {
+            claims -= 1;
             if let Some(name) = placement.worker_name() {
                 let owner = shared.claim(&model.id, session, &name, pinned.as_deref()).await;
-                if let Some(owner) = owner.filter(|o| *o != name) {
+                if let Some(owner) = owner.filter(|o| *o != name && claims > 0) {
                     tracing::debug!(worker = %owner, "session pinned by another gateway");
                     pinned = Some(owner);
                     drop(placement);
                     continue;
                 }
+                claims = 0;
             }
         }
         exclude |= 1 << slot;
