@@ -92,8 +92,10 @@ for w in by_kind("Deployment") + by_kind("StatefulSet"):
     paths = {p: c[p]["httpGet"]["path"] for p in ("livenessProbe", "readinessProbe", "startupProbe") if p in c}
     if paths != {"livenessProbe": "/livez", "readinessProbe": "/readyz", "startupProbe": "/livez"}:
         fail(f"{name}: probes {paths}, expected liveness/startup /livez and readiness /readyz")
-    if pod.get("terminationGracePeriodSeconds", 30) <= drain:
-        fail(f"{name}: terminationGracePeriodSeconds must exceed the drain ({drain} s)")
+    # A gateway past its drain timeout gives requests 5 s to end and their records 10 s.
+    need = drain + (15 if component == "gateway" else 1)
+    if pod.get("terminationGracePeriodSeconds", 30) <= need:
+        fail(f"{name}: terminationGracePeriodSeconds must exceed {need} s (the drain and what follows it)")
     env = {e["name"]: e for e in c.get("env", [])}
     known = env_names_of(command)
     # Read outside the subcommand's arguments: HEARTH_LOG (logging), HEARTH_HOME (the model cache).

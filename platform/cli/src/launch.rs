@@ -272,13 +272,13 @@ async fn run_gateway(
         r = server => r?,
         () = overrun => tracing::warn!("closing the connections still open"),
     }
-    // Every request's usage is handed to the ledger (a relay records even a client that
-    // went away after the connection closed), then committed.
-    if tokio::time::timeout(Duration::from_secs(10), gw.relays.idle())
+    // Every authenticated request's usage is handed to the ledger (a relay records even a
+    // client that went away after the connection closed), then committed.
+    if tokio::time::timeout(Duration::from_secs(10), gw.unrecorded.idle())
         .await
         .is_err()
     {
-        tracing::warn!(running = gw.relays.running(), "relays still running at exit");
+        tracing::warn!(requests = gw.unrecorded.running(), "requests still unrecorded at exit");
     }
     gw.ledger.flush().await;
     tracing::info!("usage flushed; exiting");

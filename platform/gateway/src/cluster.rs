@@ -268,8 +268,10 @@ struct Known {
     /// The newest registration at this address.
     id: String,
     draining: bool,
-    /// When its registration was last seen live (or, missing, when it went missing).
-    seen: std::time::Instant,
+    /// Its record's time to live.
+    ttl: Duration,
+    /// Since when a successful read has not found it (None: found by the last one).
+    missing_since: Option<std::time::Instant>,
 }
 
 /// What one read of the registry found.
@@ -290,6 +292,11 @@ pub struct Discovery {
     known: HashMap<String, Known>,
     /// Addresses that could not be attached, and when to try again.
     backoff: HashMap<String, std::time::Instant>,
+    /// When the registry was last read (a longer gap is an outage: workers could not
+    /// heartbeat either, so their records may have expired).
+    last_read: Option<std::time::Instant>,
+    /// How often it is read.
+    interval: Duration,
     /// Entries already warned about (bad seal, unreachable), so each is logged once.
     warned: HashSet<String>,
     /// Registrations refused (bad seal, stale, another's id), counted per poll:
@@ -310,6 +317,8 @@ impl Discovery {
             token: token.to_string(),
             known: HashMap::new(),
             backoff: HashMap::new(),
+            last_read: None,
+            interval: Duration::from_millis(500),
             warned: HashSet::new(),
             refused: Default::default(),
         }
@@ -317,6 +326,7 @@ impl Discovery {
 
     /// Polls every `interval` until the process ends.
     pub async fn run(mut self, state: Arc<crate::state::AppState>, interval: Duration) {
+        self.interval = interval;
         loop {
             if let Err(e) = self.poll(&state.models).await {
                 tracing::warn!(error = %e, "worker registry unreachable (keeping the pools as they are)");
@@ -377,11 +387,15 @@ impl Discovery {
     }
 
     /// One poll: new workers join their models' pools, draining ones get nothing new,
-    /// expired ones leave at once, missing ones (not expired: gone from the set, as when
-    /// Redis restarts empty) after [`MISSING_GRACE`].
+    /// expired ones leave at once, missing ones (not indexed at all, as when Redis restarts
+    /// empty) after a grace — [`MISSING_GRACE`], or their time to live and two polls if
+    /// longer; after an outage of the registry longer than a worker's time to live, its
+    /// expired record counts as missing (it could not heartbeat either).
     pub async fn poll(&mut self, models: &ModelRegistry) -> redis::RedisResult<()> {
         let read = self.read().await?;
         let now = std::time::Instant::now();
+        let gap = self.last_read.map_or(Duration::ZERO, |t| now.duration_since(t));
+        self.last_read = Some(now);
         // The newest registration per address.
         let mut newest: HashMap<String, &WorkerRecord> = HashMap::new();
         for rec in &read.live {
@@ -397,8 +411,10 @@ impl Discovery {
                 continue;
             }
             let Some(k) = self.known.get_mut(&name) else { continue };
-            let gone = expired.contains(k.id.as_str()) || now.duration_since(k.seen) >= MISSING_GRACE;
-            if gone {
+            let grace = MISSING_GRACE.max(k.ttl + 2 * self.interval);
+            let missing_since = *k.missing_since.get_or_insert(now);
+            let expired_now = expired.contains(k.id.as_str()) && gap <= k.ttl;
+            if expired_now || now.duration_since(missing_since) >= grace {
                 tracing::info!(worker = %k.id, url = %name, "worker left the registry");
                 self.known.remove(&name);
                 models.detach(&name);
@@ -406,7 +422,8 @@ impl Discovery {
         }
         for (name, rec) in newest {
             if let Some(k) = self.known.get_mut(&name) {
-                k.seen = now;
+                k.missing_since = None;
+                k.ttl = Duration::from_millis(rec.ttl_ms.max(0) as u64);
                 k.id = rec.id.clone();
                 if k.draining != rec.draining {
                     k.draining = rec.draining;
@@ -428,7 +445,8 @@ impl Discovery {
                         Known {
                             id: rec.id.clone(),
                             draining: false,
-                            seen: now,
+                            ttl: Duration::from_millis(rec.ttl_ms.max(0) as u64),
+                            missing_since: None,
                         },
                     );
                 }
@@ -439,6 +457,9 @@ impl Discovery {
                         Err(_) => format!("no answer in {ATTACH_TIMEOUT:?}"),
                     };
                     self.backoff.insert(name.clone(), now + ATTACH_BACKOFF);
+                    // Models that joined before the failure (or the timeout) leave again:
+                    // only a known worker is followed (drained, detached).
+                    models.detach(&name);
                     if self.warned.insert(format!("attach:{name}")) {
                         tracing::warn!(worker = %rec.id, url = %rec.url, error = %why, "registered worker not usable yet (retrying)");
                     }
@@ -512,6 +533,8 @@ pub struct SharedRouting {
     claim: redis::Script,
     /// How long a session pin lives without requests.
     pub affinity_ttl: Duration,
+    /// How long a request waits for Redis about its pin ([`PIN_TIMEOUT`]).
+    pub pin_timeout: Duration,
 }
 
 /// How long a request waits for a session pin from Redis before routing without it.
@@ -528,6 +551,7 @@ impl SharedRouting {
             gateway: gateway.to_string(),
             claim: redis::Script::new(CLAIM_SCRIPT),
             affinity_ttl: Duration::from_secs(600),
+            pin_timeout: PIN_TIMEOUT,
         }
     }
 
@@ -546,7 +570,7 @@ impl SharedRouting {
         let mut conn = self.conn.clone();
         let mut cmd = redis::cmd("GET");
         cmd.arg(self.pin_key(model, session));
-        match tokio::time::timeout(PIN_TIMEOUT, cmd.query_async::<Option<String>>(&mut conn)).await {
+        match tokio::time::timeout(self.pin_timeout, cmd.query_async::<Option<String>>(&mut conn)).await {
             Ok(Ok(pin)) => pin,
             Ok(Err(e)) => {
                 tracing::debug!(error = %e, "shared affinity unavailable");
@@ -569,7 +593,7 @@ impl SharedRouting {
             .arg(previous.unwrap_or(""))
             .arg(self.affinity_ttl.as_millis() as u64);
         let claimed = invocation.invoke_async::<String>(&mut conn);
-        match tokio::time::timeout(PIN_TIMEOUT, claimed).await {
+        match tokio::time::timeout(self.pin_timeout, claimed).await {
             Ok(Ok(owner)) => Some(owner),
             Ok(Err(e)) => {
                 tracing::debug!(error = %e, "shared affinity unavailable");
@@ -760,8 +784,11 @@ mod tests {
 
         // Shared pins: the first claim wins; a later gateway keeps it; moving it needs the
         // previous owner named.
-        let a = SharedRouting::new(conn.clone(), &prefix, "gw-a");
-        let b = SharedRouting::new(conn.clone(), &prefix, "gw-b");
+        // A loaded machine's Redis may take longer than a request would wait.
+        let mut a = SharedRouting::new(conn.clone(), &prefix, "gw-a");
+        let mut b = SharedRouting::new(conn.clone(), &prefix, "gw-b");
+        a.pin_timeout = Duration::from_secs(5);
+        b.pin_timeout = Duration::from_secs(5);
         assert_eq!(a.pinned("m", "s1").await, None);
         assert_eq!(a.claim("m", "s1", "w1", None).await.as_deref(), Some("w1"));
         assert_eq!(b.claim("m", "s1", "w2", None).await.as_deref(), Some("w1"));

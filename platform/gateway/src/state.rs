@@ -31,9 +31,9 @@ pub struct AppState {
     /// Set when the drain timeout passes: requests still in flight end with an error (and
     /// their usage record) so that the process can exit.
     pub abort: tokio::sync::watch::Sender<bool>,
-    /// Relay tasks running (each holds a request's books until its usage is recorded): the
-    /// launcher waits for them before flushing the usage at shutdown.
-    pub relays: Tasks,
+    /// Authenticated requests whose usage is not recorded yet (from authentication, through
+    /// the relay task, to the record): the launcher waits for them before the last flush.
+    pub unrecorded: Tasks,
 }
 
 /// A count of running tasks that can be waited on until it reaches zero.
@@ -102,7 +102,7 @@ impl AppState {
             shared_routing: None,
             draining: Default::default(),
             abort: tokio::sync::watch::Sender::new(false),
-            relays: Tasks::default(),
+            unrecorded: Tasks::default(),
         }
     }
 }

@@ -11,6 +11,7 @@ use crate::state::AppState;
 
 pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiError> {
     let tenant = authorize(state, &ctx.headers, Scope::Inference).await?;
+    ctx.unrecorded = Some(state.unrecorded.start());
     ctx.usage = Some(UsageRecord::started(
         &ctx.request_id,
         &tenant.tenant_id,

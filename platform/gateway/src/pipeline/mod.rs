@@ -99,6 +99,9 @@ pub struct RequestContext {
     /// request ends.
     pub rate: RateState,
     pub lease: Option<limit::Admitted>,
+    /// authenticate: this request counted among those whose usage is not recorded yet (the
+    /// relay takes it over); the launcher waits for them before the last flush.
+    pub unrecorded: Option<crate::state::TaskGuard>,
     /// admit: the tenant, its share and the request's class, sent to the worker.
     pub qos: hearth_protocol::Qos,
     /// The request's root span; every phase's span is its child. The relay keeps a clone,
@@ -131,6 +134,7 @@ impl RequestContext {
             max_tokens: 0,
             rate: RateState::default(),
             lease: None,
+            unrecorded: None,
             qos: Default::default(),
             span: tracing::Span::none(),
         }

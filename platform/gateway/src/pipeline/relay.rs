@@ -91,10 +91,10 @@ pub async fn start(
         post,
         processor_time,
     };
-    let running = state.relays.start();
+    let unrecorded = ctx.unrecorded.take().unwrap_or_else(|| state.unrecorded.start());
     tokio::spawn(
         async move {
-            let _running = running; // until the usage is recorded
+            let _unrecorded = unrecorded; // until the usage is recorded
             relay(state, meter, rec, timing, dispatched, holds, tx).await;
         }
         .instrument(span),
