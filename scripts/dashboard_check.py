@@ -11,7 +11,7 @@ it saves the main pages there (the README's pictures come from this run).
 
 Usage: dashboard_check.py HEARTH_BINARY [--screenshots DIR]
 """
-import json, os, subprocess, sys, tempfile, time, urllib.error, urllib.request
+import json, os, subprocess, sys, tempfile, urllib.error, urllib.request
 
 from selenium import webdriver
 from selenium.common.exceptions import NoAlertPresentException
@@ -20,6 +20,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions as EC
 from selenium.webdriver.support.ui import WebDriverWait
 
+from harness import Checks, Serve
+
 hearth = sys.argv[1]
 shots = None
 if "--screenshots" in sys.argv:
@@ -27,26 +29,10 @@ if "--screenshots" in sys.argv:
     os.makedirs(shots, exist_ok=True)
 ADMIN = "dashboard-check-admin-token"
 ODD = "<img src=x onerror=alert(1)>"
-data = tempfile.mkdtemp(prefix="hearth-dashboard-")
-env = dict(os.environ, HEARTH_LOG="warn", HEARTH_ADMIN_TOKEN=ADMIN)
-server = subprocess.Popen([hearth, "serve", "--listen", "127.0.0.1:0", "--data-dir", data],
-                          stdout=subprocess.PIPE, text=True, env=env)
-passed = failed = 0
-
-
-def check(name, cond, detail=""):
-    global passed, failed
-    if cond:
-        passed += 1
-        print(f"ok   {name}")
-    else:
-        failed += 1
-        print(f"FAIL {name} {detail}")
-
-
-def admin(*a):
-    return subprocess.run([hearth, "admin", "--data-dir", data, "--json", *a],
-                          check=True, capture_output=True, text=True, env=env).stdout
+server = Serve(hearth, "dashboard", {"HEARTH_ADMIN_TOKEN": ADMIN})
+data = server.data
+admin = server.admin
+check = Checks()
 
 
 def api(path, key, body=None):
@@ -62,14 +48,7 @@ def api(path, key, body=None):
 
 driver = None
 try:
-    deadline = time.time() + 180
-    url = None
-    while url is None and time.time() < deadline:
-        line = server.stdout.readline()
-        if not line:
-            sys.exit("hearth serve exited before listening")
-        if "listening on " in line:
-            url = line.split("listening on ")[1].split()[0]
+    url = server.wait_url()
     admin("tenant", "create", "acme")
     key_a = json.loads(admin("key", "create", "--tenant", "acme", "--name", "ops"))["key"]
     admin("tenant", "create", ODD)
@@ -224,8 +203,6 @@ try:
 finally:
     if driver is not None:
         driver.quit()
-    server.terminate()
-    server.wait(timeout=30)
+    server.stop()
 
-print(f"dashboard browser check: {passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+check.exit("dashboard browser check")

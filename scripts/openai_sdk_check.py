@@ -1,37 +1,18 @@
 """The official OpenAI Python SDK against a real `hearth serve` (started here on a free port
 with a fresh data directory; a tenant and key are made with the CLI)."""
-import json, os, subprocess, sys, tempfile, time
+import json, sys
 
 import openai
 from openai import OpenAI
 
-hearth = sys.argv[1]
-data = tempfile.mkdtemp(prefix="hearth-sdk-")
-env = dict(os.environ, HEARTH_LOG="warn")
-server = subprocess.Popen([hearth, "serve", "--listen", "127.0.0.1:0", "--data-dir", data],
-                          stdout=subprocess.PIPE, text=True, env=env)
-passed = failed = 0
+from harness import Checks, Serve
 
-def check(name, cond, detail=""):
-    global passed, failed
-    if cond:
-        passed += 1
-        print(f"ok   {name}")
-    else:
-        failed += 1
-        print(f"FAIL {name} {detail}")
+server = Serve(sys.argv[1], "sdk")
+check = Checks()
 
 try:
-    deadline = time.time() + 180
-    url = None
-    while url is None and time.time() < deadline:
-        line = server.stdout.readline()
-        if not line:
-            sys.exit("hearth serve exited before listening")
-        if "listening on " in line:
-            url = line.split("listening on ")[1].split()[0]
-    admin = lambda *a: subprocess.run([hearth, "admin", "--data-dir", data, "--json", *a],
-                                      check=True, capture_output=True, text=True).stdout
+    url = server.wait_url()
+    admin = server.admin
     admin("tenant", "create", "sdk")
     key = json.loads(admin("key", "create", "--tenant", "sdk"))["key"]
     c = OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
@@ -156,8 +137,6 @@ try:
     except openai.AuthenticationError:
         check("bad key is AuthenticationError", True)
 finally:
-    server.terminate()
-    server.wait(timeout=30)
+    server.stop()
 
-print(f"openai-sdk: {passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+check.exit("openai-sdk")

@@ -689,6 +689,17 @@ impl TenantStore {
         Ok(budget_from(r.get(0), &r.get::<String, _>(1)))
     }
 
+    /// Every tenant's monthly budget, by tenant id (one query; tenants without one are absent).
+    pub async fn budgets(&self) -> Result<std::collections::HashMap<String, Budget>, TenantError> {
+        let rows = sqlx::query("SELECT id, monthly_budget_nusd, budget_mode FROM tenants")
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows
+            .iter()
+            .filter_map(|r| Some((r.get::<String, _>(0), budget_from(r.get(1), &r.get::<String, _>(2))?)))
+            .collect())
+    }
+
     /// Whether any usable key exists (for the first-start hint).
     pub async fn has_active_keys(&self) -> Result<bool, TenantError> {
         let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM api_keys WHERE revoked_at IS NULL")

@@ -41,7 +41,7 @@ use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
 use crate::registry::ModelRegistry;
-use crate::workers::{HttpWorker, ModelHostClient, WorkerClient};
+use crate::workers::{base_url, HttpWorker, ModelHostClient, WorkerClient};
 
 /// Clock skew allowed between a worker and a gateway: a record whose heartbeat is older
 /// than its time to live plus this, or later than now plus this, is refused (a replayed
@@ -399,7 +399,7 @@ impl Discovery {
         // The newest registration per address.
         let mut newest: HashMap<String, &WorkerRecord> = HashMap::new();
         for rec in &read.live {
-            let name = worker_name(&rec.url);
+            let name = base_url(&rec.url);
             if newest.get(&name).is_none_or(|r| r.started_ms < rec.started_ms) {
                 newest.insert(name, rec);
             }
@@ -507,11 +507,6 @@ fn index_key(prefix: &str) -> String {
 
 /// How long an id stays in the index after its last heartbeat.
 const INDEX_RETENTION_MS: i64 = 3_600_000;
-
-/// How a gateway names an HTTP worker (as [`HttpWorker`] does).
-fn worker_name(url: &str) -> String {
-    HttpWorker::new(url).map_or_else(|_| url.to_string(), |w| w.name().to_string())
-}
 
 /// Keeps `owner` when another gateway pinned the session first; else writes `chosen`.
 /// KEYS[1] the pin; ARGV: chosen, the pin this gateway routed by ('' for none), TTL ms.

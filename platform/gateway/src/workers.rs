@@ -190,14 +190,20 @@ impl ModelHostClient for HttpModelHost {
     }
 }
 
+/// A worker's base URL as its client names it: no trailing `/`, `http://` when no scheme
+/// is given (so `10.0.0.7:8081/` and `http://10.0.0.7:8081` are the same worker).
+pub fn base_url(url: &str) -> String {
+    let base = url.trim_end_matches('/');
+    if base.contains("://") {
+        base.to_string()
+    } else {
+        format!("http://{base}")
+    }
+}
+
 impl HttpWorker {
     pub fn new(base: &str) -> Result<Self, WorkerError> {
-        let base = base.trim_end_matches('/').to_string();
-        let base = if base.contains("://") {
-            base
-        } else {
-            format!("http://{base}")
-        };
+        let base = base_url(base);
         let client = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(5))
             .tcp_nodelay(true)

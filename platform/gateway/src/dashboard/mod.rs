@@ -822,13 +822,14 @@ async fn operator(gw: &AppState, v: &Visitor) -> Result<Response, PageError> {
         .await
         .map_err(crate::error::ledger_error)?;
     let tenants = gw.tenants.list_tenants().await.map_err(crate::error::store_error)?;
+    let budgets = gw.tenants.budgets().await.map_err(crate::error::store_error)?;
     let mut rows = Vec::new();
     for t in &tenants {
         let (cost, reqs) = spends
             .iter()
             .find(|(id, _, _)| *id == t.id)
             .map_or((0, 0), |(_, c, r)| (*c, *r));
-        let budget = gw.tenants.budget(&t.id).await.map_err(crate::error::store_error)?;
+        let budget = budgets.get(&t.id);
         rows.push(json!({
             "id": t.id, "name": t.name, "created_at": t.created_at, "spend_usd": format_nusd(cost),
             "spend_nusd": cost, "requests": reqs,
