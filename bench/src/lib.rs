@@ -9,7 +9,9 @@
 //! * [`agent`] — agent workloads (extraction, tool calls, edits, chat) with and without
 //!   speculative decoding, the grammar mask's cost and schema validity, on the engine;
 //! * [`fairness`] — FIFO vs fair scheduling between tenants and classes on one saturated
-//!   worker (sim and engine).
+//!   worker (sim and engine);
+//! * [`soak`] — long mixed traffic through real processes, sampling memory, descriptors and
+//!   tasks for leaks, and checking the usage books.
 //!
 //! (`hearth bench engine` lives with the engine, in `hearth_engine::bench`.) Side-by-side
 //! comparisons with other projects are the scripts beside this crate
@@ -21,6 +23,7 @@ pub mod gateway;
 pub mod pd;
 pub mod processors;
 pub mod routing;
+pub mod soak;
 
 /// The benchmarks' seeded xorshift generator (workloads must be the same run to run).
 pub(crate) struct Rng(pub(crate) u64);

@@ -57,6 +57,9 @@ pub enum UsageStatus {
     /// The client went away; what was generated is still recorded.
     Cancelled,
     Failed,
+    /// The gateway died while serving it (found on replaying its outbox): the prompt is
+    /// billed; what was streamed before the crash is not known.
+    Interrupted,
 }
 
 impl UsageStatus {
@@ -65,6 +68,7 @@ impl UsageStatus {
             Self::Completed => "completed",
             Self::Cancelled => "cancelled",
             Self::Failed => "failed",
+            Self::Interrupted => "interrupted",
         }
     }
 }
@@ -416,23 +420,41 @@ async fn replay(pool: &AnyPool, recs: &[UsageRecord]) -> Result<usize, sqlx::Err
     Ok(recs.len())
 }
 
-/// Replays this process's deferred segments and other (dead) processes' segments.
+/// Replays this process's deferred segments (final records only: its admitted requests
+/// may still be running) and other (dead) processes' segments.
 async fn recover(pool: &AnyPool, outbox: &Outbox) -> Result<usize, String> {
     let mut n = 0;
     for (seq, path) in outbox.deferred_segments().map_err(|e| e.to_string())? {
-        let recs = outbox::read_segment(&path).map_err(|e| e.to_string())?;
-        n += replay(pool, &recs).await.map_err(|e| e.to_string())?;
+        let recs = outbox::read_segments(&[path]).map_err(|e| e.to_string())?;
+        n += replay(pool, &recs.into_records(false))
+            .await
+            .map_err(|e| e.to_string())?;
         outbox.replayed(seq);
     }
     n += recover_abandoned(pool, outbox.abandoned()).await?;
     Ok(n)
 }
 
+/// Replays dead processes' segments, read together (a request's admission mark and its
+/// final record may be in different segments): final records, and requests admitted but
+/// never finished as `interrupted`.
 async fn recover_abandoned(pool: &AnyPool, segments: Vec<(PathBuf, std::fs::File)>) -> Result<usize, String> {
-    let mut n = 0;
+    if segments.is_empty() {
+        return Ok(0);
+    }
+    let paths: Vec<PathBuf> = segments.iter().map(|(p, _)| p.clone()).collect();
+    let replay_of = outbox::read_segments(&paths).map_err(|e| e.to_string())?;
+    let interrupted = replay_of.unfinished.len();
+    let n = replay(pool, &replay_of.into_records(true))
+        .await
+        .map_err(|e| e.to_string())?;
+    if interrupted > 0 {
+        tracing::warn!(
+            requests = interrupted,
+            "requests admitted by a process that died before finishing them recorded as interrupted"
+        );
+    }
     for (path, lock) in segments {
-        let recs = outbox::read_segment(&path).map_err(|e| e.to_string())?;
-        n += replay(pool, &recs).await.map_err(|e| e.to_string())?;
         std::fs::remove_file(&path).map_err(|e| e.to_string())?;
         drop(lock);
     }
@@ -445,7 +467,7 @@ enum Msg {
     Flush(oneshot::Sender<()>),
 }
 
-async fn writer(pool: AnyPool, mut rx: mpsc::Receiver<Msg>, outbox: Option<Arc<Outbox>>) {
+async fn writer(pool: AnyPool, mut rx: mpsc::Receiver<Msg>, outbox: Option<Arc<Outbox>>, health: Arc<LedgerHealth>) {
     while let Some(first) = rx.recv().await {
         let mut batch = Vec::new();
         let mut flushes = Vec::new();
@@ -478,6 +500,9 @@ async fn writer(pool: AnyPool, mut rx: mpsc::Receiver<Msg>, outbox: Option<Arc<O
                 Err(e) => break Err(e.to_string()),
             }
         };
+        health
+            .db_failing
+            .store(result.is_err(), std::sync::atomic::Ordering::Relaxed);
         match result {
             Ok(rs) => {
                 for (j, r) in batch.into_iter().zip(rs) {
@@ -535,6 +560,42 @@ pub struct UsageLedger {
     pool: AnyPool,
     tx: mpsc::Sender<Msg>,
     outbox: Option<Arc<Outbox>>,
+    health: Arc<LedgerHealth>,
+}
+
+/// Whether the outbox and the database take records, for the decision to admit requests.
+#[derive(Debug, Default)]
+pub struct LedgerHealth {
+    /// The last outbox append failed (the disk is full or failing).
+    pub outbox_failing: std::sync::atomic::AtomicBool,
+    /// The last database write failed.
+    pub db_failing: std::sync::atomic::AtomicBool,
+    /// Outbox appends that failed.
+    pub outbox_errors: std::sync::atomic::AtomicU64,
+}
+
+/// A request's admission mark in the outbox (see [`outbox`]): dropped once the request's
+/// final record is appended, or when it no longer needs one.
+pub struct Admitted {
+    outbox: Option<Arc<Outbox>>,
+    seg: u64,
+}
+
+impl Admitted {
+    /// The request's final record could not be made durable: the mark stays in the outbox
+    /// (its segment is kept), so the request is recorded as interrupted on replay rather
+    /// than lost.
+    pub fn abandon(mut self) {
+        self.outbox = None;
+    }
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        if let Some(o) = self.outbox.take() {
+            o.resolved(self.seg);
+        }
+    }
 }
 
 impl std::fmt::Debug for UsageLedger {
@@ -553,21 +614,81 @@ impl UsageLedger {
     fn start(db: &Db, outbox: Option<Arc<Outbox>>) -> Self {
         let (tx, rx) = mpsc::channel(8192);
         let pool = db.pool.clone();
-        tokio::spawn(writer(pool.clone(), rx, outbox.clone()));
-        Self { pool, tx, outbox }
+        let health = Arc::new(LedgerHealth::default());
+        tokio::spawn(writer(pool.clone(), rx, outbox.clone(), health.clone()));
+        Self {
+            pool,
+            tx,
+            outbox,
+            health,
+        }
+    }
+
+    /// Whether the outbox and the database take records.
+    pub fn health(&self) -> &LedgerHealth {
+        &self.health
+    }
+
+    /// Whether a new request can be admitted with its usage recorded: its record can be
+    /// made durable in the outbox or, the outbox failing (a full disk), in the database.
+    /// Refusing only when neither takes records is the documented decision: a full disk
+    /// alone slows responses (each waits for its database commit) but loses nothing.
+    pub fn accepting(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        !(self.health.outbox_failing.load(Relaxed) && self.health.db_failing.load(Relaxed))
+    }
+
+    /// How records are made durable ([`outbox::Durability`]).
+    pub fn durability(&self) -> outbox::Durability {
+        self.outbox.as_ref().map_or_else(Default::default, |o| o.durability)
+    }
+
+    /// Writes a request's admission mark (see [`outbox`]); None without an outbox, or when
+    /// the outbox cannot take it (its final record will still be recorded).
+    pub fn admit(&self, u: &UsageRecord) -> Option<Admitted> {
+        let ob = self.outbox.as_ref()?;
+        match ob.admit(u) {
+            Ok((seg, _)) => Some(Admitted {
+                outbox: Some(ob.clone()),
+                seg,
+            }),
+            Err(e) => {
+                self.outbox_failed(&e);
+                None
+            }
+        }
+    }
+
+    fn outbox_failed(&self, e: &std::io::Error) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.health.outbox_errors.fetch_add(1, Relaxed);
+        if !self.health.outbox_failing.swap(true, Relaxed) {
+            tracing::error!(error = %e, "the usage outbox cannot be written (disk full?): records go to the database directly until it can");
+        }
     }
 
     /// A ledger with an outbox in `dir`: records are durable once appended there (see
     /// [`outbox`]). Segments left by dead processes are replayed first; this process's
     /// own leftovers are retried every few seconds.
     pub async fn with_outbox(db: &Db, dir: &Path) -> Result<Self, BillingError> {
+        Self::with_outbox_durability(db, dir, outbox::Durability::Write).await
+    }
+
+    /// [`UsageLedger::with_outbox`], flushing records to disk as `durability` says.
+    pub async fn with_outbox_durability(
+        db: &Db,
+        dir: &Path,
+        durability: outbox::Durability,
+    ) -> Result<Self, BillingError> {
         let n = recover_abandoned(&db.pool, outbox::abandoned_in(dir, None))
             .await
             .map_err(|e| BillingError::Db(sqlx::Error::Protocol(e)))?;
         if n > 0 {
             tracing::info!(records = n, "usage outbox of a previous process replayed");
         }
-        let ob = Arc::new(Outbox::open(dir)?);
+        let mut ob = Outbox::open(dir)?;
+        ob.durability = durability;
+        let ob = Arc::new(ob);
         let ledger = Self::start(db, Some(ob.clone()));
         let pool = db.pool.clone();
         let weak = Arc::downgrade(&ob);
@@ -606,7 +727,32 @@ impl UsageLedger {
             let r = self.commit(u, None).await;
             return Ok(Pending(PendingInner::Done(r)));
         };
-        let seg = ob.append(u)?;
+        let (seg, ticket) = match ob.append(u) {
+            Ok(appended) => {
+                self.health
+                    .outbox_failing
+                    .store(false, std::sync::atomic::Ordering::Relaxed);
+                appended
+            }
+            Err(e) => {
+                // A full or failing disk: the record goes to the database directly, and the
+                // response waits for the commit.
+                self.outbox_failed(&e);
+                let r = self.commit(u, None).await;
+                return match r {
+                    Ok(r) => Ok(Pending(PendingInner::Done(Ok(r)))),
+                    Err(db) => Err(BillingError::Io(std::io::Error::other(format!(
+                        "neither the outbox ({e}) nor the database ({db}) took the record"
+                    )))),
+                };
+            }
+        };
+        if ob.durability == outbox::Durability::Fsync {
+            let ob = ob.clone();
+            tokio::task::spawn_blocking(move || ob.sync_to(ticket))
+                .await
+                .map_err(|e| BillingError::Io(std::io::Error::other(e)))??;
+        }
         let (ack, done) = oneshot::channel();
         let job = Job {
             rec: u.clone(),

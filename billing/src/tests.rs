@@ -402,3 +402,164 @@ fn money_and_dates() {
     assert_eq!(class_cost(1, 499), 0);
     assert_eq!(class_cost(3, 150_000), 450);
 }
+
+fn outbox_files(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("usage-outbox-")
+        })
+        .count()
+}
+
+/// A request admitted (marked) by a process that died before its final record is recorded
+/// as `interrupted` with its prompt by the next process; a request whose final record is
+/// there (even in a later segment) is recorded once, as finished; a live process never
+/// replays its own marks.
+#[test]
+fn admitted_requests_of_a_dead_process_are_recorded_as_interrupted() {
+    let dir = std::env::temp_dir().join(format!("hearth-outbox-marks-{}-{}", std::process::id(), now_ms()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}", dir.join("ledger.db").display());
+    {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let db = hearth_tenants::db::open(&url, None).await.unwrap();
+            tenant(&db, "tn_m").await;
+            let l = UsageLedger::with_outbox(&db, &dir).await.unwrap();
+            let mut streaming = rec("streaming", "tn_m", "m", 7, 0, 0, now_ms());
+            streaming.status = UsageStatus::Failed.as_str().into();
+            let finished = rec("finished", "tn_m", "m", 9, 0, 4, now_ms());
+            // Both admitted; one finishes; the database is gone for its commit.
+            let mark_streaming = l.admit(&streaming).expect("mark");
+            let mark_finished = l.admit(&finished).expect("mark");
+            db.pool.close().await;
+            l.record_durable(&finished).await.unwrap();
+            drop(mark_finished);
+            mark_streaming.abandon(); // the process dies with it
+        });
+        rt.shutdown_timeout(std::time::Duration::from_millis(100));
+    }
+    assert!(outbox_files(&dir) >= 1);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let db = hearth_tenants::db::open(&url, None).await.unwrap();
+        let l = UsageLedger::with_outbox(&db, &dir).await.unwrap();
+        let mut rows = l.recent(Some("tn_m"), 10).await.unwrap();
+        rows.sort_by(|a, b| a.rec.request_id.cmp(&b.rec.request_id));
+        let got: Vec<(&str, &str, u32, u32, Option<&str>)> = rows
+            .iter()
+            .map(|r| {
+                (
+                    r.rec.request_id.as_str(),
+                    r.rec.status.as_str(),
+                    r.rec.prompt_tokens,
+                    r.rec.completion_tokens,
+                    r.rec.error_code.as_deref(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("finished", "completed", 9, 4, None),
+                ("streaming", "interrupted", 7, 0, Some("gateway_interrupted")),
+            ]
+        );
+        // The prompt of the interrupted request is billed (at the default price: none here).
+        assert_eq!(l.recover_dir(&dir).await.unwrap(), 0);
+        assert_eq!(outbox_files(&dir), 1, "only this process's current segment remains");
+    });
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A mark holds its segment until the final record is appended: a finished request leaves
+/// nothing behind, and `fsync` durability commits like `write`.
+#[tokio::test]
+async fn marks_are_resolved_and_fsync_durability_records() {
+    let dir = std::env::temp_dir().join(format!("hearth-outbox-fsync-{}-{}", std::process::id(), now_ms()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let db = testing::sqlite().await;
+    tenant(&db, "tn_f").await;
+    let l = UsageLedger::with_outbox_durability(&db, &dir, outbox::Durability::Fsync)
+        .await
+        .unwrap();
+    assert_eq!(l.durability(), outbox::Durability::Fsync);
+    let mut tasks = Vec::new();
+    for i in 0..32 {
+        let l = l.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = rec(&format!("f{i}"), "tn_f", "m", 5, 0, 5, now_ms());
+            let mark = l.admit(&r);
+            let done = l.record(&r).await.unwrap();
+            drop(mark);
+            done
+        }));
+    }
+    for t in tasks {
+        assert!(t.await.unwrap().inserted);
+    }
+    assert_eq!(l.recent(Some("tn_f"), 100).await.unwrap().len(), 32);
+    assert_eq!(outbox_files(&dir), 1);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Group commit: every ticket up to the last append is flushed by one caller's fsync.
+#[test]
+fn outbox_sync_covers_every_earlier_append() {
+    let dir = std::env::temp_dir().join(format!("hearth-outbox-sync-{}-{}", std::process::id(), now_ms()));
+    let ob = std::sync::Arc::new(outbox::Outbox::open(&dir).unwrap());
+    let tickets: Vec<u64> = (0..10)
+        .map(|i| ob.append(&rec(&format!("s{i}"), "t", "m", 1, 0, 1, 0)).unwrap().1)
+        .collect();
+    assert_eq!(tickets, (1..=10).collect::<Vec<_>>());
+    let threads: Vec<_> = tickets
+        .iter()
+        .map(|&t| {
+            let ob = ob.clone();
+            std::thread::spawn(move || ob.sync_to(t))
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap().unwrap();
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// With the outbox unwritable (its directory gone: the disk failed), a record goes to the
+/// database directly and the ledger says so; with the database failing too it refuses.
+#[tokio::test]
+async fn an_unwritable_outbox_falls_back_to_the_database() {
+    let dir = std::env::temp_dir().join(format!("hearth-outbox-full-{}-{}", std::process::id(), now_ms()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let db = testing::sqlite().await;
+    tenant(&db, "tn_d").await;
+    let l = UsageLedger::with_outbox(&db, &dir).await.unwrap();
+    // A full disk, simulated at the file: the current segment's descriptor is replaced by
+    // one that cannot be written (a read-only handle on the same file).
+    l.outbox.as_ref().unwrap().break_for_tests();
+    let r = l.record(&rec("direct", "tn_d", "m", 5, 0, 5, now_ms())).await.unwrap();
+    assert!(r.inserted, "the record reached the database directly");
+    assert!(l.health().outbox_failing.load(std::sync::atomic::Ordering::Relaxed));
+    assert!(l.health().outbox_errors.load(std::sync::atomic::Ordering::Relaxed) >= 1);
+    assert!(l.admit(&rec("m", "tn_d", "m", 5, 0, 5, now_ms())).is_none());
+    assert!(l.accepting(), "the database still takes records");
+    db.pool.close().await;
+    assert!(l
+        .record_durable(&rec("lost?", "tn_d", "m", 5, 0, 5, now_ms()))
+        .await
+        .is_err());
+    l.flush().await;
+    assert!(!l.accepting(), "neither the outbox nor the database takes records");
+    std::fs::remove_dir_all(&dir).ok();
+}

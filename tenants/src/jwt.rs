@@ -136,11 +136,14 @@ struct FetchedJwks {
 pub(crate) struct IssuerCache {
     issuers: Mutex<HashMap<String, Resolved>>,
     jwks: tokio::sync::Mutex<HashMap<String, FetchedJwks>>,
+    /// Issuers recently found not to be registered.
+    unknown: crate::outage::NegativeCache,
 }
 
 impl IssuerCache {
     pub(crate) fn clear(&self) {
         self.issuers.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.unknown.clear();
     }
 }
 
@@ -303,16 +306,49 @@ impl TenantStore {
         {
             return Ok(r.clone());
         }
-        let row = sqlx::query(
+        if self.jwt.unknown.contains(iss) {
+            return Err(jwt_err("the token's issuer is not registered"));
+        }
+        let stale = self
+            .jwt
+            .issuers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(iss)
+            .filter(|r| self.health.usable_stale(r.fetched, ISSUER_TTL))
+            .cloned();
+        let from_cache = |stale: Option<Resolved>, why: String| match stale {
+            Some(r) => {
+                self.health.served_stale();
+                Ok(r)
+            }
+            None => Err(AuthError::Store(why)),
+        };
+        let Some(_probe) = self.health.lookup() else {
+            return from_cache(stale, "the key store is unreachable".into());
+        };
+        let query = sqlx::query(
             "SELECT i.id, i.audience, i.algorithm, i.key_material, i.jwks, i.jwks_url, t.id, t.name, \
              t.rpm, t.tpm, t.max_concurrent, t.share, t.priority, t.monthly_budget_nusd, t.budget_mode \
              FROM jwt_issuers i JOIN tenants t ON t.id = i.tenant_id WHERE i.issuer = $1",
         )
         .bind(iss)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(|e| AuthError::Store(e.to_string()))?
-        .ok_or_else(|| jwt_err("the token's issuer is not registered"))?;
+        .fetch_optional(&self.pool);
+        let row = crate::outage::query(stale.is_some() || self.health.is_down(), query).await;
+        let row = match row {
+            Ok(r) => {
+                self.health.answered();
+                r
+            }
+            Err(e) => {
+                self.health.failed("jwt issuer", &e.to_string());
+                return from_cache(stale, e.to_string());
+            }
+        };
+        let Some(row) = row else {
+            self.jwt.unknown.insert(iss);
+            return Err(jwt_err("the token's issuer is not registered"));
+        };
         let alg_name: String = row.get(2);
         let alg = Algorithm::from_str(&alg_name).map_err(|_| AuthError::Store(format!("bad algorithm {alg_name}")))?;
         let key: Option<String> = row.get(3);

@@ -10,6 +10,7 @@
 pub mod audit;
 pub mod db;
 pub mod jwt;
+pub mod outage;
 pub mod processors;
 pub mod sessions;
 
@@ -368,6 +369,10 @@ pub struct TenantStore {
     pub processor_quota: i64,
     jwt: jwt::IssuerCache,
     processors: processors::ProcessorCache,
+    /// Whether the database answers, and how long cached credentials outlive an outage.
+    pub health: outage::StoreHealth,
+    /// Key ids recently found not to exist.
+    unknown_keys: outage::NegativeCache,
 }
 
 impl std::fmt::Debug for TenantStore {
@@ -385,7 +390,15 @@ impl TenantStore {
             processor_quota: processors::MAX_TENANT_PROCESSOR_BYTES,
             jwt: jwt::IssuerCache::default(),
             processors: processors::ProcessorCache::default(),
+            health: Default::default(),
+            unknown_keys: Default::default(),
         }
+    }
+
+    /// How long past their refresh time cached credentials keep working while the database
+    /// does not answer (0: not at all).
+    pub fn set_stale_limit(&self, limit: Duration) {
+        *self.health.stale_limit.lock().unwrap_or_else(|e| e.into_inner()) = limit;
     }
 
     pub fn pool(&self) -> &AnyPool {
@@ -398,8 +411,17 @@ impl TenantStore {
         Ok(())
     }
 
+    /// Makes every cached credential `by` older (tests of expiry and outages).
+    #[cfg(test)]
+    pub(crate) fn age_cached_for_tests(&self, by: Duration) {
+        for c in self.cache.lock().unwrap_or_else(|e| e.into_inner()).values_mut() {
+            c.fetched = c.fetched.checked_sub(by).unwrap_or(c.fetched);
+        }
+    }
+
     fn forget_cached(&self) {
         self.cache.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.unknown_keys.clear();
         self.jwt.clear();
     }
 
@@ -628,17 +650,33 @@ impl TenantStore {
 
     /// A JWT principal's own limits (none set: unlimited), cached like keys.
     pub(crate) async fn principal_limits(&self, principal: &str) -> Result<Limits, sqlx::Error> {
-        if let Some((l, at)) = self.principals.lock().unwrap_or_else(|e| e.into_inner()).get(principal) {
-            if at.elapsed() < KEY_CACHE_TTL {
-                return Ok(*l);
+        let cached = self
+            .principals
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(principal)
+            .copied();
+        if let Some((l, at)) = cached {
+            if at.elapsed() < KEY_CACHE_TTL || (self.health.is_down() && self.health.usable_stale(at, KEY_CACHE_TTL)) {
+                return Ok(l);
             }
         }
-        let l =
+        let query =
             sqlx::query("SELECT rpm, tpm, max_concurrent, share, priority FROM principal_limits WHERE principal = $1")
                 .bind(principal)
-                .fetch_optional(&self.pool)
-                .await?
-                .map_or_else(Limits::default, |r| Limits::from_row(&r, 0));
+                .fetch_optional(&self.pool);
+        let fallback = cached.is_some_and(|(_, at)| self.health.usable_stale(at, KEY_CACHE_TTL));
+        let row = match outage::query(fallback, query).await {
+            Ok(r) => r,
+            Err(e) => match cached.filter(|(_, at)| self.health.usable_stale(*at, KEY_CACHE_TTL)) {
+                Some((l, _)) => {
+                    self.health.failed("principal limits", &e.to_string());
+                    return Ok(l);
+                }
+                None => return Err(e),
+            },
+        };
+        let l = row.map_or_else(Limits::default, |r| Limits::from_row(&r, 0));
         let mut cache = self.principals.lock().unwrap_or_else(|e| e.into_inner());
         if cache.len() > 100_000 {
             cache.clear();
@@ -742,52 +780,76 @@ impl TenantStore {
     }
 
     async fn key_entry(&self, id: &str) -> Result<CachedKey, AuthError> {
-        let cached = {
-            let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-            cache.get(id).filter(|c| c.fetched.elapsed() < KEY_CACHE_TTL).cloned()
+        let cached = self.cache.lock().unwrap_or_else(|e| e.into_inner()).get(id).cloned();
+        if let Some(c) = cached.as_ref().filter(|c| c.fetched.elapsed() < KEY_CACHE_TTL) {
+            return Ok(c.clone());
+        }
+        if cached.is_none() && self.unknown_keys.contains(id) {
+            return Err(AuthError::Unknown);
+        }
+        // What may answer if the store does not (see [`outage`]).
+        let stale = cached.filter(|c| self.health.usable_stale(c.fetched, KEY_CACHE_TTL));
+        let from_cache = |stale: Option<CachedKey>, why: String| match stale {
+            Some(c) => {
+                self.health.served_stale();
+                Ok(c)
+            }
+            None => Err(AuthError::Store(why)),
         };
-        let entry = match cached {
-            Some(c) => c,
-            None => {
-                let row = sqlx::query(
-                    "SELECT k.secret_sha256, k.revoked_at, t.id, t.name, \
-                     t.rpm, t.tpm, t.max_concurrent, t.share, t.priority, \
-                     k.rpm, k.tpm, k.max_concurrent, k.share, k.priority, k.scopes, k.models, k.expires_at, \
-                     t.monthly_budget_nusd, t.budget_mode \
-                     FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.id = $1",
-                )
-                .bind(id)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(|e| AuthError::Store(e.to_string()))?
-                .ok_or(AuthError::Unknown)?;
-                let revoked_at: Option<i64> = row.get(1);
-                let scopes: String = row.get(14);
-                let c = CachedKey {
-                    secret_sha256: row.get(0),
-                    revoked: revoked_at.is_some(),
-                    expires_at: row.get(16),
-                    ctx: TenantContext {
-                        tenant_id: row.get(2),
-                        tenant_name: row.get(3),
-                        key_id: id.to_string(),
-                        scopes: Scopes::parse(&scopes).unwrap_or_default(),
-                        models: models_from_db(row.get(15)).map(Into::into),
-                        tenant_limits: Limits::from_row(&row, 4),
-                        key_limits: Limits::from_row(&row, 9),
-                        budget: budget_from(row.get(17), &row.get::<String, _>(18)),
-                        expires_at: row.get(16),
-                    },
-                    fetched: Instant::now(),
-                };
-                self.cache
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(id.to_string(), c.clone());
-                c
+        let Some(_probe) = self.health.lookup() else {
+            return from_cache(stale, "the key store is unreachable".into());
+        };
+        let query = sqlx::query(
+            "SELECT k.secret_sha256, k.revoked_at, t.id, t.name, \
+             t.rpm, t.tpm, t.max_concurrent, t.share, t.priority, \
+             k.rpm, k.tpm, k.max_concurrent, k.share, k.priority, k.scopes, k.models, k.expires_at, \
+             t.monthly_budget_nusd, t.budget_mode \
+             FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.id = $1",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool);
+        // With something to fall back on (or a store known to be down), a slow store is not
+        // waited for.
+        let row = outage::query(stale.is_some() || self.health.is_down(), query).await;
+        let row = match row {
+            Ok(r) => {
+                self.health.answered();
+                r
+            }
+            Err(e) => {
+                self.health.failed("api key", &e.to_string());
+                return from_cache(stale, e.to_string());
             }
         };
-        Ok(entry)
+        let Some(row) = row else {
+            self.unknown_keys.insert(id);
+            self.cache.lock().unwrap_or_else(|e| e.into_inner()).remove(id);
+            return Err(AuthError::Unknown);
+        };
+        let revoked_at: Option<i64> = row.get(1);
+        let scopes: String = row.get(14);
+        let c = CachedKey {
+            secret_sha256: row.get(0),
+            revoked: revoked_at.is_some(),
+            expires_at: row.get(16),
+            ctx: TenantContext {
+                tenant_id: row.get(2),
+                tenant_name: row.get(3),
+                key_id: id.to_string(),
+                scopes: Scopes::parse(&scopes).unwrap_or_default(),
+                models: models_from_db(row.get(15)).map(Into::into),
+                tenant_limits: Limits::from_row(&row, 4),
+                key_limits: Limits::from_row(&row, 9),
+                budget: budget_from(row.get(17), &row.get::<String, _>(18)),
+                expires_at: row.get(16),
+            },
+            fetched: Instant::now(),
+        };
+        self.cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.to_string(), c.clone());
+        Ok(c)
     }
 }
 

@@ -347,20 +347,36 @@ impl TenantStore {
     pub async fn active_processors(&self, tenant_id: &str, key_id: &str) -> Result<Vec<ActiveProcessor>, TenantError> {
         let cached = {
             let c = self.processors.by_tenant.lock().unwrap_or_else(|e| e.into_inner());
-            c.get(tenant_id)
-                .filter(|(_, at)| at.elapsed() < KEY_CACHE_TTL)
-                .map(|(v, _)| v.clone())
+            c.get(tenant_id).map(|(v, at)| (v.clone(), *at))
         };
         let all = match cached {
-            Some(v) => v,
-            None => {
-                let rows = sqlx::query(
+            Some((v, at)) if at.elapsed() < KEY_CACHE_TTL => v,
+            // The store is down: the chain seen last runs on (see [`crate::outage`]).
+            Some((v, at)) if self.health.is_down() && self.health.usable_stale(at, KEY_CACHE_TTL) => v,
+            stale => {
+                let query = sqlx::query(
                     "SELECT id, name, version, sha256, config, cpu_ms, memory_mib, key_id, position FROM processors \
                      WHERE tenant_id = $1 AND active = 1 ORDER BY position, name",
                 )
                 .bind(tenant_id)
-                .fetch_all(&self.pool)
-                .await?;
+                .fetch_all(&self.pool);
+                let fallback = stale
+                    .as_ref()
+                    .is_some_and(|(_, at)| self.health.usable_stale(*at, KEY_CACHE_TTL));
+                let rows = match crate::outage::query(fallback, query).await {
+                    Ok(rows) => rows,
+                    Err(e) => match stale.filter(|(_, at)| self.health.usable_stale(*at, KEY_CACHE_TTL)) {
+                        Some((v, _)) => {
+                            self.health.failed("processors", &e.to_string());
+                            return Ok(v
+                                .iter()
+                                .filter(|p| p.key_id.as_deref().is_none_or(|k| k == key_id))
+                                .cloned()
+                                .collect());
+                        }
+                        None => return Err(e.into()),
+                    },
+                };
                 let v: Arc<[ActiveProcessor]> = rows
                     .iter()
                     .map(|r| ActiveProcessor {

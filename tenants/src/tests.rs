@@ -745,3 +745,43 @@ async fn audit_entries_are_per_tenant_and_newest_first() {
         assert_eq!(s.audit_log(Some(&b.id), 10).await.unwrap().len(), 1);
     }
 }
+
+/// While the store does not answer, a key checked recently keeps working from the cache
+/// (within the stale limit), an id known not to exist is refused without a query, and one
+/// never seen gets a store error at once; with no stale limit the cache does not outlive
+/// its freshness.
+#[tokio::test]
+async fn credentials_outlive_a_store_outage_and_unknown_ids_are_remembered() {
+    let db = testing::sqlite().await;
+    let s = TenantStore::new(&db);
+    s.create_tenant("acme").await.unwrap();
+    let k = s
+        .create_key(
+            "acme",
+            &KeySpec {
+                name: "k".into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let tenant = s.authenticate(&k.key).await.unwrap().tenant_id;
+    let unknown = "hk_nosuchkeyid_secret";
+    assert!(matches!(s.authenticate(unknown).await, Err(AuthError::Unknown)));
+    s.age_cached_for_tests(KEY_CACHE_TTL + Duration::from_secs(1));
+    db.pool.close().await;
+    assert_eq!(s.authenticate(&k.key).await.unwrap().tenant_id, tenant);
+    assert!(s.health.is_down());
+    assert_eq!(s.health.stale_served(), 1);
+    // The wrong secret for the cached id is still refused.
+    let wrong = format!("{}_wrongsecret", k.key.rsplit_once('_').unwrap().0);
+    assert!(s.authenticate(&wrong).await.is_err());
+    // Remembered as unknown: no query (it would fail with a store error now).
+    assert!(matches!(s.authenticate(unknown).await, Err(AuthError::Unknown)));
+    assert!(matches!(
+        s.authenticate("hk_nevermet_secret").await,
+        Err(AuthError::Store(_))
+    ));
+    s.set_stale_limit(Duration::ZERO);
+    assert!(matches!(s.authenticate(&k.key).await, Err(AuthError::Store(_))));
+}

@@ -95,7 +95,7 @@ impl WorkerState {
             )
                 .into_response();
         }
-        Json(serde_json::json!({"status": "ok"})).into_response()
+        Json(serde_json::json!({"status": "ok", "in_flight": self.lifecycle.in_flight()})).into_response()
     }
 
     /// A model's info as this worker reports it (with its role).

@@ -76,6 +76,26 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Hours of mixed traffic (chat, streams, abandoned streams, tool calls, schemas,
+    /// completions, a processor, malformed requests) through a real gateway and worker,
+    /// sampling memory, file descriptors and tasks: what leaks shows as growth.
+    Soak {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long, default_value_t = 30.0)]
+        minutes: f64,
+        /// Clients sending requests back to back.
+        #[arg(long, default_value_t = 6)]
+        concurrency: usize,
+        /// Seconds between samples.
+        #[arg(long, default_value_t = 30.0)]
+        sample_secs: f64,
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Gateway overhead: auth, limits, budget and metering vs none, with an instant worker.
     Gateway {
         #[command(flatten)]
@@ -272,6 +292,62 @@ pub struct LimitStoreArgs {
     /// Prefix of Hearth's Redis keys.
     #[arg(long, env = "HEARTH_REDIS_PREFIX", default_value = "hearth:")]
     pub redis_prefix: String,
+    /// A stream whose worker sends nothing for this long is treated as lost: it continues on
+    /// another worker, or ends with `stream_idle_timeout`.
+    #[arg(long, env = "HEARTH_STREAM_IDLE_TIMEOUT_SECS", default_value_t = 120)]
+    pub stream_idle_timeout_secs: u64,
+    /// A request still running after this long ends with `request_timeout` (billed for what
+    /// was generated).
+    #[arg(long, env = "HEARTH_MAX_REQUEST_SECS", default_value_t = 900)]
+    pub max_request_secs: u64,
+    /// While the key store (the database) does not answer, credentials checked within this
+    /// long keep working from the cache (0: never; then every request fails with 503 until
+    /// it is back).
+    #[arg(long, env = "HEARTH_AUTH_STALE_SECS", default_value_t = 900)]
+    pub auth_stale_secs: u64,
+    /// How a usage record is made durable before its response ends: `write` (appended to
+    /// the outbox: survives a crash of the process) or `fsync` (also flushed to disk, in
+    /// groups: survives a power cut, at a cost measured by `hearth bench gateway`).
+    #[arg(long, env = "HEARTH_USAGE_DURABILITY", default_value = "write", value_parser = ["write", "fsync"])]
+    pub usage_durability: String,
+}
+
+/// Connection, header and body limits of the HTTP server (see `hearth_gateway::http`).
+#[derive(Args, Clone)]
+pub struct HttpArgs {
+    /// A request's head must arrive within this; an idle keep-alive connection is closed
+    /// after it (slow or half-open clients hold a connection at most this long).
+    #[arg(long, env = "HEARTH_HEADER_READ_TIMEOUT_SECS", default_value_t = 30)]
+    pub header_read_timeout_secs: u64,
+    /// The largest request head (request line and headers); larger gets 431.
+    #[arg(long, env = "HEARTH_MAX_HEADER_BYTES", default_value_t = 64 * 1024)]
+    pub max_header_bytes: usize,
+    /// Open connections at most; past it new ones are closed at once.
+    #[arg(long, env = "HEARTH_MAX_CONNECTIONS", default_value_t = 4096)]
+    pub max_connections: usize,
+    /// Open connections from one client address at most.
+    #[arg(long, env = "HEARTH_MAX_CONNECTIONS_PER_IP", default_value_t = 512)]
+    pub max_connections_per_ip: usize,
+    /// The largest request body (processor uploads excepted); larger gets 413.
+    #[arg(long, env = "HEARTH_MAX_BODY_BYTES", default_value_t = 8 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// A request's body must arrive within this, else 408.
+    #[arg(long, env = "HEARTH_BODY_READ_TIMEOUT_SECS", default_value_t = 30)]
+    pub body_read_timeout_secs: u64,
+}
+
+impl HttpArgs {
+    pub fn limits(&self) -> hearth_gateway::http::HttpLimits {
+        use std::time::Duration;
+        hearth_gateway::http::HttpLimits {
+            header_read_timeout: Duration::from_secs(self.header_read_timeout_secs.max(1)),
+            max_header_bytes: self.max_header_bytes,
+            max_connections: self.max_connections.max(1),
+            max_connections_per_ip: self.max_connections_per_ip.max(1),
+            max_body_bytes: self.max_body_bytes,
+            body_read_timeout: Duration::from_secs(self.body_read_timeout_secs.max(1)),
+        }
+    }
 }
 
 impl LimitStoreArgs {
@@ -441,6 +517,8 @@ pub struct ServeArgs {
     pub limits: LimitStoreArgs,
     #[command(flatten)]
     pub lifecycle: LifecycleArgs,
+    #[command(flatten)]
+    pub http: HttpArgs,
 }
 
 #[derive(Args)]
@@ -483,6 +561,8 @@ pub struct WorkerArgs {
     pub heartbeat_ms: u64,
     #[command(flatten)]
     pub lifecycle: LifecycleArgs,
+    #[command(flatten)]
+    pub http: HttpArgs,
 }
 
 /// How a process shuts down (SIGTERM or Ctrl-C).
@@ -537,6 +617,8 @@ pub struct GatewayArgs {
     pub limits: LimitStoreArgs,
     #[command(flatten)]
     pub lifecycle: LifecycleArgs,
+    #[command(flatten)]
+    pub http: HttpArgs,
 }
 
 #[derive(Args)]

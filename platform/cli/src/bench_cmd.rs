@@ -106,6 +106,31 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
             print!("{}", report.table());
             write_json(&report, json)
         }
+        BenchCommand::Soak {
+            model,
+            minutes,
+            concurrency,
+            sample_secs,
+            seed,
+            json,
+        } => {
+            let (path, id) = resolve_model(&model).await?;
+            let cfg = hearth_bench::soak::SoakConfig {
+                exe: std::env::current_exe()?,
+                model: path.to_string_lossy().into_owned(),
+                model_id: id,
+                threads: model.threads,
+                minutes: minutes.max(0.1),
+                concurrency: concurrency.clamp(1, 256),
+                sample_secs,
+                seed,
+            };
+            let report = hearth_bench::soak::run(cfg).await?;
+            print!("{}", report.table());
+            write_json(&report, json)?;
+            anyhow::ensure!(report.books_balance, "the usage books do not balance");
+            Ok(())
+        }
         BenchCommand::Fairness {
             model,
             sim_seconds,

@@ -21,7 +21,7 @@ use hearth_gateway::state::AppState;
 use hearth_gateway::workers::{HttpWorker, ModelHostClient, WorkerClient};
 use hearth_tenants::TenantStore;
 
-use crate::args::{DataArgs, GatewayArgs, LifecycleArgs, LimitStoreArgs, ModelArgs, ServeArgs, WorkerArgs};
+use crate::args::{DataArgs, GatewayArgs, HttpArgs, LifecycleArgs, LimitStoreArgs, ModelArgs, ServeArgs, WorkerArgs};
 use crate::catalogue::LocalCatalogue;
 use crate::local_worker::InProcessWorker;
 
@@ -149,6 +149,7 @@ async fn run_gateway(
     routing: RoutingConfig,
     limits: &LimitStoreArgs,
     lifecycle: &LifecycleArgs,
+    http: &HttpArgs,
 ) -> anyhow::Result<()> {
     let data_dir = data.dir();
     let db = data.open().await?;
@@ -161,20 +162,39 @@ async fn run_gateway(
     models.set_hosts(workers.hosts);
     let mut state = AppState::new(
         TenantStore::new(&db),
-        UsageLedger::with_outbox(&db, &data_dir).await?,
+        UsageLedger::with_outbox_durability(
+            &db,
+            &data_dir,
+            hearth_billing::outbox::Durability::parse(&limits.usage_durability).map_err(anyhow::Error::msg)?,
+        )
+        .await?,
         models,
     );
     state.admin_token = admin_token.filter(|t| !t.is_empty());
+    state
+        .tenants
+        .set_stale_limit(Duration::from_secs(limits.auth_stale_secs));
+    let http_limits = http.limits();
+    state.body_limits = hearth_gateway::http::BodyLimits::new(
+        &http_limits,
+        "/processors",
+        hearth_tenants::processors::MAX_PROCESSOR_BYTES + (1 << 20),
+    );
+    state.request_limits = hearth_gateway::state::RequestLimits {
+        stream_idle: Duration::from_secs(limits.stream_idle_timeout_secs.max(1)),
+        max_duration: Duration::from_secs(limits.max_request_secs.max(1)),
+    };
     let mut discovery = None;
     if let Some(r) = limiter.redis() {
         // Budget reservations live where the limits live: shared by every gateway.
         let (conn, prefix) = r.connection();
-        state.budgets = Arc::new(hearth_gateway::pipeline::budget::BudgetCache::with_redis(
-            conn.clone(),
-            prefix,
-        ));
+        let mut budgets = hearth_gateway::pipeline::budget::BudgetCache::with_redis(conn.clone(), prefix);
+        budgets.health = Some(r.health());
+        state.budgets = Arc::new(budgets);
         // So do session pins and load: N gateways route like one.
-        state.shared_routing = Some(Arc::new(SharedRouting::new(conn.clone(), prefix, &gateway_id())));
+        let mut shared = SharedRouting::new(conn.clone(), prefix, &gateway_id());
+        shared.health = Some(r.health());
+        state.shared_routing = Some(Arc::new(shared));
         discovery = workers.discover.as_ref().map(|d| {
             let mut discovery = Discovery::new(conn, prefix, &d.token);
             discovery.refused = state.metrics.registrations_refused.clone();
@@ -238,7 +258,7 @@ async fn run_gateway(
         );
     }
     // With the peer's address: the audit log records where management actions came from.
-    let service = app::router(gw.clone()).into_make_service_with_connect_info::<SocketAddr>();
+    let service = app::router(gw.clone());
     // SIGTERM: readiness off, the shutdown delay (load balancers notice), then no new
     // connections while requests in flight finish — bounded by the drain timeout, past
     // which they end with an error and their usage record — then the usage is flushed.
@@ -255,7 +275,7 @@ async fn run_gateway(
         tokio::time::sleep(delay).await;
         drained_tx.send_replace(true);
     };
-    let server = std::future::IntoFuture::into_future(axum::serve(listener, service).with_graceful_shutdown(shutdown));
+    let server = hearth_gateway::http::serve(listener, service, http_limits, shutdown);
     let timeout = Duration::from_secs(lifecycle.drain_timeout_secs);
     let abort = gw.clone();
     let overrun = async move {
@@ -324,6 +344,7 @@ pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
             routing,
             &a.limits,
             &a.lifecycle,
+            &a.http,
         )
         .await;
     }
@@ -376,6 +397,7 @@ pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         routing,
         &a.limits,
         &a.lifecycle,
+        &a.http,
     )
     .await
 }
@@ -480,7 +502,15 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         }
         drained_tx.send_replace(true);
     };
-    let server = std::future::IntoFuture::into_future(axum::serve(listener, app).with_graceful_shutdown(shutdown));
+    // The same connection and body limits as the gateway's (no processor uploads here).
+    let http_limits = a.http.limits();
+    let body = hearth_gateway::http::BodyLimits::new(&http_limits, "", 0);
+    let app = app
+        .layer(axum::extract::DefaultBodyLimit::disable())
+        .layer(axum::middleware::from_fn(move |req, next| {
+            hearth_gateway::http::body_guard(body, req, next)
+        }));
+    let server = hearth_gateway::http::serve(listener, app, http_limits, shutdown);
     // Past the drain, open connections (streams over the timeout) do not hold the exit.
     let overrun = async move {
         let mut drained = drained;
@@ -564,6 +594,7 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
         routing,
         &a.limits,
         &a.lifecycle,
+        &a.http,
     )
     .await
 }

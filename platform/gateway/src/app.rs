@@ -40,7 +40,12 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(|| async {
             ApiError::not_found("no such endpoint; see /v1/chat/completions, /v1/completions, /v1/models")
         })
-        .with_state(state)
+        .with_state(state.clone())
+        // The body guard enforces the size limits (the routes' own only raise them).
+        .layer(axum::extract::DefaultBodyLimit::disable())
+        .layer(middleware::from_fn(move |req, next| {
+            crate::http::body_guard(state.body_limits, req, next)
+        }))
         .layer(middleware::from_fn(security_headers))
         .layer(middleware::from_fn(request_id))
 }

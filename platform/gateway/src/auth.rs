@@ -26,15 +26,90 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
-/// `Authorization: Bearer <API key or JWT>` → the tenant credential asking.
-pub async fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<TenantContext, ApiError> {
+/// Invalid credentials per source address: a source may send [`AuthThrottle::BURST`] bad
+/// credentials at once and [`AuthThrottle::PER_SECOND`] a second after that; past it, its
+/// requests get 429 before their credential is looked at (no hashing, no database). Keys the
+/// store does not know are also cached as unknown (`hearth_tenants::outage`), so even a
+/// flood from many sources costs one query per distinct key id and interval.
+#[derive(Default)]
+pub struct AuthThrottle {
+    sources: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, (f64, std::time::Instant)>>,
+}
+
+impl AuthThrottle {
+    pub const BURST: f64 = 50.0;
+    pub const PER_SECOND: f64 = 10.0;
+    /// Sources tracked at most (idle ones are dropped first).
+    const MAX_SOURCES: usize = 100_000;
+
+    fn refill(entry: &mut (f64, std::time::Instant)) {
+        let now = std::time::Instant::now();
+        entry.0 = (entry.0 + now.duration_since(entry.1).as_secs_f64() * Self::PER_SECOND).min(Self::BURST);
+        entry.1 = now;
+    }
+
+    /// Whether `ip` may present a credential now; if not, how long until it may.
+    pub fn check(&self, ip: std::net::IpAddr) -> Result<(), u64> {
+        let mut m = self.sources.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(e) = m.get_mut(&ip) else { return Ok(()) };
+        Self::refill(e);
+        if e.0 >= 1.0 {
+            Ok(())
+        } else {
+            Err(((1.0 - e.0) / Self::PER_SECOND).ceil().max(1.0) as u64)
+        }
+    }
+
+    /// `ip` presented a bad credential.
+    pub fn failed(&self, ip: std::net::IpAddr) {
+        let mut m = self.sources.lock().unwrap_or_else(|e| e.into_inner());
+        if m.len() >= Self::MAX_SOURCES && !m.contains_key(&ip) {
+            let horizon = std::time::Duration::from_secs_f64(Self::BURST / Self::PER_SECOND);
+            m.retain(|_, (_, at)| at.elapsed() < horizon);
+            if m.len() >= Self::MAX_SOURCES {
+                m.clear();
+            }
+        }
+        let e = m.entry(ip).or_insert((Self::BURST, std::time::Instant::now()));
+        Self::refill(e);
+        e.0 -= 1.0;
+    }
+}
+
+/// `Authorization: Bearer <API key or JWT>` → the tenant credential asking; `peer` is the
+/// client's address, throttled when it sends too many bad credentials.
+pub async fn authenticate(
+    state: &AppState,
+    headers: &HeaderMap,
+    peer: Option<std::net::IpAddr>,
+) -> Result<TenantContext, ApiError> {
     if headers.get(header::AUTHORIZATION).is_none() {
         return Err(ApiError::unauthorized(
             "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'; create one with 'hearth admin key create --tenant NAME'.",
         ));
     }
+    if let (Some(ip), Some(throttle)) = (peer, state.auth_throttle.as_ref()) {
+        if let Err(wait) = throttle.check(ip) {
+            state.metrics.auth_throttled.inc();
+            return Err(ApiError::rate_limited(
+                "auth_failures",
+                "Too many invalid credentials from this address; wait before trying again.",
+                wait,
+            ));
+        }
+    }
     let key = bearer(headers).unwrap_or("");
-    match state.tenants.authenticate(key).await {
+    let stale = state.tenants.health.stale_served();
+    let result = state.tenants.authenticate(key).await;
+    if state.tenants.health.stale_served() != stale {
+        state.metrics.auth_stale.inc();
+    }
+    if let (Err(e), Some(ip), Some(throttle)) = (&result, peer, state.auth_throttle.as_ref()) {
+        if !matches!(e, AuthError::Store(_)) {
+            throttle.failed(ip);
+        }
+    }
+    match result {
         Ok(ctx) => Ok(ctx),
         Err(AuthError::Store(e)) => {
             tracing::error!(error = %e, "key store unavailable");
@@ -57,8 +132,13 @@ pub enum Scope {
 }
 
 /// [`authenticate`], then `scope`.
-pub async fn authorize(state: &AppState, headers: &HeaderMap, scope: Scope) -> Result<TenantContext, ApiError> {
-    let ctx = authenticate(state, headers).await?;
+pub async fn authorize(
+    state: &AppState,
+    headers: &HeaderMap,
+    peer: Option<std::net::IpAddr>,
+    scope: Scope,
+) -> Result<TenantContext, ApiError> {
+    let ctx = authenticate(state, headers, peer).await?;
     let (ok, name) = match scope {
         Scope::Inference => (ctx.scopes.inference, "inference"),
         Scope::Manage => (ctx.scopes.manage, "manage"),
@@ -79,7 +159,9 @@ impl FromRequestParts<Arc<AppState>> for Manager {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &Arc<AppState>) -> Result<Self, ApiError> {
-        authorize(state, &parts.headers, Scope::Manage).await.map(Manager)
+        authorize(state, &parts.headers, peer_ip(&parts.extensions), Scope::Manage)
+            .await
+            .map(Manager)
     }
 }
 
@@ -90,7 +172,9 @@ impl FromRequestParts<Arc<AppState>> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &Arc<AppState>) -> Result<Self, ApiError> {
-        authorize(state, &parts.headers, Scope::Inference).await.map(Caller)
+        authorize(state, &parts.headers, peer_ip(&parts.extensions), Scope::Inference)
+            .await
+            .map(Caller)
     }
 }
 
@@ -100,6 +184,13 @@ pub fn client_address(extensions: &axum::http::Extensions) -> Option<String> {
     extensions
         .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
         .map(|c| c.0.ip().to_string())
+}
+
+/// The client's address as an IP (see [`client_address`]).
+pub fn peer_ip(extensions: &axum::http::Extensions) -> Option<std::net::IpAddr> {
+    extensions
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map(|c| c.0.ip())
 }
 
 /// Where an API management call comes from, for the audit log.

@@ -530,6 +530,8 @@ pub struct SharedRouting {
     pub affinity_ttl: Duration,
     /// How long a request waits for Redis about its pin ([`PIN_TIMEOUT`]).
     pub pin_timeout: Duration,
+    /// The limiter's view of this Redis: while it is down, pins are not asked for.
+    pub health: Option<Arc<crate::limits::RedisHealth>>,
 }
 
 /// How long a request waits for a session pin from Redis before routing without it.
@@ -547,6 +549,18 @@ impl SharedRouting {
             claim: redis::Script::new(CLAIM_SCRIPT),
             affinity_ttl: Duration::from_secs(600),
             pin_timeout: PIN_TIMEOUT,
+            health: None,
+        }
+    }
+
+    fn down(&self) -> bool {
+        self.health.as_ref().is_some_and(|h| h.is_down())
+    }
+
+    fn failed(&self, e: &redis::RedisError) {
+        tracing::debug!(error = %e, "shared affinity unavailable");
+        if let Some(h) = &self.health {
+            h.failed(&self.conn, &e.to_string());
         }
     }
 
@@ -562,13 +576,16 @@ impl SharedRouting {
     /// The worker (by name) the session is pinned to, if any. Redis failing or slower than
     /// [`PIN_TIMEOUT`]: None (this gateway's own pin holds).
     pub async fn pinned(&self, model: &str, session: &str) -> Option<String> {
+        if self.down() {
+            return None;
+        }
         let mut conn = self.conn.clone();
         let mut cmd = redis::cmd("GET");
         cmd.arg(self.pin_key(model, session));
         match tokio::time::timeout(self.pin_timeout, cmd.query_async::<Option<String>>(&mut conn)).await {
             Ok(Ok(pin)) => pin,
             Ok(Err(e)) => {
-                tracing::debug!(error = %e, "shared affinity unavailable");
+                self.failed(&e);
                 None
             }
             Err(_) => {
@@ -581,6 +598,9 @@ impl SharedRouting {
     /// Pins the session to `chosen` unless another gateway pinned it elsewhere since this
     /// one read `previous`; the pin's worker afterwards. Redis failing: None.
     pub async fn claim(&self, model: &str, session: &str, chosen: &str, previous: Option<&str>) -> Option<String> {
+        if self.down() {
+            return None;
+        }
         let mut conn = self.conn.clone();
         let mut invocation = self.claim.key(self.pin_key(model, session));
         invocation
@@ -591,7 +611,7 @@ impl SharedRouting {
         match tokio::time::timeout(self.pin_timeout, claimed).await {
             Ok(Ok(owner)) => Some(owner),
             Ok(Err(e)) => {
-                tracing::debug!(error = %e, "shared affinity unavailable");
+                self.failed(&e);
                 None
             }
             Err(_) => None,

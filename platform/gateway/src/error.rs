@@ -155,6 +155,13 @@ impl ApiError {
         )
     }
 
+    /// 503 with its own code (e.g. `usage_unavailable`).
+    pub fn unavailable_code(code: &'static str, message: impl Into<String>) -> Self {
+        let mut e = Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", Some(code), message);
+        e.retry_after = Some(1);
+        e
+    }
+
     /// 503 with `retry-after`: the model is loading (or waiting for room to load).
     pub fn model_loading(message: impl Into<String>) -> Self {
         let mut e = Self::new(
@@ -178,6 +185,40 @@ impl ApiError {
         );
         e.retry_after = Some(retry_after.max(1));
         e
+    }
+
+    /// 429 with `retry-after`, outside the tenant limits (e.g. `auth_failures`: too many
+    /// bad credentials from one address).
+    pub fn rate_limited(code: &'static str, message: impl Into<String>, retry_after: u64) -> Self {
+        let mut e = Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", Some(code), message);
+        e.retry_after = Some(retry_after.max(1));
+        e
+    }
+
+    /// 413: the request body is over the server's limit.
+    pub fn payload_too_large(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            Some("request_too_large"),
+            message,
+        )
+    }
+
+    /// 408: the client did not send its request in time.
+    pub fn request_timeout(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            Some("request_timeout"),
+            message,
+        )
+    }
+
+    /// 504: the request ran past a time limit (`request_timeout`: its total duration;
+    /// `stream_idle_timeout`: its worker went quiet and no other could continue it).
+    pub fn timed_out(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::GATEWAY_TIMEOUT, "server_error", Some(code), message)
     }
 
     /// 500: Hearth's fault; the message says what failed, never internals a client can abuse.

@@ -9,6 +9,7 @@
 //! * [`cluster`] — workers registering through Redis, discovery, routing state shared by gateways;
 //! * [`management`] — the one implementation of key/processor/usage management, with its
 //!   adapters [`admin`] and [`selfservice`] (and the CLI); [`metrics`] — Prometheus;
+//! * [`http`] — the HTTP server with its connection, header and body limits (gateway and workers);
 //! * [`openai`] — request parsing; [`error`] — every client-visible error; [`db`] — the store;
 //! * [`telemetry`] — the request's root span (GenAI attributes) and `traceparent` for workers.
 //!
@@ -23,6 +24,7 @@ pub mod cluster;
 pub mod dashboard;
 pub mod db;
 pub mod error;
+pub mod http;
 pub mod limits;
 pub mod management;
 pub mod metrics;

@@ -157,6 +157,18 @@ pub struct Metrics {
     pub shed: Family<TenantClassLabels, Counter>,
     /// Registry entries a discovering gateway refused (bad seal, stale, wrong id).
     pub registrations_refused: Counter,
+    /// Streams continued on another worker after theirs was lost.
+    pub failovers: Counter,
+    /// Requests authenticated from a stale cache entry while the key store was unreachable.
+    pub auth_stale: Counter,
+    /// Credential checks refused because their source sent too many bad credentials.
+    pub auth_throttled: Counter,
+    /// Usage records the outbox could not append (the disk is full or failing).
+    pub outbox_errors: Counter,
+    /// Tasks alive in this process's runtime (set when rendered): a leak shows as growth.
+    alive_tasks: Gauge,
+    /// 1 while the usage outbox cannot be written (set when rendered).
+    outbox_failing: Gauge,
     pub tenant_ttft: Family<TenantClassLabels, Histogram, fn() -> Histogram>,
     /// The engine's queue time (arrival at the worker → first scheduled step).
     pub tenant_queue: Family<TenantClassLabels, Histogram, fn() -> Histogram>,
@@ -253,6 +265,42 @@ impl Metrics {
             "Worker registry entries refused: not sealed with this gateway's worker token, stale, or under another worker's id.",
             registrations_refused.clone(),
         );
+        let failovers = Counter::default();
+        registry.register(
+            "hearth_failovers",
+            "Streams whose worker was lost mid-generation and that continued on another worker.",
+            failovers.clone(),
+        );
+        let auth_stale = Counter::default();
+        registry.register(
+            "hearth_auth_stale",
+            "Requests authenticated from a cached credential past its refresh time because the key store did not answer.",
+            auth_stale.clone(),
+        );
+        let auth_throttled = Counter::default();
+        registry.register(
+            "hearth_auth_throttled",
+            "Requests refused (429) because their source address sent too many invalid credentials.",
+            auth_throttled.clone(),
+        );
+        let alive_tasks = Gauge::default();
+        registry.register(
+            "hearth_runtime_alive_tasks",
+            "Tasks alive in the gateway's async runtime (requests, relays, background work).",
+            alive_tasks.clone(),
+        );
+        let outbox_failing = Gauge::default();
+        registry.register(
+            "hearth_usage_outbox_failing",
+            "1 while the usage outbox cannot be written (disk full): records go to the database directly, and requests are refused if it fails too.",
+            outbox_failing.clone(),
+        );
+        let outbox_errors = Counter::default();
+        registry.register(
+            "hearth_usage_outbox_errors",
+            "Usage records the local outbox could not append (disk full or failing); each went to the database directly or its request was refused.",
+            outbox_errors.clone(),
+        );
         let tenant_ttft: Family<TenantClassLabels, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(ttft_histogram);
         registry.register(
@@ -321,6 +369,12 @@ impl Metrics {
             pd,
             shed,
             registrations_refused,
+            failovers,
+            auth_stale,
+            auth_throttled,
+            outbox_errors,
+            alive_tasks,
+            outbox_failing,
             tenant_ttft,
             tenant_queue,
             processor,
@@ -350,6 +404,17 @@ impl Metrics {
     /// The text exposition, with the router's gauges as of now.
     pub fn render(&self, state: &AppState) -> String {
         let _serial = self.render.lock().unwrap_or_else(|e| e.into_inner());
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            self.alive_tasks
+                .set(i64::try_from(rt.metrics().num_alive_tasks()).unwrap_or(i64::MAX));
+        }
+        self.outbox_failing.set(i64::from(
+            state
+                .ledger
+                .health()
+                .outbox_failing
+                .load(std::sync::atomic::Ordering::Relaxed),
+        ));
         for g in &self.worker_gauges {
             g.clear();
         }

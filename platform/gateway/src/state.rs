@@ -34,6 +34,33 @@ pub struct AppState {
     /// Authenticated requests whose usage is not recorded yet (from authentication, through
     /// the relay task, to the record): the launcher waits for them before the last flush.
     pub unrecorded: Tasks,
+    /// Sources sending bad credentials are throttled (None: never, e.g. for benchmarks).
+    pub auth_throttle: Option<crate::auth::AuthThrottle>,
+    /// Request body limits (see [`crate::http`]).
+    pub body_limits: crate::http::BodyLimits,
+    /// How long a request may run, and its worker stay quiet (see [`RequestLimits`]).
+    pub request_limits: RequestLimits,
+}
+
+/// Time limits on one request, enforced by the relay.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestLimits {
+    /// A worker stream that sends nothing for this long is treated as lost: the request
+    /// continues on another worker, or ends with `stream_idle_timeout`
+    /// (`--stream-idle-timeout-secs`).
+    pub stream_idle: std::time::Duration,
+    /// A request still running after this long ends with `request_timeout`, billed for what
+    /// was generated (`--max-request-secs`).
+    pub max_duration: std::time::Duration,
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        Self {
+            stream_idle: std::time::Duration::from_secs(120),
+            max_duration: std::time::Duration::from_secs(900),
+        }
+    }
 }
 
 /// A count of running tasks that can be waited on until it reaches zero.
@@ -103,6 +130,13 @@ impl AppState {
             draining: Default::default(),
             abort: tokio::sync::watch::Sender::new(false),
             unrecorded: Tasks::default(),
+            auth_throttle: Some(Default::default()),
+            body_limits: crate::http::BodyLimits::new(
+                &crate::http::HttpLimits::default(),
+                "/processors",
+                hearth_tenants::processors::MAX_PROCESSOR_BYTES + (1 << 20),
+            ),
+            request_limits: RequestLimits::default(),
         }
     }
 }

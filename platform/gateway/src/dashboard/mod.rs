@@ -405,6 +405,24 @@ async fn login(
     }
     let credential = form.credential.trim();
     let address = client_address(&extensions);
+    // Guessing credentials (API keys, JWTs or the admin token) through the sign-in form is
+    // throttled per address like the API's bearer tokens.
+    let peer = crate::auth::peer_ip(&extensions);
+    if let (Some(ip), Some(throttle)) = (peer, gw.auth_throttle.as_ref()) {
+        if throttle.check(ip).is_err() {
+            gw.metrics.auth_throttled.inc();
+            return login_page(
+                headers,
+                StatusCode::TOO_MANY_REQUESTS,
+                Some("Too many failed sign-ins from this address; wait a few seconds."),
+            );
+        }
+    }
+    let failed = |gw: &AppState| {
+        if let (Some(ip), Some(throttle)) = (peer, gw.auth_throttle.as_ref()) {
+            throttle.failed(ip);
+        }
+    };
     let origin = Origin::dashboard(address.clone());
     let admin = gw.admin_token.as_deref().filter(|t| !t.is_empty());
     let opened = if admin.is_some_and(|t| constant_time_eq(credential.as_bytes(), t.as_bytes())) {
@@ -431,21 +449,24 @@ async fn login(
                 );
             }
             Err(AuthError::Revoked) => {
+                failed(&gw);
                 return login_page(
                     headers,
                     StatusCode::UNAUTHORIZED,
                     Some("This API key has been revoked."),
-                )
+                );
             }
             Err(AuthError::Expired(_)) => {
-                return login_page(headers, StatusCode::UNAUTHORIZED, Some("This credential has expired."))
+                failed(&gw);
+                return login_page(headers, StatusCode::UNAUTHORIZED, Some("This credential has expired."));
             }
             Err(_) => {
+                failed(&gw);
                 return login_page(
                     headers,
                     StatusCode::UNAUTHORIZED,
                     Some("That is not a valid API key, JWT or admin token."),
-                )
+                );
             }
         };
         if !ctx.scopes.manage {

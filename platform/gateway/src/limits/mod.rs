@@ -73,10 +73,13 @@ impl RateState {
 }
 
 /// Holds a request's in-flight slots (local counters or Redis leases); released on drop.
+/// A Redis lease lives [`LEASE_MS`] and is renewed while the request runs, so a lease whose
+/// release is lost (a crashed gateway, a Redis restart that kept it) frees itself soon.
 #[derive(Default)]
 pub struct InFlight {
     local: Vec<Arc<AtomicU32>>,
     redis: Option<(redis::aio::ConnectionManager, Vec<String>, String)>,
+    renewal: Option<tokio::task::AbortHandle>,
 }
 
 impl std::fmt::Debug for InFlight {
@@ -92,6 +95,9 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         for c in &self.local {
             c.fetch_sub(1, Ordering::AcqRel);
+        }
+        if let Some(r) = self.renewal.take() {
+            r.abort();
         }
         if let Some((mut conn, keys, id)) = self.redis.take() {
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
@@ -416,8 +422,69 @@ end
 return 1
 "#;
 
-/// How long an in-flight lease lives if its release is lost (a crashed gateway).
-const LEASE_MS: u64 = 15 * 60 * 1000;
+/// How long an in-flight lease lives unless renewed: a lease whose release is lost (a
+/// crashed gateway, a Redis restart that persisted it) holds its slot at most this long.
+pub const LEASE_MS: u64 = 30_000;
+
+/// Renews a request's leases (re-adding any a Redis restart lost). KEYS: the in-flight
+/// sets. ARGV: request id, lease ms.
+const RENEW_SCRIPT: &str = r#"
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lease = tonumber(ARGV[2])
+for j = 1, #KEYS do
+  redis.call('ZADD', KEYS[j], now_ms + lease, ARGV[1])
+  redis.call('PEXPIRE', KEYS[j], lease)
+end
+return 1
+"#;
+
+/// Whether Redis answers, as the limiter sees it. After a failure the limits fall back to
+/// this gateway's own counts at once — no request waits on a dead or frozen Redis — while
+/// one background probe pings Redis every [`PROBE_INTERVAL`]; its first answer switches
+/// the limits back. Shared with the budget holds and the routing state on the same Redis.
+#[derive(Debug, Default)]
+pub struct RedisHealth {
+    down: std::sync::atomic::AtomicBool,
+    probing: std::sync::atomic::AtomicBool,
+}
+
+/// How often a down Redis is probed.
+pub const PROBE_INTERVAL: Duration = Duration::from_millis(500);
+
+impl RedisHealth {
+    pub fn is_down(&self) -> bool {
+        self.down.load(Ordering::Acquire)
+    }
+
+    /// A Redis call failed: fall back until the probe gets an answer.
+    pub fn failed(self: &Arc<Self>, conn: &redis::aio::ConnectionManager, error: &str) {
+        if !self.down.swap(true, Ordering::AcqRel) {
+            tracing::error!(error = %error, "Redis is unavailable: rate limits fall back to this gateway's own counts until it answers");
+        }
+        if self.probing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (health, mut conn) = (self.clone(), conn.clone());
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                loop {
+                    tokio::time::sleep(PROBE_INTERVAL).await;
+                    let cmd = redis::cmd("PING");
+                    let ping = cmd.query_async::<String>(&mut conn);
+                    if let Ok(Ok(_)) = tokio::time::timeout(PROBE_INTERVAL, ping).await {
+                        health.down.store(false, Ordering::Release);
+                        health.probing.store(false, Ordering::Release);
+                        tracing::info!("Redis answers again: rate limits are shared again");
+                        return;
+                    }
+                }
+            });
+        } else {
+            self.probing.store(false, Ordering::Release);
+        }
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum RedisConnectError {
@@ -432,7 +499,9 @@ pub struct RedisLimiter {
     conn: redis::aio::ConnectionManager,
     admit: redis::Script,
     settle: redis::Script,
+    renew: redis::Script,
     prefix: String,
+    health: Arc<RedisHealth>,
 }
 
 /// How a Redis admission went.
@@ -470,8 +539,35 @@ impl RedisLimiter {
             conn,
             admit: redis::Script::new(ADMIT_SCRIPT),
             settle: redis::Script::new(SETTLE_SCRIPT),
+            renew: redis::Script::new(RENEW_SCRIPT),
             prefix: prefix.to_string(),
+            health: Arc::default(),
         })
+    }
+
+    /// Whether this Redis answers (shared with everything else that uses it).
+    pub fn health(&self) -> Arc<RedisHealth> {
+        self.health.clone()
+    }
+
+    /// Renews `id`'s leases in `keys` every third of [`LEASE_MS`] until aborted.
+    fn renew_leases(&self, keys: Vec<String>, id: String) -> Option<tokio::task::AbortHandle> {
+        let (mut conn, script) = (self.conn.clone(), self.renew.clone());
+        let rt = tokio::runtime::Handle::try_current().ok()?;
+        let task = rt.spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(LEASE_MS / 3)).await;
+                let mut call = script.prepare_invoke();
+                for k in &keys {
+                    call.key(k);
+                }
+                call.arg(&id).arg(LEASE_MS);
+                if let Err(e) = call.invoke_async::<i64>(&mut conn).await {
+                    tracing::debug!(error = %e, "renewing an in-flight lease failed; retrying");
+                }
+            }
+        });
+        Some(task.abort_handle())
     }
 
     /// The connection and key prefix, for other state shared through the same Redis.
@@ -536,9 +632,15 @@ impl RedisLimiter {
                 for (r, rem) in rates.iter().zip(&v[1..]) {
                     state.merge(r.per_minute, (*rem).max(0) as u32, r.tokens);
                 }
+                let renewal = if leases.is_empty() {
+                    None
+                } else {
+                    self.renew_leases(leases.clone(), request_id.to_string())
+                };
                 let held = InFlight {
                     local: Vec::new(),
                     redis: (!leases.is_empty()).then(|| (self.conn.clone(), leases, request_id.to_string())),
+                    renewal,
                 };
                 RedisOutcome::Done((held, state, admitted))
             }
@@ -585,7 +687,6 @@ pub struct Limiter {
 struct Inner {
     local: Local,
     redis: Option<RedisLimiter>,
-    last_redis_error: Mutex<Option<Instant>>,
 }
 
 impl Limiter {
@@ -608,10 +709,8 @@ impl Limiter {
     }
 
     fn redis_failed(&self, e: &str) {
-        let mut last = self.inner.last_redis_error.lock().unwrap_or_else(|e| e.into_inner());
-        if last.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
-            tracing::error!(error = %e, "Redis is unavailable: rate limits fall back to this gateway's own counts");
-            *last = Some(Instant::now());
+        if let Some(r) = &self.inner.redis {
+            r.health.failed(&r.conn, e);
         }
     }
 
@@ -637,7 +736,7 @@ impl Limiter {
         if unlimited(&ctx.tenant_limits) && unlimited(&ctx.key_limits) {
             return Ok((admission(InFlight::default(), false, 0), RateState::default()));
         }
-        if let Some(r) = &self.inner.redis {
+        if let Some(r) = self.inner.redis.as_ref().filter(|r| !r.health.is_down()) {
             match r.admit(ctx, request_id, tokens).await {
                 RedisOutcome::Done((held, state, at)) => return Ok((admission(held, true, at), state)),
                 RedisOutcome::Refused(l) => return Err(l),
@@ -708,7 +807,7 @@ async fn settle(limiter: &Limiter, ctx: &TenantContext, (reserved, admitted): (u
     if shared {
         // A reservation in Redis settles there or not at all: refunding it into this
         // gateway's own counts would free tokens those counts never took.
-        if let Some(r) = &limiter.inner.redis {
+        if let Some(r) = limiter.inner.redis.as_ref().filter(|r| !r.health.is_down()) {
             if let Err(e) = r.settle(ctx, reserved, admitted, used).await {
                 limiter.redis_failed(&e);
             }

@@ -10,7 +10,15 @@ use crate::error::ApiError;
 use crate::state::AppState;
 
 pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiError> {
-    let tenant = authorize(state, &ctx.headers, Scope::Inference).await?;
+    let tenant = authorize(state, &ctx.headers, ctx.peer, Scope::Inference).await?;
+    if !state.ledger.accepting() {
+        // Neither the usage outbox (disk full) nor the database takes records: nothing is
+        // served that could not be billed.
+        return Err(ApiError::unavailable_code(
+            "usage_unavailable",
+            "Usage cannot be recorded right now (the outbox's disk and the database are both failing); try again shortly.",
+        ));
+    }
     ctx.unrecorded = Some(state.unrecorded.start());
     ctx.usage = Some(UsageRecord::started(
         &ctx.request_id,

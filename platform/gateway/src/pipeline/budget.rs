@@ -71,6 +71,8 @@ pub struct BudgetCache {
     prices: Mutex<Option<(Arc<[Price]>, Instant)>>,
     /// Shared reservations (`--redis-url`): connection and key prefix.
     redis: Option<(redis::aio::ConnectionManager, String, redis::Script)>,
+    /// The limiter's view of that Redis: while it is down, hard budgets refuse at once.
+    pub health: Option<Arc<crate::limits::RedisHealth>>,
 }
 
 impl BudgetCache {
@@ -282,6 +284,10 @@ pub async fn reserve(state: &AppState, ctx: &mut RequestContext) -> Result<(), A
             }
             t.reserved += nusd;
         }
+        Some(_) if state.budgets.health.as_ref().is_some_and(|h| h.is_down()) => {
+            // Money is not spent on a guess: without the shared holds, refuse (at once).
+            return Err(ApiError::unavailable("budget check temporarily unavailable"));
+        }
         Some((conn, prefix, script)) => {
             let keys = hold_keys(prefix, &tenant.tenant_id, &month);
             let mut conn = conn.clone();
@@ -301,6 +307,9 @@ pub async fn reserve(state: &AppState, ctx: &mut RequestContext) -> Result<(), A
                 Ok(v) => return Err(refuse(v.get(1).copied().unwrap_or(0))),
                 Err(e) => {
                     // The script may have run with its reply lost: take back its hold.
+                    if let Some(h) = &state.budgets.health {
+                        h.failed(&conn, &e.to_string());
+                    }
                     let (mut conn, id) = (conn.clone(), ctx.request_id.clone());
                     tokio::spawn(async move {
                         let mut p = redis::pipe();

@@ -77,6 +77,7 @@ pub async fn start(
     Ok(Dispatched {
         events: ReceiverStream::new(rx).boxed(),
         placement: None,
+        failover: None,
     })
 }
 

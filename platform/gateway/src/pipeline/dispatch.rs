@@ -18,10 +18,83 @@ use crate::registry::ServedModel;
 use crate::workers::{EventStream, WorkerError};
 
 /// The worker's event stream and the request's place on it (None when disaggregated: the
-/// stitching task holds both places).
+/// stitching task holds both places), and how to continue it elsewhere if its worker is lost.
 pub struct Dispatched {
     pub events: EventStream,
     pub placement: Option<Placement>,
+    pub failover: Option<Failover>,
+}
+
+/// Mid-stream failover: the request as sent, to continue on another worker after the tokens
+/// the client has already been sent (`resume`: the worker takes them in as its own — they
+/// count against `max_tokens`, stop strings, the grammar and the sampler's stream — and
+/// sends only what follows). The new worker's prefix cache makes re-reading the prompt
+/// cheap; its `Done` reports the usage of the whole request once. One completion (`n = 1`)
+/// only: several choices have no single continuation point.
+pub struct Failover {
+    model: Arc<ServedModel>,
+    req: GenerateRequest,
+    routed: RouteRequest,
+    /// Workers already lost by this request (a slot mask).
+    exclude: u64,
+    /// Failovers left.
+    left: u32,
+}
+
+/// How many times one request moves to another worker before the client gets the error.
+const FAILOVERS: u32 = 2;
+
+/// Whether an event ending a stream means the worker was lost (its connection broke, it
+/// went silent, it ended without finishing) rather than refusing or failing the request.
+pub fn worker_lost(code: &str) -> bool {
+    matches!(code, "worker_disconnected" | "stream_idle_timeout")
+}
+
+impl Failover {
+    fn new(model: &Arc<ServedModel>, req: &GenerateRequest, routed: &RouteRequest) -> Option<Self> {
+        (req.n == 1 && !req.prefill_only).then(|| Self {
+            model: model.clone(),
+            req: req.clone(),
+            routed: routed.clone(),
+            exclude: 0,
+            left: FAILOVERS,
+        })
+    }
+
+    /// Continues the request on another worker after `sent` (choice 0's tokens the client
+    /// was sent); `lost` is where it was. None when no worker can take it (or it has moved
+    /// too often, or nothing is left to generate): the caller ends the stream with the error.
+    pub async fn resume(&mut self, sent: &[u32], lost: Option<&Placement>) -> Option<Dispatched> {
+        if let Some(p) = lost {
+            p.mark_lost();
+            self.exclude |= 1 << p.slot;
+        }
+        let resume: Vec<u32> = self.req.resume.iter().chain(sent).copied().collect();
+        if self.left == 0 || resume.len() >= self.req.sampling.max_tokens.max(1) as usize {
+            return None;
+        }
+        self.left -= 1;
+        let mut req = self.req.clone();
+        req.resume = resume;
+        req.kv_source = None;
+        match colocated(&self.model, &req, &self.routed, self.exclude).await {
+            Ok(mut d) => {
+                tracing::warn!(
+                    resumed_tokens = req.resume.len(),
+                    "worker lost mid-stream; continuing on another"
+                );
+                if let Some(p) = &d.placement {
+                    self.exclude |= 1 << p.slot;
+                }
+                d.failover = None;
+                Some(d)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e.message, "worker lost mid-stream and no other can continue the request");
+                None
+            }
+        }
+    }
 }
 
 pub async fn run(state: &crate::state::AppState, ctx: &mut RequestContext) -> Result<Dispatched, ApiError> {
@@ -62,17 +135,22 @@ pub async fn run(state: &crate::state::AppState, ctx: &mut RequestContext) -> Re
         shared,
     };
     let routed = RouteRequest::new(&model, &req.prompt, &req.cache_namespace, hints);
+    let failover = Failover::new(&model, &req, &routed);
     // One completion only: `n` choices share one prompt on one worker.
-    if req.n == 1 && req.sampling.max_tokens > 1 {
-        let pd = tracing::info_span!("route").in_scope(|| route::run_pd(&model, &routed, 0));
-        if let Some(pd) = pd {
-            match super::disaggregate::start(&model, req, routed, pd).await {
-                Ok(d) => return Ok(d),
-                Err((req, routed, exclude)) => return colocated(&model, &req, &routed, exclude).await,
+    let mut d = 'sent: {
+        if req.n == 1 && req.sampling.max_tokens > 1 {
+            let pd = tracing::info_span!("route").in_scope(|| route::run_pd(&model, &routed, 0));
+            if let Some(pd) = pd {
+                match super::disaggregate::start(&model, req, routed, pd).await {
+                    Ok(d) => break 'sent d,
+                    Err((req, routed, exclude)) => break 'sent colocated(&model, &req, &routed, exclude).await?,
+                }
             }
         }
-    }
-    colocated(&model, &req, &routed, 0).await
+        colocated(&model, &req, &routed, 0).await?
+    };
+    d.failover = failover;
+    Ok(d)
 }
 
 /// How long dispatch waits for a worker's first event to see whether its queue refused the
@@ -132,6 +210,7 @@ pub async fn colocated(
                 return Ok(Dispatched {
                     events,
                     placement: Some(placement),
+                    failover: None,
                 });
             }
             Err(e @ WorkerError::Unavailable { .. }) => {

@@ -7,6 +7,7 @@ use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use hearth_billing::{month_of, Pending, UsageRecord};
 use hearth_tenants::now_ms;
+use std::sync::atomic::Ordering;
 
 use super::RequestContext;
 use crate::error::ApiError;
@@ -15,17 +16,43 @@ use crate::state::AppState;
 /// Where finished requests' usage goes. The gateway meters into its ledger; a composition
 /// without metering (the benchmark's baseline) supplies its own.
 pub trait Meter: Send + Sync + 'static {
+    /// A dispatched request's admission mark (see `hearth_billing::outbox`), held until its
+    /// final record is durable: a process that dies meanwhile leaves the request to be
+    /// recorded as `interrupted` by the next one. None: not kept.
+    fn admit(&self, _rec: &UsageRecord) -> Option<hearth_billing::Admitted> {
+        None
+    }
     /// Makes `rec` durable; returns the handle on its commit.
     fn record<'a>(&'a self, rec: &'a mut UsageRecord) -> BoxFuture<'a, Option<Pending>>;
     /// After the response: waits for the commit and accounts for its cost.
     fn settle<'a>(&'a self, rec: &'a UsageRecord, pending: Option<Pending>) -> BoxFuture<'a, ()>;
 }
 
+impl AppState {
+    /// Counts the outbox's failed appends since `before` in the metrics.
+    fn count_outbox_errors(&self, before: u64) {
+        let now = self.ledger.health().outbox_errors.load(Ordering::Relaxed);
+        if now > before {
+            self.metrics.outbox_errors.inc_by(now - before);
+        }
+    }
+}
+
 impl Meter for AppState {
+    fn admit(&self, rec: &UsageRecord) -> Option<hearth_billing::Admitted> {
+        let before = self.ledger.health().outbox_errors.load(Ordering::Relaxed);
+        let mark = self.ledger.admit(rec);
+        self.count_outbox_errors(before);
+        mark
+    }
+
     fn record<'a>(&'a self, rec: &'a mut UsageRecord) -> BoxFuture<'a, Option<Pending>> {
         async move {
             rec.finished_at = now_ms();
-            match self.ledger.record_durable(rec).await {
+            let before = self.ledger.health().outbox_errors.load(Ordering::Relaxed);
+            let r = self.ledger.record_durable(rec).await;
+            self.count_outbox_errors(before);
+            match r {
                 Ok(p) => Some(p),
                 Err(e) => {
                     tracing::error!(record = ?rec, error = %e, "usage record could not be written");

@@ -73,6 +73,8 @@ pub struct RequestContext {
     pub request_id: String,
     pub endpoint: Endpoint,
     pub headers: HeaderMap,
+    /// The client's address (None without connect info, e.g. a test's router).
+    pub peer: Option<std::net::IpAddr>,
     pub received: Instant,
     /// The request body: raw, then as rewritten by the pre-processors.
     pub body: Result<Bytes, BytesRejection>,
@@ -94,6 +96,8 @@ pub struct RequestContext {
     pub model: Option<Arc<ServedModel>>,
     /// tokenize: the prompt's token ids and the completion's token budget.
     pub prompt: Vec<u32>,
+    /// tokenize: the prompt's length (the ids go to the worker; this stays).
+    pub prompt_tokens: u32,
     pub max_tokens: u32,
     /// limit: the rate-limit state (response headers) and the admission held until the
     /// request ends.
@@ -120,6 +124,7 @@ impl RequestContext {
             request_id,
             endpoint,
             headers,
+            peer: None,
             received: Instant::now(),
             body,
             tenant: None,
@@ -131,6 +136,7 @@ impl RequestContext {
             request: None,
             model: None,
             prompt: Vec::new(),
+            prompt_tokens: 0,
             max_tokens: 0,
             rate: RateState::default(),
             lease: None,
@@ -226,17 +232,23 @@ pub async fn handle(state: Arc<AppState>, mut ctx: RequestContext) -> Response {
 pub(crate) async fn chat_completions(
     State(state): State<Arc<AppState>>,
     Extension(RequestId(id)): Extension<RequestId>,
+    extensions: axum::http::Extensions,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    handle(state, RequestContext::new(id, Endpoint::Chat, headers, body)).await
+    let mut ctx = RequestContext::new(id, Endpoint::Chat, headers, body);
+    ctx.peer = crate::auth::peer_ip(&extensions);
+    handle(state, ctx).await
 }
 
 pub(crate) async fn completions(
     State(state): State<Arc<AppState>>,
     Extension(RequestId(id)): Extension<RequestId>,
+    extensions: axum::http::Extensions,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    handle(state, RequestContext::new(id, Endpoint::Completions, headers, body)).await
+    let mut ctx = RequestContext::new(id, Endpoint::Completions, headers, body);
+    ctx.peer = crate::auth::peer_ip(&extensions);
+    handle(state, ctx).await
 }

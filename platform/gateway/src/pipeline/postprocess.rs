@@ -22,6 +22,7 @@ pub async fn run(state: &AppState, ctx: &mut RequestContext, events: EventStream
         created: now_ms() / 1000,
         n: common.n as usize,
         tools: common.tools.as_ref().is_some_and(|t| t.active()),
+        prompt_tokens: ctx.prompt_tokens,
     };
     let mut chain = ctx.chain.take();
     let post_done = ctx.post_done.take();

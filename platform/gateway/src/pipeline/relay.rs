@@ -92,10 +92,19 @@ pub async fn start(
         processor_time,
     };
     let unrecorded = ctx.unrecorded.take().unwrap_or_else(|| state.unrecorded.start());
+    // Durable from here: if this process dies before the final record, the next one
+    // records the request as interrupted.
+    let admitted = meter.admit(&rec);
     tokio::spawn(
         async move {
             let _unrecorded = unrecorded; // until the usage is recorded
-            relay(state, meter, rec, timing, dispatched, holds, tx).await;
+            let recorded = relay(state, meter, rec, timing, dispatched, holds, tx).await;
+            match (recorded, admitted) {
+                // Neither the outbox nor the database took the final record: the mark stays,
+                // so the request is recorded as interrupted on replay rather than lost.
+                (false, Some(a)) => a.abandon(),
+                (_, a) => drop(a),
+            }
         }
         .instrument(span),
     );
@@ -232,26 +241,57 @@ async fn relay(
     Dispatched {
         mut events,
         mut placement,
+        mut failover,
     }: Dispatched,
     mut holds: Holds,
     tx: mpsc::Sender<GenerateEvent>,
-) {
+) -> bool {
     let mut generated = 0u32;
+    // Choice 0's tokens passed on: where a failover continues from.
+    let mut sent: Vec<u32> = Vec::new();
     let mut abort = state.abort.subscribe();
+    let limits = state.request_limits;
+    let deadline = tokio::time::Instant::from_std(timing.received + limits.max_duration);
     let ended = loop {
         let ev = tokio::select! {
-            ev = events.next() => ev.unwrap_or_else(|| GenerateEvent::Error {
-                code: "worker_disconnected".into(),
-                message: "the worker ended the stream without finishing".into(),
-            }),
+            ev = tokio::time::timeout(limits.stream_idle, events.next()) => match ev {
+                Ok(Some(ev)) => ev,
+                Ok(None) => GenerateEvent::Error {
+                    code: "worker_disconnected".into(),
+                    message: "the worker ended the stream without finishing".into(),
+                },
+                Err(_) => GenerateEvent::Error {
+                    code: "stream_idle_timeout".into(),
+                    message: format!("the worker sent nothing for {} s", limits.stream_idle.as_secs()),
+                },
+            },
             () = tx.closed() => break None,
             () = aborted(&mut abort) => GenerateEvent::Error {
                 code: "shutting_down".into(),
                 message: "the gateway is shutting down and its drain timeout passed".into(),
             },
+            () = tokio::time::sleep_until(deadline) => GenerateEvent::Error {
+                code: "request_timeout".into(),
+                message: format!("the request ran longer than {} s", limits.max_duration.as_secs()),
+            },
         };
+        // A lost worker: the generation continues on another one after what was sent.
+        if let (GenerateEvent::Error { code, .. }, Some(f)) = (&ev, failover.as_mut()) {
+            if super::dispatch::worker_lost(code) {
+                drop(std::mem::replace(&mut events, futures_util::stream::empty().boxed()));
+                if let Some(d) = f.resume(&sent, placement.as_ref()).await {
+                    state.metrics.failovers.inc();
+                    events = d.events;
+                    placement = d.placement;
+                    continue;
+                }
+            }
+        }
         let terminal = match &ev {
-            GenerateEvent::Token { .. } => {
+            GenerateEvent::Token { index, id, .. } => {
+                if *index == 0 {
+                    sent.push(*id);
+                }
                 generated += 1;
                 if rec.ttft_ms.is_none() {
                     rec.ttft_ms = Some(u32::try_from(timing.received.elapsed().as_millis()).unwrap_or(u32::MAX));
@@ -344,7 +384,9 @@ async fn relay(
             meter.record(&mut rec).instrument(tracing::info_span!("meter")).await
         }
     };
+    let recorded = pending.is_some();
     meter.settle(&rec, pending).await;
     // The real cost is now in the budget's spend: the worst case no longer needs holding.
     drop(holds.budget);
+    recorded
 }

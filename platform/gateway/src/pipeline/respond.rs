@@ -30,6 +30,8 @@ pub fn worker_error(code: &str, message: &str) -> ApiError {
         | "draining"
         | "shutting_down" => ApiError::unavailable(message.to_string()),
         "model_loading" => ApiError::model_loading(message.to_string()),
+        "request_timeout" => ApiError::timed_out("request_timeout", message.to_string()),
+        "stream_idle_timeout" => ApiError::timed_out("stream_idle_timeout", message.to_string()),
         "overloaded" => ApiError::overloaded(message.to_string(), 1),
         "model_load_failed" => ApiError::unavailable(message.to_string()),
         // A schema the engine's grammar compiler refused (the relay names the parameter).
@@ -49,6 +51,9 @@ pub struct Shape {
     pub n: usize,
     /// The answer is parsed for tool calls (chat with active `tools`).
     pub tools: bool,
+    /// The prompt's tokens: a stream that fails reports them in its usage chunk (as its usage
+    /// record bills them) once something was generated.
+    pub prompt_tokens: u32,
 }
 
 impl Shape {
@@ -145,11 +150,13 @@ pub fn sse_response(
     let mut started = vec![false; shape.n];
     let mut offsets = vec![0usize; shape.n];
     let mut calls: Vec<ToolStream> = (0..shape.n).map(|_| ToolStream::default()).collect();
+    let mut generated = 0u32;
     let body = events
         .map(move |ev| {
             let mut out = Vec::new();
             match ev {
                 GenerateEvent::Token { index, id, text, logprob, top_logprobs } => {
+                    generated += 1;
                     let i = index as usize;
                     let first = !started.get(i).copied().unwrap_or(true);
                     match shape.endpoint {
@@ -208,6 +215,16 @@ pub fn sse_response(
                 }
                 GenerateEvent::Error { code, message } => {
                     out.push(sse(&worker_error(&code, &message).body()));
+                    if include_usage {
+                        // What the request's usage record bills: nothing if nothing was
+                        // generated, else the prompt and the tokens generated.
+                        let usage = hearth_protocol::Usage {
+                            prompt_tokens: if generated > 0 { shape.prompt_tokens } else { 0 },
+                            cached_tokens: 0,
+                            completion_tokens: generated,
+                        };
+                        out.push(sse(&shape.chunk(json!([]), Some(openai::usage_json(&usage)), true)));
+                    }
                     out.push(Bytes::from_static(b"data: [DONE]\n\n"));
                 }
             }

@@ -18,6 +18,7 @@ use hearth_router::{Policy, RouteInput, Router};
 use crate::registry::ServedModel;
 
 /// What the router may use besides the tokens.
+#[derive(Clone)]
 pub struct RouteHints {
     /// `x-session-affinity`.
     pub session: Option<String>,
@@ -36,6 +37,7 @@ pub struct RouteHints {
 }
 
 /// The request as the router sees it: its prompt's block hashes and hints.
+#[derive(Clone)]
 pub struct RouteRequest {
     pub hashes: Vec<BlockHash>,
     pub prompt_tokens: usize,
@@ -97,6 +99,16 @@ impl Placement {
     pub fn usage(&self, prompt_tokens: u32, cached_tokens: u32) {
         if let Some(mut r) = self.router() {
             r.on_usage(self.slot, prompt_tokens, cached_tokens);
+        }
+    }
+
+    /// The worker was lost mid-request (its stream broke or went silent): out of routing
+    /// until its health check passes again — if the slot still holds it.
+    pub fn mark_lost(&self) {
+        if let Some(mut r) = self.router() {
+            if let Some(w) = r.worker_mut(self.slot) {
+                w.healthy = false;
+            }
         }
     }
 

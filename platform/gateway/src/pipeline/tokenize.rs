@@ -56,6 +56,7 @@ pub fn run(ctx: &mut RequestContext) -> Result<(), ApiError> {
             "This model's maximum context length is {limit} tokens; the prompt has {prompt}, leaving no room for a completion."
         )));
     }
+    ctx.prompt_tokens = prompt;
     if let Some(u) = ctx.usage.as_mut() {
         u.prompt_tokens = prompt;
     }

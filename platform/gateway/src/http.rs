@@ -1,0 +1,294 @@
+//! The HTTP server both the gateway and the workers run: hyper's HTTP/1.1 connection with
+//! the limits a public endpoint needs, and a body guard in front of every route.
+//!
+//! * **Header read timeout** (`--header-read-timeout-secs`, 30 s): a request's head must
+//!   arrive within it, and an idle keep-alive connection is closed after it — a client that
+//!   sends half a header and stalls (slowloris) holds a connection for at most this long.
+//! * **Header size** (`--max-header-bytes`, 64 KiB): a larger head gets 431.
+//! * **Connections** (`--max-connections`, 4096; `--max-connections-per-ip`, 512): past
+//!   either cap a new connection is closed at once, before any byte is read, so slow or
+//!   half-open clients cannot exhaust the process's file descriptors or starve others.
+//! * **Body** ([`body_guard`]; `--max-body-bytes`, 8 MiB; `--body-read-timeout-secs`, 30 s):
+//!   read whole before the handler runs. A larger body gets a 413 the client can read: the
+//!   rest of its body is read and discarded first (up to [`DRAIN_BYTES`] within the body
+//!   timeout), since closing a socket with unread data makes the kernel reset the
+//!   connection, and the client would never see the answer. With `Expect: 100-continue`
+//!   the 413 goes out before the client sends anything. A body that does not arrive within
+//!   its timeout gets 408.
+//!
+//! Request duration and streams that go quiet are the relay's limits
+//! ([`crate::state::RequestLimits`]).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{ConnectInfo, Request};
+use axum::http::{header, HeaderValue};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use http_body_util::BodyExt;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tower::ServiceExt;
+
+use crate::error::ApiError;
+
+/// Connection and body limits (see the module's docs).
+#[derive(Debug, Clone, Copy)]
+pub struct HttpLimits {
+    pub header_read_timeout: Duration,
+    pub max_header_bytes: usize,
+    pub max_connections: usize,
+    pub max_connections_per_ip: usize,
+    pub max_body_bytes: usize,
+    pub body_read_timeout: Duration,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(30),
+            max_header_bytes: 64 << 10,
+            max_connections: 4096,
+            max_connections_per_ip: 512,
+            max_body_bytes: 8 << 20,
+            body_read_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// How much of an oversized body is read (and discarded) so that its 413 reaches the client.
+pub const DRAIN_BYTES: usize = 256 << 20;
+
+/// Open connections, in all and per client address.
+#[derive(Default)]
+struct Connections {
+    total: usize,
+    per_ip: HashMap<IpAddr, usize>,
+}
+
+/// One admitted connection, counted until dropped.
+struct ConnectionSlot {
+    open: Arc<Mutex<Connections>>,
+    ip: IpAddr,
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        let mut c = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        c.total = c.total.saturating_sub(1);
+        if let Some(n) = c.per_ip.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                c.per_ip.remove(&self.ip);
+            }
+        }
+    }
+}
+
+fn admit(open: &Arc<Mutex<Connections>>, ip: IpAddr, limits: &HttpLimits) -> Option<ConnectionSlot> {
+    let mut c = open.lock().unwrap_or_else(|e| e.into_inner());
+    let mine = c.per_ip.get(&ip).copied().unwrap_or(0);
+    if c.total >= limits.max_connections || mine >= limits.max_connections_per_ip {
+        return None;
+    }
+    c.total += 1;
+    *c.per_ip.entry(ip).or_default() += 1;
+    Some(ConnectionSlot { open: open.clone(), ip })
+}
+
+/// Serves `app` on `listener` until `shutdown` completes, then lets the requests in flight
+/// finish (the caller bounds that). Every request carries its peer's [`ConnectInfo`].
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    limits: HttpLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let open = Arc::new(Mutex::new(Connections::default()));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut shutdown = std::pin::pin!(shutdown);
+    let mut refused_logged = std::time::Instant::now() - Duration::from_secs(60);
+    loop {
+        let (stream, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    if !matches!(
+                        e.kind(),
+                        std::io::ErrorKind::ConnectionRefused
+                            | std::io::ErrorKind::ConnectionAborted
+                            | std::io::ErrorKind::ConnectionReset
+                    ) {
+                        // Out of file descriptors, most likely: wait for some to close.
+                        tracing::error!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let Some(slot) = admit(&open, peer.ip(), &limits) else {
+            if refused_logged.elapsed() > Duration::from_secs(10) {
+                refused_logged = std::time::Instant::now();
+                tracing::warn!(peer = %peer.ip(), "connection limit reached: closing new connections");
+            }
+            drop(stream);
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let app = app.clone();
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                let mut req = req.map(Body::new);
+                req.extensions_mut().insert(ConnectInfo(peer));
+                app.clone().oneshot(req)
+            });
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.header_read_timeout)
+                .max_header_size(limits.max_header_bytes.max(1024));
+            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            let mut conn = std::pin::pin!(conn);
+            loop {
+                tokio::select! {
+                    r = conn.as_mut() => {
+                        if let Err(e) = r {
+                            tracing::debug!(error = %e, "connection ended");
+                        }
+                        break;
+                    }
+                    () = async { let _ = stop.wait_for(|s| *s).await; } => {
+                        conn.as_mut().graceful_shutdown();
+                        // Served to the end (the caller bounds how long).
+                        if let Err(e) = conn.as_mut().await {
+                            tracing::debug!(error = %e, "connection ended");
+                        }
+                        break;
+                    }
+                }
+            }
+        });
+    }
+    drop(listener);
+    drop(stop_rx);
+    stop_tx.send_replace(true);
+    // Until every connection has ended.
+    stop_tx.closed().await;
+    Ok(())
+}
+
+/// The body limits of one route: the default, or a larger one (processor uploads).
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimits {
+    pub max_bytes: usize,
+    pub read_timeout: Duration,
+    /// Paths ending in this may send up to `upload_bytes` (processor uploads).
+    pub upload_suffix: &'static str,
+    pub upload_bytes: usize,
+}
+
+impl BodyLimits {
+    pub fn new(http: &HttpLimits, upload_suffix: &'static str, upload_bytes: usize) -> Self {
+        Self {
+            max_bytes: http.max_body_bytes,
+            read_timeout: http.body_read_timeout,
+            upload_suffix,
+            upload_bytes,
+        }
+    }
+
+    fn limit_for(&self, path: &str) -> usize {
+        if !self.upload_suffix.is_empty() && path.ends_with(self.upload_suffix) {
+            self.upload_bytes.max(self.max_bytes)
+        } else {
+            self.max_bytes
+        }
+    }
+}
+
+impl Default for BodyLimits {
+    fn default() -> Self {
+        Self::new(&HttpLimits::default(), "", 0)
+    }
+}
+
+fn too_large(limit: usize) -> Response {
+    let mut resp = ApiError::payload_too_large(format!(
+        "The request body is larger than this server accepts ({} bytes at most).",
+        limit
+    ))
+    .into_response();
+    // The client may still be sending: the connection is not reused.
+    resp.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    resp
+}
+
+/// Middleware: the request's body read whole, within its size and time limits, before the
+/// handler runs (see the module's docs).
+pub async fn body_guard(limits: BodyLimits, req: Request, next: Next) -> Response {
+    let limit = limits.limit_for(req.uri().path());
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let expects_continue = req
+        .headers()
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    if declared.is_some_and(|n| n > limit as u64) && expects_continue {
+        // The client waits for 100 Continue before sending: answer now, read nothing.
+        return too_large(limit);
+    }
+    if declared == Some(0) || (declared.is_none() && !req.headers().contains_key(header::TRANSFER_ENCODING)) {
+        return next.run(req).await;
+    }
+    let (parts, body) = req.into_parts();
+    let deadline = tokio::time::Instant::now() + limits.read_timeout;
+    let mut body = body;
+    let mut buf = Vec::with_capacity(declared.map_or(0, |n| (n as usize).min(limit)));
+    let mut seen = 0usize;
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Err(_) => {
+                let mut resp = ApiError::request_timeout(format!(
+                    "The request body did not arrive within {} s.",
+                    limits.read_timeout.as_secs()
+                ))
+                .into_response();
+                resp.headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                return resp;
+            }
+            Ok(None) => break,
+            Ok(Some(Err(e))) => {
+                return ApiError::invalid("body", format!("The request body could not be read: {e}")).into_response()
+            }
+            Ok(Some(Ok(f))) => f,
+        };
+        let Ok(data) = frame.into_data() else { continue };
+        seen = seen.saturating_add(data.len());
+        if seen > limit {
+            // Read on (and discard) so that the client reads the 413 rather than a reset.
+            if seen > DRAIN_BYTES {
+                return too_large(limit);
+            }
+            buf = Vec::new();
+            continue;
+        }
+        buf.extend_from_slice(&data);
+    }
+    if seen > limit {
+        return too_large(limit);
+    }
+    next.run(Request::from_parts(parts, Body::from(Bytes::from(buf)))).await
+}
