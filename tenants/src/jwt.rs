@@ -334,7 +334,7 @@ impl TenantStore {
         )
         .bind(iss)
         .fetch_optional(&self.pool);
-        let row = crate::outage::query(stale.is_some() || self.health.is_down(), query).await;
+        let row = crate::outage::query(&self.health, stale.is_some(), query).await;
         let row = match row {
             Ok(r) => {
                 self.health.answered();

@@ -666,7 +666,7 @@ impl TenantStore {
                 .bind(principal)
                 .fetch_optional(&self.pool);
         let fallback = cached.is_some_and(|(_, at)| self.health.usable_stale(at, KEY_CACHE_TTL));
-        let row = match outage::query(fallback, query).await {
+        let row = match outage::query(&self.health, fallback, query).await {
             Ok(r) => r,
             Err(e) => match cached.filter(|(_, at)| self.health.usable_stale(*at, KEY_CACHE_TTL)) {
                 Some((l, _)) => {
@@ -810,7 +810,7 @@ impl TenantStore {
         .fetch_optional(&self.pool);
         // With something to fall back on (or a store known to be down), a slow store is not
         // waited for.
-        let row = outage::query(stale.is_some() || self.health.is_down(), query).await;
+        let row = outage::query(&self.health, stale.is_some(), query).await;
         let row = match row {
             Ok(r) => {
                 self.health.answered();

@@ -7,7 +7,8 @@
 //!   keep working through a database restart. A revocation made during the outage takes
 //!   effect once the database is back.
 //! * **One probe at a time.** Once a lookup has failed the store is *down*: one request at
-//!   a time probes it, with a short timeout, while the others are answered from the cache
+//!   a time, at most once a second, probes it with a short timeout, while the others are
+//!   answered from the cache
 //!   (or, for a credential never seen, refused with 503 at once) instead of each waiting
 //!   for a connection.
 //! * **Negative cache.** An unknown key id (or JWT issuer) is remembered for
@@ -25,6 +26,9 @@ use std::time::{Duration, Instant};
 /// or changing keys in this process clears the cache anyway).
 pub const NEGATIVE_TTL: Duration = Duration::from_secs(30);
 
+/// How often a down store is probed (by a request that needs it).
+pub const PROBE_INTERVAL: Duration = Duration::from_secs(1);
+
 /// How long a refresh of a cached entry may take before the cached entry is used.
 pub const REFRESH_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -36,6 +40,8 @@ const NEGATIVE_MAX: usize = 100_000;
 pub struct StoreHealth {
     down: AtomicBool,
     probing: AtomicBool,
+    /// When the last probe of a down store started.
+    last_probe: Mutex<Option<Instant>>,
     stale_served: AtomicU64,
     /// How long past its refresh time a cached entry may serve while the store is down.
     pub stale_limit: Mutex<Duration>,
@@ -46,6 +52,7 @@ impl Default for StoreHealth {
         Self {
             down: AtomicBool::new(false),
             probing: AtomicBool::new(false),
+            last_probe: Mutex::new(None),
             stale_served: AtomicU64::new(0),
             stale_limit: Mutex::new(Duration::from_secs(900)),
         }
@@ -66,12 +73,23 @@ impl StoreHealth {
         self.down.load(Ordering::Acquire)
     }
 
-    /// Whether to query the store now; a down store is probed by one request at a time.
+    /// Whether to query the store now: a down store is probed by one request at a time, at
+    /// most once per [`PROBE_INTERVAL`]; the others answer without it.
     pub fn lookup(&self) -> Option<ProbeGuard<'_>> {
         if !self.is_down() {
             return Some(ProbeGuard(&DUMMY));
         }
-        (!self.probing.swap(true, Ordering::AcqRel)).then_some(ProbeGuard(&self.probing))
+        {
+            let mut last = self.last_probe.lock().unwrap_or_else(|e| e.into_inner());
+            if last.is_some_and(|t| t.elapsed() < PROBE_INTERVAL) {
+                return None;
+            }
+            if self.probing.swap(true, Ordering::AcqRel) {
+                return None;
+            }
+            *last = Some(Instant::now());
+        }
+        Some(ProbeGuard(&self.probing))
     }
 
     pub fn failed(&self, what: &str, error: &str) {
@@ -134,13 +152,21 @@ impl NegativeCache {
     }
 }
 
+/// How long a probe of a store known to be down may take.
+pub const PROBE_TIMEOUT: Duration = Duration::from_millis(250);
+
 /// Runs a store query; with a cached answer to fall back on (`fallback`) it may take at most
-/// [`REFRESH_TIMEOUT`].
+/// [`REFRESH_TIMEOUT`], or [`PROBE_TIMEOUT`] while the store is known to be down.
 pub async fn query<T>(
+    health: &StoreHealth,
     fallback: bool,
     fut: impl std::future::Future<Output = Result<T, sqlx::Error>>,
 ) -> Result<T, sqlx::Error> {
-    if fallback {
+    if health.is_down() {
+        tokio::time::timeout(PROBE_TIMEOUT, fut)
+            .await
+            .unwrap_or(Err(sqlx::Error::PoolTimedOut))
+    } else if fallback {
         tokio::time::timeout(REFRESH_TIMEOUT, fut)
             .await
             .unwrap_or(Err(sqlx::Error::PoolTimedOut))

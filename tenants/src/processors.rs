@@ -363,7 +363,7 @@ impl TenantStore {
                 let fallback = stale
                     .as_ref()
                     .is_some_and(|(_, at)| self.health.usable_stale(*at, KEY_CACHE_TTL));
-                let rows = match crate::outage::query(fallback, query).await {
+                let rows = match crate::outage::query(&self.health, fallback, query).await {
                     Ok(rows) => rows,
                     Err(e) => match stale.filter(|(_, at)| self.health.usable_stale(*at, KEY_CACHE_TTL)) {
                         Some((v, _)) => {
