@@ -302,16 +302,59 @@ enum Class {
     Other,
 }
 
+/// The pattern's classes exactly as the reference's regex engine has them: `\p{L}` and
+/// `\p{N}` are Unicode general categories (not Rust's `is_alphabetic`, which also takes in
+/// combining marks such as U+065F and letter numbers), `\s` is `White_Space` — read from
+/// `regex-syntax`'s tables, the ones the `regex`/`fancy-regex` engines match with.
 fn class(c: char) -> Class {
-    if c.is_alphabetic() {
+    if c.is_ascii() {
+        return if c.is_ascii_alphabetic() {
+            Class::Letter
+        } else if c.is_ascii_digit() {
+            Class::Number
+        } else if c.is_ascii_whitespace() || c == '\u{b}' {
+            Class::Space
+        } else {
+            Class::Other
+        };
+    }
+    static TABLES: std::sync::OnceLock<[Vec<(char, char)>; 3]> = std::sync::OnceLock::new();
+    let [letters, numbers, spaces] = TABLES.get_or_init(|| [ranges(r"\p{L}"), ranges(r"\p{N}"), ranges(r"\s")]);
+    if in_ranges(c, letters) {
         Class::Letter
-    } else if c.is_numeric() {
+    } else if in_ranges(c, numbers) {
         Class::Number
-    } else if c.is_whitespace() {
+    } else if in_ranges(c, spaces) {
         Class::Space
     } else {
         Class::Other
     }
+}
+
+/// The code point ranges of a one-class pattern.
+fn ranges(pattern: &str) -> Vec<(char, char)> {
+    use regex_syntax::hir::{Class as HirClass, HirKind};
+    let hir = regex_syntax::Parser::new()
+        .parse(pattern)
+        .expect("a built-in character class");
+    match hir.kind() {
+        HirKind::Class(HirClass::Unicode(u)) => u.ranges().iter().map(|r| (r.start(), r.end())).collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn in_ranges(c: char, ranges: &[(char, char)]) -> bool {
+    ranges
+        .binary_search_by(|&(lo, hi)| {
+            if hi < c {
+                std::cmp::Ordering::Less
+            } else if lo > c {
+                std::cmp::Ordering::Greater
+            } else {
+                std::cmp::Ordering::Equal
+            }
+        })
+        .is_ok()
 }
 
 impl<'a> Gpt2Words<'a> {

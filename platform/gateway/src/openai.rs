@@ -477,6 +477,122 @@ mod tests {
         parse_chat(v.to_string().as_bytes())
     }
 
+    /// JSON shaped like requests: the parameters' names (and a stranger) with any values,
+    /// nested a little.
+    fn request_json() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<f64>().prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
+            prop_oneof![
+                Just("user".to_string()),
+                Just("assistant".to_string()),
+                Just("system".to_string()),
+                Just("tool".to_string()),
+                Just("json_schema".to_string()),
+                Just("function".to_string()),
+                Just("auto".to_string()),
+                Just("required".to_string()),
+                Just("m".to_string()),
+                proptest::collection::vec(any::<char>(), 0..12).prop_map(|c| c.into_iter().collect()),
+            ]
+            .prop_map(Value::from),
+        ];
+        let keys = proptest::sample::select(vec![
+            "model",
+            "messages",
+            "prompt",
+            "role",
+            "content",
+            "max_tokens",
+            "max_completion_tokens",
+            "temperature",
+            "top_p",
+            "n",
+            "stop",
+            "seed",
+            "stream",
+            "stream_options",
+            "include_usage",
+            "logprobs",
+            "top_logprobs",
+            "tools",
+            "tool_choice",
+            "type",
+            "function",
+            "name",
+            "parameters",
+            "response_format",
+            "json_schema",
+            "schema",
+            "text",
+            "image_url",
+            "tool_calls",
+            "tool_call_id",
+            "arguments",
+            "prompt_cache_key",
+            "min_tokens",
+            "ignore_eos",
+            "logit_bias",
+            "user",
+            "echo",
+            "suffix",
+            "best_of",
+            "presence_penalty",
+            "frequency_penalty",
+            "properties",
+            "required",
+            "items",
+            "enum",
+            "zz",
+        ]);
+        leaf.prop_recursive(4, 48, 6, move |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+                proptest::collection::vec((keys.clone(), inner), 0..6)
+                    .prop_map(|kv| { Value::Object(kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect()) }),
+            ]
+        })
+    }
+
+    fn fuzz_cases() -> u32 {
+        std::env::var("HEARTH_FUZZ_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(512)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(fuzz_cases()))]
+
+        /// Any JSON, and any bytes: the parsers answer (a request or a 400), never panic.
+        #[test]
+        fn parsers_survive_random_json(v in request_json(), messages in request_json(), prompt in request_json()) {
+            let mut v = v;
+            if let Value::Object(o) = &mut v {
+                // Mostly well-formed tops, so the parsers get past the first checks.
+                o.entry("model").or_insert(Value::from("m"));
+                o.entry("messages").or_insert(messages);
+                o.entry("prompt").or_insert(prompt);
+            }
+            let bytes = v.to_string();
+            if let Err(e) = parse_chat(bytes.as_bytes()) {
+                proptest::prop_assert!(e.status.is_client_error(), "{e:?}");
+            }
+            if let Err(e) = parse_completion(bytes.as_bytes()) {
+                proptest::prop_assert!(e.status.is_client_error(), "{e:?}");
+            }
+        }
+
+        #[test]
+        fn parsers_survive_random_bytes(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256)) {
+            let _ = parse_chat(&bytes);
+            let _ = parse_completion(&bytes);
+        }
+    }
+
     #[test]
     fn parses_a_full_chat_request() {
         let r = chat(json!({

@@ -517,3 +517,80 @@ fn ndjson_events(bytes: BoxStream<'static, reqwest::Result<axum::body::Bytes>>) 
     )
     .boxed()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn events(chunks: Vec<Vec<u8>>) -> Vec<GenerateEvent> {
+        let bytes = futures_util::stream::iter(chunks.into_iter().map(|c| Ok(axum::body::Bytes::from(c)))).boxed();
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        rt.block_on(ndjson_events(bytes).collect())
+    }
+
+    fn sample() -> Vec<GenerateEvent> {
+        vec![
+            GenerateEvent::Token {
+                index: 0,
+                id: 7,
+                text: "héllo\n{\"x\": 1}".into(),
+                logprob: Some(-0.5),
+                top_logprobs: Vec::new(),
+            },
+            GenerateEvent::Finish {
+                index: 0,
+                finish_reason: hearth_protocol::FinishReason::Stop,
+            },
+            GenerateEvent::Done {
+                finish_reason: hearth_protocol::FinishReason::Stop,
+                usage: hearth_protocol::Usage {
+                    prompt_tokens: 3,
+                    cached_tokens: 1,
+                    completion_tokens: 1,
+                },
+                timings: Default::default(),
+            },
+        ]
+    }
+
+    fn fuzz_cases() -> u32 {
+        std::env::var("HEARTH_FUZZ_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(512)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(fuzz_cases()))]
+
+        /// The worker's NDJSON stream cut at any points reads as the same events.
+        #[test]
+        fn ndjson_split_anywhere_reads_the_same(cuts in proptest::collection::vec(any::<usize>(), 0..10)) {
+            let mut bytes = Vec::new();
+            for ev in sample() {
+                bytes.extend(serde_json::to_vec(&ev).unwrap());
+                bytes.push(b'\n');
+            }
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c % (bytes.len() + 1)).collect();
+            cuts.sort_unstable();
+            let mut chunks = Vec::new();
+            let mut at = 0;
+            for c in cuts.into_iter().chain([bytes.len()]) {
+                chunks.push(bytes[at..c.max(at)].to_vec());
+                at = c.max(at);
+            }
+            prop_assert_eq!(events(chunks), sample());
+        }
+
+        /// Garbage from a worker ends the stream with one `worker_protocol` error, never a
+        /// panic, and nothing after it.
+        #[test]
+        fn ndjson_garbage_ends_with_an_error(noise in proptest::collection::vec(any::<u8>(), 1..200)) {
+            let evs = events(vec![noise]);
+            if let Some(pos) = evs.iter().position(|e| matches!(e, GenerateEvent::Error { .. })) {
+                prop_assert_eq!(pos, evs.len() - 1);
+            }
+        }
+    }
+}
