@@ -333,11 +333,9 @@ pub async fn run(cfg: SoakConfig) -> anyhow::Result<SoakReport> {
     let wasm = data.join("trivial.wasm");
     std::fs::write(&wasm, hearth_runtime::wat_guest::trivial())?;
     let key_id = pkey.split('_').nth(1).unwrap_or_default().to_string();
-    admin(
-        &cfg.exe,
-        &data_s,
-        &[
-            "processor",
+    let out = Command::new(&cfg.exe)
+        .args(["processor", "--data-dir", &data_s])
+        .args([
             "upload",
             "--tenant",
             "soak",
@@ -347,8 +345,13 @@ pub async fn run(cfg: SoakConfig) -> anyhow::Result<SoakReport> {
             "--key",
             &key_id,
             &wasm.to_string_lossy(),
-        ],
-    )?;
+        ])
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "processor upload: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let client = reqwest::Client::builder().timeout(Duration::from_secs(120)).build()?;
     let keys = Arc::new((key, pkey));
     let tally = Arc::new(Mutex::new(Tally::default()));
