@@ -9,6 +9,8 @@
 //! * `in_process` — an API key, tenant and key limits (requests, tokens, in flight;
 //!   high enough never to refuse), a monthly budget, and every request rated and committed
 //!   to the SQLite ledger before its response ends;
+//! * `in_process_fsync` — `in_process` with `--usage-durability fsync`: each record flushed
+//!   to disk (group-committed) before its response ends;
 //! * `redis` — the same with the limits counted in Redis (when a Redis URL is given).
 //!
 //! Latency: sequential requests on keep-alive connections, one per mode in turn so that
@@ -180,6 +182,17 @@ impl GatewayBenchReport {
             "ledger: {} metered requests succeeded, {} usage records committed\n",
             self.usage_records, self.usage_records
         );
+        if let (Some(w), Some(f)) = (ours("in_process"), ours("in_process_fsync")) {
+            s += &format!(
+                "--usage-durability fsync: +{:.1} µs at P50 over write ({:.0} vs {:.0} µs); {:.0} vs {:.0} req/s ({:.2}×) with group commit\n",
+                f.p50_us - w.p50_us,
+                f.p50_us,
+                w.p50_us,
+                f.requests_per_s,
+                w.requests_per_s,
+                f.requests_per_s / w.requests_per_s.max(1e-9)
+            );
+        }
         if let Some(m) = ours("redis") {
             s += &format!(
                 "redis: {:.1} µs added at P50 (target ≤ 1000); {:.0} req/s\n",
@@ -367,10 +380,13 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> 
             None,
         )
         .await?;
-    let gateway = |limiter: Limiter| {
+    // The same ledger with `--usage-durability fsync`: its own outbox, on the same disk.
+    let fsync_dir = dir.join("fsync");
+    let fsync_ledger =
+        UsageLedger::with_outbox_durability(&db, &fsync_dir, hearth_billing::outbox::Durability::Fsync).await?;
+    let gateway = |limiter: Limiter, ledger: UsageLedger| {
         let info = info.clone();
         let db = db.clone();
-        let ledger = ledger.clone();
         async move {
             let worker: Arc<dyn WorkerClient> = Arc::new(InstantWorker { info });
             let models = ModelRegistry::discover(vec![worker], Duration::ZERO, &RoutingConfig::default()).await?;
@@ -382,12 +398,17 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> 
     let mut modes = vec![
         Mode {
             name: "baseline",
-            app: baseline_app(gateway(Limiter::default()).await?),
+            app: baseline_app(gateway(Limiter::default(), ledger.clone()).await?),
             key: "unused".into(),
         },
         Mode {
             name: "in_process",
-            app: app::router(gateway(Limiter::default()).await?),
+            app: app::router(gateway(Limiter::default(), ledger.clone()).await?),
+            key: key.key.clone(),
+        },
+        Mode {
+            name: "in_process_fsync",
+            app: app::router(gateway(Limiter::default(), fsync_ledger).await?),
             key: key.key.clone(),
         },
     ];
@@ -396,7 +417,7 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> 
         let limiter = Limiter::with_redis(RedisLimiter::connect(url, &prefix).await?);
         modes.push(Mode {
             name: "redis",
-            app: app::router(gateway(limiter).await?),
+            app: app::router(gateway(limiter, ledger.clone()).await?),
             key: key.key.clone(),
         });
     }

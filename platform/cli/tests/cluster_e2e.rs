@@ -1,8 +1,8 @@
 //! Scale-out end to end: two gateways and three workers that registered themselves in
 //! Redis (plus one with the wrong token, which never joins), sharing one database. The
 //! same `x-session-affinity` reaches the same worker through either gateway; a SIGKILLed
-//! worker leaves both pools within its heartbeat window and its stream in flight ends with
-//! a clean error and a usage record; a new worker joins; a SIGTERMed worker finishes its
+//! worker leaves both pools within its heartbeat window and its stream in flight continues
+//! on another worker; a new worker joins; a SIGTERMed worker finishes its
 //! stream, refuses new work (served by the others) and exits; every request has exactly
 //! one usage record.
 //!
@@ -319,8 +319,9 @@ async fn gateways_share_sessions_and_follow_workers_joining_leaving_and_draining
             .unwrap_or_else(|| panic!("no session on {worker}: {placed:?}"))
     };
 
-    // SIGKILL a worker with a stream in flight: the stream ends with a clean error, and
-    // both gateways drop the worker within its heartbeat window.
+    // SIGKILL a worker with a stream in flight: the stream continues on another worker
+    // (failover from the tokens already sent), and both gateways drop the worker within
+    // its heartbeat window.
     let victim = workers.remove(1);
     let victim_session = on(&victim.url);
     let stream = start_stream(&ga.url, &key, &victim_session, 2000).await;
@@ -329,9 +330,10 @@ async fn gateways_share_sessions_and_follow_workers_joining_leaving_and_draining
     victim.child.kill().unwrap();
     victim.child.wait().unwrap();
     let killed_at = Instant::now();
-    let text = finish_stream(stream, Duration::from_secs(10)).await;
-    assert!(text.contains("\"error\""), "a clean error event: {text}");
+    let text = finish_stream(stream, Duration::from_secs(30)).await;
+    assert!(!text.contains("\"error\""), "the stream continues on another worker: {text}");
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    succeeded += 1;
     want.retain(|w| *w != victim.url);
     wait_for_pools(gws, &want, Duration::from_millis(3 * HEARTBEAT_MS + 2_000)).await;
     let gone_after = killed_at.elapsed();
@@ -421,7 +423,8 @@ async fn gateways_share_sessions_and_follow_workers_joining_leaving_and_draining
     assert_eq!(ready.status(), 200);
 
     // Every request has exactly one usage record, whichever gateway served it: the
-    // successes completed, the killed stream failed with what it had generated.
+    // successes completed (the killed worker's stream among them), the stream cut at the
+    // drain timeout failed with what it had generated.
     let rows = usage_rows_with(&data_a, &["--database-url", db_url.as_str()]);
     assert_eq!(rows.len(), sent, "{rows:?}");
     let completed = rows.iter().filter(|r| r["status"] == "completed").count();
@@ -429,7 +432,7 @@ async fn gateways_share_sessions_and_follow_workers_joining_leaving_and_draining
     let mut failed: Vec<&Value> = rows.iter().filter(|r| r["status"] == "failed").collect();
     failed.sort_by_key(|r| r["error_code"].as_str().unwrap_or("").to_string());
     let codes: Vec<&str> = failed.iter().map(|r| r["error_code"].as_str().unwrap_or("")).collect();
-    assert_eq!(codes, ["shutting_down", "worker_disconnected"], "{failed:?}");
+    assert_eq!(codes, ["shutting_down"], "{failed:?}");
     assert!(failed.iter().all(|r| r["completion_tokens"].as_u64().unwrap() > 0));
     eprintln!(
         "cluster e2e: {sent} requests, {} sessions placed; killed worker left both pools after {gone_after:?}; new worker joined in {joined_in:?}",
