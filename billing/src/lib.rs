@@ -572,6 +572,9 @@ pub struct LedgerHealth {
     pub db_failing: std::sync::atomic::AtomicBool,
     /// Outbox appends that failed.
     pub outbox_errors: std::sync::atomic::AtomicU64,
+    /// While both fail: when (Unix ms) a request was last let through to find out whether
+    /// either recovered.
+    last_probe_ms: std::sync::atomic::AtomicI64,
 }
 
 /// A request's admission mark in the outbox (see [`outbox`]): dropped once the request's
@@ -633,9 +636,18 @@ impl UsageLedger {
     /// made durable in the outbox or, the outbox failing (a full disk), in the database.
     /// Refusing only when neither takes records is the documented decision: a full disk
     /// alone slows responses (each waits for its database commit) but loses nothing.
+    ///
+    /// While both fail, one request a second is let through: its record is the probe whose
+    /// success (in either) clears the state.
     pub fn accepting(&self) -> bool {
         use std::sync::atomic::Ordering::Relaxed;
-        !(self.health.outbox_failing.load(Relaxed) && self.health.db_failing.load(Relaxed))
+        let h = &self.health;
+        if !(h.outbox_failing.load(Relaxed) && h.db_failing.load(Relaxed)) {
+            return true;
+        }
+        let now = now_ms();
+        let last = h.last_probe_ms.load(Relaxed);
+        now - last >= 1000 && h.last_probe_ms.compare_exchange(last, now, Relaxed, Relaxed).is_ok()
     }
 
     /// How records are made durable ([`outbox::Durability`]).
@@ -688,6 +700,9 @@ impl UsageLedger {
         }
         let mut ob = Outbox::open(dir)?;
         ob.durability = durability;
+        if durability == outbox::Durability::Fsync {
+            ob.sync_dir()?;
+        }
         let ob = Arc::new(ob);
         let ledger = Self::start(db, Some(ob.clone()));
         let pool = db.pool.clone();

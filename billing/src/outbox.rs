@@ -199,10 +199,19 @@ impl Outbox {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Flushes the directory, so that a new segment's name survives a power cut.
+    pub fn sync_dir(&self) -> std::io::Result<()> {
+        File::open(&self.dir)?.sync_all()
+    }
+
     fn new_segment(&self, seq: u64) -> std::io::Result<Segment> {
         let path = self.dir.join(format!("{PREFIX}{}-{seq:06}{SUFFIX}", self.tag));
+        let file = open_segment(&path)?;
+        if self.durability == Durability::Fsync {
+            self.sync_dir()?;
+        }
         Ok(Segment {
-            file: open_segment(&path)?,
+            file,
             path,
             outstanding: 0,
             deferred: false,
@@ -275,7 +284,7 @@ impl Outbox {
         sy.running = true;
         drop(sy);
         // Everything appended so far is covered by this flush.
-        let (target, files) = {
+        let (target, dirty, files) = {
             let mut st = self.lock();
             let dirty = std::mem::take(&mut st.dirty);
             let files: Vec<std::io::Result<File>> = dirty
@@ -283,9 +292,18 @@ impl Outbox {
                 .filter_map(|seq| st.segments.get(seq))
                 .map(|s| s.file.try_clone())
                 .collect();
-            (st.appended, files)
+            (st.appended, dirty, files)
         };
         let result = files.into_iter().try_for_each(|f| f.and_then(|f| f.sync_data()));
+        if result.is_err() {
+            // Not flushed: the next flush must cover these segments again.
+            let mut st = self.lock();
+            for seq in dirty {
+                if !st.dirty.contains(&seq) {
+                    st.dirty.push(seq);
+                }
+            }
+        }
         let mut sy = self.synced.lock().unwrap_or_else(|e| e.into_inner());
         sy.running = false;
         if result.is_ok() {

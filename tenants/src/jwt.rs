@@ -324,9 +324,9 @@ impl TenantStore {
             }
             None => Err(AuthError::Store(why)),
         };
-        let Some(_probe) = self.health.lookup() else {
+        if !self.health.lookup(&self.pool) {
             return from_cache(stale, "the key store is unreachable".into());
-        };
+        }
         let query = sqlx::query(
             "SELECT i.id, i.audience, i.algorithm, i.key_material, i.jwks, i.jwks_url, t.id, t.name, \
              t.rpm, t.tpm, t.max_concurrent, t.share, t.priority, t.monthly_budget_nusd, t.budget_mode \
@@ -334,7 +334,7 @@ impl TenantStore {
         )
         .bind(iss)
         .fetch_optional(&self.pool);
-        let row = crate::outage::query(&self.health, stale.is_some(), query).await;
+        let row = crate::outage::query(stale.is_some(), query).await;
         let row = match row {
             Ok(r) => {
                 self.health.answered();
@@ -346,7 +346,9 @@ impl TenantStore {
             }
         };
         let Some(row) = row else {
-            self.jwt.unknown.insert(iss);
+            if iss.len() <= 256 {
+                self.jwt.unknown.insert(iss);
+            }
             return Err(jwt_err("the token's issuer is not registered"));
         };
         let alg_name: String = row.get(2);

@@ -370,7 +370,7 @@ pub struct TenantStore {
     jwt: jwt::IssuerCache,
     processors: processors::ProcessorCache,
     /// Whether the database answers, and how long cached credentials outlive an outage.
-    pub health: outage::StoreHealth,
+    pub health: std::sync::Arc<outage::StoreHealth>,
     /// Key ids recently found not to exist.
     unknown_keys: outage::NegativeCache,
 }
@@ -661,13 +661,19 @@ impl TenantStore {
                 return Ok(l);
             }
         }
+        if !self.health.lookup(&self.pool) {
+            return Err(sqlx::Error::PoolTimedOut);
+        }
         let query =
             sqlx::query("SELECT rpm, tpm, max_concurrent, share, priority FROM principal_limits WHERE principal = $1")
                 .bind(principal)
                 .fetch_optional(&self.pool);
         let fallback = cached.is_some_and(|(_, at)| self.health.usable_stale(at, KEY_CACHE_TTL));
-        let row = match outage::query(&self.health, fallback, query).await {
-            Ok(r) => r,
+        let row = match outage::query(fallback, query).await {
+            Ok(r) => {
+                self.health.answered();
+                r
+            }
             Err(e) => match cached.filter(|(_, at)| self.health.usable_stale(*at, KEY_CACHE_TTL)) {
                 Some((l, _)) => {
                     self.health.failed("principal limits", &e.to_string());
@@ -757,6 +763,21 @@ impl TenantStore {
         }
     }
 
+    /// Whether `presented` is an API key this process holds in its cache with the right
+    /// secret (fresh, or usable while the store is down): a credential known to be good,
+    /// which throttling for bad credentials must not hold up.
+    pub fn cached_valid(&self, presented: &str) -> bool {
+        let Some((id, secret)) = presented.strip_prefix(KEY_PREFIX).and_then(|r| r.split_once('_')) else {
+            return false;
+        };
+        let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        cache.get(id).is_some_and(|c| {
+            (c.fetched.elapsed() < KEY_CACHE_TTL || self.health.usable_stale(c.fetched, KEY_CACHE_TTL))
+                && !c.revoked
+                && constant_time_eq(&sha256(secret.as_bytes()), &c.secret_sha256)
+        })
+    }
+
     async fn authenticate_key(&self, presented: &str) -> Result<TenantContext, AuthError> {
         let rest = presented.strip_prefix(KEY_PREFIX).ok_or(AuthError::Malformed)?;
         let (id, secret) = rest.split_once('_').ok_or(AuthError::Malformed)?;
@@ -796,9 +817,9 @@ impl TenantStore {
             }
             None => Err(AuthError::Store(why)),
         };
-        let Some(_probe) = self.health.lookup() else {
+        if !self.health.lookup(&self.pool) {
             return from_cache(stale, "the key store is unreachable".into());
-        };
+        }
         let query = sqlx::query(
             "SELECT k.secret_sha256, k.revoked_at, t.id, t.name, \
              t.rpm, t.tpm, t.max_concurrent, t.share, t.priority, \
@@ -810,7 +831,7 @@ impl TenantStore {
         .fetch_optional(&self.pool);
         // With something to fall back on (or a store known to be down), a slow store is not
         // waited for.
-        let row = outage::query(&self.health, stale.is_some(), query).await;
+        let row = outage::query(stale.is_some(), query).await;
         let row = match row {
             Ok(r) => {
                 self.health.answered();

@@ -6,11 +6,10 @@
 //!   (`--auth-stale-secs`, 15 min by default) keeps working: keys that worked a moment ago
 //!   keep working through a database restart. A revocation made during the outage takes
 //!   effect once the database is back.
-//! * **One probe at a time.** Once a lookup has failed the store is *down*: one request at
-//!   a time, at most once a second, probes it with a short timeout, while the others are
-//!   answered from the cache
-//!   (or, for a credential never seen, refused with 503 at once) instead of each waiting
-//!   for a connection.
+//! * **No request waits on a down store.** Once a lookup has failed the store is *down*:
+//!   requests are answered from the cache (or, for a credential never seen, refused with
+//!   503 at once) while a background probe, at most once a second, finds out when it is
+//!   back.
 //! * **Negative cache.** An unknown key id (or JWT issuer) is remembered for
 //!   [`NEGATIVE_TTL`], so a flood of random keys costs one query per distinct id per
 //!   interval, not one per request; the gateway also throttles sources that keep sending
@@ -18,7 +17,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How long an unknown key id or issuer is remembered as unknown. Key ids are random: a
@@ -59,37 +58,42 @@ impl Default for StoreHealth {
     }
 }
 
-/// This request is the one probing a down store.
-pub struct ProbeGuard<'a>(&'a AtomicBool);
-
-impl Drop for ProbeGuard<'_> {
-    fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
-    }
-}
-
 impl StoreHealth {
     pub fn is_down(&self) -> bool {
         self.down.load(Ordering::Acquire)
     }
 
-    /// Whether to query the store now: a down store is probed by one request at a time, at
-    /// most once per [`PROBE_INTERVAL`]; the others answer without it.
-    pub fn lookup(&self) -> Option<ProbeGuard<'_>> {
+    /// Whether a request may query the store now. While it is down no request does: they
+    /// answer from the cache (or refuse), and a background probe — one at a time, at most
+    /// once per [`PROBE_INTERVAL`], with [`PROBE_TIMEOUT`] — finds out when it is back.
+    pub fn lookup(self: &Arc<Self>, pool: &sqlx::AnyPool) -> bool {
         if !self.is_down() {
-            return Some(ProbeGuard(&DUMMY));
+            return true;
         }
-        {
+        let due = {
             let mut last = self.last_probe.lock().unwrap_or_else(|e| e.into_inner());
-            if last.is_some_and(|t| t.elapsed() < PROBE_INTERVAL) {
-                return None;
+            let due = last.is_none_or(|t| t.elapsed() >= PROBE_INTERVAL) && !self.probing.swap(true, Ordering::AcqRel);
+            if due {
+                *last = Some(Instant::now());
             }
-            if self.probing.swap(true, Ordering::AcqRel) {
-                return None;
+            due
+        };
+        if due {
+            let (health, pool) = (self.clone(), pool.clone());
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => {
+                    rt.spawn(async move {
+                        let ping = sqlx::query("SELECT 1").execute(&pool);
+                        if let Ok(Ok(_)) = tokio::time::timeout(PROBE_TIMEOUT, ping).await {
+                            health.answered();
+                        }
+                        health.probing.store(false, Ordering::Release);
+                    });
+                }
+                Err(_) => self.probing.store(false, Ordering::Release),
             }
-            *last = Some(Instant::now());
         }
-        Some(ProbeGuard(&self.probing))
+        false
     }
 
     pub fn failed(&self, what: &str, error: &str) {
@@ -120,9 +124,6 @@ impl StoreHealth {
     }
 }
 
-/// Never contended: the guard of a lookup on a healthy store.
-static DUMMY: AtomicBool = AtomicBool::new(false);
-
 /// Ids recently found not to exist.
 #[derive(Debug, Default)]
 pub struct NegativeCache(Mutex<HashMap<String, Instant>>);
@@ -152,21 +153,16 @@ impl NegativeCache {
     }
 }
 
-/// How long a probe of a store known to be down may take.
-pub const PROBE_TIMEOUT: Duration = Duration::from_millis(250);
+/// How long the background probe of a down store may take.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Runs a store query; with a cached answer to fall back on (`fallback`) it may take at most
-/// [`REFRESH_TIMEOUT`], or [`PROBE_TIMEOUT`] while the store is known to be down.
+/// [`REFRESH_TIMEOUT`].
 pub async fn query<T>(
-    health: &StoreHealth,
     fallback: bool,
     fut: impl std::future::Future<Output = Result<T, sqlx::Error>>,
 ) -> Result<T, sqlx::Error> {
-    if health.is_down() {
-        tokio::time::timeout(PROBE_TIMEOUT, fut)
-            .await
-            .unwrap_or(Err(sqlx::Error::PoolTimedOut))
-    } else if fallback {
+    if fallback {
         tokio::time::timeout(REFRESH_TIMEOUT, fut)
             .await
             .unwrap_or(Err(sqlx::Error::PoolTimedOut))

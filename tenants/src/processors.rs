@@ -354,6 +354,9 @@ impl TenantStore {
             // The store is down: the chain seen last runs on (see [`crate::outage`]).
             Some((v, at)) if self.health.is_down() && self.health.usable_stale(at, KEY_CACHE_TTL) => v,
             stale => {
+                if !self.health.lookup(&self.pool) {
+                    return Err(sqlx::Error::PoolTimedOut.into());
+                }
                 let query = sqlx::query(
                     "SELECT id, name, version, sha256, config, cpu_ms, memory_mib, key_id, position FROM processors \
                      WHERE tenant_id = $1 AND active = 1 ORDER BY position, name",
@@ -363,8 +366,11 @@ impl TenantStore {
                 let fallback = stale
                     .as_ref()
                     .is_some_and(|(_, at)| self.health.usable_stale(*at, KEY_CACHE_TTL));
-                let rows = match crate::outage::query(&self.health, fallback, query).await {
-                    Ok(rows) => rows,
+                let rows = match crate::outage::query(fallback, query).await {
+                    Ok(rows) => {
+                        self.health.answered();
+                        rows
+                    }
                     Err(e) => match stale.filter(|(_, at)| self.health.usable_stale(*at, KEY_CACHE_TTL)) {
                         Some((v, _)) => {
                             self.health.failed("processors", &e.to_string());

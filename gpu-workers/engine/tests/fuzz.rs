@@ -134,7 +134,8 @@ fn gguf_head() -> &'static (Vec<u8>, u64) {
 }
 
 /// Writes `head` and (unless truncated) extends the file, sparse, to the model's length,
-/// then opens it as a worker would: parse, tokenizer, model. Returns whether it loaded.
+/// then opens it as a worker would: parse, tokenizer and (with `load`) the model. Returns
+/// whether it opened (and loaded).
 fn open_mutated(head: &[u8], full_len: Option<u64>, load: bool) -> bool {
     let path = std::env::temp_dir().join(format!(
         "hearth-fuzz-{}-{:?}.gguf",
@@ -152,10 +153,10 @@ fn open_mutated(head: &[u8], full_len: Option<u64>, load: bool) -> bool {
         Err(_) => false,
         Ok(g) => {
             let tokenizer = tokenizer_spec(&g).ok().map(|s| Tokenizer::from_spec(&s));
-            if load && matches!(tokenizer, Some(Ok(_))) {
-                LlamaModel::load_with(g, false).is_ok()
-            } else {
-                false
+            match (load, tokenizer) {
+                (true, Some(Ok(_))) => LlamaModel::load_with(g, false).is_ok(),
+                (true, _) => false,
+                (false, _) => true,
             }
         }
     };

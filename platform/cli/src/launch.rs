@@ -148,8 +148,7 @@ async fn run_gateway(
     admin_token: Option<String>,
     routing: RoutingConfig,
     limits: &LimitStoreArgs,
-    lifecycle: &LifecycleArgs,
-    http: &HttpArgs,
+    (lifecycle, http): (&LifecycleArgs, &HttpArgs),
 ) -> anyhow::Result<()> {
     let data_dir = data.dir();
     let db = data.open().await?;
@@ -343,8 +342,7 @@ pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
             a.admin_token,
             routing,
             &a.limits,
-            &a.lifecycle,
-            &a.http,
+            (&a.lifecycle, &a.http),
         )
         .await;
     }
@@ -396,8 +394,7 @@ pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         a.admin_token,
         routing,
         &a.limits,
-        &a.lifecycle,
-        &a.http,
+        (&a.lifecycle, &a.http),
     )
     .await
 }
@@ -508,7 +505,7 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
     let app = app
         .layer(axum::extract::DefaultBodyLimit::disable())
         .layer(axum::middleware::from_fn(move |req, next| {
-            hearth_gateway::http::body_guard(body, req, next)
+            hearth_gateway::http::body_guard(body.clone(), req, next)
         }));
     let server = hearth_gateway::http::serve(listener, app, http_limits, shutdown);
     // Past the drain, open connections (streams over the timeout) do not hold the exit.
@@ -593,8 +590,7 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
         a.admin_token,
         routing,
         &a.limits,
-        &a.lifecycle,
-        &a.http,
+        (&a.lifecycle, &a.http),
     )
     .await
 }

@@ -370,7 +370,10 @@ async fn chaos_worker_killed_mid_stream() {
     }
     let failovers = metric_sum(&metrics(&gw.url).await, "hearth_failovers_total");
     println!("observed: {streams} streams complete and identical to the uninterrupted run; {failovers} failovers");
-    assert_eq!(failovers, lost as f64);
+    assert!(
+        failovers >= 1.0 && failovers <= lost as f64,
+        "{failovers} failovers for {lost} streams"
+    );
 
     // The last worker, killed mid-stream: nowhere to continue.
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
@@ -505,8 +508,7 @@ async fn chaos_redis_restart_under_load() {
         let (url, key, long) = (url.clone(), key.clone(), long.clone());
         held.push(tokio::spawn(async move { post(&url, Some(&key), &long).await.0 }));
     }
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    assert_eq!(redis.zcard_matching("hearth:rl:*inflight").await, 2);
+    wait_zcard(&redis, 2).await;
     let (status, _, _) = post(&url, Some(&key), &short).await;
     assert_eq!(status, 429, "the shared concurrency limit holds");
     redis.kill();
@@ -556,8 +558,7 @@ async fn chaos_redis_restart_under_load() {
             let _ = client().post(&url).bearer_auth(&key).json(&long).send().await;
         }));
     }
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    assert_eq!(redis.zcard_matching("hearth:rl:*inflight").await, 2);
+    wait_zcard(&redis, 2).await;
     let mut gw = gw;
     gw.child.kill().unwrap();
     let _ = gw.child.wait();
@@ -585,6 +586,15 @@ async fn chaos_redis_restart_under_load() {
         killed.elapsed()
     );
     drop(gw2);
+}
+
+/// Waits (at most 10 s) until `n` in-flight leases are in Redis.
+async fn wait_zcard(redis: &OwnRedis, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while redis.zcard_matching("hearth:rl:*inflight").await != n {
+        assert!(Instant::now() < deadline, "{n} leases expected in Redis");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// PostgreSQL stopped for 30 s under load: keys the gateway had checked keep working from
@@ -645,7 +655,7 @@ async fn chaos_postgres_outage() {
     let deadline = Instant::now() + Duration::from_secs(60);
     let rows = loop {
         let rows = usage_rows_with(&data, &["--database-url", &db]);
-        if rows.len() >= ok as usize + 1 || Instant::now() > deadline {
+        if rows.len() > ok as usize || Instant::now() > deadline {
             break rows;
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -858,7 +868,11 @@ async fn hostile_clients_meet_limits() {
         "slots free again"
     );
 
-    // A flood of invalid keys from one address.
+    // A flood of invalid keys from one address (whose good key was used before it).
+    assert_eq!(
+        post(&url, Some(&key), &chat_body(json!({"max_tokens": 2}))).await.0,
+        200
+    );
     let (mut unauthorized, mut throttled) = (0, 0);
     for i in 0..80 {
         let bad = format!("hk_{i:016x}_flood");
@@ -870,7 +884,12 @@ async fn hostile_clients_meet_limits() {
     }
     let throttled_metric = metric_sum(&metrics(&gw.url).await, "hearth_auth_throttled_total");
     println!("injected: 80 invalid keys; observed: {unauthorized} × 401, then {throttled} × 429");
-    assert!(unauthorized >= 50 && throttled >= 10, "{unauthorized} / {throttled}");
+    assert!(unauthorized >= 50 && throttled >= 1, "{unauthorized} / {throttled}");
+    // A key known to be good still passes from the throttled address.
+    assert_eq!(
+        post(&url, Some(&key), &chat_body(json!({"max_tokens": 2}))).await.0,
+        200
+    );
     assert_eq!(throttled_metric, throttled as f64);
     drop(gw);
 }

@@ -331,7 +331,10 @@ async fn gateways_share_sessions_and_follow_workers_joining_leaving_and_draining
     victim.child.wait().unwrap();
     let killed_at = Instant::now();
     let text = finish_stream(stream, Duration::from_secs(30)).await;
-    assert!(!text.contains("\"error\""), "the stream continues on another worker: {text}");
+    assert!(
+        !text.contains("\"error\""),
+        "the stream continues on another worker: {text}"
+    );
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     succeeded += 1;
     want.retain(|w| *w != victim.url);

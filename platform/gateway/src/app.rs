@@ -44,7 +44,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         // The body guard enforces the size limits (the routes' own only raise them).
         .layer(axum::extract::DefaultBodyLimit::disable())
         .layer(middleware::from_fn(move |req, next| {
-            crate::http::body_guard(state.body_limits, req, next)
+            crate::http::body_guard(state.body_limits.clone(), req, next)
         }))
         .layer(middleware::from_fn(security_headers))
         .layer(middleware::from_fn(request_id))

@@ -48,8 +48,21 @@ impl AuthThrottle {
         entry.1 = now;
     }
 
+    /// The source an address counts as: itself, or for IPv6 its /64 (one host's share of
+    /// addresses, which a client can rotate through).
+    fn source(ip: std::net::IpAddr) -> std::net::IpAddr {
+        match ip {
+            std::net::IpAddr::V6(v6) => {
+                let bits = u128::from(v6) & !((1u128 << 64) - 1);
+                std::net::IpAddr::V6(bits.into())
+            }
+            v4 => v4,
+        }
+    }
+
     /// Whether `ip` may present a credential now; if not, how long until it may.
     pub fn check(&self, ip: std::net::IpAddr) -> Result<(), u64> {
+        let ip = Self::source(ip);
         let mut m = self.sources.lock().unwrap_or_else(|e| e.into_inner());
         let Some(e) = m.get_mut(&ip) else { return Ok(()) };
         Self::refill(e);
@@ -62,6 +75,7 @@ impl AuthThrottle {
 
     /// `ip` presented a bad credential.
     pub fn failed(&self, ip: std::net::IpAddr) {
+        let ip = Self::source(ip);
         let mut m = self.sources.lock().unwrap_or_else(|e| e.into_inner());
         if m.len() >= Self::MAX_SOURCES && !m.contains_key(&ip) {
             let horizon = std::time::Duration::from_secs_f64(Self::BURST / Self::PER_SECOND);
@@ -88,17 +102,22 @@ pub async fn authenticate(
             "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'; create one with 'hearth admin key create --tenant NAME'.",
         ));
     }
+    let key = bearer(headers).unwrap_or("");
     if let (Some(ip), Some(throttle)) = (peer, state.auth_throttle.as_ref()) {
-        if let Err(wait) = throttle.check(ip) {
-            state.metrics.auth_throttled.inc();
-            return Err(ApiError::rate_limited(
-                "auth_failures",
-                "Too many invalid credentials from this address; wait before trying again.",
-                wait,
-            ));
+        // A key known to be good passes even from a throttled address (another client
+        // behind the same proxy or NAT may be the one sending bad ones).
+        match throttle.check(ip) {
+            Err(wait) if !state.tenants.cached_valid(key) => {
+                state.metrics.auth_throttled.inc();
+                return Err(ApiError::rate_limited(
+                    "auth_failures",
+                    "Too many invalid credentials from this address; wait before trying again.",
+                    wait,
+                ));
+            }
+            _ => {}
         }
     }
-    let key = bearer(headers).unwrap_or("");
     let stale = state.tenants.health.stale_served();
     let result = state.tenants.authenticate(key).await;
     if state.tenants.health.stale_served() != stale {
@@ -109,6 +128,10 @@ pub async fn authenticate(
             throttle.failed(ip);
         }
     }
+    auth_result(result)
+}
+
+fn auth_result(result: Result<TenantContext, AuthError>) -> Result<TenantContext, ApiError> {
     match result {
         Ok(ctx) => Ok(ctx),
         Err(AuthError::Store(e)) => {

@@ -157,23 +157,16 @@ pub async fn serve(
                 .max_header_size(limits.max_header_bytes.max(1024));
             let conn = builder.serve_connection(TokioIo::new(stream), service);
             let mut conn = std::pin::pin!(conn);
-            loop {
-                tokio::select! {
-                    r = conn.as_mut() => {
-                        if let Err(e) = r {
-                            tracing::debug!(error = %e, "connection ended");
-                        }
-                        break;
-                    }
-                    () = async { let _ = stop.wait_for(|s| *s).await; } => {
-                        conn.as_mut().graceful_shutdown();
-                        // Served to the end (the caller bounds how long).
-                        if let Err(e) = conn.as_mut().await {
-                            tracing::debug!(error = %e, "connection ended");
-                        }
-                        break;
-                    }
+            let ended = tokio::select! {
+                r = conn.as_mut() => r,
+                () = async { let _ = stop.wait_for(|s| *s).await; } => {
+                    conn.as_mut().graceful_shutdown();
+                    // Served to the end (the caller bounds how long).
+                    conn.as_mut().await
                 }
+            };
+            if let Err(e) = ended {
+                tracing::debug!(error = %e, "connection ended");
             }
         });
     }
@@ -186,14 +179,24 @@ pub async fn serve(
 }
 
 /// The body limits of one route: the default, or a larger one (processor uploads).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct BodyLimits {
     pub max_bytes: usize,
     pub read_timeout: Duration,
-    /// Paths ending in this may send up to `upload_bytes` (processor uploads).
+    /// `POST`s to paths under the management prefixes ending in this may send up to
+    /// `upload_bytes` (processor uploads).
     pub upload_suffix: &'static str,
     pub upload_bytes: usize,
+    /// Request bodies held at once by the whole process, in KiB ([`BODY_BUDGET_KIB`]): past
+    /// it a request gets 503 instead of more memory.
+    budget: Arc<tokio::sync::Semaphore>,
 }
+
+/// Request bodies the process holds at once, at most (KiB): 512 MiB.
+pub const BODY_BUDGET_KIB: usize = 512 << 10;
+
+/// Where processor uploads are (the admin API, the self-service API, the dashboard).
+const UPLOAD_PREFIXES: [&str; 3] = ["/admin/v1/tenants/", "/v1/tenant/", "/dashboard/"];
 
 impl BodyLimits {
     pub fn new(http: &HttpLimits, upload_suffix: &'static str, upload_bytes: usize) -> Self {
@@ -202,11 +205,16 @@ impl BodyLimits {
             read_timeout: http.body_read_timeout,
             upload_suffix,
             upload_bytes,
+            budget: Arc::new(tokio::sync::Semaphore::new(BODY_BUDGET_KIB)),
         }
     }
 
-    fn limit_for(&self, path: &str) -> usize {
-        if !self.upload_suffix.is_empty() && path.ends_with(self.upload_suffix) {
+    fn limit_for(&self, method: &axum::http::Method, path: &str) -> usize {
+        let upload = !self.upload_suffix.is_empty()
+            && method == axum::http::Method::POST
+            && path.ends_with(self.upload_suffix)
+            && UPLOAD_PREFIXES.iter().any(|p| path.starts_with(p));
+        if upload {
             self.upload_bytes.max(self.max_bytes)
         } else {
             self.max_bytes
@@ -235,7 +243,7 @@ fn too_large(limit: usize) -> Response {
 /// Middleware: the request's body read whole, within its size and time limits, before the
 /// handler runs (see the module's docs).
 pub async fn body_guard(limits: BodyLimits, req: Request, next: Next) -> Response {
-    let limit = limits.limit_for(req.uri().path());
+    let limit = limits.limit_for(req.method(), req.uri().path());
     let declared = req
         .headers()
         .get(header::CONTENT_LENGTH)
@@ -255,7 +263,11 @@ pub async fn body_guard(limits: BodyLimits, req: Request, next: Next) -> Respons
     let (parts, body) = req.into_parts();
     let deadline = tokio::time::Instant::now() + limits.read_timeout;
     let mut body = body;
-    let mut buf = Vec::with_capacity(declared.map_or(0, |n| (n as usize).min(limit)));
+    // An announced body over the limit is only drained; memory grows with what arrives,
+    // never with what a header announces.
+    let drain_only = declared.is_some_and(|n| n > limit as u64);
+    let mut buf = Vec::with_capacity(declared.map_or(0, |n| (n as usize).min(limit).min(64 << 10)));
+    let mut held = Vec::new();
     let mut seen = 0usize;
     loop {
         let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
@@ -277,18 +289,38 @@ pub async fn body_guard(limits: BodyLimits, req: Request, next: Next) -> Respons
         };
         let Ok(data) = frame.into_data() else { continue };
         seen = seen.saturating_add(data.len());
-        if seen > limit {
+        if drain_only || seen > limit {
             // Read on (and discard) so that the client reads the 413 rather than a reset.
             if seen > DRAIN_BYTES {
                 return too_large(limit);
             }
             buf = Vec::new();
+            held.clear();
             continue;
+        }
+        match limits
+            .budget
+            .clone()
+            .try_acquire_many_owned(data.len().div_ceil(1024) as u32)
+        {
+            Ok(p) => held.push(p),
+            Err(_) => {
+                let mut resp = ApiError::unavailable_code(
+                    "server_busy",
+                    "The server is holding too many request bodies; retry shortly.",
+                )
+                .into_response();
+                resp.headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                return resp;
+            }
         }
         buf.extend_from_slice(&data);
     }
     if seen > limit {
         return too_large(limit);
     }
-    next.run(Request::from_parts(parts, Body::from(Bytes::from(buf)))).await
+    let resp = next.run(Request::from_parts(parts, Body::from(Bytes::from(buf)))).await;
+    drop(held); // the body's share of the budget, until the handler is done with it
+    resp
 }

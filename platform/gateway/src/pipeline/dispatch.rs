@@ -62,16 +62,21 @@ impl Failover {
     }
 
     /// Continues the request on another worker after `sent` (choice 0's tokens the client
-    /// was sent); `lost` is where it was. None when no worker can take it (or it has moved
-    /// too often, or nothing is left to generate): the caller ends the stream with the error.
-    pub async fn resume(&mut self, sent: &[u32], lost: Option<&Placement>) -> Option<Dispatched> {
+    /// was sent); `lost` is where it was.
+    pub async fn resume(&mut self, sent: &[u32], lost: Option<&Placement>) -> Resumed {
         if let Some(p) = lost {
             p.mark_lost();
             self.exclude |= 1 << p.slot;
         }
         let resume: Vec<u32> = self.req.resume.iter().chain(sent).copied().collect();
-        if self.left == 0 || resume.len() >= self.req.sampling.max_tokens.max(1) as usize {
-            return None;
+        // Nothing left to generate: the answer was complete (at its length limit).
+        if resume.len() >= self.req.sampling.max_tokens.max(1) as usize
+            || self.req.prompt.len() + resume.len() >= self.model.context_length as usize
+        {
+            return Resumed::Complete;
+        }
+        if self.left == 0 {
+            return Resumed::Unavailable;
         }
         self.left -= 1;
         let mut req = self.req.clone();
@@ -87,14 +92,25 @@ impl Failover {
                     self.exclude |= 1 << p.slot;
                 }
                 d.failover = None;
-                Some(d)
+                Resumed::On(Box::new(d))
             }
             Err(e) => {
                 tracing::warn!(error = %e.message, "worker lost mid-stream and no other can continue the request");
-                None
+                Resumed::Unavailable
             }
         }
     }
+}
+
+/// What a failover came to.
+pub enum Resumed {
+    /// The request continues on another worker.
+    On(Box<Dispatched>),
+    /// Nothing was left to generate (`max_tokens` or the context reached): the answer ends
+    /// as complete, at its length limit.
+    Complete,
+    /// No worker can take it, or it has moved too often: the stream ends with the error.
+    Unavailable,
 }
 
 pub async fn run(state: &crate::state::AppState, ctx: &mut RequestContext) -> Result<Dispatched, ApiError> {

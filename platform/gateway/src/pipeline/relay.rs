@@ -22,7 +22,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
-use super::dispatch::Dispatched;
+use super::dispatch::{Dispatched, Resumed};
 use super::limit::Admitted;
 use super::meter::Meter;
 use super::respond::worker_error;
@@ -92,19 +92,10 @@ pub async fn start(
         processor_time,
     };
     let unrecorded = ctx.unrecorded.take().unwrap_or_else(|| state.unrecorded.start());
-    // Durable from here: if this process dies before the final record, the next one
-    // records the request as interrupted.
-    let admitted = meter.admit(&rec);
     tokio::spawn(
         async move {
             let _unrecorded = unrecorded; // until the usage is recorded
-            let recorded = relay(state, meter, rec, timing, dispatched, holds, tx).await;
-            match (recorded, admitted) {
-                // Neither the outbox nor the database took the final record: the mark stays,
-                // so the request is recorded as interrupted on replay rather than lost.
-                (false, Some(a)) => a.abandon(),
-                (_, a) => drop(a),
-            }
+            relay(state, meter, rec, timing, dispatched, holds, tx).await;
         }
         .instrument(span),
     );
@@ -211,11 +202,12 @@ impl Timing {
 }
 
 /// Sends one event towards the client; false if the client is gone, or the drain timeout
-/// passed while a client was not reading.
+/// (or the request's time limit) passed while a client was not reading.
 async fn send(
     tx: &mpsc::Sender<GenerateEvent>,
     ev: GenerateEvent,
     abort: &mut tokio::sync::watch::Receiver<bool>,
+    deadline: tokio::time::Instant,
 ) -> bool {
     // A send with room goes first, even after the abort: the error event that ends the
     // stream must still go out.
@@ -223,6 +215,7 @@ async fn send(
         biased;
         r = tx.send(ev) => r.is_ok(),
         () = aborted(abort) => false,
+        () = tokio::time::sleep_until(deadline) => false,
     }
 }
 
@@ -245,16 +238,30 @@ async fn relay(
     }: Dispatched,
     mut holds: Holds,
     tx: mpsc::Sender<GenerateEvent>,
-) -> bool {
+) {
     let mut generated = 0u32;
     // Choice 0's tokens passed on: where a failover continues from.
     let mut sent: Vec<u32> = Vec::new();
+    // Why choice 0 ended, once its `Finish` was passed on.
+    let mut finished: Option<FinishReason> = None;
+    // Whether the current worker has sent anything: before its first event the request may
+    // be queued or prefilling, which the idle timeout does not cover.
+    let mut streaming = false;
+    // The request's admission mark, from its first token on (see `Meter::admit`).
+    let mut admitted: Option<hearth_billing::Admitted> = None;
     let mut abort = state.abort.subscribe();
     let limits = state.request_limits;
     let deadline = tokio::time::Instant::from_std(timing.received + limits.max_duration);
     let ended = loop {
+        let next = async {
+            if streaming {
+                tokio::time::timeout(limits.stream_idle, events.next()).await
+            } else {
+                Ok(events.next().await)
+            }
+        };
         let ev = tokio::select! {
-            ev = tokio::time::timeout(limits.stream_idle, events.next()) => match ev {
+            ev = next => match ev {
                 Ok(Some(ev)) => ev,
                 Ok(None) => GenerateEvent::Error {
                     code: "worker_disconnected".into(),
@@ -275,20 +282,57 @@ async fn relay(
                 message: format!("the request ran longer than {} s", limits.max_duration.as_secs()),
             },
         };
+        streaming = true;
         // A lost worker: the generation continues on another one after what was sent.
+        let mut ev = ev;
         if let (GenerateEvent::Error { code, .. }, Some(f)) = (&ev, failover.as_mut()) {
             if super::dispatch::worker_lost(code) {
                 drop(std::mem::replace(&mut events, futures_util::stream::empty().boxed()));
-                if let Some(d) = f.resume(&sent, placement.as_ref()).await {
-                    state.metrics.failovers.inc();
-                    events = d.events;
-                    placement = d.placement;
-                    continue;
+                let resumed = match finished {
+                    // The answer was complete; only its `Done` was lost.
+                    Some(_) => Resumed::Complete,
+                    None => f.resume(&sent, placement.as_ref()).await,
+                };
+                match resumed {
+                    Resumed::On(d) => {
+                        state.metrics.failovers.inc();
+                        events = d.events;
+                        placement = d.placement;
+                        streaming = false;
+                        continue;
+                    }
+                    Resumed::Complete => {
+                        // The usage the worker would have reported: the prompt (none of it
+                        // known to be cached) and every token generated.
+                        let finish_reason = finished.unwrap_or(FinishReason::Length);
+                        let finish = GenerateEvent::Finish {
+                            index: 0,
+                            finish_reason,
+                        };
+                        if finished.is_none() && !send(&tx, finish, &mut abort, deadline).await {
+                            break None;
+                        }
+                        ev = GenerateEvent::Done {
+                            finish_reason,
+                            usage: hearth_protocol::Usage {
+                                prompt_tokens: rec.prompt_tokens,
+                                cached_tokens: 0,
+                                completion_tokens: generated,
+                            },
+                            timings: Default::default(),
+                        };
+                    }
+                    Resumed::Unavailable => {}
                 }
             }
         }
         let terminal = match &ev {
             GenerateEvent::Token { index, id, .. } => {
+                if admitted.is_none() {
+                    // Durable from the first token on: if this process dies before the
+                    // final record, the next one records the request as interrupted.
+                    admitted = meter.admit(&rec);
+                }
                 if *index == 0 {
                     sent.push(*id);
                 }
@@ -302,7 +346,12 @@ async fn relay(
                 }
                 false
             }
-            GenerateEvent::Finish { .. } => false,
+            GenerateEvent::Finish { index, finish_reason } => {
+                if *index == 0 {
+                    finished = Some(*finish_reason);
+                }
+                false
+            }
             GenerateEvent::Done {
                 finish_reason,
                 usage,
@@ -341,7 +390,7 @@ async fn relay(
             let finished = matches!(ev, GenerateEvent::Done { .. });
             if let (true, Some(post)) = (finished, holds.post.take()) {
                 // Post-processing needs the worker's last event before its time is known.
-                send(&tx, ev, &mut abort).await;
+                send(&tx, ev, &mut abort, deadline).await;
                 let report = tokio::select! {
                     r = tokio::time::timeout(POST_WAIT, post) => r.ok().and_then(Result::ok),
                     () = aborted(&mut abort) => None,
@@ -356,10 +405,10 @@ async fn relay(
                 break Some(pending);
             }
             let pending = meter.record(&mut rec).instrument(tracing::info_span!("meter")).await;
-            send(&tx, ev, &mut abort).await;
+            send(&tx, ev, &mut abort, deadline).await;
             break Some(pending);
         }
-        if !send(&tx, ev, &mut abort).await {
+        if !send(&tx, ev, &mut abort, deadline).await {
             break None;
         }
     };
@@ -384,9 +433,13 @@ async fn relay(
             meter.record(&mut rec).instrument(tracing::info_span!("meter")).await
         }
     };
-    let recorded = pending.is_some();
+    match (pending.is_some(), admitted) {
+        // Neither the outbox nor the database took the final record: the mark stays, so the
+        // request is recorded as interrupted on replay rather than lost.
+        (false, Some(a)) => a.abandon(),
+        (_, a) => drop(a),
+    }
     meter.settle(&rec, pending).await;
     // The real cost is now in the budget's spend: the worst case no longer needs holding.
     drop(holds.budget);
-    recorded
 }
