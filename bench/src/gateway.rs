@@ -152,12 +152,12 @@ impl GatewayBenchReport {
             self.requests, self.concurrency
         );
         s += &format!(
-            "{:<12} {:>10} {:>10} {:>10} {:>14} {:>12}\n",
+            "{:<16} {:>10} {:>10} {:>10} {:>14} {:>12}\n",
             "mode", "p50 µs", "p99 µs", "mean µs", "added p50 µs", "req/s"
         );
         for m in &self.modes {
             s += &format!(
-                "{:<12} {:>10.1} {:>10.1} {:>10.1} {:>14.1} {:>12.0}{}\n",
+                "{:<16} {:>10.1} {:>10.1} {:>10.1} {:>14.1} {:>12.0}{}\n",
                 m.mode,
                 m.p50_us,
                 m.p99_us,
