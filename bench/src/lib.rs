@@ -22,6 +22,7 @@ pub mod fairness;
 pub mod gateway;
 pub mod pd;
 pub mod processors;
+mod procs;
 pub mod routing;
 pub mod soak;
 

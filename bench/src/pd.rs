@@ -14,9 +14,7 @@
 //! moved and the transfer rate; then the ratios the targets name.
 
 use std::collections::{BinaryHeap, HashMap};
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
@@ -24,6 +22,7 @@ use hearth_engine::sim::{CostModel, SimWorker};
 use hearth_protocol::namespace_root;
 use serde::Serialize;
 
+use crate::procs::{self, Proc};
 use crate::routing::percentile;
 use serde_json::json;
 
@@ -175,58 +174,16 @@ pub async fn run(cfg: PdBenchConfig) -> anyhow::Result<PdReport> {
     })
 }
 
-/// A child process killed on drop.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+fn spawn(exe: &std::path::Path, args: &[&str]) -> anyhow::Result<(Proc, String)> {
+    procs::spawn(
+        exe,
+        args,
+        &[("HEARTH_WORKER_TOKEN", TOKEN), ("HEARTH_ADMIN_TOKEN", TOKEN)],
+    )
 }
 
-/// Starts `hearth ARGS` and waits for its "listening on http://ADDR" line.
-fn spawn(exe: &PathBuf, args: &[&str]) -> anyhow::Result<(Proc, String)> {
-    let mut child = Command::new(exe)
-        .args(args)
-        .env("HEARTH_WORKER_TOKEN", TOKEN)
-        .env("HEARTH_ADMIN_TOKEN", TOKEN)
-        .env("HEARTH_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()?;
-    let stdout = child.stdout.take().ok_or_else(|| anyhow::anyhow!("no stdout"))?;
-    let proc = Proc(child);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        let line = rx
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            .map_err(|_| anyhow::anyhow!("hearth {args:?} did not start"))?;
-        if let Some(rest) = line.split("listening on ").nth(1) {
-            let url = rest.split_whitespace().next().unwrap_or_default().to_string();
-            std::thread::spawn(move || while rx.recv().is_ok() {});
-            return Ok((proc, url));
-        }
-    }
-}
-
-fn admin(exe: &PathBuf, data: &str, args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new(exe)
-        .args(["admin", "--data-dir", data])
-        .args(args)
-        .output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "admin {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+fn admin(exe: &std::path::Path, data: &str, args: &[&str]) -> anyhow::Result<String> {
+    procs::cli(exe, "admin", data, args)
 }
 
 /// One streamed request's timings at the client.

@@ -8,9 +8,8 @@
 //! the books: one usage row per request, a completed row per successful response.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -18,6 +17,7 @@ use futures_util::StreamExt;
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use crate::procs::{self, Proc};
 use crate::Rng;
 
 const ADMIN: &str = "soak-admin-token";
@@ -86,55 +86,12 @@ pub struct SoakReport {
     pub growth: Growth,
 }
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn start(exe: &Path, args: &[&str]) -> anyhow::Result<(Proc, String)> {
-    let mut child = Command::new(exe)
-        .args(args)
-        .env("HEARTH_ADMIN_TOKEN", ADMIN)
-        .env("HEARTH_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()?;
-    let stdout = child.stdout.take().ok_or_else(|| anyhow::anyhow!("no stdout"))?;
-    let proc = Proc(child);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        let line = rx
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            .map_err(|_| anyhow::anyhow!("hearth {args:?} did not start"))?;
-        if let Some(rest) = line.split("listening on ").nth(1) {
-            let url = rest.split_whitespace().next().unwrap_or_default().to_string();
-            std::thread::spawn(move || while rx.recv().is_ok() {});
-            return Ok((proc, url));
-        }
-    }
+    procs::spawn(exe, args, &[("HEARTH_ADMIN_TOKEN", ADMIN)])
 }
 
 fn admin(exe: &Path, data: &str, args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new(exe)
-        .args(["admin", "--data-dir", data])
-        .args(args)
-        .output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "admin {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    procs::cli(exe, "admin", data, args)
 }
 
 fn new_key(exe: &Path, data: &str, tenant: &str) -> anyhow::Result<String> {
@@ -333,9 +290,11 @@ pub async fn run(cfg: SoakConfig) -> anyhow::Result<SoakReport> {
     let wasm = data.join("trivial.wasm");
     std::fs::write(&wasm, hearth_runtime::wat_guest::trivial())?;
     let key_id = pkey.split('_').nth(1).unwrap_or_default().to_string();
-    let out = Command::new(&cfg.exe)
-        .args(["processor", "--data-dir", &data_s])
-        .args([
+    procs::cli(
+        &cfg.exe,
+        "processor",
+        &data_s,
+        &[
             "upload",
             "--tenant",
             "soak",
@@ -345,13 +304,8 @@ pub async fn run(cfg: SoakConfig) -> anyhow::Result<SoakReport> {
             "--key",
             &key_id,
             &wasm.to_string_lossy(),
-        ])
-        .output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "processor upload: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+        ],
+    )?;
     let client = reqwest::Client::builder().timeout(Duration::from_secs(120)).build()?;
     let keys = Arc::new((key, pkey));
     let tally = Arc::new(Mutex::new(Tally::default()));

@@ -610,17 +610,7 @@ async fn chaos_postgres_outage() {
     let db = pg.url();
     let worker = sim_worker("20");
     let gw = gateway_with(&data, &worker.url, &["--database-url", &db], &[]);
-    let admin_pg = |args: &[&str]| {
-        let mut a = vec!["--database-url", db.as_str()];
-        a.extend_from_slice(args);
-        admin(&data, &a)
-    };
-    admin_pg(&["tenant", "create", "acme"]);
-    let key = admin_pg(&["key", "create", "--tenant", "acme"])
-        .split_whitespace()
-        .find(|w| w.starts_with("hk_"))
-        .unwrap()
-        .to_string();
+    let key = new_key_with(&data, &["--database-url", &db], "acme");
     let url = format!("{}/v1/chat/completions", gw.url);
     let body = chat_body(json!({"max_tokens": 4}));
     let unknown = "hk_0123456789abcdef_notakey";
@@ -711,17 +701,7 @@ async fn chaos_outbox_disk_full() {
         ],
         &[],
     );
-    let admin_db = |args: &[&str]| {
-        let mut a = vec!["--database-url", db.as_str()];
-        a.extend_from_slice(args);
-        admin(&base, &a)
-    };
-    admin_db(&["tenant", "create", "acme"]);
-    let key = admin_db(&["key", "create", "--tenant", "acme"])
-        .split_whitespace()
-        .find(|w| w.starts_with("hk_"))
-        .unwrap()
-        .to_string();
+    let key = new_key_with(&base, &["--database-url", &db], "acme");
     let url = format!("{}/v1/chat/completions", gw.url);
     let body = chat_body(json!({"max_tokens": 4}));
     assert_eq!(post(&url, Some(&key), &body).await.0, 200);

@@ -153,8 +153,20 @@ pub fn admin(data: &Path, args: &[&str]) -> String {
 
 /// Creates a tenant and a key with the CLI; returns the key.
 pub fn new_key(data: &Path, tenant: &str) -> String {
-    admin(data, &["tenant", "create", tenant]);
-    let out = admin(data, &["key", "create", "--tenant", tenant]);
+    new_key_with(data, &[], tenant)
+}
+
+/// `hearth admin --data-dir DATA EXTRA ARGS` (EXTRA: e.g. `--database-url URL`).
+pub fn admin_with(data: &Path, extra: &[&str], args: &[&str]) -> String {
+    let mut all = extra.to_vec();
+    all.extend_from_slice(args);
+    admin(data, &all)
+}
+
+/// [`new_key`] with extra admin arguments (another database).
+pub fn new_key_with(data: &Path, extra: &[&str], tenant: &str) -> String {
+    admin_with(data, extra, &["tenant", "create", tenant]);
+    let out = admin_with(data, extra, &["key", "create", "--tenant", tenant]);
     out.split_whitespace()
         .find(|w| w.starts_with("hk_"))
         .expect("key printed")
