@@ -216,18 +216,6 @@ fn is_root() -> bool {
         .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
 }
 
-fn sim_worker(speedup: &str) -> Proc {
-    spawn(&[
-        "worker",
-        "--listen",
-        "127.0.0.1:0",
-        "--backend",
-        "sim",
-        "--sim-speedup",
-        speedup,
-    ])
-}
-
 /// What one streamed answer came to.
 #[derive(Debug, Default, Clone)]
 struct Streamed {

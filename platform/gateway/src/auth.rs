@@ -118,11 +118,7 @@ pub async fn authenticate(
             _ => {}
         }
     }
-    let stale = state.tenants.health.stale_served();
     let result = state.tenants.authenticate(key).await;
-    if state.tenants.health.stale_served() != stale {
-        state.metrics.auth_stale.inc();
-    }
     if let (Err(e), Some(ip), Some(throttle)) = (&result, peer, state.auth_throttle.as_ref()) {
         if !matches!(e, AuthError::Store(_)) {
             throttle.failed(ip);

@@ -408,6 +408,17 @@ impl Metrics {
             self.alive_tasks
                 .set(i64::try_from(rt.metrics().num_alive_tasks()).unwrap_or(i64::MAX));
         }
+        // Counted where they happen (the ledger, the key store); brought up to date here.
+        let catch_up = |c: &Counter, now: u64| c.inc_by(now.saturating_sub(c.get()));
+        catch_up(
+            &self.outbox_errors,
+            state
+                .ledger
+                .health()
+                .outbox_errors
+                .load(std::sync::atomic::Ordering::Relaxed),
+        );
+        catch_up(&self.auth_stale, state.tenants.health.stale_served());
         self.outbox_failing.set(i64::from(
             state
                 .ledger

@@ -89,6 +89,20 @@ pub fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Proc {
     }
 }
 
+/// A `hearth worker` on the sim backend (the real worker with simulated compute), time
+/// compressed `speedup` times.
+pub fn sim_worker(speedup: &str) -> Proc {
+    spawn(&[
+        "worker",
+        "--listen",
+        "127.0.0.1:0",
+        "--backend",
+        "sim",
+        "--sim-speedup",
+        speedup,
+    ])
+}
+
 /// A real-engine `hearth worker` and a `hearth gateway` in front of it.
 pub fn worker_and_gateway(data: &Path) -> (Proc, Proc) {
     worker_and_gateway_with(data, &[], &[])

@@ -51,11 +51,11 @@ pub fn worker_lost(code: &str) -> bool {
 }
 
 impl Failover {
-    fn new(model: &Arc<ServedModel>, req: &GenerateRequest, routed: &RouteRequest) -> Option<Self> {
+    fn new(model: &Arc<ServedModel>, req: GenerateRequest, routed: RouteRequest) -> Option<Self> {
         (req.n == 1 && !req.prefill_only).then(|| Self {
             model: model.clone(),
-            req: req.clone(),
-            routed: routed.clone(),
+            req,
+            routed,
             exclude: 0,
             left: FAILOVERS,
         })
@@ -151,21 +151,26 @@ pub async fn run(state: &crate::state::AppState, ctx: &mut RequestContext) -> Re
         shared,
     };
     let routed = RouteRequest::new(&model, &req.prompt, &req.cache_namespace, hints);
-    let failover = Failover::new(&model, &req, &routed);
     // One completion only: `n` choices share one prompt on one worker.
-    let mut d = 'sent: {
-        if req.n == 1 && req.sampling.max_tokens > 1 {
-            let pd = tracing::info_span!("route").in_scope(|| route::run_pd(&model, &routed, 0));
-            if let Some(pd) = pd {
-                match super::disaggregate::start(&model, req, routed, pd).await {
-                    Ok(d) => break 'sent d,
-                    Err((req, routed, exclude)) => break 'sent colocated(&model, &req, &routed, exclude).await?,
+    if req.n == 1 && req.sampling.max_tokens > 1 {
+        let pd = tracing::info_span!("route").in_scope(|| route::run_pd(&model, &routed, 0));
+        if let Some(pd) = pd {
+            // The stitching task takes the request; the failover keeps its own copy.
+            let failover = Failover::new(&model, req.clone(), routed.clone());
+            let (req, routed, exclude) = match super::disaggregate::start(&model, req, routed, pd).await {
+                Ok(mut d) => {
+                    d.failover = failover;
+                    return Ok(d);
                 }
-            }
+                Err(not_started) => not_started,
+            };
+            let mut d = colocated(&model, &req, &routed, exclude).await?;
+            d.failover = Failover::new(&model, req, routed);
+            return Ok(d);
         }
-        colocated(&model, &req, &routed, 0).await?
-    };
-    d.failover = failover;
+    }
+    let mut d = colocated(&model, &req, &routed, 0).await?;
+    d.failover = Failover::new(&model, req, routed);
     Ok(d)
 }
 

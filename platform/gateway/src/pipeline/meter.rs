@@ -7,7 +7,6 @@ use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use hearth_billing::{month_of, Pending, UsageRecord};
 use hearth_tenants::now_ms;
-use std::sync::atomic::Ordering;
 
 use super::RequestContext;
 use crate::error::ApiError;
@@ -28,31 +27,15 @@ pub trait Meter: Send + Sync + 'static {
     fn settle<'a>(&'a self, rec: &'a UsageRecord, pending: Option<Pending>) -> BoxFuture<'a, ()>;
 }
 
-impl AppState {
-    /// Counts the outbox's failed appends since `before` in the metrics.
-    fn count_outbox_errors(&self, before: u64) {
-        let now = self.ledger.health().outbox_errors.load(Ordering::Relaxed);
-        if now > before {
-            self.metrics.outbox_errors.inc_by(now - before);
-        }
-    }
-}
-
 impl Meter for AppState {
     fn admit(&self, rec: &UsageRecord) -> Option<hearth_billing::Admitted> {
-        let before = self.ledger.health().outbox_errors.load(Ordering::Relaxed);
-        let mark = self.ledger.admit(rec);
-        self.count_outbox_errors(before);
-        mark
+        self.ledger.admit(rec)
     }
 
     fn record<'a>(&'a self, rec: &'a mut UsageRecord) -> BoxFuture<'a, Option<Pending>> {
         async move {
             rec.finished_at = now_ms();
-            let before = self.ledger.health().outbox_errors.load(Ordering::Relaxed);
-            let r = self.ledger.record_durable(rec).await;
-            self.count_outbox_errors(before);
-            match r {
+            match self.ledger.record_durable(rec).await {
                 Ok(p) => Some(p),
                 Err(e) => {
                     tracing::error!(record = ?rec, error = %e, "usage record could not be written");
