@@ -17,6 +17,7 @@ use hearth_protocol::{
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{broadcast, oneshot, watch};
 
+use crate::cuda::Device;
 use crate::gguf::{GgufError, GgufFile};
 use crate::grammar::{Grammar, Grammars};
 use crate::kernels::{cpu_features, isa, set_isa, Isa};
@@ -85,6 +86,9 @@ pub struct EngineConfig {
     /// sequence and step (0: off for every request; a request opts out with
     /// `speculative: false`).
     pub speculative_tokens: usize,
+    /// Where the forward pass runs: the CPU kernels, or a GPU through the CUDA backend
+    /// (see [`crate::cuda`]; `kv_cache_mib` is then device memory).
+    pub device: Device,
 }
 
 /// The default draft length (see [`EngineConfig::speculative_tokens`]).
@@ -105,6 +109,7 @@ impl Default for EngineConfig {
             max_queue_tokens: None,
             policy: Policy::default(),
             speculative_tokens: DEFAULT_SPECULATIVE_TOKENS,
+            device: Device::Cpu,
         }
     }
 }
@@ -250,7 +255,11 @@ impl EngineHandle {
         let file = crate::hf::open_model(path)?;
         let spec = tokenizer_spec(&file)?;
         let tokenizer = Arc::new(Tokenizer::from_spec(&spec)?);
-        let model = LlamaModel::load_with(file, cfg.pack_cache)?;
+        let model = match cfg.device {
+            Device::Cpu => LlamaModel::load_with(file, cfg.pack_cache)?,
+            // The device keeps its own copy of the weights: no CPU repacking.
+            Device::Cuda(_) => LlamaModel::load_unpacked(file)?,
+        };
         tracing::info!(
             isa = %isa(),
             pack_cache = model.packed_from_cache(),
@@ -268,9 +277,11 @@ impl EngineHandle {
             .collect();
         let bt = hearth_protocol::DEFAULT_BLOCK_TOKENS;
         let c = &model.config;
-        let (mib, num_blocks) = kv_blocks(model.kv_shape(bt), cfg);
         let block_bytes = KvPool::block_bytes(model.kv_shape(bt), cfg.kv_dtype);
-        let pool = KvPool::new(model.kv_shape(bt), cfg.kv_dtype, num_blocks);
+        let context = cfg
+            .max_context
+            .map_or(model.config.context_length, |m| m.clamp(1, model.config.context_length));
+        let (compute, mib, num_blocks) = Compute::new(&model, cfg, bt, context)?;
         let shape = model.kv_shape(bt);
         let kv_layout = KvLayout {
             n_layers: shape.n_layers as u32,
@@ -305,7 +316,7 @@ impl EngineHandle {
             tokenizer: spec,
             tenants: Vec::new(),
         };
-        let compute = rayon::ThreadPoolBuilder::new()
+        let threads = rayon::ThreadPoolBuilder::new()
             .num_threads(cfg.threads.max(1))
             .thread_name(|i| format!("hearth-compute-{i}"))
             .build()
@@ -322,9 +333,6 @@ impl EngineHandle {
             tokens = kv_capacity_tokens,
             "KV cache"
         );
-        let context = cfg
-            .max_context
-            .map_or(model.config.context_length, |m| m.clamp(1, model.config.context_length));
         let grammars = Grammars::new(tokenizer.clone(), model.config.vocab_size, end_of_generation.clone());
         let mut runner = Runner {
             model,
@@ -335,9 +343,8 @@ impl EngineHandle {
             speculative_tokens: cfg.speculative_tokens,
             model_id: model_id.to_string(),
             end_of_generation,
-            pool,
+            compute,
             sched,
-            scratch: ForwardScratch::default(),
             requests: HashMap::new(),
             owner: HashMap::new(),
             next_id: 0,
@@ -352,7 +359,7 @@ impl EngineHandle {
         let (commands, rx) = mpsc::channel::<Command>();
         std::thread::Builder::new()
             .name("hearth-engine".into())
-            .spawn(move || compute.install(|| runner.run(rx)))
+            .spawn(move || threads.install(|| runner.run(rx)))
             .map_err(|e| EngineError::Start(e.to_string()))?;
         Ok(Self {
             info: Arc::new(info),
@@ -535,6 +542,104 @@ struct Request {
     first_token: Option<Instant>,
 }
 
+/// Where the forward pass runs, with the KV pool it writes.
+enum Compute {
+    Cpu {
+        pool: KvPool,
+        scratch: ForwardScratch,
+    },
+    #[cfg(feature = "cuda")]
+    Cuda(Box<crate::cuda::CudaCompute>),
+}
+
+impl Compute {
+    /// The compute for `cfg.device`, its KV cache's MiB and blocks.
+    fn new(
+        model: &LlamaModel,
+        cfg: &EngineConfig,
+        bt: usize,
+        context: usize,
+    ) -> Result<(Self, usize, usize), EngineError> {
+        match cfg.device {
+            Device::Cpu => {
+                let (mib, num_blocks) = kv_blocks(model.kv_shape(bt), cfg);
+                let pool = KvPool::new(model.kv_shape(bt), cfg.kv_dtype, num_blocks);
+                Ok((
+                    Compute::Cpu {
+                        pool,
+                        scratch: ForwardScratch::default(),
+                    },
+                    mib,
+                    num_blocks,
+                ))
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => {
+                if cfg.kv_dtype != KvDtype::F16 {
+                    return Err(EngineError::Start("the CUDA backend keeps its KV cache in f16".into()));
+                }
+                // Rows a step may carry: the token budget, or every running sequence with
+                // its draft tokens, whichever is more.
+                let max_rows = cfg
+                    .max_batch_tokens
+                    .max(cfg.max_running * (1 + cfg.speculative_tokens))
+                    .max(1);
+                let c = crate::cuda::CudaCompute::new(model, ordinal, cfg.kv_cache_mib, max_rows, context, bt)
+                    .map_err(|e| EngineError::Start(e.to_string()))?;
+                let (mib, blocks) = (c.report().kv_cache_mib, c.num_blocks());
+                Ok((Compute::Cuda(Box::new(c)), mib, blocks))
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(EngineError::Start(
+                "this build has no CUDA backend (build hearth with `--features cuda`)".into(),
+            )),
+        }
+    }
+
+    fn forward(&mut self, model: &LlamaModel, batch: &Batch<'_>) -> Result<Vec<f32>, String> {
+        match self {
+            Compute::Cpu { pool, scratch } => Ok(model.forward_batch(batch, pool, scratch)),
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(c) => c.forward(batch).map_err(|e| e.to_string()),
+        }
+    }
+
+    /// A block's bytes (None: the device failed to give them).
+    fn read_block(&self, block: u32) -> Option<Vec<u8>> {
+        match self {
+            Compute::Cpu { pool, .. } => Some(pool.read_block(block)),
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(c) => c
+                .read_block(block)
+                .inspect_err(|e| tracing::error!(error = %e, "reading a KV block from the device failed"))
+                .ok(),
+        }
+    }
+
+    fn write_block(&mut self, block: u32, bytes: &[u8]) -> bool {
+        match self {
+            Compute::Cpu { pool, .. } => pool.write_block(block, bytes),
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(c) => c
+                .write_block(block, bytes)
+                .inspect_err(|e| tracing::error!(error = %e, "writing a KV block to the device failed"))
+                .unwrap_or(false),
+        }
+    }
+
+    fn copy_block(&mut self, from: u32, to: u32) {
+        match self {
+            Compute::Cpu { pool, .. } => pool.copy_block(from, to),
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(c) => {
+                if let Err(e) = c.copy_block(from, to) {
+                    tracing::error!(error = %e, "copying a KV block on the device failed");
+                }
+            }
+        }
+    }
+}
+
 /// What the engine thread owns.
 struct Runner {
     model: LlamaModel,
@@ -549,9 +654,8 @@ struct Runner {
     speculative_tokens: usize,
     model_id: String,
     end_of_generation: Vec<u32>,
-    pool: KvPool,
+    compute: Compute,
     sched: Scheduler,
-    scratch: ForwardScratch,
     /// By request key (the id of its first sequence).
     requests: HashMap<u64, Request>,
     /// Sequence → (request key, choice index).
@@ -614,7 +718,7 @@ impl Runner {
                 // Copies only: checksums are taken off the engine thread.
                 let blocks = hashes
                     .into_iter()
-                    .map(|h| Some(self.pool.read_block(self.sched.blocks.peek(h)?)))
+                    .map(|h| self.compute.read_block(self.sched.blocks.peek(h)?))
                     .collect();
                 let _ = reply.send(blocks);
             }
@@ -695,7 +799,7 @@ impl Runner {
                 gap = true;
                 continue;
             };
-            if self.pool.write_block(b, &block.data) {
+            if self.compute.write_block(b, &block.data) {
                 self.sched.blocks.register(b, block.hash);
                 report.imported += 1;
                 report.bytes += block.data.len() as u64;
@@ -940,7 +1044,7 @@ impl Runner {
         self.propose_drafts();
         let items = self.sched.schedule();
         for (from, to) in std::mem::take(&mut self.sched.pending_copies) {
-            self.pool.copy_block(from, to);
+            self.compute.copy_block(from, to);
         }
         if items.is_empty() {
             // Only possible when every waiting request is larger than the free cache while
@@ -994,13 +1098,16 @@ impl Runner {
             tables: &tables,
             logit_rows: &logit_rows,
         };
-        let (model, pool, scratch) = (&self.model, &mut self.pool, &mut self.scratch);
-        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| model.forward_batch(&batch, pool, scratch)));
+        let (model, compute) = (&self.model, &mut self.compute);
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| compute.forward(model, &batch)));
         drop(tables);
         let logits = match outcome {
-            Ok(l) => l,
-            Err(_) => {
-                tracing::error!("engine panicked in a forward step; failing that step's requests");
+            Ok(Ok(l)) => l,
+            failed => {
+                match failed {
+                    Ok(Err(e)) => tracing::error!(error = %e, "a forward step failed; failing that step's requests"),
+                    _ => tracing::error!("engine panicked in a forward step; failing that step's requests"),
+                }
                 let keys: Vec<u64> = items
                     .iter()
                     .filter_map(|it| self.owner.get(&it.seq).map(|o| o.0))

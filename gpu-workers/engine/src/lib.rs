@@ -5,6 +5,8 @@
 //!   [`scheduler`] plans continuous batching; [`sampling`] and [`text`] turn logits into
 //!   tokens and tokens into streamed text; [`grammar`] constrains them (llguidance) and
 //!   [`speculative`] drafts several per step.
+//! * [`cuda`] runs the same forward pass on an NVIDIA GPU (the `cuda` feature; CUDA is
+//!   loaded at run time).
 //! * [`EngineHandle`] runs a model on its own thread; [`server`] exposes it over HTTP as a
 //!   worker; [`fetch`] acquires the default model; [`bench`] measures it.
 //!
@@ -15,6 +17,7 @@ pub mod backend;
 pub mod bench;
 pub mod bench_coldstart;
 pub mod bench_kvtransfer;
+pub mod cuda;
 pub mod engine;
 pub mod fetch;
 pub mod gguf;

@@ -376,6 +376,12 @@ pub struct ModelArgs {
     /// KV cache size in MiB (default: a quarter of available memory, at most 1024).
     #[arg(long, env = "HEARTH_KV_CACHE_MIB")]
     pub kv_cache_mib: Option<usize>,
+    /// Where the forward pass runs: `cpu`, or `cuda` / `cuda:N` for an NVIDIA GPU (CUDA's
+    /// libraries are loaded at start: the driver, NVRTC and cuBLAS on the loader's path).
+    /// With `cuda`, `--kv-cache-mib` is device memory (default: half of what the weights
+    /// leave, at most 16 GiB).
+    #[arg(long, env = "HEARTH_DEVICE", default_value = "cpu", value_parser = hearth_engine::cuda::Device::parse)]
+    pub device: hearth_engine::cuda::Device,
     /// How the KV cache stores keys and values: f16 (half the memory) or f32.
     #[arg(long, env = "HEARTH_KV_DTYPE", default_value = "f16", value_parser = KvDtype::parse)]
     pub kv_dtype: KvDtype,
@@ -473,6 +479,7 @@ impl ModelArgs {
             max_queue_tokens: self.max_queue_tokens,
             policy: self.schedule,
             speculative_tokens: self.speculative_tokens,
+            device: self.device,
         }
     }
 }

@@ -289,6 +289,16 @@ impl LlamaModel {
 
     /// Loads; `use_pack_cache`: map (or write) the on-disk cache of repacked weights.
     pub fn load_with(file: GgufFile, use_pack_cache: bool) -> Result<Self, ModelError> {
+        Self::load_inner(file, use_pack_cache, isa().is_simd())
+    }
+
+    /// Loads without repacking for the CPU kernels: for a backend that keeps its own copy
+    /// of the weights (the CUDA backend reads them from [`LlamaModel::weights`]).
+    pub fn load_unpacked(file: GgufFile) -> Result<Self, ModelError> {
+        Self::load_inner(file, false, false)
+    }
+
+    fn load_inner(file: GgufFile, use_pack_cache: bool, repack: bool) -> Result<Self, ModelError> {
         let c = LlamaConfig::from_gguf(&file)?;
         let (d, kv) = (c.d_model, c.kv_dim());
         let mut layers = Vec::with_capacity(c.n_layers);
@@ -331,7 +341,7 @@ impl LlamaModel {
             packed_from_cache: false,
             use_pack_cache,
         };
-        if isa().is_simd() {
+        if repack {
             let t = std::time::Instant::now();
             model.repack();
             model.repack_seconds = t.elapsed().as_secs_f64();
@@ -459,6 +469,33 @@ impl LlamaModel {
 
     fn view<'a>(&'a self, m: &'a Matrix) -> WeightView<'a> {
         weight_view(&self.file, m)
+    }
+
+    /// Every weight, as stored: for backends that keep their own copy (see
+    /// [`LlamaModel::load_unpacked`]).
+    pub fn weights(&self) -> ModelWeights<'_> {
+        ModelWeights {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerWeights {
+                    attn_norm: &l.attn_norm,
+                    wq: self.view(&l.wq),
+                    wk: self.view(&l.wk),
+                    wv: self.view(&l.wv),
+                    wo: self.view(&l.wo),
+                    ffn_norm: &l.ffn_norm,
+                    w_gate: self.view(&l.w_gate),
+                    w_up: self.view(&l.w_up),
+                    w_down: self.view(&l.w_down),
+                })
+                .collect(),
+            embed: self.view(&self.embed),
+            output: self.view(&self.output),
+            tied: (self.output.shard, self.output.offset) == (self.embed.shard, self.embed.offset),
+            output_norm: &self.output_norm,
+            inv_freq: &self.inv_freq,
+        }
     }
 
     /// `(cos, sin)` of every rotary frequency at each position, computed once per step and
@@ -602,6 +639,33 @@ impl LlamaModel {
     pub fn kv_bytes_per_token(&self, dtype: KvDtype) -> usize {
         KvPool::block_bytes(self.kv_shape(1), dtype)
     }
+}
+
+/// One layer's weights (see [`LlamaModel::weights`]).
+#[derive(Debug)]
+pub struct LayerWeights<'a> {
+    pub attn_norm: &'a [f32],
+    pub wq: WeightView<'a>,
+    pub wk: WeightView<'a>,
+    pub wv: WeightView<'a>,
+    pub wo: WeightView<'a>,
+    pub ffn_norm: &'a [f32],
+    pub w_gate: WeightView<'a>,
+    pub w_up: WeightView<'a>,
+    pub w_down: WeightView<'a>,
+}
+
+/// A model's weights (see [`LlamaModel::weights`]).
+#[derive(Debug)]
+pub struct ModelWeights<'a> {
+    pub layers: Vec<LayerWeights<'a>>,
+    pub embed: WeightView<'a>,
+    /// The logits' matrix: the embedding's when `tied`.
+    pub output: WeightView<'a>,
+    pub tied: bool,
+    pub output_norm: &'a [f32],
+    /// RoPE's frequencies, `rope_dims / 2` of them.
+    pub inv_freq: &'a [f32],
 }
 
 /// One forward step's rows (see [`LlamaModel::forward_batch`]).
