@@ -20,7 +20,10 @@ def measure(a):
 
     d, name = os.path.dirname(a.gguf), os.path.basename(a.gguf)
     dtype = torch.float16
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, torch_dtype=dtype, attn_implementation="eager")
+    try:  # transformers 5 names it `dtype`; 4.x `torch_dtype`
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=dtype, attn_implementation="eager")
+    except TypeError:
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, torch_dtype=dtype, attn_implementation="eager")
     model = model.to("cuda").eval()
     out = {"torch": torch.__version__, "dtype": str(dtype), "attention": "eager", "decode": []}
     import transformers
@@ -67,6 +70,9 @@ def measure(a):
 
 
 def compare(hearth_path, torch_path):
+    if not os.path.exists(hearth_path):
+        print(f"(no {hearth_path}: hearth-gpu-check did not finish; see hearth.log)")
+        return 1
     h = json.load(open(hearth_path))
     t = json.load(open(torch_path)) if os.path.exists(torch_path) else None
     g = h["golden"]
@@ -99,8 +105,7 @@ def main():
     ap.add_argument("--compare", nargs=2)
     a = ap.parse_args()
     if a.compare:
-        compare(*a.compare)
-        return
+        return compare(*a.compare)
     a.streams = [int(s) for s in a.streams.split(",")]
     if not a.gguf or not a.json:
         ap.error("--gguf and --json are required")
