@@ -578,12 +578,9 @@ impl Compute {
                 if cfg.kv_dtype != KvDtype::F16 {
                     return Err(EngineError::Start("the CUDA backend keeps its KV cache in f16".into()));
                 }
-                // Rows a step may carry: the token budget, or every running sequence with
-                // its draft tokens, whichever is more.
-                let max_rows = cfg
-                    .max_batch_tokens
-                    .max(cfg.max_running * (1 + cfg.speculative_tokens))
-                    .max(1);
+                // Rows a step may carry: the token budget, plus every running sequence's
+                // draft tokens (a bound whether or not drafts share the budget).
+                let max_rows = cfg.max_batch_tokens.max(1) + cfg.max_running * cfg.speculative_tokens;
                 let c = crate::cuda::CudaCompute::new(model, ordinal, cfg.kv_cache_mib, max_rows, context, bt)
                     .map_err(|e| EngineError::Start(e.to_string()))?;
                 let (mib, blocks) = (c.report().kv_cache_mib, c.num_blocks());
