@@ -89,6 +89,8 @@ pub struct EngineConfig {
     /// Where the forward pass runs: the CPU kernels, or a GPU through the CUDA backend
     /// (see [`crate::cuda`]; `kv_cache_mib` is then device memory).
     pub device: Device,
+    /// With a CUDA device: replay decode steps from CUDA graphs.
+    pub cuda_graphs: bool,
 }
 
 /// The default draft length (see [`EngineConfig::speculative_tokens`]).
@@ -110,6 +112,7 @@ impl Default for EngineConfig {
             policy: Policy::default(),
             speculative_tokens: DEFAULT_SPECULATIVE_TOKENS,
             device: Device::Cpu,
+            cuda_graphs: true,
         }
     }
 }
@@ -578,10 +581,10 @@ impl Compute {
                 if cfg.kv_dtype != KvDtype::F16 {
                     return Err(EngineError::Start("the CUDA backend keeps its KV cache in f16".into()));
                 }
-                // Rows a step may carry: the token budget, plus every running sequence's
-                // draft tokens (a bound whether or not drafts share the budget).
-                let max_rows = cfg.max_batch_tokens.max(1) + cfg.max_running * cfg.speculative_tokens;
-                let c = crate::cuda::CudaCompute::new(model, ordinal, cfg.kv_cache_mib, max_rows, context, bt)
+                // Rows a step carries: at most the token budget (draft tokens share it).
+                let max_rows = cfg.max_batch_tokens.max(1);
+                let (graphs, mib) = (cfg.cuda_graphs, cfg.kv_cache_mib);
+                let c = crate::cuda::CudaCompute::new(model, ordinal, mib, max_rows, context, bt, graphs)
                     .map_err(|e| EngineError::Start(e.to_string()))?;
                 let (mib, blocks) = (c.report().kv_cache_mib, c.num_blocks());
                 Ok((Compute::Cuda(Box::new(c)), mib, blocks))
@@ -602,7 +605,7 @@ impl Compute {
     }
 
     /// A block's bytes (None: the device failed to give them).
-    fn read_block(&self, block: u32) -> Option<Vec<u8>> {
+    fn read_block(&mut self, block: u32) -> Option<Vec<u8>> {
         match self {
             Compute::Cpu { pool, .. } => Some(pool.read_block(block)),
             #[cfg(feature = "cuda")]
@@ -624,6 +627,8 @@ impl Compute {
         }
     }
 
+    /// A failed copy on the device puts the device out of service, so the next step fails
+    /// its requests instead of computing on a block that was not copied.
     fn copy_block(&mut self, from: u32, to: u32) {
         match self {
             Compute::Cpu { pool, .. } => pool.copy_block(from, to),

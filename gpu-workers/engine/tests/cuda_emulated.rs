@@ -9,6 +9,9 @@
 //!
 //! What this cannot check: cudarc and cuBLAS calls, graph capture, NVRTC's code generation
 //! and the device's own arithmetic (the GEMMs here are BLAS's definition, in f32).
+//!
+//! x86-64 only: the emulator converts f16 with F16C.
+#![cfg(target_arch = "x86_64")]
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CString};

@@ -1,12 +1,12 @@
-//! The CUDA kernels compile: NVRTC turns `cuda/kernels.cu` into PTX for every architecture
-//! the backend targets, with every entry point the backend loads. No GPU is needed, only
+//! The CUDA kernels compile: NVRTC turns `cuda/kernels.cu` into PTX and into device binaries
+//! (CUBIN) for the architectures the backend targets, with every entry point it loads. No GPU is needed, only
 //! `libnvrtc` on the loader's path (`scripts/test` installs the `nvidia-cuda-nvrtc-cu12`
 //! wheel and sets `HEARTH_REQUIRE_NVRTC=1`, so in CI a missing NVRTC fails this test
 //! instead of skipping it).
 #![cfg(feature = "cuda")]
 
 use hearth_engine::cuda::plan::KERNEL_NAMES;
-use hearth_engine::cuda::{compile_ptx, CudaError};
+use hearth_engine::cuda::{compile_cubin, compile_ptx, CudaError};
 
 #[test]
 fn kernels_compile_to_ptx_with_nvrtc() {
@@ -38,6 +38,32 @@ fn kernels_compile_to_ptx_with_nvrtc() {
             text.len(),
             KERNEL_NAMES.len()
         );
+    }
+}
+
+#[test]
+fn kernels_compile_to_device_binaries_with_nvrtc() {
+    // What the backend loads: a CUBIN for the device's exact architecture (NVRTC runs
+    // ptxas itself), for an A100, an RTX 40x0 and an H100/H200.
+    let required = std::env::var("HEARTH_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+    for arch in ["sm_80", "sm_89", "sm_90"] {
+        let bin = match compile_cubin(arch) {
+            Ok(b) => b,
+            Err(CudaError::Unavailable(why)) if !required => {
+                eprintln!("SKIPPED (set HEARTH_REQUIRE_NVRTC=1 to require it): {why}");
+                return;
+            }
+            Err(e) => panic!("{arch}: {e}"),
+        };
+        assert_eq!(&bin[..4], b"\x7fELF", "{arch}: not a CUBIN");
+        for name in KERNEL_NAMES {
+            let sym = format!("{name}\0");
+            assert!(
+                bin.windows(sym.len()).any(|w| w == sym.as_bytes()),
+                "{arch}: {name} missing from the CUBIN"
+            );
+        }
+        eprintln!("{arch}: {} bytes of CUBIN", bin.len());
     }
 }
 

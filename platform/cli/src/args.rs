@@ -382,6 +382,10 @@ pub struct ModelArgs {
     /// leave, at most 16 GiB).
     #[arg(long, env = "HEARTH_DEVICE", default_value = "cpu", value_parser = hearth_engine::cuda::Device::parse)]
     pub device: hearth_engine::cuda::Device,
+    /// With `--device cuda`: replay decode steps from CUDA graphs (`false`: launch every
+    /// kernel each step).
+    #[arg(long, env = "HEARTH_CUDA_GRAPHS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub cuda_graphs: bool,
     /// How the KV cache stores keys and values: f16 (half the memory) or f32.
     #[arg(long, env = "HEARTH_KV_DTYPE", default_value = "f16", value_parser = KvDtype::parse)]
     pub kv_dtype: KvDtype,
@@ -480,6 +484,7 @@ impl ModelArgs {
             policy: self.schedule,
             speculative_tokens: self.speculative_tokens,
             device: self.device,
+            cuda_graphs: self.cuda_graphs,
         }
     }
 }

@@ -27,23 +27,43 @@ pub enum CudaError {
     Compile(String),
     #[error("{0}")]
     Model(String),
+    /// An earlier device error left this engine out of service.
+    #[error("the GPU failed earlier ({0}); restart the worker")]
+    Failed(String),
 }
 
-/// Compiles [`plan::KERNELS`] to PTX with the NVRTC this process finds (`libnvrtc.so*` on
-/// the loader's path), for a virtual architecture such as `compute_90` (None: NVRTC's
-/// default). The driver turns the PTX into the device's code at load.
-pub fn compile_ptx(arch: Option<&'static str>) -> Result<Ptx, CudaError> {
+fn nvrtc_missing() -> Option<CudaError> {
     // SAFETY: probes whether the library can be opened; nothing is called in it.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(CudaError::Unavailable(
+    (!unsafe { cudarc::nvrtc::sys::is_culib_present() }).then(|| {
+        CudaError::Unavailable(
             "NVRTC (libnvrtc.so) was not found on the loader's path: install the CUDA toolkit's NVRTC \
              (or the nvidia-cuda-nvrtc wheel) and add its lib directory to LD_LIBRARY_PATH"
                 .into(),
-        ));
+        )
+    })
+}
+
+/// NVRTC's options for Hearth's kernels. The kernels use fast `__expf` and `rsqrtf` where
+/// the CPU engine uses its own approximations; division and square roots stay IEEE.
+fn nvrtc_options(arch: &str) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "--prec-div=true".into(),
+        "--prec-sqrt=true".into(),
+        "--fmad=true".into(),
+    ]
+}
+
+/// Compiles [`plan::KERNELS`] to PTX with the NVRTC this process finds (`libnvrtc.so*` on
+/// the loader's path) for a virtual architecture such as `compute_90` (None: NVRTC's
+/// default). The driver compiles PTX for its device at load, if the PTX is not newer than
+/// the driver.
+pub fn compile_ptx(arch: Option<&'static str>) -> Result<Ptx, CudaError> {
+    if let Some(e) = nvrtc_missing() {
+        return Err(e);
     }
     let opts = CompileOptions {
         arch,
-        // Exact division and square roots, as the CPU engine computes them.
         prec_div: Some(true),
         prec_sqrt: Some(true),
         fmad: Some(true),
@@ -56,18 +76,72 @@ pub fn compile_ptx(arch: Option<&'static str>) -> Result<Ptx, CudaError> {
     })
 }
 
-/// The PTX virtual architecture for a compute capability (newer devices run the newest
-/// PTX listed, which the driver compiles forward).
-fn ptx_arch((major, minor): (i32, i32)) -> &'static str {
-    match (major, minor) {
-        (7, 0..=4) => "compute_70",
-        (7, _) => "compute_75",
-        (8, 0) => "compute_80",
-        (8, 6..=8) => "compute_86",
-        (8, _) => "compute_89",
-        (9, _) => "compute_90",
-        (m, _) if m >= 10 => "compute_90",
-        _ => "compute_70",
+/// Compiles [`plan::KERNELS`] to a device binary (CUBIN) for a real architecture such as
+/// `sm_90`: no JIT at load, and it runs on any driver new enough for the device (CUDA's
+/// minor-version compatibility), whatever the NVRTC's own version.
+pub fn compile_cubin(arch: &str) -> Result<Vec<u8>, CudaError> {
+    use cudarc::nvrtc::{result, sys as nv};
+    if let Some(e) = nvrtc_missing() {
+        return Err(e);
+    }
+    let src = std::ffi::CString::new(plan::KERNELS).expect("no NUL in the kernels");
+    let failed = |what: &str, e: result::NvrtcError| CudaError::Compile(format!("{what}: {e:?}"));
+    let prog = result::create_program(&src, Some(c"hearth_kernels.cu")).map_err(|e| failed("create", e))?;
+    // SAFETY: `prog` was created above and is destroyed once, at the end; the buffers are
+    // sized by NVRTC's own size calls.
+    let out = unsafe {
+        let compiled = result::compile_program(prog, &nvrtc_options(arch));
+        let out = match compiled {
+            Err(e) => {
+                let log = result::get_program_log(prog).unwrap_or_default();
+                let log: Vec<u8> = log.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect();
+                Err(CudaError::Compile(format!("{e:?}: {}", String::from_utf8_lossy(&log))))
+            }
+            Ok(()) => {
+                let mut size = 0usize;
+                nv::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(|e| failed("CUBIN size", e))
+                    .and_then(|()| {
+                        let mut bin = vec![0u8; size];
+                        nv::nvrtcGetCUBIN(prog, bin.as_mut_ptr().cast())
+                            .result()
+                            .map_err(|e| failed("CUBIN", e))?;
+                        Ok(bin)
+                    })
+            }
+        };
+        let _ = result::destroy_program(prog);
+        out
+    };
+    out
+}
+
+/// NVRTC's version, e.g. (12, 9).
+pub fn nvrtc_version() -> Option<(i32, i32)> {
+    nvrtc_missing().is_none().then_some(())?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two out-parameters.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .ok()?;
+    Some((major, minor))
+}
+
+/// The newest PTX architecture for a device NVRTC cannot build a binary for.
+const PTX_FALLBACK: &str = "compute_90";
+
+/// The device's code: a CUBIN for its exact architecture, else PTX for the driver to
+/// compile. Returns the module's image and what it is.
+fn device_code((major, minor): (i32, i32)) -> Result<(Ptx, String), CudaError> {
+    let sm = format!("sm_{major}{minor}");
+    match compile_cubin(&sm) {
+        Ok(bin) => Ok((Ptx::from_binary(bin), format!("cubin {sm}"))),
+        Err(e @ CudaError::Unavailable(_)) => Err(e),
+        Err(why) => {
+            tracing::warn!(arch = %sm, error = %why, "NVRTC cannot build for this device; loading PTX instead");
+            Ok((compile_ptx(Some(PTX_FALLBACK))?, format!("ptx {PTX_FALLBACK}")))
+        }
     }
 }
 
@@ -76,6 +150,11 @@ fn ptx_arch((major, minor): (i32, i32)) -> &'static str {
 pub struct DeviceReport {
     pub name: String,
     pub compute_capability: (i32, i32),
+    /// The driver's CUDA version (e.g. 13000) and NVRTC's.
+    pub driver_cuda: i32,
+    pub nvrtc: Option<(i32, i32)>,
+    /// `cubin sm_90` or `ptx compute_90`.
+    pub kernels: String,
     pub total_mib: usize,
     pub weights_mib: usize,
     pub kv_cache_mib: usize,
@@ -138,6 +217,8 @@ pub struct CudaCompute {
     graphs: HashMap<usize, Graph>,
     use_graphs: bool,
     report: DeviceReport,
+    /// Set by the first device error (see [`CudaCompute::guard`]).
+    failed: Option<String>,
 }
 
 fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
@@ -148,7 +229,9 @@ fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
 
 impl CudaCompute {
     /// Uploads `model` to GPU `ordinal` and builds a KV pool of `kv_cache_mib` (None: see
-    /// [`plan::kv_blocks`]) for steps of up to `max_rows` rows of at most `context` tokens.
+    /// [`plan::kv_blocks`]) for steps of up to `max_rows` rows of at most `context` tokens;
+    /// `graphs`: replay decode steps from CUDA graphs. A library too old for a symbol
+    /// cudarc needs (it panics) is reported as [`CudaError::Unavailable`].
     pub fn new(
         model: &LlamaModel,
         ordinal: usize,
@@ -156,6 +239,29 @@ impl CudaCompute {
         max_rows: usize,
         context: usize,
         block_tokens: usize,
+        graphs: bool,
+    ) -> Result<Self, CudaError> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Self::open(model, ordinal, kv_cache_mib, max_rows, context, block_tokens, graphs)
+        }))
+        .unwrap_or_else(|panic| {
+            let why = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("a CUDA library failed");
+            Err(CudaError::Unavailable(format!("CUDA could not start: {why}")))
+        })
+    }
+
+    fn open(
+        model: &LlamaModel,
+        ordinal: usize,
+        kv_cache_mib: Option<usize>,
+        max_rows: usize,
+        context: usize,
+        block_tokens: usize,
+        graphs: bool,
     ) -> Result<Self, CudaError> {
         let c = model.config.clone();
         plan::check_shape(&c).map_err(CudaError::Model)?;
@@ -184,10 +290,21 @@ impl CudaCompute {
         // needed, and it must not record events into captured graphs.
         // SAFETY: nothing has been allocated on this context yet.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of its own: the legacy default stream cannot be captured into a graph.
+        let stream = ctx.new_stream()?;
         let cc = ctx.compute_capability()?;
-        let ptx = compile_ptx(Some(ptx_arch(cc)))?;
-        let module = ctx.load_module(ptx)?;
+        let mut driver_cuda = 0;
+        // SAFETY: one out-parameter.
+        unsafe { sys::cuDriverGetVersion(&mut driver_cuda) }.result()?;
+        let (code, kernels_kind) = device_code(cc)?;
+        let module = ctx.load_module(code).map_err(|e| {
+            CudaError::Unavailable(format!(
+                "the driver (CUDA {}.{}) could not load Hearth's kernels ({kernels_kind}, NVRTC {:?}): {e}",
+                driver_cuda / 1000,
+                driver_cuda % 1000 / 10,
+                nvrtc_version()
+            ))
+        })?;
         let kernels = Kernel::ALL
             .iter()
             .map(|k| module.load_function(k.name()))
@@ -204,7 +321,7 @@ impl CudaCompute {
         let mut bufs = HashMap::new();
         let mut weight_bytes = 0;
         for b in program::weight_bufs(c.n_layers, w.tied) {
-            let data = program::weight_data(&w, b).expect("a weight buffer");
+            let data = program::weight_data(&w, b).ok_or_else(|| CudaError::Model(format!("no weights for {b:?}")))?;
             if data.len() != b.len(&c, &shape) {
                 return Err(CudaError::Model(format!(
                     "{b:?} has {} elements, expected {}",
@@ -235,16 +352,20 @@ impl CudaCompute {
 
         let block_elems = program::block_elems(&c, block_tokens);
         let block_bytes = block_elems * 2;
+        stream.synchronize()?;
         let (free, total) = ctx.mem_get_info()?;
-        let num_blocks = plan::kv_blocks(free, 0, 512 << 20, block_bytes, kv_cache_mib, shape.table_width)
+        let num_blocks = plan::kv_blocks(free, 512 << 20, block_bytes, kv_cache_mib, shape.table_width)
             .map_err(CudaError::Unavailable)?;
         shape.pool_blocks = num_blocks + 1;
         bufs.insert(Buf::Pool, DevBuf::alloc(&stream, Elem::F16, Buf::Pool.len(&c, &shape))?);
         stream.synchronize()?;
-        let use_graphs = std::env::var("HEARTH_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let use_graphs = graphs;
         let report = DeviceReport {
             name: ctx.name()?,
             compute_capability: cc,
+            driver_cuda,
+            nvrtc: nvrtc_version(),
+            kernels: kernels_kind,
             total_mib: total >> 20,
             weights_mib: weight_bytes >> 20,
             kv_cache_mib: (num_blocks * block_bytes) >> 20,
@@ -256,6 +377,8 @@ impl CudaCompute {
             compute_capability = ?cc,
             weights_mib = report.weights_mib,
             kv_cache_mib = report.kv_cache_mib,
+            kernels = %report.kernels,
+            driver_cuda = driver_cuda,
             graphs = use_graphs,
             "CUDA backend ready"
         );
@@ -272,6 +395,7 @@ impl CudaCompute {
             graphs: HashMap::new(),
             use_graphs,
             report,
+            failed: None,
         })
     }
 
@@ -279,7 +403,7 @@ impl CudaCompute {
         &self.report
     }
 
-    /// Replays decode steps from CUDA graphs (on by default; `HEARTH_CUDA_GRAPHS=0`).
+    /// Replays decode steps from CUDA graphs (or not: `--cuda-graphs false`).
     pub fn set_graphs(&mut self, on: bool) {
         self.use_graphs = on;
         self.report.graphs = on;
@@ -419,9 +543,32 @@ impl CudaCompute {
         Ok(())
     }
 
+    /// Remembers a device failure (the driver's or cuBLAS's): the context may be unusable
+    /// and the KV cache wrong, so every later call fails at once, until the worker restarts.
+    fn guard<T>(&mut self, r: Result<T, CudaError>) -> Result<T, CudaError> {
+        if let Err(e @ (CudaError::Driver(_) | CudaError::Blas(_))) = &r {
+            tracing::error!(error = %e, "the GPU failed; this worker's engine is out of service until it restarts");
+            self.failed = Some(e.to_string());
+        }
+        r
+    }
+
+    fn check_failed(&self) -> Result<(), CudaError> {
+        match &self.failed {
+            Some(why) => Err(CudaError::Failed(why.clone())),
+            None => Ok(()),
+        }
+    }
+
     /// One forward step (see [`LlamaModel::forward_batch`]): K/V of every row written into
     /// the device pool; the logits of `b.logit_rows` returned, in that order.
     pub fn forward(&mut self, b: &Batch<'_>) -> Result<Vec<f32>, CudaError> {
+        self.check_failed()?;
+        let r = self.step(b);
+        self.guard(r)
+    }
+
+    fn step(&mut self, b: &Batch<'_>) -> Result<Vec<f32>, CudaError> {
         let t = b.tokens.len();
         if t == 0 {
             return Ok(Vec::new());
@@ -451,14 +598,17 @@ impl CudaCompute {
                 // shapes; then the same work is captured for the next steps of this size.
                 self.enqueue(bucket, bucket)?;
                 self.stream.synchronize()?;
-                self.stream
-                    .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-                let queued = self.enqueue(bucket, bucket);
-                let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
-                queued?;
-                let graph = graph?.ok_or_else(|| CudaError::Model("the decode graph captured nothing".into()))?;
-                tracing::debug!(rows = bucket, "captured a decode graph");
-                self.graphs.insert(bucket, Graph(graph));
+                match self.capture(bucket) {
+                    Ok(graph) => {
+                        tracing::debug!(rows = bucket, "captured a decode graph");
+                        self.graphs.insert(bucket, Graph(graph));
+                    }
+                    Err(e) => {
+                        // This step's logits are already computed; later steps run eagerly.
+                        tracing::warn!(error = %e, rows = bucket, "capturing a decode graph failed; CUDA graphs are off");
+                        self.set_graphs(false);
+                    }
+                }
             }
             None => self.enqueue(t, n_logits)?,
         }
@@ -469,6 +619,20 @@ impl CudaCompute {
             _ => self.stream.synchronize()?,
         }
         Ok(out)
+    }
+
+    /// Captures the forward pass of `bucket` rows into a graph; capture always ends, even
+    /// when queueing failed.
+    fn capture(&self, bucket: usize) -> Result<CudaGraph, CudaError> {
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let queued = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.enqueue(bucket, bucket)));
+        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        match queued {
+            Ok(r) => r?,
+            Err(_) => return Err(CudaError::Model("queueing the graph's work panicked".into())),
+        }
+        graph?.ok_or_else(|| CudaError::Model("the decode graph captured nothing".into()))
     }
 
     fn pool(&self) -> &CudaSlice<u16> {
@@ -484,7 +648,13 @@ impl CudaCompute {
     }
 
     /// A whole block's bytes, as [`crate::kv::KvPool::read_block`] gives them (f16).
-    pub fn read_block(&self, block: u32) -> Result<Vec<u8>, CudaError> {
+    pub fn read_block(&mut self, block: u32) -> Result<Vec<u8>, CudaError> {
+        self.check_failed()?;
+        let r = self.read_block_inner(block);
+        self.guard(r)
+    }
+
+    fn read_block_inner(&self, block: u32) -> Result<Vec<u8>, CudaError> {
         if block as usize >= self.num_blocks {
             return Err(CudaError::Model(format!("no KV block {block}")));
         }
@@ -497,6 +667,12 @@ impl CudaCompute {
     /// Overwrites a block with [`CudaCompute::read_block`]'s (or an f16 CPU pool's) bytes;
     /// false if the length differs.
     pub fn write_block(&mut self, block: u32, bytes: &[u8]) -> Result<bool, CudaError> {
+        self.check_failed()?;
+        let r = self.write_block_inner(block, bytes);
+        self.guard(r)
+    }
+
+    fn write_block_inner(&mut self, block: u32, bytes: &[u8]) -> Result<bool, CudaError> {
         if bytes.len() != self.block_elems * 2 || block as usize >= self.num_blocks {
             return Ok(false);
         }
@@ -515,6 +691,12 @@ impl CudaCompute {
 
     /// Copies a block (the prefix cache's copy-on-write).
     pub fn copy_block(&mut self, from: u32, to: u32) -> Result<(), CudaError> {
+        self.check_failed()?;
+        let r = self.copy_block_inner(from, to);
+        self.guard(r)
+    }
+
+    fn copy_block_inner(&self, from: u32, to: u32) -> Result<(), CudaError> {
         if from as usize >= self.num_blocks || to as usize >= self.num_blocks {
             return Err(CudaError::Model(format!("no KV block {}", from.max(to))));
         }

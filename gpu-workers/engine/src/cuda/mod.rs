@@ -15,7 +15,7 @@
 //!   CPU and GPU workers unchanged.
 //! * Decode steps (every row sampled, at most 64 rows) replay a CUDA graph captured per
 //!   row bucket ([`plan::GRAPH_BUCKETS`]); inputs are copied into the same device buffers
-//!   before each replay. `HEARTH_CUDA_GRAPHS=0` turns graphs off.
+//!   before each replay. `--cuda-graphs false` (`EngineConfig::cuda_graphs`) turns graphs off.
 //! * Sampling stays on the host: the step's logits rows come back, and the scheduler,
 //!   prefix cache, grammar and sampler above are the CPU engine's, unchanged.
 
@@ -25,7 +25,7 @@ pub mod program;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
-pub use device::{compile_ptx, CudaCompute, CudaError, DeviceReport};
+pub use device::{compile_cubin, compile_ptx, nvrtc_version, CudaCompute, CudaError, DeviceReport};
 
 /// Which device a worker computes on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

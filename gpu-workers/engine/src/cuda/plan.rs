@@ -72,10 +72,11 @@ pub struct StepInputs {
     pub logit_rows: Vec<i32>,
 }
 
-/// Flattens a step for the device. `pad_to`: pad with rows of token 0 at position 0 in
-/// `pad_block` (a block no sequence owns), each sampled, up to this many rows (graph
-/// replay). Refuses a step whose tables do not cover its positions or that is wider than
-/// the buffers (`table_width` blocks a row).
+/// Flattens a step for the device. `pad_block` is the pool's last block, which no
+/// sequence owns (real rows' blocks are below it); `pad_to`: pad with rows of token 0 at
+/// position 0 in it, each sampled, up to this many rows (graph replay). Refuses a step
+/// whose tables do not cover its positions, name a block outside the pool, or are wider
+/// than the buffers (`table_width` blocks a row).
 pub fn assemble(
     b: &Batch<'_>,
     block_tokens: usize,
@@ -116,6 +117,9 @@ pub fn assemble(
             return Err(format!(
                 "row {r}: position {p} needs {need} blocks, more than {table_width}"
             ));
+        }
+        if let Some(b) = table[..need].iter().find(|&&b| b >= pad_block) {
+            return Err(format!("row {r}: block {b} is not in the pool ({pad_block} blocks)"));
         }
         s.tokens.push(b.tokens[r] as i32);
         s.positions.push(p as i32);
@@ -178,33 +182,18 @@ pub fn stack_rows(parts: &[Vec<u16>]) -> Vec<u16> {
     parts.concat()
 }
 
-/// The device buffers one forward step of up to `max_rows` rows needs, in bytes.
-pub fn activation_bytes(c: &LlamaConfig, max_rows: usize, table_width: usize) -> usize {
-    let (d, kvd, ff, v) = (c.d_model, c.kv_dim(), c.n_ff, c.vocab_size);
-    let per_row = 4 * d          // x
-        + 2 * d                  // normed (f16)
-        + 4 * (d + 2 * kvd)      // qkv
-        + 2 * d                  // attention output (f16)
-        + 4 * 2 * ff             // gate|up
-        + 2 * ff                 // silu·up (f16)
-        + 2 * d                  // final norm (f16)
-        + 4 * v                  // logits
-        + 4 * (4 + table_width); // tokens, positions, slots, logit rows, table
-    per_row * max_rows
-}
-
-/// How many KV blocks the device holds. `requested_mib`: the operator's size; else half of
-/// the memory left after the weights, activations and `headroom` (cuBLAS, graphs, the
-/// driver), at most 16 GiB. Errors if not even `min_blocks` fit.
+/// How many KV blocks the device holds, given the memory still free once the weights and
+/// buffers are allocated. `requested_mib`: the operator's size; else half of what is free
+/// beyond `headroom` (cuBLAS, graphs, the driver), at most 16 GiB. Errors if not even
+/// `min_blocks` fit.
 pub fn kv_blocks(
     free_bytes: usize,
-    used_bytes: usize,
     headroom: usize,
     block_bytes: usize,
     requested_mib: Option<usize>,
     min_blocks: usize,
 ) -> Result<usize, String> {
-    let left = free_bytes.saturating_sub(used_bytes + headroom);
+    let left = free_bytes.saturating_sub(headroom);
     let want = match requested_mib {
         Some(mib) => mib << 20,
         None => (left / 2).min(16 << 30),
@@ -226,12 +215,12 @@ pub fn kv_blocks(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::gguf::GgmlType;
     use crate::kv::{KvDtype, KvPool, KvShape};
 
-    fn cfg() -> LlamaConfig {
+    pub(crate) fn cfg() -> LlamaConfig {
         LlamaConfig {
             n_layers: 2,
             d_model: 64,
@@ -363,6 +352,11 @@ mod tests {
         assert_eq!(s.logit_rows, [0, 1, 2, 3]);
         // A table wider than the buffers is refused, not truncated.
         assert!(assemble(&batch, 16, 1, 9, None).unwrap_err().contains("more than 1"));
+        // A block outside the pool (the padding block or beyond) is refused: on the device
+        // it would be a write out of bounds.
+        assert!(assemble(&batch, 16, 2, 6, None)
+            .unwrap_err()
+            .contains("block 6 is not in the pool"));
     }
 
     /// BLAS's column-major GEMM, by its definition: C = op(A)·op(B) + β·C.
@@ -454,20 +448,18 @@ mod tests {
     #[test]
     fn memory_plan_shares_what_is_left() {
         let gib = 1usize << 30;
-        // 80 GiB free, 2 GiB used, 1 GiB headroom: half of 77 GiB, capped at 16 GiB.
-        let blocks = kv_blocks(80 * gib, 2 * gib, gib, 1 << 20, None, 10).unwrap();
-        assert_eq!(blocks, 16 * 1024);
+        // 80 GiB free, 1 GiB headroom: half of 79 GiB, capped at 16 GiB.
+        assert_eq!(kv_blocks(80 * gib, gib, 1 << 20, None, 10).unwrap(), 16 * 1024);
         // Small device: half of what is left.
-        assert_eq!(kv_blocks(8 * gib, 2 * gib, gib, 1 << 20, None, 10).unwrap(), 2560);
+        assert_eq!(kv_blocks(6 * gib, gib, 1 << 20, None, 10).unwrap(), 2560);
         // An explicit size is taken as given, and refused when it does not fit.
-        assert_eq!(kv_blocks(8 * gib, 2 * gib, gib, 1 << 20, Some(1000), 10).unwrap(), 1000);
-        assert!(kv_blocks(8 * gib, 2 * gib, gib, 1 << 20, Some(6000), 10)
+        assert_eq!(kv_blocks(6 * gib, gib, 1 << 20, Some(1000), 10).unwrap(), 1000);
+        assert!(kv_blocks(6 * gib, gib, 1 << 20, Some(6000), 10)
             .unwrap_err()
             .contains("does not fit"));
         // Too small for one sequence.
-        assert!(kv_blocks(8 * gib, 2 * gib, gib, 1 << 20, Some(5), 10)
+        assert!(kv_blocks(6 * gib, gib, 1 << 20, Some(5), 10)
             .unwrap_err()
             .contains("too small"));
-        assert!(activation_bytes(&cfg(), 512, 4) > 512 * 100 * 4);
     }
 }

@@ -200,7 +200,7 @@ pub enum Op {
 /// The forward pass of `rows` rows (inputs in the input buffers) with the logits of
 /// `n_logits` rows (the first `n_logits` of `LogitRows`).
 pub fn forward(c: &LlamaConfig, s: &Shape, rows: usize, n_logits: usize) -> Vec<Op> {
-    use Arg::{Buf as B, F32, I32};
+    use Arg::{Buf as B, I32};
     let r = rows as u32;
     let (d, kvd, hd, ff) = (c.d_model, c.kv_dim(), c.head_dim, c.n_ff);
     let stride = (d + 2 * kvd) as i32;
@@ -210,6 +210,20 @@ pub fn forward(c: &LlamaConfig, s: &Shape, rows: usize, n_logits: usize) -> Vec<
         grid,
         block,
         args,
+    };
+    // RMSNorm of `n` rows of x (`rows`: which ones, or Null for the first n) into `out`.
+    let norm = |n: usize, rows: Arg, weight: Buf, out: Buf| {
+        let args = vec![B(Buf::X), rows, B(weight), B(out), I32(d as i32), Arg::F32(c.rms_eps)];
+        launch(Kernel::RmsNorm, (n as u32, 1), 256, args)
+    };
+    let gemm = |w, x, y, (t, out, inn), accumulate| Op::Gemm {
+        w,
+        x,
+        y,
+        t,
+        out,
+        inn,
+        accumulate,
     };
     let n_layers = c.n_layers as i32;
     let (n_heads, n_kv_heads) = (c.n_heads as i32, c.n_kv_heads as i32);
@@ -223,28 +237,8 @@ pub fn forward(c: &LlamaConfig, s: &Shape, rows: usize, n_logits: usize) -> Vec<
     )];
     for l in 0..c.n_layers {
         let li = l as i32;
-        ops.push(launch(
-            Kernel::RmsNorm,
-            (r, 1),
-            256,
-            vec![
-                B(Buf::X),
-                Arg::Null,
-                B(Buf::AttnNorm(l)),
-                B(Buf::Normed),
-                I32(d as i32),
-                F32(c.rms_eps),
-            ],
-        ));
-        ops.push(Op::Gemm {
-            w: Buf::Wqkv(l),
-            x: Buf::Normed,
-            y: Buf::Qkv,
-            t: rows,
-            out: d + 2 * kvd,
-            inn: d,
-            accumulate: false,
-        });
+        ops.push(norm(rows, Arg::Null, Buf::AttnNorm(l), Buf::Normed));
+        ops.push(gemm(Buf::Wqkv(l), Buf::Normed, Buf::Qkv, (rows, d + 2 * kvd, d), false));
         ops.push(launch(
             Kernel::Rope,
             (r, 1),
@@ -301,76 +295,33 @@ pub fn forward(c: &LlamaConfig, s: &Shape, rows: usize, n_logits: usize) -> Vec<
             ],
         ));
         // x += att · woᵀ (the residual rides on the GEMM)
-        ops.push(Op::Gemm {
-            w: Buf::Wo(l),
-            x: Buf::Att,
-            y: Buf::X,
-            t: rows,
-            out: d,
-            inn: d,
-            accumulate: true,
-        });
-        ops.push(launch(
-            Kernel::RmsNorm,
-            (r, 1),
-            256,
-            vec![
-                B(Buf::X),
-                Arg::Null,
-                B(Buf::FfnNorm(l)),
-                B(Buf::Normed),
-                I32(d as i32),
-                F32(c.rms_eps),
-            ],
+        ops.push(gemm(Buf::Wo(l), Buf::Att, Buf::X, (rows, d, d), true));
+        ops.push(norm(rows, Arg::Null, Buf::FfnNorm(l), Buf::Normed));
+        ops.push(gemm(
+            Buf::WGateUp(l),
+            Buf::Normed,
+            Buf::GateUp,
+            (rows, 2 * ff, d),
+            false,
         ));
-        ops.push(Op::Gemm {
-            w: Buf::WGateUp(l),
-            x: Buf::Normed,
-            y: Buf::GateUp,
-            t: rows,
-            out: 2 * ff,
-            inn: d,
-            accumulate: false,
-        });
         ops.push(launch(
             Kernel::SiluMul,
             (r, 1),
             256,
             vec![B(Buf::GateUp), B(Buf::Act), I32(ff as i32)],
         ));
-        ops.push(Op::Gemm {
-            w: Buf::WDown(l),
-            x: Buf::Act,
-            y: Buf::X,
-            t: rows,
-            out: d,
-            inn: ff,
-            accumulate: true,
-        });
+        // x += act · w_downᵀ
+        ops.push(gemm(Buf::WDown(l), Buf::Act, Buf::X, (rows, d, ff), true));
     }
     if n_logits > 0 {
-        ops.push(launch(
-            Kernel::RmsNorm,
-            (n_logits as u32, 1),
-            256,
-            vec![
-                B(Buf::X),
-                B(Buf::LogitRows),
-                B(Buf::OutputNorm),
-                B(Buf::Last),
-                I32(d as i32),
-                F32(c.rms_eps),
-            ],
+        ops.push(norm(n_logits, B(Buf::LogitRows), Buf::OutputNorm, Buf::Last));
+        ops.push(gemm(
+            output_matrix(s),
+            Buf::Last,
+            Buf::Logits,
+            (n_logits, c.vocab_size, d),
+            false,
         ));
-        ops.push(Op::Gemm {
-            w: output_matrix(s),
-            x: Buf::Last,
-            y: Buf::Logits,
-            t: n_logits,
-            out: c.vocab_size,
-            inn: d,
-            accumulate: false,
-        });
     }
     ops
 }
@@ -454,17 +405,11 @@ mod tests {
     fn cfg() -> LlamaConfig {
         LlamaConfig {
             n_layers: 3,
-            d_model: 64,
-            n_ff: 96,
             n_heads: 4,
             n_kv_heads: 2,
             head_dim: 16,
             rope_dims: 16,
-            rope_theta: 10000.0,
-            rms_eps: 1e-5,
-            context_length: 64,
-            vocab_size: 100,
-            rope_layout: Default::default(),
+            ..plan::tests::cfg()
         }
     }
 
