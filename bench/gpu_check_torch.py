@@ -35,12 +35,15 @@ def measure(a):
     with torch.inference_mode():
         ids = (torch.arange(a.prefill_tokens, device="cuda") * 7919 % 40000 + 100).unsqueeze(0)
 
+        # Only the last position's logits, as Hearth computes them, where this transformers
+        # version can say so (`logits_to_keep`, earlier `num_logits_to_keep`).
+        import inspect
+        params = inspect.signature(model.forward).parameters
+        keep = next(({k: 1} for k in ("logits_to_keep", "num_logits_to_keep") if k in params), {})
+        out["prefill_last_logits_only"] = bool(keep)
+
         def prefill():
-            # Only the last position's logits, as Hearth computes them.
-            try:
-                return model(ids, logits_to_keep=1)
-            except TypeError:  # transformers 4.x before logits_to_keep
-                return model(ids, num_logits_to_keep=1)
+            return model(ids, **keep)
 
         prefill()
         sync()

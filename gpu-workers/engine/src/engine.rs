@@ -207,6 +207,9 @@ pub struct EngineStats {
     pub prefix_hits: u64,
     pub preemptions: u64,
     pub steps: u64,
+    /// The device failed (CUDA): every request fails until the worker restarts, and the
+    /// worker answers `/readyz` with 503.
+    pub device_failed: bool,
 }
 
 struct Job {
@@ -590,9 +593,12 @@ impl Compute {
                 Ok((Compute::Cuda(Box::new(c)), mib, blocks))
             }
             #[cfg(not(feature = "cuda"))]
-            Device::Cuda(_) => Err(EngineError::Start(
-                "this build has no CUDA backend (build hearth with `--features cuda`)".into(),
-            )),
+            Device::Cuda(_) => {
+                let _ = context; // what the CUDA backend would size its block tables by
+                Err(EngineError::Start(
+                    "this build has no CUDA backend (build hearth with `--features cuda`)".into(),
+                ))
+            }
         }
     }
 
@@ -601,6 +607,15 @@ impl Compute {
             Compute::Cpu { pool, scratch } => Ok(model.forward_batch(batch, pool, scratch)),
             #[cfg(feature = "cuda")]
             Compute::Cuda(c) => c.forward(batch).map_err(|e| e.to_string()),
+        }
+    }
+
+    /// Whether the device is out of service (see [`crate::cuda::CudaCompute`]).
+    fn failed(&self) -> bool {
+        match self {
+            Compute::Cpu { .. } => false,
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(c) => c.failure().is_some(),
         }
     }
 
@@ -1374,6 +1389,7 @@ impl Runner {
             prefix_hits: self.sched.blocks.hits,
             preemptions: self.sched.preemptions,
             steps: self.steps,
+            device_failed: self.compute.failed(),
         });
     }
 }

@@ -86,8 +86,19 @@ struct WorkerState {
 const MAX_TRANSFERS: usize = 4;
 
 impl WorkerState {
-    /// 200 while serving, 503 once draining.
+    /// 200 while serving, 503 once draining or once an engine's device has failed.
     fn readiness(&self) -> Response {
+        if let Some((model, _)) = self
+            .list()
+            .into_iter()
+            .find(|(_, e)| e.stats().is_some_and(|s| s.device_failed))
+        {
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Json(serde_json::json!({"status": "device_failed", "model": model, "in_flight": self.lifecycle.in_flight()})),
+            )
+                .into_response();
+        }
         if self.lifecycle.is_draining() {
             return (
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -823,4 +834,73 @@ fn until_draining(l: &Lifecycle) -> impl std::future::Future<Output = ()> + Send
 pub async fn serve(listener: tokio::net::TcpListener, engine: Arc<dyn Backend>) -> std::io::Result<()> {
     let name = listener.local_addr()?.to_string();
     axum::serve(listener, router(engine, &name)).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hearth_protocol::WorkerInfo;
+
+    /// An engine whose device has failed: only `stats` matters to readiness.
+    struct FailedDevice(WorkerInfo);
+
+    impl Backend for FailedDevice {
+        fn info(&self) -> &WorkerInfo {
+            &self.0
+        }
+        fn generate(&self, _: GenerateRequest) -> tokio::sync::mpsc::UnboundedReceiver<hearth_protocol::GenerateEvent> {
+            tokio::sync::mpsc::unbounded_channel().1
+        }
+        fn subscribe_kv(
+            &self,
+        ) -> std::pin::Pin<Box<dyn std::future::Future<Output = crate::backend::KvSubscription> + Send + '_>> {
+            Box::pin(async { None })
+        }
+        fn stats(&self) -> Option<crate::EngineStats> {
+            Some(crate::EngineStats {
+                device_failed: true,
+                ..Default::default()
+            })
+        }
+    }
+
+    #[test]
+    fn a_failed_device_makes_the_worker_not_ready() {
+        let info = WorkerInfo {
+            model: "m".into(),
+            architecture: "llama".into(),
+            context_length: 16,
+            parameters: 1,
+            block_tokens: 16,
+            region: "local".into(),
+            role: "both".into(),
+            capacity: 1,
+            queue_tokens: 0,
+            tokenizer: hearth_protocol::TokenizerSpec {
+                model: "none".into(),
+                pre: "default".into(),
+                tokens: vec![],
+                token_types: vec![],
+                merges: vec![],
+                bos_id: None,
+                eos_id: None,
+                add_bos: false,
+                chat_template: None,
+            },
+            tenants: Vec::new(),
+        };
+        let state = |engines: Vec<(String, Arc<dyn Backend>)>| WorkerState {
+            engines: Arc::new(engines),
+            name: "w".into(),
+            control: None,
+            token: None,
+            transport: Arc::new(HttpKvTransport::new(None)),
+            transfers: Arc::new(tokio::sync::Semaphore::new(1)),
+            role: None,
+            lifecycle: Arc::default(),
+        };
+        let failed = state(vec![("m".into(), Arc::new(FailedDevice(info)))]);
+        assert_eq!(failed.readiness().status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(state(vec![]).readiness().status(), StatusCode::OK);
+    }
 }

@@ -384,7 +384,8 @@ pub struct ModelArgs {
     pub device: hearth_engine::cuda::Device,
     /// With `--device cuda`: replay decode steps from CUDA graphs (`false`: launch every
     /// kernel each step).
-    #[arg(long, env = "HEARTH_CUDA_GRAPHS", default_value_t = true, action = clap::ArgAction::Set)]
+    #[arg(long, env = "HEARTH_CUDA_GRAPHS", default_value_t = true, action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new())]
     pub cuda_graphs: bool,
     /// How the KV cache stores keys and values: f16 (half the memory) or f32.
     #[arg(long, env = "HEARTH_KV_DTYPE", default_value = "f16", value_parser = KvDtype::parse)]

@@ -77,8 +77,9 @@ pub fn compile_ptx(arch: Option<&'static str>) -> Result<Ptx, CudaError> {
 }
 
 /// Compiles [`plan::KERNELS`] to a device binary (CUBIN) for a real architecture such as
-/// `sm_90`: no JIT at load, and it runs on any driver new enough for the device (CUDA's
-/// minor-version compatibility), whatever the NVRTC's own version.
+/// `sm_90`: no JIT at load, and CUDA's minor-version compatibility lets it load on a
+/// driver of the same CUDA major version as the NVRTC, even an older minor one (a CUBIN
+/// from NVRTC 13 is not promised to load on a CUDA 12 driver).
 pub fn compile_cubin(arch: &str) -> Result<Vec<u8>, CudaError> {
     use cudarc::nvrtc::{result, sys as nv};
     if let Some(e) = nvrtc_missing() {
@@ -128,16 +129,27 @@ pub fn nvrtc_version() -> Option<(i32, i32)> {
     Some((major, minor))
 }
 
-/// The newest PTX architecture for a device NVRTC cannot build a binary for.
+fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "a CUDA library failed".into())
+}
+
+/// The newest PTX architecture NVRTC 12 and 13 both know: for a newer device NVRTC cannot
+/// build a binary for (PTX runs on its own architecture and newer ones only).
 const PTX_FALLBACK: &str = "compute_90";
 
-/// The device's code: a CUBIN for its exact architecture, else PTX for the driver to
-/// compile. Returns the module's image and what it is.
+/// The device's code: a CUBIN for its exact architecture, else (on devices from sm_90 up)
+/// PTX for the driver to compile. Returns the module's image and what it is.
 fn device_code((major, minor): (i32, i32)) -> Result<(Ptx, String), CudaError> {
     let sm = format!("sm_{major}{minor}");
     match compile_cubin(&sm) {
         Ok(bin) => Ok((Ptx::from_binary(bin), format!("cubin {sm}"))),
         Err(e @ CudaError::Unavailable(_)) => Err(e),
+        Err(why) if major < 9 => Err(CudaError::Unavailable(format!(
+            "this NVRTC cannot build Hearth's kernels for {sm} ({why}); NVRTC 13 no longer targets Volta (sm_70): use NVRTC 12"
+        ))),
         Err(why) => {
             tracing::warn!(arch = %sm, error = %why, "NVRTC cannot build for this device; loading PTX instead");
             Ok((compile_ptx(Some(PTX_FALLBACK))?, format!("ptx {PTX_FALLBACK}")))
@@ -244,13 +256,11 @@ impl CudaCompute {
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             Self::open(model, ordinal, kv_cache_mib, max_rows, context, block_tokens, graphs)
         }))
-        .unwrap_or_else(|panic| {
-            let why = panic
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| panic.downcast_ref::<&str>().copied())
-                .unwrap_or("a CUDA library failed");
-            Err(CudaError::Unavailable(format!("CUDA could not start: {why}")))
+        .unwrap_or_else(|p| {
+            Err(CudaError::Unavailable(format!(
+                "CUDA could not start: {}",
+                panic_text(&p)
+            )))
         })
     }
 
@@ -553,6 +563,23 @@ impl CudaCompute {
         r
     }
 
+    /// Why the device is out of service, if it is.
+    pub fn failure(&self) -> Option<&str> {
+        self.failed.as_deref()
+    }
+
+    /// Runs `f`, turning a panic inside cudarc (a symbol the loaded library lacks, first
+    /// used here) into a failure of the device.
+    fn shielded<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T, CudaError>) -> Result<T, CudaError> {
+        self.check_failed()?;
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(self)))
+            .unwrap_or_else(|p| Err(CudaError::Failed(panic_text(&p))));
+        if let Err(CudaError::Failed(why)) = &r {
+            self.failed.get_or_insert_with(|| why.clone());
+        }
+        self.guard(r)
+    }
+
     fn check_failed(&self) -> Result<(), CudaError> {
         match &self.failed {
             Some(why) => Err(CudaError::Failed(why.clone())),
@@ -563,9 +590,7 @@ impl CudaCompute {
     /// One forward step (see [`LlamaModel::forward_batch`]): K/V of every row written into
     /// the device pool; the logits of `b.logit_rows` returned, in that order.
     pub fn forward(&mut self, b: &Batch<'_>) -> Result<Vec<f32>, CudaError> {
-        self.check_failed()?;
-        let r = self.step(b);
-        self.guard(r)
+        self.shielded(|c| c.step(b))
     }
 
     fn step(&mut self, b: &Batch<'_>) -> Result<Vec<f32>, CudaError> {
@@ -624,15 +649,24 @@ impl CudaCompute {
     /// Captures the forward pass of `bucket` rows into a graph; capture always ends, even
     /// when queueing failed.
     fn capture(&self, bucket: usize) -> Result<CudaGraph, CudaError> {
-        self.stream
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        let queued = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.enqueue(bucket, bucket)));
-        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
-        match queued {
-            Ok(r) => r?,
-            Err(_) => return Err(CudaError::Model("queueing the graph's work panicked".into())),
-        }
-        graph?.ok_or_else(|| CudaError::Model("the decode graph captured nothing".into()))
+        let captured = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.stream
+                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let queued = self.enqueue(bucket, bucket);
+            let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+            queued?;
+            graph?.ok_or_else(|| CudaError::Model("the decode graph captured nothing".into()))
+        }));
+        captured.unwrap_or_else(|p| {
+            // A panic inside cudarc (a missing graph symbol): end the capture if it is still
+            // open, so that the stream runs eagerly again.
+            if let Ok(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE) = self.stream.capture_status() {
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    self.stream.end_capture(sys::CUgraphInstantiate_flags(0))
+                }));
+            }
+            Err(CudaError::Model(format!("capturing panicked: {}", panic_text(&p))))
+        })
     }
 
     fn pool(&self) -> &CudaSlice<u16> {
@@ -649,9 +683,7 @@ impl CudaCompute {
 
     /// A whole block's bytes, as [`crate::kv::KvPool::read_block`] gives them (f16).
     pub fn read_block(&mut self, block: u32) -> Result<Vec<u8>, CudaError> {
-        self.check_failed()?;
-        let r = self.read_block_inner(block);
-        self.guard(r)
+        self.shielded(|c| c.read_block_inner(block))
     }
 
     fn read_block_inner(&self, block: u32) -> Result<Vec<u8>, CudaError> {
@@ -667,9 +699,7 @@ impl CudaCompute {
     /// Overwrites a block with [`CudaCompute::read_block`]'s (or an f16 CPU pool's) bytes;
     /// false if the length differs.
     pub fn write_block(&mut self, block: u32, bytes: &[u8]) -> Result<bool, CudaError> {
-        self.check_failed()?;
-        let r = self.write_block_inner(block, bytes);
-        self.guard(r)
+        self.shielded(|c| c.write_block_inner(block, bytes))
     }
 
     fn write_block_inner(&mut self, block: u32, bytes: &[u8]) -> Result<bool, CudaError> {
@@ -691,9 +721,7 @@ impl CudaCompute {
 
     /// Copies a block (the prefix cache's copy-on-write).
     pub fn copy_block(&mut self, from: u32, to: u32) -> Result<(), CudaError> {
-        self.check_failed()?;
-        let r = self.copy_block_inner(from, to);
-        self.guard(r)
+        self.shielded(|c| c.copy_block_inner(from, to))
     }
 
     fn copy_block_inner(&self, from: u32, to: u32) -> Result<(), CudaError> {
