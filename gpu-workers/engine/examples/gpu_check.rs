@@ -1,6 +1,7 @@
 //! `hearth-gpu-check`: the CUDA backend checked against the CPU engine on one GPU, then
 //! measured. Run by `bench/gpu-check` on a GPU machine (it is the engine alone, so it is
-//! small enough to send there); prints a table and writes JSON.
+//! small enough to send there); prints a table and writes JSON. An example rather than a
+//! binary, so that `cargo run` still finds the one binary, `hearth`.
 //!
 //! 1. Golden prompt (see `shared/reference/smollm2/GOLDEN.md`): the first position's logits
 //!    on the GPU against the CPU engine's (top-5 set, top-1), then the greedy continuation
