@@ -20,7 +20,7 @@
 
 use std::time::Instant;
 
-use hearth_engine::cuda::CudaCompute;
+use hearth_engine::cuda::{CudaCompute, CudaOptions};
 use hearth_engine::gguf::GgufFile;
 use hearth_engine::models::llama::{Batch, ForwardScratch, LlamaModel, Session};
 use hearth_engine::sampling::argmax;
@@ -149,8 +149,15 @@ fn run(a: &Args) -> Result<serde_json::Value, String> {
         .max(a.streams.iter().copied().max().unwrap_or(1))
         .max(64);
     let t0 = Instant::now();
-    let gpu = CudaCompute::new(&gpu_model, a.device, Some(2048), max_rows, context, BLOCK_TOKENS, true)
-        .map_err(|e| e.to_string())?;
+    let options = CudaOptions {
+        ordinal: a.device,
+        kv_cache_mib: Some(2048),
+        max_rows,
+        context,
+        block_tokens: BLOCK_TOKENS,
+        graphs: true,
+    };
+    let gpu = CudaCompute::new(&gpu_model, &options).map_err(|e| e.to_string())?;
     let load_s = t0.elapsed().as_secs_f64();
     let r = gpu.report().clone();
     println!(

@@ -586,9 +586,16 @@ impl Compute {
                 }
                 // Rows a step carries: at most the token budget (draft tokens share it).
                 let max_rows = cfg.max_batch_tokens.max(1);
-                let (graphs, mib) = (cfg.cuda_graphs, cfg.kv_cache_mib);
-                let c = crate::cuda::CudaCompute::new(model, ordinal, mib, max_rows, context, bt, graphs)
-                    .map_err(|e| EngineError::Start(e.to_string()))?;
+                let options = crate::cuda::CudaOptions {
+                    ordinal,
+                    kv_cache_mib: cfg.kv_cache_mib,
+                    max_rows,
+                    context,
+                    block_tokens: bt,
+                    graphs: cfg.cuda_graphs,
+                };
+                let c =
+                    crate::cuda::CudaCompute::new(model, &options).map_err(|e| EngineError::Start(e.to_string()))?;
                 let (mib, blocks) = (c.report().kv_cache_mib, c.num_blocks());
                 Ok((Compute::Cuda(Box::new(c)), mib, blocks))
             }

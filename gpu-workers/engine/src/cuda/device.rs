@@ -199,6 +199,22 @@ impl DevBuf {
     }
 }
 
+/// How [`CudaCompute::new`] sets a model up on a GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// The GPU, by ordinal.
+    pub ordinal: usize,
+    /// The KV pool's size (None: see [`plan::kv_blocks`]).
+    pub kv_cache_mib: Option<usize>,
+    /// The most rows a step carries (the device buffers' size).
+    pub max_rows: usize,
+    /// The longest sequence served, in tokens (the block tables' width).
+    pub context: usize,
+    pub block_tokens: usize,
+    /// Replay decode steps from CUDA graphs.
+    pub graphs: bool,
+}
+
 /// A captured decode graph. CUDA graph handles are not tied to a thread; the graph is
 /// only ever launched by the engine thread that owns the [`CudaCompute`].
 struct Graph(CudaGraph);
@@ -240,23 +256,11 @@ fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
 }
 
 impl CudaCompute {
-    /// Uploads `model` to GPU `ordinal` and builds a KV pool of `kv_cache_mib` (None: see
-    /// [`plan::kv_blocks`]) for steps of up to `max_rows` rows of at most `context` tokens;
-    /// `graphs`: replay decode steps from CUDA graphs. A library too old for a symbol
-    /// cudarc needs (it panics) is reported as [`CudaError::Unavailable`].
-    pub fn new(
-        model: &LlamaModel,
-        ordinal: usize,
-        kv_cache_mib: Option<usize>,
-        max_rows: usize,
-        context: usize,
-        block_tokens: usize,
-        graphs: bool,
-    ) -> Result<Self, CudaError> {
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            Self::open(model, ordinal, kv_cache_mib, max_rows, context, block_tokens, graphs)
-        }))
-        .unwrap_or_else(|p| {
+    /// Uploads `model` to the GPU and builds its KV pool and buffers (see [`CudaOptions`]).
+    /// A library too old for a symbol cudarc needs (it panics) is reported as
+    /// [`CudaError::Unavailable`].
+    pub fn new(model: &LlamaModel, o: &CudaOptions) -> Result<Self, CudaError> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Self::open(model, o))).unwrap_or_else(|p| {
             Err(CudaError::Unavailable(format!(
                 "CUDA could not start: {}",
                 panic_text(&p)
@@ -264,15 +268,15 @@ impl CudaCompute {
         })
     }
 
-    fn open(
-        model: &LlamaModel,
-        ordinal: usize,
-        kv_cache_mib: Option<usize>,
-        max_rows: usize,
-        context: usize,
-        block_tokens: usize,
-        graphs: bool,
-    ) -> Result<Self, CudaError> {
+    fn open(model: &LlamaModel, o: &CudaOptions) -> Result<Self, CudaError> {
+        let &CudaOptions {
+            ordinal,
+            kv_cache_mib,
+            max_rows,
+            context,
+            block_tokens,
+            graphs,
+        } = o;
         let c = model.config.clone();
         plan::check_shape(&c).map_err(CudaError::Model)?;
         // SAFETY: probes whether the libraries can be opened; nothing is called in them.

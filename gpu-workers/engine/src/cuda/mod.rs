@@ -25,7 +25,7 @@ pub mod program;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
-pub use device::{compile_cubin, compile_ptx, nvrtc_version, CudaCompute, CudaError, DeviceReport};
+pub use device::{compile_cubin, compile_ptx, nvrtc_version, CudaCompute, CudaError, CudaOptions, DeviceReport};
 
 /// Which device a worker computes on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
