@@ -866,29 +866,7 @@ mod tests {
 
     #[test]
     fn a_failed_device_makes_the_worker_not_ready() {
-        let info = WorkerInfo {
-            model: "m".into(),
-            architecture: "llama".into(),
-            context_length: 16,
-            parameters: 1,
-            block_tokens: 16,
-            region: "local".into(),
-            role: "both".into(),
-            capacity: 1,
-            queue_tokens: 0,
-            tokenizer: hearth_protocol::TokenizerSpec {
-                model: "none".into(),
-                pre: "default".into(),
-                tokens: vec![],
-                token_types: vec![],
-                merges: vec![],
-                bos_id: None,
-                eos_id: None,
-                add_bos: false,
-                chat_template: None,
-            },
-            tenants: Vec::new(),
-        };
+        let info = crate::sim::handle_tests::info();
         let state = |engines: Vec<(String, Arc<dyn Backend>)>| WorkerState {
             engines: Arc::new(engines),
             name: "w".into(),

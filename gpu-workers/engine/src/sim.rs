@@ -470,11 +470,12 @@ pub fn sim_info(path: &std::path::Path, model_id: &str, region: &str) -> Result<
 }
 
 #[cfg(test)]
-mod handle_tests {
+pub(crate) mod handle_tests {
     use super::*;
     use crate::backend::Backend;
 
-    fn info() -> WorkerInfo {
+    /// A sim worker's info, for tests here and in `server`.
+    pub(crate) fn info() -> WorkerInfo {
         let mut tokens: Vec<String> = (0..256u32)
             .map(|b| char::from_u32(b + 256).unwrap().to_string())
             .collect();

@@ -402,32 +402,37 @@ fn argmax(v: &[f32]) -> usize {
     (0..v.len()).max_by(|&a, &b| v[a].total_cmp(&v[b])).unwrap()
 }
 
-/// One step on both sides; asserts the logits agree, row by row.
-fn step(
-    model: &LlamaModel,
-    cpu: &mut KvPool,
-    gpu: &mut Emulated,
-    batch: &Batch<'_>,
-    graphs: bool,
-    what: &str,
-    worst: &mut f32,
-) {
-    let want = model.forward_batch(batch, cpu, &mut ForwardScratch::precise());
-    let got = gpu.forward(batch, graphs);
-    let vocab = model.config.vocab_size;
-    for (r, (g, w)) in got.chunks_exact(vocab).zip(want.chunks_exact(vocab)).enumerate() {
-        let (d, scale) = diff(g, w);
-        *worst = worst.max(d / scale);
-        // f16 weights on both sides; the device path also rounds activations and KV to
-        // f16. A wrong index or a missed term is off by the logits' own size.
-        assert!(
-            d <= 0.01 * scale,
-            "{what}, logit row {r}: max |Δ| {d} against a scale of {scale}"
-        );
-        let mut sorted = w.to_vec();
-        sorted.sort_by(|a, b| b.total_cmp(a));
-        if sorted[0] - sorted[1] > 2.0 * d {
-            assert_eq!(argmax(g), argmax(w), "{what}, logit row {r}: another top token");
+/// The CPU engine and the emulated device over the same steps.
+struct Pair<'m> {
+    model: &'m LlamaModel,
+    cpu: KvPool,
+    gpu: Emulated,
+    /// The worst logit error so far, as a fraction of the logits' scale.
+    worst: f32,
+}
+
+impl Pair<'_> {
+    /// One step on both sides; asserts the logits agree, row by row.
+    fn step(&mut self, batch: &Batch<'_>, graphs: bool, what: &str) {
+        let want = self
+            .model
+            .forward_batch(batch, &mut self.cpu, &mut ForwardScratch::precise());
+        let got = self.gpu.forward(batch, graphs);
+        let vocab = self.model.config.vocab_size;
+        for (r, (g, w)) in got.chunks_exact(vocab).zip(want.chunks_exact(vocab)).enumerate() {
+            let (d, scale) = diff(g, w);
+            self.worst = self.worst.max(d / scale);
+            // f16 weights on both sides; the device path also rounds activations and KV to
+            // f16. A wrong index or a missed term is off by the logits' own size.
+            assert!(
+                d <= 0.01 * scale,
+                "{what}, logit row {r}: max |Δ| {d} against a scale of {scale}"
+            );
+            let mut sorted = w.to_vec();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            if sorted[0] - sorted[1] > 2.0 * d {
+                assert_eq!(argmax(g), argmax(w), "{what}, logit row {r}: another top token");
+            }
         }
     }
 }
@@ -436,9 +441,12 @@ fn run_scenario(spec: Spec, seed: u64) {
     let model = synthetic_model(&spec, seed);
     let bt = hearth_protocol::DEFAULT_BLOCK_TOKENS;
     let num_blocks = 20;
-    let mut cpu = KvPool::new(model.kv_shape(bt), KvDtype::F16, num_blocks);
-    let mut gpu = Emulated::new(&model, 160, 256, bt, num_blocks);
-    let mut worst = 0f32;
+    let mut pair = Pair {
+        model: &model,
+        cpu: KvPool::new(model.kv_shape(bt), KvDtype::F16, num_blocks),
+        gpu: Emulated::new(&model, 160, 256, bt, num_blocks),
+        worst: 0.0,
+    };
     let v = spec.vocab as u32;
     let (ta, tb, tc) = (vec![3u32, 0, 6], vec![1u32], vec![2u32, 5]);
 
@@ -452,7 +460,7 @@ fn run_scenario(spec: Spec, seed: u64) {
         tables: &tables,
         logit_rows: &[19, 26],
     };
-    step(&model, &mut cpu, &mut gpu, &batch, true, "two prefills", &mut worst);
+    pair.step(&batch, true, "two prefills");
 
     // 2. Both decode: a graph-padded step (2 rows, bucket 2), then the same eagerly.
     for (k, graphs) in [(0usize, true), (1, false), (2, true)] {
@@ -465,15 +473,7 @@ fn run_scenario(spec: Spec, seed: u64) {
             tables: &tables,
             logit_rows: &[0, 1],
         };
-        step(
-            &model,
-            &mut cpu,
-            &mut gpu,
-            &batch,
-            graphs,
-            &format!("decode {k}"),
-            &mut worst,
-        );
+        pair.step(&batch, graphs, &format!("decode {k}"));
     }
 
     // 3. Speculative verification (B: 3 rows, every one sampled) beside A's decode and a
@@ -490,7 +490,7 @@ fn run_scenario(spec: Spec, seed: u64) {
         tables: &tables,
         logit_rows: &[0, 1, 2, 3, 8],
     };
-    step(&model, &mut cpu, &mut gpu, &batch, true, "mixed step", &mut worst);
+    pair.step(&batch, true, "mixed step");
     let tokens = [13u32, 14, 15, 16];
     let positions = [24usize, 13, 14, 15];
     let tables: Vec<&[u32]> = vec![&ta, &tb, &tb, &tb];
@@ -500,15 +500,7 @@ fn run_scenario(spec: Spec, seed: u64) {
         tables: &tables,
         logit_rows: &[0, 1, 2, 3],
     };
-    step(
-        &model,
-        &mut cpu,
-        &mut gpu,
-        &batch,
-        true,
-        "speculative verify",
-        &mut worst,
-    );
+    pair.step(&batch, true, "speculative verify");
 
     // 4. A long prompt (150 tokens: attention spreads over all 4 warps, several chunks of
     //    32 positions each, merged at the end), then its decode steps, graph-padded.
@@ -522,7 +514,7 @@ fn run_scenario(spec: Spec, seed: u64) {
         tables: &tables,
         logit_rows: &[63, 127, 149],
     };
-    step(&model, &mut cpu, &mut gpu, &batch, true, "long prompt", &mut worst);
+    pair.step(&batch, true, "long prompt");
     for k in 0..2 {
         let tables: Vec<&[u32]> = vec![&td, &ta];
         let batch = Batch {
@@ -531,26 +523,20 @@ fn run_scenario(spec: Spec, seed: u64) {
             tables: &tables,
             logit_rows: &[0, 1],
         };
-        step(
-            &model,
-            &mut cpu,
-            &mut gpu,
-            &batch,
-            true,
-            &format!("long decode {k}"),
-            &mut worst,
-        );
+        pair.step(&batch, true, &format!("long decode {k}"));
     }
 
     // 5. The KV blocks: the device pool's bytes are the CPU pool's layout.
     let mut kv_worst = 0f32;
     for block in [3u32, 0, 1, 2, 8, 12, 17] {
-        let want: Vec<f32> = cpu
+        let want: Vec<f32> = pair
+            .cpu
             .read_block(block)
             .chunks_exact(2)
             .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect();
-        let got: Vec<f32> = gpu
+        let got: Vec<f32> = pair
+            .gpu
             .read_block(block)
             .iter()
             .map(|h| half::f16::from_bits(*h).to_f32())
@@ -567,7 +553,7 @@ fn run_scenario(spec: Spec, seed: u64) {
         spec.kv_heads,
         if spec.tied { "tied" } else { "untied" },
         if spec.halves { "RoPE halves" } else { "RoPE adjacent" },
-        worst,
+        pair.worst,
         kv_worst
     );
 }

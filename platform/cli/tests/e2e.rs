@@ -671,19 +671,7 @@ async fn two_workers_route_repeated_prefixes_to_their_cache() {
 #[tokio::test]
 async fn sim_workers_over_http_follow_events_and_hit_the_cache() {
     let data = temp_dir("sim");
-    let workers: Vec<Proc> = (0..3)
-        .map(|_| {
-            spawn(&[
-                "worker",
-                "--listen",
-                "127.0.0.1:0",
-                "--backend",
-                "sim",
-                "--sim-speedup",
-                "200",
-            ])
-        })
-        .collect();
+    let workers: Vec<Proc> = (0..3).map(|_| sim_worker("200")).collect();
     let mut args = vec![
         "gateway",
         "--listen",

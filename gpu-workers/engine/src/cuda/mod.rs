@@ -48,30 +48,14 @@ impl Device {
             },
         }
     }
-
-    pub fn name(self) -> String {
-        match self {
-            Device::Cpu => "cpu".into(),
-            Device::Cuda(n) => format!("cuda:{n}"),
-        }
-    }
-
-    /// Whether this build carries the CUDA backend (the `cuda` feature).
-    pub const fn cuda_built() -> bool {
-        cfg!(feature = "cuda")
-    }
 }
 
 impl std::fmt::Display for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.name())
-    }
-}
-
-impl std::str::FromStr for Device {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Self::parse(s)
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
     }
 }
 
