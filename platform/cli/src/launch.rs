@@ -274,7 +274,8 @@ async fn run_gateway(
         tokio::time::sleep(delay).await;
         drained_tx.send_replace(true);
     };
-    let server = hearth_gateway::http::serve(listener, service, http_limits, shutdown);
+    let connections = gw.metrics.connections.clone();
+    let server = hearth_gateway::http::serve(listener, service, http_limits, connections, shutdown);
     let timeout = Duration::from_secs(lifecycle.drain_timeout_secs);
     let abort = gw.clone();
     let overrun = async move {
@@ -507,7 +508,9 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         .layer(axum::middleware::from_fn(move |req, next| {
             hearth_gateway::http::body_guard(body.clone(), req, next)
         }));
-    let server = hearth_gateway::http::serve(listener, app, http_limits, shutdown);
+    // The worker's metrics are the engine's; its connection counts are not exported.
+    let connections = hearth_gateway::http::ConnectionMetrics::default();
+    let server = hearth_gateway::http::serve(listener, app, http_limits, connections, shutdown);
     // Past the drain, open connections (streams over the timeout) do not hold the exit.
     let overrun = async move {
         let mut drained = drained;

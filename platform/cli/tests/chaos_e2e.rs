@@ -739,6 +739,29 @@ fn raw(addr: &str, request: &[u8], timeout: Duration) -> (String, Duration) {
     (String::from_utf8_lossy(&out).into_owned(), t.elapsed())
 }
 
+/// Waits until the gateway at `addr` holds no connection but the one asking (the earlier
+/// requests' connections close a moment after their answers), so that a count of
+/// connections starts from zero.
+fn wait_for_no_connections(addr: &str) {
+    let ask =
+        format!("GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\nConnection: close\r\n\r\n");
+    let mut open = f64::NAN;
+    let t = Instant::now();
+    for _ in 0..100 {
+        let (r, _) = raw(addr, ask.as_bytes(), Duration::from_secs(5));
+        open = metric_sum(&r, "hearth_http_connections_open");
+        if open == 1.0 {
+            println!("earlier connections all closed after {:?}", t.elapsed());
+            // Its own connection ends as the answer does; let that land too.
+            std::thread::sleep(Duration::from_millis(100));
+            return;
+        }
+        println!("the gateway holds {open} connections (this one included)");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("the gateway still holds {open} connections");
+}
+
 /// Hostile clients: a 64 MiB body gets a 413 the client reads (not a reset), as does one
 /// announced with `Expect: 100-continue` (before it is sent); a slow body gets 408; a huge
 /// head 431; connections that send half a header are closed after the header timeout;
@@ -798,6 +821,9 @@ async fn hostile_clients_meet_limits() {
     let (r, _) = raw(&addr, &head, Duration::from_secs(5));
     assert!(r.starts_with("HTTP/1.1 431"), "{}", &r[..r.len().min(80)]);
 
+    wait_for_no_connections(&addr);
+    let refused_before = metric_sum(&metrics(&gw.url).await, "hearth_http_connections_refused");
+    wait_for_no_connections(&addr);
     // Slowloris: half a header on 30 connections.
     let mut slow = Vec::new();
     for _ in 0..30 {
@@ -817,6 +843,7 @@ async fn hostile_clients_meet_limits() {
         matches!(over.read(&mut buf), Ok(0) | Err(_)),
         "over the cap: closed at once"
     );
+    drop(over);
     let t = Instant::now();
     for s in &mut slow {
         assert!(
@@ -830,6 +857,12 @@ async fn hostile_clients_meet_limits() {
     );
     idle.clear();
     std::thread::sleep(Duration::from_millis(300));
+    let m = metrics(&gw.url).await;
+    assert_eq!(
+        metric_sum(&m, "hearth_http_connections_refused") - refused_before,
+        1.0,
+        "exactly one connection (the 41st) was refused"
+    );
     assert_eq!(
         client().get(format!("{}/livez", gw.url)).send().await.unwrap().status(),
         200,

@@ -8,6 +8,7 @@
 //! * **Connections** (`--max-connections`, 4096; `--max-connections-per-ip`, 512): past
 //!   either cap a new connection is closed at once, before any byte is read, so slow or
 //!   half-open clients cannot exhaust the process's file descriptors or starve others.
+//!   [`ConnectionMetrics`] counts the open connections and those refused.
 //! * **Body** ([`body_guard`]; `--max-body-bytes`, 8 MiB; `--body-read-timeout-secs`, 30 s):
 //!   read whole before the handler runs. A larger body gets a 413 the client can read: the
 //!   rest of its body is read and discarded first (up to [`DRAIN_BYTES`] within the body
@@ -63,6 +64,14 @@ impl Default for HttpLimits {
 /// How much of an oversized body is read (and discarded) so that its 413 reaches the client.
 pub const DRAIN_BYTES: usize = 256 << 20;
 
+/// What [`serve`] reports about its connections: how many are open now, and how many were
+/// closed at once for being over a cap. Clones share their values.
+#[derive(Debug, Clone, Default)]
+pub struct ConnectionMetrics {
+    pub open: prometheus_client::metrics::gauge::Gauge,
+    pub refused: prometheus_client::metrics::counter::Counter,
+}
+
 /// Open connections, in all and per client address.
 #[derive(Default)]
 struct Connections {
@@ -74,10 +83,12 @@ struct Connections {
 struct ConnectionSlot {
     open: Arc<Mutex<Connections>>,
     ip: IpAddr,
+    gauge: prometheus_client::metrics::gauge::Gauge,
 }
 
 impl Drop for ConnectionSlot {
     fn drop(&mut self) {
+        self.gauge.dec();
         let mut c = self.open.lock().unwrap_or_else(|e| e.into_inner());
         c.total = c.total.saturating_sub(1);
         if let Some(n) = c.per_ip.get_mut(&self.ip) {
@@ -89,7 +100,12 @@ impl Drop for ConnectionSlot {
     }
 }
 
-fn admit(open: &Arc<Mutex<Connections>>, ip: IpAddr, limits: &HttpLimits) -> Option<ConnectionSlot> {
+fn admit(
+    open: &Arc<Mutex<Connections>>,
+    ip: IpAddr,
+    limits: &HttpLimits,
+    metrics: &ConnectionMetrics,
+) -> Option<ConnectionSlot> {
     let mut c = open.lock().unwrap_or_else(|e| e.into_inner());
     let mine = c.per_ip.get(&ip).copied().unwrap_or(0);
     if c.total >= limits.max_connections || mine >= limits.max_connections_per_ip {
@@ -97,7 +113,12 @@ fn admit(open: &Arc<Mutex<Connections>>, ip: IpAddr, limits: &HttpLimits) -> Opt
     }
     c.total += 1;
     *c.per_ip.entry(ip).or_default() += 1;
-    Some(ConnectionSlot { open: open.clone(), ip })
+    metrics.open.inc();
+    Some(ConnectionSlot {
+        open: open.clone(),
+        ip,
+        gauge: metrics.open.clone(),
+    })
 }
 
 /// Serves `app` on `listener` until `shutdown` completes, then lets the requests in flight
@@ -106,6 +127,7 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     app: axum::Router,
     limits: HttpLimits,
+    metrics: ConnectionMetrics,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let open = Arc::new(Mutex::new(Connections::default()));
@@ -132,7 +154,8 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
-        let Some(slot) = admit(&open, peer.ip(), &limits) else {
+        let Some(slot) = admit(&open, peer.ip(), &limits, &metrics) else {
+            metrics.refused.inc();
             if refused_logged.elapsed() > Duration::from_secs(10) {
                 refused_logged = std::time::Instant::now();
                 tracing::warn!(peer = %peer.ip(), "connection limit reached: closing new connections");

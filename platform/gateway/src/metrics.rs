@@ -165,6 +165,8 @@ pub struct Metrics {
     pub auth_throttled: Counter,
     /// Usage records the outbox could not append (the disk is full or failing).
     pub outbox_errors: Counter,
+    /// The public listener's connections (open, refused at a cap).
+    pub connections: crate::http::ConnectionMetrics,
     /// Tasks alive in this process's runtime (set when rendered): a leak shows as growth.
     alive_tasks: Gauge,
     /// 1 while the usage outbox cannot be written (set when rendered).
@@ -283,6 +285,17 @@ impl Metrics {
             "Requests refused (429) because their source address sent too many invalid credentials.",
             auth_throttled.clone(),
         );
+        let connections = crate::http::ConnectionMetrics::default();
+        registry.register(
+            "hearth_http_connections_open",
+            "Client connections the gateway holds open now.",
+            connections.open.clone(),
+        );
+        registry.register(
+            "hearth_http_connections_refused",
+            "Client connections closed at once because the total or per-address connection cap was reached.",
+            connections.refused.clone(),
+        );
         let alive_tasks = Gauge::default();
         registry.register(
             "hearth_runtime_alive_tasks",
@@ -373,6 +386,7 @@ impl Metrics {
             auth_stale,
             auth_throttled,
             outbox_errors,
+            connections,
             alive_tasks,
             outbox_failing,
             tenant_ttft,
