@@ -739,27 +739,36 @@ fn raw(addr: &str, request: &[u8], timeout: Duration) -> (String, Duration) {
     (String::from_utf8_lossy(&out).into_owned(), t.elapsed())
 }
 
-/// Waits until the gateway at `addr` holds no connection but the one asking (the earlier
-/// requests' connections close a moment after their answers), so that a count of
-/// connections starts from zero.
-fn wait_for_no_connections(addr: &str) {
+/// Waits until the gateway at `addr` holds `open` connections, the asking one included, and
+/// returns its metrics. It asks from 127.0.0.2: the test's own connections come from
+/// 127.0.0.1, and the per-address cap does not count this one among them, so it can ask
+/// while they hold that cap full (and its own connection closing late cannot take a slot).
+async fn metrics_when_open(addr: &str, open: f64) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let ask =
         format!("GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\nConnection: close\r\n\r\n");
-    let mut open = f64::NAN;
     let t = Instant::now();
-    for _ in 0..100 {
-        let (r, _) = raw(addr, ask.as_bytes(), Duration::from_secs(5));
-        open = metric_sum(&r, "hearth_http_connections_open");
-        if open == 1.0 {
-            println!("earlier connections all closed after {:?}", t.elapsed());
-            // Its own connection ends as the answer does; let that land too.
-            std::thread::sleep(Duration::from_millis(100));
-            return;
+    let mut seen = f64::NAN;
+    while t.elapsed() < Duration::from_secs(5) {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket
+            .bind("127.0.0.2:0".parse().unwrap())
+            .expect("127.0.0.2 is a loopback address");
+        let mut s = socket.connect(addr.parse().unwrap()).await.unwrap();
+        s.write_all(ask.as_bytes()).await.unwrap();
+        let mut text = String::new();
+        tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut text))
+            .await
+            .expect("/metrics answers")
+            .unwrap();
+        seen = metric_sum(&text, "hearth_http_connections_open");
+        if seen == open {
+            return text;
         }
-        println!("the gateway holds {open} connections (this one included)");
-        std::thread::sleep(Duration::from_millis(50));
+        // Earlier connections close a moment after their answers.
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    panic!("the gateway still holds {open} connections");
+    panic!("the gateway holds {seen} connections, not {open}");
 }
 
 /// Hostile clients: a 64 MiB body gets a 413 the client reads (not a reset), as does one
@@ -821,9 +830,9 @@ async fn hostile_clients_meet_limits() {
     let (r, _) = raw(&addr, &head, Duration::from_secs(5));
     assert!(r.starts_with("HTTP/1.1 431"), "{}", &r[..r.len().min(80)]);
 
-    wait_for_no_connections(&addr);
-    let refused_before = metric_sum(&metrics(&gw.url).await, "hearth_http_connections_refused");
-    wait_for_no_connections(&addr);
+    // None of the earlier requests' connections may hold a slot: only the asking one is open.
+    let m = metrics_when_open(&addr, 1.0).await;
+    let refused_before = metric_sum(&m, "hearth_http_connections_refused");
     // Slowloris: half a header on 30 connections.
     let mut slow = Vec::new();
     for _ in 0..30 {
@@ -834,7 +843,9 @@ async fn hostile_clients_meet_limits() {
     }
     // Past the cap (40 per address), a new connection is closed at once.
     let mut idle: Vec<TcpStream> = (0..10).map(|_| TcpStream::connect(&addr).unwrap()).collect();
-    std::thread::sleep(Duration::from_millis(200));
+    // All 40 admitted (and the asking one), none refused: the cap is exactly full.
+    let m = metrics_when_open(&addr, 41.0).await;
+    assert_eq!(metric_sum(&m, "hearth_http_connections_refused"), refused_before);
     let mut over = TcpStream::connect(&addr).unwrap();
     over.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let _ = over.write_all(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n");
@@ -856,8 +867,7 @@ async fn hostile_clients_meet_limits() {
         t.elapsed()
     );
     idle.clear();
-    std::thread::sleep(Duration::from_millis(300));
-    let m = metrics(&gw.url).await;
+    let m = metrics_when_open(&addr, 1.0).await;
     assert_eq!(
         metric_sum(&m, "hearth_http_connections_refused") - refused_before,
         1.0,

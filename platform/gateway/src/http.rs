@@ -88,7 +88,6 @@ struct ConnectionSlot {
 
 impl Drop for ConnectionSlot {
     fn drop(&mut self) {
-        self.gauge.dec();
         let mut c = self.open.lock().unwrap_or_else(|e| e.into_inner());
         c.total = c.total.saturating_sub(1);
         if let Some(n) = c.per_ip.get_mut(&self.ip) {
@@ -97,6 +96,8 @@ impl Drop for ConnectionSlot {
                 c.per_ip.remove(&self.ip);
             }
         }
+        // Last, so that a scrape never shows a slot free before it is.
+        self.gauge.dec();
     }
 }
 
@@ -346,4 +347,59 @@ pub async fn body_guard(limits: BodyLimits, req: Request, next: Next) -> Respons
     let resp = next.run(Request::from_parts(parts, Body::from(Bytes::from(buf)))).await;
     drop(held); // the body's share of the budget, until the handler is done with it
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::net::TcpStream;
+
+    use super::*;
+
+    /// An admitted connection is counted open until it closes; one past the cap is closed at
+    /// once and counted refused, never open.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn connections_are_counted_open_until_closed_and_refused_past_the_cap() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let limits = HttpLimits {
+            max_connections_per_ip: 2,
+            ..HttpLimits::default()
+        };
+        let metrics = ConnectionMetrics::default();
+        let server = tokio::spawn(serve(
+            listener,
+            axum::Router::new(),
+            limits,
+            metrics.clone(),
+            std::future::pending(),
+        ));
+        let a = TcpStream::connect(addr).unwrap();
+        let b = TcpStream::connect(addr).unwrap();
+        let mut over = TcpStream::connect(addr).unwrap();
+        over.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        // Accepted in order: once the third is closed, the first two were admitted.
+        assert!(matches!(over.read(&mut [0u8; 1]), Ok(0) | Err(_)), "closed at once");
+        assert_eq!((metrics.open.get(), metrics.refused.get()), (2, 1));
+        drop((a, b));
+        let t = std::time::Instant::now();
+        while metrics.open.get() != 0 {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "{} still open",
+                metrics.open.get()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // The slots are free again.
+        let c = TcpStream::connect(addr).unwrap();
+        let t = std::time::Instant::now();
+        while metrics.open.get() != 1 {
+            assert!(t.elapsed() < Duration::from_secs(5), "the next connection is admitted");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(metrics.refused.get(), 1);
+        drop(c);
+        server.abort();
+    }
 }
