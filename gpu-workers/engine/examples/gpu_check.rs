@@ -20,7 +20,7 @@
 
 use std::time::Instant;
 
-use hearth_engine::cuda::{CudaCompute, CudaOptions};
+use hearth_engine::cuda::{plan, CudaCompute, CudaOptions};
 use hearth_engine::gguf::GgufFile;
 use hearth_engine::models::llama::{Batch, ForwardScratch, LlamaModel, Session};
 use hearth_engine::sampling::argmax;
@@ -327,8 +327,9 @@ fn measure(a: &Args, cpu_model: &LlamaModel, mut gpu: CudaCompute, load_s: f64) 
             let secs = t.elapsed().as_secs_f64();
             let steps = a.decode_tokens - 1;
             let tps = (b * steps) as f64 / secs;
-            // Graphs ran only if they stayed on and the batch fits a bucket.
-            let replayed = gpu.report().graphs && b <= 64;
+            // Graphs ran only if they stayed on and the batch fits a bucket (the buffers
+            // hold every bucket: `run` sizes them for 64 rows or more).
+            let replayed = gpu.report().graphs && plan::graph_bucket(b, &rows, usize::MAX).is_some();
             println!(
                 "decode {b:>2} streams, graphs {:<3}: {:.3} ms/step, {tps:.0} tokens/s",
                 if replayed { "on" } else { "off" },

@@ -263,7 +263,7 @@ impl KvPool {
 ///
 /// # Safety
 /// Implementors have no padding and every bit pattern is a valid value.
-unsafe trait Plain: Copy {}
+pub(crate) unsafe trait Plain: Copy {}
 // SAFETY: u16 and f32 have no padding; every bit pattern is a u16 or an f32 (NaNs included).
 unsafe impl Plain for u16 {}
 // SAFETY: as above.
@@ -273,13 +273,13 @@ unsafe impl Plain for f32 {}
 #[cfg(not(target_endian = "little"))]
 compile_error!("the KV transfer format assumes a little-endian target");
 
-fn as_bytes<T: Plain>(v: &[T]) -> &[u8] {
+pub(crate) fn as_bytes<T: Plain>(v: &[T]) -> &[u8] {
     // SAFETY: `T` is u16 or f32 (no padding, no invalid bit patterns); the view covers
     // exactly the slice's memory and borrows it.
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
-fn as_bytes_mut<T: Plain>(v: &mut [T]) -> &mut [u8] {
+pub(crate) fn as_bytes_mut<T: Plain>(v: &mut [T]) -> &mut [u8] {
     // SAFETY: as `as_bytes`; any bytes written form valid u16/f32 values.
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }

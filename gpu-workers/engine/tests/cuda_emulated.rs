@@ -24,6 +24,7 @@ use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::gguf::GgufFile;
 use hearth_engine::kv::{KvDtype, KvPool};
 use hearth_engine::models::llama::{Batch, ForwardScratch, LlamaConfig, LlamaModel};
+use hearth_engine::sampling::argmax;
 use rayon::prelude::*;
 
 type LaunchFn = unsafe extern "C" fn(*const c_char, u32, u32, u32, *mut *mut c_void) -> i32;
@@ -248,8 +249,7 @@ impl Emulated {
             e.alloc(b);
         }
         for b in program::weight_bufs(c.n_layers, w.tied) {
-            let data = program::weight_data(&w, b).unwrap();
-            assert_eq!(data.len(), b.len(&c, &shape), "{b:?}: the program's size");
+            let data = program::weight_data(&w, &c, &shape, b).unwrap();
             e.alloc(b);
             match data {
                 HostData::F16(v) => e.f16_mut(b).copy_from_slice(&v),
@@ -291,29 +291,15 @@ impl Emulated {
     }
 
     fn forward(&mut self, batch: &Batch<'_>, graphs: bool) -> Vec<f32> {
-        let t = batch.tokens.len();
-        let bucket = graphs
-            .then(|| plan::graph_bucket(t, batch.logit_rows, self.shape.max_rows))
-            .flatten();
-        let s = plan::assemble(
-            batch,
-            self.shape.block_tokens,
-            self.shape.table_width,
-            self.num_blocks as u32,
-            bucket,
-        )
-        .unwrap();
+        let step = program::step(batch, &self.shape, self.num_blocks as u32, graphs).unwrap();
+        let s = &step.inputs;
         self.i32_mut(Buf::Tokens)[..s.rows].copy_from_slice(&s.tokens);
         self.i32_mut(Buf::Positions)[..s.rows].copy_from_slice(&s.positions);
         self.i32_mut(Buf::Slots)[..s.rows].copy_from_slice(&s.slots);
         let width = self.shape.table_width;
         self.i32_mut(Buf::Tables)[..s.rows * width].copy_from_slice(&s.tables);
         self.i32_mut(Buf::LogitRows)[..s.logit_rows.len()].copy_from_slice(&s.logit_rows);
-        let (rows, n_logits) = match bucket {
-            Some(b) => (b, b),
-            None => (t, batch.logit_rows.len()),
-        };
-        for op in program::forward(&self.c, &self.shape, rows, n_logits) {
+        for op in program::forward(&self.c, &self.shape, step.rows, step.n_logits) {
             self.exec(op);
         }
         let n = batch.logit_rows.len() * self.c.vocab_size;
@@ -396,10 +382,6 @@ fn diff(a: &[f32], b: &[f32]) -> (f32, f32) {
     assert_eq!(a.len(), b.len());
     let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
     (d, b.iter().fold(0.0f32, |m, v| m.max(v.abs())))
-}
-
-fn argmax(v: &[f32]) -> usize {
-    (0..v.len()).max_by(|&a, &b| v[a].total_cmp(&v[b])).unwrap()
 }
 
 /// The CPU engine and the emulated device over the same steps.
@@ -642,7 +624,7 @@ fn emulated_kernels_give_the_golden_answer_on_the_default_model() {
             },
             true,
         );
-        answer.push(argmax(&logits) as u32);
+        answer.push(argmax(&logits));
     }
     assert_eq!(
         answer,

@@ -110,6 +110,7 @@ fn admit(
     let mut c = open.lock().unwrap_or_else(|e| e.into_inner());
     let mine = c.per_ip.get(&ip).copied().unwrap_or(0);
     if c.total >= limits.max_connections || mine >= limits.max_connections_per_ip {
+        metrics.refused.inc();
         return None;
     }
     c.total += 1;
@@ -156,7 +157,6 @@ pub async fn serve(
             () = &mut shutdown => break,
         };
         let Some(slot) = admit(&open, peer.ip(), &limits, &metrics) else {
-            metrics.refused.inc();
             if refused_logged.elapsed() > Duration::from_secs(10) {
                 refused_logged = std::time::Instant::now();
                 tracing::warn!(peer = %peer.ip(), "connection limit reached: closing new connections");

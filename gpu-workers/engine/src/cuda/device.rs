@@ -238,12 +238,10 @@ pub struct CudaCompute {
     cfg: LlamaConfig,
     shape: Shape,
     bufs: HashMap<Buf, DevBuf>,
-    /// Blocks the scheduler hands out; block `num_blocks` is the padding block (graph
-    /// replays' padded rows write there).
-    num_blocks: usize,
-    block_elems: usize,
     graphs: HashMap<usize, Graph>,
-    use_graphs: bool,
+    /// Its `kv_blocks` are the blocks the scheduler hands out; the block after them is the
+    /// padding block (graph replays' padded rows write there). `graphs`: whether decode
+    /// steps replay graphs.
     report: DeviceReport,
     /// Set by the first device error (see [`CudaCompute::guard`]).
     failed: Option<String>,
@@ -335,14 +333,7 @@ impl CudaCompute {
         let mut bufs = HashMap::new();
         let mut weight_bytes = 0;
         for b in program::weight_bufs(c.n_layers, w.tied) {
-            let data = program::weight_data(&w, b).ok_or_else(|| CudaError::Model(format!("no weights for {b:?}")))?;
-            if data.len() != b.len(&c, &shape) {
-                return Err(CudaError::Model(format!(
-                    "{b:?} has {} elements, expected {}",
-                    data.len(),
-                    b.len(&c, &shape)
-                )));
-            }
+            let data = program::weight_data(&w, &c, &shape, b).map_err(CudaError::Model)?;
             let dev = match data {
                 HostData::F16(v) => DevBuf::F16(stream.clone_htod(&v)?),
                 HostData::F32(v) => DevBuf::F32(stream.clone_htod(&v)?),
@@ -373,7 +364,6 @@ impl CudaCompute {
         shape.pool_blocks = num_blocks + 1;
         bufs.insert(Buf::Pool, DevBuf::alloc(&stream, Elem::F16, Buf::Pool.len(&c, &shape))?);
         stream.synchronize()?;
-        let use_graphs = graphs;
         let report = DeviceReport {
             name: ctx.name()?,
             compute_capability: cc,
@@ -384,7 +374,7 @@ impl CudaCompute {
             weights_mib: weight_bytes >> 20,
             kv_cache_mib: (num_blocks * block_bytes) >> 20,
             kv_blocks: num_blocks,
-            graphs: use_graphs,
+            graphs,
         };
         tracing::info!(
             device = %report.name,
@@ -393,7 +383,7 @@ impl CudaCompute {
             kv_cache_mib = report.kv_cache_mib,
             kernels = %report.kernels,
             driver_cuda = driver_cuda,
-            graphs = use_graphs,
+            graphs,
             "CUDA backend ready"
         );
         Ok(Self {
@@ -404,10 +394,7 @@ impl CudaCompute {
             cfg: c,
             shape,
             bufs,
-            num_blocks,
-            block_elems,
             graphs: HashMap::new(),
-            use_graphs,
             report,
             failed: None,
         })
@@ -419,13 +406,17 @@ impl CudaCompute {
 
     /// Replays decode steps from CUDA graphs (or not: `--cuda-graphs false`).
     pub fn set_graphs(&mut self, on: bool) {
-        self.use_graphs = on;
         self.report.graphs = on;
     }
 
     /// KV blocks the scheduler may hand out (the padding block is not among them).
     pub fn num_blocks(&self) -> usize {
-        self.num_blocks
+        self.report.kv_blocks
+    }
+
+    /// f16 elements in one KV block.
+    fn block_elems(&self) -> usize {
+        program::block_elems(&self.cfg, self.shape.block_tokens)
     }
 
     fn addr(&self, b: Buf) -> Result<u64, CudaError> {
@@ -611,21 +602,15 @@ impl CudaCompute {
                 self.shape.max_rows
             )));
         }
-        let (bt, width, pad) = (self.shape.block_tokens, self.shape.table_width, self.num_blocks as u32);
-        let bucket = if self.use_graphs {
-            plan::graph_bucket(t, b.logit_rows, self.shape.max_rows)
-        } else {
-            None
-        };
-        let n_logits = b.logit_rows.len();
-        let s = plan::assemble(b, bt, width, pad, bucket).map_err(CudaError::Model)?;
-        self.upload(&s)?;
-        match bucket {
+        let pad = self.num_blocks() as u32;
+        let step = program::step(b, &self.shape, pad, self.report.graphs).map_err(CudaError::Model)?;
+        self.upload(&step.inputs)?;
+        match step.bucket {
             Some(bucket) if self.graphs.contains_key(&bucket) => self.graphs[&bucket].0.launch()?,
             Some(bucket) => {
                 // A first eager run computes this step and settles cuBLAS's plans for these
                 // shapes; then the same work is captured for the next steps of this size.
-                self.enqueue(bucket, bucket)?;
+                self.enqueue(step.rows, step.n_logits)?;
                 self.stream.synchronize()?;
                 match self.capture(bucket) {
                     Ok(graph) => {
@@ -639,8 +624,9 @@ impl CudaCompute {
                     }
                 }
             }
-            None => self.enqueue(t, n_logits)?,
+            None => self.enqueue(step.rows, step.n_logits)?,
         }
+        let n_logits = b.logit_rows.len();
         let vocab = self.cfg.vocab_size;
         let mut out = vec![0f32; n_logits * vocab];
         match self.bufs.get(&Buf::Logits) {
@@ -681,8 +667,9 @@ impl CudaCompute {
     }
 
     fn block_range(&self, block: u32) -> std::ops::Range<usize> {
-        let at = block as usize * self.block_elems;
-        at..at + self.block_elems
+        let n = self.block_elems();
+        let at = block as usize * n;
+        at..at + n
     }
 
     /// A whole block's bytes, as [`crate::kv::KvPool::read_block`] gives them (f16).
@@ -691,13 +678,13 @@ impl CudaCompute {
     }
 
     fn read_block_inner(&self, block: u32) -> Result<Vec<u8>, CudaError> {
-        if block as usize >= self.num_blocks {
+        if block as usize >= self.num_blocks() {
             return Err(CudaError::Model(format!("no KV block {block}")));
         }
-        let mut h = vec![0u16; self.block_elems];
+        let mut h = vec![0u16; self.block_elems()];
         self.stream
             .memcpy_dtoh(&self.pool().slice(self.block_range(block)), &mut h)?;
-        Ok(h.iter().flat_map(|v| v.to_le_bytes()).collect())
+        Ok(crate::kv::as_bytes(&h).to_vec())
     }
 
     /// Overwrites a block with [`CudaCompute::read_block`]'s (or an f16 CPU pool's) bytes;
@@ -707,13 +694,11 @@ impl CudaCompute {
     }
 
     fn write_block_inner(&mut self, block: u32, bytes: &[u8]) -> Result<bool, CudaError> {
-        if bytes.len() != self.block_elems * 2 || block as usize >= self.num_blocks {
+        if bytes.len() != self.block_elems() * 2 || block as usize >= self.num_blocks() {
             return Ok(false);
         }
-        let h: Vec<u16> = bytes
-            .chunks_exact(2)
-            .map(|b| u16::from_le_bytes([b[0], b[1]]))
-            .collect();
+        let mut h = vec![0u16; self.block_elems()];
+        crate::kv::as_bytes_mut(&mut h).copy_from_slice(bytes);
         let range = self.block_range(block);
         let st = self.stream.clone();
         match self.bufs.get_mut(&Buf::Pool) {
@@ -729,7 +714,7 @@ impl CudaCompute {
     }
 
     fn copy_block_inner(&self, from: u32, to: u32) -> Result<(), CudaError> {
-        if from as usize >= self.num_blocks || to as usize >= self.num_blocks {
+        if from as usize >= self.num_blocks() || to as usize >= self.num_blocks() {
             return Err(CudaError::Model(format!("no KV block {}", from.max(to))));
         }
         self.stream.context().bind_to_thread()?;
@@ -741,7 +726,7 @@ impl CudaCompute {
             cudarc::driver::result::memcpy_dtod_async(
                 base + 2 * t as u64,
                 base + 2 * f as u64,
-                self.block_elems * 2,
+                self.block_elems() * 2,
                 self.stream.cu_stream(),
             )?;
         }

@@ -5,7 +5,7 @@
 //! buffer sizes are tested without a GPU.
 
 use crate::kernels::WeightView;
-use crate::models::llama::{LlamaConfig, ModelWeights, RopeLayout};
+use crate::models::llama::{Batch, LlamaConfig, ModelWeights, RopeLayout};
 
 use super::plan::{self, ATTENTION_WARPS};
 
@@ -326,6 +326,33 @@ pub fn forward(c: &LlamaConfig, s: &Shape, rows: usize, n_logits: usize) -> Vec<
     ops
 }
 
+/// One step as the program computes it: the inputs to upload, the rows and logit rows to
+/// compute (a graph bucket's, padded, when the step replays one), and that bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Step {
+    pub inputs: plan::StepInputs,
+    pub rows: usize,
+    pub n_logits: usize,
+    pub bucket: Option<usize>,
+}
+
+/// Lays out `b` for the buffers of `shape` (see [`plan::assemble`]); with `graphs`, padded
+/// to its graph bucket when it has one. `pad_block` is the pool's padding block.
+pub fn step(b: &Batch<'_>, shape: &Shape, pad_block: u32, graphs: bool) -> Result<Step, String> {
+    let t = b.tokens.len();
+    let bucket = graphs
+        .then(|| plan::graph_bucket(t, b.logit_rows, shape.max_rows))
+        .flatten();
+    let inputs = plan::assemble(b, shape.block_tokens, shape.table_width, pad_block, bucket)?;
+    let (rows, n_logits) = bucket.map_or((t, b.logit_rows.len()), |k| (k, k));
+    Ok(Step {
+        inputs,
+        rows,
+        n_logits,
+        bucket,
+    })
+}
+
 /// A weight buffer's contents, prepared on the host.
 #[derive(Debug, Clone, PartialEq)]
 pub enum HostData {
@@ -334,15 +361,11 @@ pub enum HostData {
 }
 
 impl HostData {
-    pub fn len(&self) -> usize {
+    fn len(&self) -> usize {
         match self {
             HostData::F16(v) => v.len(),
             HostData::F32(v) => v.len(),
         }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -369,8 +392,18 @@ pub fn weight_bufs(n_layers: usize, tied: bool) -> Vec<Buf> {
 
 /// A weight buffer's contents, built on the host (one at a time, so that the host holds
 /// one matrix's f16 copy at a time): matrices dequantized to f16 with `q|k|v` and
-/// `gate|up` stacked by rows; norms and RoPE frequencies as f32. None: not a weight.
-pub fn weight_data(w: &ModelWeights<'_>, b: Buf) -> Option<HostData> {
+/// `gate|up` stacked by rows; norms and RoPE frequencies as f32. Refuses a buffer that is
+/// not a weight, or whose contents are not the size the program reads.
+pub fn weight_data(w: &ModelWeights<'_>, c: &LlamaConfig, shape: &Shape, b: Buf) -> Result<HostData, String> {
+    let data = host_weight(w, b).ok_or_else(|| format!("no weights for {b:?}"))?;
+    let want = b.len(c, shape);
+    if data.len() != want {
+        return Err(format!("{b:?} has {} elements, expected {want}", data.len()));
+    }
+    Ok(data)
+}
+
+fn host_weight(w: &ModelWeights<'_>, b: Buf) -> Option<HostData> {
     let f16 = |ms: &[&WeightView<'_>]| {
         HostData::F16(plan::stack_rows(
             &ms.iter().map(|m| plan::dequantize_f16(m)).collect::<Vec<_>>(),
