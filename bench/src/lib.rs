@@ -10,6 +10,7 @@
 //!   speculative decoding, the grammar mask's cost and schema validity, on the engine;
 //! * [`fairness`] — FIFO vs fair scheduling between tenants and classes on one saturated
 //!   worker (sim and engine);
+//! * [`tokenizer`] — Hearth's tokenizer against Hugging Face's `tokenizers`, side by side;
 //! * [`soak`] — long mixed traffic through real processes, sampling memory, descriptors and
 //!   tasks for leaks, and checking the usage books.
 //!
@@ -25,6 +26,7 @@ pub mod processors;
 mod procs;
 pub mod routing;
 pub mod soak;
+pub mod tokenizer;
 
 /// The benchmarks' seeded xorshift generator (workloads must be the same run to run).
 pub(crate) struct Rng(pub(crate) u64);

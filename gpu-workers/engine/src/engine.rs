@@ -30,8 +30,6 @@ use crate::scheduler::{Policy, Scheduler, SchedulerConfig, StepItem};
 use crate::speculative::{Drafter, PromptLookup, Speculation};
 use crate::text::TextStream;
 
-/// Tokens that end generation besides the declared EOS, when the vocabulary has them.
-const END_OF_GENERATION: [&str; 5] = ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>"];
 /// At most this many alternatives per position (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// At most this many choices per request.
@@ -124,27 +122,72 @@ fn available_memory_mib() -> Option<usize> {
     Some(kib / 1024)
 }
 
-/// Reads the tokenizer description from GGUF metadata.
+/// Reads the tokenizer description from GGUF metadata (the `tokenizer.ggml.*` keys llama.cpp
+/// writes; token types, merges and scores are optional where the tokenizer kind allows).
 pub fn tokenizer_spec(g: &GgufFile) -> Result<TokenizerSpec, GgufError> {
+    use crate::gguf::MetaValue;
     let id = |k: &str| g.get_u64(k).ok().map(|v| v as u32);
+    let flag = |k: &str| match g.get(k) {
+        Some(MetaValue::Bool(b)) => Some(*b),
+        _ => None,
+    };
+    let optional = |r: Result<Vec<String>, GgufError>| match r {
+        Err(GgufError::MissingKey(_)) => Ok(Vec::new()),
+        r => r,
+    };
+    let tokens = g.get_str_array("tokenizer.ggml.tokens")?;
+    let token_types = match g.get_i64_array("tokenizer.ggml.token_type") {
+        Err(GgufError::MissingKey(_)) => vec![hearth_protocol::tokenizer::TOKEN_TYPE_NORMAL; tokens.len()],
+        r => r?.into_iter().map(|t| t as i32).collect(),
+    };
+    let scores = match g.get_f64_array("tokenizer.ggml.scores") {
+        Err(GgufError::MissingKey(_)) => Vec::new(),
+        r => r?.into_iter().map(|s| s as f32).collect(),
+    };
+    // llama.cpp strips the whitespace after Phi-3's special tokens (as its tokenizer.json's
+    // `rstrip` flags do), recognising the family by `general.name`.
+    let name = g.get_str("general.name").unwrap_or("").to_lowercase();
+    let rstrip = if name.contains("phi-3") || name.contains("phi3") {
+        tokens
+            .iter()
+            .zip(&token_types)
+            .enumerate()
+            .filter(|(_, (t, &ty))| {
+                let special = ty == hearth_protocol::tokenizer::TOKEN_TYPE_CONTROL
+                    || ty == hearth_protocol::tokenizer::TOKEN_TYPE_USER_DEFINED
+                    || ty == hearth_protocol::tokenizer::TOKEN_TYPE_UNKNOWN
+                    || t.as_str() == "</s>";
+                special && !matches!(t.as_str(), "<unk>" | "<s>" | "<|endoftext|>")
+            })
+            .map(|(i, _)| i as u32)
+            .collect()
+    } else {
+        Vec::new()
+    };
     Ok(TokenizerSpec {
         model: g.get_str("tokenizer.ggml.model")?.to_string(),
         pre: g.get_str("tokenizer.ggml.pre").unwrap_or("default").to_string(),
-        tokens: g.get_str_array("tokenizer.ggml.tokens")?,
-        token_types: g
-            .get_i64_array("tokenizer.ggml.token_type")?
-            .into_iter()
-            .map(|t| t as i32)
-            .collect(),
-        merges: g.get_str_array("tokenizer.ggml.merges")?,
+        tokens,
+        token_types,
+        scores,
+        merges: optional(g.get_str_array("tokenizer.ggml.merges"))?,
         bos_id: id("tokenizer.ggml.bos_token_id"),
         eos_id: id("tokenizer.ggml.eos_token_id"),
-        add_bos: matches!(
-            g.get("tokenizer.ggml.add_bos_token"),
-            Some(crate::gguf::MetaValue::Bool(true))
-        ),
+        eot_id: id("tokenizer.ggml.eot_token_id"),
+        eom_id: id("tokenizer.ggml.eom_token_id"),
+        add_bos: flag("tokenizer.ggml.add_bos_token"),
+        add_space_prefix: flag("tokenizer.ggml.add_space_prefix"),
+        rstrip: [rstrip, ids(g, "tokenizer.hearth.rstrip")].concat(),
+        lstrip: ids(g, "tokenizer.hearth.lstrip"),
         chat_template: g.get_str("tokenizer.chat_template").ok().map(str::to_string),
     })
+}
+
+/// Token ids under a Hearth key (strip flags read from a `tokenizer.json`; see `hf`).
+fn ids(g: &GgufFile, key: &str) -> Vec<u32> {
+    g.get_i64_array(key)
+        .map(|v| v.into_iter().filter_map(|i| u32::try_from(i).ok()).collect())
+        .unwrap_or_default()
 }
 
 /// The KV cache an engine with `cfg` gets: (MiB, blocks).
@@ -276,11 +319,7 @@ impl EngineHandle {
             "kernels"
         );
         let (packed_bytes, repack_seconds) = (model.packed_bytes(), model.repack_seconds());
-        let end_of_generation: Vec<u32> = tokenizer
-            .eos_id()
-            .into_iter()
-            .chain(END_OF_GENERATION.iter().filter_map(|t| tokenizer.token_id(t)))
-            .collect();
+        let end_of_generation = tokenizer.end_of_generation().to_vec();
         let bt = hearth_protocol::DEFAULT_BLOCK_TOKENS;
         let c = &model.config;
         let block_bytes = KvPool::block_bytes(model.kv_shape(bt), cfg.kv_dtype);

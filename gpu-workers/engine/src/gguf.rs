@@ -450,6 +450,18 @@ impl GgufFile {
         }
     }
 
+    /// A number array (SentencePiece scores).
+    pub fn get_f64_array(&self, key: &str) -> Result<Vec<f64>, GgufError> {
+        let bad = || GgufError::KeyType {
+            key: key.to_string(),
+            expected: "an array of numbers",
+        };
+        match self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_string()))? {
+            MetaValue::Array(a) => a.iter().map(|v| v.as_f64().ok_or_else(bad)).collect(),
+            _ => Err(bad()),
+        }
+    }
+
     /// An integer array (token types).
     pub fn get_i64_array(&self, key: &str) -> Result<Vec<i64>, GgufError> {
         let bad = || GgufError::KeyType {

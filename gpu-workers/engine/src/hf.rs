@@ -380,7 +380,6 @@ fn tokenizer_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Resu
     }
     for (key, ok) in [
         ("byte_fallback", Value::Bool(false)),
-        ("ignore_merges", Value::Bool(false)),
         ("continuing_subword_prefix", Value::Null),
         ("end_of_word_suffix", Value::Null),
         ("dropout", Value::Null),
@@ -397,16 +396,30 @@ fn tokenizer_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Resu
     }
     let pre = pre_tokenizer_name(tj.get("pre_tokenizer").unwrap_or(&Value::Null)).ok_or_else(|| {
         unsupported(format!(
-            "pre-tokenizer {} is not supported (ByteLevel, or Digits(individual) + ByteLevel)",
-            tj.get("pre_tokenizer").unwrap_or(&Value::Null)
+            "pre-tokenizer {} is not one Hearth reproduces (byte-level BPE with the patterns of {})",
+            tj.get("pre_tokenizer").unwrap_or(&Value::Null),
+            hearth_protocol::tokenizer::pretokenize::PRE_TOKENIZERS
+                .iter()
+                .map(|d| d.names[0])
+                .filter(|n| !n.is_empty())
+                .collect::<Vec<_>>()
+                .join(", ")
         ))
     })?;
+    let wants_ignore = hearth_protocol::tokenizer::pretokenize::lookup(pre).is_some_and(|d| d.ignore_merges);
+    if model.get("ignore_merges").and_then(Value::as_bool).unwrap_or(false) != wants_ignore {
+        return Err(unsupported(format!(
+            "BPE option ignore_merges = {} is not what the {pre} pre-tokenizer's models use",
+            !wants_ignore
+        )));
+    }
     let vocab = model
         .get("vocab")
         .and_then(Value::as_object)
         .ok_or_else(|| invalid(&path, "model.vocab is not an object"))?;
     // id → (text, GGUF token type): 1 normal, 3 control (special), 4 user-defined.
     let mut by_id: BTreeMap<u64, (String, i64)> = BTreeMap::new();
+    let (mut lstrip, mut rstrip) = (Vec::new(), Vec::new());
     for (tok, id) in vocab {
         let id = id
             .as_u64()
@@ -420,12 +433,14 @@ fn tokenizer_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Resu
         ) else {
             return Err(invalid(&path, "an added token lacks id or content"));
         };
-        // Hearth splits added tokens out exactly as written.
-        for flag in ["lstrip", "rstrip", "single_word"] {
+        if a.get("single_word").and_then(Value::as_bool) == Some(true) {
+            return Err(unsupported(format!(
+                "added token {content:?} has single_word, which is not supported"
+            )));
+        }
+        for (flag, list) in [("lstrip", &mut lstrip), ("rstrip", &mut rstrip)] {
             if a.get(flag).and_then(Value::as_bool) == Some(true) {
-                return Err(unsupported(format!(
-                    "added token {content:?} has {flag}, which is not supported"
-                )));
+                list.push(MetaValue::I64(id as i64));
             }
         }
         let special = a.get("special").and_then(Value::as_bool).unwrap_or(false);
@@ -456,6 +471,8 @@ fn tokenizer_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Resu
         MetaValue::Array(by_id.values().map(|(_, t)| MetaValue::I64(*t)).collect()),
     );
     meta.insert("tokenizer.ggml.merges".into(), strs(merges));
+    meta.insert("tokenizer.hearth.lstrip".into(), MetaValue::Array(lstrip));
+    meta.insert("tokenizer.hearth.rstrip".into(), MetaValue::Array(rstrip));
     let cfg_path = dir.join("tokenizer_config.json");
     if cfg_path.exists() {
         let tc = read_json(&cfg_path)?;
@@ -529,28 +546,52 @@ fn tokenizer_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Resu
     Ok(())
 }
 
-/// Hearth's name for a pre-tokenizer it reproduces exactly, if it is one.
-fn pre_tokenizer_name(p: &Value) -> Option<&'static str> {
-    let byte_level = |v: &Value| {
-        v.get("type").and_then(Value::as_str) == Some("ByteLevel")
-            && v.get("add_prefix_space").and_then(Value::as_bool) != Some(true)
-            && v.get("use_regex").and_then(Value::as_bool) != Some(false)
+/// The patterns a `tokenizer.json` pre-tokenizer splits by, in order, if it is made only of
+/// pieces Hearth runs: `Split` (a regex, `Isolated`), `Digits`, and `ByteLevel` (its GPT-2
+/// regex when `use_regex`). None when there is no final byte-level step.
+fn pre_tokenizer_patterns(p: &Value) -> Option<Vec<String>> {
+    let steps: Vec<&Value> = match p.get("type").and_then(Value::as_str)? {
+        "Sequence" => p.get("pretokenizers")?.as_array()?.iter().collect(),
+        _ => vec![p],
     };
-    if byte_level(p) {
-        return Some("gpt2");
+    let (last, rest) = steps.split_last()?;
+    if last.get("type").and_then(Value::as_str) != Some("ByteLevel")
+        || last.get("add_prefix_space").and_then(Value::as_bool) == Some(true)
+    {
+        return None;
     }
-    if p.get("type").and_then(Value::as_str) == Some("Sequence") {
-        let list = p.get("pretokenizers")?.as_array()?;
-        if let [digits, bl] = list.as_slice() {
-            if digits.get("type").and_then(Value::as_str) == Some("Digits")
-                && digits.get("individual_digits").and_then(Value::as_bool) == Some(true)
-                && byte_level(bl)
-            {
-                return Some("smollm");
+    let mut patterns = Vec::new();
+    for step in rest {
+        match step.get("type").and_then(Value::as_str)? {
+            "Split" => {
+                let behavior = step.get("behavior").and_then(Value::as_str).unwrap_or("Isolated");
+                if behavior != "Isolated" || step.get("invert").and_then(Value::as_bool) == Some(true) {
+                    return None;
+                }
+                patterns.push(step.get("pattern")?.get("Regex")?.as_str()?.to_string());
             }
+            "Digits" => patterns.push(
+                if step.get("individual_digits").and_then(Value::as_bool) == Some(true) {
+                    r"\p{N}"
+                } else {
+                    r"\p{N}+"
+                }
+                .to_string(),
+            ),
+            _ => return None,
         }
     }
-    None
+    if last.get("use_regex").and_then(Value::as_bool) != Some(false) {
+        patterns.push(hearth_protocol::tokenizer::pretokenize::GPT2.to_string());
+    }
+    Some(patterns)
+}
+
+/// Hearth's name for a pre-tokenizer it reproduces exactly, if it is one.
+fn pre_tokenizer_name(p: &Value) -> Option<&'static str> {
+    let patterns = pre_tokenizer_patterns(p)?;
+    let refs: Vec<&str> = patterns.iter().map(String::as_str).collect();
+    hearth_protocol::tokenizer::pretokenize::name_of(&refs)
 }
 
 /// Opens a Hugging Face model directory as a [`GgufFile`] view (see the module docs).
@@ -759,42 +800,9 @@ pub fn export(g: &GgufFile, out: &Path, dtype: ExportDtype, shards: usize) -> Re
             "torch_dtype": dtype.torch_name(),
         }),
     )?;
-    let added: Vec<Value> = spec
-        .tokens
-        .iter()
-        .zip(&spec.token_types)
-        .enumerate()
-        .filter(|(_, (_, &ty))| ty == 3 || ty == 4)
-        .map(|(id, (t, &ty))| {
-            json!({"id": id, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
-                   "normalized": false, "special": ty == 3})
-        })
-        .collect();
-    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
-    let pre = match spec.pre.as_str() {
-        "smollm" => {
-            json!({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level]})
-        }
-        _ => byte_level.clone(),
-    };
-    let vocab: serde_json::Map<String, Value> = spec
-        .tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), json!(i)))
-        .collect();
-    write(
-        "tokenizer.json",
-        &json!({
-            "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
-            "normalizer": null, "pre_tokenizer": pre,
-            "post_processor": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
-            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-                      "ignore_merges": false, "vocab": vocab, "merges": spec.merges},
-        }),
-    )?;
+    let tokenizer = hearth_protocol::tokenizer::hf_tokenizer_json(&spec)
+        .map_err(|e| HfError::Unsupported(format!("tokenizer.json: {e}")))?;
+    write("tokenizer.json", &tokenizer)?;
     let name_of = |id: Option<u32>| id.and_then(|i| spec.tokens.get(i as usize).cloned());
     write(
         "tokenizer_config.json",
@@ -831,12 +839,21 @@ mod tests {
 
     #[test]
     fn pre_tokenizers_hearth_reproduces() {
+        use hearth_protocol::tokenizer::pretokenize::GPT2;
         let bl = json!({"type": "ByteLevel", "add_prefix_space": false, "use_regex": true});
-        assert_eq!(pre_tokenizer_name(&bl), Some("gpt2"));
+        assert_eq!(pre_tokenizer_name(&bl), Some("gpt-2"));
         let smol = json!({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true}, bl]});
         assert_eq!(pre_tokenizer_name(&smol), Some("smollm"));
-        let llama3 = json!({"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": "x"}}, bl]});
-        assert_eq!(pre_tokenizer_name(&llama3), None);
+        let split =
+            |r: &str| json!({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": false});
+        let raw = json!({"type": "ByteLevel", "add_prefix_space": false, "use_regex": false});
+        let as_splits = json!({"type": "Sequence", "pretokenizers": [split(r"\p{N}"), split(GPT2), raw]});
+        assert_eq!(pre_tokenizer_name(&as_splits), Some("smollm"));
+        let llama3 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+        let l3 = json!({"type": "Sequence", "pretokenizers": [split(llama3), raw]});
+        assert_eq!(pre_tokenizer_name(&l3), Some("llama-bpe"));
+        let unknown = json!({"type": "Sequence", "pretokenizers": [split("x"), bl]});
+        assert_eq!(pre_tokenizer_name(&unknown), None);
         assert_eq!(
             pre_tokenizer_name(&json!({"type": "ByteLevel", "add_prefix_space": true})),
             None

@@ -212,8 +212,11 @@ fn broken_directories_are_refused_with_the_reason() {
     assert!(err(&dir.0).contains("byte_fallback"), "{}", err(&dir.0));
     write(
         &tok_path,
-        &tok.replacen("\"type\": \"Digits\"", "\"type\": \"Punctuation\"", 1),
+        &tok.replacen("\"type\": \"Split\"", "\"type\": \"Punctuation\"", 1),
     );
+    assert!(err(&dir.0).contains("pre-tokenizer"), "{}", err(&dir.0));
+    // A pattern that is no known pre-tokenizer's.
+    write(&tok_path, &tok.replacen("\\\\p{N}\"", "\\\\p{N}{1,5}\"", 1));
     assert!(err(&dir.0).contains("pre-tokenizer"), "{}", err(&dir.0));
     write(&tok_path, &tok);
     assert!(hf::open(&dir.0).is_ok());

@@ -192,6 +192,18 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Tokenization: Hearth's tokenizer against Hugging Face's `tokenizers` on the model's
+    /// vocabulary (encode and decode throughput, identical ids), one thread.
+    Tokenizer {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// A smaller corpus and shorter timing (smoke runs).
+        #[arg(long)]
+        quick: bool,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Cold start: a request for an unloaded model → first token, against reading the file
     /// plus one prefill; with and without the pack cache, page cache warm and dropped.
     Coldstart {

@@ -58,6 +58,15 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
             print!("{}", report.table());
             write_json(&report, json)
         }
+        BenchCommand::Tokenizer { model, quick, json } => {
+            let (path, id) = resolve_model(&model).await?;
+            let file = hearth_engine::hf::open_model(&path)?;
+            let spec = hearth_engine::tokenizer_spec(&file)?;
+            let reference = hearth_protocol::tokenizer::hf_tokenizer_json(&spec)?;
+            let report = hearth_bench::tokenizer::run(&id, &spec, &reference.to_string(), quick)?;
+            print!("{}", report.table());
+            write_json(&report, json)
+        }
         BenchCommand::Coldstart {
             model,
             prompt_tokens,

@@ -431,11 +431,7 @@ pub(crate) mod tests {
                     pre: "default".into(),
                     token_types: vec![1; tokens.len()],
                     tokens,
-                    merges: vec![],
-                    bos_id: None,
-                    eos_id: None,
-                    add_bos: false,
-                    chat_template: None,
+                    ..Default::default()
                 },
                 tenants: Vec::new(),
             };
