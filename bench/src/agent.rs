@@ -24,7 +24,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use hearth_engine::{EngineConfig, EngineHandle};
-use hearth_gateway::tools::{parse_output, parse_tools, render_calls, render_result, Tools};
+use hearth_gateway::tools::{in_hearth_format, parse_tools, Tools};
+use hearth_protocol::output::{ToolFormat, ToolStream};
 use hearth_protocol::{
     ChatMessage, ChatTemplate, Constraint, FinishReason, GenerateEvent, GenerateRequest, Priority, Qos, SamplingParams,
     Tokenizer,
@@ -265,24 +266,11 @@ fn ticket(rng: &mut Rng) -> (String, String, String) {
 }
 
 fn system(content: &str) -> ChatMessage {
-    ChatMessage {
-        role: "system".into(),
-        content: content.into(),
-    }
+    ChatMessage::new("system", content)
 }
 
 fn user(content: String) -> ChatMessage {
-    ChatMessage {
-        role: "user".into(),
-        content,
-    }
-}
-
-fn assistant(content: String) -> ChatMessage {
-    ChatMessage {
-        role: "assistant".into(),
-        content,
-    }
+    ChatMessage::new("user", &content)
 }
 
 fn extraction(rng: &mut Rng) -> Task {
@@ -343,37 +331,43 @@ fn agent_tools() -> anyhow::Result<Tools> {
 fn tool_call(rng: &mut Rng) -> anyhow::Result<Task> {
     let (text, order, city) = ticket(rng);
     let tools = agent_tools()?;
-    // The history as the gateway writes it: the earlier call, then its result.
-    let call = json!({"id": "call_1", "type": "function",
-                      "function": {"name": "lookup_order", "arguments": json!({"order_id": order}).to_string()}});
-    let lookup = render_calls(0, std::slice::from_ref(&call)).map_err(|e| anyhow::anyhow!(e.message))?;
-    let result = render_result(
+    // The history as the gateway writes it (Hearth's format, the default model's template
+    // taking no tools): the earlier call, then its result.
+    let mut lookup = ChatMessage::new("assistant", "");
+    lookup.tool_calls = vec![hearth_protocol::ToolCall {
+        id: "call_1".into(),
+        kind: "function".into(),
+        function: hearth_protocol::FunctionCall {
+            name: "lookup_order".into(),
+            arguments: json!({"order_id": order}),
+        },
+    }];
+    let mut result = ChatMessage::new(
+        "tool",
         &json!({"order_id": order, "status": "delivered", "city": city, "total": rng.range(40, 900) as f64 + 0.99,
                 "refundable": true})
         .to_string(),
     );
+    result.tool_call_id = Some("call_1".into());
     let next = if rng.next().is_multiple_of(2) {
         "The order is refundable. Issue the full refund for it now."
     } else {
         "Email the customer that their refund for this order is being processed."
     };
-    let mut messages = vec![
-        system("You are a customer-support agent for an electronics shop."),
-        user(format!("Handle this ticket:\n\n{text}")),
-        assistant(lookup),
-        ChatMessage {
-            role: "tool".into(),
-            content: result,
-        },
-        user(next.to_string()),
-    ];
-    if let Some(first) = messages.first_mut() {
-        first.content = format!("{}\n\n{}", first.content, tools.system_prompt());
-    }
+    let messages = in_hearth_format(
+        &[
+            system("You are a customer-support agent for an electronics shop."),
+            user(format!("Handle this ticket:\n\n{text}")),
+            lookup,
+            result,
+            user(next.to_string()),
+        ],
+        Some(&tools),
+    );
     Ok(Task {
         workload: "tool_call",
         messages,
-        constraint: tools.constraint(),
+        constraint: tools.constraint(ToolFormat::Hearth, &|_| None),
         check: Check::Tools(Box::new(tools)),
         max_tokens: 512,
         temperature: 0.0,
@@ -545,7 +539,7 @@ fn valid(check: &Check, text: &str) -> bool {
             .ok()
             .is_some_and(|v| jsonschema::is_valid(schema, &v)),
         Check::Tools(tools) => {
-            let (_, calls) = parse_output(text);
+            let (_, calls) = ToolStream::parse(ToolFormat::Hearth, &tools.tools, text);
             !calls.is_empty()
                 && calls.iter().all(|c| {
                     let Some(tool) = tools.tools.iter().find(|t| t.name == c.name) else {

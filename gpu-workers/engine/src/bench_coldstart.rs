@@ -189,6 +189,7 @@ async fn cold_request(path: &Path, id: &str, cfg: &EngineConfig, prompt: &[u32],
             context_length: None,
             memory_bytes: None,
             tenants: Vec::new(),
+            chat_template: None,
         }],
         HostConfig {
             engine: cfg.clone(),
@@ -269,6 +270,7 @@ async fn alternating(path: &Path, cfg: &EngineConfig, prompt: &[u32]) -> Alterna
             context_length: None,
             memory_bytes: None,
             tenants: Vec::new(),
+            chat_template: None,
         })
         .collect();
     let (host, failed) = ModelHost::new(

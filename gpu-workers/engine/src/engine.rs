@@ -89,6 +89,8 @@ pub struct EngineConfig {
     pub device: Device,
     /// With a CUDA device: replay decode steps from CUDA graphs.
     pub cuda_graphs: bool,
+    /// A chat template to use instead of the model file's (the template's text).
+    pub chat_template: Option<String>,
 }
 
 /// The default draft length (see [`EngineConfig::speculative_tokens`]).
@@ -111,6 +113,7 @@ impl Default for EngineConfig {
             speculative_tokens: DEFAULT_SPECULATIVE_TOKENS,
             device: Device::Cpu,
             cuda_graphs: true,
+            chat_template: None,
         }
     }
 }
@@ -188,6 +191,16 @@ fn ids(g: &GgufFile, key: &str) -> Vec<u32> {
     g.get_i64_array(key)
         .map(|v| v.into_iter().filter_map(|i| u32::try_from(i).ok()).collect())
         .unwrap_or_default()
+}
+
+/// The text a generated token adds to the output: none for control tokens, unless the
+/// request asks for theirs (`special_text`: tool-call delimiters, reasoning markers).
+fn shown_bytes<'t>(tokenizer: &'t Tokenizer, tok: u32, special_text: &[u32]) -> &'t [u8] {
+    if tokenizer.is_special(tok) && !special_text.contains(&tok) {
+        &[]
+    } else {
+        tokenizer.token_bytes(tok).unwrap_or(&[])
+    }
 }
 
 /// The KV cache an engine with `cfg` gets: (MiB, blocks).
@@ -302,7 +315,10 @@ impl EngineHandle {
             set_isa(isa).map_err(|e| EngineError::Start(e.to_string()))?;
         }
         let file = crate::hf::open_model(path)?;
-        let spec = tokenizer_spec(&file)?;
+        let mut spec = tokenizer_spec(&file)?;
+        if let Some(t) = &cfg.chat_template {
+            spec.chat_template = Some(t.clone());
+        }
         let tokenizer = Arc::new(Tokenizer::from_spec(&spec)?);
         let model = match cfg.device {
             Device::Cpu => LlamaModel::load_with(file, cfg.pack_cache)?,
@@ -998,9 +1014,7 @@ impl Runner {
             if let Some(g) = c.grammar.as_mut() {
                 g.advance(t);
             }
-            if !self.tokenizer.is_special(t) {
-                c.text.push(self.tokenizer.token_bytes(t).unwrap_or(&[]));
-            }
+            c.text.push(shown_bytes(&self.tokenizer, t, &req.sampling.special_text));
         }
         let mut r = Request {
             request_id: req.request_id,
@@ -1318,10 +1332,10 @@ impl Runner {
             g.advance(tok);
             grammar_done = g.is_stopped();
         }
-        let bytes = if eog || self.tokenizer.is_special(tok) {
+        let bytes = if eog {
             &[][..]
         } else {
-            self.tokenizer.token_bytes(tok).unwrap_or(&[])
+            shown_bytes(&self.tokenizer, tok, &r.params.special_text)
         };
         let released = ch.text.push(bytes);
         let finish = if released.stopped || eog || grammar_done {

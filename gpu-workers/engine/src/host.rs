@@ -39,6 +39,8 @@ pub struct ModelEntry {
     /// Tenants (names or ids) that may see and use it (empty: all); reported in its
     /// `WorkerInfo` for the gateway to enforce.
     pub tenants: Vec<String>,
+    /// A chat template to use instead of the file's (its text).
+    pub chat_template: Option<String>,
 }
 
 /// How the host shares out memory and waits.
@@ -165,6 +167,9 @@ impl Model {
             info.context_length = info.context_length.min(c.max(1) as u32);
         }
         info.tenants = entry.tenants.clone();
+        if let Some(t) = entry.chat_template.as_ref().or(cfg.engine.chat_template.as_ref()) {
+            info.tokenizer.chat_template = Some(t.clone());
+        }
         let kv_bytes = cfg.engine.kv_cache_mib.unwrap_or(1024) as u64 * (1 << 20);
         let estimate = entry
             .memory_bytes
@@ -607,6 +612,7 @@ impl ModelHost {
         let inner = self.inner.clone();
         let mut cfg = self.inner.cfg.engine.clone();
         cfg.max_context = entry.context_length.or(cfg.max_context);
+        cfg.chat_template = entry.chat_template.clone().or(cfg.chat_template);
         tracing::info!(model = %entry.id, "loading on first request");
         let load = move || {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

@@ -24,6 +24,7 @@ pub mod gguf;
 pub mod grammar;
 pub mod hf;
 pub mod host;
+pub mod inspect;
 pub mod kernels;
 pub mod kv;
 pub mod kv_transfer;

@@ -31,10 +31,7 @@ fn chat(e: &EngineHandle, system: &str, user: &str) -> Vec<u32> {
     let spec = &e.info().tokenizer;
     let tmpl = ChatTemplate::new(spec.chat_template.as_deref().unwrap(), "<|im_start|>", "<|im_end|>").unwrap();
     let tok = hearth_protocol::Tokenizer::from_spec(spec).unwrap();
-    let msg = |role: &str, content: &str| ChatMessage {
-        role: role.into(),
-        content: content.into(),
-    };
+    let msg = ChatMessage::new;
     tok.encode(&tmpl.render(&[msg("system", system), msg("user", user)], true).unwrap())
 }
 
@@ -305,4 +302,103 @@ async fn schemas_that_cannot_be_honoured_are_refused() {
     assert_eq!(code, "invalid_schema", "{message}");
     let (code, _) = refuse(json!([1, 2])).await;
     assert_eq!(code, "invalid_schema");
+}
+
+/// Every tool-call format's grammar (`tool_choice` required, two tools, parallel calls), on
+/// the real model at temperature 1 over several seeds: the output is calls in that format,
+/// which the format's own parser reads back, with arguments valid for the tool's schema. The
+/// default model has none of the formats' special tokens, so their delimiters are text here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_native_tool_format_is_written_under_its_grammar_and_reads_back() {
+    use hearth_protocol::output::tools::{grammar, ToolDef, ToolFormat, ToolStream};
+    let e = engine();
+    let tools = vec![
+        ToolDef {
+            name: "get_weather".into(),
+            description: Some("Current weather for a city".into()),
+            parameters: json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"], "additionalProperties": false}),
+        },
+        ToolDef {
+            name: "get_time".into(),
+            description: None,
+            parameters: json!({"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}}, "required": ["zone"], "additionalProperties": false}),
+        },
+    ];
+    let prompt = chat(
+        e,
+        "You call tools.",
+        "What is the weather in Paris for 3 days, and the time in Tokyo?",
+    );
+    for format in ToolFormat::ALL {
+        let g = grammar(format, &tools, true, &|_| None);
+        for seed in 0..3 {
+            let sampling = SamplingParams {
+                temperature: 1.0,
+                seed: Some(seed),
+                max_tokens: 200,
+                ..Default::default()
+            };
+            let out = generate(
+                e,
+                prompt.clone(),
+                sampling,
+                Some(Constraint::Lark { grammar: g.clone() }),
+            )
+            .await;
+            assert!(out.error.is_none(), "{format:?}: {:?}\n{g}", out.error);
+            if out.finish.as_deref() == Some("length") {
+                continue; // cut off by max_tokens: nothing to check
+            }
+            let (_, calls) = ToolStream::parse(format, &tools, &out.text);
+            assert!(
+                !calls.is_empty(),
+                "{format:?} seed {seed}: no calls read from {:?}",
+                out.text
+            );
+            for c in &calls {
+                let tool = tools
+                    .iter()
+                    .find(|t| t.name == c.name)
+                    .unwrap_or_else(|| panic!("{format:?}: unknown tool {}", c.name));
+                let args: Value = serde_json::from_str(&c.arguments)
+                    .unwrap_or_else(|err| panic!("{format:?}: {err}: {:?}", out.text));
+                assert!(
+                    jsonschema::is_valid(&tool.parameters, &args),
+                    "{format:?}: {args} against {}",
+                    tool.parameters
+                );
+            }
+        }
+    }
+}
+
+/// A grammar names a special token by id (`<[id]>`), as the native formats' delimiters are
+/// written; asked for in `special_text`, the token's text reaches the stream (control
+/// tokens' text is dropped otherwise).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn special_tokens_in_grammars_reach_the_stream_when_asked_for() {
+    let e = engine();
+    let tok = hearth_protocol::Tokenizer::from_spec(&e.info().tokenizer).unwrap();
+    let id = tok.token_id("<|im_start|>").unwrap();
+    assert!(tok.is_special(id));
+    let grammar = format!("start: <[{id}]> \"ok\"\n");
+    let prompt = chat(e, "Answer.", "Say ok.");
+    for (special_text, want) in [(vec![id], "<|im_start|>ok"), (vec![], "ok")] {
+        let sampling = SamplingParams {
+            special_text,
+            ..greedy(8, false)
+        };
+        let out = generate(
+            e,
+            prompt.clone(),
+            sampling,
+            Some(Constraint::Lark {
+                grammar: grammar.clone(),
+            }),
+        )
+        .await;
+        assert!(out.error.is_none(), "{:?}", out.error);
+        assert_eq!(out.ids.first(), Some(&id));
+        assert_eq!(out.text, want);
+    }
 }

@@ -26,15 +26,7 @@ fn load() -> (LlamaModel, Tokenizer, ChatTemplate) {
 }
 
 fn prompt_ids(tok: &Tokenizer, tmpl: &ChatTemplate, question: &str) -> Vec<u32> {
-    let text = tmpl
-        .render(
-            &[ChatMessage {
-                role: "user".into(),
-                content: question.into(),
-            }],
-            true,
-        )
-        .unwrap();
+    let text = tmpl.render(&[ChatMessage::new("user", question)], true).unwrap();
     tok.encode(&text)
 }
 

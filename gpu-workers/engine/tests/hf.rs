@@ -49,15 +49,7 @@ fn golden_ids(file: &GgufFile) -> Vec<u32> {
     let spec = tokenizer_spec(file).unwrap();
     let tok = Tokenizer::from_spec(&spec).unwrap();
     let tmpl = ChatTemplate::new(spec.chat_template.as_deref().unwrap(), "<|im_start|>", "<|im_end|>").unwrap();
-    let text = tmpl
-        .render(
-            &[ChatMessage {
-                role: "user".into(),
-                content: GOLDEN_QUESTION.into(),
-            }],
-            true,
-        )
-        .unwrap();
+    let text = tmpl.render(&[ChatMessage::new("user", GOLDEN_QUESTION)], true).unwrap();
     tok.encode(&text)
 }
 

@@ -23,6 +23,7 @@ fn entry(id: &str, path: PathBuf, ttl: Option<Duration>) -> ModelEntry {
         context_length: None,
         memory_bytes: None,
         tenants: Vec::new(),
+        chat_template: None,
     }
 }
 

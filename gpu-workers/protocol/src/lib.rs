@@ -7,13 +7,14 @@
 
 pub mod blocks;
 pub mod chat;
+pub mod output;
 pub mod qos;
 pub mod tokenizer;
 pub mod trace_context;
 mod wire;
 
 pub use blocks::{block_hashes, cache_namespace, chain, namespace_root, BlockHash, DEFAULT_BLOCK_TOKENS};
-pub use chat::{ChatMessage, ChatTemplate, TemplateError};
+pub use chat::{ChatInput, ChatMessage, ChatTemplate, FunctionCall, TemplateError, ToolCall};
 pub use qos::{Priority, Qos, QueueState, Shed, BATCH_QUEUE_FRACTION, MAX_SHARE};
 pub use tokenizer::{TokenizeError, Tokenizer, TokenizerSpec};
 pub use trace_context::{TraceParent, TRACEPARENT};

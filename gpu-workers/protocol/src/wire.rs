@@ -32,6 +32,10 @@ pub struct SamplingParams {
     /// step (speculative decoding). The output is the same either way: greedy output is
     /// identical, sampled output keeps its distribution. Off: one token per step.
     pub speculative: bool,
+    /// Special tokens whose text the stream carries (the engine drops control tokens' text
+    /// otherwise): the tool-call delimiters and reasoning markers the gateway parses.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub special_text: Vec<u32>,
 }
 
 impl Default for SamplingParams {
@@ -48,6 +52,7 @@ impl Default for SamplingParams {
             logprobs: false,
             top_logprobs: 0,
             speculative: true,
+            special_text: Vec::new(),
         }
     }
 }
@@ -354,6 +359,10 @@ pub struct ModelSpec {
     /// Tenants (names or ids) that may see and use it; empty: every tenant.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tenants: Vec<String>,
+    /// A Jinja chat template file to use instead of the model's (relative paths: from the
+    /// catalogue file).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template: Option<String>,
 }
 
 impl ModelSpec {

@@ -433,6 +433,14 @@ pub struct ModelArgs {
     /// For `--backend sim`: how many times faster than the cost model time runs.
     #[arg(long, default_value_t = 1.0)]
     pub sim_speedup: f64,
+    /// A Jinja chat template file to use instead of the model file's (its tool-call and
+    /// reasoning formats are then read from it too).
+    #[arg(long, env = "HEARTH_CHAT_TEMPLATE", value_parser = read_template)]
+    pub chat_template: Option<String>,
+}
+
+fn read_template(path: &str) -> Result<String, String> {
+    std::fs::read_to_string(path).map_err(|e| format!("reading the chat template {path}: {e}"))
 }
 
 #[derive(Args, Clone)]
@@ -498,6 +506,7 @@ impl ModelArgs {
             speculative_tokens: self.speculative_tokens,
             device: self.device,
             cuda_graphs: self.cuda_graphs,
+            chat_template: self.chat_template.clone(),
         }
     }
 }
@@ -747,6 +756,9 @@ pub enum AdminModelCommand {
         /// Only this tenant (name or id) sees it; repeat for more (default: every tenant).
         #[arg(long = "tenant")]
         tenants: Vec<String>,
+        /// A chat template file instead of the model's (a path the workers can read).
+        #[arg(long)]
+        chat_template: Option<String>,
     },
     /// Stop serving a model and remove it from every catalogue (requests in flight finish).
     Remove { id: String },
@@ -1027,5 +1039,15 @@ pub enum ModelCommand {
         /// Number of safetensors files (more than one writes model.safetensors.index.json).
         #[arg(long, default_value_t = 1)]
         shards: usize,
+    },
+    /// What a model file or directory is and what Hearth makes of it: architecture, tensor
+    /// types, tokenizer, chat template, tool-call and reasoning formats, context length, and
+    /// why Hearth would refuse it (metadata only; no weights read).
+    Inspect {
+        /// A GGUF file, a Hugging Face directory, or a known model id.
+        model: String,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
     },
 }

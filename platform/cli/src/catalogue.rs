@@ -13,6 +13,7 @@
 //! idle_ttl_s = 300               # unload after this long without requests; 0 or absent: never
 //! min_warm = 0                   # 1: load at start and keep warm; optional
 //! context_length = 4096          # serve at most this context; optional
+//! chat_template = "qwen.jinja"    # a template instead of the model's; optional
 //! memory_mib = 300               # what it counts against the budget; optional
 //! tenants = ["acme"]             # only these tenants (names or ids) see it; optional
 //! ```
@@ -94,6 +95,13 @@ async fn entry(spec: &ModelSpec, base: &Path, model_args: &ModelArgs) -> anyhow:
     let (path, id): (PathBuf, String) = resolve_model(&args)
         .await
         .with_context(|| format!("catalogue model {:?}", spec.id))?;
+    let chat_template = match &spec.chat_template {
+        Some(t) => Some(
+            std::fs::read_to_string(base.join(t))
+                .with_context(|| format!("catalogue model {:?}: reading its chat template {t}", spec.id))?,
+        ),
+        None => None,
+    };
     Ok(ModelEntry {
         id,
         path,
@@ -102,6 +110,7 @@ async fn entry(spec: &ModelSpec, base: &Path, model_args: &ModelArgs) -> anyhow:
         context_length: spec.context_length,
         memory_bytes: spec.memory_mib.map(|v| v << 20),
         tenants: spec.tenants.clone(),
+        chat_template,
     })
 }
 

@@ -61,6 +61,22 @@ fn main() -> anyhow::Result<()> {
                 println!("{}", out.display());
                 Ok(())
             }
+            Command::Model {
+                command: ModelCommand::Inspect { model, json },
+            } => {
+                let path = if std::path::Path::new(&model).exists() {
+                    model.into()
+                } else {
+                    ensure_model(&model, &hearth_home(), &mut |m| eprintln!("{m}"))?
+                };
+                let report = hearth_engine::inspect::inspect(&path)?;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&report)?);
+                } else {
+                    print!("{}", report.text());
+                }
+                Ok(())
+            }
             Command::Bench { command } => bench_cmd::run(command).await,
         }
     })

@@ -238,6 +238,7 @@ async fn admin_models(gw: GatewayApiArgs, command: AdminModelCommand, json: bool
             context_length,
             memory_mib,
             tenants,
+            chat_template,
         } => client.post(&base).json(&hearth_protocol::ModelSpec {
             id,
             source,
@@ -246,6 +247,7 @@ async fn admin_models(gw: GatewayApiArgs, command: AdminModelCommand, json: bool
             context_length,
             memory_mib,
             tenants,
+            chat_template,
         }),
         AdminModelCommand::Remove { id } => {
             let mut url = reqwest::Url::parse(&base).with_context(|| format!("bad --gateway-url {}", gw.url))?;

@@ -41,6 +41,8 @@ pub struct Common {
 pub struct ChatRequest {
     pub common: Common,
     pub messages: Vec<ChatMessage>,
+    /// `chat_template_kwargs`: extra variables for the model's template (`enable_thinking`).
+    pub template_kwargs: Map<String, Value>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -254,6 +256,7 @@ fn parse_common(o: &Map<String, Value>, max_tokens_keys: &[&str]) -> Result<Comm
             logprobs: false,
             top_logprobs: 0,
             speculative,
+            special_text: Vec::new(),
         },
         stream,
         include_usage,
@@ -322,7 +325,7 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
         None => return Err(ApiError::invalid("messages", "you must provide 'messages'")),
     };
     let tools = tools::parse_tools(&o)?;
-    let mut messages = Vec::with_capacity(msgs.len() + 1);
+    let mut messages: Vec<ChatMessage> = Vec::with_capacity(msgs.len());
     for (i, m) in msgs.iter().enumerate() {
         let Some(m) = m.as_object() else {
             return Err(wrong_type(&format!("messages[{i}]"), "an object", m));
@@ -343,54 +346,98 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
                 ))
             }
         };
-        let mut content = message_content(i, m.get("content"))?;
+        let mut msg = ChatMessage::new(role, &message_content(i, m.get("content"))?);
         match (role, get(m, "tool_calls")) {
-            ("assistant", Some(Value::Array(calls))) if !calls.is_empty() => {
-                let blocks = tools::render_calls(i, calls)?;
-                content = if content.is_empty() {
-                    blocks
-                } else {
-                    format!("{content}\n{blocks}")
-                };
-            }
+            ("assistant", Some(Value::Array(calls))) => msg.tool_calls = history_calls(i, calls)?,
             (_, Some(Value::Array(_)) | None) => {}
             (_, Some(v)) => return Err(wrong_type(&format!("messages[{i}].tool_calls"), "an array", v)),
         }
+        if role == "assistant" {
+            // vLLM's and DeepSeek's field, and OpenRouter's name for it.
+            for key in ["reasoning_content", "reasoning"] {
+                match get(m, key) {
+                    None => {}
+                    Some(Value::String(r)) => msg.reasoning_content = Some(r.clone()),
+                    Some(v) => return Err(wrong_type(&format!("messages[{i}].{key}"), "a string", v)),
+                }
+            }
+        }
+        match get(m, "name") {
+            None => {}
+            Some(Value::String(n)) => msg.name = Some(n.clone()),
+            Some(v) => return Err(wrong_type(&format!("messages[{i}].name"), "a string", v)),
+        }
         if role == "tool" {
-            if !matches!(get(m, "tool_call_id"), Some(Value::String(_))) {
+            let Some(Value::String(id)) = get(m, "tool_call_id") else {
                 return Err(ApiError::invalid(
                     &format!("messages[{i}].tool_call_id"),
                     "a 'tool' message needs the 'tool_call_id' it answers",
                 ));
+            };
+            // The function's name, from the call it answers (templates print it).
+            if msg.name.is_none() {
+                msg.name = messages
+                    .iter()
+                    .rev()
+                    .flat_map(|p| p.tool_calls.iter())
+                    .find(|c| &c.id == id)
+                    .map(|c| c.function.name.clone());
             }
-            content = tools::render_result(&content);
+            msg.tool_call_id = Some(id.clone());
         }
-        messages.push(ChatMessage {
-            role: role.to_string(),
-            content,
-        });
+        messages.push(msg);
     }
-    if let Some(t) = tools.as_ref().filter(|t| t.active()) {
-        // Hearth's tool format (see `tools`): the definitions close the system message.
-        let section = t.system_prompt();
-        match messages.first_mut() {
-            Some(m) if m.role == "system" => {
-                m.content = format!("{}\n\n{section}", m.content);
-            }
-            _ => messages.insert(
-                0,
-                ChatMessage {
-                    role: "system".into(),
-                    content: section,
-                },
-            ),
-        }
-        if let Some(c) = t.constraint() {
-            common.constraint = Some(c);
-        }
-    }
+    let template_kwargs = match get(&o, "chat_template_kwargs") {
+        None => Map::new(),
+        Some(Value::Object(k)) => k.clone(),
+        Some(v) => return Err(wrong_type("chat_template_kwargs", "an object", v)),
+    };
     common.tools = tools;
-    Ok(ChatRequest { common, messages })
+    Ok(ChatRequest {
+        common,
+        messages,
+        template_kwargs,
+    })
+}
+
+/// An assistant message's `tool_calls` as templates read them: `arguments` as an object
+/// (OpenAI sends a JSON string; a string that is not JSON is kept as the string).
+fn history_calls(i: usize, calls: &[Value]) -> Result<Vec<hearth_protocol::ToolCall>, ApiError> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(j, c)| {
+            let p = format!("messages[{i}].tool_calls[{j}]");
+            let f = c
+                .get("function")
+                .and_then(Value::as_object)
+                .ok_or_else(|| ApiError::invalid(&p, "a tool call needs a 'function' object"))?;
+            let name = f
+                .get("name")
+                .and_then(Value::as_str)
+                .ok_or_else(|| ApiError::invalid(&format!("{p}.function.name"), "a tool call needs a function name"))?;
+            let arguments = match f.get("arguments") {
+                Some(Value::String(s)) => serde_json::from_str::<Value>(s).unwrap_or_else(|_| json!(s)),
+                Some(v @ Value::Object(_)) => v.clone(),
+                None | Some(Value::Null) => json!({}),
+                Some(v) => {
+                    return Err(wrong_type(
+                        &format!("{p}.function.arguments"),
+                        "a JSON string or an object",
+                        v,
+                    ))
+                }
+            };
+            Ok(hearth_protocol::ToolCall {
+                id: c.get("id").and_then(Value::as_str).unwrap_or_default().to_string(),
+                kind: "function".into(),
+                function: hearth_protocol::FunctionCall {
+                    name: name.to_string(),
+                    arguments,
+                },
+            })
+        })
+        .collect()
 }
 
 pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
@@ -460,12 +507,18 @@ pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
 
 /// OpenAI's `usage` object.
 pub fn usage_json(u: &Usage) -> Value {
+    usage_json_with(u, 0)
+}
+
+/// OpenAI's `usage` object, with the completion's reasoning tokens (counted by the gateway's
+/// reasoning parser).
+pub fn usage_json_with(u: &Usage, reasoning_tokens: u32) -> Value {
     json!({
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
     })
 }
 
@@ -607,18 +660,36 @@ mod tests {
         assert!(r.common.sampling.logprobs && r.common.sampling.top_logprobs == 2);
         assert_eq!(r.common.prompt_cache_key.as_deref(), Some("conv-1"));
         assert!(r.common.sampling.ignore_eos && r.common.sampling.min_tokens == 2);
-        assert_eq!(
-            r.messages[0],
-            ChatMessage {
-                role: "system".into(),
-                content: "be brief".into()
-            }
-        );
+        assert_eq!(r.messages[0], ChatMessage::new("system", "be brief"));
         assert_eq!(r.common.max_tokens, Some(5));
         assert_eq!(r.common.sampling.temperature, 0.0);
         assert_eq!(r.common.sampling.stop, ["x"]);
         assert_eq!(r.common.sampling.seed, Some(7));
         assert!(r.common.stream && r.common.include_usage);
+    }
+
+    #[test]
+    fn history_reaches_the_template_with_structure() {
+        let r = chat(json!({
+            "model": "m", "chat_template_kwargs": {"enable_thinking": false},
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": null, "reasoning_content": "Use the tool.",
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "21C"}
+            ]
+        }))
+        .unwrap();
+        let a = &r.messages[1];
+        assert_eq!(a.content, "");
+        assert_eq!(a.reasoning_content.as_deref(), Some("Use the tool."));
+        assert_eq!(a.tool_calls[0].function.arguments, json!({"city": "Paris"}));
+        assert_eq!(
+            r.messages[2].name.as_deref(),
+            Some("get_weather"),
+            "named from the call it answers"
+        );
+        assert_eq!(r.template_kwargs.get("enable_thinking"), Some(&json!(false)));
     }
 
     #[test]

@@ -25,6 +25,9 @@ pub struct ServedModel {
     pub id: String,
     pub tokenizer: Tokenizer,
     pub template: Option<ChatTemplate>,
+    /// How the model writes tool calls and reasoning (from its template).
+    pub tool_format: hearth_protocol::output::ToolFormat,
+    pub reasoning_format: Option<hearth_protocol::output::ReasoningFormat>,
     pub context_length: u32,
     pub block_tokens: usize,
     pub created: i64,
@@ -389,6 +392,10 @@ impl ModelRegistry {
             let model = Arc::new(ServedModel {
                 id: info.model.clone(),
                 tokenizer,
+                tool_format: hearth_protocol::output::ToolFormat::detect(info.tokenizer.chat_template.as_deref()),
+                reasoning_format: hearth_protocol::output::ReasoningFormat::detect(
+                    info.tokenizer.chat_template.as_deref(),
+                ),
                 template,
                 context_length: info.context_length,
                 block_tokens: info.block_tokens as usize,

@@ -98,6 +98,8 @@ pub struct RequestContext {
     pub prompt: Vec<u32>,
     /// tokenize: the prompt's length (the ids go to the worker; this stays).
     pub prompt_tokens: u32,
+    /// tokenize: how the answers are read (tool calls, reasoning).
+    pub output: hearth_protocol::output::OutputSpec,
     pub max_tokens: u32,
     /// limit: the rate-limit state (response headers) and the admission held until the
     /// request ends.
@@ -137,6 +139,7 @@ impl RequestContext {
             model: None,
             prompt: Vec::new(),
             prompt_tokens: 0,
+            output: Default::default(),
             max_tokens: 0,
             rate: RateState::default(),
             lease: None,

@@ -1,6 +1,7 @@
 //! Phase `parse`: the body as an OpenAI request (every error names its `param`).
 
 use hearth_protocol::ChatMessage;
+use serde_json::{Map, Value};
 
 use super::{Endpoint, RequestContext};
 use crate::error::ApiError;
@@ -8,7 +9,11 @@ use crate::openai::{self, Common, Prompt};
 
 /// What the request asks for.
 pub enum Input {
-    Chat(Vec<ChatMessage>),
+    Chat {
+        messages: Vec<ChatMessage>,
+        /// `chat_template_kwargs`.
+        kwargs: Map<String, Value>,
+    },
     Prompt(Prompt),
 }
 
@@ -23,7 +28,11 @@ impl Parsed {
     /// their ids.
     pub fn routing_text(&self) -> String {
         match &self.input {
-            Input::Chat(m) => m.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n"),
+            Input::Chat { messages, .. } => messages
+                .iter()
+                .map(|m| m.content.as_str())
+                .collect::<Vec<_>>()
+                .join("\n"),
             Input::Prompt(Prompt::Text(t)) => t.clone(),
             Input::Prompt(Prompt::Tokens(ids)) => {
                 ids.iter().take(512).map(u32::to_string).collect::<Vec<_>>().join(" ")
@@ -42,7 +51,10 @@ pub fn run(ctx: &mut RequestContext) -> Result<(), ApiError> {
             let r = openai::parse_chat(body)?;
             Parsed {
                 common: r.common,
-                input: Input::Chat(r.messages),
+                input: Input::Chat {
+                    messages: r.messages,
+                    kwargs: r.template_kwargs,
+                },
             }
         }
         Endpoint::Completions => {

@@ -21,7 +21,7 @@ pub async fn run(state: &AppState, ctx: &mut RequestContext, events: EventStream
         model: model.clone(),
         created: now_ms() / 1000,
         n: common.n as usize,
-        tools: common.tools.as_ref().is_some_and(|t| t.active()),
+        output: ctx.output.clone(),
         prompt_tokens: ctx.prompt_tokens,
     };
     let mut chain = ctx.chain.take();

@@ -110,7 +110,7 @@ pub async fn start(
             // The grammar came from the tools (required / named tool_choice), not response_format.
             let by_tools = ctx
                 .request()
-                .is_ok_and(|r| r.common.tools.as_ref().is_some_and(|t| t.constraint().is_some()));
+                .is_ok_and(|r| r.common.tools.as_ref().is_some_and(|t| t.active() && t.forced()));
             if by_tools {
                 e.param = Some("tools".into());
             }

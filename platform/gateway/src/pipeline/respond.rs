@@ -15,7 +15,7 @@ use super::Endpoint;
 use crate::error::ApiError;
 use crate::openai;
 use crate::registry::ServedModel;
-use crate::tools::{self, Delta, ToolStream};
+use hearth_protocol::output::{Assistant, AssistantStream, Delta, OutputSpec};
 
 /// A worker's error event as the client's error.
 pub fn worker_error(code: &str, message: &str) -> ApiError {
@@ -49,8 +49,8 @@ pub struct Shape {
     pub model: Arc<ServedModel>,
     pub created: i64,
     pub n: usize,
-    /// The answer is parsed for tool calls (chat with active `tools`).
-    pub tools: bool,
+    /// How answers are read: tool calls and reasoning (chat), or plain text.
+    pub output: OutputSpec,
     /// The prompt's tokens: a stream that fails reports them in its usage chunk (as its usage
     /// record bills them) once something was generated.
     pub prompt_tokens: u32,
@@ -149,7 +149,8 @@ pub fn sse_response(
 ) -> Response {
     let mut started = vec![false; shape.n];
     let mut offsets = vec![0usize; shape.n];
-    let mut calls: Vec<ToolStream> = (0..shape.n).map(|_| ToolStream::default()).collect();
+    let parse = shape.endpoint == Endpoint::Chat && !shape.output.is_plain();
+    let mut readers: Vec<AssistantStream> = (0..shape.n).map(|_| shape.output.stream()).collect();
     let mut generated = 0u32;
     let body = events
         .map(move |ev| {
@@ -162,8 +163,8 @@ pub fn sse_response(
                     match shape.endpoint {
                         Endpoint::Chat => {
                             let lp = logprob.map(|lp| json!({"content": [shape.chat_logprob(id, lp, &top_logprobs)]}));
-                            let deltas = match calls.get_mut(i) {
-                                Some(s) if shape.tools => s.push(&text),
+                            let deltas = match readers.get_mut(i) {
+                                Some(r) if parse => r.push_token(&text),
                                 _ => vec![Delta::Content(text)],
                             };
                             chat_deltas(&shape, &mut out, index, first, deltas, lp, include_usage);
@@ -192,10 +193,10 @@ pub fn sse_response(
                 GenerateEvent::Finish { index, finish_reason } => {
                     let i = index as usize;
                     let mut reason = finish_reason.as_str();
-                    if let (true, Some(s)) = (shape.tools, calls.get_mut(i)) {
+                    if let (true, Some(r)) = (parse, readers.get_mut(i)) {
                         let first = !started.get(i).copied().unwrap_or(true);
-                        chat_deltas(&shape, &mut out, index, first, s.finish(), None, include_usage);
-                        if s.calls() > 0 && finish_reason == FinishReason::Stop {
+                        chat_deltas(&shape, &mut out, index, first, r.finish(), None, include_usage);
+                        if r.calls() > 0 && finish_reason == FinishReason::Stop {
                             reason = "tool_calls";
                         }
                     }
@@ -209,7 +210,8 @@ pub fn sse_response(
                 }
                 GenerateEvent::Done { usage, .. } => {
                     if include_usage {
-                        out.push(sse(&shape.chunk(json!([]), Some(openai::usage_json(&usage)), true)));
+                        let reasoning = readers.iter().map(AssistantStream::reasoning_tokens).sum();
+                        out.push(sse(&shape.chunk(json!([]), Some(openai::usage_json_with(&usage, reasoning)), true)));
                     }
                     out.push(Bytes::from_static(b"data: [DONE]\n\n"));
                 }
@@ -254,10 +256,11 @@ fn chat_deltas(
 ) {
     let mut pieces: Vec<serde_json::Map<String, Value>> = deltas
         .into_iter()
-        .filter(|d| !matches!(d, Delta::Content(t) if t.is_empty()))
+        .filter(|d| !matches!(d, Delta::Content(t) | Delta::Reasoning(t) if t.is_empty()))
         .map(|d| {
             let v = match d {
                 Delta::Content(text) => json!({"content": text}),
+                Delta::Reasoning(text) => json!({"reasoning_content": text}),
                 Delta::CallStart { index, id, name } => json!({"tool_calls": [
                     {"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}
                 ]}),
@@ -284,9 +287,11 @@ fn chat_deltas(
 }
 
 /// One choice of a non-streamed response, as it accumulates.
-#[derive(Default)]
 struct Collected {
     text: String,
+    /// The answer read as it arrives (the stream's reader, so both agree).
+    reader: AssistantStream,
+    deltas: Vec<Delta>,
     finish: Option<FinishReason>,
     chat_logprobs: Vec<Value>,
     legacy: LegacyLogprobs,
@@ -297,7 +302,17 @@ pub async fn collect_response(
     shape: &Shape,
     mut events: futures_util::stream::BoxStream<'static, GenerateEvent>,
 ) -> Result<Value, ApiError> {
-    let mut choices: Vec<Collected> = (0..shape.n).map(|_| Collected::default()).collect();
+    let mut choices: Vec<Collected> = (0..shape.n)
+        .map(|_| Collected {
+            text: String::new(),
+            reader: shape.output.stream(),
+            deltas: Vec::new(),
+            finish: None,
+            chat_logprobs: Vec::new(),
+            legacy: LegacyLogprobs::default(),
+            any_logprobs: false,
+        })
+        .collect();
     while let Some(ev) = events.next().await {
         match ev {
             GenerateEvent::Token {
@@ -317,6 +332,10 @@ pub async fn collect_response(
                         Endpoint::Completions => c.legacy.push(shape, id, lp, &top_logprobs, c.text.len()),
                     }
                 }
+                if shape.endpoint == Endpoint::Chat && !shape.output.is_plain() {
+                    let d = c.reader.push_token(&text);
+                    c.deltas.extend(d);
+                }
                 c.text.push_str(&text);
             }
             GenerateEvent::Finish { index, finish_reason } => {
@@ -327,6 +346,10 @@ pub async fn collect_response(
             GenerateEvent::Done {
                 finish_reason, usage, ..
             } => {
+                for c in &mut choices {
+                    let d = c.reader.finish();
+                    c.deltas.extend(d);
+                }
                 return Ok(completion_body(shape, &choices, finish_reason, &usage));
             }
             GenerateEvent::Error { code, message } => return Err(worker_error(&code, &message)),
@@ -336,6 +359,7 @@ pub async fn collect_response(
 }
 
 fn completion_body(shape: &Shape, choices: &[Collected], default_finish: FinishReason, usage: &Usage) -> Value {
+    let reasoning_tokens = choices.iter().map(|c| c.reader.reasoning_tokens()).sum();
     let choices: Vec<Value> = choices
         .iter()
         .enumerate()
@@ -343,13 +367,20 @@ fn completion_body(shape: &Shape, choices: &[Collected], default_finish: FinishR
             let reason = c.finish.unwrap_or(default_finish);
             let finish = reason.as_str();
             match shape.endpoint {
-                Endpoint::Chat if shape.tools => {
+                Endpoint::Chat if !shape.output.is_plain() => {
                     let lp = c.any_logprobs.then(|| json!({"content": c.chat_logprobs}));
-                    let (content, calls) = tools::parse_output(&c.text);
-                    let mut message = json!({"role": "assistant", "content": content, "refusal": null});
+                    let a = Assistant::collect(c.deltas.iter().cloned());
+                    let mut message = json!({"role": "assistant", "content": a.content, "refusal": null});
+                    if let Some(r) = a.reasoning {
+                        message["reasoning_content"] = json!(r);
+                    }
                     let mut finish = finish;
-                    if !calls.is_empty() {
-                        message["tool_calls"] = calls.iter().map(tools::Call::json).collect();
+                    if !a.calls.is_empty() {
+                        message["tool_calls"] = a
+                            .calls
+                            .iter()
+                            .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+                            .collect();
                         if reason == FinishReason::Stop {
                             finish = "tool_calls";
                         }
@@ -372,6 +403,7 @@ fn completion_body(shape: &Shape, choices: &[Collected], default_finish: FinishR
         .collect();
     json!({
         "id": shape.id(), "object": shape.object(false), "created": shape.created, "model": shape.model.id,
-        "system_fingerprint": fingerprint(), "choices": choices, "usage": openai::usage_json(usage),
+        "system_fingerprint": fingerprint(), "choices": choices,
+        "usage": openai::usage_json_with(usage, reasoning_tokens),
     })
 }

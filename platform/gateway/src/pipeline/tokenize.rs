@@ -1,25 +1,62 @@
 //! Phase `tokenize`: the chat template and the tokenizer at the gateway, so that routing
 //! sees the very token blocks the engine will cache; fixes `max_tokens` against the context.
+//!
+//! A chat request meets its model's formats here (see `hearth_protocol::output`): the tools
+//! go through the template when it takes them, else into Hearth's system prompt; a forced
+//! `tool_choice` becomes a grammar in the model's tool format; the answer will be read for
+//! that format's calls and for reasoning; the delimiters that are special tokens are asked
+//! for as text.
+
+use hearth_protocol::output::{OutputSpec, ToolDef};
+use hearth_protocol::ChatInput;
+use serde_json::Value;
 
 use super::parse::Input;
 use super::RequestContext;
 use crate::error::ApiError;
 use crate::openai::Prompt;
+use crate::registry::ServedModel;
+use crate::tools;
 
 pub fn run(ctx: &mut RequestContext) -> Result<(), ApiError> {
     let model = ctx.model()?.clone();
     let request = ctx.request()?;
+    let mut chat = None;
     let ids = match &request.input {
-        Input::Chat(messages) => {
+        Input::Chat { messages, kwargs } => {
             let tmpl = model.template.as_ref().ok_or_else(|| {
                 ApiError::invalid(
                     "model",
                     format!("model {} has no chat template; use /v1/completions", model.id),
                 )
             })?;
+            let format = model.tool_format;
+            let active = request.common.tools.as_ref().filter(|t| t.active());
+            let template_tools: Option<Vec<Value>> = active
+                .filter(|_| format.template_renders_tools())
+                .map(|t| t.offered().iter().map(ToolDef::openai_json).collect());
+            let hearth_style;
+            let messages = if format.template_renders_tools() {
+                messages.as_slice()
+            } else {
+                hearth_style = tools::in_hearth_format(messages, active);
+                hearth_style.as_slice()
+            };
             let text = tmpl
-                .render(messages, true)
+                .render_input(&ChatInput {
+                    messages,
+                    tools: template_tools.as_deref(),
+                    add_generation_prompt: true,
+                    kwargs: Some(kwargs),
+                })
                 .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+            let output = OutputSpec {
+                tools: active.map(|t| (format, t.offered())),
+                reasoning: model.reasoning_format.map(|f| (f, f.prompt_opens(&text))),
+            };
+            let constraint = active.and_then(|t| t.constraint(format, &|d| special_id(&model, d)));
+            let special_text = special_text(&model, &output);
+            chat = Some((constraint, special_text, output));
             model.tokenizer.encode(&text)
         }
         Input::Prompt(Prompt::Text(t)) => model.tokenizer.encode_prompt(t),
@@ -37,6 +74,15 @@ pub fn run(ctx: &mut RequestContext) -> Result<(), ApiError> {
     if ids.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt encodes to no tokens"));
     }
+    if let Some((constraint, special_text, output)) = chat {
+        let request = ctx.request.as_mut().ok_or_else(|| ApiError::internal("no request"))?;
+        if let Some(c) = constraint {
+            request.common.constraint = Some(c);
+        }
+        request.common.sampling.special_text = special_text;
+        ctx.output = output;
+    }
+    let request = ctx.request()?;
     let limit = model.context_length;
     let prompt = ids.len() as u32;
     let room = limit.saturating_sub(prompt);
@@ -63,4 +109,29 @@ pub fn run(ctx: &mut RequestContext) -> Result<(), ApiError> {
     ctx.prompt = ids;
     ctx.max_tokens = max_tokens;
     Ok(())
+}
+
+/// The id of `text` when the vocabulary has it as one special token.
+fn special_id(model: &ServedModel, text: &str) -> Option<u32> {
+    model
+        .tokenizer
+        .token_id(text)
+        .filter(|&id| model.tokenizer.is_special(id))
+}
+
+/// The special tokens whose text the answer's parsers need to see (tool-call delimiters,
+/// reasoning markers): the engine sends their text instead of dropping it.
+fn special_text(model: &ServedModel, output: &OutputSpec) -> Vec<u32> {
+    let mut marks: Vec<&str> = Vec::new();
+    if let Some((f, _)) = &output.tools {
+        marks.extend(f.delimiters());
+    }
+    if let Some((r, _)) = &output.reasoning {
+        let (open, close) = r.markers();
+        marks.extend([open, close]);
+    }
+    let mut ids: Vec<u32> = marks.into_iter().filter_map(|m| special_id(model, m)).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
 }
