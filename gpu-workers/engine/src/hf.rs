@@ -378,41 +378,62 @@ fn tokenizer_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Resu
             "tokenizer model {ty:?} is not supported (Hearth runs byte-level BPE)"
         )));
     }
+    let byte_fallback = model.get("byte_fallback").and_then(Value::as_bool).unwrap_or(false);
     for (key, ok) in [
-        ("byte_fallback", Value::Bool(false)),
         ("continuing_subword_prefix", Value::Null),
         ("end_of_word_suffix", Value::Null),
         ("dropout", Value::Null),
-        ("unk_token", Value::Null),
-    ] {
+    ]
+    .into_iter()
+    .chain((!byte_fallback).then_some(("unk_token", Value::Null)))
+    {
         if let Some(v) = model.get(key) {
             if *v != ok && !(v.is_string() && v.as_str() == Some("")) {
                 return Err(unsupported(format!("BPE option {key} = {v} is not supported")));
             }
         }
     }
-    if tj.get("normalizer").is_some_and(|v| !v.is_null()) {
-        return Err(unsupported("a normalizer is not supported".into()));
-    }
-    let pre = pre_tokenizer_name(tj.get("pre_tokenizer").unwrap_or(&Value::Null)).ok_or_else(|| {
-        unsupported(format!(
-            "pre-tokenizer {} is not one Hearth reproduces (byte-level BPE with the patterns of {})",
-            tj.get("pre_tokenizer").unwrap_or(&Value::Null),
-            hearth_protocol::tokenizer::pretokenize::PRE_TOKENIZERS
-                .iter()
-                .map(|d| d.names[0])
-                .filter(|n| !n.is_empty())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ))
-    })?;
-    let wants_ignore = hearth_protocol::tokenizer::pretokenize::lookup(pre).is_some_and(|d| d.ignore_merges);
+    let normalizer = tj.get("normalizer").unwrap_or(&Value::Null);
+    let pre_tokenizer = tj.get("pre_tokenizer").unwrap_or(&Value::Null);
+    let (kind, pre): (&str, String) = if byte_fallback {
+        // SentencePiece as tokenizer.json writes it: BPE over `▁`-text with byte fallback.
+        let variant = spm_variant(normalizer, pre_tokenizer).ok_or_else(|| {
+            unsupported(format!(
+                "byte-fallback BPE with normalizer {normalizer} and pre-tokenizer {pre_tokenizer} is not a SentencePiece layout Hearth reproduces (Prepend + Replace, Replace, or Metaspace)"
+            ))
+        })?;
+        ("spm-bpe", variant)
+    } else {
+        if !normalizer.is_null() {
+            return Err(unsupported("a normalizer is not supported with byte-level BPE".into()));
+        }
+        let pre = pre_tokenizer_name(pre_tokenizer).ok_or_else(|| {
+            unsupported(format!(
+                "pre-tokenizer {} is not one Hearth reproduces (byte-level BPE with the patterns of {})",
+                pre_tokenizer,
+                hearth_protocol::tokenizer::pretokenize::PRE_TOKENIZERS
+                    .iter()
+                    .map(|d| d.names[0])
+                    .filter(|n| !n.is_empty())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })?;
+        ("gpt2", pre.to_string())
+    };
+    let wants_ignore =
+        hearth_protocol::tokenizer::pretokenize::lookup(&pre).is_some_and(|d| d.ignore_merges && kind == "gpt2");
     if model.get("ignore_merges").and_then(Value::as_bool).unwrap_or(false) != wants_ignore {
         return Err(unsupported(format!(
             "BPE option ignore_merges = {} is not what the {pre} pre-tokenizer's models use",
             !wants_ignore
         )));
     }
+    let unk = model
+        .get("unk_token")
+        .and_then(Value::as_str)
+        .filter(|u| !u.is_empty())
+        .map(str::to_string);
     let vocab = model
         .get("vocab")
         .and_then(Value::as_object)
@@ -424,7 +445,15 @@ fn tokenizer_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Resu
         let id = id
             .as_u64()
             .ok_or_else(|| invalid(&path, format!("vocab[{tok:?}] is not an id")))?;
-        by_id.insert(id, (tok.clone(), 1));
+        // With byte fallback, `<0xXX>` pieces are bytes and the unknown token is unknown.
+        let ty = if byte_fallback && is_byte_piece(tok) {
+            6
+        } else if unk.as_deref() == Some(tok.as_str()) {
+            2
+        } else {
+            1
+        };
+        by_id.insert(id, (tok.clone(), ty));
     }
     for a in tj.get("added_tokens").and_then(Value::as_array).into_iter().flatten() {
         let (Some(id), Some(content)) = (
@@ -464,8 +493,8 @@ fn tokenizer_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Resu
         .ok_or_else(|| invalid(&path, "a merge is neither \"a b\" nor [a, b]"))?;
     let ids: HashMap<&str, u64> = by_id.iter().map(|(id, (t, _))| (t.as_str(), *id)).collect();
     let strs = |v: Vec<String>| MetaValue::Array(v.into_iter().map(MetaValue::String).collect());
-    meta.insert("tokenizer.ggml.model".into(), MetaValue::String("gpt2".into()));
-    meta.insert("tokenizer.ggml.pre".into(), MetaValue::String(pre.into()));
+    meta.insert("tokenizer.ggml.model".into(), MetaValue::String(kind.into()));
+    meta.insert("tokenizer.ggml.pre".into(), MetaValue::String(pre));
     meta.insert(
         "tokenizer.ggml.token_type".into(),
         MetaValue::Array(by_id.values().map(|(_, t)| MetaValue::I64(*t)).collect()),
@@ -585,6 +614,49 @@ fn pre_tokenizer_patterns(p: &Value) -> Option<Vec<String>> {
         patterns.push(hearth_protocol::tokenizer::pretokenize::GPT2.to_string());
     }
     Some(patterns)
+}
+
+/// `<0xXX>`: a byte-fallback piece.
+fn is_byte_piece(t: &str) -> bool {
+    t.len() == 6 && t.starts_with("<0x") && t.ends_with('>') && t[3..5].chars().all(|c| c.is_ascii_hexdigit())
+}
+
+/// The `spm-bpe` variant (see `hearth_protocol::tokenizer::SPM_BPE_VARIANTS`) of a
+/// byte-fallback tokenizer.json: `Prepend("▁")` + `Replace(" ", "▁")`, `Replace` alone, or a
+/// `Metaspace` pre-tokenizer.
+fn spm_variant(normalizer: &Value, pre: &Value) -> Option<String> {
+    let ty = |v: &Value| v.get("type").and_then(Value::as_str).map(str::to_string);
+    let is_replace = |v: &Value| {
+        ty(v).as_deref() == Some("Replace")
+            && v.get("pattern").and_then(|p| p.get("String")).and_then(Value::as_str) == Some(" ")
+            && v.get("content").and_then(Value::as_str) == Some("▁")
+    };
+    let is_prepend =
+        |v: &Value| ty(v).as_deref() == Some("Prepend") && v.get("prepend").and_then(Value::as_str) == Some("▁");
+    match (normalizer, pre) {
+        (n, Value::Null) if is_replace(n) => Some("never".into()),
+        (n, Value::Null) if ty(n).as_deref() == Some("Sequence") => {
+            match n.get("normalizers")?.as_array()?.as_slice() {
+                [a, b] if is_prepend(a) && is_replace(b) => Some("prepend".into()),
+                [a] if is_replace(a) => Some("never".into()),
+                _ => None,
+            }
+        }
+        (Value::Null, p) if ty(p).as_deref() == Some("Metaspace") => {
+            if p.get("replacement").and_then(Value::as_str).unwrap_or("▁") != "▁" {
+                return None;
+            }
+            let scheme = match p.get("prepend_scheme").and_then(Value::as_str) {
+                Some(s @ ("always" | "first" | "never")) => s.to_string(),
+                Some(_) => return None,
+                None if p.get("add_prefix_space").and_then(Value::as_bool) == Some(false) => "never".into(),
+                None => "always".into(),
+            };
+            let split = p.get("split").and_then(Value::as_bool).unwrap_or(true);
+            Some(format!("metaspace-{scheme}{}", if split { "-split" } else { "" }))
+        }
+        _ => None,
+    }
 }
 
 /// Hearth's name for a pre-tokenizer it reproduces exactly, if it is one.
@@ -835,6 +907,39 @@ mod tests {
             assert_eq!(gguf_name(&h).as_deref(), Some(g), "{h}");
         }
         assert_eq!(gguf_name("model.layers.0.self_attn.q_proj.bias"), None);
+    }
+
+    #[test]
+    fn sentencepiece_layouts_of_tokenizer_json_are_recognised() {
+        let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"});
+        let prepend = json!({"type": "Prepend", "prepend": "▁"});
+        // Llama 2 / Mistral v0.x (legacy), and a Replace-only normalizer.
+        let legacy = json!({"type": "Sequence", "normalizers": [prepend, replace]});
+        assert_eq!(spm_variant(&legacy, &Value::Null).as_deref(), Some("prepend"));
+        assert_eq!(spm_variant(&replace, &Value::Null).as_deref(), Some("never"));
+        // Metaspace (Llama 2 non-legacy, Mistral v0.3, Gemma): its scheme and split.
+        let m = json!({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": false});
+        assert_eq!(spm_variant(&Value::Null, &m).as_deref(), Some("metaspace-first"));
+        let old = json!({"type": "Metaspace", "replacement": "▁", "add_prefix_space": true});
+        assert_eq!(
+            spm_variant(&Value::Null, &old).as_deref(),
+            Some("metaspace-always-split")
+        );
+        assert_eq!(spm_variant(&Value::Null, &json!({"type": "ByteLevel"})), None);
+        for v in hearth_protocol::tokenizer::SPM_BPE_VARIANTS {
+            // Every variant Hearth writes is one it reads back.
+            let spec = hearth_protocol::TokenizerSpec {
+                model: "spm-bpe".into(),
+                pre: v.to_string(),
+                ..Default::default()
+            };
+            let tj = hearth_protocol::tokenizer::hf_tokenizer_json(&spec).unwrap();
+            assert_eq!(
+                spm_variant(&tj["normalizer"], &tj["pre_tokenizer"]).as_deref(),
+                Some(*v)
+            );
+        }
+        assert!(is_byte_piece("<0x0A>") && !is_byte_piece("<0xZZ>") && !is_byte_piece("<s>"));
     }
 
     #[test]

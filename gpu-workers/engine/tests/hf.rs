@@ -201,7 +201,7 @@ fn broken_directories_are_refused_with_the_reason() {
         &tok_path,
         &tok.replace("\"byte_fallback\": false", "\"byte_fallback\": true"),
     );
-    assert!(err(&dir.0).contains("byte_fallback"), "{}", err(&dir.0));
+    assert!(err(&dir.0).contains("byte-fallback BPE"), "{}", err(&dir.0));
     write(
         &tok_path,
         &tok.replacen("\"type\": \"Split\"", "\"type\": \"Punctuation\"", 1),

@@ -4,10 +4,11 @@
 //! * every llama.cpp vocabulary test vector (`models/ggml-vocab-*.gguf` with `.inp`/`.out`,
 //!   from the llama-cpp-python sdist `scripts/reference-data` fetches) encodes to exactly
 //!   its ids, and decodes back to its text;
-//! * on random text, byte-level BPE gives exactly what Hugging Face's `tokenizers` gives on
-//!   the same vocabulary and patterns — for each test vocabulary, and for every
-//!   pre-tokenizer in Hearth's table on Llama 3's vocabulary (the table's entries without a
-//!   vocabulary of their own);
+//! * on random text, Hearth gives exactly what Hugging Face's `tokenizers` gives on the same
+//!   `tokenizer.json` — byte-level BPE for each test vocabulary and for every pre-tokenizer
+//!   in Hearth's table on Llama 3's vocabulary (the table's entries without a vocabulary of
+//!   their own), and SentencePiece-style BPE (`▁` normalizer or `Metaspace`, byte fallback)
+//!   in every variant on Gemma 4's vocabulary;
 //! * the vocabularies Hearth cannot reproduce are refused by name.
 
 use std::path::{Path, PathBuf};
@@ -178,8 +179,9 @@ impl Pair {
     }
 }
 
-/// Every byte-level test vocabulary with its own pre-tokenizer, then every pre-tokenizer of
-/// the table on Llama 3's vocabulary.
+/// Every byte-level test vocabulary with its own pre-tokenizer, every `tokenizer.json`
+/// SentencePiece-style variant on Gemma 4's vocabulary, then every pre-tokenizer of the
+/// table on Llama 3's vocabulary.
 fn pairs() -> &'static [Pair] {
     static PAIRS: OnceLock<Vec<Pair>> = OnceLock::new();
     PAIRS.get_or_init(|| {
@@ -187,8 +189,18 @@ fn pairs() -> &'static [Pair] {
         for name in WITH_VECTORS {
             let s = spec(name);
             if s.model == "gpt2" {
+                // (Byte-level: the vocabularies Hugging Face's tokenizers can be built for.)
                 out.push(Pair::new(name.to_string(), &s));
             }
+        }
+        // SentencePiece-style BPE as tokenizer.json has it (Llama 2, Mistral, Gemma HF
+        // directories), every variant, on Gemma 4's vocabulary and merges.
+        let gemma = spec("gemma-4");
+        for variant in hearth_protocol::tokenizer::SPM_BPE_VARIANTS {
+            let mut s = gemma.clone();
+            s.model = "spm-bpe".into();
+            s.pre = variant.to_string();
+            out.push(Pair::new(format!("gemma-4 vocabulary, spm-bpe {variant}"), &s));
         }
         let llama3 = spec("llama-bpe");
         for def in pretokenize::PRE_TOKENIZERS {

@@ -93,7 +93,7 @@ pub struct TokenizerSpec {
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {
-    #[error("unsupported tokenizer model {0:?} (Hearth runs byte-level BPE `gpt2`, SentencePiece `llama` and SentencePiece-style BPE `gemma4`; {why})", why = refusal(.0))]
+    #[error("unsupported tokenizer model {0:?} (Hearth runs byte-level BPE `gpt2`, SentencePiece `llama` and SentencePiece-style BPE `gemma4` and `spm-bpe`; {why})", why = refusal(.0))]
     UnsupportedModel(String),
     #[error("unsupported pre-tokenizer {0:?} (supported: {names})", names = supported_pre())]
     UnsupportedPre(String),
@@ -130,9 +130,49 @@ enum Kind {
     /// SentencePiece: the whole fragment, spaces as `▁`, merged by score; characters that
     /// form no token fall back to `<0xXX>` byte tokens.
     Spm,
-    /// BPE over raw UTF-8 with spaces as `▁`, split at newlines, with byte fallback (Gemma 4).
-    SpmBpe { pre: PreTokenizer },
+    /// BPE over raw UTF-8 with spaces as `▁`, with byte fallback: Gemma 4's GGUFs (split at
+    /// newlines, a run of newlines one token when the vocabulary has it), and the
+    /// `tokenizer.json` of SentencePiece models (Llama 2, Mistral, Gemma; `spm-bpe`).
+    SpmBpe { split: SpmSplit },
 }
+
+/// How SentencePiece-style BPE cuts a fragment before merging.
+#[derive(Debug, Clone)]
+enum SpmSplit {
+    /// Gemma 4: runs of newlines apart from the rest.
+    Newlines(PreTokenizer),
+    /// One word: the whole fragment.
+    Whole,
+    /// Before every `▁` (Hugging Face's `Metaspace` with `split`).
+    Words,
+}
+
+/// Where a `▁` is put before text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SpacePrefix {
+    Never,
+    /// Before every fragment (llama.cpp's SentencePiece: the text's start and after every
+    /// special token; Hugging Face's `Prepend` normalizer).
+    Every,
+    /// Before every fragment that does not start with one already (`Metaspace`, `always`).
+    Always,
+    /// Before the input's first fragment only, unless it starts with one (`Metaspace`, `first`).
+    First,
+}
+
+/// `tokenizer.json` SentencePiece-style BPE variants (`tokenizer.ggml.pre` of model
+/// `spm-bpe`, a Hearth name): how the `▁` prefix is added, and `-split` for `Metaspace`'s
+/// split into words.
+pub const SPM_BPE_VARIANTS: &[&str] = &[
+    "prepend",
+    "never",
+    "metaspace-always",
+    "metaspace-first",
+    "metaspace-never",
+    "metaspace-always-split",
+    "metaspace-first-split",
+    "metaspace-never-split",
+];
 
 /// What a tokenizer is, for `hearth model inspect` and error messages.
 #[derive(Debug, Clone, Serialize)]
@@ -185,7 +225,7 @@ pub struct Tokenizer {
     specials: Option<(AhoCorasick, Vec<u32>)>,
     added_only: Option<(AhoCorasick, Vec<u32>)>,
     add_bos: bool,
-    add_space_prefix: bool,
+    space_prefix: SpacePrefix,
     bos_id: Option<u32>,
     eos_id: Option<u32>,
     end_of_generation: Vec<u32>,
@@ -253,8 +293,18 @@ impl Tokenizer {
                 Kind::Spm
             }
             "gemma4" => Kind::SpmBpe {
-                pre: PreTokenizer::new(&[r"[^\n]+|[\n]+"]).map_err(|e| TokenizeError::Malformed(e.to_string()))?,
+                split: SpmSplit::Newlines(
+                    PreTokenizer::new(&[r"[^\n]+|[\n]+"]).map_err(|e| TokenizeError::Malformed(e.to_string()))?,
+                ),
             },
+            "spm-bpe" if SPM_BPE_VARIANTS.contains(&spec.pre.as_str()) => Kind::SpmBpe {
+                split: if spec.pre.ends_with("-split") {
+                    SpmSplit::Words
+                } else {
+                    SpmSplit::Whole
+                },
+            },
+            "spm-bpe" => return Err(TokenizeError::UnsupportedPre(spec.pre.clone())),
             other => return Err(TokenizeError::UnsupportedModel(other.to_string())),
         };
         for (what, id) in [
@@ -391,7 +441,12 @@ impl Tokenizer {
         // for it (Llama 3, Tekken); Gemma 4 always.
         let spm_like = matches!(kind, Kind::Spm);
         let pre_wants_bos = pretokenize::lookup(&spec.pre).is_some_and(|d| d.add_bos);
-        let always_bos = matches!(kind, Kind::SpmBpe { .. });
+        let always_bos = matches!(
+            kind,
+            Kind::SpmBpe {
+                split: SpmSplit::Newlines(_)
+            }
+        );
         let add_bos = always_bos || spec.add_bos.unwrap_or(spm_like || pre_wants_bos);
         Ok(Self {
             kind,
@@ -407,7 +462,13 @@ impl Tokenizer {
             specials,
             added_only,
             add_bos: add_bos && spec.bos_id.is_some(),
-            add_space_prefix: spm_like && spec.add_space_prefix.unwrap_or(true),
+            space_prefix: match (spec.model.as_str(), spec.pre.as_str()) {
+                ("llama", _) if spec.add_space_prefix.unwrap_or(true) => SpacePrefix::Every,
+                ("spm-bpe", "prepend") => SpacePrefix::Every,
+                ("spm-bpe", p) if p.starts_with("metaspace-always") => SpacePrefix::Always,
+                ("spm-bpe", p) if p.starts_with("metaspace-first") => SpacePrefix::First,
+                _ => SpacePrefix::Never,
+            },
             bos_id: spec.bos_id,
             eos_id: spec.eos_id,
             end_of_generation,
@@ -464,8 +525,6 @@ impl Tokenizer {
         } else {
             &self.added_only
         };
-        // SentencePiece adds its space before the first fragment and after every special.
-        let mut after_special = true;
         let mut rest_start = 0;
         if let Some((ac, ids)) = automaton {
             for m in ac.find_iter(text) {
@@ -476,10 +535,9 @@ impl Tokenizer {
                     end = rest_start + text[rest_start..end].trim_end().len();
                 }
                 if end > rest_start {
-                    self.encode_fragment(&text[rest_start..end], after_special, &mut out);
+                    self.encode_fragment(&text[rest_start..end], rest_start == 0, &mut out);
                 }
                 out.push(id);
-                after_special = true;
                 rest_start = m.end();
                 if attr & RSTRIP != 0 {
                     rest_start = text.len() - text[rest_start..].trim_start().len();
@@ -487,7 +545,7 @@ impl Tokenizer {
             }
         }
         if rest_start < text.len() {
-            self.encode_fragment(&text[rest_start..], after_special, &mut out);
+            self.encode_fragment(&text[rest_start..], rest_start == 0, &mut out);
         }
         out
     }
@@ -497,7 +555,25 @@ impl Tokenizer {
         self.encode_fragment(text, true, out);
     }
 
-    fn encode_fragment(&self, text: &str, after_special: bool, out: &mut Vec<u32>) {
+    /// Spaces as `▁`, with the prefix the tokenizer adds (`at_start`: the fragment begins the
+    /// input).
+    fn escape(&self, text: &str, at_start: bool) -> String {
+        let mut e = String::with_capacity(text.len() + 3);
+        let starts_marked = text.starts_with(' ') || text.starts_with(SPACE_MARK);
+        let add = match self.space_prefix {
+            SpacePrefix::Never => false,
+            SpacePrefix::Every => true,
+            SpacePrefix::Always => !starts_marked,
+            SpacePrefix::First => at_start && !starts_marked,
+        };
+        if add {
+            e.push(SPACE_MARK);
+        }
+        e.extend(text.chars().map(|c| if c == ' ' { SPACE_MARK } else { c }));
+        e
+    }
+
+    fn encode_fragment(&self, text: &str, at_start: bool, out: &mut Vec<u32>) {
         match &self.kind {
             Kind::ByteBpe { pre, ignore_merges } => {
                 pre.split(text, &mut |piece| {
@@ -513,13 +589,7 @@ impl Tokenizer {
                 });
             }
             Kind::Spm => {
-                let mut escaped = String::with_capacity(text.len() + 3);
-                if self.add_space_prefix && after_special {
-                    escaped.push(SPACE_MARK);
-                }
-                for c in text.chars() {
-                    escaped.push(if c == ' ' { SPACE_MARK } else { c });
-                }
+                let escaped = self.escape(text, at_start);
                 let token = |b: &[u8]| self.by_bytes.get(b).copied();
                 let score = |id: u32| self.scores.get(id as usize).copied().unwrap_or(0.0);
                 for (start, len) in merge::spm(&escaped, &token, &score) {
@@ -527,33 +597,52 @@ impl Tokenizer {
                     self.push_piece_or_bytes(piece, out);
                 }
             }
-            Kind::SpmBpe { pre } => {
-                let escaped: String = text.chars().map(|c| if c == ' ' { SPACE_MARK } else { c }).collect();
-                pre.split(&escaped, &mut |piece| {
-                    if piece.bytes().all(|b| b == b'\n') {
+            Kind::SpmBpe { split } => {
+                let escaped = self.escape(text, at_start);
+                let mut word = |piece: &str| {
+                    if matches!(split, SpmSplit::Newlines(_)) && piece.bytes().all(|b| b == b'\n') {
                         if let Some(&id) = self.by_bytes.get(piece.as_bytes()) {
                             out.push(id);
                             return;
                         }
                     }
-                    // Runs of characters that are tokens merge; any other character becomes
-                    // its bytes (no merge can involve it).
-                    let mut run: Vec<u32> = Vec::new();
-                    for (i, c) in piece.char_indices() {
-                        match self.by_bytes.get(&piece.as_bytes()[i..i + c.len_utf8()]) {
-                            Some(&id) => run.push(id),
-                            None => {
-                                merge::bpe(&mut run, &self.merges);
-                                out.append(&mut run);
-                                self.push_bytes(&piece.as_bytes()[i..i + c.len_utf8()], out);
-                            }
+                    self.spm_bpe_word(piece, out);
+                };
+                match split {
+                    SpmSplit::Newlines(pre) => pre.split(&escaped, &mut word),
+                    SpmSplit::Whole => word(&escaped),
+                    SpmSplit::Words => {
+                        let mut start = 0;
+                        for (i, _) in escaped.match_indices(SPACE_MARK).filter(|&(i, _)| i > 0) {
+                            word(&escaped[start..i]);
+                            start = i;
+                        }
+                        if start < escaped.len() {
+                            word(&escaped[start..]);
                         }
                     }
-                    merge::bpe(&mut run, &self.merges);
-                    out.append(&mut run);
-                });
+                }
             }
         }
+    }
+
+    /// One word of SentencePiece-style BPE: runs of characters that are tokens merge; any
+    /// other character becomes its bytes (no merge can involve it).
+    fn spm_bpe_word(&self, piece: &str, out: &mut Vec<u32>) {
+        let mut run: Vec<u32> = Vec::new();
+        for (i, c) in piece.char_indices() {
+            let ch = &piece.as_bytes()[i..i + c.len_utf8()];
+            match self.by_bytes.get(ch) {
+                Some(&id) => run.push(id),
+                None => {
+                    merge::bpe(&mut run, &self.merges);
+                    out.append(&mut run);
+                    self.push_bytes(ch, out);
+                }
+            }
+        }
+        merge::bpe(&mut run, &self.merges);
+        out.append(&mut run);
     }
 
     fn push_piece_or_bytes(&self, piece: &[u8], out: &mut Vec<u32>) {
@@ -587,22 +676,21 @@ impl Tokenizer {
     /// `decode(encode(x)) == x`.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizeError> {
         let mut bytes = Vec::new();
-        let mut strip_space = self.add_space_prefix;
+        let mut first = true;
         for &id in ids {
             if skip_special && self.is_special(id) {
                 continue;
             }
             let b = self.token_bytes(id)?;
-            if strip_space && self.attrs[id as usize] & (CONTROL | UNKNOWN) == 0 {
-                bytes.extend_from_slice(b.strip_prefix(b" ").unwrap_or(b));
-                strip_space = false;
-            } else {
-                bytes.extend_from_slice(b);
+            match (first, self.space_prefix) {
+                // The added space comes off the first piece: one space (llama.cpp's
+                // SentencePiece, `tokenizer.json`'s `Strip`), or every `▁` of it
+                // (`Metaspace`'s decoder).
+                (true, SpacePrefix::Every) => bytes.extend_from_slice(b.strip_prefix(b" ").unwrap_or(b)),
+                (true, SpacePrefix::Always | SpacePrefix::First) => bytes.extend(b.iter().filter(|&&c| c != b' ')),
+                _ => bytes.extend_from_slice(b),
             }
-            if self.attrs[id as usize] & (CONTROL | USER_DEFINED) != 0 {
-                // After a special token the encoder added a space again.
-                strip_space = self.add_space_prefix;
-            }
+            first = false;
         }
         Ok(String::from_utf8_lossy(&bytes).into_owned())
     }
@@ -620,14 +708,15 @@ impl Tokenizer {
                 Kind::SpmBpe { .. } => "SentencePiece-style BPE",
             },
             model: self.model.clone(),
-            pre_tokenizer: matches!(self.kind, Kind::ByteBpe { .. }).then(|| self.pre.clone()),
+            pre_tokenizer: (matches!(self.kind, Kind::ByteBpe { .. }) || self.model == "spm-bpe")
+                .then(|| self.pre.clone()),
             vocab_size: self.vocab_size(),
             merges: self.merges.len(),
             special_tokens: self.specials.as_ref().map_or(0, |s| s.1.len()),
             bos: name(self.bos_id),
             eos: name(self.eos_id),
             add_bos: self.add_bos,
-            add_space_prefix: self.add_space_prefix,
+            add_space_prefix: self.space_prefix != SpacePrefix::Never,
             end_of_generation: self.end_of_generation.iter().filter_map(|&i| name(Some(i))).collect(),
         }
     }
@@ -640,20 +729,66 @@ fn parse_byte_token(tok: &str) -> Option<u8> {
 }
 
 /// The same tokenizer as a Hugging Face `tokenizer.json` (what `tokenizers` reads): the
-/// vocabulary, merges and added tokens, and the pre-tokenizer as its patterns (`Split`,
-/// `Isolated`) before a `ByteLevel` without its own regex. Byte-level BPE only.
+/// vocabulary, merges and added tokens; for byte-level BPE the pre-tokenizer as its patterns
+/// (`Split`, `Isolated`) before a `ByteLevel` without its own regex; for `spm-bpe` the
+/// `▁` normalizer or `Metaspace` pre-tokenizer, with byte fallback. SentencePiece (`llama`,
+/// scores, no merges) and Gemma 4's GGUF rules have no exact `tokenizer.json`.
 pub fn hf_tokenizer_json(spec: &TokenizerSpec) -> Result<serde_json::Value, TokenizeError> {
     use serde_json::json;
-    if spec.model != "gpt2" {
-        return Err(TokenizeError::UnsupportedModel(spec.model.clone()));
-    }
-    let def = pretokenize::lookup(&spec.pre).ok_or_else(|| TokenizeError::UnsupportedPre(spec.pre.clone()))?;
-    let mut pre: Vec<serde_json::Value> = def
-        .patterns
-        .iter()
-        .map(|p| json!({"type": "Split", "pattern": {"Regex": p}, "behavior": "Isolated", "invert": false}))
-        .collect();
-    pre.push(json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}));
+    let (normalizer, pre_tokenizer, decoder, byte_fallback, ignore_merges) = match spec.model.as_str() {
+        "gpt2" => {
+            let def = pretokenize::lookup(&spec.pre).ok_or_else(|| TokenizeError::UnsupportedPre(spec.pre.clone()))?;
+            let mut pre: Vec<serde_json::Value> = def
+                .patterns
+                .iter()
+                .map(|p| json!({"type": "Split", "pattern": {"Regex": p}, "behavior": "Isolated", "invert": false}))
+                .collect();
+            pre.push(json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}));
+            (
+                serde_json::Value::Null,
+                json!({"type": "Sequence", "pretokenizers": pre}),
+                json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
+                false,
+                def.ignore_merges,
+            )
+        }
+        "spm-bpe" if SPM_BPE_VARIANTS.contains(&spec.pre.as_str()) => {
+            let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"});
+            let bytes_decoder = |strip: bool| {
+                let mut d = vec![
+                    json!({"type": "Replace", "pattern": {"String": "▁"}, "content": " "}),
+                    json!({"type": "ByteFallback"}),
+                    json!({"type": "Fuse"}),
+                ];
+                if strip {
+                    d.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+                }
+                json!({"type": "Sequence", "decoders": d})
+            };
+            match spec.pre.as_str() {
+                "prepend" => (
+                    json!({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"}, replace]}),
+                    serde_json::Value::Null,
+                    bytes_decoder(true),
+                    true,
+                    false,
+                ),
+                "never" => (replace, serde_json::Value::Null, bytes_decoder(false), true, false),
+                p => {
+                    let rest = &p["metaspace-".len()..];
+                    let (scheme, split) = match rest.strip_suffix("-split") {
+                        Some(s) => (s, true),
+                        None => (rest, false),
+                    };
+                    let m = json!({"type": "Metaspace", "replacement": "▁", "prepend_scheme": scheme, "split": split});
+                    let d = json!({"type": "Sequence", "decoders": [m.clone(), {"type": "ByteFallback"}, {"type": "Fuse"}]});
+                    (serde_json::Value::Null, m, d, true, false)
+                }
+            }
+        }
+        "spm-bpe" => return Err(TokenizeError::UnsupportedPre(spec.pre.clone())),
+        other => return Err(TokenizeError::UnsupportedModel(other.to_string())),
+    };
     let added: Vec<serde_json::Value> = spec
         .tokens
         .iter()
@@ -672,14 +807,21 @@ pub fn hf_tokenizer_json(spec: &TokenizerSpec) -> Result<serde_json::Value, Toke
         .enumerate()
         .map(|(i, t)| (t.clone(), json!(i)))
         .collect();
+    let unk = spec
+        .tokens
+        .iter()
+        .zip(&spec.token_types)
+        .find(|(_, &ty)| ty == TOKEN_TYPE_UNKNOWN)
+        .map(|(t, _)| t.clone())
+        .filter(|_| byte_fallback);
     Ok(json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
-        "normalizer": null, "pre_tokenizer": {"type": "Sequence", "pretokenizers": pre},
-        "post_processor": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-                  "ignore_merges": def.ignore_merges, "vocab": vocab, "merges": spec.merges},
+        "normalizer": normalizer, "pre_tokenizer": pre_tokenizer,
+        "post_processor": null,
+        "decoder": decoder,
+        "model": {"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": byte_fallback, "byte_fallback": byte_fallback,
+                  "ignore_merges": ignore_merges, "vocab": vocab, "merges": spec.merges},
     }))
 }
 
