@@ -561,12 +561,7 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<AgentReport> {
         .chat_template
         .clone()
         .ok_or_else(|| anyhow::anyhow!("the model has no chat template"))?;
-    let special = |id: Option<u32>| {
-        id.and_then(|i| tokenizer.token_bytes(i).ok())
-            .map(|b| String::from_utf8_lossy(b).into_owned())
-            .unwrap_or_default()
-    };
-    let template = ChatTemplate::new(&source, &special(tokenizer.bos_id()), &special(tokenizer.eos_id()))?;
+    let template = ChatTemplate::for_tokenizer(&source, &tokenizer)?;
     let mut bench = Bench {
         model_id: cfg.model_id.clone(),
         tokenizer,

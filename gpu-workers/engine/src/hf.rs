@@ -9,12 +9,14 @@
 //! [`ROPE_LAYOUT_KEY`] = `halves`, because Hugging Face checkpoints keep Q/K rows unpermuted
 //! and rotate the two halves of each head.
 //!
-//! The tokenizer is Hearth's own byte-level BPE, built from `tokenizer.json`'s vocabulary,
-//! merges and added tokens; the pre-tokenizers it reproduces exactly (plain GPT-2
-//! `ByteLevel`, and `Digits` + `ByteLevel` as SmolLM2 uses) are accepted, anything else is
-//! refused by name. The engine tests check it against the `tokenizers` crate token for
-//! token. It is Hearth's own because the gateway tokenizes too (for routing and limits),
-//! from the [`hearth_protocol::TokenizerSpec`] a worker hands it.
+//! The tokenizer is Hearth's own, built from `tokenizer.json`'s vocabulary, merges and
+//! added tokens (with their strip flags): byte-level BPE whose pre-tokenizer is one of
+//! Hearth's table (its `Split` patterns, `Digits` and `ByteLevel` compared with the table's),
+//! or SentencePiece-style BPE with byte fallback (`Prepend`+`Replace` or `Replace`
+//! normalizers, or `Metaspace`); anything else is refused by name. The engine tests check it
+//! against the `tokenizers` crate token for token. It is Hearth's own because the gateway
+//! tokenizes too (for routing and limits), from the [`hearth_protocol::TokenizerSpec`] a
+//! worker hands it.
 //!
 //! [`export`] writes such a directory from a GGUF model (dequantized; Q/K rows un-permuted),
 //! for tests and `hearth model export-hf`.
@@ -375,7 +377,7 @@ fn tokenizer_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Resu
     let ty = model.get("type").and_then(Value::as_str).unwrap_or("");
     if ty != "BPE" {
         return Err(unsupported(format!(
-            "tokenizer model {ty:?} is not supported (Hearth runs byte-level BPE)"
+            "tokenizer model {ty:?} is not supported (Hearth runs BPE: byte-level, or SentencePiece-style with byte fallback)"
         )));
     }
     let byte_fallback = model.get("byte_fallback").and_then(Value::as_bool).unwrap_or(false);
@@ -411,12 +413,7 @@ fn tokenizer_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Resu
             unsupported(format!(
                 "pre-tokenizer {} is not one Hearth reproduces (byte-level BPE with the patterns of {})",
                 pre_tokenizer,
-                hearth_protocol::tokenizer::pretokenize::PRE_TOKENIZERS
-                    .iter()
-                    .map(|d| d.names[0])
-                    .filter(|n| !n.is_empty())
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                hearth_protocol::tokenizer::supported_pre()
             ))
         })?;
         ("gpt2", pre.to_string())
@@ -446,14 +443,15 @@ fn tokenizer_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Resu
             .as_u64()
             .ok_or_else(|| invalid(&path, format!("vocab[{tok:?}] is not an id")))?;
         // With byte fallback, `<0xXX>` pieces are bytes and the unknown token is unknown.
-        let ty = if byte_fallback && is_byte_piece(tok) {
-            6
+        use hearth_protocol::tokenizer::{parse_byte_token, TOKEN_TYPE_BYTE, TOKEN_TYPE_NORMAL, TOKEN_TYPE_UNKNOWN};
+        let ty = if byte_fallback && parse_byte_token(tok).is_some() {
+            TOKEN_TYPE_BYTE
         } else if unk.as_deref() == Some(tok.as_str()) {
-            2
+            TOKEN_TYPE_UNKNOWN
         } else {
-            1
+            TOKEN_TYPE_NORMAL
         };
-        by_id.insert(id, (tok.clone(), ty));
+        by_id.insert(id, (tok.clone(), ty as i64));
     }
     for a in tj.get("added_tokens").and_then(Value::as_array).into_iter().flatten() {
         let (Some(id), Some(content)) = (
@@ -614,11 +612,6 @@ fn pre_tokenizer_patterns(p: &Value) -> Option<Vec<String>> {
         patterns.push(hearth_protocol::tokenizer::pretokenize::GPT2.to_string());
     }
     Some(patterns)
-}
-
-/// `<0xXX>`: a byte-fallback piece.
-fn is_byte_piece(t: &str) -> bool {
-    t.len() == 6 && t.starts_with("<0x") && t.ends_with('>') && t[3..5].chars().all(|c| c.is_ascii_hexdigit())
 }
 
 /// The `spm-bpe` variant (see `hearth_protocol::tokenizer::SPM_BPE_VARIANTS`) of a
@@ -939,7 +932,6 @@ mod tests {
                 Some(*v)
             );
         }
-        assert!(is_byte_piece("<0x0A>") && !is_byte_piece("<0xZZ>") && !is_byte_piece("<s>"));
     }
 
     #[test]

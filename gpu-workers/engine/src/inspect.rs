@@ -87,22 +87,13 @@ pub fn inspect(path: &Path) -> Result<ModelReport, crate::hf::HfError> {
         bytes: source.as_ref().map_or(0, String::len),
         renders: match (&source, &tokenizer) {
             (None, _) => Err("no chat template: chat requests are refused, completions work".into()),
-            (Some(src), tok) => {
-                let name = |id: Option<u32>| {
-                    tok.as_ref()
-                        .zip(id)
-                        .and_then(|(t, i)| t.token_bytes(i).ok())
-                        .map(|b| String::from_utf8_lossy(b).into_owned())
-                        .unwrap_or_default()
-                };
-                let (bos, eos) = tok
-                    .as_ref()
-                    .map_or((String::new(), String::new()), |t| (name(t.bos_id()), name(t.eos_id())));
-                ChatTemplate::new(src, &bos, &eos)
-                    .and_then(|t| t.render(&[ChatMessage::new("user", "Hello")], true))
-                    .map(|_| ())
-                    .map_err(|e| e.to_string())
+            (Some(src), tok) => match tok {
+                Some(t) => ChatTemplate::for_tokenizer(src, t),
+                None => ChatTemplate::new(src, "", ""),
             }
+            .and_then(|t| t.render(&[ChatMessage::new("user", "Hello")], true))
+            .map(|_| ())
+            .map_err(|e| e.to_string()),
         },
         takes_tools: source.as_deref().is_some_and(|s| s.contains("tools")),
         tool_format: ToolFormat::detect(source.as_deref()),

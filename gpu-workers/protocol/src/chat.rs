@@ -77,14 +77,12 @@ pub struct ChatInput<'a> {
     pub tools: Option<&'a [Value]>,
     pub add_generation_prompt: bool,
     /// `chat_template_kwargs`: extra variables (`enable_thinking`, …). The standard names
-    /// above cannot be overridden.
+    /// above, the template's functions and `__`-names cannot be overridden.
     pub kwargs: Option<&'a Map<String, Value>>,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateError {
-    #[error("the model has no chat template; use /v1/completions with a raw prompt")]
-    Missing,
     #[error("chat template failed to compile: {0}")]
     Compile(String),
     #[error("chat template rejected the conversation: {0}")]
@@ -94,7 +92,6 @@ pub enum TemplateError {
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
-    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -461,15 +458,15 @@ impl ChatTemplate {
             .map_err(|e| TemplateError::Compile(e.to_string()))?;
         Ok(Self {
             env,
-            source: source.to_string(),
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
         })
     }
 
-    /// The template's text, as the model file has it.
-    pub fn source(&self) -> &str {
-        &self.source
+    /// Compiles `source` with the tokenizer's BOS and EOS text as `bos_token`/`eos_token`.
+    pub fn for_tokenizer(source: &str, tokenizer: &crate::Tokenizer) -> Result<Self, TemplateError> {
+        let text = |id| tokenizer.token_text(id).unwrap_or_default();
+        Self::new(source, &text(tokenizer.bos_id()), &text(tokenizer.eos_id()))
     }
 
     /// Renders the conversation; with `add_generation_prompt` the text ends where the
@@ -494,7 +491,21 @@ impl ChatTemplate {
             .env
             .get_template("chat")
             .map_err(|e| TemplateError::Compile(e.to_string()))?;
-        let mut ctx: Map<String, Value> = input.kwargs.cloned().unwrap_or_default();
+        // The request's variables, less any that would shadow the template's functions or
+        // Hearth's own (`__…`).
+        let mut ctx: Map<String, Value> = input
+            .kwargs
+            .into_iter()
+            .flatten()
+            .filter(|(k, _)| {
+                !k.starts_with("__")
+                    && !matches!(
+                        k.as_str(),
+                        "raise_exception" | "strftime_now" | "namespace" | "range" | "dict" | "cycler" | "joiner"
+                    )
+            })
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         let messages = serde_json::to_value(input.messages).map_err(|e| TemplateError::Render(e.to_string()))?;
         ctx.insert("messages".into(), messages);
         ctx.insert(

@@ -353,17 +353,7 @@ impl ModelRegistry {
             };
             let tokenizer = Tokenizer::from_spec(&info.tokenizer).map_err(|e| model_err(e.to_string()))?;
             let template = match &info.tokenizer.chat_template {
-                Some(src) => {
-                    let tok = |id: Option<u32>| {
-                        id.and_then(|i| tokenizer.token_bytes(i).ok())
-                            .map(|b| String::from_utf8_lossy(b).into_owned())
-                            .unwrap_or_default()
-                    };
-                    Some(
-                        ChatTemplate::new(src, &tok(tokenizer.bos_id()), &tok(tokenizer.eos_id()))
-                            .map_err(|e| model_err(e.to_string()))?,
-                    )
-                }
+                Some(src) => Some(ChatTemplate::for_tokenizer(src, &tokenizer).map_err(|e| model_err(e.to_string()))?),
                 None => None,
             };
             let policy = routing.per_model.get(&info.model).copied().unwrap_or(routing.policy);

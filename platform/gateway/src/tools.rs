@@ -39,6 +39,9 @@ pub enum ToolChoice {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tools {
     pub tools: Vec<ToolDef>,
+    /// The client's tool objects, as sent (what a template that takes tools is given: their
+    /// keys in the client's order, fields Hearth does not read kept).
+    pub objects: Vec<Value>,
     pub choice: ToolChoice,
     pub parallel: bool,
 }
@@ -159,6 +162,7 @@ pub fn parse_tools(o: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
     }
     Ok(Some(Tools {
         tools,
+        objects: list,
         choice,
         parallel,
     }))
@@ -226,15 +230,25 @@ impl Tools {
         self.choice != ToolChoice::None
     }
 
+    fn is_offered(&self, t: &ToolDef) -> bool {
+        match &self.choice {
+            ToolChoice::Function(name) => &t.name == name,
+            _ => true,
+        }
+    }
+
     /// The tools the model is told about (only the named one under a named `tool_choice`).
     pub fn offered(&self) -> Vec<ToolDef> {
+        self.tools.iter().filter(|t| self.is_offered(t)).cloned().collect()
+    }
+
+    /// The offered tools as the client sent them.
+    pub fn offered_objects(&self) -> Vec<Value> {
         self.tools
             .iter()
-            .filter(|t| match &self.choice {
-                ToolChoice::Function(name) => &t.name == name,
-                _ => true,
-            })
-            .cloned()
+            .zip(&self.objects)
+            .filter(|(t, _)| self.is_offered(t))
+            .map(|(_, o)| o.clone())
             .collect()
     }
 
@@ -266,11 +280,18 @@ impl Tools {
     /// tools in `format`, with arguments valid for their schemas. `token`: a delimiter's id
     /// when the vocabulary has it as a special token.
     pub fn constraint(&self, format: ToolFormat, token: &dyn Fn(&str) -> Option<u32>) -> Option<Constraint> {
-        if !self.forced() {
-            return None;
-        }
-        Some(Constraint::Lark {
-            grammar: grammar(format, &self.offered(), self.parallel, token),
+        self.constraint_for(&self.offered(), format, token)
+    }
+
+    /// [`constraint`](Self::constraint) for the offered tools already at hand.
+    pub fn constraint_for(
+        &self,
+        offered: &[ToolDef],
+        format: ToolFormat,
+        token: &dyn Fn(&str) -> Option<u32>,
+    ) -> Option<Constraint> {
+        self.forced().then(|| Constraint::Lark {
+            grammar: grammar(format, offered, self.parallel, token),
         })
     }
 

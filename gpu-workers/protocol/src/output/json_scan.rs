@@ -3,8 +3,10 @@
 //! known as a span of the text while they are still being written.
 
 /// The end of the JSON value that starts at `s` (after leading whitespace): `Ok(Some(end))`
-/// when it is complete, `Ok(None)` when the text ends inside it, `Err(())` when it is not JSON.
-pub fn value_end(s: &str) -> Result<Option<usize>, ()> {
+/// when it is complete, `Ok(None)` when the text ends inside it, `Err(at)` when it is not
+/// JSON, `at` being the first byte that shows it (for a value complete in structure but
+/// refused whole, its end). More text can never move `at` back.
+pub fn value_end(s: &str) -> Result<Option<usize>, usize> {
     let b = s.as_bytes();
     let mut i = skip_ws(s, 0);
     if i >= b.len() {
@@ -26,9 +28,9 @@ pub fn value_end(s: &str) -> Result<Option<usize>, ()> {
                 i += 1;
             }
             b'}' | b']' => {
-                let open = stack.pop().ok_or(())?;
+                let open = stack.pop().ok_or(i)?;
                 if (open == b'{') != (b[i] == b'}') {
-                    return Err(());
+                    return Err(i);
                 }
                 i += 1;
             }
@@ -51,26 +53,26 @@ pub fn value_end(s: &str) -> Result<Option<usize>, ()> {
                     }
                 }
             }
-            _ => return Err(()),
+            _ => return Err(i),
         }
         if stack.is_empty() {
             // Checked whole once complete (the scan above only follows the structure).
             return match serde_json::from_str::<serde::de::IgnoredAny>(&s[start..i]) {
                 Ok(_) => Ok(Some(i)),
-                Err(_) => Err(()),
+                Err(_) => Err(i),
             };
         }
     }
 }
 
 /// The end (after the closing quote) of the JSON string starting at `b[i] == '"'`.
-fn string_end(b: &[u8], mut i: usize) -> Result<Option<usize>, ()> {
+fn string_end(b: &[u8], mut i: usize) -> Result<Option<usize>, usize> {
     i += 1;
     while i < b.len() {
         match b[i] {
             b'\\' => i += 2,
             b'"' => return Ok(Some(i + 1)),
-            c if c < 0x20 => return Err(()),
+            c if c < 0x20 => return Err(i),
             _ => i += 1,
         }
     }
@@ -91,9 +93,8 @@ pub struct CallObject {
     pub name: Option<String>,
     /// The model's own id for the call, if it wrote one (`"id"`).
     pub id: Option<String>,
-    /// Byte span of the arguments value in the text, as far as it goes.
+    /// Byte span of the arguments value in the text, as far as it goes (up to where it broke).
     pub args: Option<(usize, usize)>,
-    pub args_complete: bool,
     /// The arguments value is an object (`{` first): only then is it a call's arguments.
     pub args_object: bool,
     /// Where the object ends, once it does.
@@ -101,24 +102,24 @@ pub struct CallObject {
 }
 
 /// Reads a `{"name": "…", "<args key>": {…}}` object starting at `s` (after whitespace);
-/// other keys are skipped. `Err` (with what was read before) when the text is not such an
-/// object.
-pub fn call_object(s: &str, arg_keys: &[&str]) -> Result<CallObject, CallObject> {
+/// other keys are skipped. `Err` (with what was read before, and where it broke) when the
+/// text is not such an object.
+pub fn call_object(s: &str, arg_keys: &[&str]) -> Result<CallObject, (CallObject, usize)> {
     let mut c = CallObject::default();
     match read_call(s, arg_keys, &mut c) {
         Ok(()) => Ok(c),
-        Err(()) => Err(c),
+        Err(at) => Err((c, at)),
     }
 }
 
-fn read_call(s: &str, arg_keys: &[&str], c: &mut CallObject) -> Result<(), ()> {
+fn read_call(s: &str, arg_keys: &[&str], c: &mut CallObject) -> Result<(), usize> {
     let b = s.as_bytes();
     let mut i = skip_ws(s, 0);
     if i >= b.len() {
         return Ok(());
     }
     if b[i] != b'{' {
-        return Err(());
+        return Err(i);
     }
     i += 1;
     loop {
@@ -131,18 +132,18 @@ fn read_call(s: &str, arg_keys: &[&str], c: &mut CallObject) -> Result<(), ()> {
             return Ok(());
         }
         if b[i] != b'"' {
-            return Err(());
+            return Err(i);
         }
         let Some(key_end) = string_end(b, i)? else {
             return Ok(());
         };
-        let key: String = serde_json::from_str(&s[i..key_end]).map_err(|_| ())?;
+        let key: String = serde_json::from_str(&s[i..key_end]).map_err(|_| key_end)?;
         i = skip_ws(s, key_end);
         if i >= b.len() {
             return Ok(());
         }
         if b[i] != b':' {
-            return Err(());
+            return Err(i);
         }
         i = skip_ws(s, i + 1);
         if i >= b.len() {
@@ -153,15 +154,21 @@ fn read_call(s: &str, arg_keys: &[&str], c: &mut CallObject) -> Result<(), ()> {
             c.args_object = b[i] == b'{';
             c.args = Some((i, s.len()));
         }
-        let Some(e) = value_end(&s[i..])? else { return Ok(()) };
+        let e = match value_end(&s[i..]) {
+            Ok(Some(e)) => e,
+            Ok(None) => return Ok(()),
+            Err(at) => {
+                if is_args {
+                    c.args = Some((i, i + at));
+                }
+                return Err(i + at);
+            }
+        };
         let (vs, ve) = (i, i + e);
         match key.as_str() {
-            "name" if c.name.is_none() => c.name = Some(serde_json::from_str::<String>(&s[vs..ve]).map_err(|_| ())?),
+            "name" if c.name.is_none() => c.name = Some(serde_json::from_str::<String>(&s[vs..ve]).map_err(|_| ve)?),
             "id" => c.id = serde_json::from_str::<String>(&s[vs..ve]).ok(),
-            _ if is_args => {
-                c.args = Some((vs, ve));
-                c.args_complete = true;
-            }
+            _ if is_args => c.args = Some((vs, ve)),
             _ => {}
         }
         i = skip_ws(s, ve);
@@ -174,7 +181,7 @@ fn read_call(s: &str, arg_keys: &[&str], c: &mut CallObject) -> Result<(), ()> {
                 c.end = Some(i + 1);
                 return Ok(());
             }
-            _ => return Err(()),
+            _ => return Err(i),
         }
     }
 }
@@ -191,9 +198,9 @@ mod tests {
         assert_eq!(value_end("12"), Ok(None));
         assert_eq!(value_end("12,"), Ok(Some(2)));
         assert_eq!(value_end("true"), Ok(Some(4)));
-        assert_eq!(value_end("{]"), Err(()));
-        assert_eq!(value_end("{\"a\" 1}"), Err(()));
-        assert_eq!(value_end("<x>"), Err(()));
+        assert_eq!(value_end("{]"), Err(1));
+        assert_eq!(value_end("{\"a\" 1}"), Err(7));
+        assert_eq!(value_end("<x>"), Err(0));
     }
 
     #[test]
@@ -202,15 +209,15 @@ mod tests {
         let c = call_object(text, &["arguments"]).unwrap();
         assert_eq!(c.name.as_deref(), Some("f"));
         assert_eq!(&text[c.args.unwrap().0..c.args.unwrap().1], r#"{"city": "Pa"#);
-        assert!(!c.args_complete && c.args_object && c.end.is_none());
+        assert!(c.args_object && c.end.is_none());
         let text = r#"{"name": "f", "parameters": {"x": 1}, "id": "abc"} tail"#;
         let c = call_object(text, &["arguments", "parameters"]).unwrap();
-        assert!(c.args_complete && c.end == Some(text.len() - 5));
+        assert_eq!(c.end, Some(text.len() - 5));
         assert_eq!(c.id.as_deref(), Some("abc"));
         assert!(call_object("[1]", &["arguments"]).is_err());
         // Broken after the arguments began: what was read is kept.
-        let e = call_object(r#"{"name": "f", "arguments": {"a": ]"#, &["arguments"]).unwrap_err();
+        let (e, at) = call_object(r#"{"name": "f", "arguments": {"a": ]"#, &["arguments"]).unwrap_err();
         assert_eq!(e.name.as_deref(), Some("f"));
-        assert!(e.args.is_some());
+        assert_eq!((e.args, at), (Some((27, 33)), 33));
     }
 }

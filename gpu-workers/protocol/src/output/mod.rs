@@ -6,14 +6,16 @@ mod json_scan;
 pub mod reasoning;
 pub mod tools;
 
+use std::sync::Arc;
+
 pub use reasoning::{ReasoningFormat, ReasoningSplit};
-pub use tools::{ParsedCall, ToolDef, ToolDelta, ToolFormat, ToolStream};
+pub use tools::{ParsedCall, ToolDef, ToolFormat, ToolStream};
 
 /// How to read one request's answers.
 #[derive(Debug, Clone, Default)]
 pub struct OutputSpec {
     /// Parse tool calls in this format, for these tools.
-    pub tools: Option<(ToolFormat, Vec<ToolDef>)>,
+    pub tools: Option<(ToolFormat, Arc<[ToolDef]>)>,
     /// Take reasoning out; `true`: the prompt already opened the thinking block.
     pub reasoning: Option<(ReasoningFormat, bool)>,
 }
@@ -27,7 +29,7 @@ impl OutputSpec {
     pub fn stream(&self) -> AssistantStream {
         AssistantStream {
             reasoning: self.reasoning.map(|(f, inside)| ReasoningSplit::new(f, inside)),
-            tools: self.tools.as_ref().map(|(f, t)| ToolStream::new(*f, t.clone())),
+            tools: self.tools.as_ref().map(|(f, t)| ToolStream::new(*f, Arc::clone(t))),
             reasoning_tokens: 0,
         }
     }
@@ -101,27 +103,17 @@ impl AssistantStream {
             match p {
                 reasoning::Piece::Reasoning(r) => out.push(Delta::Reasoning(r)),
                 reasoning::Piece::Answer(a) => match self.tools.as_mut() {
-                    Some(t) => out.extend(t.push(&a).into_iter().map(Delta::from)),
+                    Some(t) => out.extend(t.push(&a)),
                     None => out.push(Delta::Content(a)),
                 },
             }
         }
         if end {
             if let Some(t) = self.tools.as_mut() {
-                out.extend(t.finish().into_iter().map(Delta::from));
+                out.extend(t.finish());
             }
         }
         out
-    }
-}
-
-impl From<ToolDelta> for Delta {
-    fn from(d: ToolDelta) -> Self {
-        match d {
-            ToolDelta::Content(c) => Delta::Content(c),
-            ToolDelta::CallStart { index, id, name } => Delta::CallStart { index, id, name },
-            ToolDelta::Arguments { index, text } => Delta::Arguments { index, text },
-        }
     }
 }
 
@@ -138,16 +130,14 @@ impl Assistant {
     /// Gathers deltas (a stream's, in order).
     pub fn collect(deltas: impl IntoIterator<Item = Delta>) -> Self {
         let mut reasoning = String::new();
-        let mut tool_deltas = Vec::new();
+        let mut rest = Vec::new();
         for d in deltas {
             match d {
                 Delta::Reasoning(r) => reasoning.push_str(&r),
-                Delta::Content(c) => tool_deltas.push(ToolDelta::Content(c)),
-                Delta::CallStart { index, id, name } => tool_deltas.push(ToolDelta::CallStart { index, id, name }),
-                Delta::Arguments { index, text } => tool_deltas.push(ToolDelta::Arguments { index, text }),
+                d => rest.push(d),
             }
         }
-        let (content, calls) = tools::collect(tool_deltas);
+        let (content, calls) = tools::collect(rest);
         Assistant {
             reasoning: (!reasoning.is_empty()).then_some(reasoning),
             content,
@@ -162,6 +152,35 @@ impl Assistant {
         d.extend(s.finish());
         Self::collect(d)
     }
+}
+
+/// `pending` (whitespace held back) + `text`, less the new trailing whitespace, which becomes
+/// `pending`: None while there is nothing but whitespace (appended in place, so a long run
+/// of it costs no more than its length).
+fn with_pending(pending: &mut String, text: &str) -> Option<String> {
+    let body = text.trim_end();
+    if body.is_empty() {
+        pending.push_str(text);
+        return None;
+    }
+    let mut s = std::mem::take(pending);
+    s.push_str(body);
+    pending.push_str(&text[body.len()..]);
+    Some(s)
+}
+
+/// The longest suffix of `buf` that is the start of one of `markers` (held back: the
+/// marker may be arriving).
+fn held_back(buf: &str, markers: &[&str]) -> usize {
+    markers
+        .iter()
+        .filter_map(|m| {
+            (1..m.len().min(buf.len() + 1))
+                .rev()
+                .find(|&n| buf.is_char_boundary(buf.len() - n) && m.starts_with(&buf[buf.len() - n..]))
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -48,15 +48,10 @@ impl ReasoningFormat {
         }
     }
 
-    /// Whether a rendered prompt leaves the model inside a thinking block (its last opening
-    /// marker is not closed).
+    /// Whether a rendered prompt leaves the model inside a thinking block: the generation
+    /// prompt ends with the opening marker (a marker a user wrote earlier does not count).
     pub fn prompt_opens(self, prompt: &str) -> bool {
-        let (open, close) = self.markers();
-        match (prompt.rfind(open), prompt.rfind(close)) {
-            (Some(o), Some(c)) => o > c,
-            (Some(_), None) => true,
-            _ => false,
-        }
+        prompt.trim_end().ends_with(self.markers().0)
     }
 }
 
@@ -100,11 +95,6 @@ impl ReasoningSplit {
             reasoning_started: false,
             strip_answer_ws: false,
         }
-    }
-
-    /// Whether text arriving now is reasoning (or may be, before the answer has begun).
-    pub fn in_reasoning(&self) -> bool {
-        self.state != State::Answer
     }
 
     /// Whether the thinking block is open now.
@@ -151,7 +141,11 @@ impl ReasoningSplit {
                         self.strip_answer_ws = true;
                     }
                     None => {
-                        let hold = if at_end { 0 } else { held(&self.buf, close) };
+                        let hold = if at_end {
+                            0
+                        } else {
+                            super::held_back(&self.buf, &[close])
+                        };
                         let r: String = self.buf.drain(..self.buf.len() - hold).collect();
                         self.reasoning(&r, out);
                         return;
@@ -175,29 +169,19 @@ impl ReasoningSplit {
         }
     }
 
+    /// Reasoning text, less whitespace at its start and (held back until more follows) at
+    /// its end.
     fn reasoning(&mut self, text: &str, out: &mut Vec<Piece>) {
-        let mut s = std::mem::take(&mut self.pending_ws);
-        s.push_str(text);
-        let mut s = s.as_str();
+        let mut text = text;
         if !self.reasoning_started {
-            s = s.trim_start();
-            if s.is_empty() {
+            text = text.trim_start();
+            if text.is_empty() {
                 return;
             }
             self.reasoning_started = true;
         }
-        let body = s.trim_end();
-        self.pending_ws = s[body.len()..].to_string();
-        if !body.is_empty() {
-            out.push(Piece::Reasoning(body.to_string()));
+        if let Some(body) = super::with_pending(&mut self.pending_ws, text) {
+            out.push(Piece::Reasoning(body));
         }
     }
-}
-
-/// The longest suffix of `b` that is a prefix of `marker`.
-fn held(b: &str, marker: &str) -> usize {
-    (1..marker.len().min(b.len() + 1))
-        .rev()
-        .find(|&n| b.is_char_boundary(b.len() - n) && marker.starts_with(&b[b.len() - n..]))
-        .unwrap_or(0)
 }

@@ -49,7 +49,8 @@ fn reasoning_then_tool_calls() {
                 name: "f".into(),
                 description: None,
                 parameters: serde_json::json!({"type": "object"}),
-            }],
+            }]
+            .into(),
         )),
         reasoning: Some((ReasoningFormat::Think, false)),
     };
@@ -78,6 +79,8 @@ fn prompts_that_open_the_block_are_recognised() {
     assert!(f.prompt_opens("<|im_start|>assistant\n<think>\n"));
     assert!(!f.prompt_opens("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
     assert!(!f.prompt_opens("<|im_start|>assistant\n"));
+    // A user who writes the marker does not open the block.
+    assert!(!f.prompt_opens("<|im_start|>user\nWhat does <think> do?<|im_end|>\n<|im_start|>assistant\n"));
     assert_eq!(
         ReasoningFormat::detect(Some("{{ '<think>' }}")),
         Some(ReasoningFormat::Think)

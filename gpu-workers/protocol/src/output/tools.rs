@@ -24,6 +24,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::json_scan::{call_object, skip_ws, value_end};
+use super::{held_back, with_pending, Delta};
 
 /// One function the model may call.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,17 +33,6 @@ pub struct ToolDef {
     pub description: Option<String>,
     /// The arguments' JSON Schema (`{"type": "object"}` when absent).
     pub parameters: Value,
-}
-
-impl ToolDef {
-    /// The tool as templates take it (OpenAI's tool object).
-    pub fn openai_json(&self) -> Value {
-        let mut f = json!({"name": self.name, "parameters": self.parameters});
-        if let Some(d) = &self.description {
-            f["description"] = json!(d);
-        }
-        json!({"type": "function", "function": f})
-    }
 }
 
 /// A model family's way of writing tool calls.
@@ -203,16 +193,16 @@ impl ToolFormat {
     }
 
     /// Reads the call region at the start of `text`.
-    fn region(self, text: &str, at_end: bool, tools: &[ToolDef]) -> Region {
+    fn region(self, text: &str, tools: &[ToolDef]) -> Region {
         match self {
-            ToolFormat::Hearth | ToolFormat::Hermes => hermes(text, at_end),
-            ToolFormat::Llama3Json => llama3(text, at_end),
-            ToolFormat::Mistral => mistral_json(text, at_end),
-            ToolFormat::MistralArgs => mistral_args(text, at_end),
-            ToolFormat::DeepseekV3 => deepseek(text, at_end, true),
-            ToolFormat::DeepseekV31 => deepseek(text, at_end, false),
-            ToolFormat::KimiK2 => kimi(text, at_end),
-            ToolFormat::Qwen3Coder => qwen3_coder(text, at_end, tools),
+            ToolFormat::Hearth | ToolFormat::Hermes => hermes(text),
+            ToolFormat::Llama3Json => llama3(text),
+            ToolFormat::Mistral => mistral_json(text),
+            ToolFormat::MistralArgs => mistral_args(text),
+            ToolFormat::DeepseekV3 => deepseek(text, true),
+            ToolFormat::DeepseekV31 => deepseek(text, false),
+            ToolFormat::KimiK2 => kimi(text),
+            ToolFormat::Qwen3Coder => qwen3_coder(text, tools),
         }
     }
 }
@@ -253,54 +243,62 @@ struct PartCall {
     args: String,
 }
 
-/// What a region turned out to be.
+/// What a region turned out to be. `end: None`: not known yet (at the answer's end, the
+/// region runs to it).
 #[derive(Debug, PartialEq)]
 enum Region {
-    /// Calls; `end`: where the region ends, once it has.
+    /// Calls, and where the region ends.
     Calls { calls: Vec<PartCall>, end: Option<usize> },
-    /// Not calls: text up to `end` (None: not known yet).
+    /// Not calls: text up to `end` (what follows is read again, as any other text).
     Text { end: Option<usize> },
 }
 
-/// `lit` at `text[i..]`: Some(Ok(end)) it is there; Some(Err(())) the text ends inside it;
-/// None it is not.
-fn expect(text: &str, i: usize, lit: &str) -> Option<Result<usize, ()>> {
+impl Region {
+    fn wait(calls: Vec<PartCall>) -> Self {
+        if calls.is_empty() {
+            Region::Text { end: None }
+        } else {
+            Region::Calls { calls, end: None }
+        }
+    }
+}
+
+/// `lit` at `text[i..]`.
+enum Literal {
+    Found(usize),
+    /// The text ends inside it.
+    Partial,
+    Absent,
+}
+
+fn literal_at(text: &str, i: usize, lit: &str) -> Literal {
     let rest = &text[i.min(text.len())..];
     if rest.starts_with(lit) {
-        Some(Ok(i + lit.len()))
+        Literal::Found(i + lit.len())
     } else if lit.starts_with(rest) {
-        Some(Err(()))
+        Literal::Partial
     } else {
-        None
+        Literal::Absent
     }
 }
 
-/// The region ends at `close` (searched from `from`), or at the end of the text.
-fn text_until(text: &str, from: usize, close: &str, at_end: bool) -> Region {
-    match text[from.min(text.len())..].find(close) {
-        Some(p) => Region::Text {
-            end: Some(from + p + close.len()),
-        },
-        None => Region::Text {
-            end: at_end.then_some(text.len()),
-        },
-    }
+/// A JSON call object read at `text[i..]` (keys `name` + one of `arg_keys`).
+enum JsonCall {
+    /// Not a call: shown at this byte.
+    NotCall(usize),
+    /// Too little of it yet to tell.
+    Undecided,
+    /// A call; where its object ends once it has.
+    Call(PartCall, Option<usize>),
+    /// A call whose object broke at this byte: it keeps the arguments it had, and the
+    /// region ends there.
+    Broken(PartCall, usize),
 }
 
-/// Waiting for more text, or (at the end) the calls so far with the region cut there.
-fn cut(calls: Vec<PartCall>, text: &str, at_end: bool) -> Region {
-    Region::Calls {
-        calls,
-        end: at_end.then_some(text.len()),
-    }
-}
-
-/// A JSON call object at `text[i..]` (keys `name` + one of `arg_keys`): the call so far,
-/// and where the object ends. `Err`: it is not a call (and nothing of it was announced).
-fn json_call(text: &str, i: usize, arg_keys: &[&str]) -> Result<(Option<PartCall>, Option<usize>), ()> {
-    let (c, ok) = match call_object(&text[i..], arg_keys) {
-        Ok(c) => (c, true),
-        Err(c) => (c, false),
+fn json_call(text: &str, i: usize, arg_keys: &[&str]) -> JsonCall {
+    let (c, broke) = match call_object(&text[i..], arg_keys) {
+        Ok(c) => (c, None),
+        Err((c, at)) => (c, Some(i + at)),
     };
     let call = match (&c.name, c.args, c.args_object) {
         (Some(name), Some((s, e)), true) => Some(PartCall {
@@ -310,90 +308,94 @@ fn json_call(text: &str, i: usize, arg_keys: &[&str]) -> Result<(Option<PartCall
         }),
         _ => None,
     };
-    match (ok, &call, c.end) {
-        (false, None, _) => Err(()),
-        // A broken object after its call was announced: the call keeps what it has.
-        (false, Some(_), _) => Ok((call, Some(text.len()))),
-        (true, None, Some(_)) => Err(()),
-        (true, _, end) => Ok((call, end.map(|e| i + e))),
+    match (broke, call, c.end) {
+        (Some(at), None, _) => JsonCall::NotCall(at),
+        (Some(at), Some(call), _) => JsonCall::Broken(call, at),
+        (None, None, Some(end)) => JsonCall::NotCall(i + end),
+        (None, None, None) => JsonCall::Undecided,
+        (None, Some(call), end) => JsonCall::Call(call, end.map(|e| i + e)),
     }
 }
 
-fn hermes(text: &str, at_end: bool) -> Region {
-    let body = HERMES_OPEN.len();
-    let i = skip_ws(text, body);
+/// Arguments written as a bare JSON object at `text[a..]`.
+fn json_args(name: &str, id: Option<String>, text: &str, a: usize) -> (PartCall, Result<Option<usize>, usize>) {
+    let (args, end) = match value_end(&text[a..]) {
+        Ok(Some(e)) => (&text[a..a + e], Ok(Some(a + e))),
+        Ok(None) => (&text[a..], Ok(None)),
+        Err(at) => (&text[a..a + at], Err(a + at)),
+    };
+    (
+        PartCall {
+            name: name.to_string(),
+            id,
+            args: args.to_string(),
+        },
+        end,
+    )
+}
+
+fn hermes(text: &str) -> Region {
+    let i = skip_ws(text, HERMES_OPEN.len());
     if i >= text.len() {
-        return cut(Vec::new(), text, at_end);
+        return Region::Text { end: None };
     }
     match json_call(text, i, &["arguments", "parameters"]) {
-        Err(()) => text_until(text, body, HERMES_CLOSE, at_end),
-        Ok((None, _)) => {
-            if at_end {
-                Region::Text { end: Some(text.len()) }
-            } else {
-                Region::Text { end: None }
-            }
-        }
-        Ok((Some(call), end)) => {
+        JsonCall::NotCall(_) => Region::Text {
+            end: Some(HERMES_OPEN.len()),
+        },
+        JsonCall::Undecided => Region::Text { end: None },
+        JsonCall::Broken(call, at) => Region::Calls {
+            calls: vec![call],
+            end: Some(at),
+        },
+        JsonCall::Call(call, None) => Region::wait(vec![call]),
+        JsonCall::Call(call, Some(end)) => {
             let calls = vec![call];
-            let Some(end) = end else {
-                return cut(calls, text, at_end);
-            };
-            let j = skip_ws(text, end);
-            match expect(text, j, HERMES_CLOSE) {
-                Some(Ok(e)) => Region::Calls { calls, end: Some(e) },
-                Some(Err(())) => cut(calls, text, at_end),
+            match literal_at(text, skip_ws(text, end), HERMES_CLOSE) {
+                Literal::Found(e) => Region::Calls { calls, end: Some(e) },
+                Literal::Partial => Region::wait(calls),
                 // Something else after the object: the call ends there, the rest is text.
-                None => Region::Calls { calls, end: Some(end) },
+                Literal::Absent => Region::Calls { calls, end: Some(end) },
             }
         }
     }
 }
 
-fn llama3(text: &str, at_end: bool) -> Region {
-    let mut i = match expect(text, 0, PYTHON_TAG) {
-        Some(Ok(e)) => e,
+fn llama3(text: &str) -> Region {
+    let mut i = match literal_at(text, 0, PYTHON_TAG) {
+        Literal::Found(e) => e,
         _ => 0,
     };
     let mut calls = Vec::new();
     loop {
         i = skip_ws(text, i);
         if i >= text.len() {
-            return cut(calls, text, at_end);
+            return Region::wait(calls);
         }
-        if !text[i..].starts_with('{') {
-            // After calls: the rest is text. Before any: not a call answer.
-            return if calls.is_empty() {
-                Region::Text {
-                    end: Some(text.len()).filter(|_| at_end),
-                }
+        // After calls the rest is text; before any, the answer is not a call.
+        let not_call = |calls: Vec<PartCall>, at: usize| {
+            if calls.is_empty() {
+                Region::Text { end: Some(at) }
             } else {
                 Region::Calls { calls, end: Some(i) }
-            };
+            }
+        };
+        if !text[i..].starts_with('{') {
+            return not_call(calls, i);
         }
         match json_call(text, i, &["parameters", "arguments"]) {
-            Err(()) if calls.is_empty() => {
-                return Region::Text {
-                    end: at_end.then_some(text.len()),
-                }
-            }
-            Err(()) => return Region::Calls { calls, end: Some(i) },
-            Ok((None, _)) => {
-                return if at_end {
-                    if calls.is_empty() {
-                        Region::Text { end: Some(text.len()) }
-                    } else {
-                        Region::Calls { calls, end: Some(i) }
-                    }
-                } else {
-                    Region::Calls { calls, end: None }
-                }
-            }
-            Ok((Some(call), end)) => {
+            JsonCall::NotCall(at) => return not_call(calls, at),
+            JsonCall::Undecided => return Region::wait(calls),
+            JsonCall::Broken(call, at) => {
                 calls.push(call);
-                let Some(end) = end else {
-                    return cut(calls, text, at_end);
-                };
+                return Region::Calls { calls, end: Some(at) };
+            }
+            JsonCall::Call(call, None) => {
+                calls.push(call);
+                return Region::wait(calls);
+            }
+            JsonCall::Call(call, Some(end)) => {
+                calls.push(call);
                 i = skip_ws(text, end);
                 if text[i..].starts_with(';') {
                     i += 1;
@@ -403,22 +405,21 @@ fn llama3(text: &str, at_end: bool) -> Region {
     }
 }
 
-fn mistral_json(text: &str, at_end: bool) -> Region {
-    let mut i = skip_ws(text, MISTRAL_CALLS.len());
+fn mistral_json(text: &str) -> Region {
+    let marker = MISTRAL_CALLS.len();
+    let mut i = skip_ws(text, marker);
     if i >= text.len() {
-        return cut(Vec::new(), text, at_end);
+        return Region::Text { end: None };
     }
     if !text[i..].starts_with('[') {
-        return Region::Text {
-            end: Some(MISTRAL_CALLS.len()),
-        };
+        return Region::Text { end: Some(marker) };
     }
     i += 1;
     let mut calls = Vec::new();
     loop {
         i = skip_ws(text, i);
         if i >= text.len() {
-            return cut(calls, text, at_end);
+            return Region::wait(calls);
         }
         match text.as_bytes()[i] {
             b']' => {
@@ -434,270 +435,215 @@ fn mistral_json(text: &str, at_end: bool) -> Region {
             _ => {}
         }
         match json_call(text, i, &["arguments"]) {
-            Err(()) if calls.is_empty() => {
-                return Region::Text {
-                    end: Some(MISTRAL_CALLS.len()),
-                }
+            JsonCall::NotCall(_) if calls.is_empty() => return Region::Text { end: Some(marker) },
+            JsonCall::NotCall(_) => return Region::Calls { calls, end: Some(i) },
+            JsonCall::Undecided => return Region::wait(calls),
+            JsonCall::Broken(call, at) => {
+                calls.push(call);
+                return Region::Calls { calls, end: Some(at) };
             }
-            Err(()) => return Region::Calls { calls, end: Some(i) },
-            Ok((None, _)) => return cut(calls, text, at_end),
-            Ok((Some(call), end)) => {
+            JsonCall::Call(call, end) => {
                 calls.push(call);
                 match end {
                     Some(e) => i = e,
-                    None => return cut(calls, text, at_end),
+                    None => return Region::wait(calls),
                 }
             }
         }
     }
 }
 
-fn mistral_args(text: &str, at_end: bool) -> Region {
+fn mistral_args(text: &str) -> Region {
     let start = MISTRAL_CALLS.len();
     let rest = &text[start..];
-    let (name_end, after_name) = match (rest.find(MISTRAL_CALL_ID), rest.find(MISTRAL_ARGS)) {
-        (Some(c), Some(a)) if c < a => (c, start + c),
-        (_, Some(a)) => (a, start + a),
-        (Some(c), None) => (c, start + c),
+    let name_end = match (rest.find(MISTRAL_CALL_ID), rest.find(MISTRAL_ARGS)) {
+        (Some(c), Some(a)) => c.min(a),
+        (Some(c), None) => c,
+        (None, Some(a)) => a,
         (None, None) => {
-            let plausible = rest.chars().all(|c| c.is_alphanumeric() || "_-.[".contains(c)) && rest.len() < 128;
-            return if plausible && !at_end {
-                Region::Text { end: None }
-            } else {
-                Region::Text { end: Some(start) }
+            // A name may still be coming (short, of name characters).
+            let plausible = rest.len() < 128 && rest.chars().all(|c| c.is_alphanumeric() || "_-.[".contains(c));
+            return Region::Text {
+                end: (!plausible).then_some(start),
             };
         }
     };
-    let name = rest[..name_end].trim().to_string();
+    let name = rest[..name_end].trim();
     if name.is_empty() || !name.chars().all(|c| c.is_alphanumeric() || "_-.".contains(c)) {
         return Region::Text { end: Some(start) };
     }
-    let mut i = after_name;
+    let mut i = start + name_end;
     let mut id = None;
-    if let Some(Ok(e)) = expect(text, i, MISTRAL_CALL_ID) {
+    if let Literal::Found(e) = literal_at(text, i, MISTRAL_CALL_ID) {
         match text[e..].find(MISTRAL_ARGS) {
             Some(p) => {
                 id = Some(text[e..e + p].trim().to_string());
                 i = e + p;
             }
-            None => {
-                return if at_end {
-                    Region::Text { end: Some(start) }
-                } else {
-                    Region::Text { end: None }
-                }
-            }
+            None => return Region::Text { end: None },
         }
     }
-    let Some(Ok(args_at)) = expect(text, i, MISTRAL_ARGS) else {
+    let Literal::Found(args_at) = literal_at(text, i, MISTRAL_ARGS) else {
         return Region::Text { end: Some(start) };
     };
     let a = skip_ws(text, args_at);
     if a >= text.len() {
-        return if at_end {
-            Region::Text { end: Some(text.len()) }
-        } else {
-            Region::Text { end: None }
-        };
+        return Region::Text { end: None };
     }
     if !text[a..].starts_with('{') {
         return Region::Text { end: Some(start) };
     }
-    let call = |args: &str| PartCall {
-        name: name.clone(),
-        id: id.clone(),
-        args: args.to_string(),
+    match json_args(name, id, text, a) {
+        (call, Ok(end)) => Region::Calls { calls: vec![call], end },
+        (call, Err(at)) => Region::Calls {
+            calls: vec![call],
+            end: Some(at),
+        },
+    }
+}
+
+/// One call of a section, as read so far.
+enum SectionCall {
+    /// Not a call: the section ends before it.
+    NotCall,
+    /// Too little of it yet to tell.
+    Wait,
+    /// A call, and where it ends: `Ok(None)` not yet, `Err(at)` it ended without its closing
+    /// delimiter (the section ends there too).
+    Call(PartCall, Result<Option<usize>, usize>),
+}
+
+/// A section of calls (DeepSeek's, Kimi's): `begin`, then calls that each start with
+/// `call_begin` and are read by `call`, then `end_marker`.
+fn section(
+    text: &str,
+    begin: &str,
+    end_marker: &str,
+    call_begin: &str,
+    call: &dyn Fn(&str, usize) -> SectionCall,
+) -> Region {
+    let mut i = begin.len();
+    let mut calls = Vec::new();
+    loop {
+        i = skip_ws(text, i);
+        if i >= text.len() {
+            return Region::wait(calls);
+        }
+        match literal_at(text, i, end_marker) {
+            Literal::Found(e) => return Region::Calls { calls, end: Some(e) },
+            Literal::Partial => return Region::wait(calls),
+            Literal::Absent => {}
+        }
+        let after_begin = match literal_at(text, i, call_begin) {
+            Literal::Found(e) => e,
+            Literal::Partial => return Region::wait(calls),
+            Literal::Absent if calls.is_empty() => return Region::Text { end: Some(begin.len()) },
+            Literal::Absent => return Region::Calls { calls, end: Some(i) },
+        };
+        match call(text, after_begin) {
+            SectionCall::NotCall if calls.is_empty() => return Region::Text { end: Some(begin.len()) },
+            SectionCall::NotCall => return Region::Calls { calls, end: Some(i) },
+            SectionCall::Wait => return Region::wait(calls),
+            SectionCall::Call(c, Ok(Some(e))) => {
+                calls.push(c);
+                i = e;
+            }
+            SectionCall::Call(c, Ok(None)) => {
+                calls.push(c);
+                return Region::wait(calls);
+            }
+            SectionCall::Call(c, Err(at)) => {
+                calls.push(c);
+                return Region::Calls { calls, end: Some(at) };
+            }
+        }
+    }
+}
+
+/// A delimiter expected at `text[from..]` (after whitespace) that may still be coming:
+/// found (its end), not yet, or absent (where it should have been).
+fn delimiter(text: &str, from: usize, lit: &str) -> Result<Option<usize>, usize> {
+    let j = skip_ws(text, from);
+    match literal_at(text, j, lit) {
+        Literal::Found(e) => Ok(Some(e)),
+        Literal::Partial => Ok(None),
+        Literal::Absent => Err(j),
+    }
+}
+
+/// Text before `lit` in `text[from..]`: its end, or (not yet there) whether to wait for it
+/// (a name is short: past 256 bytes it is not coming).
+fn up_to(text: &str, from: usize, lit: &str) -> Result<usize, SectionCall> {
+    match text[from..].find(lit) {
+        Some(p) => Ok(from + p),
+        None if text.len() - from < 256 => Err(SectionCall::Wait),
+        None => Err(SectionCall::NotCall),
+    }
+}
+
+/// A call's JSON arguments at `text[a..]`, then its closing delimiters, in order.
+fn section_call(name: &str, id: Option<String>, text: &str, a: usize, closers: &[&str]) -> SectionCall {
+    if a >= text.len() {
+        return SectionCall::Wait;
+    }
+    if name.is_empty() || !text[a..].starts_with('{') {
+        return SectionCall::NotCall;
+    }
+    let (c, end) = json_args(name, id, text, a);
+    let mut end = match end {
+        Ok(Some(e)) => e,
+        other => return SectionCall::Call(c, other),
     };
-    match value_end(&text[a..]) {
-        Ok(Some(e)) => Region::Calls {
-            calls: vec![call(&text[a..a + e])],
-            end: Some(a + e),
-        },
-        Ok(None) => cut(vec![call(&text[a..])], text, at_end),
-        Err(()) => Region::Calls {
-            calls: vec![call(&text[a..])],
-            end: Some(text.len()),
-        },
+    for lit in closers {
+        match delimiter(text, end, lit) {
+            Ok(Some(e)) => end = e,
+            other => return SectionCall::Call(c, other),
+        }
     }
+    SectionCall::Call(c, Ok(Some(end)))
 }
 
-/// DeepSeek's sections: V3/R1 (`function<sep>name\n```json\n{…}\n```) or V3.1 (`name<sep>{…}`).
-fn deepseek(text: &str, at_end: bool, v3: bool) -> Region {
-    let mut i = DS_CALLS_BEGIN.len();
-    let mut calls = Vec::new();
-    loop {
-        i = skip_ws(text, i);
-        if i >= text.len() {
-            return cut(calls, text, at_end);
-        }
-        if let Some(r) = expect(text, i, DS_CALLS_END) {
-            return match r {
-                Ok(e) => Region::Calls { calls, end: Some(e) },
-                Err(()) => cut(calls, text, at_end),
-            };
-        }
-        let after_begin = match expect(text, i, DS_CALL_BEGIN) {
-            Some(Ok(e)) => e,
-            Some(Err(())) => return cut(calls, text, at_end),
-            None if calls.is_empty() => {
-                return Region::Text {
-                    end: Some(DS_CALLS_BEGIN.len()),
-                }
-            }
-            None => return Region::Calls { calls, end: Some(i) },
+/// DeepSeek's sections: V3/R1 (`function<sep>name\n```json\n{…}\n```<end>`) or V3.1
+/// (`name<sep>{…}<end>`).
+fn deepseek(text: &str, v3: bool) -> Region {
+    let call = |text: &str, at: usize| -> SectionCall {
+        let sep = match up_to(text, at, DS_SEP) {
+            Ok(s) => s,
+            Err(c) => return c,
         };
-        let (name, args_from) = if v3 {
-            let Some(sep) = text[after_begin..].find(DS_SEP) else {
-                return cut(calls, text, at_end);
+        if v3 {
+            let name_at = sep + DS_SEP.len();
+            let fence = match up_to(text, name_at, "```json") {
+                Ok(f) => f,
+                Err(c) => return c,
             };
-            let name_at = after_begin + sep + DS_SEP.len();
-            let Some(nl) = text[name_at..].find("```json") else {
-                return cut(calls, text, at_end);
-            };
-            (
-                text[name_at..name_at + nl].trim().to_string(),
-                name_at + nl + "```json".len(),
-            )
+            let a = skip_ws(text, fence + "```json".len());
+            section_call(text[name_at..fence].trim(), None, text, a, &["```", DS_CALL_END])
         } else {
-            let Some(sep) = text[after_begin..].find(DS_SEP) else {
-                return cut(calls, text, at_end);
-            };
-            (
-                text[after_begin..after_begin + sep].trim().to_string(),
-                after_begin + sep + DS_SEP.len(),
-            )
-        };
-        let a = skip_ws(text, args_from);
-        if a >= text.len() {
-            return cut(calls, text, at_end);
+            let a = skip_ws(text, sep + DS_SEP.len());
+            section_call(text[at..sep].trim(), None, text, a, &[DS_CALL_END])
         }
-        if name.is_empty() || !text[a..].starts_with('{') {
-            return if calls.is_empty() {
-                text_until(text, 0, DS_CALLS_END, at_end)
-            } else {
-                Region::Calls { calls, end: Some(i) }
-            };
-        }
-        match value_end(&text[a..]) {
-            Ok(Some(e)) => {
-                calls.push(PartCall {
-                    name,
-                    id: None,
-                    args: text[a..a + e].to_string(),
-                });
-                let mut j = a + e;
-                if v3 {
-                    j = skip_ws(text, j);
-                    match expect(text, j, "```") {
-                        Some(Ok(e)) => j = e,
-                        Some(Err(())) => return cut(calls, text, at_end),
-                        None => {}
-                    }
-                }
-                j = skip_ws(text, j);
-                match expect(text, j, DS_CALL_END) {
-                    Some(Ok(e)) => i = e,
-                    Some(Err(())) => return cut(calls, text, at_end),
-                    None => return Region::Calls { calls, end: Some(j) },
-                }
-            }
-            Ok(None) => {
-                calls.push(PartCall {
-                    name,
-                    id: None,
-                    args: text[a..].to_string(),
-                });
-                return cut(calls, text, at_end);
-            }
-            Err(()) => {
-                calls.push(PartCall {
-                    name,
-                    id: None,
-                    args: text[a..].to_string(),
-                });
-                return Region::Calls {
-                    calls,
-                    end: Some(text.len()),
-                };
-            }
-        }
-    }
+    };
+    section(text, DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, &call)
 }
 
-fn kimi(text: &str, at_end: bool) -> Region {
-    let mut i = KIMI_SECTION_BEGIN.len();
-    let mut calls = Vec::new();
-    loop {
-        i = skip_ws(text, i);
-        if i >= text.len() {
-            return cut(calls, text, at_end);
-        }
-        if let Some(r) = expect(text, i, KIMI_SECTION_END) {
-            return match r {
-                Ok(e) => Region::Calls { calls, end: Some(e) },
-                Err(()) => cut(calls, text, at_end),
-            };
-        }
-        let after_begin = match expect(text, i, KIMI_CALL_BEGIN) {
-            Some(Ok(e)) => e,
-            Some(Err(())) => return cut(calls, text, at_end),
-            None if calls.is_empty() => {
-                return Region::Text {
-                    end: Some(KIMI_SECTION_BEGIN.len()),
-                }
-            }
-            None => return Region::Calls { calls, end: Some(i) },
+/// Kimi K2's section: `<call begin>functions.NAME:INDEX<argument begin>{…}<call end>`.
+fn kimi(text: &str) -> Region {
+    let call = |text: &str, at: usize| -> SectionCall {
+        let p = match up_to(text, at, KIMI_ARGS_BEGIN) {
+            Ok(p) => p,
+            Err(c) => return c,
         };
-        let Some(p) = text[after_begin..].find(KIMI_ARGS_BEGIN) else {
-            return cut(calls, text, at_end);
-        };
-        let call_id = text[after_begin..after_begin + p].trim().to_string();
-        // `functions.NAME:INDEX`.
+        let call_id = text[at..p].trim();
         let name = call_id
             .strip_prefix("functions.")
-            .unwrap_or(&call_id)
+            .unwrap_or(call_id)
             .rsplit_once(':')
-            .map_or(call_id.as_str(), |(n, _)| n)
-            .to_string();
-        let a = skip_ws(text, after_begin + p + KIMI_ARGS_BEGIN.len());
-        if a >= text.len() {
-            return cut(calls, text, at_end);
-        }
-        if name.is_empty() || !text[a..].starts_with('{') {
-            return if calls.is_empty() {
-                text_until(text, 0, KIMI_SECTION_END, at_end)
-            } else {
-                Region::Calls { calls, end: Some(i) }
-            };
-        }
-        let call = |args: &str| PartCall {
-            name: name.clone(),
-            id: Some(call_id.clone()),
-            args: args.to_string(),
-        };
-        match value_end(&text[a..]) {
-            Ok(Some(e)) => {
-                calls.push(call(&text[a..a + e]));
-                let j = skip_ws(text, a + e);
-                match expect(text, j, KIMI_CALL_END) {
-                    Some(Ok(e)) => i = e,
-                    Some(Err(())) => return cut(calls, text, at_end),
-                    None => return Region::Calls { calls, end: Some(j) },
-                }
-            }
-            Ok(None) => {
-                calls.push(call(&text[a..]));
-                return cut(calls, text, at_end);
-            }
-            Err(()) => {
-                calls.push(call(&text[a..]));
-                return Region::Calls {
-                    calls,
-                    end: Some(text.len()),
-                };
-            }
-        }
-    }
+            .map_or(call_id, |(n, _)| n);
+        let a = skip_ws(text, p + KIMI_ARGS_BEGIN.len());
+        section_call(name, Some(call_id.to_string()), text, a, &[KIMI_CALL_END])
+    };
+    section(text, KIMI_SECTION_BEGIN, KIMI_SECTION_END, KIMI_CALL_BEGIN, &call)
 }
 
 /// A Qwen3-Coder parameter's value as JSON: by the tool's schema (a string property stays
@@ -718,125 +664,98 @@ fn coder_value(tool: Option<&ToolDef>, key: &str, raw: &str) -> String {
     crate::layout_json(&Value::String(raw.to_string()))
 }
 
-fn qwen3_coder(text: &str, at_end: bool, tools: &[ToolDef]) -> Region {
-    let i = skip_ws(text, HERMES_OPEN.len());
+fn qwen3_coder(text: &str, tools: &[ToolDef]) -> Region {
+    let marker = HERMES_OPEN.len();
+    let i = skip_ws(text, marker);
     if i >= text.len() {
-        return cut(Vec::new(), text, at_end);
+        return Region::Text { end: None };
     }
-    let f_at = match expect(text, i, "<function=") {
-        Some(Ok(e)) => e,
-        Some(Err(())) => {
-            return if at_end {
-                Region::Text { end: Some(text.len()) }
-            } else {
-                Region::Text { end: None }
-            }
-        }
-        None => return text_until(text, 0, HERMES_CLOSE, at_end),
+    let f_at = match literal_at(text, i, "<function=") {
+        Literal::Found(e) => e,
+        Literal::Partial => return Region::Text { end: None },
+        Literal::Absent => return Region::Text { end: Some(marker) },
     };
-    let Some(gt) = text[f_at..].find('>') else {
-        return if at_end {
-            Region::Text { end: Some(text.len()) }
-        } else {
-            Region::Text { end: None }
-        };
+    let gt = match text[f_at..].find('>') {
+        Some(g) => f_at + g,
+        None if text.len() - f_at < 256 => return Region::Text { end: None },
+        None => return Region::Text { end: Some(marker) },
     };
-    let name = text[f_at..f_at + gt].trim().to_string();
+    let name = text[f_at..gt].trim();
     if name.is_empty() || name.contains('<') || name.contains('\n') {
-        return text_until(text, 0, HERMES_CLOSE, at_end);
+        return Region::Text { end: Some(marker) };
     }
     let tool = tools.iter().find(|t| t.name == name);
-    let mut args = String::from("{");
-    let mut first = true;
-    let mut j = f_at + gt + 1;
-    let call = |args: &str| PartCall {
-        name: name.clone(),
+    let mut call = PartCall {
+        name: name.to_string(),
         id: None,
-        args: args.to_string(),
+        args: String::from("{"),
     };
+    let mut first = true;
+    let mut j = gt + 1;
     loop {
         j = skip_ws(text, j);
         if j >= text.len() {
-            return cut(vec![call(&args)], text, at_end);
+            return Region::wait(vec![call]);
         }
-        if let Some(r) = expect(text, j, "</function>") {
-            let Ok(e) = r else {
-                return cut(vec![call(&args)], text, at_end);
-            };
-            args.push('}');
-            let k = skip_ws(text, e);
-            return match expect(text, k, HERMES_CLOSE) {
-                Some(Ok(e)) => Region::Calls {
-                    calls: vec![call(&args)],
-                    end: Some(e),
-                },
-                Some(Err(())) => cut(vec![call(&args)], text, at_end),
-                None => Region::Calls {
-                    calls: vec![call(&args)],
-                    end: Some(e),
-                },
-            };
-        }
-        let p_at = match expect(text, j, "<parameter=") {
-            Some(Ok(e)) => e,
-            Some(Err(())) => return cut(vec![call(&args)], text, at_end),
-            None => {
-                // Not the format after all, past the name: end the call here.
-                args.push('}');
+        match literal_at(text, j, "</function>") {
+            Literal::Found(e) => {
+                call.args.push('}');
+                let end = match delimiter(text, e, HERMES_CLOSE) {
+                    Ok(None) => return Region::wait(vec![call]),
+                    Ok(Some(end)) => end,
+                    Err(_) => e,
+                };
                 return Region::Calls {
-                    calls: vec![call(&args)],
+                    calls: vec![call],
+                    end: Some(end),
+                };
+            }
+            Literal::Partial => return Region::wait(vec![call]),
+            Literal::Absent => {}
+        }
+        let p_at = match literal_at(text, j, "<parameter=") {
+            Literal::Found(e) => e,
+            Literal::Partial => return Region::wait(vec![call]),
+            Literal::Absent => {
+                // Not the format after all, past the name: the call ends here.
+                call.args.push('}');
+                return Region::Calls {
+                    calls: vec![call],
                     end: Some(j),
                 };
             }
         };
         let Some(gt) = text[p_at..].find('>') else {
-            return cut(vec![call(&args)], text, at_end);
+            return Region::wait(vec![call]);
         };
-        let key = text[p_at..p_at + gt].trim().to_string();
+        let key = text[p_at..p_at + gt].trim();
         let v_at = p_at + gt + 1;
         let Some(close) = text[v_at..].find("</parameter>") else {
-            return cut(vec![call(&args)], text, at_end);
+            return Region::wait(vec![call]);
         };
         let raw = &text[v_at..v_at + close];
         let raw = raw.strip_prefix('\n').unwrap_or(raw);
         let raw = raw.strip_suffix('\n').unwrap_or(raw);
         if !first {
-            args.push_str(", ");
+            call.args.push_str(", ");
         }
         first = false;
-        args.push_str(&crate::layout_json(&Value::String(key.clone())));
-        args.push_str(": ");
-        args.push_str(&coder_value(tool, &key, raw));
+        call.args.push_str(&crate::layout_json(&Value::String(key.to_string())));
+        call.args.push_str(": ");
+        call.args.push_str(&coder_value(tool, key, raw));
         j = v_at + close + "</parameter>".len();
     }
-}
-
-/// What a streamed answer sends next.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ToolDelta {
-    Content(String),
-    /// The first piece of call `index`: its id and name (arguments follow).
-    CallStart {
-        index: usize,
-        id: String,
-        name: String,
-    },
-    /// More of call `index`'s arguments.
-    Arguments {
-        index: usize,
-        text: String,
-    },
 }
 
 /// Turns an answer into content and tool-call deltas as it arrives.
 #[derive(Debug)]
 pub struct ToolStream {
     format: ToolFormat,
-    tools: Vec<ToolDef>,
+    tools: std::sync::Arc<[ToolDef]>,
     buf: String,
     in_region: bool,
-    /// Calls of the current region announced so far: (id, argument bytes sent).
-    region_calls: Vec<(String, usize)>,
+    /// Calls of the current region announced so far: argument bytes sent.
+    region_calls: Vec<usize>,
     /// Calls of earlier regions.
     calls_done: usize,
     /// Nothing of the answer was sent yet.
@@ -845,10 +764,13 @@ pub struct ToolStream {
     strip_leading: bool,
     /// Trailing whitespace of content, sent only if more content follows.
     pending_ws: String,
+    /// An open region is read again only once it has grown to this many bytes (a long
+    /// argument would otherwise be re-read whole for every token).
+    parse_at: usize,
 }
 
 impl ToolStream {
-    pub fn new(format: ToolFormat, tools: Vec<ToolDef>) -> Self {
+    pub fn new(format: ToolFormat, tools: std::sync::Arc<[ToolDef]>) -> Self {
         Self {
             format,
             tools,
@@ -859,6 +781,7 @@ impl ToolStream {
             at_start: true,
             strip_leading: true,
             pending_ws: String::new(),
+            parse_at: 0,
         }
     }
 
@@ -867,7 +790,7 @@ impl ToolStream {
         self.calls_done + self.region_calls.len()
     }
 
-    pub fn push(&mut self, text: &str) -> Vec<ToolDelta> {
+    pub fn push(&mut self, text: &str) -> Vec<Delta> {
         self.buf.push_str(text);
         let mut out = Vec::new();
         self.run(false, &mut out);
@@ -876,14 +799,14 @@ impl ToolStream {
 
     /// The end of the answer: what was held back is resolved (an unfinished call keeps the
     /// arguments it has).
-    pub fn finish(&mut self) -> Vec<ToolDelta> {
+    pub fn finish(&mut self) -> Vec<Delta> {
         let mut out = Vec::new();
         self.run(true, &mut out);
         let rest = std::mem::take(&mut self.buf);
         self.content(&rest, &mut out);
         let ws = std::mem::take(&mut self.pending_ws);
         if self.calls() == 0 && !ws.is_empty() && !self.at_start {
-            out.push(ToolDelta::Content(ws));
+            out.push(Delta::Content(ws));
         }
         out
     }
@@ -891,13 +814,13 @@ impl ToolStream {
     /// A whole answer, as the stream would give it: content (None when the answer is only
     /// calls) and the calls.
     pub fn parse(format: ToolFormat, tools: &[ToolDef], text: &str) -> (Option<String>, Vec<ParsedCall>) {
-        let mut s = ToolStream::new(format, tools.to_vec());
+        let mut s = ToolStream::new(format, tools.into());
         let mut deltas = s.push(text);
         deltas.extend(s.finish());
         collect(deltas)
     }
 
-    fn run(&mut self, at_end: bool, out: &mut Vec<ToolDelta>) {
+    fn run(&mut self, at_end: bool, out: &mut Vec<Delta>) {
         loop {
             if !self.in_region {
                 match self
@@ -910,16 +833,26 @@ impl ToolStream {
                         let before: String = self.buf.drain(..p).collect();
                         self.content(&before, out);
                         self.in_region = true;
+                        self.parse_at = 0;
                     }
                     None => {
-                        let hold = if at_end { 0 } else { self.held_suffix() };
+                        let hold = if at_end {
+                            0
+                        } else {
+                            held_back(&self.buf, self.format.markers())
+                        };
                         let send: String = self.buf.drain(..self.buf.len() - hold).collect();
                         self.content(&send, out);
                         return;
                     }
                 }
             }
-            match self.format.region(&self.buf, at_end, &self.tools) {
+            if !at_end && self.buf.len() < self.parse_at {
+                return;
+            }
+            let region = self.format.region(&self.buf, &self.tools);
+            let end_at = |end: Option<usize>, len: usize| if at_end { Some(end.unwrap_or(len)) } else { end };
+            match region {
                 Region::Calls { calls, end } => {
                     for (k, c) in calls.iter().enumerate() {
                         if k == self.region_calls.len() {
@@ -928,24 +861,27 @@ impl ToolStream {
                                 c.id.clone()
                                     .filter(|i| !i.is_empty())
                                     .unwrap_or_else(|| self.format.new_call_id());
-                            out.push(ToolDelta::CallStart {
+                            out.push(Delta::CallStart {
                                 index: self.calls_done + k,
-                                id: id.clone(),
+                                id,
                                 name: c.name.clone(),
                             });
-                            self.region_calls.push((id, 0));
+                            self.region_calls.push(0);
                             self.at_start = false;
                         }
-                        let sent = &mut self.region_calls[k].1;
+                        let sent = &mut self.region_calls[k];
                         if c.args.len() > *sent && c.args.is_char_boundary(*sent) {
-                            out.push(ToolDelta::Arguments {
+                            out.push(Delta::Arguments {
                                 index: self.calls_done + k,
                                 text: c.args[*sent..].to_string(),
                             });
                             *sent = c.args.len();
                         }
                     }
-                    let Some(end) = end else { return };
+                    let Some(end) = end_at(end, self.buf.len()) else {
+                        self.parse_at = self.buf.len() + self.buf.len() / 16;
+                        return;
+                    };
                     self.buf.drain(..end.min(self.buf.len()));
                     self.calls_done += self.region_calls.len();
                     self.region_calls.clear();
@@ -953,9 +889,13 @@ impl ToolStream {
                     self.strip_leading = true;
                     self.pending_ws.clear();
                 }
-                Region::Text { end: Some(end) } => {
-                    // Not a call: the marker and what follows are content (at least one
-                    // character, so the marker is not found again).
+                Region::Text { end } => {
+                    let Some(end) = end_at(end, self.buf.len()) else {
+                        self.parse_at = self.buf.len() + self.buf.len() / 16;
+                        return;
+                    };
+                    // Not a call: the marker and what follows up to `end` are content (at
+                    // least one character, so the marker is not found again).
                     let end = end
                         .max(self.buf.chars().next().map_or(1, char::len_utf8))
                         .min(self.buf.len());
@@ -963,46 +903,26 @@ impl ToolStream {
                     self.content(&text, out);
                     self.in_region = false;
                 }
-                Region::Text { end: None } => return,
             }
-            if at_end && self.buf.is_empty() {
+            if self.buf.is_empty() {
                 return;
             }
         }
-    }
-
-    /// The longest suffix of the buffer that could begin a call region.
-    fn held_suffix(&self) -> usize {
-        let b = &self.buf;
-        let mut hold = 0;
-        for m in self.format.markers() {
-            for n in (1..m.len().min(b.len() + 1)).rev() {
-                if n > hold && b.is_char_boundary(b.len() - n) && m.starts_with(&b[b.len() - n..]) {
-                    hold = n;
-                    break;
-                }
-            }
-        }
-        hold
     }
 
     /// Content, less whitespace at the answer's start or after a call; trailing whitespace
     /// waits for what follows.
-    fn content(&mut self, text: &str, out: &mut Vec<ToolDelta>) {
-        let mut s = std::mem::take(&mut self.pending_ws);
-        s.push_str(text);
-        let mut s = s.as_str();
+    fn content(&mut self, text: &str, out: &mut Vec<Delta>) {
+        let mut text = text;
         if self.strip_leading {
-            s = s.trim_start();
-            if s.is_empty() {
+            text = text.trim_start();
+            if text.is_empty() {
                 return;
             }
             self.strip_leading = false;
         }
-        let body = s.trim_end();
-        self.pending_ws = s[body.len()..].to_string();
-        if !body.is_empty() {
-            out.push(ToolDelta::Content(body.to_string()));
+        if let Some(body) = with_pending(&mut self.pending_ws, text) {
+            out.push(Delta::Content(body));
             self.at_start = false;
         }
     }
@@ -1017,23 +937,24 @@ pub struct ParsedCall {
     pub arguments: String,
 }
 
-/// Deltas gathered into content and calls.
-pub fn collect(deltas: Vec<ToolDelta>) -> (Option<String>, Vec<ParsedCall>) {
+/// Deltas gathered into content and calls (reasoning deltas are not this module's).
+pub fn collect(deltas: impl IntoIterator<Item = Delta>) -> (Option<String>, Vec<ParsedCall>) {
     let mut content = String::new();
     let mut calls: Vec<ParsedCall> = Vec::new();
     for d in deltas {
         match d {
-            ToolDelta::Content(t) => content.push_str(&t),
-            ToolDelta::CallStart { id, name, .. } => calls.push(ParsedCall {
+            Delta::Content(t) => content.push_str(&t),
+            Delta::CallStart { id, name, .. } => calls.push(ParsedCall {
                 id,
                 name,
                 arguments: String::new(),
             }),
-            ToolDelta::Arguments { index, text } => {
+            Delta::Arguments { index, text } => {
                 if let Some(c) = calls.get_mut(index) {
                     c.arguments.push_str(&text);
                 }
             }
+            Delta::Reasoning(_) => {}
         }
     }
     ((!content.is_empty() || calls.is_empty()).then_some(content), calls)
@@ -1047,13 +968,7 @@ pub fn grammar(format: ToolFormat, tools: &[ToolDef], parallel: bool, token: &dy
         Some(id) => format!("<[{id}]>"),
         None => serde_json::to_string(s).unwrap_or_default(),
     };
-    let args = |t: &ToolDef| {
-        let mut a = t.parameters.clone();
-        if let Some(o) = a.as_object_mut() {
-            o.insert("x-guidance".into(), crate::json_layout());
-        }
-        format!("%json {a}")
-    };
+    let args = |t: &ToolDef| format!("%json {}", with_layout(&t.parameters));
     let max = if parallel { MAX_PARALLEL_CALLS } else { 1 };
     // "item (sep item (sep item)?)?": one to `max`.
     let repeat = |item: &str, sep: &str| {
@@ -1070,46 +985,32 @@ pub fn grammar(format: ToolFormat, tools: &[ToolDef], parallel: bool, token: &dy
     let alts: Vec<String> = tools.iter().enumerate().map(|(k, _)| format!("call{k}")).collect();
     let call = alts.join(" | ");
     let name = |t: &ToolDef| serde_json::to_string(&t.name).unwrap_or_default();
+    // `{"name": <the tool>, "<args key>": <its arguments>}` for each tool.
+    let json_call_rules = |args_key: &str, rules: &mut Vec<String>| {
+        for (k, t) in tools.iter().enumerate() {
+            let obj = json!({
+                "type": "object",
+                "properties": {"name": {"const": t.name}, args_key: with_layout(&t.parameters)},
+                "required": ["name", args_key],
+                "additionalProperties": false,
+                "x-guidance": crate::json_layout(),
+            });
+            rules.push(format!("call{k}: %json {obj}"));
+        }
+    };
     let start = match format {
         ToolFormat::Hearth | ToolFormat::Hermes => {
-            for (k, t) in tools.iter().enumerate() {
-                let obj = json!({
-                    "type": "object",
-                    "properties": {"name": {"const": t.name}, "arguments": with_layout(&t.parameters)},
-                    "required": ["name", "arguments"],
-                    "additionalProperties": false,
-                    "x-guidance": crate::json_layout(),
-                });
-                rules.push(format!("call{k}: %json {obj}"));
-            }
+            json_call_rules("arguments", &mut rules);
             let block = format!("{} \"\\n\" call \"\\n\" {}", lit(HERMES_OPEN), lit(HERMES_CLOSE));
             rules.push(format!("block: {block}"));
             repeat("block", "\"\\n\"")
         }
         ToolFormat::Llama3Json => {
-            for (k, t) in tools.iter().enumerate() {
-                let obj = json!({
-                    "type": "object",
-                    "properties": {"name": {"const": t.name}, "parameters": with_layout(&t.parameters)},
-                    "required": ["name", "parameters"],
-                    "additionalProperties": false,
-                    "x-guidance": crate::json_layout(),
-                });
-                rules.push(format!("call{k}: %json {obj}"));
-            }
+            json_call_rules("parameters", &mut rules);
             repeat("call", "\"; \"")
         }
         ToolFormat::Mistral => {
-            for (k, t) in tools.iter().enumerate() {
-                let obj = json!({
-                    "type": "object",
-                    "properties": {"name": {"const": t.name}, "arguments": with_layout(&t.parameters)},
-                    "required": ["name", "arguments"],
-                    "additionalProperties": false,
-                    "x-guidance": crate::json_layout(),
-                });
-                rules.push(format!("call{k}: %json {obj}"));
-            }
+            json_call_rules("arguments", &mut rules);
             format!("{} \"[\" {} \"]\"", lit(MISTRAL_CALLS), repeat("call", "\", \""))
         }
         ToolFormat::MistralArgs => {

@@ -112,7 +112,8 @@ fn refusal(model: &str) -> &'static str {
     }
 }
 
-fn supported_pre() -> String {
+/// The pre-tokenizer names Hearth reproduces, for messages.
+pub fn supported_pre() -> String {
     pretokenize::PRE_TOKENIZERS
         .iter()
         .map(|d| d.names[0])
@@ -174,6 +175,21 @@ pub const SPM_BPE_VARIANTS: &[&str] = &[
     "metaspace-never-split",
 ];
 
+/// A `spm-bpe` variant name: (how the prefix is added, whether words are split at `▁`).
+fn spm_bpe_variant(pre: &str) -> Option<(SpacePrefix, bool)> {
+    if !SPM_BPE_VARIANTS.contains(&pre) {
+        return None;
+    }
+    let split = pre.ends_with("-split");
+    let prefix = match pre.trim_end_matches("-split") {
+        "prepend" => SpacePrefix::Every,
+        "metaspace-always" => SpacePrefix::Always,
+        "metaspace-first" => SpacePrefix::First,
+        _ => SpacePrefix::Never,
+    };
+    Some((prefix, split))
+}
+
 /// What a tokenizer is, for `hearth model inspect` and error messages.
 #[derive(Debug, Clone, Serialize)]
 pub struct TokenizerSummary {
@@ -228,6 +244,8 @@ pub struct Tokenizer {
     space_prefix: SpacePrefix,
     bos_id: Option<u32>,
     eos_id: Option<u32>,
+    /// The unknown token, where the vocabulary has one (byte fallback's last resort).
+    unk_id: Option<u32>,
     end_of_generation: Vec<u32>,
 }
 
@@ -297,8 +315,8 @@ impl Tokenizer {
                     PreTokenizer::new(&[r"[^\n]+|[\n]+"]).map_err(|e| TokenizeError::Malformed(e.to_string()))?,
                 ),
             },
-            "spm-bpe" if SPM_BPE_VARIANTS.contains(&spec.pre.as_str()) => Kind::SpmBpe {
-                split: if spec.pre.ends_with("-split") {
+            "spm-bpe" if spm_bpe_variant(&spec.pre).is_some() => Kind::SpmBpe {
+                split: if spm_bpe_variant(&spec.pre).is_some_and(|(_, split)| split) {
                     SpmSplit::Words
                 } else {
                     SpmSplit::Whole
@@ -448,6 +466,11 @@ impl Tokenizer {
             }
         );
         let add_bos = always_bos || spec.add_bos.unwrap_or(spm_like || pre_wants_bos);
+        let unk_id = if byte_level {
+            None
+        } else {
+            attrs.iter().position(|&a| a & UNKNOWN != 0).map(|i| i as u32)
+        };
         Ok(Self {
             kind,
             model: spec.model.clone(),
@@ -464,13 +487,12 @@ impl Tokenizer {
             add_bos: add_bos && spec.bos_id.is_some(),
             space_prefix: match (spec.model.as_str(), spec.pre.as_str()) {
                 ("llama", _) if spec.add_space_prefix.unwrap_or(true) => SpacePrefix::Every,
-                ("spm-bpe", "prepend") => SpacePrefix::Every,
-                ("spm-bpe", p) if p.starts_with("metaspace-always") => SpacePrefix::Always,
-                ("spm-bpe", p) if p.starts_with("metaspace-first") => SpacePrefix::First,
+                ("spm-bpe", p) => spm_bpe_variant(p).map_or(SpacePrefix::Never, |(prefix, _)| prefix),
                 _ => SpacePrefix::Never,
             },
             bos_id: spec.bos_id,
             eos_id: spec.eos_id,
+            unk_id,
             end_of_generation,
         })
     }
@@ -491,11 +513,6 @@ impl Tokenizer {
     /// the vocabulary has (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, …).
     pub fn end_of_generation(&self) -> &[u32] {
         &self.end_of_generation
-    }
-
-    /// The `tokenizer.ggml.model` this was built from.
-    pub fn kind(&self) -> &str {
-        &self.model
     }
 
     /// Encodes a raw prompt (no chat template): BOS first when the model asks for it.
@@ -528,6 +545,10 @@ impl Tokenizer {
         let mut rest_start = 0;
         if let Some((ac, ids)) = automaton {
             for m in ac.find_iter(text) {
+                if m.start() < rest_start {
+                    // Inside whitespace the previous token's rstrip swallowed.
+                    continue;
+                }
                 let id = ids[m.pattern().as_usize()];
                 let attr = self.attrs[id as usize];
                 let mut end = m.start();
@@ -548,11 +569,6 @@ impl Tokenizer {
             self.encode_fragment(&text[rest_start..], rest_start == 0, &mut out);
         }
         out
-    }
-
-    /// Encodes text with no special-token parsing at all.
-    pub fn encode_ordinary(&self, text: &str, out: &mut Vec<u32>) {
-        self.encode_fragment(text, true, out);
     }
 
     /// Spaces as `▁`, with the prefix the tokenizer adds (`at_start`: the fragment begins the
@@ -652,8 +668,10 @@ impl Tokenizer {
         }
     }
 
+    /// Bytes as their byte tokens; a byte the vocabulary has no token for becomes the
+    /// unknown token (or, without one, is dropped, as the reference drops it).
     fn push_bytes(&self, bytes: &[u8], out: &mut Vec<u32>) {
-        out.extend(bytes.iter().filter_map(|&b| self.byte_ids[b as usize]));
+        out.extend(bytes.iter().filter_map(|&b| self.byte_ids[b as usize].or(self.unk_id)));
     }
 
     /// The raw bytes of one token (special tokens give their literal text).
@@ -662,6 +680,12 @@ impl Tokenizer {
             .get(id as usize)
             .map(|b| b.as_slice())
             .ok_or(TokenizeError::UnknownId(id))
+    }
+
+    /// A token's text (lossy UTF-8), e.g. BOS's for a template's `bos_token`.
+    pub fn token_text(&self, id: Option<u32>) -> Option<String> {
+        id.and_then(|i| self.token_bytes(i).ok())
+            .map(|b| String::from_utf8_lossy(b).into_owned())
     }
 
     /// Control tokens (and the unknown token): never shown as text in generated output.
@@ -697,10 +721,7 @@ impl Tokenizer {
 
     /// What this tokenizer is.
     pub fn summary(&self) -> TokenizerSummary {
-        let name = |id: Option<u32>| {
-            id.and_then(|i| self.token_bytes(i).ok())
-                .map(|b| String::from_utf8_lossy(b).into_owned())
-        };
+        let name = |id: Option<u32>| self.token_text(id);
         TokenizerSummary {
             kind: match self.kind {
                 Kind::ByteBpe { .. } => "byte-level BPE",
@@ -723,7 +744,7 @@ impl Tokenizer {
 }
 
 /// The byte of a `<0xXX>` token.
-fn parse_byte_token(tok: &str) -> Option<u8> {
+pub fn parse_byte_token(tok: &str) -> Option<u8> {
     let hex = tok.strip_prefix("<0x")?.strip_suffix('>')?;
     (hex.len() == 2).then(|| u8::from_str_radix(hex, 16).ok()).flatten()
 }
@@ -752,7 +773,9 @@ pub fn hf_tokenizer_json(spec: &TokenizerSpec) -> Result<serde_json::Value, Toke
                 def.ignore_merges,
             )
         }
-        "spm-bpe" if SPM_BPE_VARIANTS.contains(&spec.pre.as_str()) => {
+        "spm-bpe" => {
+            let (prefix, split) =
+                spm_bpe_variant(&spec.pre).ok_or_else(|| TokenizeError::UnsupportedPre(spec.pre.clone()))?;
             let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"});
             let bytes_decoder = |strip: bool| {
                 let mut d = vec![
@@ -765,28 +788,27 @@ pub fn hf_tokenizer_json(spec: &TokenizerSpec) -> Result<serde_json::Value, Toke
                 }
                 json!({"type": "Sequence", "decoders": d})
             };
-            match spec.pre.as_str() {
-                "prepend" => (
+            let scheme = match prefix {
+                SpacePrefix::Always => "always",
+                SpacePrefix::First => "first",
+                SpacePrefix::Never | SpacePrefix::Every => "never",
+            };
+            match (spec.pre.as_str(), prefix) {
+                ("prepend", _) => (
                     json!({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"}, replace]}),
                     serde_json::Value::Null,
                     bytes_decoder(true),
                     true,
                     false,
                 ),
-                "never" => (replace, serde_json::Value::Null, bytes_decoder(false), true, false),
-                p => {
-                    let rest = &p["metaspace-".len()..];
-                    let (scheme, split) = match rest.strip_suffix("-split") {
-                        Some(s) => (s, true),
-                        None => (rest, false),
-                    };
+                ("never", _) => (replace, serde_json::Value::Null, bytes_decoder(false), true, false),
+                _ => {
                     let m = json!({"type": "Metaspace", "replacement": "▁", "prepend_scheme": scheme, "split": split});
                     let d = json!({"type": "Sequence", "decoders": [m.clone(), {"type": "ByteFallback"}, {"type": "Fuse"}]});
                     (serde_json::Value::Null, m, d, true, false)
                 }
             }
         }
-        "spm-bpe" => return Err(TokenizeError::UnsupportedPre(spec.pre.clone())),
         other => return Err(TokenizeError::UnsupportedModel(other.to_string())),
     };
     let added: Vec<serde_json::Value> = spec

@@ -174,3 +174,20 @@ fn unsupported_kinds_are_refused_by_name() {
         assert!(e.contains(why), "{e}");
     }
 }
+
+#[test]
+fn lstrip_tokens_swallow_the_whitespace_before_them_and_strips_never_overlap() {
+    let mut spec = byte_level("gpt-2", &["<|a|>", "\n<|b|>", "<mask>"], &[]);
+    spec.eos_id = None;
+    let (a, b, mask) = (256, 257, 258);
+    spec.rstrip = vec![a];
+    spec.lstrip = vec![mask];
+    let t = Tokenizer::from_spec(&spec).unwrap();
+    let ids = t.encode("x  <mask>y");
+    assert_eq!(t.decode(&ids, false).unwrap(), "x<mask>y");
+    // `<|a|>` swallows the newline `\n<|b|>` starts with: no panic, and `<|b|>` is text.
+    let ids = t.encode("<|a|>\n<|b|>z");
+    assert_eq!(ids[0], a);
+    assert!(!ids.contains(&b));
+    assert_eq!(t.decode(&ids, false).unwrap(), "<|a|><|b|>z");
+}

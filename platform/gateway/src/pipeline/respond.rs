@@ -149,7 +149,8 @@ pub fn sse_response(
 ) -> Response {
     let mut started = vec![false; shape.n];
     let mut offsets = vec![0usize; shape.n];
-    let parse = shape.endpoint == Endpoint::Chat && !shape.output.is_plain();
+    // (Completions get a plain spec: only chat answers are read.)
+    let parse = !shape.output.is_plain();
     let mut readers: Vec<AssistantStream> = (0..shape.n).map(|_| shape.output.stream()).collect();
     let mut generated = 0u32;
     let body = events
@@ -332,11 +333,12 @@ pub async fn collect_response(
                         Endpoint::Completions => c.legacy.push(shape, id, lp, &top_logprobs, c.text.len()),
                     }
                 }
-                if shape.endpoint == Endpoint::Chat && !shape.output.is_plain() {
+                if shape.output.is_plain() {
+                    c.text.push_str(&text);
+                } else {
                     let d = c.reader.push_token(&text);
                     c.deltas.extend(d);
                 }
-                c.text.push_str(&text);
             }
             GenerateEvent::Finish { index, finish_reason } => {
                 if let Some(c) = choices.get_mut(index as usize) {

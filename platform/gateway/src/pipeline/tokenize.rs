@@ -32,9 +32,10 @@ pub fn run(ctx: &mut RequestContext) -> Result<(), ApiError> {
             })?;
             let format = model.tool_format;
             let active = request.common.tools.as_ref().filter(|t| t.active());
+            let offered: Option<std::sync::Arc<[ToolDef]>> = active.map(|t| t.offered().into());
             let template_tools: Option<Vec<Value>> = active
                 .filter(|_| format.template_renders_tools())
-                .map(|t| t.offered().iter().map(ToolDef::openai_json).collect());
+                .map(|t| t.offered_objects());
             let hearth_style;
             let messages = if format.template_renders_tools() {
                 messages.as_slice()
@@ -50,11 +51,13 @@ pub fn run(ctx: &mut RequestContext) -> Result<(), ApiError> {
                     kwargs: Some(kwargs),
                 })
                 .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+            let constraint = active
+                .zip(offered.as_deref())
+                .and_then(|(t, o)| t.constraint_for(o, format, &|d| special_id(&model, d)));
             let output = OutputSpec {
-                tools: active.map(|t| (format, t.offered())),
+                tools: offered.map(|o| (format, o)),
                 reasoning: model.reasoning_format.map(|f| (f, f.prompt_opens(&text))),
             };
-            let constraint = active.and_then(|t| t.constraint(format, &|d| special_id(&model, d)));
             let special_text = special_text(&model, &output);
             chat = Some((constraint, special_text, output));
             model.tokenizer.encode(&text)

@@ -201,7 +201,7 @@ proptest! {
         bounds.push(text.len());
         bounds.sort_unstable();
         bounds.dedup();
-        let mut s = ToolStream::new(format, tools());
+        let mut s = ToolStream::new(format, tools().into());
         let mut deltas = Vec::new();
         for w in bounds.windows(2) {
             deltas.extend(s.push(&text[w[0]..w[1]]));
@@ -211,4 +211,98 @@ proptest! {
         prop_assert_eq!(&streamed.0, &whole.0);
         prop_assert_eq!(names_and_args(&streamed.1), names_and_args(&whole.1));
     }
+}
+
+/// Pieces answers are made of in every format: its delimiters, call-object fragments, JSON
+/// that breaks, text that looks like markup.
+fn piece() -> impl Strategy<Value = &'static str> {
+    proptest::sample::select(vec![
+        "<tool_call>",
+        "</tool_call>",
+        "<|python_tag|>",
+        "[TOOL_CALLS]",
+        "[ARGS]",
+        "[CALL_ID]",
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁call▁begin｜>",
+        "<｜tool▁sep｜>",
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁calls▁end｜>",
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+        "<|tool_calls_section_end|>",
+        "<function=get_weather>",
+        "<parameter=city>",
+        "</parameter>",
+        "</function>",
+        "functions.get_time:0",
+        "function",
+        "```json",
+        "```",
+        "{",
+        "}",
+        "[",
+        "]",
+        ",",
+        ": ",
+        "\"name\": ",
+        "\"get_weather\"",
+        "\"arguments\": ",
+        "\"parameters\": ",
+        "{\"city\": \"Pa",
+        "ris\"}",
+        "3",
+        "nul",
+        "\"x",
+        "\\\"",
+        "\n",
+        " ",
+        "  \n",
+        "Sure.",
+        "a < b",
+        "é",
+        "🤖",
+        "get_time",
+    ])
+}
+
+proptest! {
+    /// Any answer, well-formed or not, streamed in any chunking: the same content and calls
+    /// as the whole answer, never a panic.
+    #[test]
+    fn any_answer_streams_as_it_reads_whole(pieces in proptest::collection::vec(piece(), 0..24), cuts in proptest::collection::vec(0usize..600, 0..10), which in 0usize..9) {
+        let format = ToolFormat::ALL[which];
+        let text = pieces.concat();
+        let whole = ToolStream::parse(format, &tools(), &text);
+        let mut bounds: Vec<usize> = cuts.into_iter().map(|c| c % (text.len() + 1)).filter(|&c| text.is_char_boundary(c)).collect();
+        bounds.extend([0, text.len()]);
+        bounds.sort_unstable();
+        bounds.dedup();
+        let mut s = ToolStream::new(format, tools().into());
+        let mut deltas = Vec::new();
+        for w in bounds.windows(2) {
+            deltas.extend(s.push(&text[w[0]..w[1]]));
+        }
+        deltas.extend(s.finish());
+        let streamed = collect(deltas);
+        prop_assert_eq!(&streamed.0, &whole.0, "{:?} {:?}", format, text);
+        prop_assert_eq!(names_and_args(&streamed.1), names_and_args(&whole.1), "{:?} {:?}", format, text);
+    }
+}
+
+#[test]
+fn a_long_argument_is_not_read_again_for_every_token() {
+    // 40k tokens of arguments: the open region is re-read only as it grows by a sixteenth.
+    let mut s = ToolStream::new(ToolFormat::Hermes, tools().into());
+    let mut deltas = s.push("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"");
+    for _ in 0..40_000 {
+        deltas.extend(s.push("ab"));
+    }
+    deltas.extend(s.push("\"}}\n</tool_call>"));
+    deltas.extend(s.finish());
+    let (_, calls) = collect(deltas);
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].arguments.len(), "{\"city\": \"\"}".len() + 80_000);
 }
