@@ -33,5 +33,12 @@ cached = h["ttft_cached_over_cold"]
 met = cached <= 0.25
 out["targets"]["ttft_cached_over_cold"] = {"target": 0.25, "met": met}
 print(f"{'Hearth cached TTFT / cold TTFT':<36} {cached:>10.2f} {'':>10} {'':>8}  <= 0.25 {'met' if met else 'MISSED'}")
+if "decode_limit_tok_s" in h:
+    frac = h["decode_1_of_limit"]
+    out["targets"]["decode_1_of_dram_limit"] = {"target": 0.75, "met": frac >= 0.75}
+    print(f"DRAM read {h['dram_read_gb_s']:.1f} GB/s, {h['weight_mb_per_token']:.0f} MB of weights a token: "
+          f"decode limit {h['decode_limit_tok_s']:.1f} tok/s; Hearth decode 1 at {100 * frac:.0f} % "
+          f"(target >= 75 % {'met' if frac >= 0.75 else 'MISSED'}), llama.cpp at "
+          f"{100 * l['decode_1_tok_s'] / h['decode_limit_tok_s']:.0f} %")
 if len(sys.argv) > 3:
     json.dump(out, open(sys.argv[3], "w"), indent=2)

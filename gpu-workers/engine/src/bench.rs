@@ -47,6 +47,41 @@ pub struct BenchReport {
     pub cached_tokens_reported: u32,
     pub rss_after_load_mib: f64,
     pub peak_rss_mib: f64,
+    /// DRAM read bandwidth measured here with the engine's thread count (GB/s).
+    pub dram_read_gb_s: f64,
+    /// Weight bytes one decode step reads (every matrix once; MB).
+    pub weight_mb_per_token: f64,
+    /// The decode rate that bandwidth allows: bandwidth ÷ weight bytes per token.
+    pub decode_limit_tok_s: f64,
+    /// `decode_1_tok_s` as a fraction of that limit.
+    pub decode_1_of_limit: f64,
+}
+
+/// DRAM read bandwidth with `threads` threads: the best of several passes summing a buffer
+/// of 1 GiB (larger than any L3), in GB/s.
+pub fn dram_read_bandwidth(threads: usize) -> f64 {
+    use rayon::prelude::*;
+    let words = (1usize << 30) / 8;
+    let Ok(pool) = rayon::ThreadPoolBuilder::new().num_threads(threads.max(1)).build() else {
+        return 0.0;
+    };
+    pool.install(|| {
+        let buf: Vec<u64> = (0..words as u64)
+            .into_par_iter()
+            .map(|i| i.wrapping_mul(0x9E37_79B9))
+            .collect();
+        let mut best = 0f64;
+        for _ in 0..4 {
+            let t = Instant::now();
+            let sum = buf
+                .par_chunks(1 << 16)
+                .map(|c| c.iter().fold(0u64, |a, &v| a.wrapping_add(v)))
+                .reduce(|| 0, u64::wrapping_add);
+            std::hint::black_box(sum);
+            best = best.max((words * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
+        }
+        best
+    })
 }
 
 /// A memory figure of this process from `/proc/self/status` (`VmRSS:`, `VmHWM:`), in MiB.
@@ -192,6 +227,9 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: &BenchConfig) -> Result
     let ms = |t: &Trace| (t.tokens[0] - t.start).as_secs_f64() * 1000.0;
 
     let c = engine.info();
+    let bandwidth = dram_read_bandwidth(cfg.threads);
+    let weight_bytes = engine.decode_weight_bytes() as f64;
+    let limit = bandwidth * 1e9 / weight_bytes.max(1.0);
     let file_mib = std::fs::metadata(model_path).map_or(0.0, |m| m.len() as f64 / (1 << 20) as f64);
     Ok(BenchReport {
         model: c.model.clone(),
@@ -214,6 +252,10 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: &BenchConfig) -> Result
         cached_tokens_reported: warm.cached,
         rss_after_load_mib: rss_after_load,
         peak_rss_mib: rss_mib("VmHWM:"),
+        dram_read_gb_s: bandwidth,
+        weight_mb_per_token: weight_bytes / 1e6,
+        decode_limit_tok_s: limit,
+        decode_1_of_limit: decode_1 / limit.max(1e-9),
     })
 }
 
@@ -247,6 +289,16 @@ impl BenchReport {
                 format!(
                     "{:.1} ms ({:.2}x cold; {} cached)",
                     self.ttft_1000_cached_900_ms, self.ttft_cached_over_cold, self.cached_tokens_reported
+                ),
+            ),
+            (
+                "decode limit from DRAM bandwidth",
+                format!(
+                    "{:.1} tok/s ({:.1} GB/s read ÷ {:.0} MB of weights a token; decode 1 at {:.0} %)",
+                    self.decode_limit_tok_s,
+                    self.dram_read_gb_s,
+                    self.weight_mb_per_token,
+                    100.0 * self.decode_1_of_limit
                 ),
             ),
             ("RSS after load", format!("{:.0} MiB", self.rss_after_load_mib)),

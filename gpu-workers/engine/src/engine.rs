@@ -297,6 +297,7 @@ pub struct EngineHandle {
     kv_capacity_tokens: usize,
     kv_bytes_per_token: usize,
     packed_bytes: usize,
+    decode_weight_bytes: usize,
     repack_seconds: f64,
     kv_layout: KvLayout,
 }
@@ -335,6 +336,7 @@ impl EngineHandle {
             "kernels"
         );
         let (packed_bytes, repack_seconds) = (model.packed_bytes(), model.repack_seconds());
+        let decode_weight_bytes = model.decode_weight_bytes();
         let end_of_generation = tokenizer.end_of_generation().to_vec();
         let bt = hearth_protocol::DEFAULT_BLOCK_TOKENS;
         let c = &model.config;
@@ -431,6 +433,7 @@ impl EngineHandle {
             kv_capacity_tokens,
             kv_bytes_per_token,
             packed_bytes,
+            decode_weight_bytes,
             repack_seconds,
             kv_layout,
         })
@@ -444,6 +447,11 @@ impl EngineHandle {
     /// Bytes of weights repacked for the SIMD kernels.
     pub fn packed_bytes(&self) -> usize {
         self.packed_bytes
+    }
+
+    /// Weight bytes one decode step reads (see `LlamaModel::decode_weight_bytes`).
+    pub fn decode_weight_bytes(&self) -> usize {
+        self.decode_weight_bytes
     }
 
     pub fn info(&self) -> &WorkerInfo {

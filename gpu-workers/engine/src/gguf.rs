@@ -42,26 +42,56 @@ pub enum GgufError {
     MissingTensor(String),
 }
 
-/// ggml tensor element types Hearth can compute with (others are reported by number).
+/// ggml tensor element types Hearth can compute with (others are reported by number, and
+/// named by [`GgmlType::name`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
 pub enum GgmlType {
     F32,
     F16,
     BF16,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
+    /// K-quants: super-blocks of 256 values with 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K)
+    /// sub-block scales.
+    Q4_K,
+    Q5_K,
+    Q6_K,
     Other(u32),
 }
 
+/// Values per K-quant super-block.
+pub const QK_K: usize = 256;
+
 impl GgmlType {
-    fn from_u32(v: u32) -> Self {
+    /// Every block-quantized type the engine computes with.
+    pub const QUANTIZED: [GgmlType; 8] = [
+        Self::Q4_0,
+        Self::Q4_1,
+        Self::Q5_0,
+        Self::Q5_1,
+        Self::Q8_0,
+        Self::Q4_K,
+        Self::Q5_K,
+        Self::Q6_K,
+    ];
+
+    /// The type of a GGUF type number.
+    pub fn from_u32(v: u32) -> Self {
         match v {
             0 => Self::F32,
             1 => Self::F16,
             2 => Self::Q4_0,
             3 => Self::Q4_1,
+            6 => Self::Q5_0,
+            7 => Self::Q5_1,
             8 => Self::Q8_0,
+            12 => Self::Q4_K,
+            13 => Self::Q5_K,
+            14 => Self::Q6_K,
             30 => Self::BF16,
             n => Self::Other(n),
         }
@@ -74,9 +104,72 @@ impl GgmlType {
             Self::F16 | Self::BF16 => Some((1, 2)),
             Self::Q4_0 => Some((32, 18)),
             Self::Q4_1 => Some((32, 20)),
+            Self::Q5_0 => Some((32, 22)),
+            Self::Q5_1 => Some((32, 24)),
             Self::Q8_0 => Some((32, 34)),
+            Self::Q4_K => Some((QK_K, 144)),
+            Self::Q5_K => Some((QK_K, 176)),
+            Self::Q6_K => Some((QK_K, 210)),
             Self::Other(_) => None,
         }
+    }
+
+    /// ggml's name of the type (`Q4_K`, `IQ2_XS`, …), also for the types Hearth refuses.
+    pub fn name(self) -> String {
+        let s = match self {
+            Self::F32 => "F32",
+            Self::F16 => "F16",
+            Self::BF16 => "BF16",
+            Self::Q4_0 => "Q4_0",
+            Self::Q4_1 => "Q4_1",
+            Self::Q5_0 => "Q5_0",
+            Self::Q5_1 => "Q5_1",
+            Self::Q8_0 => "Q8_0",
+            Self::Q4_K => "Q4_K",
+            Self::Q5_K => "Q5_K",
+            Self::Q6_K => "Q6_K",
+            Self::Other(n) => {
+                let known = match n {
+                    4 => "Q4_2 (removed from ggml)",
+                    5 => "Q4_3 (removed from ggml)",
+                    9 => "Q8_1",
+                    10 => "Q2_K",
+                    11 => "Q3_K",
+                    15 => "Q8_K",
+                    16 => "IQ2_XXS",
+                    17 => "IQ2_XS",
+                    18 => "IQ3_XXS",
+                    19 => "IQ1_S",
+                    20 => "IQ4_NL",
+                    21 => "IQ3_S",
+                    22 => "IQ2_S",
+                    23 => "IQ4_XS",
+                    24 => "I8",
+                    25 => "I16",
+                    26 => "I32",
+                    27 => "I64",
+                    28 => "F64",
+                    29 => "IQ1_M",
+                    34 => "TQ1_0",
+                    35 => "TQ2_0",
+                    39 => "MXFP4",
+                    _ => return format!("type {n}"),
+                };
+                return known.to_string();
+            }
+        };
+        s.to_string()
+    }
+
+    /// Whether the type is one of the block-quantized types the integer kernels take.
+    pub fn is_quantized(self) -> bool {
+        matches!(self.block_layout(), Some((per, _)) if per > 1)
+    }
+}
+
+impl std::fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name())
     }
 }
 

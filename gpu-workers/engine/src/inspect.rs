@@ -47,7 +47,7 @@ pub fn inspect(path: &Path) -> Result<ModelReport, crate::hf::HfError> {
     let arch = architecture.clone().unwrap_or_else(|| "llama".into());
     let mut tensor_types = BTreeMap::new();
     for t in &file.tensors {
-        *tensor_types.entry(format!("{:?}", t.ty)).or_insert(0) += 1;
+        *tensor_types.entry(t.ty.name()).or_insert(0) += 1;
     }
     if file.tensors.is_empty() {
         refused.push("no tensors: a vocabulary-only file".to_string());

@@ -1,5 +1,5 @@
 //! The on-disk cache of repacked weights: written beside the model file after its first
-//! repacking (`MODEL.gguf.hearth-pack-v1`), then mapped — not read into memory, not
+//! repacking (`MODEL.gguf.hearth-pack-v2`), then mapped — not read into memory, not
 //! copied — by every later load, so a cold start costs reading the file, not recomputing.
 //!
 //! Layout (little-endian), version [`PACK_FORMAT`]:
@@ -13,7 +13,7 @@
 //! | 24..36 | the model file's modification time (seconds u64, nanoseconds u32) |
 //! | 36..40 | reserved (0) |
 //! | 40..48 | XXH3-64 of every matrix's bytes, in order |
-//! | 48.. | `n` entries of 48 bytes: kind (u32: 0 nibble, 1 byte), reserved u32, rows u64, cols u64, the tensor's offset in the model file u64, the bytes' offset in this file u64, their length u64 |
+//! | 48.. | `n` entries of 48 bytes: kind (u32: [`PackKind::code`]), reserved u32, rows u64, cols u64, the tensor's offset in the model file u64, the bytes' offset in this file u64, their length u64 |
 //!
 //! Each matrix's bytes start at a multiple of 4096. A cache is used only if the version, the
 //! model file's size and time, every entry's shape and tensor offset and the checksum all
@@ -69,10 +69,7 @@ fn u64_at(b: &[u8], i: usize) -> u64 {
 }
 
 fn kind_code(k: PackKind) -> u32 {
-    match k {
-        PackKind::Nibble => 0,
-        PackKind::Byte => 1,
-    }
+    k.code() as u32
 }
 
 /// Maps the cache for `model` if it holds exactly `want`; `Err` says why not (missing,

@@ -92,6 +92,8 @@ fn f32_export_gives_the_gguf_logits() {
     assert!(worst < 1e-3, "logits differ by {worst}");
 }
 
+/// F16 and BF16 checkpoints answer the golden prompt both ways float weights are computed:
+/// quantized to Q8_0 at load (the default) and multiplied as floats.
 #[test]
 fn sharded_f16_export_answers_the_golden_prompt() {
     let dir = export(ExportDtype::F16, 3, "f16");
@@ -100,12 +102,23 @@ fn sharded_f16_export_answers_the_golden_prompt() {
     let file = hf::open(&dir.0).unwrap();
     assert_eq!(file.tensor("blk.0.attn_q.weight").unwrap().dims, [576, 576]);
     let ids = golden_ids(&file);
-    let model = LlamaModel::load(file).unwrap();
-    assert_eq!(greedy(&model, &ids), GOLDEN_ANSWER);
     // BF16 only rounds more: the same answer.
-    let dir = export(ExportDtype::BF16, 1, "bf16");
-    let model = LlamaModel::load(hf::open(&dir.0).unwrap()).unwrap();
-    assert_eq!(greedy(&model, &ids), GOLDEN_ANSWER);
+    let bf16 = export(ExportDtype::BF16, 1, "bf16");
+    for dir in [&dir, &bf16] {
+        for as_q8_0 in [true, false] {
+            let model = LlamaModel::load_options(hf::open(&dir.0).unwrap(), false, as_q8_0).unwrap();
+            assert_eq!(
+                model.packed_bytes() > 0,
+                as_q8_0 && hearth_engine::kernels::isa().is_simd()
+            );
+            assert_eq!(
+                greedy(&model, &ids),
+                GOLDEN_ANSWER,
+                "{} as Q8_0: {as_q8_0}",
+                dir.0.display()
+            );
+        }
+    }
 }
 
 #[test]

@@ -1,7 +1,8 @@
 //! CPU kernels: dequantization, activation quantization, the matrix product over weight
 //! rows, and the vector helpers of attention and the FFN. They know nothing about models.
 //!
-//! Quantized weights (Q4_0, Q4_1, Q8_0) are multiplied against activations quantized to
+//! Quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K; their
+//! formats are read in [`blocks`]) are multiplied against activations quantized to
 //! 8 bits in blocks of 32 (as llama.cpp does), with integer dot products. On a SIMD path
 //! the weights are first repacked ([`packed`]) so that one integer dot-product instruction
 //! (`vpdpbusd` with VNNI, `vpmaddubsw` without) works on 8 or 16 weight rows at once and
@@ -9,6 +10,7 @@
 //! is chosen once ([`isa`], [`set_isa`]); the scalar path is the reference the tests compare
 //! every other path with. Float weights (F32, F16, BF16) take a float path.
 
+pub mod blocks;
 pub mod packed;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -46,7 +48,7 @@ impl<'a> WeightView<'a> {
     }
 
     pub fn is_quantized(&self) -> bool {
-        matches!(self.ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+        self.ty.is_quantized()
     }
 }
 
@@ -99,19 +101,24 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
+            blocks::dequantize_row(ty, src, out)
+        }
         GgmlType::Other(_) => out.fill(0.0),
     }
 }
 
 /// One block of 32 activations quantized to 8 bits: scale, scale × sum of the quants (for
-/// the Q4_0/Q4_1 offset terms) and the quants, interleaved so a dot product reads one
-/// stream.
+/// the offset terms of Q4_0, Q4_1, Q5_x and the K-quants' mins), the quants, and the sums of
+/// each half's quants (for Q6_K's offset of 32 under two sub-block scales), interleaved so a
+/// dot product reads one stream.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct BlockQ8 {
     pub d: f32,
     pub s: f32,
     pub qs: [i8; QK],
+    pub h: [i16; 2],
 }
 
 /// Activations quantized to 8 bits in blocks of 32, row after row.
@@ -125,14 +132,15 @@ fn quantize_block_scalar(xb: &[f32], out: &mut BlockQ8) {
     let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
     let d = amax / 127.0;
     let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-    let mut sum = 0i32;
-    for (q, v) in out.qs.iter_mut().zip(xb) {
+    let mut h = [0i32; 2];
+    for (l, (q, v)) in out.qs.iter_mut().zip(xb).enumerate() {
         let qi = (v * id).round() as i32;
         *q = qi as i8;
-        sum += qi;
+        h[l / 16] += qi;
     }
     out.d = d;
-    out.s = d * sum as f32;
+    out.s = d * (h[0] + h[1]) as f32;
+    out.h = [h[0] as i16, h[1] as i16];
 }
 
 impl QuantizedActs {
@@ -204,6 +212,9 @@ pub fn dot_q_scalar(ty: GgmlType, w: &[u8], x: &[BlockQ8]) -> f32 {
                 let blk = &w[b * 34..(b + 1) * 34];
                 let s: i32 = (0..QK).map(|j| blk[2 + j] as i8 as i32 * xq[j] as i32).sum();
                 acc += f16_at(blk, 0) * xb.d * s as f32;
+            }
+            GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
+                acc += blocks::dot(&blocks::read(ty, w, b), xb);
             }
             _ => {}
         }
@@ -501,16 +512,18 @@ pub fn matmul(w: &WeightView<'_>, x: &[f32], out: &mut [f32], scratch: &mut Matm
         return;
     }
     let chunk = (w.rows / (rayon::current_num_threads() * 8)).clamp(8, 256);
+    #[cfg(target_arch = "x86_64")]
+    {
+        // Quantized weights, or float weights quantized at load, packed for this path.
+        let isa = isa(); // read once: another thread may change it (tests do)
+        if let (Some(p), true, false) = (w.packed, isa.is_simd(), scratch.precise) {
+            scratch.acts.quantize(x, cols);
+            packed_matmul(isa, p, &scratch.acts, out);
+            return;
+        }
+    }
     if w.is_quantized() && !scratch.precise {
         scratch.acts.quantize(x, cols);
-        #[cfg(target_arch = "x86_64")]
-        {
-            let isa = isa(); // read once: another thread may change it (tests do)
-            if let (Some(p), true) = (w.packed, isa.is_simd()) {
-                packed_matmul(isa, p, &scratch.acts, out);
-                return;
-            }
-        }
         let acts = &scratch.acts;
         scratch.transposed.resize(w.rows * t, 0.0);
         // Layout: weight-row major (rows × t).
@@ -626,6 +639,8 @@ fn packed_matmul_many(isa: Isa, ps: &[&PackedMatrix], acts: &QuantizedActs, outs
 pub(crate) mod tests {
     use super::*;
 
+    const QUANTIZED: [GgmlType; 8] = GgmlType::QUANTIZED;
+
     /// A deterministic pseudo-random generator for test data.
     pub struct Lcg(pub u64);
     impl Lcg {
@@ -652,6 +667,30 @@ pub(crate) mod tests {
     /// Random quantized weights of `ty` (valid blocks with small scales).
     pub fn random_weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut Lcg) -> Vec<u8> {
         let mut out = Vec::new();
+        if let Some((per, bytes)) = ty
+            .block_layout()
+            .filter(|_| ty.is_quantized() && !matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0))
+        {
+            // Random bytes, then the f16 scales made small and finite.
+            for _ in 0..rows * cols / per {
+                let mut blk: Vec<u8> = (0..bytes).map(|_| rng.byte()).collect();
+                let scales: &[usize] = match ty {
+                    GgmlType::Q5_0 => &[0],
+                    GgmlType::Q6_K => &[208],
+                    _ => &[0, 2],
+                };
+                for &at in scales {
+                    let v = if ty == GgmlType::Q5_1 && at == 2 {
+                        rng.next_f32() * 0.5
+                    } else {
+                        rng.next_f32().abs() * 0.01
+                    };
+                    blk[at..at + 2].copy_from_slice(&f16_bytes(v));
+                }
+                out.extend(blk);
+            }
+            return out;
+        }
         for _ in 0..rows * cols / QK {
             match ty {
                 GgmlType::Q4_0 => {
@@ -672,7 +711,7 @@ pub(crate) mod tests {
                 GgmlType::BF16 => {
                     (0..QK).for_each(|_| out.extend(((rng.next_f32().to_bits() >> 16) as u16).to_le_bytes()))
                 }
-                GgmlType::Other(_) => unreachable!(),
+                _ => unreachable!(),
             }
         }
         out
@@ -704,8 +743,8 @@ pub(crate) mod tests {
     #[cfg(target_arch = "x86_64")]
     fn packed_kernels_match_scalar_reference_on_every_isa() {
         let mut rng = Lcg(7);
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
-            let (rows, cols) = (67, 576);
+        for ty in QUANTIZED {
+            let (rows, cols) = (67, 768);
             let data = random_weights(ty, rows, cols, &mut rng);
             let w = WeightView {
                 ty,
@@ -777,6 +816,10 @@ pub(crate) mod tests {
             }
             let sum: i32 = got.qs.iter().map(|&q| q as i32).sum();
             assert!((got.s - got.d * sum as f32).abs() <= 1e-5 * got.s.abs().max(1.0));
+            for (blk, what) in [(got, "simd"), (&want, "scalar")] {
+                let half = |r: std::ops::Range<usize>| blk.qs[r].iter().map(|&q| q as i32).sum::<i32>() as i16;
+                assert_eq!(blk.h, [half(0..16), half(16..32)], "{what} half sums");
+            }
         }
         // Zero blocks quantize to zero without NaNs.
         let mut z = QuantizedActs::default();
@@ -787,16 +830,12 @@ pub(crate) mod tests {
     #[test]
     fn matmul_matches_float_reference_for_every_type() {
         let mut rng = Lcg(42);
-        for ty in [
-            GgmlType::Q4_0,
-            GgmlType::Q4_1,
-            GgmlType::Q8_0,
-            GgmlType::F32,
-            GgmlType::F16,
-            GgmlType::BF16,
-        ] {
+        for ty in QUANTIZED
+            .into_iter()
+            .chain([GgmlType::F32, GgmlType::F16, GgmlType::BF16])
+        {
             for t in [1usize, 3, 21] {
-                let (rows, cols) = (67, 128);
+                let (rows, cols) = (67, 256);
                 let data = random_weights(ty, rows, cols, &mut rng);
                 let w = WeightView {
                     ty,

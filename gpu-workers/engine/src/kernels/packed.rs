@@ -1,44 +1,64 @@
 //! Weights repacked at load for the SIMD kernels — layout version [`PACK_FORMAT`].
 //!
-//! A quantized matrix (Q4_0, Q4_1 or Q8_0, blocks of 32 values) is cut into groups of
-//! [`GROUP_ROWS`] = 16 rows (the last group padded with zero rows). A group's blocks follow
-//! each other in column order; block `b` of group `g` starts at byte
-//! `(g · blocks_per_row + b) · block_bytes` of a page-aligned buffer and holds:
+//! A quantized matrix is cut into groups of [`GROUP_ROWS`] = 16 rows (the last group padded
+//! with zero rows). A group is a run of *super-blocks* in column order, each covering 32
+//! columns ([`Nibble`](PackKind::Nibble), [`Byte`](PackKind::Byte),
+//! [`Nibble5`](PackKind::Nibble5)) or 256 ([`K4`](PackKind::K4), [`K5`](PackKind::K5),
+//! [`K6`](PackKind::K6)) of the 16 rows: a header of scales, then for each of its 32-column
+//! blocks the quants. Super-block `s` of group `g` starts at byte
+//! `(g · supers_per_row + s) · super_bytes` of a page-aligned buffer; everything is 64-byte
+//! aligned.
 //!
-//! | bytes | content |
-//! |---|---|
-//! | 0..32 | `d`: the 16 rows' block scales, f16 |
-//! | 32..64 | `c`: the 16 rows' offset coefficients, f16: Q4_1 `m`, Q4_0 `−8·d`, Q8_0 `−128·d` |
-//! | 64.. | the quants as 16-row "lanes" of 4 bytes, in chunks of 64 bytes |
+//! The quants of a 32-column block are the 16 rows' values as "lanes" of 4 bytes, in
+//! chunks of 64 bytes:
 //!
-//! * **Nibble** kind (Q4_0, Q4_1; 320 bytes a block): 4 chunks. Lane `r` of chunk `k` is row
-//!   `r`'s packed bytes `4k..4k+4`, as in GGUF, so its low nibbles are values `4k..4k+4` and
-//!   its high nibbles values `16+4k..16+4k+4` (unsigned 0..15).
-//! * **Byte** kind (Q8_0; 576 bytes a block): 8 chunks; lane `r` of chunk `k` is row `r`'s
-//!   signed values `4k..4k+4`.
+//! * **Nibbles** (every kind but `Byte`): 4 chunks. Lane `r` of chunk `k` is row `r`'s
+//!   values `4k..4k+4` in its low nibbles and `16+4k..16+4k+4` in its high nibbles (GGUF's
+//!   Q4_0 order; K-quants are reordered into it).
+//! * **High bits** (Nibble5, K5: one 64-byte plane; K6: two, bit 4 then bit 5): lane `r` is a
+//!   32-bit word of row `r` whose byte `i`, bit `k` is the high bit of value `4k+i` and bit
+//!   `4+k` that of value `16+4k+i`, so chunk `k`'s bits are `(h >> k) << 4` (low nibbles)
+//!   and `h >> k` (high nibbles) masked with `0x10`.
+//! * **Bytes** (Q8_0): 8 chunks; lane `r` of chunk `k` is row `r`'s signed values `4k..4k+4`.
 //!
-//! With activations quantized per block (`dₓ`, `sₓ = dₓ·Σx`, 8-bit `x`), row `r`'s block
-//! contributes `d·dₓ·Σ q·x + c·sₓ`. A 32-bit lane holds one row, so one `vpdpbusd` (or
-//! `vpmaddubsw` + `vpmaddwd`) advances 16 (8 on 256-bit registers) rows by 4 values against
-//! one broadcast 4-byte piece of activations, with no horizontal sums; the byte kind is
-//! made unsigned for `vpdpbusd` by flipping the sign bit in the register (`q + 128`), which
-//! `c = −128·d` corrects. Scales stay f16, so the packed matrix is exactly as large as the
-//! GGUF tensor (the nibble kind) or 6% larger (the byte kind, whose `c` is new).
+//! Headers (f16 as GGUF stores them; K-quant sub-scales as integers, so nothing is rounded):
+//!
+//! | kind | types | header | per 32-column block |
+//! |---|---|---|---|
+//! | Nibble | Q4_0, Q4_1 | 0..32 `d` ×16, 32..64 `c` ×16 (Q4_1 `m`, Q4_0 `−8d`) | 256 B nibbles |
+//! | Byte | Q8_0 | `d`, `c = −128d` | 512 B bytes |
+//! | Nibble5 | Q5_0, Q5_1 | `d`, `c` (Q5_1 `m`, Q5_0 `−16d`) | 256 B nibbles + 64 B high bits |
+//! | K4 | Q4_K | 0..32 `d` ×16, 32..64 `−dmin` ×16, 64..192 `sc` u8 [8 blocks][16 rows], 192..320 `m` u8 [8][16] | 256 B |
+//! | K5 | Q5_K | as K4 | 256 B + 64 B |
+//! | K6 | Q6_K | 0..32 `d` ×16, 32..64 zero, 64..320 `sc` i8 [8 blocks][2 halves][16 rows] | 256 B + 2 × 64 B |
+//!
+//! With activations quantized per block of 32 (`dₓ`, `sₓ = dₓ·Σx`, 8-bit `x`), row `r`'s
+//! block contributes `D·dₓ·Σ v·x + C·sₓ` with unsigned quants `v`, where `D, C` are `d, c`
+//! (K4/K5: `d·sc, −dmin·m`); K6's contributes `dₓ·(d·sa·(Σ₀..₁₆ v·x − 32·X₀) + d·sb·(Σ₁₆..₃₂ v·x −
+//! 32·X₁))` with the activations' half sums `X`. A 32-bit lane holds one row, so one
+//! `vpdpbusd` (or `vpmaddubsw` + `vpmaddwd`) advances 16 (8 on 256-bit registers) rows by 4
+//! values against one broadcast 4-byte piece of activations, with no horizontal sums; the
+//! byte kind is made unsigned for `vpdpbusd` by flipping the sign bit in the register
+//! (`q + 128`), which `c = −128·d` corrects. The packed matrix is about as large as the
+//! GGUF tensor: Q4_1 exactly, Q4_K/Q5_K/Q6_K 1–3 % larger, Q4_0/Q5_0/Q8_0 6–11 %.
 //!
 //! The format depends on nothing but the GGUF tensor, so it can be cached on disk keyed by
 //! the file's hash and this version; the version changes with any change to the layout.
 
 use rayon::prelude::*;
 
+use super::blocks::{self, RawScale};
 use super::{WeightView, QK};
 use crate::gguf::GgmlType;
 
 /// Version of the layout described above.
-pub const PACK_FORMAT: u32 = 1;
+pub const PACK_FORMAT: u32 = 2;
 /// Weight rows per group (one 32-bit lane each in a 512-bit register).
 pub const GROUP_ROWS: usize = 16;
-/// Bytes of scales before the quants of each block.
+/// Bytes of a 32-column kind's scales before its quants.
 pub const SCALE_BYTES: usize = 64;
+/// Bytes of a K-quant super-block's header.
+pub const K_HEADER_BYTES: usize = 320;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PackKind {
@@ -46,24 +66,98 @@ pub enum PackKind {
     Nibble,
     /// 8-bit signed quants (Q8_0).
     Byte,
+    /// 5-bit unsigned quants, scale per 32 (Q5_0, Q5_1).
+    Nibble5,
+    /// Q4_K: 4-bit quants, 6-bit scales and mins per 32 under f16 super-scales.
+    K4,
+    /// Q5_K: as K4 with 5-bit quants.
+    K5,
+    /// Q6_K: 6-bit quants around 32, signed 8-bit scales per 16.
+    K6,
 }
 
 impl PackKind {
+    pub const ALL: [PackKind; 6] = [
+        PackKind::Nibble,
+        PackKind::Byte,
+        PackKind::Nibble5,
+        PackKind::K4,
+        PackKind::K5,
+        PackKind::K6,
+    ];
+
     /// The layout a GGUF type packs into, if it has one.
     pub fn of(ty: GgmlType) -> Option<Self> {
         match ty {
             GgmlType::Q4_0 | GgmlType::Q4_1 => Some(PackKind::Nibble),
             GgmlType::Q8_0 => Some(PackKind::Byte),
+            GgmlType::Q5_0 | GgmlType::Q5_1 => Some(PackKind::Nibble5),
+            GgmlType::Q4_K => Some(PackKind::K4),
+            GgmlType::Q5_K => Some(PackKind::K5),
+            GgmlType::Q6_K => Some(PackKind::K6),
             _ => None,
         }
     }
 
-    /// Bytes of one block of a 16-row group.
-    pub const fn block_bytes(self) -> usize {
+    /// The number the pack cache stores for the kind.
+    pub const fn code(self) -> u8 {
         match self {
-            PackKind::Nibble => SCALE_BYTES + GROUP_ROWS * QK / 2,
-            PackKind::Byte => SCALE_BYTES + GROUP_ROWS * QK,
+            PackKind::Nibble => 0,
+            PackKind::Byte => 1,
+            PackKind::Nibble5 => 2,
+            PackKind::K4 => 3,
+            PackKind::K5 => 4,
+            PackKind::K6 => 5,
         }
+    }
+
+    pub fn from_code(c: u32) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.code() as u32 == c)
+    }
+
+    /// Whether the kind has K-quant super-blocks of 256 columns.
+    pub const fn is_k(self) -> bool {
+        matches!(self, PackKind::K4 | PackKind::K5 | PackKind::K6)
+    }
+
+    /// 32-column blocks per super-block.
+    pub const fn blocks_per_super(self) -> usize {
+        if self.is_k() {
+            8
+        } else {
+            1
+        }
+    }
+
+    /// Bytes of a super-block's header.
+    pub const fn header_bytes(self) -> usize {
+        if self.is_k() {
+            K_HEADER_BYTES
+        } else {
+            SCALE_BYTES
+        }
+    }
+
+    /// 64-byte planes of high bits per 32-column block.
+    pub const fn high_planes(self) -> usize {
+        match self {
+            PackKind::Nibble5 | PackKind::K5 => 1,
+            PackKind::K6 => 2,
+            _ => 0,
+        }
+    }
+
+    /// Bytes of one 32-column block's quants (16 rows).
+    pub const fn quant_bytes(self) -> usize {
+        match self {
+            PackKind::Byte => GROUP_ROWS * QK,
+            _ => GROUP_ROWS * QK / 2 + 64 * self.high_planes(),
+        }
+    }
+
+    /// Bytes of one super-block of a 16-row group.
+    pub const fn super_bytes(self) -> usize {
+        self.header_bytes() + self.blocks_per_super() * self.quant_bytes()
     }
 }
 
@@ -104,53 +198,53 @@ fn f16_bits(b: &[u8], i: usize) -> u16 {
 impl PackedMatrix {
     /// Repacks a quantized matrix; `None` for types the packed kernels do not take.
     pub fn pack(w: &WeightView<'_>) -> Option<Self> {
-        let kind = PackKind::of(w.ty)?;
-        if !w.cols.is_multiple_of(QK) || w.rows == 0 || w.cols == 0 {
+        Self::pack_as(w, PackKind::of(w.ty)?, w.ty)
+    }
+
+    /// Float weights (F32, F16, BF16) quantized to Q8_0 as llama.cpp's quantizer does it,
+    /// then packed: float checkpoints at the integer kernels' speed, at 8.5 bits a weight.
+    pub fn pack_float_as_q8_0(w: &WeightView<'_>) -> Option<Self> {
+        if !matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+            return None;
+        }
+        Self::pack_as(w, PackKind::Byte, GgmlType::Q8_0)
+    }
+
+    /// Packs `w` into `kind`, its rows read as `ty` (converted from float first when `w` is
+    /// float and `ty` is Q8_0).
+    fn pack_as(w: &WeightView<'_>, kind: PackKind, ty: GgmlType) -> Option<Self> {
+        let super_cols = QK * kind.blocks_per_super();
+        if !w.cols.is_multiple_of(super_cols) || w.rows == 0 || w.cols == 0 {
             return None;
         }
         let blocks = w.cols / QK;
         let groups = w.rows.div_ceil(GROUP_ROWS);
-        let bb = kind.block_bytes();
-        let group_bytes = blocks * bb;
+        let group_bytes = blocks / kind.blocks_per_super() * kind.super_bytes();
         let Ok(mut data) = memmap2::MmapMut::map_anon(groups * group_bytes) else {
             return None;
-        };
-        let (src_block, q_off) = match w.ty {
-            GgmlType::Q4_0 => (18, 2),
-            GgmlType::Q4_1 => (20, 4),
-            _ => (34, 2),
         };
         let bytes: &mut [u8] = &mut data;
         // A scale whose `c` overflows f16 (|d| > 511 for Q8_0): such a matrix is not packed
         // and takes the unpacked path instead.
         let overflow = std::sync::atomic::AtomicBool::new(false);
+        let convert = ty != w.ty;
         bytes.par_chunks_mut(group_bytes).enumerate().for_each(|(g, dst)| {
+            let (mut floats, mut q8) = (Vec::new(), Vec::new());
             for r in 0..GROUP_ROWS {
                 let row = g * GROUP_ROWS + r;
                 if row >= w.rows {
-                    break; // padding rows stay zero: d = c = 0
+                    break; // padding rows stay zero: every scale is 0
                 }
-                let src = w.row(row);
-                for b in 0..blocks {
-                    let s = &src[b * src_block..(b + 1) * src_block];
-                    let o = &mut dst[b * bb..(b + 1) * bb];
-                    let d = f16_bits(s, 0);
-                    let c = match w.ty {
-                        GgmlType::Q4_1 => f16_bits(s, 2),
-                        GgmlType::Q4_0 => scaled_f16(d, -8.0),
-                        _ => scaled_f16(d, -128.0),
-                    };
-                    if !half::f16::from_bits(c).is_finite() {
-                        overflow.store(true, std::sync::atomic::Ordering::Relaxed);
-                    }
-                    o[2 * r..2 * r + 2].copy_from_slice(&d.to_le_bytes());
-                    o[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&c.to_le_bytes());
-                    let q = &s[q_off..];
-                    let chunks = q.len() / 4;
-                    for k in 0..chunks {
-                        let at = SCALE_BYTES + 64 * k + 4 * r;
-                        o[at..at + 4].copy_from_slice(&q[4 * k..4 * k + 4]);
-                    }
+                let src = if convert {
+                    floats.resize(w.cols, 0f32);
+                    super::dequantize_row(w.ty, w.row(row), &mut floats);
+                    quantize_row_q8_0(&floats, &mut q8);
+                    &q8[..]
+                } else {
+                    w.row(row)
+                };
+                if !pack_row(ty, kind, src, r, blocks, dst) {
+                    overflow.store(true, std::sync::atomic::Ordering::Relaxed);
                 }
             }
         });
@@ -170,9 +264,9 @@ impl PackedMatrix {
         self.rows.div_ceil(GROUP_ROWS)
     }
 
-    /// Bytes of one group (all its blocks).
+    /// Bytes of one group (all its super-blocks).
     pub fn group_bytes(&self) -> usize {
-        self.blocks * self.kind.block_bytes()
+        self.blocks / self.kind.blocks_per_super() * self.kind.super_bytes()
     }
 
     /// The packed bytes.
@@ -185,7 +279,7 @@ impl PackedMatrix {
 
     /// Bytes the layout takes for a matrix of this shape.
     pub fn size_for(kind: PackKind, rows: usize, cols: usize) -> usize {
-        rows.div_ceil(GROUP_ROWS) * (cols / QK) * kind.block_bytes()
+        rows.div_ceil(GROUP_ROWS) * (cols / (QK * kind.blocks_per_super())) * kind.super_bytes()
     }
 
     /// A packed matrix over `len` bytes at `at` of a mapped cache file (`at` 64-byte
@@ -198,7 +292,11 @@ impl PackedMatrix {
         at: usize,
     ) -> Option<Self> {
         let len = Self::size_for(kind, rows, cols);
-        if !at.is_multiple_of(64) || at + len > map.len() || !cols.is_multiple_of(QK) || rows == 0 {
+        if !at.is_multiple_of(64)
+            || at + len > map.len()
+            || !cols.is_multiple_of(QK * kind.blocks_per_super())
+            || rows == 0
+        {
             return None;
         }
         Some(Self {
@@ -221,40 +319,160 @@ impl PackedMatrix {
         &self.bytes()[g * n..(g + 1) * n]
     }
 
-    /// Scalar reference over the packed layout: row `r` against one activation row.
-    pub fn dot_scalar(&self, r: usize, x: &[super::BlockQ8]) -> f32 {
-        let bb = self.kind.block_bytes();
+    /// Row `r`'s block `b` read back from the packed layout into the canonical form.
+    pub fn block(&self, r: usize, b: usize) -> blocks::Block {
+        let kind = self.kind;
         let (g, lane) = (r / GROUP_ROWS, r % GROUP_ROWS);
-        let grp = self.group(g);
-        let mut acc = 0f32;
-        for (b, xb) in x.iter().enumerate().take(self.blocks) {
-            let o = &grp[b * bb..(b + 1) * bb];
-            let d = half::f16::from_bits(f16_bits(o, 2 * lane)).to_f32();
-            let c = half::f16::from_bits(f16_bits(o, 32 + 2 * lane)).to_f32();
-            let mut s = 0i32;
-            match self.kind {
-                PackKind::Nibble => {
-                    for k in 0..4 {
-                        for i in 0..4 {
-                            let byte = o[SCALE_BYTES + 64 * k + 4 * lane + i];
-                            s += (byte & 0x0F) as i32 * xb.qs[4 * k + i] as i32;
-                            s += (byte >> 4) as i32 * xb.qs[16 + 4 * k + i] as i32;
-                        }
-                    }
-                    acc += d * xb.d * s as f32 + c * xb.s;
+        let per = kind.blocks_per_super();
+        let sup = &self.group(g)[b / per * kind.super_bytes()..];
+        let j = b % per;
+        let q = &sup[kind.header_bytes() + j * kind.quant_bytes()..];
+        let f = |at: usize| half::f16::from_bits(f16_bits(sup, at)).to_f32();
+        let mut v = [0u8; QK];
+        if kind == PackKind::Byte {
+            for (k, c) in v.chunks_exact_mut(4).enumerate() {
+                c.copy_from_slice(&q[64 * k + 4 * lane..64 * k + 4 * lane + 4]);
+            }
+        } else {
+            for k in 0..4 {
+                for i in 0..4 {
+                    let byte = q[64 * k + 4 * lane + i];
+                    v[4 * k + i] = byte & 0x0F;
+                    v[16 + 4 * k + i] = byte >> 4;
                 }
-                PackKind::Byte => {
-                    for k in 0..8 {
-                        for i in 0..4 {
-                            let q = o[SCALE_BYTES + 64 * k + 4 * lane + i] as i8;
-                            s += q as i32 * xb.qs[4 * k + i] as i32;
-                        }
+            }
+            for plane in 0..kind.high_planes() {
+                let at = 256 + 64 * plane + 4 * lane;
+                let h = u32::from_le_bytes([q[at], q[at + 1], q[at + 2], q[at + 3]]);
+                for k in 0..4 {
+                    for i in 0..4 {
+                        v[4 * k + i] |= (((h >> (8 * i + k)) & 1) as u8) << (4 + plane);
+                        v[16 + 4 * k + i] |= (((h >> (8 * i + 4 + k)) & 1) as u8) << (4 + plane);
                     }
-                    acc += d * xb.d * s as f32;
                 }
             }
         }
-        acc
+        let scale = match kind {
+            PackKind::Nibble | PackKind::Nibble5 => blocks::Scale::Affine {
+                d: f(2 * lane),
+                c: f(32 + 2 * lane),
+            },
+            PackKind::Byte => blocks::Scale::Signed { d: f(2 * lane) },
+            PackKind::K4 | PackKind::K5 => blocks::Scale::Affine {
+                d: f(2 * lane) * sup[64 + 16 * j + lane] as f32,
+                c: f(32 + 2 * lane) * sup[192 + 16 * j + lane] as f32,
+            },
+            PackKind::K6 => blocks::Scale::Split {
+                a: f(2 * lane) * sup[64 + 32 * j + lane] as i8 as f32,
+                b: f(2 * lane) * sup[64 + 32 * j + 16 + lane] as i8 as f32,
+            },
+        };
+        blocks::Block { v, scale }
+    }
+
+    /// Scalar reference over the packed layout: row `r` against one activation row.
+    pub fn dot_scalar(&self, r: usize, x: &[super::BlockQ8]) -> f32 {
+        x.iter()
+            .take(self.blocks)
+            .enumerate()
+            .map(|(b, xb)| blocks::dot(&self.block(r, b), xb))
+            .sum()
+    }
+}
+
+/// Writes row `r` of a group (its lane) into the group's bytes `dst`; false if a derived
+/// f16 offset overflowed.
+fn pack_row(ty: GgmlType, kind: PackKind, src: &[u8], r: usize, blocks: usize, dst: &mut [u8]) -> bool {
+    let per = kind.blocks_per_super();
+    let (sb, hb, qb) = (kind.super_bytes(), kind.header_bytes(), kind.quant_bytes());
+    let mut ok = true;
+    // The fast path for the types whose GGUF bytes are already in lane order.
+    if matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) {
+        let (src_block, q_off) = match ty {
+            GgmlType::Q4_0 => (18, 2),
+            GgmlType::Q4_1 => (20, 4),
+            _ => (34, 2),
+        };
+        for b in 0..blocks {
+            let s = &src[b * src_block..(b + 1) * src_block];
+            let o = &mut dst[b * sb..(b + 1) * sb];
+            let d = f16_bits(s, 0);
+            let c = match ty {
+                GgmlType::Q4_1 => f16_bits(s, 2),
+                GgmlType::Q4_0 => scaled_f16(d, -8.0),
+                _ => scaled_f16(d, -128.0),
+            };
+            ok &= half::f16::from_bits(c).is_finite();
+            o[2 * r..2 * r + 2].copy_from_slice(&d.to_le_bytes());
+            o[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&c.to_le_bytes());
+            let q = &s[q_off..];
+            for k in 0..q.len() / 4 {
+                let at = SCALE_BYTES + 64 * k + 4 * r;
+                o[at..at + 4].copy_from_slice(&q[4 * k..4 * k + 4]);
+            }
+        }
+        return ok;
+    }
+    for b in 0..blocks {
+        let (s, j) = (b / per, b % per);
+        let sup = &mut dst[s * sb..(s + 1) * sb];
+        let put16 =
+            |sup: &mut [u8], at: usize, v: u16| sup[at + 2 * r..at + 2 * r + 2].copy_from_slice(&v.to_le_bytes());
+        match blocks::raw_scale(ty, src, b) {
+            RawScale::Direct { d, m } => {
+                let c = m.unwrap_or_else(|| scaled_f16(d, -16.0));
+                ok &= half::f16::from_bits(c).is_finite();
+                put16(sup, 0, d);
+                put16(sup, 32, c);
+            }
+            RawScale::K { d, dmin, sc, m } => {
+                if j == 0 {
+                    put16(sup, 0, d);
+                    put16(sup, 32, dmin ^ 0x8000); // −dmin: the sign bit
+                }
+                sup[64 + 16 * j + r] = sc;
+                sup[192 + 16 * j + r] = m;
+            }
+            RawScale::K6 { d, sa, sb } => {
+                if j == 0 {
+                    put16(sup, 0, d);
+                }
+                sup[64 + 32 * j + r] = sa as u8;
+                sup[64 + 32 * j + 16 + r] = sb as u8;
+            }
+        }
+        let v = blocks::quants(ty, src, b);
+        let q = &mut sup[hb + j * qb..hb + (j + 1) * qb];
+        for k in 0..4 {
+            for i in 0..4 {
+                q[64 * k + 4 * r + i] = (v[4 * k + i] & 0x0F) | (v[16 + 4 * k + i] << 4);
+            }
+        }
+        for plane in 0..kind.high_planes() {
+            let mut h = 0u32;
+            for k in 0..4 {
+                for i in 0..4 {
+                    h |= (((v[4 * k + i] >> (4 + plane)) & 1) as u32) << (8 * i + k);
+                    h |= (((v[16 + 4 * k + i] >> (4 + plane)) & 1) as u32) << (8 * i + 4 + k);
+                }
+            }
+            let at = 256 + 64 * plane + 4 * r;
+            q[at..at + 4].copy_from_slice(&h.to_le_bytes());
+        }
+    }
+    ok
+}
+
+/// A row of floats as GGUF Q8_0 blocks, computed as ggml's `quantize_row_q8_0_ref`:
+/// `d = amax / 127` (stored as f16), `q = round(x / d)` half away from zero.
+pub fn quantize_row_q8_0(x: &[f32], out: &mut Vec<u8>) {
+    out.clear();
+    for xb in x.chunks_exact(QK) {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        out.extend(half::f16::from_f32(d).to_bits().to_le_bytes());
+        out.extend(xb.iter().map(|v| (v * id).round() as i8 as u8));
     }
 }
 

@@ -27,7 +27,6 @@ pub unsafe fn gemm_packed(
     let t_total = acts.rows();
     let nb = p.blocks;
     let tile = if isa == Isa::Avx512 { 8 } else { 4 };
-    let nib = p.kind == PackKind::Nibble;
     for g in groups {
         let w = p.group(g).as_ptr();
         let lanes = (p.rows - g * GROUP_ROWS).min(GROUP_ROWS);
@@ -36,11 +35,11 @@ pub unsafe fn gemm_packed(
             let n = (t_total - t0).min(tile);
             let x = acts.blocks.as_ptr().add(t0 * nb);
             if lanes == GROUP_ROWS {
-                tile_kernel(isa, nib, n, w, nb, x, out.add(t0 * ld + g * GROUP_ROWS), ld);
+                tile_kernel(isa, p.kind, n, w, nb, x, out.add(t0 * ld + g * GROUP_ROWS), ld);
             } else {
                 // The last, partial group: compute 16 lanes, keep the real rows.
                 let mut tmp = [0f32; GROUP_ROWS * 8];
-                tile_kernel(isa, nib, n, w, nb, x, tmp.as_mut_ptr(), GROUP_ROWS);
+                tile_kernel(isa, p.kind, n, w, nb, x, tmp.as_mut_ptr(), GROUP_ROWS);
                 for t in 0..n {
                     std::ptr::copy_nonoverlapping(
                         tmp.as_ptr().add(t * GROUP_ROWS),
@@ -54,11 +53,30 @@ pub unsafe fn gemm_packed(
     }
 }
 
+// The kinds as const parameters of the kernels.
+const NIB: u8 = PackKind::Nibble.code();
+const BYTE: u8 = PackKind::Byte.code();
+const NIB5: u8 = PackKind::Nibble5.code();
+const K4: u8 = PackKind::K4.code();
+const K5: u8 = PackKind::K5.code();
+const K6: u8 = PackKind::K6.code();
+
+const fn kind_of(code: u8) -> PackKind {
+    match code {
+        NIB => PackKind::Nibble,
+        BYTE => PackKind::Byte,
+        NIB5 => PackKind::Nibble5,
+        K4 => PackKind::K4,
+        K5 => PackKind::K5,
+        _ => PackKind::K6,
+    }
+}
+
 /// One 16-row group against `n` activation rows.
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile_kernel(
     isa: Isa,
-    nib: bool,
+    kind: PackKind,
     n: usize,
     w: *const u8,
     nb: usize,
@@ -69,7 +87,14 @@ unsafe fn tile_kernel(
     macro_rules! pick {
         ($f:ident, $($t:literal),*) => {
             match n {
-                $($t => if nib { $f::<$t, true>(w, nb, x, out, ld) } else { $f::<$t, false>(w, nb, x, out, ld) },)*
+                $($t => match kind {
+                    PackKind::Nibble => $f::<$t, NIB>(w, nb, x, out, ld),
+                    PackKind::Byte => $f::<$t, BYTE>(w, nb, x, out, ld),
+                    PackKind::Nibble5 => $f::<$t, NIB5>(w, nb, x, out, ld),
+                    PackKind::K4 => $f::<$t, K4>(w, nb, x, out, ld),
+                    PackKind::K5 => $f::<$t, K5>(w, nb, x, out, ld),
+                    PackKind::K6 => $f::<$t, K6>(w, nb, x, out, ld),
+                },)*
                 _ => unreachable!("token tile of {n}"),
             }
         };
@@ -85,48 +110,44 @@ unsafe fn tile_kernel(
 /// One group, `T` activation rows, 512-bit registers: lane `r` of each register is row `r`.
 #[allow(clippy::needless_range_loop)] // `t` indexes both the accumulators and the rows
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn group_avx512<const T: usize, const NIB: bool>(
+unsafe fn group_avx512<const T: usize, const K: u8>(
     w: *const u8,
     nb: usize,
     x: *const BlockQ8,
     out: *mut f32,
     ld: usize,
 ) {
-    let bb = if NIB {
-        PackKind::Nibble.block_bytes()
-    } else {
-        PackKind::Byte.block_bytes()
-    };
+    let kind = kind_of(K);
+    let per = kind.blocks_per_super();
+    let (sbytes, hbytes, qbytes) = (kind.super_bytes(), kind.header_bytes(), kind.quant_bytes());
     let mut acc = [_mm512_setzero_ps(); T];
     let mask = _mm512_set1_epi8(0x0F);
+    let bit4 = _mm512_set1_epi8(0x10);
+    let bit5 = _mm512_set1_epi8(0x20);
     let flip = _mm512_set1_epi8(-128);
+    let u8s = |p: *const u8| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i)));
+    let i8s = |p: *const u8| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)));
     for b in 0..nb {
-        let blk = w.add(b * bb);
-        let d = _mm512_cvtph_ps(_mm256_load_si256(blk as *const __m256i));
-        let c = _mm512_cvtph_ps(_mm256_load_si256(blk.add(32) as *const __m256i));
-        let q = blk.add(64);
-        if NIB {
-            let mut lo = [_mm512_setzero_si512(); 4];
-            let mut hi = [_mm512_setzero_si512(); 4];
-            for k in 0..4 {
-                let r = _mm512_load_si512(q.add(64 * k) as *const __m512i);
-                lo[k] = _mm512_and_si512(r, mask);
-                hi[k] = _mm512_and_si512(_mm512_srli_epi16(r, 4), mask);
+        let (s, j) = (b / per, b % per);
+        let sup = w.add(s * sbytes);
+        let q = sup.add(hbytes + j * qbytes);
+        let d16 = _mm512_cvtph_ps(_mm256_load_si256(sup as *const __m256i));
+        // (D, C) of the layout's formula; for K6 (D·sa, D·sb).
+        let (d, c) = match K {
+            K4 | K5 => {
+                let c16 = _mm512_cvtph_ps(_mm256_load_si256(sup.add(32) as *const __m256i));
+                (
+                    _mm512_mul_ps(d16, u8s(sup.add(64 + 16 * j))),
+                    _mm512_mul_ps(c16, u8s(sup.add(192 + 16 * j))),
+                )
             }
-            for t in 0..T {
-                let xb = &*x.add(t * nb + b);
-                let xq = xb.qs.as_ptr() as *const i32;
-                let mut s0 = _mm512_setzero_si512();
-                let mut s1 = _mm512_setzero_si512();
-                for k in 0..4 {
-                    s0 = _mm512_dpbusd_epi32(s0, lo[k], _mm512_set1_epi32(xq.add(k).read_unaligned()));
-                    s1 = _mm512_dpbusd_epi32(s1, hi[k], _mm512_set1_epi32(xq.add(4 + k).read_unaligned()));
-                }
-                let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-                acc[t] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(xb.d)), acc[t]);
-                acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(xb.s), acc[t]);
-            }
-        } else {
+            K6 => (
+                _mm512_mul_ps(d16, i8s(sup.add(64 + 32 * j))),
+                _mm512_mul_ps(d16, i8s(sup.add(64 + 32 * j + 16))),
+            ),
+            _ => (d16, _mm512_cvtph_ps(_mm256_load_si256(sup.add(32) as *const __m256i))),
+        };
+        if K == BYTE {
             let mut wq = [_mm512_setzero_si512(); 8];
             for (k, v) in wq.iter_mut().enumerate() {
                 *v = _mm512_xor_si512(_mm512_load_si512(q.add(64 * k) as *const __m512i), flip);
@@ -144,6 +165,51 @@ unsafe fn group_avx512<const T: usize, const NIB: bool>(
                 acc[t] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(xb.d)), acc[t]);
                 acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(xb.s), acc[t]);
             }
+            continue;
+        }
+        let mut lo = [_mm512_setzero_si512(); 4];
+        let mut hi = [_mm512_setzero_si512(); 4];
+        for k in 0..4 {
+            let r = _mm512_load_si512(q.add(64 * k) as *const __m512i);
+            lo[k] = _mm512_and_si512(r, mask);
+            hi[k] = _mm512_and_si512(_mm512_srli_epi16(r, 4), mask);
+        }
+        if kind.high_planes() >= 1 {
+            let mut h = _mm512_load_si512(q.add(256) as *const __m512i);
+            for k in 0..4 {
+                lo[k] = _mm512_or_si512(lo[k], _mm512_and_si512(_mm512_slli_epi32(h, 4), bit4));
+                hi[k] = _mm512_or_si512(hi[k], _mm512_and_si512(h, bit4));
+                h = _mm512_srli_epi32(h, 1);
+            }
+        }
+        if kind.high_planes() == 2 {
+            let mut h = _mm512_load_si512(q.add(320) as *const __m512i);
+            for k in 0..4 {
+                lo[k] = _mm512_or_si512(lo[k], _mm512_and_si512(_mm512_slli_epi32(h, 5), bit5));
+                hi[k] = _mm512_or_si512(hi[k], _mm512_and_si512(_mm512_slli_epi32(h, 1), bit5));
+                h = _mm512_srli_epi32(h, 1);
+            }
+        }
+        for t in 0..T {
+            let xb = &*x.add(t * nb + b);
+            let xq = xb.qs.as_ptr() as *const i32;
+            let mut s0 = _mm512_setzero_si512();
+            let mut s1 = _mm512_setzero_si512();
+            for k in 0..4 {
+                s0 = _mm512_dpbusd_epi32(s0, lo[k], _mm512_set1_epi32(xq.add(k).read_unaligned()));
+                s1 = _mm512_dpbusd_epi32(s1, hi[k], _mm512_set1_epi32(xq.add(4 + k).read_unaligned()));
+            }
+            let dx = _mm512_set1_ps(xb.d);
+            if K == K6 {
+                let t0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * xb.h[0] as i32));
+                let t1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * xb.h[1] as i32));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t0), _mm512_mul_ps(d, dx), acc[t]);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t1), _mm512_mul_ps(c, dx), acc[t]);
+            } else {
+                let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                acc[t] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, dx), acc[t]);
+                acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(xb.s), acc[t]);
+            }
         }
     }
     for (t, a) in acc.iter().enumerate() {
@@ -152,47 +218,48 @@ unsafe fn group_avx512<const T: usize, const NIB: bool>(
 }
 
 /// The 256-bit kernel: a group is two halves of 8 rows. `$dp_nib` / `$dp_byte` compute
-/// the 8 lanes' integer dot products for one block; with VNNI they are `vpdpbusd`, without
-/// it `vpmaddubsw` + `vpmaddwd`.
+/// the 8 lanes' integer dot products for one block (for nibble kinds the low-nibble and
+/// high-nibble halves apart); with VNNI they are `vpdpbusd`, without it `vpmaddubsw` +
+/// `vpmaddwd`.
 macro_rules! avx2_group_kernel {
     ($name:ident, $features:literal, $dp_nib:ident, $dp_byte:ident) => {
         #[target_feature(enable = $features)]
-        unsafe fn $name<const T: usize, const NIB: bool>(
+        unsafe fn $name<const T: usize, const K: u8>(
             w: *const u8,
             nb: usize,
             x: *const BlockQ8,
             out: *mut f32,
             ld: usize,
         ) {
-            let bb = if NIB {
-                PackKind::Nibble.block_bytes()
-            } else {
-                PackKind::Byte.block_bytes()
-            };
+            let kind = kind_of(K);
+            let per = kind.blocks_per_super();
+            let (sbytes, hbytes, qbytes) = (kind.super_bytes(), kind.header_bytes(), kind.quant_bytes());
             let mut acc = [[_mm256_setzero_ps(); 2]; T];
             let mask = _mm256_set1_epi8(0x0F);
+            let bit4 = _mm256_set1_epi8(0x10);
+            let bit5 = _mm256_set1_epi8(0x20);
+            let u8s = |p: *const u8| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)));
+            let i8s = |p: *const u8| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)));
             for b in 0..nb {
-                let blk = w.add(b * bb);
+                let (s, j) = (b / per, b % per);
+                let sup = w.add(s * sbytes);
+                let qb = sup.add(hbytes + j * qbytes);
                 for h in 0..2 {
-                    let d = _mm256_cvtph_ps(_mm_load_si128(blk.add(16 * h) as *const __m128i));
-                    let c = _mm256_cvtph_ps(_mm_load_si128(blk.add(32 + 16 * h) as *const __m128i));
-                    let q = blk.add(64 + 32 * h);
-                    if NIB {
-                        let mut lo = [_mm256_setzero_si256(); 4];
-                        let mut hi = [_mm256_setzero_si256(); 4];
-                        for k in 0..4 {
-                            let r = _mm256_load_si256(q.add(64 * k) as *const __m256i);
-                            lo[k] = _mm256_and_si256(r, mask);
-                            hi[k] = _mm256_and_si256(_mm256_srli_epi16(r, 4), mask);
-                        }
-                        for t in 0..T {
-                            let xb = &*x.add(t * nb + b);
-                            let s = $dp_nib(&lo, &hi, xb.qs.as_ptr() as *const i32);
-                            let s = _mm256_cvtepi32_ps(s);
-                            acc[t][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(xb.d)), acc[t][h]);
-                            acc[t][h] = _mm256_fmadd_ps(c, _mm256_set1_ps(xb.s), acc[t][h]);
-                        }
-                    } else {
+                    let d16 = _mm256_cvtph_ps(_mm_load_si128(sup.add(16 * h) as *const __m128i));
+                    let c16 = || _mm256_cvtph_ps(_mm_load_si128(sup.add(32 + 16 * h) as *const __m128i));
+                    let (d, c) = match K {
+                        K4 | K5 => (
+                            _mm256_mul_ps(d16, u8s(sup.add(64 + 16 * j + 8 * h))),
+                            _mm256_mul_ps(c16(), u8s(sup.add(192 + 16 * j + 8 * h))),
+                        ),
+                        K6 => (
+                            _mm256_mul_ps(d16, i8s(sup.add(64 + 32 * j + 8 * h))),
+                            _mm256_mul_ps(d16, i8s(sup.add(64 + 32 * j + 16 + 8 * h))),
+                        ),
+                        _ => (d16, c16()),
+                    };
+                    let q = qb.add(32 * h);
+                    if K == BYTE {
                         let mut wq = [_mm256_setzero_si256(); 8];
                         for (k, v) in wq.iter_mut().enumerate() {
                             *v = _mm256_load_si256(q.add(64 * k) as *const __m256i);
@@ -205,6 +272,45 @@ macro_rules! avx2_group_kernel {
                             if with_c {
                                 acc[t][h] = _mm256_fmadd_ps(c, _mm256_set1_ps(xb.s), acc[t][h]);
                             }
+                        }
+                        continue;
+                    }
+                    let mut lo = [_mm256_setzero_si256(); 4];
+                    let mut hi = [_mm256_setzero_si256(); 4];
+                    for k in 0..4 {
+                        let r = _mm256_load_si256(q.add(64 * k) as *const __m256i);
+                        lo[k] = _mm256_and_si256(r, mask);
+                        hi[k] = _mm256_and_si256(_mm256_srli_epi16(r, 4), mask);
+                    }
+                    if kind.high_planes() >= 1 {
+                        let mut hb = _mm256_load_si256(qb.add(256 + 32 * h) as *const __m256i);
+                        for k in 0..4 {
+                            lo[k] = _mm256_or_si256(lo[k], _mm256_and_si256(_mm256_slli_epi32(hb, 4), bit4));
+                            hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(hb, bit4));
+                            hb = _mm256_srli_epi32(hb, 1);
+                        }
+                    }
+                    if kind.high_planes() == 2 {
+                        let mut hb = _mm256_load_si256(qb.add(320 + 32 * h) as *const __m256i);
+                        for k in 0..4 {
+                            lo[k] = _mm256_or_si256(lo[k], _mm256_and_si256(_mm256_slli_epi32(hb, 5), bit5));
+                            hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(_mm256_slli_epi32(hb, 1), bit5));
+                            hb = _mm256_srli_epi32(hb, 1);
+                        }
+                    }
+                    for t in 0..T {
+                        let xb = &*x.add(t * nb + b);
+                        let (s0, s1) = $dp_nib::<K>(&lo, &hi, xb.qs.as_ptr() as *const i32);
+                        let dx = _mm256_set1_ps(xb.d);
+                        if K == K6 {
+                            let t0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * xb.h[0] as i32));
+                            let t1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * xb.h[1] as i32));
+                            acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t0), _mm256_mul_ps(d, dx), acc[t][h]);
+                            acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t1), _mm256_mul_ps(c, dx), acc[t][h]);
+                        } else {
+                            let s = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                            acc[t][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, dx), acc[t][h]);
+                            acc[t][h] = _mm256_fmadd_ps(c, _mm256_set1_ps(xb.s), acc[t][h]);
                         }
                     }
                 }
@@ -220,24 +326,49 @@ macro_rules! avx2_group_kernel {
 avx2_group_kernel!(group_avx2, "avx2,fma,f16c", dp_nib_maddubs, dp_byte_maddubs);
 avx2_group_kernel!(group_avx2_vnni, "avx2,fma,f16c,avxvnni", dp_nib_vnni, dp_byte_vnni);
 
-/// Nibbles × activations without VNNI: the eight 16-bit partial sums of a lane stay below
-/// 8 · 2 · 15 · 127 = 30480, so they add in 16 bits before one widening `vpmaddwd`.
+/// Nibbles × activations without VNNI, returning the low-nibble and high-nibble sums (4-bit
+/// kinds: both in the first). `vpmaddubsw` pairs stay below 2 · v_max · 127 and add in 16
+/// bits as long as their sum cannot overflow: 8 pairs for 4-bit quants (30480), 4 for 5-bit
+/// (31496), 2 for 6-bit (32004), then one widening `vpmaddwd`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dp_nib_maddubs(lo: &[__m256i; 4], hi: &[__m256i; 4], xq: *const i32) -> __m256i {
+unsafe fn dp_nib_maddubs<const K: u8>(lo: &[__m256i; 4], hi: &[__m256i; 4], xq: *const i32) -> (__m256i, __m256i) {
     let bx = |i: usize| _mm256_set1_epi32(xq.add(i).read_unaligned());
-    let mut p = _mm256_maddubs_epi16(lo[0], bx(0));
-    p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[0], bx(4)));
-    for k in 1..4 {
-        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo[k], bx(k)));
-        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[k], bx(4 + k)));
+    let ones = _mm256_set1_epi16(1);
+    let m = |v: __m256i, i: usize| _mm256_maddubs_epi16(v, bx(i));
+    match kind_of(K).high_planes() {
+        0 => {
+            let mut p = _mm256_add_epi16(m(lo[0], 0), m(hi[0], 4));
+            for k in 1..4 {
+                p = _mm256_add_epi16(p, m(lo[k], k));
+                p = _mm256_add_epi16(p, m(hi[k], 4 + k));
+            }
+            (_mm256_madd_epi16(p, ones), _mm256_setzero_si256())
+        }
+        1 => {
+            let half = |v: &[__m256i; 4], o: usize| {
+                let p = _mm256_add_epi16(
+                    _mm256_add_epi16(m(v[0], o), m(v[1], o + 1)),
+                    _mm256_add_epi16(m(v[2], o + 2), m(v[3], o + 3)),
+                );
+                _mm256_madd_epi16(p, ones)
+            };
+            (half(lo, 0), half(hi, 4))
+        }
+        _ => {
+            let half = |v: &[__m256i; 4], o: usize| {
+                let a = _mm256_madd_epi16(_mm256_add_epi16(m(v[0], o), m(v[1], o + 1)), ones);
+                let b = _mm256_madd_epi16(_mm256_add_epi16(m(v[2], o + 2), m(v[3], o + 3)), ones);
+                _mm256_add_epi32(a, b)
+            };
+            (half(lo, 0), half(hi, 4))
+        }
     }
-    _mm256_madd_epi16(p, _mm256_set1_epi16(1))
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-unsafe fn dp_nib_vnni(lo: &[__m256i; 4], hi: &[__m256i; 4], xq: *const i32) -> __m256i {
+unsafe fn dp_nib_vnni<const K: u8>(lo: &[__m256i; 4], hi: &[__m256i; 4], xq: *const i32) -> (__m256i, __m256i) {
     let bx = |i: usize| _mm256_set1_epi32(xq.add(i).read_unaligned());
     let mut s0 = _mm256_setzero_si256();
     let mut s1 = _mm256_setzero_si256();
@@ -245,7 +376,7 @@ unsafe fn dp_nib_vnni(lo: &[__m256i; 4], hi: &[__m256i; 4], xq: *const i32) -> _
         s0 = _mm256_dpbusd_avx_epi32(s0, lo[k], bx(k));
         s1 = _mm256_dpbusd_avx_epi32(s1, hi[k], bx(4 + k));
     }
-    _mm256_add_epi32(s0, s1)
+    (s0, s1)
 }
 
 /// Signed bytes × activations without VNNI: `|w| · (x with w's sign)` (at most
@@ -351,11 +482,17 @@ pub mod avx2 {
             _mm256_cvtps_epi32(_mm256_mul_ps(v[2], id)),
             _mm256_cvtps_epi32(_mm256_mul_ps(v[3], id)),
         ];
-        let sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-        let s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        let s4 = _mm_hadd_epi32(s4, s4);
-        let s4 = _mm_hadd_epi32(s4, s4);
-        let total = _mm_cvtsi128_si32(s4);
+        // The two halves' sums: lanes 0..4 of `s4` hold the first half's partial sums,
+        // 4..8 the second's.
+        let lo = _mm256_add_epi32(i[0], i[1]);
+        let hi = _mm256_add_epi32(i[2], i[3]);
+        let s4 = _mm256_hadd_epi32(lo, hi); // [lo01 lo23 hi01 hi23 | lo45 lo67 hi45 hi67]
+        let s4 = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+        let s4 = _mm_hadd_epi32(s4, s4); // [lo, hi, lo, hi]
+        let h0 = _mm_cvtsi128_si32(s4);
+        let h1 = _mm_extract_epi32(s4, 1);
+        let total = h0 + h1;
+        out.h = [h0 as i16, h1 as i16];
         // Pack i32 → i16 → i8; the packs interleave 128-bit lanes, so restore the order.
         let a = _mm256_packs_epi32(i[0], i[1]);
         let b = _mm256_packs_epi32(i[2], i[3]);

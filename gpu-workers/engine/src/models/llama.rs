@@ -21,7 +21,7 @@ pub enum ModelError {
     Gguf(#[from] GgufError),
     #[error("unsupported architecture {0:?} (Hearth serves `llama` models)")]
     Architecture(String),
-    #[error("tensor {name} has type {ty:?}, which Hearth cannot compute with (F32, F16, BF16, Q4_0, Q4_1, Q8_0)")]
+    #[error("tensor {name} has type {ty}, which Hearth cannot compute with (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; requantize the file with llama-quantize, e.g. to Q4_K_M)")]
     TensorType { name: String, ty: GgmlType },
     #[error("tensor {name} has shape {got:?}, expected {want:?}")]
     Shape {
@@ -173,6 +173,8 @@ pub struct LlamaModel {
     repack_seconds: f64,
     packed_from_cache: bool,
     use_pack_cache: bool,
+    /// Float matrices are quantized to Q8_0 when repacked.
+    float_as_q8_0: bool,
 }
 
 impl std::fmt::Debug for LlamaModel {
@@ -281,6 +283,12 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// Whether float matrices are quantized to Q8_0 at load: yes unless
+/// `HEARTH_FLOAT_WEIGHTS=float`.
+pub fn float_as_q8_0_by_env() -> bool {
+    std::env::var("HEARTH_FLOAT_WEIGHTS").map_or(true, |v| v != "float")
+}
+
 impl LlamaModel {
     /// Loads with the pack cache on unless `HEARTH_PACK_CACHE=0`.
     pub fn load(file: GgufFile) -> Result<Self, ModelError> {
@@ -288,8 +296,23 @@ impl LlamaModel {
     }
 
     /// Loads; `use_pack_cache`: map (or write) the on-disk cache of repacked weights.
+    /// Float matrices are quantized to Q8_0 at load as [`float_as_q8_0_by_env`] says.
     pub fn load_with(file: GgufFile, use_pack_cache: bool) -> Result<Self, ModelError> {
-        Self::load_inner(file, use_pack_cache, isa().is_simd())
+        Self::load_options(file, use_pack_cache, float_as_q8_0_by_env())
+    }
+
+    /// Loads; `float_as_q8_0`: quantize float (F32/F16/BF16) matrices to Q8_0 for the
+    /// integer kernels (as llama.cpp's quantizer would; the pack cache keeps the result), or
+    /// multiply them as floats.
+    pub fn load_options(file: GgufFile, use_pack_cache: bool, float_as_q8_0: bool) -> Result<Self, ModelError> {
+        let mut m = Self::load_inner(file, use_pack_cache, false)?;
+        m.float_as_q8_0 = float_as_q8_0;
+        if isa().is_simd() {
+            let t = std::time::Instant::now();
+            m.repack();
+            m.repack_seconds = t.elapsed().as_secs_f64();
+        }
+        Ok(m)
     }
 
     /// Loads without repacking for the CPU kernels: for a backend that keeps its own copy
@@ -340,6 +363,7 @@ impl LlamaModel {
             repack_seconds: 0.0,
             packed_from_cache: false,
             use_pack_cache,
+            float_as_q8_0: false,
         };
         if repack {
             let t = std::time::Instant::now();
@@ -376,8 +400,13 @@ impl LlamaModel {
         }
         ms.push(&mut self.output);
         let mut wanted = Vec::new();
-        ms.retain(|m| match PackKind::of(m.ty) {
-            Some(kind) if m.cols.is_multiple_of(QK) => {
+        let float_as_q8_0 = self.float_as_q8_0;
+        let kind_of = |ty: GgmlType| match PackKind::of(ty) {
+            None if float_as_q8_0 && !ty.is_quantized() => Some(PackKind::Byte),
+            k => k,
+        };
+        ms.retain(|m| match kind_of(m.ty) {
+            Some(kind) if m.cols.is_multiple_of(QK * kind.blocks_per_super()) => {
                 wanted.push(Wanted {
                     kind,
                     rows: m.rows,
@@ -413,7 +442,12 @@ impl LlamaModel {
             Err(why) => {
                 tracing::debug!(reason = %why, "pack cache not used: repacking");
                 for m in ms.iter_mut() {
-                    if let Some(p) = PackedMatrix::pack(&weight_view(file, m)) {
+                    let w = weight_view(file, m);
+                    let packed = match w.ty.is_quantized() {
+                        true => PackedMatrix::pack(&w),
+                        false => PackedMatrix::pack_float_as_q8_0(&w),
+                    };
+                    if let Some(p) = packed {
                         total += p.bytes().len();
                         m.packed = Some(Arc::new(p));
                         // This matrix's file pages leave the resident set at once, so that
@@ -457,6 +491,19 @@ impl LlamaModel {
     /// Bytes of repacked weights held in memory.
     pub fn packed_bytes(&self) -> usize {
         self.packed_bytes
+    }
+
+    /// Weight bytes one decode step reads: every layer's matrices and the output matrix
+    /// once (their repacked copies where they have one; the embedding row is negligible).
+    pub fn decode_weight_bytes(&self) -> usize {
+        let size = |m: &Matrix| m.packed.as_ref().map_or(m.len, |p| p.bytes().len());
+        let layers: usize = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .map(size)
+            .sum();
+        layers + size(&self.output)
     }
 
     pub fn n_params(&self) -> u64 {
