@@ -20,6 +20,8 @@ pub struct BenchConfig {
     pub isa: Option<crate::kernels::Isa>,
     /// Fewer tokens per measurement (for smoke runs).
     pub quick: bool,
+    /// Decoding speculates (prompt-lookup drafts); off: one token per forward pass.
+    pub speculative: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -30,6 +32,8 @@ pub struct BenchReport {
     /// The CPU features the kernels could use.
     pub cpu: String,
     pub kv_dtype: String,
+    /// Whether decoding speculated.
+    pub speculative: bool,
     pub model_file_mib: f64,
     /// Repacked weights held in memory (0 on the scalar path).
     pub packed_weights_mib: f64,
@@ -110,7 +114,13 @@ struct Trace {
     cached: u32,
 }
 
-async fn run_one(engine: &EngineHandle, prompt: Vec<u32>, max_tokens: u32, namespace: String) -> Trace {
+async fn run_one(
+    engine: &EngineHandle,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+    namespace: String,
+    speculative: bool,
+) -> Trace {
     let req = GenerateRequest {
         request_id: format!("bench-{namespace}"),
         model: engine.info().model.clone(),
@@ -119,6 +129,10 @@ async fn run_one(engine: &EngineHandle, prompt: Vec<u32>, max_tokens: u32, names
             temperature: 0.0,
             max_tokens,
             ignore_eos: true,
+            // Off by default: one token per forward pass, as llama.cpp decodes — the engine's
+            // own speed (a random model's greedy output loops, and prompt-lookup drafts
+            // would be accepted by the dozen). `hearth bench agent` measures speculation.
+            speculative,
             ..Default::default()
         },
         cache_namespace: namespace,
@@ -152,14 +166,14 @@ async fn run_one(engine: &EngineHandle, prompt: Vec<u32>, max_tokens: u32, names
 
 /// Aggregate decode tokens/s with `n` concurrent streams: tokens produced while all `n`
 /// were decoding, over that window.
-async fn decode_streams(engine: &EngineHandle, rng: &mut Rng, n: usize, max_tokens: u32, tag: &str) -> f64 {
+async fn decode_streams(engine: &EngineHandle, rng: &mut Rng, n: usize, max_tokens: u32, tag: &str, spec: bool) -> f64 {
     let vocab = engine.info().tokenizer.tokens.len() as u32;
     let handles: Vec<_> = (0..n)
         .map(|i| {
             let e = engine.clone();
             let p = prompt(rng, 16, vocab);
             let ns = format!("{tag}-{i}");
-            tokio::spawn(async move { run_one(&e, p, max_tokens, ns).await })
+            tokio::spawn(async move { run_one(&e, p, max_tokens, ns, spec).await })
         })
         .collect();
     let mut traces = Vec::new();
@@ -203,30 +217,67 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: &BenchConfig) -> Result
     let (decode_tokens, stream_tokens) = if cfg.quick { (32, 16) } else { (128, 64) };
 
     // Warm up (page in the weights).
-    run_one(&engine, prompt(&mut rng, 32, vocab), 4, "warmup".into()).await;
+    run_one(
+        &engine,
+        prompt(&mut rng, 32, vocab),
+        4,
+        "warmup".into(),
+        cfg.speculative,
+    )
+    .await;
 
     let mut prefill = 0f64;
     for i in 0..if cfg.quick { 1 } else { 3 } {
-        let t = run_one(&engine, prompt(&mut rng, 512, vocab), 1, format!("prefill-{i}")).await;
+        let t = run_one(
+            &engine,
+            prompt(&mut rng, 512, vocab),
+            1,
+            format!("prefill-{i}"),
+            cfg.speculative,
+        )
+        .await;
         let ttft = (t.tokens[0] - t.start).as_secs_f64();
         prefill = prefill.max(512.0 / ttft);
     }
 
-    let t = run_one(&engine, prompt(&mut rng, 16, vocab), decode_tokens, "decode-1".into()).await;
+    let t = run_one(
+        &engine,
+        prompt(&mut rng, 16, vocab),
+        decode_tokens,
+        "decode-1".into(),
+        cfg.speculative,
+    )
+    .await;
     let decode_1 = (t.tokens.len() - 1) as f64
         / (*t.tokens.last().unwrap_or(&t.start) - t.tokens[0])
             .as_secs_f64()
             .max(1e-9);
-    let decode_8 = decode_streams(&engine, &mut rng, 8, stream_tokens, "decode-8").await;
-    let decode_32 = decode_streams(&engine, &mut rng, 32, stream_tokens, "decode-32").await;
+    let decode_8 = decode_streams(&engine, &mut rng, 8, stream_tokens, "decode-8", cfg.speculative).await;
+    let decode_32 = decode_streams(&engine, &mut rng, 32, stream_tokens, "decode-32", cfg.speculative).await;
 
     let prefix = prompt(&mut rng, 900, vocab);
     let with = |suffix: Vec<u32>| prefix.iter().copied().chain(suffix).collect::<Vec<u32>>();
-    let cold = run_one(&engine, with(prompt(&mut rng, 100, vocab)), 1, "ttft".into()).await;
-    let warm = run_one(&engine, with(prompt(&mut rng, 100, vocab)), 1, "ttft".into()).await;
+    let cold = run_one(
+        &engine,
+        with(prompt(&mut rng, 100, vocab)),
+        1,
+        "ttft".into(),
+        cfg.speculative,
+    )
+    .await;
+    let warm = run_one(
+        &engine,
+        with(prompt(&mut rng, 100, vocab)),
+        1,
+        "ttft".into(),
+        cfg.speculative,
+    )
+    .await;
     let ms = |t: &Trace| (t.tokens[0] - t.start).as_secs_f64() * 1000.0;
 
     let c = engine.info();
+    // After the memory figures: the bandwidth probe's buffer is not the engine's.
+    let peak_rss = rss_mib("VmHWM:");
     let bandwidth = dram_read_bandwidth(cfg.threads);
     let weight_bytes = engine.decode_weight_bytes() as f64;
     let limit = bandwidth * 1e9 / weight_bytes.max(1.0);
@@ -237,6 +288,7 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: &BenchConfig) -> Result
         isa: crate::kernels::isa().to_string(),
         cpu: crate::kernels::cpu_features(),
         kv_dtype: cfg.kv_dtype.name().to_string(),
+        speculative: cfg.speculative,
         model_file_mib: file_mib,
         packed_weights_mib: engine.packed_bytes() as f64 / (1 << 20) as f64,
         kv_cache_mib: engine.kv_cache_bytes() as f64 / (1 << 20) as f64,
@@ -251,7 +303,7 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: &BenchConfig) -> Result
         ttft_cached_over_cold: ms(&warm) / ms(&cold),
         cached_tokens_reported: warm.cached,
         rss_after_load_mib: rss_after_load,
-        peak_rss_mib: rss_mib("VmHWM:"),
+        peak_rss_mib: peak_rss,
         dram_read_gb_s: bandwidth,
         weight_mb_per_token: weight_bytes / 1e6,
         decode_limit_tok_s: limit,
@@ -311,8 +363,13 @@ impl BenchReport {
             ),
         ];
         let mut out = format!(
-            "hearth bench engine — {} — {} threads, isa {} (cpu: {}), KV {}\n",
-            self.model, self.threads, self.isa, self.cpu, self.kv_dtype
+            "hearth bench engine — {} — {} threads, isa {} (cpu: {}), KV {}, speculation {}\n",
+            self.model,
+            self.threads,
+            self.isa,
+            self.cpu,
+            self.kv_dtype,
+            if self.speculative { "on" } else { "off" }
         );
         for (k, v) in rows {
             out.push_str(&format!("  {k:<34} {v}\n"));

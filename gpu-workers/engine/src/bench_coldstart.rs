@@ -55,8 +55,8 @@ pub struct FormatColdstart {
     pub process_ready_ms: Option<f64>,
     /// Request for an unloaded model → first token.
     pub first_token_warm_cache_ms: f64,
-    /// The same without the on-disk load cache (None: the format computes nothing at load
-    /// to cache — float safetensors are used as they are).
+    /// The same without the on-disk load cache (repacking, or for float safetensors
+    /// quantizing to Q8_0, at load).
     pub first_token_no_pack_cache_ms: Option<f64>,
     pub first_token_cold_disk_ms: Option<f64>,
     /// first_token_warm_cache / (file_read_warm + prefill): the target is ≤ 1.2.
@@ -347,7 +347,6 @@ async fn measure(
     exe: Option<&Path>,
 ) -> (Result<FormatColdstart, EngineError>, bool) {
     let weights_mib = crate::hf::weights_bytes(path) as f64 / (1 << 20) as f64;
-    let is_gguf = !path.is_dir();
     let pack = crate::pack_cache::path_for(path);
 
     // The floor: reading the file(s), and one prefill on a loaded engine.
@@ -364,19 +363,17 @@ async fn measure(
 
     // Warm page cache, load cache present.
     let first_token_warm_cache_ms = cold_request(path, model_id, cfg, prompt, "cached").await;
-    // No load cache: repack at load (a GGUF's quantized matrices; float safetensors have
-    // nothing to repack).
-    let first_token_no_pack_cache_ms = if is_gguf {
+    // No load cache: repack at load (a GGUF's quantized matrices; a safetensors
+    // directory's float weights quantized to Q8_0).
+    let first_token_no_pack_cache_ms = {
         let no_cache = EngineConfig {
             pack_cache: false,
             ..cfg.clone()
         };
         Some(cold_request(path, model_id, &no_cache, prompt, "nocache").await)
-    } else {
-        None
     };
     // Cold disk: the model's (and the pack cache's) pages dropped first.
-    let cold = drop_all(path) && (!is_gguf || !pack.exists() || drop_page_cache(&pack));
+    let cold = drop_all(path) && (!pack.exists() || drop_page_cache(&pack));
     let (file_read_cold_ms, first_token_cold_disk_ms) = if cold {
         let t = cold_request(path, model_id, cfg, prompt, "colddisk").await;
         drop_all(path);
@@ -473,7 +470,7 @@ impl ColdstartReport {
             }
             out.push('\n');
         }
-        out.push_str("  (x: against the same format's file read + prefill; no load cache: safetensors are float weights, used as mapped)\n");
+        out.push_str("  (x: against the same format's file read + prefill; safetensors: float weights quantized to Q8_0 at load, then cached like a GGUF's repacking)\n");
         let a = &self.alternating;
         out.push_str(&format!(
             "alternating workload: {} models, room for {}, {} requests from 3 clients: {} answered, {} failed {:?}, {} loads, p50 {:.0} ms, max {:.0} ms ({})\n",

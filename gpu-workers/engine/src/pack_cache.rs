@@ -47,17 +47,36 @@ pub fn enabled_by_env() -> bool {
     std::env::var_os("HEARTH_PACK_CACHE").is_none_or(|v| v != "0")
 }
 
-/// The cache file for a model file.
+/// The cache file for a model file (for a Hugging Face directory, a file inside it).
 pub fn path_for(model: &Path) -> PathBuf {
+    if model.is_dir() {
+        return model.join(format!("hearth-pack-v{PACK_FORMAT}"));
+    }
     let mut name = model.file_name().unwrap_or_default().to_os_string();
     name.push(format!(".hearth-pack-v{PACK_FORMAT}"));
     model.with_file_name(name)
 }
 
+/// What ties a cache to its model: the file's size and modification time; for a directory,
+/// the total size of its `*.safetensors` shards and the latest of their times.
 fn source_id(model: &Path) -> Option<(u64, u64, u32)> {
-    let m = std::fs::metadata(model).ok()?;
-    let t = m.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?;
-    Some((m.len(), t.as_secs(), t.subsec_nanos()))
+    let stamp = |m: &std::fs::Metadata| -> Option<(u64, std::time::Duration)> {
+        Some((m.len(), m.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?))
+    };
+    let (len, t) = if model.is_dir() {
+        let mut total = (0u64, std::time::Duration::ZERO);
+        for e in std::fs::read_dir(model).ok()? {
+            let p = e.ok()?.path();
+            if p.extension().is_some_and(|x| x == "safetensors") {
+                let (l, t) = stamp(&std::fs::metadata(&p).ok()?)?;
+                total = (total.0 + l, total.1.max(t));
+            }
+        }
+        total
+    } else {
+        stamp(&std::fs::metadata(model).ok()?)?
+    };
+    Some((len, t.as_secs(), t.subsec_nanos()))
 }
 
 fn u32_at(b: &[u8], i: usize) -> u32 {
@@ -184,6 +203,14 @@ pub fn store(model: &Path, matrices: &[(Wanted, &PackedMatrix)]) -> std::io::Res
     })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
+    } else {
+        // Caches of earlier layout versions are never read again: their space goes.
+        for v in 1..PACK_FORMAT {
+            let old = cache
+                .to_string_lossy()
+                .replace(&format!("hearth-pack-v{PACK_FORMAT}"), &format!("hearth-pack-v{v}"));
+            let _ = std::fs::remove_file(old);
+        }
     }
     result.map(|()| cache)
 }

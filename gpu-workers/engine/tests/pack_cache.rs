@@ -57,3 +57,48 @@ fn the_pack_cache_is_written_mapped_and_refused_when_bad() {
     assert!(!logits(&model).1, "a stale cache is not used");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A Hugging Face directory's float weights, quantized to Q8_0 at load, are cached inside
+/// the directory, tied to its shards (one touched: stale), and a cache of an earlier layout
+/// version is removed when the new one is written.
+#[test]
+fn a_safetensors_directory_is_cached_inside_it_and_tied_to_its_shards() {
+    use hearth_engine::hf::{self, ExportDtype};
+    set_isa(Isa::best()).unwrap();
+    if !Isa::best().is_simd() {
+        return;
+    }
+    let src = ensure_model(DEFAULT_MODEL_ID, &hearth_home(), &mut |m| eprintln!("{m}")).unwrap();
+    let dir = std::env::temp_dir().join(format!("hearth-pack-cache-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    hf::export(&GgufFile::open(&src).unwrap(), &dir, ExportDtype::F16, 2).unwrap();
+    let old = dir.join("hearth-pack-v1");
+    std::fs::write(&old, b"an earlier layout").unwrap();
+    let load = || {
+        let model = LlamaModel::load_options(hf::open(&dir).unwrap(), true, true).unwrap();
+        let out = Session::new(&model, 64, ForwardScratch::default()).feed(&[1, 9690, 198, 2683]);
+        (out, model.packed_from_cache())
+    };
+    let (first, cached) = load();
+    assert!(!cached);
+    assert_eq!(
+        pack_cache::path_for(&dir),
+        dir.join(format!("hearth-pack-v{}", hearth_engine::kernels::packed::PACK_FORMAT))
+    );
+    assert!(pack_cache::path_for(&dir).exists());
+    assert!(!old.exists(), "the earlier version's cache is removed");
+    let (second, cached) = load();
+    assert!(cached, "the second load maps the cache");
+    assert_eq!(first, second);
+    let shard = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(&shard).unwrap();
+    f.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5))
+        .unwrap();
+    drop(f);
+    assert!(!load().1, "a touched shard makes the cache stale");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -188,6 +188,10 @@ pub enum BenchCommand {
         /// Shorter measurements (smoke runs).
         #[arg(long)]
         quick: bool,
+        /// Let decoding speculate (prompt-lookup drafts; off: one token per forward pass,
+        /// as llama.cpp decodes).
+        #[arg(long)]
+        speculative: bool,
         /// Write the results as JSON to this file (`-` for stdout).
         #[arg(long)]
         json: Option<PathBuf>,

@@ -9,7 +9,12 @@ use crate::output::write_json;
 
 pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
-        BenchCommand::Engine { model, quick, json } => engine(model, quick, json).await,
+        BenchCommand::Engine {
+            model,
+            quick,
+            speculative,
+            json,
+        } => engine(model, quick, speculative, json).await,
         BenchCommand::Pd {
             model,
             seconds,
@@ -212,7 +217,7 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
     }
 }
 
-async fn engine(model: ModelArgs, quick: bool, json: Option<PathBuf>) -> anyhow::Result<()> {
+async fn engine(model: ModelArgs, quick: bool, speculative: bool, json: Option<PathBuf>) -> anyhow::Result<()> {
     let (path, id) = resolve_model(&model).await?;
     let cfg = model.engine_config();
     let bench = hearth_engine::bench::BenchConfig {
@@ -221,6 +226,7 @@ async fn engine(model: ModelArgs, quick: bool, json: Option<PathBuf>) -> anyhow:
         kv_dtype: cfg.kv_dtype,
         isa: cfg.isa,
         quick,
+        speculative,
     };
     let report = hearth_engine::bench::run(&path, &id, &bench).await?;
     print!("{}", report.table());
