@@ -62,10 +62,18 @@ pub struct BenchReport {
 }
 
 /// DRAM read bandwidth with `threads` threads: the best of several passes summing a buffer
-/// of 1 GiB (larger than any L3), in GB/s.
+/// of 1 GiB (larger than any L3; at most a quarter of the memory available, at least
+/// 256 MiB), in GB/s.
 pub fn dram_read_bandwidth(threads: usize) -> f64 {
     use rayon::prelude::*;
-    let words = (1usize << 30) / 8;
+    let available = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            let l = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+            l.split_whitespace().nth(1)?.parse::<usize>().ok()
+        })
+        .map_or(1usize << 30, |kib| kib << 10);
+    let words = (available / 4).clamp(256 << 20, 1 << 30) / 8;
     let Ok(pool) = rayon::ThreadPoolBuilder::new().num_threads(threads.max(1)).build() else {
         return 0.0;
     };

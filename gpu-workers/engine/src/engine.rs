@@ -74,6 +74,8 @@ pub struct EngineConfig {
     pub max_context: Option<usize>,
     /// Map (or write) the on-disk cache of repacked weights beside the model.
     pub pack_cache: bool,
+    /// How float weight matrices are computed (quantized to Q8_0 at load by default).
+    pub float_weights: crate::models::llama::FloatWeights,
     /// The queue limit in prompt tokens not yet computed (None: as many as the KV cache
     /// holds; 0: unbounded). Requests past it are refused as `overloaded` (see
     /// [`hearth_protocol::QueueState`]).
@@ -108,6 +110,7 @@ impl Default for EngineConfig {
             isa: None,
             max_context: None,
             pack_cache: crate::pack_cache::enabled_by_env(),
+            float_weights: Default::default(),
             max_queue_tokens: None,
             policy: Policy::default(),
             speculative_tokens: DEFAULT_SPECULATIVE_TOKENS,
@@ -322,7 +325,11 @@ impl EngineHandle {
         }
         let tokenizer = Arc::new(Tokenizer::from_spec(&spec)?);
         let model = match cfg.device {
-            Device::Cpu => LlamaModel::load_with(file, cfg.pack_cache)?,
+            Device::Cpu => LlamaModel::load_options(
+                file,
+                cfg.pack_cache,
+                cfg.float_weights == crate::models::llama::FloatWeights::Q8_0,
+            )?,
             // The device keeps its own copy of the weights: no CPU repacking.
             Device::Cuda(_) => LlamaModel::load_unpacked(file)?,
         };
@@ -333,6 +340,7 @@ impl EngineHandle {
             repacked_mib = model.packed_bytes() >> 20,
             repack_ms = (model.repack_seconds() * 1000.0) as u64,
             repack_format = crate::kernels::packed::PACK_FORMAT,
+            float_weights = cfg.float_weights.name(),
             "kernels"
         );
         let (packed_bytes, repack_seconds) = (model.packed_bytes(), model.repack_seconds());

@@ -11,6 +11,7 @@ use hearth_protocol::tokenizer::TokenizerSummary;
 use hearth_protocol::{ChatMessage, ChatTemplate, Tokenizer};
 use serde::Serialize;
 
+use crate::gguf::GgmlType;
 use crate::models::llama::LlamaConfig;
 
 #[derive(Debug, Serialize)]
@@ -55,15 +56,22 @@ pub fn inspect(path: &Path) -> Result<ModelReport, crate::hf::HfError> {
         if let Err(e) = LlamaConfig::from_gguf(&file) {
             refused.push(e.to_string());
         }
-        let bad: Vec<String> = tensor_types
-            .keys()
-            .filter(|ty| ty.starts_with("Other"))
-            .cloned()
+        let bad: std::collections::BTreeSet<String> = file
+            .tensors
+            .iter()
+            .filter(|t| t.ty.block_layout().is_none())
+            .map(|t| t.ty.name())
             .collect();
         if !bad.is_empty() {
+            let known: Vec<String> = [GgmlType::F32, GgmlType::F16, GgmlType::BF16]
+                .into_iter()
+                .chain(GgmlType::QUANTIZED)
+                .map(|t| t.name())
+                .collect();
             refused.push(format!(
-                "tensor types Hearth cannot compute with: {} (it runs F32, F16, BF16, Q4_0, Q4_1, Q8_0)",
-                bad.join(", ")
+                "tensor types Hearth cannot compute with: {} (it runs {}; requantize with llama-quantize, e.g. to Q4_K_M)",
+                bad.into_iter().collect::<Vec<_>>().join(", "),
+                known.join(", ")
             ));
         }
     }

@@ -1,5 +1,6 @@
 //! The on-disk cache of repacked weights: written beside the model file after its first
-//! repacking (`MODEL.gguf.hearth-pack-v2`), then mapped — not read into memory, not
+//! repacking (`MODEL.gguf.hearth-pack-v2`; inside a Hugging Face directory
+//! `hearth-pack-v2`, holding its float matrices quantized to Q8_0), then mapped — not read into memory, not
 //! copied — by every later load, so a cold start costs reading the file, not recomputing.
 //!
 //! Layout (little-endian), version [`PACK_FORMAT`]:
@@ -9,11 +10,11 @@
 //! | 0..8 | magic `HRTHPACK` |
 //! | 8..12 | layout version ([`PACK_FORMAT`]) |
 //! | 12..16 | number of matrices `n` |
-//! | 16..24 | the model file's size |
-//! | 24..36 | the model file's modification time (seconds u64, nanoseconds u32) |
-//! | 36..40 | reserved (0) |
+//! | 16..24 | the model file's size (a Hugging Face directory: its shards' total) |
+//! | 24..36 | the model file's modification time (seconds u64, nanoseconds u32; a directory: its newest shard's) |
+//! | 36..40 | a directory's shards: 32 bits of the XXH3 of every shard's name, size and time (a file: 0) |
 //! | 40..48 | XXH3-64 of every matrix's bytes, in order |
-//! | 48.. | `n` entries of 48 bytes: kind (u32: [`PackKind::code`]), reserved u32, rows u64, cols u64, the tensor's offset in the model file u64, the bytes' offset in this file u64, their length u64 |
+//! | 48.. | `n` entries of 48 bytes: kind (u32: [`PackKind::code`]), reserved u32, rows u64, cols u64, the tensor's offset in the model file u64 (a directory: the shard's index in the top 16 bits), the bytes' offset in this file u64, their length u64 |
 //!
 //! Each matrix's bytes start at a multiple of 4096. A cache is used only if the version, the
 //! model file's size and time, every entry's shape and tensor offset and the checksum all
@@ -38,7 +39,8 @@ pub struct Wanted {
     pub kind: PackKind,
     pub rows: usize,
     pub cols: usize,
-    /// The tensor's offset in the model file (its identity there).
+    /// The tensor's offset in the model file (its identity there; for a directory's
+    /// shards, the shard's index in the top 16 bits).
     pub tensor_offset: u64,
 }
 
@@ -49,34 +51,49 @@ pub fn enabled_by_env() -> bool {
 
 /// The cache file for a model file (for a Hugging Face directory, a file inside it).
 pub fn path_for(model: &Path) -> PathBuf {
+    path_for_version(model, PACK_FORMAT)
+}
+
+fn path_for_version(model: &Path, version: u32) -> PathBuf {
     if model.is_dir() {
-        return model.join(format!("hearth-pack-v{PACK_FORMAT}"));
+        return model.join(format!("hearth-pack-v{version}"));
     }
     let mut name = model.file_name().unwrap_or_default().to_os_string();
-    name.push(format!(".hearth-pack-v{PACK_FORMAT}"));
+    name.push(format!(".hearth-pack-v{version}"));
     model.with_file_name(name)
 }
 
 /// What ties a cache to its model: the file's size and modification time; for a directory,
-/// the total size of its `*.safetensors` shards and the latest of their times.
-fn source_id(model: &Path) -> Option<(u64, u64, u32)> {
+/// the total size of its `*.safetensors` shards, the latest of their times, and a hash of
+/// every shard's name, size and time (so that a shard replaced by another of the same size
+/// but an older time, or two shards swapped, make the cache stale too).
+fn source_id(model: &Path) -> Option<(u64, u64, u32, u32)> {
     let stamp = |m: &std::fs::Metadata| -> Option<(u64, std::time::Duration)> {
         Some((m.len(), m.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?))
     };
-    let (len, t) = if model.is_dir() {
-        let mut total = (0u64, std::time::Duration::ZERO);
-        for e in std::fs::read_dir(model).ok()? {
-            let p = e.ok()?.path();
-            if p.extension().is_some_and(|x| x == "safetensors") {
-                let (l, t) = stamp(&std::fs::metadata(&p).ok()?)?;
-                total = (total.0 + l, total.1.max(t));
-            }
+    if !model.is_dir() {
+        let (len, t) = stamp(&std::fs::metadata(model).ok()?)?;
+        return Some((len, t.as_secs(), t.subsec_nanos(), 0));
+    }
+    let mut shards = Vec::new();
+    for e in std::fs::read_dir(model).ok()? {
+        let p = e.ok()?.path();
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            let (l, t) = stamp(&std::fs::metadata(&p).ok()?)?;
+            shards.push((p.file_name()?.to_string_lossy().into_owned(), l, t));
         }
-        total
-    } else {
-        stamp(&std::fs::metadata(model).ok()?)?
-    };
-    Some((len, t.as_secs(), t.subsec_nanos()))
+    }
+    shards.sort();
+    let mut h = Xxh3::new();
+    for (name, l, t) in &shards {
+        h.update(name.as_bytes());
+        h.update(&[0]);
+        h.update(&l.to_le_bytes());
+        h.update(&t.as_nanos().to_le_bytes());
+    }
+    let len = shards.iter().map(|s| s.1).sum();
+    let t = shards.iter().map(|s| s.2).max().unwrap_or_default();
+    Some((len, t.as_secs(), t.subsec_nanos(), h.digest() as u32))
 }
 
 fn u32_at(b: &[u8], i: usize) -> u32 {
@@ -85,10 +102,6 @@ fn u32_at(b: &[u8], i: usize) -> u32 {
 
 fn u64_at(b: &[u8], i: usize) -> u64 {
     u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default())
-}
-
-fn kind_code(k: PackKind) -> u32 {
-    k.code() as u32
 }
 
 /// Maps the cache for `model` if it holds exactly `want`; `Err` says why not (missing,
@@ -115,8 +128,8 @@ pub fn load(model: &Path, want: &[Wanted]) -> Result<Vec<PackedMatrix>, String> 
     if u32_at(b, 12) as usize != want.len() {
         return Err("another set of matrices".into());
     }
-    let (size, secs, nanos) = source_id(model).ok_or("cannot stat the model file")?;
-    if (u64_at(b, 16), u64_at(b, 24), u32_at(b, 32)) != (size, secs, nanos) {
+    let (size, secs, nanos, shards) = source_id(model).ok_or("cannot stat the model file")?;
+    if (u64_at(b, 16), u64_at(b, 24), u32_at(b, 32), u32_at(b, 36)) != (size, secs, nanos, shards) {
         return Err("stale: the model file changed".into());
     }
     let mut ranges = Vec::with_capacity(want.len());
@@ -130,7 +143,7 @@ pub fn load(model: &Path, want: &[Wanted]) -> Result<Vec<PackedMatrix>, String> 
             u64_at(b, e + 32) as usize,
             u64_at(b, e + 40) as usize,
         );
-        if (kind, rows, cols, toff) != (kind_code(w.kind), w.rows, w.cols, w.tensor_offset)
+        if (kind, rows, cols, toff) != (w.kind.code() as u32, w.rows, w.cols, w.tensor_offset)
             || len != PackedMatrix::size_for(w.kind, rows, cols)
             || at.checked_add(len).is_none_or(|end| end > b.len())
         {
@@ -156,7 +169,8 @@ pub fn load(model: &Path, want: &[Wanted]) -> Result<Vec<PackedMatrix>, String> 
 /// Writes the cache for `model` (atomically). Returns its path.
 pub fn store(model: &Path, matrices: &[(Wanted, &PackedMatrix)]) -> std::io::Result<PathBuf> {
     let cache = path_for(model);
-    let (size, secs, nanos) = source_id(model).ok_or_else(|| std::io::Error::other("cannot stat the model file"))?;
+    let (size, secs, nanos, shards) =
+        source_id(model).ok_or_else(|| std::io::Error::other("cannot stat the model file"))?;
     let header = (48 + matrices.len() * ENTRY).div_ceil(ALIGN) * ALIGN;
     let mut at = header;
     let mut entries = Vec::new();
@@ -174,10 +188,10 @@ pub fn store(model: &Path, matrices: &[(Wanted, &PackedMatrix)]) -> std::io::Res
     head.extend_from_slice(&size.to_le_bytes());
     head.extend_from_slice(&secs.to_le_bytes());
     head.extend_from_slice(&nanos.to_le_bytes());
-    head.extend_from_slice(&0u32.to_le_bytes());
+    head.extend_from_slice(&shards.to_le_bytes());
     head.extend_from_slice(&h.digest().to_le_bytes());
     for (w, at, len) in &entries {
-        head.extend_from_slice(&kind_code(w.kind).to_le_bytes());
+        head.extend_from_slice(&(w.kind.code() as u32).to_le_bytes());
         head.extend_from_slice(&0u32.to_le_bytes());
         for v in [w.rows as u64, w.cols as u64, w.tensor_offset, *at as u64, *len as u64] {
             head.extend_from_slice(&v.to_le_bytes());

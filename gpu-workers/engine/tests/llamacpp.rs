@@ -85,8 +85,12 @@ const PROMPTS: [&str; 2] = ["The capital of France is", "fn main() { let xs = ve
 /// measured worst cases are printed by the test.
 const LOGIT_BOUND: f32 = 0.03;
 
+/// `set_isa` is process-wide: the tests of this file take turns.
+static ISA: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn synthetic_models_of_every_type_follow_llamacpp() {
+    let _isa = ISA.lock().unwrap_or_else(|e| e.into_inner());
     let types = "f16,q8_0,q4_0,q4_1,q5_0,q5_1,q4_k_m,q5_k_m,q6_k";
     let files = synth(&["--shape", "tiny", "--types", types]);
     assert_eq!(files.len(), types.split(',').count());
@@ -143,6 +147,8 @@ fn synthetic_models_of_every_type_follow_llamacpp() {
 
 #[test]
 fn the_default_model_requantized_by_llamacpp_answers_the_golden_prompt() {
+    let _isa = ISA.lock().unwrap_or_else(|e| e.into_inner());
+    set_isa(Isa::best()).unwrap();
     let source = ensure_model(DEFAULT_MODEL_ID, &hearth_home(), &mut |m| eprintln!("{m}")).expect("default model");
     let files = synth(&["--source", source.to_str().unwrap(), "--types", "q4_k_m,q6_k,q5_0"]);
     let golden = [504u32, 3575, 282, 4649, 314, 7042, 30, 2]; // "The capital of France is Paris."
@@ -172,5 +178,21 @@ fn the_default_model_requantized_by_llamacpp_answers_the_golden_prompt() {
         }
         eprintln!("{ty} ({types:?}): {:?}", tok.decode(&out, false));
         assert_eq!(out, golden, "{ty}: {:?}", tok.decode(&out, false));
+    }
+}
+
+/// Types Hearth has no kernels for (Q3_K, Q2_K, as llama.cpp writes them) are refused by
+/// name, by `hearth model inspect` and at load.
+#[test]
+fn files_of_types_without_kernels_are_refused_by_name() {
+    for (ty, path) in synth(&["--shape", "tiny", "--types", "q3_k_m,q2_k"]) {
+        let report = hearth_engine::inspect::inspect(&path).unwrap();
+        let why = report.refused.join("; ");
+        assert!(why.contains("Q3_K") || why.contains("Q2_K"), "{ty}: {why}");
+        assert!(why.contains("Q4_K"), "{ty}: the message lists what runs: {why}");
+        let err = LlamaModel::load(GgufFile::open(&path).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("Q3_K") || err.contains("Q2_K"), "{ty}: {err}");
     }
 }

@@ -406,6 +406,12 @@ pub struct ModelArgs {
     /// How the KV cache stores keys and values: f16 (half the memory) or f32.
     #[arg(long, env = "HEARTH_KV_DTYPE", default_value = "f16", value_parser = KvDtype::parse)]
     pub kv_dtype: KvDtype,
+    /// How float (F32/F16/BF16) weights are computed: q8_0 (quantized at load, as
+    /// llama.cpp's quantizer would, for the integer kernels; cached with the repacked
+    /// weights) or float (exact, several times slower).
+    #[arg(long, env = "HEARTH_FLOAT_WEIGHTS", default_value = "q8_0",
+          value_parser = hearth_engine::models::llama::FloatWeights::parse)]
+    pub float_weights: hearth_engine::models::llama::FloatWeights,
     /// The kernels' instruction set: auto (the best this CPU runs), avx512, avx2 (with
     /// AVX-VNNI where present), avx2-novnni or scalar. Refused if the CPU cannot run it.
     #[arg(long, env = "HEARTH_ISA", default_value = "auto", value_parser = parse_isa)]
@@ -502,6 +508,7 @@ impl ModelArgs {
             isa: Some(self.isa),
             max_context: None,
             pack_cache: hearth_engine::pack_cache::enabled_by_env(),
+            float_weights: self.float_weights,
             max_batch_tokens: self.max_batch_tokens,
             max_running: self.max_running,
             region: self.region.clone(),

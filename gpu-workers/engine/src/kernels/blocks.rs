@@ -17,7 +17,7 @@
 //! operation, so dequantized values are bit-exact with llama.cpp and the `gguf` package.
 
 use super::{BlockQ8, QK};
-use crate::gguf::{GgmlType, QK_K};
+use crate::gguf::GgmlType;
 
 /// The raw scale fields of one 32-value block, as the file stores them (f16 as bits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -247,27 +247,15 @@ pub fn dequantize_row(ty: GgmlType, row: &[u8], out: &mut [f32]) {
     for (b, o) in out.chunks_exact_mut(QK).enumerate() {
         let blk = read(ty, row, b);
         match (ty, raw_scale(ty, row, b)) {
-            // ggml's `(v − 16)·d`, equal to `d·v − 16d` but for the sign of a zero.
-            (GgmlType::Q5_0, RawScale::Direct { d, .. }) => {
-                let d = f16(d);
+            // ggml's `(v − 8)·d` and `(v − 16)·d`, equal to `d·v + c` but for the sign of
+            // a zero.
+            (GgmlType::Q4_0 | GgmlType::Q5_0, RawScale::Direct { d, .. }) => {
+                let (d, off) = (f16(d), if ty == GgmlType::Q4_0 { 8 } else { 16 });
                 for (o, &v) in o.iter_mut().zip(&blk.v) {
-                    *o = (v as i32 - 16) as f32 * d;
+                    *o = (v as i32 - off) as f32 * d;
                 }
             }
             _ => dequantize(&blk, o),
         }
-    }
-}
-
-/// Scalar dot product of a quantized row with a row of 8-bit activations.
-pub fn dot_row(ty: GgmlType, row: &[u8], x: &[BlockQ8]) -> f32 {
-    x.iter().enumerate().map(|(b, xb)| dot(&read(ty, row, b), xb)).sum()
-}
-
-/// Columns of one super-block: 256 for K-quants, else 32.
-pub fn super_cols(ty: GgmlType) -> usize {
-    match ty.block_layout() {
-        Some((QK_K, _)) => QK_K,
-        _ => QK,
     }
 }

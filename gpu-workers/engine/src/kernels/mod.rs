@@ -786,6 +786,56 @@ pub(crate) mod tests {
         }
     }
 
+    /// The largest integer sums the kernels can meet — every quant at its maximum (15, 31,
+    /// 63; Q8_0 at −128), every activation at ±127 — give the scalar result on every path:
+    /// the 16-bit partial sums of the AVX2 path without VNNI do not overflow.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn extreme_quants_do_not_overflow_any_path() {
+        for ty in QUANTIZED {
+            let (rows, cols) = (16, 256);
+            let (per, bytes) = ty.block_layout().unwrap();
+            let mut data = Vec::new();
+            for _ in 0..rows * cols / per {
+                let mut blk = vec![if ty == GgmlType::Q8_0 { 0x80 } else { 0xFF }; bytes];
+                let at: &[usize] = match ty {
+                    GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+                    GgmlType::Q6_K => &[208],
+                    _ => &[0, 2],
+                };
+                for &a in at {
+                    blk[a..a + 2].copy_from_slice(&f16_bytes(0.01));
+                }
+                data.extend(blk);
+            }
+            let w = WeightView {
+                ty,
+                rows,
+                cols,
+                data: &data,
+                packed: None,
+            };
+            let p = PackedMatrix::pack(&w).unwrap();
+            for sign in [1.0f32, -1.0] {
+                let x = vec![sign; cols];
+                let mut a = QuantizedActs::default();
+                a.quantize(&x, cols);
+                assert!(a.blocks.iter().all(|b| b.qs.iter().all(|&q| q == (127.0 * sign) as i8)));
+                let want = dot_q_scalar(ty, w.row(0), a.row(0));
+                for isa in Isa::all_available().into_iter().filter(|i| i.is_simd()) {
+                    let mut out = vec![0f32; rows];
+                    packed_matmul(isa, &p, &a, &mut out);
+                    for g in out {
+                        assert!(
+                            (g - want).abs() <= 1e-4 * want.abs().max(1.0),
+                            "{ty:?} {isa} x={sign}: {g} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn isa_names_parse_and_unavailable_paths_are_refused() {
         assert_eq!(Isa::parse("scalar").unwrap(), Isa::Scalar);

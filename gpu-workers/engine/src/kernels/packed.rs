@@ -40,7 +40,7 @@
 //! values against one broadcast 4-byte piece of activations, with no horizontal sums; the
 //! byte kind is made unsigned for `vpdpbusd` by flipping the sign bit in the register
 //! (`q + 128`), which `c = −128·d` corrects. The packed matrix is about as large as the
-//! GGUF tensor: Q4_1 exactly, Q4_K/Q5_K/Q6_K 1–3 % larger, Q4_0/Q5_0/Q8_0 6–11 %.
+//! GGUF tensor: Q4_1 and Q5_1 exactly, Q4_K/Q5_K/Q6_K 1–3 % larger, Q4_0/Q5_0/Q8_0 6–11 %.
 //!
 //! The format depends on nothing but the GGUF tensor, so it can be cached on disk keyed by
 //! the file's hash and this version; the version changes with any change to the layout.
@@ -77,15 +77,6 @@ pub enum PackKind {
 }
 
 impl PackKind {
-    pub const ALL: [PackKind; 6] = [
-        PackKind::Nibble,
-        PackKind::Byte,
-        PackKind::Nibble5,
-        PackKind::K4,
-        PackKind::K5,
-        PackKind::K6,
-    ];
-
     /// The layout a GGUF type packs into, if it has one.
     pub fn of(ty: GgmlType) -> Option<Self> {
         match ty {
@@ -109,10 +100,6 @@ impl PackKind {
             PackKind::K5 => 4,
             PackKind::K6 => 5,
         }
-    }
-
-    pub fn from_code(c: u32) -> Option<Self> {
-        Self::ALL.into_iter().find(|k| k.code() as u32 == c)
     }
 
     /// Whether the kind has K-quant super-blocks of 256 columns.

@@ -380,7 +380,7 @@ unsafe fn dp_nib_vnni<const K: u8>(lo: &[__m256i; 4], hi: &[__m256i; 4], xq: *co
 }
 
 /// Signed bytes × activations without VNNI: `|w| · (x with w's sign)` (at most
-/// 2 · 127 · 127 per 16-bit lane). Returns the sums and whether the `c` term applies (no:
+/// 2 · 128 · 127 = 32512 per 16-bit lane). Returns the sums and whether the `c` term applies (no:
 /// the weights were not offset).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]

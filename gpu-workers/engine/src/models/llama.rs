@@ -283,10 +283,32 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// Whether float matrices are quantized to Q8_0 at load: yes unless
-/// `HEARTH_FLOAT_WEIGHTS=float`.
-pub fn float_as_q8_0_by_env() -> bool {
-    std::env::var("HEARTH_FLOAT_WEIGHTS").map_or(true, |v| v != "float")
+/// How float (F32, F16, BF16) weight matrices are computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FloatWeights {
+    /// Quantized to Q8_0 at load (as llama.cpp's quantizer would) for the integer kernels:
+    /// the speed of a Q8_0 GGUF (the pack cache keeps the result).
+    #[default]
+    Q8_0,
+    /// Multiplied as floats (dequantize a row, then FMA): several times slower.
+    Float,
+}
+
+impl FloatWeights {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "q8_0" | "q8" => Ok(FloatWeights::Q8_0),
+            "float" | "f32" => Ok(FloatWeights::Float),
+            other => Err(format!("unknown float-weights mode {other:?} (q8_0 or float)")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            FloatWeights::Q8_0 => "q8_0",
+            FloatWeights::Float => "float",
+        }
+    }
 }
 
 impl LlamaModel {
@@ -296,16 +318,16 @@ impl LlamaModel {
     }
 
     /// Loads; `use_pack_cache`: map (or write) the on-disk cache of repacked weights.
-    /// Float matrices are quantized to Q8_0 at load as [`float_as_q8_0_by_env`] says.
+    /// Float matrices are quantized to Q8_0 ([`FloatWeights::Q8_0`]).
     pub fn load_with(file: GgufFile, use_pack_cache: bool) -> Result<Self, ModelError> {
-        Self::load_options(file, use_pack_cache, float_as_q8_0_by_env())
+        Self::load_options(file, use_pack_cache, true)
     }
 
     /// Loads; `float_as_q8_0`: quantize float (F32/F16/BF16) matrices to Q8_0 for the
     /// integer kernels (as llama.cpp's quantizer would; the pack cache keeps the result), or
     /// multiply them as floats.
     pub fn load_options(file: GgufFile, use_pack_cache: bool, float_as_q8_0: bool) -> Result<Self, ModelError> {
-        let mut m = Self::load_inner(file, use_pack_cache, false)?;
+        let mut m = Self::load_inner(file, use_pack_cache)?;
         m.float_as_q8_0 = float_as_q8_0;
         if isa().is_simd() {
             let t = std::time::Instant::now();
@@ -318,10 +340,10 @@ impl LlamaModel {
     /// Loads without repacking for the CPU kernels: for a backend that keeps its own copy
     /// of the weights (the CUDA backend reads them from [`LlamaModel::weights`]).
     pub fn load_unpacked(file: GgufFile) -> Result<Self, ModelError> {
-        Self::load_inner(file, false, false)
+        Self::load_inner(file, false)
     }
 
-    fn load_inner(file: GgufFile, use_pack_cache: bool, repack: bool) -> Result<Self, ModelError> {
+    fn load_inner(file: GgufFile, use_pack_cache: bool) -> Result<Self, ModelError> {
         let c = LlamaConfig::from_gguf(&file)?;
         let (d, kv) = (c.d_model, c.kv_dim());
         let mut layers = Vec::with_capacity(c.n_layers);
@@ -350,7 +372,7 @@ impl LlamaModel {
             .map(|i| c.rope_theta.powf(-((2 * i) as f32) / c.rope_dims as f32))
             .collect();
         let n_params = file.tensors.iter().map(|t| t.n_elements()).sum();
-        let mut model = Self {
+        Ok(Self {
             file,
             config: c,
             layers,
@@ -364,13 +386,7 @@ impl LlamaModel {
             packed_from_cache: false,
             use_pack_cache,
             float_as_q8_0: false,
-        };
-        if repack {
-            let t = std::time::Instant::now();
-            model.repack();
-            model.repack_seconds = t.elapsed().as_secs_f64();
-        }
-        Ok(model)
+        })
     }
 
     /// Repacks every quantized matrix for the SIMD kernels (see [`crate::kernels::packed`]),
@@ -411,14 +427,14 @@ impl LlamaModel {
                     kind,
                     rows: m.rows,
                     cols: m.cols,
-                    tensor_offset: m.offset as u64,
+                    tensor_offset: m.offset as u64 | (m.shard as u64) << 48,
                 });
                 true
             }
             _ => false,
         });
         if ms.is_empty() {
-            // Float weights only (a Hugging Face checkpoint): nothing to repack or cache.
+            // Nothing to repack or cache (float weights kept as floats).
             return;
         }
         let use_cache = self.use_pack_cache;
