@@ -325,11 +325,7 @@ impl EngineHandle {
         }
         let tokenizer = Arc::new(Tokenizer::from_spec(&spec)?);
         let model = match cfg.device {
-            Device::Cpu => LlamaModel::load_options(
-                file,
-                cfg.pack_cache,
-                cfg.float_weights == crate::models::llama::FloatWeights::Q8_0,
-            )?,
+            Device::Cpu => LlamaModel::load_options(file, cfg.pack_cache, cfg.float_weights)?,
             // The device keeps its own copy of the weights: no CPU repacking.
             Device::Cuda(_) => LlamaModel::load_unpacked(file)?,
         };

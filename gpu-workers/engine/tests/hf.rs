@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::gguf::GgufFile;
 use hearth_engine::hf::{self, ExportDtype};
-use hearth_engine::models::llama::{ForwardScratch, LlamaModel, RopeLayout, Session};
+use hearth_engine::models::llama::{FloatWeights, ForwardScratch, LlamaModel, RopeLayout, Session};
 use hearth_engine::tokenizer_spec;
 use hearth_protocol::chat::{ChatMessage, ChatTemplate};
 use hearth_protocol::tokenizer::Tokenizer;
@@ -105,16 +105,16 @@ fn sharded_f16_export_answers_the_golden_prompt() {
     // BF16 only rounds more: the same answer.
     let bf16 = export(ExportDtype::BF16, 1, "bf16");
     for dir in [&dir, &bf16] {
-        for as_q8_0 in [true, false] {
-            let model = LlamaModel::load_options(hf::open(&dir.0).unwrap(), false, as_q8_0).unwrap();
+        for float in [FloatWeights::Q8_0, FloatWeights::Float] {
+            let model = LlamaModel::load_options(hf::open(&dir.0).unwrap(), false, float).unwrap();
             assert_eq!(
                 model.packed_bytes() > 0,
-                as_q8_0 && hearth_engine::kernels::isa().is_simd()
+                float == FloatWeights::Q8_0 && hearth_engine::kernels::isa().is_simd()
             );
             assert_eq!(
                 greedy(&model, &ids),
                 GOLDEN_ANSWER,
-                "{} as Q8_0: {as_q8_0}",
+                "{} with float weights {float:?}",
                 dir.0.display()
             );
         }

@@ -11,9 +11,12 @@
 //! The reference is llama-cpp-python built from source by `bench/llamacpp-lib.sh` (once per
 //! machine; cached in the target directory).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use common::{repo, run};
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::gguf::GgufFile;
 use hearth_engine::kernels::{set_isa, Isa};
@@ -24,10 +27,6 @@ use hearth_engine::tokenizer_spec;
 use hearth_protocol::{ChatMessage, ChatTemplate, Tokenizer};
 use serde_json::Value;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 /// The venv `bench/llamacpp-lib.sh` builds (the same rule as the scripts).
 fn llamacpp_python() -> PathBuf {
     let venv = match std::env::var_os("LLAMACPP_VENV") {
@@ -37,15 +36,6 @@ fn llamacpp_python() -> PathBuf {
             .join("llamacpp-venv"),
     };
     venv.join("bin/python")
-}
-
-fn run(cmd: &mut Command) -> String {
-    let out = cmd
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(out.status.success(), "{cmd:?} failed");
-    String::from_utf8(out.stdout).unwrap()
 }
 
 /// `bench/synth-model` with these arguments: (type, path) per file.

@@ -8,7 +8,7 @@ use std::path::Path;
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::gguf::GgufFile;
 use hearth_engine::kernels::{set_isa, Isa};
-use hearth_engine::models::llama::{ForwardScratch, LlamaModel, Session};
+use hearth_engine::models::llama::{FloatWeights, ForwardScratch, LlamaModel, Session};
 use hearth_engine::pack_cache;
 
 fn logits(path: &Path) -> (Vec<f32>, bool) {
@@ -75,7 +75,7 @@ fn a_safetensors_directory_is_cached_inside_it_and_tied_to_its_shards() {
     let old = dir.join("hearth-pack-v1");
     std::fs::write(&old, b"an earlier layout").unwrap();
     let load = || {
-        let model = LlamaModel::load_options(hf::open(&dir).unwrap(), true, true).unwrap();
+        let model = LlamaModel::load_options(hf::open(&dir).unwrap(), true, FloatWeights::Q8_0).unwrap();
         let out = Session::new(&model, 64, ForwardScratch::default()).feed(&[1, 9690, 198, 2683]);
         (out, model.packed_from_cache())
     };

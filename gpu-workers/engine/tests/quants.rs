@@ -5,6 +5,8 @@
 //! numbers (the kernels themselves are checked against the scalar dot product on every ISA
 //! in `kernels::tests`).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -14,13 +16,7 @@ use hearth_engine::kernels::{blocks, dequantize_row, PackedMatrix, WeightView};
 const TYPES: [GgmlType; 8] = GgmlType::QUANTIZED;
 
 fn reference_python() -> PathBuf {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/reference-data");
-    let out = Command::new(&script)
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
-    assert!(out.status.success(), "{} failed", script.display());
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()).join("venv/bin/python")
+    common::reference().join("venv/bin/python")
 }
 
 struct Lcg(u64);

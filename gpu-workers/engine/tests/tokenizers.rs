@@ -11,9 +11,12 @@
 //!   in every variant on Gemma 4's vocabulary;
 //! * the vocabularies Hearth cannot reproduce are refused by name.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::OnceLock;
 
+mod common;
+
+use common::reference;
 use hearth_engine::gguf::GgufFile;
 use hearth_engine::tokenizer_spec;
 use hearth_protocol::tokenizer::{hf_tokenizer_json, pretokenize, Tokenizer, TokenizerSpec};
@@ -36,20 +39,6 @@ const WITH_VECTORS: &[&str] = &[
     "refact",
     "mpt",
 ];
-
-/// `scripts/reference-data`'s directory (fetched on first use).
-fn reference() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/reference-data");
-        let out = std::process::Command::new(&script)
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
-        assert!(out.status.success(), "{} failed", script.display());
-        PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
-    })
-}
 
 fn vocab_path(name: &str) -> PathBuf {
     reference().join("vocab").join(format!("ggml-vocab-{name}.gguf"))

@@ -127,25 +127,27 @@ unsafe fn group_avx512<const T: usize, const K: u8>(
     let flip = _mm512_set1_epi8(-128);
     let u8s = |p: *const u8| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i)));
     let i8s = |p: *const u8| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)));
+    // The super-block's f16 scales, converted once per super-block.
+    let (mut d16, mut c16) = (_mm512_setzero_ps(), _mm512_setzero_ps());
     for b in 0..nb {
         let (s, j) = (b / per, b % per);
         let sup = w.add(s * sbytes);
         let q = sup.add(hbytes + j * qbytes);
-        let d16 = _mm512_cvtph_ps(_mm256_load_si256(sup as *const __m256i));
+        if j == 0 {
+            d16 = _mm512_cvtph_ps(_mm256_load_si256(sup as *const __m256i));
+            c16 = _mm512_cvtph_ps(_mm256_load_si256(sup.add(32) as *const __m256i));
+        }
         // (D, C) of the layout's formula; for K6 (D·sa, D·sb).
         let (d, c) = match K {
-            K4 | K5 => {
-                let c16 = _mm512_cvtph_ps(_mm256_load_si256(sup.add(32) as *const __m256i));
-                (
-                    _mm512_mul_ps(d16, u8s(sup.add(64 + 16 * j))),
-                    _mm512_mul_ps(c16, u8s(sup.add(192 + 16 * j))),
-                )
-            }
+            K4 | K5 => (
+                _mm512_mul_ps(d16, u8s(sup.add(64 + 16 * j))),
+                _mm512_mul_ps(c16, u8s(sup.add(192 + 16 * j))),
+            ),
             K6 => (
                 _mm512_mul_ps(d16, i8s(sup.add(64 + 32 * j))),
                 _mm512_mul_ps(d16, i8s(sup.add(64 + 32 * j + 16))),
             ),
-            _ => (d16, _mm512_cvtph_ps(_mm256_load_si256(sup.add(32) as *const __m256i))),
+            _ => (d16, c16),
         };
         if K == BYTE {
             let mut wq = [_mm512_setzero_si512(); 8];
@@ -240,23 +242,29 @@ macro_rules! avx2_group_kernel {
             let bit5 = _mm256_set1_epi8(0x20);
             let u8s = |p: *const u8| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)));
             let i8s = |p: *const u8| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)));
+            // The super-block's f16 scales (both halves), converted once per super-block.
+            let (mut d16, mut c16) = ([_mm256_setzero_ps(); 2], [_mm256_setzero_ps(); 2]);
             for b in 0..nb {
                 let (s, j) = (b / per, b % per);
                 let sup = w.add(s * sbytes);
                 let qb = sup.add(hbytes + j * qbytes);
+                if j == 0 {
+                    for h in 0..2 {
+                        d16[h] = _mm256_cvtph_ps(_mm_load_si128(sup.add(16 * h) as *const __m128i));
+                        c16[h] = _mm256_cvtph_ps(_mm_load_si128(sup.add(32 + 16 * h) as *const __m128i));
+                    }
+                }
                 for h in 0..2 {
-                    let d16 = _mm256_cvtph_ps(_mm_load_si128(sup.add(16 * h) as *const __m128i));
-                    let c16 = || _mm256_cvtph_ps(_mm_load_si128(sup.add(32 + 16 * h) as *const __m128i));
                     let (d, c) = match K {
                         K4 | K5 => (
-                            _mm256_mul_ps(d16, u8s(sup.add(64 + 16 * j + 8 * h))),
-                            _mm256_mul_ps(c16(), u8s(sup.add(192 + 16 * j + 8 * h))),
+                            _mm256_mul_ps(d16[h], u8s(sup.add(64 + 16 * j + 8 * h))),
+                            _mm256_mul_ps(c16[h], u8s(sup.add(192 + 16 * j + 8 * h))),
                         ),
                         K6 => (
-                            _mm256_mul_ps(d16, i8s(sup.add(64 + 32 * j + 8 * h))),
-                            _mm256_mul_ps(d16, i8s(sup.add(64 + 32 * j + 16 + 8 * h))),
+                            _mm256_mul_ps(d16[h], i8s(sup.add(64 + 32 * j + 8 * h))),
+                            _mm256_mul_ps(d16[h], i8s(sup.add(64 + 32 * j + 16 + 8 * h))),
                         ),
-                        _ => (d16, c16()),
+                        _ => (d16[h], c16[h]),
                     };
                     let q = qb.add(32 * h);
                     if K == BYTE {

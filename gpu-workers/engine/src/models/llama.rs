@@ -173,8 +173,8 @@ pub struct LlamaModel {
     repack_seconds: f64,
     packed_from_cache: bool,
     use_pack_cache: bool,
-    /// Float matrices are quantized to Q8_0 when repacked.
-    float_as_q8_0: bool,
+    /// How float matrices are computed (quantized to Q8_0 when repacked, or not).
+    float_weights: FloatWeights,
 }
 
 impl std::fmt::Debug for LlamaModel {
@@ -320,15 +320,13 @@ impl LlamaModel {
     /// Loads; `use_pack_cache`: map (or write) the on-disk cache of repacked weights.
     /// Float matrices are quantized to Q8_0 ([`FloatWeights::Q8_0`]).
     pub fn load_with(file: GgufFile, use_pack_cache: bool) -> Result<Self, ModelError> {
-        Self::load_options(file, use_pack_cache, true)
+        Self::load_options(file, use_pack_cache, FloatWeights::Q8_0)
     }
 
-    /// Loads; `float_as_q8_0`: quantize float (F32/F16/BF16) matrices to Q8_0 for the
-    /// integer kernels (as llama.cpp's quantizer would; the pack cache keeps the result), or
-    /// multiply them as floats.
-    pub fn load_options(file: GgufFile, use_pack_cache: bool, float_as_q8_0: bool) -> Result<Self, ModelError> {
+    /// Loads; `float_weights`: how float (F32/F16/BF16) matrices are computed.
+    pub fn load_options(file: GgufFile, use_pack_cache: bool, float_weights: FloatWeights) -> Result<Self, ModelError> {
         let mut m = Self::load_inner(file, use_pack_cache)?;
-        m.float_as_q8_0 = float_as_q8_0;
+        m.float_weights = float_weights;
         if isa().is_simd() {
             let t = std::time::Instant::now();
             m.repack();
@@ -385,7 +383,7 @@ impl LlamaModel {
             repack_seconds: 0.0,
             packed_from_cache: false,
             use_pack_cache,
-            float_as_q8_0: false,
+            float_weights: FloatWeights::Float,
         })
     }
 
@@ -416,7 +414,7 @@ impl LlamaModel {
         }
         ms.push(&mut self.output);
         let mut wanted = Vec::new();
-        let float_as_q8_0 = self.float_as_q8_0;
+        let float_as_q8_0 = self.float_weights == FloatWeights::Q8_0;
         let kind_of = |ty: GgmlType| match PackKind::of(ty) {
             None if float_as_q8_0 && !ty.is_quantized() => Some(PackKind::Byte),
             k => k,

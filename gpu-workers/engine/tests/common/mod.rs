@@ -1,0 +1,30 @@
+//! Helpers the integration tests share: the repository's root, its scripts' output, and
+//! the reference data `scripts/reference-data` fetches.
+
+#![allow(dead_code)] // each test binary uses its own part
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+/// The repository's root.
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Runs a command that must succeed (its stderr shown), returning its stdout.
+pub fn run(cmd: &mut Command) -> String {
+    let out = cmd
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(out.status.success(), "{cmd:?} failed");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// `scripts/reference-data`'s directory (fetched on first use): llama.cpp's vocabularies
+/// and templates, and a venv with Jinja2 and the `gguf` package.
+pub fn reference() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| PathBuf::from(run(&mut Command::new(repo().join("scripts/reference-data"))).trim()))
+}
