@@ -1,7 +1,7 @@
 """llama.cpp's greedy decoding on a GGUF, as the engine's differential tests read it: for each
 prompt, the prompt's ids (llama.cpp's tokenizer, BOS added as the file says), then N greedy
 steps, each with its top-8 token ids and logits and the largest |logit|. One JSON document on
-stdout. Usage: llamacpp_greedy.py MODEL.gguf --steps N PROMPT..."""
+stdout. Usage: llamacpp_greedy.py MODEL.gguf --steps N [--rope-scaling yarn:4] PROMPT..."""
 import argparse, json
 
 import numpy as np
@@ -12,10 +12,17 @@ ap.add_argument("model")
 ap.add_argument("prompts", nargs="+")
 ap.add_argument("--steps", type=int, default=64)
 ap.add_argument("--threads", type=int, default=2)
+ap.add_argument("--rope-scaling", help="KIND:FACTOR[:ORIGINAL_CONTEXT], as Hearth's --rope-scaling")
 a = ap.parse_args()
 
+rope = {}
+if a.rope_scaling:
+    kind, factor, *orig = a.rope_scaling.split(":")
+    kinds = {"linear": llama_cpp.LLAMA_ROPE_SCALING_TYPE_LINEAR, "yarn": llama_cpp.LLAMA_ROPE_SCALING_TYPE_YARN}
+    rope = dict(rope_scaling_type=kinds[kind], rope_freq_scale=1.0 / float(factor),
+                yarn_orig_ctx=int(orig[0]) if orig else 0)
 llm = llama_cpp.Llama(model_path=a.model, n_ctx=512, n_batch=512, n_threads=a.threads,
-                      logits_all=True, verbose=False)
+                      logits_all=True, verbose=False, **rope)
 out = {"model": a.model, "system_info": llama_cpp.llama_print_system_info().decode(), "prompts": []}
 for text in a.prompts:
     llm.reset()

@@ -2,20 +2,56 @@
 tokenizer, written as GGUF with the `gguf` package, then quantized by llama.cpp's own
 quantizer (`llama_model_quantize`, through llama-cpp-python).
 
-Usage: synth_model.py --shape NAME --vocab VOCAB.gguf --out DIR [--types f16,q8_0,q4_k_m,...]
+Usage: synth_model.py --shape NAME --reference DIR --out DIR [--types f16,q8_0,q4_k_m,...]
 Prints one line per file written: TYPE PATH. Files are reused when present (same seed, same
 bytes)."""
-import argparse, ctypes, os, sys
+import argparse, ctypes, math, os, sys
 
 import numpy as np
 import gguf
 
-# name: (d_model, layers, ffn, heads, kv_heads, context, rope_theta, tied embeddings)
+# Shapes. `arch` is the GGUF architecture; `vocab` the llama.cpp vocabulary file whose
+# tokenizer the model takes (ggml-vocab-NAME.gguf) and `template` the chat template of
+# llama.cpp's models/templates it carries (None: the vocabulary file's own).
+BASE = dict(arch="llama", d=256, layers=2, ff=768, heads=4, kv_heads=2, head_dim=None, ctx=2048,
+            theta=10000.0, tied=False, vocab="llama-bpe", template=None)
 SHAPES = {
     # Small enough for a test to run llama.cpp and Hearth on several types in seconds.
-    "tiny": (256, 2, 768, 4, 2, 2048, 10000.0, False),
+    "tiny": dict(),
     # Llama-3.2-1B's shape (larger than any L3 cache: ~0.8 GB at Q4_K_M).
-    "llama-1b": (2048, 16, 8192, 32, 8, 8192, 500000.0, True),
+    "llama-1b": dict(d=2048, layers=16, ff=8192, heads=32, kv_heads=8, ctx=8192, theta=500000.0, tied=True,
+                     embed_std=1.0),
+    # One per family, each with its real tokenizer and chat template. Windows are short so
+    # that 64 generated tokens cross them.
+    "llama3-tiny": dict(theta=500000.0, rope_freqs=dict(factor=8.0, low=1.0, high=4.0, orig=256),
+                        template="meta-llama-Llama-3.1-8B-Instruct"),
+    # llama.cpp stores Mistral as `llama` and ignores its window: a window longer than the
+    # test's sequences keeps both engines comparable (Gemma's windows are checked below).
+    "mistral-tiny": dict(vocab="llama-spm", sliding_window=4096, template="mistralai-Mistral-Nemo-Instruct-2407"),
+    "qwen2-tiny": dict(arch="qwen2", vocab="qwen2", qkv_bias=True, theta=1000000.0,
+                       template="Qwen-Qwen2.5-7B-Instruct"),
+    "qwen3-tiny": dict(arch="qwen3", vocab="qwen2", head_dim=128, qk_norm=True, theta=1000000.0,
+                       tied=True, template="Qwen-Qwen3-0.6B"),
+    # Gemma 2/3 GGUFs carry SentencePiece (`llama`) vocabularies, as llama-spm's.
+    "gemma2-tiny": dict(arch="gemma2", vocab="llama-spm", heads=4, kv_heads=2, head_dim=256, tied=True,
+                        gemma=True, attn_softcap=50.0, final_softcap=30.0, sliding_window=32,
+                        template="google-gemma-2-2b-it"),
+    "gemma3-tiny": dict(arch="gemma3", vocab="llama-spm", layers=6, head_dim=128, tied=True, gemma=True,
+                        qk_norm=True, sliding_window=32, theta=1000000.0, theta_swa=10000.0,
+                        linear_scale=8.0, template="google-gemma-2-2b-it"),
+    "phi3-tiny": dict(arch="phi3", vocab="phi-3", fused=True, template="microsoft-Phi-3.5-mini-instruct"),
+    # The benchmarks' shapes: Qwen3-0.6B's (~0.65 GB at Q8_0) and a Gemma-2 of ~0.8 GB, each
+    # with a plain-Llama twin of the same dimensions (the new pieces' cost).
+    "qwen3-0.6b": dict(arch="qwen3", vocab="qwen2", d=1024, layers=28, ff=3072, heads=16, kv_heads=8,
+                       head_dim=128, qk_norm=True, theta=1000000.0, tied=True, ctx=40960,
+                       template="Qwen-Qwen3-0.6B"),
+    "llama-as-qwen3-0.6b": dict(vocab="qwen2", d=1024, layers=28, ff=3072, heads=16, kv_heads=8,
+                                head_dim=128, theta=1000000.0, tied=True, ctx=40960),
+    "gemma2-0.8b": dict(arch="gemma2", vocab="gemma-4", d=1536, layers=10, ff=6144, heads=8, kv_heads=4,
+                        head_dim=256, tied=True, gemma=True, attn_softcap=50.0, final_softcap=30.0,
+                        sliding_window=4096, ctx=8192, template="google-gemma-2-2b-it"),
+    "llama-as-gemma2-0.8b": dict(vocab="gemma-4", d=1536, layers=10, ff=6144, heads=8, kv_heads=4,
+                                 head_dim=256, tied=True, ctx=8192),
 }
 
 # llama.cpp's file types (llama.h `llama_ftype`).
@@ -47,23 +83,56 @@ def copy_tokenizer(w, vocab_path):
     return len(tokens.data)
 
 
-def write_f16(path, shape, vocab_path, seed):
-    d, layers, ff, heads, kv_heads, ctx, theta, tied = SHAPES[shape]
-    head_dim = d // heads
-    w = gguf.GGUFWriter(path + ".tmp", "llama")
+def llama3_factors(dims, theta, f):
+    """Llama 3.1's RoPE factors, as llama.cpp's converter computes them (`rope_freqs`)."""
+    freqs = 1.0 / (theta ** (np.arange(0, dims, 2, dtype=np.float32) / dims))
+    low_wavelen, high_wavelen = f["orig"] / f["low"], f["orig"] / f["high"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(f["factor"])
+        else:
+            smooth = (f["orig"] / wavelen - f["low"]) / (f["high"] - f["low"])
+            out.append(1 / ((1 - smooth) / f["factor"] + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_f16(path, shape, reference, seed):
+    s = dict(BASE, **SHAPES[shape])
+    d, layers, ff, heads, kv_heads = s["d"], s["layers"], s["ff"], s["heads"], s["kv_heads"]
+    head_dim = s["head_dim"] or d // heads
+    w = gguf.GGUFWriter(path + ".tmp", s["arch"])
     w.add_name(f"hearth-synth-{shape}")
-    w.add_context_length(ctx)
+    w.add_context_length(s["ctx"])
     w.add_embedding_length(d)
     w.add_block_count(layers)
     w.add_feed_forward_length(ff)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
+    if s["head_dim"]:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(theta)
-    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(s["theta"])
+    w.add_layer_norm_rms_eps(1e-5 if s["arch"] in ("llama", "phi3") else 1e-6)
     w.add_file_type(1)
-    vocab = copy_tokenizer(w, vocab_path)
+    if "sliding_window" in s:
+        w.add_sliding_window(s["sliding_window"])
+    if "attn_softcap" in s:
+        w.add_attn_logit_softcapping(s["attn_softcap"])
+        w.add_final_logit_softcapping(s["final_softcap"])
+    if "theta_swa" in s:
+        w.add_rope_freq_base_swa(s["theta_swa"])
+    if "linear_scale" in s:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(s["linear_scale"])
+    vocab = copy_tokenizer(w, os.path.join(reference, "vocab", f"ggml-vocab-{s['vocab']}.gguf"))
     w.add_vocab_size(vocab)
+    if s["template"]:
+        w.add_chat_template(open(os.path.join(reference, "templates", s["template"] + ".jinja")).read())
     rng = np.random.default_rng(seed)
 
     def mat(rows, cols, std):
@@ -72,24 +141,54 @@ def write_f16(path, shape, vocab_path, seed):
     def norm(n):
         return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
 
+    def bias(n):
+        return (0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
+
     # Scales that keep the residual stream and the logits of a random model well spread, so
     # that greedy decoding is not a sequence of near-ties.
-    w.add_tensor("token_embd.weight", mat(vocab, d, 1.0))
-    w.add_tensor("output_norm.weight", norm(d))
-    if not tied:
+    # Tied embeddings are smaller too: a token's own row would otherwise dominate its logits
+    # (Gemma's are scaled by √d on the way in, so smaller still).
+    embed_std = s.get("embed_std", 2.0 / np.sqrt(d) if s["tied"] else 1.0)
+    out_norm = norm(d)
+    if s.get("gemma"):
+        # Small rows (the residual stream is not the input token again), a large final
+        # norm (the logits still spread).
+        embed_std = 0.15 / np.sqrt(d)
+        out_norm *= 12.0
+    w.add_tensor("token_embd.weight", mat(vocab, d, embed_std))
+    w.add_tensor("output_norm.weight", out_norm)
+    if not s["tied"]:
         w.add_tensor("output.weight", mat(vocab, d, 2.0 / np.sqrt(d)))
-    kv = kv_heads * head_dim
+    if "rope_freqs" in s:
+        w.add_tensor("rope_freqs.weight", llama3_factors(head_dim, s["theta"], s["rope_freqs"]))
+    q, kv = heads * head_dim, kv_heads * head_dim
     for i in range(layers):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", norm(d))
-        w.add_tensor(p + "attn_q.weight", mat(d, d, 1.0 / np.sqrt(d)))
-        w.add_tensor(p + "attn_k.weight", mat(kv, d, 1.0 / np.sqrt(d)))
-        w.add_tensor(p + "attn_v.weight", mat(kv, d, 1.0 / np.sqrt(d)))
-        w.add_tensor(p + "attn_output.weight", mat(d, d, 1.0 / np.sqrt(d)))
+        if s.get("fused"):
+            w.add_tensor(p + "attn_qkv.weight", mat(q + 2 * kv, d, 1.0 / np.sqrt(d)))
+        else:
+            w.add_tensor(p + "attn_q.weight", mat(q, d, 1.0 / np.sqrt(d)))
+            w.add_tensor(p + "attn_k.weight", mat(kv, d, 1.0 / np.sqrt(d)))
+            w.add_tensor(p + "attn_v.weight", mat(kv, d, 1.0 / np.sqrt(d)))
+        if s.get("qkv_bias"):
+            w.add_tensor(p + "attn_q.bias", bias(q))
+            w.add_tensor(p + "attn_k.bias", bias(kv))
+            w.add_tensor(p + "attn_v.bias", bias(kv))
+        if s.get("qk_norm"):
+            w.add_tensor(p + "attn_q_norm.weight", norm(head_dim))
+            w.add_tensor(p + "attn_k_norm.weight", norm(head_dim))
+        w.add_tensor(p + "attn_output.weight", mat(d, q, 1.0 / np.sqrt(q)))
         w.add_tensor(p + "ffn_norm.weight", norm(d))
-        w.add_tensor(p + "ffn_gate.weight", mat(ff, d, 1.0 / np.sqrt(d)))
-        w.add_tensor(p + "ffn_up.weight", mat(ff, d, 1.0 / np.sqrt(d)))
+        if s.get("fused"):
+            w.add_tensor(p + "ffn_up.weight", mat(2 * ff, d, 1.0 / np.sqrt(d)))
+        else:
+            w.add_tensor(p + "ffn_gate.weight", mat(ff, d, 1.0 / np.sqrt(d)))
+            w.add_tensor(p + "ffn_up.weight", mat(ff, d, 1.0 / np.sqrt(d)))
         w.add_tensor(p + "ffn_down.weight", mat(d, ff, 1.0 / np.sqrt(ff)))
+        if s.get("gemma"):
+            w.add_tensor(p + "post_attention_norm.weight", norm(d))
+            w.add_tensor(p + "post_ffw_norm.weight", norm(d))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=False)
@@ -125,7 +224,7 @@ def quantize(src, dst, ftype, requantize=False):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
-    ap.add_argument("--vocab", required=True, help="a GGUF whose tokenizer.* keys to copy")
+    ap.add_argument("--reference", required=True, help="scripts/reference-data's directory (vocab/, templates/)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--types", default="f16,q8_0")
     ap.add_argument("--seed", type=int, default=20261202)
@@ -138,7 +237,7 @@ def main():
         base = f"synth-{a.shape}-s{a.seed}"
         f16 = os.path.join(a.out, base + "-f16.gguf")
         if not os.path.exists(f16):
-            write_f16(f16, a.shape, a.vocab, a.seed)
+            write_f16(f16, a.shape, a.reference, a.seed)
     for t in a.types.split(","):
         t = t.strip().lower()
         if t not in FTYPES:

@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use hearth_engine::cuda::{plan, CudaCompute, CudaOptions};
 use hearth_engine::gguf::GgufFile;
-use hearth_engine::models::llama::{Batch, ForwardScratch, LlamaModel, Session};
+use hearth_engine::models::{Batch, ForwardScratch, Model, Session};
 use hearth_engine::sampling::argmax;
 use serde_json::json;
 
@@ -141,8 +141,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn run(a: &Args) -> Result<serde_json::Value, String> {
     let path = std::path::Path::new(&a.model);
     let open = || GgufFile::open(path).map_err(|e| e.to_string());
-    let cpu_model = LlamaModel::load(open()?).map_err(|e| e.to_string())?;
-    let gpu_model = LlamaModel::load_unpacked(open()?).map_err(|e| e.to_string())?;
+    let cpu_model = Model::load(open()?).map_err(|e| e.to_string())?;
+    let gpu_model = Model::load_unpacked(open()?, Default::default()).map_err(|e| e.to_string())?;
     let context = gpu_model.config.context_length;
     let max_rows = a
         .prefill_tokens
@@ -173,7 +173,7 @@ fn run(a: &Args) -> Result<serde_json::Value, String> {
     })
 }
 
-fn measure(a: &Args, cpu_model: &LlamaModel, mut gpu: CudaCompute, load_s: f64) -> Result<serde_json::Value, String> {
+fn measure(a: &Args, cpu_model: &Model, mut gpu: CudaCompute, load_s: f64) -> Result<serde_json::Value, String> {
     let report = gpu.report().clone();
     let pool = report.kv_blocks;
     let vocab = cpu_model.config.vocab_size;

@@ -19,19 +19,41 @@ pub struct HeadSpec {
     pub kv_dim: usize,
 }
 
-/// `out = softmax(q·Kᵀ / √d) · V` over the first `n` positions of the sequence whose blocks
-/// are `table`. `scores` is scratch.
+/// How scores are formed: `scale · q·k`, then soft-capped (`cap · tanh(s / cap)`) when a
+/// cap is set.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scoring {
+    pub scale: f32,
+    pub softcap: Option<f32>,
+}
+
+impl Scoring {
+    /// Plain scaled dot-product attention: `1/√head_dim`, no cap.
+    pub fn plain(head_dim: usize) -> Self {
+        Self {
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            softcap: None,
+        }
+    }
+}
+
+/// `out = softmax(score(q, K)) · V` over positions `span` (`0..n` for full attention, the
+/// window's `n − w..n` for sliding-window layers) of the sequence whose blocks are `table`.
+/// `scores` is scratch.
+#[allow(clippy::too_many_arguments)]
 pub fn attend_head(
     q: &[f32],
-    n: usize,
+    span: std::ops::Range<usize>,
     table: &[u32],
     pool: &KvPool,
     h: HeadSpec,
+    scoring: Scoring,
     out: &mut [f32],
     scores: &mut Vec<f32>,
 ) {
     let bt = pool.block_tokens();
     let hd = h.head_dim;
+    let n = span.end;
     // The SIMD kernels read through raw pointers sized by these shapes.
     let shape = pool.shape();
     assert!(
@@ -43,17 +65,23 @@ pub fn attend_head(
         "attention head shape does not match the KV pool"
     );
     assert!(table.len() * bt >= n, "the block table does not cover {n} positions");
-    let nblocks = n.div_ceil(bt);
-    let scale = 1.0 / (hd as f32).sqrt();
+    assert!(span.start < n, "an empty attention span");
+    // Blocks wholly before the span are skipped; positions of the first block before it
+    // get no weight.
+    let first = span.start / bt;
+    let table = &table[first..n.div_ceil(bt)];
+    let skip = span.start - first * bt;
+    let n = n - first * bt;
+    let nblocks = table.len();
     scores.clear();
     scores.resize(nblocks * bt, 0.0);
     #[cfg(target_arch = "x86_64")]
-    let simd = isa().is_simd() && bt.is_multiple_of(8) && hd.is_multiple_of(8) && hd <= 128;
+    let simd = isa().is_simd() && bt.is_multiple_of(8) && hd.is_multiple_of(8) && hd <= 256;
     #[cfg(not(target_arch = "x86_64"))]
     let simd = false;
     // 512-bit registers: 16 positions (one block) or 16 output elements per register.
-    let wide = simd && isa() == Isa::Avx512 && bt.is_multiple_of(16) && (hd == 64 || hd == 128);
-    for (bi, &block) in table.iter().enumerate().take(nblocks) {
+    let wide = simd && isa() == Isa::Avx512 && bt.is_multiple_of(16) && matches!(hd, 64 | 128 | 256);
+    for (bi, &block) in table.iter().enumerate() {
         let keys = pool.keys(block, h.layer);
         let dst = &mut scores[bi * bt..(bi + 1) * bt];
         let kt_off = h.kv_head * hd * bt;
@@ -63,37 +91,45 @@ pub fn attend_head(
             // elements from `kt_off` inside the block section; `bt` is a multiple of 8.
             unsafe {
                 if wide {
-                    x86::scores512(q, scale, keys, kt_off, bt, dst)
+                    x86::scores512(q, scoring.scale, keys, kt_off, bt, dst)
                 } else {
-                    x86::scores(q, scale, keys, kt_off, bt, dst)
+                    x86::scores(q, scoring.scale, keys, kt_off, bt, dst)
                 }
             };
         } else {
             for (slot, d) in dst.iter_mut().enumerate() {
                 let s: f32 = (0..hd).map(|i| q[i] * keys.get(kt_off + i * bt + slot)).sum();
-                *d = s * scale;
+                *d = s * scoring.scale;
             }
         }
     }
     scores.truncate(n);
-    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let inv = 1.0 / exp_shifted_sum(scores, max);
+    let live = &mut scores[skip..];
+    if let Some(cap) = scoring.softcap {
+        for s in live.iter_mut() {
+            *s = cap * (*s / cap).tanh();
+        }
+    }
+    let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let inv = 1.0 / exp_shifted_sum(live, max);
+    scores[..skip].fill(0.0);
     let off = h.kv_head * hd;
     if simd {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above; every position `< n` lies in the first `nblocks` blocks, whose
-        // value rows hold `kv_dim ≥ off + hd` elements.
+        // SAFETY: as above; every position `< n` lies in the table's blocks, whose value
+        // rows hold `kv_dim ≥ off + hd` elements.
         unsafe {
             match (wide, hd) {
                 (true, 64) => x86::weighted512::<4>(scores, inv, table, pool, h, off, out),
-                (true, _) => x86::weighted512::<8>(scores, inv, table, pool, h, off, out),
+                (true, 128) => x86::weighted512::<8>(scores, inv, table, pool, h, off, out),
+                (true, _) => x86::weighted512::<16>(scores, inv, table, pool, h, off, out),
                 _ => x86::weighted_values(scores, inv, table, pool, h, off, out),
             }
         };
         return;
     }
     out.fill(0.0);
-    for (bi, &block) in table.iter().enumerate().take(nblocks) {
+    for (bi, &block) in table.iter().enumerate() {
         let values = pool.values(block, h.layer);
         let here = (n - bi * bt).min(bt);
         for slot in 0..here {
@@ -151,7 +187,7 @@ mod x86 {
     /// `out = inv · Σⱼ p[j] · V[j][off..off + hd]` over the `p.len()` first positions.
     ///
     /// # Safety
-    /// AVX2/FMA/F16C; `hd = out.len()` is a multiple of 8, at most 128; the table covers
+    /// AVX2/FMA/F16C; `hd = out.len()` is a multiple of 8, at most 256; the table covers
     /// `p.len()` positions.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn weighted_values(
@@ -167,6 +203,12 @@ mod x86 {
             8 => weighted::<8>(p, inv, table, pool, h, off, out),
             16 => weighted::<16>(p, inv, table, pool, h, off, out),
             4 => weighted::<4>(p, inv, table, pool, h, off, out),
+            // Wider heads (Gemma's 256) in register-sized halves.
+            32 => {
+                let (lo, hi) = out.split_at_mut(128);
+                weighted::<16>(p, inv, table, pool, h, off, lo);
+                weighted::<16>(p, inv, table, pool, h, off + 128, hi);
+            }
             n => {
                 // Other head sizes: accumulate through memory.
                 out.fill(0.0);
@@ -291,12 +333,14 @@ mod tests {
     use crate::kv::{KvDtype, KvShape};
 
     /// Paged attention equals attention over contiguous K/V, on random data with the
-    /// sequence's blocks scattered through the pool: for both storage types, on a shape the
-    /// SIMD kernels take (head 64, blocks of 16) and one only the scalar code takes.
+    /// sequence's blocks scattered through the pool: for both storage types, on shapes the
+    /// SIMD kernels take (heads of 64, 128 and 256, blocks of 16) and ones only the scalar
+    /// code takes; with full spans and windows that start mid-block, with and without a
+    /// soft-cap.
     #[test]
     fn paged_equals_contiguous_reference() {
         let mut rng = Lcg(11);
-        for (hd, bt) in [(8usize, 4usize), (64, 16), (128, 32), (24, 8)] {
+        for (hd, bt) in [(8usize, 4usize), (64, 16), (128, 32), (256, 16), (24, 8)] {
             for dtype in [KvDtype::F32, KvDtype::F16] {
                 let (layers, kv_heads) = (2, 3);
                 let kv_dim = kv_heads * hd;
@@ -322,7 +366,11 @@ mod tests {
                         pool.write(table[p / bt], p % bt, 1, &keys[p], &vals[p]);
                     }
                     let q: Vec<f32> = (0..hd).map(|_| rng.next_f32()).collect();
-                    for g in 0..kv_heads {
+                    // (KV head, window, soft-cap): full spans, windows from one position to
+                    // one past a block, capped and not.
+                    let cases = [(0, n, None), (1, 3, Some(0.5)), (2, bt + 1, None), (0, 1, Some(2.0))];
+                    for (g, window, softcap) in cases {
+                        let window = window.min(n);
                         let mut out = vec![0f32; hd];
                         let spec = HeadSpec {
                             layer: 1,
@@ -330,24 +378,32 @@ mod tests {
                             head_dim: hd,
                             kv_dim,
                         };
-                        attend_head(&q, n, &table, &pool, spec, &mut out, &mut Vec::new());
+                        let scoring = Scoring {
+                            softcap,
+                            ..Scoring::plain(hd)
+                        };
+                        let start = n - window;
+                        attend_head(&q, start..n, &table, &pool, spec, scoring, &mut out, &mut Vec::new());
                         // Reference, in f64 over contiguous rows of the stored values.
-                        let s: Vec<f64> = (0..n)
+                        let s: Vec<f64> = (start..n)
                             .map(|p| {
-                                (0..hd)
+                                let s = (0..hd)
                                     .map(|i| q[i] as f64 * round(keys[p][g * hd + i]) as f64)
                                     .sum::<f64>()
-                                    / (hd as f64).sqrt()
+                                    / (hd as f64).sqrt();
+                                softcap.map_or(s, |c| c as f64 * (s / c as f64).tanh())
                             })
                             .collect();
                         let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                         let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
                         let z: f64 = e.iter().sum();
                         for i in 0..hd {
-                            let want: f64 = (0..n).map(|p| e[p] / z * round(vals[p][g * hd + i]) as f64).sum();
+                            let want: f64 = (start..n)
+                                .map(|p| e[p - start] / z * round(vals[p][g * hd + i]) as f64)
+                                .sum();
                             assert!(
                                 (out[i] as f64 - want).abs() < 2e-5,
-                                "{dtype:?} hd={hd} bt={bt} n={n} g={g} i={i}: {} vs {want}",
+                                "{dtype:?} hd={hd} bt={bt} n={n} window={window} cap={softcap:?} g={g} i={i}: {} vs {want}",
                                 out[i]
                             );
                         }

@@ -24,7 +24,7 @@ use crate::kernels::{cpu_features, isa, set_isa, Isa};
 use crate::kv::{KvDtype, KvPool};
 use crate::kv_transfer::{ImportError, ImportReport, KvBlock, KvLayout};
 use crate::metrics::EngineMetrics;
-use crate::models::llama::{Batch, ForwardScratch, LlamaModel, ModelError};
+use crate::models::{Batch, ForwardScratch, LoadOptions, Model, ModelConfig, ModelError};
 use crate::sampling::Sampler;
 use crate::scheduler::{Policy, Scheduler, SchedulerConfig, StepItem};
 use crate::speculative::{Drafter, PromptLookup, Speculation};
@@ -69,13 +69,16 @@ pub struct EngineConfig {
     /// The kernels' instruction set, set before the weights are repacked for it (None:
     /// keep the process's choice, by default the best this CPU runs).
     pub isa: Option<Isa>,
-    /// Serve at most this context (prompt + output), below the model's own (None: the
-    /// model's).
+    /// Serve at most this context (prompt + output), at most the model's own, stretched
+    /// by `rope_scaling` (None: the model's).
     pub max_context: Option<usize>,
+    /// RoPE scaling instead of the file's: stretches the model's context (see
+    /// [`crate::models::RopeScaling`]).
+    pub rope_scaling: Option<crate::models::RopeScaling>,
     /// Map (or write) the on-disk cache of repacked weights beside the model.
     pub pack_cache: bool,
     /// How float weight matrices are computed (quantized to Q8_0 at load by default).
-    pub float_weights: crate::models::llama::FloatWeights,
+    pub float_weights: crate::models::FloatWeights,
     /// The queue limit in prompt tokens not yet computed (None: as many as the KV cache
     /// holds; 0: unbounded). Requests past it are refused as `overloaded` (see
     /// [`hearth_protocol::QueueState`]).
@@ -109,6 +112,7 @@ impl Default for EngineConfig {
             kv_dtype: KvDtype::default(),
             isa: None,
             max_context: None,
+            rope_scaling: None,
             pack_cache: crate::pack_cache::enabled_by_env(),
             float_weights: Default::default(),
             max_queue_tokens: None,
@@ -222,7 +226,7 @@ fn queue_limit(kv_tokens: usize, cfg: &EngineConfig) -> u64 {
 /// The queue limit ([`WorkerInfo::queue_tokens`]) an engine with `cfg` will have for this
 /// model, from its metadata alone (0 when the file does not say enough).
 pub fn queue_tokens_for(file: &GgufFile, cfg: &EngineConfig) -> u64 {
-    let Ok(c) = crate::models::llama::LlamaConfig::from_gguf(file) else {
+    let Ok(c) = ModelConfig::from_gguf(file) else {
         return cfg.max_queue_tokens.unwrap_or(0) as u64;
     };
     let bt = hearth_protocol::DEFAULT_BLOCK_TOKENS;
@@ -235,13 +239,30 @@ pub fn queue_tokens_for(file: &GgufFile, cfg: &EngineConfig) -> u64 {
     queue_limit(kv_blocks(shape, cfg).1 * bt, cfg)
 }
 
+/// The context an engine with `cfg` serves for a model file, from its metadata alone: the
+/// model's (stretched by `cfg.rope_scaling`), or `cfg.max_context` below it. A context
+/// past the model's is refused, naming the scaling that would reach it.
+pub fn served_context(file: &GgufFile, cfg: &EngineConfig) -> Result<usize, EngineError> {
+    let mut c = ModelConfig::from_gguf(file)?;
+    if let Some(s) = cfg.rope_scaling {
+        c.set_rope_scaling(s);
+    }
+    Ok(c.served_context(cfg.max_context)?)
+}
+
 /// What a worker reports for a model file, from its metadata alone (no weights read): the
 /// gateway can list, tokenize for and route to a model before it is loaded.
 pub fn file_info(path: &Path, model_id: &str, region: &str) -> Result<WorkerInfo, EngineError> {
     let file = crate::hf::open_model(path)?;
     let spec = tokenizer_spec(&file)?;
-    let arch = file.get_str("general.architecture").unwrap_or("llama").to_string();
-    let context = file.get_u64(&format!("{arch}.context_length")).unwrap_or(8192) as u32;
+    let (arch, context) = match ModelConfig::from_gguf(&file) {
+        Ok(c) => (c.arch.name().to_string(), c.context_length as u32),
+        Err(_) => {
+            let arch = file.get_str("general.architecture").unwrap_or("llama").to_string();
+            let context = file.get_u64(&format!("{arch}.context_length")).unwrap_or(8192) as u32;
+            (arch, context)
+        }
+    };
     Ok(WorkerInfo {
         model: model_id.to_string(),
         context_length: context,
@@ -324,10 +345,16 @@ impl EngineHandle {
             spec.chat_template = Some(t.clone());
         }
         let tokenizer = Arc::new(Tokenizer::from_spec(&spec)?);
+        let opts = LoadOptions {
+            pack_cache: cfg.pack_cache,
+            float_weights: cfg.float_weights,
+            rope_scaling: cfg.rope_scaling,
+            max_context: cfg.max_context,
+        };
         let model = match cfg.device {
-            Device::Cpu => LlamaModel::load_options(file, cfg.pack_cache, cfg.float_weights)?,
+            Device::Cpu => Model::load_options(file, opts)?,
             // The device keeps its own copy of the weights: no CPU repacking.
-            Device::Cuda(_) => LlamaModel::load_unpacked(file)?,
+            Device::Cuda(_) => Model::load_unpacked(file, opts)?,
         };
         tracing::info!(
             isa = %isa(),
@@ -345,9 +372,7 @@ impl EngineHandle {
         let bt = hearth_protocol::DEFAULT_BLOCK_TOKENS;
         let c = &model.config;
         let block_bytes = KvPool::block_bytes(model.kv_shape(bt), cfg.kv_dtype);
-        let context = cfg
-            .max_context
-            .map_or(model.config.context_length, |m| m.clamp(1, model.config.context_length));
+        let context = model.config.served_context(cfg.max_context)?;
         let (compute, mib, num_blocks) = Compute::new(&model, cfg, bt, context)?;
         let shape = model.kv_shape(bt);
         let kv_layout = KvLayout {
@@ -370,10 +395,8 @@ impl EngineHandle {
         let queue_tokens = queue_limit(num_blocks * bt, cfg);
         let info = WorkerInfo {
             model: model_id.to_string(),
-            architecture: "llama".into(),
-            context_length: cfg
-                .max_context
-                .map_or(c.context_length, |m| m.clamp(1, c.context_length)) as u32,
+            architecture: c.arch.name().into(),
+            context_length: context as u32,
             parameters: model.n_params(),
             block_tokens: bt as u32,
             region: cfg.region.clone(),
@@ -453,7 +476,7 @@ impl EngineHandle {
         self.packed_bytes
     }
 
-    /// Weight bytes one decode step reads (see `LlamaModel::decode_weight_bytes`).
+    /// Weight bytes one decode step reads (see `Model::decode_weight_bytes`).
     pub fn decode_weight_bytes(&self) -> usize {
         self.decode_weight_bytes
     }
@@ -627,12 +650,7 @@ enum Compute {
 
 impl Compute {
     /// The compute for `cfg.device`, its KV cache's MiB and blocks.
-    fn new(
-        model: &LlamaModel,
-        cfg: &EngineConfig,
-        bt: usize,
-        context: usize,
-    ) -> Result<(Self, usize, usize), EngineError> {
+    fn new(model: &Model, cfg: &EngineConfig, bt: usize, context: usize) -> Result<(Self, usize, usize), EngineError> {
         match cfg.device {
             Device::Cpu => {
                 let (mib, num_blocks) = kv_blocks(model.kv_shape(bt), cfg);
@@ -676,7 +694,7 @@ impl Compute {
         }
     }
 
-    fn forward(&mut self, model: &LlamaModel, batch: &Batch<'_>) -> Result<Vec<f32>, String> {
+    fn forward(&mut self, model: &Model, batch: &Batch<'_>) -> Result<Vec<f32>, String> {
         match self {
             Compute::Cpu { pool, scratch } => Ok(model.forward_batch(batch, pool, scratch)),
             #[cfg(feature = "cuda")]
@@ -733,7 +751,7 @@ impl Compute {
 
 /// What the engine thread owns.
 struct Runner {
-    model: LlamaModel,
+    model: Model,
     /// The context served (the model's, or less by configuration).
     context: usize,
     tokenizer: Arc<Tokenizer>,

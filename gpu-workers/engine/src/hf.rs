@@ -31,7 +31,7 @@ use serde_json::{json, Value};
 
 use crate::gguf::{GgmlType, GgufError, GgufFile, MetaValue, TensorInfo};
 use crate::kernels::dequantize_row;
-use crate::models::llama::{LlamaConfig, ModelError, RopeLayout, ROPE_LAYOUT_KEY};
+use crate::models::{Arch, ModelConfig, ModelError, RopeLayout, RopeScalingKind, NORM_SHIFT_KEY, ROPE_LAYOUT_KEY};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HfError {
@@ -92,8 +92,41 @@ pub fn weights_bytes(path: &Path) -> u64 {
         .sum()
 }
 
-/// Hugging Face tensor name → GGUF tensor name (Llama architecture).
-fn gguf_name(hf: &str) -> Option<String> {
+/// A layer's tensors: (Hugging Face name after `model.layers.N.`, GGUF name after `blk.N.`).
+/// Gemma's four norms sit where Llama's two do, under the same Hugging Face names.
+fn layer_names(arch: Arch) -> Vec<(&'static str, &'static str)> {
+    let gemma = matches!(arch, Arch::Gemma2 | Arch::Gemma3);
+    let mut t = vec![
+        ("input_layernorm.weight", "attn_norm.weight"),
+        ("self_attn.q_proj.weight", "attn_q.weight"),
+        ("self_attn.k_proj.weight", "attn_k.weight"),
+        ("self_attn.v_proj.weight", "attn_v.weight"),
+        ("self_attn.q_proj.bias", "attn_q.bias"),
+        ("self_attn.k_proj.bias", "attn_k.bias"),
+        ("self_attn.v_proj.bias", "attn_v.bias"),
+        ("self_attn.qkv_proj.weight", "attn_qkv.weight"),
+        ("self_attn.o_proj.weight", "attn_output.weight"),
+        ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+        ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+        ("mlp.gate_proj.weight", "ffn_gate.weight"),
+        ("mlp.up_proj.weight", "ffn_up.weight"),
+        ("mlp.gate_up_proj.weight", "ffn_up.weight"),
+        ("mlp.down_proj.weight", "ffn_down.weight"),
+    ];
+    if gemma {
+        t.extend([
+            ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+            ("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
+            ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+        ]);
+    } else {
+        t.push(("post_attention_layernorm.weight", "ffn_norm.weight"));
+    }
+    t
+}
+
+/// Hugging Face tensor name → GGUF tensor name.
+fn gguf_name(hf: &str, arch: Arch) -> Option<String> {
     match hf {
         "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
         "model.norm.weight" => return Some("output_norm.weight".into()),
@@ -103,23 +136,13 @@ fn gguf_name(hf: &str) -> Option<String> {
     let rest = hf.strip_prefix("model.layers.")?;
     let (layer, part) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
-    let g = match part {
-        "input_layernorm.weight" => "attn_norm",
-        "self_attn.q_proj.weight" => "attn_q",
-        "self_attn.k_proj.weight" => "attn_k",
-        "self_attn.v_proj.weight" => "attn_v",
-        "self_attn.o_proj.weight" => "attn_output",
-        "post_attention_layernorm.weight" => "ffn_norm",
-        "mlp.gate_proj.weight" => "ffn_gate",
-        "mlp.up_proj.weight" => "ffn_up",
-        "mlp.down_proj.weight" => "ffn_down",
-        _ => return None,
-    };
-    Some(format!("blk.{layer}.{g}.weight"))
+    let (_, g) = layer_names(arch).into_iter().find(|(h, _)| *h == part)?;
+    Some(format!("blk.{layer}.{g}"))
 }
 
-/// GGUF tensor name → Hugging Face tensor name (the inverse of [`gguf_name`]).
-fn hf_name(gguf: &str) -> Option<String> {
+/// GGUF tensor name → Hugging Face tensor name (the inverse of [`gguf_name`]; a fused
+/// `ffn_up` of twice the width is Phi-3's `gate_up_proj`).
+fn hf_name(gguf: &str, arch: Arch, fused_up: bool) -> Option<String> {
     match gguf {
         "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
         "output_norm.weight" => return Some("model.norm.weight".into()),
@@ -128,19 +151,11 @@ fn hf_name(gguf: &str) -> Option<String> {
     }
     let rest = gguf.strip_prefix("blk.")?;
     let (layer, part) = rest.split_once('.')?;
-    let p = match part {
-        "attn_norm.weight" => "input_layernorm",
-        "attn_q.weight" => "self_attn.q_proj",
-        "attn_k.weight" => "self_attn.k_proj",
-        "attn_v.weight" => "self_attn.v_proj",
-        "attn_output.weight" => "self_attn.o_proj",
-        "ffn_norm.weight" => "post_attention_layernorm",
-        "ffn_gate.weight" => "mlp.gate_proj",
-        "ffn_up.weight" => "mlp.up_proj",
-        "ffn_down.weight" => "mlp.down_proj",
-        _ => return None,
-    };
-    Some(format!("model.layers.{layer}.{p}.weight"))
+    let (h, _) = layer_names(arch)
+        .into_iter()
+        .filter(|(h, _)| fused_up == (*h == "mlp.gate_up_proj.weight") || part != "ffn_up.weight")
+        .find(|(_, g)| *g == part)?;
+    Some(format!("model.layers.{layer}.{h}"))
 }
 
 /// Tensor name → shard file, from `model.safetensors.index.json`.
@@ -199,7 +214,7 @@ fn ggml_type(d: Dtype) -> Option<GgmlType> {
 }
 
 /// Maps every shard and lists its tensors under GGUF names (dims reversed to GGUF order).
-fn open_weights(dir: &Path) -> Result<(Vec<Mmap>, Vec<TensorInfo>), HfError> {
+fn open_weights(dir: &Path, arch: Arch) -> Result<(Vec<Mmap>, Vec<TensorInfo>), HfError> {
     let (files, weight_map) = shard_files(dir)?;
     let mut maps = Vec::with_capacity(files.len());
     let mut tensors = Vec::new();
@@ -218,10 +233,10 @@ fn open_weights(dir: &Path) -> Result<(Vec<Mmap>, Vec<TensorInfo>), HfError> {
             if name.ends_with("rotary_emb.inv_freq") {
                 continue; // recomputed from rope_theta
             }
-            let Some(gname) = gguf_name(&name) else {
+            let Some(gname) = gguf_name(&name, arch) else {
                 return Err(invalid(
                     path,
-                    format!("tensor {name:?} is not part of a Llama model Hearth can run"),
+                    format!("tensor {name:?} is not part of a {arch} model Hearth can run"),
                 ));
             };
             let ty = ggml_type(view.dtype()).ok_or_else(|| {
@@ -272,76 +287,130 @@ fn uint(cfg: &Value, path: &Path, key: &str) -> Result<u64, HfError> {
         .ok_or_else(|| invalid(path, format!("{key} is missing or not a whole number")))
 }
 
-/// `config.json` → GGUF `llama.*` metadata, refusing what the Llama forward pass does not do.
-fn config_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<(), HfError> {
+/// `config.json` → GGUF `{arch}.*` metadata, refusing what the families' forward pass does
+/// not do. Returns the architecture.
+fn config_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<Arch, HfError> {
     let path = dir.join("config.json");
     let cfg = read_json(&path)?;
     let model_type = cfg.get("model_type").and_then(Value::as_str).unwrap_or("");
-    if model_type != "llama" {
-        return Err(HfError::Unsupported(format!(
-            "{}: model_type {model_type:?} is not supported (Hearth serves Llama-architecture models)",
-            path.display()
+    let supported = || {
+        Arch::ALL
+            .iter()
+            .flat_map(|a| a.family().hf_model_types)
+            .copied()
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let arch = Arch::from_hf(model_type).ok_or_else(|| {
+        HfError::Unsupported(format!(
+            "{}: model_type {model_type:?} is not supported (Hearth serves {})",
+            path.display(),
+            supported()
+        ))
+    })?;
+    let unsupported = |what: &str| HfError::Unsupported(format!("{}: {what} is not supported", path.display()));
+    let gemma = matches!(arch, Arch::Gemma2 | Arch::Gemma3);
+    let act = cfg
+        .get("hidden_activation")
+        .or(cfg.get("hidden_act"))
+        .and_then(Value::as_str);
+    let want_act = if gemma { "gelu_pytorch_tanh" } else { "silu" };
+    if let Some(act) = act.filter(|a| *a != want_act) {
+        return Err(unsupported(&format!(
+            "hidden_act {act:?} for {arch} (it uses {want_act})"
         )));
     }
-    let unsupported = |what: &str| HfError::Unsupported(format!("{}: {what} is not supported", path.display()));
-    if cfg.get("rope_scaling").is_some_and(|v| !v.is_null()) {
-        return Err(unsupported("rope_scaling"));
-    }
-    for flag in ["attention_bias", "mlp_bias"] {
-        if cfg.get(flag).and_then(Value::as_bool) == Some(true) {
-            return Err(unsupported(flag));
-        }
-    }
-    if let Some(act) = cfg.get("hidden_act").and_then(Value::as_str) {
-        if act != "silu" {
-            return Err(unsupported(&format!("hidden_act {act:?}")));
-        }
+    if cfg.get("mlp_bias").and_then(Value::as_bool) == Some(true) {
+        return Err(unsupported("mlp_bias"));
     }
     let d = uint(&cfg, &path, "hidden_size")?;
     let heads = uint(&cfg, &path, "num_attention_heads")?;
     let kv_heads = cfg.get("num_key_value_heads").and_then(Value::as_u64).unwrap_or(heads);
-    if heads == 0 || d % heads != 0 {
-        return Err(invalid(
-            &path,
-            format!("hidden_size {d} does not split into {heads} heads"),
-        ));
-    }
-    if let Some(hd) = cfg.get("head_dim").and_then(Value::as_u64) {
-        if hd != d / heads {
-            return Err(unsupported(&format!("head_dim {hd} ≠ hidden_size / heads")));
+    let head_dim = match cfg.get("head_dim").and_then(Value::as_u64) {
+        Some(hd) => hd,
+        None if heads > 0 && d % heads == 0 => d / heads,
+        None => {
+            return Err(invalid(
+                &path,
+                format!("hidden_size {d} does not split into {heads} heads"),
+            ))
         }
-    }
-    let f = |key: &str, default: f64| cfg.get(key).and_then(Value::as_f64).unwrap_or(default);
-    let mut put = |k: &str, v: MetaValue| {
-        meta.insert(k.to_string(), v);
     };
-    put("general.architecture", MetaValue::String("llama".into()));
-    put(ROPE_LAYOUT_KEY, MetaValue::String("halves".into()));
-    put("llama.embedding_length", MetaValue::U64(d));
-    put("llama.attention.head_count", MetaValue::U64(heads));
-    put("llama.attention.head_count_kv", MetaValue::U64(kv_heads));
+    let f = |key: &str, default: f64| cfg.get(key).and_then(Value::as_f64).unwrap_or(default);
+    let p = arch.gguf_name();
+    let mut put = |k: &str, v: MetaValue| {
+        meta.insert(format!("{p}.{k}"), v);
+    };
+    put("embedding_length", MetaValue::U64(d));
+    put("attention.head_count", MetaValue::U64(heads));
+    put("attention.head_count_kv", MetaValue::U64(kv_heads));
+    put("attention.key_length", MetaValue::U64(head_dim));
+    put("attention.value_length", MetaValue::U64(head_dim));
+    put("block_count", MetaValue::U64(uint(&cfg, &path, "num_hidden_layers")?));
     put(
-        "llama.block_count",
-        MetaValue::U64(uint(&cfg, &path, "num_hidden_layers")?),
-    );
-    put(
-        "llama.feed_forward_length",
+        "feed_forward_length",
         MetaValue::U64(uint(&cfg, &path, "intermediate_size")?),
     );
-    put("llama.vocab_size", MetaValue::U64(uint(&cfg, &path, "vocab_size")?));
+    put("vocab_size", MetaValue::U64(uint(&cfg, &path, "vocab_size")?));
     put(
-        "llama.context_length",
+        "context_length",
         MetaValue::U64(
             cfg.get("max_position_embeddings")
                 .and_then(Value::as_u64)
                 .unwrap_or(2048),
         ),
     );
-    put("llama.rope.freq_base", MetaValue::F64(f("rope_theta", 10000.0)));
+    put("rope.freq_base", MetaValue::F64(f("rope_theta", 10000.0)));
     put(
-        "llama.attention.layer_norm_rms_epsilon",
+        "attention.layer_norm_rms_epsilon",
         MetaValue::F64(f("rms_norm_eps", 1e-6)),
     );
+    if let Some(r) = cfg.get("rope_scaling").filter(|v| !v.is_null()) {
+        for (k, v) in rope_scaling_metadata(r).map_err(|e| unsupported(&format!("rope_scaling {r}: {e}")))? {
+            put(&k, v);
+        }
+    }
+    let window = cfg.get("sliding_window").and_then(Value::as_u64).filter(|&w| w > 0);
+    match arch {
+        Arch::Mistral => {
+            if let Some(w) = window {
+                put("attention.sliding_window", MetaValue::U64(w));
+            }
+        }
+        Arch::Gemma2 | Arch::Gemma3 => {
+            if let Some(s) = cfg.get("query_pre_attn_scalar").and_then(Value::as_f64) {
+                put("attention.scale", MetaValue::F64(1.0 / s.sqrt()));
+            }
+            for k in ["attn_logit_softcapping", "final_logit_softcapping"] {
+                if let Some(v) = cfg.get(k).and_then(Value::as_f64) {
+                    put(k, MetaValue::F64(v));
+                }
+            }
+            if let Some(w) = window {
+                put("attention.sliding_window", MetaValue::U64(w));
+            }
+            if let Some(b) = cfg.get("rope_local_base_freq").and_then(Value::as_f64) {
+                put("rope.freq_base_swa", MetaValue::F64(b));
+            }
+            // Which layers are windowed: `layer_types` (current configs), else a period.
+            if let Some(types) = cfg.get("layer_types").and_then(Value::as_array) {
+                let flags = types
+                    .iter()
+                    .map(|t| MetaValue::Bool(t.as_str() == Some("sliding_attention")))
+                    .collect();
+                put("attention.sliding_window_pattern", MetaValue::Array(flags));
+            } else if let Some(n) = cfg.get("sliding_window_pattern").and_then(Value::as_u64) {
+                put("attention.sliding_window_pattern", MetaValue::U64(n));
+            }
+            // Gemma's norms multiply by `1 + w`: GGUF stores the sum, this view shifts.
+            meta.insert(NORM_SHIFT_KEY.into(), MetaValue::F64(1.0));
+        }
+        _ => {}
+    }
+    meta.insert("general.architecture".into(), MetaValue::String(p.into()));
+    if matches!(arch, Arch::Llama | Arch::Mistral) {
+        meta.insert(ROPE_LAYOUT_KEY.into(), MetaValue::String("halves".into()));
+    }
     // Token ids from config.json, used when tokenizer_config.json does not name the tokens.
     let first_id = |k: &str| match cfg.get(k) {
         Some(Value::Array(a)) => a.first().and_then(Value::as_u64),
@@ -356,7 +425,49 @@ fn config_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<
             meta.insert(gkey.into(), MetaValue::U64(id));
         }
     }
-    Ok(())
+    Ok(arch)
+}
+
+/// `rope_scaling` → `rope.scaling.*` keys (llama.cpp's, plus Llama 3's two frequency
+/// factors, which llama.cpp's converter bakes into a tensor instead).
+fn rope_scaling_metadata(r: &Value) -> Result<Vec<(String, MetaValue)>, String> {
+    let kind = r
+        .get("rope_type")
+        .or(r.get("type"))
+        .and_then(Value::as_str)
+        .ok_or("no rope_type")?;
+    let num = |k: &str| r.get(k).and_then(Value::as_f64);
+    let factor = num("factor").unwrap_or(1.0);
+    let mut out = vec![("rope.scaling.factor".to_string(), MetaValue::F64(factor))];
+    let mut put = |k: &str, v: Option<f64>| {
+        if let Some(v) = v {
+            out.push((format!("rope.scaling.{k}"), MetaValue::F64(v)));
+        }
+    };
+    match kind {
+        "default" => return Ok(Vec::new()),
+        "linear" => {}
+        "llama3" => {
+            put("low_freq_factor", num("low_freq_factor"));
+            put("high_freq_factor", num("high_freq_factor"));
+        }
+        "yarn" => {
+            put("yarn_beta_fast", num("beta_fast"));
+            put("yarn_beta_slow", num("beta_slow"));
+            // transformers' `attention_factor` replaces YaRN's 0.1·ln(s) + 1; llama.cpp's
+            // attn_factor multiplies it.
+            put("attn_factor", num("attention_factor").map(|a| a / (0.1 * factor.ln() + 1.0)));
+        }
+        "dynamic" => {
+            return Err("dynamic NTK scaling changes RoPE with each sequence's length, which a shared KV cache cannot hold (use yarn)".into())
+        }
+        other => return Err(format!("rope type {other:?} (linear, llama3 and yarn are)")),
+    }
+    if let Some(o) = r.get("original_max_position_embeddings").and_then(Value::as_u64) {
+        out.push(("rope.scaling.original_context_length".into(), MetaValue::U64(o)));
+    }
+    out.push(("rope.scaling.type".into(), MetaValue::String(kind.into())));
+    Ok(out)
 }
 
 /// A token in `tokenizer_config.json`: a string or `{"content": …}`.
@@ -662,16 +773,16 @@ fn pre_tokenizer_name(p: &Value) -> Option<&'static str> {
 /// Opens a Hugging Face model directory as a [`GgufFile`] view (see the module docs).
 pub fn open(dir: &Path) -> Result<GgufFile, HfError> {
     let mut meta = HashMap::new();
-    config_metadata(dir, &mut meta)?;
+    let arch = config_metadata(dir, &mut meta)?;
     tokenizer_metadata(dir, &mut meta)?;
     let name = dir
         .file_name()
         .map_or("model".into(), |n| n.to_string_lossy().to_string());
     meta.insert("general.name".into(), MetaValue::String(name));
-    let (maps, tensors) = open_weights(dir)?;
+    let (maps, tensors) = open_weights(dir, arch)?;
     let file = GgufFile::from_parts(dir.to_path_buf(), maps, meta, tensors);
     // Fail here, with the directory named, rather than at the first request.
-    let c = LlamaConfig::from_gguf(&file)?;
+    let c = ModelConfig::from_gguf(&file)?;
     let layers = file
         .tensors
         .iter()
@@ -729,10 +840,10 @@ impl ExportDtype {
     }
 }
 
-/// A tensor of a GGUF model dequantized, in Hugging Face row order: GGUF's Q/K rows are
-/// permuted so that RoPE pairs are adjacent; this undoes it (row `h·d + 2i + s` of a head
-/// returns to `h·d + s·d/2 + i`).
-fn hf_tensor(g: &GgufFile, t: &TensorInfo, c: &LlamaConfig) -> Result<Vec<f32>, HfError> {
+/// A tensor of a GGUF model dequantized, as Hugging Face stores it: a `llama` file's Q/K
+/// rows are permuted so that RoPE pairs are adjacent, and this undoes it (row `h·d + 2i + s`
+/// of a head returns to `h·d + s·d/2 + i`); Gemma's norms lose the 1 GGUF adds.
+fn hf_tensor(g: &GgufFile, t: &TensorInfo, c: &ModelConfig) -> Result<Vec<f32>, HfError> {
     let cols = t.dims.first().copied().unwrap_or(1) as usize;
     let rows = (t.n_elements() as usize) / cols.max(1);
     let (per_block, block_bytes) =
@@ -744,6 +855,9 @@ fn hf_tensor(g: &GgufFile, t: &TensorInfo, c: &LlamaConfig) -> Result<Vec<f32>, 
     for (r, o) in out.chunks_exact_mut(cols).enumerate() {
         dequantize_row(t.ty, &data[r * row_bytes..(r + 1) * row_bytes], o);
     }
+    if matches!(c.arch, Arch::Gemma2 | Arch::Gemma3) && t.name.ends_with("norm.weight") {
+        out.iter_mut().for_each(|v| *v -= 1.0 - c.norm_shift);
+    }
     let heads = if t.name.ends_with("attn_q.weight") {
         c.n_heads
     } else if t.name.ends_with("attn_k.weight") {
@@ -752,9 +866,7 @@ fn hf_tensor(g: &GgufFile, t: &TensorInfo, c: &LlamaConfig) -> Result<Vec<f32>, 
         return Ok(out);
     };
     if c.rope_layout != RopeLayout::Adjacent {
-        return Err(HfError::Unsupported(
-            "the model is already in Hugging Face's RoPE layout (export a GGUF)".into(),
-        ));
+        return Ok(out); // already rotating halves
     }
     if c.rope_dims != c.head_dim {
         return Err(HfError::Unsupported(
@@ -775,21 +887,160 @@ fn hf_tensor(g: &GgufFile, t: &TensorInfo, c: &LlamaConfig) -> Result<Vec<f32>, 
     Ok(hf)
 }
 
+/// Llama 3's `rope_scaling` recovered from a `rope_freqs` tensor (llama.cpp's converter
+/// keeps only the per-frequency divisors): the factor is the largest divisor, and the ramp
+/// between kept and divided frequencies fixes `original / low` and `original / high`
+/// (only those ratios matter, so `original` is the file's context). Checked by
+/// recomputing every divisor.
+fn llama3_scaling(factors: &[f32], c: &ModelConfig) -> Result<Value, HfError> {
+    let factor = factors.iter().copied().fold(1.0f32, f32::max) as f64;
+    let n = factors.len();
+    let freq = |i: usize| (c.rope_theta as f64).powf(-((2 * i) as f64) / c.rope_dims as f64);
+    // On the ramp, 1/f = (1 − s)/factor + s with s linear in the frequency.
+    let smooth = |f: f64| (1.0 / f - 1.0 / factor) / (1.0 - 1.0 / factor);
+    let ramp: Vec<(f64, f64)> = (0..n)
+        .filter(|&i| factors[i] as f64 > 1.0 + 1e-6 && (factors[i] as f64) < factor - 1e-6)
+        .map(|i| (freq(i), smooth(factors[i] as f64)))
+        .collect();
+    let orig = c.context_length as f64;
+    let two_pi = 2.0 * std::f64::consts::PI;
+    // smooth = (orig·f/2π − low)/(high − low): two ramp points give the line; else any
+    // boundary between the last kept and the first divided frequency.
+    let (low, high) = match ramp.as_slice() {
+        [(f0, s0), .., (f1, s1)] => {
+            let slope = (s1 - s0) / (f1 - f0);
+            let high_minus_low = orig / two_pi / slope;
+            let low = orig * f0 / two_pi - s0 * high_minus_low;
+            (low, low + high_minus_low)
+        }
+        _ => {
+            let kept = (0..n).take_while(|&i| factors[i] <= 1.0 + 1e-6).last().unwrap_or(0);
+            let edge = (freq(kept) + freq((kept + 1).min(n - 1))) / 2.0 * orig / two_pi;
+            (edge * 0.999, edge * 1.001)
+        }
+    };
+    let scaling = crate::models::RopeScaling {
+        kind: RopeScalingKind::Llama3,
+        factor: factor as f32,
+        original_context: c.context_length,
+        low_freq_factor: low as f32,
+        high_freq_factor: high as f32,
+        ..Default::default()
+    };
+    let plain =
+        crate::models::rope::RopeFreqs::new(c.rope_theta, c.rope_dims, &Default::default(), None, orig as usize);
+    let scaled = crate::models::rope::RopeFreqs::new(c.rope_theta, c.rope_dims, &scaling, None, orig as usize);
+    for (i, (p, s)) in plain.inv_freq.iter().zip(&scaled.inv_freq).enumerate() {
+        if ((p / s) - factors[i]).abs() > 1e-3 * factors[i] {
+            return Err(HfError::Unsupported(format!(
+                "rope_freqs is not a Llama 3 scaling (divisor {i}: {} vs {})",
+                factors[i],
+                p / s
+            )));
+        }
+    }
+    Ok(json!({
+        "rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+        "original_max_position_embeddings": c.context_length,
+    }))
+}
+
+/// `config.json` for a GGUF model's configuration, in its family's terms.
+fn hf_config(
+    g: &GgufFile,
+    c: &ModelConfig,
+    dtype: ExportDtype,
+    rope_scaling: Value,
+    spec: &hearth_protocol::TokenizerSpec,
+) -> Value {
+    let b = &c.block;
+    let (class, model_type) = match c.arch {
+        Arch::Llama => ("LlamaForCausalLM", "llama"),
+        Arch::Mistral => ("MistralForCausalLM", "mistral"),
+        Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
+        Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+        Arch::Gemma2 => ("Gemma2ForCausalLM", "gemma2"),
+        Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
+        Arch::Phi3 => ("Phi3ForCausalLM", "phi3"),
+    };
+    let gemma = matches!(c.arch, Arch::Gemma2 | Arch::Gemma3);
+    let rope_scaling = match (&rope_scaling, c.rope_scaling.kind) {
+        (Value::Null, RopeScalingKind::Linear) => json!({"rope_type": "linear", "factor": c.rope_scaling.factor}),
+        _ => rope_scaling,
+    };
+    let mut v = json!({
+        "architectures": [class],
+        "model_type": model_type,
+        "hidden_size": c.d_model,
+        "intermediate_size": c.n_ff,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": c.n_layers,
+        "rms_norm_eps": shortest(c.rms_eps),
+        "rope_theta": shortest(c.rope_theta),
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": c.context_length,
+        "vocab_size": c.vocab_size,
+        "hidden_act": if gemma { "gelu_pytorch_tanh" } else { "silu" },
+        "tie_word_embeddings": g.tensor("output.weight").is_none(),
+        "bos_token_id": spec.bos_id,
+        "eos_token_id": spec.eos_id,
+        "torch_dtype": dtype.torch_name(),
+    });
+    let o = v.as_object_mut().expect("an object");
+    if c.arch == Arch::Llama {
+        o.insert("attention_bias".into(), json!(false));
+    }
+    o.insert("sliding_window".into(), json!(b.sliding_window));
+    if gemma {
+        o.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+        o.insert("query_pre_attn_scalar".into(), json!(shortest(b.attn_scale.powi(-2))));
+        o.insert("attn_logit_softcapping".into(), json!(b.attn_softcap.map(shortest)));
+        o.insert("final_logit_softcapping".into(), json!(b.final_softcap.map(shortest)));
+        let types: Vec<&str> = (0..c.n_layers)
+            .map(|l| {
+                if c.window(l).is_some() {
+                    "sliding_attention"
+                } else {
+                    "full_attention"
+                }
+            })
+            .collect();
+        o.insert("layer_types".into(), json!(types));
+        if let Some(t) = b.swa_rope_theta {
+            o.insert("rope_local_base_freq".into(), json!(shortest(t)));
+        }
+    }
+    v
+}
+
 /// An f32 as the f64 its shortest decimal form names (1e-5, not 9.999999747378752e-6).
 fn shortest(v: f32) -> f64 {
     v.to_string().parse().unwrap_or(v as f64)
 }
 
 /// Writes a Hugging Face directory (config, tokenizer, safetensors in `shards` files) from a
-/// GGUF Llama model. Returns the total bytes of weights written.
+/// GGUF model of any family. Returns the total bytes of weights written.
 pub fn export(g: &GgufFile, out: &Path, dtype: ExportDtype, shards: usize) -> Result<u64, HfError> {
-    let c = LlamaConfig::from_gguf(g)?;
+    let c = ModelConfig::from_gguf(g)?;
     std::fs::create_dir_all(out).map_err(io_err(out))?;
     let spec = crate::engine::tokenizer_spec(g)?;
     // Weights, dequantized, in the order of the GGUF file.
     let mut items: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = Vec::new();
+    let mut rope_scaling = Value::Null;
     for t in &g.tensors {
-        let Some(name) = hf_name(&t.name) else { continue };
+        if t.name == "rope_freqs.weight" {
+            rope_scaling = llama3_scaling(&hf_tensor(g, t, &c)?, &c)?;
+            continue;
+        }
+        let fused_up = t.name.ends_with("ffn_up.weight") && t.dims.get(1) == Some(&(2 * c.n_ff as u64));
+        let Some(name) = hf_name(&t.name, c.arch, fused_up) else {
+            return Err(HfError::Unsupported(format!(
+                "tensor {} has no Hugging Face name in a {} model",
+                t.name, c.arch
+            )));
+        };
         let v = hf_tensor(g, t, &c)?;
         let shape: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect();
         let dt = if shape.len() == 1 { ExportDtype::F32 } else { dtype };
@@ -842,29 +1093,7 @@ pub fn export(g: &GgufFile, out: &Path, dtype: ExportDtype, shards: usize) -> Re
             &json!({"metadata": {"total_size": total}, "weight_map": weight_map}),
         )?;
     }
-    write(
-        "config.json",
-        &json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": c.d_model,
-            "intermediate_size": c.n_ff,
-            "num_attention_heads": c.n_heads,
-            "num_key_value_heads": c.n_kv_heads,
-            "num_hidden_layers": c.n_layers,
-            "rms_norm_eps": shortest(c.rms_eps),
-            "rope_theta": shortest(c.rope_theta),
-            "rope_scaling": null,
-            "max_position_embeddings": c.context_length,
-            "vocab_size": c.vocab_size,
-            "hidden_act": "silu",
-            "attention_bias": false,
-            "tie_word_embeddings": g.tensor("output.weight").is_none(),
-            "bos_token_id": spec.bos_id,
-            "eos_token_id": spec.eos_id,
-            "torch_dtype": dtype.torch_name(),
-        }),
-    )?;
+    write("config.json", &hf_config(g, &c, dtype, rope_scaling, &spec))?;
     let tokenizer = hearth_protocol::tokenizer::hf_tokenizer_json(&spec)
         .map_err(|e| HfError::Unsupported(format!("tokenizer.json: {e}")))?;
     write("tokenizer.json", &tokenizer)?;
@@ -888,18 +1117,38 @@ mod tests {
 
     #[test]
     fn tensor_names_map_both_ways() {
-        for g in [
-            "token_embd.weight",
-            "output.weight",
-            "output_norm.weight",
-            "blk.0.attn_q.weight",
-            "blk.29.ffn_down.weight",
-            "blk.3.ffn_norm.weight",
-        ] {
-            let h = hf_name(g).unwrap();
-            assert_eq!(gguf_name(&h).as_deref(), Some(g), "{h}");
+        for arch in Arch::ALL {
+            for (g, fused) in [
+                ("token_embd.weight", false),
+                ("output.weight", false),
+                ("output_norm.weight", false),
+                ("blk.0.attn_q.weight", false),
+                ("blk.0.attn_q.bias", false),
+                ("blk.2.attn_qkv.weight", false),
+                ("blk.1.attn_k_norm.weight", false),
+                ("blk.29.ffn_down.weight", false),
+                ("blk.3.ffn_norm.weight", false),
+                ("blk.3.ffn_up.weight", false),
+                ("blk.3.ffn_up.weight", true),
+            ] {
+                let h = hf_name(g, arch, fused).unwrap();
+                assert_eq!(gguf_name(&h, arch).as_deref(), Some(g), "{arch}: {h}");
+            }
         }
-        assert_eq!(gguf_name("model.layers.0.self_attn.q_proj.bias"), None);
+        // Gemma's extra norms, and the Llama name they share.
+        assert_eq!(
+            gguf_name("model.layers.0.post_attention_layernorm.weight", Arch::Gemma2).as_deref(),
+            Some("blk.0.post_attention_norm.weight")
+        );
+        assert_eq!(
+            gguf_name("model.layers.0.post_attention_layernorm.weight", Arch::Llama).as_deref(),
+            Some("blk.0.ffn_norm.weight")
+        );
+        assert_eq!(
+            gguf_name("model.layers.0.pre_feedforward_layernorm.weight", Arch::Llama),
+            None
+        );
+        assert_eq!(gguf_name("model.layers.0.self_attn.o_proj.bias", Arch::Qwen2), None);
     }
 
     #[test]

@@ -12,7 +12,7 @@ use hearth_protocol::{ChatMessage, ChatTemplate, Tokenizer};
 use serde::Serialize;
 
 use crate::gguf::GgmlType;
-use crate::models::llama::LlamaConfig;
+use crate::models::ModelConfig;
 
 #[derive(Debug, Serialize)]
 pub struct ModelReport {
@@ -53,7 +53,7 @@ pub fn inspect(path: &Path) -> Result<ModelReport, crate::hf::HfError> {
     if file.tensors.is_empty() {
         refused.push("no tensors: a vocabulary-only file".to_string());
     } else {
-        if let Err(e) = LlamaConfig::from_gguf(&file) {
+        if let Err(e) = ModelConfig::from_gguf(&file) {
             refused.push(e.to_string());
         }
         let bad: std::collections::BTreeSet<String> = file

@@ -23,7 +23,7 @@ use hearth_engine::cuda::program::{self, Arg, Buf, Elem, HostData, Op, Shape};
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::gguf::GgufFile;
 use hearth_engine::kv::{KvDtype, KvPool};
-use hearth_engine::models::llama::{Batch, ForwardScratch, LlamaConfig, LlamaModel};
+use hearth_engine::models::{Batch, ForwardScratch, Model, ModelConfig};
 use hearth_engine::sampling::argmax;
 use rayon::prelude::*;
 
@@ -163,7 +163,7 @@ struct Spec {
 
 /// A synthetic Llama model with F16 matrices (the GPU's weight format, so both sides
 /// compute with the same weights).
-fn synthetic_model(s: &Spec, seed: u64) -> LlamaModel {
+fn synthetic_model(s: &Spec, seed: u64) -> Model {
     let mut w = GgufWriter::default();
     let mut rng = Rng(seed);
     let hd = s.d / s.heads;
@@ -213,13 +213,13 @@ fn synthetic_model(s: &Spec, seed: u64) -> LlamaModel {
     }
     let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("synthetic-{seed}.gguf"));
     w.write(&path);
-    LlamaModel::load_with(GgufFile::open(&path).unwrap(), false).unwrap()
+    Model::load_with(GgufFile::open(&path).unwrap(), false).unwrap()
 }
 
 /// The CUDA backend's program over emulated device memory.
 struct Emulated {
     launch: LaunchFn,
-    c: LlamaConfig,
+    c: ModelConfig,
     shape: Shape,
     num_blocks: usize,
     /// 8-byte aligned storage per buffer.
@@ -227,10 +227,10 @@ struct Emulated {
 }
 
 impl Emulated {
-    fn new(model: &LlamaModel, max_rows: usize, context: usize, bt: usize, num_blocks: usize) -> Self {
+    fn new(model: &Model, max_rows: usize, context: usize, bt: usize, num_blocks: usize) -> Self {
         let c = model.config.clone();
         plan::check_shape(&c).unwrap();
-        let w = model.weights();
+        let w = model.weights().unwrap();
         let shape = Shape {
             block_tokens: bt,
             table_width: context.div_ceil(bt),
@@ -386,7 +386,7 @@ fn diff(a: &[f32], b: &[f32]) -> (f32, f32) {
 
 /// The CPU engine and the emulated device over the same steps.
 struct Pair<'m> {
-    model: &'m LlamaModel,
+    model: &'m Model,
     cpu: KvPool,
     gpu: Emulated,
     /// The worst logit error so far, as a fraction of the logits' scale.
@@ -582,7 +582,7 @@ fn emulated_kernels_give_the_golden_answer_on_the_default_model() {
     // through the device program: the golden prompt prefilled in one eager step, then the
     // greedy answer decoded with graph-padded steps (see shared/reference/smollm2).
     let path = ensure_model(DEFAULT_MODEL_ID, &hearth_home(), &mut |m| eprintln!("{m}")).expect("default model");
-    let model = LlamaModel::load_unpacked(GgufFile::open(&path).unwrap()).unwrap();
+    let model = Model::load_unpacked(GgufFile::open(&path).unwrap(), Default::default()).unwrap();
     let prompt: [u32; 42] = [
         1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2,
         198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 19842, 281, 582, 6330, 30, 2, 198, 1, 520, 9531, 198,

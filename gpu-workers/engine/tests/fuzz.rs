@@ -19,7 +19,7 @@ use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::gguf::GgufFile;
 use hearth_engine::hf::{self, ExportDtype};
 use hearth_engine::kv_transfer::{encode_block, encode_header, FrameReader, KvBlock, KvDtypeName, KvLayout};
-use hearth_engine::models::llama::LlamaModel;
+use hearth_engine::models::Model;
 use hearth_engine::tokenizer_spec;
 use hearth_protocol::tokenizer::Tokenizer;
 use hearth_protocol::BlockHash;
@@ -39,8 +39,19 @@ fn model_path() -> PathBuf {
 /// The default model exported as a Hugging Face directory, once per test binary.
 fn hf_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("hearth-fuzz-hf-{}", std::process::id()));
+    export_once(&DIR, "hf")
+}
+
+/// A second export, whose header the mutation test changes in place while the tokenizer
+/// tests read the first.
+fn mutated_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    export_once(&DIR, "mutated")
+}
+
+fn export_once(slot: &'static OnceLock<PathBuf>, name: &str) -> &'static Path {
+    slot.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("hearth-fuzz-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let g = GgufFile::open(&model_path()).unwrap();
@@ -154,7 +165,7 @@ fn open_mutated(head: &[u8], full_len: Option<u64>, load: bool) -> bool {
         Ok(g) => {
             let tokenizer = tokenizer_spec(&g).ok().map(|s| Tokenizer::from_spec(&s));
             match (load, tokenizer) {
-                (true, Some(Ok(_))) => LlamaModel::load_with(g, false).is_ok(),
+                (true, Some(Ok(_))) => Model::load_with(g, false).is_ok(),
                 (true, _) => false,
                 (false, _) => true,
             }
@@ -221,7 +232,7 @@ proptest! {
 fn with_mutated_safetensors(flips: &[(usize, u8)], check: impl FnOnce(&Path)) {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = hf_dir();
+    let dir = mutated_dir();
     let file = std::fs::read_dir(dir)
         .unwrap()
         .flatten()

@@ -8,7 +8,7 @@ use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::gguf::GgufFile;
 use hearth_engine::kernels::{set_isa, Isa};
 use hearth_engine::kv::KvDtype;
-use hearth_engine::models::llama::{ForwardScratch, LlamaModel, Session};
+use hearth_engine::models::{ForwardScratch, Model, Session};
 use hearth_engine::sampling::argmax;
 use hearth_engine::tokenizer_spec;
 use hearth_protocol::{ChatMessage, ChatTemplate, Tokenizer};
@@ -17,12 +17,12 @@ fn model_path() -> PathBuf {
     ensure_model(DEFAULT_MODEL_ID, &hearth_home(), &mut |m| eprintln!("{m}")).expect("default model")
 }
 
-fn load() -> (LlamaModel, Tokenizer, ChatTemplate) {
+fn load() -> (Model, Tokenizer, ChatTemplate) {
     let file = GgufFile::open(&model_path()).unwrap();
     let spec = tokenizer_spec(&file).unwrap();
     let tok = Tokenizer::from_spec(&spec).unwrap();
     let tmpl = ChatTemplate::new(spec.chat_template.as_deref().unwrap(), "<|im_start|>", "<|im_end|>").unwrap();
-    (LlamaModel::load(file).unwrap(), tok, tmpl)
+    (Model::load(file).unwrap(), tok, tmpl)
 }
 
 fn prompt_ids(tok: &Tokenizer, tmpl: &ChatTemplate, question: &str) -> Vec<u32> {
@@ -114,7 +114,7 @@ fn knife_edge_logits_stay_close_to_float_reference() {
 }
 
 /// The greedy answer and first-position logits of the golden prompt on one path.
-fn golden_run(model: &LlamaModel, ids: &[u32], kv: KvDtype) -> (Vec<f32>, Vec<u32>) {
+fn golden_run(model: &Model, ids: &[u32], kv: KvDtype) -> (Vec<f32>, Vec<u32>) {
     let mut session = Session::with_kv(model, 256, ForwardScratch::default(), kv);
     let first = session.feed(ids);
     let mut logits = first.clone();
@@ -154,7 +154,7 @@ fn every_isa_path_gives_the_golden_answer_and_scalar_logits() {
     };
     let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
     set_isa(Isa::Scalar).unwrap();
-    let scalar_model = LlamaModel::load(GgufFile::open(&model_path()).unwrap()).unwrap();
+    let scalar_model = Model::load(GgufFile::open(&model_path()).unwrap()).unwrap();
     assert_eq!(scalar_model.packed_bytes(), 0, "the scalar path reads the GGUF bytes");
     let (reference, answer) = golden_run(&scalar_model, &ids, KvDtype::F16);
     assert_eq!(answer, want, "scalar");
@@ -163,7 +163,7 @@ fn every_isa_path_gives_the_golden_answer_and_scalar_logits() {
     let mut first_simd: Option<Vec<f32>> = None;
     for isa in Isa::all_available().into_iter().filter(|i| i.is_simd()) {
         set_isa(isa).unwrap();
-        let model = LlamaModel::load(GgufFile::open(&model_path()).unwrap()).unwrap();
+        let model = Model::load(GgufFile::open(&model_path()).unwrap()).unwrap();
         assert!(model.packed_bytes() > 0, "{isa}");
         let kvs: &[KvDtype] = if isa == Isa::best() {
             &[KvDtype::F16, KvDtype::F32]

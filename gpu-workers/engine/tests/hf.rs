@@ -3,12 +3,14 @@
 //! answer from a sharded F16 export, Hearth's tokenizer identical to the `tokenizers` crate
 //! on `tokenizer.json`, and clear errors for broken directories.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::gguf::GgufFile;
 use hearth_engine::hf::{self, ExportDtype};
-use hearth_engine::models::llama::{FloatWeights, ForwardScratch, LlamaModel, RopeLayout, Session};
+use hearth_engine::models::{FloatWeights, ForwardScratch, LoadOptions, Model, RopeLayout, Session};
 use hearth_engine::tokenizer_spec;
 use hearth_protocol::chat::{ChatMessage, ChatTemplate};
 use hearth_protocol::tokenizer::Tokenizer;
@@ -53,7 +55,7 @@ fn golden_ids(file: &GgufFile) -> Vec<u32> {
     tok.encode(&text)
 }
 
-fn greedy(model: &LlamaModel, ids: &[u32]) -> Vec<u32> {
+fn greedy(model: &Model, ids: &[u32]) -> Vec<u32> {
     let mut s = Session::new(model, 128, ForwardScratch::default());
     let mut logits = s.feed(ids);
     let mut out = Vec::new();
@@ -75,12 +77,12 @@ fn f32_export_gives_the_gguf_logits() {
     // Float activations on both sides and weights dequantized exactly: any difference is a
     // layout error (Q/K un-permuting, rotate-half RoPE, names, transposition).
     let dir = export(ExportDtype::F32, 1, "f32");
-    let gguf = LlamaModel::load(GgufFile::open(&model_path()).unwrap()).unwrap();
-    let hfm = LlamaModel::load(hf::open(&dir.0).unwrap()).unwrap();
+    let gguf = Model::load(GgufFile::open(&model_path()).unwrap()).unwrap();
+    let hfm = Model::load(hf::open(&dir.0).unwrap()).unwrap();
     assert_eq!(hfm.config.rope_layout, RopeLayout::Halves);
     assert_eq!(gguf.config.rope_layout, RopeLayout::Adjacent);
     assert_eq!(
-        LlamaModel::load(hf::open(&dir.0).unwrap()).unwrap().n_params(),
+        Model::load(hf::open(&dir.0).unwrap()).unwrap().n_params(),
         gguf.n_params()
     );
     let ids = golden_ids(gguf.file());
@@ -106,7 +108,15 @@ fn sharded_f16_export_answers_the_golden_prompt() {
     let bf16 = export(ExportDtype::BF16, 1, "bf16");
     for dir in [&dir, &bf16] {
         for float in [FloatWeights::Q8_0, FloatWeights::Float] {
-            let model = LlamaModel::load_options(hf::open(&dir.0).unwrap(), false, float).unwrap();
+            let model = Model::load_options(
+                hf::open(&dir.0).unwrap(),
+                LoadOptions {
+                    pack_cache: false,
+                    float_weights: float,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
             assert_eq!(
                 model.packed_bytes() > 0,
                 float == FloatWeights::Q8_0 && hearth_engine::kernels::isa().is_simd()
@@ -196,13 +206,19 @@ fn broken_directories_are_refused_with_the_reason() {
     // Unsupported architecture and options are named.
     let cfg_path = dir.0.join("config.json");
     let cfg = std::fs::read_to_string(&cfg_path).unwrap();
-    write(&cfg_path, &cfg.replace("\"llama\"", "\"mistral\""));
-    assert!(err(&dir.0).contains("model_type \"mistral\""), "{}", err(&dir.0));
+    write(&cfg_path, &cfg.replace("\"llama\"", "\"mamba\""));
+    assert!(err(&dir.0).contains("model_type \"mamba\""), "{}", err(&dir.0));
     write(
         &cfg_path,
-        &cfg.replace("\"rope_scaling\": null", "\"rope_scaling\": {\"type\": \"yarn\"}"),
+        &cfg.replace(
+            "\"rope_scaling\": null",
+            "\"rope_scaling\": {\"type\": \"dynamic\", \"factor\": 2}",
+        ),
     );
-    assert!(err(&dir.0).contains("rope_scaling"), "{}", err(&dir.0));
+    let e = err(&dir.0);
+    assert!(e.contains("rope_scaling") && e.contains("dynamic"), "{e}");
+    write(&cfg_path, &cfg.replace("\"silu\"", "\"gelu\""));
+    assert!(err(&dir.0).contains("hidden_act \"gelu\""), "{}", err(&dir.0));
     write(&cfg_path, "{not json");
     assert!(err(&dir.0).contains("not valid JSON"), "{}", err(&dir.0));
     write(&cfg_path, &cfg);
@@ -225,4 +241,65 @@ fn broken_directories_are_refused_with_the_reason() {
     assert!(err(&dir.0).contains("pre-tokenizer"), "{}", err(&dir.0));
     write(&tok_path, &tok);
     assert!(hf::open(&dir.0).is_ok());
+}
+
+/// Every family's synthetic model (`bench/synth-model --shape FAMILY-tiny`) exported to a
+/// Hugging Face directory (F32: exact) and loaded back gives the GGUF's logits and greedy
+/// tokens: names, Gemma's norm shift and post-norms, Phi-3's fused tensors, Qwen's biases and
+/// Q/K norms, Llama 3's `rope_scaling` recovered from `rope_freqs`, windows and soft-caps in
+/// `config.json`.
+#[test]
+fn every_family_round_trips_through_safetensors() {
+    for family in ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"] {
+        let (_, path) = common::synth(&["--shape", &format!("{family}-tiny"), "--types", "f16"]).remove(0);
+        let dir = TempDir::new(&format!("family-{family}"));
+        let g = GgufFile::open(&path).unwrap();
+        hf::export(&g, &dir.0, ExportDtype::F32, 2).unwrap();
+        let opts = LoadOptions {
+            pack_cache: false,
+            float_weights: FloatWeights::Float,
+            ..Default::default()
+        };
+        let gguf = Model::load_options(g, opts).unwrap();
+        let hfm = Model::load_options(hf::open(&dir.0).unwrap(), opts).unwrap();
+        assert_eq!(hfm.config.arch, gguf.config.arch, "{family}");
+        let mut a = gguf.config.clone();
+        let mut b = hfm.config.clone();
+        // What differs by format only: the RoPE pairing of `llama` files, the norm shift,
+        // and Llama 3's scaling (a tensor in GGUF, parameters in config.json).
+        a.rope_layout = b.rope_layout;
+        b.norm_shift = a.norm_shift;
+        b.rope_scaling = a.rope_scaling;
+        // Gemma's query scale travels as `query_pre_attn_scalar` (its inverse square).
+        assert!((a.block.attn_scale - b.block.attn_scale).abs() < 1e-6, "{family}");
+        b.block.attn_scale = a.block.attn_scale;
+        assert_eq!(a, b, "{family}: configuration");
+        let ids: Vec<u32> = (0..48u32).map(|i| (i * 7919 + 13) % 1000 + 100).collect();
+        let mut sa = Session::new(&gguf, 128, ForwardScratch::precise());
+        let mut sb = Session::new(&hfm, 128, ForwardScratch::precise());
+        let (la, lb) = (sa.feed(&ids), sb.feed(&ids));
+        let scale = la.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = la.iter().zip(&lb).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(
+            worst <= 1e-3 * scale,
+            "{family}: logits differ by {worst} (scale {scale})"
+        );
+        assert_eq!(
+            greedy_n(&gguf, &ids, 16),
+            greedy_n(&hfm, &ids, 16),
+            "{family}: greedy tokens"
+        );
+    }
+}
+
+fn greedy_n(model: &Model, ids: &[u32], n: usize) -> Vec<u32> {
+    let mut s = Session::new(model, 128, ForwardScratch::precise());
+    let mut logits = s.feed(ids);
+    (0..n)
+        .map(|_| {
+            let t = hearth_engine::sampling::argmax(&logits);
+            logits = s.feed(&[t]);
+            t
+        })
+        .collect()
 }

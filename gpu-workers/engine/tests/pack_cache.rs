@@ -8,11 +8,11 @@ use std::path::Path;
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::gguf::GgufFile;
 use hearth_engine::kernels::{set_isa, Isa};
-use hearth_engine::models::llama::{FloatWeights, ForwardScratch, LlamaModel, Session};
+use hearth_engine::models::{FloatWeights, ForwardScratch, LoadOptions, Model, Session};
 use hearth_engine::pack_cache;
 
 fn logits(path: &Path) -> (Vec<f32>, bool) {
-    let model = LlamaModel::load(GgufFile::open(path).unwrap()).unwrap();
+    let model = Model::load(GgufFile::open(path).unwrap()).unwrap();
     let out = Session::new(&model, 64, ForwardScratch::default()).feed(&[1, 9690, 198, 2683, 359, 253, 5356]);
     (out, model.packed_from_cache())
 }
@@ -75,7 +75,15 @@ fn a_safetensors_directory_is_cached_inside_it_and_tied_to_its_shards() {
     let old = dir.join("hearth-pack-v1");
     std::fs::write(&old, b"an earlier layout").unwrap();
     let load = || {
-        let model = LlamaModel::load_options(hf::open(&dir).unwrap(), true, FloatWeights::Q8_0).unwrap();
+        let model = Model::load_options(
+            hf::open(&dir).unwrap(),
+            LoadOptions {
+                pack_cache: true,
+                float_weights: FloatWeights::Q8_0,
+                ..Default::default()
+            },
+        )
+        .unwrap();
         let out = Session::new(&model, 64, ForwardScratch::default()).feed(&[1, 9690, 198, 2683]);
         (out, model.packed_from_cache())
     };

@@ -410,8 +410,8 @@ pub struct ModelArgs {
     /// llama.cpp's quantizer would, for the integer kernels; cached with the repacked
     /// weights) or float (exact, several times slower).
     #[arg(long, env = "HEARTH_FLOAT_WEIGHTS", default_value = "q8_0",
-          value_parser = hearth_engine::models::llama::FloatWeights::parse)]
-    pub float_weights: hearth_engine::models::llama::FloatWeights,
+          value_parser = hearth_engine::models::FloatWeights::parse)]
+    pub float_weights: hearth_engine::models::FloatWeights,
     /// The kernels' instruction set: auto (the best this CPU runs), avx512, avx2 (with
     /// AVX-VNNI where present), avx2-novnni or scalar. Refused if the CPU cannot run it.
     #[arg(long, env = "HEARTH_ISA", default_value = "auto", value_parser = parse_isa)]
@@ -447,6 +447,16 @@ pub struct ModelArgs {
     /// reasoning formats are then read from it too).
     #[arg(long, env = "HEARTH_CHAT_TEMPLATE", value_parser = read_template)]
     pub chat_template: Option<String>,
+    /// Stretch the model's context by RoPE scaling: `yarn:4`, `linear:2`, `llama3:8`
+    /// (`KIND:FACTOR[:ORIGINAL_CONTEXT]`; the original defaults to the model's trained
+    /// context), or `none` to turn off the file's own. The served context becomes the
+    /// original times the factor.
+    #[arg(long, env = "HEARTH_ROPE_SCALING", value_parser = hearth_engine::models::RopeScaling::parse)]
+    pub rope_scaling: Option<hearth_engine::models::RopeScaling>,
+    /// Serve at most this context (prompt + output); beyond the model's own it needs
+    /// `--rope-scaling` (default: the model's, stretched by the scaling).
+    #[arg(long, env = "HEARTH_CONTEXT_LENGTH")]
+    pub context_length: Option<usize>,
 }
 
 fn read_template(path: &str) -> Result<String, String> {
@@ -506,7 +516,8 @@ impl ModelArgs {
             kv_cache_mib: self.kv_cache_mib,
             kv_dtype: self.kv_dtype,
             isa: Some(self.isa),
-            max_context: None,
+            max_context: self.context_length,
+            rope_scaling: self.rope_scaling,
             pack_cache: hearth_engine::pack_cache::enabled_by_env(),
             float_weights: self.float_weights,
             max_batch_tokens: self.max_batch_tokens,

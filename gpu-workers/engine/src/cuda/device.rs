@@ -12,7 +12,7 @@ use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 
 use super::plan::{self, StepInputs};
 use super::program::{self, Arg, Buf, Elem, HostData, Kernel, Op, Shape};
-use crate::models::llama::{Batch, LlamaConfig, LlamaModel};
+use crate::models::{Batch, Model, ModelConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {
@@ -235,7 +235,7 @@ pub struct CudaCompute {
     blas: CudaBlas,
     _workspace: CudaSlice<u8>,
     kernels: Vec<CudaFunction>,
-    cfg: LlamaConfig,
+    cfg: ModelConfig,
     shape: Shape,
     bufs: HashMap<Buf, DevBuf>,
     graphs: HashMap<usize, Graph>,
@@ -257,7 +257,7 @@ impl CudaCompute {
     /// Uploads `model` to the GPU and builds its KV pool and buffers (see [`CudaOptions`]).
     /// A library too old for a symbol cudarc needs (it panics) is reported as
     /// [`CudaError::Unavailable`].
-    pub fn new(model: &LlamaModel, o: &CudaOptions) -> Result<Self, CudaError> {
+    pub fn new(model: &Model, o: &CudaOptions) -> Result<Self, CudaError> {
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Self::open(model, o))).unwrap_or_else(|p| {
             Err(CudaError::Unavailable(format!(
                 "CUDA could not start: {}",
@@ -266,7 +266,7 @@ impl CudaCompute {
         })
     }
 
-    fn open(model: &LlamaModel, o: &CudaOptions) -> Result<Self, CudaError> {
+    fn open(model: &Model, o: &CudaOptions) -> Result<Self, CudaError> {
         let &CudaOptions {
             ordinal,
             kv_cache_mib,
@@ -277,6 +277,7 @@ impl CudaCompute {
         } = o;
         let c = model.config.clone();
         plan::check_shape(&c).map_err(CudaError::Model)?;
+        let w = model.weights().map_err(CudaError::Model)?;
         // SAFETY: probes whether the libraries can be opened; nothing is called in them.
         if !unsafe { sys::is_culib_present() } {
             return Err(CudaError::Unavailable(
@@ -322,7 +323,6 @@ impl CudaCompute {
             .map(|k| module.load_function(k.name()))
             .collect::<Result<Vec<_>, _>>()?;
 
-        let w = model.weights();
         let mut shape = Shape {
             block_tokens,
             table_width: context.div_ceil(block_tokens),
@@ -582,7 +582,7 @@ impl CudaCompute {
         }
     }
 
-    /// One forward step (see [`LlamaModel::forward_batch`]): K/V of every row written into
+    /// One forward step (see [`Model::forward_batch`]): K/V of every row written into
     /// the device pool; the logits of `b.logit_rows` returned, in that order.
     pub fn forward(&mut self, b: &Batch<'_>) -> Result<Vec<f32>, CudaError> {
         self.shielded(|c| c.step(b))

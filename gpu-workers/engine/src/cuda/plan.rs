@@ -4,7 +4,7 @@
 //! column-major GEMM, how weights become f16, and how device memory is shared out.
 
 use crate::kernels::{dequantize_row, WeightView};
-use crate::models::llama::{Batch, LlamaConfig};
+use crate::models::{Batch, ModelConfig};
 
 /// The kernels, in CUDA C, compiled at run time by NVRTC (and in CI, see
 /// `tests/cuda_kernels.rs`).
@@ -32,11 +32,17 @@ pub const MAX_HEAD_DIM: usize = 128;
 pub const GRAPH_BUCKETS: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
 
 /// Whether the model's shape is one the kernels compute (else: a clear error at load).
-pub fn check_shape(c: &LlamaConfig) -> Result<(), String> {
+pub fn check_shape(c: &ModelConfig) -> Result<(), String> {
     if c.head_dim > MAX_HEAD_DIM || !c.head_dim.is_multiple_of(32) {
         return Err(format!(
             "head dimension {} is not supported by the CUDA kernels (a multiple of 32, at most {MAX_HEAD_DIM})",
             c.head_dim
+        ));
+    }
+    if c.q_dim() != c.d_model {
+        return Err(format!(
+            "{} heads of {} (wider than d_model {}) are not supported by the CUDA kernels",
+            c.n_heads, c.head_dim, c.d_model
         ));
     }
     if c.rope_dims != c.head_dim {
@@ -220,8 +226,8 @@ pub(crate) mod tests {
     use crate::gguf::GgmlType;
     use crate::kv::{KvDtype, KvPool, KvShape};
 
-    pub(crate) fn cfg() -> LlamaConfig {
-        LlamaConfig {
+    pub(crate) fn cfg() -> ModelConfig {
+        ModelConfig {
             n_layers: 2,
             d_model: 64,
             n_ff: 96,
@@ -234,6 +240,13 @@ pub(crate) mod tests {
             context_length: 64,
             vocab_size: 100,
             rope_layout: Default::default(),
+            arch: crate::models::Arch::Llama,
+            rope_scaling: Default::default(),
+            norm_shift: 0.0,
+            block: crate::models::BlockSpec {
+                attn_scale: 1.0 / 32f32.sqrt(),
+                ..Default::default()
+            },
         }
     }
 

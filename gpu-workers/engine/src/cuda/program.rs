@@ -5,7 +5,7 @@
 //! buffer sizes are tested without a GPU.
 
 use crate::kernels::WeightView;
-use crate::models::llama::{Batch, LlamaConfig, ModelWeights, RopeLayout};
+use crate::models::{Batch, ModelConfig, ModelWeights, RopeLayout};
 
 use super::plan::{self, ATTENTION_WARPS};
 
@@ -85,7 +85,7 @@ impl Buf {
     }
 
     /// Elements the buffer holds.
-    pub fn len(self, c: &LlamaConfig, s: &Shape) -> usize {
+    pub fn len(self, c: &ModelConfig, s: &Shape) -> usize {
         use Buf::*;
         let (d, kvd, ff, v, r) = (c.d_model, c.kv_dim(), c.n_ff, c.vocab_size, s.max_rows);
         match self {
@@ -109,7 +109,7 @@ impl Buf {
 }
 
 /// f16 elements of one KV block (every layer's keys and values).
-pub fn block_elems(c: &LlamaConfig, block_tokens: usize) -> usize {
+pub fn block_elems(c: &ModelConfig, block_tokens: usize) -> usize {
     c.n_layers * 2 * block_tokens * c.kv_dim()
 }
 
@@ -199,7 +199,7 @@ pub enum Op {
 
 /// The forward pass of `rows` rows (inputs in the input buffers) with the logits of
 /// `n_logits` rows (the first `n_logits` of `LogitRows`).
-pub fn forward(c: &LlamaConfig, s: &Shape, rows: usize, n_logits: usize) -> Vec<Op> {
+pub fn forward(c: &ModelConfig, s: &Shape, rows: usize, n_logits: usize) -> Vec<Op> {
     use Arg::{Buf as B, I32};
     let r = rows as u32;
     let (d, kvd, hd, ff) = (c.d_model, c.kv_dim(), c.head_dim, c.n_ff);
@@ -394,7 +394,7 @@ pub fn weight_bufs(n_layers: usize, tied: bool) -> Vec<Buf> {
 /// one matrix's f16 copy at a time): matrices dequantized to f16 with `q|k|v` and
 /// `gate|up` stacked by rows; norms and RoPE frequencies as f32. Refuses a buffer that is
 /// not a weight, or whose contents are not the size the program reads.
-pub fn weight_data(w: &ModelWeights<'_>, c: &LlamaConfig, shape: &Shape, b: Buf) -> Result<HostData, String> {
+pub fn weight_data(w: &ModelWeights<'_>, c: &ModelConfig, shape: &Shape, b: Buf) -> Result<HostData, String> {
     let data = host_weight(w, b).ok_or_else(|| format!("no weights for {b:?}"))?;
     let want = b.len(c, shape);
     if data.len() != want {
@@ -435,8 +435,8 @@ fn host_weight(w: &ModelWeights<'_>, b: Buf) -> Option<HostData> {
 mod tests {
     use super::*;
 
-    fn cfg() -> LlamaConfig {
-        LlamaConfig {
+    fn cfg() -> ModelConfig {
+        ModelConfig {
             n_layers: 3,
             n_heads: 4,
             n_kv_heads: 2,

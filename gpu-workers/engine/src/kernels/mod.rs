@@ -466,6 +466,27 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// `gate[i] = gelu(gate[i]) · up[i]` with GELU's tanh approximation (GeGLU), written as
+/// `x · sigmoid(2·√(2/π)·(x + 0.044715·x³))`, which is the same function.
+pub fn gelu_mul(gate: &mut [f32], up: &[f32]) {
+    let n = gate.len().min(up.len());
+    #[cfg(target_arch = "x86_64")]
+    if isa().is_simd() {
+        // SAFETY: AVX2/FMA checked by `isa()`; both slices hold `n` floats.
+        unsafe { x86::avx2::gelu_mul(&mut gate[..n], &up[..n]) };
+        return;
+    }
+    for (g, u) in gate[..n].iter_mut().zip(&up[..n]) {
+        *g = gelu_tanh(*g) * u;
+    }
+}
+
+/// GELU, tanh form: `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+pub fn gelu_tanh(x: f32) -> f32 {
+    const C: f32 = 0.797_884_6; // √(2/π)
+    0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
+}
+
 /// `x[i] = exp(x[i] − max)`, returning the sum (softmax's numerator and denominator).
 pub fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]

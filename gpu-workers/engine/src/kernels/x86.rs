@@ -586,6 +586,32 @@ pub mod avx2 {
         }
     }
 
+    /// `g = gelu(g) · u` (tanh form, as `g · sigmoid(2c·(g + 0.044715·g³))`).
+    ///
+    /// # Safety
+    /// AVX2/FMA available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn gelu_mul(g: &mut [f32], u: &[f32]) {
+        let n = g.len().min(u.len());
+        let one = _mm256_set1_ps(1.0);
+        let k = _mm256_set1_ps(-2.0 * 0.797_884_6);
+        let a = _mm256_set1_ps(0.044_715);
+        let mut i = 0;
+        while i + 8 <= n {
+            let gp = g.as_mut_ptr().add(i);
+            let x = _mm256_loadu_ps(gp);
+            let x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+            let inner = _mm256_mul_ps(k, _mm256_fmadd_ps(a, x3, x));
+            let s = _mm256_div_ps(x, _mm256_add_ps(one, exp(inner)));
+            _mm256_storeu_ps(gp, _mm256_mul_ps(s, _mm256_loadu_ps(u.as_ptr().add(i))));
+            i += 8;
+        }
+        while i < n {
+            g[i] = super::super::gelu_tanh(g[i]) * u[i];
+            i += 1;
+        }
+    }
+
     /// `x = exp(x − max)`, returning Σx.
     ///
     /// # Safety

@@ -1,4 +1,142 @@
-//! Model architectures, one file each: a config read from the model file, the weights, and
-//! a `forward`. Kernels live in [`crate::kernels`] and know nothing about models.
+//! Model architectures. The dense families share one transformer ([`transformer`]: the
+//! weights, the batched forward pass over the paged KV cache) built from shared pieces
+//! ([`rope`], [`crate::attention`], the norms and MLPs in [`transformer`]); each family is
+//! one small file that reads its own settings from the model file into a [`BlockSpec`] —
+//! a bias, a norm, a window, a soft-cap is one line there. Kernels live in
+//! [`crate::kernels`] and know nothing about models; quantization types are theirs.
+//!
+//! | family | GGUF `general.architecture` | Hugging Face `model_type` | differs from Llama by |
+//! |---|---|---|---|
+//! | [`llama`] | `llama` | `llama` | — (Llama 3's RoPE factors) |
+//! | [`mistral`] | `llama` with a window | `mistral` | sliding window on every layer |
+//! | [`qwen2`] | `qwen2` | `qwen2` | Q/K/V biases, NeoX RoPE |
+//! | [`qwen3`] | `qwen3` | `qwen3` | Q/K RMSNorm, NeoX RoPE |
+//! | [`gemma2`] | `gemma2` | `gemma2` | √d embeddings, post-norms, GeGLU, soft-caps, alternating windows |
+//! | [`gemma3`] | `gemma3` | `gemma3`, `gemma3_text` | as Gemma 2 with Q/K norm, 5:1 windows, local RoPE base |
+//! | [`phi3`] | `phi3` | `phi3` | fused QKV and gate-up tensors, NeoX RoPE, LongRoPE |
 
+pub mod config;
+pub mod gemma2;
+pub mod gemma3;
 pub mod llama;
+pub mod mistral;
+pub mod phi3;
+pub mod qwen2;
+pub mod qwen3;
+pub mod rope;
+pub mod transformer;
+
+use serde::{Deserialize, Serialize};
+
+pub use config::{Activation, BlockSpec, Hparams, ModelConfig, NORM_SHIFT_KEY, ROPE_LAYOUT_KEY};
+pub use rope::{RopeLayout, RopeScaling, RopeScalingKind};
+pub use transformer::{Batch, FloatWeights, ForwardScratch, LayerWeights, LoadOptions, Model, ModelWeights, Session};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Gguf(#[from] crate::gguf::GgufError),
+    #[error("unsupported architecture {0:?} (Hearth serves {list})", list = Arch::supported())]
+    Architecture(String),
+    #[error("tensor {name} has type {ty}, which Hearth cannot compute with (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; requantize the file with llama-quantize, e.g. to Q4_K_M)")]
+    TensorType { name: String, ty: crate::gguf::GgmlType },
+    #[error("tensor {name} has shape {got:?}, expected {want:?}")]
+    Shape {
+        name: String,
+        got: Vec<u64>,
+        want: Vec<u64>,
+    },
+    #[error("invalid model configuration: {0}")]
+    Config(String),
+}
+
+/// The dense architectures Hearth computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
+    Gemma2,
+    Gemma3,
+    Phi3,
+}
+
+/// One family: how its files are recognised and how it reads its own settings.
+pub struct Family {
+    /// GGUF `general.architecture` (None: stored under another family's name, as llama.cpp
+    /// stores Mistral as `llama`).
+    pub gguf: Option<&'static str>,
+    /// Hugging Face `model_type`s.
+    pub hf_model_types: &'static [&'static str],
+    /// Reads the family's keys into the configuration the common keys began.
+    pub configure: fn(&Hparams<'_>, &mut ModelConfig) -> Result<(), ModelError>,
+}
+
+impl Arch {
+    pub const ALL: [Arch; 7] = [
+        Arch::Llama,
+        Arch::Mistral,
+        Arch::Qwen2,
+        Arch::Qwen3,
+        Arch::Gemma2,
+        Arch::Gemma3,
+        Arch::Phi3,
+    ];
+
+    pub fn family(self) -> &'static Family {
+        match self {
+            Arch::Llama => &llama::FAMILY,
+            Arch::Mistral => &mistral::FAMILY,
+            Arch::Qwen2 => &qwen2::FAMILY,
+            Arch::Qwen3 => &qwen3::FAMILY,
+            Arch::Gemma2 => &gemma2::FAMILY,
+            Arch::Gemma3 => &gemma3::FAMILY,
+            Arch::Phi3 => &phi3::FAMILY,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Mistral => "mistral",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+            Arch::Gemma2 => "gemma2",
+            Arch::Gemma3 => "gemma3",
+            Arch::Phi3 => "phi3",
+        }
+    }
+
+    /// The family of a GGUF `general.architecture`.
+    pub fn from_gguf(name: &str) -> Option<Arch> {
+        Self::ALL.into_iter().find(|a| a.family().gguf == Some(name))
+    }
+
+    /// The family of a Hugging Face `model_type`.
+    pub fn from_hf(model_type: &str) -> Option<Arch> {
+        Self::ALL
+            .into_iter()
+            .find(|a| a.family().hf_model_types.contains(&model_type))
+    }
+
+    /// The GGUF architecture name a family's files carry.
+    pub fn gguf_name(self) -> &'static str {
+        self.family().gguf.unwrap_or("llama")
+    }
+
+    fn supported() -> String {
+        Self::ALL
+            .iter()
+            .filter_map(|a| a.family().gguf)
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+impl std::fmt::Display for Arch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}

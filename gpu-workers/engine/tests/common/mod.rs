@@ -28,3 +28,15 @@ pub fn reference() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| PathBuf::from(run(&mut Command::new(repo().join("scripts/reference-data"))).trim()))
 }
+
+/// `bench/synth-model` with these arguments (seeded random models llama.cpp quantizes;
+/// built on first use): (type, path) per file.
+pub fn synth(args: &[&str]) -> Vec<(String, PathBuf)> {
+    let out = run(Command::new(repo().join("bench/synth-model"))
+        .args(args)
+        .current_dir(repo()));
+    out.lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(t, p)| (t.to_string(), PathBuf::from(p)))
+        .collect()
+}

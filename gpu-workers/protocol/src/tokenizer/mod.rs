@@ -756,6 +756,25 @@ pub fn parse_byte_token(tok: &str) -> Option<u8> {
 /// scores, no merges) and Gemma 4's GGUF rules have no exact `tokenizer.json`.
 pub fn hf_tokenizer_json(spec: &TokenizerSpec) -> Result<serde_json::Value, TokenizeError> {
     use serde_json::json;
+    // SentencePiece with scores is written as byte-fallback BPE, as Hugging Face converts
+    // it: merges ranked by the joined piece's score, the legacy space prefix.
+    let spm;
+    let (spec, merges) = match spec.model.as_str() {
+        "llama" => {
+            spm = TokenizerSpec {
+                model: "spm-bpe".into(),
+                pre: if spec.add_space_prefix == Some(false) {
+                    "never"
+                } else {
+                    "prepend"
+                }
+                .into(),
+                ..spec.clone()
+            };
+            (&spm, spm_merges(spec))
+        }
+        _ => (spec, spec.merges.clone()),
+    };
     let (normalizer, pre_tokenizer, decoder, byte_fallback, ignore_merges) = match spec.model.as_str() {
         "gpt2" => {
             let def = pretokenize::lookup(&spec.pre).ok_or_else(|| TokenizeError::UnsupportedPre(spec.pre.clone()))?;
@@ -843,8 +862,34 @@ pub fn hf_tokenizer_json(spec: &TokenizerSpec) -> Result<serde_json::Value, Toke
         "decoder": decoder,
         "model": {"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
                   "end_of_word_suffix": null, "fuse_unk": byte_fallback, "byte_fallback": byte_fallback,
-                  "ignore_merges": ignore_merges, "vocab": vocab, "merges": spec.merges},
+                  "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges},
     }))
+}
+
+/// BPE merges equivalent to a SentencePiece BPE model's scores (Hugging Face's
+/// `SentencePieceExtractor`): every split of a normal piece into two vocabulary pieces,
+/// ranked by the piece's score (ties: by piece id, then by the halves' ids).
+fn spm_merges(spec: &TokenizerSpec) -> Vec<String> {
+    let ids: std::collections::HashMap<&str, usize> =
+        spec.tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
+    let mut merges: Vec<(f32, usize, usize, usize)> = Vec::new();
+    for (id, piece) in spec.tokens.iter().enumerate() {
+        if spec.token_types.get(id).is_some_and(|&t| t != TOKEN_TYPE_NORMAL) {
+            continue;
+        }
+        let score = spec.scores.get(id).copied().unwrap_or(0.0);
+        for (i, _) in piece.char_indices().skip(1) {
+            let (l, r) = piece.split_at(i);
+            if let (Some(&a), Some(&b)) = (ids.get(l), ids.get(r)) {
+                merges.push((score, id, a, b));
+            }
+        }
+    }
+    merges.sort_by(|x, y| y.0.total_cmp(&x.0).then((x.1, x.2, x.3).cmp(&(y.1, y.2, y.3))));
+    merges
+        .into_iter()
+        .map(|(_, _, a, b)| format!("{} {}", spec.tokens[a], spec.tokens[b]))
+        .collect()
 }
 
 #[cfg(test)]

@@ -1,0 +1,462 @@
+//! A dense transformer's hyper-parameters, read from GGUF metadata (a Hugging Face
+//! directory is presented as the same keys, see [`crate::hf`]): what every family shares
+//! ([`ModelConfig`]) and what the families choose differently ([`BlockSpec`]). The family
+//! files read their own keys into the latter.
+
+use std::fmt;
+
+use crate::gguf::{GgufError, GgufFile, MetaValue};
+
+use super::rope::{RopeLayout, RopeScaling, RopeScalingKind};
+use super::{Arch, ModelError};
+
+/// The metadata key a Hugging Face directory sets (to `"halves"`) when opened as a model
+/// view of a `llama` model; GGUF files never carry it.
+pub const ROPE_LAYOUT_KEY: &str = "hearth.rope.layout";
+
+/// The metadata key a Hugging Face directory of a Gemma model sets (to 1): its norm weights
+/// are `w` where the model multiplies by `1 + w`, which GGUF files store summed.
+pub const NORM_SHIFT_KEY: &str = "hearth.norm.shift";
+
+/// The gated MLP's activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activation {
+    /// SwiGLU: `silu(gate) · up`.
+    #[default]
+    Silu,
+    /// GeGLU with GELU's tanh approximation: `gelu(gate) · up` (Gemma).
+    GeluTanh,
+}
+
+/// What differs between the dense families' blocks. Everything here is read once from the
+/// file; optional tensors (biases, fused projections) are found at load.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockSpec {
+    /// RMSNorm over each head of Q and K before RoPE (Qwen3, Gemma 3).
+    pub qk_norm: bool,
+    /// RMSNorm on the attention and MLP outputs before the residual add (Gemma 2/3).
+    pub post_norms: bool,
+    pub activation: Activation,
+    /// Embeddings multiplied by this (Gemma: √d).
+    pub embed_scale: Option<f32>,
+    /// Attention scores are `scale · q·k` (default 1/√head_dim).
+    pub attn_scale: f32,
+    /// Attention scores soft-capped: `cap · tanh(s / cap)` (Gemma 2).
+    pub attn_softcap: Option<f32>,
+    /// Logits soft-capped the same way (Gemma 2).
+    pub final_softcap: Option<f32>,
+    /// Windowed layers attend to the last `window` positions, their own included.
+    pub sliding_window: Option<usize>,
+    /// Which layers are windowed (all of them when a window is set and this is empty).
+    pub swa_layers: Vec<bool>,
+    /// RoPE base of windowed layers, which are never scaled (Gemma 2/3's local layers).
+    pub swa_rope_theta: Option<f32>,
+}
+
+impl Default for BlockSpec {
+    fn default() -> Self {
+        Self {
+            qk_norm: false,
+            post_norms: false,
+            activation: Activation::Silu,
+            embed_scale: None,
+            attn_scale: 0.0,
+            attn_softcap: None,
+            final_softcap: None,
+            sliding_window: None,
+            swa_layers: Vec::new(),
+            swa_rope_theta: None,
+        }
+    }
+}
+
+/// Hyper-parameters, from the GGUF metadata.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub n_layers: usize,
+    pub d_model: usize,
+    pub n_ff: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub rope_dims: usize,
+    pub rope_theta: f32,
+    pub rope_layout: RopeLayout,
+    /// As the file says, or as the operator overrides it.
+    pub rope_scaling: RopeScaling,
+    pub rms_eps: f32,
+    /// The context the model serves by default: the file's, or stretched by an operator's
+    /// RoPE scaling ([`ModelConfig::set_rope_scaling`]).
+    pub context_length: usize,
+    pub vocab_size: usize,
+    pub block: BlockSpec,
+    /// Added to every norm weight at load ([`NORM_SHIFT_KEY`]).
+    pub norm_shift: f32,
+}
+
+/// Reads `{arch}.*` keys: missing optional keys are `None`, present ones of the wrong type
+/// an error.
+pub struct Hparams<'a> {
+    pub file: &'a GgufFile,
+    pub prefix: &'a str,
+}
+
+impl Hparams<'_> {
+    fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.prefix)
+    }
+
+    pub fn get(&self, k: &str) -> Option<&MetaValue> {
+        self.file.get(&self.key(k))
+    }
+
+    pub fn u(&self, k: &str) -> Result<usize, ModelError> {
+        Ok(self.file.get_u64(&self.key(k))? as usize)
+    }
+
+    pub fn opt_u(&self, k: &str) -> Result<Option<usize>, ModelError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(_) => self.u(k).map(Some),
+        }
+    }
+
+    pub fn opt_f(&self, k: &str) -> Result<Option<f32>, ModelError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(_) => Ok(Some(self.file.get_f64(&self.key(k))? as f32)),
+        }
+    }
+
+    pub fn opt_str(&self, k: &str) -> Result<Option<&str>, ModelError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(_) => Ok(Some(self.file.get_str(&self.key(k))?)),
+        }
+    }
+
+    /// `attention.sliding_window_pattern`: a period `p` (every `p`-th layer global, as
+    /// llama.cpp's `set_swa_pattern`), or one flag per layer; `default` when absent.
+    pub fn swa_pattern(&self, n_layers: usize, default: usize) -> Result<Vec<bool>, ModelError> {
+        let k = "attention.sliding_window_pattern";
+        let period = match self.get(k) {
+            Some(MetaValue::Array(flags)) => {
+                if flags.len() < n_layers {
+                    return Err(ModelError::Config(format!(
+                        "{}: {} flags for {n_layers} layers",
+                        self.key(k),
+                        flags.len()
+                    )));
+                }
+                return flags
+                    .iter()
+                    .take(n_layers)
+                    .map(|f| match f {
+                        MetaValue::Bool(b) => Ok(*b),
+                        other => other.as_u64().map(|v| v != 0).ok_or_else(|| {
+                            ModelError::Gguf(GgufError::KeyType {
+                                key: self.key(k),
+                                expected: "an array of booleans",
+                            })
+                        }),
+                    })
+                    .collect();
+            }
+            Some(_) => self.u(k)?,
+            None => default,
+        };
+        Ok((0..n_layers).map(|l| period == 0 || l % period < period - 1).collect())
+    }
+}
+
+impl ModelConfig {
+    /// The configuration of a model file, by its architecture's family.
+    pub fn from_gguf(g: &GgufFile) -> Result<Self, ModelError> {
+        let name = g.get_str("general.architecture")?;
+        let arch = Arch::from_gguf(name).ok_or_else(|| ModelError::Architecture(name.to_string()))?;
+        let h = Hparams { file: g, prefix: name };
+        let mut c = Self::common(&h, arch)?;
+        (arch.family().configure)(&h, &mut c)?;
+        c.check()?;
+        Ok(c)
+    }
+
+    /// What every family reads the same way.
+    fn common(h: &Hparams<'_>, arch: Arch) -> Result<Self, ModelError> {
+        let g = h.file;
+        let n_heads = h.u("attention.head_count")?;
+        let d_model = h.u("embedding_length")?;
+        if n_heads == 0 || (d_model % n_heads != 0 && h.get("attention.key_length").is_none()) {
+            return Err(ModelError::Config(format!(
+                "{d_model} dims do not split into {n_heads} heads"
+            )));
+        }
+        let head_dim = h.opt_u("attention.key_length")?.unwrap_or(d_model / n_heads);
+        if let Some(v) = h.opt_u("attention.value_length")? {
+            if v != head_dim {
+                return Err(ModelError::Config(format!(
+                    "value heads of {v} differ from key heads of {head_dim} (only latent-attention models do that)"
+                )));
+            }
+        }
+        let n_kv_heads = h.opt_u("attention.head_count_kv")?.unwrap_or(n_heads);
+        if n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+            return Err(ModelError::Config(format!(
+                "{n_heads} heads do not group into {n_kv_heads} KV heads"
+            )));
+        }
+        let rope_dims = h.opt_u("rope.dimension_count")?.unwrap_or(head_dim);
+        if rope_dims > head_dim || rope_dims % 2 != 0 {
+            return Err(ModelError::Config(format!(
+                "rope dimension {rope_dims} invalid for head dim {head_dim}"
+            )));
+        }
+        let vocab_size = match h.opt_u("vocab_size")? {
+            Some(v) => v,
+            None => g.get_str_array("tokenizer.ggml.tokens")?.len(),
+        };
+        // Implausible sizes are a corrupt or hostile file, refused before any allocation.
+        let n_layers = h.u("block_count")?;
+        let n_ff = h.u("feed_forward_length")?;
+        for (what, v, max) in [
+            ("layers", n_layers, 1 << 12),
+            ("embedding length", d_model, 1 << 17),
+            ("feed-forward length", n_ff, 1 << 20),
+            ("vocabulary", vocab_size, 1 << 22),
+            ("head dimension", head_dim, 1 << 10),
+        ] {
+            if v == 0 || v > max {
+                return Err(ModelError::Config(format!("{what} {v} is out of range (1..={max})")));
+            }
+        }
+        // The file's own context, as llama.cpp takes it (a file that declares scaling may
+        // serve up to its stretched context when asked: see `context_limit`).
+        let context_length = h.opt_u("context_length")?.unwrap_or(2048);
+        let rope_scaling = Self::file_rope_scaling(h)?;
+        Ok(Self {
+            arch,
+            n_layers,
+            d_model,
+            n_ff,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            rope_dims,
+            rope_theta: h.opt_f("rope.freq_base")?.unwrap_or(10000.0),
+            rope_layout: match g.get_str(ROPE_LAYOUT_KEY) {
+                Ok("halves") => RopeLayout::Halves,
+                Ok("adjacent") | Err(_) => RopeLayout::Adjacent,
+                Ok(other) => return Err(ModelError::Config(format!("unknown RoPE layout {other:?}"))),
+            },
+            rope_scaling,
+            rms_eps: h.opt_f("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-5),
+            context_length,
+            vocab_size,
+            norm_shift: g.get_f64(NORM_SHIFT_KEY).map_or(0.0, |v| v as f32),
+            block: BlockSpec {
+                attn_scale: 1.0 / (head_dim as f32).sqrt(),
+                ..BlockSpec::default()
+            },
+        })
+    }
+
+    /// `rope.scaling.*` as llama.cpp's converter writes them.
+    fn file_rope_scaling(h: &Hparams<'_>) -> Result<RopeScaling, ModelError> {
+        let kind = match h.opt_str("rope.scaling.type")? {
+            None | Some("none") => RopeScalingKind::None,
+            Some("linear") => RopeScalingKind::Linear,
+            Some("yarn") => RopeScalingKind::Yarn,
+            Some("llama3") => RopeScalingKind::Llama3,
+            Some("longrope") => RopeScalingKind::LongRope,
+            Some(other) => {
+                return Err(ModelError::Config(format!(
+                    "RoPE scaling {other:?} is not supported (none, linear, llama3, yarn, longrope)"
+                )))
+            }
+        };
+        let factor = h
+            .opt_f("rope.scaling.factor")?
+            .or(h.opt_f("rope.scale_linear")?)
+            .unwrap_or(1.0);
+        let d = RopeScaling::default();
+        let s = RopeScaling {
+            kind: if factor == 1.0 && kind == RopeScalingKind::Linear {
+                RopeScalingKind::None
+            } else {
+                kind
+            },
+            factor,
+            original_context: h.opt_u("rope.scaling.original_context_length")?.unwrap_or(0),
+            low_freq_factor: h.opt_f("rope.scaling.low_freq_factor")?.unwrap_or(d.low_freq_factor),
+            high_freq_factor: h.opt_f("rope.scaling.high_freq_factor")?.unwrap_or(d.high_freq_factor),
+            beta_fast: h.opt_f("rope.scaling.yarn_beta_fast")?.unwrap_or(d.beta_fast),
+            beta_slow: h.opt_f("rope.scaling.yarn_beta_slow")?.unwrap_or(d.beta_slow),
+            attn_factor: h.opt_f("rope.scaling.attn_factor")?.unwrap_or(1.0),
+        };
+        if !(s.factor.is_finite() && s.factor >= 1.0 && s.attn_factor.is_finite() && s.attn_factor > 0.0) {
+            return Err(ModelError::Config(format!(
+                "RoPE scaling factor {} / attention factor {} out of range",
+                s.factor, s.attn_factor
+            )));
+        }
+        Ok(s)
+    }
+
+    /// Applies an operator's RoPE scaling in place of the file's: the context grows to the
+    /// original context times the factor.
+    pub fn set_rope_scaling(&mut self, mut s: RopeScaling) {
+        if s.original_context == 0 {
+            // The trained context: the file's original (if it declares one) or its own.
+            s.original_context = match self.rope_scaling.original_context {
+                0 => self.context_length,
+                o => o,
+            };
+        }
+        self.context_length = s.stretched(self.context_length).max(1);
+        self.rope_scaling = s;
+    }
+
+    /// The most context this model may serve: its own, or, when the file declares linear
+    /// or YaRN scaling of an original context (Qwen2.5: 32k × 4), the stretched one.
+    pub fn context_limit(&self) -> usize {
+        let s = &self.rope_scaling;
+        match s.kind {
+            RopeScalingKind::Linear | RopeScalingKind::Yarn if s.original_context > 0 => {
+                self.context_length.max(s.stretched(self.context_length))
+            }
+            _ => self.context_length,
+        }
+    }
+
+    /// The context to serve: `requested` (at least 1), or the model's. Past the model's
+    /// limit it is refused, naming the RoPE scaling that would reach it.
+    pub fn served_context(&self, requested: Option<usize>) -> Result<usize, ModelError> {
+        match requested {
+            None => Ok(self.context_length),
+            Some(n) if n <= self.context_limit() => Ok(n.max(1)),
+            Some(n) => Err(ModelError::Config(format!(
+                "a context of {n} tokens exceeds the model's {} (RoPE scaling {}); stretch it with --rope-scaling (catalogue `rope_scaling`), e.g. yarn:{}",
+                self.context_limit(),
+                self.rope_scaling,
+                n.div_ceil(self.context_length.max(1)).max(2)
+            ))),
+        }
+    }
+
+    fn check(&self) -> Result<(), ModelError> {
+        if let Some(w) = self.block.sliding_window {
+            if w == 0 {
+                return Err(ModelError::Config("a sliding window of 0 tokens".into()));
+            }
+        }
+        if !self.block.swa_layers.is_empty() && self.block.swa_layers.len() != self.n_layers {
+            return Err(ModelError::Config(format!(
+                "{} sliding-window flags for {} layers",
+                self.block.swa_layers.len(),
+                self.n_layers
+            )));
+        }
+        for (what, v) in [
+            ("attention scale", Some(self.block.attn_scale)),
+            ("attention soft-cap", self.block.attn_softcap),
+            ("final soft-cap", self.block.final_softcap),
+            ("embedding scale", self.block.embed_scale),
+        ] {
+            if v.is_some_and(|v| !(v.is_finite() && v > 0.0)) {
+                return Err(ModelError::Config(format!("{what} {v:?} is not a positive number")));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    /// Width of the attention's queries (and of its output): `n_heads · head_dim`, which
+    /// need not be `d_model` (Gemma, Qwen3).
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    /// The attention window of layer `l`, if it has one.
+    pub fn window(&self, l: usize) -> Option<usize> {
+        let w = self.block.sliding_window?;
+        (self.block.swa_layers.is_empty() || self.block.swa_layers.get(l) == Some(&true)).then_some(w)
+    }
+
+    /// Whether this is the plain Llama block (what the CUDA backend computes): no biases
+    /// or norms beyond Llama's, SiLU, no soft-caps, windows or scaled embeddings.
+    pub fn plain_block(&self) -> bool {
+        let b = &self.block;
+        !b.qk_norm
+            && !b.post_norms
+            && b.activation == Activation::Silu
+            && b.embed_scale.is_none()
+            && b.attn_softcap.is_none()
+            && b.final_softcap.is_none()
+            && b.sliding_window.is_none()
+            && (b.attn_scale - 1.0 / (self.head_dim as f32).sqrt()).abs() < 1e-6
+    }
+}
+
+impl fmt::Display for ModelConfig {
+    /// The settings `hearth model inspect` prints.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let b = &self.block;
+        writeln!(
+            f,
+            "{} layers, d_model {}, feed-forward {} ({}), vocabulary {}",
+            self.n_layers,
+            self.d_model,
+            self.n_ff,
+            match b.activation {
+                Activation::Silu => "SwiGLU",
+                Activation::GeluTanh => "GeGLU (tanh)",
+            },
+            self.vocab_size
+        )?;
+        writeln!(
+            f,
+            "attention: {} heads, {} KV heads, head dim {}, score scale {:.4}{}{}",
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            b.attn_scale,
+            b.attn_softcap.map_or(String::new(), |c| format!(", soft-cap {c}")),
+            if b.qk_norm { ", Q/K RMSNorm" } else { "" }
+        )?;
+        match b.sliding_window {
+            None => writeln!(f, "window: none (every layer global)")?,
+            Some(w) => {
+                let n = (0..self.n_layers).filter(|&l| self.window(l).is_some()).count();
+                writeln!(f, "window: {w} tokens on {n} of {} layers", self.n_layers)?
+            }
+        }
+        writeln!(
+            f,
+            "RoPE: {} of {} dims, {:?} pairs, base {}{}, scaling {}",
+            self.rope_dims,
+            self.head_dim,
+            self.rope_layout,
+            self.rope_theta,
+            b.swa_rope_theta
+                .map_or(String::new(), |t| format!(" (windowed layers {t})")),
+            self.rope_scaling
+        )?;
+        writeln!(
+            f,
+            "norms: RMSNorm eps {}{}; embeddings ×{}; logits soft-cap {}",
+            self.rms_eps,
+            if b.post_norms {
+                ", post-attention and post-MLP norms"
+            } else {
+                ""
+            },
+            b.embed_scale.map_or("1".into(), |s| format!("{s:.3}")),
+            b.final_softcap.map_or("none".into(), |c| c.to_string())
+        )?;
+        write!(f, "context: {} tokens", self.context_length)
+    }
+}

@@ -1,0 +1,951 @@
+//! The dense transformer every family runs: the weights (memory-mapped; matrices repacked
+//! for the SIMD kernels at load), and the batched forward pass over the paged KV cache.
+//! A family's differences arrive as a [`BlockSpec`] and as optional tensors found here:
+//! Q/K/V biases, fused QKV and gate-up projections, Q/K norms, post-norms, RoPE factors.
+//!
+//! One block, with its optional parts in brackets:
+//!
+//! ```text
+//! x = embed(token) [· embed_scale]
+//! per layer:  h = rmsnorm(x)
+//!             q, k, v = h·Wq [+bq], h·Wk [+bk], h·Wv [+bv]      (or one fused h·Wqkv)
+//!             [q, k = rmsnorm_per_head(q), rmsnorm_per_head(k)]
+//!             q, k = rope(q), rope(k)                            (the layer's table)
+//!             a = attention(q, K, V)   scores scale·q·k [soft-capped], [within a window]
+//!             x += [rmsnorm](a·Wo)
+//!             x += [rmsnorm](act(h'·Wgate) ⊙ h'·Wup · Wdown)     h' = rmsnorm(x); act SiLU or GELU
+//! logits = rmsnorm(x)·Wout [soft-capped]
+//! ```
+
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use crate::attention::{attend_head, HeadSpec, Scoring};
+use crate::gguf::{GgmlType, GgufError, GgufFile, TensorInfo};
+use crate::kernels::packed::PackKind;
+use crate::kernels::{
+    dequantize_row, gelu_mul, isa, matmul, matmul_many, silu_mul, MatmulScratch, PackedMatrix, WeightView, QK,
+};
+use crate::kv::{KvDtype, KvPool, KvShape};
+use crate::pack_cache::{self, Wanted};
+
+use super::rope::{self, RopeFreqs, RopeScaling, RopeScalingKind};
+use super::{Activation, Arch, ModelConfig, ModelError};
+
+/// A weight matrix: where it is in the file, its shape, and its repacked copy (built at
+/// load for the SIMD kernels; then the file's pages of it are no longer read).
+#[derive(Debug, Clone)]
+struct Matrix {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    shard: usize,
+    offset: usize,
+    len: usize,
+    packed: Option<Arc<PackedMatrix>>,
+}
+
+/// The attention's input projections: three matrices, or one of `q + 2·kv` rows (Phi-3).
+#[derive(Debug)]
+enum Qkv {
+    Split { q: Matrix, k: Matrix, v: Matrix },
+    Fused(Matrix),
+}
+
+/// The MLP's gate and up projections: two matrices, or one of `2·ff` rows, gate first
+/// (Phi-3).
+#[derive(Debug)]
+enum GateUp {
+    Split { gate: Matrix, up: Matrix },
+    Fused(Matrix),
+}
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Vec<f32>,
+    qkv: Qkv,
+    /// Q, K and V biases (Qwen2), each where present.
+    bias: [Option<Vec<f32>>; 3],
+    /// Per-head RMSNorm weights for Q and K (Qwen3, Gemma 3).
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    wo: Matrix,
+    attn_post_norm: Option<Vec<f32>>,
+    ffn_norm: Vec<f32>,
+    gate_up: GateUp,
+    down: Matrix,
+    ffn_post_norm: Option<Vec<f32>>,
+}
+
+impl Layer {
+    /// Every matrix of the layer, in a fixed order (the pack cache's).
+    fn matrices_mut(&mut self) -> Vec<&mut Matrix> {
+        let mut ms = Vec::with_capacity(7);
+        match &mut self.qkv {
+            Qkv::Split { q, k, v } => ms.extend([q, k, v]),
+            Qkv::Fused(m) => ms.push(m),
+        }
+        ms.push(&mut self.wo);
+        match &mut self.gate_up {
+            GateUp::Split { gate, up } => ms.extend([gate, up]),
+            GateUp::Fused(m) => ms.push(m),
+        }
+        ms.push(&mut self.down);
+        ms
+    }
+
+    fn matrices(&self) -> Vec<&Matrix> {
+        let mut ms = Vec::with_capacity(7);
+        match &self.qkv {
+            Qkv::Split { q, k, v } => ms.extend([q, k, v]),
+            Qkv::Fused(m) => ms.push(m),
+        }
+        ms.push(&self.wo);
+        match &self.gate_up {
+            GateUp::Split { gate, up } => ms.extend([gate, up]),
+            GateUp::Fused(m) => ms.push(m),
+        }
+        ms.push(&self.down);
+        ms
+    }
+}
+
+/// How a model is loaded.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions {
+    /// Map (or write) the on-disk cache of repacked weights beside the model.
+    pub pack_cache: bool,
+    /// How float matrices are computed.
+    pub float_weights: FloatWeights,
+    /// RoPE scaling instead of the file's (the context grows with it).
+    pub rope_scaling: Option<RopeScaling>,
+    /// The context that will be served (None: the model's); chooses LongRoPE's factors.
+    pub max_context: Option<usize>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            pack_cache: pack_cache::enabled_by_env(),
+            float_weights: FloatWeights::Q8_0,
+            rope_scaling: None,
+            max_context: None,
+        }
+    }
+}
+
+/// A loaded model. Matrices stay in the memory-mapped file; only norms are copied.
+pub struct Model {
+    file: GgufFile,
+    pub config: ModelConfig,
+    layers: Vec<Layer>,
+    embed: Matrix,
+    output: Matrix,
+    output_norm: Vec<f32>,
+    /// Rotation of global layers, and of windowed ones when they have their own base.
+    rope: RopeFreqs,
+    rope_local: Option<RopeFreqs>,
+    n_params: u64,
+    packed_bytes: usize,
+    repack_seconds: f64,
+    packed_from_cache: bool,
+    use_pack_cache: bool,
+    /// How float matrices are computed (quantized to Q8_0 when repacked, or not).
+    float_weights: FloatWeights,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+fn tensor<'a>(g: &'a GgufFile, name: &str) -> Result<&'a TensorInfo, ModelError> {
+    g.tensor(name)
+        .ok_or_else(|| ModelError::Gguf(GgufError::MissingTensor(name.to_string())))
+}
+
+fn matrix(g: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError> {
+    let t = tensor(g, name)?;
+    if t.dims != [cols as u64, rows as u64] {
+        return Err(ModelError::Shape {
+            name: name.into(),
+            got: t.dims.clone(),
+            want: vec![cols as u64, rows as u64],
+        });
+    }
+    let (per_block, _) = t.ty.block_layout().ok_or(ModelError::TensorType {
+        name: name.into(),
+        ty: t.ty,
+    })?;
+    if !cols.is_multiple_of(per_block) || (per_block > 1 && !cols.is_multiple_of(QK)) {
+        return Err(ModelError::Config(format!(
+            "{name}: row length {cols} is not a whole number of blocks"
+        )));
+    }
+    Ok(Matrix {
+        ty: t.ty,
+        rows,
+        cols,
+        shard: t.shard,
+        offset: t.offset,
+        len: t.len,
+        packed: None,
+    })
+}
+
+fn vector(g: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
+    let t = tensor(g, name)?;
+    if t.dims != [n as u64] {
+        return Err(ModelError::Shape {
+            name: name.into(),
+            got: t.dims.clone(),
+            want: vec![n as u64],
+        });
+    }
+    if t.ty.block_layout().is_none() {
+        return Err(ModelError::TensorType {
+            name: name.into(),
+            ty: t.ty,
+        });
+    }
+    let mut v = vec![0f32; n];
+    dequantize_row(t.ty, g.tensor_data(t), &mut v);
+    Ok(v)
+}
+
+/// A norm's weights, shifted as the file says ([`super::NORM_SHIFT_KEY`]).
+fn norm(g: &GgufFile, name: &str, n: usize, shift: f32) -> Result<Vec<f32>, ModelError> {
+    let mut v = vector(g, name, n)?;
+    if shift != 0.0 {
+        v.iter_mut().for_each(|x| *x += shift);
+    }
+    Ok(v)
+}
+
+/// A vector that may be absent.
+fn opt_vector(g: &GgufFile, name: &str, n: usize) -> Result<Option<Vec<f32>>, ModelError> {
+    match g.tensor(name) {
+        Some(_) => vector(g, name, n).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// A matrix's bytes in the file, with its repacked copy when it has one.
+fn weight_view<'a>(file: &'a GgufFile, m: &'a Matrix) -> WeightView<'a> {
+    let t = TensorInfo {
+        name: String::new(),
+        dims: vec![],
+        ty: m.ty,
+        offset: m.offset,
+        len: m.len,
+        shard: m.shard,
+    };
+    WeightView {
+        ty: m.ty,
+        rows: m.rows,
+        cols: m.cols,
+        data: file.tensor_data(&t),
+        packed: m.packed.as_deref(),
+    }
+}
+
+/// Reusable buffers for forward passes.
+#[derive(Debug, Default)]
+pub struct ForwardScratch {
+    mm: MatmulScratch,
+}
+
+impl ForwardScratch {
+    /// Float activations throughout (see [`MatmulScratch::precise`]): for numerics checks.
+    pub fn precise() -> Self {
+        let mut mm = MatmulScratch::default();
+        mm.precise = true;
+        Self { mm }
+    }
+}
+
+/// RMSNorm of each `w.len()`-wide row of `x` (a whole row, or one head) into `out`.
+fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    for (xr, or) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
+        let ms = xr.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
+        let s = 1.0 / (ms + eps).sqrt();
+        for ((o, v), g) in or.iter_mut().zip(xr).zip(w) {
+            *o = v * s * g;
+        }
+    }
+}
+
+/// [`rms_norm`] in place.
+fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    for xr in x.chunks_exact_mut(w.len()) {
+        let ms = xr.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
+        let s = 1.0 / (ms + eps).sqrt();
+        for (v, g) in xr.iter_mut().zip(w) {
+            *v *= s * g;
+        }
+    }
+}
+
+/// Adds `bias` to every row of `x`.
+fn add_bias(x: &mut [f32], bias: Option<&Vec<f32>>) {
+    if let Some(b) = bias {
+        for row in x.chunks_exact_mut(b.len()) {
+            row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+        }
+    }
+}
+
+/// `cap · tanh(x / cap)` elementwise.
+fn soft_cap(x: &mut [f32], cap: f32) {
+    for v in x {
+        *v = cap * (*v / cap).tanh();
+    }
+}
+
+/// How float (F32, F16, BF16) weight matrices are computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FloatWeights {
+    /// Quantized to Q8_0 at load (as llama.cpp's quantizer would) for the integer kernels:
+    /// the speed of a Q8_0 GGUF (the pack cache keeps the result).
+    #[default]
+    Q8_0,
+    /// Multiplied as floats (dequantize a row, then FMA): several times slower.
+    Float,
+}
+
+impl FloatWeights {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "q8_0" | "q8" => Ok(FloatWeights::Q8_0),
+            "float" | "f32" => Ok(FloatWeights::Float),
+            other => Err(format!("unknown float-weights mode {other:?} (q8_0 or float)")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            FloatWeights::Q8_0 => "q8_0",
+            FloatWeights::Float => "float",
+        }
+    }
+}
+
+impl Model {
+    /// Loads with the pack cache on unless `HEARTH_PACK_CACHE=0`.
+    pub fn load(file: GgufFile) -> Result<Self, ModelError> {
+        Self::load_options(file, LoadOptions::default())
+    }
+
+    /// Loads; `use_pack_cache`: map (or write) the on-disk cache of repacked weights.
+    /// Float matrices are quantized to Q8_0 ([`FloatWeights::Q8_0`]).
+    pub fn load_with(file: GgufFile, use_pack_cache: bool) -> Result<Self, ModelError> {
+        Self::load_options(
+            file,
+            LoadOptions {
+                pack_cache: use_pack_cache,
+                ..LoadOptions::default()
+            },
+        )
+    }
+
+    /// Loads with these options, repacking for the SIMD kernels.
+    pub fn load_options(file: GgufFile, o: LoadOptions) -> Result<Self, ModelError> {
+        let mut m = Self::load_inner(file, &o)?;
+        if isa().is_simd() {
+            let t = std::time::Instant::now();
+            m.repack();
+            m.repack_seconds = t.elapsed().as_secs_f64();
+        }
+        Ok(m)
+    }
+
+    /// Loads without repacking for the CPU kernels: for a backend that keeps its own copy
+    /// of the weights (the CUDA backend reads them from [`Model::weights`]).
+    pub fn load_unpacked(file: GgufFile, o: LoadOptions) -> Result<Self, ModelError> {
+        Self::load_inner(file, &LoadOptions { pack_cache: false, ..o })
+    }
+
+    fn load_layer(file: &GgufFile, c: &ModelConfig, l: usize) -> Result<Layer, ModelError> {
+        let (d, qd, kv, ff) = (c.d_model, c.q_dim(), c.kv_dim(), c.n_ff);
+        let n = |s: &str| format!("blk.{l}.{s}.weight");
+        let b = |s: &str| format!("blk.{l}.{s}.bias");
+        let (qkv, bias) = if file.tensor(&n("attn_qkv")).is_some() {
+            let m = matrix(file, &n("attn_qkv"), qd + 2 * kv, d)?;
+            let bias = match opt_vector(file, &b("attn_qkv"), qd + 2 * kv)? {
+                Some(all) => [
+                    Some(all[..qd].to_vec()),
+                    Some(all[qd..qd + kv].to_vec()),
+                    Some(all[qd + kv..].to_vec()),
+                ],
+                None => [None, None, None],
+            };
+            (Qkv::Fused(m), bias)
+        } else {
+            let qkv = Qkv::Split {
+                q: matrix(file, &n("attn_q"), qd, d)?,
+                k: matrix(file, &n("attn_k"), kv, d)?,
+                v: matrix(file, &n("attn_v"), kv, d)?,
+            };
+            let bias = [
+                opt_vector(file, &b("attn_q"), qd)?,
+                opt_vector(file, &b("attn_k"), kv)?,
+                opt_vector(file, &b("attn_v"), kv)?,
+            ];
+            (qkv, bias)
+        };
+        let sh = c.norm_shift;
+        let qk_norm = match c.block.qk_norm {
+            true => Some((
+                norm(file, &n("attn_q_norm"), c.head_dim, sh)?,
+                norm(file, &n("attn_k_norm"), c.head_dim, sh)?,
+            )),
+            false => None,
+        };
+        let gate_up = match file.tensor(&n("ffn_gate")) {
+            Some(_) => GateUp::Split {
+                gate: matrix(file, &n("ffn_gate"), ff, d)?,
+                up: matrix(file, &n("ffn_up"), ff, d)?,
+            },
+            None => GateUp::Fused(matrix(file, &n("ffn_up"), 2 * ff, d)?),
+        };
+        let post = |s: &str| match c.block.post_norms {
+            true => norm(file, &n(s), d, sh).map(Some),
+            false => Ok(None),
+        };
+        Ok(Layer {
+            attn_norm: norm(file, &n("attn_norm"), d, sh)?,
+            qkv,
+            bias,
+            qk_norm,
+            wo: matrix(file, &n("attn_output"), d, qd)?,
+            attn_post_norm: post("post_attention_norm")?,
+            ffn_norm: norm(file, &n("ffn_norm"), d, sh)?,
+            gate_up,
+            down: matrix(file, &n("ffn_down"), d, ff)?,
+            ffn_post_norm: post("post_ffw_norm")?,
+        })
+    }
+
+    /// Biases Hearth would not add: refused by name rather than silently dropped.
+    fn check_unused_biases(file: &GgufFile) -> Result<(), ModelError> {
+        const USED: [&str; 4] = ["attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_qkv.bias"];
+        match file
+            .tensors
+            .iter()
+            .find(|t| t.name.ends_with(".bias") && !USED.iter().any(|u| t.name.ends_with(u)))
+        {
+            Some(t) => Err(ModelError::Config(format!(
+                "tensor {} is a bias Hearth does not apply (it adds Q/K/V biases only)",
+                t.name
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// The rotation of global layers: the configured scaling, with the file's factors
+    /// (Llama 3's `rope_freqs`; LongRoPE's long set when serving past the original
+    /// context, else its short set).
+    fn rope_freqs(file: &GgufFile, c: &ModelConfig, max_context: Option<usize>) -> Result<RopeFreqs, ModelError> {
+        let n = c.rope_dims / 2;
+        let s = &c.rope_scaling;
+        let factors = match s.kind {
+            RopeScalingKind::LongRope => {
+                let long = max_context.unwrap_or(c.context_length) > s.original_context;
+                let name = if long {
+                    "rope_factors_long.weight"
+                } else {
+                    "rope_factors_short.weight"
+                };
+                Some(vector(file, name, n)?)
+            }
+            _ => opt_vector(file, "rope_freqs.weight", n)?,
+        };
+        Ok(RopeFreqs::new(
+            c.rope_theta,
+            c.rope_dims,
+            s,
+            factors.as_deref(),
+            c.context_length,
+        ))
+    }
+
+    fn load_inner(file: GgufFile, o: &LoadOptions) -> Result<Self, ModelError> {
+        let mut c = ModelConfig::from_gguf(&file)?;
+        if let Some(s) = o.rope_scaling {
+            c.set_rope_scaling(s);
+        }
+        Self::check_unused_biases(&file)?;
+        let d = c.d_model;
+        let layers = (0..c.n_layers)
+            .map(|l| Self::load_layer(&file, &c, l))
+            .collect::<Result<Vec<_>, _>>()?;
+        let embed = matrix(&file, "token_embd.weight", c.vocab_size, d)?;
+        // Tied embeddings: no `output.weight`, the logits reuse the embedding matrix.
+        let output = match file.tensor("output.weight") {
+            Some(_) => matrix(&file, "output.weight", c.vocab_size, d)?,
+            None => embed.clone(),
+        };
+        let output_norm = norm(&file, "output_norm.weight", d, c.norm_shift)?;
+        let rope = Self::rope_freqs(&file, &c, o.max_context)?;
+        let rope_local = c
+            .block
+            .swa_rope_theta
+            .map(|theta| RopeFreqs::new(theta, c.rope_dims, &RopeScaling::default(), None, c.context_length));
+        let n_params = file.tensors.iter().map(|t| t.n_elements()).sum();
+        Ok(Self {
+            file,
+            config: c,
+            layers,
+            embed,
+            output,
+            output_norm,
+            rope,
+            rope_local,
+            n_params,
+            packed_bytes: 0,
+            repack_seconds: 0.0,
+            packed_from_cache: false,
+            use_pack_cache: o.pack_cache,
+            float_weights: o.float_weights,
+        })
+    }
+
+    /// Repacks every quantized matrix for the SIMD kernels (see [`crate::kernels::packed`]),
+    /// releasing each one's file pages once its copy exists, so that resident memory holds
+    /// one copy of the weights, not two. The embedding stays in the file (rows are looked
+    /// up, not multiplied); with tied embeddings its packed copy serves the logits.
+    ///
+    /// The packed layout is first looked for in the on-disk cache beside the model
+    /// ([`crate::pack_cache`]; mapped, not copied); on a miss the matrices are repacked and
+    /// the cache written for the next load. `HEARTH_PACK_CACHE=0` turns the cache off.
+    fn repack(&mut self) {
+        let file = &self.file;
+        let embed = (self.embed.shard, self.embed.offset, self.embed.len);
+        let is_embed = |m: &Matrix| (m.shard, m.offset) == (embed.0, embed.1);
+        // Every matrix, in a fixed order: each layer's, then the output.
+        let mut ms: Vec<&mut Matrix> = self.layers.iter_mut().flat_map(Layer::matrices_mut).collect();
+        ms.push(&mut self.output);
+        let mut wanted = Vec::new();
+        let float_as_q8_0 = self.float_weights == FloatWeights::Q8_0;
+        let kind_of = |ty: GgmlType| match PackKind::of(ty) {
+            None if float_as_q8_0 && !ty.is_quantized() => Some(PackKind::Byte),
+            k => k,
+        };
+        ms.retain(|m| match kind_of(m.ty) {
+            Some(kind) if m.cols.is_multiple_of(QK * kind.blocks_per_super()) => {
+                wanted.push(Wanted {
+                    kind,
+                    rows: m.rows,
+                    cols: m.cols,
+                    tensor_offset: m.offset as u64 | (m.shard as u64) << 48,
+                });
+                true
+            }
+            _ => false,
+        });
+        if ms.is_empty() {
+            // Nothing to repack or cache (float weights kept as floats).
+            return;
+        }
+        let use_cache = self.use_pack_cache;
+        let cached = if use_cache {
+            pack_cache::load(&file.path, &wanted)
+        } else {
+            Err("turned off".into())
+        };
+        let mut total = 0;
+        match cached {
+            Ok(packed) => {
+                for (m, p) in ms.iter_mut().zip(packed) {
+                    total += p.bytes().len();
+                    m.packed = Some(Arc::new(p));
+                    if !is_embed(m) {
+                        file.release(m.shard, m.offset, m.len);
+                    }
+                }
+                self.packed_from_cache = true;
+            }
+            Err(why) => {
+                tracing::debug!(reason = %why, "pack cache not used: repacking");
+                for m in ms.iter_mut() {
+                    let w = weight_view(file, m);
+                    let packed = match w.ty.is_quantized() {
+                        true => PackedMatrix::pack(&w),
+                        false => PackedMatrix::pack_float_as_q8_0(&w),
+                    };
+                    if let Some(p) = packed {
+                        total += p.bytes().len();
+                        m.packed = Some(Arc::new(p));
+                        // This matrix's file pages leave the resident set at once, so that
+                        // memory holds one copy of the weights, not two.
+                        if !is_embed(m) {
+                            file.release(m.shard, m.offset, m.len);
+                        }
+                    }
+                }
+                let all: Option<Vec<(Wanted, &PackedMatrix)>> = ms
+                    .iter()
+                    .zip(&wanted)
+                    .map(|(m, w)| Some((*w, m.packed.as_deref()?)))
+                    .collect();
+                if let (true, Some(all)) = (use_cache, all) {
+                    match pack_cache::store(&file.path, &all) {
+                        Ok(p) => tracing::info!(path = %p.display(), "pack cache written for the next load"),
+                        Err(e) => {
+                            tracing::info!(error = %e, "pack cache not written (the model's directory is not writable?)")
+                        }
+                    }
+                }
+            }
+        }
+        // The embedding's rows are still read from the file for lookups (with tied
+        // embeddings its packed copy serves the logits); they fault in as needed.
+        file.release(embed.0, embed.1, embed.2);
+        self.packed_bytes = total;
+    }
+
+    /// Whether the repacked weights were mapped from the on-disk cache.
+    pub fn packed_from_cache(&self) -> bool {
+        self.packed_from_cache
+    }
+
+    /// Seconds the repacking took at load (0 on the scalar path).
+    pub fn repack_seconds(&self) -> f64 {
+        self.repack_seconds
+    }
+
+    /// Bytes of repacked weights held in memory.
+    pub fn packed_bytes(&self) -> usize {
+        self.packed_bytes
+    }
+
+    /// Weight bytes one decode step reads: every layer's matrices and the output matrix
+    /// once (their repacked copies where they have one; the embedding row is negligible).
+    pub fn decode_weight_bytes(&self) -> usize {
+        let size = |m: &Matrix| m.packed.as_ref().map_or(m.len, |p| p.bytes().len());
+        let layers: usize = self.layers.iter().flat_map(Layer::matrices).map(size).sum();
+        layers + size(&self.output)
+    }
+
+    pub fn n_params(&self) -> u64 {
+        self.n_params
+    }
+
+    pub fn file(&self) -> &GgufFile {
+        &self.file
+    }
+
+    fn view<'a>(&'a self, m: &'a Matrix) -> WeightView<'a> {
+        weight_view(&self.file, m)
+    }
+
+    /// Every weight, as stored: for backends that keep their own copy (see
+    /// [`Model::load_unpacked`]), which compute the plain Llama block only. Anything else
+    /// (biases, fused projections, the other families' norms) is refused here.
+    pub fn weights(&self) -> Result<ModelWeights<'_>, String> {
+        if !self.config.plain_block() || self.rope.mscale != 1.0 {
+            return Err(format!(
+                "the {} block (its norms, windows, soft-caps or RoPE magnitude) is computed on the CPU only",
+                self.config.arch
+            ));
+        }
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match (&l.qkv, &l.gate_up, &l.bias) {
+                (Qkv::Split { q, k, v }, GateUp::Split { gate, up }, [None, None, None]) => Ok(LayerWeights {
+                    attn_norm: &l.attn_norm,
+                    wq: self.view(q),
+                    wk: self.view(k),
+                    wv: self.view(v),
+                    wo: self.view(&l.wo),
+                    ffn_norm: &l.ffn_norm,
+                    w_gate: self.view(gate),
+                    w_up: self.view(up),
+                    w_down: self.view(&l.down),
+                }),
+                _ => Err("fused projections and biases are computed on the CPU only".to_string()),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(ModelWeights {
+            layers,
+            embed: self.view(&self.embed),
+            output: self.view(&self.output),
+            tied: (self.output.shard, self.output.offset) == (self.embed.shard, self.embed.offset),
+            output_norm: &self.output_norm,
+            inv_freq: &self.rope.inv_freq,
+        })
+    }
+
+    /// The attention's projections of `h` into `q`, `k`, `v`, with their biases.
+    fn project_qkv(
+        &self,
+        layer: &Layer,
+        h: &[f32],
+        qkv: [&mut Vec<f32>; 3],
+        fused: &mut Vec<f32>,
+        s: &mut ForwardScratch,
+    ) {
+        let [q, k, v] = qkv;
+        match &layer.qkv {
+            Qkv::Split { q: wq, k: wk, v: wv } => matmul_many(
+                &[self.view(wq), self.view(wk), self.view(wv)],
+                h,
+                &mut [q, k, v],
+                &mut s.mm,
+            ),
+            Qkv::Fused(w) => {
+                let (qd, kvd) = (self.config.q_dim(), self.config.kv_dim());
+                fused.resize(q.len() + k.len() + v.len(), 0.0);
+                matmul(&self.view(w), h, fused, &mut s.mm);
+                for (r, row) in fused.chunks_exact(qd + 2 * kvd).enumerate() {
+                    q[r * qd..(r + 1) * qd].copy_from_slice(&row[..qd]);
+                    k[r * kvd..(r + 1) * kvd].copy_from_slice(&row[qd..qd + kvd]);
+                    v[r * kvd..(r + 1) * kvd].copy_from_slice(&row[qd + kvd..]);
+                }
+            }
+        }
+        for (x, bias) in [q, k, v].into_iter().zip(&layer.bias) {
+            add_bias(x, bias.as_ref());
+        }
+    }
+
+    /// The MLP of `h` into `out`: `down(act(gate(h)) ⊙ up(h))`.
+    fn mlp(&self, layer: &Layer, h: &[f32], bufs: [&mut Vec<f32>; 3], out: &mut [f32], s: &mut ForwardScratch) {
+        let [gate, up, fused] = bufs;
+        match &layer.gate_up {
+            GateUp::Split { gate: wg, up: wu } => {
+                matmul_many(&[self.view(wg), self.view(wu)], h, &mut [gate, up], &mut s.mm)
+            }
+            GateUp::Fused(w) => {
+                let ff = self.config.n_ff;
+                fused.resize(2 * gate.len(), 0.0);
+                matmul(&self.view(w), h, fused, &mut s.mm);
+                for (r, row) in fused.chunks_exact(2 * ff).enumerate() {
+                    gate[r * ff..(r + 1) * ff].copy_from_slice(&row[..ff]);
+                    up[r * ff..(r + 1) * ff].copy_from_slice(&row[ff..]);
+                }
+            }
+        }
+        match self.config.block.activation {
+            Activation::Silu => silu_mul(gate, up),
+            Activation::GeluTanh => gelu_mul(gate, up),
+        }
+        matmul(&self.view(&layer.down), gate, out, &mut s.mm);
+    }
+
+    /// Runs one step for many sequences at once: row `t` is token `tokens[t]` at position
+    /// `positions[t]` of the sequence whose block table is `tables[t]`. Every weight row is
+    /// read once for all rows. K/V of every row are written into the pool; attention for a
+    /// row sees its own sequence up to its position (within the layer's window). Returns
+    /// logits (`vocab` floats) for each row in `logit_rows`, in that order.
+    pub fn forward_batch(&self, b: &Batch<'_>, pool: &mut KvPool, s: &mut ForwardScratch) -> Vec<f32> {
+        let c = &self.config;
+        let blk = &c.block;
+        let (t, d, qd, kvd, hd) = (b.tokens.len(), c.d_model, c.q_dim(), c.kv_dim(), c.head_dim);
+        let bt = pool.block_tokens();
+        assert_eq!(
+            pool.shape(),
+            self.kv_shape(bt),
+            "the KV pool was built for another model shape"
+        );
+        let mut x = vec![0f32; t * d];
+        let embed = self.view(&self.embed);
+        for (row, &tok) in x.chunks_exact_mut(d).zip(b.tokens) {
+            dequantize_row(embed.ty, embed.row(tok as usize), row);
+        }
+        if let Some(scale) = blk.embed_scale {
+            x.iter_mut().for_each(|v| *v *= scale);
+        }
+        let mut h = vec![0f32; t * d];
+        let mut q = vec![0f32; t * qd];
+        let mut k = vec![0f32; t * kvd];
+        let mut v = vec![0f32; t * kvd];
+        let mut att = vec![0f32; t * qd];
+        let mut o = vec![0f32; t * d];
+        let mut gate = vec![0f32; t * c.n_ff];
+        let mut up = vec![0f32; t * c.n_ff];
+        let mut fused = Vec::new();
+        let group = c.n_heads / c.n_kv_heads;
+        let scoring = Scoring {
+            scale: blk.attn_scale,
+            softcap: blk.attn_softcap,
+        };
+        let rope_global = self.rope.table(b.positions);
+        let rope_local = self.rope_local.as_ref().map(|r| r.table(b.positions));
+        for (l, layer) in self.layers.iter().enumerate() {
+            let window = c.window(l);
+            rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
+            self.project_qkv(layer, &h, [&mut q, &mut k, &mut v], &mut fused, s);
+            if let Some((qn, kn)) = &layer.qk_norm {
+                rms_norm_in_place(&mut q, qn, c.rms_eps);
+                rms_norm_in_place(&mut k, kn, c.rms_eps);
+            }
+            let table = match (window, &rope_local) {
+                (Some(_), Some(local)) => local,
+                _ => &rope_global,
+            };
+            rope::rotate(&mut q, c.n_heads, hd, c.rope_layout, table);
+            rope::rotate(&mut k, c.n_kv_heads, hd, c.rope_layout, table);
+            for r in 0..t {
+                let p = b.positions[r];
+                pool.write(
+                    b.tables[r][p / bt],
+                    p % bt,
+                    l,
+                    &k[r * kvd..(r + 1) * kvd],
+                    &v[r * kvd..(r + 1) * kvd],
+                );
+            }
+            let pool_ref: &KvPool = pool;
+            att.par_chunks_mut(hd)
+                .enumerate()
+                .for_each_init(Vec::new, |scores, (i, out)| {
+                    let (r, head) = (i / c.n_heads, i % c.n_heads);
+                    let spec = HeadSpec {
+                        layer: l,
+                        kv_head: head / group,
+                        head_dim: hd,
+                        kv_dim: kvd,
+                    };
+                    let end = b.positions[r] + 1;
+                    let start = window.map_or(0, |w| end.saturating_sub(w));
+                    let qh = &q[r * qd + head * hd..][..hd];
+                    attend_head(qh, start..end, b.tables[r], pool_ref, spec, scoring, out, scores);
+                });
+            matmul(&self.view(&layer.wo), &att, &mut o, &mut s.mm);
+            Self::residual(&mut x, &mut o, layer.attn_post_norm.as_deref(), c.rms_eps);
+            rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
+            self.mlp(layer, &h, [&mut gate, &mut up, &mut fused], &mut o, s);
+            Self::residual(&mut x, &mut o, layer.ffn_post_norm.as_deref(), c.rms_eps);
+        }
+        if b.logit_rows.is_empty() {
+            return Vec::new();
+        }
+        let mut last = vec![0f32; b.logit_rows.len() * d];
+        for (dst, &r) in last.chunks_exact_mut(d).zip(b.logit_rows) {
+            rms_norm(&x[r * d..(r + 1) * d], &self.output_norm, c.rms_eps, dst);
+        }
+        let mut logits = vec![0f32; b.logit_rows.len() * c.vocab_size];
+        matmul(&self.view(&self.output), &last, &mut logits, &mut s.mm);
+        if let Some(cap) = blk.final_softcap {
+            soft_cap(&mut logits, cap);
+        }
+        logits
+    }
+
+    /// `x += o`, with `o` normalized first when the block has a post-norm there.
+    fn residual(x: &mut [f32], o: &mut [f32], post_norm: Option<&[f32]>, eps: f32) {
+        if let Some(w) = post_norm {
+            rms_norm_in_place(o, w, eps);
+        }
+        x.iter_mut().zip(o.iter()).for_each(|(a, b)| *a += b);
+    }
+
+    /// The KV cache's shape for this model.
+    pub fn kv_shape(&self, block_tokens: usize) -> KvShape {
+        KvShape {
+            n_layers: self.config.n_layers,
+            kv_heads: self.config.n_kv_heads,
+            head_dim: self.config.head_dim,
+            block_tokens,
+        }
+    }
+
+    /// KV bytes per cached token.
+    pub fn kv_bytes_per_token(&self, dtype: KvDtype) -> usize {
+        KvPool::block_bytes(self.kv_shape(1), dtype)
+    }
+
+    /// The architecture.
+    pub fn arch(&self) -> Arch {
+        self.config.arch
+    }
+}
+
+/// One layer's weights (see [`Model::weights`]).
+#[derive(Debug)]
+pub struct LayerWeights<'a> {
+    pub attn_norm: &'a [f32],
+    pub wq: WeightView<'a>,
+    pub wk: WeightView<'a>,
+    pub wv: WeightView<'a>,
+    pub wo: WeightView<'a>,
+    pub ffn_norm: &'a [f32],
+    pub w_gate: WeightView<'a>,
+    pub w_up: WeightView<'a>,
+    pub w_down: WeightView<'a>,
+}
+
+/// A model's weights (see [`Model::weights`]).
+#[derive(Debug)]
+pub struct ModelWeights<'a> {
+    pub layers: Vec<LayerWeights<'a>>,
+    pub embed: WeightView<'a>,
+    /// The logits' matrix: the embedding's when `tied`.
+    pub output: WeightView<'a>,
+    pub tied: bool,
+    pub output_norm: &'a [f32],
+    /// RoPE's frequencies, `rope_dims / 2` of them.
+    pub inv_freq: &'a [f32],
+}
+
+/// One forward step's rows (see [`Model::forward_batch`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Batch<'a> {
+    pub tokens: &'a [u32],
+    pub positions: &'a [usize],
+    pub tables: &'a [&'a [u32]],
+    pub logit_rows: &'a [usize],
+}
+
+/// One sequence over its own small paged cache: for tests, tools and numerics checks.
+pub struct Session<'m> {
+    model: &'m Model,
+    pool: KvPool,
+    table: Vec<u32>,
+    len: usize,
+    scratch: ForwardScratch,
+}
+
+impl<'m> Session<'m> {
+    /// A session that can hold `capacity` tokens, with the engine's default KV storage
+    /// (f32 with float activations, which are for numerics checks).
+    pub fn new(model: &'m Model, capacity: usize, scratch: ForwardScratch) -> Self {
+        let dtype = if scratch.mm.precise {
+            KvDtype::F32
+        } else {
+            KvDtype::default()
+        };
+        Self::with_kv(model, capacity, scratch, dtype)
+    }
+
+    pub fn with_kv(model: &'m Model, capacity: usize, scratch: ForwardScratch, dtype: KvDtype) -> Self {
+        let bt = hearth_protocol::DEFAULT_BLOCK_TOKENS;
+        let blocks = capacity.div_ceil(bt);
+        Self {
+            model,
+            pool: KvPool::new(model.kv_shape(bt), dtype, blocks),
+            table: (0..blocks as u32).collect(),
+            len: 0,
+            scratch,
+        }
+    }
+
+    /// Appends tokens and returns the logits after the last one.
+    pub fn feed(&mut self, tokens: &[u32]) -> Vec<f32> {
+        let positions: Vec<usize> = (self.len..self.len + tokens.len()).collect();
+        let tables = vec![&self.table[..]; tokens.len()];
+        let batch = Batch {
+            tokens,
+            positions: &positions,
+            tables: &tables,
+            logit_rows: &[tokens.len() - 1],
+        };
+        self.len += tokens.len();
+        self.model.forward_batch(&batch, &mut self.pool, &mut self.scratch)
+    }
+}
