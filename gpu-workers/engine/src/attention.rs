@@ -141,6 +141,110 @@ pub fn attend_head(
     }
 }
 
+/// Most queries one [`attend_group`] call takes (what the kernels' registers hold).
+pub const MAX_GROUP: usize = 12;
+
+/// One query of a group: its vector and the positions it attends.
+#[derive(Debug, Clone)]
+pub struct Query<'a> {
+    pub q: &'a [f32],
+    pub span: std::ops::Range<usize>,
+}
+
+/// [`attend_head`] for up to [`MAX_GROUP`] queries against the same KV head of the same
+/// sequence — the query heads of a GQA group, and consecutive rows of a prefill chunk —
+/// reading and converting each key and value vector once for all of them (a long prompt's
+/// attention is then bound by arithmetic, not by re-reading its keys per query). `out`
+/// holds the queries' outputs one after another; `scores` is scratch.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_group(
+    queries: &[Query<'_>],
+    table: &[u32],
+    pool: &KvPool,
+    h: HeadSpec,
+    scoring: Scoring,
+    out: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
+    attend_group_on(isa(), queries, table, pool, h, scoring, out, scores)
+}
+
+/// [`attend_group`] on a given instruction set.
+#[allow(clippy::too_many_arguments)]
+fn attend_group_on(
+    path: Isa,
+    queries: &[Query<'_>],
+    table: &[u32],
+    pool: &KvPool,
+    h: HeadSpec,
+    scoring: Scoring,
+    out: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
+    let (m, hd, bt) = (queries.len(), h.head_dim, pool.block_tokens());
+    assert!(
+        (1..=MAX_GROUP).contains(&m) && out.len() == m * hd,
+        "a group of {m} queries"
+    );
+    assert!(path.available(), "{path} cannot run here");
+    // The kernels' shapes: 32 output columns, 16 positions at a time.
+    let wide = match path {
+        _ if !hd.is_multiple_of(32) || hd > 256 || !bt.is_multiple_of(16) || !cfg!(target_arch = "x86_64") => None,
+        Isa::Avx512 => Some(true),
+        i if i.is_simd() => Some(false),
+        _ => None,
+    };
+    let Some(wide) = wide else {
+        for (q, o) in queries.iter().zip(out.chunks_exact_mut(hd)) {
+            attend_head(q.q, q.span.clone(), table, pool, h, scoring, o, scores);
+        }
+        return;
+    };
+    let shape = pool.shape();
+    assert!(
+        queries.iter().all(|q| q.q.len() == hd && q.span.start < q.span.end)
+            && hd == shape.head_dim
+            && h.kv_dim == shape.kv_dim()
+            && h.kv_head < shape.kv_heads,
+        "attention head shape does not match the KV pool"
+    );
+    let lo = queries.iter().map(|q| q.span.start).min().unwrap_or(0);
+    let hi = queries.iter().map(|q| q.span.end).max().unwrap_or(0);
+    assert!(table.len() * bt >= hi, "the block table does not cover {hi} positions");
+    let first = lo / bt;
+    let blocks = &table[first..hi.div_ceil(bt)];
+    let base = first * bt;
+    let width = blocks.len() * bt;
+    scores.clear();
+    scores.resize(m * width, 0.0);
+    let qs: Vec<&[f32]> = queries.iter().map(|q| q.q).collect();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the ISA was checked above; every block of `blocks` is in the pool (its
+    // sections are `kv_dim · bt` long), `hd` is a multiple of 32, `bt` of 16, and
+    // `scores` holds `m · width`.
+    unsafe {
+        x86::group_scores(&qs, scoring.scale, blocks, pool, h, scores, width, wide)
+    };
+    // Each query's softmax over its own span; weights outside it are zero.
+    for (q, row) in queries.iter().zip(scores.chunks_exact_mut(width)) {
+        let (a, b) = (q.span.start - base, q.span.end - base);
+        let live = &mut row[a..b];
+        if let Some(cap) = scoring.softcap {
+            live.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
+        }
+        let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let inv = 1.0 / exp_shifted_sum(live, max);
+        live.iter_mut().for_each(|p| *p *= inv);
+        row[..a].fill(0.0);
+        row[b..].fill(0.0);
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: as above; `out` holds `m · hd`.
+    unsafe {
+        x86::group_values(scores, width, hi - base, blocks, pool, h, out, wide)
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -324,6 +428,192 @@ mod x86 {
             _mm512_storeu_ps(out.as_mut_ptr().add(16 * c), _mm512_mul_ps(*a, iv));
         }
     }
+
+    /// Scores of `qs` (M queries) over every position of `blocks`: `scores[m·width + j]`.
+    ///
+    /// # Safety
+    /// AVX2/FMA/F16C (AVX-512 F/BW/VL with `wide`); `head_dim` a multiple of 32, block
+    /// length a multiple of 16; `scores` holds `qs.len() · width`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn group_scores(
+        qs: &[&[f32]],
+        scale: f32,
+        blocks: &[u32],
+        pool: &KvPool,
+        h: HeadSpec,
+        scores: &mut [f32],
+        width: usize,
+        wide: bool,
+    ) {
+        macro_rules! run {
+            ($($m:literal)*) => {
+                match (qs.len(), wide) {
+                    $(($m, true) => scores_m512::<$m>(qs, scale, blocks, pool, h, scores, width),
+                      ($m, false) => scores_m256::<$m>(qs, scale, blocks, pool, h, scores, width),)*
+                    _ => unreachable!("group sizes are 1..=MAX_GROUP"),
+                }
+            };
+        }
+        run!(1 2 3 4 5 6 7 8 9 10 11 12)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn scores_m512<const M: usize>(
+        qs: &[&[f32]],
+        scale: f32,
+        blocks: &[u32],
+        pool: &KvPool,
+        h: HeadSpec,
+        scores: &mut [f32],
+        width: usize,
+    ) {
+        let (bt, hd) = (pool.block_tokens(), h.head_dim);
+        let kt_off = h.kv_head * hd * bt;
+        let sc = _mm512_set1_ps(scale);
+        for (bi, &block) in blocks.iter().enumerate() {
+            let keys = pool.keys(block, h.layer);
+            for part in 0..bt / 16 {
+                let base = kt_off + 16 * part;
+                let mut acc = [_mm512_setzero_ps(); M];
+                for i in 0..hd {
+                    let k = load16(keys, base + i * bt);
+                    for (a, q) in acc.iter_mut().zip(qs) {
+                        *a = _mm512_fmadd_ps(_mm512_set1_ps(*q.get_unchecked(i)), k, *a);
+                    }
+                }
+                for (m, a) in acc.iter().enumerate() {
+                    let dst = scores.as_mut_ptr().add(m * width + bi * bt + 16 * part);
+                    _mm512_storeu_ps(dst, _mm512_mul_ps(*a, sc));
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scores_m256<const M: usize>(
+        qs: &[&[f32]],
+        scale: f32,
+        blocks: &[u32],
+        pool: &KvPool,
+        h: HeadSpec,
+        scores: &mut [f32],
+        width: usize,
+    ) {
+        let (bt, hd) = (pool.block_tokens(), h.head_dim);
+        let kt_off = h.kv_head * hd * bt;
+        let sc = _mm256_set1_ps(scale);
+        for (bi, &block) in blocks.iter().enumerate() {
+            let keys = pool.keys(block, h.layer);
+            for part in 0..bt / 8 {
+                let base = kt_off + 8 * part;
+                let mut acc = [_mm256_setzero_ps(); M];
+                for i in 0..hd {
+                    let k = load8(keys, base + i * bt);
+                    for (a, q) in acc.iter_mut().zip(qs) {
+                        *a = _mm256_fmadd_ps(_mm256_set1_ps(*q.get_unchecked(i)), k, *a);
+                    }
+                }
+                for (m, a) in acc.iter().enumerate() {
+                    let dst = scores.as_mut_ptr().add(m * width + bi * bt + 8 * part);
+                    _mm256_storeu_ps(dst, _mm256_mul_ps(*a, sc));
+                }
+            }
+        }
+    }
+
+    /// `out[m] = Σⱼ p[m][j] · V[j]` over the first `n` positions of `blocks` (weights
+    /// already normalized), 32 output columns at a time.
+    ///
+    /// # Safety
+    /// As [`group_scores`]; `out` holds `M · head_dim`, `p` holds `M · width`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn group_values(
+        p: &[f32],
+        width: usize,
+        n: usize,
+        blocks: &[u32],
+        pool: &KvPool,
+        h: HeadSpec,
+        out: &mut [f32],
+        wide: bool,
+    ) {
+        macro_rules! run {
+            ($($m:literal)*) => {
+                match (out.len() / h.head_dim, wide) {
+                    $(($m, true) => values_m512::<$m>(p, width, n, blocks, pool, h, out),
+                      ($m, false) => values_m256::<$m>(p, width, n, blocks, pool, h, out),)*
+                    _ => unreachable!("group sizes are 1..=MAX_GROUP"),
+                }
+            };
+        }
+        run!(1 2 3 4 5 6 7 8 9 10 11 12)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn values_m512<const M: usize>(
+        p: &[f32],
+        width: usize,
+        n: usize,
+        blocks: &[u32],
+        pool: &KvPool,
+        h: HeadSpec,
+        out: &mut [f32],
+    ) {
+        let (bt, hd) = (pool.block_tokens(), h.head_dim);
+        let off = h.kv_head * hd;
+        for c0 in (0..hd).step_by(32) {
+            let mut acc = [[_mm512_setzero_ps(); 2]; M];
+            for (bi, &block) in blocks.iter().enumerate() {
+                let v = pool.values(block, h.layer);
+                for slot in 0..(n - bi * bt).min(bt) {
+                    let row = slot * h.kv_dim + off + c0;
+                    let (v0, v1) = (load16(v, row), load16(v, row + 16));
+                    let j = bi * bt + slot;
+                    for (m, a) in acc.iter_mut().enumerate() {
+                        let w = _mm512_set1_ps(*p.get_unchecked(m * width + j));
+                        a[0] = _mm512_fmadd_ps(w, v0, a[0]);
+                        a[1] = _mm512_fmadd_ps(w, v1, a[1]);
+                    }
+                }
+            }
+            for (m, a) in acc.iter().enumerate() {
+                let dst = out.as_mut_ptr().add(m * hd + c0);
+                _mm512_storeu_ps(dst, a[0]);
+                _mm512_storeu_ps(dst.add(16), a[1]);
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn values_m256<const M: usize>(
+        p: &[f32],
+        width: usize,
+        n: usize,
+        blocks: &[u32],
+        pool: &KvPool,
+        h: HeadSpec,
+        out: &mut [f32],
+    ) {
+        // One register of output columns per query: M accumulators fit the 16 registers.
+        let (bt, hd) = (pool.block_tokens(), h.head_dim);
+        let off = h.kv_head * hd;
+        for c0 in (0..hd).step_by(8) {
+            let mut acc = [_mm256_setzero_ps(); M];
+            for (bi, &block) in blocks.iter().enumerate() {
+                let v = pool.values(block, h.layer);
+                for slot in 0..(n - bi * bt).min(bt) {
+                    let v0 = load8(v, slot * h.kv_dim + off + c0);
+                    let j = bi * bt + slot;
+                    for (m, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(_mm256_set1_ps(*p.get_unchecked(m * width + j)), v0, *a);
+                    }
+                }
+            }
+            for (m, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.as_mut_ptr().add(m * hd + c0), *a);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -406,6 +696,79 @@ mod tests {
                                 "{dtype:?} hd={hd} bt={bt} n={n} window={window} cap={softcap:?} g={g} i={i}: {} vs {want}",
                                 out[i]
                             );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A group of queries (1 to MAX_GROUP, each with its own span: causal ends, windows)
+    /// gives what each query alone gives, on every instruction-set path this CPU runs.
+    #[test]
+    fn groups_equal_single_queries() {
+        let mut rng = Lcg(5);
+        for path in Isa::all_available() {
+            for (hd, bt) in [(64usize, 16usize), (128, 16), (256, 32), (96, 16), (24, 8)] {
+                for dtype in [KvDtype::F32, KvDtype::F16] {
+                    let kv_heads = 2;
+                    let kv_dim = kv_heads * hd;
+                    let shape = KvShape {
+                        n_layers: 1,
+                        kv_heads,
+                        head_dim: hd,
+                        block_tokens: bt,
+                    };
+                    let mut pool = KvPool::new(shape, dtype, 12);
+                    let table: Vec<u32> = vec![3, 7, 1, 10, 0, 5, 8, 2];
+                    let n = 6 * bt + 5;
+                    for p in 0..n {
+                        let k: Vec<f32> = (0..kv_dim).map(|_| rng.next_f32() * 2.0).collect();
+                        let v: Vec<f32> = (0..kv_dim).map(|_| rng.next_f32() * 2.0).collect();
+                        pool.write(table[p / bt], p % bt, 0, &k, &v);
+                    }
+                    for m in 1..=MAX_GROUP {
+                        let qs: Vec<Vec<f32>> = (0..m).map(|_| (0..hd).map(|_| rng.next_f32()).collect()).collect();
+                        // Consecutive rows ending near n, some windowed.
+                        let spans: Vec<_> = (0..m)
+                            .map(|i| {
+                                let end = n - (m - 1 - i) / 2;
+                                let start = if i % 3 == 1 { end.saturating_sub(bt + 3) } else { 0 };
+                                start..end
+                            })
+                            .collect();
+                        let queries: Vec<Query<'_>> = qs
+                            .iter()
+                            .zip(&spans)
+                            .map(|(q, sp)| Query { q, span: sp.clone() })
+                            .collect();
+                        let spec = HeadSpec {
+                            layer: 0,
+                            kv_head: 1,
+                            head_dim: hd,
+                            kv_dim,
+                        };
+                        let scoring = Scoring {
+                            softcap: (m % 2 == 0).then_some(3.0),
+                            ..Scoring::plain(hd)
+                        };
+                        let mut out = vec![0f32; m * hd];
+                        attend_group_on(path, &queries, &table, &pool, spec, scoring, &mut out, &mut Vec::new());
+                        for (i, q) in queries.iter().enumerate() {
+                            let mut want = vec![0f32; hd];
+                            attend_head(
+                                q.q,
+                                q.span.clone(),
+                                &table,
+                                &pool,
+                                spec,
+                                scoring,
+                                &mut want,
+                                &mut Vec::new(),
+                            );
+                            for (a, b) in out[i * hd..(i + 1) * hd].iter().zip(&want) {
+                                assert!((a - b).abs() < 1e-5, "{path} hd={hd} m={m} query {i}: {a} vs {b}");
+                            }
                         }
                     }
                 }

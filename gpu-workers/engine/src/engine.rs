@@ -376,6 +376,8 @@ impl EngineHandle {
         let (compute, mib, num_blocks) = Compute::new(&model, cfg, bt, context)?;
         let shape = model.kv_shape(bt);
         let kv_layout = KvLayout {
+            arch: model.arch(),
+            rope: model.rope_fingerprint(),
             n_layers: shape.n_layers as u32,
             kv_dim: shape.kv_dim() as u32,
             head_dim: shape.head_dim as u32,

@@ -32,8 +32,10 @@ pub struct ModelEntry {
     /// Keep warm: never unloaded for idleness or evicted for room (load it with
     /// [`ModelHost::preload`]).
     pub pinned: bool,
-    /// Serve at most this context (None: the model's).
+    /// Serve at most this context (None: the model's, stretched by `rope_scaling`).
     pub context_length: Option<usize>,
+    /// RoPE scaling instead of the file's (None: the host's engine setting).
+    pub rope_scaling: Option<crate::models::RopeScaling>,
     /// Bytes it counts against the budget (None: its file size plus its KV cache).
     pub memory_bytes: Option<u64>,
     /// Tenants (names or ids) that may see and use it (empty: all); reported in its
@@ -41,6 +43,17 @@ pub struct ModelEntry {
     pub tenants: Vec<String>,
     /// A chat template to use instead of the file's (its text).
     pub chat_template: Option<String>,
+}
+
+impl ModelEntry {
+    /// The host's engine settings with this entry's own in their place.
+    fn engine_config(&self, host: &EngineConfig) -> EngineConfig {
+        let mut cfg = host.clone();
+        cfg.max_context = self.context_length.or(cfg.max_context);
+        cfg.rope_scaling = self.rope_scaling.or(cfg.rope_scaling);
+        cfg.chat_template = self.chat_template.clone().or(cfg.chat_template);
+        cfg
+    }
 }
 
 /// How the host shares out memory and waits.
@@ -163,9 +176,8 @@ impl Model {
         // What the engine will refuse past, so that gateways shed by the same limit.
         info.queue_tokens =
             crate::hf::open_model(&entry.path).map_or(0, |f| crate::engine::queue_tokens_for(&f, &cfg.engine));
-        if let Some(c) = entry.context_length {
-            info.context_length = info.context_length.min(c.max(1) as u32);
-        }
+        let file = crate::hf::open_model(&entry.path)?;
+        info.context_length = crate::engine::served_context(&file, &entry.engine_config(&cfg.engine))? as u32;
         info.tenants = entry.tenants.clone();
         if let Some(t) = entry.chat_template.as_ref().or(cfg.engine.chat_template.as_ref()) {
             info.tokenizer.chat_template = Some(t.clone());
@@ -610,9 +622,7 @@ impl ModelHost {
     fn start_load(&self, entry: ModelEntry, generation: u64, done: watch::Sender<Option<Result<(), String>>>) {
         self.inner.loads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let inner = self.inner.clone();
-        let mut cfg = self.inner.cfg.engine.clone();
-        cfg.max_context = entry.context_length.or(cfg.max_context);
-        cfg.chat_template = entry.chat_template.clone().or(cfg.chat_template);
+        let cfg = entry.engine_config(&self.inner.cfg.engine);
         tracing::info!(model = %entry.id, "loading on first request");
         let load = move || {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

@@ -23,6 +23,8 @@ pub struct ModelReport {
     pub context_length: Option<u64>,
     /// Tensor type → how many tensors have it.
     pub tensor_types: BTreeMap<String, usize>,
+    /// The architecture's settings as Hearth reads them (one line each), when it can.
+    pub settings: Vec<String>,
     pub tokenizer: Option<TokenizerSummary>,
     pub template: TemplateReport,
     /// Why Hearth would not serve it (empty: it would).
@@ -50,11 +52,13 @@ pub fn inspect(path: &Path) -> Result<ModelReport, crate::hf::HfError> {
     for t in &file.tensors {
         *tensor_types.entry(t.ty.name()).or_insert(0) += 1;
     }
+    let mut settings = Vec::new();
     if file.tensors.is_empty() {
         refused.push("no tensors: a vocabulary-only file".to_string());
     } else {
-        if let Err(e) = ModelConfig::from_gguf(&file) {
-            refused.push(e.to_string());
+        match ModelConfig::from_gguf(&file) {
+            Ok(c) => settings = c.to_string().lines().map(str::to_string).collect(),
+            Err(e) => refused.push(e.to_string()),
         }
         let bad: std::collections::BTreeSet<String> = file
             .tensors
@@ -119,6 +123,7 @@ pub fn inspect(path: &Path) -> Result<ModelReport, crate::hf::HfError> {
         context_length: file.get_u64(&format!("{arch}.context_length")).ok(),
         architecture,
         tensor_types,
+        settings,
         tokenizer: tokenizer.as_ref().map(Tokenizer::summary),
         template,
         refused,
@@ -137,6 +142,9 @@ impl ModelReport {
         if !self.tensor_types.is_empty() {
             let types: Vec<String> = self.tensor_types.iter().map(|(t, n)| format!("{t} ×{n}")).collect();
             s.push_str(&format!("tensors       {}\n", types.join(", ")));
+        }
+        for (i, line) in self.settings.iter().enumerate() {
+            s.push_str(&format!("{:<14}{line}\n", if i == 0 { "settings" } else { "" }));
         }
         match &self.tokenizer {
             Some(t) => {

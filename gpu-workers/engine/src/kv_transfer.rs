@@ -16,10 +16,16 @@ use hearth_protocol::{BlockHash, GenerateRequest};
 use serde::{Deserialize, Serialize};
 
 use crate::kv::KvDtype;
+use crate::models::Arch;
 
-/// What two engines must share for a block to move between them.
+/// What two engines must share for a block to move between them: the shape, and what the
+/// stored keys mean — the architecture and the rotation (keys are kept after RoPE, so a
+/// worker serving the same file with other RoPE scaling cannot use them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvLayout {
+    pub arch: Arch,
+    /// [`crate::models::Model::rope_fingerprint`].
+    pub rope: u64,
     pub n_layers: u32,
     pub kv_dim: u32,
     pub head_dim: u32,
@@ -717,6 +723,8 @@ mod tests {
     #[test]
     fn frames_round_trip_in_any_chunking() {
         let layout = KvLayout {
+            arch: Arch::Llama,
+            rope: 1,
             n_layers: 2,
             kv_dim: 4,
             head_dim: 2,

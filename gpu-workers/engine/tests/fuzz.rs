@@ -272,6 +272,8 @@ proptest! {
 
 fn layout() -> KvLayout {
     KvLayout {
+        arch: hearth_engine::models::Arch::Llama,
+        rope: 1,
         n_layers: 2,
         kv_dim: 4,
         head_dim: 2,

@@ -21,6 +21,7 @@ fn entry(id: &str, path: PathBuf, ttl: Option<Duration>) -> ModelEntry {
         idle_ttl: ttl,
         pinned: false,
         context_length: None,
+        rope_scaling: None,
         memory_bytes: None,
         tenants: Vec::new(),
         chat_template: None,

@@ -145,9 +145,16 @@ async fn only_missing_blocks_travel_and_corrupted_ones_are_computed() {
         "all but the corrupted block reused"
     );
 
-    // Another layout is refused whole.
+    // Another layout is refused whole: another shape, another family of the same shape,
+    // keys rotated another way (RoPE scaling).
     let mut other = prefill.kv_layout();
     other.block_tokens *= 2;
+    assert!(decode.import_blocks(other, Vec::new()).await.is_err());
+    let mut other = prefill.kv_layout();
+    other.arch = hearth_engine::models::Arch::Qwen2;
+    assert!(decode.import_blocks(other, Vec::new()).await.is_err());
+    let mut other = prefill.kv_layout();
+    other.rope ^= 1;
     assert!(decode.import_blocks(other, Vec::new()).await.is_err());
 }
 

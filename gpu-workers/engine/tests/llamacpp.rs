@@ -178,6 +178,14 @@ fn every_family_follows_llamacpp() {
             let model = Model::load(GgufFile::open(&path).unwrap()).unwrap();
             assert_eq!(model.arch().name(), arch, "{}", path.display());
             drop(model);
+            // `hearth model inspect` names the architecture's settings.
+            let inspected = hearth_engine::inspect::inspect(&path).unwrap();
+            assert!(inspected.refused.is_empty(), "{family}: {:?}", inspected.refused);
+            assert!(
+                inspected.settings.iter().any(|l| l.starts_with("RoPE:")),
+                "{:?}",
+                inspected.settings
+            );
             report.extend(follow(&format!("{family} {ty}"), &want, FAMILY_LOGIT_BOUND, &|| {
                 Model::load(GgufFile::open(&path).unwrap()).unwrap()
             }));

@@ -350,9 +350,14 @@ pub struct ModelSpec {
     /// 1: load at once and keep warm (never unloaded or evicted).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub min_warm: u32,
-    /// Serve at most this context (default: the model's).
+    /// Serve at most this context (default: the model's, stretched by `rope_scaling`);
+    /// beyond the model's own it needs `rope_scaling`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context_length: Option<usize>,
+    /// RoPE scaling instead of the file's, as `--rope-scaling` takes it: `yarn:4`,
+    /// `linear:2`, `llama3:8` (`KIND:FACTOR[:ORIGINAL_CONTEXT]`) or `none`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<String>,
     /// MiB it counts against the memory budget (default: weights + KV cache).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_mib: Option<u64>,

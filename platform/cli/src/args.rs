@@ -769,9 +769,12 @@ pub enum AdminModelCommand {
         /// 1: load now and keep warm.
         #[arg(long, default_value_t = 0)]
         min_warm: u32,
-        /// Serve at most this context.
+        /// Serve at most this context (beyond the model's own: with --rope-scaling).
         #[arg(long)]
         context_length: Option<usize>,
+        /// RoPE scaling instead of the file's: `yarn:4`, `linear:2`, `llama3:8`, `none`.
+        #[arg(long)]
+        rope_scaling: Option<String>,
         /// MiB it counts against each worker's memory budget.
         #[arg(long)]
         memory_mib: Option<u64>,

@@ -12,7 +12,10 @@
 //!                                   # tokenizer.json); relative paths: from this file
 //! idle_ttl_s = 300               # unload after this long without requests; 0 or absent: never
 //! min_warm = 0                   # 1: load at start and keep warm; optional
-//! context_length = 4096          # serve at most this context; optional
+//! context_length = 32768         # serve at most this context; optional (beyond the
+//!                                # model's own only with rope_scaling)
+//! rope_scaling = "yarn:4"        # stretch the context: yarn/linear/llama3:FACTOR, or none;
+//!                                # optional
 //! chat_template = "qwen.jinja"    # a template instead of the model's; optional
 //! memory_mib = 300               # what it counts against the budget; optional
 //! tenants = ["acme"]             # only these tenants (names or ids) see it; optional
@@ -102,9 +105,17 @@ async fn entry(spec: &ModelSpec, base: &Path, model_args: &ModelArgs) -> anyhow:
         ),
         None => None,
     };
+    let rope_scaling = match &spec.rope_scaling {
+        Some(s) => Some(
+            hearth_engine::models::RopeScaling::parse(s)
+                .map_err(|e| anyhow::anyhow!("catalogue model {:?}: rope_scaling: {e}", spec.id))?,
+        ),
+        None => None,
+    };
     Ok(ModelEntry {
         id,
         path,
+        rope_scaling,
         idle_ttl: spec.idle_ttl_s.filter(|t| *t > 0.0).map(Duration::from_secs_f64),
         pinned: spec.min_warm > 0,
         context_length: spec.context_length,

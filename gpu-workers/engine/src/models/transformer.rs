@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::attention::{attend_head, HeadSpec, Scoring};
+use crate::attention::{attend_group, HeadSpec, Query, Scoring, MAX_GROUP};
 use crate::gguf::{GgmlType, GgufError, GgufFile, TensorInfo};
 use crate::kernels::packed::PackKind;
 use crate::kernels::{
@@ -303,6 +303,55 @@ fn soft_cap(x: &mut [f32], cap: f32) {
     for v in x {
         *v = cap * (*v / cap).tanh();
     }
+}
+
+/// A unit of attention work: rows `row..row + rows` — consecutive positions of one
+/// sequence — and query heads `head..head + heads` of KV head `kv_head`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Tile {
+    row: usize,
+    rows: usize,
+    kv_head: usize,
+    head: usize,
+    heads: usize,
+}
+
+/// Cuts a step's attention into [`Tile`]s of at most [`MAX_GROUP`] queries: a GQA group's
+/// heads together, and as many consecutive rows of the same sequence (a prefill chunk,
+/// speculative drafts) as fit beside them.
+fn attention_tiles(b: &Batch<'_>, n_heads: usize, n_kv_heads: usize) -> Vec<Tile> {
+    let group = n_heads / n_kv_heads;
+    let (heads, per_tile) = if group >= MAX_GROUP {
+        (MAX_GROUP, 1)
+    } else {
+        (group, MAX_GROUP / group)
+    };
+    let same_run = |r: usize| {
+        let (a, z) = (b.tables[r - 1], b.tables[r]);
+        std::ptr::eq(a, z) && b.positions[r] == b.positions[r - 1] + 1
+    };
+    let mut tiles = Vec::new();
+    let mut start = 0;
+    for r in 1..=b.tokens.len() {
+        if r < b.tokens.len() && same_run(r) {
+            continue;
+        }
+        for kv_head in 0..n_kv_heads {
+            for row in (start..r).step_by(per_tile) {
+                for head in (kv_head * group..(kv_head + 1) * group).step_by(heads) {
+                    tiles.push(Tile {
+                        row,
+                        rows: per_tile.min(r - row),
+                        kv_head,
+                        head,
+                        heads: heads.min((kv_head + 1) * group - head),
+                    });
+                }
+            }
+        }
+        start = r;
+    }
+    tiles
 }
 
 /// How float (F32, F16, BF16) weight matrices are computed.
@@ -769,11 +818,7 @@ impl Model {
         let mut gate = vec![0f32; t * c.n_ff];
         let mut up = vec![0f32; t * c.n_ff];
         let mut fused = Vec::new();
-        let group = c.n_heads / c.n_kv_heads;
-        let scoring = Scoring {
-            scale: blk.attn_scale,
-            softcap: blk.attn_softcap,
-        };
+        let tiles = attention_tiles(b, c.n_heads, c.n_kv_heads);
         let rope_global = self.rope.table(b.positions);
         let rope_local = self.rope_local.as_ref().map(|r| r.table(b.positions));
         for (l, layer) in self.layers.iter().enumerate() {
@@ -800,22 +845,7 @@ impl Model {
                     &v[r * kvd..(r + 1) * kvd],
                 );
             }
-            let pool_ref: &KvPool = pool;
-            att.par_chunks_mut(hd)
-                .enumerate()
-                .for_each_init(Vec::new, |scores, (i, out)| {
-                    let (r, head) = (i / c.n_heads, i % c.n_heads);
-                    let spec = HeadSpec {
-                        layer: l,
-                        kv_head: head / group,
-                        head_dim: hd,
-                        kv_dim: kvd,
-                    };
-                    let end = b.positions[r] + 1;
-                    let start = window.map_or(0, |w| end.saturating_sub(w));
-                    let qh = &q[r * qd + head * hd..][..hd];
-                    attend_head(qh, start..end, b.tables[r], pool_ref, spec, scoring, out, scores);
-                });
+            self.attention(b, l, window, &tiles, &q, pool, &mut att);
             matmul(&self.view(&layer.wo), &att, &mut o, &mut s.mm);
             Self::residual(&mut x, &mut o, layer.attn_post_norm.as_deref(), c.rms_eps);
             rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
@@ -835,6 +865,57 @@ impl Model {
             soft_cap(&mut logits, cap);
         }
         logits
+    }
+
+    /// Attention of every row and head of layer `l` into `att`, a tile at a time (see
+    /// [`attention_tiles`]): each tile's queries read their KV head's blocks once.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        b: &Batch<'_>,
+        l: usize,
+        window: Option<usize>,
+        tiles: &[Tile],
+        q: &[f32],
+        pool: &KvPool,
+        att: &mut [f32],
+    ) {
+        let c = &self.config;
+        let (qd, hd) = (c.q_dim(), c.head_dim);
+        let scoring = Scoring {
+            scale: c.block.attn_scale,
+            softcap: c.block.attn_softcap,
+        };
+        let outs: Vec<Vec<f32>> = tiles
+            .par_iter()
+            .map_init(Vec::new, |scores, t| {
+                let queries: Vec<Query<'_>> = (t.row..t.row + t.rows)
+                    .flat_map(|r| {
+                        let end = b.positions[r] + 1;
+                        let start = window.map_or(0, |w| end.saturating_sub(w));
+                        (t.head..t.head + t.heads).map(move |head| Query {
+                            q: &q[r * qd + head * hd..][..hd],
+                            span: start..end,
+                        })
+                    })
+                    .collect();
+                let spec = HeadSpec {
+                    layer: l,
+                    kv_head: t.kv_head,
+                    head_dim: hd,
+                    kv_dim: c.kv_dim(),
+                };
+                let mut out = vec![0f32; queries.len() * hd];
+                attend_group(&queries, b.tables[t.row], pool, spec, scoring, &mut out, scores);
+                out
+            })
+            .collect();
+        for (t, out) in tiles.iter().zip(outs) {
+            let rows = (t.row..t.row + t.rows).flat_map(|r| (t.head..t.head + t.heads).map(move |h| (r, h)));
+            for ((r, head), o) in rows.zip(out.chunks_exact(hd)) {
+                att[r * qd + head * hd..][..hd].copy_from_slice(o);
+            }
+        }
     }
 
     /// `x += o`, with `o` normalized first when the block has a post-norm there.
@@ -863,6 +944,19 @@ impl Model {
     /// The architecture.
     pub fn arch(&self) -> Arch {
         self.config.arch
+    }
+
+    /// A hash of how keys are rotated (every layer kind's frequencies and magnitude): two
+    /// engines share KV blocks only when it is equal (see [`crate::kv_transfer::KvLayout`]).
+    pub fn rope_fingerprint(&self) -> u64 {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for r in std::iter::once(&self.rope).chain(&self.rope_local) {
+            for f in r.inv_freq.iter().chain([&r.mscale]) {
+                h.update(&f.to_bits().to_le_bytes());
+            }
+        }
+        h.update(&[self.config.rope_layout as u8]);
+        h.digest()
     }
 }
 
@@ -947,5 +1041,43 @@ impl<'m> Session<'m> {
         };
         self.len += tokens.len();
         self.model.forward_batch(&batch, &mut self.pool, &mut self.scratch)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tiles cover every (row, head) once, with at most MAX_GROUP queries, rows of one
+    /// sequence at consecutive positions, heads of one KV head.
+    #[test]
+    fn attention_tiles_cover_every_row_and_head_once() {
+        let (a, b2) = (vec![0u32, 1, 2], vec![5u32, 6]);
+        let tables: Vec<&[u32]> = vec![&a, &a, &a, &a, &a, &b2, &a, &b2, &b2];
+        let positions = [10, 11, 12, 13, 14, 3, 20, 7, 8];
+        let tokens = [1u32; 9];
+        let batch = Batch {
+            tokens: &tokens,
+            positions: &positions,
+            tables: &tables,
+            logit_rows: &[],
+        };
+        for (heads, kv) in [(9, 3), (16, 8), (32, 32), (32, 4), (8, 1)] {
+            let tiles = attention_tiles(&batch, heads, kv);
+            let mut seen = vec![0; tokens.len() * heads];
+            for t in &tiles {
+                assert!(t.rows * t.heads <= MAX_GROUP && t.rows > 0 && t.heads > 0, "{t:?}");
+                let group = heads / kv;
+                assert!(t.head >= t.kv_head * group && t.head + t.heads <= (t.kv_head + 1) * group);
+                for r in t.row..t.row + t.rows {
+                    assert!(std::ptr::eq(tables[r], tables[t.row]));
+                    assert_eq!(positions[r], positions[t.row] + (r - t.row));
+                    for h in t.head..t.head + t.heads {
+                        seen[r * heads + h] += 1;
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&n| n == 1), "{heads}/{kv}: {seen:?}");
+        }
     }
 }
