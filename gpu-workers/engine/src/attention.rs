@@ -6,7 +6,7 @@
 //! of 8 positions and each query element is one broadcast multiply-add. Softmax uses a
 //! vectorised `exp`; the weighted sum of values keeps the output row in registers.
 
-use crate::kernels::{exp_shifted_sum, isa, Isa};
+use crate::kernels::{exp_shifted_sum, isa, soft_cap, Isa};
 use crate::kv::{KvPool, KvSlice};
 
 /// Where one head's keys and values live.
@@ -106,9 +106,7 @@ pub fn attend_head(
     scores.truncate(n);
     let live = &mut scores[skip..];
     if let Some(cap) = scoring.softcap {
-        for s in live.iter_mut() {
-            *s = cap * (*s / cap).tanh();
-        }
+        soft_cap(live, cap);
     }
     let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
     let inv = 1.0 / exp_shifted_sum(live, max);
@@ -230,7 +228,7 @@ fn attend_group_on(
         let (a, b) = (q.span.start - base, q.span.end - base);
         let live = &mut row[a..b];
         if let Some(cap) = scoring.softcap {
-            live.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
+            soft_cap(live, cap);
         }
         let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
         let inv = 1.0 / exp_shifted_sum(live, max);

@@ -481,6 +481,45 @@ pub fn gelu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// `1 / √(mean(x²) + eps)`: RMSNorm's scale of one row.
+fn rms_scale(x: &[f32], eps: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa().is_simd() {
+        // SAFETY: AVX2/FMA checked by `isa()`.
+        return 1.0 / (unsafe { x86::avx2::sum_squares(x) } / x.len() as f32 + eps).sqrt();
+    }
+    1.0 / (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32 + eps).sqrt()
+}
+
+/// RMSNorm of each `w.len()`-wide row of `x` (a whole row, or one head) into `out`.
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    for (xr, or) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
+        let s = rms_scale(xr, eps);
+        or.iter_mut().zip(xr).zip(w).for_each(|((o, v), g)| *o = v * s * g);
+    }
+}
+
+/// [`rms_norm`] in place (Q/K norms per head, post-norms).
+pub fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    for xr in x.chunks_exact_mut(w.len()) {
+        let s = rms_scale(xr, eps);
+        xr.iter_mut().zip(w).for_each(|(v, g)| *v *= s * g);
+    }
+}
+
+/// `x[i] = cap · tanh(x[i] / cap)` (Gemma 2's soft-capping of scores and logits).
+pub fn soft_cap(x: &mut [f32], cap: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if isa().is_simd() {
+        // SAFETY: AVX2/FMA checked by `isa()`.
+        unsafe { x86::avx2::soft_cap(x, cap) };
+        return;
+    }
+    for v in x {
+        *v = cap * (*v / cap).tanh();
+    }
+}
+
 /// GELU, tanh form: `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
 pub fn gelu_tanh(x: f32) -> f32 {
     const C: f32 = 0.797_884_6; // √(2/π)
@@ -760,6 +799,39 @@ pub(crate) mod tests {
     /// Every SIMD path this CPU runs, over the packed layout, equals the scalar dot product
     /// over the GGUF bytes (the same integer sums; only float rounding differs), for each
     /// quantized type, a partial last group and every token-tile remainder.
+    /// The vectorised activations equal their scalar definitions (GELU's tanh form,
+    /// soft-capping) over the range the exp clamps cover, and beyond it.
+    #[test]
+    fn simd_gelu_and_soft_cap_equal_scalar() {
+        if !Isa::Avx2.available() {
+            return;
+        }
+        let x: Vec<f32> = (-2000..2000)
+            .map(|i| i as f32 * 0.013)
+            .chain([-500.0, 500.0, 0.0, -0.0])
+            .collect();
+        let up: Vec<f32> = x.iter().map(|v| 1.0 + v.sin()).collect();
+        let mut g = x.clone();
+        // SAFETY: AVX2 checked above.
+        unsafe { x86::avx2::gelu_mul(&mut g, &up) };
+        for ((a, v), u) in g.iter().zip(&x).zip(&up) {
+            let want = gelu_tanh(*v) * u;
+            assert!(
+                (a - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                "gelu({v}): {a} vs {want}"
+            );
+        }
+        for cap in [50.0f32, 30.0, 0.5] {
+            let mut c = x.clone();
+            // SAFETY: as above.
+            unsafe { x86::avx2::soft_cap(&mut c, cap) };
+            for (a, v) in c.iter().zip(&x) {
+                let want = cap * (v / cap).tanh();
+                assert!((a - want).abs() <= 2e-6 * cap, "cap {cap} at {v}: {a} vs {want}");
+            }
+        }
+    }
+
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn packed_kernels_match_scalar_reference_on_every_isa() {

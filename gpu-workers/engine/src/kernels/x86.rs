@@ -586,6 +586,60 @@ pub mod avx2 {
         }
     }
 
+    /// `Σ x²`.
+    ///
+    /// # Safety
+    /// AVX2/FMA available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn sum_squares(x: &[f32]) -> f32 {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= x.len() {
+            for (j, a) in acc.iter_mut().enumerate() {
+                let v = _mm256_loadu_ps(x.as_ptr().add(i + 8 * j));
+                *a = _mm256_fmadd_ps(v, v, *a);
+            }
+            i += 32;
+        }
+        while i + 8 <= x.len() {
+            let v = _mm256_loadu_ps(x.as_ptr().add(i));
+            acc[0] = _mm256_fmadd_ps(v, v, acc[0]);
+            i += 8;
+        }
+        let mut sum = hsum(_mm256_add_ps(
+            _mm256_add_ps(acc[0], acc[1]),
+            _mm256_add_ps(acc[2], acc[3]),
+        ));
+        for v in &x[i..] {
+            sum += v * v;
+        }
+        sum
+    }
+
+    /// `x = cap · tanh(x / cap)`, as `cap − 2·cap / (1 + exp(2x / cap))`.
+    ///
+    /// # Safety
+    /// AVX2/FMA available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn soft_cap(x: &mut [f32], cap: f32) {
+        let (c, two_c, k) = (
+            _mm256_set1_ps(cap),
+            _mm256_set1_ps(2.0 * cap),
+            _mm256_set1_ps(2.0 / cap),
+        );
+        let one = _mm256_set1_ps(1.0);
+        let mut i = 0;
+        while i + 8 <= x.len() {
+            let p = x.as_mut_ptr().add(i);
+            let e = exp(_mm256_mul_ps(_mm256_loadu_ps(p), k));
+            _mm256_storeu_ps(p, _mm256_sub_ps(c, _mm256_div_ps(two_c, _mm256_add_ps(one, e))));
+            i += 8;
+        }
+        for v in &mut x[i..] {
+            *v = cap * (*v / cap).tanh();
+        }
+    }
+
     /// `g = gelu(g) · u` (tanh form, as `g · sigmoid(2c·(g + 0.044715·g³))`).
     ///
     /// # Safety

@@ -25,7 +25,8 @@ use crate::attention::{attend_group, HeadSpec, Query, Scoring, MAX_GROUP};
 use crate::gguf::{GgmlType, GgufError, GgufFile, TensorInfo};
 use crate::kernels::packed::PackKind;
 use crate::kernels::{
-    dequantize_row, gelu_mul, isa, matmul, matmul_many, silu_mul, MatmulScratch, PackedMatrix, WeightView, QK,
+    dequantize_row, gelu_mul, isa, matmul, matmul_many, rms_norm, rms_norm_in_place, silu_mul, soft_cap, MatmulScratch,
+    PackedMatrix, WeightView, QK,
 };
 use crate::kv::{KvDtype, KvPool, KvShape};
 use crate::pack_cache::{self, Wanted};
@@ -267,41 +268,12 @@ impl ForwardScratch {
     }
 }
 
-/// RMSNorm of each `w.len()`-wide row of `x` (a whole row, or one head) into `out`.
-fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    for (xr, or) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
-        let ms = xr.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
-        let s = 1.0 / (ms + eps).sqrt();
-        for ((o, v), g) in or.iter_mut().zip(xr).zip(w) {
-            *o = v * s * g;
-        }
-    }
-}
-
-/// [`rms_norm`] in place.
-fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
-    for xr in x.chunks_exact_mut(w.len()) {
-        let ms = xr.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
-        let s = 1.0 / (ms + eps).sqrt();
-        for (v, g) in xr.iter_mut().zip(w) {
-            *v *= s * g;
-        }
-    }
-}
-
 /// Adds `bias` to every row of `x`.
 fn add_bias(x: &mut [f32], bias: Option<&Vec<f32>>) {
     if let Some(b) = bias {
         for row in x.chunks_exact_mut(b.len()) {
             row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
         }
-    }
-}
-
-/// `cap · tanh(x / cap)` elementwise.
-fn soft_cap(x: &mut [f32], cap: f32) {
-    for v in x {
-        *v = cap * (*v / cap).tanh();
     }
 }
 
