@@ -104,7 +104,9 @@ def write_f16(path, shape, reference, seed):
     s = dict(BASE, **SHAPES[shape])
     d, layers, ff, heads, kv_heads = s["d"], s["layers"], s["ff"], s["heads"], s["kv_heads"]
     head_dim = s["head_dim"] or d // heads
-    w = gguf.GGUFWriter(path + ".tmp", s["arch"])
+    # A temporary name of this process's own: test binaries may ask for the same file at once.
+    tmp = f"{path}.{os.getpid()}.tmp"
+    w = gguf.GGUFWriter(tmp, s["arch"])
     w.add_name(f"hearth-synth-{shape}")
     w.add_context_length(s["ctx"])
     w.add_embedding_length(d)
@@ -193,7 +195,7 @@ def write_f16(path, shape, reference, seed):
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=False)
     w.close()
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 def quantize(src, dst, ftype, requantize=False):
@@ -204,9 +206,9 @@ def quantize(src, dst, ftype, requantize=False):
     # A quantized source (the default model is Q4_1) is requantized: its values as they are.
     params.allow_requantize = requantize
     params.nthread = os.cpu_count() or 2
-    tmp = dst + ".tmp"
+    tmp = f"{dst}.{os.getpid()}.tmp"
     # llama.cpp logs every tensor to stderr: kept in a log beside the file, shown on failure.
-    log = dst + ".quantize.log"
+    log = f"{dst}.{os.getpid()}.quantize.log"
     saved = os.dup(2)
     with open(log, "w") as f:
         os.dup2(f.fileno(), 2)
@@ -219,6 +221,7 @@ def quantize(src, dst, ftype, requantize=False):
         sys.stderr.write(open(log).read())
         sys.exit(f"llama_model_quantize({ftype}) failed: {rc}")
     os.replace(tmp, dst)
+    os.replace(log, dst + ".quantize.log")
 
 
 def main():
