@@ -13,6 +13,7 @@ ap.add_argument("prompts", nargs="+")
 ap.add_argument("--steps", type=int, default=64)
 ap.add_argument("--threads", type=int, default=2)
 ap.add_argument("--rope-scaling", help="KIND:FACTOR[:ORIGINAL_CONTEXT], as Hearth's --rope-scaling")
+ap.add_argument("--n-ctx", type=int, default=512, help="the context (LongRoPE picks its factors by it)")
 a = ap.parse_args()
 
 rope = {}
@@ -21,7 +22,7 @@ if a.rope_scaling:
     kinds = {"linear": llama_cpp.LLAMA_ROPE_SCALING_TYPE_LINEAR, "yarn": llama_cpp.LLAMA_ROPE_SCALING_TYPE_YARN}
     rope = dict(rope_scaling_type=kinds[kind], rope_freq_scale=1.0 / float(factor),
                 yarn_orig_ctx=int(orig[0]) if orig else 0)
-llm = llama_cpp.Llama(model_path=a.model, n_ctx=512, n_batch=512, n_threads=a.threads,
+llm = llama_cpp.Llama(model_path=a.model, n_ctx=a.n_ctx, n_batch=512, n_threads=a.threads,
                       logits_all=True, verbose=False, **rope)
 out = {"model": a.model, "system_info": llama_cpp.llama_print_system_info().decode(), "prompts": []}
 for text in a.prompts:

@@ -40,6 +40,10 @@ SHAPES = {
                         qk_norm=True, sliding_window=32, theta=1000000.0, theta_swa=10000.0,
                         linear_scale=8.0, template="google-gemma-2-2b-it"),
     "phi3-tiny": dict(arch="phi3", vocab="phi-3", fused=True, template="microsoft-Phi-3.5-mini-instruct"),
+    # Phi-3 128k's LongRoPE as llama.cpp's converter writes it: long and short factor sets,
+    # the original context and an attention factor, no scaling type.
+    "phi3-longrope-tiny": dict(arch="phi3", vocab="phi-3", fused=True, ctx=4096, longrope=dict(orig=1024, attn=1.19),
+                               template="microsoft-Phi-3.5-mini-instruct"),
     # The benchmarks' shapes: Qwen3-0.6B's (~0.65 GB at Q8_0) and a Gemma-2 of ~0.8 GB, each
     # with a plain-Llama twin of the same dimensions (the new pieces' cost).
     "qwen3-0.6b": dict(arch="qwen3", vocab="qwen2", d=1024, layers=28, ff=3072, heads=16, kv_heads=8,
@@ -128,6 +132,9 @@ def write_f16(path, shape, reference, seed):
         w.add_final_logit_softcapping(s["final_softcap"])
     if "theta_swa" in s:
         w.add_rope_freq_base_swa(s["theta_swa"])
+    if "longrope" in s:
+        w.add_rope_scaling_orig_ctx_len(s["longrope"]["orig"])
+        w.add_rope_scaling_attn_factors(s["longrope"]["attn"])
     if "linear_scale" in s:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(s["linear_scale"])
@@ -163,6 +170,10 @@ def write_f16(path, shape, reference, seed):
         w.add_tensor("output.weight", mat(vocab, d, 2.0 / np.sqrt(d)))
     if "rope_freqs" in s:
         w.add_tensor("rope_freqs.weight", llama3_factors(head_dim, s["theta"], s["rope_freqs"]))
+    if "longrope" in s:
+        pairs = np.arange(head_dim // 2, dtype=np.float32) / (head_dim // 2)
+        w.add_tensor("rope_factors_short.weight", (1.0 + 0.5 * pairs ** 2).astype(np.float32))
+        w.add_tensor("rope_factors_long.weight", (1.0 + 7.0 * pairs ** 2).astype(np.float32))
     q, kv = heads * head_dim, kv_heads * head_dim
     for i in range(layers):
         p = f"blk.{i}."

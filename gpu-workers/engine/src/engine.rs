@@ -253,9 +253,13 @@ pub fn served_context(file: &GgufFile, cfg: &EngineConfig) -> Result<usize, Engi
 /// What a worker reports for a model file, from its metadata alone (no weights read): the
 /// gateway can list, tokenize for and route to a model before it is loaded.
 pub fn file_info(path: &Path, model_id: &str, region: &str) -> Result<WorkerInfo, EngineError> {
-    let file = crate::hf::open_model(path)?;
-    let spec = tokenizer_spec(&file)?;
-    let (arch, context) = match ModelConfig::from_gguf(&file) {
+    file_info_of(&crate::hf::open_model(path)?, model_id, region)
+}
+
+/// [`file_info`] of a model already open.
+pub fn file_info_of(file: &GgufFile, model_id: &str, region: &str) -> Result<WorkerInfo, EngineError> {
+    let spec = tokenizer_spec(file)?;
+    let (arch, context) = match ModelConfig::from_gguf(file) {
         Ok(c) => (c.arch.name().to_string(), c.context_length as u32),
         Err(_) => {
             let arch = file.get_str("general.architecture").unwrap_or("llama").to_string();

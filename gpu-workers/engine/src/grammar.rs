@@ -51,9 +51,11 @@ impl TokenizerEnv for Env {
         &self.trie
     }
 
+    /// Text a grammar forces continues the output: SentencePiece adds no space before it
+    /// (else a forced "o" after "n" would become " o").
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<u32> {
         match std::str::from_utf8(s) {
-            Ok(text) => self.tokenizer.encode(text),
+            Ok(text) => self.tokenizer.encode_continuation(text),
             Err(_) => self.trie.greedy_tokenize(s),
         }
     }

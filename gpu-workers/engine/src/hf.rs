@@ -293,19 +293,18 @@ fn config_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<
     let path = dir.join("config.json");
     let cfg = read_json(&path)?;
     let model_type = cfg.get("model_type").and_then(Value::as_str).unwrap_or("");
-    let supported = || {
-        Arch::ALL
-            .iter()
-            .flat_map(|a| a.family().hf_model_types)
-            .copied()
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
+    if cfg.get("text_config").is_some() {
+        return Err(HfError::Unsupported(format!(
+            "{}: a multimodal checkpoint (text_config): serve its language model as its own directory ({})",
+            path.display(),
+            Arch::hf_supported()
+        )));
+    }
     let arch = Arch::from_hf(model_type).ok_or_else(|| {
         HfError::Unsupported(format!(
             "{}: model_type {model_type:?} is not supported (Hearth serves {})",
             path.display(),
-            supported()
+            Arch::hf_supported()
         ))
     })?;
     let unsupported = |what: &str| HfError::Unsupported(format!("{}: {what} is not supported", path.display()));
@@ -322,6 +321,13 @@ fn config_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<
     }
     if cfg.get("mlp_bias").and_then(Value::as_bool) == Some(true) {
         return Err(unsupported("mlp_bias"));
+    }
+    if cfg
+        .get("partial_rotary_factor")
+        .and_then(Value::as_f64)
+        .is_some_and(|f| f != 1.0)
+    {
+        return Err(unsupported("partial_rotary_factor"));
     }
     let d = uint(&cfg, &path, "hidden_size")?;
     let heads = uint(&cfg, &path, "num_attention_heads")?;
@@ -381,9 +387,16 @@ fn config_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<
             if let Some(s) = cfg.get("query_pre_attn_scalar").and_then(Value::as_f64) {
                 put("attention.scale", MetaValue::F64(1.0 / s.sqrt()));
             }
+            // A cap of null is no cap (written as 0, which the families read as none).
             for k in ["attn_logit_softcapping", "final_logit_softcapping"] {
-                if let Some(v) = cfg.get(k).and_then(Value::as_f64) {
-                    put(k, MetaValue::F64(v));
+                match cfg.get(k) {
+                    Some(Value::Null) => put(k, MetaValue::F64(0.0)),
+                    Some(v) => {
+                        if let Some(v) = v.as_f64() {
+                            put(k, MetaValue::F64(v));
+                        }
+                    }
+                    None => {}
                 }
             }
             if let Some(w) = window {
@@ -858,21 +871,23 @@ fn hf_tensor(g: &GgufFile, t: &TensorInfo, c: &ModelConfig) -> Result<Vec<f32>, 
     if matches!(c.arch, Arch::Gemma2 | Arch::Gemma3) && t.name.ends_with("norm.weight") {
         out.iter_mut().for_each(|v| *v -= 1.0 - c.norm_shift);
     }
-    let heads = if t.name.ends_with("attn_q.weight") {
+    let heads = if t.name.ends_with("attn_q.weight") || t.name.ends_with("attn_q.bias") {
         c.n_heads
-    } else if t.name.ends_with("attn_k.weight") {
+    } else if t.name.ends_with("attn_k.weight") || t.name.ends_with("attn_k.bias") {
         c.n_kv_heads
     } else {
         return Ok(out);
     };
-    if c.rope_layout != RopeLayout::Adjacent {
-        return Ok(out); // already rotating halves
-    }
     if c.rope_dims != c.head_dim {
         return Err(HfError::Unsupported(
             "partial rotary dimensions cannot be exported".into(),
         ));
     }
+    if c.rope_layout != RopeLayout::Adjacent {
+        return Ok(out); // already rotating halves
+    }
+    // A bias is one column of `rows` values.
+    let cols = if t.dims.len() == 1 { 1 } else { cols };
     let (hd, half) = (c.head_dim, c.head_dim / 2);
     let mut hf = vec![0f32; out.len()];
     for h in 0..heads {
@@ -893,6 +908,13 @@ fn hf_tensor(g: &GgufFile, t: &TensorInfo, c: &ModelConfig) -> Result<Vec<f32>, 
 /// (only those ratios matter, so `original` is the file's context). Checked by
 /// recomputing every divisor.
 fn llama3_scaling(factors: &[f32], c: &ModelConfig) -> Result<Value, HfError> {
+    if factors.len() != c.rope_dims / 2 || factors.is_empty() {
+        return Err(HfError::Unsupported(format!(
+            "rope_freqs has {} values for {} rotated pairs",
+            factors.len(),
+            c.rope_dims / 2
+        )));
+    }
     let factor = factors.iter().copied().fold(1.0f32, f32::max) as f64;
     let n = factors.len();
     let freq = |i: usize| (c.rope_theta as f64).powf(-((2 * i) as f64) / c.rope_dims as f64);
@@ -954,15 +976,8 @@ fn hf_config(
     spec: &hearth_protocol::TokenizerSpec,
 ) -> Value {
     let b = &c.block;
-    let (class, model_type) = match c.arch {
-        Arch::Llama => ("LlamaForCausalLM", "llama"),
-        Arch::Mistral => ("MistralForCausalLM", "mistral"),
-        Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
-        Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
-        Arch::Gemma2 => ("Gemma2ForCausalLM", "gemma2"),
-        Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
-        Arch::Phi3 => ("Phi3ForCausalLM", "phi3"),
-    };
+    let family = c.arch.family();
+    let (class, model_type) = (family.hf_class, family.hf_model_types[0]);
     let gemma = matches!(c.arch, Arch::Gemma2 | Arch::Gemma3);
     let rope_scaling = match (&rope_scaling, c.rope_scaling.kind) {
         (Value::Null, RopeScalingKind::Linear) => json!({"rope_type": "linear", "factor": c.rope_scaling.factor}),

@@ -171,12 +171,11 @@ struct Model {
 impl Model {
     /// A cold model from its entry: metadata read (no weights), memory estimated.
     fn prepare(entry: ModelEntry, cfg: &HostConfig) -> Result<Self, EngineError> {
-        let mut info = crate::engine::file_info(&entry.path, &entry.id, &cfg.engine.region)?;
+        let file = crate::hf::open_model(&entry.path)?;
+        let mut info = crate::engine::file_info_of(&file, &entry.id, &cfg.engine.region)?;
         info.capacity = cfg.engine.max_running as u32;
         // What the engine will refuse past, so that gateways shed by the same limit.
-        info.queue_tokens =
-            crate::hf::open_model(&entry.path).map_or(0, |f| crate::engine::queue_tokens_for(&f, &cfg.engine));
-        let file = crate::hf::open_model(&entry.path)?;
+        info.queue_tokens = crate::engine::queue_tokens_for(&file, &cfg.engine);
         info.context_length = crate::engine::served_context(&file, &entry.engine_config(&cfg.engine))? as u32;
         info.tenants = entry.tenants.clone();
         if let Some(t) = entry.chat_template.as_ref().or(cfg.engine.chat_template.as_ref()) {

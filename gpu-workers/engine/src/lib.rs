@@ -15,6 +15,7 @@
 pub mod attention;
 pub mod backend;
 pub mod bench;
+pub mod bench_attention;
 pub mod bench_coldstart;
 pub mod bench_kvtransfer;
 pub mod cuda;

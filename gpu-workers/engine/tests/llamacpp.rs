@@ -19,7 +19,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{repo, run, synth};
+use common::{repo, run, synth, FAMILIES};
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::gguf::GgufFile;
 use hearth_engine::kernels::{set_isa, Isa};
@@ -41,30 +41,26 @@ fn llamacpp_python() -> PathBuf {
     venv.join("bin/python")
 }
 
-/// llama.cpp's greedy steps on `model` (with RoPE scaling `rope`, Hearth's syntax).
+/// llama.cpp's greedy steps on `model` (with RoPE scaling `rope`, Hearth's syntax; a
+/// context of `n_ctx`, default 512).
 fn reference(model: &Path, prompts: &[&str], steps: usize, rope: Option<&str>) -> Value {
+    reference_ctx(model, prompts, steps, rope, 512)
+}
+
+fn reference_ctx(model: &Path, prompts: &[&str], steps: usize, rope: Option<&str>, n_ctx: usize) -> Value {
     let mut cmd = Command::new(llamacpp_python());
-    cmd.arg(repo().join("bench/llamacpp_greedy.py"))
-        .arg(model)
-        .args(["--steps", &steps.to_string()]);
+    cmd.arg(repo().join("bench/llamacpp_greedy.py")).arg(model).args([
+        "--steps",
+        &steps.to_string(),
+        "--n-ctx",
+        &n_ctx.to_string(),
+    ]);
     if let Some(r) = rope {
         cmd.args(["--rope-scaling", r]);
     }
     let out = run(cmd.args(prompts));
     serde_json::from_str(&out).unwrap()
 }
-
-/// The dense families: `bench/synth-model`'s tiny shape of each, and the architecture
-/// Hearth finds in it.
-const FAMILIES: [(&str, &str); 7] = [
-    ("llama3", "llama"),
-    ("mistral", "mistral"),
-    ("qwen2", "qwen2"),
-    ("qwen3", "qwen3"),
-    ("gemma2", "gemma2"),
-    ("gemma3", "gemma3"),
-    ("phi3", "phi3"),
-];
 
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
@@ -190,6 +186,28 @@ fn every_family_follows_llamacpp() {
                 Model::load(GgufFile::open(&path).unwrap()).unwrap()
             }));
         }
+    }
+    eprintln!("{}", report.join("\n"));
+}
+
+/// Phi-3 128k's LongRoPE (factor sets, original context and attention factor, no scaling
+/// type, as llama.cpp's converter writes it): the short factors within the original context
+/// and the long ones past it, chosen by the context served, as llama.cpp chooses by its own.
+#[test]
+fn longrope_follows_llamacpp_at_both_contexts() {
+    let _isa = ISA.lock().unwrap_or_else(|e| e.into_inner());
+    let (_, path) = synth(&["--shape", "phi3-longrope-tiny", "--types", "f16"]).remove(0);
+    let mut report = Vec::new();
+    for context in [512, 2048] {
+        let want = reference_ctx(&path, &PROMPTS, 64, None, context);
+        let load = || {
+            let opts = LoadOptions {
+                max_context: Some(context),
+                ..Default::default()
+            };
+            Model::load_options(GgufFile::open(&path).unwrap(), opts).unwrap()
+        };
+        report.extend(follow(&format!("phi3 longrope {context}"), &want, LOGIT_BOUND, &load));
     }
     eprintln!("{}", report.join("\n"));
 }

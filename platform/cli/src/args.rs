@@ -261,6 +261,16 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// The attention kernels alone, one thread: a head at a time against grouped queries
+    /// (a GQA group's heads × consecutive rows), decode- and prefill-shaped, 1k–16k positions.
+    Attention {
+        /// Shorter runs, fewer contexts (smoke).
+        #[arg(long)]
+        quick: bool,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// KV transfer between engines (prefill/decode disaggregation): in process and worker to
     /// worker over loopback HTTP, in GB/s.
     KvTransfer {

@@ -63,6 +63,11 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
             print!("{}", report.table());
             write_json(&report, json)
         }
+        BenchCommand::Attention { quick, json } => {
+            let report = hearth_engine::bench_attention::run(quick);
+            print!("{}", report.table());
+            write_json(&report, json)
+        }
         BenchCommand::Tokenizer { model, quick, json } => {
             let (path, id) = resolve_model(&model).await?;
             let file = hearth_engine::hf::open_model(&path)?;

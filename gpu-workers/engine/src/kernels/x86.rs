@@ -586,36 +586,6 @@ pub mod avx2 {
         }
     }
 
-    /// `Σ x²`.
-    ///
-    /// # Safety
-    /// AVX2/FMA available.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn sum_squares(x: &[f32]) -> f32 {
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut i = 0;
-        while i + 32 <= x.len() {
-            for (j, a) in acc.iter_mut().enumerate() {
-                let v = _mm256_loadu_ps(x.as_ptr().add(i + 8 * j));
-                *a = _mm256_fmadd_ps(v, v, *a);
-            }
-            i += 32;
-        }
-        while i + 8 <= x.len() {
-            let v = _mm256_loadu_ps(x.as_ptr().add(i));
-            acc[0] = _mm256_fmadd_ps(v, v, acc[0]);
-            i += 8;
-        }
-        let mut sum = hsum(_mm256_add_ps(
-            _mm256_add_ps(acc[0], acc[1]),
-            _mm256_add_ps(acc[2], acc[3]),
-        ));
-        for v in &x[i..] {
-            sum += v * v;
-        }
-        sum
-    }
-
     /// `x = cap · tanh(x / cap)`, as `cap − 2·cap / (1 + exp(2x / cap))`.
     ///
     /// # Safety

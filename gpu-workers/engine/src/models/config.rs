@@ -18,6 +18,9 @@ pub const ROPE_LAYOUT_KEY: &str = "hearth.rope.layout";
 /// are `w` where the model multiplies by `1 + w`, which GGUF files store summed.
 pub const NORM_SHIFT_KEY: &str = "hearth.norm.shift";
 
+/// The longest context Hearth serves (the wire carries it as a `u32`).
+pub const MAX_CONTEXT: usize = 1 << 24;
+
 /// The gated MLP's activation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Activation {
@@ -225,6 +228,8 @@ impl ModelConfig {
             ("feed-forward length", n_ff, 1 << 20),
             ("vocabulary", vocab_size, 1 << 22),
             ("head dimension", head_dim, 1 << 10),
+            ("heads", n_heads, 1 << 12),
+            ("KV heads", n_kv_heads, 1 << 12),
         ] {
             if v == 0 || v > max {
                 return Err(ModelError::Config(format!("{what} {v} is out of range (1..={max})")));
@@ -232,8 +237,14 @@ impl ModelConfig {
         }
         // The file's own context, as llama.cpp takes it (a file that declares scaling may
         // serve up to its stretched context when asked: see `context_limit`).
-        let context_length = h.opt_u("context_length")?.unwrap_or(2048);
+        let context_length = h.opt_u("context_length")?.unwrap_or(2048).clamp(1, MAX_CONTEXT);
         let rope_scaling = Self::file_rope_scaling(h)?;
+        let rope_theta = h.opt_f("rope.freq_base")?.unwrap_or(10000.0);
+        if !(rope_theta.is_finite() && rope_theta > 1.0) {
+            return Err(ModelError::Config(format!(
+                "RoPE base {rope_theta} is not a number above 1"
+            )));
+        }
         Ok(Self {
             arch,
             n_layers,
@@ -243,7 +254,7 @@ impl ModelConfig {
             n_kv_heads,
             head_dim,
             rope_dims,
-            rope_theta: h.opt_f("rope.freq_base")?.unwrap_or(10000.0),
+            rope_theta,
             rope_layout: match g.get_str(ROPE_LAYOUT_KEY) {
                 Ok("halves") => RopeLayout::Halves,
                 Ok("adjacent") | Err(_) => RopeLayout::Adjacent,
@@ -263,8 +274,10 @@ impl ModelConfig {
 
     /// `rope.scaling.*` as llama.cpp's converter writes them.
     fn file_rope_scaling(h: &Hparams<'_>) -> Result<RopeScaling, ModelError> {
+        // llama.cpp reads an absent type as `linear` (of factor 1 unless a factor is given).
         let kind = match h.opt_str("rope.scaling.type")? {
-            None | Some("none") => RopeScalingKind::None,
+            None => RopeScalingKind::Linear,
+            Some("none") => RopeScalingKind::None,
             Some("linear") => RopeScalingKind::Linear,
             Some("yarn") => RopeScalingKind::Yarn,
             Some("llama3") => RopeScalingKind::Llama3,
@@ -300,6 +313,16 @@ impl ModelConfig {
                 s.factor, s.attn_factor
             )));
         }
+        if !(s.low_freq_factor > 0.0
+            && s.high_freq_factor > s.low_freq_factor
+            && s.beta_fast > s.beta_slow
+            && s.beta_slow > 0.0)
+        {
+            return Err(ModelError::Config(format!(
+                "RoPE scaling parameters out of range (frequency factors {} < {}, YaRN betas {} > {} > 0 expected)",
+                s.low_freq_factor, s.high_freq_factor, s.beta_fast, s.beta_slow
+            )));
+        }
         Ok(s)
     }
 
@@ -313,7 +336,7 @@ impl ModelConfig {
                 o => o,
             };
         }
-        self.context_length = s.stretched(self.context_length).max(1);
+        self.context_length = s.stretched(self.context_length).clamp(1, MAX_CONTEXT);
         self.rope_scaling = s;
     }
 
@@ -327,6 +350,7 @@ impl ModelConfig {
             }
             _ => self.context_length,
         }
+        .min(MAX_CONTEXT)
     }
 
     /// The context to serve: `requested` (at least 1), or the model's. Past the model's
@@ -458,5 +482,129 @@ impl fmt::Display for ModelConfig {
             b.final_softcap.map_or("none".into(), |c| c.to_string())
         )?;
         write!(f, "context: {} tokens", self.context_length)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::models::Arch;
+
+    /// A metadata-only model file of `arch`: 6 layers, d 256, 4 heads (2 KV), context 4096.
+    fn file(arch: &str, extra: Vec<(&str, MetaValue)>) -> GgufFile {
+        let mut meta: HashMap<String, MetaValue> = [
+            ("embedding_length", MetaValue::U64(256)),
+            ("attention.head_count", MetaValue::U64(4)),
+            ("attention.head_count_kv", MetaValue::U64(2)),
+            ("block_count", MetaValue::U64(6)),
+            ("feed_forward_length", MetaValue::U64(512)),
+            ("vocab_size", MetaValue::U64(1000)),
+            ("context_length", MetaValue::U64(4096)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (format!("{arch}.{k}"), v))
+        .collect();
+        meta.insert("general.architecture".into(), MetaValue::String(arch.into()));
+        for (k, v) in extra {
+            meta.insert(format!("{arch}.{k}"), v);
+        }
+        GgufFile::from_parts("test.gguf".into(), Vec::new(), meta, Vec::new())
+    }
+
+    fn config(arch: &str, extra: Vec<(&str, MetaValue)>) -> Result<ModelConfig, ModelError> {
+        ModelConfig::from_gguf(&file(arch, extra))
+    }
+
+    #[test]
+    fn families_read_their_windows_caps_and_rope() {
+        let g2 = config("gemma2", vec![("attention.sliding_window", MetaValue::U64(64))]).unwrap();
+        assert_eq!(g2.block.swa_layers, [true, false, true, false, true, false]);
+        assert_eq!(
+            (g2.block.attn_softcap, g2.block.final_softcap),
+            (Some(50.0), Some(30.0))
+        );
+        assert_eq!((g2.window(0), g2.window(1)), (Some(64), None));
+        assert_eq!(g2.block.embed_scale, Some(16.0));
+        // A cap of 0 is none (a config's null).
+        let uncapped = config("gemma2", vec![("attn_logit_softcapping", MetaValue::F32(0.0))]).unwrap();
+        assert_eq!(uncapped.block.attn_softcap, None);
+        let g3 = config("gemma3", vec![("attention.sliding_window", MetaValue::U64(512))]).unwrap();
+        assert_eq!(g3.block.swa_layers, [true, true, true, true, true, false]);
+        assert_eq!((g3.block.qk_norm, g3.block.attn_softcap), (true, None));
+        assert_eq!(g3.block.swa_rope_theta, Some(10000.0));
+        let flags = MetaValue::Array([true, false, false, true, true, false].map(MetaValue::Bool).to_vec());
+        let g3 = config(
+            "gemma3",
+            vec![
+                ("attention.sliding_window", MetaValue::U64(512)),
+                ("attention.sliding_window_pattern", flags),
+            ],
+        )
+        .unwrap();
+        assert_eq!(g3.block.swa_layers, [true, false, false, true, true, false]);
+        let mistral = config("llama", vec![("attention.sliding_window", MetaValue::U64(4096))]).unwrap();
+        assert_eq!((mistral.arch, mistral.window(5)), (Arch::Mistral, Some(4096)));
+        assert_eq!(config("llama", vec![]).unwrap().window(0), None);
+        assert_eq!(config("qwen3", vec![]).unwrap().rope_layout, RopeLayout::Halves);
+        assert!(config("qwen3", vec![]).unwrap().block.qk_norm);
+    }
+
+    #[test]
+    fn contexts_are_served_within_the_limit_and_refused_past_it() {
+        let c = config("llama", vec![]).unwrap();
+        assert_eq!(c.served_context(None).unwrap(), 4096);
+        assert_eq!(c.served_context(Some(1000)).unwrap(), 1000);
+        let e = c.served_context(Some(10000)).unwrap_err().to_string();
+        assert!(e.contains("--rope-scaling") && e.contains("yarn:3"), "{e}");
+        // Declared YaRN over an original context: up to the stretched one when asked.
+        let yarn = config(
+            "qwen2",
+            vec![
+                ("rope.scaling.type", MetaValue::String("yarn".into())),
+                ("rope.scaling.factor", MetaValue::F32(4.0)),
+                ("rope.scaling.original_context_length", MetaValue::U64(4096)),
+            ],
+        )
+        .unwrap();
+        assert_eq!((yarn.context_length, yarn.context_limit()), (4096, 16384));
+        // The operator's scaling stretches the served context.
+        let mut c = config("llama", vec![]).unwrap();
+        c.set_rope_scaling(RopeScaling::parse("yarn:4").unwrap());
+        assert_eq!((c.context_length, c.rope_scaling.original_context), (16384, 4096));
+        c.set_rope_scaling(RopeScaling::parse("linear:1024:16777216").unwrap());
+        assert_eq!(c.context_length, MAX_CONTEXT);
+        // llama.cpp's reading of a factor without a type: linear.
+        let lin = config("llama", vec![("rope.scaling.factor", MetaValue::F32(2.0))]).unwrap();
+        assert_eq!(lin.rope_scaling.kind, RopeScalingKind::Linear);
+    }
+
+    #[test]
+    fn implausible_files_are_refused_not_computed() {
+        for (key, value) in [
+            ("attention.head_count", MetaValue::U64(0)),
+            ("attention.head_count", MetaValue::U64(1 << 40)),
+            ("attention.head_count_kv", MetaValue::U64(3)),
+            ("attention.key_length", MetaValue::U64(1 << 20)),
+            ("rope.freq_base", MetaValue::F32(1.0)),
+            ("rope.dimension_count", MetaValue::U64(63)),
+            ("rope.scaling.type", MetaValue::String("dynamic".into())),
+            ("rope.scaling.factor", MetaValue::F32(0.5)),
+            ("rope.scaling.high_freq_factor", MetaValue::F32(1.0)),
+            (
+                "attention.sliding_window_pattern",
+                MetaValue::Array(vec![MetaValue::Bool(true)]),
+            ),
+            ("block_count", MetaValue::String("six".into())),
+        ] {
+            let arch = if key.contains("sliding") { "gemma3" } else { "llama" };
+            let mut extra = vec![(key, value.clone())];
+            if arch == "gemma3" {
+                extra.push(("attention.sliding_window", MetaValue::U64(8)));
+            }
+            assert!(config(arch, extra).is_err(), "{key} = {value:?} was accepted");
+        }
+        assert!(matches!(config("mamba", vec![]), Err(ModelError::Architecture(_))));
     }
 }

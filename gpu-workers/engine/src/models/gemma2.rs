@@ -9,14 +9,16 @@ use super::{Activation, Arch, Family, Hparams, ModelConfig, ModelError, RopeLayo
 pub const FAMILY: Family = Family {
     gguf: Some("gemma2"),
     hf_model_types: &["gemma2"],
+    hf_class: "Gemma2ForCausalLM",
     configure,
 };
 
 fn configure(h: &Hparams<'_>, c: &mut ModelConfig) -> Result<(), ModelError> {
     gemma_block(h, c)?;
     let b = &mut c.block;
-    b.attn_softcap = Some(h.opt_f("attn_logit_softcapping")?.unwrap_or(50.0));
-    b.final_softcap = Some(h.opt_f("final_logit_softcapping")?.unwrap_or(30.0));
+    // Absent: Gemma 2's published caps; 0: none.
+    b.attn_softcap = Some(h.opt_f("attn_logit_softcapping")?.unwrap_or(50.0)).filter(|&c| c > 0.0);
+    b.final_softcap = Some(h.opt_f("final_logit_softcapping")?.unwrap_or(30.0)).filter(|&c| c > 0.0);
     b.sliding_window = Some(h.opt_u("attention.sliding_window")?.unwrap_or(4096));
     b.swa_layers = h.swa_pattern(c.n_layers, 2)?;
     b.swa_rope_theta = Some(h.opt_f("rope.freq_base_swa")?.unwrap_or(c.rope_theta));

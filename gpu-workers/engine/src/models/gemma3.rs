@@ -7,7 +7,8 @@ use super::{Family, Hparams, ModelConfig, ModelError};
 
 pub const FAMILY: Family = Family {
     gguf: Some("gemma3"),
-    hf_model_types: &["gemma3", "gemma3_text"],
+    hf_model_types: &["gemma3_text", "gemma3"],
+    hf_class: "Gemma3ForCausalLM",
     configure,
 };
 

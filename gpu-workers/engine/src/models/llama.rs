@@ -10,6 +10,7 @@ use super::{Family, Hparams, ModelConfig, ModelError};
 pub const FAMILY: Family = Family {
     gguf: Some("llama"),
     hf_model_types: &["llama"],
+    hf_class: "LlamaForCausalLM",
     configure,
 };
 

@@ -9,6 +9,7 @@ use super::{Arch, Family, Hparams, ModelConfig, ModelError};
 pub const FAMILY: Family = Family {
     gguf: None,
     hf_model_types: &["mistral"],
+    hf_class: "MistralForCausalLM",
     configure,
 };
 

@@ -1,6 +1,6 @@
 //! Model architectures. The dense families share one transformer ([`transformer`]: the
 //! weights, the batched forward pass over the paged KV cache) built from shared pieces
-//! ([`rope`], [`crate::attention`], the norms and MLPs in [`transformer`]); each family is
+//! ([`rope`], [`crate::attention`], the norms and activations of [`crate::kernels`]); each family is
 //! one small file that reads its own settings from the model file into a [`BlockSpec`] —
 //! a bias, a norm, a window, a soft-cap is one line there. Kernels live in
 //! [`crate::kernels`] and know nothing about models; quantization types are theirs.
@@ -68,8 +68,10 @@ pub struct Family {
     /// GGUF `general.architecture` (None: stored under another family's name, as llama.cpp
     /// stores Mistral as `llama`).
     pub gguf: Option<&'static str>,
-    /// Hugging Face `model_type`s.
+    /// Hugging Face `model_type`s (the first is what an export writes).
     pub hf_model_types: &'static [&'static str],
+    /// The Hugging Face class an export names in `architectures`.
+    pub hf_class: &'static str,
     /// Reads the family's keys into the configuration the common keys began.
     pub configure: fn(&Hparams<'_>, &mut ModelConfig) -> Result<(), ModelError>,
 }
@@ -130,6 +132,16 @@ impl Arch {
         Self::ALL
             .iter()
             .filter_map(|a| a.family().gguf)
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// Every Hugging Face `model_type` Hearth reads, for error messages.
+    pub fn hf_supported() -> String {
+        Self::ALL
+            .iter()
+            .flat_map(|a| a.family().hf_model_types)
+            .copied()
             .collect::<Vec<_>>()
             .join(", ")
     }

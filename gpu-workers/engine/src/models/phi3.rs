@@ -10,6 +10,7 @@ use super::{Family, Hparams, ModelConfig, ModelError, RopeLayout};
 pub const FAMILY: Family = Family {
     gguf: Some("phi3"),
     hf_model_types: &["phi3"],
+    hf_class: "Phi3ForCausalLM",
     configure,
 };
 

@@ -7,6 +7,7 @@ use super::{Family, Hparams, ModelConfig, ModelError, RopeLayout};
 pub const FAMILY: Family = Family {
     gguf: Some("qwen2"),
     hf_model_types: &["qwen2"],
+    hf_class: "Qwen2ForCausalLM",
     configure,
 };
 

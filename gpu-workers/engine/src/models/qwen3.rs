@@ -6,6 +6,7 @@ use super::{Family, Hparams, ModelConfig, ModelError, RopeLayout};
 pub const FAMILY: Family = Family {
     gguf: Some("qwen3"),
     hf_model_types: &["qwen3"],
+    hf_class: "Qwen3ForCausalLM",
     configure,
 };
 

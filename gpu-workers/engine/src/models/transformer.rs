@@ -111,6 +111,23 @@ impl Layer {
     }
 }
 
+/// Splits each of `rows` rows of a fused projection's output into its parts: `outs[i]`
+/// gets the next `outs[i].len() / rows` values of every row.
+fn split_rows(fused: &[f32], rows: usize, outs: &mut [&mut [f32]]) {
+    let widths: Vec<usize> = outs.iter().map(|o| o.len() / rows.max(1)).collect();
+    for (r, src) in fused
+        .chunks_exact(widths.iter().sum::<usize>().max(1))
+        .enumerate()
+        .take(rows)
+    {
+        let mut at = 0;
+        for (o, &w) in outs.iter_mut().zip(&widths) {
+            o[r * w..(r + 1) * w].copy_from_slice(&src[at..at + w]);
+            at += w;
+        }
+    }
+}
+
 /// How a model is loaded.
 #[derive(Debug, Clone, Copy)]
 pub struct LoadOptions {
@@ -135,7 +152,8 @@ impl Default for LoadOptions {
     }
 }
 
-/// A loaded model. Matrices stay in the memory-mapped file; only norms are copied.
+/// A loaded model. Matrices stay in the memory-mapped file (with their repacked copies);
+/// norms, biases and RoPE factors are copied.
 pub struct Model {
     file: GgufFile,
     pub config: ModelConfig,
@@ -466,24 +484,28 @@ impl Model {
         }
     }
 
-    /// The rotation of global layers: the configured scaling, with the file's factors
-    /// (Llama 3's `rope_freqs`; LongRoPE's long set when serving past the original
-    /// context, else its short set).
+    /// The rotation of global layers: the configured scaling, with the file's per-pair
+    /// divisors as llama.cpp's `get_rope_factors` picks them — Llama 3's `rope_freqs`, else
+    /// LongRoPE's long set when serving past the original context and its short set
+    /// otherwise (Phi-3's converter writes the sets without a scaling type).
     fn rope_freqs(file: &GgufFile, c: &ModelConfig, max_context: Option<usize>) -> Result<RopeFreqs, ModelError> {
         let n = c.rope_dims / 2;
         let s = &c.rope_scaling;
-        let factors = match s.kind {
-            RopeScalingKind::LongRope => {
-                let long = max_context.unwrap_or(c.context_length) > s.original_context;
-                let name = if long {
-                    "rope_factors_long.weight"
-                } else {
-                    "rope_factors_short.weight"
-                };
-                Some(vector(file, name, n)?)
-            }
-            _ => opt_vector(file, "rope_freqs.weight", n)?,
+        let original = match s.original_context {
+            0 => c.context_length,
+            o => o,
         };
+        let long = max_context.unwrap_or(c.context_length) > original;
+        let factors = match opt_vector(file, "rope_freqs.weight", n)? {
+            Some(f) => Some(f),
+            None if long => opt_vector(file, "rope_factors_long.weight", n)?,
+            None => opt_vector(file, "rope_factors_short.weight", n)?,
+        };
+        if let Some(f) = &factors {
+            if f.iter().any(|v| !(v.is_finite() && *v > 0.0)) {
+                return Err(ModelError::Config("RoPE factors must be positive numbers".into()));
+            }
+        }
         Ok(RopeFreqs::new(
             c.rope_theta,
             c.rope_dims,
@@ -496,6 +518,11 @@ impl Model {
     fn load_inner(file: GgufFile, o: &LoadOptions) -> Result<Self, ModelError> {
         let mut c = ModelConfig::from_gguf(&file)?;
         if let Some(s) = o.rope_scaling {
+            if s.kind == RopeScalingKind::Llama3 && file.tensor("rope_freqs.weight").is_some() {
+                return Err(ModelError::Config(
+                    "the file carries Llama 3's RoPE factors already (rope_freqs); stretch it with yarn or linear scaling".into(),
+                ));
+            }
             c.set_rope_scaling(s);
         }
         Self::check_unused_biases(&file)?;
@@ -511,10 +538,12 @@ impl Model {
         };
         let output_norm = norm(&file, "output_norm.weight", d, c.norm_shift)?;
         let rope = Self::rope_freqs(&file, &c, o.max_context)?;
+        // Windowed layers' own rotation (never scaled), when it differs from the global one.
         let rope_local = c
             .block
             .swa_rope_theta
-            .map(|theta| RopeFreqs::new(theta, c.rope_dims, &RopeScaling::default(), None, c.context_length));
+            .map(|theta| RopeFreqs::new(theta, c.rope_dims, &RopeScaling::default(), None, c.context_length))
+            .filter(|local| *local != rope);
         let n_params = file.tensors.iter().map(|t| t.n_elements()).sum();
         Ok(Self {
             file,
@@ -719,14 +748,10 @@ impl Model {
                 &mut s.mm,
             ),
             Qkv::Fused(w) => {
-                let (qd, kvd) = (self.config.q_dim(), self.config.kv_dim());
                 fused.resize(q.len() + k.len() + v.len(), 0.0);
                 matmul(&self.view(w), h, fused, &mut s.mm);
-                for (r, row) in fused.chunks_exact(qd + 2 * kvd).enumerate() {
-                    q[r * qd..(r + 1) * qd].copy_from_slice(&row[..qd]);
-                    k[r * kvd..(r + 1) * kvd].copy_from_slice(&row[qd..qd + kvd]);
-                    v[r * kvd..(r + 1) * kvd].copy_from_slice(&row[qd + kvd..]);
-                }
+                let rows = h.len() / self.config.d_model;
+                split_rows(fused, rows, &mut [&mut q[..], &mut k[..], &mut v[..]]);
             }
         }
         for (x, bias) in [q, k, v].into_iter().zip(&layer.bias) {
@@ -742,13 +767,10 @@ impl Model {
                 matmul_many(&[self.view(wg), self.view(wu)], h, &mut [gate, up], &mut s.mm)
             }
             GateUp::Fused(w) => {
-                let ff = self.config.n_ff;
                 fused.resize(2 * gate.len(), 0.0);
                 matmul(&self.view(w), h, fused, &mut s.mm);
-                for (r, row) in fused.chunks_exact(2 * ff).enumerate() {
-                    gate[r * ff..(r + 1) * ff].copy_from_slice(&row[..ff]);
-                    up[r * ff..(r + 1) * ff].copy_from_slice(&row[ff..]);
-                }
+                let rows = h.len() / self.config.d_model;
+                split_rows(fused, rows, &mut [&mut gate[..], &mut up[..]]);
             }
         }
         match self.config.block.activation {

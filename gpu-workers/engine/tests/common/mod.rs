@@ -40,3 +40,15 @@ pub fn synth(args: &[&str]) -> Vec<(String, PathBuf)> {
         .map(|(t, p)| (t.to_string(), PathBuf::from(p)))
         .collect()
 }
+
+/// The dense families: `bench/synth-model`'s tiny shape of each (`{name}-tiny`), and the
+/// architecture Hearth finds in it.
+pub const FAMILIES: [(&str, &str); 7] = [
+    ("llama3", "llama"),
+    ("mistral", "mistral"),
+    ("qwen2", "qwen2"),
+    ("qwen3", "qwen3"),
+    ("gemma2", "gemma2"),
+    ("gemma3", "gemma3"),
+    ("phi3", "phi3"),
+];

@@ -533,6 +533,16 @@ impl Tokenizer {
     /// Encodes text. `add_special`: BOS first when the model asks for it. `parse_special`:
     /// control-token strings in the text become their ids (added tokens always do).
     pub fn encode_with(&self, text: &str, add_special: bool, parse_special: bool) -> Vec<u32> {
+        self.encode_impl(text, add_special, parse_special, false)
+    }
+
+    /// Encodes text that continues earlier output (what a grammar forces next): never
+    /// SentencePiece's added space, no special tokens parsed.
+    pub fn encode_continuation(&self, text: &str) -> Vec<u32> {
+        self.encode_impl(text, false, false, true)
+    }
+
+    fn encode_impl(&self, text: &str, add_special: bool, parse_special: bool, continuation: bool) -> Vec<u32> {
         let mut out = Vec::with_capacity(text.len() / 3 + 4);
         if let (true, true, Some(bos)) = (add_special, self.add_bos, self.bos_id) {
             out.push(bos);
@@ -556,7 +566,12 @@ impl Tokenizer {
                     end = rest_start + text[rest_start..end].trim_end().len();
                 }
                 if end > rest_start {
-                    self.encode_fragment(&text[rest_start..end], rest_start == 0, &mut out);
+                    self.encode_fragment(
+                        &text[rest_start..end],
+                        rest_start == 0 && !continuation,
+                        continuation,
+                        &mut out,
+                    );
                 }
                 out.push(id);
                 rest_start = m.end();
@@ -566,22 +581,28 @@ impl Tokenizer {
             }
         }
         if rest_start < text.len() {
-            self.encode_fragment(&text[rest_start..], rest_start == 0, &mut out);
+            self.encode_fragment(
+                &text[rest_start..],
+                rest_start == 0 && !continuation,
+                continuation,
+                &mut out,
+            );
         }
         out
     }
 
     /// Spaces as `▁`, with the prefix the tokenizer adds (`at_start`: the fragment begins the
-    /// input).
-    fn escape(&self, text: &str, at_start: bool) -> String {
+    /// input; `continuation`: it continues earlier text, and gets none).
+    fn escape(&self, text: &str, at_start: bool, continuation: bool) -> String {
         let mut e = String::with_capacity(text.len() + 3);
         let starts_marked = text.starts_with(' ') || text.starts_with(SPACE_MARK);
-        let add = match self.space_prefix {
-            SpacePrefix::Never => false,
-            SpacePrefix::Every => true,
-            SpacePrefix::Always => !starts_marked,
-            SpacePrefix::First => at_start && !starts_marked,
-        };
+        let add = !continuation
+            && match self.space_prefix {
+                SpacePrefix::Never => false,
+                SpacePrefix::Every => true,
+                SpacePrefix::Always => !starts_marked,
+                SpacePrefix::First => at_start && !starts_marked,
+            };
         if add {
             e.push(SPACE_MARK);
         }
@@ -589,7 +610,7 @@ impl Tokenizer {
         e
     }
 
-    fn encode_fragment(&self, text: &str, at_start: bool, out: &mut Vec<u32>) {
+    fn encode_fragment(&self, text: &str, at_start: bool, continuation: bool, out: &mut Vec<u32>) {
         match &self.kind {
             Kind::ByteBpe { pre, ignore_merges } => {
                 pre.split(text, &mut |piece| {
@@ -605,7 +626,7 @@ impl Tokenizer {
                 });
             }
             Kind::Spm => {
-                let escaped = self.escape(text, at_start);
+                let escaped = self.escape(text, at_start, continuation);
                 let token = |b: &[u8]| self.by_bytes.get(b).copied();
                 let score = |id: u32| self.scores.get(id as usize).copied().unwrap_or(0.0);
                 for (start, len) in merge::spm(&escaped, &token, &score) {
@@ -614,7 +635,7 @@ impl Tokenizer {
                 }
             }
             Kind::SpmBpe { split } => {
-                let escaped = self.escape(text, at_start);
+                let escaped = self.escape(text, at_start, continuation);
                 let mut word = |piece: &str| {
                     if matches!(split, SpmSplit::Newlines(_)) && piece.bytes().all(|b| b == b'\n') {
                         if let Some(&id) = self.by_bytes.get(piece.as_bytes()) {
@@ -752,8 +773,9 @@ pub fn parse_byte_token(tok: &str) -> Option<u8> {
 /// The same tokenizer as a Hugging Face `tokenizer.json` (what `tokenizers` reads): the
 /// vocabulary, merges and added tokens; for byte-level BPE the pre-tokenizer as its patterns
 /// (`Split`, `Isolated`) before a `ByteLevel` without its own regex; for `spm-bpe` the
-/// `▁` normalizer or `Metaspace` pre-tokenizer, with byte fallback. SentencePiece (`llama`,
-/// scores, no merges) and Gemma 4's GGUF rules have no exact `tokenizer.json`.
+/// `▁` normalizer or `Metaspace` pre-tokenizer, with byte fallback; SentencePiece (`llama`,
+/// scores) as byte-fallback BPE whose merges are ranked by score, as Hugging Face converts
+/// it. Gemma 4's GGUF rules (its newline runs) have no exact `tokenizer.json`.
 pub fn hf_tokenizer_json(spec: &TokenizerSpec) -> Result<serde_json::Value, TokenizeError> {
     use serde_json::json;
     // SentencePiece with scores is written as byte-fallback BPE, as Hugging Face converts
