@@ -8,8 +8,9 @@
 mod common;
 
 use hearth_engine::{EngineConfig, EngineHandle};
-use hearth_protocol::{Constraint, GenerateEvent, GenerateRequest, SamplingParams, Tokenizer};
+use hearth_protocol::{Constraint, SamplingParams, Tokenizer};
 
+/// Greedy tokens and the cached-token count.
 async fn generate(
     e: &EngineHandle,
     prompt: &[u32],
@@ -17,36 +18,15 @@ async fn generate(
     speculative: bool,
     constraint: Option<Constraint>,
 ) -> (Vec<u32>, u32) {
-    let req = GenerateRequest {
-        request_id: "family".into(),
-        model: "m".into(),
-        prompt: prompt.to_vec(),
-        sampling: SamplingParams {
-            temperature: 0.0,
-            max_tokens,
-            ignore_eos: constraint.is_none(),
-            speculative,
-            ..Default::default()
-        },
-        cache_namespace: String::new(),
-        n: 1,
-        prefill_only: false,
-        resume: Vec::new(),
-        kv_source: None,
-        qos: Default::default(),
-        constraint,
+    let sampling = SamplingParams {
+        temperature: 0.0,
+        max_tokens,
+        ignore_eos: constraint.is_none(),
+        speculative,
+        ..Default::default()
     };
-    let mut rx = e.generate(req);
-    let mut tokens = Vec::new();
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            GenerateEvent::Token { id, .. } => tokens.push(id),
-            GenerateEvent::Done { usage, .. } => return (tokens, usage.cached_tokens),
-            GenerateEvent::Error { message, .. } => panic!("{message}"),
-            GenerateEvent::Finish { .. } => {}
-        }
-    }
-    panic!("no Done")
+    let (tokens, usage) = common::generate(e, prompt, sampling, constraint).await.unwrap();
+    (tokens, usage.cached_tokens)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,12 +3,14 @@
 //! 30,000-token prompt is served, a longer one is refused with the context error, and a
 //! context past the model's without scaling is refused at load with the setting to use.
 
+mod common;
+
 use std::path::PathBuf;
 
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::models::RopeScaling;
 use hearth_engine::{EngineConfig, EngineHandle};
-use hearth_protocol::{ChatMessage, ChatTemplate, GenerateEvent, GenerateRequest, SamplingParams, Tokenizer, Usage};
+use hearth_protocol::{ChatMessage, ChatTemplate, SamplingParams, Tokenizer, Usage};
 
 fn model_path() -> PathBuf {
     ensure_model(DEFAULT_MODEL_ID, &hearth_home(), &mut |m| eprintln!("{m}")).expect("default model")
@@ -16,34 +18,12 @@ fn model_path() -> PathBuf {
 
 /// Greedy generation: the tokens, the usage, or the error's code.
 async fn generate(e: &EngineHandle, prompt: Vec<u32>, max_tokens: u32) -> Result<(Vec<u32>, Usage), String> {
-    let req = GenerateRequest {
-        request_id: "long".into(),
-        model: DEFAULT_MODEL_ID.into(),
-        prompt,
-        sampling: SamplingParams {
-            temperature: 0.0,
-            max_tokens,
-            ..Default::default()
-        },
-        cache_namespace: String::new(),
-        n: 1,
-        prefill_only: false,
-        resume: Vec::new(),
-        kv_source: None,
-        qos: Default::default(),
-        constraint: None,
+    let sampling = SamplingParams {
+        temperature: 0.0,
+        max_tokens,
+        ..Default::default()
     };
-    let mut rx = e.generate(req);
-    let mut tokens = Vec::new();
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            GenerateEvent::Token { id, .. } => tokens.push(id),
-            GenerateEvent::Done { usage, .. } => return Ok((tokens, usage)),
-            GenerateEvent::Error { code, .. } => return Err(code),
-            GenerateEvent::Finish { .. } => {}
-        }
-    }
-    Err("no Done".into())
+    common::generate(e, &prompt, sampling, None).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -52,3 +52,36 @@ pub const FAMILIES: [(&str, &str); 7] = [
     ("gemma3", "gemma3"),
     ("phi3", "phi3"),
 ];
+
+/// Runs one request on an engine: the tokens and usage, or the error's code.
+pub async fn generate(
+    e: &hearth_engine::EngineHandle,
+    prompt: &[u32],
+    sampling: hearth_protocol::SamplingParams,
+    constraint: Option<hearth_protocol::Constraint>,
+) -> Result<(Vec<u32>, hearth_protocol::Usage), String> {
+    use hearth_protocol::{GenerateEvent, GenerateRequest};
+    let mut rx = e.generate(GenerateRequest {
+        request_id: "test".into(),
+        model: e.info().model.clone(),
+        prompt: prompt.to_vec(),
+        sampling,
+        cache_namespace: String::new(),
+        n: 1,
+        prefill_only: false,
+        resume: Vec::new(),
+        kv_source: None,
+        qos: Default::default(),
+        constraint,
+    });
+    let mut tokens = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            GenerateEvent::Token { id, .. } => tokens.push(id),
+            GenerateEvent::Done { usage, .. } => return Ok((tokens, usage)),
+            GenerateEvent::Error { code, .. } => return Err(code),
+            GenerateEvent::Finish { .. } => {}
+        }
+    }
+    Err("the stream ended without Done".into())
+}
