@@ -273,7 +273,7 @@ async fn baseline(
         0,
     ));
     let run = async {
-        parse::run(&mut ctx)?;
+        parse::run(&mut ctx, false)?;
         resolve::run(&state, &mut ctx)?;
         tokenize::run(&mut ctx)?;
         let dispatched = dispatch::run(&state, &mut ctx).await?;

@@ -12,6 +12,7 @@ pub mod db;
 pub mod jwt;
 pub mod outage;
 pub mod processors;
+pub mod responses;
 pub mod sessions;
 
 use std::collections::HashMap;

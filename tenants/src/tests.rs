@@ -785,3 +785,55 @@ async fn credentials_outlive_a_store_outage_and_unknown_ids_are_remembered() {
     s.set_stale_limit(Duration::ZERO);
     assert!(matches!(s.authenticate(&k.key).await, Err(AuthError::Store(_))));
 }
+
+#[tokio::test]
+async fn stored_responses_are_per_tenant_expire_and_respect_the_quota() {
+    use crate::responses::{ResponseRetention, StoredResponse};
+    for db in testing::all().await {
+        let s = TenantStore::new(&db);
+        let name = db.backend.as_str();
+        let r = |id: &str, tenant: &str, at: i64| StoredResponse {
+            id: id.into(),
+            tenant_id: tenant.into(),
+            created_at: at,
+            expires_at: 0,
+            response: format!("{{\"id\":\"{id}\"}}"),
+            input_items: "[]".into(),
+            output: "[]".into(),
+        };
+        let keep = ResponseRetention {
+            ttl_ms: 3_600_000,
+            max_per_tenant: 2,
+        };
+        let now = now_ms();
+        assert_eq!(s.store_response(&r("resp_a", "t1", now - 2), keep).await.unwrap(), 0);
+        s.store_response(&r("resp_b", "t1", now - 1), keep).await.unwrap();
+        s.store_response(&r("resp_x", "t2", now), keep).await.unwrap();
+        let got = s.stored_response("t1", "resp_a").await.unwrap().unwrap();
+        assert_eq!(got.expires_at, now - 2 + 3_600_000, "{name}");
+        assert!(
+            s.stored_response("t2", "resp_a").await.unwrap().is_none(),
+            "{name}: another tenant's"
+        );
+        // The third of t1's drops its oldest.
+        assert_eq!(
+            s.store_response(&r("resp_c", "t1", now), keep).await.unwrap(),
+            1,
+            "{name}"
+        );
+        assert!(s.stored_response("t1", "resp_a").await.unwrap().is_none(), "{name}");
+        assert_eq!(s.stored_response_count("t1").await.unwrap(), 2, "{name}");
+        assert!(!s.delete_response("t2", "resp_b").await.unwrap(), "{name}");
+        assert!(s.delete_response("t1", "resp_b").await.unwrap(), "{name}");
+        assert!(s.stored_response("t1", "resp_b").await.unwrap().is_none(), "{name}");
+        // Expired: invisible, then purged.
+        let gone = ResponseRetention {
+            ttl_ms: -1,
+            max_per_tenant: 10,
+        };
+        s.store_response(&r("resp_old", "t3", now), gone).await.unwrap();
+        assert!(s.stored_response("t3", "resp_old").await.unwrap().is_none(), "{name}");
+        assert!(s.purge_responses().await.unwrap() >= 1, "{name}");
+        assert_eq!(s.stored_response_count("t3").await.unwrap(), 0, "{name}");
+    }
+}

@@ -1322,7 +1322,8 @@ impl Runner {
         let mut masked = None;
         if let Some(g) = ch.grammar.as_mut() {
             let mut l = logits.to_vec();
-            let took = g.mask(&mut l);
+            let remaining = r.max_tokens.saturating_sub(ch.generated);
+            let took = g.mask_within(&mut l, remaining);
             self.metrics.grammar_masks.inc();
             self.metrics.grammar_mask_seconds.inc_by(took.as_secs_f64());
             masked = Some(l);
@@ -1374,7 +1375,11 @@ impl Runner {
             shown_bytes(&self.tokenizer, tok, &r.params.special_text)
         };
         let released = ch.text.push(bytes);
-        let finish = if released.stopped || eog || grammar_done {
+        // A constrained answer closed early to fit its budget was cut short: `length`.
+        let closed_early = ch.grammar.as_ref().is_some_and(Grammar::closing);
+        let finish = if (eog || grammar_done) && closed_early {
+            Some(FinishReason::Length)
+        } else if released.stopped || eog || grammar_done {
             Some(FinishReason::Stop)
         } else if ch.generated >= r.max_tokens {
             Some(FinishReason::Length)

@@ -5,6 +5,15 @@
 //! marked with `0xff`, the model's end-of-generation tokens as EOS) is built once per
 //! engine, on the first constrained request, so that cold starts do not pay for it. Each
 //! choice of each request gets its own [`Grammar`]: constraints never cross requests.
+//!
+//! **A constrained answer ends valid within its budget.** A grammar state has a shortest
+//! way to an accepting end (close the string, the arrays and objects, give required fields
+//! their shortest values, then end); [`Grammar::mask_within`] plans it by walking a copy of
+//! the matcher — forced tokens first, else the most closing token the grammar allows
+//! ([`Closers`]) — and once the tokens left reach that plan's length, the answer follows
+//! the plan. An answer that is already complete (a tool call ended) is ended there when
+//! the budget could not hold another whole one, rather than starting a call it would cut.
+//! Such an answer reports `length` (it was cut short) with content that parses.
 
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -68,6 +77,75 @@ pub struct Grammars {
     vocab: usize,
     end_of_generation: Vec<u32>,
     factory: OnceLock<Result<ParserFactory, String>>,
+    closers: OnceLock<Arc<Closers>>,
+}
+
+/// The tokens a closing plan prefers. Inside a string (where a letter is allowed) the
+/// quotes that end it, longest first (`"}]` closes three things at once); elsewhere the
+/// runs of `}` and `]`, longest first, then separators, then the shortest values (`0`,
+/// `""`, `[]`, `{}`, …), then single letters for strings that must be longer.
+pub struct Closers {
+    quotes: Vec<u32>,
+    rest: Vec<u32>,
+    letter: Option<u32>,
+}
+
+impl Closers {
+    fn new(tokenizer: &Tokenizer, vocab: usize) -> Self {
+        let text = |id: u32| -> Option<String> {
+            if tokenizer.is_special(id) {
+                return None;
+            }
+            let b = tokenizer.token_bytes(id).ok()?;
+            std::str::from_utf8(b).ok().map(str::to_string)
+        };
+        let (mut quotes, mut closing, mut separators, mut exact) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut letter = None;
+        const VALUES: [&str; 14] = [
+            "0", "\"\"", "[]", "{}", "\"", "null", "true", "false", "[", "{", "1", "-", "a", " ",
+        ];
+        for id in 0..vocab as u32 {
+            let Some(t) = text(id) else { continue };
+            let core = t.trim();
+            if t == "a" {
+                letter = Some(id);
+            }
+            if core.is_empty() {
+                continue;
+            }
+            if core.starts_with('"') && core.chars().all(|c| matches!(c, '"' | '}' | ']')) && core.len() == t.len() {
+                quotes.push((std::cmp::Reverse(core.len()), id));
+            } else if core.chars().all(|c| matches!(c, '}' | ']')) {
+                closing.push((std::cmp::Reverse(core.len()), id));
+            } else if core == "," {
+                separators.push((t.len(), id));
+            } else if let Some(rank) = VALUES.iter().position(|v| *v == t) {
+                exact.push((rank, id));
+            }
+        }
+        quotes.sort_unstable();
+        closing.sort_unstable();
+        separators.sort_unstable();
+        exact.sort_unstable();
+        let rest = closing
+            .into_iter()
+            .map(|(_, id)| id)
+            .chain(separators.into_iter().map(|(_, id)| id))
+            .chain(exact.into_iter().map(|(_, id)| id))
+            .collect();
+        Self {
+            quotes: quotes.into_iter().map(|(_, id)| id).collect(),
+            rest,
+            letter,
+        }
+    }
+
+    /// The most closing token `allowed` admits.
+    fn pick(&self, allowed: impl Fn(u32) -> bool) -> Option<u32> {
+        let in_string = self.letter.is_some_and(&allowed);
+        let first: &[u32] = if in_string { &self.quotes } else { &[] };
+        first.iter().chain(&self.rest).copied().find(|&t| allowed(t))
+    }
 }
 
 impl Grammars {
@@ -78,6 +156,7 @@ impl Grammars {
             vocab,
             end_of_generation,
             factory: OnceLock::new(),
+            closers: OnceLock::new(),
         }
     }
 
@@ -134,10 +213,16 @@ impl Grammars {
         if let Some(e) = matcher.get_error() {
             return Err(classify(&e));
         }
+        let closers = self
+            .closers
+            .get_or_init(|| Arc::new(Closers::new(&self.tokenizer, self.vocab)))
+            .clone();
         Ok(Grammar {
             matcher,
             vocab: self.vocab,
             end_of_generation: self.end_of_generation.clone(),
+            closers,
+            budget: Budget::default(),
         })
     }
 }
@@ -157,9 +242,118 @@ pub struct Grammar {
     matcher: Matcher,
     vocab: usize,
     end_of_generation: Vec<u32>,
+    closers: Arc<Closers>,
+    budget: Budget,
 }
 
+/// Where the answer stands against its token budget.
+#[derive(Clone, Default)]
+struct Budget {
+    /// The length of a whole shortest answer (planned from the start).
+    whole: Option<usize>,
+    /// The last plan's length.
+    estimate: usize,
+    /// Steps since the plan was last made.
+    since: usize,
+    /// Closing: the tokens left to follow (the last may be an end-of-generation token).
+    plan: Option<std::collections::VecDeque<u32>>,
+}
+
+/// Plans are made within this many tokens; a structure that cannot close sooner is cut.
+const MAX_PLAN: usize = 128;
+/// Re-plan when the tokens left come within this many of the last plan's length…
+const SLACK: usize = 8;
+/// …and at least this often.
+const REPLAN_EVERY: usize = 16;
+/// Start closing this many tokens before the plan would no longer fit (a token may open
+/// more than one structure).
+const MARGIN: usize = 2;
+
 impl Grammar {
+    /// [`mask`](Self::mask) for an answer with `remaining` tokens left (this one included):
+    /// once they reach the shortest way to end validly, only that way is allowed.
+    pub fn mask_within(&mut self, logits: &mut [f32], remaining: usize) -> Duration {
+        let started = Instant::now();
+        self.plan_budget(remaining);
+        if let Some(next) = self.budget.plan.as_ref().and_then(|p| p.front().copied()) {
+            let keep = logits
+                .get(next as usize)
+                .copied()
+                .filter(|l| l.is_finite())
+                .unwrap_or(0.0);
+            logits.fill(f32::NEG_INFINITY);
+            if let Some(l) = logits.get_mut(next as usize) {
+                *l = keep;
+            }
+            return started.elapsed();
+        }
+        self.mask(logits) + started.elapsed()
+    }
+
+    /// Whether the answer is being closed early (its finish is `length`).
+    pub fn closing(&self) -> bool {
+        self.budget.plan.is_some()
+    }
+
+    fn plan_budget(&mut self, remaining: usize) {
+        if self.budget.plan.is_some() || self.matcher.is_stopped() {
+            return;
+        }
+        if self.budget.whole.is_none() {
+            let whole = self.close_plan().map_or(MAX_PLAN, |p| p.len());
+            self.budget.whole = Some(whole);
+            self.budget.estimate = whole;
+        }
+        self.budget.since += 1;
+        let near = remaining <= self.budget.estimate + SLACK + MARGIN;
+        if !near && self.budget.since < REPLAN_EVERY {
+            return;
+        }
+        self.budget.since = 0;
+        // A complete answer that could not fit another whole one ends here.
+        let whole = self.budget.whole.unwrap_or(MAX_PLAN);
+        if remaining < whole + SLACK && self.matcher.is_accepting().unwrap_or(false) {
+            if let Some(&eos) = self.end_of_generation.first() {
+                self.budget.plan = Some([eos].into());
+            }
+            return;
+        }
+        let Some(plan) = self.close_plan() else { return };
+        self.budget.estimate = plan.len();
+        if plan.len() + MARGIN >= remaining {
+            self.budget.plan = Some(plan.into());
+        }
+    }
+
+    /// The shortest way found from here to a valid end (its last token an end-of-generation
+    /// token unless the grammar stops by itself), or None within [`MAX_PLAN`] tokens.
+    fn close_plan(&self) -> Option<Vec<u32>> {
+        let mut m = self.matcher.deep_clone();
+        let mut plan = Vec::new();
+        while plan.len() < MAX_PLAN {
+            if m.is_stopped() {
+                return Some(plan);
+            }
+            if m.is_accepting().ok()? {
+                plan.push(*self.end_of_generation.first()?);
+                return Some(plan);
+            }
+            let forced = m.compute_ff_tokens();
+            if !forced.is_empty() {
+                m.consume_tokens(&forced).ok()?;
+                plan.extend(forced);
+                continue;
+            }
+            let mask = m.compute_mask().ok()?;
+            let pick = self.closers.pick(|t| mask.is_allowed(t)).or_else(|| {
+                (0..self.vocab as u32).find(|&t| mask.is_allowed(t) && !self.end_of_generation.contains(&t))
+            })?;
+            m.consume_token(pick).ok()?;
+            plan.push(pick);
+        }
+        None
+    }
+
     /// Sets the logits of every token the grammar does not allow next to -inf; returns the
     /// time the mask took. An internal grammar error leaves only the EOS tokens allowed.
     pub fn mask(&mut self, logits: &mut [f32]) -> Duration {
@@ -187,6 +381,10 @@ impl Grammar {
     /// Up to `k` tokens the grammar forces next (the rest of a JSON key, `": "` after it…):
     /// certain drafts for speculative decoding.
     pub fn forced(&mut self, k: usize) -> Vec<u32> {
+        if let Some(plan) = &self.budget.plan {
+            let eos = &self.end_of_generation;
+            return plan.iter().copied().take_while(|t| !eos.contains(t)).take(k).collect();
+        }
         let mut f = self.matcher.compute_ff_tokens();
         f.truncate(k);
         f
@@ -195,11 +393,19 @@ impl Grammar {
     /// How many of `tokens`, in order, the grammar accepts from here (its state unchanged):
     /// a draft is cut where the grammar would refuse it.
     pub fn valid_prefix(&mut self, tokens: &[u32]) -> usize {
+        if let Some(plan) = &self.budget.plan {
+            return tokens.iter().zip(plan).take_while(|(a, b)| a == b).count();
+        }
         self.matcher.validate_tokens(tokens).unwrap_or(0)
     }
 
     /// Advances past a generated token (EOS tokens end the output and are not consumed).
     pub fn advance(&mut self, token: u32) {
+        if let Some(plan) = self.budget.plan.as_mut() {
+            if plan.front() == Some(&token) {
+                plan.pop_front();
+            }
+        }
         if let Err(e) = self.matcher.consume_token(token) {
             tracing::warn!(error = %e, token, "grammar refused a generated token");
         }

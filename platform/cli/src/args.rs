@@ -326,6 +326,17 @@ pub struct LimitStoreArgs {
     /// was generated).
     #[arg(long, env = "HEARTH_MAX_REQUEST_SECS", default_value_t = 900)]
     pub max_request_secs: u64,
+    /// How long the Responses API keeps a stored response (`store: true`, its default) for
+    /// `previous_response_id` and `GET /v1/responses/{id}`.
+    #[arg(long, env = "HEARTH_RESPONSES_TTL_DAYS", default_value_t = 30)]
+    pub responses_ttl_days: u32,
+    /// Stored responses kept per tenant; past it a new one drops the tenant's oldest.
+    #[arg(long, env = "HEARTH_RESPONSES_PER_TENANT", default_value_t = 10_000)]
+    pub responses_per_tenant: u64,
+    /// Keep Claude Code's `x-anthropic-billing-header` system block in the prompt (by
+    /// default it is dropped: it changes every request and would defeat the prefix cache).
+    #[arg(long, env = "HEARTH_KEEP_BILLING_HEADER")]
+    pub keep_billing_header: bool,
     /// While the key store (the database) does not answer, credentials checked within this
     /// long keep working from the cache (0: never; then every request fails with 503 until
     /// it is back).

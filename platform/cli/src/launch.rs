@@ -183,6 +183,11 @@ async fn run_gateway(
         stream_idle: Duration::from_secs(limits.stream_idle_timeout_secs.max(1)),
         max_duration: Duration::from_secs(limits.max_request_secs.max(1)),
     };
+    state.response_retention = hearth_tenants::responses::ResponseRetention {
+        ttl_ms: i64::from(limits.responses_ttl_days) * 24 * 3600 * 1000,
+        max_per_tenant: limits.responses_per_tenant.max(1),
+    };
+    state.keep_billing_header = limits.keep_billing_header;
     let mut discovery = None;
     if let Some(r) = limiter.redis() {
         // Budget reservations live where the limits live: shared by every gateway.
@@ -213,6 +218,19 @@ async fn run_gateway(
         state.metrics.register_collector(Box::new(engines));
     }
     let gw = Arc::new(state);
+    // Expired stored responses are invisible at once and deleted hourly.
+    {
+        let gw = gw.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_secs(3600));
+            loop {
+                every.tick().await;
+                if let Err(e) = gw.tenants.purge_responses().await {
+                    tracing::warn!(error = %e, "expired stored responses could not be purged");
+                }
+            }
+        });
+    }
     if let Some(shared) = gw.shared_routing.clone() {
         tokio::spawn(shared.sync_load(gw.clone(), Duration::from_millis(500)));
     }

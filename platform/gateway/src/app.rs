@@ -28,6 +28,14 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(pipeline::chat_completions))
         .route("/v1/completions", post(pipeline::completions))
+        .route("/v1/responses", post(pipeline::responses))
+        .route(
+            "/v1/responses/{id}",
+            get(crate::responses::retrieve).delete(crate::responses::delete),
+        )
+        .route("/v1/responses/{id}/input_items", get(crate::responses::input_items))
+        .route("/v1/messages", post(pipeline::messages))
+        .route("/v1/messages/count_tokens", post(pipeline::count_tokens_handler))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{model}", get(get_model))
         .route("/healthz", get(healthz))
@@ -38,7 +46,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/", get(|| async { axum::response::Redirect::to("/dashboard") }))
         .merge(operator)
         .fallback(|| async {
-            ApiError::not_found("no such endpoint; see /v1/chat/completions, /v1/completions, /v1/models")
+            ApiError::not_found(
+                "no such endpoint; see /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models",
+            )
         })
         .with_state(state.clone())
         // The body guard enforces the size limits (the routes' own only raise them).

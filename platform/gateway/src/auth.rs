@@ -90,19 +90,27 @@ impl AuthThrottle {
     }
 }
 
-/// `Authorization: Bearer <API key or JWT>` → the tenant credential asking; `peer` is the
-/// client's address, throttled when it sends too many bad credentials.
+/// The tenant credential a request presents: `Authorization: Bearer <key>`, or (Anthropic's
+/// clients) `x-api-key: <key>`. `None`: neither header is there.
+pub fn credential(headers: &HeaderMap) -> Option<&str> {
+    if headers.contains_key(header::AUTHORIZATION) {
+        return Some(bearer(headers).unwrap_or(""));
+    }
+    headers.get("x-api-key").map(|v| v.to_str().unwrap_or("").trim())
+}
+
+/// `Authorization: Bearer <API key or JWT>` (or `x-api-key`) → the tenant credential
+/// asking; `peer` is the client's address, throttled when it sends too many bad credentials.
 pub async fn authenticate(
     state: &AppState,
     headers: &HeaderMap,
     peer: Option<std::net::IpAddr>,
 ) -> Result<TenantContext, ApiError> {
-    if headers.get(header::AUTHORIZATION).is_none() {
+    let Some(key) = credential(headers) else {
         return Err(ApiError::unauthorized(
-            "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'; create one with 'hearth admin key create --tenant NAME'.",
+            "You didn't provide an API key. Send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>'); create one with 'hearth admin key create --tenant NAME'.",
         ));
-    }
-    let key = bearer(headers).unwrap_or("");
+    };
     if let (Some(ip), Some(throttle)) = (peer, state.auth_throttle.as_ref()) {
         // A key known to be good passes even from a throttled address (another client
         // behind the same proxy or NAT may be the one sending bad ones).

@@ -11,6 +11,8 @@
 //!   adapters [`admin`] and [`selfservice`] (and the CLI); [`metrics`] — Prometheus;
 //! * [`http`] — the HTTP server with its connection, header and body limits (gateway and workers);
 //! * [`openai`] — request parsing; [`error`] — every client-visible error; [`db`] — the store;
+//! * [`responses`] (OpenAI Responses) and [`anthropic`] (Anthropic Messages) — translations
+//!   onto the same pipeline, their answers built as items by [`answer`];
 //! * [`telemetry`] — the request's root span (GenAI attributes) and `traceparent` for workers.
 //!
 //! Invariant: this crate never links the engine. It reaches engines only through
@@ -18,6 +20,8 @@
 //! in `hearth-cli`) supplies an in-process client.
 
 pub mod admin;
+pub mod answer;
+pub mod anthropic;
 pub mod app;
 pub mod auth;
 pub mod cluster;
@@ -32,6 +36,7 @@ pub mod openai;
 pub mod pipeline;
 pub mod processors;
 pub mod registry;
+pub mod responses;
 pub mod selfservice;
 pub mod state;
 pub mod telemetry;

@@ -35,6 +35,12 @@ pub struct Common {
     pub constraint: Option<Constraint>,
     /// The request's tools (chat only).
     pub tools: Option<Tools>,
+    /// The session key routing pins to a worker when no `x-session-affinity` header is
+    /// sent: `prompt_cache_key`, or what the API's own clients send (Claude Code's session).
+    pub session: Option<String>,
+    /// `max_tokens` is a cap, cut to the room the prompt leaves (the Messages and Responses
+    /// APIs; chat completions refuses a request that cannot fit).
+    pub clamp_max_tokens: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -57,7 +63,7 @@ pub struct CompletionRequest {
     pub prompt: Prompt,
 }
 
-fn type_name(v: &Value) -> &'static str {
+pub(crate) fn type_name(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -68,11 +74,11 @@ fn type_name(v: &Value) -> &'static str {
     }
 }
 
-fn wrong_type(key: &str, want: &str, got: &Value) -> ApiError {
+pub(crate) fn wrong_type(key: &str, want: &str, got: &Value) -> ApiError {
     ApiError::invalid(key, format!("'{key}' must be {want}, not {}", type_name(got)))
 }
 
-fn get<'a>(o: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+pub(crate) fn get<'a>(o: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     o.get(key).filter(|v| !v.is_null())
 }
 
@@ -261,8 +267,10 @@ fn parse_common(o: &Map<String, Value>, max_tokens_keys: &[&str]) -> Result<Comm
         stream,
         include_usage,
         n,
-        prompt_cache_key,
         service_tier,
+        session: prompt_cache_key.clone(),
+        clamp_max_tokens: false,
+        prompt_cache_key,
         constraint,
         tools: None,
     })
@@ -300,10 +308,14 @@ fn message_content(i: usize, v: Option<&Value>) -> Result<String, ApiError> {
 }
 
 pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
-    let o = parse_object(body)?;
-    let mut common = parse_common(&o, &["max_tokens", "max_completion_tokens"])?;
-    common.sampling.logprobs = opt_bool(&o, "logprobs")?.unwrap_or(false);
-    if let Some(k) = opt_i64(&o, "top_logprobs")? {
+    parse_chat_object(&parse_object(body)?)
+}
+
+/// A chat request from its JSON object (the Responses and Messages translations build one).
+pub fn parse_chat_object(o: &Map<String, Value>) -> Result<ChatRequest, ApiError> {
+    let mut common = parse_common(o, &["max_tokens", "max_completion_tokens"])?;
+    common.sampling.logprobs = opt_bool(o, "logprobs")?.unwrap_or(false);
+    if let Some(k) = opt_i64(o, "top_logprobs")? {
         if !(0..=20).contains(&k) {
             return Err(ApiError::invalid(
                 "top_logprobs",
@@ -318,13 +330,13 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
         }
         common.sampling.top_logprobs = k as u32;
     }
-    let msgs = match get(&o, "messages") {
+    let msgs = match get(o, "messages") {
         Some(Value::Array(a)) if !a.is_empty() => a,
         Some(Value::Array(_)) => return Err(ApiError::invalid("messages", "'messages' must not be empty")),
         Some(v) => return Err(wrong_type("messages", "an array", v)),
         None => return Err(ApiError::invalid("messages", "you must provide 'messages'")),
     };
-    let tools = tools::parse_tools(&o)?;
+    let tools = tools::parse_tools(o)?;
     let mut messages: Vec<ChatMessage> = Vec::with_capacity(msgs.len());
     for (i, m) in msgs.iter().enumerate() {
         let Some(m) = m.as_object() else {
@@ -387,7 +399,7 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
         }
         messages.push(msg);
     }
-    let template_kwargs = match get(&o, "chat_template_kwargs") {
+    let template_kwargs = match get(o, "chat_template_kwargs") {
         None => Map::new(),
         Some(Value::Object(k)) => k.clone(),
         Some(v) => return Err(wrong_type("chat_template_kwargs", "an object", v)),

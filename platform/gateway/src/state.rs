@@ -40,6 +40,13 @@ pub struct AppState {
     pub body_limits: crate::http::BodyLimits,
     /// How long a request may run, and its worker stay quiet (see [`RequestLimits`]).
     pub request_limits: RequestLimits,
+    /// How long stored responses (the Responses API's `store: true`) are kept, and how many
+    /// per tenant (`--responses-ttl-days`, `--responses-per-tenant`).
+    pub response_retention: hearth_tenants::responses::ResponseRetention,
+    /// Keep Claude Code's `x-anthropic-billing-header` system block in the prompt
+    /// (`--keep-billing-header`; dropped by default: it changes every request and would
+    /// defeat the prefix cache).
+    pub keep_billing_header: bool,
 }
 
 /// Time limits on one request, enforced by the relay.
@@ -137,6 +144,8 @@ impl AppState {
                 hearth_tenants::processors::MAX_PROCESSOR_BYTES + (1 << 20),
             ),
             request_limits: RequestLimits::default(),
+            response_retention: Default::default(),
+            keep_billing_header: false,
         }
     }
 }

@@ -12,10 +12,7 @@ use crate::pipeline::Endpoint;
 /// The root span of one OpenAI request. Named after the GenAI operation; the
 /// `gen_ai.*` fields are recorded as the phases learn them.
 pub fn request_span(endpoint: Endpoint, request_id: &str) -> tracing::Span {
-    let operation = match endpoint {
-        Endpoint::Chat => "chat",
-        Endpoint::Completions => "text_completion",
-    };
+    let operation = endpoint.operation();
     tracing::info_span!(
         "gen_ai.request",
         otel.name = operation,

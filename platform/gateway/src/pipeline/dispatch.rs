@@ -134,8 +134,11 @@ pub async fn run(state: &crate::state::AppState, ctx: &mut RequestContext) -> Re
         constraint: request.common.constraint.clone(),
     };
     // Sessions are the tenant's own: equal header values of two tenants are two sessions.
+    // Without the header, the request's own session key (`prompt_cache_key`, Claude Code's
+    // session) pins it.
     let session = ctx
         .header("x-session-affinity")
+        .or_else(|| request.common.session.clone())
         .map(|s| format!("{tenant_id}\u{1f}{s}"));
     // The session's pin, shared by every gateway (one Redis read; none without Redis).
     let (shared, pinned) = match (&state.shared_routing, &session) {

@@ -1,9 +1,12 @@
-//! The OpenAI-compatible pipeline: the life of one `/v1/chat/completions` or
-//! `/v1/completions` request as a fixed list of named phases over one per-request
-//! [`RequestContext`] (Pingora's shape). Each phase is a function in its own module; read
-//! [`run`] top to bottom for the whole request:
+//! The pipeline: the life of one generation request — `/v1/chat/completions`,
+//! `/v1/completions`, `/v1/responses` (OpenAI Responses) or `/v1/messages` (Anthropic
+//! Messages) — as a fixed list of named phases over one per-request [`RequestContext`]
+//! (Pingora's shape). The Responses and Messages APIs are translations: `parse` turns their
+//! bodies into the same typed request, `postprocess` renders the same events in their
+//! shapes, and errors take each API's own shape ([`render_error`]). Each phase is a
+//! function in its own module; read [`run`] top to bottom for the whole request:
 //!
-//! [`authenticate`] → [`budget`] → [`preprocess`] → [`parse`] → [`resolve`] →
+//! [`authenticate`] → [`budget`] → [`preprocess`] → [`parse`] → [`recall`] → [`resolve`] →
 //! [`tokenize`] → [`limit`] → [`admit`] → [`budget::reserve`] → [`route`] + [`dispatch`] (or
 //! [`disaggregate`]) → [`relay`] → [`postprocess`],
 //! with [`meter`] writing the usage record: from the relay before the client gets the final
@@ -22,6 +25,7 @@ pub mod meter;
 pub mod parse;
 pub mod postprocess;
 pub mod preprocess;
+pub mod recall;
 pub mod relay;
 pub mod resolve;
 pub mod respond;
@@ -49,11 +53,17 @@ use crate::registry::ServedModel;
 use crate::state::AppState;
 use crate::RequestId;
 
-/// Which OpenAI endpoint a request came in on.
+/// Which endpoint a request came in on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Endpoint {
     Chat,
     Completions,
+    /// OpenAI's Responses API.
+    Responses,
+    /// Anthropic's Messages API.
+    Messages,
+    /// Anthropic's `count_tokens` (the pipeline up to `tokenize`; nothing is generated).
+    CountTokens,
 }
 
 impl Endpoint {
@@ -61,7 +71,27 @@ impl Endpoint {
         match self {
             Endpoint::Chat => "/v1/chat/completions",
             Endpoint::Completions => "/v1/completions",
+            Endpoint::Responses => "/v1/responses",
+            Endpoint::Messages => "/v1/messages",
+            Endpoint::CountTokens => "/v1/messages/count_tokens",
         }
+    }
+
+    /// The GenAI operation (the root span's name).
+    pub fn operation(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "text_completion",
+            Endpoint::CountTokens => "count_tokens",
+            _ => "chat",
+        }
+    }
+}
+
+/// An error in the endpoint's own shape: Anthropic's for the Messages API, OpenAI's for the rest.
+pub fn render_error(endpoint: Endpoint, e: ApiError) -> Response {
+    match endpoint {
+        Endpoint::Messages | Endpoint::CountTokens => crate::anthropic::error_response(&e),
+        _ => e.into_response(),
     }
 }
 
@@ -186,7 +216,8 @@ async fn run(state: &Arc<AppState>, ctx: &mut RequestContext) -> Result<Response
         .await?;
     budget::run(state, ctx).instrument(info_span!("budget")).await?;
     preprocess::run(state, ctx).instrument(info_span!("preprocess")).await?;
-    info_span!("parse").in_scope(|| parse::run(ctx))?;
+    info_span!("parse").in_scope(|| parse::run(ctx, state.keep_billing_header))?;
+    recall::run(state, ctx).instrument(info_span!("recall")).await?;
     info_span!("resolve").in_scope(|| resolve::run(state, ctx))?;
     info_span!("tokenize").in_scope(|| tokenize::run(ctx))?;
     limit::run(state, ctx).instrument(info_span!("limit")).await?;
@@ -211,7 +242,7 @@ pub async fn handle(state: Arc<AppState>, mut ctx: RequestContext) -> Response {
             meter::refused(&*state, &mut ctx, &e)
                 .instrument(info_span!(parent: &span, "meter"))
                 .await;
-            e.into_response()
+            render_error(ctx.endpoint, e)
         }
     };
     span.record("http.response.status_code", i64::from(resp.status().as_u16()));
@@ -242,6 +273,67 @@ pub(crate) async fn chat_completions(
     let mut ctx = RequestContext::new(id, Endpoint::Chat, headers, body);
     ctx.peer = crate::auth::peer_ip(&extensions);
     handle(state, ctx).await
+}
+
+macro_rules! endpoint_handler {
+    ($(#[$doc:meta])* $name:ident, $endpoint:expr, $run:ident) => {
+        $(#[$doc])*
+        pub(crate) async fn $name(
+            State(state): State<Arc<AppState>>,
+            Extension(RequestId(id)): Extension<RequestId>,
+            extensions: axum::http::Extensions,
+            headers: HeaderMap,
+            body: Result<Bytes, BytesRejection>,
+        ) -> Response {
+            let mut ctx = RequestContext::new(id, $endpoint, headers, body);
+            ctx.peer = crate::auth::peer_ip(&extensions);
+            $run(state, ctx).await
+        }
+    };
+}
+
+endpoint_handler!(
+    /// `POST /v1/responses` (OpenAI Responses).
+    responses,
+    Endpoint::Responses,
+    handle
+);
+endpoint_handler!(
+    /// `POST /v1/messages` (Anthropic Messages).
+    messages,
+    Endpoint::Messages,
+    handle
+);
+endpoint_handler!(
+    /// `POST /v1/messages/count_tokens`.
+    count_tokens_handler,
+    Endpoint::CountTokens,
+    count_tokens
+);
+
+/// `count_tokens`: the request's prompt as a generation would see it — authenticated,
+/// through the tenant's pre-processors, parsed, templated and tokenized — counted, not run.
+/// Nothing is generated, so nothing is metered.
+async fn count_tokens(state: Arc<AppState>, mut ctx: RequestContext) -> Response {
+    ctx.span = crate::telemetry::request_span(ctx.endpoint, &ctx.request_id);
+    let span = ctx.span.clone();
+    let counted = async {
+        authenticate::run(&state, &mut ctx).await?;
+        preprocess::run(&state, &mut ctx).await?;
+        parse::run(&mut ctx, state.keep_billing_header)?;
+        resolve::run(&state, &mut ctx)?;
+        tokenize::run(&mut ctx)?;
+        Ok::<_, ApiError>(ctx.prompt_tokens)
+    }
+    .instrument(span)
+    .await;
+    // Not a generation: no usage record.
+    ctx.usage = None;
+    ctx.unrecorded = None;
+    match counted {
+        Ok(n) => axum::Json(crate::anthropic::count_json(n)).into_response(),
+        Err(e) => render_error(ctx.endpoint, e),
+    }
 }
 
 pub(crate) async fn completions(

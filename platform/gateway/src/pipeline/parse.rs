@@ -1,4 +1,6 @@
-//! Phase `parse`: the body as an OpenAI request (every error names its `param`).
+//! Phase `parse`: the body as a typed request (every error names its `param`). The
+//! Responses and Messages APIs' bodies are translated into a chat request here, and what
+//! they carry beyond it is kept in [`Api`] for their responses.
 
 use hearth_protocol::ChatMessage;
 use serde_json::{Map, Value};
@@ -17,10 +19,18 @@ pub enum Input {
     Prompt(Prompt),
 }
 
+/// What an API carries beyond the chat request it becomes.
+pub enum Api {
+    OpenAi,
+    Responses(Box<crate::responses::Request>),
+    Messages(crate::anthropic::Request),
+}
+
 /// A validated request.
 pub struct Parsed {
     pub common: Common,
     pub input: Input,
+    pub api: Api,
 }
 
 impl Parsed {
@@ -41,7 +51,9 @@ impl Parsed {
     }
 }
 
-pub fn run(ctx: &mut RequestContext) -> Result<(), ApiError> {
+pub fn run(ctx: &mut RequestContext, keep_billing_header: bool) -> Result<(), ApiError> {
+    let hex = ctx.request_id.trim_start_matches("req_").to_string();
+    let hex = hex.as_str();
     let body = match &ctx.body {
         Ok(b) => b,
         Err(e) => return Err(ApiError::invalid("body", e.body_text())),
@@ -55,6 +67,7 @@ pub fn run(ctx: &mut RequestContext) -> Result<(), ApiError> {
                     messages: r.messages,
                     kwargs: r.template_kwargs,
                 },
+                api: Api::OpenAi,
             }
         }
         Endpoint::Completions => {
@@ -62,6 +75,35 @@ pub fn run(ctx: &mut RequestContext) -> Result<(), ApiError> {
             Parsed {
                 common: r.common,
                 input: Input::Prompt(r.prompt),
+                api: Api::OpenAi,
+            }
+        }
+        Endpoint::Responses => {
+            let (r, extra) = crate::responses::parse(body, hex)?;
+            Parsed {
+                common: r.common,
+                input: Input::Chat {
+                    messages: r.messages,
+                    kwargs: r.template_kwargs,
+                },
+                api: Api::Responses(Box::new(extra)),
+            }
+        }
+        Endpoint::Messages | Endpoint::CountTokens => {
+            let (r, extra) = crate::anthropic::parse(
+                body,
+                &ctx.headers,
+                hex,
+                keep_billing_header,
+                ctx.endpoint == Endpoint::CountTokens,
+            )?;
+            Parsed {
+                common: r.common,
+                input: Input::Chat {
+                    messages: r.messages,
+                    kwargs: r.template_kwargs,
+                },
+                api: Api::Messages(extra),
             }
         }
     };

@@ -5,13 +5,6 @@ use super::RequestContext;
 use crate::error::ApiError;
 use crate::state::AppState;
 
-fn operation(ctx: &RequestContext) -> &'static str {
-    match ctx.endpoint {
-        super::Endpoint::Chat => "chat",
-        super::Endpoint::Completions => "text_completion",
-    }
-}
-
 pub fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiError> {
     let name = &ctx.request()?.common.model;
     let model = state.models.get(name).ok_or_else(|| ApiError::model_not_found(name))?;
@@ -31,7 +24,7 @@ pub fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiError> {
     // The model is named in the trace once resolved (never the client's raw text).
     ctx.span.record("gen_ai.request.model", model.id.as_str());
     ctx.span.record("gen_ai.response.model", model.id.as_str());
-    crate::telemetry::rename(&ctx.span, format!("{} {}", operation(ctx), model.id));
+    crate::telemetry::rename(&ctx.span, format!("{} {}", ctx.endpoint.operation(), model.id));
     ctx.model = Some(model.clone());
     Ok(())
 }

@@ -11,7 +11,6 @@ use futures_util::StreamExt;
 use hearth_protocol::{FinishReason, GenerateEvent, TokenLogprob, Usage};
 use serde_json::{json, Value};
 
-use super::Endpoint;
 use crate::error::ApiError;
 use crate::openai;
 use crate::registry::ServedModel;
@@ -42,9 +41,16 @@ pub fn worker_error(code: &str, message: &str) -> ApiError {
     }
 }
 
+/// The OpenAI endpoint a response is shaped for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Chat,
+    Completions,
+}
+
 /// What every object and chunk of one response shares.
 pub struct Shape {
-    pub endpoint: Endpoint,
+    pub endpoint: Kind,
     pub id: String,
     pub model: Arc<ServedModel>,
     pub created: i64,
@@ -59,16 +65,16 @@ pub struct Shape {
 impl Shape {
     fn id(&self) -> String {
         match self.endpoint {
-            Endpoint::Chat => format!("chatcmpl-{}", self.id),
-            Endpoint::Completions => format!("cmpl-{}", self.id),
+            Kind::Chat => format!("chatcmpl-{}", self.id),
+            Kind::Completions => format!("cmpl-{}", self.id),
         }
     }
 
     fn object(&self, chunk: bool) -> &'static str {
         match (self.endpoint, chunk) {
-            (Endpoint::Chat, false) => "chat.completion",
-            (Endpoint::Chat, true) => "chat.completion.chunk",
-            (Endpoint::Completions, _) => "text_completion",
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Completions, _) => "text_completion",
         }
     }
 
@@ -162,7 +168,7 @@ pub fn sse_response(
                     let i = index as usize;
                     let first = !started.get(i).copied().unwrap_or(true);
                     match shape.endpoint {
-                        Endpoint::Chat => {
+                        Kind::Chat => {
                             let lp = logprob.map(|lp| json!({"content": [shape.chat_logprob(id, lp, &top_logprobs)]}));
                             let deltas = match readers.get_mut(i) {
                                 Some(r) if parse => r.push_token(&text),
@@ -170,7 +176,7 @@ pub fn sse_response(
                             };
                             chat_deltas(&shape, &mut out, index, first, deltas, lp, include_usage);
                         }
-                        Endpoint::Completions => {
+                        Kind::Completions => {
                             if first || !text.is_empty() || logprob.is_some() {
                                 let lp = logprob.map(|lp| {
                                     let mut l = LegacyLogprobs::default();
@@ -202,8 +208,8 @@ pub fn sse_response(
                         }
                     }
                     let choice = match shape.endpoint {
-                        Endpoint::Chat => json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": reason}),
-                        Endpoint::Completions => {
+                        Kind::Chat => json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": reason}),
+                        Kind::Completions => {
                             json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish_reason.as_str()})
                         }
                     };
@@ -329,8 +335,8 @@ pub async fn collect_response(
                 if let Some(lp) = logprob {
                     c.any_logprobs = true;
                     match shape.endpoint {
-                        Endpoint::Chat => c.chat_logprobs.push(shape.chat_logprob(id, lp, &top_logprobs)),
-                        Endpoint::Completions => c.legacy.push(shape, id, lp, &top_logprobs, c.text.len()),
+                        Kind::Chat => c.chat_logprobs.push(shape.chat_logprob(id, lp, &top_logprobs)),
+                        Kind::Completions => c.legacy.push(shape, id, lp, &top_logprobs, c.text.len()),
                     }
                 }
                 if shape.output.is_plain() {
@@ -369,7 +375,7 @@ fn completion_body(shape: &Shape, choices: &[Collected], default_finish: FinishR
             let reason = c.finish.unwrap_or(default_finish);
             let finish = reason.as_str();
             match shape.endpoint {
-                Endpoint::Chat if !shape.output.is_plain() => {
+                Kind::Chat if !shape.output.is_plain() => {
                     let lp = c.any_logprobs.then(|| json!({"content": c.chat_logprobs}));
                     let a = Assistant::collect(c.deltas.iter().cloned());
                     let mut message = json!({"role": "assistant", "content": a.content, "refusal": null});
@@ -389,14 +395,14 @@ fn completion_body(shape: &Shape, choices: &[Collected], default_finish: FinishR
                     }
                     json!({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
                 }
-                Endpoint::Chat => {
+                Kind::Chat => {
                     let lp = c.any_logprobs.then(|| json!({"content": c.chat_logprobs}));
                     json!({
                         "index": i, "message": {"role": "assistant", "content": c.text, "refusal": null},
                         "logprobs": lp, "finish_reason": finish,
                     })
                 }
-                Endpoint::Completions => {
+                Kind::Completions => {
                     let lp = c.any_logprobs.then(|| c.legacy.json());
                     json!({"index": i, "text": c.text, "logprobs": lp, "finish_reason": finish})
                 }

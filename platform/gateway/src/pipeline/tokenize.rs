@@ -93,6 +93,7 @@ pub fn run(ctx: &mut RequestContext) -> Result<(), ApiError> {
         _ if room == 0 => 0,
         None => room,
         Some(m) if m <= room => m,
+        Some(_) if request.common.clamp_max_tokens => room,
         Some(m) => {
             return Err(ApiError::context_length(format!(
                 "This model's maximum context length is {limit} tokens. However, you requested {} tokens ({prompt} in the prompt, {m} in the completion). Reduce the prompt or max_tokens.",
