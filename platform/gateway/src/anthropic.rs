@@ -127,16 +127,32 @@ fn conversation(system: Option<String>, messages: &[Value]) -> Result<Vec<Value>
         let Some(m) = m.as_object() else {
             return Err(wrong_type(&p, "an object", m));
         };
+        let content = m.get("content").unwrap_or(&Value::Null);
         let role = match m.get("role").and_then(Value::as_str) {
             Some(r @ ("user" | "assistant")) => r,
+            // Claude Code sends system reminders as `system` messages: they join the system
+            // prompt (templates want it first and once).
+            Some("system") => {
+                let text = match content {
+                    Value::String(s) => s.clone(),
+                    v => blocks(&format!("{p}.content"), v)?.into_iter().map(block_text).collect::<Vec<_>>().join("\n\n"),
+                };
+                match out.first_mut() {
+                    Some(first) if first["role"] == "system" => {
+                        let joined = format!("{}\n\n{text}", first["content"].as_str().unwrap_or(""));
+                        first["content"] = json!(joined);
+                    }
+                    _ => out.insert(0, json!({"role": "system", "content": text})),
+                }
+                continue;
+            }
             other => {
                 return Err(ApiError::invalid(
                     &format!("{p}.role"),
-                    format!("'role' must be user or assistant, got {other:?}"),
+                    format!("'role' must be user or assistant, got {}", other.map_or("none".into(), |r| format!("{r:?}"))),
                 ))
             }
         };
-        let content = m.get("content").unwrap_or(&Value::Null);
         if let Value::String(s) = content {
             out.push(json!({"role": role, "content": s}));
             continue;
@@ -609,7 +625,7 @@ mod tests {
                 "messages[0].content[0].type",
             ),
             (
-                json!({"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}),
+                json!({"model": "m", "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}),
                 "messages[0].role",
             ),
             (
