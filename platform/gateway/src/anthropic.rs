@@ -135,7 +135,11 @@ fn conversation(system: Option<String>, messages: &[Value]) -> Result<Vec<Value>
             Some("system") => {
                 let text = match content {
                     Value::String(s) => s.clone(),
-                    v => blocks(&format!("{p}.content"), v)?.into_iter().map(block_text).collect::<Vec<_>>().join("\n\n"),
+                    v => blocks(&format!("{p}.content"), v)?
+                        .into_iter()
+                        .map(block_text)
+                        .collect::<Vec<_>>()
+                        .join("\n\n"),
                 };
                 match out.first_mut() {
                     Some(first) if first["role"] == "system" => {
@@ -149,7 +153,10 @@ fn conversation(system: Option<String>, messages: &[Value]) -> Result<Vec<Value>
             other => {
                 return Err(ApiError::invalid(
                     &format!("{p}.role"),
-                    format!("'role' must be user or assistant, got {}", other.map_or("none".into(), |r| format!("{r:?}"))),
+                    format!(
+                        "'role' must be user or assistant, got {}",
+                        other.map_or("none".into(), |r| format!("{r:?}"))
+                    ),
                 ))
             }
         };

@@ -23,7 +23,7 @@ use crate::{anthropic, responses};
 /// The API's renderer, built from the parsed request.
 enum Render {
     OpenAi(Shape),
-    Responses(responses::Shape),
+    Responses(Box<responses::Shape>),
     Messages(anthropic::Shape),
 }
 
@@ -48,11 +48,11 @@ pub async fn run(state: &Arc<AppState>, ctx: &mut RequestContext, events: EventS
             output: ctx.output.clone(),
             prompt_tokens: ctx.prompt_tokens,
         }),
-        Api::Responses(req) => Render::Responses(responses::Shape {
+        Api::Responses(req) => Render::Responses(Box::new(responses::Shape {
             req: *req,
             model: model.id.clone(),
             created_at: created,
-        }),
+        })),
         Api::Messages(req) => Render::Messages(anthropic::Shape {
             hex: req.hex,
             model: model.id.clone(),
@@ -69,7 +69,7 @@ pub async fn run(state: &Arc<AppState>, ctx: &mut RequestContext, events: EventS
         let output = ctx.output.clone();
         return Ok(match render {
             Render::OpenAi(shape) => sse_response(shape, include_usage, events),
-            Render::Responses(shape) => responses::stream(state.clone(), shape, tenant_id, output, events),
+            Render::Responses(shape) => responses::stream(state.clone(), *shape, tenant_id, output, events),
             Render::Messages(shape) => anthropic::stream(shape, output, events),
         });
     }
