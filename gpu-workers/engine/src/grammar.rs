@@ -101,8 +101,8 @@ impl Closers {
         };
         let (mut quotes, mut closing, mut separators, mut exact) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut letter = None;
-        const VALUES: [&str; 14] = [
-            "0", "\"\"", "[]", "{}", "\"", "null", "true", "false", "[", "{", "1", "-", "a", " ",
+        const VALUES: [&str; 13] = [
+            "0", "\"\"", "[]", "{}", "\"", "null", "true", "false", "[", "{", "1", "-", "a",
         ];
         for id in 0..vocab as u32 {
             let Some(t) = text(id) else { continue };
@@ -113,14 +113,17 @@ impl Closers {
             if core.is_empty() {
                 continue;
             }
-            if core.starts_with('"') && core.chars().all(|c| matches!(c, '"' | '}' | ']')) && core.len() == t.len() {
+            let quote_run = core.starts_with('"') && core.chars().all(|c| matches!(c, '"' | '}' | ']'));
+            if quote_run && core.len() == t.len() {
                 quotes.push((std::cmp::Reverse(core.len()), id));
-            } else if core.chars().all(|c| matches!(c, '}' | ']')) {
+            }
+            // (A value may also be a quote run: `"` opens a string, `""` is the empty one.)
+            if let Some(rank) = VALUES.iter().position(|v| *v == t) {
+                exact.push((rank, id));
+            } else if !quote_run && core.chars().all(|c| matches!(c, '}' | ']')) {
                 closing.push((std::cmp::Reverse(core.len()), id));
             } else if core == "," {
                 separators.push((t.len(), id));
-            } else if let Some(rank) = VALUES.iter().position(|v| *v == t) {
-                exact.push((rank, id));
             }
         }
         quotes.sort_unstable();
@@ -249,14 +252,21 @@ pub struct Grammar {
 /// Where the answer stands against its token budget.
 #[derive(Clone, Default)]
 struct Budget {
-    /// The length of a whole shortest answer (planned from the start).
+    /// The length of a whole shortest answer, planned from the start when the budget is
+    /// tight from the start (else unknown: 0).
     whole: Option<usize>,
+    /// A mask has been asked for.
+    started: bool,
     /// The last plan's length.
     estimate: usize,
     /// Steps since the plan was last made.
     since: usize,
     /// Closing: the tokens left to follow (the last may be an end-of-generation token).
     plan: Option<std::collections::VecDeque<u32>>,
+    /// The plan forces tokens (an answer only ended where it was complete is not cut).
+    cut: bool,
+    /// The last plan found no end within [`MAX_PLAN`]: re-plan only every [`REPLAN_EVERY`].
+    stuck: bool,
 }
 
 /// Plans are made within this many tokens; a structure that cannot close sooner is cut.
@@ -290,22 +300,29 @@ impl Grammar {
         self.mask(logits) + started.elapsed()
     }
 
-    /// Whether the answer is being closed early (its finish is `length`).
+    /// Whether the answer is being cut short to fit (its finish is `length`); an answer
+    /// ended where it was already complete is not.
     pub fn closing(&self) -> bool {
-        self.budget.plan.is_some()
+        self.budget.plan.is_some() && self.budget.cut
     }
 
     fn plan_budget(&mut self, remaining: usize) {
-        if self.budget.plan.is_some() || self.matcher.is_stopped() {
+        let first = !std::mem::replace(&mut self.budget.started, true);
+        // Far from the end no plan matters (and none is made: the first tokens pay nothing).
+        if self.budget.plan.is_some() || self.matcher.is_stopped() || remaining > MAX_PLAN + SLACK + MARGIN {
             return;
         }
         if self.budget.whole.is_none() {
-            let whole = self.close_plan().map_or(MAX_PLAN, |p| p.len());
+            let whole = if first {
+                self.close_plan().map_or(MAX_PLAN, |p| p.len())
+            } else {
+                0
+            };
             self.budget.whole = Some(whole);
             self.budget.estimate = whole;
         }
         self.budget.since += 1;
-        let near = remaining <= self.budget.estimate + SLACK + MARGIN;
+        let near = !self.budget.stuck && remaining <= self.budget.estimate + SLACK + MARGIN;
         if !near && self.budget.since < REPLAN_EVERY {
             return;
         }
@@ -318,9 +335,14 @@ impl Grammar {
             }
             return;
         }
-        let Some(plan) = self.close_plan() else { return };
+        let Some(plan) = self.close_plan() else {
+            self.budget.stuck = true;
+            return;
+        };
+        self.budget.stuck = false;
         self.budget.estimate = plan.len();
         if plan.len() + MARGIN >= remaining {
+            self.budget.cut = plan.iter().any(|t| !self.end_of_generation.contains(t));
             self.budget.plan = Some(plan.into());
         }
     }

@@ -402,3 +402,44 @@ async fn special_tokens_in_grammars_reach_the_stream_when_asked_for() {
         assert_eq!(out.text, want);
     }
 }
+
+/// A tight `max_tokens` at temperature 1: the answer closes the structure in time (the
+/// grammar's shortest valid end) and reports `length`; every one parses and validates.
+/// Speculation on and off, since a closing answer drafts its plan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn constrained_outputs_end_valid_within_a_tight_budget() {
+    let e = engine();
+    let schema = person_schema();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    let prompt = chat(e, "Reply in JSON.", "Describe a person who lives in Lisbon.");
+    let mut cut = 0;
+    for seed in 0..12u64 {
+        // (The shortest valid answer is about 32 tokens.)
+        let max_tokens = 40 + (seed as u32 % 3) * 5;
+        let sampling = SamplingParams {
+            temperature: 1.0,
+            seed: Some(seed),
+            max_tokens,
+            speculative: seed % 2 == 0,
+            ..Default::default()
+        };
+        let out = generate(
+            e,
+            prompt.clone(),
+            sampling,
+            Some(Constraint::JsonSchema { schema: schema.clone() }),
+        )
+        .await;
+        assert!(out.error.is_none(), "{:?}", out.error);
+        assert!(
+            out.ids.len() <= max_tokens as usize,
+            "seed {seed}: {} tokens",
+            out.ids.len()
+        );
+        let v: Value = serde_json::from_str(&out.text).unwrap_or_else(|e| panic!("seed {seed}: {e}: {}", out.text));
+        let errors: Vec<String> = validator.iter_errors(&v).map(|e| e.to_string()).collect();
+        assert!(errors.is_empty(), "seed {seed}: {} → {errors:?}", out.text);
+        cut += usize::from(out.finish.as_deref() == Some("length"));
+    }
+    assert!(cut > 0, "no answer needed closing: the budget is not tight");
+}

@@ -327,7 +327,7 @@ pub struct LimitStoreArgs {
     #[arg(long, env = "HEARTH_MAX_REQUEST_SECS", default_value_t = 900)]
     pub max_request_secs: u64,
     /// How long the Responses API keeps a stored response (`store: true`, its default) for
-    /// `previous_response_id` and `GET /v1/responses/{id}`.
+    /// `previous_response_id` and `GET /v1/responses/{id}` (at least 1).
     #[arg(long, env = "HEARTH_RESPONSES_TTL_DAYS", default_value_t = 30)]
     pub responses_ttl_days: u32,
     /// Stored responses kept per tenant; past it a new one drops the tenant's oldest.
@@ -337,6 +337,10 @@ pub struct LimitStoreArgs {
     /// default it is dropped: it changes every request and would defeat the prefix cache).
     #[arg(long, env = "HEARTH_KEEP_BILLING_HEADER")]
     pub keep_billing_header: bool,
+    /// The completion budget of a request that sets none (default: the room its prompt
+    /// leaves in the context). Agent harnesses such as Codex send no limit.
+    #[arg(long, env = "HEARTH_DEFAULT_MAX_TOKENS")]
+    pub default_max_tokens: Option<u32>,
     /// While the key store (the database) does not answer, credentials checked within this
     /// long keep working from the cache (0: never; then every request fails with 503 until
     /// it is back).

@@ -184,10 +184,11 @@ async fn run_gateway(
         max_duration: Duration::from_secs(limits.max_request_secs.max(1)),
     };
     state.response_retention = hearth_tenants::responses::ResponseRetention {
-        ttl_ms: i64::from(limits.responses_ttl_days) * 24 * 3600 * 1000,
+        ttl_ms: i64::from(limits.responses_ttl_days.max(1)) * 24 * 3600 * 1000,
         max_per_tenant: limits.responses_per_tenant.max(1),
     };
     state.keep_billing_header = limits.keep_billing_header;
+    state.default_max_tokens = limits.default_max_tokens.filter(|&n| n > 0);
     let mut discovery = None;
     if let Some(r) = limiter.redis() {
         // Budget reservations live where the limits live: shared by every gateway.

@@ -39,15 +39,8 @@ pub enum Change {
 /// How an answer ended.
 #[derive(Debug, Clone)]
 pub enum End {
-    Finished {
-        reason: FinishReason,
-        usage: Usage,
-    },
-    Failed {
-        code: String,
-        message: String,
-        generated: u32,
-    },
+    Finished { reason: FinishReason, usage: Usage },
+    Failed { code: String, message: String },
 }
 
 /// The parts of choice 0, read as tokens arrive.
@@ -57,8 +50,6 @@ pub struct Answer {
     open: Option<usize>,
     /// Call index (the tool format's) → part.
     calls: Vec<usize>,
-    /// Tokens generated so far.
-    pub generated: u32,
     prefix: String,
 }
 
@@ -70,7 +61,6 @@ impl Answer {
             parts: Vec::new(),
             open: None,
             calls: Vec::new(),
-            generated: 0,
             prefix: prefix.to_string(),
         }
     }
@@ -88,7 +78,6 @@ impl Answer {
     pub fn event(&mut self, ev: GenerateEvent) -> (Vec<Change>, Option<End>) {
         match ev {
             GenerateEvent::Token { index: 0, text, .. } => {
-                self.generated += 1;
                 let deltas = self.reader.push_token(&text);
                 (self.apply(deltas), None)
             }
@@ -109,14 +98,7 @@ impl Answer {
             }
             GenerateEvent::Error { code, message } => {
                 let changes = self.close();
-                (
-                    changes,
-                    Some(End::Failed {
-                        code,
-                        message,
-                        generated: self.generated,
-                    }),
-                )
+                (changes, Some(End::Failed { code, message }))
             }
         }
     }
@@ -188,7 +170,12 @@ impl Answer {
                     self.calls[index] = self.parts.len() - 1;
                 }
                 Delta::Arguments { index, text } => {
-                    if let Some(&i) = self.calls.get(index).filter(|&&i| i != usize::MAX) {
+                    let open = self
+                        .calls
+                        .get(index)
+                        .copied()
+                        .filter(|&i| i != usize::MAX && !self.parts[i].done);
+                    if let Some(i) = open {
                         self.parts[i].text.push_str(&text);
                         out.push(Change::Append(i, text));
                     }

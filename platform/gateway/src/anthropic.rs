@@ -183,7 +183,7 @@ fn conversation(system: Option<String>, messages: &[Value]) -> Result<Vec<Value>
                     if b.get("is_error") == Some(&Value::Bool(true)) {
                         result = format!("Error: {result}");
                     }
-                    out.push(json!({"role": "tool", "tool_call_id": id, "content": result}));
+                    out.push(json!({"role": "tool", "tool_call_id": call_id(id), "content": result}));
                 }
                 "tool_use" if role == "assistant" => {
                     let (Some(id), Some(name)) = (
@@ -193,7 +193,7 @@ fn conversation(system: Option<String>, messages: &[Value]) -> Result<Vec<Value>
                         return Err(ApiError::invalid(&bp, "a tool_use block needs 'id' and 'name'"));
                     };
                     let input = b.get("input").cloned().unwrap_or_else(|| json!({}));
-                    calls.push(json!({"id": id, "type": "function",
+                    calls.push(json!({"id": call_id(id), "type": "function",
                                       "function": {"name": name, "arguments": input.to_string()}}));
                 }
                 "thinking" if role == "assistant" => {
@@ -235,7 +235,18 @@ pub fn parse(
 ) -> Result<(ChatRequest, Request), ApiError> {
     let o = openai::parse_object(body)?;
     let mut chat = Map::new();
-    for key in ["model", "temperature", "top_p", "top_k", "stream"] {
+    // (`seed`, `ignore_eos`, `min_tokens`, `speculative`: Hearth's extensions, as on chat.)
+    for key in [
+        "model",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stream",
+        "seed",
+        "ignore_eos",
+        "min_tokens",
+        "speculative",
+    ] {
         if let Some(v) = get(&o, key) {
             chat.insert(key.into(), v.clone());
         }
@@ -333,6 +344,16 @@ pub fn parse(
     // `max_tokens` is a cap here: Claude Code asks for 32,000 whatever the model's context.
     r.common.clamp_max_tokens = true;
     Ok((r, Request { hex: hex.to_string() }))
+}
+
+/// The model's call id for a `toolu_…` id (templates check the shape of ids: Mistral's
+/// want nine letters and digits, which is what the model wrote).
+fn call_id(tool_use_id: &str) -> String {
+    match tool_use_id.strip_prefix("toolu_") {
+        Some(rest) if rest.len() == 16 && rest.bytes().all(|b| b.is_ascii_hexdigit()) => format!("call_{rest}"),
+        Some(rest) => rest.to_string(),
+        None => tool_use_id.to_string(),
+    }
 }
 
 /// `toolu_…` for a call id of the model's tool format.
@@ -617,6 +638,33 @@ mod tests {
         )
         .unwrap();
         assert_eq!(kept.messages[0].role, "system");
+    }
+
+    proptest::proptest! {
+        /// Any JSON: a request or a 4xx, never a panic.
+        #[test]
+        fn parser_survives_random_json(input in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+                                       kind in proptest::sample::select(vec!["text", "tool_use", "tool_result",
+                                           "thinking", "image", "system", "user", "assistant", "x"])) {
+            let text = String::from_utf8_lossy(&input).to_string();
+            let bodies = [
+                json!({"model": "m", "max_tokens": 4, "messages": [{"role": kind, "content": [
+                    {"type": kind, "text": text, "id": text, "name": 5, "tool_use_id": text, "content": [{"type": kind}]}]}]}),
+                json!({"model": "m", "max_tokens": 4, "system": [{"type": kind, "text": text}],
+                       "messages": [{"role": "user", "content": text}], "tool_choice": {"type": kind}, "tools": [{"name": text}]}),
+            ];
+            for b in bodies {
+                if let Err(e) = parse_json(b) {
+                    proptest::prop_assert!(e.status.is_client_error());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tool_ids_round_trip_to_the_models_own() {
+        assert_eq!(call_id(&tool_use_id("call_0123456789abcdef")), "call_0123456789abcdef");
+        assert_eq!(call_id(&tool_use_id("A1b2C3d4E")), "A1b2C3d4E");
     }
 
     #[test]

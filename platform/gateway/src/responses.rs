@@ -190,9 +190,7 @@ fn conversation(instructions: Option<&str>, items: &[Value]) -> Result<Vec<Value
     let mut reasoning: Option<String> = None;
     // The assistant turn being built, if the last message is one.
     let assistant = |messages: &mut Vec<Value>, reasoning: &mut Option<String>| -> usize {
-        let open = messages
-            .last()
-            .is_some_and(|m| m["role"] == "assistant" && m.get("closed").is_none());
+        let open = messages.last().is_some_and(|m| m["role"] == "assistant");
         if !open {
             messages.push(json!({"role": "assistant", "content": ""}));
         }
@@ -254,9 +252,6 @@ fn conversation(instructions: Option<&str>, items: &[Value]) -> Result<Vec<Value
             _ => {}
         }
     }
-    if messages.is_empty() {
-        return Err(ApiError::invalid("input", "'input' has nothing for the model to read"));
-    }
     Ok(messages)
 }
 
@@ -287,6 +282,7 @@ pub fn parse(body: &[u8], hex: &str) -> Result<(ChatRequest, Request), ApiError>
         ));
     }
     let mut chat = Map::new();
+    // (`seed`, `top_k`, `ignore_eos`, `min_tokens`, `speculative`: Hearth's extensions, as on chat.)
     for key in [
         "model",
         "temperature",
@@ -295,6 +291,10 @@ pub fn parse(body: &[u8], hex: &str) -> Result<(ChatRequest, Request), ApiError>
         "service_tier",
         "stream",
         "seed",
+        "top_k",
+        "ignore_eos",
+        "min_tokens",
+        "speculative",
     ] {
         if let Some(v) = get(&o, key) {
             chat.insert(key.into(), v.clone());
@@ -409,16 +409,21 @@ impl Request {
     pub fn chat_request(&self) -> Result<ChatRequest, ApiError> {
         let mut all = self.inherited.clone();
         all.extend(self.items.iter().cloned());
-        let mut chat = self.chat.clone();
-        chat.insert(
-            "messages".into(),
-            Value::Array(conversation(self.instructions.as_deref(), &all)?),
-        );
-        let mut r = openai::parse_chat_object(&chat).map_err(rename)?;
-        if r.common.n != 1 {
-            return Err(ApiError::invalid("n", "the Responses API answers one output"));
+        let mut messages = conversation(self.instructions.as_deref(), &all)?;
+        if messages.is_empty() {
+            let recall_pending = self.inherited.is_empty()
+                && (self.previous_response_id.is_some() || self.items.iter().any(|i| i["type"] == "item_reference"));
+            if !recall_pending {
+                return Err(ApiError::invalid("input", "'input' has nothing for the model to read"));
+            }
+            // Validated again once `recall` has brought the stored items in.
+            messages.push(json!({"role": "user", "content": ""}));
         }
-        r.common.n = 1;
+        let mut chat = self.chat.clone();
+        chat.insert("messages".into(), Value::Array(messages));
+        let mut r = openai::parse_chat_object(&chat).map_err(rename)?;
+        // `max_output_tokens` is an upper bound: cut to the room the prompt leaves.
+        r.common.clamp_max_tokens = true;
         Ok(r)
     }
 
@@ -538,8 +543,13 @@ impl Shape {
     fn object(&self, status: &str, answer: Option<&Answer>, end: Option<&End>) -> Value {
         let e = &self.req.echo;
         let echo = |k: &str, default: Value| get(e, k).cloned().unwrap_or(default);
+        let item_status = if status == "completed" {
+            "completed"
+        } else {
+            "incomplete"
+        };
         let output: Vec<Value> = answer
-            .map(|a| a.parts.iter().map(|p| part_json(p, "completed")).collect())
+            .map(|a| a.parts.iter().map(|p| part_json(p, item_status)).collect())
             .unwrap_or_default();
         let (usage, error, incomplete) = match end {
             Some(End::Finished { reason, usage }) => (
@@ -837,8 +847,9 @@ pub async fn input_items(
     State(state): State<Arc<AppState>>,
     Caller(ctx): Caller,
     Path(id): Path<String>,
-    Query(q): Query<ListQuery>,
+    q: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>, ApiError> {
+    let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
     let r = stored(&state, &ctx.tenant_id, &id).await?;
     let mut items: Vec<Value> = serde_json::from_str(&r.input_items).unwrap_or_default();
     match q.order.as_deref() {
@@ -927,6 +938,38 @@ mod tests {
             response_of_item("msg_0123456789abcdef01234567i00").as_deref(),
             Some("resp_0123456789abcdef01234567")
         );
+    }
+
+    #[test]
+    fn references_wait_for_recall_and_max_output_tokens_is_a_cap() {
+        let (chat, req) =
+            parse_json(json!({"model": "m", "input": [{"type": "item_reference", "id": "msg_x"}]})).unwrap();
+        assert!(chat.common.clamp_max_tokens);
+        assert_eq!(req.items[0]["type"], "item_reference");
+        let (_, req) = parse_json(json!({"model": "m", "previous_response_id": "resp_1", "input": []})).unwrap();
+        assert_eq!(req.previous_response_id.as_deref(), Some("resp_1"));
+        let e = parse_json(json!({"model": "m", "input": []})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("input"));
+    }
+
+    proptest::proptest! {
+        /// Any JSON: a request or a 4xx, never a panic.
+        #[test]
+        fn parser_survives_random_json(input in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+                                       kind in proptest::sample::select(vec!["message", "function_call",
+                                           "function_call_output", "reasoning", "item_reference", "x"])) {
+            let text = String::from_utf8_lossy(&input).to_string();
+            let bodies = [
+                json!({"model": "m", "input": [{"type": kind, "content": text, "call_id": 1, "output": [text]}]}),
+                json!({"model": "m", "input": [{"role": kind, "content": [{"type": kind, "text": text}]}], "tools": [{"type": kind}]}),
+                json!({"model": "m", "input": text, "text": {"format": {"type": kind}}, "tool_choice": {"type": kind}}),
+            ];
+            for b in bodies {
+                if let Err(e) = parse_json(b) {
+                    proptest::prop_assert!(e.status.is_client_error());
+                }
+            }
+        }
     }
 
     #[test]

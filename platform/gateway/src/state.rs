@@ -47,6 +47,9 @@ pub struct AppState {
     /// (`--keep-billing-header`; dropped by default: it changes every request and would
     /// defeat the prefix cache).
     pub keep_billing_header: bool,
+    /// The completion budget of a request that sets none (`--default-max-tokens`; None: the
+    /// room the prompt leaves in the context). Agent harnesses (Codex) send no limit.
+    pub default_max_tokens: Option<u32>,
 }
 
 /// Time limits on one request, enforced by the relay.
@@ -146,6 +149,7 @@ impl AppState {
             request_limits: RequestLimits::default(),
             response_retention: Default::default(),
             keep_billing_header: false,
+            default_max_tokens: None,
         }
     }
 }

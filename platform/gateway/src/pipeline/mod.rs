@@ -91,6 +91,10 @@ impl Endpoint {
 pub fn render_error(endpoint: Endpoint, e: ApiError) -> Response {
     match endpoint {
         Endpoint::Messages | Endpoint::CountTokens => crate::anthropic::error_response(&e),
+        // A schema the worker refused names chat's parameter: this API's is `text.format`.
+        Endpoint::Responses if e.param.as_deref() == Some("response_format") => {
+            e.with_param("text.format").into_response()
+        }
         _ => e.into_response(),
     }
 }
@@ -128,6 +132,8 @@ pub struct RequestContext {
     pub prompt: Vec<u32>,
     /// tokenize: the prompt's length (the ids go to the worker; this stays).
     pub prompt_tokens: u32,
+    /// The completion budget when the request sets none (None: the room left).
+    pub default_max_tokens: Option<u32>,
     /// tokenize: how the answers are read (tool calls, reasoning).
     pub output: hearth_protocol::output::OutputSpec,
     pub max_tokens: u32,
@@ -170,6 +176,7 @@ impl RequestContext {
             prompt: Vec::new(),
             prompt_tokens: 0,
             output: Default::default(),
+            default_max_tokens: None,
             max_tokens: 0,
             rate: RateState::default(),
             lease: None,
@@ -234,6 +241,7 @@ async fn run(state: &Arc<AppState>, ctx: &mut RequestContext) -> Result<Response
 /// the request is authenticated, still one usage record).
 pub async fn handle(state: Arc<AppState>, mut ctx: RequestContext) -> Response {
     ctx.span = crate::telemetry::request_span(ctx.endpoint, &ctx.request_id);
+    ctx.default_max_tokens = state.default_max_tokens;
     let span = ctx.span.clone();
     let mut resp = match run(&state, &mut ctx).instrument(span.clone()).await {
         Ok(resp) => resp,

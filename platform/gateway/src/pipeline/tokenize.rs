@@ -77,6 +77,11 @@ pub fn run(ctx: &mut RequestContext) -> Result<(), ApiError> {
     if ids.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt encodes to no tokens"));
     }
+    if ctx.endpoint == super::Endpoint::CountTokens {
+        // Counted, not run: no completion budget to fit.
+        ctx.prompt_tokens = ids.len() as u32;
+        return Ok(());
+    }
     if let Some((constraint, special_text, output)) = chat {
         let request = ctx.request.as_mut().ok_or_else(|| ApiError::internal("no request"))?;
         if let Some(c) = constraint {
@@ -91,7 +96,7 @@ pub fn run(ctx: &mut RequestContext) -> Result<(), ApiError> {
     let room = limit.saturating_sub(prompt);
     let max_tokens = match request.common.max_tokens {
         _ if room == 0 => 0,
-        None => room,
+        None => ctx.default_max_tokens.map_or(room, |d| d.min(room)),
         Some(m) if m <= room => m,
         Some(_) if request.common.clamp_max_tokens => room,
         Some(m) => {
