@@ -82,6 +82,21 @@ pub struct MaskResult {
     pub mask_share: f64,
 }
 
+/// Constrained answers under a tight budget.
+#[derive(Debug, Clone, Serialize)]
+pub struct TightBudget {
+    pub max_tokens: u32,
+    pub mask: MaskResult,
+    pub valid: usize,
+    pub checked: usize,
+    /// Ended by the budget (closed early: `length`, still valid).
+    pub cut: usize,
+}
+
+/// The tight budget: below what an extraction answer usually takes (about 185 tokens), above
+/// its shortest valid one (about 55: seven required fields and an item).
+const TIGHT_BUDGET: u32 = 80;
+
 #[derive(Debug, Clone, Serialize)]
 pub struct AgentReport {
     pub isa: String,
@@ -90,6 +105,9 @@ pub struct AgentReport {
     pub speculative_tokens: usize,
     pub workloads: Vec<WorkloadResult>,
     pub mask: MaskResult,
+    /// The same constrained requests with a tight `max_tokens`: the grammar plans and follows
+    /// the shortest valid end, so every answer still parses.
+    pub tight: TightBudget,
     /// Constrained answers that parse and validate against their schema, of all checked
     /// (greedy and temperature 1.0; target 1.0).
     pub valid: usize,
@@ -142,6 +160,28 @@ impl AgentReport {
             self.checked,
             100.0 * self.validity_rate,
             self.truncated
+        );
+        let t = &self.tight;
+        out += &format!(
+            "\n| max_tokens | requests | output tokens | mask µs/token (incl. closing plans) | mask share | valid | cut by the budget |\n\
+             |---|---|---|---|---|---|---|\n\
+             | own (≤ 400) | {} | {} | {:.0} | {:.1}% | {}/{} | {} |\n\
+             | {} | {} | {} | {:.0} | {:.1}% | {}/{} | {} |\n",
+            self.mask.requests,
+            self.mask.output_tokens,
+            self.mask.mask_us_per_token,
+            100.0 * self.mask.mask_share,
+            self.valid,
+            self.checked,
+            self.truncated,
+            t.max_tokens,
+            t.mask.requests,
+            t.mask.output_tokens,
+            t.mask.mask_us_per_token,
+            100.0 * t.mask.mask_share,
+            t.valid,
+            t.checked,
+            t.cut,
         );
         out
     }
@@ -636,24 +676,72 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<AgentReport> {
         });
     }
 
-    // The mask at batch 8: constrained requests at temperature 1.0, eight at a time.
+    // The mask at batch 8: constrained requests at temperature 1.0, eight at a time — with
+    // their own budgets, then with a tight one (the grammar plans its closing).
+    let loose = mask_run(&engine, &mut bench, &mut rng, cfg.seeds, cfg.seed, None).await?;
+    valid_count += loose.valid;
+    checked += loose.checked;
+    truncated += loose.truncated;
+    let tight = mask_run(&engine, &mut bench, &mut rng, cfg.seeds, cfg.seed, Some(TIGHT_BUDGET)).await?;
+    Ok(AgentReport {
+        isa: hearth_engine::kernels::isa().name().to_string(),
+        cpu: hearth_engine::kernels::cpu_features(),
+        model: cfg.model_id,
+        speculative_tokens: cfg.engine.speculative_tokens,
+        workloads,
+        mask: loose.result,
+        tight: TightBudget {
+            max_tokens: TIGHT_BUDGET,
+            mask: tight.result,
+            valid: tight.valid,
+            checked: tight.checked,
+            cut: tight.truncated,
+        },
+        valid: valid_count,
+        checked,
+        truncated,
+        validity_rate: valid_count as f64 / checked.max(1) as f64,
+    })
+}
+
+/// One pass of the mask measurement: the answers' validity and the mask's cost.
+struct MaskRun {
+    result: MaskResult,
+    valid: usize,
+    checked: usize,
+    truncated: usize,
+}
+
+async fn mask_run(
+    engine: &EngineHandle,
+    bench: &mut Bench,
+    rng: &mut Rng,
+    seeds: usize,
+    seed: u64,
+    budget: Option<u32>,
+) -> anyhow::Result<MaskRun> {
     const BATCH: usize = 8;
+    let metrics = engine.metrics();
     let (m0, s0) = (metrics.grammar_masks.get(), metrics.grammar_mask_seconds.get());
     // Seconds and tokens while all of a batch decode.
     let (mut window, mut window_tokens) = (0.0, 0usize);
     let (mut mask_tokens, mut mask_requests) = (0u64, 0usize);
+    let (mut valid_count, mut checked, mut truncated) = (0usize, 0usize, 0usize);
     let mut k = 0u64;
-    while mask_requests < cfg.seeds {
-        let n = BATCH.min(cfg.seeds - mask_requests);
+    while mask_requests < seeds {
+        let n = BATCH.min(seeds - mask_requests);
         let mut batch = Vec::new();
         for _ in 0..n {
             k += 1;
             let task = if k.is_multiple_of(2) {
-                extraction(&mut rng)
+                extraction(rng)
             } else {
-                tool_call(&mut rng)?
+                tool_call(rng)?
             };
-            let req = bench.request(&task, false, 1.0, cfg.seed.wrapping_add(k))?;
+            let mut req = bench.request(&task, false, 1.0, seed.wrapping_add(k))?;
+            if let Some(b) = budget {
+                req.sampling.max_tokens = req.sampling.max_tokens.min(b);
+            }
             batch.push((task.check, tokio::spawn(run_one(engine.clone(), req))));
         }
         let mut outs = Vec::new();
@@ -685,25 +773,18 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<AgentReport> {
     let mask_seconds = metrics.grammar_mask_seconds.get() - s0;
     let mask_us_per_token = mask_seconds * 1e6 / masks.max(1) as f64;
     let step_ms = window * 1000.0 * BATCH as f64 / window_tokens.max(1) as f64;
-    let mask = MaskResult {
-        batch: BATCH,
-        requests: mask_requests,
-        output_tokens: mask_tokens,
-        masks,
-        mask_us_per_token,
-        step_ms,
-        mask_share: BATCH as f64 * mask_us_per_token / 1000.0 / step_ms.max(1e-9),
-    };
-    Ok(AgentReport {
-        isa: hearth_engine::kernels::isa().name().to_string(),
-        cpu: hearth_engine::kernels::cpu_features(),
-        model: cfg.model_id,
-        speculative_tokens: cfg.engine.speculative_tokens,
-        workloads,
-        mask,
+    Ok(MaskRun {
+        result: MaskResult {
+            batch: BATCH,
+            requests: mask_requests,
+            output_tokens: mask_tokens,
+            masks,
+            mask_us_per_token,
+            step_ms,
+            mask_share: BATCH as f64 * mask_us_per_token / 1000.0 / step_ms.max(1e-9),
+        },
         valid: valid_count,
         checked,
         truncated,
-        validity_rate: valid_count as f64 / checked.max(1) as f64,
     })
 }
