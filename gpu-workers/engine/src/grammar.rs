@@ -297,7 +297,8 @@ impl Grammar {
             }
             return started.elapsed();
         }
-        self.mask(logits) + started.elapsed()
+        self.mask(logits);
+        started.elapsed()
     }
 
     /// Whether the answer is being cut short to fit (its finish is `length`); an answer
