@@ -92,17 +92,7 @@ impl Route {
 }
 
 fn sim_serve(data: &Path, speedup: &str) -> Proc {
-    spawn(&[
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        data.to_str().unwrap(),
-        "--backend",
-        "sim",
-        "--sim-speedup",
-        speedup,
-    ])
+    sim_serve_with(data, speedup, &[])
 }
 
 /// 300 tokens a minute: of eight requests of about 130 tokens (prompt and 100 generated) at

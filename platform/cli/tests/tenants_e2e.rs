@@ -19,19 +19,7 @@ const RSA_PUBLIC_PATH: &str = concat!(
 const HS_SECRET: &str = "an-hmac-secret-of-at-least-32-bytes!!";
 
 fn sim_serve(data: &Path, extra: &[&str]) -> Proc {
-    let mut args = vec![
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        data.to_str().unwrap(),
-        "--backend",
-        "sim",
-        "--sim-speedup",
-        "100000",
-    ];
-    args.extend_from_slice(extra);
-    spawn(&args)
+    sim_serve_with(data, "100000", extra)
 }
 
 fn unique(tag: &str) -> String {

@@ -15,7 +15,7 @@
 //! request; it is dropped before tokenizing (unless the gateway is told to keep it), so
 //! that a session's turns share their prompt's prefix in the cache.
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -530,13 +530,7 @@ pub fn stream(shape: Shape, output: hearth_protocol::output::OutputSpec, mut eve
             }
         }
     });
-    Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .header("x-accel-buffering", "no")
-        .body(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)))
-        .unwrap_or_else(|_| ApiError::internal("could not build the stream").into_response())
+    crate::pipeline::respond::event_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
 
 /// Anthropic's error type and status for an error.

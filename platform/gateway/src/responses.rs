@@ -13,10 +13,10 @@
 
 use std::sync::Arc;
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
-use axum::http::{header, StatusCode};
-use axum::response::{IntoResponse, Response};
+
+use axum::response::Response;
 use axum::Json;
 use futures_util::StreamExt;
 use hearth_protocol::{FinishReason, Usage};
@@ -592,7 +592,7 @@ impl Shape {
     }
 
     /// Keeps the finished response (store: true); failures are logged, never the client's.
-    async fn store(&self, state: &AppState, tenant_id: &str, object: &Value) {
+    pub async fn store(&self, state: &AppState, tenant_id: &str, object: &Value) {
         if !self.req.store {
             return;
         }
@@ -640,11 +640,6 @@ pub async fn collect(
         }
     }
     Err(ApiError::unavailable("the worker ended the stream without finishing"))
-}
-
-/// Stores a whole response once post-processing is done.
-pub async fn store_whole(state: &AppState, shape: &Shape, tenant_id: &str, object: &Value) {
-    shape.store(state, tenant_id, object).await;
 }
 
 struct Writer {
@@ -787,13 +782,7 @@ pub fn stream(
             }
         }
     });
-    Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .header("x-accel-buffering", "no")
-        .body(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)))
-        .unwrap_or_else(|_| ApiError::internal("could not build the stream").into_response())
+    crate::pipeline::respond::event_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
 
 async fn stored(state: &AppState, tenant_id: &str, id: &str) -> Result<StoredResponse, ApiError> {

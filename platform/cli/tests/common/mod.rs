@@ -147,6 +147,24 @@ pub const TEST_PRICE: [&str; 10] = [
     "2",
 ];
 
+/// `hearth serve` on the sim backend (the real scheduler and prefix cache, no maths) at
+/// `speedup`, with `extra` arguments.
+pub fn sim_serve_with(data: &Path, speedup: &str, extra: &[&str]) -> Proc {
+    let mut args = vec![
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--backend",
+        "sim",
+        "--sim-speedup",
+        speedup,
+    ];
+    args.extend_from_slice(extra);
+    spawn(&args)
+}
+
 pub fn serve(data: &Path) -> Proc {
     spawn(&["serve", "--listen", "127.0.0.1:0", "--data-dir", data.to_str().unwrap()])
 }

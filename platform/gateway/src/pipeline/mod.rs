@@ -271,18 +271,6 @@ pub async fn handle(state: Arc<AppState>, mut ctx: RequestContext) -> Response {
     resp
 }
 
-pub(crate) async fn chat_completions(
-    State(state): State<Arc<AppState>>,
-    Extension(RequestId(id)): Extension<RequestId>,
-    extensions: axum::http::Extensions,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let mut ctx = RequestContext::new(id, Endpoint::Chat, headers, body);
-    ctx.peer = crate::auth::peer_ip(&extensions);
-    handle(state, ctx).await
-}
-
 macro_rules! endpoint_handler {
     ($(#[$doc:meta])* $name:ident, $endpoint:expr, $run:ident) => {
         $(#[$doc])*
@@ -300,6 +288,18 @@ macro_rules! endpoint_handler {
     };
 }
 
+endpoint_handler!(
+    /// `POST /v1/chat/completions`.
+    chat_completions,
+    Endpoint::Chat,
+    handle
+);
+endpoint_handler!(
+    /// `POST /v1/completions`.
+    completions,
+    Endpoint::Completions,
+    handle
+);
 endpoint_handler!(
     /// `POST /v1/responses` (OpenAI Responses).
     responses,
@@ -342,16 +342,4 @@ async fn count_tokens(state: Arc<AppState>, mut ctx: RequestContext) -> Response
         Ok(n) => axum::Json(crate::anthropic::count_json(n)).into_response(),
         Err(e) => render_error(ctx.endpoint, e),
     }
-}
-
-pub(crate) async fn completions(
-    State(state): State<Arc<AppState>>,
-    Extension(RequestId(id)): Extension<RequestId>,
-    extensions: axum::http::Extensions,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let mut ctx = RequestContext::new(id, Endpoint::Completions, headers, body);
-    ctx.peer = crate::auth::peer_ip(&extensions);
-    handle(state, ctx).await
 }

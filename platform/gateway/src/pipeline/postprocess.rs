@@ -89,7 +89,7 @@ pub async fn run(state: &Arc<AppState>, ctx: &mut RequestContext, events: EventS
         body = processed?;
     }
     if let Render::Responses(shape) = &render {
-        responses::store_whole(state, shape, &tenant_id, &body).await;
+        shape.store(state, &tenant_id, &body).await;
     }
     Ok(Json(body).into_response())
 }

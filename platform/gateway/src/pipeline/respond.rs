@@ -240,6 +240,12 @@ pub fn sse_response(
             futures_util::stream::iter(out.into_iter().map(Ok::<_, Infallible>))
         })
         .flatten();
+    event_stream(body)
+}
+
+/// A server-sent-events response over `body` (every API's streams: no caching, no proxy
+/// buffering).
+pub fn event_stream(body: impl futures_util::Stream<Item = Result<Bytes, Infallible>> + Send + 'static) -> Response {
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "text/event-stream")
