@@ -40,6 +40,22 @@ SHAPES = {
                         qk_norm=True, sliding_window=32, theta=1000000.0, theta_swa=10000.0,
                         linear_scale=8.0, template="google-gemma-2-2b-it"),
     "phi3-tiny": dict(arch="phi3", vocab="phi-3", fused=True, template="microsoft-Phi-3.5-mini-instruct"),
+    # Mixtures of experts and latent attention. Mixtral: `llama` with 8 experts, 2 used.
+    "mixtral-tiny": dict(vocab="llama-spm", ff=512, moe=dict(experts=8, used=2),
+                         template="mistralai-Mistral-Nemo-Instruct-2407"),
+    # Qwen3-MoE: Qwen3's attention, 16 experts of 256, 4 used.
+    "qwen3moe-tiny": dict(arch="qwen3moe", vocab="qwen2", layers=3, head_dim=128, qk_norm=True, theta=1000000.0,
+                          moe=dict(experts=16, used=4, ff_exp=256), template="Qwen-Qwen3-0.6B"),
+    # DeepSeek-V3's block: latent attention (queries through a rank of 256, a latent of 256
+    # plus a 64-dim RoPE key), YaRN ×4 with its score correction, one dense layer, then 16
+    # experts in 4 groups (2 used) choosing 4 by sigmoid with a selection bias, one shared
+    # expert, weights renormalized and scaled by 2.5.
+    "deepseek2-tiny": dict(arch="deepseek2", vocab="deepseek-llm", layers=3, ff=512, heads=4,
+                           mla=dict(q_lora=256, kv_lora=256, rope=64, nope=128, v=128),
+                           moe=dict(experts=16, used=4, ff_exp=256, shared=1, dense=1, groups=4, groups_used=2,
+                                    sigmoid=True, norm=True, scale=2.5),
+                           yarn=dict(factor=4.0, orig=512, log_mul=1.0), theta=10000.0,
+                           template="deepseek-ai-DeepSeek-V3.1"),
     # Phi-3 128k's LongRoPE as llama.cpp's converter writes it: long and short factor sets,
     # the original context and an attention factor, no scaling type.
     "phi3-longrope-tiny": dict(arch="phi3", vocab="phi-3", fused=True, ctx=4096, longrope=dict(orig=1024, attn=1.19),
@@ -51,6 +67,17 @@ SHAPES = {
                        template="Qwen-Qwen3-0.6B"),
     "llama-as-qwen3-0.6b": dict(vocab="qwen2", d=1024, layers=28, ff=3072, heads=16, kv_heads=8,
                                 head_dim=128, theta=1000000.0, tied=True, ctx=40960),
+    # ~1 GB at Q4_K_M: Qwen3-30B-A3B's routing (8 of 64 experts) at a width one core runs.
+    "qwen3moe-1g": dict(arch="qwen3moe", vocab="qwen2", d=1024, layers=16, ff=3072, heads=16, kv_heads=4,
+                        head_dim=128, qk_norm=True, theta=1000000.0, ctx=40960,
+                        moe=dict(experts=64, used=8, ff_exp=512), template="Qwen-Qwen3-0.6B"),
+    # DeepSeek-V3's block at the same scale: latent 512 + 64 as V3's, 1 dense then MoE layers.
+    "deepseek2-1g": dict(arch="deepseek2", vocab="deepseek-llm", d=1024, layers=16, ff=3072, heads=16, ctx=16384,
+                         mla=dict(q_lora=512, kv_lora=512, rope=64, nope=128, v=128),
+                         moe=dict(experts=64, used=8, ff_exp=512, shared=1, dense=1, groups=8, groups_used=4,
+                                  sigmoid=True, norm=True, scale=2.5),
+                         yarn=dict(factor=4.0, orig=4096, log_mul=1.0), theta=10000.0,
+                         template="deepseek-ai-DeepSeek-V3.1"),
     "gemma2-0.8b": dict(arch="gemma2", vocab="gemma-4", d=1536, layers=10, ff=6144, heads=8, kv_heads=4,
                         head_dim=256, tied=True, gemma=True, attn_softcap=50.0, final_softcap=30.0,
                         sliding_window=4096, ctx=8192, template="google-gemma-2-2b-it"),
@@ -117,11 +144,42 @@ def write_f16(path, shape, reference, seed):
     w.add_block_count(layers)
     w.add_feed_forward_length(ff)
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    if s["head_dim"]:
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    w.add_head_count_kv(1 if s.get("mla") else kv_heads)
+    arch = s["arch"]
+    mla, moe = s.get("mla"), s.get("moe")
+    if mla:
+        w.add_uint32(f"{arch}.attention.q_lora_rank", mla["q_lora"])
+        w.add_uint32(f"{arch}.attention.kv_lora_rank", mla["kv_lora"])
+        w.add_uint32(f"{arch}.attention.key_length", mla["kv_lora"] + mla["rope"])
+        w.add_uint32(f"{arch}.attention.value_length", mla["kv_lora"])
+        w.add_uint32(f"{arch}.attention.key_length_mla", mla["nope"] + mla["rope"])
+        w.add_uint32(f"{arch}.attention.value_length_mla", mla["v"])
+        w.add_rope_dimension_count(mla["rope"])
+    else:
+        if s["head_dim"]:
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
+        w.add_rope_dimension_count(head_dim)
+    if moe:
+        w.add_uint32(f"{arch}.expert_count", moe["experts"])
+        w.add_uint32(f"{arch}.expert_used_count", moe["used"])
+        if "ff_exp" in moe:
+            w.add_uint32(f"{arch}.expert_feed_forward_length", moe["ff_exp"])
+        if arch == "deepseek2":
+            w.add_uint32(f"{arch}.expert_shared_count", moe.get("shared", 0))
+            w.add_uint32(f"{arch}.leading_dense_block_count", moe.get("dense", 0))
+            w.add_float32(f"{arch}.expert_weights_scale", moe.get("scale", 1.0))
+            w.add_bool(f"{arch}.expert_weights_norm", moe.get("norm", False))
+            w.add_uint32(f"{arch}.expert_gating_func", 2 if moe.get("sigmoid") else 1)
+            if moe.get("groups"):
+                w.add_uint32(f"{arch}.expert_group_count", moe["groups"])
+                w.add_uint32(f"{arch}.expert_group_used_count", moe["groups_used"])
+    if "yarn" in s:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(s["yarn"]["factor"])
+        w.add_rope_scaling_orig_ctx_len(s["yarn"]["orig"])
+        # As llama.cpp's converter writes DeepSeek's `mscale_all_dim`: times 0.1.
+        w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", 0.1 * s["yarn"]["log_mul"])
     w.add_rope_freq_base(s["theta"])
     w.add_layer_norm_rms_eps(1e-5 if s["arch"] in ("llama", "phi3") else 1e-6)
     w.add_file_type(1)
@@ -146,6 +204,9 @@ def write_f16(path, shape, reference, seed):
 
     def mat(rows, cols, std):
         return (rng.standard_normal((rows, cols), dtype=np.float32) * std).astype(np.float16)
+
+    def mats(n, rows, cols, std):
+        return (rng.standard_normal((n, rows, cols), dtype=np.float32) * std).astype(np.float16)
 
     def norm(n):
         return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
@@ -178,27 +239,53 @@ def write_f16(path, shape, reference, seed):
     for i in range(layers):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", norm(d))
-        if s.get("fused"):
-            w.add_tensor(p + "attn_qkv.weight", mat(q + 2 * kv, d, 1.0 / np.sqrt(d)))
+        if mla:
+            kh, nh = mla["nope"] + mla["rope"], heads
+            w.add_tensor(p + "attn_q_a.weight", mat(mla["q_lora"], d, 1.0 / np.sqrt(d)))
+            w.add_tensor(p + "attn_q_a_norm.weight", norm(mla["q_lora"]))
+            w.add_tensor(p + "attn_q_b.weight", mat(nh * kh, mla["q_lora"], 1.0 / np.sqrt(mla["q_lora"])))
+            w.add_tensor(p + "attn_kv_a_mqa.weight", mat(mla["kv_lora"] + mla["rope"], d, 1.0 / np.sqrt(d)))
+            w.add_tensor(p + "attn_kv_a_norm.weight", norm(mla["kv_lora"]))
+            # Per head: the latent to the key without RoPE, and to the value (3-D tensors).
+            w.add_tensor(p + "attn_k_b.weight", mats(nh, mla["kv_lora"], mla["nope"], 1.0 / np.sqrt(mla["nope"])))
+            w.add_tensor(p + "attn_v_b.weight", mats(nh, mla["v"], mla["kv_lora"], 1.0 / np.sqrt(mla["kv_lora"])))
+            w.add_tensor(p + "attn_output.weight", mat(d, nh * mla["v"], 1.0 / np.sqrt(nh * mla["v"])))
         else:
-            w.add_tensor(p + "attn_q.weight", mat(q, d, 1.0 / np.sqrt(d)))
-            w.add_tensor(p + "attn_k.weight", mat(kv, d, 1.0 / np.sqrt(d)))
-            w.add_tensor(p + "attn_v.weight", mat(kv, d, 1.0 / np.sqrt(d)))
-        if s.get("qkv_bias"):
-            w.add_tensor(p + "attn_q.bias", bias(q))
-            w.add_tensor(p + "attn_k.bias", bias(kv))
-            w.add_tensor(p + "attn_v.bias", bias(kv))
-        if s.get("qk_norm"):
-            w.add_tensor(p + "attn_q_norm.weight", norm(head_dim))
-            w.add_tensor(p + "attn_k_norm.weight", norm(head_dim))
-        w.add_tensor(p + "attn_output.weight", mat(d, q, 1.0 / np.sqrt(q)))
+            if s.get("fused"):
+                w.add_tensor(p + "attn_qkv.weight", mat(q + 2 * kv, d, 1.0 / np.sqrt(d)))
+            else:
+                w.add_tensor(p + "attn_q.weight", mat(q, d, 1.0 / np.sqrt(d)))
+                w.add_tensor(p + "attn_k.weight", mat(kv, d, 1.0 / np.sqrt(d)))
+                w.add_tensor(p + "attn_v.weight", mat(kv, d, 1.0 / np.sqrt(d)))
+            if s.get("qkv_bias"):
+                w.add_tensor(p + "attn_q.bias", bias(q))
+                w.add_tensor(p + "attn_k.bias", bias(kv))
+                w.add_tensor(p + "attn_v.bias", bias(kv))
+            if s.get("qk_norm"):
+                w.add_tensor(p + "attn_q_norm.weight", norm(head_dim))
+                w.add_tensor(p + "attn_k_norm.weight", norm(head_dim))
+            w.add_tensor(p + "attn_output.weight", mat(d, q, 1.0 / np.sqrt(q)))
         w.add_tensor(p + "ffn_norm.weight", norm(d))
-        if s.get("fused"):
+        if moe and i >= moe.get("dense", 0):
+            n, fe = moe["experts"], moe.get("ff_exp", ff)
+            # A router spread wide enough that the chosen experts are rarely near-ties.
+            w.add_tensor(p + "ffn_gate_inp.weight", mat(n, d, 2.0 / np.sqrt(d)).astype(np.float32))
+            if moe.get("sigmoid"):
+                w.add_tensor(p + "exp_probs_b.bias", bias(n))
+            w.add_tensor(p + "ffn_gate_exps.weight", mats(n, fe, d, 1.0 / np.sqrt(d)))
+            w.add_tensor(p + "ffn_up_exps.weight", mats(n, fe, d, 1.0 / np.sqrt(d)))
+            w.add_tensor(p + "ffn_down_exps.weight", mats(n, d, fe, 1.0 / np.sqrt(fe)))
+            if moe.get("shared"):
+                fs = fe * moe["shared"]
+                w.add_tensor(p + "ffn_gate_shexp.weight", mat(fs, d, 1.0 / np.sqrt(d)))
+                w.add_tensor(p + "ffn_up_shexp.weight", mat(fs, d, 1.0 / np.sqrt(d)))
+                w.add_tensor(p + "ffn_down_shexp.weight", mat(d, fs, 1.0 / np.sqrt(fs)))
+        elif s.get("fused"):
             w.add_tensor(p + "ffn_up.weight", mat(2 * ff, d, 1.0 / np.sqrt(d)))
         else:
             w.add_tensor(p + "ffn_gate.weight", mat(ff, d, 1.0 / np.sqrt(d)))
             w.add_tensor(p + "ffn_up.weight", mat(ff, d, 1.0 / np.sqrt(d)))
-        w.add_tensor(p + "ffn_down.weight", mat(d, ff, 1.0 / np.sqrt(ff)))
+            w.add_tensor(p + "ffn_down.weight", mat(d, ff, 1.0 / np.sqrt(ff)))
         if s.get("gemma"):
             w.add_tensor(p + "post_attention_norm.weight", norm(d))
             w.add_tensor(p + "post_ffw_norm.weight", norm(d))

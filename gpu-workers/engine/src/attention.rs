@@ -91,11 +91,16 @@ fn attend_scalar(
     let inv = 1.0 / exp_shifted_sum(scores, max);
     out.fill(0.0);
     let off = h.kv_head * hd;
+    let latent = pool.shape().latent;
     for (p, &w) in span.zip(scores.iter()) {
         let values = pool.values(table[p / bt], h.layer);
-        let row = (p % bt) * h.kv_dim + off;
         for (i, o) in out.iter_mut().enumerate() {
-            *o += w * inv * values.get(row + i);
+            // A latent pool's value is its key's leading part (stored transposed).
+            let at = match latent {
+                true => off * bt + i * bt + p % bt,
+                false => (p % bt) * h.kv_dim + off + i,
+            };
+            *o += w * inv * values.get(at);
         }
     }
 }
@@ -141,8 +146,11 @@ fn attend_group_on(
     scores: &mut Vec<f32>,
 ) {
     let (m, hd, bt) = (queries.len(), h.head_dim, pool.block_tokens());
+    // A latent pool's values are the leading `vd` dims of its keys; otherwise `vd = hd`.
+    let latent = pool.shape().latent;
+    let vd = out.len() / m.max(1);
     assert!(
-        (1..=MAX_GROUP).contains(&m) && out.len() == m * hd,
+        (1..=MAX_GROUP).contains(&m) && out.len() == m * vd && (vd == hd || (latent && vd < hd)),
         "a group of {m} queries"
     );
     assert!(path.available(), "{path} cannot run here");
@@ -155,7 +163,7 @@ fn attend_group_on(
         _ => None,
     };
     let Some(wide) = wide else {
-        for (q, o) in queries.iter().zip(out.chunks_exact_mut(hd)) {
+        for (q, o) in queries.iter().zip(out.chunks_exact_mut(vd)) {
             attend_scalar(q.q, q.span.clone(), table, pool, h, scoring, o, scores);
         }
         return;
@@ -199,9 +207,12 @@ fn attend_group_on(
         row[b..].fill(0.0);
     }
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: as above; `out` holds `m · hd`.
+    // SAFETY: as above; `out` holds `m · hd` (`m · vd` for a latent pool, `vd < hd`).
     unsafe {
-        x86::group_values(scores, width, hi - base, blocks, pool, h, out, wide)
+        match latent {
+            true => x86::latent_values(scores, width, blocks, pool, h, out),
+            false => x86::group_values(scores, width, hi - base, blocks, pool, h, out, wide),
+        }
     };
 }
 
@@ -354,6 +365,59 @@ mod x86 {
         run!(1 2 3 4 5 6 7 8 9 10 11 12)
     }
 
+    /// `out[m][i] = Σⱼ p[m][j] · K[i][j]` for the leading `out.len() / M` dims of a latent
+    /// pool's keys (stored `[dim][slot]`, so each dim is a dot product over contiguous
+    /// positions). Weights past each query's span are zero.
+    ///
+    /// # Safety
+    /// AVX2/FMA/F16C; the block length a multiple of 8; `p` holds `M · width`, `width`
+    /// covering every position of `blocks`.
+    pub unsafe fn latent_values(p: &[f32], width: usize, blocks: &[u32], pool: &KvPool, h: HeadSpec, out: &mut [f32]) {
+        macro_rules! run {
+            ($($m:literal)*) => {
+                match p.len() / width {
+                    $($m => latent_values_m::<$m>(p, width, blocks, pool, h, out),)*
+                    _ => unreachable!("group sizes are 1..=MAX_GROUP"),
+                }
+            };
+        }
+        run!(1 2 3 4 5 6 7 8 9 10 11 12)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn latent_values_m<const M: usize>(
+        p: &[f32],
+        width: usize,
+        blocks: &[u32],
+        pool: &KvPool,
+        h: HeadSpec,
+        out: &mut [f32],
+    ) {
+        let bt = pool.block_tokens();
+        let vd = out.len() / M;
+        let off = h.kv_head * h.head_dim * bt;
+        for i in 0..vd {
+            let mut acc = [_mm256_setzero_ps(); M];
+            for (bi, &block) in blocks.iter().enumerate() {
+                let k = pool.keys(block, h.layer);
+                for part in 0..bt / 8 {
+                    let kv = load8(k, off + i * bt + 8 * part);
+                    let j = bi * bt + 8 * part;
+                    for (m, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(_mm256_loadu_ps(p.as_ptr().add(m * width + j)), kv, *a);
+                    }
+                }
+            }
+            for (m, a) in acc.iter().enumerate() {
+                let hi = _mm256_extractf128_ps(*a, 1);
+                let s4 = _mm_add_ps(_mm256_castps256_ps128(*a), hi);
+                let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+                let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+                *out.get_unchecked_mut(m * vd + i) = _mm_cvtss_f32(s1);
+            }
+        }
+    }
+
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     unsafe fn values_m512<const M: usize>(
         p: &[f32],
@@ -444,6 +508,7 @@ mod tests {
                     kv_heads,
                     head_dim: hd,
                     block_tokens: bt,
+                    latent: false,
                 };
                 let mut pool = KvPool::new(shape, dtype, 16);
                 let table: Vec<u32> = vec![9, 2, 14, 5, 0, 11, 3, 7];
@@ -508,6 +573,62 @@ mod tests {
         }
     }
 
+    /// A latent pool (one "key" per position, values its leading dims): every path and
+    /// group size gives the f64 reference's output, `softmax(q·k)·k[..vd]`.
+    #[test]
+    fn latent_pools_read_values_from_their_keys() {
+        let mut rng = Lcg(11);
+        for path in Isa::all_available() {
+            for (hd, vd, bt) in [(320usize, 256usize, 16usize), (576, 512, 16), (40, 32, 8)] {
+                let shape = KvShape {
+                    n_layers: 2,
+                    kv_heads: 1,
+                    head_dim: hd,
+                    block_tokens: bt,
+                    latent: true,
+                };
+                let mut pool = KvPool::new(shape, KvDtype::F32, 8);
+                assert_eq!(KvPool::block_bytes(shape, KvDtype::F32), 2 * bt * hd * 4, "no value section");
+                let table: Vec<u32> = vec![6, 1, 4, 7, 0];
+                let n = 4 * bt + 3;
+                let keys: Vec<Vec<f32>> = (0..n).map(|_| (0..hd).map(|_| rng.next_f32()).collect()).collect();
+                for (p, k) in keys.iter().enumerate() {
+                    pool.write(table[p / bt], p % bt, 1, k, &[]);
+                }
+                for m in [1, 5, MAX_GROUP] {
+                    let qs: Vec<Vec<f32>> = (0..m).map(|_| (0..hd).map(|_| rng.next_f32()).collect()).collect();
+                    let queries: Vec<Query<'_>> = qs
+                        .iter()
+                        .enumerate()
+                        .map(|(i, q)| Query { q, span: 0..n - i % 3 })
+                        .collect();
+                    let spec = HeadSpec {
+                        layer: 1,
+                        kv_head: 0,
+                        head_dim: hd,
+                        kv_dim: hd,
+                    };
+                    let mut out = vec![0f32; m * vd];
+                    attend_group_on(path, &queries, &table, &pool, spec, Scoring::plain(hd), &mut out, &mut Vec::new());
+                    for (q, o) in queries.iter().zip(out.chunks_exact(vd)) {
+                        let s: Vec<f64> = q
+                            .span
+                            .clone()
+                            .map(|p| (0..hd).map(|i| q.q[i] as f64 * keys[p][i] as f64).sum::<f64>() / (hd as f64).sqrt())
+                            .collect();
+                        let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        let e: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+                        let z: f64 = e.iter().sum();
+                        for i in 0..vd {
+                            let want: f64 = q.span.clone().map(|p| e[p] / z * keys[p][i] as f64).sum();
+                            assert!((o[i] as f64 - want).abs() < 1e-4, "{path} hd={hd} m={m} i={i}: {} vs {want}", o[i]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// A group of queries (1 to MAX_GROUP, each with its own span: causal ends, windows)
     /// gives what the scalar reference gives each query, on every instruction-set path this
     /// CPU runs, for shapes every kernel takes and shapes only some do.
@@ -532,6 +653,7 @@ mod tests {
                         kv_heads,
                         head_dim: hd,
                         block_tokens: bt,
+                        latent: false,
                     };
                     let mut pool = KvPool::new(shape, dtype, 12);
                     let table: Vec<u32> = vec![3, 7, 1, 10, 0, 5, 8, 2];

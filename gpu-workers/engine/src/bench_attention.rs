@@ -58,6 +58,7 @@ fn measure(head_dim: usize, group: usize, rows: usize, context: usize, min_s: f6
         kv_heads: 1,
         head_dim,
         block_tokens: bt,
+        latent: false,
     };
     let blocks = context.div_ceil(bt);
     let mut pool = KvPool::new(shape, KvDtype::F16, blocks);

@@ -230,13 +230,7 @@ pub fn queue_tokens_for(file: &GgufFile, cfg: &EngineConfig) -> u64 {
         return cfg.max_queue_tokens.unwrap_or(0) as u64;
     };
     let bt = hearth_protocol::DEFAULT_BLOCK_TOKENS;
-    let shape = crate::kv::KvShape {
-        n_layers: c.n_layers,
-        kv_heads: c.n_kv_heads,
-        head_dim: c.head_dim,
-        block_tokens: bt,
-    };
-    queue_limit(kv_blocks(shape, cfg).1 * bt, cfg)
+    queue_limit(kv_blocks(c.kv_shape(bt), cfg).1 * bt, cfg)
 }
 
 /// The context an engine with `cfg` serves for a model file, from its metadata alone: the
@@ -259,12 +253,16 @@ pub fn file_info(path: &Path, model_id: &str, region: &str) -> Result<WorkerInfo
 /// [`file_info`] of a model already open.
 pub fn file_info_of(file: &GgufFile, model_id: &str, region: &str) -> Result<WorkerInfo, EngineError> {
     let spec = tokenizer_spec(file)?;
-    let (arch, context) = match ModelConfig::from_gguf(file) {
-        Ok(c) => (c.arch.name().to_string(), c.context_length as u32),
+    let (arch, context, kv) = match ModelConfig::from_gguf(file) {
+        Ok(c) => (
+            c.arch.name().to_string(),
+            c.context_length as u32,
+            Some(c.kv_footprint(KvDtype::default())),
+        ),
         Err(_) => {
             let arch = file.get_str("general.architecture").unwrap_or("llama").to_string();
             let context = file.get_u64(&format!("{arch}.context_length")).unwrap_or(8192) as u32;
-            (arch, context)
+            (arch, context, None)
         }
     };
     Ok(WorkerInfo {
@@ -279,6 +277,7 @@ pub fn file_info_of(file: &GgufFile, model_id: &str, region: &str) -> Result<Wor
         queue_tokens: 0,
         tokenizer: spec,
         tenants: Vec::new(),
+        kv,
     })
 }
 
@@ -387,6 +386,7 @@ impl EngineHandle {
             head_dim: shape.head_dim as u32,
             block_tokens: bt as u32,
             dtype: cfg.kv_dtype.into(),
+            latent: shape.latent,
         };
         let sched = Scheduler::new(
             SchedulerConfig {
@@ -411,6 +411,7 @@ impl EngineHandle {
             queue_tokens,
             tokenizer: spec,
             tenants: Vec::new(),
+            kv: Some(c.kv_footprint(cfg.kv_dtype)),
         };
         let threads = rayon::ThreadPoolBuilder::new()
             .num_threads(cfg.threads.max(1))
@@ -419,14 +420,21 @@ impl EngineHandle {
             .map_err(|e| EngineError::Start(e.to_string()))?;
         let (kv_tx, _) = broadcast::channel(4096);
         let (stats_tx, stats) = watch::channel(EngineStats::default());
-        let metrics = Arc::new(EngineMetrics::default());
+        let metrics = Arc::new(EngineMetrics {
+            expert_load: model.expert_load(),
+            ..EngineMetrics::default()
+        });
         let kv_capacity_tokens = num_blocks * bt;
         let kv_bytes_per_token = block_bytes / bt;
+        let footprint = model.config.kv_footprint(cfg.kv_dtype);
         tracing::info!(
             kv_cache_mib = mib,
             kv_dtype = cfg.kv_dtype.name(),
             blocks = num_blocks,
             tokens = kv_capacity_tokens,
+            layout = ?footprint.layout,
+            bytes_per_token = footprint.bytes_per_token,
+            full_attention_bytes_per_token = footprint.full_attention_bytes_per_token,
             "KV cache"
         );
         let grammars = Grammars::new(tokenizer.clone(), model.config.vocab_size, end_of_generation.clone());

@@ -1039,6 +1039,12 @@ fn shortest(v: f32) -> f64 {
 /// GGUF model of any family. Returns the total bytes of weights written.
 pub fn export(g: &GgufFile, out: &Path, dtype: ExportDtype, shards: usize) -> Result<u64, HfError> {
     let c = ModelConfig::from_gguf(g)?;
+    if c.moe.is_some() || c.mla.is_some() {
+        return Err(HfError::Unsupported(format!(
+            "exporting a {} model (experts or latent attention) to safetensors is not supported yet; serve the GGUF file",
+            c.arch
+        )));
+    }
     std::fs::create_dir_all(out).map_err(io_err(out))?;
     let spec = crate::engine::tokenizer_spec(g)?;
     // Weights, dequantized, in the order of the GGUF file.

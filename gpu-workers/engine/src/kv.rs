@@ -55,6 +55,10 @@ pub struct KvShape {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub block_tokens: usize,
+    /// Latent attention's layout ([`crate::models::mla`]): one "key" per position — the
+    /// latent vector then the RoPE key — and no values (attention reads each position's
+    /// value from its key's latent part).
+    pub latent: bool,
 }
 
 impl KvShape {
@@ -62,9 +66,18 @@ impl KvShape {
         self.kv_heads * self.head_dim
     }
 
+    /// Sections per block and layer: K and V, or the latent alone.
+    fn sections(&self) -> usize {
+        if self.latent {
+            1
+        } else {
+            2
+        }
+    }
+
     /// Elements of one block (K and V of every layer).
     fn block_elems(&self) -> usize {
-        self.n_layers * 2 * self.block_tokens * self.kv_dim()
+        self.n_layers * self.sections() * self.block_tokens * self.kv_dim()
     }
 }
 
@@ -166,29 +179,43 @@ impl KvPool {
     #[inline]
     fn base(&self, block: u32, layer: usize, kind: usize) -> usize {
         let s = &self.shape;
-        ((block as usize * s.n_layers + layer) * 2 + kind) * s.block_tokens * s.kv_dim()
+        ((block as usize * s.n_layers + layer) * s.sections() + kind) * s.block_tokens * s.kv_dim()
     }
 
-    /// Writes one position's K and V (`kv_dim` floats each) for one layer.
+    /// Writes one position's K and V (`kv_dim` floats each) for one layer (a latent
+    /// pool's: the latent as K, and no V).
     pub fn write(&mut self, block: u32, slot: usize, layer: usize, k: &[f32], v: &[f32]) {
-        let (kb, vb) = (self.base(block, layer, 0), self.base(block, layer, 1));
+        self.write_keys(self.base(block, layer, 0), slot, k);
+        if self.shape.latent {
+            return;
+        }
+        let vb = self.base(block, layer, 1);
+        let d = self.shape.kv_dim();
+        match &mut self.store {
+            Store::F16(data) => {
+                for (o, x) in data[vb + slot * d..vb + (slot + 1) * d].iter_mut().zip(v) {
+                    *o = half::f16::from_f32(*x).to_bits();
+                }
+            }
+            Store::F32(data) => data[vb + slot * d..vb + (slot + 1) * d].copy_from_slice(&v[..d]),
+        }
+    }
+
+    /// One position's keys, transposed per head: element (head h, dim i) of this slot
+    /// lives at `h·hd·bt + i·bt + slot`.
+    fn write_keys(&mut self, kb: usize, slot: usize, k: &[f32]) {
         let (d, bt, hd) = (self.shape.kv_dim(), self.shape.block_tokens, self.shape.head_dim);
-        // Key element (head h, dim i) of this slot lives at h·hd·bt + i·bt + slot.
         let kpos = |j: usize| kb + (j / hd) * hd * bt + (j % hd) * bt + slot;
         match &mut self.store {
             Store::F16(data) => {
                 for (j, x) in k.iter().enumerate().take(d) {
                     data[kpos(j)] = half::f16::from_f32(*x).to_bits();
                 }
-                for (o, x) in data[vb + slot * d..vb + (slot + 1) * d].iter_mut().zip(v) {
-                    *o = half::f16::from_f32(*x).to_bits();
-                }
             }
             Store::F32(data) => {
                 for (j, x) in k.iter().enumerate().take(d) {
                     data[kpos(j)] = *x;
                 }
-                data[vb + slot * d..vb + (slot + 1) * d].copy_from_slice(&v[..d]);
             }
         }
     }
@@ -207,10 +234,11 @@ impl KvPool {
         self.section(self.base(block, layer, 0))
     }
 
-    /// Values of one block and layer: `[slot][kv_dim]`.
+    /// Values of one block and layer: `[slot][kv_dim]` (a latent pool has none: its keys).
     #[inline]
     pub fn values(&self, block: u32, layer: usize) -> KvSlice<'_> {
-        self.section(self.base(block, layer, 1))
+        let kind = usize::from(!self.shape.latent);
+        self.section(self.base(block, layer, kind))
     }
 
     /// Key `j` (of `kv_dim`) at `slot`, as f32 (for tests and tools).
@@ -512,6 +540,7 @@ mod tests {
                 kv_heads: 2,
                 head_dim: 2,
                 block_tokens: 2,
+                latent: false,
             };
             let mut p = KvPool::new(shape, dtype, 3);
             p.write(1, 1, 1, &[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.5]);

@@ -32,6 +32,10 @@ pub struct KvLayout {
     pub block_tokens: u32,
     /// `f16` or `f32`.
     pub dtype: KvDtypeName,
+    /// Latent attention's layout: one latent per position and layer, no values (see
+    /// [`crate::kv::KvShape::latent`]). Never mixed with full K/V.
+    #[serde(default)]
+    pub latent: bool,
 }
 
 impl KvLayout {
@@ -41,7 +45,8 @@ impl KvLayout {
             KvDtypeName::F16 => 2,
             KvDtypeName::F32 => 4,
         };
-        self.n_layers as usize * 2 * self.block_tokens as usize * self.kv_dim as usize * elem
+        let sections = if self.latent { 1 } else { 2 };
+        self.n_layers as usize * sections * self.block_tokens as usize * self.kv_dim as usize * elem
     }
 }
 
@@ -730,6 +735,7 @@ mod tests {
             head_dim: 2,
             block_tokens: 16,
             dtype: KvDtypeName::F16,
+            latent: false,
         };
         let a = KvBlock::new(BlockHash(7), (0..layout.block_bytes()).map(|i| i as u8).collect());
         let mut bytes = encode_header(layout, 2);

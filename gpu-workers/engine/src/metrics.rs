@@ -11,7 +11,7 @@
 //! own: `hearth_model_load_seconds`, `hearth_engine_shed_total{priority}` (requests refused
 //! because the queue was full), `hearth_spec_draft_tokens_total` and
 //! `hearth_spec_accepted_tokens_total` (speculative decoding's acceptance rate is their
-//! ratio), `hearth_grammar_masks_total` and `hearth_grammar_mask_seconds_total`
+//! ratio), `hearth_moe_expert_tokens_total{layer,expert}` (rows routed to each expert), `hearth_grammar_masks_total` and `hearth_grammar_mask_seconds_total`
 //! (constrained decoding). Every series carries a `worker` label.
 
 use std::sync::Arc;
@@ -57,6 +57,8 @@ pub struct EngineMetrics {
     /// Constrained decoding: token masks computed, and the seconds they took.
     pub grammar_masks: Counter,
     pub grammar_mask_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
+    /// Rows routed to each expert of each mixture-of-experts layer.
+    pub expert_load: crate::models::moe::ExpertLoad,
 }
 
 impl Default for EngineMetrics {
@@ -70,6 +72,7 @@ impl Default for EngineMetrics {
             transfer_bytes: Counter::default(),
             transfer_blocks: Counter::default(),
             transfer_failures: Counter::default(),
+            expert_load: Default::default(),
             shed: Default::default(),
             spec_drafted: Counter::default(),
             spec_accepted: Counter::default(),
@@ -251,6 +254,22 @@ impl Collector for EngineCollector {
         for (worker, em) in &with_metrics {
             let labels: Labels = [("worker", worker)];
             em.grammar_mask_seconds.encode(m.encode_family(&labels)?)?;
+        }
+        let mut m = encoder.encode_descriptor(
+            "hearth_moe_expert_tokens",
+            "Mixture-of-experts: rows routed to each expert of each layer (the statistics expert placement uses).",
+            None,
+            MetricType::Counter,
+        )?;
+        for (worker, em) in &with_metrics {
+            for (layer, counts) in em.expert_load.snapshot() {
+                let layer = layer.to_string();
+                for (expert, n) in counts.into_iter().enumerate() {
+                    let expert = expert.to_string();
+                    let labels = [("worker", *worker), ("layer", layer.as_str()), ("expert", expert.as_str())];
+                    ConstCounter::new(n).encode(m.encode_family(&labels)?)?;
+                }
+            }
         }
         let mut m = encoder.encode_descriptor(
             "hearth_engine_shed",

@@ -498,6 +498,7 @@ pub(crate) mod handle_tests {
                 ..Default::default()
             },
             tenants: Vec::new(),
+            kv: None,
         }
     }
 

@@ -279,6 +279,7 @@ fn layout() -> KvLayout {
         head_dim: 2,
         block_tokens: 2,
         dtype: KvDtypeName::F32,
+        latent: false,
     }
 }
 

@@ -1,8 +1,13 @@
 //! Moving a prompt's KV blocks from one engine to another (the engine half of
 //! prefill/decode disaggregation): the receiving engine continues exactly as colocated
 //! serving does, receives only the blocks it lacks, and computes what arrives corrupted.
+//! Every test runs twice: on the default model, and on a synthetic DeepSeek-V3-shaped
+//! model (`bench/synth-model --shape deepseek2-tiny`: latent attention's cache layout,
+//! mixture-of-experts layers), whose blocks hold one latent per position.
 
-use std::path::PathBuf;
+mod common;
+
+use std::path::{Path, PathBuf};
 
 use futures_util::StreamExt;
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
@@ -13,13 +18,18 @@ fn model_path() -> PathBuf {
     ensure_model(DEFAULT_MODEL_ID, &hearth_home(), &mut |m| eprintln!("{m}")).expect("default model")
 }
 
-fn engine() -> EngineHandle {
+/// The synthetic latent-attention, mixture-of-experts model.
+fn latent_model_path() -> PathBuf {
+    common::synth(&["--shape", "deepseek2-tiny", "--types", "q8_0"]).remove(0).1
+}
+
+fn engine(m: &Path) -> EngineHandle {
     let cfg = EngineConfig {
         threads: 2,
         kv_cache_mib: Some(32),
         ..Default::default()
     };
-    EngineHandle::load(&model_path(), DEFAULT_MODEL_ID, &cfg).unwrap()
+    EngineHandle::load(m, DEFAULT_MODEL_ID, &cfg).unwrap()
 }
 
 /// A chat-shaped prompt of about 200 tokens (12 full blocks of 16).
@@ -67,16 +77,15 @@ async fn greedy(e: &EngineHandle, prompt: &[u32], max_tokens: u32) -> (Vec<u32>,
     panic!("no Done")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn imported_blocks_continue_exactly_as_colocated() {
+async fn imported_blocks_continue_exactly_as_colocated(m: &Path) {
     let prompt = prompt();
     // Colocated: one engine prefills and decodes.
-    let colocated = engine();
+    let colocated = engine(m);
     let (want, cached) = greedy(&colocated, &prompt, 12).await;
     assert_eq!(cached, 0);
 
     // Prefill side: computes the prompt (and its first token), keeps the blocks cached.
-    let prefill = engine();
+    let prefill = engine(m);
     let (first, _) = greedy(&prefill, &prompt, 1).await;
     assert_eq!(first[0], want[0]);
     let hashes = prefill.prompt_block_hashes(&prompt, "");
@@ -90,7 +99,7 @@ async fn imported_blocks_continue_exactly_as_colocated() {
         .collect();
 
     // Decode side: receives the blocks it lacks, then continues.
-    let decode = engine();
+    let decode = engine(m);
     assert_eq!(decode.missing_blocks(hashes.clone()).await.unwrap(), hashes);
     let report = decode.import_blocks(prefill.kv_layout(), blocks.clone()).await.unwrap();
     assert_eq!((report.imported, report.already_held), (hashes.len(), 0), "{report:?}");
@@ -109,14 +118,13 @@ async fn imported_blocks_continue_exactly_as_colocated() {
     assert_eq!((again.imported, again.already_held), (0, hashes.len()));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn only_missing_blocks_travel_and_corrupted_ones_are_computed() {
+async fn only_missing_blocks_travel_and_corrupted_ones_are_computed(m: &Path) {
     let prompt = prompt();
-    let prefill = engine();
+    let prefill = engine(m);
     greedy(&prefill, &prompt, 1).await;
     let hashes = prefill.prompt_block_hashes(&prompt, "");
     // The decode side already holds the first half of the prefix (an earlier request).
-    let decode = engine();
+    let decode = engine(m);
     let half = &prompt[..(hashes.len() / 2) * 16 + 1];
     greedy(&decode, half, 1).await;
     let missing = decode.missing_blocks(hashes.clone()).await.unwrap();
@@ -135,7 +143,7 @@ async fn only_missing_blocks_travel_and_corrupted_ones_are_computed() {
     assert_eq!(report.imported, missing.len() - 1);
     assert_eq!(report.rejected.len(), 1);
     assert_eq!(report.rejected[0].1, "checksum mismatch");
-    let colocated = engine();
+    let colocated = engine(m);
     let (want, _) = greedy(&colocated, &prompt, 8).await;
     let (got, cached) = greedy(&decode, &prompt, 8).await;
     assert_eq!(got, want);
@@ -156,6 +164,22 @@ async fn only_missing_blocks_travel_and_corrupted_ones_are_computed() {
     let mut other = prefill.kv_layout();
     other.rope ^= 1;
     assert!(decode.import_blocks(other, Vec::new()).await.is_err());
+    // Latent blocks and full K/V blocks never mix.
+    let mut other = prefill.kv_layout();
+    other.latent = !other.latent;
+    assert!(decode.import_blocks(other, Vec::new()).await.is_err());
+}
+
+/// Mid-stream failover's engine half: another engine given the tokens generated so far
+/// (`resume`) continues with exactly the tokens the first would have produced.
+async fn a_resumed_request_continues_exactly(m: &Path) {
+    let prompt = prompt();
+    let want = run(&engine(m), request(&prompt, 12)).await;
+    let mut rest = request(&prompt, 12);
+    rest.resume = want.tokens[..5].to_vec();
+    let tail = run(&engine(m), rest).await;
+    assert_eq!(tail.tokens, want.tokens[5..], "the resumed engine continues exactly");
+    assert_eq!(tail.usage.completion_tokens, 12);
 }
 
 /// The workers' shared token in these tests.
@@ -190,14 +214,13 @@ async fn pull(decode_url: &str, source: &str, prompt: &[u32]) -> (u16, serde_jso
     (resp.status().as_u16(), resp.json().await.unwrap())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn blocks_move_worker_to_worker_over_http() {
+async fn blocks_move_worker_to_worker_over_http(m: &Path) {
     let prompt = prompt();
-    let prefill = engine();
+    let prefill = engine(m);
     greedy(&prefill, &prompt, 1).await;
     let n = prefill.prompt_block_hashes(&prompt, "").len();
     let prefill_url = serve(prefill).await;
-    let decode = engine();
+    let decode = engine(m);
     let decode_url = serve(decode.clone()).await;
     let (status, report) = pull(&decode_url, &prefill_url, &prompt).await;
     assert_eq!(status, 200, "{report}");
@@ -205,7 +228,7 @@ async fn blocks_move_worker_to_worker_over_http() {
     assert_eq!(report["import"]["imported"], n, "{report}");
     let (got, cached) = greedy(&decode, &prompt, 8).await;
     assert_eq!(cached as usize, n * 16);
-    let (want, _) = greedy(&engine(), &prompt, 8).await;
+    let (want, _) = greedy(&engine(m), &prompt, 8).await;
     assert_eq!(got, want);
     // Pulled again: nothing is missing, nothing travels.
     let (status, report) = pull(&decode_url, &prefill_url, &prompt).await;
@@ -222,12 +245,11 @@ async fn blocks_move_worker_to_worker_over_http() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_transfer_cut_midway_keeps_what_arrived_and_the_request_completes() {
+async fn a_transfer_cut_midway_keeps_what_arrived_and_the_request_completes(m: &Path) {
     use axum::body::{Body, Bytes};
     use hearth_engine::kv_transfer::{encode_block, encode_header};
     let prompt = prompt();
-    let prefill = engine();
+    let prefill = engine(m);
     greedy(&prefill, &prompt, 1).await;
     let hashes = prefill.prompt_block_hashes(&prompt, "");
     let blocks = prefill.export_blocks(hashes.clone()).await.unwrap();
@@ -251,7 +273,7 @@ async fn a_transfer_cut_midway_keeps_what_arrived_and_the_request_completes() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let source = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });
-    let decode = engine();
+    let decode = engine(m);
     let decode_url = serve(decode.clone()).await;
     let (status, report) = pull(&decode_url, &source, &prompt).await;
     assert_eq!(status, 502, "{report}");
@@ -260,7 +282,7 @@ async fn a_transfer_cut_midway_keeps_what_arrived_and_the_request_completes() {
     // The request completes: the missing blocks are computed.
     let (got, cached) = greedy(&decode, &prompt, 8).await;
     assert_eq!(cached, 3 * 16);
-    let (want, _) = greedy(&engine(), &prompt, 8).await;
+    let (want, _) = greedy(&engine(m), &prompt, 8).await;
     assert_eq!(got, want);
 }
 
@@ -413,13 +435,12 @@ async fn disaggregated(
     (head, tail, report)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_prefill_only_request_hands_off_and_the_decode_side_continues_exactly() {
+async fn a_prefill_only_request_hands_off_and_the_decode_side_continues_exactly(m: &Path) {
     let prompt = prompt();
-    let colocated = engine();
+    let colocated = engine(m);
     let want = run(&colocated, request(&prompt, 12)).await;
 
-    let (prefill, decode) = (engine(), engine());
+    let (prefill, decode) = (engine(m), engine(m));
     let local = std::sync::Arc::new(hearth_engine::kv_transfer::LocalKvTransport::default());
     local.add("prefill", prefill.clone());
     let (head, tail, report) = disaggregated(&prefill, &decode, &*local, &prompt, 12).await;
@@ -448,14 +469,13 @@ async fn a_prefill_only_request_hands_off_and_the_decode_side_continues_exactly(
     assert!(all_free(&prefill), "released even when nothing was fetched");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_corrupted_or_cut_transfer_still_completes_and_frees_every_block() {
+async fn a_corrupted_or_cut_transfer_still_completes_and_frees_every_block(m: &Path) {
     let prompt = prompt();
-    let colocated = engine();
+    let colocated = engine(m);
     let want = run(&colocated, request(&prompt, 8)).await;
     let blocks = (prompt.len() - 1) / 16;
     for (corrupt, cut_after) in [(Some(3), None), (None, Some(5))] {
-        let (prefill, decode) = (engine(), engine());
+        let (prefill, decode) = (engine(m), engine(m));
         let local = std::sync::Arc::new(hearth_engine::kv_transfer::LocalKvTransport::default());
         local.add("prefill", prefill.clone());
         let faulty = Faulty {
@@ -480,3 +500,23 @@ async fn a_corrupted_or_cut_transfer_still_completes_and_frees_every_block() {
         assert!(all_free(&decode), "nothing stays referenced on the decode side");
     }
 }
+
+/// Each test above on the default model and on the latent-attention model.
+macro_rules! on_both_models {
+    ($($name:ident),*) => {
+        mod default_model {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                super::$name(&super::model_path()).await
+            })*
+        }
+        mod latent_attention_model {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                super::$name(&super::latent_model_path()).await
+            })*
+        }
+    };
+}
+
+on_both_models!(a_resumed_request_continues_exactly, imported_blocks_continue_exactly_as_colocated, only_missing_blocks_travel_and_corrupted_ones_are_computed, blocks_move_worker_to_worker_over_http, a_transfer_cut_midway_keeps_what_arrived_and_the_request_completes, a_prefill_only_request_hands_off_and_the_decode_side_continues_exactly, a_corrupted_or_cut_transfer_still_completes_and_frees_every_block);

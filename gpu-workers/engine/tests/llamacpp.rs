@@ -19,7 +19,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{repo, run, synth, FAMILIES};
+use common::{repo, run, synth, FAMILIES, MOE_FAMILIES};
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::gguf::GgufFile;
 use hearth_engine::kernels::{set_isa, Isa};
@@ -83,6 +83,11 @@ const LOGIT_BOUND: f32 = 0.03;
 /// pass the rounding on at full scale) against Llama's 0.019; F16 on the scalar path stays
 /// under 0.001 for every family, which is what checks the architectures themselves.
 const FAMILY_LOGIT_BOUND: f32 = 0.04;
+
+/// The bound for the mixture-of-experts families: as the dense families' (routing is
+/// computed in f32 on both sides, so the same experts are chosen wherever the router's
+/// margin exceeds the activations' rounding).
+const MOE_LOGIT_BOUND: f32 = FAMILY_LOGIT_BOUND;
 
 /// `set_isa` is process-wide: the tests of this file take turns.
 static ISA: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -183,6 +188,42 @@ fn every_family_follows_llamacpp() {
                 inspected.settings
             );
             report.extend(follow(&format!("{family} {ty}"), &want, FAMILY_LOGIT_BOUND, &|| {
+                Model::load(GgufFile::open(&path).unwrap()).unwrap()
+            }));
+        }
+    }
+    eprintln!("{}", report.join("\n"));
+}
+
+/// The mixture-of-experts families (Mixtral's softmax top-2 of 8; Qwen3-MoE's top-4 of 16
+/// renormalized; DeepSeek-V3's sigmoid choice with a selection bias, groups, shared expert
+/// and routed scaling) and latent attention (DeepSeek's compressed queries, the latent
+/// cache, YaRN's score correction) in F16, Q8_0 and Q4_K_M. Each also holds the latent
+/// cache's size: `(kv_lora_rank + rope_dim) × layers × 2` bytes per token at f16.
+#[test]
+fn every_moe_family_follows_llamacpp() {
+    let _isa = ISA.lock().unwrap_or_else(|e| e.into_inner());
+    let mut report = Vec::new();
+    for (family, arch) in MOE_FAMILIES {
+        let shape = format!("{family}-tiny");
+        for (ty, path) in synth(&["--shape", &shape, "--types", "f16,q8_0,q4_k_m"]) {
+            let want = reference(&path, &PROMPTS, 64, None);
+            let model = Model::load(GgufFile::open(&path).unwrap()).unwrap();
+            assert_eq!(model.arch().name(), arch, "{}", path.display());
+            if let Some(m) = model.config.mla {
+                // The latent cache: one (kv_lora_rank + rope) vector per layer and token.
+                let want = (m.kv_lora_rank + m.qk_rope) * model.config.n_layers * 2;
+                assert_eq!(model.kv_bytes_per_token(KvDtype::F16), want);
+                let full = model.config.full_attention_kv_bytes_per_token(KvDtype::F16);
+                report.push(format!(
+                    "{family}: KV bytes per token {want} (latent) against {full} (full attention), 1/{:.1}",
+                    full as f64 / want as f64
+                ));
+            }
+            drop(model);
+            let inspected = hearth_engine::inspect::inspect(&path).unwrap();
+            assert!(inspected.refused.is_empty(), "{family}: {:?}", inspected.refused);
+            report.extend(follow(&format!("{family} {ty}"), &want, MOE_LOGIT_BOUND, &|| {
                 Model::load(GgufFile::open(&path).unwrap()).unwrap()
             }));
         }

@@ -333,6 +333,29 @@ pub struct WorkerInfo {
     /// Tenants (names or ids) that may see and use the model; empty: every tenant.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tenants: Vec<String>,
+    /// What the KV cache holds per token (absent: a backend without one, or an older worker).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv: Option<KvFootprint>,
+}
+
+/// A model's KV cache per token, and what the same model would cache with full attention
+/// (latent attention stores one compressed vector per layer instead of every head's K and V).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvFootprint {
+    /// `heads` (every KV head's keys and values) or `latent` (multi-head latent attention).
+    pub layout: KvLayoutKind,
+    /// Bytes per cached token, every layer, at the worker's KV element type.
+    pub bytes_per_token: u64,
+    /// Bytes per token the same dims would take with full attention.
+    pub full_attention_bytes_per_token: u64,
+}
+
+/// How a KV cache is laid out (see [`KvFootprint`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvLayoutKind {
+    Heads,
+    Latent,
 }
 
 /// One model of a catalogue: an entry of a catalogue file (`[[model]]`), and the body of

@@ -247,6 +247,8 @@ pub(crate) mod tests {
                 attn_scale: 1.0 / 32f32.sqrt(),
                 ..Default::default()
             },
+            moe: None,
+            mla: None,
         }
     }
 
@@ -317,6 +319,7 @@ pub(crate) mod tests {
             kv_heads: 2,
             head_dim: 4,
             block_tokens: bt,
+            latent: false,
         };
         let mut pool = KvPool::new(shape, KvDtype::F32, 8);
         let kvd = shape.kv_dim();

@@ -6,6 +6,7 @@
 use std::fmt;
 
 use crate::gguf::{GgufError, GgufFile, MetaValue};
+use crate::kv::{KvDtype, KvPool, KvShape};
 
 use super::rope::{RopeLayout, RopeScaling, RopeScalingKind};
 use super::{Arch, ModelError};
@@ -96,6 +97,133 @@ pub struct ModelConfig {
     pub block: BlockSpec,
     /// Added to every norm weight at load ([`NORM_SHIFT_KEY`]).
     pub norm_shift: f32,
+    /// Mixture-of-experts MLPs (Mixtral, Qwen3-MoE, DeepSeek-V2/V3).
+    pub moe: Option<MoeSpec>,
+    /// Multi-head latent attention (DeepSeek-V2/V3, Kimi K2).
+    pub mla: Option<MlaSpec>,
+}
+
+/// How a mixture-of-experts layer scores its router's logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gating {
+    /// Softmax over every expert (Mixtral, Qwen3-MoE, DeepSeek-V2).
+    Softmax,
+    /// A sigmoid per expert (DeepSeek-V3, Kimi K2), chosen with a per-expert bias.
+    Sigmoid,
+}
+
+/// A mixture-of-experts MLP, as `{arch}.expert_*` say (llama.cpp's keys).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeSpec {
+    /// Routed experts per layer.
+    pub experts: usize,
+    /// Experts each token uses.
+    pub used: usize,
+    /// Shared experts every token runs (DeepSeek), as one MLP of `shared · ff_expert` rows.
+    pub shared: usize,
+    /// Each expert's feed-forward width.
+    pub ff_expert: usize,
+    pub gating: Gating,
+    /// The chosen experts' weights divided by their sum.
+    pub norm_weights: bool,
+    /// The chosen experts' weights multiplied by this (DeepSeek's routed scaling factor).
+    pub weights_scale: f32,
+    /// Group-limited routing (DeepSeek-V3): experts fall into `groups` groups, a group
+    /// scores the sum of its best two, and only the best `groups_used` groups are chosen
+    /// from. 0 or 1: no groups.
+    pub groups: usize,
+    pub groups_used: usize,
+    /// The first layers keep a dense MLP (`leading_dense_block_count`).
+    pub leading_dense: usize,
+}
+
+impl MoeSpec {
+    /// The file's `expert_*` keys (None: the file has no experts). `ff_default` is the
+    /// experts' width where the file does not say; `norm_default` whether the chosen
+    /// experts' weights are renormalized where it does not say.
+    pub fn read(
+        h: &Hparams<'_>,
+        n_layers: usize,
+        ff_default: usize,
+        norm_default: bool,
+    ) -> Result<Option<Self>, ModelError> {
+        let Some(experts) = h.opt_u("expert_count")?.filter(|&n| n > 0) else {
+            return Ok(None);
+        };
+        let bad = |m: String| Err(ModelError::Config(m));
+        let used = h.u("expert_used_count")?;
+        let gating = match h.opt_u("expert_gating_func")? {
+            None | Some(0) | Some(1) => Gating::Softmax,
+            Some(2) => Gating::Sigmoid,
+            Some(other) => return bad(format!("expert gating function {other} is not supported (1: softmax, 2: sigmoid)")),
+        };
+        let spec = Self {
+            experts,
+            used,
+            shared: h.opt_u("expert_shared_count")?.unwrap_or(0),
+            ff_expert: h.opt_u("expert_feed_forward_length")?.filter(|&f| f > 0).unwrap_or(ff_default),
+            gating,
+            norm_weights: h.opt_bool("expert_weights_norm")?.unwrap_or(norm_default),
+            weights_scale: h.opt_f("expert_weights_scale")?.filter(|&s| s != 0.0).unwrap_or(1.0),
+            groups: h.opt_u("expert_group_count")?.unwrap_or(0),
+            groups_used: h.opt_u("expert_group_used_count")?.unwrap_or(0),
+            leading_dense: h.opt_u("leading_dense_block_count")?.unwrap_or(0),
+        };
+        if experts > 1 << 12 || used == 0 || used > experts || spec.shared > 64 {
+            return bad(format!("{used} of {experts} experts ({} shared) is out of range", spec.shared));
+        }
+        if spec.ff_expert == 0 || spec.ff_expert > 1 << 20 || spec.leading_dense > n_layers {
+            return bad(format!(
+                "expert width {} / {} leading dense layers of {n_layers} out of range",
+                spec.ff_expert, spec.leading_dense
+            ));
+        }
+        if !(spec.weights_scale.is_finite() && spec.weights_scale > 0.0) {
+            return bad(format!("expert weights scale {} is not a positive number", spec.weights_scale));
+        }
+        if spec.groups > 1
+            && (experts % spec.groups != 0
+                || spec.groups_used == 0
+                || spec.groups_used >= spec.groups
+                || spec.groups_used * (experts / spec.groups) < used)
+        {
+            return bad(format!(
+                "{} expert groups ({} used) do not divide {experts} experts choosing {used}",
+                spec.groups, spec.groups_used
+            ));
+        }
+        Ok(Some(spec))
+    }
+
+    /// Whether layer `l` routes to experts.
+    pub fn is_moe_layer(&self, l: usize) -> bool {
+        l >= self.leading_dense
+    }
+}
+
+/// Multi-head latent attention: keys and values are decompressed per head from one latent
+/// vector per position, which is all the KV cache stores (with the shared RoPE key).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MlaSpec {
+    /// Rank of the queries' compression (0: queries projected directly, the Lite models).
+    pub q_lora_rank: usize,
+    /// Width of the latent vector the cache stores per position.
+    pub kv_lora_rank: usize,
+    /// Per-head query/key dims without RoPE, and with it (shared by every head's key).
+    pub qk_nope: usize,
+    pub qk_rope: usize,
+    /// Per-head value dims.
+    pub v_head: usize,
+    /// YaRN's `mscale_all_dim` (0: none), which scales the scores (see
+    /// [`ModelConfig::mla_score_scale`]).
+    pub yarn_log_mul: f32,
+}
+
+impl MlaSpec {
+    /// What the cache stores per position and layer: the latent vector, then the RoPE key.
+    pub fn latent_dim(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope
+    }
 }
 
 /// Reads `{arch}.*` keys: missing optional keys are `None`, present ones of the wrong type
@@ -129,6 +257,19 @@ impl Hparams<'_> {
         match self.get(k) {
             None => Ok(None),
             Some(_) => Ok(Some(self.file.get_f64(&self.key(k))? as f32)),
+        }
+    }
+
+    pub fn opt_bool(&self, k: &str) -> Result<Option<bool>, ModelError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(MetaValue::Bool(b)) => Ok(Some(*b)),
+            Some(other) => other.as_u64().map(|v| Some(v != 0)).ok_or_else(|| {
+                ModelError::Gguf(GgufError::KeyType {
+                    key: self.key(k),
+                    expected: "a boolean",
+                })
+            }),
         }
     }
 
@@ -197,7 +338,8 @@ impl ModelConfig {
         }
         let head_dim = h.opt_u("attention.key_length")?.unwrap_or(d_model / n_heads);
         if let Some(v) = h.opt_u("attention.value_length")? {
-            if v != head_dim {
+            // Latent-attention files declare the latent's widths here (the family reads them).
+            if v != head_dim && arch != Arch::Deepseek2 {
                 return Err(ModelError::Config(format!(
                     "value heads of {v} differ from key heads of {head_dim} (only latent-attention models do that)"
                 )));
@@ -269,6 +411,8 @@ impl ModelConfig {
                 attn_scale: 1.0 / (head_dim as f32).sqrt(),
                 ..BlockSpec::default()
             },
+            moe: None,
+            mla: None,
         })
     }
 
@@ -338,6 +482,7 @@ impl ModelConfig {
         }
         self.context_length = s.stretched(self.context_length).clamp(1, MAX_CONTEXT);
         self.rope_scaling = s;
+        self.block.attn_scale = self.mla_score_scale();
     }
 
     /// The most context this model may serve: its own, or, when the file declares linear
@@ -404,6 +549,66 @@ impl ModelConfig {
         self.n_heads * self.head_dim
     }
 
+    /// Latent attention's score scale, as llama.cpp computes it for `deepseek2`: RoPE
+    /// rotates at magnitude `attn_factor` (YaRN's own magnitude cancelled), and the scores
+    /// take `mscale² / √(qk_nope + qk_rope)` with `mscale = (1 + 0.1 · mscale_all_dim ·
+    /// ln factor)` (times the linear correction, which llama.cpp does not cancel).
+    pub fn mla_score_scale(&self) -> f32 {
+        let Some(m) = self.mla else {
+            return self.block.attn_scale;
+        };
+        let s = &self.rope_scaling;
+        let ln_f = match s.kind {
+            RopeScalingKind::Yarn | RopeScalingKind::Linear => s.factor.ln(),
+            _ => 0.0,
+        };
+        let linear = match s.kind {
+            RopeScalingKind::Linear => 1.0 + 0.1 * ln_f,
+            _ => 1.0,
+        };
+        let mscale = s.attn_factor * linear * (1.0 + 0.1 * m.yarn_log_mul * ln_f);
+        mscale * mscale / ((m.qk_nope + m.qk_rope) as f32).sqrt()
+    }
+
+    /// The KV cache's shape: every KV head's keys and values, or latent attention's one
+    /// latent per position.
+    pub fn kv_shape(&self, block_tokens: usize) -> KvShape {
+        let (kv_heads, head_dim) = match self.mla {
+            Some(m) => (1, m.latent_dim()),
+            None => (self.n_kv_heads, self.head_dim),
+        };
+        KvShape {
+            n_layers: self.n_layers,
+            kv_heads,
+            head_dim,
+            block_tokens,
+            latent: self.mla.is_some(),
+        }
+    }
+
+    /// KV bytes per token the same model would cache with full attention (every head's key
+    /// and value: latent attention decompressed), beside what it caches
+    /// ([`ModelConfig::kv_shape`]).
+    pub fn full_attention_kv_bytes_per_token(&self, dtype: KvDtype) -> usize {
+        let per_layer = match self.mla {
+            Some(m) => self.n_heads * (m.qk_nope + m.qk_rope + m.v_head),
+            None => 2 * self.n_kv_heads * self.head_dim,
+        };
+        self.n_layers * per_layer * dtype.bytes()
+    }
+
+    /// What the cache holds per token against full attention (`/v1/worker/info`).
+    pub fn kv_footprint(&self, dtype: KvDtype) -> hearth_protocol::KvFootprint {
+        hearth_protocol::KvFootprint {
+            layout: match self.mla {
+                Some(_) => hearth_protocol::KvLayoutKind::Latent,
+                None => hearth_protocol::KvLayoutKind::Heads,
+            },
+            bytes_per_token: KvPool::block_bytes(self.kv_shape(1), dtype) as u64,
+            full_attention_bytes_per_token: self.full_attention_kv_bytes_per_token(dtype) as u64,
+        }
+    }
+
     /// The attention window of layer `l`, if it has one.
     pub fn window(&self, l: usize) -> Option<usize> {
         let w = self.block.sliding_window?;
@@ -421,6 +626,8 @@ impl ModelConfig {
             && b.attn_softcap.is_none()
             && b.final_softcap.is_none()
             && b.sliding_window.is_none()
+            && self.moe.is_none()
+            && self.mla.is_none()
             && (b.attn_scale - 1.0 / (self.head_dim as f32).sqrt()).abs() < 1e-6
     }
 }
@@ -481,6 +688,36 @@ impl fmt::Display for ModelConfig {
             b.embed_scale.map_or("1".into(), |s| format!("{s:.3}")),
             b.final_softcap.map_or("none".into(), |c| c.to_string())
         )?;
+        if let Some(m) = &self.moe {
+            writeln!(
+                f,
+                "experts: {} of {} per token ({:?}{}{}{}), width {}, {} shared; the first {} layers dense",
+                m.used,
+                m.experts,
+                m.gating,
+                if m.norm_weights { ", renormalized" } else { "" },
+                if m.weights_scale != 1.0 { format!(", ×{}", m.weights_scale) } else { String::new() },
+                if m.groups > 1 { format!(", best {} of {} groups", m.groups_used, m.groups) } else { String::new() },
+                m.ff_expert,
+                m.shared,
+                m.leading_dense
+            )?;
+        }
+        if let Some(m) = &self.mla {
+            writeln!(
+                f,
+                "latent attention: KV latent {} + RoPE key {} per position (cached), queries {}, per head {} + {} key dims and {} value dims",
+                m.kv_lora_rank,
+                m.qk_rope,
+                match m.q_lora_rank {
+                    0 => "projected directly".to_string(),
+                    r => format!("through rank {r}"),
+                },
+                m.qk_nope,
+                m.qk_rope,
+                m.v_head
+            )?;
+        }
         write!(f, "context: {} tokens", self.context_length)
     }
 }

@@ -14,21 +14,33 @@
 //! | [`gemma2`] | `gemma2` | `gemma2` | √d embeddings, post-norms, GeGLU, soft-caps, alternating windows |
 //! | [`gemma3`] | `gemma3` | `gemma3`, `gemma3_text` | as Gemma 2 with Q/K norm, 5:1 windows, local RoPE base |
 //! | [`phi3`] | `phi3` | `phi3` | fused QKV and gate-up tensors, NeoX RoPE, LongRoPE |
+//! | [`mixtral`] | `llama` with experts | — (GGUF only) | mixture-of-experts MLP (softmax top-k) |
+//! | [`qwen3moe`] | `qwen3moe` | — (GGUF only) | Qwen3's attention, mixture-of-experts MLP |
+//! | [`deepseek2`] | `deepseek2` | — (GGUF only) | latent attention ([`mla`]), shared experts, sigmoid group-limited routing |
+//!
+//! Mixture-of-experts MLPs are [`moe`]'s; latent attention and its cache layout [`mla`]'s.
 
 pub mod config;
+pub mod deepseek2;
 pub mod gemma2;
 pub mod gemma3;
 pub mod llama;
 pub mod mistral;
+pub mod mixtral;
+pub mod mla;
+pub mod moe;
 pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;
+pub mod qwen3moe;
 pub mod rope;
 pub mod transformer;
 
 use serde::{Deserialize, Serialize};
 
-pub use config::{Activation, BlockSpec, Hparams, ModelConfig, NORM_SHIFT_KEY, ROPE_LAYOUT_KEY};
+pub use config::{
+    Activation, BlockSpec, Gating, Hparams, MlaSpec, ModelConfig, MoeSpec, NORM_SHIFT_KEY, ROPE_LAYOUT_KEY,
+};
 pub use rope::{RopeLayout, RopeScaling, RopeScalingKind};
 pub use transformer::{Batch, FloatWeights, ForwardScratch, LayerWeights, LoadOptions, Model, ModelWeights, Session};
 
@@ -50,7 +62,7 @@ pub enum ModelError {
     Config(String),
 }
 
-/// The dense architectures Hearth computes.
+/// The architectures Hearth computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Arch {
@@ -61,6 +73,9 @@ pub enum Arch {
     Gemma2,
     Gemma3,
     Phi3,
+    Mixtral,
+    Qwen3Moe,
+    Deepseek2,
 }
 
 /// One family: how its files are recognised and how it reads its own settings.
@@ -68,7 +83,8 @@ pub struct Family {
     /// GGUF `general.architecture` (None: stored under another family's name, as llama.cpp
     /// stores Mistral as `llama`).
     pub gguf: Option<&'static str>,
-    /// Hugging Face `model_type`s (the first is what an export writes).
+    /// Hugging Face `model_type`s (the first is what an export writes; none: GGUF files
+    /// only, neither read from nor exported to Hugging Face directories).
     pub hf_model_types: &'static [&'static str],
     /// The Hugging Face class an export names in `architectures`.
     pub hf_class: &'static str,
@@ -77,7 +93,7 @@ pub struct Family {
 }
 
 impl Arch {
-    pub const ALL: [Arch; 7] = [
+    pub const ALL: [Arch; 10] = [
         Arch::Llama,
         Arch::Mistral,
         Arch::Qwen2,
@@ -85,6 +101,9 @@ impl Arch {
         Arch::Gemma2,
         Arch::Gemma3,
         Arch::Phi3,
+        Arch::Mixtral,
+        Arch::Qwen3Moe,
+        Arch::Deepseek2,
     ];
 
     pub fn family(self) -> &'static Family {
@@ -96,6 +115,9 @@ impl Arch {
             Arch::Gemma2 => &gemma2::FAMILY,
             Arch::Gemma3 => &gemma3::FAMILY,
             Arch::Phi3 => &phi3::FAMILY,
+            Arch::Mixtral => &mixtral::FAMILY,
+            Arch::Qwen3Moe => &qwen3moe::FAMILY,
+            Arch::Deepseek2 => &deepseek2::FAMILY,
         }
     }
 
@@ -108,6 +130,9 @@ impl Arch {
             Arch::Gemma2 => "gemma2",
             Arch::Gemma3 => "gemma3",
             Arch::Phi3 => "phi3",
+            Arch::Mixtral => "mixtral",
+            Arch::Qwen3Moe => "qwen3moe",
+            Arch::Deepseek2 => "deepseek2",
         }
     }
 

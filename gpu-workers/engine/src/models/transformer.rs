@@ -31,16 +31,18 @@ use crate::kernels::{
 use crate::kv::{KvDtype, KvPool, KvShape};
 use crate::pack_cache::{self, Wanted};
 
+use super::mla::Latent;
+use super::moe::Moe;
 use super::rope::{self, RopeFreqs, RopeScaling, RopeScalingKind};
 use super::{Activation, Arch, ModelConfig, ModelError};
 
 /// A weight matrix: where it is in the file, its shape, and its repacked copy (built at
 /// load for the SIMD kernels; then the file's pages of it are no longer read).
 #[derive(Debug, Clone)]
-struct Matrix {
-    ty: GgmlType,
-    rows: usize,
-    cols: usize,
+pub(super) struct Matrix {
+    pub(super) ty: GgmlType,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
     shard: usize,
     offset: usize,
     len: usize,
@@ -49,7 +51,7 @@ struct Matrix {
 
 /// The attention's input projections: three matrices, or one of `q + 2·kv` rows (Phi-3).
 #[derive(Debug)]
-enum Qkv {
+pub(super) enum Qkv {
     Split { q: Matrix, k: Matrix, v: Matrix },
     Fused(Matrix),
 }
@@ -57,36 +59,32 @@ enum Qkv {
 /// The MLP's gate and up projections: two matrices, or one of `2·ff` rows, gate first
 /// (Phi-3).
 #[derive(Debug)]
-enum GateUp {
+pub(super) enum GateUp {
     Split { gate: Matrix, up: Matrix },
     Fused(Matrix),
 }
 
+/// A gated MLP: `down(act(gate(h)) ⊙ up(h))` — a dense layer's, one expert's, or the
+/// shared experts' of a mixture.
 #[derive(Debug)]
-struct Layer {
-    attn_norm: Vec<f32>,
-    qkv: Qkv,
-    /// Q, K and V biases (Qwen2), each where present.
-    bias: [Option<Vec<f32>>; 3],
-    /// Per-head RMSNorm weights for Q and K (Qwen3, Gemma 3).
-    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
-    wo: Matrix,
-    attn_post_norm: Option<Vec<f32>>,
-    ffn_norm: Vec<f32>,
-    gate_up: GateUp,
-    down: Matrix,
-    ffn_post_norm: Option<Vec<f32>>,
+pub(super) struct Mlp {
+    pub(super) gate_up: GateUp,
+    pub(super) down: Matrix,
 }
 
-impl Layer {
-    /// Every matrix of the layer, in a fixed order (the pack cache's).
-    fn matrices_mut(&mut self) -> Vec<&mut Matrix> {
-        let mut ms = Vec::with_capacity(7);
-        match &mut self.qkv {
-            Qkv::Split { q, k, v } => ms.extend([q, k, v]),
-            Qkv::Fused(m) => ms.push(m),
+impl Mlp {
+    pub(super) fn matrices(&self) -> Vec<&Matrix> {
+        let mut ms = Vec::with_capacity(3);
+        match &self.gate_up {
+            GateUp::Split { gate, up } => ms.extend([gate, up]),
+            GateUp::Fused(m) => ms.push(m),
         }
-        ms.push(&mut self.wo);
+        ms.push(&self.down);
+        ms
+    }
+
+    pub(super) fn matrices_mut(&mut self) -> Vec<&mut Matrix> {
+        let mut ms = Vec::with_capacity(3);
         match &mut self.gate_up {
             GateUp::Split { gate, up } => ms.extend([gate, up]),
             GateUp::Fused(m) => ms.push(m),
@@ -95,18 +93,121 @@ impl Layer {
         ms
     }
 
+    /// The MLP of `h` (rows of `d_model`) into `out`; `bufs` are scratch.
+    pub(super) fn forward(&self, model: &Model, h: &[f32], bufs: &mut MlpBufs, out: &mut [f32], s: &mut ForwardScratch) {
+        let rows = h.len() / model.config.d_model;
+        let ff = self.down.cols;
+        let MlpBufs { gate, up, fused } = bufs;
+        gate.resize(rows * ff, 0.0);
+        up.resize(rows * ff, 0.0);
+        match &self.gate_up {
+            GateUp::Split { gate: wg, up: wu } => matmul_many(
+                &[model.view(wg), model.view(wu)],
+                h,
+                &mut [&mut gate[..], &mut up[..]],
+                &mut s.mm,
+            ),
+            GateUp::Fused(w) => {
+                fused.resize(2 * rows * ff, 0.0);
+                matmul(&model.view(w), h, fused, &mut s.mm);
+                split_rows(fused, rows, &mut [&mut gate[..], &mut up[..]]);
+            }
+        }
+        match model.config.block.activation {
+            Activation::Silu => silu_mul(gate, up),
+            Activation::GeluTanh => gelu_mul(gate, up),
+        }
+        matmul(&model.view(&self.down), gate, out, &mut s.mm);
+    }
+}
+
+/// Scratch for [`Mlp::forward`].
+#[derive(Debug, Default)]
+pub(super) struct MlpBufs {
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    fused: Vec<f32>,
+}
+
+/// Grouped-query attention over full keys and values.
+#[derive(Debug)]
+struct HeadsAttention {
+    qkv: Qkv,
+    /// Q, K and V biases (Qwen2), each where present.
+    bias: [Option<Vec<f32>>; 3],
+    /// Per-head RMSNorm weights for Q and K (Qwen3, Gemma 3).
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+#[derive(Debug)]
+enum Attention {
+    Heads(HeadsAttention),
+    /// Multi-head latent attention (DeepSeek): [`super::mla`].
+    Latent(Box<Latent>),
+}
+
+#[derive(Debug)]
+enum Ffn {
+    Dense(Mlp),
+    /// A mixture of experts: [`super::moe`].
+    Experts(Box<Moe>),
+}
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Vec<f32>,
+    attn: Attention,
+    wo: Matrix,
+    attn_post_norm: Option<Vec<f32>>,
+    ffn_norm: Vec<f32>,
+    ffn: Ffn,
+    ffn_post_norm: Option<Vec<f32>>,
+}
+
+impl Layer {
+    /// Every matrix of the layer, in a fixed order (the pack cache's).
+    fn matrices_mut(&mut self) -> Vec<&mut Matrix> {
+        let mut ms = Vec::with_capacity(7);
+        match &mut self.attn {
+            Attention::Heads(a) => match &mut a.qkv {
+                Qkv::Split { q, k, v } => ms.extend([q, k, v]),
+                Qkv::Fused(m) => ms.push(m),
+            },
+            Attention::Latent(a) => ms.extend(a.matrices_mut()),
+        }
+        ms.push(&mut self.wo);
+        match &mut self.ffn {
+            Ffn::Dense(m) => ms.extend(m.matrices_mut()),
+            Ffn::Experts(m) => ms.extend(m.matrices_mut()),
+        }
+        ms
+    }
+
     fn matrices(&self) -> Vec<&Matrix> {
         let mut ms = Vec::with_capacity(7);
-        match &self.qkv {
-            Qkv::Split { q, k, v } => ms.extend([q, k, v]),
-            Qkv::Fused(m) => ms.push(m),
+        match &self.attn {
+            Attention::Heads(a) => match &a.qkv {
+                Qkv::Split { q, k, v } => ms.extend([q, k, v]),
+                Qkv::Fused(m) => ms.push(m),
+            },
+            Attention::Latent(a) => ms.extend(a.matrices()),
         }
         ms.push(&self.wo);
-        match &self.gate_up {
-            GateUp::Split { gate, up } => ms.extend([gate, up]),
-            GateUp::Fused(m) => ms.push(m),
+        match &self.ffn {
+            Ffn::Dense(m) => ms.extend(m.matrices()),
+            Ffn::Experts(m) => ms.extend(m.matrices()),
         }
-        ms.push(&self.down);
+        ms
+    }
+
+    /// The matrices one decode step of one sequence reads: every matrix but a mixture's
+    /// unchosen experts (it reads `used` of them, and the shared ones).
+    fn decode_matrices(&self, used: usize) -> Vec<&Matrix> {
+        let mut ms = self.matrices();
+        if let Ffn::Experts(m) = &self.ffn {
+            ms.truncate(ms.len() - m.matrices().len());
+            ms.extend(m.decode_matrices(used));
+        }
         ms
     }
 }
@@ -181,12 +282,12 @@ impl std::fmt::Debug for Model {
     }
 }
 
-fn tensor<'a>(g: &'a GgufFile, name: &str) -> Result<&'a TensorInfo, ModelError> {
+pub(super) fn tensor<'a>(g: &'a GgufFile, name: &str) -> Result<&'a TensorInfo, ModelError> {
     g.tensor(name)
         .ok_or_else(|| ModelError::Gguf(GgufError::MissingTensor(name.to_string())))
 }
 
-fn matrix(g: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError> {
+pub(super) fn matrix(g: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError> {
     let t = tensor(g, name)?;
     if t.dims != [cols as u64, rows as u64] {
         return Err(ModelError::Shape {
@@ -195,15 +296,7 @@ fn matrix(g: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Matrix, 
             want: vec![cols as u64, rows as u64],
         });
     }
-    let (per_block, _) = t.ty.block_layout().ok_or(ModelError::TensorType {
-        name: name.into(),
-        ty: t.ty,
-    })?;
-    if !cols.is_multiple_of(per_block) || (per_block > 1 && !cols.is_multiple_of(QK)) {
-        return Err(ModelError::Config(format!(
-            "{name}: row length {cols} is not a whole number of blocks"
-        )));
-    }
+    check_row_blocks(name, t.ty, cols)?;
     Ok(Matrix {
         ty: t.ty,
         rows,
@@ -215,7 +308,7 @@ fn matrix(g: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Matrix, 
     })
 }
 
-fn vector(g: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
+pub(super) fn vector(g: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
     let t = tensor(g, name)?;
     if t.dims != [n as u64] {
         return Err(ModelError::Shape {
@@ -236,7 +329,7 @@ fn vector(g: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
 }
 
 /// A norm's weights, shifted as the file says ([`super::NORM_SHIFT_KEY`]).
-fn norm(g: &GgufFile, name: &str, n: usize, shift: f32) -> Result<Vec<f32>, ModelError> {
+pub(super) fn norm(g: &GgufFile, name: &str, n: usize, shift: f32) -> Result<Vec<f32>, ModelError> {
     let mut v = vector(g, name, n)?;
     if shift != 0.0 {
         v.iter_mut().for_each(|x| *x += shift);
@@ -245,15 +338,70 @@ fn norm(g: &GgufFile, name: &str, n: usize, shift: f32) -> Result<Vec<f32>, Mode
 }
 
 /// A vector that may be absent.
-fn opt_vector(g: &GgufFile, name: &str, n: usize) -> Result<Option<Vec<f32>>, ModelError> {
+pub(super) fn opt_vector(g: &GgufFile, name: &str, n: usize) -> Result<Option<Vec<f32>>, ModelError> {
     match g.tensor(name) {
         Some(_) => vector(g, name, n).map(Some),
         None => Ok(None),
     }
 }
 
+/// Layer `l`'s gated MLP `ffn_{gate,up,down}{suffix}` of width `ff` (a fused gate-up
+/// matrix of `2·ff` rows, gate first, where the file has one: Phi-3).
+pub(super) fn load_mlp(g: &GgufFile, l: usize, suffix: &str, d: usize, ff: usize) -> Result<Mlp, ModelError> {
+    let n = |s: &str| format!("blk.{l}.{s}{suffix}.weight");
+    let gate_up = match g.tensor(&n("ffn_gate")) {
+        Some(_) => GateUp::Split {
+            gate: matrix(g, &n("ffn_gate"), ff, d)?,
+            up: matrix(g, &n("ffn_up"), ff, d)?,
+        },
+        None => GateUp::Fused(matrix(g, &n("ffn_up"), 2 * ff, d)?),
+    };
+    Ok(Mlp {
+        gate_up,
+        down: matrix(g, &n("ffn_down"), d, ff)?,
+    })
+}
+
+/// The `n` matrices of a 3-D tensor `[cols, rows, n]` (experts, per-head projections):
+/// matrix `e` is the `e`-th equal slice of its bytes, a matrix of its own (repacked like
+/// any other).
+pub(super) fn matrices_3d(g: &GgufFile, name: &str, n: usize, rows: usize, cols: usize) -> Result<Vec<Matrix>, ModelError> {
+    let t = tensor(g, name)?;
+    if t.dims != [cols as u64, rows as u64, n as u64] {
+        return Err(ModelError::Shape {
+            name: name.into(),
+            got: t.dims.clone(),
+            want: vec![cols as u64, rows as u64, n as u64],
+        });
+    }
+    check_row_blocks(name, t.ty, cols)?;
+    let each = t.len / n.max(1);
+    Ok((0..n)
+        .map(|e| Matrix {
+            ty: t.ty,
+            rows,
+            cols,
+            shard: t.shard,
+            offset: t.offset + e * each,
+            len: each,
+            packed: None,
+        })
+        .collect())
+}
+
+/// Rows of `cols` values of type `ty` are a whole number of blocks.
+fn check_row_blocks(name: &str, ty: GgmlType, cols: usize) -> Result<(), ModelError> {
+    let (per_block, _) = ty.block_layout().ok_or(ModelError::TensorType { name: name.into(), ty })?;
+    if !cols.is_multiple_of(per_block) || (per_block > 1 && !cols.is_multiple_of(QK)) {
+        return Err(ModelError::Config(format!(
+            "{name}: row length {cols} is not a whole number of blocks"
+        )));
+    }
+    Ok(())
+}
+
 /// A matrix's bytes in the file, with its repacked copy when it has one.
-fn weight_view<'a>(file: &'a GgufFile, m: &'a Matrix) -> WeightView<'a> {
+pub(super) fn weight_view<'a>(file: &'a GgufFile, m: &'a Matrix) -> WeightView<'a> {
     let t = TensorInfo {
         name: String::new(),
         dims: vec![],
@@ -274,7 +422,7 @@ fn weight_view<'a>(file: &'a GgufFile, m: &'a Matrix) -> WeightView<'a> {
 /// Reusable buffers for forward passes.
 #[derive(Debug, Default)]
 pub struct ForwardScratch {
-    mm: MatmulScratch,
+    pub(super) mm: MatmulScratch,
 }
 
 impl ForwardScratch {
@@ -298,7 +446,7 @@ fn add_bias(x: &mut [f32], bias: Option<&Vec<f32>>) {
 /// A unit of attention work: rows `row..row + rows` — consecutive positions of one
 /// sequence — and query heads `head..head + heads` of KV head `kv_head`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Tile {
+pub(super) struct Tile {
     row: usize,
     rows: usize,
     kv_head: usize,
@@ -408,7 +556,37 @@ impl Model {
     }
 
     fn load_layer(file: &GgufFile, c: &ModelConfig, l: usize) -> Result<Layer, ModelError> {
-        let (d, qd, kv, ff) = (c.d_model, c.q_dim(), c.kv_dim(), c.n_ff);
+        let d = c.d_model;
+        let n = |s: &str| format!("blk.{l}.{s}.weight");
+        let sh = c.norm_shift;
+        let (attn, wo_cols) = match &c.mla {
+            Some(m) => (
+                Attention::Latent(Box::new(Latent::load(file, c, m, l)?)),
+                c.n_heads * m.v_head,
+            ),
+            None => (Attention::Heads(Self::load_heads(file, c, l)?), c.q_dim()),
+        };
+        let ffn = match &c.moe {
+            Some(m) if m.is_moe_layer(l) => Ffn::Experts(Box::new(Moe::load(file, c, m, l)?)),
+            _ => Ffn::Dense(load_mlp(file, l, "", d, c.n_ff)?),
+        };
+        let post = |s: &str| match c.block.post_norms {
+            true => norm(file, &n(s), d, sh).map(Some),
+            false => Ok(None),
+        };
+        Ok(Layer {
+            attn_norm: norm(file, &n("attn_norm"), d, sh)?,
+            attn,
+            wo: matrix(file, &n("attn_output"), d, wo_cols)?,
+            attn_post_norm: post("post_attention_norm")?,
+            ffn_norm: norm(file, &n("ffn_norm"), d, sh)?,
+            ffn,
+            ffn_post_norm: post("post_ffw_norm")?,
+        })
+    }
+
+    fn load_heads(file: &GgufFile, c: &ModelConfig, l: usize) -> Result<HeadsAttention, ModelError> {
+        let (d, qd, kv) = (c.d_model, c.q_dim(), c.kv_dim());
         let n = |s: &str| format!("blk.{l}.{s}.weight");
         let b = |s: &str| format!("blk.{l}.{s}.bias");
         let (qkv, bias) = if file.tensor(&n("attn_qkv")).is_some() {
@@ -435,42 +613,25 @@ impl Model {
             ];
             (qkv, bias)
         };
-        let sh = c.norm_shift;
         let qk_norm = match c.block.qk_norm {
             true => Some((
-                norm(file, &n("attn_q_norm"), c.head_dim, sh)?,
-                norm(file, &n("attn_k_norm"), c.head_dim, sh)?,
+                norm(file, &n("attn_q_norm"), c.head_dim, c.norm_shift)?,
+                norm(file, &n("attn_k_norm"), c.head_dim, c.norm_shift)?,
             )),
             false => None,
         };
-        let gate_up = match file.tensor(&n("ffn_gate")) {
-            Some(_) => GateUp::Split {
-                gate: matrix(file, &n("ffn_gate"), ff, d)?,
-                up: matrix(file, &n("ffn_up"), ff, d)?,
-            },
-            None => GateUp::Fused(matrix(file, &n("ffn_up"), 2 * ff, d)?),
-        };
-        let post = |s: &str| match c.block.post_norms {
-            true => norm(file, &n(s), d, sh).map(Some),
-            false => Ok(None),
-        };
-        Ok(Layer {
-            attn_norm: norm(file, &n("attn_norm"), d, sh)?,
-            qkv,
-            bias,
-            qk_norm,
-            wo: matrix(file, &n("attn_output"), d, qd)?,
-            attn_post_norm: post("post_attention_norm")?,
-            ffn_norm: norm(file, &n("ffn_norm"), d, sh)?,
-            gate_up,
-            down: matrix(file, &n("ffn_down"), d, ff)?,
-            ffn_post_norm: post("post_ffw_norm")?,
-        })
+        Ok(HeadsAttention { qkv, bias, qk_norm })
     }
 
     /// Biases Hearth would not add: refused by name rather than silently dropped.
     fn check_unused_biases(file: &GgufFile) -> Result<(), ModelError> {
-        const USED: [&str; 4] = ["attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_qkv.bias"];
+        const USED: [&str; 5] = [
+            "attn_q.bias",
+            "attn_k.bias",
+            "attn_v.bias",
+            "attn_qkv.bias",
+            "exp_probs_b.bias",
+        ];
         match file
             .tensors
             .iter()
@@ -537,7 +698,12 @@ impl Model {
             None => embed.clone(),
         };
         let output_norm = norm(&file, "output_norm.weight", d, c.norm_shift)?;
-        let rope = Self::rope_freqs(&file, &c, o.max_context)?;
+        let mut rope = Self::rope_freqs(&file, &c, o.max_context)?;
+        if c.mla.is_some() {
+            // Latent attention rotates at the file's magnitude and scales its scores for
+            // YaRN instead (`ModelConfig::mla_score_scale`), as llama.cpp does.
+            rope.mscale = c.rope_scaling.attn_factor;
+        }
         // Windowed layers' own rotation (never scaled), when it differs from the global one.
         let rope_local = c
             .block
@@ -672,12 +838,29 @@ impl Model {
         self.packed_bytes
     }
 
-    /// Weight bytes one decode step reads: every layer's matrices and the output matrix
-    /// once (their repacked copies where they have one; the embedding row is negligible).
+    /// Weight bytes one decode step reads: every layer's matrices (of a mixture, the
+    /// experts one token uses) and the output matrix once (their repacked copies where
+    /// they have one; the embedding row is negligible).
     pub fn decode_weight_bytes(&self) -> usize {
         let size = |m: &Matrix| m.packed.as_ref().map_or(m.len, |p| p.bytes().len());
-        let layers: usize = self.layers.iter().flat_map(Layer::matrices).map(size).sum();
+        // A mixture's step reads the experts its token chose: `used` of them.
+        let used = self.config.moe.as_ref().map_or(0, |m| m.used);
+        let layers: usize = self.layers.iter().flat_map(|l| l.decode_matrices(used)).map(size).sum();
         layers + size(&self.output)
+    }
+
+    /// The mixture layers' per-expert row counters (empty for a dense model).
+    pub fn expert_load(&self) -> super::moe::ExpertLoad {
+        super::moe::ExpertLoad(
+            self.layers
+                .iter()
+                .enumerate()
+                .filter_map(|(l, layer)| match &layer.ffn {
+                    Ffn::Experts(m) => Some((l, m.counters())),
+                    Ffn::Dense(_) => None,
+                })
+                .collect(),
+        )
     }
 
     pub fn n_params(&self) -> u64 {
@@ -688,7 +871,7 @@ impl Model {
         &self.file
     }
 
-    fn view<'a>(&'a self, m: &'a Matrix) -> WeightView<'a> {
+    pub(super) fn view<'a>(&'a self, m: &'a Matrix) -> WeightView<'a> {
         weight_view(&self.file, m)
     }
 
@@ -705,8 +888,18 @@ impl Model {
         let layers = self
             .layers
             .iter()
-            .map(|l| match (&l.qkv, &l.gate_up, &l.bias) {
-                (Qkv::Split { q, k, v }, GateUp::Split { gate, up }, [None, None, None]) => Ok(LayerWeights {
+            .map(|l| match (&l.attn, &l.ffn) {
+                (
+                    Attention::Heads(HeadsAttention {
+                        qkv: Qkv::Split { q, k, v },
+                        bias: [None, None, None],
+                        ..
+                    }),
+                    Ffn::Dense(Mlp {
+                        gate_up: GateUp::Split { gate, up },
+                        down,
+                    }),
+                ) => Ok(LayerWeights {
                     attn_norm: &l.attn_norm,
                     wq: self.view(q),
                     wk: self.view(k),
@@ -715,9 +908,9 @@ impl Model {
                     ffn_norm: &l.ffn_norm,
                     w_gate: self.view(gate),
                     w_up: self.view(up),
-                    w_down: self.view(&l.down),
+                    w_down: self.view(down),
                 }),
-                _ => Err("fused projections and biases are computed on the CPU only".to_string()),
+                _ => Err("fused projections, biases, experts and latent attention are computed on the CPU only".to_string()),
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(ModelWeights {
@@ -733,7 +926,7 @@ impl Model {
     /// The attention's projections of `h` into `q`, `k`, `v`, with their biases.
     fn project_qkv(
         &self,
-        layer: &Layer,
+        layer: &HeadsAttention,
         h: &[f32],
         qkv: [&mut Vec<f32>; 3],
         fused: &mut Vec<f32>,
@@ -759,27 +952,6 @@ impl Model {
         }
     }
 
-    /// The MLP of `h` into `out`: `down(act(gate(h)) ⊙ up(h))`.
-    fn mlp(&self, layer: &Layer, h: &[f32], bufs: [&mut Vec<f32>; 3], out: &mut [f32], s: &mut ForwardScratch) {
-        let [gate, up, fused] = bufs;
-        match &layer.gate_up {
-            GateUp::Split { gate: wg, up: wu } => {
-                matmul_many(&[self.view(wg), self.view(wu)], h, &mut [gate, up], &mut s.mm)
-            }
-            GateUp::Fused(w) => {
-                fused.resize(2 * gate.len(), 0.0);
-                matmul(&self.view(w), h, fused, &mut s.mm);
-                let rows = h.len() / self.config.d_model;
-                split_rows(fused, rows, &mut [&mut gate[..], &mut up[..]]);
-            }
-        }
-        match self.config.block.activation {
-            Activation::Silu => silu_mul(gate, up),
-            Activation::GeluTanh => gelu_mul(gate, up),
-        }
-        matmul(&self.view(&layer.down), gate, out, &mut s.mm);
-    }
-
     /// Runs one step for many sequences at once: row `t` is token `tokens[t]` at position
     /// `positions[t]` of the sequence whose block table is `tables[t]`. Every weight row is
     /// read once for all rows. K/V of every row are written into the pool; attention for a
@@ -788,7 +960,12 @@ impl Model {
     pub fn forward_batch(&self, b: &Batch<'_>, pool: &mut KvPool, s: &mut ForwardScratch) -> Vec<f32> {
         let c = &self.config;
         let blk = &c.block;
-        let (t, d, qd, kvd, hd) = (b.tokens.len(), c.d_model, c.q_dim(), c.kv_dim(), c.head_dim);
+        let (t, d, hd) = (b.tokens.len(), c.d_model, c.head_dim);
+        // Grouped-query layers' projections (latent attention has its own).
+        let (qd, kvd) = match c.mla {
+            Some(_) => (0, 0),
+            None => (c.q_dim(), c.kv_dim()),
+        };
         let bt = pool.block_tokens();
         assert_eq!(
             pool.shape(),
@@ -807,43 +984,51 @@ impl Model {
         let mut q = vec![0f32; t * qd];
         let mut k = vec![0f32; t * kvd];
         let mut v = vec![0f32; t * kvd];
-        let mut att = vec![0f32; t * qd];
+        let mut att = Vec::new();
         let mut o = vec![0f32; t * d];
-        let mut gate = vec![0f32; t * c.n_ff];
-        let mut up = vec![0f32; t * c.n_ff];
+        let mut bufs = MlpBufs::default();
         let mut fused = Vec::new();
-        let tiles = attention_tiles(b, c.n_heads, c.n_kv_heads);
+        let tiles = attention_tiles(b, c.n_heads, if c.mla.is_some() { 1 } else { c.n_kv_heads });
         let rope_global = self.rope.table(b.positions);
         let rope_local = self.rope_local.as_ref().map(|r| r.table(b.positions));
         for (l, layer) in self.layers.iter().enumerate() {
             let window = c.window(l);
             rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
-            self.project_qkv(layer, &h, [&mut q, &mut k, &mut v], &mut fused, s);
-            if let Some((qn, kn)) = &layer.qk_norm {
-                rms_norm_in_place(&mut q, qn, c.rms_eps);
-                rms_norm_in_place(&mut k, kn, c.rms_eps);
+            att.resize(t * layer.wo.cols, 0.0);
+            match &layer.attn {
+                Attention::Heads(a) => {
+                    self.project_qkv(a, &h, [&mut q, &mut k, &mut v], &mut fused, s);
+                    if let Some((qn, kn)) = &a.qk_norm {
+                        rms_norm_in_place(&mut q, qn, c.rms_eps);
+                        rms_norm_in_place(&mut k, kn, c.rms_eps);
+                    }
+                    let table = match (window, &rope_local) {
+                        (Some(_), Some(local)) => local,
+                        _ => &rope_global,
+                    };
+                    rope::rotate(&mut q, c.n_heads, hd, c.rope_layout, table);
+                    rope::rotate(&mut k, c.n_kv_heads, hd, c.rope_layout, table);
+                    for r in 0..t {
+                        let p = b.positions[r];
+                        pool.write(
+                            b.tables[r][p / bt],
+                            p % bt,
+                            l,
+                            &k[r * kvd..(r + 1) * kvd],
+                            &v[r * kvd..(r + 1) * kvd],
+                        );
+                    }
+                    self.attention(b, l, window, &tiles, &q, hd, hd, pool, &mut att);
+                }
+                Attention::Latent(a) => a.forward(self, b, l, &h, &rope_global, &tiles, pool, &mut att, s),
             }
-            let table = match (window, &rope_local) {
-                (Some(_), Some(local)) => local,
-                _ => &rope_global,
-            };
-            rope::rotate(&mut q, c.n_heads, hd, c.rope_layout, table);
-            rope::rotate(&mut k, c.n_kv_heads, hd, c.rope_layout, table);
-            for r in 0..t {
-                let p = b.positions[r];
-                pool.write(
-                    b.tables[r][p / bt],
-                    p % bt,
-                    l,
-                    &k[r * kvd..(r + 1) * kvd],
-                    &v[r * kvd..(r + 1) * kvd],
-                );
-            }
-            self.attention(b, l, window, &tiles, &q, pool, &mut att);
             matmul(&self.view(&layer.wo), &att, &mut o, &mut s.mm);
             Self::residual(&mut x, &mut o, layer.attn_post_norm.as_deref(), c.rms_eps);
             rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
-            self.mlp(layer, &h, [&mut gate, &mut up, &mut fused], &mut o, s);
+            match &layer.ffn {
+                Ffn::Dense(m) => m.forward(self, &h, &mut bufs, &mut o, s),
+                Ffn::Experts(m) => m.forward(self, &h, &mut bufs, &mut o, s),
+            }
             Self::residual(&mut x, &mut o, layer.ffn_post_norm.as_deref(), c.rms_eps);
         }
         if b.logit_rows.is_empty() {
@@ -862,20 +1047,24 @@ impl Model {
     }
 
     /// Attention of every row and head of layer `l` into `att`, a tile at a time (see
-    /// [`attention_tiles`]): each tile's queries read their KV head's blocks once.
+    /// [`attention_tiles`]): each tile's queries read their KV head's blocks once. Every
+    /// head's query is `qh` wide and its output `vh` (narrower for latent attention, whose
+    /// values are its keys' leading part).
     #[allow(clippy::too_many_arguments)]
-    fn attention(
+    pub(super) fn attention(
         &self,
         b: &Batch<'_>,
         l: usize,
         window: Option<usize>,
         tiles: &[Tile],
         q: &[f32],
+        qh: usize,
+        vh: usize,
         pool: &KvPool,
         att: &mut [f32],
     ) {
         let c = &self.config;
-        let (qd, hd) = (c.q_dim(), c.head_dim);
+        let (qd, vd) = (c.n_heads * qh, c.n_heads * vh);
         let scoring = Scoring {
             scale: c.block.attn_scale,
             softcap: c.block.attn_softcap,
@@ -888,7 +1077,7 @@ impl Model {
                         let end = b.positions[r] + 1;
                         let start = window.map_or(0, |w| end.saturating_sub(w));
                         (t.head..t.head + t.heads).map(move |head| Query {
-                            q: &q[r * qd + head * hd..][..hd],
+                            q: &q[r * qd + head * qh..][..qh],
                             span: start..end,
                         })
                     })
@@ -896,18 +1085,18 @@ impl Model {
                 let spec = HeadSpec {
                     layer: l,
                     kv_head: t.kv_head,
-                    head_dim: hd,
-                    kv_dim: c.kv_dim(),
+                    head_dim: qh,
+                    kv_dim: pool.shape().kv_dim(),
                 };
-                let mut out = vec![0f32; queries.len() * hd];
+                let mut out = vec![0f32; queries.len() * vh];
                 attend_group(&queries, b.tables[t.row], pool, spec, scoring, &mut out, scores);
                 out
             })
             .collect();
         for (t, out) in tiles.iter().zip(outs) {
             let rows = (t.row..t.row + t.rows).flat_map(|r| (t.head..t.head + t.heads).map(move |h| (r, h)));
-            for ((r, head), o) in rows.zip(out.chunks_exact(hd)) {
-                att[r * qd + head * hd..][..hd].copy_from_slice(o);
+            for ((r, head), o) in rows.zip(out.chunks_exact(vh)) {
+                att[r * vd + head * vh..][..vh].copy_from_slice(o);
             }
         }
     }
@@ -922,12 +1111,7 @@ impl Model {
 
     /// The KV cache's shape for this model.
     pub fn kv_shape(&self, block_tokens: usize) -> KvShape {
-        KvShape {
-            n_layers: self.config.n_layers,
-            kv_heads: self.config.n_kv_heads,
-            head_dim: self.config.head_dim,
-            block_tokens,
-        }
+        self.config.kv_shape(block_tokens)
     }
 
     /// KV bytes per cached token.

@@ -53,6 +53,9 @@ pub const FAMILIES: [(&str, &str); 7] = [
     ("phi3", "phi3"),
 ];
 
+/// The mixture-of-experts and latent-attention families, the same way.
+pub const MOE_FAMILIES: [(&str, &str); 3] = [("mixtral", "mixtral"), ("qwen3moe", "qwen3moe"), ("deepseek2", "deepseek2")];
+
 /// Runs one request on an engine: the tokens and usage, or the error's code.
 pub async fn generate(
     e: &hearth_engine::EngineHandle,

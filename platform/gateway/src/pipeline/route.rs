@@ -434,6 +434,7 @@ pub(crate) mod tests {
                     ..Default::default()
                 },
                 tenants: Vec::new(),
+                kv: None,
             };
             async move { Ok(info) }.boxed()
         }
