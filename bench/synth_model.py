@@ -68,6 +68,12 @@ SHAPES = {
     "llama-as-qwen3-0.6b": dict(vocab="qwen2", d=1024, layers=28, ff=3072, heads=16, kv_heads=8,
                                 head_dim=128, theta=1000000.0, tied=True, ctx=40960),
     # ~1 GB at Q4_K_M: Qwen3-30B-A3B's routing (8 of 64 experts) at a width one core runs.
+    # Diagnostics: DeepSeek's latent attention with every layer dense (no routing).
+    "deepseek2-mla-tiny": dict(arch="deepseek2", vocab="deepseek-llm", layers=3, ff=512, heads=4,
+                               mla=dict(q_lora=256, kv_lora=256, rope=64, nope=128, v=128),
+                               moe=dict(experts=16, used=4, ff_exp=256, shared=1, dense=3, sigmoid=True, norm=True),
+                               yarn=dict(factor=4.0, orig=512, log_mul=1.0), theta=10000.0,
+                               template="deepseek-ai-DeepSeek-V3.1"),
     "qwen3moe-1g": dict(arch="qwen3moe", vocab="qwen2", d=1024, layers=16, ff=3072, heads=16, kv_heads=4,
                         head_dim=128, qk_norm=True, theta=1000000.0, ctx=40960,
                         moe=dict(experts=64, used=8, ff_exp=512), template="Qwen-Qwen3-0.6B"),
@@ -268,13 +274,16 @@ def write_f16(path, shape, reference, seed):
         w.add_tensor(p + "ffn_norm.weight", norm(d))
         if moe and i >= moe.get("dense", 0):
             n, fe = moe["experts"], moe.get("ff_exp", ff)
-            # A router spread wide enough that the chosen experts are rarely near-ties.
-            w.add_tensor(p + "ffn_gate_inp.weight", mat(n, d, 2.0 / np.sqrt(d)).astype(np.float32))
+            # A router spread wide (logits of std 6) so that the chosen experts are rarely
+            # near-ties: a tie broken differently by two engines' rounding swaps an expert.
+            w.add_tensor(p + "ffn_gate_inp.weight", mat(n, d, 6.0 / np.sqrt(d)).astype(np.float32))
             if moe.get("sigmoid"):
                 w.add_tensor(p + "exp_probs_b.bias", bias(n))
             w.add_tensor(p + "ffn_gate_exps.weight", mats(n, fe, d, 1.0 / np.sqrt(d)))
             w.add_tensor(p + "ffn_up_exps.weight", mats(n, fe, d, 1.0 / np.sqrt(d)))
-            w.add_tensor(p + "ffn_down_exps.weight", mats(n, d, fe, 1.0 / np.sqrt(fe)))
+            # The routed scaling factor multiplies the experts' sum: their outputs are that
+            # much smaller, so that the residual stream stays as spread as a dense model's.
+            w.add_tensor(p + "ffn_down_exps.weight", mats(n, d, fe, 1.0 / np.sqrt(fe) / moe.get("scale", 1.0)))
             if moe.get("shared"):
                 fs = fe * moe["shared"]
                 w.add_tensor(p + "ffn_gate_shexp.weight", mat(fs, d, 1.0 / np.sqrt(d)))

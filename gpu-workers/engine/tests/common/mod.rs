@@ -54,7 +54,12 @@ pub const FAMILIES: [(&str, &str); 7] = [
 ];
 
 /// The mixture-of-experts and latent-attention families, the same way.
-pub const MOE_FAMILIES: [(&str, &str); 3] = [("mixtral", "mixtral"), ("qwen3moe", "qwen3moe"), ("deepseek2", "deepseek2")];
+pub const MOE_FAMILIES: [(&str, &str); 4] = [
+    ("deepseek2", "deepseek2"),
+    ("deepseek2-mla", "deepseek2"),
+    ("mixtral", "mixtral"),
+    ("qwen3moe", "qwen3moe"),
+];
 
 /// Runs one request on an engine: the tokens and usage, or the error's code.
 pub async fn generate(
