@@ -588,7 +588,11 @@ mod tests {
                     latent: true,
                 };
                 let mut pool = KvPool::new(shape, KvDtype::F32, 8);
-                assert_eq!(KvPool::block_bytes(shape, KvDtype::F32), 2 * bt * hd * 4, "no value section");
+                assert_eq!(
+                    KvPool::block_bytes(shape, KvDtype::F32),
+                    2 * bt * hd * 4,
+                    "no value section"
+                );
                 let table: Vec<u32> = vec![6, 1, 4, 7, 0];
                 let n = 4 * bt + 3;
                 let keys: Vec<Vec<f32>> = (0..n).map(|_| (0..hd).map(|_| rng.next_f32()).collect()).collect();
@@ -609,19 +613,34 @@ mod tests {
                         kv_dim: hd,
                     };
                     let mut out = vec![0f32; m * vd];
-                    attend_group_on(path, &queries, &table, &pool, spec, Scoring::plain(hd), &mut out, &mut Vec::new());
+                    attend_group_on(
+                        path,
+                        &queries,
+                        &table,
+                        &pool,
+                        spec,
+                        Scoring::plain(hd),
+                        &mut out,
+                        &mut Vec::new(),
+                    );
                     for (q, o) in queries.iter().zip(out.chunks_exact(vd)) {
                         let s: Vec<f64> = q
                             .span
                             .clone()
-                            .map(|p| (0..hd).map(|i| q.q[i] as f64 * keys[p][i] as f64).sum::<f64>() / (hd as f64).sqrt())
+                            .map(|p| {
+                                (0..hd).map(|i| q.q[i] as f64 * keys[p][i] as f64).sum::<f64>() / (hd as f64).sqrt()
+                            })
                             .collect();
                         let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                         let e: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
                         let z: f64 = e.iter().sum();
                         for i in 0..vd {
                             let want: f64 = q.span.clone().map(|p| e[p] / z * keys[p][i] as f64).sum();
-                            assert!((o[i] as f64 - want).abs() < 1e-4, "{path} hd={hd} m={m} i={i}: {} vs {want}", o[i]);
+                            assert!(
+                                (o[i] as f64 - want).abs() < 1e-4,
+                                "{path} hd={hd} m={m} i={i}: {} vs {want}",
+                                o[i]
+                            );
                         }
                     }
                 }

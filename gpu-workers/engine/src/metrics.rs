@@ -266,7 +266,11 @@ impl Collector for EngineCollector {
                 let layer = layer.to_string();
                 for (expert, n) in counts.into_iter().enumerate() {
                     let expert = expert.to_string();
-                    let labels = [("worker", *worker), ("layer", layer.as_str()), ("expert", expert.as_str())];
+                    let labels = [
+                        ("worker", *worker),
+                        ("layer", layer.as_str()),
+                        ("expert", expert.as_str()),
+                    ];
                     ConstCounter::new(n).encode(m.encode_family(&labels)?)?;
                 }
             }

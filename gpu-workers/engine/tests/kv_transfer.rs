@@ -20,7 +20,9 @@ fn model_path() -> PathBuf {
 
 /// The synthetic latent-attention, mixture-of-experts model.
 fn latent_model_path() -> PathBuf {
-    common::synth(&["--shape", "deepseek2-tiny", "--types", "q8_0"]).remove(0).1
+    common::synth(&["--shape", "deepseek2-tiny", "--types", "q8_0"])
+        .remove(0)
+        .1
 }
 
 fn engine(m: &Path) -> EngineHandle {
@@ -264,7 +266,12 @@ async fn a_transfer_cut_midway_keeps_what_arrived_and_the_request_completes(m: &
             let partial = partial.clone();
             async move {
                 let s = futures_util::stream::iter([Ok::<_, std::io::Error>(Bytes::from(partial))]).chain(
-                    futures_util::stream::once(async { Err(std::io::Error::other("the prefill worker died")) }),
+                    futures_util::stream::once(async {
+                        // After what was sent has reached the puller (a small body could
+                        // otherwise be cut before the response's head is read).
+                        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                        Err(std::io::Error::other("the prefill worker died"))
+                    }),
                 );
                 Body::from_stream(s)
             }
@@ -519,4 +526,12 @@ macro_rules! on_both_models {
     };
 }
 
-on_both_models!(a_resumed_request_continues_exactly, imported_blocks_continue_exactly_as_colocated, only_missing_blocks_travel_and_corrupted_ones_are_computed, blocks_move_worker_to_worker_over_http, a_transfer_cut_midway_keeps_what_arrived_and_the_request_completes, a_prefill_only_request_hands_off_and_the_decode_side_continues_exactly, a_corrupted_or_cut_transfer_still_completes_and_frees_every_block);
+on_both_models!(
+    a_resumed_request_continues_exactly,
+    imported_blocks_continue_exactly_as_colocated,
+    only_missing_blocks_travel_and_corrupted_ones_are_computed,
+    blocks_move_worker_to_worker_over_http,
+    a_transfer_cut_midway_keeps_what_arrived_and_the_request_completes,
+    a_prefill_only_request_hands_off_and_the_decode_side_continues_exactly,
+    a_corrupted_or_cut_transfer_still_completes_and_frees_every_block
+);

@@ -249,15 +249,23 @@ fn every_moe_family_follows_llamacpp() {
             assert!(inspected.refused.is_empty(), "{family}: {:?}", inspected.refused);
             // F16 multiplied as floats, as llama.cpp does (the default quantizes it to Q8_0).
             let opts = LoadOptions {
-                float_weights: if ty == "f16" { FloatWeights::Float } else { FloatWeights::Q8_0 },
+                float_weights: if ty == "f16" {
+                    FloatWeights::Float
+                } else {
+                    FloatWeights::Q8_0
+                },
                 ..Default::default()
             };
             // Floats (both engines' activations unrounded): every step; 8-bit activations:
             // most steps (see `follow_most`).
             let share = if ty == "f16" { 1.0 } else { MOE_QUANTIZED_SHARE };
-            report.extend(follow_most(&format!("{family} {ty}"), &want, FAMILY_LOGIT_BOUND, share, &|| {
-                Model::load_options(GgufFile::open(&path).unwrap(), opts).unwrap()
-            }));
+            report.extend(follow_most(
+                &format!("{family} {ty}"),
+                &want,
+                FAMILY_LOGIT_BOUND,
+                share,
+                &|| Model::load_options(GgufFile::open(&path).unwrap(), opts).unwrap(),
+            ));
         }
     }
     eprintln!("{}", report.join("\n"));

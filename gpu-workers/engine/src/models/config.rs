@@ -155,13 +155,20 @@ impl MoeSpec {
         let gating = match h.opt_u("expert_gating_func")? {
             None | Some(0) | Some(1) => Gating::Softmax,
             Some(2) => Gating::Sigmoid,
-            Some(other) => return bad(format!("expert gating function {other} is not supported (1: softmax, 2: sigmoid)")),
+            Some(other) => {
+                return bad(format!(
+                    "expert gating function {other} is not supported (1: softmax, 2: sigmoid)"
+                ))
+            }
         };
         let spec = Self {
             experts,
             used,
             shared: h.opt_u("expert_shared_count")?.unwrap_or(0),
-            ff_expert: h.opt_u("expert_feed_forward_length")?.filter(|&f| f > 0).unwrap_or(ff_default),
+            ff_expert: h
+                .opt_u("expert_feed_forward_length")?
+                .filter(|&f| f > 0)
+                .unwrap_or(ff_default),
             gating,
             norm_weights: h.opt_bool("expert_weights_norm")?.unwrap_or(norm_default),
             weights_scale: h.opt_f("expert_weights_scale")?.filter(|&s| s != 0.0).unwrap_or(1.0),
@@ -170,7 +177,10 @@ impl MoeSpec {
             leading_dense: h.opt_u("leading_dense_block_count")?.unwrap_or(0),
         };
         if experts > 1 << 12 || used == 0 || used > experts || spec.shared > 64 {
-            return bad(format!("{used} of {experts} experts ({} shared) is out of range", spec.shared));
+            return bad(format!(
+                "{used} of {experts} experts ({} shared) is out of range",
+                spec.shared
+            ));
         }
         if spec.ff_expert == 0 || spec.ff_expert > 1 << 20 || spec.leading_dense > n_layers {
             return bad(format!(
@@ -179,7 +189,10 @@ impl MoeSpec {
             ));
         }
         if !(spec.weights_scale.is_finite() && spec.weights_scale > 0.0) {
-            return bad(format!("expert weights scale {} is not a positive number", spec.weights_scale));
+            return bad(format!(
+                "expert weights scale {} is not a positive number",
+                spec.weights_scale
+            ));
         }
         if spec.groups > 1
             && (experts % spec.groups != 0
@@ -696,8 +709,16 @@ impl fmt::Display for ModelConfig {
                 m.experts,
                 m.gating,
                 if m.norm_weights { ", renormalized" } else { "" },
-                if m.weights_scale != 1.0 { format!(", ×{}", m.weights_scale) } else { String::new() },
-                if m.groups > 1 { format!(", best {} of {} groups", m.groups_used, m.groups) } else { String::new() },
+                if m.weights_scale != 1.0 {
+                    format!(", ×{}", m.weights_scale)
+                } else {
+                    String::new()
+                },
+                if m.groups > 1 {
+                    format!(", best {} of {} groups", m.groups_used, m.groups)
+                } else {
+                    String::new()
+                },
                 m.ff_expert,
                 m.shared,
                 m.leading_dense
@@ -718,6 +739,20 @@ impl fmt::Display for ModelConfig {
                 m.v_head
             )?;
         }
+        let kv = self.kv_footprint(KvDtype::F16);
+        writeln!(
+            f,
+            "KV cache: {} bytes per token at f16{}",
+            kv.bytes_per_token,
+            match self.mla {
+                Some(_) => format!(
+                    " (latent; full attention at these dims: {}, {:.1}x more)",
+                    kv.full_attention_bytes_per_token,
+                    kv.full_attention_bytes_per_token as f64 / kv.bytes_per_token.max(1) as f64
+                ),
+                None => String::new(),
+            }
+        )?;
         write!(f, "context: {} tokens", self.context_length)
     }
 }

@@ -27,8 +27,10 @@ pub const FAMILY: Family = Family {
 
 fn configure(h: &Hparams<'_>, c: &mut ModelConfig) -> Result<(), ModelError> {
     let bad = |m: String| Err(ModelError::Config(m));
-    let (Some(k_mla), Some(v_mla)) = (h.opt_u("attention.key_length_mla")?, h.opt_u("attention.value_length_mla")?)
-    else {
+    let (Some(k_mla), Some(v_mla)) = (
+        h.opt_u("attention.key_length_mla")?,
+        h.opt_u("attention.value_length_mla")?,
+    ) else {
         return bad(
             "a deepseek2 file without attention.key_length_mla (converted before llama.cpp split attn_kv_b); convert it again with a current convert_hf_to_gguf.py".into(),
         );

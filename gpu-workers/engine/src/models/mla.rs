@@ -145,10 +145,7 @@ impl Latent {
             pool.write(b.tables[i][p / bt], p % bt, l, row, &[]);
         }
         // Every head's query against the latent: [W_kbᵀ·q_nope | rope(q_pe)].
-        let mut q_pe: Vec<f32> = q
-            .chunks_exact(kh)
-            .flat_map(|head| head[m.qk_nope..].to_vec())
-            .collect();
+        let mut q_pe: Vec<f32> = q.chunks_exact(kh).flat_map(|head| head[m.qk_nope..].to_vec()).collect();
         rope::rotate(&mut q_pe, nh, m.qk_rope, c.rope_layout, rope_table);
         let mut queries = vec![0f32; t * nh * ld];
         let (mut x, mut y) = (vec![0f32; t * m.qk_nope], vec![0f32; t * r]);

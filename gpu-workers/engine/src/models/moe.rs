@@ -80,13 +80,9 @@ impl Moe {
             0 => None,
             k => Some(load_mlp(file, l, "_shexp", d, k * ff)?),
         };
-        let bias = opt_vector(file, &format!("blk.{l}.exp_probs_b.bias"), n)?;
-        if spec.gating == Gating::Sigmoid && bias.is_none() {
-            tracing::debug!(layer = l, "sigmoid routing without a selection bias");
-        }
         Ok(Self {
             router,
-            bias,
+            bias: opt_vector(file, &format!("blk.{l}.exp_probs_b.bias"), n)?,
             experts,
             shared,
             tokens: (0..n).map(|_| AtomicU64::new(0)).collect(),
@@ -138,14 +134,11 @@ impl Moe {
         let (d, n) = (model.config.d_model, self.experts.len());
         let rows = h.len() / d;
         let mut logits = vec![0f32; rows * n];
-        logits
-            .par_chunks_mut(n)
-            .zip(h.par_chunks(d))
-            .for_each(|(lo, x)| {
-                for (l, w) in lo.iter_mut().zip(self.router.chunks_exact(d)) {
-                    *l = w.iter().zip(x).map(|(a, b)| a * b).sum();
-                }
-            });
+        logits.par_chunks_mut(n).zip(h.par_chunks(d)).for_each(|(lo, x)| {
+            for (l, w) in lo.iter_mut().zip(self.router.chunks_exact(d)) {
+                *l = w.iter().zip(x).map(|(a, b)| a * b).sum();
+            }
+        });
         // Each expert's rows and their weights.
         let mut chosen: Vec<Vec<(usize, f32)>> = vec![Vec::new(); n];
         let mut scratch = RouteScratch::default();
@@ -154,20 +147,42 @@ impl Moe {
                 chosen[e].push((r, w));
             }
         }
+        // The chosen experts run side by side, one task each (a decode step's experts
+        // have a row or a few: splitting each one's matrices between threads costs more in
+        // synchronisation than it gains); their outputs are added in expert order, so a
+        // row's result does not depend on the scheduling.
+        let work: Vec<(usize, &[(usize, f32)])> = chosen
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| !p.is_empty())
+            .map(|(e, p)| (e, p.as_slice()))
+            .collect();
+        let precise = s.mm.precise;
+        let scratch = || {
+            let mut s = ForwardScratch::default();
+            s.mm.precise = precise;
+            (s, MlpBufs::default(), Vec::new())
+        };
+        let outputs: Vec<Vec<f32>> = work
+            .par_iter()
+            .map_init(scratch, |(s, bufs, xe), &(e, picks)| {
+                self.tokens[e].fetch_add(picks.len() as u64, Ordering::Relaxed);
+                xe.clear();
+                for &(r, _) in picks {
+                    xe.extend_from_slice(&h[r * d..(r + 1) * d]);
+                }
+                let mut ye = vec![0f32; picks.len() * d];
+                self.experts[e].forward(model, &xe[..], bufs, &mut ye, s);
+                ye
+            })
+            .collect();
         out.fill(0.0);
-        let (mut xe, mut ye) = (Vec::new(), Vec::new());
-        for (e, picks) in chosen.iter().enumerate().filter(|(_, p)| !p.is_empty()) {
-            self.tokens[e].fetch_add(picks.len() as u64, Ordering::Relaxed);
-            xe.clear();
-            for &(r, _) in picks {
-                xe.extend_from_slice(&h[r * d..(r + 1) * d]);
-            }
-            ye.resize(picks.len() * d, 0.0);
-            self.experts[e].forward(model, &xe, bufs, &mut ye, s);
+        for (&(_, picks), ye) in work.iter().zip(&outputs) {
             for (&(r, w), y) in picks.iter().zip(ye.chunks_exact(d)) {
                 out[r * d..(r + 1) * d].iter_mut().zip(y).for_each(|(o, y)| *o += w * y);
             }
         }
+        let mut ye = Vec::new();
         if let Some(shared) = &self.shared {
             ye.resize(rows * d, 0.0);
             shared.forward(model, h, bufs, &mut ye, s);

@@ -94,7 +94,14 @@ impl Mlp {
     }
 
     /// The MLP of `h` (rows of `d_model`) into `out`; `bufs` are scratch.
-    pub(super) fn forward(&self, model: &Model, h: &[f32], bufs: &mut MlpBufs, out: &mut [f32], s: &mut ForwardScratch) {
+    pub(super) fn forward(
+        &self,
+        model: &Model,
+        h: &[f32],
+        bufs: &mut MlpBufs,
+        out: &mut [f32],
+        s: &mut ForwardScratch,
+    ) {
         let rows = h.len() / model.config.d_model;
         let ff = self.down.cols;
         let MlpBufs { gate, up, fused } = bufs;
@@ -143,7 +150,7 @@ struct HeadsAttention {
 enum Attention {
     Heads(HeadsAttention),
     /// Multi-head latent attention (DeepSeek): [`super::mla`].
-    Latent(Box<Latent>),
+    Latent(Latent),
 }
 
 #[derive(Debug)]
@@ -365,7 +372,13 @@ pub(super) fn load_mlp(g: &GgufFile, l: usize, suffix: &str, d: usize, ff: usize
 /// The `n` matrices of a 3-D tensor `[cols, rows, n]` (experts, per-head projections):
 /// matrix `e` is the `e`-th equal slice of its bytes, a matrix of its own (repacked like
 /// any other).
-pub(super) fn matrices_3d(g: &GgufFile, name: &str, n: usize, rows: usize, cols: usize) -> Result<Vec<Matrix>, ModelError> {
+pub(super) fn matrices_3d(
+    g: &GgufFile,
+    name: &str,
+    n: usize,
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<Matrix>, ModelError> {
     let t = tensor(g, name)?;
     if t.dims != [cols as u64, rows as u64, n as u64] {
         return Err(ModelError::Shape {
@@ -391,7 +404,9 @@ pub(super) fn matrices_3d(g: &GgufFile, name: &str, n: usize, rows: usize, cols:
 
 /// Rows of `cols` values of type `ty` are a whole number of blocks.
 fn check_row_blocks(name: &str, ty: GgmlType, cols: usize) -> Result<(), ModelError> {
-    let (per_block, _) = ty.block_layout().ok_or(ModelError::TensorType { name: name.into(), ty })?;
+    let (per_block, _) = ty
+        .block_layout()
+        .ok_or(ModelError::TensorType { name: name.into(), ty })?;
     if !cols.is_multiple_of(per_block) || (per_block > 1 && !cols.is_multiple_of(QK)) {
         return Err(ModelError::Config(format!(
             "{name}: row length {cols} is not a whole number of blocks"
@@ -560,10 +575,7 @@ impl Model {
         let n = |s: &str| format!("blk.{l}.{s}.weight");
         let sh = c.norm_shift;
         let (attn, wo_cols) = match &c.mla {
-            Some(m) => (
-                Attention::Latent(Box::new(Latent::load(file, c, m, l)?)),
-                c.n_heads * m.v_head,
-            ),
+            Some(m) => (Attention::Latent(Latent::load(file, c, m, l)?), c.n_heads * m.v_head),
             None => (Attention::Heads(Self::load_heads(file, c, l)?), c.q_dim()),
         };
         let ffn = match &c.moe {
@@ -910,7 +922,9 @@ impl Model {
                     w_up: self.view(up),
                     w_down: self.view(down),
                 }),
-                _ => Err("fused projections, biases, experts and latent attention are computed on the CPU only".to_string()),
+                _ => Err(
+                    "fused projections, biases, experts and latent attention are computed on the CPU only".to_string(),
+                ),
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(ModelWeights {
