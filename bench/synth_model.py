@@ -214,6 +214,12 @@ def write_f16(path, shape, reference, seed):
     def mats(n, rows, cols, std):
         return (rng.standard_normal((n, rows, cols), dtype=np.float32) * std).astype(np.float16)
 
+    def mlp(p, suffix, width):
+        """A gated MLP's three matrices (a dense layer's, or DeepSeek's shared experts')."""
+        w.add_tensor(p + f"ffn_gate{suffix}.weight", mat(width, d, 1.0 / np.sqrt(d)))
+        w.add_tensor(p + f"ffn_up{suffix}.weight", mat(width, d, 1.0 / np.sqrt(d)))
+        w.add_tensor(p + f"ffn_down{suffix}.weight", mat(d, width, 1.0 / np.sqrt(width)))
+
     def norm(n):
         return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
 
@@ -285,16 +291,11 @@ def write_f16(path, shape, reference, seed):
             # much smaller, so that the residual stream stays as spread as a dense model's.
             w.add_tensor(p + "ffn_down_exps.weight", mats(n, d, fe, 1.0 / np.sqrt(fe) / moe.get("scale", 1.0)))
             if moe.get("shared"):
-                fs = fe * moe["shared"]
-                w.add_tensor(p + "ffn_gate_shexp.weight", mat(fs, d, 1.0 / np.sqrt(d)))
-                w.add_tensor(p + "ffn_up_shexp.weight", mat(fs, d, 1.0 / np.sqrt(d)))
-                w.add_tensor(p + "ffn_down_shexp.weight", mat(d, fs, 1.0 / np.sqrt(fs)))
+                mlp(p, "_shexp", fe * moe["shared"])
         elif s.get("fused"):
             w.add_tensor(p + "ffn_up.weight", mat(2 * ff, d, 1.0 / np.sqrt(d)))
         else:
-            w.add_tensor(p + "ffn_gate.weight", mat(ff, d, 1.0 / np.sqrt(d)))
-            w.add_tensor(p + "ffn_up.weight", mat(ff, d, 1.0 / np.sqrt(d)))
-            w.add_tensor(p + "ffn_down.weight", mat(d, ff, 1.0 / np.sqrt(ff)))
+            mlp(p, "", ff)
         if s.get("gemma"):
             w.add_tensor(p + "post_attention_norm.weight", norm(d))
             w.add_tensor(p + "post_ffw_norm.weight", norm(d))
