@@ -67,13 +67,13 @@ SHAPES = {
                        template="Qwen-Qwen3-0.6B"),
     "llama-as-qwen3-0.6b": dict(vocab="qwen2", d=1024, layers=28, ff=3072, heads=16, kv_heads=8,
                                 head_dim=128, theta=1000000.0, tied=True, ctx=40960),
-    # ~1 GB at Q4_K_M: Qwen3-30B-A3B's routing (8 of 64 experts) at a width one core runs.
-    # Diagnostics: DeepSeek's latent attention with every layer dense (no routing).
+    # DeepSeek's latent attention with every layer dense (no routing).
     "deepseek2-mla-tiny": dict(arch="deepseek2", vocab="deepseek-llm", layers=3, ff=512, heads=4,
                                mla=dict(q_lora=256, kv_lora=256, rope=64, nope=128, v=128),
                                moe=dict(experts=16, used=4, ff_exp=256, shared=1, dense=3, sigmoid=True, norm=True),
                                yarn=dict(factor=4.0, orig=512, log_mul=1.0), theta=10000.0,
                                template="deepseek-ai-DeepSeek-V3.1"),
+    # ~1 GB at Q4_K_M: Qwen3-30B-A3B's routing (8 of 64 experts) at a width one core runs.
     "qwen3moe-1g": dict(arch="qwen3moe", vocab="qwen2", d=1024, layers=16, ff=3072, heads=16, kv_heads=4,
                         head_dim=128, qk_norm=True, theta=1000000.0, ctx=40960,
                         moe=dict(experts=64, used=8, ff_exp=512), template="Qwen-Qwen3-0.6B"),

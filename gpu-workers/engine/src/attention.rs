@@ -93,14 +93,14 @@ fn attend_scalar(
     let off = h.kv_head * hd;
     let latent = pool.shape().latent;
     for (p, &w) in span.zip(scores.iter()) {
-        let values = pool.values(table[p / bt], h.layer);
+        // A latent pool's value is its key's leading part (stored transposed).
+        let (values, at) = match latent {
+            true => (pool.keys(table[p / bt], h.layer), off * bt + p % bt),
+            false => (pool.values(table[p / bt], h.layer), (p % bt) * h.kv_dim + off),
+        };
+        let stride = if latent { bt } else { 1 };
         for (i, o) in out.iter_mut().enumerate() {
-            // A latent pool's value is its key's leading part (stored transposed).
-            let at = match latent {
-                true => off * bt + i * bt + p % bt,
-                false => (p % bt) * h.kv_dim + off + i,
-            };
-            *o += w * inv * values.get(at);
+            *o += w * inv * values.get(at + i * stride);
         }
     }
 }
@@ -210,7 +210,7 @@ fn attend_group_on(
     // SAFETY: as above; `out` holds `m · hd` (`m · vd` for a latent pool, `vd < hd`).
     unsafe {
         match latent {
-            true => x86::latent_values(scores, width, blocks, pool, h, out),
+            true => x86::latent_values(scores, width, hi - base, blocks, pool, h, out),
             false => x86::group_values(scores, width, hi - base, blocks, pool, h, out, wide),
         }
     };
@@ -365,18 +365,28 @@ mod x86 {
         run!(1 2 3 4 5 6 7 8 9 10 11 12)
     }
 
-    /// `out[m][i] = Σⱼ p[m][j] · K[i][j]` for the leading `out.len() / M` dims of a latent
-    /// pool's keys (stored `[dim][slot]`, so each dim is a dot product over contiguous
-    /// positions). Weights past each query's span are zero.
+    /// `out[m][i] = Σⱼ p[m][j] · K[i][j]` over the first `n` positions of `blocks`, for the
+    /// leading `out.len() / M` dims of a latent pool's keys (stored `[dim][slot]`, so each
+    /// dim is a dot product over contiguous positions). Slots past `n` are never read: they
+    /// may hold another sequence's stale values (an infinity times a zero weight is NaN).
     ///
     /// # Safety
     /// AVX2/FMA/F16C; the block length a multiple of 8; `p` holds `M · width`, `width`
-    /// covering every position of `blocks`.
-    pub unsafe fn latent_values(p: &[f32], width: usize, blocks: &[u32], pool: &KvPool, h: HeadSpec, out: &mut [f32]) {
+    /// covering every position of `blocks`; `out.len() / M ≤ head_dim` and `kv_head` is a
+    /// head of the pool.
+    pub unsafe fn latent_values(
+        p: &[f32],
+        width: usize,
+        n: usize,
+        blocks: &[u32],
+        pool: &KvPool,
+        h: HeadSpec,
+        out: &mut [f32],
+    ) {
         macro_rules! run {
             ($($m:literal)*) => {
                 match p.len() / width {
-                    $($m => latent_values_m::<$m>(p, width, blocks, pool, h, out),)*
+                    $($m => latent_values_m::<$m>(p, width, n, blocks, pool, h, out),)*
                     _ => unreachable!("group sizes are 1..=MAX_GROUP"),
                 }
             };
@@ -388,6 +398,7 @@ mod x86 {
     unsafe fn latent_values_m<const M: usize>(
         p: &[f32],
         width: usize,
+        n: usize,
         blocks: &[u32],
         pool: &KvPool,
         h: HeadSpec,
@@ -398,13 +409,21 @@ mod x86 {
         let off = h.kv_head * h.head_dim * bt;
         for i in 0..vd {
             let mut acc = [_mm256_setzero_ps(); M];
+            let mut tail = [0f32; M];
             for (bi, &block) in blocks.iter().enumerate() {
                 let k = pool.keys(block, h.layer);
-                for part in 0..bt / 8 {
+                let live = (n - bi * bt).min(bt);
+                for part in 0..live / 8 {
                     let kv = load8(k, off + i * bt + 8 * part);
                     let j = bi * bt + 8 * part;
                     for (m, a) in acc.iter_mut().enumerate() {
                         *a = _mm256_fmadd_ps(_mm256_loadu_ps(p.as_ptr().add(m * width + j)), kv, *a);
+                    }
+                }
+                for slot in live / 8 * 8..live {
+                    let kv = k.get(off + i * bt + slot);
+                    for (m, t) in tail.iter_mut().enumerate() {
+                        *t += *p.get_unchecked(m * width + bi * bt + slot) * kv;
                     }
                 }
             }
@@ -413,7 +432,7 @@ mod x86 {
                 let s4 = _mm_add_ps(_mm256_castps256_ps128(*a), hi);
                 let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
                 let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-                *out.get_unchecked_mut(m * vd + i) = _mm_cvtss_f32(s1);
+                *out.get_unchecked_mut(m * vd + i) = _mm_cvtss_f32(s1) + tail[m];
             }
         }
     }
@@ -598,6 +617,10 @@ mod tests {
                 let keys: Vec<Vec<f32>> = (0..n).map(|_| (0..hd).map(|_| rng.next_f32()).collect()).collect();
                 for (p, k) in keys.iter().enumerate() {
                     pool.write(table[p / bt], p % bt, 1, k, &[]);
+                }
+                // The last block's unused slots hold another sequence's garbage: never read.
+                for p in n..table.len() * bt {
+                    pool.write(table[p / bt], p % bt, 1, &vec![f32::INFINITY; hd], &[]);
                 }
                 for m in [1, 5, MAX_GROUP] {
                     let qs: Vec<Vec<f32>> = (0..m).map(|_| (0..hd).map(|_| rng.next_f32()).collect()).collect();

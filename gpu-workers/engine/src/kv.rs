@@ -1,7 +1,8 @@
 //! The paged KV cache.
 //!
 //! * [`KvPool`] is the memory: a fixed number of blocks, each holding K and V of
-//!   `block_tokens` positions for every layer. A sequence's positions live in the blocks of
+//!   `block_tokens` positions for every layer (or, for latent attention, one latent vector
+//!   per position and layer: [`KvShape::latent`]). A sequence's positions live in the blocks of
 //!   its block table; nothing is reallocated per token.
 //! * [`BlockManager`] decides who owns which block: reference counts, the prefix cache
 //!   (full blocks named by their chained [`BlockHash`]), LRU eviction of cached blocks no
@@ -75,7 +76,7 @@ impl KvShape {
         }
     }
 
-    /// Elements of one block (K and V of every layer).
+    /// Elements of one block (K and V, or the latent, of every layer).
     fn block_elems(&self) -> usize {
         self.n_layers * self.sections() * self.block_tokens * self.kv_dim()
     }
@@ -234,11 +235,12 @@ impl KvPool {
         self.section(self.base(block, layer, 0))
     }
 
-    /// Values of one block and layer: `[slot][kv_dim]` (a latent pool has none: its keys).
+    /// Values of one block and layer: `[slot][kv_dim]`. A latent pool has none (its values
+    /// are its keys' leading dims: read [`KvPool::keys`]).
     #[inline]
     pub fn values(&self, block: u32, layer: usize) -> KvSlice<'_> {
-        let kind = usize::from(!self.shape.latent);
-        self.section(self.base(block, layer, kind))
+        assert!(!self.shape.latent, "a latent pool has no value section");
+        self.section(self.base(block, layer, 1))
     }
 
     /// Key `j` (of `kv_dim`) at `slot`, as f32 (for tests and tools).

@@ -344,7 +344,8 @@ pub struct WorkerInfo {
 pub struct KvFootprint {
     /// `heads` (every KV head's keys and values) or `latent` (multi-head latent attention).
     pub layout: KvLayoutKind,
-    /// Bytes per cached token, every layer, at the worker's KV element type.
+    /// Bytes per cached token, every layer, at the worker's KV element type (f16 where the
+    /// worker reports a model it has not loaded).
     pub bytes_per_token: u64,
     /// Bytes per token the same dims would take with full attention.
     pub full_attention_bytes_per_token: u64,

@@ -139,14 +139,8 @@ pub struct MoeSpec {
 
 impl MoeSpec {
     /// The file's `expert_*` keys (None: the file has no experts). `ff_default` is the
-    /// experts' width where the file does not say; `norm_default` whether the chosen
-    /// experts' weights are renormalized where it does not say.
-    pub fn read(
-        h: &Hparams<'_>,
-        n_layers: usize,
-        ff_default: usize,
-        norm_default: bool,
-    ) -> Result<Option<Self>, ModelError> {
+    /// experts' width where the file does not say.
+    pub fn read(h: &Hparams<'_>, n_layers: usize, ff_default: usize) -> Result<Option<Self>, ModelError> {
         let Some(experts) = h.opt_u("expert_count")?.filter(|&n| n > 0) else {
             return Ok(None);
         };
@@ -170,7 +164,7 @@ impl MoeSpec {
                 .filter(|&f| f > 0)
                 .unwrap_or(ff_default),
             gating,
-            norm_weights: h.opt_bool("expert_weights_norm")?.unwrap_or(norm_default),
+            norm_weights: h.opt_bool("expert_weights_norm")?.unwrap_or(false),
             weights_scale: h.opt_f("expert_weights_scale")?.filter(|&s| s != 0.0).unwrap_or(1.0),
             groups: h.opt_u("expert_group_count")?.unwrap_or(0),
             groups_used: h.opt_u("expert_group_used_count")?.unwrap_or(0),

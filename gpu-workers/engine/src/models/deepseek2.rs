@@ -54,15 +54,16 @@ fn configure(h: &Hparams<'_>, c: &mut ModelConfig) -> Result<(), ModelError> {
             spec.latent_dim()
         ));
     }
-    if spec.qk_nope == 0 || kv_lora_rank == 0 || kv_lora_rank > 1 << 14 || v_mla == 0 || v_mla > 1 << 10 {
+    if spec.qk_nope == 0 || qk_rope == 0 || kv_lora_rank == 0 || kv_lora_rank > 1 << 14 || v_mla == 0 || v_mla > 1 << 10
+    {
         return bad(format!("latent attention dims {spec:?} out of range"));
     }
-    // Every head's query and key: `qk_nope + qk_rope` wide (what the score scale divides by).
+    // Every head's query and key: `qk_nope + qk_rope` wide (what the score scale divides
+    // by); one KV "head", the latent every head reads.
     c.head_dim = k_mla;
-    c.n_kv_heads = c.n_heads;
     c.mla = Some(spec);
     c.block.attn_scale = c.mla_score_scale();
     // Without experts (a dense model in this architecture) every layer is dense.
-    c.moe = MoeSpec::read(h, c.n_layers, c.n_ff, false)?;
+    c.moe = MoeSpec::read(h, c.n_layers, c.n_ff)?;
     Ok(())
 }

@@ -13,10 +13,10 @@ pub const FAMILY: Family = Family {
 };
 
 fn configure(h: &Hparams<'_>, c: &mut ModelConfig) -> Result<(), ModelError> {
+    (super::mistral::FAMILY.configure)(h, c)?;
     c.arch = Arch::Mixtral;
-    c.block.sliding_window = h.opt_u("attention.sliding_window")?.filter(|&w| w > 0);
     // llama.cpp's `llama` graph renormalizes the chosen experts' weights whatever the file says.
-    let mut moe = MoeSpec::read(h, c.n_layers, c.n_ff, true)?
+    let mut moe = MoeSpec::read(h, c.n_layers, c.n_ff)?
         .ok_or_else(|| ModelError::Config("a Mixtral file without expert_count".into()))?;
     moe.norm_weights = true;
     c.moe = Some(moe);

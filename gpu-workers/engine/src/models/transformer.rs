@@ -1002,7 +1002,7 @@ impl Model {
         let mut o = vec![0f32; t * d];
         let mut bufs = MlpBufs::default();
         let mut fused = Vec::new();
-        let tiles = attention_tiles(b, c.n_heads, if c.mla.is_some() { 1 } else { c.n_kv_heads });
+        let tiles = attention_tiles(b, c.n_heads, c.n_kv_heads);
         let rope_global = self.rope.table(b.positions);
         let rope_local = self.rope_local.as_ref().map(|r| r.table(b.positions));
         for (l, layer) in self.layers.iter().enumerate() {
