@@ -294,6 +294,7 @@ def write_f16(path, shape, reference, seed):
                 mlp(p, "_shexp", fe * moe["shared"])
         elif s.get("fused"):
             w.add_tensor(p + "ffn_up.weight", mat(2 * ff, d, 1.0 / np.sqrt(d)))
+            w.add_tensor(p + "ffn_down.weight", mat(d, ff, 1.0 / np.sqrt(ff)))
         else:
             mlp(p, "", ff)
         if s.get("gemma"):
