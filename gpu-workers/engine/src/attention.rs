@@ -409,21 +409,22 @@ mod x86 {
         let off = h.kv_head * h.head_dim * bt;
         for i in 0..vd {
             let mut acc = [_mm256_setzero_ps(); M];
-            let mut tail = [0f32; M];
             for (bi, &block) in blocks.iter().enumerate() {
                 let k = pool.keys(block, h.layer);
                 let live = (n - bi * bt).min(bt);
-                for part in 0..live / 8 {
-                    let kv = load8(k, off + i * bt + 8 * part);
+                // Chunks wholly past `n` would add exact zeros: skipped. The partial one has
+                // its dead lanes zeroed (their weights are zero too), so every row's sum runs
+                // in the same order whatever its group's `n`: a row's result never depends
+                // on the rows beside it.
+                for part in 0..live.div_ceil(8) {
+                    let lanes = _mm256_cmpgt_epi32(
+                        _mm256_set1_epi32((live - 8 * part) as i32),
+                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                    );
+                    let kv = _mm256_and_ps(load8(k, off + i * bt + 8 * part), _mm256_castsi256_ps(lanes));
                     let j = bi * bt + 8 * part;
                     for (m, a) in acc.iter_mut().enumerate() {
                         *a = _mm256_fmadd_ps(_mm256_loadu_ps(p.as_ptr().add(m * width + j)), kv, *a);
-                    }
-                }
-                for slot in live / 8 * 8..live {
-                    let kv = k.get(off + i * bt + slot);
-                    for (m, t) in tail.iter_mut().enumerate() {
-                        *t += *p.get_unchecked(m * width + bi * bt + slot) * kv;
                     }
                 }
             }
@@ -432,7 +433,7 @@ mod x86 {
                 let s4 = _mm_add_ps(_mm256_castps256_ps128(*a), hi);
                 let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
                 let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-                *out.get_unchecked_mut(m * vd + i) = _mm_cvtss_f32(s1) + tail[m];
+                *out.get_unchecked_mut(m * vd + i) = _mm_cvtss_f32(s1);
             }
         }
     }
