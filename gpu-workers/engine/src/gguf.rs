@@ -267,6 +267,10 @@ pub struct GgufFile {
     pub tensors: Vec<TensorInfo>,
     by_name: HashMap<String, usize>,
     pub alignment: u64,
+    /// Shards from this index on are anonymous memory (tensors a Hugging Face directory
+    /// stores in another shape, rearranged at open): never released, as they have no file
+    /// to be read back from.
+    memory_from: usize,
 }
 
 impl std::fmt::Debug for GgufFile {
@@ -447,19 +451,23 @@ impl GgufFile {
             tensors,
             by_name,
             alignment,
+            memory_from: 1,
         })
     }
 
     /// Assembles the view from already-checked parts: every tensor lies within its shard.
+    /// The last `memory_shards` maps are anonymous memory, not files.
     pub(crate) fn from_parts(
         path: std::path::PathBuf,
         maps: Vec<Mmap>,
+        memory_shards: usize,
         metadata: HashMap<String, MetaValue>,
         tensors: Vec<TensorInfo>,
     ) -> Self {
         debug_assert!(tensors.iter().all(|t| t.offset + t.len <= maps[t.shard].len()));
         let by_name = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
         Self {
+            memory_from: maps.len().saturating_sub(memory_shards),
             maps,
             path,
             version: 3,
@@ -489,6 +497,9 @@ impl GgufFile {
     /// and stay in the page cache; a later read faults them back in from the file.
     pub fn release(&self, shard: usize, offset: usize, len: usize) {
         const PAGE: usize = 4096;
+        if shard >= self.memory_from {
+            return;
+        }
         let map = &self.maps[shard];
         let start = offset.div_ceil(PAGE) * PAGE;
         let end = ((offset + len) / PAGE * PAGE).min(map.len());

@@ -31,7 +31,9 @@ use serde_json::{json, Value};
 
 use crate::gguf::{GgmlType, GgufError, GgufFile, MetaValue, TensorInfo};
 use crate::kernels::dequantize_row;
-use crate::models::{Arch, ModelConfig, ModelError, RopeLayout, RopeScalingKind, NORM_SHIFT_KEY, ROPE_LAYOUT_KEY};
+use crate::models::{
+    Arch, Gating, ModelConfig, ModelError, RopeLayout, RopeScalingKind, NORM_SHIFT_KEY, ROPE_LAYOUT_KEY,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HfError {
@@ -113,6 +115,26 @@ fn layer_names(arch: Arch) -> Vec<(&'static str, &'static str)> {
         ("mlp.gate_up_proj.weight", "ffn_up.weight"),
         ("mlp.down_proj.weight", "ffn_down.weight"),
     ];
+    // Mixtures of experts: the router, DeepSeek's selection bias and shared experts (the
+    // routed experts are per-expert tensors: [`expert_name`]).
+    t.push(if arch == Arch::Mixtral {
+        ("block_sparse_moe.gate.weight", "ffn_gate_inp.weight")
+    } else {
+        ("mlp.gate.weight", "ffn_gate_inp.weight")
+    });
+    t.extend([
+        ("mlp.gate.e_score_correction_bias", "exp_probs_b.bias"),
+        ("mlp.shared_experts.gate_proj.weight", "ffn_gate_shexp.weight"),
+        ("mlp.shared_experts.up_proj.weight", "ffn_up_shexp.weight"),
+        ("mlp.shared_experts.down_proj.weight", "ffn_down_shexp.weight"),
+        // Latent attention (`kv_b_proj` is split per head at open: [`split_latent_kv`]).
+        ("self_attn.q_a_proj.weight", "attn_q_a.weight"),
+        ("self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight"),
+        ("self_attn.q_b_proj.weight", "attn_q_b.weight"),
+        ("self_attn.kv_a_proj_with_mqa.weight", "attn_kv_a_mqa.weight"),
+        ("self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight"),
+        ("self_attn.kv_b_proj.weight", "attn_kv_b.weight"),
+    ]);
     if gemma {
         t.extend([
             ("post_attention_layernorm.weight", "post_attention_norm.weight"),
@@ -136,8 +158,39 @@ fn gguf_name(hf: &str, arch: Arch) -> Option<String> {
     let rest = hf.strip_prefix("model.layers.")?;
     let (layer, part) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
+    if let Some(expert) = part
+        .strip_prefix("mlp.experts.")
+        .or_else(|| part.strip_prefix("block_sparse_moe.experts."))
+    {
+        let (e, m) = expert.split_once('.')?;
+        let e: usize = e.parse().ok()?;
+        let (_, _, g) = EXPERT_NAMES
+            .iter()
+            .find(|(h, h_mixtral, _)| *h == m || *h_mixtral == m)?;
+        return Some(format!("blk.{layer}.{g}.{e}.weight"));
+    }
     let (_, g) = layer_names(arch).into_iter().find(|(h, _)| *h == part)?;
     Some(format!("blk.{layer}.{g}"))
+}
+
+/// A routed expert's matrices: (Hugging Face name after `mlp.experts.E.`, Mixtral's after
+/// `block_sparse_moe.experts.E.`, the GGUF 3-D tensor's stem). A Hugging Face directory's
+/// experts are presented as `blk.N.{stem}.E.weight`, which the model code reads as the
+/// slices of one stacked tensor.
+const EXPERT_NAMES: [(&str, &str, &str); 3] = [
+    ("gate_proj.weight", "w1.weight", "ffn_gate_exps"),
+    ("up_proj.weight", "w3.weight", "ffn_up_exps"),
+    ("down_proj.weight", "w2.weight", "ffn_down_exps"),
+];
+
+/// Expert `e` of layer `layer`'s `stem` tensor (`ffn_gate_exps`, …) under its Hugging Face name.
+fn expert_name(arch: Arch, layer: &str, stem: &str, e: usize) -> Option<String> {
+    let (h, h_mixtral, _) = EXPERT_NAMES.iter().find(|(_, _, g)| *g == stem)?;
+    Some(if arch == Arch::Mixtral {
+        format!("model.layers.{layer}.block_sparse_moe.experts.{e}.{h_mixtral}")
+    } else {
+        format!("model.layers.{layer}.mlp.experts.{e}.{h}")
+    })
 }
 
 /// GGUF tensor name → Hugging Face tensor name (the inverse of [`gguf_name`]; a fused
@@ -213,8 +266,18 @@ fn ggml_type(d: Dtype) -> Option<GgmlType> {
     }
 }
 
-/// Maps every shard and lists its tensors under GGUF names (dims reversed to GGUF order).
-fn open_weights(dir: &Path, arch: Arch) -> Result<(Vec<Mmap>, Vec<TensorInfo>), HfError> {
+/// Maps every shard and lists its tensors under GGUF names (dims reversed to GGUF order),
+/// leaving out layers from `skip_from` on.
+fn open_weights(dir: &Path, arch: Arch, skip_from: Option<usize>) -> Result<(Vec<Mmap>, Vec<TensorInfo>), HfError> {
+    let skipped = |name: &str| {
+        name.ends_with("rotary_emb.inv_freq") // recomputed from rope_theta
+            || skip_from.is_some_and(|from| {
+                name.strip_prefix("model.layers.")
+                    .and_then(|r| r.split_once('.'))
+                    .and_then(|(l, _)| l.parse::<usize>().ok())
+                    .is_some_and(|l| l >= from)
+            })
+    };
     let (files, weight_map) = shard_files(dir)?;
     let mut maps = Vec::with_capacity(files.len());
     let mut tensors = Vec::new();
@@ -230,8 +293,8 @@ fn open_weights(dir: &Path, arch: Arch) -> Result<(Vec<Mmap>, Vec<TensorInfo>), 
         })?;
         let base = map.as_ptr() as usize;
         for (name, view) in st.tensors() {
-            if name.ends_with("rotary_emb.inv_freq") {
-                continue; // recomputed from rope_theta
+            if skipped(&name) {
+                continue;
             }
             let Some(gname) = gguf_name(&name, arch) else {
                 return Err(invalid(
@@ -268,10 +331,7 @@ fn open_weights(dir: &Path, arch: Arch) -> Result<(Vec<Mmap>, Vec<TensorInfo>), 
         maps.push(map);
     }
     if let Some(wm) = &weight_map {
-        if let Some(missing) = wm
-            .keys()
-            .find(|k| !seen.contains(*k) && !k.ends_with("rotary_emb.inv_freq"))
-        {
+        if let Some(missing) = wm.keys().find(|k| !seen.contains(*k) && !skipped(k)) {
             return Err(invalid(
                 dir,
                 format!("tensor {missing} is in the index but in no shard"),
@@ -288,8 +348,9 @@ fn uint(cfg: &Value, path: &Path, key: &str) -> Result<u64, HfError> {
 }
 
 /// `config.json` → GGUF `{arch}.*` metadata, refusing what the families' forward pass does
-/// not do. Returns the architecture.
-fn config_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<Arch, HfError> {
+/// not do. Returns the architecture, and the first layer whose tensors are not the model's
+/// own (DeepSeek-V3's multi-token-prediction layers, which llama.cpp's converter drops too).
+fn config_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<(Arch, Option<usize>), HfError> {
     let path = dir.join("config.json");
     let cfg = read_json(&path)?;
     let model_type = cfg.get("model_type").and_then(Value::as_str).unwrap_or("");
@@ -332,9 +393,11 @@ fn config_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<
     let d = uint(&cfg, &path, "hidden_size")?;
     let heads = uint(&cfg, &path, "num_attention_heads")?;
     let kv_heads = cfg.get("num_key_value_heads").and_then(Value::as_u64).unwrap_or(heads);
+    let mla = arch == Arch::Deepseek2;
     let head_dim = match cfg.get("head_dim").and_then(Value::as_u64) {
         Some(hd) => hd,
         None if heads > 0 && d % heads == 0 => d / heads,
+        None if mla => 0, // the latent's dims, set below
         None => {
             return Err(invalid(
                 &path,
@@ -418,10 +481,135 @@ fn config_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<
             // Gemma's norms multiply by `1 + w`: GGUF stores the sum, this view shifts.
             meta.insert(NORM_SHIFT_KEY.into(), MetaValue::F64(1.0));
         }
+        Arch::Mixtral => {
+            if let Some(w) = window {
+                put("attention.sliding_window", MetaValue::U64(w));
+            }
+            put("expert_count", MetaValue::U64(uint(&cfg, &path, "num_local_experts")?));
+            put(
+                "expert_used_count",
+                MetaValue::U64(uint(&cfg, &path, "num_experts_per_tok")?),
+            );
+        }
+        Arch::Qwen3Moe => {
+            // The families renormalize the chosen experts' weights, as llama.cpp does.
+            if cfg.get("norm_topk_prob").and_then(Value::as_bool) == Some(false) {
+                return Err(unsupported(
+                    "norm_topk_prob false (the chosen experts' weights are renormalized)",
+                ));
+            }
+            if cfg
+                .get("decoder_sparse_step")
+                .and_then(Value::as_u64)
+                .is_some_and(|s| s != 1)
+                || cfg
+                    .get("mlp_only_layers")
+                    .and_then(Value::as_array)
+                    .is_some_and(|a| !a.is_empty())
+            {
+                return Err(unsupported(
+                    "dense layers among the expert layers (decoder_sparse_step, mlp_only_layers)",
+                ));
+            }
+            put("expert_count", MetaValue::U64(uint(&cfg, &path, "num_experts")?));
+            put(
+                "expert_used_count",
+                MetaValue::U64(uint(&cfg, &path, "num_experts_per_tok")?),
+            );
+            put(
+                "expert_feed_forward_length",
+                MetaValue::U64(uint(&cfg, &path, "moe_intermediate_size")?),
+            );
+        }
+        Arch::Deepseek2 => {
+            let rank = |k: &str| cfg.get(k).and_then(Value::as_u64).unwrap_or(0);
+            let (kv_lora, rope) = (
+                uint(&cfg, &path, "kv_lora_rank")?,
+                uint(&cfg, &path, "qk_rope_head_dim")?,
+            );
+            let (nope, v) = (uint(&cfg, &path, "qk_nope_head_dim")?, uint(&cfg, &path, "v_head_dim")?);
+            put("attention.q_lora_rank", MetaValue::U64(rank("q_lora_rank")));
+            put("attention.kv_lora_rank", MetaValue::U64(kv_lora));
+            // The cache's one "head" is the latent; each query head is `nope + rope` wide.
+            put("attention.head_count_kv", MetaValue::U64(1));
+            put("attention.key_length", MetaValue::U64(kv_lora + rope));
+            put("attention.value_length", MetaValue::U64(kv_lora));
+            put("attention.key_length_mla", MetaValue::U64(nope + rope));
+            put("attention.value_length_mla", MetaValue::U64(v));
+            put("rope.dimension_count", MetaValue::U64(rope));
+            if let Some(r) = cfg.get("rope_scaling").filter(|v| !v.is_null()) {
+                let m = |k: &str| r.get(k).and_then(Value::as_f64);
+                if m("mscale").unwrap_or(0.0) != m("mscale_all_dim").unwrap_or(0.0) {
+                    return Err(unsupported("rope_scaling with mscale unlike mscale_all_dim"));
+                }
+                if let Some(all) = m("mscale_all_dim") {
+                    put("rope.scaling.yarn_log_multiplier", MetaValue::F64(0.1 * all));
+                }
+            }
+            if let Some(n) = cfg.get("n_routed_experts").and_then(Value::as_u64).filter(|&n| n > 0) {
+                if cfg
+                    .get("moe_layer_freq")
+                    .and_then(Value::as_u64)
+                    .is_some_and(|f| f != 1)
+                {
+                    return Err(unsupported("moe_layer_freq other than 1"));
+                }
+                let scoring = cfg.get("scoring_func").and_then(Value::as_str).unwrap_or("softmax");
+                let gating = match scoring {
+                    "softmax" => 1,
+                    "sigmoid" => 2,
+                    other => {
+                        return Err(unsupported(&format!(
+                            "scoring_func {other:?} (softmax and sigmoid are)"
+                        )))
+                    }
+                };
+                let groups = cfg.get("n_group").and_then(Value::as_u64).unwrap_or(1);
+                let method = cfg.get("topk_method").and_then(Value::as_str).unwrap_or("greedy");
+                match method {
+                    "greedy" => {}
+                    // A group scores the sum of its best two experts (DeepSeek-V3).
+                    "noaux_tc" if groups > 1 => {
+                        put("expert_group_count", MetaValue::U64(groups));
+                        put("expert_group_used_count", MetaValue::U64(uint(&cfg, &path, "topk_group")?));
+                    }
+                    "noaux_tc" | "group_limited_greedy" if groups <= 1 => {}
+                    other => {
+                        return Err(unsupported(&format!(
+                            "topk_method {other:?} with {groups} groups (a group scoring its single best expert; Hearth's grouped routing is DeepSeek-V3's noaux_tc)"
+                        )))
+                    }
+                }
+                put("expert_count", MetaValue::U64(n));
+                put(
+                    "expert_used_count",
+                    MetaValue::U64(uint(&cfg, &path, "num_experts_per_tok")?),
+                );
+                put("expert_shared_count", MetaValue::U64(rank("n_shared_experts")));
+                put(
+                    "expert_feed_forward_length",
+                    MetaValue::U64(uint(&cfg, &path, "moe_intermediate_size")?),
+                );
+                put(
+                    "leading_dense_block_count",
+                    MetaValue::U64(rank("first_k_dense_replace")),
+                );
+                put("expert_weights_scale", MetaValue::F64(f("routed_scaling_factor", 1.0)));
+                put(
+                    "expert_weights_norm",
+                    MetaValue::Bool(cfg.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(false)),
+                );
+                put("expert_gating_func", MetaValue::U64(gating));
+            }
+        }
         _ => {}
     }
+    let mtp_from = match cfg.get("num_nextn_predict_layers").and_then(Value::as_u64) {
+        Some(n) if n > 0 => Some(uint(&cfg, &path, "num_hidden_layers")? as usize),
+        _ => None,
+    };
     meta.insert("general.architecture".into(), MetaValue::String(p.into()));
-    if matches!(arch, Arch::Llama | Arch::Mistral) {
+    if matches!(arch, Arch::Llama | Arch::Mistral | Arch::Mixtral) {
         meta.insert(ROPE_LAYOUT_KEY.into(), MetaValue::String("halves".into()));
     }
     // Token ids from config.json, used when tokenizer_config.json does not name the tokens.
@@ -438,7 +626,7 @@ fn config_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<
             meta.insert(gkey.into(), MetaValue::U64(id));
         }
     }
-    Ok(arch)
+    Ok((arch, mtp_from))
 }
 
 /// `rope_scaling` → `rope.scaling.*` keys (llama.cpp's, plus Llama 3's two frequency
@@ -783,17 +971,106 @@ fn pre_tokenizer_name(p: &Value) -> Option<&'static str> {
     hearth_protocol::tokenizer::pretokenize::name_of(&refs)
 }
 
+/// Latent attention's `kv_b_proj` (per head: `qk_nope` key rows, then `v_head` value rows,
+/// each `kv_lora_rank` wide) in the form the model code reads, llama.cpp's: each head's value
+/// rows are a matrix of their own as they lie (`attn_v_b.H`, uncopied), and its key rows are
+/// transposed into one `attn_k_b` tensor in anonymous memory — returned, as the view's last
+/// shard (None: no layer has a `kv_b_proj`).
+fn split_latent_kv(
+    dir: &Path,
+    maps: &[Mmap],
+    meta: &HashMap<String, MetaValue>,
+    tensors: &mut Vec<TensorInfo>,
+) -> Result<Option<Mmap>, HfError> {
+    let get = |k: &str| {
+        meta.get(&format!("deepseek2.{k}"))
+            .and_then(MetaValue::as_u64)
+            .unwrap_or(0) as usize
+    };
+    let (nh, kv_lora, v) = (
+        get("attention.head_count"),
+        get("attention.kv_lora_rank"),
+        get("attention.value_length_mla"),
+    );
+    let nope = get("attention.key_length_mla").saturating_sub(get("rope.dimension_count"));
+    let kv_b: Vec<usize> = (0..tensors.len())
+        .filter(|&i| tensors[i].name.ends_with(".attn_kv_b.weight"))
+        .collect();
+    if kv_b.is_empty() {
+        return Ok(None);
+    }
+    let elem = |t: &TensorInfo| t.ty.block_layout().map_or(0, |(_, bytes)| bytes);
+    let k_bytes: usize = kv_b.iter().map(|&i| nh * nope * kv_lora * elem(&tensors[i])).sum();
+    let mut memory = memmap2::MmapMut::map_anon(k_bytes.max(1)).map_err(io_err(dir))?;
+    let mut at = 0;
+    let mut derived = Vec::new();
+    for &i in &kv_b {
+        let t = &tensors[i];
+        let e = elem(t);
+        if t.dims != [kv_lora as u64, (nh * (nope + v)) as u64] {
+            return Err(invalid(
+                dir,
+                format!(
+                    "{} is {:?}; {nh} heads of {nope} key and {v} value rows of {kv_lora} expected",
+                    t.name, t.dims
+                ),
+            ));
+        }
+        let stem = t.name.trim_end_matches(".attn_kv_b.weight");
+        let data = &maps[t.shard][t.offset..t.offset + t.len];
+        let row = kv_lora * e;
+        let start = at;
+        for h in 0..nh {
+            let head = &data[h * (nope + v) * row..];
+            // k_b[h][j][i] = kv_b[h·(nope+v) + i][j]
+            for j in 0..kv_lora {
+                for i in 0..nope {
+                    let from = i * row + j * e;
+                    memory[at..at + e].copy_from_slice(&head[from..from + e]);
+                    at += e;
+                }
+            }
+            derived.push(TensorInfo {
+                name: format!("{stem}.attn_v_b.{h}.weight"),
+                dims: vec![kv_lora as u64, v as u64],
+                ty: t.ty,
+                offset: t.offset + (h * (nope + v) + nope) * row,
+                len: v * row,
+                shard: t.shard,
+            });
+        }
+        derived.push(TensorInfo {
+            name: format!("{stem}.attn_k_b.weight"),
+            dims: vec![nope as u64, kv_lora as u64, nh as u64],
+            ty: t.ty,
+            offset: start,
+            len: at - start,
+            shard: maps.len(),
+        });
+    }
+    tensors.retain(|t| !t.name.ends_with(".attn_kv_b.weight"));
+    tensors.extend(derived);
+    Ok(Some(memory.make_read_only().map_err(io_err(dir))?))
+}
+
 /// Opens a Hugging Face model directory as a [`GgufFile`] view (see the module docs).
 pub fn open(dir: &Path) -> Result<GgufFile, HfError> {
     let mut meta = HashMap::new();
-    let arch = config_metadata(dir, &mut meta)?;
+    let (arch, mtp_from) = config_metadata(dir, &mut meta)?;
     tokenizer_metadata(dir, &mut meta)?;
     let name = dir
         .file_name()
         .map_or("model".into(), |n| n.to_string_lossy().to_string());
     meta.insert("general.name".into(), MetaValue::String(name));
-    let (maps, tensors) = open_weights(dir, arch)?;
-    let file = GgufFile::from_parts(dir.to_path_buf(), maps, meta, tensors);
+    let (mut maps, mut tensors) = open_weights(dir, arch, mtp_from)?;
+    let mut memory_shards = 0;
+    if arch == Arch::Deepseek2 {
+        if let Some(map) = split_latent_kv(dir, &maps, &meta, &mut tensors)? {
+            maps.push(map);
+            memory_shards = 1;
+        }
+    }
+    let file = GgufFile::from_parts(dir.to_path_buf(), maps, memory_shards, meta, tensors);
     // Fail here, with the directory named, rather than at the first request.
     let c = ModelConfig::from_gguf(&file)?;
     let layers = file
@@ -871,6 +1148,9 @@ fn hf_tensor(g: &GgufFile, t: &TensorInfo, c: &ModelConfig) -> Result<Vec<f32>, 
     if matches!(c.arch, Arch::Gemma2 | Arch::Gemma3) && t.name.ends_with("norm.weight") {
         out.iter_mut().for_each(|v| *v -= 1.0 - c.norm_shift);
     }
+    if c.mla.is_some() {
+        return Ok(out); // DeepSeek's checkpoints keep RoPE's adjacent pairs, as GGUF does
+    }
     let heads = if t.name.ends_with("attn_q.weight") || t.name.ends_with("attn_q.bias") {
         c.n_heads
     } else if t.name.ends_with("attn_k.weight") || t.name.ends_with("attn_k.bias") {
@@ -900,6 +1180,71 @@ fn hf_tensor(g: &GgufFile, t: &TensorInfo, c: &ModelConfig) -> Result<Vec<f32>, 
         }
     }
     Ok(hf)
+}
+
+/// The Hugging Face tensors a GGUF tensor holds several of: stacked experts (one per
+/// expert; a fused gate-up stack as gate and up), and latent attention's per-head `attn_k_b`
+/// (transposed back) with `attn_v_b`, as one `kv_b_proj`. None: the tensor is one Hugging
+/// Face tensor; an empty list: it went out with another (`attn_v_b` with `attn_k_b`).
+#[allow(clippy::type_complexity)]
+fn hf_split(
+    g: &GgufFile,
+    t: &TensorInfo,
+    c: &ModelConfig,
+) -> Result<Option<Vec<(String, Vec<usize>, Vec<f32>)>>, HfError> {
+    let Some((layer, part)) = t.name.strip_prefix("blk.").and_then(|r| r.split_once('.')) else {
+        return Ok(None);
+    };
+    let stem = part.trim_end_matches(".weight");
+    let n = t.dims.get(2).copied().unwrap_or(1) as usize;
+    match stem {
+        "ffn_gate_exps" | "ffn_up_exps" | "ffn_down_exps" | "ffn_gate_up_exps" => {
+            let v = hf_tensor(g, t, c)?;
+            let (cols, rows) = (t.dims[0] as usize, t.dims[1] as usize);
+            let mut out = Vec::new();
+            for (e, m) in v.chunks_exact(rows * cols).enumerate() {
+                let parts: Vec<(&str, &[f32])> = if stem == "ffn_gate_up_exps" {
+                    let (gate, up) = m.split_at(rows / 2 * cols);
+                    vec![("ffn_gate_exps", gate), ("ffn_up_exps", up)]
+                } else {
+                    vec![(stem, m)]
+                };
+                for (s, m) in parts {
+                    let name = expert_name(c.arch, layer, s, e).expect("an expert tensor");
+                    out.push((name, vec![m.len() / cols, cols], m.to_vec()));
+                }
+            }
+            Ok(Some(out))
+        }
+        "attn_v_b" => Ok(Some(Vec::new())),
+        "attn_k_b" => {
+            let (Some(m), Some(vt)) = (c.mla, g.tensor(&format!("blk.{layer}.attn_v_b.weight"))) else {
+                return Err(HfError::Unsupported(format!(
+                    "{} without latent attention's attn_v_b",
+                    t.name
+                )));
+            };
+            let (k, v) = (hf_tensor(g, t, c)?, hf_tensor(g, vt, c)?);
+            let (r, nope, vh) = (m.kv_lora_rank, m.qk_nope, m.v_head);
+            if k.len() != n * r * nope || v.len() != n * vh * r {
+                return Err(HfError::Unsupported(format!(
+                    "{}: latent attention shapes disagree",
+                    t.name
+                )));
+            }
+            let mut kv = Vec::with_capacity(n * (nope + vh) * r);
+            for h in 0..n {
+                let kh = &k[h * r * nope..(h + 1) * r * nope];
+                for i in 0..nope {
+                    kv.extend((0..r).map(|j| kh[j * nope + i]));
+                }
+                kv.extend_from_slice(&v[h * vh * r..(h + 1) * vh * r]);
+            }
+            let name = format!("model.layers.{layer}.self_attn.kv_b_proj.weight");
+            Ok(Some(vec![(name, vec![n * (nope + vh), r], kv)]))
+        }
+        _ => Ok(None),
+    }
 }
 
 /// Llama 3's `rope_scaling` recovered from a `rope_freqs` tensor (llama.cpp's converter
@@ -977,10 +1322,35 @@ fn hf_config(
 ) -> Value {
     let b = &c.block;
     let family = c.arch.family();
-    let (class, model_type) = (family.hf_class, family.hf_model_types[0]);
+    let (mut class, mut model_type) = (family.hf_class, family.hf_model_types[0]);
+    let softmax_deepseek = c.arch == Arch::Deepseek2 && c.moe.as_ref().is_some_and(|m| m.gating == Gating::Softmax);
+    if softmax_deepseek {
+        (class, model_type) = ("DeepseekV2ForCausalLM", "deepseek_v2");
+    }
     let gemma = matches!(c.arch, Arch::Gemma2 | Arch::Gemma3);
-    let rope_scaling = match (&rope_scaling, c.rope_scaling.kind) {
-        (Value::Null, RopeScalingKind::Linear) => json!({"rope_type": "linear", "factor": c.rope_scaling.factor}),
+    let s = &c.rope_scaling;
+    let rope_scaling = match (&rope_scaling, s.kind) {
+        (Value::Null, RopeScalingKind::Linear) => json!({"rope_type": "linear", "factor": s.factor}),
+        (Value::Null, RopeScalingKind::Yarn) => {
+            let mut y = json!({
+                "rope_type": "yarn", "factor": shortest(s.factor),
+                "original_max_position_embeddings": s.original_context,
+                "beta_fast": shortest(s.beta_fast), "beta_slow": shortest(s.beta_slow),
+            });
+            let o = y.as_object_mut().expect("an object");
+            if let Some(m) = c.mla {
+                // DeepSeek states the score correction as `mscale_all_dim` (and rotates at 1).
+                o.insert("mscale".into(), json!(shortest(m.yarn_log_mul)));
+                o.insert("mscale_all_dim".into(), json!(shortest(m.yarn_log_mul)));
+            } else if s.attn_factor != 1.0 {
+                let yarn_magnitude = 0.1 * s.factor.ln() + 1.0;
+                o.insert(
+                    "attention_factor".into(),
+                    json!(shortest(s.attn_factor * yarn_magnitude)),
+                );
+            }
+            y
+        }
         _ => rope_scaling,
     };
     let mut v = json!({
@@ -1005,6 +1375,56 @@ fn hf_config(
     });
     let o = v.as_object_mut().expect("an object");
     if c.arch == Arch::Llama {
+        o.insert("attention_bias".into(), json!(false));
+    }
+    if let Some(m) = &c.moe {
+        match c.arch {
+            Arch::Mixtral => {
+                o.insert("num_local_experts".into(), json!(m.experts));
+                o.insert("intermediate_size".into(), json!(m.ff_expert));
+            }
+            Arch::Qwen3Moe => {
+                o.insert("num_experts".into(), json!(m.experts));
+                o.insert("moe_intermediate_size".into(), json!(m.ff_expert));
+                o.insert("norm_topk_prob".into(), json!(true));
+                o.insert("decoder_sparse_step".into(), json!(1));
+                o.insert("mlp_only_layers".into(), json!([]));
+            }
+            _ => {
+                o.insert("n_routed_experts".into(), json!(m.experts));
+                o.insert("n_shared_experts".into(), json!(m.shared));
+                o.insert("moe_intermediate_size".into(), json!(m.ff_expert));
+                o.insert("first_k_dense_replace".into(), json!(m.leading_dense));
+                o.insert("routed_scaling_factor".into(), json!(shortest(m.weights_scale)));
+                o.insert("norm_topk_prob".into(), json!(m.norm_weights));
+                o.insert("moe_layer_freq".into(), json!(1));
+                let sigmoid = m.gating == Gating::Sigmoid;
+                o.insert(
+                    "scoring_func".into(),
+                    json!(if sigmoid { "sigmoid" } else { "softmax" }),
+                );
+                o.insert("topk_method".into(), json!(if sigmoid { "noaux_tc" } else { "greedy" }));
+                o.insert("n_group".into(), json!(m.groups.max(1)));
+                o.insert("topk_group".into(), json!(m.groups_used.max(1)));
+            }
+        }
+        o.insert("num_experts_per_tok".into(), json!(m.used));
+    }
+    if let Some(m) = c.mla {
+        o.insert(
+            "q_lora_rank".into(),
+            if m.q_lora_rank == 0 {
+                Value::Null
+            } else {
+                json!(m.q_lora_rank)
+            },
+        );
+        o.insert("kv_lora_rank".into(), json!(m.kv_lora_rank));
+        o.insert("qk_nope_head_dim".into(), json!(m.qk_nope));
+        o.insert("qk_rope_head_dim".into(), json!(m.qk_rope));
+        o.insert("v_head_dim".into(), json!(m.v_head));
+        o.insert("num_key_value_heads".into(), json!(c.n_heads));
+        o.insert("head_dim".into(), json!(m.qk_rope));
         o.insert("attention_bias".into(), json!(false));
     }
     o.insert("sliding_window".into(), json!(b.sliding_window));
@@ -1039,11 +1459,16 @@ fn shortest(v: f32) -> f64 {
 /// GGUF model of any family. Returns the total bytes of weights written.
 pub fn export(g: &GgufFile, out: &Path, dtype: ExportDtype, shards: usize) -> Result<u64, HfError> {
     let c = ModelConfig::from_gguf(g)?;
-    if c.moe.is_some() || c.mla.is_some() {
-        return Err(HfError::Unsupported(format!(
-            "exporting a {} model (experts or latent attention) to safetensors is not supported yet; serve the GGUF file",
-            c.arch
-        )));
+    let unsupported = |m: String| Err(HfError::Unsupported(m));
+    if c.arch.family().hf_model_types.is_empty() {
+        return unsupported(format!("{} models have no Hugging Face form Hearth writes", c.arch));
+    }
+    if let Some(m) = &c.moe {
+        if c.arch == Arch::Deepseek2 && m.gating == Gating::Softmax && m.groups > 1 {
+            return unsupported(
+                "a softmax-scored deepseek2 model with expert groups (a group scores its best two, which no Hugging Face DeepSeek config states)".into(),
+            );
+        }
     }
     std::fs::create_dir_all(out).map_err(io_err(out))?;
     let spec = crate::engine::tokenizer_spec(g)?;
@@ -1053,6 +1478,12 @@ pub fn export(g: &GgufFile, out: &Path, dtype: ExportDtype, shards: usize) -> Re
     for t in &g.tensors {
         if t.name == "rope_freqs.weight" {
             rope_scaling = llama3_scaling(&hf_tensor(g, t, &c)?, &c)?;
+            continue;
+        }
+        if let Some(expanded) = hf_split(g, t, &c)? {
+            for (name, shape, v) in expanded {
+                items.push((name, shape, dtype.dtype(), dtype.encode(&v)));
+            }
             continue;
         }
         let fused_up = t.name.ends_with("ffn_up.weight") && t.dims.get(1) == Some(&(2 * c.n_ff as u64));
@@ -1151,6 +1582,11 @@ mod tests {
                 ("blk.3.ffn_norm.weight", false),
                 ("blk.3.ffn_up.weight", false),
                 ("blk.3.ffn_up.weight", true),
+                ("blk.4.ffn_gate_inp.weight", false),
+                ("blk.4.exp_probs_b.bias", false),
+                ("blk.4.ffn_down_shexp.weight", false),
+                ("blk.0.attn_q_a_norm.weight", false),
+                ("blk.0.attn_kv_a_mqa.weight", false),
             ] {
                 let h = hf_name(g, arch, fused).unwrap();
                 assert_eq!(gguf_name(&h, arch).as_deref(), Some(g), "{arch}: {h}");
@@ -1170,6 +1606,25 @@ mod tests {
             None
         );
         assert_eq!(gguf_name("model.layers.0.self_attn.o_proj.bias", Arch::Qwen2), None);
+        // Routed experts: one tensor per expert, under the stacked tensor's stem.
+        for arch in [Arch::Mixtral, Arch::Qwen3Moe, Arch::Deepseek2] {
+            for (_, _, stem) in EXPERT_NAMES {
+                let h = expert_name(arch, "2", stem, 7).unwrap();
+                assert_eq!(gguf_name(&h, arch), Some(format!("blk.2.{stem}.7.weight")), "{h}");
+            }
+        }
+        assert_eq!(
+            expert_name(Arch::Mixtral, "0", "ffn_gate_exps", 3).as_deref(),
+            Some("model.layers.0.block_sparse_moe.experts.3.w1.weight")
+        );
+        assert_eq!(
+            hf_name("blk.1.ffn_gate_inp.weight", Arch::Mixtral, false).as_deref(),
+            Some("model.layers.1.block_sparse_moe.gate.weight")
+        );
+        assert_eq!(
+            gguf_name("model.layers.0.mlp.experts.x.up_proj.weight", Arch::Qwen3Moe),
+            None
+        );
     }
 
     #[test]

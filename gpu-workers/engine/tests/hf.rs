@@ -247,10 +247,11 @@ fn broken_directories_are_refused_with_the_reason() {
 /// Hugging Face directory (F32: exact) and loaded back gives the GGUF's logits and greedy
 /// tokens: names, Gemma's norm shift and post-norms, Phi-3's fused tensors, Qwen's biases and
 /// Q/K norms, Llama 3's `rope_scaling` recovered from `rope_freqs`, windows and soft-caps in
-/// `config.json`.
+/// `config.json`; per-expert tensors, routers, selection biases and shared experts; latent
+/// attention's `kv_b_proj` (split per head again at load) and DeepSeek's YaRN `mscale`.
 #[test]
 fn every_family_round_trips_through_safetensors() {
-    for (family, _) in common::FAMILIES {
+    for (family, _) in common::FAMILIES.iter().chain(&common::MOE_FAMILIES) {
         let (_, path) = common::synth(&["--shape", &format!("{family}-tiny"), "--types", "f16"]).remove(0);
         let dir = TempDir::new(&format!("family-{family}"));
         let g = GgufFile::open(&path).unwrap();
@@ -302,4 +303,54 @@ fn greedy_n(model: &Model, ids: &[u32], n: usize) -> Vec<u32> {
             t
         })
         .collect()
+}
+
+/// DeepSeek-V3 checkpoints carry multi-token-prediction layers after the model's own, which
+/// are left out (as llama.cpp's converter does); a routing Hearth does not compute is refused
+/// by name rather than approximated.
+#[test]
+fn deepseek_checkpoints_skip_prediction_layers_and_name_unsupported_routing() {
+    let (_, path) = common::synth(&["--shape", "deepseek2-tiny", "--types", "f16"]).remove(0);
+    let dir = TempDir::new("deepseek-mtp");
+    let g = GgufFile::open(&path).unwrap();
+    let layers = hearth_engine::models::ModelConfig::from_gguf(&g).unwrap().n_layers;
+    hf::export(&g, &dir.0, ExportDtype::F16, 2).unwrap();
+    let err = |d: &Path| hf::open(d).err().map(|e| e.to_string()).unwrap_or_default();
+
+    // An extra layer's tensor in a shard of its own, listed by the index.
+    let extra = format!("model.layers.{layers}.eh_proj.weight");
+    let bytes = vec![0u8; 2 * 256 * 256];
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F16, vec![256, 256], &bytes).unwrap();
+    safetensors::serialize_to_file(vec![(extra.clone(), view)], None, &dir.0.join("mtp.safetensors")).unwrap();
+    let index_path = dir.0.join("model.safetensors.index.json");
+    let mut index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index_path).unwrap()).unwrap();
+    index["weight_map"][&extra] = "mtp.safetensors".into();
+    write(&index_path, &index.to_string());
+    assert!(err(&dir.0).contains(&extra), "{}", err(&dir.0));
+    let cfg_path = dir.0.join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["num_nextn_predict_layers"] = 1.into();
+    write(&cfg_path, &cfg.to_string());
+    let view = hf::open(&dir.0).unwrap();
+    assert!(view
+        .tensors
+        .iter()
+        .all(|t| !t.name.starts_with(&format!("blk.{layers}."))));
+    // Loaded as served (repacked, originals released; the keys split from `kv_b_proj` live
+    // in memory, which must not be released), it answers as the GGUF file does.
+    let ids: Vec<u32> = (0..24u32).map(|i| (i * 7919 + 13) % 1000 + 100).collect();
+    assert_eq!(
+        greedy_n(&Model::load(view).unwrap(), &ids, 8),
+        greedy_n(&Model::load(GgufFile::open(&path).unwrap()).unwrap(), &ids, 8)
+    );
+
+    // DeepSeek-V2's group-limited greedy routing (a group scores its single best expert).
+    cfg["topk_method"] = "group_limited_greedy".into();
+    write(&cfg_path, &cfg.to_string());
+    let e = err(&dir.0);
+    assert!(e.contains("topk_method \"group_limited_greedy\""), "{e}");
+    cfg["topk_method"] = "noaux_tc".into();
+    cfg["scoring_func"] = "tanh".into();
+    write(&cfg_path, &cfg.to_string());
+    assert!(err(&dir.0).contains("scoring_func \"tanh\""), "{}", err(&dir.0));
 }

@@ -776,7 +776,7 @@ mod tests {
         for (k, v) in extra {
             meta.insert(format!("{arch}.{k}"), v);
         }
-        GgufFile::from_parts("test.gguf".into(), Vec::new(), meta, Vec::new())
+        GgufFile::from_parts("test.gguf".into(), Vec::new(), 0, meta, Vec::new())
     }
 
     fn config(arch: &str, extra: Vec<(&str, MetaValue)>) -> Result<ModelConfig, ModelError> {

@@ -20,7 +20,7 @@ use super::{Family, Hparams, MlaSpec, ModelConfig, ModelError, MoeSpec};
 
 pub const FAMILY: Family = Family {
     gguf: Some("deepseek2"),
-    hf_model_types: &[],
+    hf_model_types: &["deepseek_v3", "deepseek_v2", "kimi_k2"],
     hf_class: "DeepseekV3ForCausalLM",
     configure,
 };

@@ -7,7 +7,7 @@ use super::{Arch, Family, Hparams, ModelConfig, ModelError, MoeSpec};
 
 pub const FAMILY: Family = Family {
     gguf: None,
-    hf_model_types: &[],
+    hf_model_types: &["mixtral"],
     hf_class: "MixtralForCausalLM",
     configure,
 };

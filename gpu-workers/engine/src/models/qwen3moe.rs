@@ -6,7 +6,7 @@ use super::{Family, Hparams, ModelConfig, ModelError, MoeSpec};
 
 pub const FAMILY: Family = Family {
     gguf: Some("qwen3moe"),
-    hf_model_types: &[],
+    hf_model_types: &["qwen3_moe"],
     hf_class: "Qwen3MoeForCausalLM",
     configure,
 };

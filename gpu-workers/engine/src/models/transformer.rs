@@ -371,7 +371,9 @@ pub(super) fn load_mlp(g: &GgufFile, l: usize, suffix: &str, d: usize, ff: usize
 
 /// The `n` matrices of a 3-D tensor `[cols, rows, n]` (experts, per-head projections):
 /// matrix `e` is the `e`-th equal slice of its bytes, a matrix of its own (repacked like
-/// any other).
+/// any other). Where the file has no such tensor, `n` 2-D ones named `{stem}.{e}.weight`
+/// (how a Hugging Face directory's per-expert tensors are presented, unstacked and
+/// uncopied) serve instead.
 pub(super) fn matrices_3d(
     g: &GgufFile,
     name: &str,
@@ -379,6 +381,12 @@ pub(super) fn matrices_3d(
     rows: usize,
     cols: usize,
 ) -> Result<Vec<Matrix>, ModelError> {
+    let stem = name.strip_suffix(".weight").unwrap_or(name);
+    if g.tensor(name).is_none() && g.tensor(&format!("{stem}.0.weight")).is_some() {
+        return (0..n)
+            .map(|e| matrix(g, &format!("{stem}.{e}.weight"), rows, cols))
+            .collect();
+    }
     let t = tensor(g, name)?;
     if t.dims != [cols as u64, rows as u64, n as u64] {
         return Err(ModelError::Shape {
