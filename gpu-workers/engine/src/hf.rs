@@ -2,12 +2,15 @@
 //! file or shards listed by `model.safetensors.index.json`), `tokenizer.json` and
 //! `tokenizer_config.json` (special tokens, chat template).
 //!
-//! [`open`] maps every shard (nothing is copied: the weights are used from the page cache
+//! [`open`] maps every shard (nothing is copied but latent attention's per-head keys, which
+//! are transposed at open: the weights are used from the page cache
 //! as GGUF weights are) and presents the directory as the same [`GgufFile`] view the model
 //! code reads: the configuration under GGUF's `llama.*` keys, the tokenizer under
 //! `tokenizer.ggml.*`, tensors under GGUF's names with their dimensions reversed, and
-//! [`ROPE_LAYOUT_KEY`] = `halves`, because Hugging Face checkpoints keep Q/K rows unpermuted
-//! and rotate the two halves of each head.
+//! [`ROPE_LAYOUT_KEY`] = `halves` for Llama, Mistral and Mixtral, because their Hugging Face
+//! checkpoints keep Q/K rows unpermuted and rotate the two halves of each head (DeepSeek's
+//! rotate adjacent pairs, as GGUF does). Routed experts stay one tensor per expert, and
+//! `kv_b_proj` is split per head as llama.cpp's converter splits it ([`split_latent_kv`]).
 //!
 //! The tokenizer is Hearth's own, built from `tokenizer.json`'s vocabulary, merges and
 //! added tokens (with their strip flags): byte-level BPE whose pre-tokenizer is one of
@@ -18,8 +21,9 @@
 //! tokenizes too (for routing and limits), from the [`hearth_protocol::TokenizerSpec`] a
 //! worker hands it.
 //!
-//! [`export`] writes such a directory from a GGUF model (dequantized; Q/K rows un-permuted),
-//! for tests and `hearth model export-hf`.
+//! [`export`] writes such a directory from a GGUF model (dequantized; Q/K rows un-permuted;
+//! experts unstacked; `attn_k_b`/`attn_v_b` joined into `kv_b_proj`), for tests and
+//! `hearth model export-hf`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
@@ -296,12 +300,6 @@ fn open_weights(dir: &Path, arch: Arch, skip_from: Option<usize>) -> Result<(Vec
             if skipped(&name) {
                 continue;
             }
-            let Some(gname) = gguf_name(&name, arch) else {
-                return Err(invalid(
-                    path,
-                    format!("tensor {name:?} is not part of a {arch} model Hearth can run"),
-                ));
-            };
             let ty = ggml_type(view.dtype()).ok_or_else(|| {
                 HfError::Unsupported(format!(
                     "{}: tensor {name} is {:?}; Hearth loads F32, F16 and BF16 safetensors",
@@ -309,6 +307,12 @@ fn open_weights(dir: &Path, arch: Arch, skip_from: Option<usize>) -> Result<(Vec
                     view.dtype()
                 ))
             })?;
+            let Some(gname) = gguf_name(&name, arch) else {
+                return Err(invalid(
+                    path,
+                    format!("tensor {name:?} is not part of a {arch} model Hearth can run"),
+                ));
+            };
             if let Some(wm) = &weight_map {
                 let listed = wm.get(&name).map(|f| dir.join(f));
                 if listed.as_deref() != Some(path.as_path()) {
@@ -369,6 +373,12 @@ fn config_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<
         ))
     })?;
     let unsupported = |what: &str| HfError::Unsupported(format!("{}: {what} is not supported", path.display()));
+    if let Some(q) = cfg.get("quantization_config") {
+        let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("unknown");
+        return Err(unsupported(&format!(
+            "a quantized checkpoint (quantization_config, {method}): convert it to BF16 or GGUF first"
+        )));
+    }
     let gemma = matches!(arch, Arch::Gemma2 | Arch::Gemma3);
     let act = cfg
         .get("hidden_activation")
@@ -493,9 +503,10 @@ fn config_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<
         }
         Arch::Qwen3Moe => {
             // The families renormalize the chosen experts' weights, as llama.cpp does.
-            if cfg.get("norm_topk_prob").and_then(Value::as_bool) == Some(false) {
+            // (transformers' default when it is absent is false.)
+            if cfg.get("norm_topk_prob").and_then(Value::as_bool) != Some(true) {
                 return Err(unsupported(
-                    "norm_topk_prob false (the chosen experts' weights are renormalized)",
+                    "norm_topk_prob other than true (the chosen experts' weights are renormalized)",
                 ));
             }
             if cfg
@@ -539,12 +550,15 @@ fn config_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<
             put("rope.dimension_count", MetaValue::U64(rope));
             if let Some(r) = cfg.get("rope_scaling").filter(|v| !v.is_null()) {
                 let m = |k: &str| r.get(k).and_then(Value::as_f64);
-                if m("mscale").unwrap_or(0.0) != m("mscale_all_dim").unwrap_or(0.0) {
-                    return Err(unsupported("rope_scaling with mscale unlike mscale_all_dim"));
+                // DeepSeek's defaults: `mscale` 1, `mscale_all_dim` 0. Keys rotate at their
+                // ratio's magnitude, which llama.cpp (and so Hearth) takes as 1.
+                let (ms, all) = (m("mscale").unwrap_or(1.0), m("mscale_all_dim").unwrap_or(0.0));
+                if ms != all {
+                    return Err(unsupported(&format!(
+                        "rope_scaling with mscale {ms} unlike mscale_all_dim {all}"
+                    )));
                 }
-                if let Some(all) = m("mscale_all_dim") {
-                    put("rope.scaling.yarn_log_multiplier", MetaValue::F64(0.1 * all));
-                }
+                put("rope.scaling.yarn_log_multiplier", MetaValue::F64(0.1 * all));
             }
             if let Some(n) = cfg.get("n_routed_experts").and_then(Value::as_u64).filter(|&n| n > 0) {
                 if cfg
@@ -554,7 +568,13 @@ fn config_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<
                 {
                     return Err(unsupported("moe_layer_freq other than 1"));
                 }
-                let scoring = cfg.get("scoring_func").and_then(Value::as_str).unwrap_or("softmax");
+                // Defaults as each model type's own config class has them: V2 softmax and
+                // greedy without renormalization; V3 (and Kimi K2) sigmoid, noaux_tc, renormalized.
+                let v2 = model_type == "deepseek_v2";
+                let scoring =
+                    cfg.get("scoring_func")
+                        .and_then(Value::as_str)
+                        .unwrap_or(if v2 { "softmax" } else { "sigmoid" });
                 let gating = match scoring {
                     "softmax" => 1,
                     "sigmoid" => 2,
@@ -565,9 +585,15 @@ fn config_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<
                     }
                 };
                 let groups = cfg.get("n_group").and_then(Value::as_u64).unwrap_or(1);
-                let method = cfg.get("topk_method").and_then(Value::as_str).unwrap_or("greedy");
+                let method =
+                    cfg.get("topk_method")
+                        .and_then(Value::as_str)
+                        .unwrap_or(if v2 { "greedy" } else { "noaux_tc" });
                 match method {
                     "greedy" => {}
+                    "noaux_tc" if gating != 2 => {
+                        return Err(unsupported("topk_method \"noaux_tc\" with softmax scores"))
+                    }
                     // A group scores the sum of its best two experts (DeepSeek-V3).
                     "noaux_tc" if groups > 1 => {
                         put("expert_group_count", MetaValue::U64(groups));
@@ -597,7 +623,7 @@ fn config_metadata(dir: &Path, meta: &mut HashMap<String, MetaValue>) -> Result<
                 put("expert_weights_scale", MetaValue::F64(f("routed_scaling_factor", 1.0)));
                 put(
                     "expert_weights_norm",
-                    MetaValue::Bool(cfg.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(false)),
+                    MetaValue::Bool(cfg.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(!v2)),
                 );
                 put("expert_gating_func", MetaValue::U64(gating));
             }
@@ -1000,14 +1026,15 @@ fn split_latent_kv(
         return Ok(None);
     }
     let elem = |t: &TensorInfo| t.ty.block_layout().map_or(0, |(_, bytes)| bytes);
-    let k_bytes: usize = kv_b.iter().map(|&i| nh * nope * kv_lora * elem(&tensors[i])).sum();
-    let mut memory = memmap2::MmapMut::map_anon(k_bytes.max(1)).map_err(io_err(dir))?;
-    let mut at = 0;
-    let mut derived = Vec::new();
+    // Every kv_b_proj has the shape the config states (checked arithmetic: the config is
+    // not validated yet), so its bytes are `nh · (nope + v) · kv_lora` elements.
+    let rows = nope
+        .checked_add(v)
+        .and_then(|w| nh.checked_mul(w))
+        .filter(|_| nope > 0 && kv_lora > 0);
     for &i in &kv_b {
         let t = &tensors[i];
-        let e = elem(t);
-        if t.dims != [kv_lora as u64, (nh * (nope + v)) as u64] {
+        if rows.is_none() || t.dims != [kv_lora as u64, rows.unwrap_or(0) as u64] {
             return Err(invalid(
                 dir,
                 format!(
@@ -1016,6 +1043,15 @@ fn split_latent_kv(
                 ),
             ));
         }
+    }
+    // The keys are a share of tensors already mapped, so this cannot overflow.
+    let k_bytes: usize = kv_b.iter().map(|&i| tensors[i].len / (nope + v) * nope).sum();
+    let mut memory = memmap2::MmapMut::map_anon(k_bytes.max(1)).map_err(io_err(dir))?;
+    let mut at = 0;
+    let mut derived = Vec::new();
+    for &i in &kv_b {
+        let t = &tensors[i];
+        let e = elem(t);
         let stem = t.name.trim_end_matches(".attn_kv_b.weight");
         let data = &maps[t.shard][t.offset..t.offset + t.len];
         let row = kv_lora * e;
@@ -1339,7 +1375,9 @@ fn hf_config(
             });
             let o = y.as_object_mut().expect("an object");
             if let Some(m) = c.mla {
-                // DeepSeek states the score correction as `mscale_all_dim` (and rotates at 1).
+                // DeepSeek states the score correction as `mscale_all_dim` (and rotates at 1);
+                // its own code reads `type`.
+                o.insert("type".into(), json!("yarn"));
                 o.insert("mscale".into(), json!(shortest(m.yarn_log_mul)));
                 o.insert("mscale_all_dim".into(), json!(shortest(m.yarn_log_mul)));
             } else if s.attn_factor != 1.0 {
@@ -1566,6 +1604,63 @@ pub fn export(g: &GgufFile, out: &Path, dtype: ExportDtype, shards: usize) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `kv_b_proj` split as llama.cpp's converter splits it, with key and value widths that
+    /// differ (so a swap of the two, or of the transposition, shows).
+    #[test]
+    fn latent_kv_splits_per_head_as_llama_cpp_does() {
+        let (nh, nope, v, r) = (2usize, 2usize, 3usize, 4usize);
+        let rows = nh * (nope + v);
+        let mut map = memmap2::MmapMut::map_anon(rows * r * 4).unwrap();
+        for (k, c) in map.chunks_exact_mut(4).enumerate() {
+            c.copy_from_slice(&(k as f32).to_le_bytes()); // kv_b[row][col] = row·r + col
+        }
+        let maps = vec![map.make_read_only().unwrap()];
+        let meta: HashMap<String, MetaValue> = [
+            ("attention.head_count", nh),
+            ("attention.kv_lora_rank", r),
+            ("attention.value_length_mla", v),
+            ("attention.key_length_mla", nope + 1),
+            ("rope.dimension_count", 1),
+        ]
+        .into_iter()
+        .map(|(k, n)| (format!("deepseek2.{k}"), MetaValue::U64(n as u64)))
+        .collect();
+        let mut tensors = vec![TensorInfo {
+            name: "blk.0.attn_kv_b.weight".into(),
+            dims: vec![r as u64, rows as u64],
+            ty: GgmlType::F32,
+            offset: 0,
+            len: rows * r * 4,
+            shard: 0,
+        }];
+        let memory = split_latent_kv(Path::new("d"), &maps, &meta, &mut tensors)
+            .unwrap()
+            .unwrap();
+        let all = [maps[0].as_ref(), memory.as_ref()];
+        let floats = |t: &TensorInfo| -> Vec<f32> {
+            all[t.shard][t.offset..t.offset + t.len]
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect()
+        };
+        let find = |n: &str| tensors.iter().find(|t| t.name == n).unwrap();
+        let k_b = find("blk.0.attn_k_b.weight");
+        assert_eq!(k_b.dims, [nope as u64, r as u64, nh as u64]);
+        let k = floats(k_b);
+        for h in 0..nh {
+            for j in 0..r {
+                for i in 0..nope {
+                    assert_eq!(k[(h * r + j) * nope + i], ((h * (nope + v) + i) * r + j) as f32);
+                }
+            }
+            let v_b = find(&format!("blk.0.attn_v_b.{h}.weight"));
+            assert_eq!(v_b.dims, [r as u64, v as u64]);
+            let want: Vec<f32> = (0..v * r).map(|k| ((h * (nope + v) + nope) * r + k) as f32).collect();
+            assert_eq!(floats(v_b), want);
+        }
+        assert!(tensors.iter().all(|t| t.name != "blk.0.attn_kv_b.weight"));
+    }
 
     #[test]
     fn tensor_names_map_both_ways() {

@@ -14,9 +14,9 @@
 //! | [`gemma2`] | `gemma2` | `gemma2` | √d embeddings, post-norms, GeGLU, soft-caps, alternating windows |
 //! | [`gemma3`] | `gemma3` | `gemma3`, `gemma3_text` | as Gemma 2 with Q/K norm, 5:1 windows, local RoPE base |
 //! | [`phi3`] | `phi3` | `phi3` | fused QKV and gate-up tensors, NeoX RoPE, LongRoPE |
-//! | [`mixtral`] | `llama` with experts | — (GGUF only) | mixture-of-experts MLP (softmax top-k) |
-//! | [`qwen3moe`] | `qwen3moe` | — (GGUF only) | Qwen3's attention, mixture-of-experts MLP |
-//! | [`deepseek2`] | `deepseek2` | — (GGUF only) | latent attention ([`mla`]), shared experts, sigmoid group-limited routing |
+//! | [`mixtral`] | `llama` with experts | `mixtral` | mixture-of-experts MLP (softmax top-k) |
+//! | [`qwen3moe`] | `qwen3moe` | `qwen3_moe` | Qwen3's attention, mixture-of-experts MLP |
+//! | [`deepseek2`] | `deepseek2` | `deepseek_v3`, `deepseek_v2`, `kimi_k2` | latent attention ([`mla`]), shared experts, sigmoid group-limited routing |
 //!
 //! Mixture-of-experts MLPs are [`moe`]'s; latent attention and its cache layout [`mla`]'s.
 
