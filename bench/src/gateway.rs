@@ -102,6 +102,7 @@ impl WorkerClient for InstantWorker {
                     free_blocks: 1 << 20,
                     total_blocks: 1 << 20,
                 },
+                disk: Vec::new(),
             };
             Ok(futures_util::stream::iter([snap])
                 .chain(futures_util::stream::pending())

@@ -191,6 +191,8 @@ async fn cold_request(path: &Path, id: &str, cfg: &EngineConfig, prompt: &[u32],
             memory_bytes: None,
             tenants: Vec::new(),
             chat_template: None,
+            kv_disk_dir: None,
+            kv_disk_gib: None,
         }],
         HostConfig {
             engine: cfg.clone(),
@@ -273,6 +275,8 @@ async fn alternating(path: &Path, cfg: &EngineConfig, prompt: &[u32]) -> Alterna
             memory_bytes: None,
             tenants: Vec::new(),
             chat_template: None,
+            kv_disk_dir: None,
+            kv_disk_gib: None,
         })
         .collect();
     let (host, failed) = ModelHost::new(

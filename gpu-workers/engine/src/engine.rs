@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use hearth_protocol::{
     namespace_root, BlockHash, EngineTimings, FinishReason, GenerateEvent, GenerateRequest, KvEvent, LoadReport,
-    SamplingParams, TokenLogprob, Tokenizer, TokenizerSpec, Usage, WorkerInfo,
+    SamplingParams, Tier, TokenLogprob, Tokenizer, TokenizerSpec, Usage, WorkerInfo,
 };
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{broadcast, oneshot, watch};
@@ -22,6 +22,7 @@ use crate::gguf::{GgufError, GgufFile};
 use crate::grammar::{Grammar, Grammars};
 use crate::kernels::{cpu_features, isa, set_isa, Isa};
 use crate::kv::{KvDtype, KvPool};
+use crate::kv_tier::{BlockKey, DiskTier, DiskTierConfig, ReadBlock};
 use crate::kv_transfer::{ImportError, ImportReport, KvBlock, KvLayout};
 use crate::metrics::EngineMetrics;
 use crate::models::{Batch, ForwardScratch, LoadOptions, Model, ModelConfig, ModelError};
@@ -96,6 +97,9 @@ pub struct EngineConfig {
     pub cuda_graphs: bool,
     /// A chat template to use instead of the model file's (the template's text).
     pub chat_template: Option<String>,
+    /// The KV tier below the pool: evicted blocks kept on local disk (see
+    /// [`crate::kv_tier`]); None: evicted blocks are dropped.
+    pub kv_disk: Option<DiskTierConfig>,
 }
 
 /// The default draft length (see [`EngineConfig::speculative_tokens`]).
@@ -121,6 +125,7 @@ impl Default for EngineConfig {
             device: Device::Cpu,
             cuda_graphs: true,
             chat_template: None,
+            kv_disk: None,
         }
     }
 }
@@ -298,6 +303,9 @@ pub struct EngineStats {
 struct Job {
     req: GenerateRequest,
     tx: UnboundedSender<GenerateEvent>,
+    /// The engine's own channel, with a disk tier: a request whose prompt continues on disk
+    /// comes back through it once the blocks are read.
+    resend: Option<mpsc::Sender<Command>>,
 }
 
 enum Command {
@@ -308,7 +316,9 @@ enum Command {
     /// Which of these hashes are not cached here.
     MissingBlocks(Vec<BlockHash>, oneshot::Sender<Vec<BlockHash>>),
     /// Blocks in chain order, each with why it was already refused (its checksum).
-    ImportBlocks(Vec<(KvBlock, Option<String>)>, oneshot::Sender<ImportReport>),
+    ImportBlocks(Vec<ReadBlock>, oneshot::Sender<ImportReport>),
+    /// A request's blocks read back from the disk tier: import them, then admit it.
+    DiskRead(Box<Job>, Vec<ReadBlock>),
     /// The decode worker has what a handed-off request held (or gave up on it).
     ReleaseHold(String),
 }
@@ -327,6 +337,7 @@ pub struct EngineHandle {
     decode_weight_bytes: usize,
     repack_seconds: f64,
     kv_layout: KvLayout,
+    tier: Option<Arc<DiskTier>>,
 }
 
 impl std::fmt::Debug for EngineHandle {
@@ -388,7 +399,7 @@ impl EngineHandle {
             dtype: cfg.kv_dtype.into(),
             latent: shape.latent,
         };
-        let sched = Scheduler::new(
+        let mut sched = Scheduler::new(
             SchedulerConfig {
                 block_tokens: bt,
                 max_batch_tokens: cfg.max_batch_tokens.max(1),
@@ -424,6 +435,22 @@ impl EngineHandle {
             expert_load: model.expert_load(),
             ..EngineMetrics::default()
         });
+        let tier = match &cfg.kv_disk {
+            None => None,
+            Some(d) => {
+                let t = DiskTier::open(d, model_id, &kv_layout, kv_tx.clone(), metrics.kv_disk.clone())
+                    .map_err(|e| EngineError::Start(format!("KV disk tier at {}: {e}", d.dir.display())))?;
+                let u = t.usage();
+                tracing::info!(
+                    dir = %t.dir().display(),
+                    capacity_gib = d.capacity_bytes as f64 / (1u64 << 30) as f64,
+                    blocks = u.blocks,
+                    "KV disk tier"
+                );
+                Some(Arc::new(t))
+            }
+        };
+        sched.blocks.spilling = tier.is_some();
         let kv_capacity_tokens = num_blocks * bt;
         let kv_bytes_per_token = block_bytes / bt;
         let footprint = model.config.kv_footprint(cfg.kv_dtype);
@@ -459,6 +486,7 @@ impl EngineHandle {
             last_load: (LoadReport::default(), Instant::now()),
             holds: HashMap::new(),
             queue_tokens,
+            tier: tier.clone(),
         };
         let (commands, rx) = mpsc::channel::<Command>();
         std::thread::Builder::new()
@@ -477,7 +505,18 @@ impl EngineHandle {
             decode_weight_bytes,
             repack_seconds,
             kv_layout,
+            tier,
         })
+    }
+
+    /// What the disk tier holds (None without one).
+    pub fn kv_disk_usage(&self) -> Option<crate::kv_tier::TierUsage> {
+        self.tier.as_ref().map(|t| t.usage())
+    }
+
+    /// The disk tier (tests, benchmarks).
+    pub fn kv_disk(&self) -> Option<&DiskTier> {
+        self.tier.as_deref()
     }
 
     /// Seconds of the load spent repacking weights.
@@ -526,8 +565,9 @@ impl EngineHandle {
     /// `Error`. Dropping the receiver cancels the request.
     pub fn generate(&self, req: GenerateRequest) -> UnboundedReceiver<GenerateEvent> {
         let (tx, rx) = unbounded_channel();
+        let resend = self.tier.as_ref().map(|_| self.commands.clone());
         if let Err(mpsc::SendError(Command::Generate(job))) =
-            self.commands.send(Command::Generate(Box::new(Job { req, tx })))
+            self.commands.send(Command::Generate(Box::new(Job { req, tx, resend })))
         {
             let _ = job.tx.send(GenerateEvent::Error {
                 code: "engine_stopped".into(),
@@ -591,7 +631,7 @@ impl EngineHandle {
             .into_iter()
             .map(|b| {
                 let why = (!b.intact()).then(|| "checksum mismatch".to_string());
-                (b, why)
+                (b, why, None)
             })
             .collect();
         let (tx, rx) = oneshot::channel();
@@ -794,6 +834,8 @@ struct Runner {
     holds: HashMap<String, (Vec<u32>, Instant)>,
     /// The queue limit (0: unbounded), as reported in [`WorkerInfo::queue_tokens`].
     queue_tokens: u64,
+    /// The KV tier below the pool.
+    tier: Option<Arc<DiskTier>>,
 }
 
 impl Runner {
@@ -834,6 +876,7 @@ impl Runner {
                     block_tokens: self.sched.config().block_tokens as u32,
                     blocks: self.sched.blocks.cached_hashes(),
                     load: self.sched.load(),
+                    disk: self.tier.as_ref().map_or_else(Vec::new, |t| t.hashes()),
                 };
                 let _ = reply.send((snap, self.kv_tx.subscribe()));
             }
@@ -853,6 +896,13 @@ impl Runner {
                 let _ = reply.send(self.import(blocks));
                 // Announce the new cached blocks now, not at the next step.
                 self.publish();
+            }
+            Command::DiskRead(job, blocks) => {
+                let report = self.import(blocks);
+                if !report.rejected.is_empty() {
+                    tracing::debug!(request_id = %job.req.request_id, rejected = ?report.rejected, "disk tier read-back cut short; the rest is recomputed");
+                }
+                self.admit(*job);
             }
             Command::ReleaseHold(id) => {
                 if let Some((blocks, _)) = self.holds.remove(&id) {
@@ -897,11 +947,11 @@ impl Runner {
     /// block. The blocks written stay referenced until the end, so that making room for a
     /// later block never evicts an earlier one of the same import; they are then released
     /// last-first, so that the cache evicts a prefix's tail before its head.
-    fn import(&mut self, blocks: Vec<(KvBlock, Option<String>)>) -> ImportReport {
+    fn import(&mut self, blocks: Vec<ReadBlock>) -> ImportReport {
         let mut report = ImportReport::default();
         let mut held = Vec::new();
         let mut gap = false;
-        for (block, rejected) in blocks {
+        for (block, rejected, spill) in blocks {
             if gap {
                 report
                     .rejected
@@ -922,8 +972,10 @@ impl Runner {
                 gap = true;
                 continue;
             };
+            // The block may have been evicted for this: save it before it is overwritten.
+            self.spill_evicted();
             if self.compute.write_block(b, &block.data) {
-                self.sched.blocks.register(b, block.hash);
+                self.sched.blocks.register_spillable(b, block.hash, spill);
                 report.imported += 1;
                 report.bytes += block.data.len() as u64;
             } else {
@@ -996,11 +1048,62 @@ impl Runner {
         Ok(())
     }
 
-    fn admit(&mut self, Job { req, tx }: Job) {
-        if let Err(e) = self.validate(&req) {
-            let _ = tx.send(e);
+    /// Copies the blocks the pool just evicted to the disk tier (the copy is the engine's
+    /// only cost: the write happens on the tier's thread).
+    fn spill_evicted(&mut self) {
+        let evicted = self.sched.blocks.take_evicted();
+        let Some(tier) = &self.tier else { return };
+        for (b, h, spill) in evicted {
+            if let Some(data) = self.compute.read_block(b) {
+                tier.spill(h, spill, data);
+            }
+        }
+    }
+
+    /// With a disk tier: the run of the prompt's full blocks that the pool lacks and the
+    /// disk holds, from the first block the pool lacks.
+    fn disk_run(&self, tier: &DiskTier, req: &GenerateRequest) -> Vec<(BlockKey, BlockHash)> {
+        let bt = self.sched.config().block_tokens;
+        let tokens: Vec<u32> = req.prompt.iter().chain(&req.resume).copied().collect();
+        let full = tokens.len().saturating_sub(1) / bt;
+        let mut h = namespace_root(&self.model_id, &req.cache_namespace);
+        let mut key = BlockKey::root(&self.model_id, &req.cache_namespace);
+        let mut run = Vec::new();
+        for i in 0..full {
+            let block = &tokens[i * bt..(i + 1) * bt];
+            h = hearth_protocol::chain(h, block);
+            key = key.chain(block);
+            if run.is_empty() && self.sched.blocks.contains(h) {
+                continue;
+            }
+            if !tier.contains(&key) {
+                break;
+            }
+            run.push((key, h));
+        }
+        run
+    }
+
+    fn admit(&mut self, mut job: Job) {
+        if let Err(e) = self.validate(&job.req) {
+            let _ = job.tx.send(e);
             return;
         }
+        if let (Some(tier), Some(resend)) = (self.tier.clone(), job.resend.take()) {
+            let run = self.disk_run(&tier, &job.req);
+            if !run.is_empty() {
+                // The request waits for its blocks off this thread, then comes back.
+                let job = Box::new(job);
+                tier.read(
+                    run,
+                    Box::new(move |blocks| {
+                        let _ = resend.send(Command::DiskRead(job, blocks));
+                    }),
+                );
+                return;
+            }
+        }
+        let Job { req, tx, .. } = job;
         let queue = self.sched.queue_state(&req.qos.tenant, self.queue_tokens);
         if let Err(shed) = queue.admit(req.qos.priority, req.prompt.len() as u64) {
             self.metrics.shed(req.qos.priority).inc();
@@ -1085,6 +1188,10 @@ impl Runner {
             namespace_root(&self.model_id, &req.cache_namespace),
             &req.qos,
         );
+        if self.tier.is_some() {
+            self.sched
+                .set_key_root(id, BlockKey::root(&self.model_id, &req.cache_namespace));
+        }
         self.requests.insert(id, r);
     }
 
@@ -1164,6 +1271,8 @@ impl Runner {
     fn step(&mut self) {
         self.propose_drafts();
         let items = self.sched.schedule();
+        // Evicted blocks go to the tier below before this step (or a fork's copy) overwrites them.
+        self.spill_evicted();
         for (from, to) in std::mem::take(&mut self.sched.pending_copies) {
             self.compute.copy_block(from, to);
         }
@@ -1481,10 +1590,16 @@ impl Runner {
     fn publish(&mut self) {
         let ev = self.sched.blocks.take_events();
         if !ev.stored.is_empty() {
-            let _ = self.kv_tx.send(KvEvent::Stored { blocks: ev.stored });
+            let _ = self.kv_tx.send(KvEvent::Stored {
+                blocks: ev.stored,
+                tier: Tier::Device,
+            });
         }
         if !ev.removed.is_empty() {
-            let _ = self.kv_tx.send(KvEvent::Removed { blocks: ev.removed });
+            let _ = self.kv_tx.send(KvEvent::Removed {
+                blocks: ev.removed,
+                tier: Tier::Device,
+            });
         }
         let load = self.sched.load();
         if load != self.last_load.0 && (self.last_load.1.elapsed() >= Duration::from_millis(50) || self.sched.is_idle())

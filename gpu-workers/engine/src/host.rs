@@ -43,6 +43,10 @@ pub struct ModelEntry {
     pub tenants: Vec<String>,
     /// A chat template to use instead of the file's (its text).
     pub chat_template: Option<String>,
+    /// Its KV disk tier's directory instead of the host's.
+    pub kv_disk_dir: Option<std::path::PathBuf>,
+    /// Its KV disk tier's size instead of the host's (0: none).
+    pub kv_disk_gib: Option<f64>,
 }
 
 impl ModelEntry {
@@ -52,6 +56,23 @@ impl ModelEntry {
         cfg.max_context = self.context_length.or(cfg.max_context);
         cfg.rope_scaling = self.rope_scaling.or(cfg.rope_scaling);
         cfg.chat_template = self.chat_template.clone().or(cfg.chat_template);
+        let dir = self.kv_disk_dir.clone().or(cfg.kv_disk.as_ref().map(|d| d.dir.clone()));
+        cfg.kv_disk = match (dir, self.kv_disk_gib) {
+            (_, Some(g)) if g <= 0.0 => None,
+            (Some(dir), gib) => Some(crate::kv_tier::DiskTierConfig {
+                dir,
+                capacity_bytes: gib.map_or_else(
+                    || {
+                        cfg.kv_disk
+                            .as_ref()
+                            .map_or(crate::kv_tier::DEFAULT_CAPACITY, |d| d.capacity_bytes)
+                    },
+                    |g| (g * (1u64 << 30) as f64) as u64,
+                ),
+                tenant_bytes: cfg.kv_disk.as_ref().map_or(0, |d| d.tenant_bytes),
+            }),
+            (None, _) => None,
+        };
         cfg
     }
 }

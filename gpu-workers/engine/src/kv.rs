@@ -16,6 +16,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use hearth_protocol::BlockHash;
 
+use crate::kv_tier::Spill;
+
 /// How K and V are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KvDtype {
@@ -333,6 +335,13 @@ pub struct BlockManager {
     lru_key: Vec<u64>,
     tick: u64,
     events: BlockEvents,
+    /// What each cached block needs to go to the tier below when evicted (blocks without
+    /// it — imported from a peer, or with no tier — are only dropped).
+    spill: Vec<Option<Spill>>,
+    /// Evicted blocks still holding their bytes, to copy to the tier below before they are
+    /// written (see [`BlockManager::take_evicted`]). Only filled with `spilling` on.
+    evicted: Vec<(u32, BlockHash, Spill)>,
+    pub spilling: bool,
     /// Prefix-cache lookups and hits, in blocks.
     pub queries: u64,
     pub hits: u64,
@@ -349,6 +358,9 @@ impl BlockManager {
             lru_key: vec![0; num_blocks],
             tick: 0,
             events: BlockEvents::default(),
+            spill: vec![None; num_blocks],
+            evicted: Vec::new(),
+            spilling: false,
             queries: 0,
             hits: 0,
         }
@@ -374,6 +386,11 @@ impl BlockManager {
                 if let Some(h) = self.hash[b as usize].take() {
                     self.cached.remove(&h);
                     self.events.removed.push(h);
+                    if let Some(s) = self.spill[b as usize].take() {
+                        if self.spilling {
+                            self.evicted.push((b, h, s));
+                        }
+                    }
                 }
                 b
             }
@@ -432,12 +449,25 @@ impl BlockManager {
     /// Names a full, computed block in use by its hash so later requests can reuse it.
     /// If another block already holds that hash, this one stays private.
     pub fn register(&mut self, b: u32, h: BlockHash) {
+        self.register_spillable(b, h, None);
+    }
+
+    /// [`BlockManager::register`], with what the block needs to go to the tier below.
+    pub fn register_spillable(&mut self, b: u32, h: BlockHash, spill: Option<Spill>) {
         if self.hash[b as usize].is_some() || self.cached.contains_key(&h) {
             return;
         }
         self.hash[b as usize] = Some(h);
+        self.spill[b as usize] = spill;
         self.cached.insert(h, b);
         self.events.stored.push(h);
+    }
+
+    /// Blocks evicted since the last call, whose bytes are still intact: the caller copies
+    /// them out before anything writes the blocks again (the next forward step, an import,
+    /// a fork's copy).
+    pub fn take_evicted(&mut self) -> Vec<(u32, BlockHash, Spill)> {
+        std::mem::take(&mut self.evicted)
     }
 
     pub fn take_events(&mut self) -> BlockEvents {

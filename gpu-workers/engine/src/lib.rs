@@ -28,6 +28,7 @@ pub mod host;
 pub mod inspect;
 pub mod kernels;
 pub mod kv;
+pub mod kv_tier;
 pub mod kv_transfer;
 pub mod metrics;
 pub mod models;

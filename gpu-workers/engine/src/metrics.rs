@@ -20,12 +20,13 @@ use std::time::Duration;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
-use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
 
 use hearth_protocol::Priority;
 
+use crate::kv_tier::TierMetrics;
 use crate::Backend;
 
 const QUEUE_BUCKETS: &[f64] = &[
@@ -59,6 +60,8 @@ pub struct EngineMetrics {
     pub grammar_mask_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
     /// Rows routed to each expert of each mixture-of-experts layer.
     pub expert_load: crate::models::moe::ExpertLoad,
+    /// The disk tier below the pool (zero without one).
+    pub kv_disk: Arc<crate::kv_tier::TierMetrics>,
 }
 
 impl Default for EngineMetrics {
@@ -78,6 +81,7 @@ impl Default for EngineMetrics {
             spec_accepted: Counter::default(),
             grammar_masks: Counter::default(),
             grammar_mask_seconds: Counter::default(),
+            kv_disk: Arc::default(),
         }
     }
 }
@@ -128,6 +132,8 @@ type Labels<'a> = [(&'static str, &'a str); 1];
 type FromStats<T> = (&'static str, &'static str, fn(&crate::EngineStats, u64) -> T);
 type FromHistograms = (&'static str, &'static str, fn(&EngineMetrics) -> &Histogram);
 type FromCounters = (&'static str, &'static str, fn(&EngineMetrics) -> &Counter);
+type FromTier = (&'static str, &'static str, fn(&TierMetrics) -> &Counter);
+type FromTierGauge = (&'static str, &'static str, fn(&TierMetrics) -> &Gauge);
 
 impl Collector for EngineCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
@@ -244,6 +250,79 @@ impl Collector for EngineCollector {
                 let labels: Labels = [("worker", worker)];
                 pick(em).encode(m.encode_family(&labels)?)?;
             }
+        }
+        // Only engines with a tier below the pool.
+        let tiered: Vec<_> = with_metrics.iter().filter(|(_, em)| em.kv_disk.enabled()).collect();
+        let tier_counters: [FromTier; 7] = [
+            (
+                "hearth_kv_tier_hits",
+                "KV blocks read back from a tier below the pool instead of recomputed.",
+                |t| &t.hits,
+            ),
+            (
+                "hearth_kv_tier_read_bytes",
+                "KV bytes read back from a tier below the pool.",
+                |t| &t.read_bytes,
+            ),
+            (
+                "hearth_kv_tier_writes",
+                "KV blocks the pool evicted and a tier below it stored.",
+                |t| &t.writes,
+            ),
+            (
+                "hearth_kv_tier_evictions",
+                "KV blocks a tier dropped for room (whole oldest segments first).",
+                |t| &t.evicted,
+            ),
+            (
+                "hearth_kv_tier_quota_evictions",
+                "KV blocks a tier dropped to keep a tenant within its quota.",
+                |t| &t.quota_evicted,
+            ),
+            (
+                "hearth_kv_tier_dropped_writes",
+                "Evicted KV blocks not stored (the write queue was full, or the write failed).",
+                |t| &t.dropped_writes,
+            ),
+            (
+                "hearth_kv_tier_corrupt",
+                "KV records refused on read by their checksum (the block was recomputed).",
+                |t| &t.corrupt,
+            ),
+        ];
+        for (name, help, pick) in tier_counters {
+            let mut m = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for (worker, em) in &tiered {
+                let labels = [("worker", *worker), ("tier", "disk")];
+                pick(&em.kv_disk).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let tier_gauges: [FromTierGauge; 2] = [
+            ("hearth_kv_tier_blocks", "KV blocks a tier below the pool holds.", |t| {
+                &t.blocks
+            }),
+            (
+                "hearth_kv_tier_bytes",
+                "Bytes of a tier's files (live records and not yet reclaimed ones).",
+                |t| &t.bytes,
+            ),
+        ];
+        for (name, help, pick) in tier_gauges {
+            let mut m = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (worker, em) in &tiered {
+                let labels = [("worker", *worker), ("tier", "disk")];
+                pick(&em.kv_disk).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let mut m = encoder.encode_descriptor(
+            "hearth_kv_tier_read_seconds",
+            "Time to read one request's run of KV blocks back from a tier below the pool.",
+            None,
+            MetricType::Histogram,
+        )?;
+        for (worker, em) in &tiered {
+            let labels = [("worker", *worker), ("tier", "disk")];
+            em.kv_disk.read_seconds.encode(m.encode_family(&labels)?)?;
         }
         let mut m = encoder.encode_descriptor(
             "hearth_grammar_mask_seconds",

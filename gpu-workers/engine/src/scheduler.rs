@@ -55,10 +55,12 @@
 //! property tests drain random workloads of one and of two tenants).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 use hearth_protocol::{chain, BlockHash, LoadReport, Priority, Qos, QueueState};
 
 use crate::kv::BlockManager;
+use crate::kv_tier::{BlockKey, Spill};
 
 /// How waiting sequences are admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -151,6 +153,10 @@ pub struct Sequence {
     /// Hashes of the full computed blocks (registered in the prefix cache).
     hashes: Vec<BlockHash>,
     root: BlockHash,
+    /// The chain of [`BlockKey`]s over its tokens, from `key_root`, as far as computed (only
+    /// with a tier below the pool: see [`Scheduler::set_key_root`]).
+    key_root: Option<BlockKey>,
+    keys: Vec<BlockKey>,
     /// Prompt tokens served from the prefix cache at first admission.
     pub cached_tokens: usize,
     admitted: bool,
@@ -178,6 +184,17 @@ impl Sequence {
     fn remaining(&self) -> usize {
         self.tokens.len() - self.computed
     }
+
+    /// The [`BlockKey`] of full block `i` (None without a key root).
+    fn key(&mut self, i: usize, bt: usize) -> Option<BlockKey> {
+        let root = self.key_root?;
+        while self.keys.len() <= i {
+            let j = self.keys.len();
+            let parent = self.keys.last().copied().unwrap_or(root);
+            self.keys.push(parent.chain(&self.tokens[j * bt..(j + 1) * bt]));
+        }
+        Some(self.keys[i])
+    }
 }
 
 /// Tokens served to one tenant, by kind.
@@ -192,6 +209,8 @@ pub struct Served {
 #[derive(Debug, Clone)]
 struct Account {
     name: String,
+    /// The name, shared with the blocks it spills.
+    tenant: Arc<str>,
     share: f64,
     /// The virtual token counter: weighted tokens served ÷ share (plus lifts).
     counter: f64,
@@ -295,6 +314,7 @@ impl Scheduler {
         }
         self.accounts.push(Account {
             name: qos.tenant.clone(),
+            tenant: qos.tenant.as_str().into(),
             share,
             counter: 0.0,
             waiting: Default::default(),
@@ -354,6 +374,8 @@ impl Scheduler {
             table: Vec::new(),
             hashes: Vec::new(),
             root,
+            key_root: None,
+            keys: Vec::new(),
             cached_tokens: 0,
             admitted: false,
             preemptions: 0,
@@ -413,6 +435,14 @@ impl Scheduler {
             queued,
             tenant_queued,
             tenants: others + 1,
+        }
+    }
+
+    /// Names `id`'s blocks for the tier below the pool too: their [`BlockKey`] chain starts
+    /// at `root` (its model and cache namespace).
+    pub fn set_key_root(&mut self, id: u64, root: BlockKey) {
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.key_root = Some(root);
         }
     }
 
@@ -954,7 +984,11 @@ impl Scheduler {
                 let parent = if i == 0 { seq.root } else { seq.hashes[i - 1] };
                 let h = chain(parent, &seq.tokens[i * bt..(i + 1) * bt]);
                 seq.hashes.push(h);
-                self.blocks.register(seq.table[i], h);
+                let spill = seq.key(i, bt).map(|key| Spill {
+                    key,
+                    tenant: self.accounts[seq.account].tenant.clone(),
+                });
+                self.blocks.register_spillable(seq.table[i], h, spill);
             }
         }
     }

@@ -362,6 +362,7 @@ fn sim_loop(
                         block_tokens: 16,
                         blocks: w.sched.blocks.cached_hashes(),
                         load: w.load(),
+                        disk: Vec::new(),
                     };
                     let _ = reply.send((snap, kv_tx.subscribe()));
                 }
@@ -378,10 +379,16 @@ fn sim_loop(
         let Some(step) = w.step() else { continue };
         let ev = w.take_events();
         if !ev.stored.is_empty() {
-            let _ = kv_tx.send(KvEvent::Stored { blocks: ev.stored });
+            let _ = kv_tx.send(KvEvent::Stored {
+                blocks: ev.stored,
+                tier: Default::default(),
+            });
         }
         if !ev.removed.is_empty() {
-            let _ = kv_tx.send(KvEvent::Removed { blocks: ev.removed });
+            let _ = kv_tx.send(KvEvent::Removed {
+                blocks: ev.removed,
+                tier: Default::default(),
+            });
         }
         let _ = kv_tx.send(KvEvent::Load(w.load()));
         let wait = Duration::from_secs_f64(step.seconds / speedup).saturating_sub(started.elapsed());

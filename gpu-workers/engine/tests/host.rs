@@ -25,6 +25,8 @@ fn entry(id: &str, path: PathBuf, ttl: Option<Duration>) -> ModelEntry {
         memory_bytes: None,
         tenants: Vec::new(),
         chat_template: None,
+        kv_disk_dir: None,
+        kv_disk_gib: None,
     }
 }
 

@@ -282,7 +282,34 @@ pub struct LoadReport {
     pub total_blocks: u32,
 }
 
-/// `GET /v1/worker/events`: what the worker's prefix cache holds, as it changes.
+/// Where a worker keeps a KV block: its engine's pool (device memory on a GPU worker), host
+/// memory, or local disk. Only pool blocks are reused as they are; the others are read back
+/// into the pool first, at a cost the router weighs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Tier {
+    #[default]
+    Device,
+    Host,
+    Disk,
+}
+
+impl Tier {
+    pub fn is_device(&self) -> bool {
+        *self == Tier::Device
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Device => "device",
+            Tier::Host => "host",
+            Tier::Disk => "disk",
+        }
+    }
+}
+
+/// `GET /v1/worker/events`: what the worker's prefix cache holds, as it changes, tier by
+/// tier. A block the pool evicts to disk is `removed` from `device` then `stored` in `disk`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum KvEvent {
@@ -291,14 +318,21 @@ pub enum KvEvent {
         block_tokens: u32,
         blocks: Vec<crate::BlockHash>,
         load: LoadReport,
+        /// Blocks held in the disk tier (a worker without one sends none).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        disk: Vec<crate::BlockHash>,
     },
-    /// Blocks now cached (reusable by a request with the same prefix).
+    /// Blocks now held in `tier` (reusable by a request with the same prefix).
     Stored {
         blocks: Vec<crate::BlockHash>,
+        #[serde(default, skip_serializing_if = "Tier::is_device")]
+        tier: Tier,
     },
-    /// Blocks evicted.
+    /// Blocks dropped from `tier`.
     Removed {
         blocks: Vec<crate::BlockHash>,
+        #[serde(default, skip_serializing_if = "Tier::is_device")]
+        tier: Tier,
     },
     Load(LoadReport),
 }
@@ -392,6 +426,14 @@ pub struct ModelSpec {
     /// catalogue file).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<String>,
+    /// Where its KV disk tier lives (default: the host's `--kv-disk-dir`; relative paths:
+    /// from the catalogue file).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_disk_dir: Option<String>,
+    /// Its KV disk tier's size in GiB (default: the host's `--kv-disk-gib`; 0: none for
+    /// this model).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_disk_gib: Option<f64>,
 }
 
 impl ModelSpec {
@@ -415,6 +457,15 @@ impl ModelSpec {
         {
             return Err(format!(
                 "model {:?}: idle_ttl_s must be a number of seconds from 0 (never unload) to 1e9",
+                self.id
+            ));
+        }
+        if self
+            .kv_disk_gib
+            .is_some_and(|g| !(g.is_finite() && (0.0..=1e6).contains(&g)))
+        {
+            return Err(format!(
+                "model {:?}: kv_disk_gib must be a number of GiB from 0 (no disk tier) to 1e6",
                 self.id
             ));
         }

@@ -482,6 +482,17 @@ pub struct ModelArgs {
     /// `--rope-scaling` (default: the model's, stretched by the scaling).
     #[arg(long, env = "HEARTH_CONTEXT_LENGTH")]
     pub context_length: Option<usize>,
+    /// Keep KV blocks the engine's pool evicts on local disk under this directory (one
+    /// subdirectory per model and KV layout, kept across restarts) and read them back
+    /// instead of recomputing a prefix (default: no disk tier).
+    #[arg(long, env = "HEARTH_KV_DISK_DIR")]
+    pub kv_disk_dir: Option<PathBuf>,
+    /// The disk tier's size in GiB per engine (oldest blocks go first).
+    #[arg(long, env = "HEARTH_KV_DISK_GIB", default_value_t = 16.0)]
+    pub kv_disk_gib: f64,
+    /// Each tenant's share of a disk tier, in GiB (0: only the tier's size bounds it).
+    #[arg(long, env = "HEARTH_KV_DISK_TENANT_GIB", default_value_t = 0.0)]
+    pub kv_disk_tenant_gib: f64,
 }
 
 fn read_template(path: &str) -> Result<String, String> {
@@ -554,8 +565,20 @@ impl ModelArgs {
             device: self.device,
             cuda_graphs: self.cuda_graphs,
             chat_template: self.chat_template.clone(),
+            kv_disk: self
+                .kv_disk_dir
+                .as_ref()
+                .map(|dir| hearth_engine::kv_tier::DiskTierConfig {
+                    dir: dir.clone(),
+                    capacity_bytes: gib_bytes(self.kv_disk_gib),
+                    tenant_bytes: gib_bytes(self.kv_disk_tenant_gib),
+                }),
         }
     }
+}
+
+fn gib_bytes(g: f64) -> u64 {
+    (g.max(0.0) * (1u64 << 30) as f64) as u64
 }
 
 fn parse_schedule(s: &str) -> Result<hearth_engine::scheduler::Policy, String> {
@@ -809,6 +832,12 @@ pub enum AdminModelCommand {
         /// A chat template file instead of the model's (a path the workers can read).
         #[arg(long)]
         chat_template: Option<String>,
+        /// Its KV disk tier's directory (default: each worker's --kv-disk-dir).
+        #[arg(long)]
+        kv_disk_dir: Option<String>,
+        /// Its KV disk tier's size in GiB (default: each worker's --kv-disk-gib; 0: none).
+        #[arg(long)]
+        kv_disk_gib: Option<f64>,
     },
     /// Stop serving a model and remove it from every catalogue (requests in flight finish).
     Remove { id: String },

@@ -17,6 +17,8 @@
 //! rope_scaling = "yarn:4"        # stretch the context: yarn/linear/llama3:FACTOR, or none;
 //!                                # optional
 //! chat_template = "qwen.jinja"    # a template instead of the model's; optional
+//! kv_disk_dir = "kv"             # its KV disk tier (default: --kv-disk-dir); optional
+//! kv_disk_gib = 64               # the tier's size (default: --kv-disk-gib; 0: none); optional
 //! memory_mib = 300               # what it counts against the budget; optional
 //! tenants = ["acme"]             # only these tenants (names or ids) see it; optional
 //! ```
@@ -105,6 +107,13 @@ async fn entry(spec: &ModelSpec, base: &Path, model_args: &ModelArgs) -> anyhow:
         ),
         None => None,
     };
+    let kv_disk_dir = spec.kv_disk_dir.as_ref().map(|d| base.join(d));
+    if kv_disk_dir.is_none() && model_args.kv_disk_dir.is_none() && spec.kv_disk_gib.is_some_and(|g| g > 0.0) {
+        bail!(
+            "catalogue model {:?}: kv_disk_gib needs a directory (kv_disk_dir, or the worker's --kv-disk-dir)",
+            spec.id
+        );
+    }
     let rope_scaling = match &spec.rope_scaling {
         Some(s) => Some(
             hearth_engine::models::RopeScaling::parse(s)
@@ -122,6 +131,8 @@ async fn entry(spec: &ModelSpec, base: &Path, model_args: &ModelArgs) -> anyhow:
         memory_bytes: spec.memory_mib.map(|v| v << 20),
         tenants: spec.tenants.clone(),
         chat_template,
+        kv_disk_dir,
+        kv_disk_gib: spec.kv_disk_gib,
     })
 }
 

@@ -240,6 +240,8 @@ async fn admin_models(gw: GatewayApiArgs, command: AdminModelCommand, json: bool
             memory_mib,
             tenants,
             chat_template,
+            kv_disk_dir,
+            kv_disk_gib,
         } => client.post(&base).json(&hearth_protocol::ModelSpec {
             id,
             source,
@@ -250,6 +252,8 @@ async fn admin_models(gw: GatewayApiArgs, command: AdminModelCommand, json: bool
             memory_mib,
             tenants,
             chat_template,
+            kv_disk_dir,
+            kv_disk_gib,
         }),
         AdminModelCommand::Remove { id } => {
             let mut url = reqwest::Url::parse(&base).with_context(|| format!("bad --gateway-url {}", gw.url))?;

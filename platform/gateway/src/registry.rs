@@ -543,14 +543,14 @@ async fn follow_kv_events_until_retired(model: &ServedModel, slot: usize) {
                         return; // the worker left; the slot may be another's now
                     }
                     match ev {
-                        KvEvent::Snapshot { blocks, .. } => {
-                            r.index.reset_worker(slot, &blocks);
+                        KvEvent::Snapshot { blocks, disk, .. } => {
+                            r.index.reset_worker_tiers(slot, &blocks, &disk);
                             if let Some(w) = r.worker_mut(slot) {
                                 w.exact_events = true;
                             }
                         }
-                        KvEvent::Stored { blocks } => r.index.stored(slot, &blocks),
-                        KvEvent::Removed { blocks } => r.index.removed(slot, &blocks),
+                        KvEvent::Stored { blocks, tier } => r.index.stored_in(slot, &blocks, tier),
+                        KvEvent::Removed { blocks, tier } => r.index.removed_from(slot, &blocks, tier),
                         KvEvent::Load(_) => {}
                     }
                 }

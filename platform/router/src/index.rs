@@ -3,11 +3,15 @@
 //! Exact when fed by the engines' KV events (`stored` / `removed` / `snapshot`); when a
 //! worker publishes no events, the router records its own decisions instead, and those
 //! entries expire after a TTL (approximate mode). Workers are slots `0..64` (a bit each).
+//!
+//! Tiers: a block a worker's pool evicted to its disk tier is still that worker's, at a
+//! cost (it is read back before use). The index keeps one bit set for the pool and one for
+//! the disk, and [`PrefixIndex::matches_tiers`] counts both.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use hearth_protocol::BlockHash;
+use hearth_protocol::{BlockHash, Tier};
 
 /// Workers per index (one bit each).
 pub const MAX_WORKERS: usize = 64;
@@ -39,6 +43,14 @@ struct Entry {
     /// Workers the router sent this block to, without confirmation; valid until `expires`.
     approx: u64,
     expires: u64,
+    /// Workers whose disk tier holds the block.
+    disk: u64,
+}
+
+impl Entry {
+    fn unused(&self) -> bool {
+        self.exact == 0 && self.approx == 0 && self.disk == 0
+    }
 }
 
 /// The prefix index.
@@ -46,6 +58,9 @@ struct Entry {
 pub struct PrefixIndex {
     blocks: HashMap<BlockHash, Entry, Fast>,
     per_worker: Vec<HashSet<BlockHash, Fast>>,
+    per_worker_disk: Vec<HashSet<BlockHash, Fast>>,
+    /// Entries with a disk bit (when none, matching skips the second pass).
+    disk_entries: usize,
 }
 
 impl PrefixIndex {
@@ -53,6 +68,8 @@ impl PrefixIndex {
         Self {
             blocks: HashMap::default(),
             per_worker: (0..MAX_WORKERS).map(|_| HashSet::default()).collect(),
+            per_worker_disk: (0..MAX_WORKERS).map(|_| HashSet::default()).collect(),
+            disk_entries: 0,
         }
     }
 
@@ -70,35 +87,77 @@ impl PrefixIndex {
         self.per_worker.get(w).map_or(0, HashSet::len)
     }
 
+    /// Blocks a worker holds in its disk tier.
+    pub fn worker_disk_blocks(&self, w: usize) -> usize {
+        self.per_worker_disk.get(w).map_or(0, HashSet::len)
+    }
+
     pub fn stored(&mut self, w: usize, hashes: &[BlockHash]) {
-        let bit = 1u64 << w;
-        for &h in hashes {
-            self.blocks.entry(h).or_default().exact |= bit;
-            self.per_worker[w].insert(h);
-        }
+        self.stored_in(w, hashes, Tier::Device);
     }
 
     pub fn removed(&mut self, w: usize, hashes: &[BlockHash]) {
+        self.removed_from(w, hashes, Tier::Device);
+    }
+
+    /// A worker now holds these blocks in `tier` (host memory counts with the disk: both
+    /// are read back into the pool before use).
+    pub fn stored_in(&mut self, w: usize, hashes: &[BlockHash], tier: Tier) {
+        let bit = 1u64 << w;
+        for &h in hashes {
+            let e = self.blocks.entry(h).or_default();
+            if tier.is_device() {
+                e.exact |= bit;
+                self.per_worker[w].insert(h);
+            } else {
+                if e.disk == 0 {
+                    self.disk_entries += 1;
+                }
+                e.disk |= bit;
+                self.per_worker_disk[w].insert(h);
+            }
+        }
+    }
+
+    pub fn removed_from(&mut self, w: usize, hashes: &[BlockHash], tier: Tier) {
         let bit = 1u64 << w;
         for h in hashes {
             if let Some(e) = self.blocks.get_mut(h) {
-                e.exact &= !bit;
-                if e.exact == 0 && e.approx == 0 {
+                if tier.is_device() {
+                    e.exact &= !bit;
+                } else if e.disk & bit != 0 {
+                    e.disk &= !bit;
+                    if e.disk == 0 {
+                        self.disk_entries -= 1;
+                    }
+                }
+                if e.unused() {
                     self.blocks.remove(h);
                 }
             }
-            self.per_worker[w].remove(h);
+            if tier.is_device() {
+                self.per_worker[w].remove(h);
+            } else {
+                self.per_worker_disk[w].remove(h);
+            }
         }
     }
 
     /// Replaces everything known about a worker (its snapshot, or its departure with `&[]`).
     pub fn reset_worker(&mut self, w: usize, hashes: &[BlockHash]) {
+        self.reset_worker_tiers(w, hashes, &[]);
+    }
+
+    /// As [`PrefixIndex::reset_worker`], with what its disk tier holds.
+    pub fn reset_worker_tiers(&mut self, w: usize, device: &[BlockHash], disk: &[BlockHash]) {
+        let old: Vec<BlockHash> = std::mem::take(&mut self.per_worker[w]).into_iter().collect();
+        let old_disk: Vec<BlockHash> = self.per_worker_disk[w].iter().copied().collect();
+        self.removed_from(w, &old_disk, Tier::Disk);
         let bit = 1u64 << w;
-        let old = std::mem::take(&mut self.per_worker[w]);
         for h in &old {
             if let Some(e) = self.blocks.get_mut(h) {
                 e.exact &= !bit;
-                if e.exact == 0 && e.approx == 0 {
+                if e.unused() {
                     self.blocks.remove(h);
                 }
             }
@@ -106,7 +165,8 @@ impl PrefixIndex {
         for e in self.blocks.values_mut() {
             e.approx &= !bit;
         }
-        self.stored(w, hashes);
+        self.stored(w, device);
+        self.stored_in(w, disk, Tier::Disk);
     }
 
     /// Approximate mode: the router sent these blocks to `w` at `now` (any monotonic unit);
@@ -123,11 +183,27 @@ impl PrefixIndex {
         }
     }
 
-    fn holders(&self, h: &BlockHash, now: u64) -> u64 {
+    fn holders(&self, h: &BlockHash, now: u64, disk: bool) -> u64 {
         match self.blocks.get(h) {
-            Some(e) => e.exact | if e.expires >= now { e.approx } else { 0 },
+            Some(e) => e.exact | if e.expires >= now { e.approx } else { 0 } | if disk { e.disk } else { 0 },
             None => 0,
         }
+    }
+
+    /// [`PrefixIndex::matches`] in the pool, and in the pool or the disk tier together
+    /// (what a worker can serve without recomputing: its pool's prefix, then blocks read
+    /// back from disk).
+    pub fn matches_tiers(
+        &self,
+        hashes: &[BlockHash],
+        candidates: u64,
+        now: u64,
+    ) -> ([u32; MAX_WORKERS], [u32; MAX_WORKERS]) {
+        let device = self.matches(hashes, candidates, now);
+        if self.disk_entries == 0 {
+            return (device, device);
+        }
+        (device, self.matches_with(hashes, candidates, now, true))
     }
 
     /// For each worker in `candidates`, how many leading blocks of `hashes` it holds.
@@ -138,6 +214,10 @@ impl PrefixIndex {
     /// credited past the gap: only a slightly worse choice, never a wrong answer — the
     /// engine reports the tokens it really reused.)
     pub fn matches(&self, hashes: &[BlockHash], candidates: u64, now: u64) -> [u32; MAX_WORKERS] {
+        self.matches_with(hashes, candidates, now, false)
+    }
+
+    fn matches_with(&self, hashes: &[BlockHash], candidates: u64, now: u64, disk: bool) -> [u32; MAX_WORKERS] {
         let mut matched = [0u32; MAX_WORKERS];
         // Workers in `active` hold at least `lo` blocks; find their lengths within [lo, hi].
         let mut stack = vec![(0usize, hashes.len(), candidates)];
@@ -154,7 +234,7 @@ impl PrefixIndex {
                 continue;
             }
             let mid = (lo + hi).div_ceil(2);
-            let longer = self.holders(&hashes[mid - 1], now) & active;
+            let longer = self.holders(&hashes[mid - 1], now, disk) & active;
             stack.push((mid, hi, longer));
             stack.push((lo, mid - 1, active & !longer));
         }
@@ -167,7 +247,7 @@ impl PrefixIndex {
             if e.expires < now {
                 e.approx = 0;
             }
-            e.exact != 0 || e.approx != 0
+            !e.unused()
         });
     }
 }

@@ -34,11 +34,18 @@ pub enum Policy {
         prefix_length: usize,
         concurrency_threshold: u32,
     },
-    /// Cost in token units: uncached prompt tokens × `prefill_weight` + in-flight prefill
+    /// Cost in token units: uncached prompt tokens × `prefill_weight` + tokens the worker
+    /// holds only in its disk tier × `prefill_weight` × `disk_weight` + in-flight prefill
     /// tokens + running sequences × `decode_weight`; minimum among workers under the bound.
+    /// (Dynamo's `prefill − c·device − w_disk·disk` shape: a pool hit costs nothing, a disk
+    /// hit the read-back's share of recomputing it.)
     KvAware {
         prefill_weight: f64,
         decode_weight: f64,
+        /// A disk-tier hit's cost per token as a fraction of prefilling it; measured by
+        /// `hearth bench kv-tiers` (TTFT of a disk hit ÷ TTFT of recompute).
+        #[serde(default = "default_disk_weight")]
+        disk_weight: f64,
     },
 }
 
@@ -64,10 +71,18 @@ impl Policy {
             "kv_aware" => Policy::KvAware {
                 prefill_weight: 1.0,
                 decode_weight: 8.0,
+                disk_weight: default_disk_weight(),
             },
             _ => return None,
         })
     }
+}
+
+/// A disk-tier hit's cost as a share of recomputing it: `hearth bench kv-tiers` measured a
+/// 1k-token prefix read back from disk at 0.07× the TTFT of computing it on the 2-core CPU
+/// worker (page cache dropped); rounded up.
+pub fn default_disk_weight() -> f64 {
+    0.1
 }
 
 /// Why a worker was chosen (a metrics label).
@@ -343,7 +358,7 @@ impl Router {
             spilled = true;
         }
         let bt = self.cfg.block_tokens;
-        let matched = self.index.matches(input.hashes, candidates, now);
+        let (in_pool, matched) = self.index.matches_tiers(input.hashes, candidates, now);
         let decide = |worker: usize, reason: Reason| Decision {
             worker,
             reason,
@@ -394,6 +409,7 @@ impl Router {
             Policy::KvAware {
                 prefill_weight,
                 decode_weight,
+                disk_weight,
             } => {
                 let mut best: Option<(f64, u64, usize)> = None;
                 for (i, &m) in matched.iter().enumerate() {
@@ -402,7 +418,9 @@ impl Router {
                     }
                     let Some(w) = self.worker(i) else { continue };
                     let cached = (m as usize * bt).min(input.prompt_tokens.saturating_sub(1));
+                    let pooled = (in_pool[i] as usize * bt).min(cached);
                     let cost = (input.prompt_tokens - cached) as f64 * prefill_weight
+                        + (cached - pooled) as f64 * prefill_weight * disk_weight
                         + (w.inflight_prefill_tokens + w.remote_prefill_tokens) as f64
                         + (w.decoding + w.remote_decoding) as f64 * decode_weight;
                     let tie = self.next_rand();
@@ -529,6 +547,33 @@ mod tests {
         let d = r.route(&input(&hashes, None), 0).unwrap();
         assert_ne!(d.worker, 2);
         assert_eq!(d.reason, Reason::Miss);
+    }
+
+    #[test]
+    fn a_disk_hit_costs_a_share_of_recomputing() {
+        use hearth_protocol::Tier;
+        let mut r = router("kv_aware", 3);
+        let hashes: Vec<BlockHash> = (0..10).map(BlockHash).collect();
+        r.index.stored_in(1, &hashes, Tier::Disk);
+        r.index.stored_in(2, &hashes, Tier::Device);
+        // The pool hit wins over the disk hit.
+        let d = r.route(&input(&hashes, None), 0).unwrap();
+        assert_eq!((d.worker, d.expected_cached_tokens), (2, 160));
+        // With two sequences decoding there (16 tokens of cost), the disk hit (160 × 0.1)
+        // ties at worst and never loses to recomputing the prompt on worker 0.
+        r.worker_mut(2).unwrap().decoding = 3;
+        let d = r.route(&input(&hashes, None), 0).unwrap();
+        assert_eq!((d.worker, d.reason, d.expected_cached_tokens), (1, Reason::Hit, 160));
+        // A block in both tiers counts once, as pooled; removing it from the pool leaves it
+        // on disk.
+        r.index.stored_in(1, &hashes, Tier::Device);
+        assert_eq!(r.index.worker_disk_blocks(1), 10);
+        r.index.removed_from(1, &hashes, Tier::Device);
+        assert_eq!((r.index.worker_blocks(1), r.index.worker_disk_blocks(1)), (0, 10));
+        r.index.removed_from(1, &hashes, Tier::Disk);
+        assert_eq!(r.index.worker_disk_blocks(1), 0);
+        let d = r.route(&input(&hashes, None), 0).unwrap();
+        assert_ne!(d.worker, 1);
     }
 
     #[test]
