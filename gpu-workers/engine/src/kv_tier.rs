@@ -155,9 +155,7 @@ impl Default for TierMetrics {
             quota_evicted: Counter::default(),
             dropped_writes: Counter::default(),
             corrupt: Counter::default(),
-            read_seconds: Histogram::new(
-                [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0].into_iter(),
-            ),
+            read_seconds: Histogram::new([0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]),
             blocks: Gauge::default(),
             bytes: Gauge::default(),
             enabled: Default::default(),

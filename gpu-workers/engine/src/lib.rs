@@ -17,6 +17,7 @@ pub mod backend;
 pub mod bench;
 pub mod bench_attention;
 pub mod bench_coldstart;
+pub mod bench_kvtiers;
 pub mod bench_kvtransfer;
 pub mod cuda;
 pub mod engine;

@@ -271,6 +271,19 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// The KV tier below the pool: time to first token with the prefix recomputed, read back
+    /// from disk (page cache warm and dropped) or pulled from a peer, 16–4,096 tokens; and
+    /// multi-turn sessions under capacity pressure, pool only against pool + disk.
+    KvTiers {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Fewer lengths, fewer sessions (smoke).
+        #[arg(long)]
+        quick: bool,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// KV transfer between engines (prefill/decode disaggregation): in process and worker to
     /// worker over loopback HTTP, in GB/s.
     KvTransfer {

@@ -63,6 +63,12 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
             print!("{}", report.table());
             write_json(&report, json)
         }
+        BenchCommand::KvTiers { model, quick, json } => {
+            let (path, id) = resolve_model(&model).await?;
+            let report = hearth_engine::bench_kvtiers::run(&path, &id, &model.engine_config(), quick).await?;
+            print!("{}", report.table());
+            write_json(&report, json)
+        }
         BenchCommand::Attention { quick, json } => {
             let report = hearth_engine::bench_attention::run(quick);
             print!("{}", report.table());
