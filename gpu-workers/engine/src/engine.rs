@@ -102,6 +102,9 @@ pub struct EngineConfig {
     pub kv_disk: Option<DiskTierConfig>,
 }
 
+/// The most one read-back from the disk tier brings in (the rest of the prompt is computed).
+const DISK_READ_MAX_BYTES: usize = 1 << 30;
+
 /// The default draft length (see [`EngineConfig::speculative_tokens`]).
 pub const DEFAULT_SPECULATIVE_TOKENS: usize = 6;
 
@@ -438,7 +441,9 @@ impl EngineHandle {
         let tier = match &cfg.kv_disk {
             None => None,
             Some(d) => {
-                let t = DiskTier::open(d, model_id, &kv_layout, kv_tx.clone(), metrics.kv_disk.clone())
+                let weights = crate::pack_cache::source_id(path)
+                    .map_or(0, |id| xxhash_rust::xxh3::xxh3_64(format!("{id:?}").as_bytes()));
+                let t = DiskTier::open(d, model_id, weights, &kv_layout, kv_tx.clone(), metrics.kv_disk.clone())
                     .map_err(|e| EngineError::Start(format!("KV disk tier at {}: {e}", d.dir.display())))?;
                 let u = t.usage();
                 tracing::info!(
@@ -872,13 +877,16 @@ impl Runner {
         match cmd {
             Command::Generate(job) => self.admit(*job),
             Command::Subscribe(reply) => {
+                // Subscribe before the snapshot: the disk tier's threads publish too, and an
+                // event in between is then replayed (harmless) rather than lost.
+                let events = self.kv_tx.subscribe();
                 let snap = KvEvent::Snapshot {
                     block_tokens: self.sched.config().block_tokens as u32,
                     blocks: self.sched.blocks.cached_hashes(),
                     load: self.sched.load(),
                     disk: self.tier.as_ref().map_or_else(Vec::new, |t| t.hashes()),
                 };
-                let _ = reply.send((snap, self.kv_tx.subscribe()));
+                let _ = reply.send((snap, events));
             }
             Command::ExportBlocks(hashes, reply) => {
                 // Copies only: checksums are taken off the engine thread.
@@ -1048,14 +1056,18 @@ impl Runner {
         Ok(())
     }
 
-    /// Copies the blocks the pool just evicted to the disk tier (the copy is the engine's
-    /// only cost: the write happens on the tier's thread).
+    /// Copies the blocks the pool just evicted, or reused for the first time, to the disk
+    /// tier (the copy is the engine's only cost: the write happens on the tier's thread).
     fn spill_evicted(&mut self) {
         let evicted = self.sched.blocks.take_evicted();
         let Some(tier) = &self.tier else { return };
         for (b, h, spill) in evicted {
-            if let Some(data) = self.compute.read_block(b) {
-                tier.spill(h, spill, data);
+            // Only what the tier lacks (or holds in its older half, about to age out): no
+            // copy for a block whose fresh copy is already on disk.
+            if tier.wants(&spill.key) {
+                if let Some(data) = self.compute.read_block(b) {
+                    tier.spill(h, spill, data);
+                }
             }
         }
     }
@@ -1069,14 +1081,20 @@ impl Runner {
         let mut h = namespace_root(&self.model_id, &req.cache_namespace);
         let mut key = BlockKey::root(&self.model_id, &req.cache_namespace);
         let mut run = Vec::new();
+        let mut leading = 0;
+        // No more than the pool can take without evicting the prompt's own leading blocks
+        // (with room for its last, partial block), nor more than 1 GiB in one read.
+        let room = self.sched.blocks.available().saturating_sub(2);
+        let cap = (DISK_READ_MAX_BYTES / tier.block_bytes().max(1)).max(1);
         for i in 0..full {
             let block = &tokens[i * bt..(i + 1) * bt];
             h = hearth_protocol::chain(h, block);
             key = key.chain(block);
             if run.is_empty() && self.sched.blocks.contains(h) {
+                leading += 1;
                 continue;
             }
-            if !tier.contains(&key) {
+            if run.len() >= cap || run.len() + leading >= room || !tier.contains(&key) {
                 break;
             }
             run.push((key, h));

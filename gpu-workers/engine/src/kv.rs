@@ -404,6 +404,15 @@ impl BlockManager {
         self.queries += 1;
         let b = *self.cached.get(&h)?;
         self.hits += 1;
+        // A reused block is offered to the tier below now, not only when evicted: the
+        // blocks every request shares (a system prompt's) may never be evicted, and a
+        // restarted engine needs them to reach the rest of a chain on disk. (The engine
+        // copies it only if the tier lacks it or holds an aging copy.)
+        if self.spilling {
+            if let Some(s) = &self.spill[b as usize] {
+                self.evicted.push((b, h, s.clone()));
+            }
+        }
         if self.refcount[b as usize] == 0 {
             self.lru.remove(&self.lru_key[b as usize]);
         }
@@ -463,9 +472,9 @@ impl BlockManager {
         self.events.stored.push(h);
     }
 
-    /// Blocks evicted since the last call, whose bytes are still intact: the caller copies
-    /// them out before anything writes the blocks again (the next forward step, an import,
-    /// a fork's copy).
+    /// Blocks to copy to the tier below: evicted since the last call (their bytes still
+    /// intact: the caller copies them out before anything writes the blocks again — the
+    /// next forward step, an import, a fork's copy), and reused for the first time.
     pub fn take_evicted(&mut self) -> Vec<(u32, BlockHash, Spill)> {
         std::mem::take(&mut self.evicted)
     }

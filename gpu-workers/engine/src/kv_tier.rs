@@ -214,6 +214,12 @@ impl Index {
         t
     }
 
+    /// Whether segment `id` is in the older half of the live segments (by id: by age).
+    fn in_older_half(&self, id: u64) -> bool {
+        let n = self.segments.len();
+        n >= 2 && self.segments.keys().nth(n / 2).is_some_and(|&mid| id < mid)
+    }
+
     /// Drops a record from the index (its bytes stay until its segment goes).
     fn forget(&mut self, key: &BlockKey) -> Option<Loc> {
         let loc = self.records.remove(key)?;
@@ -233,13 +239,13 @@ impl Index {
         old
     }
 
-    /// Deletes the oldest segment; the hashes of the records that went with it.
-    fn drop_oldest(&mut self) -> Vec<BlockHash> {
+    /// Drops the oldest segment from the index: the hashes of the records that went with
+    /// it, and its file to delete.
+    fn drop_oldest(&mut self) -> (Vec<BlockHash>, Option<PathBuf>) {
         let Some((id, seg)) = self.segments.pop_first() else {
-            return Vec::new();
+            return (Vec::new(), None);
         };
         self.bytes -= seg.bytes;
-        let _ = std::fs::remove_file(&seg.path);
         let mut gone = Vec::new();
         for key in seg.keys {
             if self.records.get(&key).is_some_and(|l| l.segment == id) {
@@ -248,7 +254,14 @@ impl Index {
                 }
             }
         }
-        gone
+        // Each tenant's order is by segment: its entries for this one are at the front.
+        for t in &mut self.tenants {
+            while t.order.front().is_some_and(|e| e.1 <= id) {
+                t.order.pop_front();
+            }
+        }
+        // (The caller deletes the file once the index is unlocked.)
+        (gone, Some(seg.path))
     }
 
     /// Drops a tenant's oldest live records until `more` bytes fit its quota.
@@ -368,13 +381,20 @@ impl DiskTier {
     pub fn open(
         cfg: &DiskTierConfig,
         model_id: &str,
+        weights_id: u64,
         layout: &KvLayout,
         events: broadcast::Sender<KvEvent>,
         metrics: Arc<TierMetrics>,
     ) -> std::io::Result<Self> {
         let block_bytes = layout.block_bytes();
+        // The weights are part of the identity: the same id and layout with another file
+        // (re-fetched, re-quantized, replaced) never reads this one's blocks.
         let layout_id = xxhash_rust::xxh3::xxh3_64(
-            format!("{model_id}\0{}", serde_json::to_string(layout).unwrap_or_default()).as_bytes(),
+            format!(
+                "{model_id}\0{}\0{weights_id:016x}",
+                serde_json::to_string(layout).unwrap_or_default()
+            )
+            .as_bytes(),
         );
         let safe: String = model_id
             .chars()
@@ -466,6 +486,11 @@ impl DiskTier {
         })
     }
 
+    /// The bytes of one block's data.
+    pub fn block_bytes(&self) -> usize {
+        self.shared.block_bytes
+    }
+
     /// The directory this tier writes (one per model and layout).
     pub fn dir(&self) -> &Path {
         &self.shared.dir
@@ -477,6 +502,13 @@ impl DiskTier {
 
     pub fn contains(&self, key: &BlockKey) -> bool {
         self.shared.index().records.contains_key(key)
+    }
+
+    /// Whether a block should be written: the tier lacks it, or its copy lies in the older
+    /// half of the segments (rewriting it there keeps a block in use from aging out).
+    pub fn wants(&self, key: &BlockKey) -> bool {
+        let ix = self.shared.index();
+        ix.records.get(key).is_none_or(|l| ix.in_older_half(l.segment))
     }
 
     /// How many of `keys`, from the first, the tier holds.
@@ -730,7 +762,7 @@ fn read_run(shared: &Shared, run: &[(BlockKey, BlockHash)]) -> Vec<ReadBlock> {
             .read_exact_at(&mut buf, loc.offset)
             .ok()
             .and_then(|_| decode_header(&buf, shared.block_bytes))
-            .filter(|h| h.key == key && h.hash == hash);
+            .filter(|h| h.key == key && h.hash == hash && HEADER_BYTES + h.tenant_len + h.data_len == buf.len());
         let Some(h) = checked else {
             bad(shared, &key, loc);
             out.push((KvBlock::new(hash, Vec::new()), Some("damaged disk record".into()), None));
@@ -799,14 +831,18 @@ impl Writer {
             let n = job.data.len() as u64;
             let mut stored = Vec::new();
             let mut gone = Vec::new();
-            self.write(job, &mut stored, &mut gone);
+            let mut unlink = Vec::new();
+            self.write(job, &mut stored, &mut gone, &mut unlink);
             // Drain what else is queued before announcing, so events come in batches.
             while let Ok(job) = rx.try_recv() {
                 let m = job.data.len() as u64;
-                self.write(job, &mut stored, &mut gone);
+                self.write(job, &mut stored, &mut gone, &mut unlink);
                 self.shared.queued_bytes.fetch_sub(m, Ordering::AcqRel);
             }
             self.shared.gauge(&self.shared.index());
+            for path in unlink {
+                let _ = std::fs::remove_file(path);
+            }
             self.shared.queued_bytes.fetch_sub(n, Ordering::AcqRel);
             if !gone.is_empty() {
                 self.shared.announce(KvEvent::Removed {
@@ -823,21 +859,31 @@ impl Writer {
         }
     }
 
-    fn write(&mut self, job: WriteJob, stored: &mut Vec<BlockHash>, gone: &mut Vec<BlockHash>) {
+    /// Appends one record; the segments it dropped for room go to `unlink` (deleted by the
+    /// caller, outside the index lock, so that readers never wait on the filesystem).
+    fn write(
+        &mut self,
+        job: WriteJob,
+        stored: &mut Vec<BlockHash>,
+        gone: &mut Vec<BlockHash>,
+        unlink: &mut Vec<PathBuf>,
+    ) {
         let s = self.shared.clone();
         if job.data.len() != s.block_bytes {
             return;
         }
-        let tenant_bytes = &job.tenant.as_bytes()[..job.tenant.len().min(MAX_TENANT)];
+        let mut cut = job.tenant.len().min(MAX_TENANT);
+        while !job.tenant.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let tenant_bytes = &job.tenant.as_bytes()[..cut];
         let len = (HEADER_BYTES + tenant_bytes.len() + job.data.len()) as u64;
         {
             let ix = s.index();
             if let Some(l) = ix.records.get(&job.key) {
                 // Already held: rewrite it only if its copy is in the older half of the log
                 // (reinsertion keeps blocks in use from aging out).
-                let live: Vec<u64> = ix.segments.keys().copied().collect();
-                let old = live.len() >= 2 && l.segment < live[live.len() / 2];
-                if !old {
+                if !ix.in_older_half(l.segment) {
                     return;
                 }
             }
@@ -851,9 +897,10 @@ impl Writer {
             gone.extend(dropped);
             let head = self.head.as_ref().map(|h| h.0);
             while ix.bytes + len > s.capacity && ix.segments.keys().next().is_some_and(|&id| Some(id) != head) {
-                let dropped = ix.drop_oldest();
+                let (dropped, file) = ix.drop_oldest();
                 s.metrics.evicted.inc_by(dropped.len() as u64);
                 gone.extend(dropped);
+                unlink.extend(file);
             }
         }
         let need_new = match &self.head {
@@ -870,9 +917,10 @@ impl Writer {
             let mut ix = s.index();
             let head = self.head.as_ref().map(|h| h.0);
             while ix.bytes + len > s.capacity && ix.segments.keys().next().is_some_and(|&id| Some(id) != head) {
-                let dropped = ix.drop_oldest();
+                let (dropped, file) = ix.drop_oldest();
                 s.metrics.evicted.inc_by(dropped.len() as u64);
                 gone.extend(dropped);
+                unlink.extend(file);
             }
         }
         let Some((id, file, at)) = self.head.clone() else {
@@ -959,7 +1007,7 @@ mod tests {
             capacity_bytes: capacity,
             tenant_bytes: tenant,
         };
-        DiskTier::open(&cfg, "m", &layout(), tx, Arc::default()).unwrap()
+        DiskTier::open(&cfg, "m", 1, &layout(), tx, Arc::default()).unwrap()
     }
 
     fn chain(n: usize, ns: &str) -> Vec<(BlockKey, BlockHash, Vec<u8>)> {
@@ -1033,6 +1081,11 @@ mod tests {
         let t = tier(&dir, 1 << 20, 0);
         // (The damaged record's header is intact: it is indexed again, and refused again on read.)
         assert_eq!(t.usage().blocks, 4);
+        assert_eq!(
+            std::fs::metadata(&seg).unwrap().len(),
+            (FILE_MAGIC.len() + 4 * rec) as u64,
+            "the torn record was cut off"
+        );
     }
 
     #[test]

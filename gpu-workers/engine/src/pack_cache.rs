@@ -67,7 +67,7 @@ fn path_for_version(model: &Path, version: u32) -> PathBuf {
 /// the total size of its `*.safetensors` shards, the latest of their times, and a hash of
 /// every shard's name, size and time (so that a shard replaced by another of the same size
 /// but an older time, or two shards swapped, make the cache stale too).
-fn source_id(model: &Path) -> Option<(u64, u64, u32, u32)> {
+pub(crate) fn source_id(model: &Path) -> Option<(u64, u64, u32, u32)> {
     let stamp = |m: &std::fs::Metadata| -> Option<(u64, std::time::Duration)> {
         Some((m.len(), m.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?))
     };

@@ -38,11 +38,26 @@ fn engine(m: &Path, dir: Option<&Path>, tenant_mib: u64) -> EngineHandle {
     EngineHandle::load(m, DEFAULT_MODEL_ID, &cfg).unwrap()
 }
 
-/// A prompt of `n` tokens, different for each `seed`.
+/// A prompt of `n` tokens: one block every prompt shares (a system prompt's, reused by
+/// every request, so never evicted), then tokens different for each `seed`.
 fn prompt(seed: u32, n: u32) -> Vec<u32> {
     let mut p = vec![1, 9690, 198];
-    p.extend((0..n - 3).map(|i| 200 + (i * 37 + seed * 1009) % 5000));
+    p.extend((0..13).map(|i| 300 + i * 11));
+    p.extend((0..n - 16).map(|i| 200 + (i * 37 + seed * 1009) % 5000));
     p
+}
+
+/// Waits until no engine holds the tier directory (a dropped engine's thread ends
+/// asynchronously).
+fn wait_unlocked(dir: &Path) {
+    for _ in 0..500 {
+        let f = std::fs::File::open(dir.join("LOCK")).unwrap();
+        if f.try_lock().is_ok() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    panic!("{} stayed locked", dir.display());
 }
 
 /// Greedy tokens and the prompt tokens the engine reused from its cache.
@@ -117,9 +132,13 @@ async fn evicted_blocks_come_back_from_disk_and_continue_exactly() {
     assert_eq!(cached, 0, "namespaces never share blocks, on disk or in the pool");
     assert_eq!(got, want);
 
-    // A restart keeps the tier: a new engine on the same directory reads A from disk.
+    // A restart keeps the tier: a new engine on the same directory reads A from disk —
+    // the shared first block too, which the pool never evicted (written when first reused).
+    let tier_dir = e.kv_disk().unwrap().dir().to_path_buf();
     drop(e);
+    wait_unlocked(&tier_dir);
     let e = engine(&m, Some(&dir), 0);
+    assert_eq!(e.kv_disk().unwrap().dir(), tier_dir);
     assert!(e.kv_disk_usage().unwrap().blocks >= 12);
     let (got, cached) = greedy(&e, &a, "", "").await;
     assert_eq!(got, want, "after a restart");

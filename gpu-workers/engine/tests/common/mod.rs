@@ -32,6 +32,9 @@ pub fn reference() -> &'static Path {
 /// `bench/synth-model` with these arguments (seeded random models llama.cpp quantizes;
 /// built on first use): (type, path) per file.
 pub fn synth(args: &[&str]) -> Vec<(String, PathBuf)> {
+    // One at a time: two tests of one binary making the same file at once would race.
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
     let out = run(Command::new(repo().join("bench/synth-model"))
         .args(args)
         .current_dir(repo()));
