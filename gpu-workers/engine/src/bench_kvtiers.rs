@@ -12,12 +12,12 @@
 //! one after another, so TTFT is the engine's own and not queueing.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 use hearth_protocol::{GenerateEvent, GenerateRequest, SamplingParams};
 use serde::Serialize;
 
+use crate::bench_kvtransfer::serve;
 use crate::kv_tier::DiskTierConfig;
 use crate::kv_transfer::{pull, HttpKvTransport};
 use crate::{EngineConfig, EngineError, EngineHandle};
@@ -132,22 +132,6 @@ impl Prompts {
 
 const TOKEN: &str = "kv-tiers-bench";
 
-async fn serve(engine: EngineHandle) -> std::io::Result<String> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let engines: Vec<(String, Arc<dyn crate::Backend>)> = vec![(engine.info().model.clone(), Arc::new(engine))];
-    let app = crate::server::router_many(
-        engines,
-        "bench",
-        crate::server::WorkerOptions {
-            token: Some(TOKEN.into()),
-            ..Default::default()
-        },
-    );
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    Ok(format!("http://{addr}"))
-}
-
 fn scratch_dir(name: &str) -> std::io::Result<PathBuf> {
     let d = std::env::temp_dir().join(format!("hearth-bench-kv-tiers-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
@@ -241,7 +225,7 @@ pub async fn run(
     drop(tiered);
     let _ = std::fs::remove_dir_all(&dir);
     // Peer: a fresh engine pulls each prompt's blocks from the source over loopback HTTP.
-    let url = serve(source.clone()).await.map_err(start)?;
+    let url = serve(source.clone(), TOKEN).await.map_err(start)?;
     let receiver = EngineHandle::load(model_path, model_id, &with(mib_for(total) + 8, None))?;
     let transport = HttpKvTransport::new(Some(TOKEN.into()));
     let mut peer = Vec::new();

@@ -69,7 +69,8 @@ async fn first_token(e: &EngineHandle, prompt: &[u32]) -> (f64, u32) {
 /// The workers' shared token in this benchmark.
 const TOKEN: &str = "kv-bench";
 
-async fn serve(engine: EngineHandle) -> std::io::Result<String> {
+/// Serves `engine` as a worker with the shared `token` on a loopback port; its base URL.
+pub(crate) async fn serve(engine: EngineHandle, token: &str) -> std::io::Result<String> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let engines: Vec<(String, Arc<dyn crate::Backend>)> = vec![(engine.info().model.clone(), Arc::new(engine))];
@@ -77,7 +78,7 @@ async fn serve(engine: EngineHandle) -> std::io::Result<String> {
         engines,
         "bench",
         crate::server::WorkerOptions {
-            token: Some(TOKEN.into()),
+            token: Some(token.into()),
             ..Default::default()
         },
     );
@@ -122,7 +123,7 @@ pub async fn run(
     drop(sink);
 
     // Worker to worker over loopback HTTP.
-    let url = serve(source.clone())
+    let url = serve(source.clone(), TOKEN)
         .await
         .map_err(|e| EngineError::Start(e.to_string()))?;
     let receiver = load()?;
