@@ -7,6 +7,12 @@
 //! pool sized to a fifth of the working set; pool only against pool + disk (disk sized to
 //! all of it), with two controls — everything fits in the pool (no gain expected), and no
 //! reuse at all (the tier's overhead). Greedy outputs are compared across every mode.
+//! (c) Two workers, documents × questions: round-robin placement against KV-aware placement
+//! (each question goes where its document is cached — what `kv_aware` routing does for
+//! requests one at a time), each with and without peer fetch (a worker lacking the
+//! document pulls it from the one holding it over loopback HTTP before computing the
+//! question); and the sending peer's slowdown: its own time to first token while a peer
+//! pulls from it, against alone.
 //!
 //! Engines run in this process (one at a time, each with the configured threads), requests
 //! one after another, so TTFT is the engine's own and not queueing.
@@ -31,6 +37,36 @@ pub struct KvTiersReport {
     pub block_bytes: usize,
     pub break_even: Vec<BreakEvenRow>,
     pub multi_turn: MultiTurn,
+    pub placement: Placement,
+}
+
+/// (c) Documents × questions on two workers.
+#[derive(Debug, Clone, Serialize)]
+pub struct Placement {
+    pub documents: usize,
+    pub questions: usize,
+    pub document_tokens: usize,
+    pub question_tokens: usize,
+    pub modes: Vec<PlacementRow>,
+    /// Round-robin with fetch's hit rate ÷ KV-aware's (without fetch).
+    pub fetch_recovery: f64,
+    /// The sending peer's TTFT while a peer pulls a document from it ÷ alone.
+    pub sender_slowdown: f64,
+    pub sender_alone_ms: f64,
+    pub sender_during_fetch_ms: f64,
+    /// Greedy outputs identical across the four modes.
+    pub identical: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PlacementRow {
+    pub mode: String,
+    pub requests: usize,
+    /// Cached ÷ prompt tokens.
+    pub hit_rate: f64,
+    pub fetches: usize,
+    pub ttft_mean_ms: f64,
+    pub tokens_per_s: f64,
 }
 
 /// One prompt length: TTFT (ms) by where its cached prefix comes from.
@@ -344,6 +380,11 @@ pub async fn run(
         no_reuse_overhead: ratio(modes[4].ttft_mean_ms, modes[3].ttft_mean_ms) - 1.0,
         modes,
     };
+    // (c) Each worker's pool holds every document with its questions: placement alone
+    // decides what is cached.
+    let shape = PlacementShape::new(quick);
+    let mib = mib_for(shape.documents * (shape.doc_tokens + shape.questions * (shape.q_tokens + 8)) + 256);
+    let placement = placement(model_path, model_id, &with(mib, None), &prompts, shape).await?;
     Ok(KvTiersReport {
         model: model_id.to_string(),
         isa: crate::kernels::isa().to_string(),
@@ -352,6 +393,152 @@ pub async fn run(
         block_bytes,
         break_even,
         multi_turn,
+        placement,
+    })
+}
+
+/// (c)'s workload.
+#[derive(Clone, Copy)]
+struct PlacementShape {
+    documents: usize,
+    questions: usize,
+    doc_tokens: usize,
+    q_tokens: usize,
+}
+
+impl PlacementShape {
+    fn new(quick: bool) -> Self {
+        // An odd number of documents, so that round-robin does not keep each on one worker.
+        let (documents, questions, doc_tokens) = if quick { (3, 3, 256) } else { (5, 4, 512) };
+        Self {
+            documents,
+            questions,
+            doc_tokens,
+            q_tokens: 32,
+        }
+    }
+}
+
+/// (c): see the module's documentation.
+async fn placement(
+    model_path: &Path,
+    model_id: &str,
+    cfg: &EngineConfig,
+    prompts: &Prompts,
+    shape: PlacementShape,
+) -> Result<Placement, EngineError> {
+    let PlacementShape {
+        documents,
+        questions,
+        doc_tokens,
+        q_tokens,
+    } = shape;
+    let quick = documents < 5;
+    let transport = HttpKvTransport::new(Some(TOKEN.into()));
+    let mut modes = Vec::new();
+    let mut outputs = Vec::new();
+    for (mode, kv_aware, fetch) in [
+        ("round-robin", false, false),
+        ("round-robin + fetch", false, true),
+        ("KV-aware", true, false),
+        ("KV-aware + fetch", true, true),
+    ] {
+        let workers = [
+            EngineHandle::load(model_path, model_id, cfg)?,
+            EngineHandle::load(model_path, model_id, cfg)?,
+        ];
+        let mut urls = Vec::new();
+        for w in &workers {
+            urls.push(serve(w.clone(), TOKEN).await.map_err(start)?);
+        }
+        // Which workers hold each document (known here; the router learns it from events).
+        let mut held = vec![[false; 2]; documents];
+        let (mut cached, mut prompt_tokens, mut served, mut fetches) = (0u64, 0u64, 0u64, 0usize);
+        let mut ttft = Vec::new();
+        let mut got = Vec::new();
+        let t = Instant::now();
+        let mut turn = 0usize;
+        for q in 0..questions {
+            for (d, holders) in held.iter_mut().enumerate() {
+                let mut prompt = prompts.make(20_000 + d as u32, doc_tokens);
+                prompt.extend(prompts.make(30_000 + (d * questions + q) as u32, q_tokens));
+                let w = match holders.iter().position(|&h| h) {
+                    Some(h) if kv_aware => h,
+                    _ => {
+                        turn += 1;
+                        turn % 2
+                    }
+                };
+                // The fetch counts in the request's time to first token.
+                let started = Instant::now();
+                if fetch && !holders[w] && holders[1 - w] {
+                    let pulled = pull(&workers[w], &transport, &urls[1 - w], &prompt, "", None).await;
+                    if let Some(e) = pulled.error {
+                        return Err(EngineError::Start(format!("peer pull failed: {e}")));
+                    }
+                    fetches += 1;
+                }
+                let fetch_ms = started.elapsed().as_secs_f64() * 1000.0;
+                let (ms, tokens, c) = request(&workers[w], &prompt, 8).await?;
+                ttft.push(fetch_ms + ms);
+                holders[w] = true;
+                cached += u64::from(c);
+                prompt_tokens += prompt.len() as u64;
+                served += (prompt.len() + tokens.len()) as u64;
+                got.push(tokens);
+            }
+        }
+        let wall = t.elapsed().as_secs_f64();
+        modes.push(PlacementRow {
+            mode: mode.into(),
+            requests: ttft.len(),
+            hit_rate: cached as f64 / prompt_tokens.max(1) as f64,
+            fetches,
+            ttft_mean_ms: ttft.iter().sum::<f64>() / ttft.len().max(1) as f64,
+            tokens_per_s: served as f64 / wall,
+        });
+        outputs.push(got);
+    }
+    let identical = outputs.iter().all(|o| *o == outputs[0]);
+
+    // The sender's slowdown: its own request (a quarter document, new) alone, then while a
+    // peer pulls a document from it.
+    let sender = EngineHandle::load(model_path, model_id, cfg)?;
+    let receiver = EngineHandle::load(model_path, model_id, cfg)?;
+    let url = serve(sender.clone(), TOKEN).await.map_err(start)?;
+    let probes = if quick { 2 } else { 4 };
+    for i in 0..probes {
+        request(&sender, &prompts.make(40_000 + i, doc_tokens + 1), 1).await?;
+    }
+    let mut alone = Vec::new();
+    let mut during = Vec::new();
+    for i in 0..probes {
+        let own = prompts.make(50_000 + i, doc_tokens / 4);
+        alone.push(request(&sender, &own, 1).await?.0);
+        let own = prompts.make(60_000 + i, doc_tokens / 4);
+        let doc = prompts.make(40_000 + i, doc_tokens + 1);
+        let (pulled, mine) = tokio::join!(
+            pull(&receiver, &transport, &url, &doc, "", None),
+            request(&sender, &own, 1)
+        );
+        if let Some(e) = pulled.error {
+            return Err(EngineError::Start(format!("peer pull failed: {e}")));
+        }
+        during.push(mine?.0);
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let (sender_alone_ms, sender_during_fetch_ms) = (mean(&alone), mean(&during));
+    Ok(Placement {
+        documents,
+        questions,
+        document_tokens: doc_tokens,
+        question_tokens: q_tokens,
+        fetch_recovery: modes[1].hit_rate / modes[2].hit_rate.max(1e-9),
+        sender_slowdown: sender_during_fetch_ms / sender_alone_ms.max(1e-9),
+        sender_alone_ms,
+        sender_during_fetch_ms,
+        identical,
+        modes,
     })
 }
 
@@ -420,6 +607,33 @@ impl KvTiersReport {
             m.no_reuse_overhead * 100.0,
             if m.no_reuse_overhead <= 0.05 { "met" } else { "MISSED" },
             m.identical,
+        );
+        let p = &self.placement;
+        s += &format!(
+            "(c) two workers, {} documents × {} questions ({} + {} tokens), asked question by question\n\
+             \x20 mode                    reqs  hit rate  fetches  TTFT mean  tokens/s\n",
+            p.documents, p.questions, p.document_tokens, p.question_tokens,
+        );
+        for r in &p.modes {
+            s += &format!(
+                "  {:<22}  {:>4}  {:>7.1} %  {:>7}  {:>9.1}  {:>8.0}\n",
+                r.mode,
+                r.requests,
+                r.hit_rate * 100.0,
+                r.fetches,
+                r.ttft_mean_ms,
+                r.tokens_per_s,
+            );
+        }
+        s += &format!(
+            "  round-robin + fetch recovers {:.0} % of KV-aware's hit rate (target ≥ 80 %: {}); sending peer's TTFT \
+             {:.1} ms alone, {:.1} ms while a peer pulls from it ({:.2}×); greedy outputs identical: {}\n",
+            p.fetch_recovery * 100.0,
+            if p.fetch_recovery >= 0.8 { "met" } else { "MISSED" },
+            p.sender_alone_ms,
+            p.sender_during_fetch_ms,
+            p.sender_slowdown,
+            p.identical,
         );
         s
     }

@@ -571,13 +571,25 @@ pub async fn pull(
         return report;
     }
     let model = engine.info().model.clone();
-    let mut frames = match transport
-        .fetch(peer, &model, missing.clone(), hold.map(str::to_string))
-        .await
-    {
-        Ok(f) => f,
-        Err(e) => {
+    // The whole transfer is bounded too, not only each pause. A decode half (holding the
+    // prefill's blocks) waits 30 s plus 50 ms a block: they are its quickest way on. A
+    // peer fetch (no hold) only saves a recompute: 2 s plus 10 ms a block, then the
+    // request computes the rest.
+    let (base, per_block) = match hold {
+        Some(_) => (30_000, 50),
+        None => (2_000, 10),
+    };
+    let deadline =
+        tokio::time::Instant::now() + std::time::Duration::from_millis(base + per_block * missing.len() as u64);
+    let fetch = transport.fetch(peer, &model, missing.clone(), hold.map(str::to_string));
+    let mut frames = match tokio::time::timeout_at(deadline, fetch).await {
+        Ok(Ok(f)) => f,
+        Ok(Err(e)) => {
             report.error = Some(e.to_string());
+            return report;
+        }
+        Err(_) => {
+            report.error = Some(format!("{peer} did not answer in time"));
             return report;
         }
     };
@@ -585,10 +597,6 @@ pub async fn pull(
     let mut batch = Vec::with_capacity(TRANSFER_BATCH);
     let mut fail = None;
     let mut next = 0usize;
-    // The whole transfer is bounded too, not only each pause: 30 s plus 50 ms a block.
-    let deadline = tokio::time::Instant::now()
-        + std::time::Duration::from_secs(30)
-        + std::time::Duration::from_millis(50 * missing.len() as u64);
     loop {
         let frame = match tokio::time::timeout_at(deadline, frames.next()).await {
             Ok(Some(f)) => f,
@@ -650,8 +658,9 @@ pub async fn pull(
     report
 }
 
-/// Before a disaggregated request starts on this (decode) engine: fetches the blocks of
-/// its prompt this engine lacks from its `kv_source` and imports them, in the span
+/// Before a request with a `kv_source` starts on this engine (a disaggregated decode half,
+/// or a peer fetch): fetches the blocks of its prompt this engine lacks from the source
+/// and imports them, in the span
 /// `kv_transfer`, counted in the engine's transfer metrics. Whatever does not arrive intact
 /// is computed by the request itself, so a failure costs time, never correctness.
 pub async fn prepare(
@@ -663,16 +672,10 @@ pub async fn prepare(
 ) -> Option<PullReport> {
     let src = req.kv_source.as_ref()?;
     let started = std::time::SystemTime::now();
-    let report = pull(
-        engine,
-        transport,
-        &src.worker,
-        &req.prompt,
-        &req.cache_namespace,
-        Some(&src.hold),
-    )
-    .await;
-    if report.error.is_some() {
+    // No hold: a peer fetch (the router found the prefix cached there), not a decode half.
+    let hold = Some(src.hold.as_str()).filter(|h| !h.is_empty());
+    let report = pull(engine, transport, &src.worker, &req.prompt, &req.cache_namespace, hold).await;
+    if report.error.is_some() && hold.is_some() {
         // The peer's export may never have begun (busy, unreachable): its hold ends now.
         transport.release(&src.worker, &req.model, src.hold.clone()).await;
     }
@@ -690,7 +693,7 @@ pub async fn prepare(
             error = report.error.as_deref().unwrap_or(""),
             rejected = report.import.rejected.len(),
             not_held = report.not_held,
-            "KV transfer incomplete: the decode worker computes the rest"
+            "KV transfer incomplete: this worker computes the rest"
         );
     } else {
         tracing::debug!(request_id = %req.request_id, blocks = report.import.imported, bytes = report.import.bytes, seconds = report.seconds, "KV blocks received");

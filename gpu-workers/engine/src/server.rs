@@ -721,9 +721,10 @@ async fn models(State(w): State<WorkerState>) -> Response {
     Json(serde_json::json!({ "models": models, "catalogue": w.control.is_some() })).into_response()
 }
 
-/// `POST …/generate`. A disaggregated decode request (`kv_source`) needs the worker token,
-/// since it makes this worker fetch from another; its blocks are fetched first (a busy
-/// worker, or a model not loaded yet, computes them instead).
+/// `POST …/generate`. A request with a `kv_source` (a disaggregated decode half, or a peer
+/// fetch) needs the worker token, since it makes this worker fetch from another; its
+/// blocks are fetched first (a busy worker, or a model not loaded yet, computes them
+/// instead).
 async fn generate(
     engine: Arc<dyn Backend>,
     w: &WorkerState,
@@ -765,7 +766,9 @@ async fn generate(
             }
             _ => {
                 tracing::warn!(request_id = %req.request_id, "KV transfer skipped (busy or not loaded): the prompt is computed here");
-                tokio::spawn(w.transport.release(&src.worker, &req.model, src.hold.clone()));
+                if !src.hold.is_empty() {
+                    tokio::spawn(w.transport.release(&src.worker, &req.model, src.hold.clone()));
+                }
             }
         }
     }

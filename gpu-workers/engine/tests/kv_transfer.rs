@@ -293,6 +293,85 @@ async fn a_transfer_cut_midway_keeps_what_arrived_and_the_request_completes(m: &
     assert_eq!(got, want);
 }
 
+/// A request sent to a worker over HTTP with a `kv_source` and no hold (the gateway's peer
+/// fetch): its greedy tokens and cached prompt tokens.
+async fn generate_from(worker: &str, source: &str, prompt: &[u32]) -> (Vec<u32>, u32) {
+    let body = serde_json::json!({
+        "request_id": "fetch", "model": DEFAULT_MODEL_ID, "prompt": prompt,
+        "sampling": {"temperature": 0.0, "max_tokens": 8, "ignore_eos": true},
+        "kv_source": {"worker": source},
+    });
+    let resp = reqwest::Client::new()
+        .post(format!("{worker}/v1/worker/m/{DEFAULT_MODEL_ID}/generate"))
+        .bearer_auth(TOKEN)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let text = resp.text().await.unwrap();
+    let mut tokens = Vec::new();
+    for line in text.lines() {
+        match serde_json::from_str::<GenerateEvent>(line).unwrap() {
+            GenerateEvent::Token { id, .. } => tokens.push(id),
+            GenerateEvent::Done { usage, .. } => return (tokens, usage.cached_tokens),
+            GenerateEvent::Error { message, .. } => panic!("{message}"),
+            GenerateEvent::Finish { .. } => {}
+        }
+    }
+    panic!("no Done: {text}")
+}
+
+/// The worker's `hearth_kv_transfer_failures_total`.
+async fn transfer_failures(worker: &str) -> f64 {
+    let text = reqwest::get(format!("{worker}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("hearth_kv_transfer_failures_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+async fn a_peer_fetch_reuses_the_holders_prefix_and_a_gone_or_silent_peer_costs_a_recompute(m: &Path) {
+    let prompt = prompt();
+    let (want, _) = greedy(&engine(m), &prompt, 8).await;
+    let holder = engine(m);
+    greedy(&holder, &prompt, 1).await;
+    let n = holder.prompt_block_hashes(&prompt, "").len() as u32;
+    let holder_url = serve(holder).await;
+
+    // The peer holds the prefix: the request reuses all of it, as the holder would.
+    let worker_url = serve(engine(m)).await;
+    let (got, cached) = generate_from(&worker_url, &holder_url, &prompt).await;
+    assert_eq!((got, cached), (want.clone(), n * 16));
+    assert_eq!(transfer_failures(&worker_url).await, 0.0);
+
+    // A peer that is gone (nothing listens), and one that accepts and never answers
+    // (bounded by the fetch's deadline, 2 s plus 10 ms a block): both cost a recompute.
+    let gone = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_url = format!("http://{}", silent.local_addr().unwrap());
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = silent.accept().await {
+            held.push(conn);
+        }
+    });
+    for (i, source) in [gone, silent_url].iter().enumerate() {
+        let worker_url = serve(engine(m)).await;
+        let (got, cached) = generate_from(&worker_url, source, &prompt).await;
+        assert_eq!((got, cached), (want.clone(), 0), "source {i}");
+        assert_eq!(transfer_failures(&worker_url).await, 1.0, "source {i}");
+    }
+}
+
 /// A request's events: tokens, their text, the finish reason and the usage.
 struct Run {
     tokens: Vec<u32>,
@@ -532,6 +611,7 @@ on_both_models!(
     only_missing_blocks_travel_and_corrupted_ones_are_computed,
     blocks_move_worker_to_worker_over_http,
     a_transfer_cut_midway_keeps_what_arrived_and_the_request_completes,
+    a_peer_fetch_reuses_the_holders_prefix_and_a_gone_or_silent_peer_costs_a_recompute,
     a_prefill_only_request_hands_off_and_the_decode_side_continues_exactly,
     a_corrupted_or_cut_transfer_still_completes_and_frees_every_block
 );

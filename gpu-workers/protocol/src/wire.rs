@@ -156,13 +156,18 @@ fn is_default_qos(q: &crate::Qos) -> bool {
     *q == crate::Qos::default()
 }
 
-/// A prefill worker holding a prompt's KV blocks for a decode worker.
+/// A worker holding a prompt's KV blocks for the worker a request is sent to: a prefill
+/// worker for its decode worker (PD), or a peer that has the prompt's prefix cached (peer
+/// fetch). The receiver pulls what it lacks before it starts; what does not arrive, it
+/// computes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvSource {
-    /// The prefill worker, as the decode worker's transport reaches it (a base URL over
-    /// HTTP; a local worker's name in one process).
+    /// The holder, as the receiving worker's transport reaches it (a base URL over HTTP; a
+    /// local worker's name in one process).
     pub worker: String,
-    /// The hold to release once the blocks are fetched (the prefill request's id).
+    /// The hold to release once the blocks are fetched (the prefill request's id); empty
+    /// for a peer fetch (the blocks are the peer's ordinary cached blocks).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub hold: String,
 }
 

@@ -528,6 +528,11 @@ pub struct RoutingArgs {
     /// `decode` worker (pools without such workers never disaggregate); 0: never.
     #[arg(long, env = "HEARTH_PD_THRESHOLD", default_value_t = hearth_gateway::registry::DEFAULT_PD_THRESHOLD)]
     pub pd_threshold: usize,
+    /// Peer fetch: a worker that lacks at least this many leading prompt tokens another
+    /// worker holds in its KV cache pulls them from there instead of computing them (needs
+    /// the workers' token); 0: never.
+    #[arg(long, env = "HEARTH_KV_FETCH_MIN_TOKENS", default_value_t = hearth_router::DEFAULT_FETCH_MIN_TOKENS)]
+    pub kv_fetch_min_tokens: usize,
 }
 
 impl RoutingArgs {
@@ -535,6 +540,7 @@ impl RoutingArgs {
         let mut cfg = RoutingConfig {
             region: region.to_string(),
             pd_threshold: self.pd_threshold,
+            fetch_min_tokens: self.kv_fetch_min_tokens,
             ..Default::default()
         };
         for p in &self.policies {

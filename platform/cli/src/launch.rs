@@ -393,7 +393,9 @@ pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
             format!("local-{i}")
         };
         let mut worker = InProcessWorker::new(backend.clone(), &name);
-        if pd {
+        // Several engines move KV blocks between them in process: the decode halves of
+        // disaggregated requests, and peer fetches.
+        if n > 1 {
             worker = worker.with_role(role, transport.clone());
         }
         clients.push(Arc::new(worker));

@@ -226,3 +226,165 @@ async fn serve_runs_a_disaggregated_setup_in_one_process() {
         .collect();
     assert_eq!(roles, ["prefill", "decode"]);
 }
+
+/// The routing table's `cached_blocks` per worker name.
+async fn cached_blocks(gateway: &str) -> Vec<(String, u64)> {
+    let r = get_json(&format!("{gateway}/admin/v1/routing"), ADMIN_TOKEN).await;
+    r["data"][0]["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| {
+            (
+                w["name"].as_str().unwrap().to_string(),
+                w["cached_blocks"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Waits until the router's index shows a worker holding more blocks than in `before`;
+/// that worker's name.
+async fn new_holder(gateway: &str, before: &[(String, u64)]) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = cached_blocks(gateway).await;
+        if let Some((name, _)) = now.iter().find(|(n, c)| before.iter().any(|(m, b)| m == n && c > b)) {
+            return name.clone();
+        }
+        assert!(Instant::now() < deadline, "no worker's KV events arrived: {now:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Peer fetch end to end: two workers behind a gateway that places requests at random.
+/// Once the router's index shows one worker holding a long prompt's prefix, the first
+/// repeat placed on the other worker pulls the prefix from the holder (reported as cached
+/// tokens) instead of computing it; every answer is the same and every request leaves one
+/// usage record. Then a holder dies: whatever the gateway knows of it by then (a fetch
+/// from it failing at once, or the worker already out of routing), the answer and the
+/// usage record are the same.
+#[tokio::test]
+async fn a_worker_pulls_a_prefix_its_peer_holds() {
+    let data = temp_dir("fetch");
+    let env = [("HEARTH_WORKER_TOKEN", TOKEN)];
+    let a = spawn_with_env(&["worker", "--listen", "127.0.0.1:0"], &env);
+    let b = spawn_with_env(&["worker", "--listen", "127.0.0.1:0"], &env);
+    let gateway = spawn_with_env(
+        &[
+            "gateway",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--worker",
+            &a.url,
+            "--worker",
+            &b.url,
+            "--routing-policy",
+            "random",
+            "--kv-fetch-min-tokens",
+            "32",
+        ],
+        &env,
+    );
+    let key = new_key(&data, "acme");
+    let url = format!("{}/v1/chat/completions", gateway.url);
+    let routing_url = format!("{}/admin/v1/routing", gateway.url);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = get_json(&routing_url, ADMIN_TOKEN).await;
+        assert_eq!(r["data"][0]["fetch_min_tokens"], 32, "{r}");
+        let workers = r["data"][0]["workers"].as_array().unwrap().clone();
+        if workers
+            .iter()
+            .all(|w| w["exact_events"] == true && w["kv_peer"] == true)
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "KV events not followed: {r}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let transferred = || async {
+        metric_sum(&metrics(&a.url).await, "hearth_kv_transfer_blocks_total")
+            + metric_sum(&metrics(&b.url).await, "hearth_kv_transfer_blocks_total")
+    };
+
+    let body = with_system("Name three primary colours, please.");
+    let before = cached_blocks(&gateway.url).await;
+    let (s, _, first) = post(&url, Some(&key), &body).await;
+    assert_eq!(s, 200, "{first}");
+    let answer = first["choices"][0]["message"]["content"].clone();
+    new_holder(&gateway.url, &before).await;
+    let mut requests = 1;
+    let mut fetched = None;
+    // Each repeat lands on the other worker with probability ½: 40 tries miss it with
+    // probability 2⁻⁴⁰.
+    for _ in 0..40 {
+        let (s, _, r) = post(&url, Some(&key), &body).await;
+        requests += 1;
+        assert_eq!(s, 200, "{r}");
+        assert_eq!(r["choices"][0]["message"]["content"], answer);
+        if transferred().await > 0.0 {
+            fetched = Some(r);
+            break;
+        }
+    }
+    let r = fetched.expect("no request was placed on the worker lacking the prefix");
+    let prompt_tokens = r["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(
+        r["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(),
+        (prompt_tokens - 1) / 16 * 16,
+        "the whole prefix was pulled: {r}"
+    );
+    let gw = metrics(&gateway.url).await;
+    assert!(
+        metric_sum(
+            &gw,
+            "hearth_routing_decisions_total{model=\"smollm2-135m-instruct\",policy=\"random\",reason=\"fetch\"}"
+        ) >= 1.0,
+        "{gw}"
+    );
+    for w in [&a, &b] {
+        assert_eq!(
+            metric_sum(&metrics(&w.url).await, "hearth_kv_transfer_failures_total"),
+            0.0
+        );
+    }
+    let r = get_json(&routing_url, ADMIN_TOKEN).await;
+    let fetches: u64 = r["data"][0]["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["fetches"].as_u64().unwrap())
+        .sum();
+    assert!(fetches >= 1, "{r}");
+
+    // A second prompt sharing nothing with the first, held by one worker; that worker dies.
+    let rules: String = (0..12)
+        .map(|i| format!("Clause {i}: be courteous and exact. "))
+        .collect();
+    let body = json!({"model": MODEL, "temperature": 0, "max_tokens": 6,
+        "messages": [{"role": "system", "content": rules}, {"role": "user", "content": "Why is the sky blue?"}]});
+    let before = cached_blocks(&gateway.url).await;
+    let (s, _, r) = post(&url, Some(&key), &body).await;
+    assert_eq!(s, 200, "{r}");
+    requests += 1;
+    let answer = r["choices"][0]["message"]["content"].clone();
+    let holder = new_holder(&gateway.url, &before).await;
+    let (dead, alive) = if holder.contains(a.url.trim_start_matches("http://")) {
+        (a, b)
+    } else {
+        (b, a)
+    };
+    drop(dead);
+    let (s, _, r) = post(&url, Some(&key), &body).await;
+    assert_eq!(s, 200, "{r}");
+    requests += 1;
+    assert_eq!(r["choices"][0]["message"]["content"], answer);
+    assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{r}");
+    let rows = usage_rows(&data);
+    assert_eq!(rows.len(), requests, "{rows:?}");
+    assert!(rows.iter().all(|r| r["status"] == "completed"), "{rows:?}");
+    drop(alive);
+}

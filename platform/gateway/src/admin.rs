@@ -175,6 +175,7 @@ async fn routing(State(gw): State<Arc<AppState>>) -> Result<Json<Value>, ApiErro
                     let mut v = json!(w);
                     v["slot"] = json!(slot);
                     v["cached_blocks"] = json!(r.index.worker_blocks(slot));
+                    v["disk_blocks"] = json!(r.index.worker_disk_blocks(slot));
                     v
                 })
                 .collect();
@@ -187,6 +188,7 @@ async fn routing(State(gw): State<Arc<AppState>>) -> Result<Json<Value>, ApiErro
             json!({
                 "model": m.id, "policy": r.cfg.policy, "load_factor": r.cfg.load_factor,
                 "home_region": r.cfg.home_region, "index_blocks": r.index.len(),
+                "fetch_min_tokens": r.cfg.fetch_min_tokens,
                 "workers": workers, "decisions": decisions,
                 "pd_threshold": m.pd_threshold,
                 "pd": m.pd.snapshot().iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),

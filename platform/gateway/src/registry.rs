@@ -166,6 +166,7 @@ impl ServedModel {
             if let Some(state) = r.worker_mut(slot) {
                 state.role = place.role.clone();
                 state.capacity = place.capacity;
+                state.kv_peer = client.kv_address().is_some();
                 state.queue_tokens = place.queue_tokens;
             }
             let mut ws = self.workers.write().unwrap_or_else(|e| e.into_inner());
@@ -270,6 +271,10 @@ pub struct RoutingConfig {
     /// many of its prompt tokens are not cached on the prefill worker; 0: never. Only pools
     /// with `prefill` or `decode` workers disaggregate.
     pub pd_threshold: usize,
+    /// Peer fetch: a worker lacking at least this many leading prompt tokens that another
+    /// worker holds in its KV cache pulls them from there instead of computing them; 0:
+    /// never. Needs the workers' token (peers serve KV blocks to its holders only).
+    pub fetch_min_tokens: usize,
 }
 
 /// Uncached prompt tokens from which a request is disaggregated, by default.
@@ -282,6 +287,7 @@ impl Default for RoutingConfig {
             per_model: HashMap::new(),
             region: "local".into(),
             pd_threshold: DEFAULT_PD_THRESHOLD,
+            fetch_min_tokens: hearth_router::DEFAULT_FETCH_MIN_TOKENS,
         }
     }
 }
@@ -361,6 +367,7 @@ impl ModelRegistry {
                 policy,
                 home_region: routing.region.clone(),
                 block_tokens: info.block_tokens as usize,
+                fetch_min_tokens: routing.fetch_min_tokens,
                 ..Default::default()
             });
             let mut slots = Vec::new();
@@ -371,6 +378,7 @@ impl ModelRegistry {
                 if let Some(state) = router.worker_mut(slot) {
                     state.role = place.role.clone();
                     state.capacity = place.capacity;
+                    state.kv_peer = w.kv_address().is_some();
                     state.queue_tokens = place.queue_tokens;
                 }
                 if slots.len() <= slot {

@@ -8,7 +8,9 @@
 //!   session affinity, regions, and the load accounting they use.
 //!
 //! The router never sends work to a worker over its load bound because of a cache hit:
-//! a hit only breaks ties among workers under the bound (no "death spiral").
+//! a hit only breaks ties among workers under the bound (no "death spiral"). When the
+//! worker chosen lacks a prefix a peer holds in its pool, the decision names that peer
+//! ([`Decision::fetch`]): the worker pulls the blocks from it instead of recomputing them.
 
 pub mod index;
 pub mod ring;
@@ -35,10 +37,11 @@ pub enum Policy {
         concurrency_threshold: u32,
     },
     /// Cost in token units: uncached prompt tokens × `prefill_weight` + tokens the worker
-    /// holds only in its disk tier × `prefill_weight` × `disk_weight` + in-flight prefill
-    /// tokens + running sequences × `decode_weight`; minimum among workers under the bound.
+    /// holds only in its disk tier × `prefill_weight` × `disk_weight` + tokens it would
+    /// fetch from a peer × `prefill_weight` × `fetch_weight` + in-flight prefill tokens +
+    /// running sequences × `decode_weight`; minimum among workers under the bound.
     /// (Dynamo's `prefill − c·device − w_disk·disk` shape: a pool hit costs nothing, a disk
-    /// hit the read-back's share of recomputing it.)
+    /// hit the read-back's share of recomputing it, a peer's blocks the transfer's share.)
     KvAware {
         prefill_weight: f64,
         decode_weight: f64,
@@ -46,6 +49,10 @@ pub enum Policy {
         /// `hearth bench kv-tiers` (TTFT of a disk hit ÷ TTFT of recompute).
         #[serde(default = "default_disk_weight")]
         disk_weight: f64,
+        /// A peer fetch's cost per token as a fraction of prefilling it; measured by
+        /// `hearth bench kv-tiers` (TTFT of a pulled prefix ÷ TTFT of recompute).
+        #[serde(default = "default_fetch_weight")]
+        fetch_weight: f64,
     },
 }
 
@@ -72,6 +79,7 @@ impl Policy {
                 prefill_weight: 1.0,
                 decode_weight: 8.0,
                 disk_weight: default_disk_weight(),
+                fetch_weight: default_fetch_weight(),
             },
             _ => return None,
         })
@@ -86,6 +94,18 @@ pub fn default_disk_weight() -> f64 {
     0.05
 }
 
+/// A peer fetch's cost as a share of recomputing it. `hearth bench kv-tiers`, same machine,
+/// pulled over loopback HTTP: 0.07–0.15× at 64 tokens, 0.05–0.07× at 256, 0.03× at 1,024,
+/// 0.01× at 4,096; 0.1 is taken (a real link is slower than loopback).
+pub fn default_fetch_weight() -> f64 {
+    0.1
+}
+
+/// Fewest tokens a peer fetch is asked for, by default: at one block (16 tokens) the pull
+/// (15–35 ms over loopback, mostly the request's round trips) is no faster than recomputing
+/// it (36–56 ms); from two blocks it is (`hearth bench kv-tiers`, above).
+pub const DEFAULT_FETCH_MIN_TOKENS: usize = 32;
+
 /// Why a worker was chosen (a metrics label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -94,6 +114,8 @@ pub enum Reason {
     Hit,
     /// Cache-aware choice, nothing cached anywhere useful.
     Miss,
+    /// The chosen worker pulls the prefix from the peer that holds it ([`Decision::fetch`]).
+    Fetch,
     Affinity,
     /// The preferred worker was too busy; the least busy took it.
     Overflow,
@@ -108,6 +130,7 @@ impl Reason {
         match self {
             Reason::Hit => "hit",
             Reason::Miss => "miss",
+            Reason::Fetch => "fetch",
             Reason::Affinity => "affinity",
             Reason::Overflow => "overflow",
             Reason::Spill => "spill",
@@ -126,6 +149,8 @@ pub struct WorkerState {
     pub role: String,
     /// Sequences the worker runs at once (0 = unknown).
     pub capacity: u32,
+    /// Peers may pull KV blocks from it (the gateway holds the workers' token).
+    pub kv_peer: bool,
     /// Its queue limit in prompt tokens not yet computed (0: unbounded).
     pub queue_tokens: u64,
     pub healthy: bool,
@@ -139,6 +164,8 @@ pub struct WorkerState {
     /// cache served (the engine's `cached_tokens`): the worker's measured cache hit rate.
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
+    /// Requests placed here with a peer fetch ([`Decision::fetch`]).
+    pub fetches: u64,
     /// Which worker holds this slot: slots are reused after a worker leaves, so whoever
     /// accounts for a request checks that its worker still holds the slot.
     pub serial: u64,
@@ -168,6 +195,9 @@ pub struct RouterConfig {
     /// Approximate index entries expire after this long.
     pub approx_ttl: u64,
     pub block_tokens: usize,
+    /// Peer fetch: a worker that lacks at least this many leading prompt tokens another
+    /// worker (a `kv_peer`) holds in its pool pulls them from there; 0: never.
+    pub fetch_min_tokens: usize,
 }
 
 impl Default for RouterConfig {
@@ -179,6 +209,7 @@ impl Default for RouterConfig {
             affinity_ttl: 600_000,
             approx_ttl: 120_000,
             block_tokens: hearth_protocol::DEFAULT_BLOCK_TOKENS,
+            fetch_min_tokens: DEFAULT_FETCH_MIN_TOKENS,
         }
     }
 }
@@ -200,8 +231,11 @@ pub struct RouteInput<'a> {
 pub struct Decision {
     pub worker: usize,
     pub reason: Reason,
-    /// Prompt tokens the index expects the worker to have cached.
+    /// Prompt tokens the index expects the worker to have cached (fetched ones included).
     pub expected_cached_tokens: usize,
+    /// The peer (a slot) to pull the prompt's leading blocks from, and how many tokens it
+    /// holds beyond the chosen worker's own.
+    pub fetch: Option<(usize, usize)>,
 }
 
 /// The router for one model's pool.
@@ -359,11 +393,28 @@ impl Router {
             spilled = true;
         }
         let bt = self.cfg.block_tokens;
-        let (in_pool, matched) = self.index.matches_tiers(input.hashes, candidates, now);
-        let decide = |worker: usize, reason: Reason| Decision {
-            worker,
-            reason,
-            expected_cached_tokens: (matched[worker] as usize * bt).min(input.prompt_tokens.saturating_sub(1)),
+        let most = input.prompt_tokens.saturating_sub(1);
+        // Every usable worker's matches, not only the candidates': a peer in another region
+        // (or over its bound) may still hand its blocks over.
+        let (in_pool, matched) = self.index.matches_tiers(input.hashes, usable, now);
+        let cached_on = |w: usize| (matched[w] as usize * bt).min(most);
+        // The peer holding the longest run in its pool, and that run in tokens.
+        let holder = self.fetch_holder(&in_pool, usable);
+        let min_fetch = self.cfg.fetch_min_tokens.max(1);
+        let fetchable = |w: usize| match holder {
+            Some((h, held)) if h != w && held.min(most) >= cached_on(w) + min_fetch => {
+                Some((h, held.min(most) - cached_on(w)))
+            }
+            _ => None,
+        };
+        let decide = |worker: usize, reason: Reason| {
+            let fetch = fetchable(worker);
+            Decision {
+                worker,
+                reason: if fetch.is_some() { Reason::Fetch } else { reason },
+                expected_cached_tokens: cached_on(worker) + fetch.map_or(0, |f| f.1),
+                fetch,
+            }
         };
 
         // Session affinity, while the pinned worker is usable and under its bound — in any
@@ -411,17 +462,23 @@ impl Router {
                 prefill_weight,
                 decode_weight,
                 disk_weight,
+                fetch_weight,
             } => {
                 let mut best: Option<(f64, u64, usize)> = None;
-                for (i, &m) in matched.iter().enumerate() {
-                    if candidates & (1 << i) == 0 || !self.under(i, bound) {
+                let mut bits = candidates;
+                while bits != 0 {
+                    let i = bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    if !self.under(i, bound) {
                         continue;
                     }
                     let Some(w) = self.worker(i) else { continue };
-                    let cached = (m as usize * bt).min(input.prompt_tokens.saturating_sub(1));
+                    let cached = cached_on(i);
                     let pooled = (in_pool[i] as usize * bt).min(cached);
-                    let cost = (input.prompt_tokens - cached) as f64 * prefill_weight
+                    let fetched = fetchable(i).map_or(0, |f| f.1);
+                    let cost = (input.prompt_tokens - cached - fetched) as f64 * prefill_weight
                         + (cached - pooled) as f64 * prefill_weight * disk_weight
+                        + fetched as f64 * prefill_weight * fetch_weight
                         + (w.inflight_prefill_tokens + w.remote_prefill_tokens) as f64
                         + (w.decoding + w.remote_decoding) as f64 * decode_weight;
                     let tie = self.next_rand();
@@ -445,8 +502,31 @@ impl Router {
         Some(self.finish(d, input, now))
     }
 
+    /// Peer fetch's source: the `kv_peer` among `usable` holding the longest run of the
+    /// prompt's blocks in its pool (not its disk tier: peers export from the pool only), in
+    /// tokens — capped at the prompt less its last token, as any reuse is.
+    fn fetch_holder(&self, in_pool: &[u32; MAX_WORKERS], usable: u64) -> Option<(usize, usize)> {
+        if self.cfg.fetch_min_tokens == 0 {
+            return None;
+        }
+        let mut best: Option<(usize, u32)> = None;
+        let mut bits = usable;
+        while bits != 0 {
+            let i = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            // Only a worker whose events the index follows: an assumed entry may be wrong.
+            if in_pool[i] > best.map_or(0, |b| b.1) && self.worker(i).is_some_and(|w| w.kv_peer && w.exact_events) {
+                best = Some((i, in_pool[i]));
+            }
+        }
+        best.map(|(i, n)| (i, n as usize * self.cfg.block_tokens))
+    }
+
     fn finish(&mut self, d: Decision, input: &RouteInput<'_>, now: u64) -> Decision {
         *self.decisions.entry((self.cfg.policy.name(), d.reason)).or_default() += 1;
+        if let (Some(_), Some(w)) = (d.fetch, self.worker_mut(d.worker)) {
+            w.fetches += 1;
+        }
         if self.worker(d.worker).is_some_and(|w| !w.exact_events) {
             self.index.assume(d.worker, input.hashes, now, self.cfg.approx_ttl);
         }
@@ -575,6 +655,78 @@ mod tests {
         assert_eq!(r.index.worker_disk_blocks(1), 0);
         let d = r.route(&input(&hashes, None), 0).unwrap();
         assert_ne!(d.worker, 1);
+    }
+
+    #[test]
+    fn a_worker_lacking_a_peers_prefix_fetches_it() {
+        let mut r = router("kv_aware", 3);
+        let hashes: Vec<BlockHash> = (0..10).map(BlockHash).collect();
+        r.index.stored(1, &hashes);
+        // Peers must be reachable for KV (the gateway's token): until then, no fetch.
+        r.worker_mut(1).unwrap().outstanding = 50;
+        let d = r.route(&input(&hashes, None), 0).unwrap();
+        assert_ne!(d.worker, 1);
+        assert_eq!((d.reason, d.fetch, d.expected_cached_tokens), (Reason::Miss, None, 0));
+        for w in 0..3 {
+            r.worker_mut(w).unwrap().kv_peer = true;
+        }
+        let d = r.route(&input(&hashes, None), 0).unwrap();
+        assert_ne!(d.worker, 1);
+        assert_eq!(
+            (d.reason, d.fetch, d.expected_cached_tokens),
+            (Reason::Fetch, Some((1, 160)), 160)
+        );
+        // The holder under its bound keeps the request (nothing to fetch there).
+        r.worker_mut(1).unwrap().outstanding = 0;
+        let d = r.route(&input(&hashes, None), 0).unwrap();
+        assert_eq!((d.worker, d.reason, d.fetch), (1, Reason::Hit, None));
+        // A worker holding all but one block: the rest (16 tokens) is below the break-even.
+        r.worker_mut(1).unwrap().outstanding = 50;
+        r.index.stored(0, &hashes[..9]);
+        r.worker_mut(2).unwrap().outstanding = 50;
+        let d = r.route(&input(&hashes, None), 0).unwrap();
+        assert_eq!(
+            (d.worker, d.reason, d.fetch, d.expected_cached_tokens),
+            (0, Reason::Hit, None, 144)
+        );
+        // Off: never.
+        r.cfg.fetch_min_tokens = 0;
+        r.worker_mut(2).unwrap().outstanding = 0;
+        r.worker_mut(0).unwrap().outstanding = 50;
+        let d = r.route(&input(&hashes, None), 0).unwrap();
+        assert_eq!((d.worker, d.fetch), (2, None));
+    }
+
+    #[test]
+    fn fetch_follows_any_policy_and_kv_aware_counts_its_cost() {
+        // Random placement: wherever the request lands without the prefix, it fetches.
+        let mut r = router("random", 2);
+        let hashes: Vec<BlockHash> = (0..10).map(BlockHash).collect();
+        r.index.stored(0, &hashes);
+        r.worker_mut(0).unwrap().kv_peer = true;
+        let mut fetched = 0;
+        for _ in 0..32 {
+            let d = r.route(&input(&hashes, None), 0).unwrap();
+            match d.worker {
+                0 => assert_eq!(d.fetch, None),
+                _ => {
+                    assert_eq!((d.fetch, d.reason), (Some((0, 160)), Reason::Fetch));
+                    fetched += 1;
+                }
+            }
+        }
+        assert!(fetched > 0);
+        // kv_aware: three decoding sequences on the holder (24) outweigh a fetch of 160
+        // tokens (160 × 0.1 = 16), not a recompute (165).
+        let mut r = router("kv_aware", 2);
+        r.index.stored(0, &hashes);
+        r.worker_mut(0).unwrap().kv_peer = true;
+        r.worker_mut(0).unwrap().decoding = 3;
+        let d = r.route(&input(&hashes, None), 0).unwrap();
+        assert_eq!((d.worker, d.fetch), (1, Some((0, 160))));
+        r.worker_mut(0).unwrap().kv_peer = false;
+        let d = r.route(&input(&hashes, None), 0).unwrap();
+        assert_eq!((d.worker, d.fetch), (0, None));
     }
 
     #[test]

@@ -876,6 +876,8 @@ async fn operator(gw: &AppState, v: &Visitor) -> Result<Response, PageError> {
                             format!("{:.1} %", w.cached_tokens as f64 * 100.0 / w.prompt_tokens as f64)
                         },
                         "cached_blocks": r.index.worker_blocks(slot),
+                        "disk_blocks": r.index.worker_disk_blocks(slot),
+                        "fetches": w.fetches,
                         "events": if w.exact_events {"exact"} else {"approximate"},
                     })
                 })

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 
-use hearth_protocol::{cache_namespace, GenerateEvent, GenerateRequest};
+use hearth_protocol::{cache_namespace, GenerateEvent, GenerateRequest, KvSource};
 
 use super::route::{self, Placement, RouteHints, RouteRequest};
 use super::RequestContext;
@@ -219,7 +219,7 @@ pub async fn colocated(
         let Some(client) = model.client(slot) else {
             continue;
         };
-        match client.generate(req.clone()).await {
+        match client.generate(with_fetch(model, req, &placement)).await {
             Ok(mut events) => {
                 match tokio::time::timeout(REFUSAL_WAIT, events.next()).await {
                     Ok(Some(GenerateEvent::Error { code, message })) if code == "overloaded" => {
@@ -257,6 +257,24 @@ pub async fn colocated(
         "no worker for model {} is reachable{detail}",
         model.id
     )))
+}
+
+/// The request as sent to its worker: with the peer to pull the prompt's cached prefix
+/// from, when the router named one (the worker imports what arrives and computes the rest:
+/// a peer that is slow or gone costs a recompute, never an error).
+fn with_fetch(model: &ServedModel, req: &GenerateRequest, placement: &Placement) -> GenerateRequest {
+    let mut req = req.clone();
+    let peer = placement
+        .fetch_from
+        .and_then(|s| model.client(s))
+        .and_then(|c| c.kv_address());
+    if let (None, Some(worker)) = (&req.kv_source, peer) {
+        req.kv_source = Some(KvSource {
+            worker,
+            hold: String::new(),
+        });
+    }
+    req
 }
 
 /// Until its health check passes again — if `slot` still holds `client` (the worker may

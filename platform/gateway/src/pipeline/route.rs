@@ -67,6 +67,8 @@ pub struct Placement {
     uncached: usize,
     started: bool,
     tenant: String,
+    /// The peer slot to pull the prompt's leading KV blocks from ([`hearth_router::Decision::fetch`]).
+    pub fetch_from: Option<usize>,
 }
 
 impl Placement {
@@ -79,6 +81,7 @@ impl Placement {
             uncached,
             started: false,
             tenant: tenant.to_string(),
+            fetch_from: None,
         }
     }
 
@@ -203,7 +206,8 @@ pub fn run_pinned(
     let uncached = req.prompt_tokens - d.expected_cached_tokens;
     r.on_dispatch(d.worker, uncached);
     let spread_to = spread_target(model, &r);
-    let placement = Placement::new(model, &r, d.worker, uncached, &req.hints.tenant);
+    let mut placement = Placement::new(model, &r, d.worker, uncached, &req.hints.tenant);
+    placement.fetch_from = d.fetch.map(|f| f.0);
     drop(r);
     if let Some(slot) = spread_to {
         spread(model, slot);
@@ -212,6 +216,7 @@ pub fn run_pinned(
         worker = d.worker,
         reason = d.reason.as_str(),
         expected_cached = d.expected_cached_tokens,
+        fetch_from = ?d.fetch,
         "routed"
     );
     Some(placement)
