@@ -209,6 +209,7 @@ fn simulate(policy: Policy, workload: &str, reqs: &[Req], workers: usize, cost: 
                     session: r.session.as_deref(),
                     region: None,
                     exclude: 0,
+                    fetch: true,
                 };
                 let t0 = Instant::now();
                 let d = router.route(&input, (now * 1000.0) as u64).expect("a worker");
@@ -368,6 +369,7 @@ fn decisions(router: &mut Router, all_chains: &[Vec<BlockHash>], quick: bool) ->
             session: None,
             region: None,
             exclude: 0,
+            fetch: true,
         };
         let t = Instant::now();
         let d = router.route(&input, 0);

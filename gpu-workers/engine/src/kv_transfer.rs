@@ -542,6 +542,14 @@ pub struct PullReport {
 /// the default model) and lets the engine run steps between batches.
 pub const TRANSFER_BATCH: usize = 32;
 
+/// How long a decode half (holding the prefill's blocks) waits for them, in ms: a base plus
+/// a share per block. They are its quickest way on.
+const HANDOFF_DEADLINE_MS: (u64, u64) = (30_000, 50);
+
+/// How long a peer fetch (no hold) waits, in ms: it only saves a recompute, so a slow
+/// holder is given up on sooner and the request computes the rest.
+const FETCH_DEADLINE_MS: (u64, u64) = (2_000, 10);
+
 /// Fetches the blocks of `prompt` this engine lacks from `peer` and imports them; then
 /// the peer releases `hold` (if any), even when nothing was missing.
 pub async fn pull(
@@ -571,13 +579,10 @@ pub async fn pull(
         return report;
     }
     let model = engine.info().model.clone();
-    // The whole transfer is bounded too, not only each pause. A decode half (holding the
-    // prefill's blocks) waits 30 s plus 50 ms a block: they are its quickest way on. A
-    // peer fetch (no hold) only saves a recompute: 2 s plus 10 ms a block, then the
-    // request computes the rest.
+    // The whole transfer is bounded too, not only each pause.
     let (base, per_block) = match hold {
-        Some(_) => (30_000, 50),
-        None => (2_000, 10),
+        Some(_) => HANDOFF_DEADLINE_MS,
+        None => FETCH_DEADLINE_MS,
     };
     let deadline =
         tokio::time::Instant::now() + std::time::Duration::from_millis(base + per_block * missing.len() as u64);
@@ -674,7 +679,12 @@ pub async fn prepare(
     let started = std::time::SystemTime::now();
     // No hold: a peer fetch (the router found the prefix cached there), not a decode half.
     let hold = Some(src.hold.as_str()).filter(|h| !h.is_empty());
-    let report = pull(engine, transport, &src.worker, &req.prompt, &req.cache_namespace, hold).await;
+    // Only the blocks the holder has (a prompt's block covers tokens before its last one).
+    let prompt = match src.tokens as usize {
+        0 => &req.prompt[..],
+        n => &req.prompt[..(n + 1).min(req.prompt.len())],
+    };
+    let report = pull(engine, transport, &src.worker, prompt, &req.cache_namespace, hold).await;
     if report.error.is_some() && hold.is_some() {
         // The peer's export may never have begun (busy, unreachable): its hold ends now.
         transport.release(&src.worker, &req.model, src.hold.clone()).await;

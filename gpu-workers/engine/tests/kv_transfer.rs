@@ -294,12 +294,13 @@ async fn a_transfer_cut_midway_keeps_what_arrived_and_the_request_completes(m: &
 }
 
 /// A request sent to a worker over HTTP with a `kv_source` and no hold (the gateway's peer
-/// fetch): its greedy tokens and cached prompt tokens.
-async fn generate_from(worker: &str, source: &str, prompt: &[u32]) -> (Vec<u32>, u32) {
+/// fetch), asking for the holder's first `held` tokens (0: all): its greedy tokens and
+/// cached prompt tokens.
+async fn generate_from(worker: &str, source: &str, prompt: &[u32], held: u32) -> (Vec<u32>, u32) {
     let body = serde_json::json!({
         "request_id": "fetch", "model": DEFAULT_MODEL_ID, "prompt": prompt,
         "sampling": {"temperature": 0.0, "max_tokens": 8, "ignore_eos": true},
-        "kv_source": {"worker": source},
+        "kv_source": {"worker": source, "hold": "", "tokens": held},
     });
     let resp = reqwest::Client::new()
         .post(format!("{worker}/v1/worker/m/{DEFAULT_MODEL_ID}/generate"))
@@ -346,8 +347,17 @@ async fn a_peer_fetch_reuses_the_holders_prefix_and_a_gone_or_silent_peer_costs_
 
     // The peer holds the prefix: the request reuses all of it, as the holder would.
     let worker_url = serve(engine(m)).await;
-    let (got, cached) = generate_from(&worker_url, &holder_url, &prompt).await;
+    let (got, cached) = generate_from(&worker_url, &holder_url, &prompt, n * 16).await;
     assert_eq!((got, cached), (want.clone(), n * 16));
+    assert_eq!(transfer_failures(&worker_url).await, 0.0);
+    // Another prompt sharing the first 100 tokens (6 whole blocks): asked for those only,
+    // it reuses them and the transfer is whole, not failed.
+    let mut other = prompt[..100].to_vec();
+    other.extend((0..60u32).map(|i| 300 + (i * 53) % 4000));
+    let (other_want, _) = greedy(&engine(m), &other, 8).await;
+    let worker_url = serve(engine(m)).await;
+    let (got, cached) = generate_from(&worker_url, &holder_url, &other, 96).await;
+    assert_eq!((got, cached), (other_want, 96));
     assert_eq!(transfer_failures(&worker_url).await, 0.0);
 
     // A peer that is gone (nothing listens), and one that accepts and never answers
@@ -366,7 +376,7 @@ async fn a_peer_fetch_reuses_the_holders_prefix_and_a_gone_or_silent_peer_costs_
     });
     for (i, source) in [gone, silent_url].iter().enumerate() {
         let worker_url = serve(engine(m)).await;
-        let (got, cached) = generate_from(&worker_url, source, &prompt).await;
+        let (got, cached) = generate_from(&worker_url, source, &prompt, n * 16).await;
         assert_eq!((got, cached), (want.clone(), 0), "source {i}");
         assert_eq!(transfer_failures(&worker_url).await, 1.0, "source {i}");
     }
@@ -513,6 +523,7 @@ async fn disaggregated(
     rest.kv_source = Some(hearth_protocol::KvSource {
         worker: "prefill".into(),
         hold: "pd-1".into(),
+        tokens: 0,
     });
     let report = hearth_engine::kv_transfer::prepare(decode, transport, &rest, "decode", &Default::default())
         .await

@@ -166,9 +166,15 @@ pub struct KvSource {
     /// local worker's name in one process).
     pub worker: String,
     /// The hold to release once the blocks are fetched (the prefill request's id); empty
-    /// for a peer fetch (the blocks are the peer's ordinary cached blocks).
-    #[serde(default, skip_serializing_if = "String::is_empty")]
+    /// for a peer fetch (the blocks are the peer's ordinary cached blocks). Always sent:
+    /// workers older than peer fetch require it.
+    #[serde(default)]
     pub hold: String,
+    /// Leading prompt tokens the holder is expected to have (whole blocks): only those are
+    /// asked for, so that a prefix shared with a longer prompt is not a failed transfer.
+    /// 0: the whole prompt (a prefill worker holds all of it).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub tokens: u32,
 }
 
 fn is_false(v: &bool) -> bool {

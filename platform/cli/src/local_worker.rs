@@ -18,9 +18,10 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 pub struct InProcessWorker {
     engine: Arc<dyn Backend>,
     name: String,
-    /// `prefill` or `decode` in a disaggregated setup (None: `both`).
+    /// `prefill`, `decode` or `both` when it shares KV blocks with other local workers
+    /// (None: `both`).
     role: Option<String>,
-    /// How it fetches KV blocks from the other local workers (disaggregated setups only).
+    /// How it fetches KV blocks from the other local workers (several in one process).
     transport: Option<Arc<LocalKvTransport>>,
 }
 
@@ -34,8 +35,9 @@ impl InProcessWorker {
         }
     }
 
-    /// A worker of a disaggregated setup: it reports `role`, and its engine joins
-    /// `transport` under its name, so that its peers fetch KV blocks from it.
+    /// One of several local workers: it reports `role`, and its engine joins `transport`
+    /// under its name, so that its peers fetch KV blocks from it (a decode half from its
+    /// prefill half, or a peer fetch).
     pub fn with_role(mut self, role: &str, transport: Arc<LocalKvTransport>) -> Self {
         if let Some(e) = self.engine.engine() {
             transport.add(&self.name, e);
@@ -107,8 +109,8 @@ impl WorkerClient for InProcessWorker {
         let parent = tracing::Span::current().context();
         let (model, request_id) = (req.model.clone(), req.request_id.clone());
         async move {
-            // A disaggregated decode request: the blocks it lacks come from its prefill
-            // worker first (what does not arrive is computed).
+            // A decode half or a peer fetch: the blocks it lacks come from the holder first
+            // (what does not arrive is computed).
             if let (Some(t), Some(e)) = (&self.transport, self.engine.engine()) {
                 hearth_engine::kv_transfer::prepare(&e, &**t, &req, &self.name, &parent).await;
             }

@@ -177,6 +177,7 @@ pub struct Metrics {
     worker_gauges: [Family<WorkerLabels, Gauge>; 6],
     decisions: Family<DecisionLabels, Counter>,
     index_blocks: Family<ModelLabel, Gauge>,
+    fetches: Family<ModelLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -361,6 +362,12 @@ impl Metrics {
             "Routing decisions by policy and reason.",
             decisions.clone(),
         );
+        let fetches = Family::<ModelLabel, Counter>::default();
+        registry.register(
+            "hearth_routing_fetches",
+            "Routing decisions that had the chosen worker pull the prompt's prefix from a peer holding it.",
+            fetches.clone(),
+        );
         let index_blocks = Family::<ModelLabel, Gauge>::default();
         registry.register(
             "hearth_router_index_blocks",
@@ -395,6 +402,7 @@ impl Metrics {
             worker_gauges,
             decisions,
             index_blocks,
+            fetches,
         }
     }
 
@@ -474,6 +482,8 @@ impl Metrics {
                 let c = self.decisions.get_or_create(&labels);
                 c.inc_by(n.saturating_sub(c.get()));
             }
+            let c = self.fetches.get_or_create(&Self::model(&m.id));
+            c.inc_by(r.fetches.saturating_sub(c.get()));
             self.index_blocks
                 .get_or_create(&Self::model(&m.id))
                 .set(r.index.len() as i64);

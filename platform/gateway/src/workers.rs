@@ -45,8 +45,9 @@ pub trait WorkerClient: Send + Sync + 'static {
     fn preload(&self) -> BoxFuture<'_, Result<(), WorkerError>> {
         async move { Ok(()) }.boxed()
     }
-    /// Where a decode worker fetches the KV blocks this worker holds ([`KvSource`]'s
-    /// `worker`: a base URL, or a local worker's name). None: it cannot hand requests off.
+    /// Where another worker fetches the KV blocks this worker holds ([`KvSource`]'s
+    /// `worker`: a base URL, or a local worker's name) — a decode half, or a peer fetch.
+    /// None: it cannot hand requests off or serve peers (no workers' token).
     ///
     /// [`KvSource`]: hearth_protocol::KvSource
     fn kv_address(&self) -> Option<String> {

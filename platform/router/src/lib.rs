@@ -94,16 +94,19 @@ pub fn default_disk_weight() -> f64 {
     0.05
 }
 
-/// A peer fetch's cost as a share of recomputing it. `hearth bench kv-tiers`, same machine,
-/// pulled over loopback HTTP: 0.07–0.15× at 64 tokens, 0.05–0.07× at 256, 0.03× at 1,024,
-/// 0.01× at 4,096; 0.1 is taken (a real link is slower than loopback).
+/// A peer fetch's cost as a share of recomputing it. `hearth bench kv-tiers` (a), same
+/// machine, pulled over loopback HTTP from an idle peer: 0.07–0.16× at 64 tokens, 0.05–0.07×
+/// at 256, 0.03× at 1,024, 0.01× at 4,096; 0.1 is taken. Part (c), a fetch inside a
+/// running workload (the receiving pool's pages touched for the first time), measured
+/// ~0.24× for 512 tokens: on a real link the weight is optimistic.
 pub fn default_fetch_weight() -> f64 {
     0.1
 }
 
-/// Fewest tokens a peer fetch is asked for, by default: at one block (16 tokens) the pull
-/// (15–35 ms over loopback, mostly the request's round trips) is no faster than recomputing
-/// it (36–56 ms); from two blocks it is (`hearth bench kv-tiers`, above).
+/// Fewest tokens a peer fetch is asked for, by default. At one block (16 tokens) a pull over
+/// loopback (9–35 ms, mostly round trips) beat recomputing it (24–56 ms) on this CPU, but
+/// saves at most ~20 ms, less than a slower link's round trips; two blocks is a cautious
+/// margin (`hearth bench kv-tiers` (a)), not the loopback break-even.
 pub const DEFAULT_FETCH_MIN_TOKENS: usize = 32;
 
 /// Why a worker was chosen (a metrics label).
@@ -114,8 +117,6 @@ pub enum Reason {
     Hit,
     /// Cache-aware choice, nothing cached anywhere useful.
     Miss,
-    /// The chosen worker pulls the prefix from the peer that holds it ([`Decision::fetch`]).
-    Fetch,
     Affinity,
     /// The preferred worker was too busy; the least busy took it.
     Overflow,
@@ -130,7 +131,6 @@ impl Reason {
         match self {
             Reason::Hit => "hit",
             Reason::Miss => "miss",
-            Reason::Fetch => "fetch",
             Reason::Affinity => "affinity",
             Reason::Overflow => "overflow",
             Reason::Spill => "spill",
@@ -225,6 +225,8 @@ pub struct RouteInput<'a> {
     pub region: Option<&'a str>,
     /// Workers not to use for this attempt (already failed).
     pub exclude: u64,
+    /// Whether the chosen worker may pull a prefix from a peer ([`Decision::fetch`]).
+    pub fetch: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -233,9 +235,19 @@ pub struct Decision {
     pub reason: Reason,
     /// Prompt tokens the index expects the worker to have cached (fetched ones included).
     pub expected_cached_tokens: usize,
-    /// The peer (a slot) to pull the prompt's leading blocks from, and how many tokens it
-    /// holds beyond the chosen worker's own.
-    pub fetch: Option<(usize, usize)>,
+    /// The peer to pull the prompt's leading blocks from, when the worker lacks them.
+    pub fetch: Option<Fetch>,
+}
+
+/// A peer fetch: the chosen worker pulls the prompt's leading blocks from `from`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fetch {
+    /// The holder's slot.
+    pub from: usize,
+    /// Leading prompt tokens the holder has in its pool (whole blocks): what to ask for.
+    pub held_tokens: usize,
+    /// Of those, the tokens the chosen worker lacks.
+    pub tokens: usize,
 }
 
 /// The router for one model's pool.
@@ -248,6 +260,8 @@ pub struct Router {
     affinity: HashMap<String, (usize, u64)>,
     rng: u64,
     pub decisions: HashMap<(&'static str, Reason), u64>,
+    /// Decisions naming a peer to fetch from ([`Decision::fetch`]).
+    pub fetches: u64,
     /// The last slot serial handed out.
     serials: u64,
 }
@@ -262,6 +276,7 @@ impl Router {
             affinity: HashMap::new(),
             rng: 0x9E37_79B9_7F4A_7C15,
             decisions: HashMap::new(),
+            fetches: 0,
             serials: 0,
         }
     }
@@ -399,20 +414,26 @@ impl Router {
         let (in_pool, matched) = self.index.matches_tiers(input.hashes, usable, now);
         let cached_on = |w: usize| (matched[w] as usize * bt).min(most);
         // The peer holding the longest run in its pool, and that run in tokens.
-        let holder = self.fetch_holder(&in_pool, usable);
+        let holder = if input.fetch {
+            self.fetch_holder(&in_pool, usable)
+        } else {
+            None
+        };
         let min_fetch = self.cfg.fetch_min_tokens.max(1);
         let fetchable = |w: usize| match holder {
-            Some((h, held)) if h != w && held.min(most) >= cached_on(w) + min_fetch => {
-                Some((h, held.min(most) - cached_on(w)))
-            }
+            Some((from, held)) if from != w && held.min(most) >= cached_on(w) + min_fetch => Some(Fetch {
+                from,
+                held_tokens: held,
+                tokens: held.min(most) - cached_on(w),
+            }),
             _ => None,
         };
         let decide = |worker: usize, reason: Reason| {
             let fetch = fetchable(worker);
             Decision {
                 worker,
-                reason: if fetch.is_some() { Reason::Fetch } else { reason },
-                expected_cached_tokens: cached_on(worker) + fetch.map_or(0, |f| f.1),
+                reason,
+                expected_cached_tokens: cached_on(worker) + fetch.map_or(0, |f| f.tokens),
                 fetch,
             }
         };
@@ -475,7 +496,7 @@ impl Router {
                     let Some(w) = self.worker(i) else { continue };
                     let cached = cached_on(i);
                     let pooled = (in_pool[i] as usize * bt).min(cached);
-                    let fetched = fetchable(i).map_or(0, |f| f.1);
+                    let fetched = fetchable(i).map_or(0, |f| f.tokens);
                     let cost = (input.prompt_tokens - cached - fetched) as f64 * prefill_weight
                         + (cached - pooled) as f64 * prefill_weight * disk_weight
                         + fetched as f64 * prefill_weight * fetch_weight
@@ -504,28 +525,36 @@ impl Router {
 
     /// Peer fetch's source: the `kv_peer` among `usable` holding the longest run of the
     /// prompt's blocks in its pool (not its disk tier: peers export from the pool only), in
-    /// tokens — capped at the prompt less its last token, as any reuse is.
+    /// tokens; among equal runs the least loaded, so that no one holder serves every export.
     fn fetch_holder(&self, in_pool: &[u32; MAX_WORKERS], usable: u64) -> Option<(usize, usize)> {
         if self.cfg.fetch_min_tokens == 0 {
             return None;
         }
-        let mut best: Option<(usize, u32)> = None;
+        let mut best: Option<(u32, std::cmp::Reverse<u32>, usize)> = None;
         let mut bits = usable;
         while bits != 0 {
             let i = bits.trailing_zeros() as usize;
             bits &= bits - 1;
+            if in_pool[i] == 0 || best.is_some_and(|b| in_pool[i] < b.0) {
+                continue;
+            }
             // Only a worker whose events the index follows: an assumed entry may be wrong.
-            if in_pool[i] > best.map_or(0, |b| b.1) && self.worker(i).is_some_and(|w| w.kv_peer && w.exact_events) {
-                best = Some((i, in_pool[i]));
+            let Some(w) = self.worker(i).filter(|w| w.kv_peer && w.exact_events) else {
+                continue;
+            };
+            let key = (in_pool[i], std::cmp::Reverse(w.load()), i);
+            if best.is_none_or(|b| (key.0, key.1) > (b.0, b.1)) {
+                best = Some(key);
             }
         }
-        best.map(|(i, n)| (i, n as usize * self.cfg.block_tokens))
+        best.map(|(n, _, i)| (i, n as usize * self.cfg.block_tokens))
     }
 
     fn finish(&mut self, d: Decision, input: &RouteInput<'_>, now: u64) -> Decision {
         *self.decisions.entry((self.cfg.policy.name(), d.reason)).or_default() += 1;
         if let (Some(_), Some(w)) = (d.fetch, self.worker_mut(d.worker)) {
             w.fetches += 1;
+            self.fetches += 1;
         }
         if self.worker(d.worker).is_some_and(|w| !w.exact_events) {
             self.index.assume(d.worker, input.hashes, now, self.cfg.approx_ttl);
@@ -613,6 +642,7 @@ mod tests {
             session,
             region: None,
             exclude: 0,
+            fetch: true,
         }
     }
 
@@ -672,10 +702,38 @@ mod tests {
         }
         let d = r.route(&input(&hashes, None), 0).unwrap();
         assert_ne!(d.worker, 1);
+        let fetch = Fetch {
+            from: 1,
+            held_tokens: 160,
+            tokens: 160,
+        };
         assert_eq!(
             (d.reason, d.fetch, d.expected_cached_tokens),
-            (Reason::Fetch, Some((1, 160)), 160)
+            (Reason::Miss, Some(fetch), 160)
         );
+        assert_eq!((r.fetches, r.worker(d.worker).unwrap().fetches), (1, 1));
+        // Not for the halves of a disaggregated request (they move the blocks themselves).
+        let d = r
+            .route(
+                &RouteInput {
+                    fetch: false,
+                    ..input(&hashes, None)
+                },
+                0,
+            )
+            .unwrap();
+        assert_eq!((d.fetch, d.expected_cached_tokens, r.fetches), (None, 0, 1));
+        // A worker holding part of the prefix is asked only for the rest; the peer is
+        // still asked for its whole run (the receiver skips what it holds).
+        r.index.stored(0, &hashes[..4]);
+        r.index.stored(2, &hashes[..4]);
+        let d = r.route(&input(&hashes, None), 0).unwrap();
+        assert_eq!(
+            (d.fetch, d.expected_cached_tokens),
+            (Some(Fetch { tokens: 96, ..fetch }), 160)
+        );
+        r.index.removed(0, &hashes[..4]);
+        r.index.removed(2, &hashes[..4]);
         // The holder under its bound keeps the request (nothing to fetch there).
         r.worker_mut(1).unwrap().outstanding = 0;
         let d = r.route(&input(&hashes, None), 0).unwrap();
@@ -710,7 +768,8 @@ mod tests {
             match d.worker {
                 0 => assert_eq!(d.fetch, None),
                 _ => {
-                    assert_eq!((d.fetch, d.reason), (Some((0, 160)), Reason::Fetch));
+                    let f = d.fetch.unwrap();
+                    assert_eq!((f.from, f.tokens, d.reason), (0, 160, Reason::Random));
                     fetched += 1;
                 }
             }
@@ -723,10 +782,29 @@ mod tests {
         r.worker_mut(0).unwrap().kv_peer = true;
         r.worker_mut(0).unwrap().decoding = 3;
         let d = r.route(&input(&hashes, None), 0).unwrap();
-        assert_eq!((d.worker, d.fetch), (1, Some((0, 160))));
+        assert_eq!((d.worker, d.fetch.map(|f| f.from)), (1, Some(0)));
         r.worker_mut(0).unwrap().kv_peer = false;
         let d = r.route(&input(&hashes, None), 0).unwrap();
         assert_eq!((d.worker, d.fetch), (0, None));
+    }
+
+    #[test]
+    fn equal_holders_share_the_exports_by_load() {
+        let mut r = router("kv_aware", 3);
+        let hashes: Vec<BlockHash> = (0..10).map(BlockHash).collect();
+        for w in 0..3 {
+            r.worker_mut(w).unwrap().kv_peer = true;
+        }
+        r.index.stored(0, &hashes);
+        r.index.stored(1, &hashes);
+        // Both over the load bound; the less loaded one sends.
+        r.worker_mut(0).unwrap().outstanding = 40;
+        r.worker_mut(1).unwrap().outstanding = 35;
+        let d = r.route(&input(&hashes, None), 0).unwrap();
+        assert_eq!((d.worker, d.fetch.map(|f| f.from)), (2, Some(1)));
+        r.worker_mut(1).unwrap().outstanding = 45;
+        let d = r.route(&input(&hashes, None), 0).unwrap();
+        assert_eq!((d.worker, d.fetch.map(|f| f.from)), (2, Some(0)));
     }
 
     #[test]
@@ -784,6 +862,7 @@ mod tests {
             session: None,
             region: None,
             exclude: 0,
+            fetch: true,
         };
         let w = r.route(&a, 0).unwrap().worker;
         assert_eq!(r.route(&a, 0).unwrap().worker, w, "same key, same worker");

@@ -200,6 +200,7 @@ impl Stitch {
             rest.kv_source = Some(KvSource {
                 worker: self.source.clone(),
                 hold: self.req.request_id.clone(),
+                tokens: 0,
             });
         }
         let client = self.decode.clone();
@@ -582,7 +583,8 @@ mod tests {
             sent.kv_source,
             Some(KvSource {
                 worker: "p".into(),
-                hold: "req_1".into()
+                hold: "req_1".into(),
+                tokens: 0,
             })
         );
         assert!(prefill.got.lock().unwrap()[0].prefill_only);

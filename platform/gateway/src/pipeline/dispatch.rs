@@ -264,14 +264,13 @@ pub async fn colocated(
 /// a peer that is slow or gone costs a recompute, never an error).
 fn with_fetch(model: &ServedModel, req: &GenerateRequest, placement: &Placement) -> GenerateRequest {
     let mut req = req.clone();
-    let peer = placement
-        .fetch_from
-        .and_then(|s| model.client(s))
-        .and_then(|c| c.kv_address());
+    let Some(fetch) = placement.fetch else { return req };
+    let peer = model.client(fetch.from).and_then(|c| c.kv_address());
     if let (None, Some(worker)) = (&req.kv_source, peer) {
         req.kv_source = Some(KvSource {
             worker,
             hold: String::new(),
+            tokens: fetch.held_tokens as u32,
         });
     }
     req

@@ -67,8 +67,8 @@ pub struct Placement {
     uncached: usize,
     started: bool,
     tenant: String,
-    /// The peer slot to pull the prompt's leading KV blocks from ([`hearth_router::Decision::fetch`]).
-    pub fetch_from: Option<usize>,
+    /// The peer to pull the prompt's leading KV blocks from ([`hearth_router::Decision::fetch`]).
+    pub fetch: Option<hearth_router::Fetch>,
 }
 
 impl Placement {
@@ -81,7 +81,7 @@ impl Placement {
             uncached,
             started: false,
             tenant: tenant.to_string(),
-            fetch_from: None,
+            fetch: None,
         }
     }
 
@@ -195,6 +195,7 @@ pub fn run_pinned(
         session: req.hints.session.as_deref(),
         region: req.hints.region.as_deref(),
         exclude: exclude | not_warm(model, exclude),
+        fetch: true,
     };
     let d = match r.route(&input, model.now_ms()) {
         Some(d) => d,
@@ -207,7 +208,7 @@ pub fn run_pinned(
     r.on_dispatch(d.worker, uncached);
     let spread_to = spread_target(model, &r);
     let mut placement = Placement::new(model, &r, d.worker, uncached, &req.hints.tenant);
-    placement.fetch_from = d.fetch.map(|f| f.0);
+    placement.fetch = d.fetch;
     drop(r);
     if let Some(slot) = spread_to {
         spread(model, slot);
@@ -288,6 +289,8 @@ pub fn run_pd(model: &Arc<ServedModel>, req: &RouteRequest, exclude: u64) -> Opt
         session: None,
         region: req.hints.region.as_deref(),
         exclude: !p_cands,
+        // The halves move the blocks themselves (the decode half from the prefill half).
+        fetch: false,
     };
     let p = r.route(&input, now)?;
     input.exclude = !d_cands;
