@@ -50,19 +50,15 @@ async fn prefill_and_decode_workers_answer_as_one_worker_would() {
 
     // The registry shows the roles, and follows both workers' KV events.
     let routing_url = format!("{}/admin/v1/routing", gateway.url);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let r = get_json(&routing_url, ADMIN_TOKEN).await;
-        let workers = r["data"][0]["workers"].as_array().unwrap().clone();
-        let roles: Vec<&str> = workers.iter().map(|w| w["role"].as_str().unwrap()).collect();
-        assert_eq!(roles, ["prefill", "decode"], "{r}");
-        assert_eq!(r["data"][0]["pd_threshold"], 16);
-        if workers.iter().all(|w| w["exact_events"] == true) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "KV events not followed: {r}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let r = wait_for_workers(&routing_url, |w| w["exact_events"] == true).await;
+    let roles: Vec<&str> = r["data"][0]["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(roles, ["prefill", "decode"], "{r}");
+    assert_eq!(r["data"][0]["pd_threshold"], 16);
 
     // The golden prompt (42 tokens, 2 full blocks), not streamed: the colocated answer.
     let (status, _, body) = post(&url, Some(&key), &chat_body(json!({}))).await;
@@ -227,6 +223,19 @@ async fn serve_runs_a_disaggregated_setup_in_one_process() {
     assert_eq!(roles, ["prefill", "decode"]);
 }
 
+/// The routing table once every worker of the model satisfies `ready`.
+async fn wait_for_workers(routing_url: &str, ready: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = get_json(routing_url, ADMIN_TOKEN).await;
+        if r["data"][0]["workers"].as_array().unwrap().iter().all(&ready) {
+            return r;
+        }
+        assert!(Instant::now() < deadline, "KV events not followed: {r}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// The routing table's `cached_blocks` per worker name.
 async fn cached_blocks(gateway: &str) -> Vec<(String, u64)> {
     let r = get_json(&format!("{gateway}/admin/v1/routing"), ADMIN_TOKEN).await;
@@ -305,20 +314,8 @@ async fn a_worker_pulls_a_prefix_its_peer_holds() {
     let key = new_key(&data, "acme");
     let url = format!("{}/v1/chat/completions", gateway.url);
     let routing_url = format!("{}/admin/v1/routing", gateway.url);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let r = get_json(&routing_url, ADMIN_TOKEN).await;
-        assert_eq!(r["data"][0]["fetch_min_tokens"], 32, "{r}");
-        let workers = r["data"][0]["workers"].as_array().unwrap().clone();
-        if workers
-            .iter()
-            .all(|w| w["exact_events"] == true && w["kv_peer"] == true)
-        {
-            break;
-        }
-        assert!(Instant::now() < deadline, "KV events not followed: {r}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let r = wait_for_workers(&routing_url, |w| w["exact_events"] == true && w["kv_peer"] == true).await;
+    assert_eq!(r["data"][0]["fetch_min_tokens"], 32, "{r}");
     let transferred = || async {
         metric_sum(&metrics(&a.url).await, "hearth_kv_transfer_blocks_total")
             + metric_sum(&metrics(&b.url).await, "hearth_kv_transfer_blocks_total")
