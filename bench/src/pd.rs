@@ -8,7 +8,8 @@
 //!   token's arrival time is recorded at the client.
 //! * **sim**: the same workload shape at larger scale on `sim` workers (the real scheduler
 //!   and prefix cache, a cost model, virtual time), with the KV transfer costed at a given
-//!   rate (by default the loopback rate `hearth bench kv-transfer` measures).
+//!   rate (by default 0.5 GB/s, the loopback rate `hearth bench kv-transfer` measured before
+//!   the one-copy path).
 //!
 //! Reported per mode: TTFT and inter-token latency P50/P90/P99, output tokens/s, KV bytes
 //! moved and the transfer rate; then the ratios the targets name.

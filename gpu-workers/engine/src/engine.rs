@@ -318,8 +318,9 @@ enum Command {
     ExportBlocks(Vec<BlockHash>, oneshot::Sender<Vec<Option<Vec<u8>>>>),
     /// Which of these hashes are not cached here.
     MissingBlocks(Vec<BlockHash>, oneshot::Sender<Vec<BlockHash>>),
-    /// Blocks in chain order, each with why it was already refused (its checksum).
-    ImportBlocks(Vec<ReadBlock>, oneshot::Sender<ImportReport>),
+    /// Blocks in chain order, each with why it was already refused (its checksum), and the
+    /// block they must follow (see [`EngineHandle::start_import`]).
+    ImportBlocks(Vec<ReadBlock>, Option<BlockHash>, oneshot::Sender<ImportReport>),
     /// A request's blocks read back from the disk tier: import them, then admit it.
     DiskRead(Box<Job>, Vec<ReadBlock>),
     /// The decode worker has what a handed-off request held (or gave up on it).
@@ -625,13 +626,29 @@ impl EngineHandle {
     /// Imports blocks exported by an engine with the same `layout` into the prefix cache
     /// (see [`crate::kv_transfer`]).
     pub async fn import_blocks(&self, layout: KvLayout, blocks: Vec<KvBlock>) -> Result<ImportReport, ImportError> {
+        self.start_import(layout, blocks, None)?
+            .await
+            .map_err(|_| ImportError::Stopped)
+    }
+
+    /// Checks the blocks' checksums here (off the engine thread) and queues their import;
+    /// the report comes when the engine has written them, so a transfer receives its next
+    /// blocks meanwhile. Imports are done in the order they are started. `after`: the
+    /// block these continue a chain from — if the engine does not hold it by then (an
+    /// earlier import stopped short, or it was evicted), none of these is imported, since
+    /// a prefix is reused only up to its first missing block.
+    pub fn start_import(
+        &self,
+        layout: KvLayout,
+        blocks: Vec<KvBlock>,
+        after: Option<BlockHash>,
+    ) -> Result<oneshot::Receiver<ImportReport>, ImportError> {
         if layout != self.kv_layout {
             return Err(ImportError::Layout {
                 ours: self.kv_layout,
                 theirs: layout,
             });
         }
-        // Checksums are verified here, off the engine thread.
         let checked = blocks
             .into_iter()
             .map(|b| {
@@ -641,9 +658,9 @@ impl EngineHandle {
             .collect();
         let (tx, rx) = oneshot::channel();
         self.commands
-            .send(Command::ImportBlocks(checked, tx))
+            .send(Command::ImportBlocks(checked, after, tx))
             .map_err(|_| ImportError::Stopped)?;
-        rx.await.map_err(|_| ImportError::Stopped)
+        Ok(rx)
     }
 
     /// Releases the KV blocks a prefill-only request held for its decode worker (see
@@ -782,12 +799,12 @@ impl Compute {
         }
     }
 
-    fn write_block(&mut self, block: u32, bytes: &[u8]) -> bool {
+    fn write_block(&mut self, block: u32, data: &crate::kv_transfer::BlockData) -> bool {
         match self {
-            Compute::Cpu { pool, .. } => pool.write_block(block, bytes),
+            Compute::Cpu { pool, .. } => pool.write_block(block, data.parts()),
             #[cfg(feature = "cuda")]
             Compute::Cuda(c) => c
-                .write_block(block, bytes)
+                .write_block(block, &data.to_vec())
                 .inspect_err(|e| tracing::error!(error = %e, "writing a KV block to the device failed"))
                 .unwrap_or(false),
         }
@@ -900,8 +917,18 @@ impl Runner {
                 let missing = hashes.into_iter().filter(|h| !self.sched.blocks.contains(*h)).collect();
                 let _ = reply.send(missing);
             }
-            Command::ImportBlocks(blocks, reply) => {
-                let _ = reply.send(self.import(blocks));
+            Command::ImportBlocks(blocks, after, reply) => {
+                let report = match after {
+                    Some(h) if !self.sched.blocks.contains(h) => ImportReport {
+                        rejected: blocks
+                            .into_iter()
+                            .map(|(b, ..)| (b.hash, "follows a block that is not held".to_string()))
+                            .collect(),
+                        ..Default::default()
+                    },
+                    _ => self.import(blocks),
+                };
+                let _ = reply.send(report);
                 // Announce the new cached blocks now, not at the next step.
                 self.publish();
             }

@@ -150,8 +150,8 @@ impl KvPool {
     pub fn new(shape: KvShape, dtype: KvDtype, num_blocks: usize) -> Self {
         let n = num_blocks * shape.block_elems();
         let store = match dtype {
-            KvDtype::F16 => Store::F16(vec![0u16; n]),
-            KvDtype::F32 => Store::F32(vec![0f32; n]),
+            KvDtype::F16 => Store::F16(huge_pages(vec![0u16; n])),
+            KvDtype::F32 => Store::F32(huge_pages(vec![0f32; n])),
         };
         Self {
             shape,
@@ -263,21 +263,26 @@ impl KvPool {
     }
 
     /// Overwrites a whole block with bytes from [`KvPool::read_block`] of a pool of the same
-    /// shape and element type; false (nothing written) if the length differs.
-    pub fn write_block(&mut self, block: u32, bytes: &[u8]) -> bool {
+    /// shape and element type, given as consecutive pieces (as they arrived from a peer: each
+    /// is copied once, straight into the block); false (nothing written) if the total length
+    /// differs.
+    pub fn write_block<P: AsRef<[u8]>>(&mut self, block: u32, parts: &[P]) -> bool {
         let len = self.shape.block_elems();
         let at = self.base(block, 0, 0);
-        match &mut self.store {
-            Store::F16(d) if bytes.len() == len * 2 => {
-                as_bytes_mut(&mut d[at..at + len]).copy_from_slice(bytes);
-                true
-            }
-            Store::F32(d) if bytes.len() == len * 4 => {
-                as_bytes_mut(&mut d[at..at + len]).copy_from_slice(bytes);
-                true
-            }
-            _ => false,
+        let dst = match &mut self.store {
+            Store::F16(d) => as_bytes_mut(&mut d[at..at + len]),
+            Store::F32(d) => as_bytes_mut(&mut d[at..at + len]),
+        };
+        if parts.iter().map(|p| p.as_ref().len()).sum::<usize>() != dst.len() {
+            return false;
         }
+        let mut rest = dst;
+        for p in parts {
+            let (head, tail) = rest.split_at_mut(p.as_ref().len());
+            head.copy_from_slice(p.as_ref());
+            rest = tail;
+        }
+        true
     }
 
     /// Copies a whole block (copy-on-write when sequences fork).
@@ -289,6 +294,31 @@ impl KvPool {
             Store::F32(d) => d.copy_within(f..f + len, t),
         }
     }
+}
+
+/// Asks for transparent huge pages on a pool's memory (Linux; where they are off, or on
+/// other systems, nothing changes): a page is still touched only when first written, but a
+/// first write then faults once per 2 MiB instead of once per 4 KiB. A fresh pool taking a
+/// peer's blocks is bound by those faults (measured here: 46.8 MB written into an untouched
+/// pool in 23–61 ms with 4 KiB pages, 10–14 ms with huge pages; 5–9 ms once touched), and
+/// attention's reads over a large cache miss the TLB less.
+fn huge_pages<T: Plain>(mut v: Vec<T>) -> Vec<T> {
+    #[cfg(target_os = "linux")]
+    {
+        const PAGE: usize = 4096;
+        let start = v.as_mut_ptr() as usize;
+        let end = start + std::mem::size_of_val(&v[..]);
+        let (from, to) = (start.next_multiple_of(PAGE), end & !(PAGE - 1));
+        if to > from {
+            // SAFETY: the range lies inside `v`'s allocation; MADV_HUGEPAGE changes how the
+            // kernel backs it, never its contents.
+            let rc = unsafe { libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_HUGEPAGE) };
+            if rc != 0 {
+                tracing::debug!(error = %std::io::Error::last_os_error(), "no transparent huge pages for the KV pool");
+            }
+        }
+    }
+    v
 }
 
 /// Element types whose bytes may be viewed directly.

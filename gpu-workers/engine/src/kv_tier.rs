@@ -772,7 +772,7 @@ fn read_run(shared: &Shared, run: &[(BlockKey, BlockHash)]) -> Vec<ReadBlock> {
         let block = KvBlock {
             hash,
             checksum: h.checksum,
-            data,
+            data: data.into(),
         };
         if !block.intact() {
             bad(shared, &key, loc);
@@ -1047,7 +1047,7 @@ mod tests {
         assert_eq!(got.len(), 5);
         for ((b, why, spill), (k, _, d)) in got.iter().zip(&blocks) {
             assert!(why.is_none());
-            assert_eq!(&b.data, d);
+            assert_eq!(&b.data.to_vec(), d);
             assert_eq!(spill.as_ref().unwrap().key, *k);
         }
         // Another namespace's chain finds nothing.

@@ -12,6 +12,9 @@
 //! wrong size, no block free even by eviction): the request computes it and what follows.
 //! A pull guarantees nothing about later: its blocks may be evicted before a request comes.
 
+use std::collections::VecDeque;
+
+use bytes::Bytes;
 use hearth_protocol::{BlockHash, GenerateRequest};
 use serde::{Deserialize, Serialize};
 
@@ -67,27 +70,112 @@ impl From<KvDtype> for KvDtypeName {
     }
 }
 
+/// A block's bytes: one buffer (read from a pool or a disk record), or the pieces of a
+/// network stream the block spans, never joined — writing them into the destination
+/// block is the transfer's one copy on the receiving side.
+#[derive(Debug, Clone, Default)]
+pub struct BlockData(Vec<Bytes>);
+
+impl BlockData {
+    /// The bytes, in order, as pieces.
+    pub fn parts(&self) -> &[Bytes] {
+        &self.0
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.iter().map(Bytes::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// XXH3-64 of the bytes, as one buffer would hash.
+    pub fn checksum(&self) -> u64 {
+        match &self.0[..] {
+            [one] => xxhash_rust::xxh3::xxh3_64(one),
+            parts => {
+                let mut h = xxhash_rust::xxh3::Xxh3::new();
+                for p in parts {
+                    h.update(p);
+                }
+                h.digest()
+            }
+        }
+    }
+
+    /// The bytes as one buffer (a copy; for tools, tests and device uploads).
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.len());
+        for p in &self.0 {
+            out.extend_from_slice(p);
+        }
+        out
+    }
+
+    fn push(&mut self, part: Bytes) {
+        if !part.is_empty() {
+            self.0.push(part);
+        }
+    }
+}
+
+impl From<Vec<u8>> for BlockData {
+    fn from(v: Vec<u8>) -> Self {
+        Self::from(Bytes::from(v))
+    }
+}
+
+impl From<Bytes> for BlockData {
+    fn from(b: Bytes) -> Self {
+        let mut d = Self::default();
+        d.push(b);
+        d
+    }
+}
+
+/// Equal bytes, however they are split.
+impl PartialEq for BlockData {
+    fn eq(&self, other: &Self) -> bool {
+        if self.len() != other.len() {
+            return false;
+        }
+        let mut a = self.0.iter().flat_map(|p| p.iter());
+        let mut b = other.0.iter().flat_map(|p| p.iter());
+        loop {
+            match (a.next(), b.next()) {
+                (None, None) => return true,
+                (x, y) if x == y => {}
+                _ => return false,
+            }
+        }
+    }
+}
+
+impl Eq for BlockData {}
+
 /// One block: its hash in the prefix cache, an XXH3-64 of its bytes, and the bytes (every
 /// layer's keys and values, see [`crate::kv::KvPool::read_block`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvBlock {
     pub hash: BlockHash,
     pub checksum: u64,
-    pub data: Vec<u8>,
+    pub data: BlockData,
 }
 
 impl KvBlock {
-    pub fn new(hash: BlockHash, data: Vec<u8>) -> Self {
+    pub fn new(hash: BlockHash, data: impl Into<BlockData>) -> Self {
+        let data = data.into();
         Self {
             hash,
-            checksum: xxhash_rust::xxh3::xxh3_64(&data),
+            checksum: data.checksum(),
             data,
         }
     }
 
     /// Whether the bytes are those the checksum was taken of.
     pub fn intact(&self) -> bool {
-        xxhash_rust::xxh3::xxh3_64(&self.data) == self.checksum
+        self.data.checksum() == self.checksum
     }
 }
 
@@ -133,22 +221,32 @@ pub fn encode_header(layout: KvLayout, count: usize) -> Vec<u8> {
     out
 }
 
-/// One block frame (`None`: the sender does not hold that hash).
+/// One block frame (`None`: the sender does not hold that hash), as one buffer.
 pub fn encode_block(hash: BlockHash, block: Option<&KvBlock>) -> Vec<u8> {
     let mut out = Vec::with_capacity(20 + block.map_or(0, |b| b.data.len()));
-    out.extend(hash.0.to_le_bytes());
-    match block {
-        Some(b) => {
-            out.extend(b.checksum.to_le_bytes());
-            out.extend((b.data.len() as u32).to_le_bytes());
-            out.extend(&b.data);
-        }
-        None => {
-            out.extend(0u64.to_le_bytes());
-            out.extend(u32::MAX.to_le_bytes());
-        }
+    for part in block_frame(hash, block) {
+        out.extend_from_slice(&part);
     }
     out
+}
+
+/// One block frame as pieces to send: its 20-byte head, then the block's own buffers (not
+/// copied).
+pub fn block_frame(hash: BlockHash, block: Option<&KvBlock>) -> impl Iterator<Item = Bytes> {
+    let mut head = Vec::with_capacity(20);
+    head.extend(hash.0.to_le_bytes());
+    match block {
+        Some(b) => {
+            head.extend(b.checksum.to_le_bytes());
+            head.extend((b.data.len() as u32).to_le_bytes());
+        }
+        None => {
+            head.extend(0u64.to_le_bytes());
+            head.extend(u32::MAX.to_le_bytes());
+        }
+    }
+    let data = block.map_or(&[][..], |b| b.data.parts()).to_vec();
+    std::iter::once(Bytes::from(head)).chain(data)
 }
 
 /// What a frame decodes to.
@@ -175,43 +273,92 @@ pub enum TransferError {
     Truncated { peer: String, got: usize, want: usize },
 }
 
-/// Splits bytes as they arrive into frames; holds at most one partial frame. After the
-/// header, every block frame must have the header's layout's block size.
+/// Splits bytes as they arrive into frames. A block's bytes are handed on as the pieces
+/// they arrived in (no copy); only frame heads are copied out. After the header, every
+/// block frame must have the header's layout's block size.
 #[derive(Debug, Default)]
 pub struct FrameReader {
-    buf: Vec<u8>,
+    /// Received, not yet framed: the first piece's leading bytes may already be consumed.
+    pieces: VecDeque<Bytes>,
+    buffered: usize,
     header_seen: bool,
     block_bytes: usize,
 }
 
 impl FrameReader {
+    /// Appends a copy of `bytes`.
     pub fn push(&mut self, bytes: &[u8]) {
-        self.buf.extend_from_slice(bytes);
+        self.push_bytes(Bytes::copy_from_slice(bytes));
+    }
+
+    /// Appends `bytes` as they are (a network chunk: kept, not copied).
+    pub fn push_bytes(&mut self, bytes: Bytes) {
+        if !bytes.is_empty() {
+            self.buffered += bytes.len();
+            self.pieces.push_back(bytes);
+        }
+    }
+
+    /// Copies the first `out.len()` buffered bytes into `out` (the caller checked there are
+    /// that many).
+    fn peek(&self, out: &mut [u8]) {
+        let mut at = 0;
+        for p in &self.pieces {
+            let n = p.len().min(out.len() - at);
+            out[at..at + n].copy_from_slice(&p[..n]);
+            at += n;
+            if at == out.len() {
+                break;
+            }
+        }
+    }
+
+    /// Removes the first `n` buffered bytes (the caller checked there are that many), as
+    /// pieces.
+    fn take(&mut self, mut n: usize) -> BlockData {
+        self.buffered -= n;
+        let mut out = BlockData::default();
+        while n > 0 {
+            let Some(front) = self.pieces.front_mut() else { break };
+            if front.len() <= n {
+                n -= front.len();
+                if let Some(p) = self.pieces.pop_front() {
+                    out.push(p);
+                }
+            } else {
+                out.push(front.split_to(n));
+                n = 0;
+            }
+        }
+        out
     }
 
     /// The next complete frame, if the buffer holds one; an error for malformed bytes.
     pub fn next_frame(&mut self) -> Result<Option<Frame>, String> {
         if !self.header_seen {
-            if self.buf.len() < 8 {
+            if self.buffered < 8 {
                 return Ok(None);
             }
-            if &self.buf[..4] != MAGIC {
+            let mut head = [0u8; 8];
+            self.peek(&mut head);
+            if &head[..4] != MAGIC {
                 return Err("not a Hearth KV stream (bad magic)".into());
             }
-            let n = u32::from_le_bytes([self.buf[4], self.buf[5], self.buf[6], self.buf[7]]) as usize;
+            let n = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
             if n > 1 << 20 {
                 return Err(format!("header of {n} bytes"));
             }
-            if self.buf.len() < 8 + n {
+            if self.buffered < 8 + n {
                 return Ok(None);
             }
+            self.take(8);
+            let json = self.take(n).to_vec();
             #[derive(Deserialize)]
             struct Header {
                 layout: KvLayout,
                 count: usize,
             }
-            let h: Header = serde_json::from_slice(&self.buf[8..8 + n]).map_err(|e| format!("header: {e}"))?;
-            self.buf.drain(..8 + n);
+            let h: Header = serde_json::from_slice(&json).map_err(|e| format!("header: {e}"))?;
             self.header_seen = true;
             self.block_bytes = h.layout.block_bytes();
             if self.block_bytes == 0 || self.block_bytes > MAX_BLOCK_BYTES {
@@ -222,30 +369,32 @@ impl FrameReader {
                 count: h.count,
             }));
         }
-        if self.buf.len() < 20 {
+        if self.buffered < 20 {
             return Ok(None);
         }
-        let u64_at = |b: &[u8], i: usize| {
+        let mut head = [0u8; 20];
+        self.peek(&mut head);
+        let u64_at = |i: usize| {
             let mut a = [0u8; 8];
-            a.copy_from_slice(&b[i..i + 8]);
+            a.copy_from_slice(&head[i..i + 8]);
             u64::from_le_bytes(a)
         };
-        let hash = BlockHash(u64_at(&self.buf, 0));
-        let checksum = u64_at(&self.buf, 8);
-        let len = u32::from_le_bytes([self.buf[16], self.buf[17], self.buf[18], self.buf[19]]);
+        let hash = BlockHash(u64_at(0));
+        let checksum = u64_at(8);
+        let len = u32::from_le_bytes([head[16], head[17], head[18], head[19]]);
         if len == u32::MAX {
-            self.buf.drain(..20);
+            self.take(20);
             return Ok(Some(Frame::Block(hash, None)));
         }
         let len = len as usize;
         if len != self.block_bytes {
             return Err(format!("a block of {len} bytes in a layout of {}", self.block_bytes));
         }
-        if self.buf.len() < 20 + len {
+        if self.buffered < 20 + len {
             return Ok(None);
         }
-        let data = self.buf[20..20 + len].to_vec();
-        self.buf.drain(..20 + len);
+        self.take(20);
+        let data = self.take(len);
         Ok(Some(Frame::Block(hash, Some(KvBlock { hash, checksum, data }))))
     }
 }
@@ -491,7 +640,7 @@ impl KvTransport for HttpKvTransport {
                             }
                         }
                         match tokio::time::timeout(idle, bytes.next()).await {
-                            Ok(Some(Ok(chunk))) => reader.push(&chunk),
+                            Ok(Some(Ok(chunk))) => reader.push_bytes(chunk),
                             Ok(Some(Err(e))) => {
                                 let e = TransferError::Unreachable {
                                     peer: peer.clone(),
@@ -598,8 +747,7 @@ pub async fn pull(
             return report;
         }
     };
-    let mut layout = None;
-    let mut batch = Vec::with_capacity(TRANSFER_BATCH);
+    let mut import = Importer::new(engine);
     let mut fail = None;
     let mut next = 0usize;
     loop {
@@ -622,7 +770,7 @@ pub async fn pull(
                     fail = malformed(format!("{count} blocks for {} asked", missing.len()));
                     break;
                 }
-                layout = Some(l);
+                import.layout = Some(l);
             }
             // Frames answer the hashes asked, in order; anything else ends the transfer.
             Ok(Frame::Block(h, block)) => {
@@ -636,15 +784,12 @@ pub async fn pull(
                     report.not_held += 1;
                     break;
                 };
-                batch.push(b);
-                if batch.len() == TRANSFER_BATCH {
-                    match import_batch(engine, layout, &mut batch, &mut report.import).await {
-                        Ok(true) => {}
-                        Ok(false) => break, // a block could not be imported: stop there
-                        Err(e) => {
-                            fail = Some(e);
-                            break;
-                        }
+                match import.push(b).await {
+                    Ok(true) => {}
+                    Ok(false) => break, // a block could not be imported: stop there
+                    Err(e) => {
+                        fail = Some(e);
+                        break;
                     }
                 }
             }
@@ -655,7 +800,9 @@ pub async fn pull(
         }
     }
     // What arrived intact before a failure is still good (each block is checked on its own).
-    if let Err(e) = import_batch(engine, layout, &mut batch, &mut report.import).await {
+    let (imported, e) = import.finish().await;
+    report.import = imported;
+    if let Some(e) = e {
         fail.get_or_insert(e);
     }
     report.error = fail;
@@ -711,27 +858,84 @@ pub async fn prepare(
     Some(report)
 }
 
-/// Imports a batch; Ok(false) if a block was refused (the chain is broken there).
-async fn import_batch(
-    engine: &crate::EngineHandle,
+/// A transfer's blocks imported a batch at a time, in chain order: one batch is in the
+/// engine's hands (written into its pool) while the next arrives.
+struct Importer<'a> {
+    engine: &'a crate::EngineHandle,
+    /// The stream's layout, once its header came.
     layout: Option<KvLayout>,
-    batch: &mut Vec<KvBlock>,
-    total: &mut ImportReport,
-) -> Result<bool, String> {
-    if batch.is_empty() {
-        return Ok(true);
+    batch: Vec<KvBlock>,
+    /// The last block handed to the engine: the next batch continues its chain.
+    last: Option<BlockHash>,
+    pending: Option<tokio::sync::oneshot::Receiver<ImportReport>>,
+    total: ImportReport,
+}
+
+impl<'a> Importer<'a> {
+    fn new(engine: &'a crate::EngineHandle) -> Self {
+        Self {
+            engine,
+            layout: None,
+            batch: Vec::with_capacity(TRANSFER_BATCH),
+            last: None,
+            pending: None,
+            total: ImportReport::default(),
+        }
     }
-    let layout = layout.ok_or("blocks before the header")?;
-    let r = engine
-        .import_blocks(layout, std::mem::take(batch))
-        .await
-        .map_err(|e| e.to_string())?;
-    total.imported += r.imported;
-    total.already_held += r.already_held;
-    total.bytes += r.bytes;
-    let whole = r.rejected.is_empty();
-    total.rejected.extend(r.rejected);
-    Ok(whole)
+
+    /// Adds a block, handing a full batch to the engine; Ok(false) once a block could not be
+    /// imported (the chain is broken there: nothing after it is worth receiving).
+    async fn push(&mut self, block: KvBlock) -> Result<bool, String> {
+        self.batch.push(block);
+        if self.batch.len() < TRANSFER_BATCH {
+            return Ok(true);
+        }
+        self.hand_over().await
+    }
+
+    /// Waits for the batch in the engine's hands, then gives it the one gathered here.
+    async fn hand_over(&mut self) -> Result<bool, String> {
+        if !self.settle().await? {
+            self.batch.clear();
+            return Ok(false);
+        }
+        if self.batch.is_empty() {
+            return Ok(true);
+        }
+        let layout = self.layout.ok_or("blocks before the header")?;
+        let batch = std::mem::take(&mut self.batch);
+        let last = batch.last().map(|b| b.hash);
+        let pending = self
+            .engine
+            .start_import(layout, batch, self.last)
+            .map_err(|e| e.to_string())?;
+        self.pending = Some(pending);
+        self.last = last;
+        Ok(true)
+    }
+
+    /// The report of the batch in the engine's hands, added up; false if it stopped short.
+    async fn settle(&mut self) -> Result<bool, String> {
+        let Some(pending) = self.pending.take() else {
+            return Ok(true);
+        };
+        let r = pending.await.map_err(|_| ImportError::Stopped.to_string())?;
+        self.total.imported += r.imported;
+        self.total.already_held += r.already_held;
+        self.total.bytes += r.bytes;
+        let whole = r.rejected.is_empty();
+        self.total.rejected.extend(r.rejected);
+        Ok(whole)
+    }
+
+    /// Imports what is left; the whole report, and an error if the engine refused.
+    async fn finish(mut self) -> (ImportReport, Option<String>) {
+        let mut error = self.hand_over().await.err();
+        if let Err(e) = self.settle().await {
+            error.get_or_insert(e);
+        }
+        (self.total, error)
+    }
 }
 
 #[cfg(test)]
@@ -750,7 +954,10 @@ mod tests {
             dtype: KvDtypeName::F16,
             latent: false,
         };
-        let a = KvBlock::new(BlockHash(7), (0..layout.block_bytes()).map(|i| i as u8).collect());
+        let a = KvBlock::new(
+            BlockHash(7),
+            (0..layout.block_bytes()).map(|i| i as u8).collect::<Vec<u8>>(),
+        );
         let mut bytes = encode_header(layout, 2);
         bytes.extend(encode_block(BlockHash(7), Some(&a)));
         bytes.extend(encode_block(BlockHash(9), None));
@@ -762,6 +969,14 @@ mod tests {
                 while let Some(f) = r.next_frame().unwrap() {
                     frames.push(f);
                 }
+            }
+            // The block arrives in pieces (no copy), and its checksum holds across them.
+            match &frames[1] {
+                Frame::Block(_, Some(b)) => {
+                    assert!(b.data.parts().iter().all(|p| p.len() <= chunk), "never joined");
+                    assert!(b.intact());
+                }
+                other => panic!("{other:?}"),
             }
             assert_eq!(
                 frames,
@@ -791,7 +1006,7 @@ mod tests {
         short.next_frame().unwrap();
         short.push(&encode_block(
             BlockHash(1),
-            Some(&KvBlock::new(BlockHash(1), vec![0; 10])),
+            Some(&KvBlock::new(BlockHash(1), vec![0u8; 10])),
         ));
         assert!(short.next_frame().is_err(), "a block of another size than the layout's");
     }

@@ -605,21 +605,32 @@ async fn kv_export(
         .chunks(kv_transfer::TRANSFER_BATCH)
         .map(<[BlockHash]>::to_vec)
         .collect();
-    let blocks = futures_util::stream::iter(batches).then(move |batch| {
-        let engine = engine.clone();
-        async move {
-            // A stopped engine ends the stream with an error (the receiver sees it cut).
-            let blocks = engine
-                .export_blocks(batch.clone())
-                .await
-                .map_err(std::io::Error::other)?;
-            let mut out = Vec::new();
-            for (i, h) in batch.iter().enumerate() {
-                out.extend(kv_transfer::encode_block(*h, blocks.get(i).and_then(Option::as_ref)));
+    let blocks = futures_util::stream::iter(batches)
+        .map(move |batch| {
+            let engine = engine.clone();
+            async move {
+                // A stopped engine ends the stream with an error (the receiver sees it cut).
+                let blocks = engine
+                    .export_blocks(batch.clone())
+                    .await
+                    .map_err(std::io::Error::other)?;
+                // Each block goes out as its frame head and its own buffer, not copied again.
+                let parts: Vec<Result<Bytes, std::io::Error>> = batch
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(i, h)| kv_transfer::block_frame(*h, blocks.get(i).and_then(Option::as_ref)))
+                    .map(Ok)
+                    .collect();
+                Ok::<_, std::io::Error>(futures_util::stream::iter(parts))
             }
-            Ok::<_, std::io::Error>(Bytes::from(out))
-        }
-    });
+        })
+        // The next batch is copied out of the pool while this one is being sent.
+        .buffered(2)
+        .map(|batch| match batch {
+            Ok(parts) => parts.left_stream(),
+            Err(e) => futures_util::stream::once(async move { Err(e) }).right_stream(),
+        })
+        .flatten();
     let stream = futures_util::stream::once(async move { Ok::<_, std::io::Error>(Bytes::from(header)) })
         .chain(blocks)
         // The transfer's place (and the prefill's hold on the blocks) is kept until the

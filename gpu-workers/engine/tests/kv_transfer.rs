@@ -103,9 +103,25 @@ async fn imported_blocks_continue_exactly_as_colocated(m: &Path) {
     // Decode side: receives the blocks it lacks, then continues.
     let decode = engine(m);
     assert_eq!(decode.missing_blocks(hashes.clone()).await.unwrap(), hashes);
-    let report = decode.import_blocks(prefill.kv_layout(), blocks.clone()).await.unwrap();
-    assert_eq!((report.imported, report.already_held), (hashes.len(), 0), "{report:?}");
-    assert!(report.rejected.is_empty());
+    // A batch continuing a chain the engine does not hold is refused whole.
+    let layout = prefill.kv_layout();
+    let orphans = decode
+        .start_import(layout, blocks[1..].to_vec(), Some(hashes[0]))
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(orphans.imported, 0);
+    assert_eq!(orphans.rejected.len(), hashes.len() - 1);
+    // In two batches, as a transfer hands them over: both started before either is done
+    // (imports run in the order started), the second continuing the first's chain.
+    let k = hashes.len() / 2;
+    let first = decode.start_import(layout, blocks[..k].to_vec(), None).unwrap();
+    let second = decode
+        .start_import(layout, blocks[k..].to_vec(), Some(hashes[k - 1]))
+        .unwrap();
+    let (first, second) = (first.await.unwrap(), second.await.unwrap());
+    assert_eq!(first.imported + second.imported, hashes.len(), "{first:?} {second:?}");
+    assert!(first.rejected.is_empty() && second.rejected.is_empty());
     assert!(decode.missing_blocks(hashes.clone()).await.unwrap().is_empty());
     let (got, cached) = greedy(&decode, &prompt, 12).await;
     assert_eq!(
@@ -140,7 +156,9 @@ async fn only_missing_blocks_travel_and_corrupted_ones_are_computed(m: &Path) {
         .collect();
     // One block arrives corrupted: refused by its checksum, and computed by the request.
     let last = blocks.len() - 1;
-    blocks[last].data[100] ^= 0x40;
+    let mut damaged = blocks[last].data.to_vec();
+    damaged[100] ^= 0x40;
+    blocks[last].data = damaged.into();
     let report = decode.import_blocks(prefill.kv_layout(), blocks).await.unwrap();
     assert_eq!(report.imported, missing.len() - 1);
     assert_eq!(report.rejected.len(), 1);
@@ -490,7 +508,9 @@ impl hearth_engine::kv_transfer::KvTransport for Faulty {
                             });
                         }
                         if corrupt == Some(block - 1) {
-                            b.data[7] ^= 0x10;
+                            let mut damaged = b.data.to_vec();
+                            damaged[7] ^= 0x10;
+                            b.data = damaged.into();
                         }
                         Ok(Frame::Block(h, Some(b)))
                     }

@@ -16,6 +16,7 @@ use hearth_engine::fetch::{ensure_model, hearth_home};
 use crate::args::{Cli, Command, ModelCommand};
 
 fn main() -> anyhow::Result<()> {
+    hearth_engine::tune_allocator();
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let service = match cli.command {
