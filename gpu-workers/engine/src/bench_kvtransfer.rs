@@ -175,16 +175,16 @@ pub async fn run(
     for _ in 0..RUNS {
         let receiver = load_receiver()?;
         let mut run = [0.0; 2];
-        for (i, p) in [&prompt, &prompt_b].into_iter().enumerate() {
+        for (i, (p, h)) in [(&prompt, &hashes), (&prompt_b, &hashes_b)].into_iter().enumerate() {
             let pulled = pull(&receiver, &transport, &url, p, "", None).await;
             if let Some(e) = &pulled.error {
                 return Err(start(format!("loopback transfer failed: {e}")));
             }
-            if pulled.import.imported != hashes.len() {
+            if pulled.import.imported != h.len() {
                 return Err(start(format!(
                     "loopback pull took {} of {} blocks",
                     pulled.import.imported,
-                    hashes.len()
+                    h.len()
                 )));
             }
             run[i] = pulled.seconds * 1000.0;

@@ -200,6 +200,11 @@ pub enum ImportError {
     Stopped,
 }
 
+/// Most pieces a received block is kept in (see [`FrameReader`]): reads from a socket are
+/// 4–400 KiB, so a 360 KiB block comes in 1–90 pieces; 1,024 bounds what tiny chunks can
+/// cost (32 bytes each) without ever joining ordinary ones.
+const MAX_PIECES: usize = 1024;
+
 /// Longest block a peer may announce (a guard against hostile lengths).
 const MAX_BLOCK_BYTES: usize = 64 << 20;
 const MAGIC: &[u8; 4] = b"HKV1";
@@ -314,8 +319,17 @@ impl FrameReader {
     }
 
     /// Removes the first `n` buffered bytes (the caller checked there are that many), as
-    /// pieces.
-    fn take(&mut self, mut n: usize) -> BlockData {
+    /// pieces — joined into one buffer if they are more than [`MAX_PIECES`] (a peer sending
+    /// tiny chunks costs it a copy, not the receiver memory per piece).
+    fn take(&mut self, n: usize) -> BlockData {
+        let out = self.take_pieces(n);
+        if out.0.len() > MAX_PIECES {
+            return BlockData::from(out.to_vec());
+        }
+        out
+    }
+
+    fn take_pieces(&mut self, mut n: usize) -> BlockData {
         self.buffered -= n;
         let mut out = BlockData::default();
         while n > 0 {
@@ -687,8 +701,10 @@ pub struct PullReport {
     pub error: Option<String>,
 }
 
-/// Blocks per batch, on both sides: bounds the memory a transfer holds (about 12 MiB for
-/// the default model) and lets the engine run steps between batches.
+/// Blocks per batch, on both sides: bounds the memory a transfer holds — two batches on
+/// each side (one being read or imported, one being sent or gathered), about 23 MiB for the
+/// default model, plus on the receiving side the socket buffers its pieces keep alive
+/// (each at most ~400 KiB) — and lets the engine run steps between batches.
 pub const TRANSFER_BATCH: usize = 32;
 
 /// How long a decode half (holding the prefill's blocks) waits for them, in ms: a base plus
@@ -859,7 +875,11 @@ pub async fn prepare(
 }
 
 /// A transfer's blocks imported a batch at a time, in chain order: one batch is in the
-/// engine's hands (written into its pool) while the next arrives.
+/// engine's hands (written into its pool) while the next arrives. A block refused in one
+/// batch is seen when the next batch is full, so up to one batch more is received and
+/// dropped. The chain check (`after`) is made when a batch starts: a batch that evicts
+/// an earlier block of the same transfer (a pool smaller than the prompt) still leaves a
+/// gap, as before pipelining; the request then computes from the gap on.
 struct Importer<'a> {
     engine: &'a crate::EngineHandle,
     /// The stream's layout, once its header came.
@@ -973,7 +993,12 @@ mod tests {
             // The block arrives in pieces (no copy), and its checksum holds across them.
             match &frames[1] {
                 Frame::Block(_, Some(b)) => {
-                    assert!(b.data.parts().iter().all(|p| p.len() <= chunk), "never joined");
+                    let parts = b.data.parts();
+                    if layout.block_bytes().div_ceil(chunk) > MAX_PIECES {
+                        assert_eq!(parts.len(), 1, "tiny pieces are joined");
+                    } else {
+                        assert!(parts.iter().all(|p| p.len() <= chunk), "never joined");
+                    }
                     assert!(b.intact());
                 }
                 other => panic!("{other:?}"),

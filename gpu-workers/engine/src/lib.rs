@@ -43,21 +43,4 @@ pub mod telemetry;
 pub mod text;
 
 pub use backend::Backend;
-
-/// Keeps freed memory for reuse instead of handing it back to the kernel at once (glibc's
-/// `malloc`; elsewhere this does nothing): allocations of up to 32 MiB come from the heap,
-/// and up to 256 MiB of free heap is kept before it is trimmed. A KV transfer allocates
-/// and frees a block-sized buffer per block on both sides (360 KiB for the default model);
-/// handed back and faulted in again each time, that costs more than the copy itself
-/// (measured here: 127 such buffers filled in 28–60 ms fresh, 8–10 ms reused). The price
-/// is a resident size that falls later after a burst. Call it first, before threads start.
-pub fn tune_allocator() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets allocator parameters; it is called before other threads
-    // allocate.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
-    }
-}
 pub use engine::{tokenizer_spec, EngineConfig, EngineError, EngineHandle, EngineStats};

@@ -569,8 +569,9 @@ struct ExportBody {
 }
 
 /// `POST …/kv/export` `{"hashes": [u64]}`: the blocks as a framed stream
-/// ([`crate::kv_transfer`]), read from the engine a batch at a time (bounded memory; the
-/// connection's back-pressure paces the reads).
+/// ([`crate::kv_transfer`]), read from the engine a batch at a time, the next while one
+/// is sent (two batches at most: bounded memory; the connection's back-pressure paces the
+/// reads).
 async fn kv_export(
     backend: Arc<dyn Backend>,
     permit: tokio::sync::OwnedSemaphorePermit,
