@@ -51,13 +51,7 @@ async fn prefill_and_decode_workers_answer_as_one_worker_would() {
     // The registry shows the roles, and follows both workers' KV events.
     let routing_url = format!("{}/admin/v1/routing", gateway.url);
     let r = wait_for_workers(&routing_url, |w| w["exact_events"] == true).await;
-    let roles: Vec<&str> = r["data"][0]["workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|w| w["role"].as_str().unwrap())
-        .collect();
-    assert_eq!(roles, ["prefill", "decode"], "{r}");
+    assert_eq!(roles(&r), ["prefill", "decode"], "{r}");
     assert_eq!(r["data"][0]["pd_threshold"], 16);
 
     // The golden prompt (42 tokens, 2 full blocks), not streamed: the colocated answer.
@@ -214,13 +208,17 @@ async fn serve_runs_a_disaggregated_setup_in_one_process() {
         "{m}"
     );
     let r = get_json(&format!("{}/admin/v1/routing", server.url), ADMIN_TOKEN).await;
-    let roles: Vec<&str> = r["data"][0]["workers"]
+    assert_eq!(roles(&r), ["prefill", "decode"]);
+}
+
+/// The roles of the first model's workers in a routing table, in order.
+fn roles(routing: &Value) -> Vec<&str> {
+    routing["data"][0]["workers"]
         .as_array()
         .unwrap()
         .iter()
         .map(|w| w["role"].as_str().unwrap())
-        .collect();
-    assert_eq!(roles, ["prefill", "decode"]);
+        .collect()
 }
 
 /// The routing table once every worker of the model satisfies `ready`.
