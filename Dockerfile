@@ -2,7 +2,7 @@
 # The single `hearth` binary: `hearth serve` (the default), `hearth gateway`, `hearth worker`.
 #   docker build -t hearth:0.1.0 .
 #   docker run -p 8080:8080 hearth:0.1.0            # the embedded default, SQLite inside
-# Kubernetes: deploy/k8s (README "Deploy on Kubernetes").
+# Kubernetes: deploy/k8s (docs/book/src/operations/scale-out.md, "Deploy on Kubernetes").
 
 FROM rust:1.95-bookworm AS build
 WORKDIR /src

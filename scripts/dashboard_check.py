@@ -7,7 +7,7 @@ returned for requests it made, creates a key (which then works) and revokes it (
 gets 401), uploads and activates a processor, signs out, checks that a tenant named
 `<img src=x onerror=alert(1)>` is shown as text (no alert, no element) and sees none of the
 first tenant's data, and that the operator's view lists both tenants. With --screenshots DIR
-it saves the main pages there (the README's pictures come from this run).
+it saves the main pages there (the book's dashboard pictures, docs/book/src/screenshots, come from this run).
 
 Usage: dashboard_check.py HEARTH_BINARY [--screenshots DIR]
 """

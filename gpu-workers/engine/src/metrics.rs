@@ -127,6 +127,55 @@ impl EngineCollector {
     }
 }
 
+/// The label keys of each metric this collector encodes, for the metrics reference (the
+/// collector writes every descriptor even with no engines, but series only for engines it
+/// has). A unit test keeps the names in step with the descriptors.
+pub const SERIES_LABELS: &[(&str, &[&str])] = &[
+    ("hearth:num_requests_running", &["worker"]),
+    ("hearth:num_requests_waiting", &["worker"]),
+    ("hearth:kv_cache_usage_perc", &["worker"]),
+    ("hearth:prefix_cache_queries", &["worker"]),
+    ("hearth:prefix_cache_hits", &["worker"]),
+    ("hearth:num_preemptions", &["worker"]),
+    ("hearth_model_load_seconds", &["worker"]),
+    ("hearth_kv_transfer_bytes", &["worker"]),
+    ("hearth_kv_transfer_blocks", &["worker"]),
+    ("hearth_kv_transfer_failures", &["worker"]),
+    ("hearth_spec_draft_tokens", &["worker"]),
+    ("hearth_spec_accepted_tokens", &["worker"]),
+    ("hearth_grammar_masks", &["worker"]),
+    ("hearth_kv_tier_hits", &["worker", "tier"]),
+    ("hearth_kv_tier_read_bytes", &["worker", "tier"]),
+    ("hearth_kv_tier_writes", &["worker", "tier"]),
+    ("hearth_kv_tier_evictions", &["worker", "tier"]),
+    ("hearth_kv_tier_quota_evictions", &["worker", "tier"]),
+    ("hearth_kv_tier_dropped_writes", &["worker", "tier"]),
+    ("hearth_kv_tier_corrupt", &["worker", "tier"]),
+    ("hearth_kv_tier_blocks", &["worker", "tier"]),
+    ("hearth_kv_tier_bytes", &["worker", "tier"]),
+    ("hearth_kv_tier_read_seconds", &["worker", "tier"]),
+    ("hearth_grammar_mask_seconds", &["worker"]),
+    ("hearth_moe_expert_tokens", &["worker", "layer", "expert"]),
+    ("hearth_engine_shed", &["worker", "priority"]),
+    ("hearth:request_queue_time_seconds", &["worker"]),
+    ("hearth:request_prefill_time_seconds", &["worker"]),
+    ("hearth:request_decode_time_seconds", &["worker"]),
+    ("hearth_kv_transfer_seconds", &["worker"]),
+];
+
+impl EngineCollector {
+    /// Every descriptor this collector writes, in the text exposition (no series: no
+    /// engines): the source of the metrics reference, with [`SERIES_LABELS`].
+    pub fn reference_exposition() -> String {
+        let mut registry = prometheus_client::registry::Registry::default();
+        registry.register_collector(Box::new(Self::new(Vec::new())));
+        let mut out = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut out, &registry)
+            .expect("encoding into a String cannot fail");
+        out
+    }
+}
+
 type Labels<'a> = [(&'static str, &'a str); 1];
 /// A metric's name, help and how to read it from the engine's counters (and block size).
 type FromStats<T> = (&'static str, &'static str, fn(&crate::EngineStats, u64) -> T);
@@ -215,7 +264,7 @@ impl Collector for EngineCollector {
         let transfer_counters: [FromCounters; 6] = [
             (
                 "hearth_kv_transfer_bytes",
-                "KV cache bytes imported from other workers (disaggregated decode).",
+                "KV cache bytes imported from other workers (disaggregated decode, peer fetch).",
                 |m| &m.transfer_bytes,
             ),
             (
@@ -384,7 +433,7 @@ impl Collector for EngineCollector {
             ),
             (
                 "hearth_kv_transfer_seconds",
-                "Time to fetch and import a request's missing KV blocks from its prefill worker.",
+                "Time to fetch and import a request's missing KV blocks from another worker (its prefill worker, or a peer holding them).",
                 |m| &m.transfer,
             ),
         ];
@@ -396,5 +445,24 @@ impl Collector for EngineCollector {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn series_labels_name_exactly_the_descriptors() {
+        let text = EngineCollector::reference_exposition();
+        let mut described: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# HELP ")?.split(' ').next())
+            .map(|n| n.strip_suffix("_total").unwrap_or(n))
+            .collect();
+        let mut listed: Vec<&str> = SERIES_LABELS.iter().map(|(n, _)| *n).collect();
+        described.sort_unstable();
+        listed.sort_unstable();
+        assert_eq!(described, listed);
     }
 }

@@ -56,6 +56,19 @@ pub enum Command {
         #[command(subcommand)]
         command: BenchCommand,
     },
+    /// The book's generated references, printed as Markdown.
+    Docs {
+        #[command(subcommand)]
+        command: DocsCommand,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum DocsCommand {
+    /// Every command's flags with their environment variables, defaults and help.
+    Config,
+    /// Every Prometheus metric of the gateway and the engine, with type, labels and help.
+    Metrics,
 }
 
 #[derive(Subcommand)]
@@ -67,6 +80,7 @@ pub enum BenchCommand {
         /// Where `sdk/processors/build` put the JS/Python guests.
         #[arg(long, default_value = "target/processors")]
         examples: PathBuf,
+        /// Requests per guest and mode.
         #[arg(long, default_value_t = 2000)]
         requests: usize,
         /// Fewer requests (smoke runs).
@@ -82,6 +96,7 @@ pub enum BenchCommand {
     Soak {
         #[command(flatten)]
         model: ModelArgs,
+        /// How long the traffic runs.
         #[arg(long, default_value_t = 30.0)]
         minutes: f64,
         /// Clients sending requests back to back.
@@ -90,6 +105,7 @@ pub enum BenchCommand {
         /// Seconds between samples.
         #[arg(long, default_value_t = 30.0)]
         sample_secs: f64,
+        /// Seed of the generated workload (the same seed, the same requests).
         #[arg(long, default_value_t = 42)]
         seed: u64,
         /// Write the results as JSON to this file (`-` for stdout).
@@ -106,6 +122,7 @@ pub enum BenchCommand {
         /// Seconds of concurrent load per mode (throughput).
         #[arg(long, default_value_t = 5.0)]
         seconds: f64,
+        /// Concurrent clients for the throughput measurement.
         #[arg(long, default_value_t = 32)]
         concurrency: usize,
         /// Also measure with the limits in Redis.
@@ -138,6 +155,7 @@ pub enum BenchCommand {
         /// Skip the real-engine run.
         #[arg(long)]
         sim_only: bool,
+        /// Seed of the generated workload (the same seed, the same requests).
         #[arg(long, default_value_t = 42)]
         seed: u64,
         /// Shorter runs (smoke).
@@ -159,6 +177,7 @@ pub enum BenchCommand {
         /// Constrained requests at temperature 1.0 (eight at a time) for the mask and validity.
         #[arg(long, default_value_t = 32)]
         seeds: usize,
+        /// Seed of the generated workload (the same seed, the same requests).
         #[arg(long, default_value_t = 42)]
         seed: u64,
         /// Fewer requests (smoke).
@@ -170,11 +189,13 @@ pub enum BenchCommand {
     },
     /// Routing policies on simulated workers (virtual time), and the router micro-benchmark.
     Routing {
+        /// Simulated workers.
         #[arg(long, default_value_t = 7)]
         workers: usize,
         /// Fewer requests (finishes in seconds).
         #[arg(long)]
         quick: bool,
+        /// Seed of the generated workload (the same seed, the same requests).
         #[arg(long, default_value_t = 42)]
         seed: u64,
         /// Write the results as JSON to this file (`-` for stdout).
@@ -418,7 +439,7 @@ impl LimitStoreArgs {
 
 #[derive(Args, Clone)]
 pub struct ModelArgs {
-    /// A known model id (fetched into $HEARTH_HOME/models), a path to a Llama GGUF file, or a
+    /// A known model id (fetched into $HEARTH_HOME/models), a GGUF file of a supported family, or a
     /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
     #[arg(long, env = "HEARTH_MODEL", default_value = DEFAULT_MODEL_ID)]
     pub model: String,
@@ -607,13 +628,15 @@ fn parse_schedule(s: &str) -> Result<hearth_engine::scheduler::Policy, String> {
 
 #[derive(Args)]
 pub struct ServeArgs {
+    /// The address to listen on (`:0` picks a free port; the chosen one is printed).
     #[arg(long, env = "HEARTH_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
     #[command(flatten)]
     pub data: DataArgs,
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Enables the admin API (`/admin/v1`) for bearers of this token.
+    /// Enables the admin API (`/admin/v1`) and `/metrics` for bearers of this token (both
+    /// are closed without one).
     #[arg(long, env = "HEARTH_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
     /// In-process engine workers (each with its own KV cache; threads are shared out).
@@ -626,7 +649,7 @@ pub struct ServeArgs {
     /// In-process decode workers (see `--prefill-workers`).
     #[arg(long, env = "HEARTH_DECODE_WORKERS", default_value_t = 0)]
     pub decode_workers: usize,
-    /// A model catalogue (TOML; see the README): several models, each loaded on its first
+    /// A model catalogue (TOML; see the book, "The model catalogue"): several models, each loaded on its first
     /// request and unloaded after its idle TTL, within `--memory-budget-mib`. Replaces
     /// `--model`.
     #[arg(long, env = "HEARTH_CATALOGUE")]
@@ -647,6 +670,7 @@ pub struct ServeArgs {
 
 #[derive(Args)]
 pub struct WorkerArgs {
+    /// The address to listen on (`:0` picks a free port; the chosen one is printed).
     #[arg(long, env = "HEARTH_LISTEN", default_value = "127.0.0.1:8081")]
     pub listen: SocketAddr,
     #[command(flatten)]
@@ -704,6 +728,7 @@ pub struct LifecycleArgs {
 
 #[derive(Args)]
 pub struct GatewayArgs {
+    /// The address to listen on (`:0` picks a free port; the chosen one is printed).
     #[arg(long, env = "HEARTH_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
     #[command(flatten)]
@@ -731,6 +756,8 @@ pub struct GatewayArgs {
     pub region: String,
     #[command(flatten)]
     pub routing: RoutingArgs,
+    /// Enables the admin API (`/admin/v1`) and `/metrics` for bearers of this token (both
+    /// are closed without one).
     #[arg(long, env = "HEARTH_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
     /// The workers' token, for adding and removing catalogue models at runtime, and for
@@ -780,8 +807,10 @@ pub enum AdminCommand {
     },
     /// Recent usage records.
     Usage {
+        /// One tenant's records (name or id); default: everyone's.
         #[arg(long)]
         tenant: Option<String>,
+        /// How many records, newest first.
         #[arg(long, default_value_t = 20)]
         limit: u32,
     },
@@ -790,6 +819,7 @@ pub enum AdminCommand {
         /// One tenant's entries (name or id); default: everyone's and the platform's.
         #[arg(long)]
         tenant: Option<String>,
+        /// How many entries, newest first.
         #[arg(long, default_value_t = 50)]
         limit: u32,
     },
@@ -860,13 +890,17 @@ pub enum AdminModelCommand {
         kv_disk_gib: Option<f64>,
     },
     /// Stop serving a model and remove it from every catalogue (requests in flight finish).
-    Remove { id: String },
+    Remove {
+        /// The model's id.
+        id: String,
+    },
 }
 
 #[derive(Subcommand)]
 pub enum JwtCommand {
     /// Register an issuer: tokens with this `iss`, `aud` and algorithm act for the tenant.
     Add {
+        /// The tenant the tokens act for (name or id).
         #[arg(long)]
         tenant: String,
         /// The `iss` claim.
@@ -890,11 +924,15 @@ pub enum JwtCommand {
     },
     /// List issuers.
     List {
+        /// One tenant's issuers (name or id); default: everyone's.
         #[arg(long)]
         tenant: Option<String>,
     },
     /// Remove an issuer (its tokens stop working within seconds).
-    Remove { id: String },
+    Remove {
+        /// The issuer's id (from `jwt list`).
+        id: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -902,12 +940,16 @@ pub enum PriceCommand {
     /// Add a price version for a model (`*`: the default for unpriced models). USD per
     /// million tokens.
     Set {
+        /// The model id, or `*` for the default of models without a price of their own.
         #[arg(long)]
         model: String,
+        /// USD per million prompt tokens computed.
         #[arg(long)]
         input: String,
+        /// USD per million prompt tokens served from the prefix cache.
         #[arg(long)]
         cached_input: String,
+        /// USD per million completion tokens.
         #[arg(long)]
         output: String,
         /// Tenant processors' time, USD per CPU-second (default: the model's current rate, or
@@ -921,6 +963,7 @@ pub enum PriceCommand {
     },
     /// List price versions.
     List {
+        /// One model's versions; default: every model's.
         #[arg(long)]
         model: Option<String>,
     },
@@ -941,8 +984,10 @@ pub struct ProcessorArgs {
 pub enum ProcessorCommand {
     /// Validate, precompile and store a new version of a processor.
     Upload {
+        /// The tenant it belongs to (name or id).
         #[arg(long)]
         tenant: String,
+        /// The processor's name; uploading under an existing name adds a version.
         #[arg(long)]
         name: String,
         /// The component (.wasm).
@@ -968,28 +1013,43 @@ pub enum ProcessorCommand {
     },
     /// List a tenant's processors (every version).
     List {
+        /// The tenant (name or id).
         #[arg(long)]
         tenant: String,
     },
     /// Make a version the active one of its name.
-    Activate { id: String },
+    Activate {
+        /// The version's id (from `processor list`).
+        id: String,
+    },
     /// Stop running a version.
-    Deactivate { id: String },
+    Deactivate {
+        /// The version's id.
+        id: String,
+    },
     /// Run a version only on one key's requests, or (`--tenant-wide`) on all.
     Attach {
+        /// The version's id.
         id: String,
+        /// The API key id whose requests it runs on.
         #[arg(long, conflicts_with = "tenant_wide")]
         key: Option<String>,
+        /// Run on every request of the tenant.
         #[arg(long)]
         tenant_wide: bool,
     },
     /// Delete a version.
-    Delete { id: String },
+    Delete {
+        /// The version's id.
+        id: String,
+    },
     /// Print the WIT of the `hearth:processor` world.
     Wit,
     /// Build a component from a WebAssembly text core module (see `sdk/processors`).
     BuildWat {
+        /// The WebAssembly text file (.wat).
         file: PathBuf,
+        /// Where to write the component (.wasm).
         #[arg(short, long)]
         out: PathBuf,
     },
@@ -1002,6 +1062,7 @@ pub enum BillingCommand {
     Export {
         #[command(flatten)]
         data: DataArgs,
+        /// The tenant (name or id).
         #[arg(long)]
         tenant: String,
         /// First day (YYYY-MM-DD, UTC, inclusive) or Unix ms.
@@ -1063,18 +1124,24 @@ impl LimitArgs {
 #[derive(Subcommand)]
 pub enum TenantCommand {
     /// Create a tenant.
-    Create { name: String },
+    Create {
+        /// The tenant's name (unique).
+        name: String,
+    },
     /// List tenants.
     List,
     /// Set a tenant's rate limits (running gateways apply them within 5 s).
     Limits {
+        /// The tenant (name or id).
         name: String,
         #[command(flatten)]
         limits: LimitArgs,
     },
     /// Set a tenant's monthly budget in USD (0 removes it).
     Budget {
+        /// The tenant (name or id).
         name: String,
+        /// The spend allowed per calendar month (UTC), in USD.
         #[arg(long)]
         monthly_usd: String,
         /// Warn (x-hearth-budget-warning) instead of refusing once spent.
@@ -1087,8 +1154,10 @@ pub enum TenantCommand {
 pub enum KeyCommand {
     /// Create an API key for a tenant; the key is printed once.
     Create {
+        /// The tenant (name or id).
         #[arg(long)]
         tenant: String,
+        /// A label for the key, shown in lists and the audit log.
         #[arg(long, default_value = "")]
         name: String,
         /// inference, manage, or both (default: both).
@@ -1103,13 +1172,18 @@ pub enum KeyCommand {
     },
     /// List a tenant's keys (never the secrets).
     List {
+        /// The tenant (name or id).
         #[arg(long)]
         tenant: String,
     },
     /// Revoke a key by its id (or the full key).
-    Revoke { key_id: String },
+    Revoke {
+        /// The key's id (`hk_<id>`), or the whole key.
+        key_id: String,
+    },
     /// Set a key's rate limits (on top of its tenant's).
     Limits {
+        /// The key's id, or a JWT principal `jwt:ISSUER_ID:SUB`.
         key_id: String,
         #[command(flatten)]
         limits: LimitArgs,
@@ -1120,6 +1194,7 @@ pub enum KeyCommand {
 pub enum ModelCommand {
     /// Fetch a known model into $HEARTH_HOME/models and print its path.
     Fetch {
+        /// A known model id.
         #[arg(default_value = DEFAULT_MODEL_ID)]
         model: String,
     },

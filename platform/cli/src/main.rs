@@ -1,9 +1,11 @@
 //! The `hearth` command line: argument parsing ([`args`]) and launchers ([`launch`]); the
-//! management commands ([`manage`]) and benchmarks ([`bench_cmd`]) each in their own module.
+//! management commands ([`manage`]), benchmarks ([`bench_cmd`]) and the book's generated
+//! references ([`docs`]) each in their own module.
 
 mod args;
 mod bench_cmd;
 mod catalogue;
+mod docs;
 mod launch;
 mod local_worker;
 mod manage;
@@ -13,7 +15,7 @@ mod telemetry;
 use clap::Parser;
 use hearth_engine::fetch::{ensure_model, hearth_home};
 
-use crate::args::{Cli, Command, ModelCommand};
+use crate::args::{Cli, Command, DocsCommand, ModelCommand};
 
 /// Keeps freed memory for reuse instead of handing it back to the kernel at once (glibc's
 /// `malloc`; elsewhere nothing): allocations of up to 32 MiB come from the heap, and up to
@@ -96,6 +98,16 @@ fn main() -> anyhow::Result<()> {
                 Ok(())
             }
             Command::Bench { command } => bench_cmd::run(command).await,
+            Command::Docs { command } => {
+                print!(
+                    "{}",
+                    match command {
+                        DocsCommand::Config => docs::config(),
+                        DocsCommand::Metrics => docs::metrics(),
+                    }
+                );
+                Ok(())
+            }
         }
     })
 }

@@ -188,169 +188,170 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
+        // The registry ends every help text with a full stop: none is written here.
         let mut registry = Registry::default();
         let requests = Family::<RequestLabels, Counter>::default();
         registry.register(
             "hearth_requests",
-            "Requests answered, by model, endpoint and HTTP status.",
+            "Requests answered, by model, endpoint and HTTP status",
             requests.clone(),
         );
         let ttft: Hist = Family::new_with_constructor(ttft_histogram);
         registry.register(
             "hearth:time_to_first_token_seconds",
-            "Time from the request reaching the gateway to its first token.",
+            "Time from the request reaching the gateway to its first token",
             ttft.clone(),
         );
         let itl: Hist = Family::new_with_constructor(itl_histogram);
         registry.register(
             "hearth:inter_token_latency_seconds",
-            "Time between consecutive tokens of a request.",
+            "Time between consecutive tokens of a request",
             itl.clone(),
         );
         let e2e: Hist = Family::new_with_constructor(e2e_histogram);
         registry.register(
             "hearth:e2e_request_latency_seconds",
-            "Time from the request reaching the gateway to its last event.",
+            "Time from the request reaching the gateway to its last event",
             e2e.clone(),
         );
         let prompt_tokens = Family::<ModelLabel, Counter>::default();
         registry.register(
             "hearth:prompt_tokens",
-            "Prompt tokens of finished requests.",
+            "Prompt tokens of finished requests",
             prompt_tokens.clone(),
         );
         let cached_tokens = Family::<ModelLabel, Counter>::default();
         registry.register(
             "hearth_prompt_tokens_cached",
-            "Prompt tokens served from the engines' prefix caches.",
+            "Prompt tokens served from the engines' prefix caches",
             cached_tokens.clone(),
         );
         let generation_tokens = Family::<ModelLabel, Counter>::default();
         registry.register(
             "hearth:generation_tokens",
-            "Completion tokens of finished requests.",
+            "Completion tokens of finished requests",
             generation_tokens.clone(),
         );
         let finished = Family::<FinishLabels, Counter>::default();
         registry.register(
             "hearth:request_success",
-            "Requests that finished generating, by finish reason.",
+            "Requests that finished generating, by finish reason",
             finished.clone(),
         );
         let limiter = Family::<LimiterLabels, Counter>::default();
         registry.register(
             "hearth_limiter_decisions",
-            "Rate-limit admissions and rejections (by the limit that refused).",
+            "Rate-limit admissions and rejections (by the limit that refused)",
             limiter.clone(),
         );
         let processor: Family<HookLabel, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(processor_histogram);
         registry.register(
             "hearth_processor_seconds",
-            "Time in tenant processors per request, by hook.",
+            "Time in tenant processors per request, by hook",
             processor.clone(),
         );
         let pd = Family::<PdLabels, Counter>::default();
         registry.register(
             "hearth_pd_requests",
-            "Requests sent to a prefill and a decode worker, by outcome.",
+            "Requests sent to a prefill and a decode worker, by outcome",
             pd.clone(),
         );
         let shed = Family::<TenantClassLabels, Counter>::default();
         registry.register(
             "hearth_shed_requests",
-            "Requests refused by admission control because the model's pool was at capacity for their class.",
+            "Requests refused by admission control because the model's pool was at capacity for their class",
             shed.clone(),
         );
         let registrations_refused = Counter::default();
         registry.register(
             "hearth_worker_registrations_refused",
-            "Worker registry entries refused: not sealed with this gateway's worker token, stale, or under another worker's id.",
+            "Worker registry entries refused: not sealed with this gateway's worker token, stale, or under another worker's id",
             registrations_refused.clone(),
         );
         let failovers = Counter::default();
         registry.register(
             "hearth_failovers",
-            "Streams whose worker was lost mid-generation and that continued on another worker.",
+            "Streams whose worker was lost mid-generation and that continued on another worker",
             failovers.clone(),
         );
         let auth_stale = Counter::default();
         registry.register(
             "hearth_auth_stale",
-            "Requests authenticated from a cached credential past its refresh time because the key store did not answer.",
+            "Requests authenticated from a cached credential past its refresh time because the key store did not answer",
             auth_stale.clone(),
         );
         let auth_throttled = Counter::default();
         registry.register(
             "hearth_auth_throttled",
-            "Requests refused (429) because their source address sent too many invalid credentials.",
+            "Requests refused (429) because their source address sent too many invalid credentials",
             auth_throttled.clone(),
         );
         let connections = crate::http::ConnectionMetrics::default();
         registry.register(
             "hearth_http_connections_open",
-            "Client connections the gateway holds open now.",
+            "Client connections the gateway holds open now",
             connections.open.clone(),
         );
         registry.register(
             "hearth_http_connections_refused",
-            "Client connections closed at once because the total or per-address connection cap was reached.",
+            "Client connections closed at once because the total or per-address connection cap was reached",
             connections.refused.clone(),
         );
         let alive_tasks = Gauge::default();
         registry.register(
             "hearth_runtime_alive_tasks",
-            "Tasks alive in the gateway's async runtime (requests, relays, background work).",
+            "Tasks alive in the gateway's async runtime (requests, relays, background work)",
             alive_tasks.clone(),
         );
         let outbox_failing = Gauge::default();
         registry.register(
             "hearth_usage_outbox_failing",
-            "1 while the usage outbox cannot be written (disk full): records go to the database directly, and requests are refused if it fails too.",
+            "1 while the usage outbox cannot be written (disk full): records go to the database directly, and requests are refused if it fails too",
             outbox_failing.clone(),
         );
         let outbox_errors = Counter::default();
         registry.register(
             "hearth_usage_outbox_errors",
-            "Usage records the local outbox could not append (disk full or failing); each went to the database directly or its request was refused.",
+            "Usage records the local outbox could not append (disk full or failing); each went to the database directly or its request was refused",
             outbox_errors.clone(),
         );
         let tenant_ttft: Family<TenantClassLabels, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(ttft_histogram);
         registry.register(
             "hearth_tenant_time_to_first_token_seconds",
-            "Time to first token, by tenant and priority class.",
+            "Time to first token, by tenant and priority class",
             tenant_ttft.clone(),
         );
         let tenant_queue: Family<TenantClassLabels, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(ttft_histogram);
         registry.register(
             "hearth_tenant_queue_time_seconds",
-            "Time waiting in the engine's queue (arrival to first scheduled step), by tenant and priority class.",
+            "Time waiting in the engine's queue (arrival to first scheduled step), by tenant and priority class",
             tenant_queue.clone(),
         );
         let worker_gauges: [Family<WorkerLabels, Gauge>; 6] = Default::default();
         let gauge_help = [
             (
                 "hearth_worker_inflight_requests",
-                "Requests dispatched to the worker and not finished.",
+                "Requests dispatched to the worker and not finished",
             ),
             (
                 "hearth_worker_inflight_prefill_tokens",
-                "Prompt tokens dispatched to the worker and not yet computed (router estimate).",
+                "Prompt tokens dispatched to the worker and not yet computed (router estimate)",
             ),
             (
                 "hearth_worker_decoding_sequences",
-                "Requests past their first token on the worker.",
+                "Requests past their first token on the worker",
             ),
             (
                 "hearth_worker_cached_blocks",
-                "KV blocks the router's index says the worker holds.",
+                "KV blocks the router's index says the worker holds",
             ),
-            ("hearth_worker_healthy", "1 when the worker passes its health check."),
+            ("hearth_worker_healthy", "1 when the worker passes its health check"),
             (
                 "hearth_worker_exact_kv_events",
-                "1 when the router follows the worker's KV events (else it assumes).",
+                "1 when the router follows the worker's KV events (else it assumes)",
             ),
         ];
         for (g, (name, help)) in worker_gauges.iter().zip(gauge_help) {
@@ -359,19 +360,19 @@ impl Metrics {
         let decisions = Family::<DecisionLabels, Counter>::default();
         registry.register(
             "hearth_routing_decisions",
-            "Routing decisions by policy and reason.",
+            "Routing decisions by policy and reason",
             decisions.clone(),
         );
         let fetches = Family::<ModelLabel, Counter>::default();
         registry.register(
             "hearth_routing_fetches",
-            "Routing decisions that had the chosen worker pull the prompt's prefix from a peer holding it.",
+            "Routing decisions that had the chosen worker pull the prompt's prefix from a peer holding it",
             fetches.clone(),
         );
         let index_blocks = Family::<ModelLabel, Gauge>::default();
         registry.register(
             "hearth_router_index_blocks",
-            "Distinct KV blocks in the router's index.",
+            "Distinct KV blocks in the router's index",
             index_blocks.clone(),
         );
         Self {
@@ -404,6 +405,65 @@ impl Metrics {
             index_blocks,
             fetches,
         }
+    }
+
+    /// Every family with one example series, in the text exposition: the source of the
+    /// metrics reference (`hearth docs metrics`). A family without series is not encoded at
+    /// all, so each one gets a series here; the label values are placeholders.
+    pub fn reference_exposition() -> String {
+        let m = Self::new();
+        let s = |v: &str| v.to_string();
+        let model = Self::model("MODEL");
+        let _ = m.requests.get_or_create(&RequestLabels {
+            model: s("MODEL"),
+            endpoint: s("ENDPOINT"),
+            status: 200,
+        });
+        for h in [&m.ttft, &m.itl, &m.e2e] {
+            let _ = h.get_or_create(&model);
+        }
+        for c in [&m.prompt_tokens, &m.cached_tokens, &m.generation_tokens, &m.fetches] {
+            let _ = c.get_or_create(&model);
+        }
+        let _ = m.index_blocks.get_or_create(&model);
+        let _ = m.finished.get_or_create(&FinishLabels {
+            model: s("MODEL"),
+            finished_reason: s("REASON"),
+        });
+        let _ = m.limiter.get_or_create(&LimiterLabels {
+            decision: s("DECISION"),
+            limit: s("LIMIT"),
+        });
+        let _ = m.processor.get_or_create(&HookLabel { hook: s("HOOK") });
+        let _ = m.pd.get_or_create(&PdLabels {
+            model: s("MODEL"),
+            outcome: s("OUTCOME"),
+        });
+        let tenant = TenantClassLabels {
+            model: s("MODEL"),
+            tenant: s("TENANT"),
+            priority: s("PRIORITY"),
+        };
+        let _ = m.shed.get_or_create(&tenant);
+        let _ = m.tenant_ttft.get_or_create(&tenant);
+        let _ = m.tenant_queue.get_or_create(&tenant);
+        let worker = WorkerLabels {
+            model: s("MODEL"),
+            worker: s("WORKER"),
+            region: s("REGION"),
+        };
+        for g in &m.worker_gauges {
+            let _ = g.get_or_create(&worker);
+        }
+        let _ = m.decisions.get_or_create(&DecisionLabels {
+            model: s("MODEL"),
+            policy: s("POLICY"),
+            reason: s("REASON"),
+        });
+        let mut out = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut out, &m.registry)
+            .expect("encoding into a String cannot fail");
+        out
     }
 
     /// Adds metrics collected at scrape time (e.g. an in-process engine's).
@@ -513,4 +573,39 @@ pub async fn render(State(state): State<Arc<AppState>>) -> impl IntoResponse {
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         body,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The reference is built from the registry, so a metric is missing from it only when
+    /// its family was given no example series: every metric name written in this file must
+    /// be in the example exposition.
+    #[test]
+    fn the_reference_exposition_has_every_metric_named_here() {
+        let text = Metrics::reference_exposition();
+        let source = include_str!("metrics.rs");
+        let mut named = 0;
+        let literals = source.match_indices("\"hearth").map(|(i, _)| &source[i + 1..]);
+        for quoted in literals.filter_map(|rest| rest.split('"').next()) {
+            let is_name = (quoted.starts_with("hearth_") || quoted.starts_with("hearth:"))
+                && !quoted.ends_with(['_', ':'])
+                && quoted.chars().all(|c| c.is_ascii_lowercase() || c == '_' || c == ':');
+            if !is_name {
+                continue;
+            }
+            named += 1;
+            let total = format!("{quoted}_total");
+            let helped = text
+                .lines()
+                .filter_map(|l| l.strip_prefix("# HELP ")?.split(' ').next())
+                .any(|name| name == quoted || name == total);
+            assert!(
+                helped,
+                "{quoted} is registered but has no example series in the reference"
+            );
+        }
+        assert!(named >= 30, "only {named} metric names found in the source");
+    }
 }
