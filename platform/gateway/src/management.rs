@@ -16,7 +16,7 @@
 //! `jwt:<issuer>:<sub>`), the adapter it came through and the client's address
 //! ([`Origin`]), the action, the object and its parameters (never a secret). The entry is
 //! written after the change commits; if that write fails the change stands and the failure
-//! is logged as an error (and counted in `hearth_audit_write_failures_total`).
+//! is logged as an error.
 
 use std::sync::Arc;
 

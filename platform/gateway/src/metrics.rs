@@ -607,5 +607,11 @@ mod tests {
             );
         }
         assert!(named >= 30, "only {named} metric names found in the source");
+        // The registry adds the full stop itself.
+        let doubled: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("# HELP ") && l.ends_with(".."))
+            .collect();
+        assert!(doubled.is_empty(), "help ending in '..': {doubled:?}");
     }
 }
