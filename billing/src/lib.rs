@@ -128,6 +128,7 @@ impl UsageRecord {
 
 /// A price version, per million tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct PriceRates {
     pub input_micros_per_mtok: i64,
     pub cached_input_micros_per_mtok: i64,
@@ -138,6 +139,7 @@ pub struct PriceRates {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Price {
     pub model: String,
     pub effective_from: i64,

@@ -10,6 +10,7 @@ use crate::{now_ms, random_hex, TenantError, TenantStore};
 
 /// One management action.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AuditEntry {
     pub id: String,
     /// Unix ms.

@@ -34,6 +34,7 @@ const LEEWAY_SECS: u64 = 30;
 
 /// What registering an issuer takes; exactly one of `key`, `jwks`, `jwks_url`.
 #[derive(Debug, Clone, Default, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct IssuerSpec {
     pub issuer: String,
     pub audience: String,
@@ -49,6 +50,7 @@ pub struct IssuerSpec {
 
 /// A registered issuer as listings show it (never the key material).
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct IssuerInfo {
     pub id: String,
     pub tenant_id: String,

@@ -79,6 +79,7 @@ pub enum AuthError {
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Tenant {
     pub id: String,
     pub name: String,
@@ -87,6 +88,7 @@ pub struct Tenant {
 
 /// What a credential may do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Scopes {
     /// Call the model APIs (`/v1/chat/completions`, `/v1/completions`, `/v1/models`).
     pub inference: bool,
@@ -142,6 +144,7 @@ impl Scopes {
 
 /// An API key's public description (never the secret).
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ApiKeyInfo {
     pub id: String,
     pub tenant_id: String,
@@ -156,6 +159,7 @@ pub struct ApiKeyInfo {
 
 /// A freshly created key: the only time the full key is known.
 #[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct CreatedKey {
     #[serde(flatten)]
     pub info: ApiKeyInfo,
@@ -177,6 +181,7 @@ pub struct KeySpec {
 /// Rate limits of a tenant or a key (`None` is unlimited), and how its requests are
 /// scheduled on a shared worker.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Limits {
     /// Requests per minute.
     pub rpm: Option<u32>,

@@ -20,6 +20,7 @@ pub const MAX_TENANT_PROCESSOR_BYTES: i64 = 256 << 20;
 
 /// A processor version as listings show it (never the bytes).
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ProcessorInfo {
     pub id: String,
     pub tenant_id: String,

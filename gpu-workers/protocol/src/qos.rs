@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 /// wait for the lowest, see the engine's scheduler) and fair between tenants inside one.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum Priority {
     /// Someone is waiting for the answer.
     #[default]

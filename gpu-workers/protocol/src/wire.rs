@@ -408,6 +408,7 @@ pub enum KvLayoutKind {
 /// `POST /v1/worker/models` and `POST /admin/v1/models`, which add one at runtime.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ModelSpec {
     /// The name clients use.
     pub id: String,

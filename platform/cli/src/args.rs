@@ -69,6 +69,14 @@ pub enum DocsCommand {
     Config,
     /// Every Prometheus metric of the gateway and the engine, with type, labels and help.
     Metrics,
+    /// The OpenAPI 3.1 document of the public and self-service API (`/openapi.json`).
+    Openapi {
+        /// The admin API's document instead (`/admin/v1/openapi.json`).
+        #[arg(long)]
+        admin: bool,
+    },
+    /// Both OpenAPI documents rendered as the book's API reference (Markdown).
+    Api,
 }
 
 #[derive(Subcommand)]

@@ -99,14 +99,18 @@ fn main() -> anyhow::Result<()> {
             }
             Command::Bench { command } => bench_cmd::run(command).await,
             Command::Docs { command } => {
-                print!(
-                    "{}",
-                    match command {
-                        DocsCommand::Config => docs::config(),
-                        DocsCommand::Metrics => docs::metrics(),
-                    }
-                );
-                Ok(())
+                let text = match command {
+                    DocsCommand::Config => docs::config(),
+                    DocsCommand::Metrics => docs::metrics(),
+                    DocsCommand::Openapi { admin } => docs::openapi(admin),
+                    DocsCommand::Api => docs::api(),
+                };
+                // A reader that stops early (`| head`) is not an error.
+                use std::io::Write;
+                match std::io::stdout().lock().write_all(text.as_bytes()) {
+                    Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+                    _ => Ok(()),
+                }
             }
         }
     })

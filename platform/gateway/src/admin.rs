@@ -58,14 +58,27 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/models/{model}", delete(remove_model))
         .route("/routing/{model}/workers/{slot}/drain", axum::routing::post(drain))
         .route("/audit", get(audit_log))
+        .route("/openapi.json", get(openapi_admin))
 }
 
-#[derive(Deserialize)]
+/// The admin API's OpenAPI document (behind the admin token like every operator route).
+#[utoipa::path(get, path = "/admin/v1/openapi.json", tag = "operations",
+    responses((status = 200, description = "This document (OpenAPI 3.1).", body = crate::openapi::AnyObject), crate::error::Errors))]
+async fn openapi_admin() -> Response {
+    crate::openapi::serve(crate::openapi::admin_json())
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 struct AuditQuery {
+    /// A tenant's name or id (default: every tenant's and the platform's).
     tenant: Option<String>,
+    /// Entries to return (default 100).
     limit: Option<u32>,
 }
 
+#[utoipa::path(get, path = "/admin/v1/audit", summary = "The audit log, newest first (every tenant's and the platform's by default).", tag = "operations", params(AuditQuery),
+    responses((status = 200, description = "The audit log, newest first.", body = crate::openapi::List<hearth_tenants::audit::AuditEntry>), crate::error::Errors))]
 /// `GET /admin/v1/audit?tenant&limit`: the audit log, newest first (all tenants' and the
 /// platform's by default).
 async fn audit_log(
@@ -93,11 +106,15 @@ pub(crate) fn name_field(body: &Bytes, required: bool) -> Result<String, ApiErro
     }
 }
 
+#[utoipa::path(get, path = "/admin/v1/tenants", summary = "Every tenant.", tag = "tenants",
+    responses((status = 200, description = "Every tenant.", body = crate::openapi::List<hearth_tenants::Tenant>), crate::error::Errors))]
 async fn list_tenants(State(gw): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
     let tenants = gw.tenants.list_tenants().await.map_err(store_error)?;
     Ok(Json(json!({"object": "list", "data": tenants})))
 }
 
+#[utoipa::path(post, path = "/admin/v1/tenants", summary = "Creates a tenant.", tag = "tenants", request_body = crate::openapi::TenantRequest,
+    responses((status = 201, description = "The new tenant.", body = hearth_tenants::Tenant), crate::error::Errors))]
 async fn create_tenant(
     State(gw): State<Arc<AppState>>,
     ClientOrigin(origin): ClientOrigin,
@@ -108,11 +125,15 @@ async fn create_tenant(
     Ok((StatusCode::CREATED, Json(t)).into_response())
 }
 
+#[utoipa::path(get, path = "/admin/v1/tenants/{tenant}/keys", summary = "A tenant's keys.", tag = "tenants", params(("tenant" = String, Path, description = "A tenant's name or id.")),
+    responses((status = 200, description = "The tenant's keys (never their secrets).", body = crate::openapi::List<hearth_tenants::ApiKeyInfo>), crate::error::Errors))]
 async fn list_keys(State(gw): State<Arc<AppState>>, Path(tenant): Path<String>) -> Result<Json<Value>, ApiError> {
     let keys = gw.management().list_keys(Actor::Operator, Some(&tenant)).await?;
     Ok(Json(json!({"object": "list", "data": keys})))
 }
 
+#[utoipa::path(post, path = "/admin/v1/tenants/{tenant}/keys", summary = "Creates a key for a tenant.", tag = "tenants", params(("tenant" = String, Path, description = "A tenant's name or id.")), request_body = crate::openapi::KeyRequest,
+    responses((status = 201, description = "The key; `key` is shown only here.", body = hearth_tenants::CreatedKey), crate::error::Errors))]
 async fn create_key(
     State(gw): State<Arc<AppState>>,
     ClientOrigin(origin): ClientOrigin,
@@ -128,6 +149,8 @@ async fn create_key(
     Ok((StatusCode::CREATED, Json(k)).into_response())
 }
 
+#[utoipa::path(delete, path = "/admin/v1/keys/{key_id}", summary = "Revokes a key.", tag = "tenants", params(("key_id" = String, Path, description = "A key id.")),
+    responses((status = 200, description = "The revoked key.", body = hearth_tenants::ApiKeyInfo), crate::error::Errors))]
 async fn revoke_key(
     State(gw): State<Arc<AppState>>,
     ClientOrigin(origin): ClientOrigin,
@@ -137,12 +160,17 @@ async fn revoke_key(
     Ok(Json(json!(k)))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 struct UsageQuery {
+    /// A tenant's name or id (default: every tenant).
     tenant: Option<String>,
+    /// Rows to return, newest first (default 100, at most 10,000).
     limit: Option<u32>,
 }
 
+#[utoipa::path(get, path = "/admin/v1/usage", summary = "The most recent usage records.", tag = "billing", params(UsageQuery),
+    responses((status = 200, description = "The most recent usage records.", body = crate::openapi::AnyObject), crate::error::Errors))]
 async fn usage(
     State(gw): State<Arc<AppState>>,
     q: Result<Query<UsageQuery>, axum::extract::rejection::QueryRejection>,
@@ -161,6 +189,8 @@ async fn usage(
     Ok(Json(json!({"object": "list", "data": rows})))
 }
 
+#[utoipa::path(get, path = "/admin/v1/routing", summary = "Routing state per model.", tag = "models",
+    responses((status = 200, description = "Per model: the policy, its workers with load and cached blocks, the decisions by reason, PD state.", body = crate::openapi::AnyObject), crate::error::Errors))]
 /// Routing state per model: policy, workers and their load, decisions, index size.
 async fn routing(State(gw): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
     let models: Vec<Value> = gw
@@ -211,6 +241,8 @@ fn served_json(m: &crate::registry::ServedModel) -> Value {
     })
 }
 
+#[utoipa::path(get, path = "/admin/v1/models", summary = "Every model served, its state on each worker and who may see it.", tag = "models",
+    responses((status = 200, description = "Every model served, its state on each worker and who may see it, and the catalogues (`catalogues`).", body = crate::openapi::AnyObject), crate::error::Errors))]
 /// Every model served, with its state on each worker and who may see it.
 async fn list_models(State(gw): State<Arc<AppState>>) -> Json<Value> {
     let data: Vec<Value> = gw.models.all().iter().map(|m| served_json(m)).collect();
@@ -218,6 +250,8 @@ async fn list_models(State(gw): State<Arc<AppState>>) -> Json<Value> {
     Json(json!({"object": "list", "data": data, "catalogues": hosts}))
 }
 
+#[utoipa::path(post, path = "/admin/v1/models", summary = "Adds a model to every worker catalogue and serves it.", tag = "models", request_body = hearth_protocol::ModelSpec,
+    responses((status = 201, description = "Added to the catalogues that took it (`refused` lists the others).", body = crate::openapi::AnyObject), crate::error::Errors))]
 /// `POST /admin/v1/models` (a catalogue entry: `id`, `source`, `idle_ttl_s`, `min_warm`,
 /// `context_length`, `memory_mib`, `tenants`): adds the model to every worker catalogue
 /// and serves it. It loads on its first request (at once with `min_warm`). Refused (409)
@@ -322,6 +356,8 @@ fn host_change_error(e: crate::workers::HostChangeError) -> ApiError {
     }
 }
 
+#[utoipa::path(delete, path = "/admin/v1/models/{model}", summary = "Stops serving a model and removes it from every catalogue.", tag = "models", params(("model" = String, Path, description = "A model id.")),
+    responses((status = 200, description = "Removed (`errors` lists catalogues that failed to unload it).", body = crate::openapi::AnyObject), crate::error::Errors))]
 /// `DELETE /admin/v1/models/{id}`: stops serving the model and removes it from every
 /// catalogue; requests in flight finish. A catalogue that could not remove it (it would
 /// serve the model again after a restart) is listed in `errors`.
@@ -353,6 +389,10 @@ async fn remove_model(
     Ok(Json(json!({"id": model, "deleted": true, "errors": errors})))
 }
 
+#[utoipa::path(post, path = "/admin/v1/routing/{model}/workers/{slot}/drain", summary = "Drains a worker (or undrains it).", tag = "models",
+    params(("model" = String, Path, description = "A model id."), ("slot" = usize, Path, description = "The worker's slot in `GET /admin/v1/routing`.")),
+    request_body(content = Option<crate::openapi::DrainRequest>, description = "Empty: drain."),
+    responses((status = 200, description = "`{\"model\", \"slot\", \"draining\"}`.", body = crate::openapi::AnyObject), crate::error::Errors))]
 /// `{"draining": true|false}`: a draining worker takes no new requests; running ones finish.
 async fn drain(
     State(gw): State<Arc<AppState>>,
@@ -418,6 +458,8 @@ pub(crate) fn limits_body(body: &Bytes) -> Result<hearth_tenants::Limits, ApiErr
     })
 }
 
+#[utoipa::path(put, path = "/admin/v1/tenants/{tenant}/limits", summary = "Sets a tenant's limits, share and class.", tag = "tenants", params(("tenant" = String, Path, description = "A tenant's name or id.")), request_body = hearth_tenants::Limits,
+    responses((status = 200, description = "The tenant's limits (null or 0: unlimited).", body = crate::openapi::LimitsView), crate::error::Errors))]
 async fn set_tenant_limits(
     State(gw): State<Arc<AppState>>,
     ClientOrigin(origin): ClientOrigin,
@@ -429,6 +471,8 @@ async fn set_tenant_limits(
     Ok(Json(json!({"tenant": t.name, "limits": l})))
 }
 
+#[utoipa::path(get, path = "/admin/v1/tenants/{tenant}/limits", summary = "A tenant's limits.", tag = "tenants", params(("tenant" = String, Path, description = "A tenant's name or id.")),
+    responses((status = 200, description = "The tenant's limits.", body = crate::openapi::LimitsView), crate::error::Errors))]
 async fn get_tenant_limits(
     State(gw): State<Arc<AppState>>,
     Path(tenant): Path<String>,
@@ -437,6 +481,8 @@ async fn get_tenant_limits(
     Ok(Json(json!({"tenant": tenant, "limits": l})))
 }
 
+#[utoipa::path(put, path = "/admin/v1/keys/{key_id}/limits", summary = "Sets a key's limits (`{id}` may be a JWT principal `jwt:ISSUER_ID:SUB`).", tag = "tenants", params(("key_id" = String, Path, description = "A key id.")), request_body = hearth_tenants::Limits,
+    responses((status = 200, description = "The key's limits.", body = crate::openapi::LimitsView), crate::error::Errors))]
 async fn set_key_limits(
     State(gw): State<Arc<AppState>>,
     ClientOrigin(origin): ClientOrigin,
@@ -505,6 +551,8 @@ pub(crate) fn key_spec(body: &Bytes) -> Result<KeySpec, ApiError> {
     Ok(spec)
 }
 
+#[utoipa::path(put, path = "/admin/v1/tenants/{tenant}/budget", summary = "Sets a tenant's monthly budget.", tag = "tenants", params(("tenant" = String, Path, description = "A tenant's name or id.")), request_body = crate::openapi::BudgetRequest,
+    responses((status = 200, description = "The budget.", body = crate::openapi::BudgetView), crate::error::Errors))]
 /// `{"monthly_usd": "12.50" | 12.5 | null, "mode": "hard"|"soft"}`.
 async fn set_budget(
     State(gw): State<Arc<AppState>>,
@@ -544,16 +592,22 @@ pub(crate) fn budget_json(tenant: &str, b: Option<Budget>) -> Value {
     }
 }
 
+#[utoipa::path(get, path = "/admin/v1/tenants/{tenant}/budget", summary = "A tenant's monthly budget.", tag = "tenants", params(("tenant" = String, Path, description = "A tenant's name or id.")),
+    responses((status = 200, description = "The budget (null: none).", body = crate::openapi::BudgetView), crate::error::Errors))]
 async fn get_budget(State(gw): State<Arc<AppState>>, Path(tenant): Path<String>) -> Result<Json<Value>, ApiError> {
     let b = gw.tenants.budget(&tenant).await.map_err(store_error)?;
     Ok(Json(budget_json(&tenant, b)))
 }
 
+#[utoipa::path(get, path = "/admin/v1/tenants/{tenant}/jwt-issuers", summary = "A tenant's JWT issuers.", tag = "tenants", params(("tenant" = String, Path, description = "A tenant's name or id.")),
+    responses((status = 200, description = "The tenant's JWT issuers.", body = crate::openapi::List<hearth_tenants::jwt::IssuerInfo>), crate::error::Errors))]
 async fn list_issuers(State(gw): State<Arc<AppState>>, Path(tenant): Path<String>) -> Result<Json<Value>, ApiError> {
     let is = gw.tenants.list_issuers(Some(&tenant)).await.map_err(store_error)?;
     Ok(Json(json!({"object": "list", "data": is})))
 }
 
+#[utoipa::path(post, path = "/admin/v1/tenants/{tenant}/jwt-issuers", summary = "Registers a JWT issuer for a tenant.", tag = "tenants", params(("tenant" = String, Path, description = "A tenant's name or id.")), request_body = hearth_tenants::jwt::IssuerSpec,
+    responses((status = 201, description = "The registered issuer.", body = hearth_tenants::jwt::IssuerInfo), crate::error::Errors))]
 /// `{"issuer", "audience", "algorithm", "key" | "jwks" | "jwks_url"}`.
 async fn add_issuer(
     State(gw): State<Arc<AppState>>,
@@ -566,6 +620,8 @@ async fn add_issuer(
     Ok((StatusCode::CREATED, Json(i)).into_response())
 }
 
+#[utoipa::path(delete, path = "/admin/v1/jwt-issuers/{id}", summary = "Removes a JWT issuer.", tag = "tenants", params(("id" = String, Path, description = "An issuer id.")),
+    responses((status = 200, description = "The removed issuer.", body = hearth_tenants::jwt::IssuerInfo), crate::error::Errors))]
 async fn remove_issuer(
     State(gw): State<Arc<AppState>>,
     ClientOrigin(origin): ClientOrigin,
@@ -575,11 +631,15 @@ async fn remove_issuer(
     Ok(Json(json!(i)))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 struct PriceQuery {
+    /// One model's versions (default: every model's).
     model: Option<String>,
 }
 
+#[utoipa::path(get, path = "/admin/v1/prices", summary = "Price versions.", tag = "billing", params(PriceQuery),
+    responses((status = 200, description = "Price versions (micro-USD per million tokens).", body = crate::openapi::List<hearth_billing::Price>), crate::error::Errors))]
 async fn list_prices(
     State(gw): State<Arc<AppState>>,
     q: Result<Query<PriceQuery>, axum::extract::rejection::QueryRejection>,
@@ -589,6 +649,8 @@ async fn list_prices(
     Ok(Json(json!({"object": "list", "data": ps})))
 }
 
+#[utoipa::path(post, path = "/admin/v1/prices", summary = "Adds a price version.", tag = "billing", request_body = crate::openapi::PriceRequest,
+    responses((status = 201, description = "The new price version.", body = hearth_billing::Price), crate::error::Errors))]
 /// `{"model", "input", "cached_input", "output"}` in USD per million tokens (strings or
 /// numbers), optional `"effective_from"` (Unix ms).
 async fn set_price(
@@ -642,14 +704,18 @@ async fn set_price(
     Ok((StatusCode::CREATED, Json(p)).into_response())
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub(crate) struct ExportQuery {
+    /// A tenant's name or id (admin API; the self-service API exports the caller's).
     tenant: Option<String>,
     /// YYYY-MM-DD or Unix ms (inclusive); default: the start of this month.
     from: Option<String>,
     /// YYYY-MM-DD or Unix ms (exclusive); default: now.
     to: Option<String>,
+    /// `csv` (default), `jsonl` or `parquet`.
     format: Option<String>,
+    /// `request` (default: one line per request) or `day`.
     granularity: Option<String>,
 }
 
@@ -704,6 +770,8 @@ pub(crate) async fn export_response(gw: &AppState, actor: Actor<'_>, q: &ExportQ
     Ok(resp)
 }
 
+#[utoipa::path(get, path = "/admin/v1/billing/export", summary = "A tenant's billing export (or every tenant's).", tag = "billing", params(ExportQuery),
+    responses((status = 200, description = "The billing export as a download (CSV, JSON lines or Parquet); totals in `x-hearth-export-*` headers.", content(("text/csv"), ("application/x-ndjson"), ("application/vnd.apache.parquet"))), crate::error::Errors))]
 async fn billing_export(
     State(gw): State<Arc<AppState>>,
     q: Result<Query<ExportQuery>, axum::extract::rejection::QueryRejection>,
@@ -719,15 +787,22 @@ pub(crate) fn upload_limit() -> axum::extract::DefaultBodyLimit {
     axum::extract::DefaultBodyLimit::max(hearth_tenants::processors::MAX_PROCESSOR_BYTES + (1 << 20))
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub(crate) struct UploadQuery {
+    /// The processor's name (required); a new upload under a name is its next version.
     name: Option<String>,
     /// JSON for the guest's `host.config` (default `{}`).
     config: Option<String>,
+    /// Activate it at once (default false).
     activate: Option<bool>,
+    /// Run it only for this key's requests (default: every request of the tenant).
     key_id: Option<String>,
+    /// Its place in the chain (lower runs first).
     position: Option<i64>,
+    /// CPU time per call, in ms (default and ceiling: the gateway's).
     cpu_ms: Option<u32>,
+    /// Memory, in MiB (default and ceiling: the gateway's).
     memory_mib: Option<u32>,
 }
 
@@ -748,6 +823,9 @@ impl UploadQuery {
     }
 }
 
+#[utoipa::path(post, path = "/admin/v1/tenants/{tenant}/processors", summary = "Uploads a processor version for a tenant (the body is the component).", tag = "processors", params(("tenant" = String, Path, description = "A tenant's name or id."), UploadQuery),
+    request_body(content = crate::openapi::Wasm, content_type = "application/wasm", description = "The processor, a WebAssembly component (or core module)."),
+    responses((status = 201, description = "The stored version.", body = hearth_tenants::processors::ProcessorInfo), crate::error::Errors))]
 async fn upload_processor(
     State(gw): State<Arc<AppState>>,
     ClientOrigin(origin): ClientOrigin,
@@ -764,11 +842,15 @@ async fn upload_processor(
     Ok((StatusCode::CREATED, Json(p)).into_response())
 }
 
+#[utoipa::path(get, path = "/admin/v1/tenants/{tenant}/processors", summary = "A tenant's processor versions.", tag = "processors", params(("tenant" = String, Path, description = "A tenant's name or id.")),
+    responses((status = 200, description = "The tenant's processor versions.", body = crate::openapi::List<hearth_tenants::processors::ProcessorInfo>), crate::error::Errors))]
 async fn list_processors(State(gw): State<Arc<AppState>>, Path(tenant): Path<String>) -> Result<Json<Value>, ApiError> {
     let ps = gw.management().list_processors(Actor::Operator, Some(&tenant)).await?;
     Ok(Json(json!({"object": "list", "data": ps})))
 }
 
+#[utoipa::path(post, path = "/admin/v1/processors/{id}/activate", summary = "Activates a processor version.", tag = "processors", params(("id" = String, Path, description = "A processor id.")),
+    responses((status = 200, description = "The processor, active.", body = hearth_tenants::processors::ProcessorInfo), crate::error::Errors))]
 async fn activate_processor(
     State(gw): State<Arc<AppState>>,
     ClientOrigin(origin): ClientOrigin,
@@ -782,6 +864,8 @@ async fn activate_processor(
     )))
 }
 
+#[utoipa::path(post, path = "/admin/v1/processors/{id}/deactivate", summary = "Deactivates a processor version.", tag = "processors", params(("id" = String, Path, description = "A processor id.")),
+    responses((status = 200, description = "The processor, inactive.", body = hearth_tenants::processors::ProcessorInfo), crate::error::Errors))]
 async fn deactivate_processor(
     State(gw): State<Arc<AppState>>,
     ClientOrigin(origin): ClientOrigin,
@@ -805,6 +889,8 @@ pub(crate) fn attachment_body(body: &Bytes) -> Result<Option<String>, ApiError> 
     }
 }
 
+#[utoipa::path(put, path = "/admin/v1/processors/{id}/attachment", summary = "Runs a processor for one key's requests, or for the whole tenant's.", tag = "processors", params(("id" = String, Path, description = "A processor id.")), request_body = crate::openapi::AttachmentRequest,
+    responses((status = 200, description = "The processor, attached.", body = hearth_tenants::processors::ProcessorInfo), crate::error::Errors))]
 async fn attach_processor(
     State(gw): State<Arc<AppState>>,
     ClientOrigin(origin): ClientOrigin,
@@ -820,6 +906,8 @@ async fn attach_processor(
     Ok(Json(json!(p)))
 }
 
+#[utoipa::path(delete, path = "/admin/v1/processors/{id}", summary = "Deletes a processor version.", tag = "processors", params(("id" = String, Path, description = "A processor id.")),
+    responses((status = 200, description = "The deleted processor.", body = hearth_tenants::processors::ProcessorInfo), crate::error::Errors))]
 async fn delete_processor(
     State(gw): State<Arc<AppState>>,
     ClientOrigin(origin): ClientOrigin,

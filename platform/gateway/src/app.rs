@@ -39,8 +39,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(list_models))
         .route("/v1/models/{model}", get(get_model))
         .route("/healthz", get(healthz))
-        .route("/livez", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/livez", get(livez))
         .route("/readyz", get(readyz))
+        .route("/openapi.json", get(openapi_public))
         .nest("/v1/tenant", crate::selfservice::router())
         .nest("/dashboard", crate::dashboard::router())
         .route("/", get(|| async { axum::response::Redirect::to("/dashboard") }))
@@ -56,8 +57,49 @@ pub fn router(state: Arc<AppState>) -> Router {
         .layer(middleware::from_fn(move |req, next| {
             crate::http::body_guard(state.body_limits.clone(), req, next)
         }))
+        .layer(middleware::from_fn(json_errors))
         .layer(middleware::from_fn(security_headers))
         .layer(middleware::from_fn(request_id))
+}
+
+/// Errors answered before a handler runs — a path parameter that does not parse, a method
+/// the route lacks (405, its `allow` header kept) — come from the framework as plain text or
+/// an empty body; they are given the API's own error shape like every handler's (Anthropic's
+/// on `/v1/messages`). The dashboard's HTML pages are left alone.
+async fn json_errors(req: Request, next: Next) -> Response {
+    use axum::response::IntoResponse;
+    let path = req.uri().path();
+    let (dashboard, anthropic) = (path.starts_with("/dashboard"), path.starts_with("/v1/messages"));
+    let resp = next.run(req).await;
+    let status = resp.status();
+    let json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("application/json"));
+    if dashboard || json || !(status.is_client_error() || status.is_server_error()) {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let text = axum::body::to_bytes(body, 4096).await.unwrap_or_default();
+    let text = String::from_utf8_lossy(&text).trim().to_string();
+    let message = if text.is_empty() {
+        status.canonical_reason().unwrap_or("error").to_string()
+    } else {
+        text
+    };
+    let err = ApiError::framework(status, message);
+    let mut out = if anthropic {
+        crate::anthropic::error_response(&err)
+    } else {
+        err.into_response()
+    };
+    for (k, v) in &parts.headers {
+        if k != header::CONTENT_TYPE && k != header::CONTENT_LENGTH {
+            out.headers_mut().insert(k.clone(), v.clone());
+        }
+    }
+    out
 }
 
 /// Headers every response carries: no MIME sniffing, no referrer leaking a URL elsewhere,
@@ -104,9 +146,28 @@ pub async fn request_id(mut req: Request, next: Next) -> Response {
     resp
 }
 
+/// The public OpenAPI document (the model APIs, probes and self-service), no auth.
+#[utoipa::path(get, path = "/openapi.json", tag = "probes",
+    responses((status = 200, description = "This document (OpenAPI 3.1).", body = crate::openapi::AnyObject)))]
+pub(crate) async fn openapi_public() -> Response {
+    crate::openapi::serve(crate::openapi::public_json())
+}
+
+/// Liveness: the process answers.
+#[utoipa::path(get, path = "/livez", tag = "probes",
+    responses((status = 200, description = "`{\"status\": \"ok\"}`.", body = crate::openapi::Status)))]
+pub(crate) async fn livez() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
 /// Readiness: not shutting down, and the database answers. (Liveness, `/livez`, is the
 /// process answering at all.)
-async fn readyz(State(state): State<Arc<AppState>>) -> axum::response::Response {
+#[utoipa::path(get, path = "/readyz", summary = "Readiness: not draining, and the database answers.", tag = "probes",
+    responses(
+        (status = 200, description = "Ready, with the number of models and workers.", body = crate::openapi::Status),
+        (status = 503, description = "Draining, or the database does not answer.", body = crate::openapi::Status),
+    ))]
+pub(crate) async fn readyz(State(state): State<Arc<AppState>>) -> axum::response::Response {
     use axum::response::IntoResponse;
     if state.draining.load(std::sync::atomic::Ordering::Relaxed) {
         return (
@@ -134,7 +195,10 @@ async fn readyz(State(state): State<Arc<AppState>>) -> axum::response::Response 
     }
 }
 
-async fn healthz(State(state): State<Arc<AppState>>) -> Json<Value> {
+/// The status and the models served, with their worker counts.
+#[utoipa::path(get, path = "/healthz", tag = "probes",
+    responses((status = 200, description = "`ok` and the models.", body = crate::openapi::Health)))]
+pub(crate) async fn healthz(State(state): State<Arc<AppState>>) -> Json<Value> {
     let models: Vec<Value> = state
         .models
         .all()
@@ -152,7 +216,10 @@ fn model_json(m: &ServedModel) -> Value {
     v
 }
 
-async fn list_models(State(state): State<Arc<AppState>>, Caller(ctx): Caller) -> Json<Value> {
+/// The models this credential may use.
+#[utoipa::path(get, path = "/v1/models", tag = "models", security(("bearer" = [])),
+    responses((status = 200, description = "`{\"object\": \"list\", \"data\": [model]}`.", body = crate::openapi::List<crate::openapi::Model>), crate::error::Errors))]
+pub(crate) async fn list_models(State(state): State<Arc<AppState>>, Caller(ctx): Caller) -> Json<Value> {
     let data: Vec<Value> = state
         .models
         .all()
@@ -163,7 +230,11 @@ async fn list_models(State(state): State<Arc<AppState>>, Caller(ctx): Caller) ->
     Json(json!({"object": "list", "data": data}))
 }
 
-async fn get_model(
+/// One model (404 `model_not_found` if the credential may not use it).
+#[utoipa::path(get, path = "/v1/models/{model}", tag = "models", security(("bearer" = [])),
+    params(("model" = String, Path, description = "A model id.")),
+    responses((status = 200, description = "The model.", body = crate::openapi::Model), crate::error::Errors))]
+pub(crate) async fn get_model(
     State(state): State<Arc<AppState>>,
     Caller(ctx): Caller,
     Path(model): Path<String>,

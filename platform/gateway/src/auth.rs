@@ -91,12 +91,21 @@ impl AuthThrottle {
 }
 
 /// The tenant credential a request presents: `Authorization: Bearer <key>`, or (Anthropic's
-/// clients) `x-api-key: <key>`. `None`: neither header is there.
-pub fn credential(headers: &HeaderMap) -> Option<&str> {
-    if headers.contains_key(header::AUTHORIZATION) {
-        return Some(bearer(headers).unwrap_or(""));
+/// clients) `x-api-key: <key>`. `Ok(None)`: neither header is there. Both headers with
+/// different values are refused: which one would be meant is a guess, and accepting the
+/// good one would let a wrong key pass unnoticed.
+pub fn credential(headers: &HeaderMap) -> Result<Option<&str>, ApiError> {
+    let api_key = headers.get("x-api-key").map(|v| v.to_str().unwrap_or("").trim());
+    if !headers.contains_key(header::AUTHORIZATION) {
+        return Ok(api_key);
     }
-    headers.get("x-api-key").map(|v| v.to_str().unwrap_or("").trim())
+    let bearer = bearer(headers).unwrap_or("");
+    match api_key {
+        Some(k) if k != bearer => Err(ApiError::unauthorized(
+            "The request carries two different credentials ('Authorization' and 'x-api-key'); send one.",
+        )),
+        _ => Ok(Some(bearer)),
+    }
 }
 
 /// `Authorization: Bearer <API key or JWT>` (or `x-api-key`) → the tenant credential
@@ -106,7 +115,7 @@ pub async fn authenticate(
     headers: &HeaderMap,
     peer: Option<std::net::IpAddr>,
 ) -> Result<TenantContext, ApiError> {
-    let Some(key) = credential(headers) else {
+    let Some(key) = credential(headers)? else {
         return Err(ApiError::unauthorized(
             "You didn't provide an API key. Send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>'); create one with 'hearth admin key create --tenant NAME'.",
         ));
@@ -272,5 +281,28 @@ mod tests {
         assert_eq!(bearer(&h("Basic abc")), None);
         assert_eq!(bearer(&h("Bearer")), None);
         assert_eq!(bearer(&HeaderMap::new()), None);
+    }
+
+    /// Found by Schemathesis (`ignored_auth`): a wrong `x-api-key` beside a good bearer
+    /// token was accepted.
+    #[test]
+    fn two_different_credentials_are_refused() {
+        let h = |auth: Option<&str>, key: Option<&str>| {
+            let mut m = HeaderMap::new();
+            if let Some(a) = auth {
+                m.insert(header::AUTHORIZATION, a.parse().unwrap());
+            }
+            if let Some(k) = key {
+                m.insert("x-api-key", k.parse().unwrap());
+            }
+            m
+        };
+        assert_eq!(credential(&h(None, None)).unwrap(), None);
+        assert_eq!(credential(&h(Some("Bearer a"), None)).unwrap(), Some("a"));
+        assert_eq!(credential(&h(None, Some("a"))).unwrap(), Some("a"));
+        assert_eq!(credential(&h(Some("Bearer a"), Some("a"))).unwrap(), Some("a"));
+        let e = credential(&h(Some("Bearer a"), Some("b"))).unwrap_err();
+        assert_eq!(e.status, axum::http::StatusCode::UNAUTHORIZED);
+        assert!(credential(&h(Some("Basic a"), Some("a"))).is_err());
     }
 }

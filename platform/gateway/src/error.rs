@@ -19,18 +19,37 @@ pub struct ApiError {
     pub retry_after: Option<u64>,
 }
 
-#[derive(Serialize)]
-struct Body<'a> {
+/// OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Serialize, utoipa::ToSchema)]
+#[schema(as = Error)]
+pub(crate) struct Body<'a> {
     error: Inner<'a>,
 }
 
-#[derive(Serialize)]
-struct Inner<'a> {
+#[derive(Serialize, utoipa::ToSchema)]
+#[schema(as = ErrorDetail)]
+pub(crate) struct Inner<'a> {
     message: &'a str,
+    /// `invalid_request_error`, `authentication_error`, `permission_error`,
+    /// `insufficient_quota`, `requests`/`tokens` (rate limits), `server_error`, …
     #[serde(rename = "type")]
     kind: &'a str,
+    /// The parameter at fault, if one is.
     param: Option<&'a str>,
+    /// A stable code: `invalid_value`, `invalid_api_key`, `model_not_found`, …
     code: Option<&'a str>,
+}
+
+/// The error answers every operation may give: OpenAI's shape.
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+pub(crate) enum Errors<'a> {
+    /// A bad request, credential, scope, model, limit or budget (the body says which).
+    #[response(status = "4XX")]
+    Client(Body<'a>),
+    /// The database or every worker for the model is unavailable (`retry-after` may say when).
+    #[response(status = 503)]
+    Unavailable(Body<'a>),
 }
 
 impl ApiError {
@@ -229,6 +248,19 @@ impl ApiError {
             Some("internal_error"),
             message,
         )
+    }
+
+    /// An error the framework answered before any handler ran (a path parameter that does
+    /// not parse, a method the route lacks), with its status and message.
+    pub fn framework(status: StatusCode, message: impl Into<String>) -> Self {
+        let (kind, code) = match status.as_u16() {
+            404 => ("invalid_request_error", "not_found"),
+            405 => ("invalid_request_error", "method_not_allowed"),
+            415 => ("invalid_request_error", "unsupported_media_type"),
+            400..=499 => ("invalid_request_error", "invalid_value"),
+            _ => ("server_error", "internal_error"),
+        };
+        Self::new(status, kind, Some(code), message)
     }
 
     /// The JSON body, also used for in-stream SSE errors.

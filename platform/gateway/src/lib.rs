@@ -33,6 +33,7 @@ pub mod limits;
 pub mod management;
 pub mod metrics;
 pub mod openai;
+pub mod openapi;
 pub mod pipeline;
 pub mod processors;
 pub mod registry;

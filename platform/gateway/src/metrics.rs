@@ -567,6 +567,9 @@ impl Metrics {
     }
 }
 
+/// The Prometheus exposition (operator-only).
+#[utoipa::path(get, path = "/metrics", tag = "operations",
+    responses((status = 200, description = "Prometheus text format; see the metrics reference.", content_type = "text/plain", body = String), crate::error::Errors))]
 pub async fn render(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     let body = state.metrics.render(&state);
     (

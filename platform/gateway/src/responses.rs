@@ -795,6 +795,8 @@ async fn stored(state: &AppState, tenant_id: &str, id: &str) -> Result<StoredRes
 }
 
 /// `GET /v1/responses/{id}`.
+#[utoipa::path(get, path = "/v1/responses/{id}", summary = "A stored response.", tag = "inference", security(("bearer" = [])), params(("id" = String, Path, description = "A response id (`resp_…`).")),
+    responses((status = 200, description = "The stored response (the tenant's own; another tenant's id is a 404).", body = crate::openapi::ResponseObject), crate::error::Errors))]
 pub async fn retrieve(
     State(state): State<Arc<AppState>>,
     Caller(ctx): Caller,
@@ -807,6 +809,8 @@ pub async fn retrieve(
 }
 
 /// `DELETE /v1/responses/{id}`.
+#[utoipa::path(delete, path = "/v1/responses/{id}", summary = "Deletes a stored response.", tag = "inference", security(("bearer" = [])), params(("id" = String, Path, description = "A response id (`resp_…`).")),
+    responses((status = 200, description = "Deleted.", body = crate::openapi::Deleted), crate::error::Errors))]
 pub async fn delete(
     State(state): State<Arc<AppState>>,
     Caller(ctx): Caller,
@@ -823,15 +827,23 @@ pub async fn delete(
     Ok(Json(json!({"id": id, "object": "response", "deleted": true})))
 }
 
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
+    /// 1 to 100 (default 20).
     limit: Option<usize>,
+    /// `asc` or `desc` (default).
     order: Option<String>,
+    /// An item id: list the items after it.
     after: Option<String>,
+    /// An item id: list the items before it.
     before: Option<String>,
 }
 
 /// `GET /v1/responses/{id}/input_items`: OpenAI's list (newest first unless `order=asc`).
+#[utoipa::path(get, path = "/v1/responses/{id}/input_items", summary = "A stored response's input items, newest first unless `order=asc`.", tag = "inference", security(("bearer" = [])),
+    params(("id" = String, Path, description = "A response id (`resp_…`)."), ListQuery),
+    responses((status = 200, description = "`{\"object\": \"list\", \"data\", \"first_id\", \"last_id\", \"has_more\"}`.", body = crate::openapi::AnyObject), crate::error::Errors))]
 pub async fn input_items(
     State(state): State<Arc<AppState>>,
     Caller(ctx): Caller,

@@ -50,11 +50,15 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/audit", get(audit_log))
 }
 
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 struct AuditQuery {
+    /// Entries to return (default 100).
     limit: Option<u32>,
 }
 
+#[utoipa::path(get, path = "/v1/tenant/audit", tag = "self-service", security(("bearer" = [])), params(AuditQuery),
+    responses((status = 200, description = "The tenant's audit log, newest first.", body = crate::openapi::List<hearth_tenants::audit::AuditEntry>), crate::error::Errors))]
 /// The tenant's audit log, newest first.
 async fn audit_log(
     State(gw): State<Arc<AppState>>,
@@ -69,6 +73,8 @@ async fn audit_log(
     Ok(Json(json!({"object": "list", "data": entries})))
 }
 
+#[utoipa::path(get, path = "/v1/tenant", summary = "The caller's tenant: its credential, limits, budget and this month's spend.", tag = "self-service", security(("bearer" = [])),
+    responses((status = 200, description = "The tenant: `id`, `name`, the `credential` (id, scopes, models), `limits` (tenant and credential), `budget`, this month's `spend`.", body = crate::openapi::AnyObject), crate::error::Errors))]
 async fn me(State(gw): State<Arc<AppState>>, Manager(ctx): Manager) -> Result<Json<Value>, ApiError> {
     let month = month_of(now_ms());
     gw.ledger.flush().await;
@@ -87,11 +93,15 @@ async fn me(State(gw): State<Arc<AppState>>, Manager(ctx): Manager) -> Result<Js
     Ok(Json(v))
 }
 
+#[utoipa::path(get, path = "/v1/tenant/keys", summary = "The tenant's keys (never their secrets).", tag = "self-service", security(("bearer" = [])),
+    responses((status = 200, description = "The tenant's keys (never their secrets).", body = crate::openapi::List<hearth_tenants::ApiKeyInfo>), crate::error::Errors))]
 async fn list_keys(State(gw): State<Arc<AppState>>, Manager(ctx): Manager) -> Result<Json<Value>, ApiError> {
     let keys = gw.management().list_keys(Actor::Tenant(&ctx), None).await?;
     Ok(Json(json!({"object": "list", "data": keys})))
 }
 
+#[utoipa::path(post, path = "/v1/tenant/keys", tag = "self-service", security(("bearer" = [])), request_body = crate::openapi::KeyRequest,
+    responses((status = 201, description = "The key; `key` is shown only here.", body = hearth_tenants::CreatedKey), crate::error::Errors))]
 /// A new key for the caller's tenant; it can grant no scope and no model the caller lacks.
 async fn create_key(
     State(gw): State<Arc<AppState>>,
@@ -108,6 +118,8 @@ async fn create_key(
     Ok((StatusCode::CREATED, Json(k)).into_response())
 }
 
+#[utoipa::path(delete, path = "/v1/tenant/keys/{key_id}", summary = "Revokes one of the tenant's keys (a key restricted to some models revokes only keys within them).", tag = "self-service", security(("bearer" = [])), params(("key_id" = String, Path, description = "A key id.")),
+    responses((status = 200, description = "The revoked key.", body = hearth_tenants::ApiKeyInfo), crate::error::Errors))]
 async fn revoke_key(
     State(gw): State<Arc<AppState>>,
     Manager(ctx): Manager,
@@ -130,6 +142,8 @@ fn totals_json(t: &Totals) -> Value {
     })
 }
 
+#[utoipa::path(get, path = "/v1/tenant/usage", summary = "Usage and cost by day and model, with totals.", tag = "self-service", security(("bearer" = [])), params(crate::admin::ExportQuery),
+    responses((status = 200, description = "Usage and cost by day and model (`data`), with `totals`, `from` and `to`.", body = crate::openapi::AnyObject), crate::error::Errors))]
 async fn usage(
     State(gw): State<Arc<AppState>>,
     Manager(ctx): Manager,
@@ -152,6 +166,8 @@ async fn usage(
     })))
 }
 
+#[utoipa::path(get, path = "/v1/tenant/usage/export", summary = "The tenant's billing export.", tag = "self-service", security(("bearer" = [])), params(crate::admin::ExportQuery),
+    responses((status = 200, description = "The billing export as a download (CSV, JSON lines or Parquet); totals in `x-hearth-export-*` headers.", content(("text/csv"), ("application/x-ndjson"), ("application/vnd.apache.parquet"))), crate::error::Errors))]
 async fn export(
     State(gw): State<Arc<AppState>>,
     Manager(ctx): Manager,
@@ -163,6 +179,9 @@ async fn export(
 
 // ---- processors ------------------------------------------------------------------------
 
+#[utoipa::path(post, path = "/v1/tenant/processors", summary = "Uploads a processor version (the body is the component).", tag = "self-service", security(("bearer" = [])), params(crate::admin::UploadQuery),
+    request_body(content = crate::openapi::Wasm, content_type = "application/wasm", description = "The processor, a WebAssembly component (or core module)."),
+    responses((status = 201, description = "The stored version.", body = hearth_tenants::processors::ProcessorInfo), crate::error::Errors))]
 async fn upload_processor(
     State(gw): State<Arc<AppState>>,
     Manager(ctx): Manager,
@@ -179,11 +198,15 @@ async fn upload_processor(
     Ok((StatusCode::CREATED, Json(p)).into_response())
 }
 
+#[utoipa::path(get, path = "/v1/tenant/processors", summary = "The tenant's processor versions.", tag = "self-service", security(("bearer" = [])),
+    responses((status = 200, description = "The tenant's processor versions.", body = crate::openapi::List<hearth_tenants::processors::ProcessorInfo>), crate::error::Errors))]
 async fn list_processors(State(gw): State<Arc<AppState>>, Manager(ctx): Manager) -> Result<Json<Value>, ApiError> {
     let ps = gw.management().list_processors(Actor::Tenant(&ctx), None).await?;
     Ok(Json(json!({"object": "list", "data": ps})))
 }
 
+#[utoipa::path(post, path = "/v1/tenant/processors/{id}/activate", summary = "Activates a processor version.", tag = "self-service", security(("bearer" = [])), params(("id" = String, Path, description = "A processor id.")),
+    responses((status = 200, description = "The processor, active.", body = hearth_tenants::processors::ProcessorInfo), crate::error::Errors))]
 async fn activate_processor(
     State(gw): State<Arc<AppState>>,
     Manager(ctx): Manager,
@@ -198,6 +221,8 @@ async fn activate_processor(
     )))
 }
 
+#[utoipa::path(post, path = "/v1/tenant/processors/{id}/deactivate", summary = "Deactivates a processor version.", tag = "self-service", security(("bearer" = [])), params(("id" = String, Path, description = "A processor id.")),
+    responses((status = 200, description = "The processor, inactive.", body = hearth_tenants::processors::ProcessorInfo), crate::error::Errors))]
 async fn deactivate_processor(
     State(gw): State<Arc<AppState>>,
     Manager(ctx): Manager,
@@ -212,6 +237,8 @@ async fn deactivate_processor(
     )))
 }
 
+#[utoipa::path(put, path = "/v1/tenant/processors/{id}/attachment", summary = "Runs a processor for one key's requests, or for the whole tenant's.", tag = "self-service", security(("bearer" = [])), params(("id" = String, Path, description = "A processor id.")), request_body = crate::openapi::AttachmentRequest,
+    responses((status = 200, description = "The processor, attached.", body = hearth_tenants::processors::ProcessorInfo), crate::error::Errors))]
 async fn attach_processor(
     State(gw): State<Arc<AppState>>,
     Manager(ctx): Manager,
@@ -228,6 +255,8 @@ async fn attach_processor(
     Ok(Json(json!(p)))
 }
 
+#[utoipa::path(delete, path = "/v1/tenant/processors/{id}", summary = "Deletes a processor version.", tag = "self-service", security(("bearer" = [])), params(("id" = String, Path, description = "A processor id.")),
+    responses((status = 200, description = "The deleted processor.", body = hearth_tenants::processors::ProcessorInfo), crate::error::Errors))]
 async fn delete_processor(
     State(gw): State<Arc<AppState>>,
     Manager(ctx): Manager,

@@ -290,30 +290,62 @@ macro_rules! endpoint_handler {
 
 endpoint_handler!(
     /// `POST /v1/chat/completions`.
+    #[utoipa::path(post, path = "/v1/chat/completions", summary = "Chat completions (OpenAI): the assistant's next message.", tag = "inference", security(("bearer" = [])),
+        request_body = crate::openapi::ChatCompletionRequest,
+        responses(
+            (status = 200, description = "The completion, or with `stream: true` server-sent `chat.completion.chunk` events ending in `data: [DONE]`.", content((crate::openapi::ChatCompletion = "application/json"), (String = "text/event-stream"))),
+            crate::error::Errors
+        ))]
     chat_completions,
     Endpoint::Chat,
     handle
 );
 endpoint_handler!(
     /// `POST /v1/completions`.
+    #[utoipa::path(post, path = "/v1/completions", summary = "Completions (OpenAI, legacy): a prompt continued.", tag = "inference", security(("bearer" = [])),
+        request_body = crate::openapi::CompletionRequest,
+        responses(
+            (status = 200, description = "The completion, or with `stream: true` server-sent chunks ending in `data: [DONE]`.", content((crate::openapi::Completion = "application/json"), (String = "text/event-stream"))),
+            crate::error::Errors
+        ))]
     completions,
     Endpoint::Completions,
     handle
 );
 endpoint_handler!(
     /// `POST /v1/responses` (OpenAI Responses).
+    #[utoipa::path(post, path = "/v1/responses", summary = "Responses (OpenAI): a response to input items, stored for `previous_response_id`.", tag = "inference", security(("bearer" = [])),
+        request_body = crate::openapi::ResponseRequest,
+        responses(
+            (status = 200, description = "The response, or with `stream: true` its typed server-sent events.", content((crate::openapi::ResponseObject = "application/json"), (String = "text/event-stream"))),
+            crate::error::Errors
+        ))]
     responses,
     Endpoint::Responses,
     handle
 );
 endpoint_handler!(
     /// `POST /v1/messages` (Anthropic Messages).
+    #[utoipa::path(post, path = "/v1/messages", summary = "Messages (Anthropic): the assistant's next message.", tag = "inference", security(("x_api_key" = []), ("bearer" = [])),
+        request_body = crate::openapi::MessagesRequest,
+        responses(
+            (status = 200, description = "The message, or with `stream: true` its server-sent events.", content((crate::openapi::MessageObject = "application/json"), (String = "text/event-stream"))),
+            (status = "4XX", description = "Anthropic's error shape.", body = crate::openapi::AnthropicError), (status = 503, description = "No worker or database.", body = crate::openapi::AnthropicError), (status = 529, description = "Overloaded (a shed request; `retry-after`).", body = crate::openapi::AnthropicError)
+        ))]
     messages,
     Endpoint::Messages,
     handle
 );
 endpoint_handler!(
     /// `POST /v1/messages/count_tokens`.
+    #[utoipa::path(post, path = "/v1/messages/count_tokens", summary = "Counts a Messages request's input tokens as a generation would see them.", tag = "inference",
+        security(("x_api_key" = []), ("bearer" = [])),
+        request_body = crate::openapi::CountTokensRequest,
+        responses(
+            (status = 200, description = "The prompt's tokens as a generation would see them.", body = crate::openapi::TokenCount),
+            (status = "4XX", description = "Anthropic's error shape.", body = crate::openapi::AnthropicError),
+            (status = 503, description = "No worker or database.", body = crate::openapi::AnthropicError),
+        ))]
     count_tokens_handler,
     Endpoint::CountTokens,
     count_tokens
