@@ -81,6 +81,7 @@ async fn json_errors(req: Request, next: Next) -> Response {
         return resp;
     }
     let (parts, body) = resp.into_parts();
+    // The framework's messages are one line; a longer body is replaced by the status's reason.
     let text = axum::body::to_bytes(body, 4096).await.unwrap_or_default();
     let text = String::from_utf8_lossy(&text).trim().to_string();
     let message = if text.is_empty() {
@@ -96,7 +97,7 @@ async fn json_errors(req: Request, next: Next) -> Response {
     };
     for (k, v) in &parts.headers {
         if k != header::CONTENT_TYPE && k != header::CONTENT_LENGTH {
-            out.headers_mut().insert(k.clone(), v.clone());
+            out.headers_mut().append(k.clone(), v.clone());
         }
     }
     out

@@ -47,9 +47,10 @@ pub(crate) enum Errors<'a> {
     /// A bad request, credential, scope, model, limit or budget (the body says which).
     #[response(status = "4XX")]
     Client(Body<'a>),
-    /// The database or every worker for the model is unavailable (`retry-after` may say when).
-    #[response(status = 503)]
-    Unavailable(Body<'a>),
+    /// The database or every worker for the model is unavailable (503, `retry-after` may say
+    /// when), or a tenant processor failed (500/503, `processor_*` codes).
+    #[response(status = "5XX")]
+    Server(Body<'a>),
 }
 
 impl ApiError {

@@ -203,6 +203,17 @@ pub struct List<T> {
 #[schema(value_type = Object)]
 pub struct AnyObject(#[allow(dead_code)] Value);
 
+/// One server-sent event of a streamed answer: chat and completions send `data` only (a
+/// JSON chunk, then `[DONE]`); Responses and Messages name each event (`event`) and send
+/// its JSON as `data`.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct SseEvent {
+    event: Option<String>,
+    data: String,
+    id: Option<String>,
+}
+
 /// A WebAssembly component (or core module), the raw bytes.
 #[derive(ToSchema)]
 #[schema(value_type = String, format = Binary)]
@@ -286,6 +297,35 @@ pub enum Prompt {
     Tokens(Vec<u32>),
 }
 
+/// `none`, `auto`, `required`, or a function the answer must call (named in `tools`):
+/// `{"type": "function", "function": {"name"}}` (Responses: `{"type": "function", "name"}`).
+#[derive(ToSchema, serde::Serialize)]
+#[serde(untagged)]
+#[allow(dead_code)]
+pub enum ToolChoice {
+    Mode(ToolChoiceMode),
+    #[schema(value_type = Object)]
+    Function(Value),
+}
+
+#[derive(ToSchema, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+#[allow(dead_code)]
+pub enum ToolChoiceMode {
+    None,
+    Auto,
+    Required,
+}
+
+/// A USD amount: a decimal string (`"12.50"`, exact) or a number.
+#[derive(ToSchema, serde::Serialize)]
+#[serde(untagged)]
+#[allow(dead_code)]
+pub enum Usd {
+    Text(String),
+    Number(f64),
+}
+
 /// A function the model may call.
 #[derive(ToSchema)]
 #[allow(dead_code)]
@@ -363,9 +403,7 @@ pub struct ChatCompletionRequest {
     #[schema(value_type = Option<Object>)]
     stream_options: Option<Value>,
     tools: Option<Vec<FunctionTool>>,
-    /// `none`, `auto`, `required` or `{"type": "function", "function": {"name"}}`.
-    #[schema(value_type = Object)]
-    tool_choice: Option<Value>,
+    tool_choice: Option<ToolChoice>,
     parallel_tool_calls: Option<bool>,
     /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}`; always
     /// grammar-constrained.
@@ -535,8 +573,7 @@ pub struct ResponseRequest {
     previous_response_id: Option<String>,
     #[schema(value_type = Option<Vec<Object>>)]
     tools: Option<Vec<Value>>,
-    #[schema(value_type = Object)]
-    tool_choice: Option<Value>,
+    tool_choice: Option<ToolChoice>,
     parallel_tool_calls: Option<bool>,
     /// `{"format": {"type": "text" | "json_object" | "json_schema", ...}}`.
     #[schema(value_type = Option<Object>)]
@@ -706,8 +743,8 @@ pub struct AttachmentRequest {
 #[derive(ToSchema)]
 #[allow(dead_code)]
 pub struct BudgetRequest {
-    #[schema(value_type = Object)]
-    monthly_usd: Option<Value>,
+    /// Null, 0 or absent: no budget.
+    monthly_usd: Option<Usd>,
     /// `hard` (default: refuse once spent) or `soft` (a warning header).
     mode: Option<String>,
 }
@@ -737,14 +774,11 @@ pub struct LimitsView {
 pub struct PriceRequest {
     /// A model id, or `*` for every model without its own price.
     model: String,
-    #[schema(value_type = Object)]
-    input: Value,
-    #[schema(value_type = Object)]
-    cached_input: Value,
-    #[schema(value_type = Object)]
-    output: Value,
-    #[schema(value_type = Object)]
-    processor: Option<Value>,
+    input: Usd,
+    cached_input: Usd,
+    output: Usd,
+    /// Per CPU-second; absent: the model's current rate carries over.
+    processor: Option<Usd>,
     effective_from: Option<i64>,
 }
 
@@ -773,21 +807,32 @@ mod tests {
                 }
             }
         }
+        // The route table: app.rs's routes, and those of each router it nests (the prefix
+        // read from its `.nest("/prefix", crate::module::router())` call). The dashboard's
+        // HTML pages are not part of the API.
         let src = env!("CARGO_MANIFEST_DIR");
+        let app = std::fs::read_to_string(format!("{src}/src/app.rs")).unwrap();
+        let mut tables = vec![(String::new(), app.clone())];
+        for (i, _) in app.match_indices(".nest(\"") {
+            let call = &app[i + 7..];
+            let prefix = &call[..call.find('"').unwrap()];
+            let module = call.split("crate::").nth(1).unwrap().split("::").next().unwrap();
+            if module == "dashboard" {
+                continue;
+            }
+            let file = format!("{src}/src/{module}.rs");
+            let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{file}: {e}"));
+            tables.push((prefix.to_string(), text));
+        }
+        assert!(tables.len() >= 3, "app.rs nests the admin and self-service routers");
         let mut routed = std::collections::BTreeSet::new();
-        for (file, prefix) in [
-            ("src/app.rs", ""),
-            ("src/admin.rs", "/admin/v1"),
-            ("src/selfservice.rs", "/v1/tenant"),
-        ] {
-            let text = std::fs::read_to_string(format!("{src}/{file}")).unwrap();
-            for r in route_calls(&text) {
-                let (path, methods) = r;
-                if path.starts_with("/dashboard") || (path == "/" && prefix.is_empty()) {
-                    continue;
+        for (prefix, text) in &tables {
+            for (path, methods) in route_calls(text) {
+                if prefix.is_empty() && path == "/" {
+                    continue; // the redirect to the dashboard
                 }
-                let full = match (prefix, path.as_str()) {
-                    ("/v1/tenant", "/") => "/v1/tenant".to_string(),
+                let full = match path.as_str() {
+                    "/" => prefix.clone(),
                     _ => format!("{prefix}{path}"),
                 };
                 for m in methods {
@@ -824,6 +869,11 @@ mod tests {
         let mut out = Vec::new();
         for (i, _) in text.match_indices(".route(") {
             let rest = &text[i + 7..];
+            assert!(
+                rest.trim_start().starts_with('"'),
+                "a route whose path is not a literal: {}",
+                &rest[..rest.len().min(60)]
+            );
             let start = rest.find('"').unwrap() + 1;
             let end = start + rest[start..].find('"').unwrap();
             let path = rest[start..end].to_string();
@@ -844,6 +894,12 @@ mod tests {
                 }
             }
             let args = &rest[end..close];
+            for word in ["patch(", "any(", "on(", "head(", "options("] {
+                assert!(
+                    !args.contains(word),
+                    "route {path}: teach this test the method router `{word}`"
+                );
+            }
             let mut methods = Vec::new();
             for (word, m) in [
                 ("get(", "GET"),

@@ -293,7 +293,7 @@ endpoint_handler!(
     #[utoipa::path(post, path = "/v1/chat/completions", summary = "Chat completions (OpenAI): the assistant's next message.", tag = "inference", security(("bearer" = [])),
         request_body = crate::openapi::ChatCompletionRequest,
         responses(
-            (status = 200, description = "The completion, or with `stream: true` server-sent `chat.completion.chunk` events ending in `data: [DONE]`.", content((crate::openapi::ChatCompletion = "application/json"), (String = "text/event-stream"))),
+            (status = 200, description = "The completion, or with `stream: true` server-sent `chat.completion.chunk` events ending in `data: [DONE]`.", content((crate::openapi::ChatCompletion = "application/json"), (crate::openapi::SseEvent = "text/event-stream"))),
             crate::error::Errors
         ))]
     chat_completions,
@@ -305,7 +305,7 @@ endpoint_handler!(
     #[utoipa::path(post, path = "/v1/completions", summary = "Completions (OpenAI, legacy): a prompt continued.", tag = "inference", security(("bearer" = [])),
         request_body = crate::openapi::CompletionRequest,
         responses(
-            (status = 200, description = "The completion, or with `stream: true` server-sent chunks ending in `data: [DONE]`.", content((crate::openapi::Completion = "application/json"), (String = "text/event-stream"))),
+            (status = 200, description = "The completion, or with `stream: true` server-sent chunks ending in `data: [DONE]`.", content((crate::openapi::Completion = "application/json"), (crate::openapi::SseEvent = "text/event-stream"))),
             crate::error::Errors
         ))]
     completions,
@@ -317,7 +317,7 @@ endpoint_handler!(
     #[utoipa::path(post, path = "/v1/responses", summary = "Responses (OpenAI): a response to input items, stored for `previous_response_id`.", tag = "inference", security(("bearer" = [])),
         request_body = crate::openapi::ResponseRequest,
         responses(
-            (status = 200, description = "The response, or with `stream: true` its typed server-sent events.", content((crate::openapi::ResponseObject = "application/json"), (String = "text/event-stream"))),
+            (status = 200, description = "The response, or with `stream: true` its typed server-sent events.", content((crate::openapi::ResponseObject = "application/json"), (crate::openapi::SseEvent = "text/event-stream"))),
             crate::error::Errors
         ))]
     responses,
@@ -329,8 +329,8 @@ endpoint_handler!(
     #[utoipa::path(post, path = "/v1/messages", summary = "Messages (Anthropic): the assistant's next message.", tag = "inference", security(("x_api_key" = []), ("bearer" = [])),
         request_body = crate::openapi::MessagesRequest,
         responses(
-            (status = 200, description = "The message, or with `stream: true` its server-sent events.", content((crate::openapi::MessageObject = "application/json"), (String = "text/event-stream"))),
-            (status = "4XX", description = "Anthropic's error shape.", body = crate::openapi::AnthropicError), (status = 503, description = "No worker or database.", body = crate::openapi::AnthropicError), (status = 529, description = "Overloaded (a shed request; `retry-after`).", body = crate::openapi::AnthropicError)
+            (status = 200, description = "The message, or with `stream: true` its server-sent events.", content((crate::openapi::MessageObject = "application/json"), (crate::openapi::SseEvent = "text/event-stream"))),
+            (status = "4XX", description = "Anthropic's error shape.", body = crate::openapi::AnthropicError), (status = "5XX", description = "No worker or database (503), overloaded (529, `retry-after`), or a processor failed.", body = crate::openapi::AnthropicError)
         ))]
     messages,
     Endpoint::Messages,
@@ -344,7 +344,7 @@ endpoint_handler!(
         responses(
             (status = 200, description = "The prompt's tokens as a generation would see them.", body = crate::openapi::TokenCount),
             (status = "4XX", description = "Anthropic's error shape.", body = crate::openapi::AnthropicError),
-            (status = 503, description = "No worker or database.", body = crate::openapi::AnthropicError),
+            (status = "5XX", description = "No worker or database, or a processor failed.", body = crate::openapi::AnthropicError),
         ))]
     count_tokens_handler,
     Endpoint::CountTokens,
