@@ -32,8 +32,9 @@ const JWKS_TTL: Duration = Duration::from_secs(300);
 const JWKS_MIN_REFETCH: Duration = Duration::from_secs(30);
 const LEEWAY_SECS: u64 = 30;
 
-/// What registering an issuer takes; exactly one of `key`, `jwks`, `jwks_url`.
-#[derive(Debug, Clone, Default, Deserialize)]
+/// What registering an issuer takes; exactly one of `key`, `jwks`, `jwks_url` (the body of
+/// the admin API's registration, which `hearth admin --gateway-url jwt add` sends).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct IssuerSpec {
     pub issuer: String,
@@ -41,10 +42,13 @@ pub struct IssuerSpec {
     /// HS256, HS384, HS512, RS256, RS384, RS512, PS256, PS384, PS512, ES256, ES384, EdDSA.
     pub algorithm: String,
     /// A PEM public key (RS*/PS*/ES*/EdDSA) or the shared secret (HS*, at least 32 bytes).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
     /// A JWKS document (`{"keys": [...]}`).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub jwks: Option<String>,
     /// Where to fetch the JWKS document.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub jwks_url: Option<String>,
 }
 

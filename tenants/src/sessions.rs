@@ -169,6 +169,24 @@ impl TenantStore {
         Ok(())
     }
 
+    /// The installation's secret `name` (32 random bytes, hex), created on first use and
+    /// shared by every gateway on this database (concurrent first uses agree on one value).
+    pub async fn server_secret(&self, name: &str) -> Result<String, TenantError> {
+        sqlx::query(
+            "INSERT INTO server_secrets (name, value, created_at) VALUES ($1, $2, $3) ON CONFLICT (name) DO NOTHING",
+        )
+        .bind(name)
+        .bind(random_hex(32)?)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?;
+        let r = sqlx::query("SELECT value FROM server_secrets WHERE name = $1")
+            .bind(name)
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(r.get(0))
+    }
+
     /// Deletes every expired or idle session; returns how many.
     pub async fn purge_sessions(&self) -> Result<u64, TenantError> {
         let now = now_ms();

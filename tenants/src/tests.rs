@@ -629,6 +629,22 @@ async fn jwks_url_is_fetched_and_cached() {
     assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
 
+/// A server secret is created once and then the same for every store on the database (two
+/// gateways), and distinct per name.
+#[tokio::test]
+async fn server_secrets_are_shared_and_stable() {
+    for db in testing::all().await {
+        let (a, b) = (TenantStore::new(&db), TenantStore::new(&db));
+        let name = format!("test-{}", random_hex(4).unwrap());
+        let (x, y) = tokio::join!(a.server_secret(&name), b.server_secret(&name));
+        let (x, y) = (x.unwrap(), y.unwrap());
+        assert_eq!(x, y, "concurrent first uses agree");
+        assert_eq!(x.len(), 64);
+        assert_eq!(a.server_secret(&name).await.unwrap(), x, "stable");
+        assert_ne!(a.server_secret(&format!("{name}-other")).await.unwrap(), x);
+    }
+}
+
 /// Dashboard sessions: only the token's hash is stored; a key session ends with its key;
 /// a JWT session carries the token's scopes and never outlives its `exp`; sign-out ends it.
 #[tokio::test]

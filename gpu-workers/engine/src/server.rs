@@ -8,8 +8,12 @@
 //! [`crate::metrics`]). A catalogue worker also takes `POST /v1/worker/models` (a
 //! [`ModelSpec`]: add a model at runtime), `DELETE /v1/worker/models/{id}` (remove one;
 //! its requests in flight finish) and `POST /v1/worker/m/{id}/load` (load it now, in the
-//! background: the gateway spreads a busy model to more workers). The worker API is for the gateway on a private network:
-//! it has no authentication of its own.
+//! background: the gateway spreads a busy model to more workers). The worker API is for the
+//! gateway on a private network. With the workers' token configured (`HEARTH_WORKER_TOKEN`),
+//! every `/v1/worker/*` route needs `Authorization: Bearer <token>` (a generation names any
+//! tenant's `cache_namespace`, so an open one would read any tenant's prefix cache); the
+//! probes and `/metrics` stay open for the orchestrator and Prometheus. Without a token the
+//! worker trusts its network, and catalogue changes and KV transfers are refused.
 //!
 //! Lifecycle ([`Lifecycle`]): `GET /livez` answers while the process runs; `GET /readyz`
 //! (and `/healthz`) answer 503 once the worker drains (SIGTERM): it then refuses new
@@ -498,7 +502,22 @@ fn router_with(
                 }
             }),
         )
+        .layer(axum::middleware::from_fn_with_state(state.clone(), require_token))
         .with_state(state)
+}
+
+/// With a worker token configured, every `/v1/worker/*` route needs it.
+async fn require_token(
+    State(w): State<WorkerState>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if w.token.is_some() && req.uri().path().starts_with("/v1/worker/") {
+        if let Err(r) = w.authorized(req.headers()) {
+            return *r;
+        }
+    }
+    next.run(req).await
 }
 
 fn control_error(e: ControlError) -> Response {

@@ -263,6 +263,59 @@ async fn blocks_move_worker_to_worker_over_http(m: &Path) {
             .unwrap();
         assert_eq!(resp.status(), 401, "{path}");
     }
+    // A worker holding the token needs it on every worker route: a plain generation names
+    // a `cache_namespace` (any tenant's prefix cache), info and events describe the cache.
+    let plain = serde_json::json!({
+        "request_id": "no-token", "model": DEFAULT_MODEL_ID, "prompt": prompt,
+        "sampling": {"temperature": 0.0, "max_tokens": 2}, "cache_namespace": "tenant-a",
+    });
+    let c = reqwest::Client::new();
+    for (name, req) in [
+        (
+            "generate",
+            c.post(format!("{decode_url}/v1/worker/generate")).json(&plain),
+        ),
+        (
+            "m/generate",
+            c.post(format!("{decode_url}/v1/worker/m/{DEFAULT_MODEL_ID}/generate"))
+                .json(&plain),
+        ),
+        (
+            "generate, wrong token",
+            c.post(format!("{decode_url}/v1/worker/generate"))
+                .bearer_auth("not-the-token")
+                .json(&plain),
+        ),
+        ("info", c.get(format!("{decode_url}/v1/worker/info"))),
+        ("events", c.get(format!("{decode_url}/v1/worker/events"))),
+        ("models", c.get(format!("{decode_url}/v1/worker/models"))),
+        (
+            "load",
+            c.post(format!("{decode_url}/v1/worker/m/{DEFAULT_MODEL_ID}/load")),
+        ),
+    ] {
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status(), 401, "{name}");
+        let body: serde_json::Value = resp.json().await.unwrap();
+        assert_eq!(body["code"], "invalid_worker_token", "{name}: {body}");
+    }
+    // With it, the same generation runs; the probes and metrics stay open.
+    let resp = c
+        .post(format!("{decode_url}/v1/worker/generate"))
+        .bearer_auth(TOKEN)
+        .json(&plain)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.text().await.unwrap().contains("\"done\""));
+    for path in ["/livez", "/readyz", "/metrics"] {
+        assert_eq!(
+            c.get(format!("{decode_url}{path}")).send().await.unwrap().status(),
+            200,
+            "{path}"
+        );
+    }
 }
 
 async fn a_transfer_cut_midway_keeps_what_arrived_and_the_request_completes(m: &Path) {

@@ -37,11 +37,12 @@ pub enum Command {
     Worker(WorkerArgs),
     /// The API tier alone, dispatching to `hearth worker` processes.
     Gateway(GatewayArgs),
-    /// Manage tenants, API keys, JWT issuers, limits, budgets, prices and usage.
+    /// Manage tenants, API keys, JWT issuers, limits, budgets, prices and usage: on the
+    /// database, or through a running gateway with `--gateway-url` and the admin token.
     Admin(AdminArgs),
     /// Tenant processors (WebAssembly components run on requests and responses).
     Processor(ProcessorArgs),
-    /// Billing exports.
+    /// Billing exports (from the database, or a gateway with `--gateway-url`).
     Billing {
         #[command(subcommand)]
         command: BillingCommand,
@@ -420,6 +421,52 @@ pub struct HttpArgs {
     pub body_read_timeout_secs: u64,
 }
 
+/// Who may operate a gateway, and where browsers reach it.
+#[derive(Args)]
+pub struct AccessArgs {
+    /// Enables the admin API (`/admin/v1`), `/metrics` and the operator's dashboard for
+    /// bearers of this token (all closed without one). At least 16 characters; make it
+    /// random (`openssl rand -hex 32`). Wrong tokens are throttled per source address.
+    #[arg(long, env = "HEARTH_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// The URL browsers reach this gateway at (e.g. `https://hearth.example.com`, behind a
+    /// proxy): the dashboard then accepts changes only from pages of exactly this origin
+    /// (scheme, host and port) and marks its cookies `Secure` when it is `https`. Without
+    /// it, a change must come from the host the request names.
+    #[arg(long, env = "HEARTH_PUBLIC_URL")]
+    pub public_url: Option<String>,
+}
+
+impl AccessArgs {
+    /// The admin token (refused when shorter than the minimum) and the public origin.
+    pub fn checked(&self) -> anyhow::Result<(Option<String>, Option<String>)> {
+        let token = self.admin_token.clone().filter(|t| !t.is_empty());
+        if let Some(t) = &token {
+            let min = hearth_gateway::state::MIN_ADMIN_TOKEN_LEN;
+            anyhow::ensure!(
+                t.chars().count() >= min,
+                "the admin token (HEARTH_ADMIN_TOKEN) has {} characters; it needs at least {min}: make one with `openssl rand -hex 32`",
+                t.chars().count()
+            );
+        }
+        let origin = match self.public_url.as_deref().filter(|u| !u.is_empty()) {
+            None => None,
+            Some(u) => Some(public_origin(u)?),
+        };
+        Ok((token, origin))
+    }
+}
+
+/// `scheme://host[:port]` of a public URL (http or https, a host, nothing after the path).
+fn public_origin(url: &str) -> anyhow::Result<String> {
+    let parsed = reqwest::Url::parse(url).map_err(|e| anyhow::anyhow!("--public-url {url:?}: {e}"))?;
+    anyhow::ensure!(
+        matches!(parsed.scheme(), "http" | "https") && parsed.host().is_some(),
+        "--public-url {url:?}: give an http or https URL with a host, like https://hearth.example.com"
+    );
+    Ok(parsed.origin().ascii_serialization())
+}
+
 impl HttpArgs {
     pub fn limits(&self) -> hearth_gateway::http::HttpLimits {
         use std::time::Duration;
@@ -643,10 +690,8 @@ pub struct ServeArgs {
     pub data: DataArgs,
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Enables the admin API (`/admin/v1`) and `/metrics` for bearers of this token (both
-    /// are closed without one).
-    #[arg(long, env = "HEARTH_ADMIN_TOKEN", hide_env_values = true)]
-    pub admin_token: Option<String>,
+    #[command(flatten)]
+    pub access: AccessArgs,
     /// In-process engine workers (each with its own KV cache; threads are shared out).
     #[arg(long, env = "HEARTH_WORKERS_LOCAL", default_value_t = 1)]
     pub workers: usize,
@@ -764,10 +809,8 @@ pub struct GatewayArgs {
     pub region: String,
     #[command(flatten)]
     pub routing: RoutingArgs,
-    /// Enables the admin API (`/admin/v1`) and `/metrics` for bearers of this token (both
-    /// are closed without one).
-    #[arg(long, env = "HEARTH_ADMIN_TOKEN", hide_env_values = true)]
-    pub admin_token: Option<String>,
+    #[command(flatten)]
+    pub access: AccessArgs,
     /// The workers' token, for adding and removing catalogue models at runtime, and for
     /// accepting registrations (`--discover`).
     #[arg(long, env = "HEARTH_WORKER_TOKEN", hide_env_values = true)]
@@ -784,6 +827,8 @@ pub struct GatewayArgs {
 pub struct AdminArgs {
     #[command(flatten)]
     pub data: DataArgs,
+    #[command(flatten)]
+    pub gateway: GatewayApiArgs,
     /// Print JSON instead of text.
     #[arg(long, global = true)]
     pub json: bool,
@@ -831,28 +876,23 @@ pub enum AdminCommand {
         #[arg(long, default_value_t = 50)]
         limit: u32,
     },
-    /// The model catalogue of a running gateway (through its admin API, not the database):
-    /// list, add and remove models at runtime.
+    /// The model catalogue of a running gateway (always through its admin API, at
+    /// `--gateway-url` or http://127.0.0.1:8080): list, add and remove models at runtime.
     Model {
-        #[command(flatten)]
-        gateway: GatewayApiArgs,
         #[command(subcommand)]
         command: AdminModelCommand,
     },
 }
 
-/// Where a running gateway's admin API is.
+/// A running gateway's admin API: with `--gateway-url`, `hearth admin` and `hearth billing`
+/// act through it (the admin token is all they need) instead of on the database.
 #[derive(Args, Debug, Clone)]
 pub struct GatewayApiArgs {
-    /// The gateway's base URL.
-    #[arg(
-        long = "gateway-url",
-        env = "HEARTH_GATEWAY_URL",
-        default_value = "http://127.0.0.1:8080",
-        global = true
-    )]
-    pub url: String,
-    /// The gateway's admin token.
+    /// Act through this gateway's admin API (its base URL, e.g. https://hearth.example.com)
+    /// instead of on the database; `hearth admin model` defaults to http://127.0.0.1:8080.
+    #[arg(long = "gateway-url", env = "HEARTH_GATEWAY_URL", global = true)]
+    pub url: Option<String>,
+    /// The gateway's admin token (with `--gateway-url`).
     #[arg(long, env = "HEARTH_ADMIN_TOKEN", hide_env_values = true, global = true)]
     pub admin_token: Option<String>,
 }
@@ -1070,6 +1110,8 @@ pub enum BillingCommand {
     Export {
         #[command(flatten)]
         data: DataArgs,
+        #[command(flatten)]
+        gateway: GatewayApiArgs,
         /// The tenant (name or id).
         #[arg(long)]
         tenant: String,

@@ -21,7 +21,9 @@ use hearth_gateway::state::AppState;
 use hearth_gateway::workers::{HttpWorker, ModelHostClient, WorkerClient};
 use hearth_tenants::TenantStore;
 
-use crate::args::{DataArgs, GatewayArgs, HttpArgs, LifecycleArgs, LimitStoreArgs, ModelArgs, ServeArgs, WorkerArgs};
+use crate::args::{
+    AccessArgs, DataArgs, GatewayArgs, HttpArgs, LifecycleArgs, LimitStoreArgs, ModelArgs, ServeArgs, WorkerArgs,
+};
 use crate::catalogue::LocalCatalogue;
 use crate::local_worker::InProcessWorker;
 
@@ -145,11 +147,12 @@ async fn run_gateway(
     listen: SocketAddr,
     data: &DataArgs,
     workers: Workers,
-    admin_token: Option<String>,
+    access: &AccessArgs,
     routing: RoutingConfig,
     limits: &LimitStoreArgs,
     (lifecycle, http): (&LifecycleArgs, &HttpArgs),
 ) -> anyhow::Result<()> {
+    let (admin_token, public_origin) = access.checked()?;
     let data_dir = data.dir();
     let db = data.open().await?;
     let limiter = limits.limiter().await?;
@@ -169,7 +172,8 @@ async fn run_gateway(
         .await?,
         models,
     );
-    state.admin_token = admin_token.filter(|t| !t.is_empty());
+    state.admin_token = admin_token;
+    state.public_origin = public_origin;
     state
         .tenants
         .set_stale_limit(Duration::from_secs(limits.auth_stale_secs));
@@ -325,6 +329,7 @@ async fn run_gateway(
 }
 
 pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    a.access.checked()?; // before a model is loaded
     if let Some(path) = &a.catalogue {
         if a.prefill_workers + a.decode_workers > 0 {
             bail!("--prefill-workers and --decode-workers serve one model: they do not combine with --catalogue");
@@ -359,7 +364,7 @@ pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
             a.listen,
             &a.data,
             workers,
-            a.admin_token,
+            &a.access,
             routing,
             &a.limits,
             (&a.lifecycle, &a.http),
@@ -413,7 +418,7 @@ pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         a.listen,
         &a.data,
         workers,
-        a.admin_token,
+        &a.access,
         routing,
         &a.limits,
         (&a.lifecycle, &a.http),
@@ -560,21 +565,18 @@ fn worker_name(addr: SocketAddr) -> String {
 }
 
 pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
-    // One client per model of each worker (a catalogue worker serves several); a worker
-    // not up yet is waited for up to --worker-wait-secs.
+    a.access.checked()?; // before workers are waited for
+                         // One client per model of each worker (a catalogue worker serves several); a worker
+                         // not up yet is waited for up to --worker-wait-secs.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(a.worker_wait_secs);
     let mut clients: Vec<Arc<dyn WorkerClient>> = Vec::new();
     let mut hosts: Vec<Arc<dyn ModelHostClient>> = Vec::new();
     for u in &a.workers {
         let found = loop {
-            match HttpWorker::discover(u).await {
+            match HttpWorker::discover(u, a.worker_token.clone()).await {
                 Ok((ws, host)) => {
-                    let host = host.map(|h| h.with_token(a.worker_token.clone()));
                     hosts.extend(host.map(|h| Arc::new(h) as Arc<dyn ModelHostClient>));
-                    break ws
-                        .into_iter()
-                        .map(|w| w.with_token(a.worker_token.clone()))
-                        .collect::<Vec<_>>();
+                    break ws;
                 }
                 Err(hearth_gateway::workers::WorkerError::Unavailable { .. })
                     if tokio::time::Instant::now() < deadline =>
@@ -611,7 +613,7 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
         a.listen,
         &a.data,
         workers,
-        a.admin_token,
+        &a.access,
         routing,
         &a.limits,
         (&a.lifecycle, &a.http),

@@ -169,6 +169,7 @@ pub async fn processor(a: ProcessorArgs) -> anyhow::Result<()> {
 pub async fn billing(command: BillingCommand) -> anyhow::Result<()> {
     let BillingCommand::Export {
         data,
+        gateway,
         tenant,
         from,
         to,
@@ -176,27 +177,41 @@ pub async fn billing(command: BillingCommand) -> anyhow::Result<()> {
         granularity,
         out,
     } = command;
-    let window = Window::parse(Some(&from), to.as_deref())?;
-    let db = data.open().await?;
-    let (store, ledger) = (TenantStore::new(&db), UsageLedger::new(&db));
-    // Records still in this data directory's outbox count too.
-    ledger.recover_dir(&data.dir()).await?;
-    let manage = Management {
-        tenants: &store,
-        ledger: &ledger,
-        runtime: None,
-        origin: Origin::cli(),
+    let e = match AdminClient::from_args(&gateway)? {
+        Some(gw) => {
+            let mut query = vec![
+                ("tenant", tenant),
+                ("from", from),
+                ("format", format),
+                ("granularity", granularity),
+            ];
+            query.extend(to.map(|t| ("to", t)));
+            gw.export(&query).await?
+        }
+        None => {
+            let window = Window::parse(Some(&from), to.as_deref())?;
+            let db = data.open().await?;
+            let (store, ledger) = (TenantStore::new(&db), UsageLedger::new(&db));
+            // Records still in this data directory's outbox count too.
+            ledger.recover_dir(&data.dir()).await?;
+            let manage = Management {
+                tenants: &store,
+                ledger: &ledger,
+                runtime: None,
+                origin: Origin::cli(),
+            };
+            manage
+                .export(
+                    Actor::Operator,
+                    Some(&tenant),
+                    window,
+                    Some(&format),
+                    Some(&granularity),
+                )
+                .await?
+                .export
+        }
     };
-    let e = manage
-        .export(
-            Actor::Operator,
-            Some(&tenant),
-            window,
-            Some(&format),
-            Some(&granularity),
-        )
-        .await?
-        .export;
     match out {
         Some(path) => std::fs::write(&path, &e.bytes).with_context(|| format!("writing {}", path.display()))?,
         None => {
@@ -220,16 +235,134 @@ pub async fn billing(command: BillingCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A running gateway's admin API (`--gateway-url` and the admin token).
+struct AdminClient {
+    base: reqwest::Url,
+    token: String,
+    http: reqwest::Client,
+}
+
+/// The answer of a refused admin API call: the status and the gateway's own message.
+fn refused(status: reqwest::StatusCode, body: &[u8]) -> anyhow::Error {
+    let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+    let msg = v["error"]["message"].as_str().unwrap_or("no explanation");
+    anyhow::anyhow!("the gateway answered {status}: {msg}")
+}
+
+impl AdminClient {
+    /// The client `--gateway-url` asks for (None: act on the database).
+    fn from_args(a: &GatewayApiArgs) -> anyhow::Result<Option<Self>> {
+        match a.url.as_deref().filter(|u| !u.is_empty()) {
+            None => Ok(None),
+            Some(url) => Self::new(url, a.admin_token.as_deref()).map(Some),
+        }
+    }
+
+    fn new(url: &str, token: Option<&str>) -> anyhow::Result<Self> {
+        let token = token
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| anyhow::anyhow!("set HEARTH_ADMIN_TOKEN (or --admin-token) to the gateway's admin token"))?;
+        let base = reqwest::Url::parse(url.trim_end_matches('/'))
+            .ok()
+            .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
+            .ok_or_else(|| anyhow::anyhow!("--gateway-url {url:?}: give the gateway's http(s) URL"))?;
+        Ok(Self {
+            base,
+            token: token.to_string(),
+            http: reqwest::Client::new(),
+        })
+    }
+
+    /// `/admin/v1/` and `segments`, each percent-encoded.
+    fn url(&self, segments: &[&str]) -> reqwest::Url {
+        let mut url = self.base.clone();
+        if let Ok(mut path) = url.path_segments_mut() {
+            path.pop_if_empty().extend(["admin", "v1"]).extend(segments);
+        }
+        url
+    }
+
+    async fn send(&self, req: reqwest::RequestBuilder) -> anyhow::Result<reqwest::Response> {
+        let resp = req
+            .bearer_auth(&self.token)
+            .timeout(std::time::Duration::from_secs(900))
+            .send()
+            .await
+            .with_context(|| format!("cannot reach the gateway at {}", self.base))?;
+        if resp.status().is_success() {
+            return Ok(resp);
+        }
+        let status = resp.status();
+        Err(refused(status, &resp.bytes().await.unwrap_or_default()))
+    }
+
+    /// A JSON call; a list answer (`{"object": "list", "data"}`) is its `data`.
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        segments: &[&str],
+        query: &[(&str, String)],
+        body: Option<serde_json::Value>,
+    ) -> anyhow::Result<serde_json::Value> {
+        let mut req = self.http.request(method, self.url(segments)).query(query);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let v: serde_json::Value = self
+            .send(req)
+            .await?
+            .json()
+            .await
+            .context("the gateway's answer was not JSON")?;
+        Ok(match v {
+            serde_json::Value::Object(mut o) if o.get("object").and_then(|x| x.as_str()) == Some("list") => {
+                o.remove("data").unwrap_or_default()
+            }
+            v => v,
+        })
+    }
+
+    async fn get(&self, segments: &[&str], query: &[(&str, String)]) -> anyhow::Result<serde_json::Value> {
+        self.call(reqwest::Method::GET, segments, query, None).await
+    }
+
+    /// `GET /admin/v1/billing/export`: the file and its totals (from the `x-hearth-export-*`
+    /// headers).
+    async fn export(&self, query: &[(&str, String)]) -> anyhow::Result<hearth_billing::export::Export> {
+        let resp = self
+            .send(self.http.get(self.url(&["billing", "export"])).query(query))
+            .await?;
+        let h = resp.headers().clone();
+        let n = |k: &str| -> i64 {
+            h.get(format!("x-hearth-export-{k}"))
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        let totals = hearth_billing::export::Totals {
+            requests: n("requests"),
+            uncached_input_tokens: n("uncached-input-tokens"),
+            cached_input_tokens: n("cached-input-tokens"),
+            output_tokens: n("output-tokens"),
+            processor_us: n("processor-us"),
+            cost_input_nusd: n("cost-input-nusd"),
+            cost_cached_nusd: n("cost-cached-nusd"),
+            cost_output_nusd: n("cost-output-nusd"),
+            cost_processor_nusd: n("cost-processor-nusd"),
+            cost_nusd: n("cost-nusd"),
+        };
+        let lines = n("lines") as usize;
+        let bytes = resp.bytes().await.context("reading the export")?.to_vec();
+        Ok(hearth_billing::export::Export { bytes, totals, lines })
+    }
+}
+
 /// `hearth admin model …`: the gateway's `/admin/v1/models` over HTTP.
 async fn admin_models(gw: GatewayApiArgs, command: AdminModelCommand, json: bool) -> anyhow::Result<()> {
-    let token = gw
-        .admin_token
-        .filter(|t| !t.is_empty())
-        .ok_or_else(|| anyhow::anyhow!("set HEARTH_ADMIN_TOKEN (or --admin-token) to the gateway's admin token"))?;
-    let base = format!("{}/admin/v1/models", gw.url.trim_end_matches('/'));
-    let client = reqwest::Client::new();
-    let req = match command {
-        AdminModelCommand::List => client.get(&base),
+    let url = gw.url.clone().unwrap_or_else(|| "http://127.0.0.1:8080".into());
+    let gw = AdminClient::new(&url, gw.admin_token.as_deref())?;
+    let body = match command {
+        AdminModelCommand::List => gw.get(&["models"], &[]).await?,
         AdminModelCommand::Add {
             id,
             source,
@@ -242,39 +375,25 @@ async fn admin_models(gw: GatewayApiArgs, command: AdminModelCommand, json: bool
             chat_template,
             kv_disk_dir,
             kv_disk_gib,
-        } => client.post(&base).json(&hearth_protocol::ModelSpec {
-            id,
-            source,
-            idle_ttl_s,
-            min_warm,
-            context_length,
-            rope_scaling,
-            memory_mib,
-            tenants,
-            chat_template,
-            kv_disk_dir,
-            kv_disk_gib,
-        }),
-        AdminModelCommand::Remove { id } => {
-            let mut url = reqwest::Url::parse(&base).with_context(|| format!("bad --gateway-url {}", gw.url))?;
-            url.path_segments_mut()
-                .map_err(|()| anyhow::anyhow!("bad --gateway-url {}", gw.url))?
-                .push(&id);
-            client.delete(url)
+        } => {
+            let spec = hearth_protocol::ModelSpec {
+                id,
+                source,
+                idle_ttl_s,
+                min_warm,
+                context_length,
+                rope_scaling,
+                memory_mib,
+                tenants,
+                chat_template,
+                kv_disk_dir,
+                kv_disk_gib,
+            };
+            gw.call(reqwest::Method::POST, &["models"], &[], Some(serde_json::json!(spec)))
+                .await?
         }
+        AdminModelCommand::Remove { id } => gw.call(reqwest::Method::DELETE, &["models", &id], &[], None).await?,
     };
-    let resp = req
-        .bearer_auth(token)
-        .timeout(std::time::Duration::from_secs(900))
-        .send()
-        .await
-        .with_context(|| format!("cannot reach the gateway at {}", gw.url))?;
-    let status = resp.status();
-    let body: serde_json::Value = resp.json().await.unwrap_or_default();
-    if !status.is_success() {
-        let msg = body["error"]["message"].as_str().unwrap_or("no explanation");
-        bail!("the gateway answered {status}: {msg}");
-    }
     if json {
         println!("{}", serde_json::to_string_pretty(&body).unwrap_or_default());
         return Ok(());
@@ -304,7 +423,7 @@ async fn admin_models(gw: GatewayApiArgs, command: AdminModelCommand, json: bool
             tenants
         )
     };
-    if let Some(list) = body["data"].as_array() {
+    if let Some(list) = body.as_array() {
         for m in list {
             println!("{}", one(m));
         }
@@ -316,11 +435,207 @@ async fn admin_models(gw: GatewayApiArgs, command: AdminModelCommand, json: bool
     Ok(())
 }
 
+/// `hearth admin …`: on the database, or through a gateway's admin API with
+/// `--gateway-url`. Both print the same: the admin API's JSON (`--json`, lists as arrays), or
+/// text made from it.
 pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
-    if let AdminCommand::Model { gateway, command } = a.command {
-        return admin_models(gateway, command, a.json).await;
+    if let AdminCommand::Model { command } = a.command {
+        return admin_models(a.gateway, command, a.json).await;
     }
-    let db = a.data.open().await?;
+    let v = match AdminClient::from_args(&a.gateway)? {
+        Some(gw) => admin_remote(&gw, &a.command).await?,
+        None => admin_direct(&a.data, &a.command).await?,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+    } else {
+        println!("{}", admin_text(&a.command, &v));
+    }
+    Ok(())
+}
+
+/// A key's expiry from now, from `--expires-in`.
+fn expires_in_ms(expires_in: &Option<String>) -> anyhow::Result<Option<i64>> {
+    expires_in.as_deref().map(parse_duration_ms).transpose()
+}
+
+/// `--monthly-usd` and `--soft` as a budget (None: no budget).
+fn budget_arg(monthly_usd: &str, soft: bool) -> anyhow::Result<Option<hearth_tenants::Budget>> {
+    let micros = usd(monthly_usd, "--monthly-usd")?;
+    Ok((micros > 0).then_some(hearth_tenants::Budget {
+        monthly_nusd: micros * 1000,
+        hard: !soft,
+    }))
+}
+
+/// `hearth admin …` through the gateway's admin API.
+async fn admin_remote(gw: &AdminClient, command: &AdminCommand) -> anyhow::Result<serde_json::Value> {
+    use reqwest::Method;
+    use serde_json::json;
+    let limits = |l: hearth_tenants::Limits| {
+        json!({"rpm": l.rpm, "tpm": l.tpm, "concurrent": l.concurrent, "share": l.share,
+               "priority": l.priority.map(|p| p.to_string())})
+    };
+    let opt = |k: &'static str, v: &Option<String>| v.clone().map(|v| (k, v));
+    Ok(match command {
+        AdminCommand::Tenant { command } => match command {
+            TenantCommand::Create { name } => {
+                gw.call(Method::POST, &["tenants"], &[], Some(json!({"name": name})))
+                    .await?
+            }
+            TenantCommand::List => gw.get(&["tenants"], &[]).await?,
+            TenantCommand::Limits { name, limits: l } => {
+                gw.call(Method::PUT, &["tenants", name, "limits"], &[], Some(limits(l.limits())))
+                    .await?
+            }
+            TenantCommand::Budget {
+                name,
+                monthly_usd,
+                soft,
+            } => {
+                budget_arg(monthly_usd, *soft)?; // the same message as on the database
+                let body = json!({"monthly_usd": monthly_usd, "mode": if *soft { "soft" } else { "hard" }});
+                gw.call(Method::PUT, &["tenants", name, "budget"], &[], Some(body))
+                    .await?
+            }
+        },
+        AdminCommand::Key { command } => match command {
+            KeyCommand::Create {
+                tenant,
+                name,
+                scopes,
+                models,
+                expires_in,
+            } => {
+                let scopes = hearth_tenants::Scopes::parse(scopes)?;
+                let mut body = json!({"name": name, "scopes": scopes.names(), "models": models});
+                if let Some(ms) = expires_in_ms(expires_in)? {
+                    body["expires_in"] = json!((ms + 999) / 1000);
+                }
+                gw.call(Method::POST, &["tenants", tenant, "keys"], &[], Some(body))
+                    .await?
+            }
+            KeyCommand::List { tenant } => gw.get(&["tenants", tenant, "keys"], &[]).await?,
+            KeyCommand::Revoke { key_id } => gw.call(Method::DELETE, &["keys", key_id], &[], None).await?,
+            KeyCommand::Limits { key_id, limits: l } => {
+                gw.call(Method::PUT, &["keys", key_id, "limits"], &[], Some(limits(l.limits())))
+                    .await?
+            }
+        },
+        AdminCommand::Jwt { command } => match command {
+            JwtCommand::Add {
+                tenant,
+                issuer,
+                audience,
+                algorithm,
+                key_file,
+                jwks_file,
+                jwks_url,
+            } => {
+                let spec = issuer_spec(issuer, audience, algorithm, key_file, jwks_file, jwks_url)?;
+                gw.call(
+                    Method::POST,
+                    &["tenants", tenant, "jwt-issuers"],
+                    &[],
+                    Some(json!(spec)),
+                )
+                .await?
+            }
+            JwtCommand::List { tenant: Some(t) } => gw.get(&["tenants", t, "jwt-issuers"], &[]).await?,
+            JwtCommand::List { tenant: None } => {
+                // The admin API lists issuers per tenant: every tenant's, in turn.
+                let mut all = Vec::new();
+                for t in gw.get(&["tenants"], &[]).await?.as_array().into_iter().flatten() {
+                    let id = t["id"].as_str().unwrap_or_default();
+                    if let serde_json::Value::Array(is) = gw.get(&["tenants", id, "jwt-issuers"], &[]).await? {
+                        all.extend(is);
+                    }
+                }
+                serde_json::Value::Array(all)
+            }
+            JwtCommand::Remove { id } => gw.call(Method::DELETE, &["jwt-issuers", id], &[], None).await?,
+        },
+        AdminCommand::Price { command } => match command {
+            PriceCommand::Set {
+                model,
+                input,
+                cached_input,
+                output,
+                processor,
+                effective_from,
+            } => {
+                // Checked here too, for the same messages as on the database.
+                for (v, what) in [
+                    (input, "--input"),
+                    (cached_input, "--cached-input"),
+                    (output, "--output"),
+                ] {
+                    usd(v, what)?;
+                }
+                let mut body = json!({"model": model, "input": input, "cached_input": cached_input, "output": output});
+                if let Some(p) = processor {
+                    usd(p, "--processor")?;
+                    body["processor"] = json!(p);
+                }
+                if let Some(f) = effective_from {
+                    body["effective_from"] = json!(parse_time(f)?);
+                }
+                gw.call(Method::POST, &["prices"], &[], Some(body)).await?
+            }
+            PriceCommand::List { model } => {
+                let q: Vec<_> = opt("model", model).into_iter().collect();
+                gw.get(&["prices"], &q).await?
+            }
+        },
+        AdminCommand::Usage { tenant, limit } => {
+            let mut q: Vec<_> = opt("tenant", tenant).into_iter().collect();
+            q.push(("limit", limit.to_string()));
+            gw.get(&["usage"], &q).await?
+        }
+        AdminCommand::Audit { tenant, limit } => {
+            let mut q: Vec<_> = opt("tenant", tenant).into_iter().collect();
+            q.push(("limit", limit.to_string()));
+            gw.get(&["audit"], &q).await?
+        }
+        AdminCommand::Model { .. } => unreachable!("answered by admin_models"),
+    })
+}
+
+/// A JWT issuer from `hearth admin jwt add`'s arguments (key files read here).
+fn issuer_spec(
+    issuer: &str,
+    audience: &str,
+    algorithm: &str,
+    key_file: &Option<PathBuf>,
+    jwks_file: &Option<PathBuf>,
+    jwks_url: &Option<String>,
+) -> anyhow::Result<hearth_tenants::jwt::IssuerSpec> {
+    let read = |p: &Option<PathBuf>| -> anyhow::Result<Option<String>> {
+        p.as_ref()
+            .map(|p| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display())))
+            .transpose()
+    };
+    let key = read(key_file)?.map(|k| {
+        if algorithm.starts_with("HS") {
+            k.trim().to_string()
+        } else {
+            k
+        }
+    });
+    Ok(hearth_tenants::jwt::IssuerSpec {
+        issuer: issuer.to_string(),
+        audience: audience.to_string(),
+        algorithm: algorithm.to_string(),
+        key,
+        jwks: read(jwks_file)?,
+        jwks_url: jwks_url.clone(),
+    })
+}
+
+/// `hearth admin …` on the database (the bootstrap path: no gateway needed).
+async fn admin_direct(data: &DataArgs, command: &AdminCommand) -> anyhow::Result<serde_json::Value> {
+    use serde_json::json;
+    let db = data.open().await?;
     let store = TenantStore::new(&db);
     let ledger = UsageLedger::new(&db);
     let manage = Management {
@@ -329,282 +644,286 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
         runtime: None,
         origin: Origin::cli(),
     };
-    let json = a.json;
-    let print = |v: serde_json::Value, text: String| {
-        if json {
-            println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
-        } else {
-            println!("{text}");
-        }
-    };
-    match a.command {
-        AdminCommand::Tenant {
-            command: TenantCommand::Create { name },
-        } => {
-            let t = manage.create_tenant(&name).await?;
-            print(serde_json::json!(t), format!("Created tenant {} ({}).", t.name, t.id));
-        }
-        AdminCommand::Tenant {
-            command: TenantCommand::List,
-        } => {
-            let ts = store.list_tenants().await?;
-            let text = lines(ts.iter().map(|t| format!("{}\t{}", t.id, t.name)), "No tenants.");
-            print(serde_json::json!(ts), text);
-        }
-        AdminCommand::Key {
-            command:
-                KeyCommand::Create {
-                    tenant,
-                    name,
-                    scopes,
-                    models,
-                    expires_in,
-                },
-        } => {
-            let spec = hearth_tenants::KeySpec {
+    Ok(match command {
+        AdminCommand::Tenant { command } => match command {
+            TenantCommand::Create { name } => json!(manage.create_tenant(name).await?),
+            TenantCommand::List => json!(store.list_tenants().await?),
+            TenantCommand::Limits { name, limits } => {
+                let l = limits.limits();
+                let t = manage.set_tenant_limits(name, l).await?;
+                json!({"tenant": t.name, "limits": l})
+            }
+            TenantCommand::Budget {
                 name,
-                scopes: Some(hearth_tenants::Scopes::parse(&scopes)?),
+                monthly_usd,
+                soft,
+            } => {
+                let b = budget_arg(monthly_usd, *soft)?;
+                let t = manage.set_budget(name, b).await?;
+                hearth_gateway::admin::budget_json(&t.name, b)
+            }
+        },
+        AdminCommand::Key { command } => match command {
+            KeyCommand::Create {
+                tenant,
+                name,
+                scopes,
                 models,
-                expires_at: match expires_in {
-                    Some(d) => Some(hearth_tenants::now_ms() + parse_duration_ms(&d)?),
-                    None => None,
-                },
-            };
-            let k = manage.create_key(Actor::Operator, Some(&tenant), spec).await?;
-            print(
-                serde_json::json!(k),
-                format!(
-                    "Created API key {} for tenant {}. Copy it now; it is not shown again:\n\n{}\n",
-                    k.info.id, k.tenant, k.key
-                ),
-            );
-        }
-        AdminCommand::Key {
-            command: KeyCommand::List { tenant },
-        } => {
-            let ks = manage.list_keys(Actor::Operator, Some(&tenant)).await?;
-            let state = |k: &hearth_tenants::ApiKeyInfo| if k.revoked_at.is_some() { "revoked" } else { "active" };
-            let text = lines(
-                ks.iter().map(|k| format!("{}\t{}\t{}", k.id, state(k), k.name)),
-                "No keys.",
-            );
-            print(serde_json::json!(ks), text);
-        }
-        AdminCommand::Tenant {
-            command: TenantCommand::Limits { name, limits },
-        } => {
-            let l = limits.limits();
-            let t = manage.set_tenant_limits(&name, l).await?;
-            print(
-                serde_json::json!({"tenant": t.name, "limits": l}),
-                format!("Tenant {} limits: {l:?}.", t.name),
-            );
-        }
-        AdminCommand::Key {
-            command: KeyCommand::Limits { key_id, limits },
-        } => {
-            let l = limits.limits();
-            manage.set_key_limits(&key_id, l).await?;
-            print(
-                serde_json::json!({"key": key_id, "limits": l}),
-                format!("Key {key_id} limits: {l:?}."),
-            );
-        }
-        AdminCommand::Key {
-            command: KeyCommand::Revoke { key_id },
-        } => {
-            let k = manage.revoke_key(Actor::Operator, &key_id).await?;
-            print(
-                serde_json::json!(k),
-                format!("Revoked key {} (running servers stop accepting it within 5 s).", k.id),
-            );
-        }
-        AdminCommand::Tenant {
-            command:
-                TenantCommand::Budget {
-                    name,
-                    monthly_usd,
-                    soft,
-                },
-        } => {
-            let micros = usd(&monthly_usd, "--monthly-usd")?;
-            let b = (micros > 0).then_some(hearth_tenants::Budget {
-                monthly_nusd: micros * 1000,
-                hard: !soft,
-            });
-            let t = manage.set_budget(&name, b).await?;
-            let text = match b {
-                Some(b) => format!(
-                    "Tenant {} budget: ${} per month ({}).",
-                    t.name,
-                    hearth_billing::format_nusd(b.monthly_nusd),
-                    if b.hard { "hard" } else { "soft" }
-                ),
-                None => format!("Tenant {} has no budget.", t.name),
-            };
-            print(serde_json::json!({"tenant": t.name, "budget": b}), text);
-        }
-        AdminCommand::Jwt {
-            command:
-                JwtCommand::Add {
-                    tenant,
-                    issuer,
-                    audience,
-                    algorithm,
-                    key_file,
-                    jwks_file,
-                    jwks_url,
-                },
-        } => {
-            let read = |p: Option<PathBuf>| -> anyhow::Result<Option<String>> {
-                p.map(|p| std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display())))
-                    .transpose()
-            };
-            let key = read(key_file)?.map(|k| {
-                if algorithm.starts_with("HS") {
-                    k.trim().to_string()
-                } else {
-                    k
-                }
-            });
-            let spec = hearth_tenants::jwt::IssuerSpec {
+                expires_in,
+            } => {
+                let spec = hearth_tenants::KeySpec {
+                    name: name.clone(),
+                    scopes: Some(hearth_tenants::Scopes::parse(scopes)?),
+                    models: models.clone(),
+                    expires_at: expires_in_ms(expires_in)?.map(|ms| hearth_tenants::now_ms() + ms),
+                };
+                json!(manage.create_key(Actor::Operator, Some(tenant), spec).await?)
+            }
+            KeyCommand::List { tenant } => json!(manage.list_keys(Actor::Operator, Some(tenant)).await?),
+            KeyCommand::Revoke { key_id } => json!(manage.revoke_key(Actor::Operator, key_id).await?),
+            KeyCommand::Limits { key_id, limits } => {
+                let l = limits.limits();
+                manage.set_key_limits(key_id, l).await?;
+                json!({"key": key_id, "limits": l})
+            }
+        },
+        AdminCommand::Jwt { command } => match command {
+            JwtCommand::Add {
+                tenant,
                 issuer,
                 audience,
                 algorithm,
-                key,
-                jwks: read(jwks_file)?,
+                key_file,
+                jwks_file,
                 jwks_url,
-            };
-            let i = manage.add_issuer(&tenant, &spec).await?;
-            print(
-                serde_json::json!(i),
-                format!(
-                    "Registered JWT issuer {} ({}, {}) as {}.",
-                    i.issuer, i.algorithm, i.key_source, i.id
-                ),
-            );
-        }
-        AdminCommand::Jwt {
-            command: JwtCommand::List { tenant },
-        } => {
-            let is = store.list_issuers(tenant.as_deref()).await?;
-            let text = lines(
-                is.iter().map(|i| {
-                    format!(
-                        "{}\t{}\t{}\taud={}\t{}\t{}",
-                        i.id, i.tenant_id, i.issuer, i.audience, i.algorithm, i.key_source
-                    )
-                }),
-                "No JWT issuers.",
-            );
-            print(serde_json::json!(is), text);
-        }
-        AdminCommand::Jwt {
-            command: JwtCommand::Remove { id },
-        } => {
-            let i = manage.remove_issuer(&id).await?;
-            print(
-                serde_json::json!(i),
-                format!("Removed JWT issuer {} ({}).", i.id, i.issuer),
-            );
-        }
-        AdminCommand::Price {
-            command:
-                PriceCommand::Set {
-                    model,
-                    input,
-                    cached_input,
-                    output,
-                    processor,
-                    effective_from,
-                },
-        } => {
-            let processor = match processor {
-                Some(p) => usd(&p, "--processor")?,
-                None => ledger
-                    .latest_rates(&model)
-                    .await?
-                    .map_or(0, |r| r.processor_micros_per_cpu_s),
-            };
-            let rates = hearth_billing::PriceRates {
-                input_micros_per_mtok: usd(&input, "--input")?,
-                cached_input_micros_per_mtok: usd(&cached_input, "--cached-input")?,
-                output_micros_per_mtok: usd(&output, "--output")?,
-                processor_micros_per_cpu_s: processor,
-            };
-            let from = effective_from.as_deref().map(parse_time).transpose()?;
-            let p = manage.set_price(&model, rates, from).await?;
-            print(
-                serde_json::json!(p),
-                format!("Price for {} from {}: {:?}.", p.model, p.effective_from, p.rates),
-            );
-        }
-        AdminCommand::Price {
-            command: PriceCommand::List { model },
-        } => {
-            let ps = UsageLedger::new(&db).prices(model.as_deref()).await?;
-            let m = |v: i64| hearth_billing::format_nusd(v * 1000);
-            let text = lines(
-                ps.iter().map(|p| {
-                    format!(
-                        "{}\tfrom {}\tinput ${}\tcached ${}\toutput ${} per 1M tokens",
-                        p.model,
-                        p.effective_from,
-                        m(p.rates.input_micros_per_mtok),
-                        m(p.rates.cached_input_micros_per_mtok),
-                        m(p.rates.output_micros_per_mtok)
-                    )
-                }),
-                "No prices.",
-            );
-            print(serde_json::json!(ps), text);
-        }
+            } => {
+                let spec = issuer_spec(issuer, audience, algorithm, key_file, jwks_file, jwks_url)?;
+                json!(manage.add_issuer(tenant, &spec).await?)
+            }
+            JwtCommand::List { tenant } => json!(store.list_issuers(tenant.as_deref()).await?),
+            JwtCommand::Remove { id } => json!(manage.remove_issuer(id).await?),
+        },
+        AdminCommand::Price { command } => match command {
+            PriceCommand::Set {
+                model,
+                input,
+                cached_input,
+                output,
+                processor,
+                effective_from,
+            } => {
+                let processor = match processor {
+                    Some(p) => usd(p, "--processor")?,
+                    None => ledger
+                        .latest_rates(model)
+                        .await?
+                        .map_or(0, |r| r.processor_micros_per_cpu_s),
+                };
+                let rates = hearth_billing::PriceRates {
+                    input_micros_per_mtok: usd(input, "--input")?,
+                    cached_input_micros_per_mtok: usd(cached_input, "--cached-input")?,
+                    output_micros_per_mtok: usd(output, "--output")?,
+                    processor_micros_per_cpu_s: processor,
+                };
+                let from = effective_from.as_deref().map(parse_time).transpose()?;
+                json!(manage.set_price(model, rates, from).await?)
+            }
+            PriceCommand::List { model } => json!(ledger.prices(model.as_deref()).await?),
+        },
         AdminCommand::Audit { tenant, limit } => {
-            let entries = manage.audit_log(Actor::Operator, tenant.as_deref(), limit).await?;
-            let text = lines(
-                entries.iter().map(|e| {
-                    format!(
-                        "{}\t{}\t{}\t{}\t{}\t{}\t{}",
-                        hearth_billing::day_of(e.at),
-                        e.at,
-                        e.actor,
-                        e.channel,
-                        e.address.as_deref().unwrap_or("-"),
-                        e.action,
-                        e.object
-                    )
-                }),
-                "No audit entries.",
-            );
-            print(serde_json::json!(entries), text);
+            json!(manage.audit_log(Actor::Operator, tenant.as_deref(), *limit).await?)
         }
         AdminCommand::Usage { tenant, limit } => {
             let tenant_id = match tenant {
-                Some(t) => Some(store.tenant(&t).await?.id),
+                Some(t) => Some(store.tenant(t).await?.id),
                 None => None,
             };
-            let ledger = UsageLedger::new(&db);
-            ledger.recover_dir(&a.data.dir()).await?;
-            let rows = ledger.recent(tenant_id.as_deref(), limit).await?;
-            let text = lines(
-                rows.iter().map(|r| {
+            ledger.recover_dir(&data.dir()).await?;
+            json!(ledger.recent(tenant_id.as_deref(), *limit).await?)
+        }
+        AdminCommand::Model { .. } => unreachable!("answered by admin_models"),
+    })
+}
+
+/// The text `hearth admin …` prints for `v`, its answer (the admin API's JSON).
+fn admin_text(command: &AdminCommand, v: &serde_json::Value) -> String {
+    use serde_json::Value;
+    let s = |v: &Value, k: &str| v[k].as_str().unwrap_or("").to_string();
+    let list = |v: &Value| v.as_array().cloned().unwrap_or_default();
+    let usd_micros = |v: &Value, k: &str| short_usd(&hearth_billing::format_nusd(v[k].as_i64().unwrap_or(0) * 1000));
+    let limits = |l: &Value| {
+        let n = |k: &str| match l[k].as_u64() {
+            Some(n) if n > 0 => n.to_string(),
+            _ => "unlimited".into(),
+        };
+        let share = l["share"].as_u64().filter(|s| *s > 0).unwrap_or(1);
+        let class = l["priority"].as_str().unwrap_or("interactive");
+        format!(
+            "{} requests/min, {} tokens/min, {} concurrent, share {share}, class {class}",
+            n("rpm"),
+            n("tpm"),
+            n("concurrent")
+        )
+    };
+    let rates = |p: &Value| {
+        format!(
+            "input ${}, cached input ${}, output ${} per 1M tokens; processors ${} per CPU-second",
+            usd_micros(p, "input_micros_per_mtok"),
+            usd_micros(p, "cached_input_micros_per_mtok"),
+            usd_micros(p, "output_micros_per_mtok"),
+            usd_micros(p, "processor_micros_per_cpu_s"),
+        )
+    };
+    match command {
+        AdminCommand::Tenant { command } => match command {
+            TenantCommand::Create { .. } => format!("Created tenant {} ({}).", s(v, "name"), s(v, "id")),
+            TenantCommand::List => lines(
+                list(v).iter().map(|t| format!("{}\t{}", s(t, "id"), s(t, "name"))),
+                "No tenants.",
+            ),
+            TenantCommand::Limits { .. } => format!("Tenant {} limits: {}.", s(v, "tenant"), limits(&v["limits"])),
+            TenantCommand::Budget { .. } => match v["budget"].as_object() {
+                Some(_) => format!(
+                    "Tenant {} budget: ${} per month ({}).",
+                    s(v, "tenant"),
+                    short_usd(&s(&v["budget"], "monthly_usd")),
+                    s(&v["budget"], "mode")
+                ),
+                None => format!("Tenant {} has no budget.", s(v, "tenant")),
+            },
+        },
+        AdminCommand::Key { command } => match command {
+            KeyCommand::Create { .. } => format!(
+                "Created API key {} for tenant {}. Copy it now; it is not shown again:\n\n{}\n",
+                s(v, "id"),
+                s(v, "tenant"),
+                s(v, "key")
+            ),
+            KeyCommand::List { .. } => lines(
+                list(v).iter().map(|k| {
+                    let state = if k["revoked_at"].is_null() { "active" } else { "revoked" };
+                    format!("{}\t{state}\t{}", s(k, "id"), s(k, "name"))
+                }),
+                "No keys.",
+            ),
+            KeyCommand::Revoke { .. } => format!(
+                "Revoked key {} (running servers stop accepting it within 5 s).",
+                s(v, "id")
+            ),
+            KeyCommand::Limits { .. } => format!("Key {} limits: {}.", s(v, "key"), limits(&v["limits"])),
+        },
+        AdminCommand::Jwt { command } => match command {
+            JwtCommand::Add { .. } => format!(
+                "Registered JWT issuer {} ({}, {}) as {}.",
+                s(v, "issuer"),
+                s(v, "algorithm"),
+                s(v, "key_source"),
+                s(v, "id")
+            ),
+            JwtCommand::List { .. } => lines(
+                list(v).iter().map(|i| {
                     format!(
-                        "{}\t{}\t{}\tprompt={} cached={} completion={}\t{}\t${}",
-                        r.rec.request_id,
-                        r.rec.tenant_id,
-                        r.rec.model,
-                        r.rec.prompt_tokens,
-                        r.rec.cached_tokens,
-                        r.rec.completion_tokens,
-                        r.rec.status,
-                        hearth_billing::format_nusd(r.cost.total_nusd)
+                        "{}\t{}\t{}\taud={}\t{}\t{}",
+                        s(i, "id"),
+                        s(i, "tenant_id"),
+                        s(i, "issuer"),
+                        s(i, "audience"),
+                        s(i, "algorithm"),
+                        s(i, "key_source")
                     )
                 }),
-                "No usage yet.",
-            );
-            print(serde_json::json!(rows), text);
-        }
-        AdminCommand::Model { .. } => unreachable!("answered by admin_models above"),
+                "No JWT issuers.",
+            ),
+            JwtCommand::Remove { .. } => format!("Removed JWT issuer {} ({}).", s(v, "id"), s(v, "issuer")),
+        },
+        AdminCommand::Price { command } => match command {
+            PriceCommand::Set { .. } => format!(
+                "Price for {} from {}: {}.",
+                s(v, "model"),
+                iso_ms(v["effective_from"].as_i64().unwrap_or(0)),
+                rates(v)
+            ),
+            PriceCommand::List { .. } => lines(
+                list(v).iter().map(|p| {
+                    format!(
+                        "{}\tfrom {}\t{}",
+                        s(p, "model"),
+                        iso_ms(p["effective_from"].as_i64().unwrap_or(0)),
+                        rates(p)
+                    )
+                }),
+                "No prices.",
+            ),
+        },
+        AdminCommand::Audit { .. } => lines(
+            list(v).iter().map(|e| {
+                let at = e["at"].as_i64().unwrap_or(0);
+                format!(
+                    "{}\t{}\t{}\t{}\t{}\t{}\t{}",
+                    hearth_billing::day_of(at),
+                    at,
+                    s(e, "actor"),
+                    s(e, "channel"),
+                    e["address"].as_str().unwrap_or("-"),
+                    s(e, "action"),
+                    s(e, "object")
+                )
+            }),
+            "No audit entries.",
+        ),
+        AdminCommand::Usage { .. } => lines(
+            list(v).iter().map(|r| {
+                let cost = &r["cost"];
+                format!(
+                    "{}\t{}\t{}\tprompt={} cached={} completion={}\t{}\t${}",
+                    s(r, "request_id"),
+                    s(r, "tenant_id"),
+                    s(r, "model"),
+                    r["prompt_tokens"],
+                    r["cached_tokens"],
+                    r["completion_tokens"],
+                    s(r, "status"),
+                    hearth_billing::format_nusd(cost["total_nusd"].as_i64().unwrap_or(0))
+                )
+            }),
+            "No usage yet.",
+        ),
+        AdminCommand::Model { .. } => unreachable!("answered by admin_models"),
     }
-    Ok(())
+}
+
+/// A USD amount for people: `12.500000000` → `12.50`, `0.000150000` → `0.00015`.
+fn short_usd(amount: &str) -> String {
+    match amount.split_once('.') {
+        Some((whole, frac)) => {
+            let frac = frac.trim_end_matches('0');
+            format!("{whole}.{frac:0<2}")
+        }
+        None => format!("{amount}.00"),
+    }
+}
+
+/// Unix milliseconds as `YYYY-MM-DDTHH:MM:SSZ` (UTC).
+fn iso_ms(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    format!(
+        "{}T{:02}:{:02}:{:02}Z",
+        hearth_billing::day_of(days * 86_400_000),
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn amounts_and_times_print_for_people() {
+        assert_eq!(super::short_usd("12.500000000"), "12.50");
+        assert_eq!(super::short_usd("0.000150000"), "0.00015");
+        assert_eq!(super::short_usd("3"), "3.00");
+        assert_eq!(super::iso_ms(0), "1970-01-01T00:00:00Z");
+        assert_eq!(super::iso_ms(1_764_720_000_000), "2025-12-03T00:00:00Z");
+    }
 }

@@ -62,6 +62,11 @@ struct Session {
 
 /// Signs in through the form; returns the session cookie and the page's CSRF token.
 async fn sign_in(base: &str, credential: &str) -> Result<Session, (u16, String)> {
+    sign_in_from(base, base, credential).await
+}
+
+/// [`sign_in`] from a page of `origin` (the `Origin` header the browser sends).
+async fn sign_in_from(base: &str, origin: &str, credential: &str) -> Result<Session, (u16, String)> {
     let c = browser();
     let form = c.get(format!("{base}/dashboard/login")).send().await.unwrap();
     assert_eq!(form.status(), 200);
@@ -75,7 +80,7 @@ async fn sign_in(base: &str, credential: &str) -> Result<Session, (u16, String)>
     let resp = c
         .post(format!("{base}/dashboard/login"))
         .header("cookie", format!("hearth_login={login}"))
-        .header("origin", base)
+        .header("origin", origin)
         .form(&[("credential", credential), ("login_csrf", &nonce)])
         .send()
         .await
@@ -88,7 +93,11 @@ async fn sign_in(base: &str, credential: &str) -> Result<Session, (u16, String)>
     for a in ["HttpOnly", "SameSite=Strict", "Path=/dashboard"] {
         assert!(attrs.contains(a), "{attrs}");
     }
-    assert!(!attrs.contains("Secure"), "plain HTTP: no Secure flag ({attrs})");
+    assert_eq!(
+        attrs.contains("Secure"),
+        origin.starts_with("https://"),
+        "Secure exactly when the public origin is https ({attrs})"
+    );
     let page = c
         .get(format!("{base}/dashboard"))
         .header("cookie", format!("hearth_session={cookie}"))
@@ -310,6 +319,10 @@ async fn dashboard_sessions_usage_keys_isolation_and_audit() {
     assert_eq!(status, 200);
     assert!(html.contains("&lt;img src=x onerror=alert(1)&gt;") && !html.contains(odd));
     assert!(html.contains("acme") && html.contains(MODEL), "tenants and models");
+    assert!(
+        html.contains("policy kv_aware (prefill ×1") && !html.contains("KvAware"),
+        "the routing policy for people, not Debug output"
+    );
     let (status, _) = page(&base, &a, "/dashboard/audit").await;
     assert_eq!(status, 200);
 
@@ -415,4 +428,280 @@ async fn dashboard_sessions_usage_keys_isolation_and_audit() {
         .unwrap();
     let (_, attrs) = cookie_value(form.headers(), "hearth_login").unwrap();
     assert!(attrs.contains("Secure"), "{attrs}");
+}
+
+/// What an outside probe found, closed: wrong admin tokens on `/admin/v1` and `/metrics` are
+/// throttled per source address (the 51st gets 429, another address is unaffected); the
+/// sign-in form's CSRF token must be one the server issued (a cookie and field the client
+/// picked are refused); with `--public-url`, a change must come from exactly that origin,
+/// even when `Origin` matches the request's `Host`; a short admin token is refused at start.
+#[tokio::test]
+async fn admin_throttle_login_csrf_public_origin_and_token_length() {
+    let data = temp_dir("hardening");
+    let short = std::process::Command::new(bin())
+        .args(["serve", "--listen", "127.0.0.1:0", "--backend", "sim"])
+        .args(["--data-dir", data.to_str().unwrap()])
+        .env("HEARTH_ADMIN_TOKEN", "fifteen-chars!!")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&short.stderr);
+    assert!(!short.status.success(), "{stderr}");
+    assert!(stderr.contains("at least 16"), "{stderr}");
+
+    let public = "https://hearth.example.test";
+    let server = sim_serve_with(&data, "100", &["--public-url", &format!("{public}/")]);
+    let base = server.url.clone();
+
+    // A login CSRF cookie and field the client chose, or a real token with its MAC changed.
+    let form = browser().get(format!("{base}/dashboard/login")).send().await.unwrap();
+    let (issued, _) = cookie_value(form.headers(), "hearth_login").unwrap();
+    let tampered = format!("{}0", &issued[..issued.len() - 1]);
+    let tampered = if tampered == issued {
+        format!("{}1", &issued[..issued.len() - 1])
+    } else {
+        tampered
+    };
+    for forged in ["aaaa", tampered.as_str()] {
+        let r = browser()
+            .post(format!("{base}/dashboard/login"))
+            .header("cookie", format!("hearth_login={forged}"))
+            .header("origin", public)
+            .form(&[("credential", ADMIN_TOKEN), ("login_csrf", forged)])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 403, "forged login token {forged}");
+        assert!(cookie_value(r.headers(), "hearth_session").is_none());
+    }
+
+    // `Origin` equal to the request's own host is not the public origin: refused.
+    let (status, _) = sign_in_from(&base, &base, ADMIN_TOKEN).await.err().unwrap();
+    assert_eq!(status, 403);
+    let op = sign_in_from(&base, public, ADMIN_TOKEN).await.unwrap();
+    let logout = |origin: &'static str| {
+        let (base, cookie, csrf) = (base.clone(), op.cookie.clone(), op.csrf.clone());
+        async move {
+            let origin = if origin.is_empty() {
+                base.clone()
+            } else {
+                origin.to_string()
+            };
+            browser()
+                .post(format!("{base}/dashboard/logout"))
+                .header("cookie", format!("hearth_session={cookie}"))
+                .header("origin", origin)
+                .form(&[("csrf", csrf.as_str())])
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    assert_eq!(logout("").await, 403, "the request's own host, not the public origin");
+    assert_eq!(logout("http://hearth.example.test").await, 403, "the scheme counts");
+    assert_eq!(logout("https://hearth.example.test").await, 303);
+
+    // Wrong admin tokens from one address, on both operator surfaces: 401 until the
+    // throttle's burst is spent, then 429 (even for the right token) ...
+    let c = client();
+    let mut sent = 0;
+    let first_throttled = loop {
+        sent += 1;
+        assert!(sent < 500, "never throttled");
+        let path = if sent % 2 == 0 { "/metrics" } else { "/admin/v1/tenants" };
+        let r = c
+            .get(format!("{base}{path}"))
+            .bearer_auth(format!("wrong-admin-token-{sent}"))
+            .send()
+            .await
+            .unwrap();
+        match r.status().as_u16() {
+            401 => {}
+            429 => {
+                assert!(r.headers().contains_key("retry-after"));
+                let body: Value = r.json().await.unwrap();
+                assert_eq!(body["error"]["code"], "auth_failures", "{body}");
+                break sent;
+            }
+            s => panic!("{path}: {s}"),
+        }
+    };
+    println!("wrong admin tokens from one address: {} × 401, then 429", first_throttled - 1);
+    assert!(first_throttled > 50, "throttled after {first_throttled}");
+    // The budget refills at 10 a second: right after a wrong token, the right one is refused
+    // too (a slow machine may let 100 ms pass between the two; then try again).
+    let mut right_refused = false;
+    for _ in 0..20 {
+        c.get(format!("{base}/metrics"))
+            .bearer_auth("wrong-again")
+            .send()
+            .await
+            .unwrap();
+        let r = c
+            .get(format!("{base}/admin/v1/tenants"))
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .unwrap();
+        if r.status() == 429 {
+            right_refused = true;
+            break;
+        }
+    }
+    assert!(
+        right_refused,
+        "a throttled address learns nothing, even from the right token"
+    );
+    // ... while another address is unaffected.
+    let other = reqwest::Client::builder()
+        .local_address("127.0.0.2".parse::<std::net::IpAddr>().unwrap())
+        .build()
+        .unwrap();
+    let r = other
+        .get(format!("{base}/admin/v1/tenants"))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = other
+        .get(format!("{base}/metrics"))
+        .bearer_auth("wrong-admin-token")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+}
+
+/// `hearth admin … --gateway-url` and `hearth billing export --gateway-url` with only the
+/// admin token (no database access: the data directory they are given is empty): the
+/// changes land in the gateway's database, and every answer prints as the database path
+/// prints it.
+#[tokio::test]
+async fn remote_admin_cli_works_with_only_the_admin_token() {
+    let data = temp_dir("remote-admin");
+    let server = sim_serve_with(&data, "100", &[]);
+    let elsewhere = temp_dir("remote-admin-laptop");
+    let remote = |args: &[&str]| -> String {
+        let out = std::process::Command::new(bin())
+            .args([
+                "admin",
+                "--data-dir",
+                elsewhere.to_str().unwrap(),
+                "--gateway-url",
+                &server.url,
+            ])
+            .args(args)
+            .env("HEARTH_ADMIN_TOKEN", ADMIN_TOKEN)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let json = |s: String| -> Value { serde_json::from_str(&s).unwrap() };
+
+    assert!(remote(&["tenant", "create", "far"]).starts_with("Created tenant far ("));
+    let key = json(remote(&[
+        "--json",
+        "key",
+        "create",
+        "--tenant",
+        "far",
+        "--name",
+        "remote",
+        "--expires-in",
+        "1d",
+    ]));
+    assert!(key["key"].as_str().unwrap().starts_with("hk_"), "{key}");
+    assert!(key["expires_at"].as_i64().unwrap() > 0);
+    let price = json(remote(&[
+        "--json",
+        "price",
+        "set",
+        "--model",
+        "*",
+        "--input",
+        "1",
+        "--cached-input",
+        "0.1",
+        "--output",
+        "2",
+    ]));
+    assert_eq!(price["input_micros_per_mtok"], 1_000_000);
+    assert!(remote(&["tenant", "budget", "far", "--monthly-usd", "12.5"]).contains("$12.50 per month (hard)"));
+    assert!(remote(&["tenant", "limits", "far", "--rpm", "60"]).contains("60 requests/min"));
+
+    // The gateway's database has them; both paths print the same JSON.
+    for args in [
+        &["--json", "tenant", "list"][..],
+        &["--json", "key", "list", "--tenant", "far"],
+        &["--json", "price", "list"],
+        &["--json", "jwt", "list"],
+    ] {
+        assert_eq!(json(remote(args)), json(admin(&data, args)), "{args:?}");
+    }
+    let budget = json(admin(
+        &data,
+        &["--json", "tenant", "budget", "far", "--monthly-usd", "12.5"],
+    ));
+    assert_eq!(budget["budget"]["monthly_usd"], "12.500000000");
+    let audit = json(admin(&data, &["--json", "audit", "--tenant", "far"]));
+    let actions: Vec<(&str, &str)> = audit
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["action"].as_str().unwrap(), e["channel"].as_str().unwrap()))
+        .collect();
+    for want in [
+        ("tenant.create", "api"),
+        ("key.create", "api"),
+        ("tenant.budget", "api"),
+    ] {
+        assert!(actions.contains(&want), "{want:?} in {actions:?}");
+    }
+    assert!(
+        !elsewhere.join("hearth.db").exists(),
+        "the remote CLI opened no database"
+    );
+
+    // The key works; its request is in the export the remote CLI downloads.
+    let (status, _, body) = post(
+        &format!("{}/v1/chat/completions", server.url),
+        Some(key["key"].as_str().unwrap()),
+        &chat_body(json!({"max_tokens": 3})),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let export = std::process::Command::new(bin())
+        .args([
+            "billing",
+            "export",
+            "--gateway-url",
+            &server.url,
+            "--tenant",
+            "far",
+            "--from",
+            "2020-01-01",
+        ])
+        .args(["--format", "jsonl"])
+        .env("HEARTH_ADMIN_TOKEN", ADMIN_TOKEN)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&export.stderr);
+    assert!(export.status.success(), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&export.stdout).lines().count(), 1);
+    assert!(stderr.starts_with("1 lines; 1 requests;"), "{stderr}");
+
+    // A wrong token is the gateway's 401, said plainly.
+    let out = std::process::Command::new(bin())
+        .args(["admin", "--gateway-url", &server.url, "tenant", "list"])
+        .env("HEARTH_ADMIN_TOKEN", "wrong-admin-token-0000")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("401"));
 }

@@ -583,7 +583,8 @@ async fn set_budget(
     Ok(Json(budget_json(&t.name, b)))
 }
 
-pub(crate) fn budget_json(tenant: &str, b: Option<Budget>) -> Value {
+/// The budget as the admin API shows it (also `hearth admin tenant budget --json`).
+pub fn budget_json(tenant: &str, b: Option<Budget>) -> Value {
     match b {
         Some(b) => {
             json!({"tenant": tenant, "budget": {"monthly_usd": format_nusd(b.monthly_nusd), "mode": if b.hard {"hard"} else {"soft"}}})
@@ -747,6 +748,11 @@ pub(crate) async fn export_response(gw: &AppState, actor: Actor<'_>, q: &ExportQ
         ),
         ("x-hearth-export-cached-input-tokens", t.cached_input_tokens.to_string()),
         ("x-hearth-export-output-tokens", t.output_tokens.to_string()),
+        ("x-hearth-export-processor-us", t.processor_us.to_string()),
+        ("x-hearth-export-cost-input-nusd", t.cost_input_nusd.to_string()),
+        ("x-hearth-export-cost-cached-nusd", t.cost_cached_nusd.to_string()),
+        ("x-hearth-export-cost-output-nusd", t.cost_output_nusd.to_string()),
+        ("x-hearth-export-cost-processor-nusd", t.cost_processor_nusd.to_string()),
         ("x-hearth-export-cost-nusd", t.cost_nusd.to_string()),
         ("x-hearth-export-cost-usd", format_nusd(t.cost_nusd)),
     ];

@@ -249,11 +249,34 @@ pub fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError
     }
 }
 
-/// Route layer in front of every operator route (`/admin/v1/*`, `/metrics`).
+/// Route layer in front of every operator route (`/admin/v1/*`, `/metrics`). Wrong admin
+/// tokens count against their source address like bad API keys ([`AuthThrottle`]); a
+/// throttled address gets 429 before its token is compared, even the right one (else the
+/// answer would still tell a guesser when it guessed right).
 pub async fn require_admin(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let peer = peer_ip(req.extensions());
+    if let (Some(ip), Some(throttle)) = (peer, state.auth_throttle.as_ref()) {
+        if let Err(wait) = throttle.check(ip) {
+            state.metrics.auth_throttled.inc();
+            return ApiError::rate_limited(
+                "auth_failures",
+                "Too many invalid credentials from this address; wait before trying again.",
+                wait,
+            )
+            .into_response();
+        }
+    }
     match check_admin(&state, req.headers()) {
         Ok(()) => next.run(req).await,
-        Err(e) => e.into_response(),
+        Err(e) => {
+            // A request without a token is not a guess; a wrong one is.
+            if let (Some(ip), Some(throttle), Some(_)) = (peer, state.auth_throttle.as_ref(), bearer(req.headers())) {
+                if state.admin_token.is_some() {
+                    throttle.failed(ip);
+                }
+            }
+            e.into_response()
+        }
     }
 }
 

@@ -473,14 +473,13 @@ impl Discovery {
     /// and the first failure (a model that failed is retried by nobody: the worker is
     /// known once one of its models joined).
     async fn attach(&self, models: &ModelRegistry, rec: &WorkerRecord) -> (usize, Option<String>) {
-        let token = Some(self.token.clone());
-        let (clients, host) = match HttpWorker::discover(&rec.url).await {
+        let (clients, host) = match HttpWorker::discover(&rec.url, Some(self.token.clone())).await {
             Ok(found) => found,
             Err(e) => return (0, Some(e.to_string())),
         };
         let (mut joined, mut failed) = (0, None);
         for c in clients {
-            let c: Arc<dyn WorkerClient> = Arc::new(c.with_token(token.clone()));
+            let c: Arc<dyn WorkerClient> = Arc::new(c);
             let attached = match c.info().await {
                 Ok(info) => models.attach(info, c).map_err(|e| e.to_string()),
                 Err(e) => Err(e.to_string()),
@@ -494,7 +493,7 @@ impl Discovery {
             }
         }
         if let Some(h) = host {
-            models.add_host(Arc::new(h.with_token(token)) as Arc<dyn ModelHostClient>);
+            models.add_host(Arc::new(h) as Arc<dyn ModelHostClient>);
         }
         (joined, failed)
     }

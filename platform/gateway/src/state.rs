@@ -11,6 +11,10 @@ use crate::pipeline::budget::BudgetCache;
 use crate::processors::ProcessorHost;
 use crate::registry::ModelRegistry;
 
+/// The shortest admin token a gateway starts with (`HEARTH_ADMIN_TOKEN`): it is a bearer
+/// secret for every tenant's data, guessed only through the per-address throttle.
+pub const MIN_ADMIN_TOKEN_LEN: usize = 16;
+
 /// Shared state of one gateway process.
 pub struct AppState {
     pub tenants: TenantStore,
@@ -50,6 +54,13 @@ pub struct AppState {
     /// The completion budget of a request that sets none (`--default-max-tokens`; None: the
     /// room the prompt leaves in the context). Agent harnesses (Codex) send no limit.
     pub default_max_tokens: Option<u32>,
+    /// The origin browsers reach this gateway at (`--public-url`, as `scheme://host[:port]`):
+    /// the dashboard's state-changing requests must come from it (None: from the request's
+    /// own `Host`).
+    pub public_origin: Option<String>,
+    /// The key that signs the dashboard sign-in form's anti-CSRF token (a server secret
+    /// shared by the gateways on one database; read once).
+    pub login_key: tokio::sync::OnceCell<String>,
 }
 
 /// Time limits on one request, enforced by the relay.
@@ -150,6 +161,8 @@ impl AppState {
             response_retention: Default::default(),
             keep_billing_header: false,
             default_max_tokens: None,
+            public_origin: None,
+            login_key: Default::default(),
         }
     }
 }

@@ -70,8 +70,8 @@ pub struct HttpWorker {
     /// The model, on a catalogue worker (its state is followed through health checks).
     model: Option<String>,
     state: std::sync::Mutex<Option<String>>,
-    /// The workers' shared token, sent with disaggregated decode requests (they make the
-    /// worker fetch KV blocks from another).
+    /// The workers' shared token, sent with every request (a worker holding one refuses
+    /// requests without it; disaggregated halves and peer fetches need it in any case).
     token: Option<String>,
 }
 
@@ -112,27 +112,13 @@ pub trait ModelHostClient: Send + Sync + 'static {
     fn remove_model(&self, id: &str) -> BoxFuture<'_, Result<(), HostChangeError>>;
 }
 
-/// The catalogue of a worker reached over HTTP (`hearth worker --catalogue`).
+/// The catalogue of a worker reached over HTTP (`hearth worker --catalogue`); its changes
+/// carry the worker's token (`HEARTH_WORKER_TOKEN`), without which the worker refuses them.
 pub struct HttpModelHost {
     worker: HttpWorker,
-    /// The worker token (`HEARTH_WORKER_TOKEN`) catalogue changes carry.
-    token: Option<String>,
 }
 
 impl HttpModelHost {
-    /// Sends `token` with every catalogue change.
-    pub fn with_token(mut self, token: Option<String>) -> Self {
-        self.token = token.filter(|t| !t.is_empty());
-        self
-    }
-
-    fn authorized(&self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
-        match &self.token {
-            Some(t) => req.bearer_auth(t),
-            None => req,
-        }
-    }
-
     async fn refused(resp: reqwest::Response) -> HostChangeError {
         let status = resp.status().as_u16();
         match resp.json::<GenerateEvent>().await {
@@ -154,8 +140,8 @@ impl ModelHostClient for HttpModelHost {
     fn add_model(&self, spec: ModelSpec) -> BoxFuture<'_, Result<AddedModel, HostChangeError>> {
         async move {
             let w = &self.worker;
-            let resp = self
-                .authorized(w.client.post(format!("{}/v1/worker/models", w.base)))
+            let resp = w
+                .request(reqwest::Method::POST, format!("{}/v1/worker/models", w.base))
                 // Reading the model's metadata (or fetching a known model) takes a while.
                 .timeout(Duration::from_secs(600))
                 .json(&spec)
@@ -166,7 +152,7 @@ impl ModelHostClient for HttpModelHost {
                 return Err(Self::refused(resp).await);
             }
             let listed: ListedModel = resp.json().await.map_err(|e| w.protocol(e))?;
-            let client = HttpWorker::for_model(&w.base, &listed.info.model, listed.state)?;
+            let client = HttpWorker::for_model(&w.base, &listed.info.model, listed.state)?.with_token(w.token.clone());
             Ok((listed.info, Arc::new(client) as Arc<dyn WorkerClient>))
         }
         .boxed()
@@ -176,8 +162,8 @@ impl ModelHostClient for HttpModelHost {
         let id = id.to_string();
         async move {
             let w = &self.worker;
-            let resp = self
-                .authorized(w.client.delete(format!("{}/v1/worker/models/{id}", w.base)))
+            let resp = w
+                .request(reqwest::Method::DELETE, format!("{}/v1/worker/models/{id}", w.base))
                 .timeout(Duration::from_secs(30))
                 .send()
                 .await
@@ -223,10 +209,19 @@ impl HttpWorker {
         })
     }
 
-    /// Sends `token` (the workers' shared token) with disaggregated decode requests.
+    /// Sends `token` (the workers' shared token) with every request.
     pub fn with_token(mut self, token: Option<String>) -> Self {
         self.token = token.filter(|t| !t.is_empty());
         self
+    }
+
+    /// A request to the worker, with the workers' token when this client has one.
+    fn request(&self, method: reqwest::Method, url: String) -> reqwest::RequestBuilder {
+        let req = self.client.request(method, url);
+        match &self.token {
+            Some(t) => req.bearer_auth(t),
+            None => req,
+        }
     }
 
     /// The client of one model of a catalogue worker.
@@ -240,13 +235,15 @@ impl HttpWorker {
 
     /// One client per model the worker at `base` serves (a catalogue worker lists its
     /// models; an older or single-model worker is one client), and the worker's catalogue
-    /// when it takes runtime changes.
-    pub async fn discover(base: &str) -> Result<(Vec<Self>, Option<HttpModelHost>), WorkerError> {
-        let (clients, catalogue) = Self::discover_models(base).await?;
+    /// when it takes runtime changes; all of them send `token` (the workers' shared token).
+    pub async fn discover(
+        base: &str,
+        token: Option<String>,
+    ) -> Result<(Vec<Self>, Option<HttpModelHost>), WorkerError> {
+        let (clients, catalogue) = Self::discover_models(base, &token).await?;
         let host = if catalogue {
             Some(HttpModelHost {
-                worker: Self::new(base)?,
-                token: None,
+                worker: Self::new(base)?.with_token(token),
             })
         } else {
             None
@@ -254,11 +251,10 @@ impl HttpWorker {
         Ok((clients, host))
     }
 
-    async fn discover_models(base: &str) -> Result<(Vec<Self>, bool), WorkerError> {
-        let one = Self::new(base)?;
+    async fn discover_models(base: &str, token: &Option<String>) -> Result<(Vec<Self>, bool), WorkerError> {
+        let one = Self::new(base)?.with_token(token.clone());
         let resp = one
-            .client
-            .get(format!("{}/v1/worker/models", one.base))
+            .request(reqwest::Method::GET, format!("{}/v1/worker/models", one.base))
             .timeout(Duration::from_secs(30))
             .send()
             .await
@@ -278,7 +274,7 @@ impl HttpWorker {
         let clients = list
             .models
             .into_iter()
-            .map(|m| Self::for_model(base, &m.info.model, m.state))
+            .map(|m| Self::for_model(base, &m.info.model, m.state).map(|w| w.with_token(token.clone())))
             .collect::<Result<_, _>>()?;
         Ok((clients, list.catalogue))
     }
@@ -315,10 +311,7 @@ impl WorkerClient for HttpWorker {
     fn release_hold(&self, hold: &str) -> BoxFuture<'_, ()> {
         let body = serde_json::json!({ "hold": hold });
         async move {
-            let mut post = self.client.post(self.url("kv/release")).json(&body);
-            if let Some(t) = &self.token {
-                post = post.bearer_auth(t);
-            }
+            let post = self.request(reqwest::Method::POST, self.url("kv/release")).json(&body);
             if let Err(e) = post.timeout(Duration::from_secs(10)).send().await {
                 tracing::debug!(worker = %self.base, error = %e, "releasing a KV hold failed (it expires)");
             }
@@ -329,8 +322,7 @@ impl WorkerClient for HttpWorker {
     fn kv_events(&self) -> BoxFuture<'_, Result<KvEventStream, WorkerError>> {
         async move {
             let resp = self
-                .client
-                .get(self.url("events"))
+                .request(reqwest::Method::GET, self.url("events"))
                 .send()
                 .await
                 .map_err(|e| self.unavailable(e))?;
@@ -360,8 +352,7 @@ impl WorkerClient for HttpWorker {
             // A catalogue worker: follow the model's state (warm / loading / cold).
             if let Some(model) = &self.model {
                 let listed = self
-                    .client
-                    .get(format!("{}/v1/worker/models", self.base))
+                    .request(reqwest::Method::GET, format!("{}/v1/worker/models", self.base))
                     .timeout(Duration::from_secs(3))
                     .send()
                     .await
@@ -391,8 +382,7 @@ impl WorkerClient for HttpWorker {
                 return Ok(()); // a single-model worker is always loaded
             }
             let resp = self
-                .client
-                .post(self.url("load"))
+                .request(reqwest::Method::POST, self.url("load"))
                 .timeout(Duration::from_secs(10))
                 .send()
                 .await
@@ -410,8 +400,7 @@ impl WorkerClient for HttpWorker {
     fn info(&self) -> BoxFuture<'_, Result<WorkerInfo, WorkerError>> {
         async move {
             let resp = self
-                .client
-                .get(self.url("info"))
+                .request(reqwest::Method::GET, self.url("info"))
                 .timeout(Duration::from_secs(30))
                 .send()
                 .await
@@ -428,16 +417,9 @@ impl WorkerClient for HttpWorker {
         // The worker's spans join this request's trace (W3C traceparent).
         let traceparent = crate::telemetry::current_traceparent();
         async move {
-            let mut post = self.client.post(self.url("generate")).json(&req);
+            let mut post = self.request(reqwest::Method::POST, self.url("generate")).json(&req);
             if let Some(tp) = traceparent {
                 post = post.header(hearth_protocol::TRACEPARENT, tp);
-            }
-            if let Some(t) = self
-                .token
-                .as_ref()
-                .filter(|_| req.kv_source.is_some() || req.prefill_only)
-            {
-                post = post.bearer_auth(t);
             }
             let resp = post.send().await.map_err(|e| self.unavailable(e))?;
             if !resp.status().is_success() {

@@ -86,6 +86,31 @@ impl Policy {
     }
 }
 
+/// For people (the operator console): the policy's name and its weights.
+impl std::fmt::Display for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Policy::Random | Policy::LeastOutstanding => f.write_str(self.name()),
+            Policy::PrefixAware {
+                prefix_length,
+                concurrency_threshold,
+            } => write!(
+                f,
+                "prefix_aware (first {prefix_length} characters; the least busy worker past {concurrency_threshold} in flight)"
+            ),
+            Policy::KvAware {
+                prefill_weight,
+                decode_weight,
+                disk_weight,
+                fetch_weight,
+            } => write!(
+                f,
+                "kv_aware (prefill ×{prefill_weight}, decode ×{decode_weight}, disk hit ×{disk_weight}, peer fetch ×{fetch_weight})"
+            ),
+        }
+    }
+}
+
 /// A disk-tier hit's cost as a share of recomputing it. `hearth bench kv-tiers` on the
 /// default model, 2-core AVX2 CPU worker, page cache dropped: TTFT of a disk hit ÷ TTFT of
 /// recompute = 0.05× at 64 and 256 tokens, 0.02× at 1,024, 0.01× at 4,096; the short end,
@@ -632,6 +657,16 @@ mod tests {
             r.add_worker(&format!("w{i}"), "local", true);
         }
         r
+    }
+
+    #[test]
+    fn policies_display_for_people() {
+        assert_eq!(
+            Policy::parse("kv_aware").unwrap().to_string(),
+            "kv_aware (prefill ×1, decode ×8, disk hit ×0.05, peer fetch ×0.1)"
+        );
+        assert_eq!(Policy::parse("random").unwrap().to_string(), "random");
+        assert!(!Policy::parse("prefix_aware").unwrap().to_string().contains('{'));
     }
 
     fn input<'a>(hashes: &'a [BlockHash], session: Option<&'a str>) -> RouteInput<'a> {

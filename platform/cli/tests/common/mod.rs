@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 pub const MODEL: &str = "smollm2-135m-instruct";
-pub const ADMIN_TOKEN: &str = "e2e-admin-token";
+pub const ADMIN_TOKEN: &str = "e2e-admin-token-0123456789";
 pub const QUESTION: &str = "What is the capital of France? Answer in one sentence.";
 
 pub fn bin() -> &'static str {
@@ -244,15 +244,16 @@ pub fn metric_sum(metrics: &str, prefix: &str) -> f64 {
 
 /// A process's `/metrics` (the gateway's needs the admin token).
 pub async fn metrics(base: &str) -> String {
-    client()
+    let resp = client()
         .get(format!("{base}/metrics"))
         .bearer_auth(ADMIN_TOKEN)
         .send()
         .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+        .unwrap();
+    let status = resp.status();
+    let text = resp.text().await.unwrap();
+    assert_eq!(status, 200, "GET {base}/metrics: {text}");
+    text
 }
 
 pub fn client() -> reqwest::Client {

@@ -181,16 +181,18 @@ fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
         .map(|(_, v)| v)
 }
 
-/// Whether the client reached us over TLS (a terminating proxy says so).
-fn over_tls(headers: &HeaderMap) -> bool {
-    headers
-        .get("x-forwarded-proto")
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.eq_ignore_ascii_case("https"))
+/// Whether the client reached us over TLS: a terminating proxy says so, or the public URL
+/// is `https`.
+fn over_tls(gw: &AppState, headers: &HeaderMap) -> bool {
+    gw.public_origin.as_deref().is_some_and(|o| o.starts_with("https://"))
+        || headers
+            .get("x-forwarded-proto")
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.eq_ignore_ascii_case("https"))
 }
 
-fn set_cookie(headers: &HeaderMap, name: &str, value: &str, max_age_s: i64) -> HeaderValue {
-    let secure = if over_tls(headers) { "; Secure" } else { "" };
+fn set_cookie(gw: &AppState, headers: &HeaderMap, name: &str, value: &str, max_age_s: i64) -> HeaderValue {
+    let secure = if over_tls(gw, headers) { "; Secure" } else { "" };
     HeaderValue::from_str(&format!(
         "{name}={value}; Path=/dashboard; HttpOnly; SameSite=Strict; Max-Age={max_age_s}{secure}"
     ))
@@ -308,8 +310,11 @@ impl FromRequestParts<Arc<AppState>> for Visitor {
 
 /// The request came from this site (`Origin` and `Sec-Fetch-Site`, where the browser sent
 /// them). An opaque `Origin: null` (sent under some referrer policies and from sandboxed
-/// frames) counts only with `Sec-Fetch-Site: same-origin`.
-fn same_origin(headers: &HeaderMap) -> bool {
+/// frames) counts only with `Sec-Fetch-Site: same-origin`. With a public URL configured,
+/// `Origin` must be exactly that origin (scheme, host and port); without one, its host and
+/// port must be the request's `Host` (which the client chose, so a proxy should be told
+/// the public URL).
+fn same_origin(gw: &AppState, headers: &HeaderMap) -> bool {
     let site = headers.get("sec-fetch-site").and_then(|v| v.to_str().ok());
     if site.is_some_and(|s| !matches!(s, "same-origin" | "none")) {
         return false;
@@ -320,6 +325,9 @@ fn same_origin(headers: &HeaderMap) -> bool {
     if origin == "null" {
         return site == Some("same-origin");
     }
+    if let Some(public) = &gw.public_origin {
+        return origin.eq_ignore_ascii_case(public);
+    }
     let host = headers.get(header::HOST).and_then(|v| v.to_str().ok()).unwrap_or("");
     let bare = origin
         .strip_prefix("http://")
@@ -328,11 +336,11 @@ fn same_origin(headers: &HeaderMap) -> bool {
     !host.is_empty() && bare == host
 }
 
-fn csrf_ok(v: &Visitor, headers: &HeaderMap, presented: Option<&str>) -> Result<(), ApiError> {
+fn csrf_ok(gw: &AppState, v: &Visitor, headers: &HeaderMap, presented: Option<&str>) -> Result<(), ApiError> {
     let given = presented
         .or_else(|| headers.get("x-csrf-token").and_then(|h| h.to_str().ok()))
         .unwrap_or("");
-    if !same_origin(headers) || !constant_time_eq(given.as_bytes(), v.session.csrf.as_bytes()) {
+    if !same_origin(gw, headers) || !constant_time_eq(given.as_bytes(), v.session.csrf.as_bytes()) {
         return Err(ApiError::permission(
             "csrf_failed",
             "This request did not come from a dashboard page (missing or wrong CSRF token): reload the page and try again.",
@@ -351,25 +359,75 @@ async fn home(v: Result<Visitor, Unauthenticated>, State(gw): State<Arc<AppState
     }
 }
 
-fn login_page(headers: &HeaderMap, status: StatusCode, error: Option<&str>) -> Response {
-    let nonce = match hearth_tenants_random() {
-        Some(n) => n,
-        None => return (StatusCode::SERVICE_UNAVAILABLE, "the OS random source failed").into_response(),
+async fn login_page(gw: &AppState, headers: &HeaderMap, status: StatusCode, error: Option<&str>) -> Response {
+    let token = match login_token::issue(gw, now_ms()).await {
+        Ok(t) => t,
+        Err(why) => {
+            tracing::error!(error = %why, "the sign-in form's token could not be issued");
+            return (StatusCode::SERVICE_UNAVAILABLE, "Sign-in is temporarily unavailable.").into_response();
+        }
     };
-    let mut resp = page(status, "login.html", context! {login_csrf => nonce, error => error});
-    resp.headers_mut()
-        .append(header::SET_COOKIE, set_cookie(headers, LOGIN_COOKIE, &nonce, 600));
+    let mut resp = page(status, "login.html", context! {login_csrf => token, error => error});
+    resp.headers_mut().append(
+        header::SET_COOKIE,
+        set_cookie(gw, headers, LOGIN_COOKIE, &token, login_token::LIFETIME_MS / 1000),
+    );
     resp
 }
 
-fn hearth_tenants_random() -> Option<String> {
-    let mut b = [0u8; 24];
-    getrandom::fill(&mut b).ok()?;
-    Some(b.iter().map(|x| format!("{x:02x}")).collect())
+/// The sign-in form's anti-CSRF token: `ISSUED_MS.NONCE.MAC`, the MAC an HMAC-SHA256 of the
+/// rest under the installation's `dashboard-login` secret. The form carries it and a cookie
+/// set with the form carries it again (double submit); a POST is taken only when both are
+/// the same token, this server issued it (a client cannot pick its own) and it is younger
+/// than [`LIFETIME_MS`].
+mod login_token {
+    use hmac::{Hmac, Mac};
+    use sha2::Sha256;
+
+    use crate::state::AppState;
+
+    pub const LIFETIME_MS: i64 = 10 * 60 * 1000;
+
+    async fn key(gw: &AppState) -> Result<&str, String> {
+        gw.login_key
+            .get_or_try_init(|| async { gw.tenants.server_secret("dashboard-login").await })
+            .await
+            .map(String::as_str)
+            .map_err(|e| e.to_string())
+    }
+
+    fn mac(key: &str, body: &str) -> String {
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key.as_bytes()).expect("HMAC takes any key length");
+        m.update(b"hearth-dashboard-login\0");
+        m.update(body.as_bytes());
+        m.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    pub async fn issue(gw: &AppState, now: i64) -> Result<String, String> {
+        let mut nonce = [0u8; 16];
+        getrandom::fill(&mut nonce).map_err(|e| e.to_string())?;
+        let nonce: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
+        let body = format!("{now}.{nonce}");
+        Ok(format!("{body}.{}", mac(key(gw).await?, &body)))
+    }
+
+    /// Whether `token` is one this installation issued, not expired at `now`.
+    pub async fn valid(gw: &AppState, token: &str, now: i64) -> bool {
+        let Some((body, given)) = token.rsplit_once('.') else {
+            return false;
+        };
+        let Some(issued) = body.split_once('.').and_then(|(t, _)| t.parse::<i64>().ok()) else {
+            return false;
+        };
+        let Ok(key) = key(gw).await else { return false };
+        hearth_tenants::constant_time_eq(mac(key, body).as_bytes(), given.as_bytes())
+            && issued <= now + 60_000
+            && now - issued < LIFETIME_MS
+    }
 }
 
-async fn login_form(headers: HeaderMap) -> Response {
-    login_page(&headers, StatusCode::OK, None)
+async fn login_form(State(gw): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    login_page(&gw, &headers, StatusCode::OK, None).await
 }
 
 #[derive(Deserialize)]
@@ -387,21 +445,26 @@ async fn login(
     let headers = &headers;
     let Ok(Form(form)) = form else {
         return login_page(
+            &gw,
             headers,
             StatusCode::BAD_REQUEST,
             Some("The sign-in form was incomplete."),
-        );
+        )
+        .await;
     };
     let expected = cookie(headers, LOGIN_COOKIE).unwrap_or("");
     if expected.is_empty()
-        || !same_origin(headers)
+        || !same_origin(&gw, headers)
         || !constant_time_eq(expected.as_bytes(), form.login_csrf.as_bytes())
+        || !login_token::valid(&gw, expected, now_ms()).await
     {
         return login_page(
+            &gw,
             headers,
             StatusCode::FORBIDDEN,
             Some("The sign-in form expired or came from another site: try again."),
-        );
+        )
+        .await;
     }
     let credential = form.credential.trim();
     let address = client_address(&extensions);
@@ -412,10 +475,12 @@ async fn login(
         if throttle.check(ip).is_err() {
             gw.metrics.auth_throttled.inc();
             return login_page(
+                &gw,
                 headers,
                 StatusCode::TOO_MANY_REQUESTS,
                 Some("Too many failed sign-ins from this address; wait a few seconds."),
-            );
+            )
+            .await;
         }
     }
     let failed = |gw: &AppState| {
@@ -443,38 +508,52 @@ async fn login(
             Err(AuthError::Store(e)) => {
                 tracing::error!(error = %e, "key store unavailable");
                 return login_page(
+                    &gw,
                     headers,
                     StatusCode::SERVICE_UNAVAILABLE,
                     Some("Sign-in is temporarily unavailable."),
-                );
+                )
+                .await;
             }
             Err(AuthError::Revoked) => {
                 failed(&gw);
                 return login_page(
+                    &gw,
                     headers,
                     StatusCode::UNAUTHORIZED,
                     Some("This API key has been revoked."),
-                );
+                )
+                .await;
             }
             Err(AuthError::Expired(_)) => {
                 failed(&gw);
-                return login_page(headers, StatusCode::UNAUTHORIZED, Some("This credential has expired."));
+                return login_page(
+                    &gw,
+                    headers,
+                    StatusCode::UNAUTHORIZED,
+                    Some("This credential has expired."),
+                )
+                .await;
             }
             Err(_) => {
                 failed(&gw);
                 return login_page(
+                    &gw,
                     headers,
                     StatusCode::UNAUTHORIZED,
                     Some("That is not a valid API key, JWT or admin token."),
-                );
+                )
+                .await;
             }
         };
         if !ctx.scopes.manage {
             return login_page(
+                &gw,
                 headers,
                 StatusCode::FORBIDDEN,
                 Some("This credential lacks the 'manage' scope the dashboard needs."),
-            );
+            )
+            .await;
         }
         let kind = SessionKind::Tenant {
             tenant_id: ctx.tenant_id.clone(),
@@ -511,18 +590,20 @@ async fn login(
             let h = resp.headers_mut();
             h.append(
                 header::SET_COOKIE,
-                set_cookie(headers, SESSION_COOKIE, &token, age.max(1)),
+                set_cookie(&gw, headers, SESSION_COOKIE, &token, age.max(1)),
             );
-            h.append(header::SET_COOKIE, set_cookie(headers, LOGIN_COOKIE, "", 0));
+            h.append(header::SET_COOKIE, set_cookie(&gw, headers, LOGIN_COOKIE, "", 0));
             resp
         }
         Err(e) => {
             tracing::error!(error = %e, "dashboard session could not be created");
             login_page(
+                &gw,
                 headers,
                 StatusCode::SERVICE_UNAVAILABLE,
                 Some("Sign-in is temporarily unavailable."),
             )
+            .await
         }
     }
 }
@@ -533,7 +614,7 @@ struct CsrfForm {
 }
 
 async fn logout(v: Visitor, State(gw): State<Arc<AppState>>, headers: HeaderMap, Form(f): Form<CsrfForm>) -> Response {
-    if let Err(e) = csrf_ok(&v, &headers, f.csrf.as_deref()) {
+    if let Err(e) = csrf_ok(&gw, &v, &headers, f.csrf.as_deref()) {
         return PageError::from(e).into_response();
     }
     let token = cookie(&headers, SESSION_COOKIE).unwrap_or("");
@@ -548,7 +629,7 @@ async fn logout(v: Visitor, State(gw): State<Arc<AppState>>, headers: HeaderMap,
         .await;
     let mut resp = Redirect::to("/dashboard/login").into_response();
     resp.headers_mut()
-        .append(header::SET_COOKIE, set_cookie(&headers, SESSION_COOKIE, "", 0));
+        .append(header::SET_COOKIE, set_cookie(&gw, &headers, SESSION_COOKIE, "", 0));
     resp
 }
 
@@ -675,7 +756,7 @@ async fn create_key(
     headers: HeaderMap,
     Form(f): Form<NewKeyForm>,
 ) -> Result<Response, PageError> {
-    csrf_ok(&v, &headers, f.csrf.as_deref())?;
+    csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
     v.tenant()?;
     let models: Vec<String> = f
         .models
@@ -725,7 +806,7 @@ async fn revoke_key(
     Path(id): Path<String>,
     Form(f): Form<CsrfForm>,
 ) -> Result<Response, PageError> {
-    csrf_ok(&v, &headers, f.csrf.as_deref())?;
+    csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
     v.tenant()?;
     gw.management().via(v.origin.clone()).revoke_key(v.actor(), &id).await?;
     Ok(Redirect::to("/dashboard/keys").into_response())
@@ -765,7 +846,7 @@ async fn upload_processor(
     q: Result<Query<UploadQuery>, axum::extract::rejection::QueryRejection>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    csrf_ok(&v, &headers, None)?;
+    csrf_ok(&gw, &v, &headers, None)?;
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
     if v.tenant.is_none() {
         return Err(ApiError::forbidden("processors are managed from a tenant's session"));
@@ -796,7 +877,7 @@ async fn processor_action(
     Path((id, action)): Path<(String, String)>,
     Form(f): Form<ProcessorForm>,
 ) -> Result<Response, PageError> {
-    csrf_ok(&v, &headers, f.csrf.as_deref())?;
+    csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
     v.tenant()?;
     let m = gw.management().via(v.origin.clone());
     match action.as_str() {
@@ -884,7 +965,7 @@ async fn operator(gw: &AppState, v: &Visitor) -> Result<Response, PageError> {
                 .collect();
             json!({
                 "id": m.id, "state": m.state(), "context_length": m.context_length,
-                "policy": format!("{:?}", r.cfg.policy), "index_blocks": r.index.len(),
+                "policy": r.cfg.policy.to_string(), "index_blocks": r.index.len(),
                 "tenants": if m.tenants.is_empty() { "all".to_string() } else { m.tenants.join(", ") },
                 "workers": workers,
             })
