@@ -156,7 +156,8 @@ impl WorkerState {
         }
     }
 
-    /// Whether a request may change the catalogue: it carries the worker token.
+    /// Whether a request carries the workers' token (a worker without one refuses what needs
+    /// it: catalogue changes, KV transfers, disaggregated halves).
     fn authorized(&self, headers: &HeaderMap) -> Result<(), Box<Response>> {
         let Some(want) = &self.token else {
             return Err(error_response(
@@ -308,8 +309,8 @@ pub fn router_many(engines: Vec<(String, Arc<dyn Backend>)>, name: &str, opts: W
 }
 
 /// The worker API for a catalogue whose models change at runtime through `control`
-/// (`POST`/`DELETE /v1/worker/models` need `Authorization: Bearer <token>`; without a token
-/// they are refused).
+/// (`POST`/`DELETE /v1/worker/models` need `Authorization: Bearer <token>`, like every
+/// worker route when a token is configured; without one they are refused).
 pub fn router_catalogue(name: &str, control: Arc<dyn CatalogueControl>, opts: WorkerOptions) -> Router {
     router_with(Vec::new(), name, Some(control), opts)
 }

@@ -457,12 +457,16 @@ impl AccessArgs {
     }
 }
 
-/// `scheme://host[:port]` of a public URL (http or https, a host, nothing after the path).
+/// `scheme://host[:port]` of a public URL (http or https, a host, no path: the dashboard is
+/// served at `/dashboard` of that origin).
 fn public_origin(url: &str) -> anyhow::Result<String> {
     let parsed = reqwest::Url::parse(url).map_err(|e| anyhow::anyhow!("--public-url {url:?}: {e}"))?;
     anyhow::ensure!(
-        matches!(parsed.scheme(), "http" | "https") && parsed.host().is_some(),
-        "--public-url {url:?}: give an http or https URL with a host, like https://hearth.example.com"
+        matches!(parsed.scheme(), "http" | "https")
+            && parsed.host().is_some()
+            && parsed.path() == "/"
+            && parsed.query().is_none(),
+        "--public-url {url:?}: give an http or https origin, like https://hearth.example.com (the dashboard is at its /dashboard; a path prefix is not supported)"
     );
     Ok(parsed.origin().ascii_serialization())
 }

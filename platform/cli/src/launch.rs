@@ -329,7 +329,8 @@ async fn run_gateway(
 }
 
 pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
-    a.access.checked()?; // before a model is loaded
+    // Refused before a model is loaded.
+    a.access.checked()?;
     if let Some(path) = &a.catalogue {
         if a.prefill_workers + a.decode_workers > 0 {
             bail!("--prefill-workers and --decode-workers serve one model: they do not combine with --catalogue");
@@ -565,9 +566,10 @@ fn worker_name(addr: SocketAddr) -> String {
 }
 
 pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
-    a.access.checked()?; // before workers are waited for
-                         // One client per model of each worker (a catalogue worker serves several); a worker
-                         // not up yet is waited for up to --worker-wait-secs.
+    // Refused before workers are waited for.
+    a.access.checked()?;
+    // One client per model of each worker (a catalogue worker serves several); a worker
+    // not up yet is waited for up to --worker-wait-secs.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(a.worker_wait_secs);
     let mut clients: Vec<Arc<dyn WorkerClient>> = Vec::new();
     let mut hosts: Vec<Arc<dyn ModelHostClient>> = Vec::new();

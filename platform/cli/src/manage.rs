@@ -1,5 +1,6 @@
 //! `hearth admin`, `hearth processor` and `hearth billing`: tenant, key, limit, budget,
-//! issuer, price, processor and export management against the database.
+//! issuer, price, processor and export management, against the database or (`hearth admin`,
+//! `hearth billing` with `--gateway-url`) through a gateway's admin API.
 
 use std::path::PathBuf;
 
@@ -242,12 +243,21 @@ struct AdminClient {
     http: reqwest::Client,
 }
 
-/// The answer of a refused admin API call: the status and the gateway's own message.
+/// The answer of a refused admin API call: the status and the gateway's own message (or the
+/// start of whatever else answered, e.g. a proxy's error page).
 fn refused(status: reqwest::StatusCode, body: &[u8]) -> anyhow::Error {
     let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
-    let msg = v["error"]["message"].as_str().unwrap_or("no explanation");
+    let msg = match v["error"]["message"].as_str() {
+        Some(m) => m.to_string(),
+        None => String::from_utf8_lossy(&body[..body.len().min(200)]).trim().to_string(),
+    };
     anyhow::anyhow!("the gateway answered {status}: {msg}")
 }
+
+/// How long an admin call may take: adding a model reads (or fetches) it, an export reads
+/// every row of the window.
+const SLOW_CALL: std::time::Duration = std::time::Duration::from_secs(900);
+const CALL: std::time::Duration = std::time::Duration::from_secs(120);
 
 impl AdminClient {
     /// The client `--gateway-url` asks for (None: act on the database).
@@ -266,10 +276,23 @@ impl AdminClient {
             .ok()
             .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
             .ok_or_else(|| anyhow::anyhow!("--gateway-url {url:?}: give the gateway's http(s) URL"))?;
+        let loopback = base.host_str().is_some_and(|h| {
+            h == "localhost"
+                || h.trim_matches(['[', ']'])
+                    .parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip.is_loopback())
+        });
+        if base.scheme() == "http" && !loopback {
+            eprintln!("warning: {base} is plain HTTP: the admin token crosses the network unencrypted");
+        }
+        let http = reqwest::Client::builder()
+            .connect_timeout(std::time::Duration::from_secs(10))
+            .build()
+            .context("building the HTTP client")?;
         Ok(Self {
             base,
             token: token.to_string(),
-            http: reqwest::Client::new(),
+            http,
         })
     }
 
@@ -282,10 +305,14 @@ impl AdminClient {
         url
     }
 
-    async fn send(&self, req: reqwest::RequestBuilder) -> anyhow::Result<reqwest::Response> {
+    async fn send(
+        &self,
+        req: reqwest::RequestBuilder,
+        timeout: std::time::Duration,
+    ) -> anyhow::Result<reqwest::Response> {
         let resp = req
             .bearer_auth(&self.token)
-            .timeout(std::time::Duration::from_secs(900))
+            .timeout(timeout)
             .send()
             .await
             .with_context(|| format!("cannot reach the gateway at {}", self.base))?;
@@ -296,7 +323,7 @@ impl AdminClient {
         Err(refused(status, &resp.bytes().await.unwrap_or_default()))
     }
 
-    /// A JSON call; a list answer (`{"object": "list", "data"}`) is its `data`.
+    /// A JSON call, its answer as the gateway sent it.
     async fn call(
         &self,
         method: reqwest::Method,
@@ -304,17 +331,22 @@ impl AdminClient {
         query: &[(&str, String)],
         body: Option<serde_json::Value>,
     ) -> anyhow::Result<serde_json::Value> {
+        let slow = method == reqwest::Method::POST && segments == ["models"];
         let mut req = self.http.request(method, self.url(segments)).query(query);
         if let Some(b) = body {
             req = req.json(&b);
         }
-        let v: serde_json::Value = self
-            .send(req)
+        self.send(req, if slow { SLOW_CALL } else { CALL })
             .await?
             .json()
             .await
-            .context("the gateway's answer was not JSON")?;
-        Ok(match v {
+            .context("the gateway's answer was not JSON")
+    }
+
+    /// A `GET`; a list answer (`{"object": "list", "data"}`) is its `data` (as the database
+    /// path prints listings).
+    async fn get(&self, segments: &[&str], query: &[(&str, String)]) -> anyhow::Result<serde_json::Value> {
+        Ok(match self.call(reqwest::Method::GET, segments, query, None).await? {
             serde_json::Value::Object(mut o) if o.get("object").and_then(|x| x.as_str()) == Some("list") => {
                 o.remove("data").unwrap_or_default()
             }
@@ -322,17 +354,17 @@ impl AdminClient {
         })
     }
 
-    async fn get(&self, segments: &[&str], query: &[(&str, String)]) -> anyhow::Result<serde_json::Value> {
-        self.call(reqwest::Method::GET, segments, query, None).await
-    }
-
     /// `GET /admin/v1/billing/export`: the file and its totals (from the `x-hearth-export-*`
     /// headers).
     async fn export(&self, query: &[(&str, String)]) -> anyhow::Result<hearth_billing::export::Export> {
         let resp = self
-            .send(self.http.get(self.url(&["billing", "export"])).query(query))
+            .send(self.http.get(self.url(&["billing", "export"])).query(query), SLOW_CALL)
             .await?;
         let h = resp.headers().clone();
+        anyhow::ensure!(
+            h.contains_key("x-hearth-export-cost-input-nusd"),
+            "the gateway sent the export without its totals (is it older than this CLI?)"
+        );
         let n = |k: &str| -> i64 {
             h.get(format!("x-hearth-export-{k}"))
                 .and_then(|v| v.to_str().ok())
@@ -359,10 +391,14 @@ impl AdminClient {
 
 /// `hearth admin model …`: the gateway's `/admin/v1/models` over HTTP.
 async fn admin_models(gw: GatewayApiArgs, command: AdminModelCommand, json: bool) -> anyhow::Result<()> {
-    let url = gw.url.clone().unwrap_or_else(|| "http://127.0.0.1:8080".into());
+    let url = gw
+        .url
+        .clone()
+        .filter(|u| !u.is_empty())
+        .unwrap_or_else(|| "http://127.0.0.1:8080".into());
     let gw = AdminClient::new(&url, gw.admin_token.as_deref())?;
     let body = match command {
-        AdminModelCommand::List => gw.get(&["models"], &[]).await?,
+        AdminModelCommand::List => gw.call(reqwest::Method::GET, &["models"], &[], None).await?,
         AdminModelCommand::Add {
             id,
             source,
@@ -423,7 +459,7 @@ async fn admin_models(gw: GatewayApiArgs, command: AdminModelCommand, json: bool
             tenants
         )
     };
-    if let Some(list) = body.as_array() {
+    if let Some(list) = body["data"].as_array() {
         for m in list {
             println!("{}", one(m));
         }
@@ -543,7 +579,8 @@ async fn admin_remote(gw: &AdminClient, command: &AdminCommand) -> anyhow::Resul
             }
             JwtCommand::List { tenant: Some(t) } => gw.get(&["tenants", t, "jwt-issuers"], &[]).await?,
             JwtCommand::List { tenant: None } => {
-                // The admin API lists issuers per tenant: every tenant's, in turn.
+                // The admin API lists issuers per tenant: every tenant's, in turn, in the
+                // database path's order.
                 let mut all = Vec::new();
                 for t in gw.get(&["tenants"], &[]).await?.as_array().into_iter().flatten() {
                     let id = t["id"].as_str().unwrap_or_default();
@@ -551,6 +588,7 @@ async fn admin_remote(gw: &AdminClient, command: &AdminCommand) -> anyhow::Resul
                         all.extend(is);
                     }
                 }
+                all.sort_by_key(|i| (i["created_at"].as_i64(), i["id"].as_str().map(str::to_string)));
                 serde_json::Value::Array(all)
             }
             JwtCommand::Remove { id } => gw.call(Method::DELETE, &["jwt-issuers", id], &[], None).await?,
@@ -857,11 +895,9 @@ fn admin_text(command: &AdminCommand, v: &serde_json::Value) -> String {
         },
         AdminCommand::Audit { .. } => lines(
             list(v).iter().map(|e| {
-                let at = e["at"].as_i64().unwrap_or(0);
                 format!(
-                    "{}\t{}\t{}\t{}\t{}\t{}\t{}",
-                    hearth_billing::day_of(at),
-                    at,
+                    "{}\t{}\t{}\t{}\t{}\t{}",
+                    iso_ms(e["at"].as_i64().unwrap_or(0)),
                     s(e, "actor"),
                     s(e, "channel"),
                     e["address"].as_str().unwrap_or("-"),
@@ -883,7 +919,7 @@ fn admin_text(command: &AdminCommand, v: &serde_json::Value) -> String {
                     r["cached_tokens"],
                     r["completion_tokens"],
                     s(r, "status"),
-                    hearth_billing::format_nusd(cost["total_nusd"].as_i64().unwrap_or(0))
+                    short_usd(&hearth_billing::format_nusd(cost["total_nusd"].as_i64().unwrap_or(0)))
                 )
             }),
             "No usage yet.",

@@ -893,9 +893,7 @@ async fn hostile_clients_meet_limits() {
             s => panic!("status {s}"),
         }
     }
-    // The address is throttled now, for the admin token too (a throttled address is told
-    // nothing about any credential): wait for the budget to refill (10 a second) first.
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    // Operators have a budget of their own: the flood does not lock out the admin token.
     let throttled_metric = metric_sum(&metrics(&gw.url).await, "hearth_auth_throttled_total");
     println!("injected: 80 invalid keys; observed: {unauthorized} × 401, then {throttled} × 429");
     assert!(unauthorized >= 50 && throttled >= 1, "{unauthorized} / {throttled}");

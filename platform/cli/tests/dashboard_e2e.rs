@@ -526,7 +526,10 @@ async fn admin_throttle_login_csrf_public_origin_and_token_length() {
             s => panic!("{path}: {s}"),
         }
     };
-    println!("wrong admin tokens from one address: {} × 401, then 429", first_throttled - 1);
+    println!(
+        "wrong admin tokens from one address: {} × 401, then 429",
+        first_throttled - 1
+    );
     assert!(first_throttled > 50, "throttled after {first_throttled}");
     // The budget refills at 10 a second: right after a wrong token, the right one is refused
     // too (a slow machine may let 100 ms pass between the two; then try again).

@@ -250,17 +250,18 @@ pub fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError
 }
 
 /// Route layer in front of every operator route (`/admin/v1/*`, `/metrics`). Wrong admin
-/// tokens count against their source address like bad API keys ([`AuthThrottle`]); a
-/// throttled address gets 429 before its token is compared, even the right one (else the
-/// answer would still tell a guesser when it guessed right).
+/// tokens count against their source address in the operators' own budget
+/// (`AppState::admin_throttle`, the same rates as [`AuthThrottle`]); a throttled address gets
+/// 429 before its token is compared, even for the right one (else the answer would still tell
+/// a guesser when it guessed right). A request without a token is not a guess.
 pub async fn require_admin(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let peer = peer_ip(req.extensions());
-    if let (Some(ip), Some(throttle)) = (peer, state.auth_throttle.as_ref()) {
+    if let (Some(ip), Some(throttle)) = (peer, state.admin_throttle.as_ref()) {
         if let Err(wait) = throttle.check(ip) {
             state.metrics.auth_throttled.inc();
             return ApiError::rate_limited(
                 "auth_failures",
-                "Too many invalid credentials from this address; wait before trying again.",
+                "Too many invalid admin tokens from this address; wait before trying again.",
                 wait,
             )
             .into_response();
@@ -269,11 +270,9 @@ pub async fn require_admin(State(state): State<Arc<AppState>>, req: Request, nex
     match check_admin(&state, req.headers()) {
         Ok(()) => next.run(req).await,
         Err(e) => {
-            // A request without a token is not a guess; a wrong one is.
-            if let (Some(ip), Some(throttle), Some(_)) = (peer, state.auth_throttle.as_ref(), bearer(req.headers())) {
-                if state.admin_token.is_some() {
-                    throttle.failed(ip);
-                }
+            let guessed = bearer(req.headers()).is_some() && state.admin_token.is_some();
+            if let (true, Some(ip), Some(throttle)) = (guessed, peer, state.admin_throttle.as_ref()) {
+                throttle.failed(ip);
             }
             e.into_response()
         }

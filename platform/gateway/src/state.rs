@@ -40,6 +40,10 @@ pub struct AppState {
     pub unrecorded: Tasks,
     /// Sources sending bad credentials are throttled (None: never, e.g. for benchmarks).
     pub auth_throttle: Option<crate::auth::AuthThrottle>,
+    /// Sources sending wrong admin tokens (`/admin/v1`, `/metrics`), in a budget of their
+    /// own: a flood of bad API keys through a shared address (a NAT, an ingress) must not
+    /// lock the operator out.
+    pub admin_throttle: Option<crate::auth::AuthThrottle>,
     /// Request body limits (see [`crate::http`]).
     pub body_limits: crate::http::BodyLimits,
     /// How long a request may run, and its worker stay quiet (see [`RequestLimits`]).
@@ -152,6 +156,7 @@ impl AppState {
             abort: tokio::sync::watch::Sender::new(false),
             unrecorded: Tasks::default(),
             auth_throttle: Some(Default::default()),
+            admin_throttle: Some(Default::default()),
             body_limits: crate::http::BodyLimits::new(
                 &crate::http::HttpLimits::default(),
                 "/processors",

@@ -263,7 +263,7 @@ impl HttpWorker {
             return Ok((vec![one], false));
         }
         if !resp.status().is_success() {
-            return Err(one.protocol(format!("models returned {}", resp.status())));
+            return Err(one.refused("models", resp.status()));
         }
         let list: ModelList = resp.json().await.map_err(|e| one.protocol(e))?;
         // A single-model worker is reached through the unprefixed routes; a catalogue's
@@ -287,6 +287,17 @@ impl HttpWorker {
         WorkerError::Unavailable {
             worker: self.base.clone(),
             detail: e.to_string(),
+        }
+    }
+
+    /// A worker route answered `status`: a 401 is a token mismatch, said as one.
+    fn refused(&self, route: &str, status: reqwest::StatusCode) -> WorkerError {
+        if status == reqwest::StatusCode::UNAUTHORIZED {
+            self.protocol(format!(
+                "{route} returned 401: the worker refused this gateway's workers' token (HEARTH_WORKER_TOKEN is missing here or differs from the worker's)"
+            ))
+        } else {
+            self.protocol(format!("{route} returned {status}"))
         }
     }
 
@@ -327,7 +338,7 @@ impl WorkerClient for HttpWorker {
                 .await
                 .map_err(|e| self.unavailable(e))?;
             if !resp.status().is_success() {
-                return Err(self.protocol(format!("events returned {}", resp.status())));
+                return Err(self.refused("events", resp.status()));
             }
             let lines = ndjson_lines(resp.bytes_stream().boxed());
             Ok(lines
@@ -388,7 +399,7 @@ impl WorkerClient for HttpWorker {
                 .await
                 .map_err(|e| self.unavailable(e))?;
             if !resp.status().is_success() {
-                return Err(self.protocol(format!("load returned {}", resp.status())));
+                return Err(self.refused("load", resp.status()));
             }
             // Reported `loading` from now on (the next health check confirms).
             *self.state.lock().unwrap_or_else(|e| e.into_inner()) = Some("loading".into());
@@ -406,7 +417,7 @@ impl WorkerClient for HttpWorker {
                 .await
                 .map_err(|e| self.unavailable(e))?;
             if !resp.status().is_success() {
-                return Err(self.protocol(format!("info returned {}", resp.status())));
+                return Err(self.refused("info", resp.status()));
             }
             resp.json::<WorkerInfo>().await.map_err(|e| self.protocol(e))
         }

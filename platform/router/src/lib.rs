@@ -96,7 +96,8 @@ impl std::fmt::Display for Policy {
                 concurrency_threshold,
             } => write!(
                 f,
-                "prefix_aware (first {prefix_length} characters; the least busy worker past {concurrency_threshold} in flight)"
+                "{} (first {prefix_length} characters; the least busy worker past {concurrency_threshold} in flight)",
+                self.name()
             ),
             Policy::KvAware {
                 prefill_weight,
@@ -105,7 +106,8 @@ impl std::fmt::Display for Policy {
                 fetch_weight,
             } => write!(
                 f,
-                "kv_aware (prefill ×{prefill_weight}, decode ×{decode_weight}, disk hit ×{disk_weight}, peer fetch ×{fetch_weight})"
+                "{} (prefill ×{prefill_weight}, decode ×{decode_weight}, disk hit ×{disk_weight}, peer fetch ×{fetch_weight})",
+                self.name()
             ),
         }
     }

@@ -311,22 +311,23 @@ impl FromRequestParts<Arc<AppState>> for Visitor {
 /// The request came from this site (`Origin` and `Sec-Fetch-Site`, where the browser sent
 /// them). An opaque `Origin: null` (sent under some referrer policies and from sandboxed
 /// frames) counts only with `Sec-Fetch-Site: same-origin`. With a public URL configured,
-/// `Origin` must be exactly that origin (scheme, host and port); without one, its host and
-/// port must be the request's `Host` (which the client chose, so a proxy should be told
-/// the public URL).
+/// `Origin` must be there and be exactly that origin (scheme, host and port: browsers send
+/// it on every POST); without one, its host and port must be the request's `Host` (which
+/// the client chose, so a proxy should be told the public URL).
 fn same_origin(gw: &AppState, headers: &HeaderMap) -> bool {
     let site = headers.get("sec-fetch-site").and_then(|v| v.to_str().ok());
     if site.is_some_and(|s| !matches!(s, "same-origin" | "none")) {
         return false;
     }
-    let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) else {
+    let origin = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok());
+    if let Some(public) = &gw.public_origin {
+        return origin.is_some_and(|o| o.eq_ignore_ascii_case(public));
+    }
+    let Some(origin) = origin else {
         return true;
     };
     if origin == "null" {
         return site == Some("same-origin");
-    }
-    if let Some(public) = &gw.public_origin {
-        return origin.eq_ignore_ascii_case(public);
     }
     let host = headers.get(header::HOST).and_then(|v| v.to_str().ok()).unwrap_or("");
     let bare = origin
@@ -397,32 +398,81 @@ mod login_token {
     }
 
     fn mac(key: &str, body: &str) -> String {
-        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key.as_bytes()).expect("HMAC takes any key length");
+        // HMAC takes a key of any length: `new_from_slice` cannot fail.
+        let Ok(mut m) = <Hmac<Sha256> as Mac>::new_from_slice(key.as_bytes()) else {
+            return String::new();
+        };
         m.update(b"hearth-dashboard-login\0");
         m.update(body.as_bytes());
         m.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// A token issued at `now` with `nonce`.
+    pub(super) fn sign(key: &str, now: i64, nonce: &str) -> String {
+        let body = format!("{now}.{nonce}");
+        format!("{body}.{}", mac(key, &body))
     }
 
     pub async fn issue(gw: &AppState, now: i64) -> Result<String, String> {
         let mut nonce = [0u8; 16];
         getrandom::fill(&mut nonce).map_err(|e| e.to_string())?;
         let nonce: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
-        let body = format!("{now}.{nonce}");
-        Ok(format!("{body}.{}", mac(key(gw).await?, &body)))
+        Ok(sign(key(gw).await?, now, &nonce))
     }
 
-    /// Whether `token` is one this installation issued, not expired at `now`.
-    pub async fn valid(gw: &AppState, token: &str, now: i64) -> bool {
+    /// Whether `token` was signed with `key`, is not from the future (a minute of clock
+    /// skew between gateways allowed) and is younger than [`LIFETIME_MS`] at `now`.
+    pub(super) fn check(key: &str, token: &str, now: i64) -> bool {
         let Some((body, given)) = token.rsplit_once('.') else {
             return false;
         };
         let Some(issued) = body.split_once('.').and_then(|(t, _)| t.parse::<i64>().ok()) else {
             return false;
         };
-        let Ok(key) = key(gw).await else { return false };
-        hearth_tenants::constant_time_eq(mac(key, body).as_bytes(), given.as_bytes())
+        let want = mac(key, body);
+        !want.is_empty()
+            && hearth_tenants::constant_time_eq(want.as_bytes(), given.as_bytes())
             && issued <= now + 60_000
-            && now - issued < LIFETIME_MS
+            && now.saturating_sub(issued) < LIFETIME_MS
+    }
+
+    /// Whether `token` is one this installation issued, not expired at `now`.
+    pub async fn valid(gw: &AppState, token: &str, now: i64) -> bool {
+        match key(gw).await {
+            Ok(key) => check(key, token, now),
+            Err(_) => false,
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn only_fresh_tokens_signed_with_the_key_pass() {
+            let (key, now) = ("k".repeat(64), 1_800_000_000_000);
+            let t = sign(&key, now, "00ff");
+            assert!(check(&key, &t, now));
+            assert!(check(&key, &t, now + LIFETIME_MS - 1));
+            assert!(!check(&key, &t, now + LIFETIME_MS), "expired");
+            assert!(!check(&key, &sign(&key, now + 120_000, "00ff"), now), "from the future");
+            assert!(!check(&"j".repeat(64), &t, now), "another key");
+            let (body, mac) = t.rsplit_once('.').unwrap();
+            let flipped = format!("{body}.{}{}", if mac.starts_with('0') { "1" } else { "0" }, &mac[1..]);
+            assert!(!check(&key, &flipped, now), "altered MAC");
+            let moved = t.replacen(&now.to_string(), &(now + 1).to_string(), 1);
+            assert!(!check(&key, &moved, now + 5), "altered time");
+            for junk in [
+                "",
+                "aaaa",
+                "1.2",
+                "x.00ff.",
+                &format!("{t}.extra"),
+                &format!("{now}.00ff.{mac}.x"),
+            ] {
+                assert!(!check(&key, junk, now), "{junk:?}");
+            }
+        }
     }
 }
 
