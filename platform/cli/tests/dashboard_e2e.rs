@@ -55,6 +55,16 @@ fn by_id(html: &str, id: &str) -> String {
     rest[start..start + end].trim().to_string()
 }
 
+/// `(action, channel)` of each audit entry in `entries` (a JSON array).
+fn actions_and_channels(entries: &Value) -> Vec<(&str, &str)> {
+    entries
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["action"].as_str().unwrap(), e["channel"].as_str().unwrap()))
+        .collect()
+}
+
 struct Session {
     cookie: String,
     csrf: String,
@@ -328,12 +338,7 @@ async fn dashboard_sessions_usage_keys_isolation_and_audit() {
 
     // The audit log: the dashboard's actions with their address, the CLI's, per tenant.
     let audit = get_json(&format!("{base}/v1/tenant/audit"), &key_a).await;
-    let actions: Vec<(&str, &str)> = audit["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| (e["action"].as_str().unwrap(), e["channel"].as_str().unwrap()))
-        .collect();
+    let actions = actions_and_channels(&audit["data"]);
     for want in [
         ("key.revoke", "dashboard"),
         ("key.create", "dashboard"),
@@ -621,19 +626,7 @@ async fn remote_admin_cli_works_with_only_the_admin_token() {
     ]));
     assert!(key["key"].as_str().unwrap().starts_with("hk_"), "{key}");
     assert!(key["expires_at"].as_i64().unwrap() > 0);
-    let price = json(remote(&[
-        "--json",
-        "price",
-        "set",
-        "--model",
-        "*",
-        "--input",
-        "1",
-        "--cached-input",
-        "0.1",
-        "--output",
-        "2",
-    ]));
+    let price = json(remote(&[&["--json"][..], &TEST_PRICE].concat()));
     assert_eq!(price["input_micros_per_mtok"], 1_000_000);
     assert!(remote(&["tenant", "budget", "far", "--monthly-usd", "12.5"]).contains("$12.50 per month (hard)"));
     assert!(remote(&["tenant", "limits", "far", "--rpm", "60"]).contains("60 requests/min"));
@@ -653,12 +646,7 @@ async fn remote_admin_cli_works_with_only_the_admin_token() {
     ));
     assert_eq!(budget["budget"]["monthly_usd"], "12.500000000");
     let audit = json(admin(&data, &["--json", "audit", "--tenant", "far"]));
-    let actions: Vec<(&str, &str)> = audit
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| (e["action"].as_str().unwrap(), e["channel"].as_str().unwrap()))
-        .collect();
+    let actions = actions_and_channels(&audit);
     for want in [
         ("tenant.create", "api"),
         ("key.create", "api"),
