@@ -6,7 +6,11 @@ It signs in with an API key, checks the usage numbers equal the sum of the `usag
 returned for requests it made, creates a key (which then works) and revokes it (which then
 gets 401), uploads and activates a processor, signs out, checks that a tenant named
 `<img src=x onerror=alert(1)>` is shown as text (no alert, no element) and sees none of the
-first tenant's data, and that the operator's view lists both tenants. With --screenshots DIR
+first tenant's data, and that the operator's view lists both tenants. Then members: the
+operator invites acme's first owner, who joins through the link, invites a viewer from the
+Members page; the viewer joins and is shown no key, export or audit controls; the owner
+signs in with the password and removes the viewer; acme's API key no longer signs in.
+With --screenshots DIR
 it saves the main pages there (the book's dashboard pictures, docs/book/src/screenshots, come from this run).
 
 Usage: dashboard_check.py HEARTH_BINARY [--screenshots DIR]
@@ -98,16 +102,39 @@ try:
         except NoAlertPresentException:
             return True
 
-    def sign_in(credential):
-        driver.get(url + "/dashboard")
-        wait.until(EC.presence_of_element_located((By.ID, "credential")))
-        driver.find_element(By.ID, "credential").send_keys(credential)
-        driver.find_element(By.ID, "sign-in").click()
+    def signed_in():
         try:
             wait.until(EC.presence_of_element_located((By.ID, "sign-out")))
         except Exception:
             print("sign-in failed at", driver.current_url, driver.page_source[:3000])
             raise
+
+    def sign_in(credential, expect_ok=True):
+        driver.get(url + "/dashboard")
+        wait.until(EC.presence_of_element_located((By.ID, "credential")))
+        if not driver.find_element(By.ID, "credential").is_displayed():
+            driver.find_element(By.CSS_SELECTOR, "details summary").click()
+        driver.find_element(By.ID, "credential").send_keys(credential)
+        driver.find_element(By.ID, "sign-in").click()
+        if expect_ok:
+            signed_in()
+
+    def member_sign_in(tenant, email, password):
+        driver.get(url + "/dashboard")
+        wait.until(EC.presence_of_element_located((By.ID, "email")))
+        driver.find_element(By.ID, "tenant").send_keys(tenant)
+        driver.find_element(By.ID, "email").send_keys(email)
+        driver.find_element(By.ID, "password").send_keys(password)
+        driver.find_element(By.ID, "member-sign-in-button").click()
+        signed_in()
+
+    def join(link, password):
+        driver.get(link)
+        wait.until(EC.presence_of_element_located((By.ID, "new-password")))
+        driver.find_element(By.ID, "new-password").send_keys(password)
+        driver.find_element(By.ID, "confirm-password").send_keys(password)
+        driver.find_element(By.ID, "accept").click()
+        signed_in()
 
     def sign_out():
         driver.find_element(By.ID, "sign-out").click()
@@ -198,6 +225,47 @@ try:
     check("no script ran for the operator", no_alert())
     shot("operator.png")
     sign_out()
+
+    # ---- members: an owner joins, invites a viewer, removes them ------------------------------
+    owner_pw, viewer_pw = "owner's long password", "viewer's long password"
+    inv = json.loads(admin("member", "invite", "--tenant", "acme", "--email", "Owner@Acme.test",
+                           "--role", "owner", "--public-url", url))
+    join(inv["url"], owner_pw)
+    check("the owner joined and is signed in", (text("member"), text("role")) == ("owner@acme.test", "owner"),
+          (text("member"), text("role")))
+    driver.get(url + "/dashboard/members")
+    driver.find_element(By.ID, "invite-email-input").send_keys("viewer@acme.test")
+    driver.find_element(By.CSS_SELECTOR, "#invite-role-input option[value='viewer']").click()
+    driver.find_element(By.ID, "invite").click()
+    wait.until(EC.presence_of_element_located((By.ID, "invite-link")))
+    viewer_link = text("invite-link")
+    check("an invitation link", viewer_link.startswith(url + "/dashboard/invite/"), viewer_link)
+    sign_out()
+    join(viewer_link, viewer_pw)
+    check("the viewer joined", text("role") == "viewer", text("role"))
+    check("a viewer has no export", not driver.find_elements(By.ID, "export-csv"))
+    check("a viewer has no audit log", "/dashboard/audit" not in driver.page_source)
+    driver.get(url + "/dashboard/keys")
+    check("a viewer sees keys but cannot create or revoke",
+          "browser-made" in driver.page_source and not driver.find_elements(By.ID, "create-key")
+          and not driver.find_elements(By.CSS_SELECTOR, "button[id^='revoke-']"))
+    driver.get(url + "/dashboard/members")
+    check("a viewer cannot invite", not driver.find_elements(By.ID, "invite"))
+    sign_out()
+    member_sign_in("acme", "owner@acme.test", owner_pw)
+    driver.get(url + "/dashboard/members")
+    shot("members.png")
+    viewer_id = [e.get_attribute("id") for e in driver.find_elements(By.CSS_SELECTOR, "#members tbody tr")
+                 if "viewer@acme.test" in e.text][0][len("member-"):]
+    driver.find_element(By.ID, f"remove-{viewer_id}").click()
+    wait.until(EC.alert_is_present())
+    driver.switch_to.alert.accept()
+    wait.until(EC.invisibility_of_element_located((By.ID, f"member-{viewer_id}")))
+    check("the viewer is removed", "viewer@acme.test" not in driver.find_element(By.ID, "members").text)
+    sign_out()
+    sign_in(key_a, expect_ok=False)
+    wait.until(EC.presence_of_element_located((By.ID, "login-error")))
+    check("acme's key no longer signs in", "This tenant has members" in text("login-error"), text("login-error"))
     driver.get(url + "/dashboard/keys")
     check("signed out: back to the sign-in form", "/dashboard/login" in driver.current_url, driver.current_url)
 finally:

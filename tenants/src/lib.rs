@@ -10,6 +10,7 @@
 pub mod audit;
 pub mod db;
 pub mod jwt;
+pub mod members;
 pub mod outage;
 pub mod processors;
 pub mod responses;
@@ -45,6 +46,10 @@ pub enum TenantError {
     NoSuchIssuer(String),
     #[error("processor {0:?} does not exist")]
     NoSuchProcessor(String),
+    #[error("member {0:?} does not exist")]
+    NoSuchMember(String),
+    #[error("invitation {0:?} does not exist")]
+    NoSuchInvitation(String),
     #[error("invalid name {0:?}: use 1-64 letters, digits, '.', '_' or '-'")]
     InvalidName(String),
     #[error("invalid tenant name {0:?}: use 1-64 printable characters, without control characters, surrounding spaces or the 'tn_' prefix of tenant ids")]

@@ -7,7 +7,7 @@
 //! lifetime, [`IDLE_TIMEOUT`] without a request, or its credential's own end — an API key
 //! is looked up again on every request (revoked or expired: the session is dead), a JWT
 //! session never outlives the token's `exp`, an operator session dies when the admin token
-//! changes.
+//! changes, a member's session dies with the member (and reads its role again each time).
 
 use sha2::{Digest, Sha256};
 use sqlx::any::AnyRow;
@@ -39,6 +39,8 @@ pub enum SessionKind {
         scopes: Scopes,
         models: Option<Vec<String>>,
     },
+    /// A tenant's member (its role is read again on every request; removal ends it).
+    Member { tenant_id: String, member_id: String },
 }
 
 /// A live session.
@@ -99,6 +101,14 @@ impl TenantStore {
                 Some(credential.clone()),
                 Some(scopes.names().join(",")),
                 models.as_ref().map(|m| m.join(",")),
+                None,
+            ),
+            SessionKind::Member { tenant_id, member_id } => (
+                "member",
+                Some(tenant_id.clone()),
+                Some(member_id.clone()),
+                None,
+                None,
                 None,
             ),
         };
@@ -254,6 +264,11 @@ fn session_from(r: &AnyRow, id: String) -> Session {
     let kind = if kind == "operator" {
         SessionKind::Operator {
             admin_fp: r.get::<Option<String>, _>(5).unwrap_or_default(),
+        }
+    } else if kind == "member" {
+        SessionKind::Member {
+            tenant_id: r.get::<Option<String>, _>(1).unwrap_or_default(),
+            member_id: r.get::<Option<String>, _>(2).unwrap_or_default(),
         }
     } else {
         SessionKind::Tenant {

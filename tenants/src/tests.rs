@@ -853,3 +853,85 @@ async fn stored_responses_are_per_tenant_expire_and_respect_the_quota() {
         assert_eq!(s.stored_response_count("t3").await.unwrap(), 0, "{name}");
     }
 }
+
+/// Members: an invitation is accepted once, into the tenant and role it names; the member's
+/// session reads its current role; removal ends its sessions at once; another tenant's
+/// invitations and members stay apart.
+#[tokio::test]
+async fn members_are_invited_signed_in_and_removed_with_their_sessions() {
+    use crate::members::{hash_password, verify_password, Role};
+    use crate::sessions::SessionKind;
+    for db in testing::all().await {
+        let s = TenantStore::new(&db);
+        let name = format!("team-{}", random_hex(4).unwrap());
+        let t = s.create_tenant(&name).await.unwrap();
+        let other = s.create_tenant(&format!("{name}-other")).await.unwrap();
+        let (first, inv) = s
+            .invite_member(&name, "Ada@Example.com", Role::Developer, "admin")
+            .await
+            .unwrap();
+        assert_eq!(inv.email, "ada@example.com");
+        // Inviting again replaces the open invitation: the first link stops working.
+        let (token, _) = s
+            .invite_member(&t.id, "ada@example.com", Role::Owner, "admin")
+            .await
+            .unwrap();
+        assert!(s.invitation(&first).await.unwrap().is_none());
+        assert_eq!(s.list_invitations(&t.id).await.unwrap().len(), 1);
+        assert!(s.list_invitations(&other.id).await.unwrap().is_empty());
+        let stored: String = sqlx::query_scalar("SELECT token_sha256 FROM member_invitations WHERE tenant_id = $1")
+            .bind(&t.id)
+            .fetch_one(&s.pool)
+            .await
+            .unwrap();
+        assert_ne!(stored, token, "only the token's hash is stored");
+        let hash = hash_password("a long enough password").unwrap();
+        let m = s.accept_invitation(&token, &hash).await.unwrap().unwrap();
+        assert_eq!((m.role, m.tenant_id.as_str()), (Role::Owner, t.id.as_str()));
+        assert!(s.accept_invitation(&token, &hash).await.unwrap().is_none(), "used once");
+        assert!(
+            s.invite_member(&t.id, "ada@example.com", Role::Viewer, "admin")
+                .await
+                .is_err(),
+            "already a member"
+        );
+        assert!(s.has_members(&t.id).await.unwrap());
+        assert!(!s.has_members(&other.id).await.unwrap());
+        let (found, h) = s.member_for_sign_in(&name, " ADA@example.com").await.unwrap().unwrap();
+        assert_eq!(found, m);
+        assert!(verify_password(h.as_deref(), "a long enough password"));
+        assert!(s
+            .member_for_sign_in(&other.name, "ada@example.com")
+            .await
+            .unwrap()
+            .is_none());
+        assert!(s
+            .member_for_sign_in("no-such-tenant", "ada@example.com")
+            .await
+            .unwrap()
+            .is_none());
+        // A session reads the member's role as it is now.
+        let kind = SessionKind::Member {
+            tenant_id: t.id.clone(),
+            member_id: m.id.clone(),
+        };
+        let (cookie, session) = s.create_session(kind, None, None).await.unwrap();
+        assert_eq!(s.session_member(&session).await.unwrap().member.role, Role::Owner);
+        s.set_member_role(&m.id, Role::Viewer).await.unwrap();
+        let now = s
+            .session_member(&s.session(&cookie).await.unwrap().unwrap())
+            .await
+            .unwrap();
+        assert_eq!(
+            (now.member.role, now.ctx.key_id.as_str()),
+            (Role::Viewer, format!("member:{}", m.id).as_str())
+        );
+        assert_eq!(s.owner_count(&t.id).await.unwrap(), 0);
+        // Removal: the member and its sessions are gone in one step.
+        s.remove_member(&m.id).await.unwrap();
+        assert!(s.session(&cookie).await.unwrap().is_none());
+        assert!(s.session_member(&session).await.is_err());
+        assert!(s.member(&m.id).await.is_err());
+        assert!(s.list_members(&t.id).await.unwrap().is_empty());
+    }
+}

@@ -857,6 +857,11 @@ pub enum AdminCommand {
         #[command(subcommand)]
         command: JwtCommand,
     },
+    /// A tenant's members (the people who sign into the dashboard) and their roles.
+    Member {
+        #[command(subcommand)]
+        command: MemberCommand,
+    },
     /// Model prices (versioned: a change never rewrites history).
     Price {
         #[command(subcommand)]
@@ -983,6 +988,56 @@ pub enum JwtCommand {
     /// Remove an issuer (its tokens stop working within seconds).
     Remove {
         /// The issuer's id (from `jwt list`).
+        id: String,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum MemberCommand {
+    /// Invite someone: prints a link, valid 7 days and shown once, where they choose a
+    /// password and join with the role.
+    Invite {
+        /// The tenant (name or id).
+        #[arg(long)]
+        tenant: String,
+        /// Their e-mail address (their sign-in name).
+        #[arg(long)]
+        email: String,
+        /// owner, admin, developer, billing or viewer.
+        #[arg(long, default_value = "developer")]
+        role: String,
+        /// The gateway's public URL, for the link (on the database; through a gateway the
+        /// gateway's own is used).
+        #[arg(long, env = "HEARTH_PUBLIC_URL", default_value = "http://127.0.0.1:8080")]
+        public_url: String,
+    },
+    /// A tenant's members.
+    List {
+        /// The tenant (name or id).
+        #[arg(long)]
+        tenant: String,
+    },
+    /// A tenant's open invitations.
+    Invitations {
+        /// The tenant (name or id).
+        #[arg(long)]
+        tenant: String,
+    },
+    /// Change a member's role (takes effect at their next request).
+    Role {
+        /// The member's id (`mb_…`, from `member list`).
+        id: String,
+        /// owner, admin, developer, billing or viewer.
+        role: String,
+    },
+    /// Remove a member: their dashboard sessions end at once.
+    Remove {
+        /// The member's id (`mb_…`).
+        id: String,
+    },
+    /// Withdraw an open invitation (its link stops working).
+    Uninvite {
+        /// The invitation's id (`inv_…`).
         id: String,
     },
 }

@@ -593,6 +593,24 @@ async fn admin_remote(gw: &AdminClient, command: &AdminCommand) -> anyhow::Resul
             }
             JwtCommand::Remove { id } => gw.call(Method::DELETE, &["jwt-issuers", id], &[], None).await?,
         },
+        AdminCommand::Member { command } => match command {
+            MemberCommand::Invite {
+                tenant, email, role, ..
+            } => {
+                let role = role_arg(role)?;
+                let body = json!({"email": email, "role": role});
+                gw.call(Method::POST, &["tenants", tenant, "members"], &[], Some(body))
+                    .await?
+            }
+            MemberCommand::List { tenant } => gw.get(&["tenants", tenant, "members"], &[]).await?,
+            MemberCommand::Invitations { tenant } => gw.get(&["tenants", tenant, "invitations"], &[]).await?,
+            MemberCommand::Role { id, role } => {
+                let body = json!({"role": role_arg(role)?});
+                gw.call(Method::PUT, &["members", id, "role"], &[], Some(body)).await?
+            }
+            MemberCommand::Remove { id } => gw.call(Method::DELETE, &["members", id], &[], None).await?,
+            MemberCommand::Uninvite { id } => gw.call(Method::DELETE, &["invitations", id], &[], None).await?,
+        },
         AdminCommand::Price { command } => match command {
             PriceCommand::Set {
                 model,
@@ -636,6 +654,14 @@ async fn admin_remote(gw: &AdminClient, command: &AdminCommand) -> anyhow::Resul
             gw.get(&["audit"], &q).await?
         }
         AdminCommand::Model { .. } => unreachable!("answered by admin_models"),
+    })
+}
+
+/// A role from the command line.
+fn role_arg(role: &str) -> anyhow::Result<hearth_tenants::members::Role> {
+    hearth_tenants::members::Role::parse(role).ok_or_else(|| {
+        let names = hearth_tenants::members::Role::ALL.map(|r| r.as_str()).join(", ");
+        anyhow::anyhow!("unknown role {role:?}: one of {names}")
     })
 }
 
@@ -740,6 +766,29 @@ async fn admin_direct(data: &DataArgs, command: &AdminCommand) -> anyhow::Result
             }
             JwtCommand::List { tenant } => json!(store.list_issuers(tenant.as_deref()).await?),
             JwtCommand::Remove { id } => json!(manage.remove_issuer(id).await?),
+        },
+        AdminCommand::Member { command } => match command {
+            MemberCommand::Invite {
+                tenant,
+                email,
+                role,
+                public_url,
+            } => {
+                let (token, inv) = manage
+                    .invite_member(Actor::Operator, Some(tenant), email, role_arg(role)?)
+                    .await?;
+                let url = format!("{}/dashboard/invite/{token}", public_url.trim_end_matches('/'));
+                json!({"invitation": inv, "token": token, "url": url})
+            }
+            MemberCommand::List { tenant } => json!(manage.list_members(Actor::Operator, Some(tenant)).await?.0),
+            MemberCommand::Invitations { tenant } => {
+                json!(manage.list_members(Actor::Operator, Some(tenant)).await?.1)
+            }
+            MemberCommand::Role { id, role } => {
+                json!(manage.set_member_role(Actor::Operator, id, role_arg(role)?).await?)
+            }
+            MemberCommand::Remove { id } => json!(manage.remove_member(Actor::Operator, id).await?),
+            MemberCommand::Uninvite { id } => json!(manage.revoke_invitation(Actor::Operator, id).await?),
         },
         AdminCommand::Price { command } => match command {
             PriceCommand::Set {
@@ -873,6 +922,53 @@ fn admin_text(command: &AdminCommand, v: &serde_json::Value) -> String {
                 "No JWT issuers.",
             ),
             JwtCommand::Remove { .. } => format!("Removed JWT issuer {} ({}).", s(v, "id"), s(v, "issuer")),
+        },
+        AdminCommand::Member { command } => match command {
+            MemberCommand::Invite { .. } => format!(
+                "Invited {} as {} (invitation {}, valid until {}). Send them this link; it is not shown again:\n\n{}\n",
+                s(&v["invitation"], "email"),
+                s(&v["invitation"], "role"),
+                s(&v["invitation"], "id"),
+                iso_ms(v["invitation"]["expires_at"].as_i64().unwrap_or(0)),
+                s(v, "url")
+            ),
+            MemberCommand::List { .. } => lines(
+                list(v).iter().map(|m| {
+                    let how = if m["has_password"].as_bool() == Some(true) {
+                        "password"
+                    } else {
+                        "identity provider"
+                    };
+                    format!(
+                        "{}\t{}\t{}\t{how}\tsince {}",
+                        s(m, "id"),
+                        s(m, "email"),
+                        s(m, "role"),
+                        iso_ms(m["created_at"].as_i64().unwrap_or(0))
+                    )
+                }),
+                "No members.",
+            ),
+            MemberCommand::Invitations { .. } => lines(
+                list(v).iter().map(|i| {
+                    format!(
+                        "{}\t{}\t{}\tby {}\tuntil {}",
+                        s(i, "id"),
+                        s(i, "email"),
+                        s(i, "role"),
+                        s(i, "invited_by"),
+                        iso_ms(i["expires_at"].as_i64().unwrap_or(0))
+                    )
+                }),
+                "No open invitations.",
+            ),
+            MemberCommand::Role { .. } => format!("{} ({}) is now {}.", s(v, "email"), s(v, "id"), s(v, "role")),
+            MemberCommand::Remove { .. } => format!(
+                "Removed {} ({}); their dashboard sessions have ended.",
+                s(v, "email"),
+                s(v, "id")
+            ),
+            MemberCommand::Uninvite { .. } => format!("Withdrew the invitation of {} ({}).", s(v, "email"), s(v, "id")),
         },
         AdminCommand::Price { command } => match command {
             PriceCommand::Set { .. } => format!(

@@ -77,8 +77,35 @@ async fn sign_in(base: &str, credential: &str) -> Result<Session, (u16, String)>
 
 /// [`sign_in`] from a page of `origin` (the `Origin` header the browser sends).
 async fn sign_in_from(base: &str, origin: &str, credential: &str) -> Result<Session, (u16, String)> {
+    let url = format!("{base}/dashboard/login");
+    submit_signed_form(base, origin, &url, &[("credential", credential)]).await
+}
+
+/// A member's sign-in through the form.
+async fn member_sign_in(base: &str, tenant: &str, email: &str, password: &str) -> Result<Session, (u16, String)> {
+    let url = format!("{base}/dashboard/login");
+    let form = [("tenant", tenant), ("email", email), ("password", password)];
+    submit_signed_form(base, base, &url, &form).await
+}
+
+/// Opens an invitation link and joins with `password` (typed twice as `confirm`).
+async fn accept(base: &str, link: &str, password: &str, confirm: &str) -> Result<Session, (u16, String)> {
+    submit_signed_form(base, base, link, &[("password", password), ("confirm", confirm)]).await
+}
+
+/// GETs a form posted before there is a session (sign-in, invitation), posts `fields` with
+/// its token and cookie, and on 303 returns the session it opened.
+async fn submit_signed_form(
+    base: &str,
+    origin: &str,
+    url: &str,
+    fields: &[(&str, &str)],
+) -> Result<Session, (u16, String)> {
     let c = browser();
-    let form = c.get(format!("{base}/dashboard/login")).send().await.unwrap();
+    let form = c.get(url).send().await.unwrap();
+    if form.status() != 200 {
+        return Err((form.status().as_u16(), form.text().await.unwrap()));
+    }
     assert_eq!(form.status(), 200);
     let (login, attrs) = cookie_value(form.headers(), "hearth_login").expect("login cookie");
     assert!(
@@ -87,11 +114,13 @@ async fn sign_in_from(base: &str, origin: &str, credential: &str) -> Result<Sess
     );
     let html = form.text().await.unwrap();
     let nonce = field(&html, "login_csrf");
+    let mut fields = fields.to_vec();
+    fields.push(("login_csrf", &nonce));
     let resp = c
-        .post(format!("{base}/dashboard/login"))
+        .post(url)
         .header("cookie", format!("hearth_login={login}"))
         .header("origin", origin)
-        .form(&[("credential", credential), ("login_csrf", &nonce)])
+        .form(&fields)
         .send()
         .await
         .unwrap();
@@ -695,4 +724,300 @@ async fn remote_admin_cli_works_with_only_the_admin_token() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("401"));
+}
+
+/// Members and roles end to end: the operator invites the first owner through the remote
+/// CLI; the owner joins through the link, invites a viewer from the dashboard; the viewer
+/// sees usage but may not create keys, export or read the audit log; a role change applies
+/// at the next request; removal ends the member's session at once; the last owner stays;
+/// another tenant's member is "not found"; API keys stop opening sessions once a tenant
+/// has members; wrong, unknown-address and unknown-tenant passwords get one answer; every
+/// action's audit row names the member.
+#[tokio::test]
+async fn members_roles_invitations_and_removal() {
+    let data = temp_dir("members");
+    let server = sim_serve_with(&data, "100", &[]);
+    let base = server.url.as_str();
+    let remote = |args: &[&str]| -> Value {
+        let out = std::process::Command::new(bin())
+            .args(["admin", "--json", "--gateway-url", base])
+            .args(args)
+            .env("HEARTH_ADMIN_TOKEN", ADMIN_TOKEN)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    admin(&data, &["tenant", "create", "team"]);
+    admin(&data, &["tenant", "create", "other"]);
+    let key: Value = serde_json::from_str(&admin(
+        &data,
+        &[
+            "--json",
+            "key",
+            "create",
+            "--tenant",
+            "team",
+            "--scopes",
+            "inference,manage",
+        ],
+    ))
+    .unwrap();
+    let key = key["key"].as_str().unwrap().to_string();
+    // No members yet: the key still opens a session (bootstrap).
+    assert!(sign_in(base, &key).await.is_ok());
+
+    // The operator invites the first owner through the gateway.
+    let inv = remote(&[
+        "member",
+        "invite",
+        "--tenant",
+        "team",
+        "--email",
+        "Owner@Example.com",
+        "--role",
+        "owner",
+    ]);
+    let link = inv["url"].as_str().unwrap().to_string();
+    assert!(link.starts_with(&format!("{base}/dashboard/invite/")), "{inv}");
+    assert_eq!(inv["invitation"]["email"], "owner@example.com");
+    let password = "owner password 1234";
+    assert_eq!(
+        accept(base, &link, "too short", "too short").await.err().map(|e| e.0),
+        Some(400)
+    );
+    assert_eq!(
+        accept(base, &link, password, "something else").await.err().map(|e| e.0),
+        Some(400)
+    );
+    let owner = accept(base, &link, password, password).await.expect("the owner joins");
+    assert_eq!(
+        accept(base, &link, password, password).await.err().map(|e| e.0),
+        Some(404),
+        "a link works once"
+    );
+    let (status, html) = page(base, &owner, "/dashboard/members").await;
+    assert_eq!(status, 200, "{html}");
+    assert_eq!(
+        (by_id(&html, "member"), by_id(&html, "role")),
+        ("owner@example.com".into(), "owner".into())
+    );
+
+    // Passwords: one answer for a wrong password, an unknown address and an unknown tenant.
+    let again = member_sign_in(base, "team", "OWNER@example.com", password).await;
+    assert!(again.is_ok(), "e-mail addresses are case-insensitive");
+    for (tenant, email, pw) in [
+        ("team", "owner@example.com", "wrong password 1234"),
+        ("team", "nobody@example.com", password),
+        ("no-such-tenant", "owner@example.com", password),
+    ] {
+        let (status, body) = member_sign_in(base, tenant, email, pw).await.err().expect("refused");
+        assert_eq!(status, 401, "{tenant} {email}");
+        assert_eq!(by_id(&body, "login-error"), "Wrong tenant, e-mail address or password.");
+    }
+    // The tenant has members now: its keys are for programs.
+    let (status, body) = sign_in(base, &key).await.err().expect("key sign-in refused");
+    assert_eq!(status, 403);
+    assert!(
+        by_id(&body, "login-error").contains("This tenant has members"),
+        "{body}"
+    );
+
+    // The owner invites a viewer from the dashboard; the viewer joins.
+    let r = post_form(
+        base,
+        &owner,
+        "/dashboard/members",
+        &[("csrf", &owner.csrf), ("email", "vi@example.com"), ("role", "viewer")],
+    )
+    .await;
+    assert_eq!(r.status(), 201);
+    // As the browser reads it (minijinja escapes '/').
+    let link = by_id(&r.text().await.unwrap(), "invite-link").replace("&#x2f;", "/");
+    let viewer_pw = "viewer password 1234";
+    let viewer = accept(base, &link, viewer_pw, viewer_pw)
+        .await
+        .expect("the viewer joins");
+    let members = remote(&["member", "list", "--tenant", "team"]);
+    let id_of = |email: &str| -> String {
+        members
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["email"] == email)
+            .unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let (owner_id, viewer_id) = (id_of("owner@example.com"), id_of("vi@example.com"));
+    let direct: Value = serde_json::from_str(&admin(&data, &["--json", "member", "list", "--tenant", "team"])).unwrap();
+    assert_eq!(direct, members, "both CLI paths print the same members");
+
+    // A viewer sees usage and keys, but may not create keys, export, read the audit log or
+    // invite: the pages hide it and the service refuses it.
+    let (status, html) = page(base, &viewer, "/dashboard").await;
+    assert_eq!(status, 200, "{html}");
+    assert!(!html.contains("export-csv"));
+    let (status, html) = page(base, &viewer, "/dashboard/keys").await;
+    assert_eq!(status, 200);
+    assert!(!html.contains("id=\"create-key\""), "no create button for a viewer");
+    let r = post_form(
+        base,
+        &viewer,
+        "/dashboard/keys",
+        &[("csrf", &viewer.csrf), ("name", "v"), ("scope_inference", "on")],
+    )
+    .await;
+    assert_eq!(r.status(), 403);
+    assert!(r.text().await.unwrap().contains("may not create and revoke API keys"));
+    for path in ["/dashboard/export?format=csv", "/dashboard/audit"] {
+        assert_eq!(page(base, &viewer, path).await.0, 403, "{path}");
+    }
+    let r = post_form(
+        base,
+        &viewer,
+        "/dashboard/members",
+        &[("csrf", &viewer.csrf), ("email", "x@example.com"), ("role", "viewer")],
+    )
+    .await;
+    assert_eq!(r.status(), 403);
+    let r = post_form(
+        base,
+        &viewer,
+        &format!("/dashboard/members/{owner_id}/remove"),
+        &[("csrf", &viewer.csrf)],
+    )
+    .await;
+    assert_eq!(r.status(), 403);
+
+    // The owner makes them a developer: their next request may create a key.
+    let r = post_form(
+        base,
+        &owner,
+        &format!("/dashboard/members/{viewer_id}/role"),
+        &[("csrf", &owner.csrf), ("role", "developer")],
+    )
+    .await;
+    assert_eq!(r.status(), 303);
+    let r = post_form(
+        base,
+        &viewer,
+        "/dashboard/keys",
+        &[("csrf", &viewer.csrf), ("name", "dev"), ("scope_inference", "on")],
+    )
+    .await;
+    assert_eq!(r.status(), 201);
+    // The operator makes them an admin: an admin still cannot make or remove owners.
+    remote(&["member", "role", &viewer_id, "admin"]);
+    let r = post_form(
+        base,
+        &viewer,
+        &format!("/dashboard/members/{viewer_id}/role"),
+        &[("csrf", &viewer.csrf), ("role", "owner")],
+    )
+    .await;
+    assert_eq!(r.status(), 403, "an admin cannot make an owner");
+    let r = post_form(
+        base,
+        &viewer,
+        &format!("/dashboard/members/{owner_id}/remove"),
+        &[("csrf", &viewer.csrf)],
+    )
+    .await;
+    assert_eq!(r.status(), 403, "an admin cannot remove an owner");
+
+    // The last owner stays.
+    let r = post_form(
+        base,
+        &owner,
+        &format!("/dashboard/members/{owner_id}/remove"),
+        &[("csrf", &owner.csrf)],
+    )
+    .await;
+    assert_eq!(r.status(), 400);
+    assert!(r.text().await.unwrap().contains("at least one owner"));
+
+    // Another tenant's member is not found.
+    let other = remote(&[
+        "member",
+        "invite",
+        "--tenant",
+        "other",
+        "--email",
+        "o@example.com",
+        "--role",
+        "owner",
+    ]);
+    let other_owner = accept(base, other["url"].as_str().unwrap(), password, password)
+        .await
+        .unwrap();
+    let other_id = remote(&["member", "list", "--tenant", "other"])[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let r = post_form(
+        base,
+        &owner,
+        &format!("/dashboard/members/{other_id}/remove"),
+        &[("csrf", &owner.csrf)],
+    )
+    .await;
+    assert_eq!(r.status(), 404);
+    assert_eq!(page(base, &other_owner, "/dashboard").await.0, 200, "untouched");
+
+    // Removal ends the member's session at its next request.
+    let r = post_form(
+        base,
+        &owner,
+        &format!("/dashboard/members/{viewer_id}/remove"),
+        &[("csrf", &owner.csrf)],
+    )
+    .await;
+    assert_eq!(r.status(), 303);
+    let r = browser()
+        .get(format!("{base}/dashboard"))
+        .header("cookie", format!("hearth_session={}", viewer.cookie))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 303);
+    assert_eq!(r.headers()[LOCATION], "/dashboard/login");
+    let r = post_form(
+        base,
+        &viewer,
+        "/dashboard/keys",
+        &[("csrf", &viewer.csrf), ("name", "late"), ("scope_inference", "on")],
+    )
+    .await;
+    assert_eq!(r.status(), 401);
+    assert!(member_sign_in(base, "team", "vi@example.com", viewer_pw).await.is_err());
+
+    // The audit log names the member for every action it took.
+    let audit: Value = serde_json::from_str(&admin(
+        &data,
+        &["--json", "audit", "--tenant", "team", "--limit", "100"],
+    ))
+    .unwrap();
+    let by = |action: &str| -> Vec<String> {
+        audit
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["action"] == action)
+            .map(|e| e["actor"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let owner_actor = format!("member:{owner_id}:owner@example.com");
+    let viewer_actor = format!("member:{viewer_id}:vi@example.com");
+    assert_eq!(by("member.invite"), vec![owner_actor.clone(), "admin".to_string()]);
+    assert!(by("member.join").contains(&viewer_actor) && by("member.join").contains(&owner_actor));
+    assert_eq!(by("member.remove"), vec![owner_actor.clone()]);
+    assert_eq!(by("member.role"), vec!["admin".to_string(), owner_actor.clone()]);
+    assert!(by("key.create").contains(&viewer_actor));
+    assert!(by("session.sign_in").contains(&owner_actor));
 }

@@ -16,6 +16,7 @@ use axum::routing::{delete, get};
 use axum::{Json, Router};
 use hearth_billing::{format_nusd, parse_usd_micros, PriceRates};
 use hearth_tenants::jwt::IssuerSpec;
+use hearth_tenants::members::Role;
 use hearth_tenants::{now_ms, Budget, KeySpec, Scopes};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -42,6 +43,11 @@ pub fn router() -> Router<Arc<AppState>> {
         )
         .route("/tenants/{tenant}/jwt-issuers", get(list_issuers).post(add_issuer))
         .route("/jwt-issuers/{id}", delete(remove_issuer))
+        .route("/tenants/{tenant}/members", get(list_members).post(invite_member))
+        .route("/tenants/{tenant}/invitations", get(list_invitations))
+        .route("/members/{id}", delete(remove_member))
+        .route("/members/{id}/role", axum::routing::put(set_member_role))
+        .route("/invitations/{id}", delete(revoke_invitation))
         .route("/prices", get(list_prices).post(set_price))
         .route(
             "/tenants/{tenant}/processors",
@@ -629,6 +635,110 @@ async fn remove_issuer(
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let i = gw.management().via(origin).remove_issuer(&id).await?;
+    Ok(Json(json!(i)))
+}
+
+#[utoipa::path(get, path = "/admin/v1/tenants/{tenant}/members", summary = "A tenant's members.", tag = "members", params(("tenant" = String, Path, description = "A tenant's name or id.")),
+    responses((status = 200, description = "The tenant's members, by e-mail.", body = crate::openapi::List<hearth_tenants::members::Member>), crate::error::Errors))]
+async fn list_members(State(gw): State<Arc<AppState>>, Path(tenant): Path<String>) -> Result<Json<Value>, ApiError> {
+    let (members, _) = gw.management().list_members(Actor::Operator, Some(&tenant)).await?;
+    Ok(Json(json!({"object": "list", "data": members})))
+}
+
+#[utoipa::path(get, path = "/admin/v1/tenants/{tenant}/invitations", summary = "A tenant's open invitations.", tag = "members", params(("tenant" = String, Path, description = "A tenant's name or id.")),
+    responses((status = 200, description = "The open invitations, newest first.", body = crate::openapi::List<hearth_tenants::members::Invitation>), crate::error::Errors))]
+async fn list_invitations(
+    State(gw): State<Arc<AppState>>,
+    Path(tenant): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let (_, invitations) = gw.management().list_members(Actor::Operator, Some(&tenant)).await?;
+    Ok(Json(json!({"object": "list", "data": invitations})))
+}
+
+/// A role from a JSON body's `role`.
+fn role_field(o: &serde_json::Map<String, Value>) -> Result<Role, ApiError> {
+    let names = Role::ALL.map(Role::as_str).join(", ");
+    match o.get("role") {
+        Some(Value::String(r)) => {
+            Role::parse(r).ok_or_else(|| ApiError::invalid("role", format!("'role' is one of {names}")))
+        }
+        _ => Err(ApiError::invalid("role", format!("'role' is required: one of {names}"))),
+    }
+}
+
+#[utoipa::path(post, path = "/admin/v1/tenants/{tenant}/members", summary = "Invites a member.", tag = "members",
+    description = "Creates an invitation link (shown once, valid 7 days). Whoever opens it chooses a password and becomes a member with the role. Inviting an address again replaces its open invitation.",
+    params(("tenant" = String, Path, description = "A tenant's name or id.")), request_body = crate::openapi::InviteRequest,
+    responses((status = 201, description = "The invitation and its link.", body = crate::openapi::CreatedInvitation), crate::error::Errors))]
+async fn invite_member(
+    State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
+    headers: axum::http::HeaderMap,
+    Path(tenant): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let o = parse_object(&body)?;
+    let email = match o.get("email") {
+        Some(Value::String(e)) => e.clone(),
+        _ => return Err(ApiError::invalid("email", "'email' is required")),
+    };
+    let role = role_field(&o)?;
+    let (token, inv) = gw
+        .management()
+        .via(origin)
+        .invite_member(Actor::Operator, Some(&tenant), &email, role)
+        .await?;
+    let url = format!(
+        "{}/dashboard/invite/{token}",
+        crate::dashboard::link_base(&gw, &headers)
+    );
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"invitation": inv, "token": token, "url": url})),
+    )
+        .into_response())
+}
+
+#[utoipa::path(put, path = "/admin/v1/members/{id}/role", summary = "Changes a member's role.", tag = "members", params(("id" = String, Path, description = "A member id (`mb_…`).")), request_body = crate::openapi::RoleRequest,
+    responses((status = 200, description = "The member with its new role (its sessions use it from their next request).", body = hearth_tenants::members::Member), crate::error::Errors))]
+async fn set_member_role(
+    State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let role = role_field(&parse_object(&body)?)?;
+    let m = gw
+        .management()
+        .via(origin)
+        .set_member_role(Actor::Operator, &id, role)
+        .await?;
+    Ok(Json(json!(m)))
+}
+
+#[utoipa::path(delete, path = "/admin/v1/members/{id}", summary = "Removes a member.", tag = "members", params(("id" = String, Path, description = "A member id (`mb_…`).")),
+    responses((status = 200, description = "The removed member; its sessions have ended.", body = hearth_tenants::members::Member), crate::error::Errors))]
+async fn remove_member(
+    State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let m = gw.management().via(origin).remove_member(Actor::Operator, &id).await?;
+    Ok(Json(json!(m)))
+}
+
+#[utoipa::path(delete, path = "/admin/v1/invitations/{id}", summary = "Withdraws an invitation.", tag = "members", params(("id" = String, Path, description = "An invitation id (`inv_…`).")),
+    responses((status = 200, description = "The withdrawn invitation; its link no longer works.", body = hearth_tenants::members::Invitation), crate::error::Errors))]
+async fn revoke_invitation(
+    State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let i = gw
+        .management()
+        .via(origin)
+        .revoke_invitation(Actor::Operator, &id)
+        .await?;
     Ok(Json(json!(i)))
 }
 

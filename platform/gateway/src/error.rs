@@ -307,7 +307,10 @@ pub fn store_error(e: TenantError) -> ApiError {
         TenantError::NoSuchTenant(_) | TenantError::NoSuchKey(_) => ApiError::not_found(e.to_string()),
         TenantError::InvalidName(_) => ApiError::invalid("name", e.to_string()),
         TenantError::InvalidTenantName(_) => ApiError::invalid("name", e.to_string()),
-        TenantError::NoSuchIssuer(_) | TenantError::NoSuchProcessor(_) => ApiError::not_found(e.to_string()),
+        TenantError::NoSuchIssuer(_)
+        | TenantError::NoSuchProcessor(_)
+        | TenantError::NoSuchMember(_)
+        | TenantError::NoSuchInvitation(_) => ApiError::not_found(e.to_string()),
         TenantError::IssuerExists(_) => ApiError::conflict(e.to_string()),
         TenantError::Invalid { field, .. } => ApiError::invalid(field, e.to_string()),
         TenantError::Db(_) | TenantError::Random(_) => {
@@ -340,6 +343,7 @@ impl From<crate::management::ManageError> for ApiError {
             ManageError::Disabled(m) => ApiError::forbidden(m),
             ManageError::Internal(m) => ApiError::internal(m),
             ManageError::Quota(m) => ApiError::permission("quota_exceeded", m),
+            ManageError::Role(m) => ApiError::permission("role_forbidden", m),
         }
     }
 }

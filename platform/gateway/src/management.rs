@@ -11,9 +11,14 @@
 //! Operator-only operations (tenants, limits, budgets, issuers, prices) are thin wrappers
 //! over the stores (`TenantStore`, `UsageLedger`), here so that they are audited too.
 //!
+//! **Members and roles.** A tenant's member acts as [`Actor::Member`]: on its own tenant,
+//! with what its [`Role`] allows ([`allows`], one table for every channel — see the book's
+//! "Members and roles"). Only an owner invites, promotes or removes owners, and a tenant
+//! keeps at least one owner once it has members.
+//!
 //! **Audit.** Every successful change made through the service writes one
 //! [`hearth_tenants::audit`] entry: the actor (`admin`, `cli:<user>`, `key:<id>`,
-//! `jwt:<issuer>:<sub>`), the adapter it came through and the client's address
+//! `jwt:<issuer>:<sub>`, `member:<id>:<email>`), the adapter it came through and the client's address
 //! ([`Origin`]), the action, the object and its parameters (never a secret). The entry is
 //! written after the change commits; if that write fails the change stands and the failure
 //! is logged as an error.
@@ -25,6 +30,7 @@ use hearth_billing::{month_of, parse_day, BillingError, Price, PriceRates, Usage
 use hearth_runtime::Runtime;
 use hearth_tenants::audit::{AuditEntry, NewAudit};
 use hearth_tenants::jwt::{IssuerInfo, IssuerSpec};
+use hearth_tenants::members::{Invitation, Member, MemberContext, Role};
 use hearth_tenants::processors::{ProcessorInfo, ProcessorSpec};
 use hearth_tenants::{
     now_ms, ApiKeyInfo, Budget, CreatedKey, KeySpec, Limits, Tenant, TenantContext, TenantError, TenantStore,
@@ -88,6 +94,74 @@ pub enum Actor<'a> {
     Operator,
     /// A tenant credential with the `manage` scope.
     Tenant(&'a TenantContext),
+    /// A tenant's member, signed into the dashboard.
+    Member(&'a MemberContext),
+}
+
+/// What an action needs. [`allows`] is the one table of who may.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Permission {
+    /// Usage, requests and cost on the dashboard; the key and processor lists.
+    Read,
+    /// Billing exports.
+    Export,
+    /// Create and revoke API keys.
+    ManageKeys,
+    /// Upload, activate, attach and delete processors.
+    ManageProcessors,
+    /// Read the tenant's audit log.
+    ReadAudit,
+    /// Invite, remove and change the role of members below owner.
+    ManageMembers,
+    /// The same for owners.
+    ManageOwners,
+}
+
+impl Permission {
+    pub const ALL: [Permission; 7] = [
+        Permission::Read,
+        Permission::Export,
+        Permission::ManageKeys,
+        Permission::ManageProcessors,
+        Permission::ReadAudit,
+        Permission::ManageMembers,
+        Permission::ManageOwners,
+    ];
+
+    /// For people: what the permission lets one do.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Permission::Read => "see usage, requests, keys and processors",
+            Permission::Export => "download billing exports",
+            Permission::ManageKeys => "create and revoke API keys",
+            Permission::ManageProcessors => "manage processors",
+            Permission::ReadAudit => "read the audit log",
+            Permission::ManageMembers => "invite and remove members",
+            Permission::ManageOwners => "invite, promote and remove owners",
+        }
+    }
+}
+
+/// The role table: whether a member with `role` may do what `p` names.
+///
+/// | | owner | admin | developer | billing | viewer |
+/// |---|---|---|---|---|---|
+/// | see usage, requests, keys, processors | ✓ | ✓ | ✓ | ✓ | ✓ |
+/// | billing exports | ✓ | ✓ | | ✓ | |
+/// | create and revoke API keys | ✓ | ✓ | ✓ | | |
+/// | manage processors | ✓ | ✓ | ✓ | | |
+/// | read the audit log | ✓ | ✓ | | ✓ | |
+/// | invite and remove members | ✓ | ✓ | | | |
+/// | the same for owners | ✓ | | | | |
+pub fn allows(role: Role, p: Permission) -> bool {
+    use Role::*;
+    match p {
+        Permission::Read => true,
+        Permission::Export | Permission::ReadAudit => matches!(role, Owner | Admin | Billing),
+        Permission::ManageKeys | Permission::ManageProcessors => matches!(role, Owner | Admin | Developer),
+        Permission::ManageMembers => matches!(role, Owner | Admin),
+        Permission::ManageOwners => role == Owner,
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -111,6 +185,9 @@ pub enum ManageError {
     /// A per-tenant quota is reached.
     #[error("{0}")]
     Quota(String),
+    /// The member's role does not allow it.
+    #[error("{0}")]
+    Role(String),
 }
 
 /// Active API keys one tenant may hold.
@@ -201,6 +278,29 @@ impl Actor<'_> {
             Actor::Operator => "admin".into(),
             Actor::Tenant(ctx) if ctx.key_id.starts_with("jwt:") => ctx.key_id.clone(),
             Actor::Tenant(ctx) => format!("key:{}", ctx.key_id),
+            Actor::Member(m) => format!("member:{}:{}", m.member.id, m.member.email),
+        }
+    }
+
+    /// The tenant credential acting (a member's is its tenant context); None: the operator.
+    pub fn credential(&self) -> Option<&TenantContext> {
+        match self {
+            Actor::Operator => None,
+            Actor::Tenant(ctx) => Some(ctx),
+            Actor::Member(m) => Some(&m.ctx),
+        }
+    }
+
+    /// Refuses what a member's role does not allow (operators and tenant credentials with
+    /// the `manage` scope may do everything on their tenant).
+    pub fn require(&self, p: Permission) -> Result<(), ManageError> {
+        match self {
+            Actor::Member(m) if !allows(m.member.role, p) => Err(ManageError::Role(format!(
+                "A member with the {} role may not {}.",
+                m.member.role,
+                p.describe()
+            ))),
+            _ => Ok(()),
         }
     }
 }
@@ -244,6 +344,7 @@ impl Management<'_> {
         tenant: Option<&str>,
         limit: u32,
     ) -> Result<Vec<AuditEntry>, ManageError> {
+        actor.require(Permission::ReadAudit)?;
         let t = match (actor, tenant) {
             (Actor::Operator, None) => None,
             _ => Some(self.tenant_id(actor, tenant).await?),
@@ -339,18 +440,19 @@ impl Management<'_> {
     /// The tenant an actor means: the operator names one (by name or id); a tenant
     /// credential always means its own (naming another is "not found").
     pub async fn tenant_id(&self, actor: Actor<'_>, tenant: Option<&str>) -> Result<String, ManageError> {
-        match (actor, tenant) {
-            (Actor::Tenant(ctx), None) => Ok(ctx.tenant_id.clone()),
-            (Actor::Tenant(ctx), Some(t)) if t == ctx.tenant_id || t == ctx.tenant_name => Ok(ctx.tenant_id.clone()),
-            (Actor::Tenant(_), Some(t)) => Err(ManageError::NotFound(format!("tenant {t:?} does not exist"))),
-            (Actor::Operator, Some(t)) => Ok(self.tenants.tenant(t).await?.id),
-            (Actor::Operator, None) => Err(invalid("tenant", "'tenant' is required")),
+        match (actor.credential(), tenant) {
+            (Some(ctx), None) => Ok(ctx.tenant_id.clone()),
+            (Some(ctx), Some(t)) if t == ctx.tenant_id || t == ctx.tenant_name => Ok(ctx.tenant_id.clone()),
+            (Some(_), Some(t)) => Err(ManageError::NotFound(format!("tenant {t:?} does not exist"))),
+            (None, Some(t)) => Ok(self.tenants.tenant(t).await?.id),
+            (None, None) => Err(invalid("tenant", "'tenant' is required")),
         }
     }
 
     // ---- keys ------------------------------------------------------------------------
 
     pub async fn list_keys(&self, actor: Actor<'_>, tenant: Option<&str>) -> Result<Vec<ApiKeyInfo>, ManageError> {
+        actor.require(Permission::Read)?;
         let t = self.tenant_id(actor, tenant).await?;
         Ok(self.tenants.list_keys(&t).await?)
     }
@@ -363,6 +465,7 @@ impl Management<'_> {
         tenant: Option<&str>,
         mut spec: KeySpec,
     ) -> Result<CreatedKey, ManageError> {
+        actor.require(Permission::ManageKeys)?;
         let t = self.tenant_id(actor, tenant).await?;
         if let Actor::Tenant(ctx) = actor {
             let scopes = spec.scopes.unwrap_or(ctx.scopes);
@@ -420,7 +523,8 @@ impl Management<'_> {
     }
 
     pub async fn revoke_key(&self, actor: Actor<'_>, key_id: &str) -> Result<ApiKeyInfo, ManageError> {
-        if let Actor::Tenant(ctx) = actor {
+        actor.require(Permission::ManageKeys)?;
+        if let Some(ctx) = actor.credential() {
             let k = self.tenants.key(key_id).await?;
             if k.tenant_id != ctx.tenant_id {
                 return Err(ManageError::NotFound(format!("API key {key_id:?} does not exist")));
@@ -447,6 +551,160 @@ impl Management<'_> {
         Ok(k)
     }
 
+    // ---- members -----------------------------------------------------------------------
+
+    /// A tenant's members and open invitations.
+    pub async fn list_members(
+        &self,
+        actor: Actor<'_>,
+        tenant: Option<&str>,
+    ) -> Result<(Vec<Member>, Vec<Invitation>), ManageError> {
+        actor.require(Permission::Read)?;
+        let t = self.tenant_id(actor, tenant).await?;
+        Ok((
+            self.tenants.list_members(&t).await?,
+            self.tenants.list_invitations(&t).await?,
+        ))
+    }
+
+    /// Invites `email` as `role`; returns the link's token (shown once) and the invitation.
+    pub async fn invite_member(
+        &self,
+        actor: Actor<'_>,
+        tenant: Option<&str>,
+        email: &str,
+        role: Role,
+    ) -> Result<(String, Invitation), ManageError> {
+        actor.require(Permission::ManageMembers)?;
+        if role == Role::Owner {
+            actor.require(Permission::ManageOwners)?;
+        }
+        let t = self.tenant_id(actor, tenant).await?;
+        let who = actor.audit_name(&self.origin);
+        let (token, inv) = self.tenants.invite_member(&t, email, role, &who).await?;
+        self.audit(
+            actor,
+            Some(&t),
+            "member.invite",
+            &format!("invitation:{}", inv.id),
+            json!({"email": inv.email, "role": inv.role, "expires_at": inv.expires_at}),
+        )
+        .await;
+        Ok((token, inv))
+    }
+
+    /// Accepts an invitation with the new member's password; the member is the actor of
+    /// the audit entry. None: the link is unknown, used or expired.
+    pub async fn accept_invitation(&self, token: &str, password: &str) -> Result<Option<Member>, ManageError> {
+        hearth_tenants::members::check_password_policy(password)?;
+        if self.tenants.invitation(token).await?.is_none() {
+            return Ok(None);
+        }
+        let password = password.to_string();
+        let hash = tokio::task::spawn_blocking(move || hearth_tenants::members::hash_password(&password))
+            .await
+            .map_err(|_| ManageError::Internal("hashing the password failed".into()))??;
+        let Some(m) = self.tenants.accept_invitation(token, &hash).await? else {
+            return Ok(None);
+        };
+        let mc = self
+            .tenants
+            .member_context(&m.id, &m.tenant_id, now_ms())
+            .await
+            .map_err(|e| ManageError::Internal(e.to_string()))?;
+        self.audit(
+            Actor::Member(&mc),
+            Some(&m.tenant_id),
+            "member.join",
+            &format!("member:{}", m.id),
+            json!({"email": m.email, "role": m.role}),
+        )
+        .await;
+        Ok(Some(m))
+    }
+
+    /// A member of the actor's tenant (another tenant's is "not found").
+    async fn own_member(&self, actor: Actor<'_>, id: &str) -> Result<Member, ManageError> {
+        let m = self.tenants.member(id).await?;
+        if actor.credential().is_some_and(|c| c.tenant_id != m.tenant_id) {
+            return Err(TenantError::NoSuchMember(id.to_string()).into());
+        }
+        Ok(m)
+    }
+
+    /// Refuses to leave a tenant that has members without an owner.
+    async fn keeps_an_owner(&self, m: &Member) -> Result<(), ManageError> {
+        if m.role == Role::Owner && self.tenants.owner_count(&m.tenant_id).await? <= 1 {
+            return Err(invalid(
+                "member",
+                "a tenant keeps at least one owner: make another member owner first",
+            ));
+        }
+        Ok(())
+    }
+
+    pub async fn set_member_role(&self, actor: Actor<'_>, id: &str, role: Role) -> Result<Member, ManageError> {
+        actor.require(Permission::ManageMembers)?;
+        let m = self.own_member(actor, id).await?;
+        if m.role == Role::Owner || role == Role::Owner {
+            actor.require(Permission::ManageOwners)?;
+        }
+        if role != Role::Owner {
+            self.keeps_an_owner(&m).await?;
+        }
+        let after = self.tenants.set_member_role(id, role).await?;
+        self.audit(
+            actor,
+            Some(&m.tenant_id),
+            "member.role",
+            &format!("member:{id}"),
+            json!({"email": m.email, "from": m.role, "to": role}),
+        )
+        .await;
+        Ok(after)
+    }
+
+    /// Removes a member; its sessions end at once.
+    pub async fn remove_member(&self, actor: Actor<'_>, id: &str) -> Result<Member, ManageError> {
+        actor.require(Permission::ManageMembers)?;
+        let m = self.own_member(actor, id).await?;
+        if m.role == Role::Owner {
+            actor.require(Permission::ManageOwners)?;
+        }
+        self.keeps_an_owner(&m).await?;
+        let m = self.tenants.remove_member(id).await?;
+        self.audit(
+            actor,
+            Some(&m.tenant_id),
+            "member.remove",
+            &format!("member:{id}"),
+            json!({"email": m.email, "role": m.role}),
+        )
+        .await;
+        Ok(m)
+    }
+
+    pub async fn revoke_invitation(&self, actor: Actor<'_>, id: &str) -> Result<Invitation, ManageError> {
+        actor.require(Permission::ManageMembers)?;
+        let inv = self.tenants.invitation_by_id(id).await?;
+        if actor.credential().is_some_and(|c| c.tenant_id != inv.tenant_id) {
+            return Err(TenantError::NoSuchInvitation(id.to_string()).into());
+        }
+        if inv.role == Role::Owner {
+            actor.require(Permission::ManageOwners)?;
+        }
+        let inv = self.tenants.revoke_invitation(id).await?;
+        self.audit(
+            actor,
+            Some(&inv.tenant_id),
+            "member.uninvite",
+            &format!("invitation:{id}"),
+            json!({"email": inv.email, "role": inv.role}),
+        )
+        .await;
+        Ok(inv)
+    }
+
     // ---- processors ------------------------------------------------------------------
 
     /// Validates (compiles, filling the shared code cache) and stores a new version.
@@ -461,6 +719,7 @@ impl Management<'_> {
             .runtime
             .cloned()
             .ok_or(ManageError::Disabled("processors are disabled on this gateway"))?;
+        actor.require(Permission::ManageProcessors)?;
         let t = self.tenant_id(actor, tenant).await?;
         if up.name.is_empty() {
             return Err(invalid("name", "'name' is required"));
@@ -509,13 +768,15 @@ impl Management<'_> {
         actor: Actor<'_>,
         tenant: Option<&str>,
     ) -> Result<Vec<ProcessorInfo>, ManageError> {
+        actor.require(Permission::Read)?;
         let t = self.tenant_id(actor, tenant).await?;
         Ok(self.tenants.list_processors(&t).await?)
     }
 
     /// The processor `id`, if the actor may manage it.
     async fn own_processor(&self, actor: Actor<'_>, id: &str) -> Result<(), ManageError> {
-        if let Actor::Tenant(ctx) = actor {
+        actor.require(Permission::ManageProcessors)?;
+        if let Some(ctx) = actor.credential() {
             if self.tenants.processor(id).await?.tenant_id != ctx.tenant_id {
                 return Err(ManageError::NotFound(format!("processor {id:?} does not exist")));
             }
@@ -588,6 +849,7 @@ impl Management<'_> {
         tenant: Option<&str>,
         window: Window,
     ) -> Result<(Vec<DayLine>, Totals), ManageError> {
+        actor.require(Permission::Read)?;
         let t = self.tenant_id(actor, tenant).await?;
         self.ledger.flush().await;
         let rows = self.ledger.rows(&t, window.from, window.to).await?;
@@ -603,6 +865,7 @@ impl Management<'_> {
         format: Option<&str>,
         granularity: Option<&str>,
     ) -> Result<ExportFile, ManageError> {
+        actor.require(Permission::Export)?;
         let format = Format::parse(format.unwrap_or("csv"))
             .ok_or_else(|| invalid("format", "'format' is csv, jsonl or parquet"))?;
         let granularity = Granularity::parse(granularity.unwrap_or("request"))
@@ -622,5 +885,31 @@ impl Management<'_> {
             format,
             file_name,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The book's role table (concepts/members.md) is this code's: one row per permission,
+    /// in order, a ✓ exactly where [`allows`] says yes.
+    #[test]
+    fn the_books_role_table_is_the_codes() {
+        let book = include_str!("../../../docs/book/src/concepts/members.md");
+        let header = format!("| | {} |", Role::ALL.map(Role::as_str).join(" | "));
+        let start = book.find(&header).expect("the role table's header");
+        let rows: Vec<Vec<&str>> = book[start..]
+            .lines()
+            .skip(2)
+            .take_while(|l| l.starts_with('|'))
+            .map(|l| l.trim_matches('|').split('|').map(str::trim).collect())
+            .collect();
+        assert_eq!(rows.len(), Permission::ALL.len());
+        for (row, p) in rows.iter().zip(Permission::ALL) {
+            let marks: Vec<bool> = row[1..].iter().map(|c| *c == "✓").collect();
+            let want: Vec<bool> = Role::ALL.iter().map(|r| allows(*r, p)).collect();
+            assert_eq!(marks, want, "{p:?}: {row:?}");
+        }
     }
 }

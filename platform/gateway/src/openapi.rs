@@ -131,6 +131,12 @@ pub struct PublicApi;
         crate::admin::list_issuers,
         crate::admin::add_issuer,
         crate::admin::remove_issuer,
+        crate::admin::list_members,
+        crate::admin::invite_member,
+        crate::admin::list_invitations,
+        crate::admin::set_member_role,
+        crate::admin::remove_member,
+        crate::admin::revoke_invitation,
         crate::admin::list_prices,
         crate::admin::set_price,
         crate::admin::list_processors,
@@ -155,6 +161,7 @@ pub struct PublicApi;
     security(("admin" = [])),
     tags(
         (name = "tenants", description = "Tenants, their keys, limits, budgets and JWT issuers."),
+        (name = "members", description = "Tenants' members (people), their roles and invitations."),
         (name = "billing", description = "Prices, usage and exports."),
         (name = "processors", description = "Any tenant's processors."),
         (name = "models", description = "The model catalogue and routing."),
@@ -730,6 +737,33 @@ pub struct KeyRequest {
 #[allow(dead_code)]
 pub struct TenantRequest {
     name: String,
+}
+
+/// `{"email", "role"}`.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct InviteRequest {
+    /// The invitee's e-mail address (stored lower-cased).
+    email: String,
+    role: hearth_tenants::members::Role,
+}
+
+/// `{"role"}`.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct RoleRequest {
+    role: hearth_tenants::members::Role,
+}
+
+/// A new invitation: its link is shown only here.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct CreatedInvitation {
+    invitation: hearth_tenants::members::Invitation,
+    /// The link's secret.
+    token: String,
+    /// The link to send: `<public URL>/dashboard/invite/<token>`.
+    url: String,
 }
 
 /// `{"key_id": "…"}` attaches to one key; `{"key_id": null}` to the whole tenant.

@@ -2,16 +2,23 @@
 //! under `/dashboard` and built into the binary (templates, stylesheet and script are
 //! `include_str!`ed; charts are SVG drawn on the server).
 //!
-//! * **Sign-in** exchanges a credential — an API key or JWT with the `manage` scope, or the
-//!   admin token — for a server-side session ([`hearth_tenants::sessions`]): the cookie
+//! * **Sign-in**: a tenant's member signs in with its tenant, e-mail and password (Argon2id;
+//!   [`hearth_tenants::members`]), having joined through an invitation link; the operator
+//!   with the admin token. An API key or JWT with the `manage` scope still opens a session
+//!   for a tenant that has no members yet (bootstrap, installations without people
+//!   accounts); once a tenant has members its keys are for programs only. Each sign-in
+//!   becomes a server-side session ([`hearth_tenants::sessions`]): the cookie
 //!   `hearth_session` holds a random token (HttpOnly, SameSite=Strict, Path=/dashboard, and
 //!   Secure when the request came over TLS: `X-Forwarded-Proto: https`); the database holds
 //!   its hash. Sessions end on sign-out, after 30 minutes idle, after 12 hours, or with their
-//!   credential (a revoked key, a JWT's `exp`, a changed admin token).
+//!   credential (a revoked key, a JWT's `exp`, a changed admin token, a removed member).
+//! * **Roles**: a member's session acts as [`Actor::Member`]; the management service's role
+//!   table decides, and pages hide what the role may not do.
 //! * **CSRF**: every POST carries the session's token (a form field or `x-csrf-token`),
 //!   compared in constant time, and is refused when `Origin` or `Sec-Fetch-Site` says it
-//!   came from another site. Sign-in carries a one-time token from a cookie set with the
-//!   form (double submit), so a third party cannot sign a browser into its own account.
+//!   came from another site. Sign-in and accepting an invitation carry a token the server
+//!   issued, from a cookie set with the form (double submit), so a third party cannot sign a
+//!   browser into its own account.
 //! * **CSP**: `default-src 'none'`; scripts, styles and images only from the dashboard
 //!   itself, no inline script, no framing. Every value a template prints is HTML-escaped
 //!   (minijinja's auto-escaping for `.html` templates); nothing is marked safe.
@@ -35,6 +42,7 @@ use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::{Form, Json, Router};
 use hearth_billing::{format_nusd, month_of};
+use hearth_tenants::members::{MemberContext, Role};
 use hearth_tenants::sessions::{admin_fingerprint, Session, SessionKind};
 use hearth_tenants::{constant_time_eq, now_ms, AuthError, KeySpec, Scopes, TenantContext};
 use minijinja::{context, Environment};
@@ -43,7 +51,7 @@ use serde_json::{json, Value};
 
 use crate::auth::client_address;
 use crate::error::ApiError;
-use crate::management::{Actor, Origin, Upload};
+use crate::management::{allows, Actor, Origin, Permission, Upload};
 use crate::state::AppState;
 
 const SESSION_COOKIE: &str = "hearth_session";
@@ -58,6 +66,10 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/", get(home))
         .route("/login", get(login_form).post(login))
         .route("/logout", post(logout))
+        .route("/invite/{token}", get(invitation_form).post(accept_invitation))
+        .route("/members", get(members).post(invite_member))
+        .route("/members/{id}/{action}", post(member_action))
+        .route("/invitations/{id}/revoke", post(revoke_invitation))
         .route("/requests", get(requests))
         .route("/keys", get(keys).post(create_key))
         .route("/keys/{id}/revoke", post(revoke_key))
@@ -99,6 +111,9 @@ fn env() -> &'static Environment<'static> {
         for (name, src) in [
             ("base.html", include_str!("templates/base.html")),
             ("login.html", include_str!("templates/login.html")),
+            ("invite.html", include_str!("templates/invite.html")),
+            ("members.html", include_str!("templates/members.html")),
+            ("invited.html", include_str!("templates/invited.html")),
             ("overview.html", include_str!("templates/overview.html")),
             ("chart.html", include_str!("templates/chart.html")),
             ("requests.html", include_str!("templates/requests.html")),
@@ -199,35 +214,71 @@ fn set_cookie(gw: &AppState, headers: &HeaderMap, name: &str, value: &str, max_a
     .unwrap_or_else(|_| HeaderValue::from_static(""))
 }
 
-/// A signed-in visitor: its session and, for a tenant, its credential as it stands now.
+/// A signed-in visitor: its session and, for a tenant, its credential (or member) as it
+/// stands now.
 pub struct Visitor {
     pub session: Session,
-    pub tenant: Option<TenantContext>,
+    pub who: Who,
     pub origin: Origin,
+}
+
+pub enum Who {
+    Operator,
+    /// A tenant credential (API key or JWT with the `manage` scope).
+    Credential(TenantContext),
+    Member(MemberContext),
 }
 
 impl Visitor {
     fn actor(&self) -> Actor<'_> {
-        match &self.tenant {
-            Some(ctx) => Actor::Tenant(ctx),
-            None => Actor::Operator,
+        match &self.who {
+            Who::Operator => Actor::Operator,
+            Who::Credential(ctx) => Actor::Tenant(ctx),
+            Who::Member(m) => Actor::Member(m),
         }
     }
 
+    fn is_tenant(&self) -> bool {
+        !matches!(self.who, Who::Operator)
+    }
+
     fn tenant(&self) -> Result<&TenantContext, PageError> {
-        self.tenant.as_ref().ok_or(PageError {
+        let ctx = match &self.who {
+            Who::Operator => None,
+            Who::Credential(ctx) => Some(ctx),
+            Who::Member(m) => Some(&m.ctx),
+        };
+        ctx.ok_or(PageError {
             status: StatusCode::FORBIDDEN,
             message: "This page is a tenant's; the operator's pages are on the dashboard's home.".into(),
         })
     }
 
+    /// Whether the visitor may do what `p` names (pages hide what it may not).
+    fn can(&self, p: Permission) -> bool {
+        match &self.who {
+            Who::Member(m) => allows(m.member.role, p),
+            _ => true,
+        }
+    }
+
     fn base(&self) -> minijinja::Value {
-        match &self.tenant {
-            Some(t) => context! {
+        let can = context! {
+            export => self.can(Permission::Export), manage_keys => self.can(Permission::ManageKeys),
+            manage_processors => self.can(Permission::ManageProcessors), audit => self.can(Permission::ReadAudit),
+            manage_members => self.can(Permission::ManageMembers), manage_owners => self.can(Permission::ManageOwners),
+        };
+        match &self.who {
+            Who::Credential(t) => context! {
                 kind => "tenant", tenant_name => t.tenant_name, tenant_id => t.tenant_id,
-                credential => t.key_id, csrf => self.session.csrf,
+                credential => t.key_id, csrf => self.session.csrf, can => can,
             },
-            None => context! {kind => "operator", csrf => self.session.csrf},
+            Who::Member(m) => context! {
+                kind => "tenant", tenant_name => m.ctx.tenant_name, tenant_id => m.ctx.tenant_id,
+                member => m.member.email, role => m.member.role, member_id => m.member.id,
+                csrf => self.session.csrf, can => can,
+            },
+            Who::Operator => context! {kind => "operator", csrf => self.session.csrf, can => can},
         }
     }
 }
@@ -269,7 +320,7 @@ impl FromRequestParts<Arc<AppState>> for Visitor {
                 )));
             }
         };
-        let tenant = match &session.kind {
+        let who = match &session.kind {
             SessionKind::Operator { admin_fp } => {
                 let current = gw.admin_token.as_deref().map(admin_fingerprint);
                 if current
@@ -281,10 +332,25 @@ impl FromRequestParts<Arc<AppState>> for Visitor {
                         "The admin token has changed: sign in again.",
                     )));
                 }
-                None
+                Who::Operator
             }
+            SessionKind::Member { .. } => match gw.tenants.session_member(&session).await {
+                Ok(m) => Who::Member(m),
+                Err(AuthError::Store(e)) => {
+                    tracing::error!(error = %e, "dashboard member check unavailable");
+                    return Err(Unauthenticated::Refused(ApiError::unavailable(
+                        "authentication is temporarily unavailable",
+                    )));
+                }
+                Err(_) => {
+                    let _ = gw.tenants.end_session(token).await;
+                    return Err(refuse(ApiError::unauthorized(
+                        "This membership has ended: ask the tenant's owner.",
+                    )));
+                }
+            },
             SessionKind::Tenant { .. } => match gw.tenants.session_context(&session).await {
-                Ok(ctx) => Some(ctx),
+                Ok(ctx) => Who::Credential(ctx),
                 Err(AuthError::Store(e)) => {
                     tracing::error!(error = %e, "dashboard credential check unavailable");
                     return Err(Unauthenticated::Refused(ApiError::unavailable(
@@ -302,7 +368,7 @@ impl FromRequestParts<Arc<AppState>> for Visitor {
         };
         Ok(Visitor {
             session,
-            tenant,
+            who,
             origin: Origin::dashboard(client_address(&parts.extensions)),
         })
     }
@@ -355,12 +421,24 @@ fn csrf_ok(gw: &AppState, v: &Visitor, headers: &HeaderMap, presented: Option<&s
 async fn home(v: Result<Visitor, Unauthenticated>, State(gw): State<Arc<AppState>>, q: Query<RangeQuery>) -> Response {
     match v {
         Err(e) => e.into_response(),
-        Ok(v) if v.tenant.is_some() => overview(&gw, &v, &q).await.into_response(),
+        Ok(v) if v.is_tenant() => overview(&gw, &v, &q).await.into_response(),
         Ok(v) => operator(&gw, &v).await.into_response(),
     }
 }
 
 async fn login_page(gw: &AppState, headers: &HeaderMap, status: StatusCode, error: Option<&str>) -> Response {
+    signed_form(gw, headers, status, "login.html", context! {error => error}).await
+}
+
+/// A page with a form posted before there is a session (sign-in, accepting an invitation):
+/// it carries a fresh [`login_token`] (as `login_csrf`) and sets the same in a cookie.
+async fn signed_form(
+    gw: &AppState,
+    headers: &HeaderMap,
+    status: StatusCode,
+    template: &str,
+    ctx: minijinja::Value,
+) -> Response {
     let token = match login_token::issue(gw, now_ms()).await {
         Ok(t) => t,
         Err(why) => {
@@ -368,7 +446,7 @@ async fn login_page(gw: &AppState, headers: &HeaderMap, status: StatusCode, erro
             return (StatusCode::SERVICE_UNAVAILABLE, "Sign-in is temporarily unavailable.").into_response();
         }
     };
-    let mut resp = page(status, "login.html", context! {login_csrf => token, error => error});
+    let mut resp = page(status, template, context! {login_csrf => token, ..ctx});
     resp.headers_mut().append(
         header::SET_COOKIE,
         set_cookie(gw, headers, LOGIN_COOKIE, &token, login_token::LIFETIME_MS / 1000),
@@ -482,8 +560,115 @@ async fn login_form(State(gw): State<Arc<AppState>>, headers: HeaderMap) -> Resp
 
 #[derive(Deserialize)]
 struct LoginForm {
-    credential: String,
+    /// An API key, JWT or the admin token.
+    credential: Option<String>,
+    /// A member's sign-in: tenant name, e-mail and password.
+    tenant: Option<String>,
+    email: Option<String>,
+    password: Option<String>,
     login_csrf: String,
+}
+
+/// Why a form posted before there is a session is refused before its content is looked at:
+/// its token is not this server's, or the address is throttled.
+async fn pre_session_checks(
+    gw: &AppState,
+    headers: &HeaderMap,
+    extensions: &axum::http::Extensions,
+    login_csrf: &str,
+) -> Result<(), (StatusCode, &'static str)> {
+    let expected = cookie(headers, LOGIN_COOKIE).unwrap_or("");
+    if expected.is_empty()
+        || !same_origin(gw, headers)
+        || !constant_time_eq(expected.as_bytes(), login_csrf.as_bytes())
+        || !login_token::valid(gw, expected, now_ms()).await
+    {
+        return Err((
+            StatusCode::FORBIDDEN,
+            "The form expired or came from another site: try again.",
+        ));
+    }
+    // Guessing credentials (API keys, JWTs, the admin token or passwords) through the
+    // dashboard is throttled per address like the API's bearer tokens.
+    let peer = crate::auth::peer_ip(extensions);
+    if let (Some(ip), Some(throttle)) = (peer, gw.auth_throttle.as_ref()) {
+        if throttle.check(ip).is_err() {
+            gw.metrics.auth_throttled.inc();
+            return Err((
+                StatusCode::TOO_MANY_REQUESTS,
+                "Too many failed sign-ins from this address; wait a few seconds.",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Counts a failed sign-in against the address's throttle.
+fn sign_in_failed(gw: &AppState, extensions: &axum::http::Extensions) {
+    if let (Some(ip), Some(throttle)) = (crate::auth::peer_ip(extensions), gw.auth_throttle.as_ref()) {
+        throttle.failed(ip);
+    }
+}
+
+/// Sets the session cookie of a session just opened and goes to the dashboard.
+async fn session_opened(
+    gw: &AppState,
+    headers: &HeaderMap,
+    opened: Result<(String, Session), hearth_tenants::TenantError>,
+) -> Response {
+    // Sessions nobody reads again (closed tabs) are deleted here; live ones are checked on read.
+    if let Err(e) = gw.tenants.purge_sessions().await {
+        tracing::warn!(error = %e, "expired dashboard sessions could not be purged");
+    }
+    match opened {
+        Ok((token, s)) => {
+            let mut resp = Redirect::to("/dashboard").into_response();
+            let age = (s.expires_at - now_ms()) / 1000;
+            let h = resp.headers_mut();
+            h.append(
+                header::SET_COOKIE,
+                set_cookie(gw, headers, SESSION_COOKIE, &token, age.max(1)),
+            );
+            h.append(header::SET_COOKIE, set_cookie(gw, headers, LOGIN_COOKIE, "", 0));
+            resp
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "dashboard session could not be created");
+            login_page(
+                gw,
+                headers,
+                StatusCode::SERVICE_UNAVAILABLE,
+                Some("Sign-in is temporarily unavailable."),
+            )
+            .await
+        }
+    }
+}
+
+/// Opens a member's session and audits it.
+async fn open_member_session(
+    gw: &AppState,
+    member: &hearth_tenants::members::Member,
+    origin: Origin,
+) -> Result<(String, Session), hearth_tenants::TenantError> {
+    let kind = SessionKind::Member {
+        tenant_id: member.tenant_id.clone(),
+        member_id: member.id.clone(),
+    };
+    let opened = gw.tenants.create_session(kind, None, origin.address.as_deref()).await?;
+    if let Ok(mc) = gw.tenants.session_member(&opened.1).await {
+        gw.management()
+            .via(origin)
+            .audit(
+                Actor::Member(&mc),
+                Some(&member.tenant_id),
+                "session.sign_in",
+                "dashboard",
+                json!({"method": "password"}),
+            )
+            .await;
+    }
+    Ok(opened)
 }
 
 async fn login(
@@ -502,43 +687,48 @@ async fn login(
         )
         .await;
     };
-    let expected = cookie(headers, LOGIN_COOKIE).unwrap_or("");
-    if expected.is_empty()
-        || !same_origin(&gw, headers)
-        || !constant_time_eq(expected.as_bytes(), form.login_csrf.as_bytes())
-        || !login_token::valid(&gw, expected, now_ms()).await
-    {
-        return login_page(
-            &gw,
-            headers,
-            StatusCode::FORBIDDEN,
-            Some("The sign-in form expired or came from another site: try again."),
-        )
-        .await;
+    if let Err((status, why)) = pre_session_checks(&gw, headers, &extensions, &form.login_csrf).await {
+        return login_page(&gw, headers, status, Some(why)).await;
     }
-    let credential = form.credential.trim();
     let address = client_address(&extensions);
-    // Guessing credentials (API keys, JWTs or the admin token) through the sign-in form is
-    // throttled per address like the API's bearer tokens.
-    let peer = crate::auth::peer_ip(&extensions);
-    if let (Some(ip), Some(throttle)) = (peer, gw.auth_throttle.as_ref()) {
-        if throttle.check(ip).is_err() {
-            gw.metrics.auth_throttled.inc();
+    let origin = Origin::dashboard(address.clone());
+    if let Some(email) = form.email.as_deref().filter(|e| !e.trim().is_empty()) {
+        let tenant = form.tenant.as_deref().unwrap_or("").trim();
+        let password = form.password.unwrap_or_default();
+        let found = match gw.tenants.member_for_sign_in(tenant, email).await {
+            Ok(found) => found,
+            Err(e) => {
+                tracing::error!(error = %e, "member store unavailable");
+                return login_page(
+                    &gw,
+                    headers,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    Some("Sign-in is temporarily unavailable."),
+                )
+                .await;
+            }
+        };
+        // An unknown tenant or address costs the same Argon2id verification as a wrong
+        // password (against a dummy hash), so the answer's time does not tell.
+        let (member, hash) = found.map_or((None, None), |(m, h)| (Some(m), h));
+        let ok =
+            tokio::task::spawn_blocking(move || hearth_tenants::members::verify_password(hash.as_deref(), &password))
+                .await
+                .unwrap_or(false);
+        let Some(member) = member.filter(|_| ok) else {
+            sign_in_failed(&gw, &extensions);
             return login_page(
                 &gw,
                 headers,
-                StatusCode::TOO_MANY_REQUESTS,
-                Some("Too many failed sign-ins from this address; wait a few seconds."),
+                StatusCode::UNAUTHORIZED,
+                Some("Wrong tenant, e-mail address or password."),
             )
             .await;
-        }
+        };
+        let opened = open_member_session(&gw, &member, origin).await;
+        return session_opened(&gw, headers, opened).await;
     }
-    let failed = |gw: &AppState| {
-        if let (Some(ip), Some(throttle)) = (peer, gw.auth_throttle.as_ref()) {
-            throttle.failed(ip);
-        }
-    };
-    let origin = Origin::dashboard(address.clone());
+    let credential = form.credential.as_deref().unwrap_or("").trim();
     let admin = gw.admin_token.as_deref().filter(|t| !t.is_empty());
     let opened = if admin.is_some_and(|t| constant_time_eq(credential.as_bytes(), t.as_bytes())) {
         let kind = SessionKind::Operator {
@@ -565,35 +755,14 @@ async fn login(
                 )
                 .await;
             }
-            Err(AuthError::Revoked) => {
-                failed(&gw);
-                return login_page(
-                    &gw,
-                    headers,
-                    StatusCode::UNAUTHORIZED,
-                    Some("This API key has been revoked."),
-                )
-                .await;
-            }
-            Err(AuthError::Expired(_)) => {
-                failed(&gw);
-                return login_page(
-                    &gw,
-                    headers,
-                    StatusCode::UNAUTHORIZED,
-                    Some("This credential has expired."),
-                )
-                .await;
-            }
-            Err(_) => {
-                failed(&gw);
-                return login_page(
-                    &gw,
-                    headers,
-                    StatusCode::UNAUTHORIZED,
-                    Some("That is not a valid API key, JWT or admin token."),
-                )
-                .await;
+            Err(e) => {
+                sign_in_failed(&gw, &extensions);
+                let why = match e {
+                    AuthError::Revoked => "This API key has been revoked.",
+                    AuthError::Expired(_) => "This credential has expired.",
+                    _ => "That is not a valid API key, JWT or admin token.",
+                };
+                return login_page(&gw, headers, StatusCode::UNAUTHORIZED, Some(why)).await;
             }
         };
         if !ctx.scopes.manage {
@@ -604,6 +773,29 @@ async fn login(
                 Some("This credential lacks the 'manage' scope the dashboard needs."),
             )
             .await;
+        }
+        // Once a tenant has members, people sign in as themselves: its keys are for programs.
+        match gw.tenants.has_members(&ctx.tenant_id).await {
+            Ok(false) => {}
+            Ok(true) => {
+                return login_page(
+                    &gw,
+                    headers,
+                    StatusCode::FORBIDDEN,
+                    Some("This tenant has members: sign in with your e-mail address and password. API keys are for programs."),
+                )
+                .await
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "member store unavailable");
+                return login_page(
+                    &gw,
+                    headers,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    Some("Sign-in is temporarily unavailable."),
+                )
+                .await;
+            }
         }
         let kind = SessionKind::Tenant {
             tenant_id: ctx.tenant_id.clone(),
@@ -629,33 +821,223 @@ async fn login(
         }
         s
     };
-    // Sessions nobody reads again (closed tabs) are deleted here; live ones are checked on read.
-    if let Err(e) = gw.tenants.purge_sessions().await {
-        tracing::warn!(error = %e, "expired dashboard sessions could not be purged");
+    session_opened(&gw, headers, opened).await
+}
+
+// ---- invitations and members -------------------------------------------------------------
+
+async fn invitation_form(State(gw): State<Arc<AppState>>, headers: HeaderMap, Path(token): Path<String>) -> Response {
+    invitation_page(&gw, &headers, &token, StatusCode::OK, None).await
+}
+
+async fn invitation_page(
+    gw: &AppState,
+    headers: &HeaderMap,
+    token: &str,
+    status: StatusCode,
+    error: Option<&str>,
+) -> Response {
+    let inv = match gw.tenants.invitation(token).await {
+        Ok(Some(inv)) => inv,
+        Ok(None) => {
+            return PageError {
+                status: StatusCode::NOT_FOUND,
+                message: "This invitation link is unknown, already used or expired: ask for a new one.".into(),
+            }
+            .into_response()
+        }
+        Err(e) => return PageError::from(crate::error::store_error(e)).into_response(),
+    };
+    let tenant = gw
+        .tenants
+        .tenant(&inv.tenant_id)
+        .await
+        .map_or_else(|_| inv.tenant_id.clone(), |t| t.name);
+    let ctx = context! {
+        error => error, email => inv.email, role => inv.role, tenant => tenant, token => token,
+        min_password => hearth_tenants::members::MIN_PASSWORD_CHARS,
+    };
+    signed_form(gw, headers, status, "invite.html", ctx).await
+}
+
+#[derive(Deserialize)]
+struct AcceptForm {
+    password: String,
+    confirm: String,
+    login_csrf: String,
+}
+
+async fn accept_invitation(
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    extensions: axum::http::Extensions,
+    Path(token): Path<String>,
+    form: Result<Form<AcceptForm>, axum::extract::rejection::FormRejection>,
+) -> Response {
+    let headers = &headers;
+    let Ok(Form(form)) = form else {
+        return invitation_page(
+            &gw,
+            headers,
+            &token,
+            StatusCode::BAD_REQUEST,
+            Some("The form was incomplete."),
+        )
+        .await;
+    };
+    if let Err((status, why)) = pre_session_checks(&gw, headers, &extensions, &form.login_csrf).await {
+        return invitation_page(&gw, headers, &token, status, Some(why)).await;
     }
-    match opened {
-        Ok((token, s)) => {
-            let mut resp = Redirect::to("/dashboard").into_response();
-            let age = (s.expires_at - now_ms()) / 1000;
-            let h = resp.headers_mut();
-            h.append(
-                header::SET_COOKIE,
-                set_cookie(&gw, headers, SESSION_COOKIE, &token, age.max(1)),
-            );
-            h.append(header::SET_COOKIE, set_cookie(&gw, headers, LOGIN_COOKIE, "", 0));
-            resp
+    if form.password != form.confirm {
+        return invitation_page(
+            &gw,
+            headers,
+            &token,
+            StatusCode::BAD_REQUEST,
+            Some("The two passwords differ."),
+        )
+        .await;
+    }
+    let origin = Origin::dashboard(client_address(&extensions));
+    let m = gw.management().via(origin.clone());
+    match m.accept_invitation(&token, &form.password).await {
+        Ok(Some(member)) => {
+            let opened = open_member_session(&gw, &member, origin).await;
+            session_opened(&gw, headers, opened).await
+        }
+        Ok(None) => {
+            sign_in_failed(&gw, &extensions);
+            invitation_page(&gw, headers, &token, StatusCode::NOT_FOUND, None).await
         }
         Err(e) => {
-            tracing::error!(error = %e, "dashboard session could not be created");
-            login_page(
-                &gw,
-                headers,
-                StatusCode::SERVICE_UNAVAILABLE,
-                Some("Sign-in is temporarily unavailable."),
-            )
-            .await
+            let e = ApiError::from(e);
+            invitation_page(&gw, headers, &token, e.status, Some(&e.message)).await
         }
     }
+}
+
+/// The base of links this gateway hands out: the public URL, else the request's own
+/// scheme and `Host`.
+pub(crate) fn link_base(gw: &AppState, headers: &HeaderMap) -> String {
+    if let Some(o) = &gw.public_origin {
+        return o.clone();
+    }
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("localhost");
+    let scheme = if over_tls(gw, headers) { "https" } else { "http" };
+    format!("{scheme}://{host}")
+}
+
+async fn members(v: Visitor, State(gw): State<Arc<AppState>>) -> Result<Response, PageError> {
+    v.tenant()?;
+    let (list, invitations) = gw.management().list_members(v.actor(), None).await?;
+    let me = match &v.who {
+        Who::Member(m) => Some(m.member.id.clone()),
+        _ => None,
+    };
+    let roles: Vec<&str> = Role::ALL
+        .iter()
+        .filter(|r| **r != Role::Owner || v.can(Permission::ManageOwners))
+        .map(|r| r.as_str())
+        .collect();
+    Ok(page(
+        StatusCode::OK,
+        "members.html",
+        context! {
+            base => v.base(), page => "members", members => list, invitations => invitations,
+            me => me, roles => roles, role_table => role_table(),
+        },
+    ))
+}
+
+/// The management service's role table, for people.
+fn role_table() -> Value {
+    let rows: Vec<Value> = Permission::ALL
+        .iter()
+        .map(|p| {
+            let allowed: Vec<bool> = Role::ALL.iter().map(|r| allows(*r, *p)).collect();
+            let what = p.describe();
+            json!({"what": format!("{}{}", what[..1].to_uppercase(), &what[1..]), "allowed": allowed})
+        })
+        .collect();
+    json!({"roles": Role::ALL, "rows": rows})
+}
+
+#[derive(Deserialize)]
+struct InviteForm {
+    csrf: Option<String>,
+    email: String,
+    role: String,
+}
+
+async fn invite_member(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Form(f): Form<InviteForm>,
+) -> Result<Response, PageError> {
+    csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
+    v.tenant()?;
+    let role = Role::parse(&f.role).ok_or_else(|| ApiError::invalid("role", "unknown role"))?;
+    let (token, inv) = gw
+        .management()
+        .via(v.origin.clone())
+        .invite_member(v.actor(), None, &f.email, role)
+        .await?;
+    let link = format!("{}/dashboard/invite/{token}", link_base(&gw, &headers));
+    Ok(page(
+        StatusCode::CREATED,
+        "invited.html",
+        context! {base => v.base(), page => "members", link => link, invitation => inv},
+    ))
+}
+
+#[derive(Deserialize)]
+struct MemberForm {
+    csrf: Option<String>,
+    role: Option<String>,
+}
+
+async fn member_action(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path((id, action)): Path<(String, String)>,
+    Form(f): Form<MemberForm>,
+) -> Result<Response, PageError> {
+    csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
+    v.tenant()?;
+    let m = gw.management().via(v.origin.clone());
+    match action.as_str() {
+        "role" => {
+            let role = Role::parse(f.role.as_deref().unwrap_or(""))
+                .ok_or_else(|| ApiError::invalid("role", "unknown role"))?;
+            m.set_member_role(v.actor(), &id, role).await?;
+        }
+        "remove" => {
+            m.remove_member(v.actor(), &id).await?;
+        }
+        _ => return Err(ApiError::not_found(format!("no member action {action:?}")).into()),
+    }
+    Ok(Redirect::to("/dashboard/members").into_response())
+}
+
+async fn revoke_invitation(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Form(f): Form<CsrfForm>,
+) -> Result<Response, PageError> {
+    csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
+    v.tenant()?;
+    gw.management()
+        .via(v.origin.clone())
+        .revoke_invitation(v.actor(), &id)
+        .await?;
+    Ok(Redirect::to("/dashboard/members").into_response())
 }
 
 #[derive(Deserialize)]
@@ -672,7 +1054,7 @@ async fn logout(v: Visitor, State(gw): State<Arc<AppState>>, headers: HeaderMap,
         tracing::error!(error = %e, "dashboard session could not be ended");
         return PageError::from(ApiError::unavailable("sign-out failed; try again")).into_response();
     }
-    let tenant = v.tenant.as_ref().map(|t| t.tenant_id.clone());
+    let tenant = v.tenant().ok().map(|t| t.tenant_id.clone());
     gw.management()
         .via(v.origin.clone())
         .audit(v.actor(), tenant.as_deref(), "session.sign_out", "dashboard", json!({}))
@@ -779,7 +1161,7 @@ async fn keys(v: Visitor, State(gw): State<Arc<AppState>>) -> Result<Response, P
                 "id": k.id, "name": k.name, "scopes": k.scopes.join(", "),
                 "models": k.models.as_ref().map_or("all".to_string(), |m| m.join(", ")),
                 "created_at": k.created_at, "expires_at": k.expires_at, "state": state,
-                "current": v.tenant.as_ref().is_some_and(|t| t.key_id == k.id),
+                "current": v.tenant().is_ok_and(|t| t.key_id == k.id),
             })
         })
         .collect();
@@ -898,7 +1280,7 @@ async fn upload_processor(
 ) -> Result<Response, ApiError> {
     csrf_ok(&gw, &v, &headers, None)?;
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
-    if v.tenant.is_none() {
+    if !v.is_tenant() {
         return Err(ApiError::forbidden("processors are managed from a tenant's session"));
     }
     let up = Upload {
@@ -1044,4 +1426,21 @@ async fn js() -> Response {
         include_str!("static/app.js"),
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every template parses (a syntax error would otherwise surface as a panic on the
+    /// first page view), and the role table renders one row per permission.
+    #[test]
+    fn templates_parse_and_the_role_table_renders() {
+        let env = super::env();
+        assert!(env.templates().count() >= 14);
+        let t = super::role_table();
+        assert_eq!(
+            t["rows"].as_array().unwrap().len(),
+            crate::management::Permission::ALL.len()
+        );
+        assert_eq!(t["roles"][4], "viewer");
+    }
 }
