@@ -1021,3 +1021,144 @@ async fn members_roles_invitations_and_removal() {
     assert!(by("key.create").contains(&viewer_actor));
     assert!(by("session.sign_in").contains(&owner_actor));
 }
+
+/// The operator console's write actions: create a tenant, open its drill-down, set its
+/// budget and limits, revoke one of its keys and invite its first owner — each behind the
+/// session's CSRF token, each audited as the operator through the dashboard, each seen by
+/// the CLI and the admin API; bad input is a 400 page; a tenant's session gets 403.
+#[tokio::test]
+async fn operator_console_manages_tenants() {
+    let data = temp_dir("console");
+    let server = sim_serve_with(&data, "100", &[]);
+    let base = server.url.as_str();
+    let op = sign_in(base, ADMIN_TOKEN).await.expect("operator session");
+    let r = post_form(
+        base,
+        &op,
+        "/dashboard/tenants",
+        &[("csrf", "wrong"), ("name", "console")],
+    )
+    .await;
+    assert_eq!(r.status(), 403, "CSRF");
+    let r = post_form(
+        base,
+        &op,
+        "/dashboard/tenants",
+        &[("csrf", &op.csrf), ("name", "console")],
+    )
+    .await;
+    assert_eq!(r.status(), 303);
+    let at = r.headers()[LOCATION].to_str().unwrap().to_string();
+    assert!(at.starts_with("/dashboard/tenants/tn_"), "{at}");
+    let tenants: Value = serde_json::from_str(&admin(&data, &["--json", "tenant", "list"])).unwrap();
+    assert!(
+        tenants.as_array().unwrap().iter().any(|t| t["name"] == "console"),
+        "the CLI sees it"
+    );
+    let (status, html) = page(base, &op, &at).await;
+    assert_eq!(status, 200, "{html}");
+    assert_eq!(by_id(&html, "drill-tenant-name"), "console");
+
+    let form = |extra: &[(&'static str, &'static str)]| -> Vec<(&'static str, String)> {
+        let mut f = vec![("csrf", op.csrf.clone())];
+        f.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
+        f
+    };
+    let send = |path: String, f: Vec<(&'static str, String)>| {
+        let (base, cookie) = (base.to_string(), op.cookie.clone());
+        async move {
+            browser()
+                .post(format!("{base}{path}"))
+                .header("cookie", format!("hearth_session={cookie}"))
+                .header("origin", &base)
+                .form(&f)
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    let r = send(
+        format!("{at}/budget"),
+        form(&[("monthly_usd", "7.5"), ("mode", "soft")]),
+    )
+    .await;
+    assert_eq!(r.status(), 303);
+    let r = send(
+        format!("{at}/limits"),
+        form(&[("rpm", "60"), ("share", "3"), ("priority", "batch")]),
+    )
+    .await;
+    assert_eq!(r.status(), 303);
+    let r = send(format!("{at}/limits"), form(&[("rpm", "lots")])).await;
+    assert_eq!(r.status(), 400);
+    let api = |path: &str| {
+        let url = format!("{base}/admin/v1/{path}");
+        async move {
+            let r = client().get(url).bearer_auth(ADMIN_TOKEN).send().await.unwrap();
+            r.json::<Value>().await.unwrap()
+        }
+    };
+    assert_eq!(
+        api("tenants/console/budget").await["budget"],
+        json!({"monthly_usd": "7.500000000", "mode": "soft"})
+    );
+    let limits = api("tenants/console/limits").await;
+    assert_eq!(
+        (limits["limits"]["rpm"].clone(), limits["limits"]["share"].clone()),
+        (json!(60), json!(3)),
+        "{limits}"
+    );
+    assert_eq!(limits["limits"]["priority"], "batch", "{limits}");
+
+    let key: Value = serde_json::from_str(&admin(
+        &data,
+        &[
+            "--json",
+            "key",
+            "create",
+            "--tenant",
+            "console",
+            "--scopes",
+            "inference,manage",
+        ],
+    ))
+    .unwrap();
+    let key_id = key["id"].as_str().unwrap();
+    let r = send(format!("{at}/keys/{key_id}/revoke"), form(&[])).await;
+    assert_eq!(r.status(), 303);
+    let keys: Value = serde_json::from_str(&admin(&data, &["--json", "key", "list", "--tenant", "console"])).unwrap();
+    assert!(keys[0]["revoked_at"].is_i64(), "{keys}");
+    let r = send(
+        format!("{at}/invite"),
+        form(&[("email", "boss@example.com"), ("role", "owner")]),
+    )
+    .await;
+    assert_eq!(r.status(), 201);
+    assert!(by_id(&r.text().await.unwrap(), "invite-link").contains("invite"));
+
+    // A tenant's session cannot use the console.
+    let other = new_key(&data, "elsewhere");
+    let t = sign_in(base, &other).await.expect("a tenant session");
+    assert_eq!(page(base, &t, &at).await.0, 403);
+    let r = post_form(base, &t, "/dashboard/tenants", &[("csrf", &t.csrf), ("name", "sneaky")]).await;
+    assert_eq!(r.status(), 403);
+
+    let audit: Value = serde_json::from_str(&admin(&data, &["--json", "audit", "--tenant", "console"])).unwrap();
+    let mut seen = actions_and_channels(&audit);
+    seen.sort();
+    for want in [
+        "tenant.create",
+        "tenant.budget",
+        "tenant.limits",
+        "key.revoke",
+        "member.invite",
+    ] {
+        assert!(seen.contains(&(want, "dashboard")), "{want} in {seen:?}");
+    }
+    assert!(audit
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["channel"] == "dashboard")
+        .all(|e| e["actor"] == "admin"));
+}

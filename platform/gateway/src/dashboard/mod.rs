@@ -70,6 +70,10 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/members", get(members).post(invite_member))
         .route("/members/{id}/{action}", post(member_action))
         .route("/invitations/{id}/revoke", post(revoke_invitation))
+        .route("/tenants", post(create_tenant))
+        .route("/tenants/{tenant}", get(tenant_page))
+        .route("/tenants/{tenant}/{action}", post(tenant_action))
+        .route("/tenants/{tenant}/keys/{key}/revoke", post(tenant_revoke_key))
         .route("/requests", get(requests))
         .route("/keys", get(keys).post(create_key))
         .route("/keys/{id}/revoke", post(revoke_key))
@@ -122,6 +126,7 @@ fn env() -> &'static Environment<'static> {
             ("processors.html", include_str!("templates/processors.html")),
             ("audit.html", include_str!("templates/audit.html")),
             ("operator.html", include_str!("templates/operator.html")),
+            ("tenant.html", include_str!("templates/tenant.html")),
             ("error.html", include_str!("templates/error.html")),
         ] {
             env.add_template(name, src).expect("dashboard templates parse");
@@ -1408,6 +1413,219 @@ async fn operator(gw: &AppState, v: &Visitor) -> Result<Response, PageError> {
         "operator.html",
         context! {base => v.base(), page => "overview", month => month, tenants => rows, models => models},
     ))
+}
+
+/// Refuses a tenant's session on an operator page.
+fn operator_only(v: &Visitor) -> Result<(), PageError> {
+    if v.is_tenant() {
+        return Err(PageError {
+            status: StatusCode::FORBIDDEN,
+            message: "This page is the operator's.".into(),
+        });
+    }
+    Ok(())
+}
+
+#[derive(Deserialize)]
+struct NameForm {
+    csrf: Option<String>,
+    name: String,
+}
+
+async fn create_tenant(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Form(f): Form<NameForm>,
+) -> Result<Response, PageError> {
+    csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
+    operator_only(&v)?;
+    let t = gw
+        .management()
+        .via(v.origin.clone())
+        .create_tenant(f.name.trim())
+        .await?;
+    Ok(Redirect::to(&format!("/dashboard/tenants/{}", t.id)).into_response())
+}
+
+/// The operator's view of one tenant: the last 30 days' usage, cost, cache hit rate,
+/// latency and errors by code; its budget and limits (editable), keys (revocable) and
+/// members (invite).
+async fn tenant_page(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    Path(tenant): Path<String>,
+) -> Result<Response, PageError> {
+    operator_only(&v)?;
+    let t = gw.tenants.tenant(&tenant).await.map_err(crate::error::store_error)?;
+    let now = now_ms();
+    let range = views::Range::parse(Some("30d"));
+    let (from, to) = range.window(now);
+    gw.ledger.flush().await;
+    let rows = gw
+        .ledger
+        .rows(&t.id, from, to)
+        .await
+        .map_err(crate::error::ledger_error)?;
+    let prices = gw.ledger.prices(None).await.map_err(crate::error::ledger_error)?;
+    let usage = views::usage_view(&rows, &prices, range, now);
+    let mut errors = std::collections::BTreeMap::<String, u64>::new();
+    for r in &rows {
+        if let Some(code) = r.rec.error_code.as_deref() {
+            *errors.entry(code.to_string()).or_default() += 1;
+        }
+    }
+    let errors: Vec<Value> = errors
+        .iter()
+        .map(|(code, count)| json!({"code": code, "count": count}))
+        .collect();
+    let month = month_of(now);
+    let spent = gw
+        .ledger
+        .month_spend(&t.id, &month)
+        .await
+        .map_err(crate::error::ledger_error)?;
+    let budget = gw
+        .tenants
+        .budget(&t.id)
+        .await
+        .map_err(crate::error::store_error)?
+        .map(|b| json!({"monthly_usd": format_nusd(b.monthly_nusd), "mode": if b.hard {"hard"} else {"soft"}}));
+    let limits = gw
+        .tenants
+        .tenant_limits(&t.id)
+        .await
+        .map_err(crate::error::store_error)?;
+    let m = gw.management();
+    let keys = m.list_keys(Actor::Operator, Some(&t.id)).await?;
+    let (members, _) = m.list_members(Actor::Operator, Some(&t.id)).await?;
+    Ok(page(
+        StatusCode::OK,
+        "tenant.html",
+        context! {
+            base => v.base(), page => "overview", tenant => t, usage => usage, errors => errors,
+            month => month, spent_usd => format_nusd(spent), budget => budget,
+            limits => json!({
+                "rpm": limits.rpm, "tpm": limits.tpm, "concurrent": limits.concurrent, "share": limits.share,
+                "priority": limits.priority.map(|p| p.as_str()),
+            }),
+            keys => keys, members => members, roles => Role::ALL,
+        },
+    ))
+}
+
+#[derive(Deserialize)]
+struct TenantForm {
+    csrf: Option<String>,
+    monthly_usd: Option<String>,
+    mode: Option<String>,
+    rpm: Option<String>,
+    tpm: Option<String>,
+    concurrent: Option<String>,
+    share: Option<String>,
+    priority: Option<String>,
+    email: Option<String>,
+    role: Option<String>,
+}
+
+/// A form's optional whole number (empty or 0: none).
+fn count_field(v: Option<&str>, field: &'static str) -> Result<Option<u32>, ApiError> {
+    match v.map(str::trim).filter(|s| !s.is_empty()) {
+        None => Ok(None),
+        Some(s) => s
+            .parse::<u32>()
+            .map(|n| (n > 0).then_some(n))
+            .map_err(|_| ApiError::invalid(field, format!("'{field}' is a whole number, or empty for none"))),
+    }
+}
+
+async fn tenant_action(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path((tenant, action)): Path<(String, String)>,
+    Form(f): Form<TenantForm>,
+) -> Result<Response, PageError> {
+    csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
+    operator_only(&v)?;
+    let t = gw.tenants.tenant(&tenant).await.map_err(crate::error::store_error)?;
+    let m = gw.management().via(v.origin.clone());
+    match action.as_str() {
+        "budget" => {
+            let b = match f.monthly_usd.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
+                None => None,
+                Some(s) => {
+                    let micros = hearth_billing::parse_usd_micros(s).filter(|m| *m > 0).ok_or_else(|| {
+                        ApiError::invalid("monthly_usd", "a USD amount like 12.50, or empty for none")
+                    })?;
+                    Some(hearth_tenants::Budget {
+                        monthly_nusd: micros * 1000,
+                        hard: f.mode.as_deref() != Some("soft"),
+                    })
+                }
+            };
+            m.set_budget(&t.id, b).await?;
+        }
+        "limits" => {
+            let priority = match f.priority.as_deref().unwrap_or("interactive") {
+                "interactive" => None,
+                p => Some(
+                    hearth_tenants::Priority::parse(p)
+                        .ok_or_else(|| ApiError::invalid("priority", "interactive or batch"))?,
+                ),
+            };
+            let share = count_field(f.share.as_deref(), "share")?;
+            if share.is_some_and(|s| s > hearth_tenants::MAX_SHARE) {
+                return Err(
+                    ApiError::invalid("share", format!("'share' is 1 to {}", hearth_tenants::MAX_SHARE)).into(),
+                );
+            }
+            let l = hearth_tenants::Limits {
+                rpm: count_field(f.rpm.as_deref(), "rpm")?,
+                tpm: count_field(f.tpm.as_deref(), "tpm")?,
+                concurrent: count_field(f.concurrent.as_deref(), "concurrent")?,
+                share,
+                priority,
+            };
+            m.set_tenant_limits(&t.id, l).await?;
+        }
+        "invite" => {
+            let role = Role::parse(f.role.as_deref().unwrap_or(""))
+                .ok_or_else(|| ApiError::invalid("role", "unknown role"))?;
+            let (token, inv) = m
+                .invite_member(Actor::Operator, Some(&t.id), f.email.as_deref().unwrap_or(""), role)
+                .await?;
+            let link = format!("{}/dashboard/invite/{token}", link_base(&gw, &headers));
+            return Ok(page(
+                StatusCode::CREATED,
+                "invited.html",
+                context! {base => v.base(), page => "overview", link => link, invitation => inv},
+            ));
+        }
+        _ => return Err(ApiError::not_found(format!("no tenant action {action:?}")).into()),
+    }
+    Ok(Redirect::to(&format!("/dashboard/tenants/{}", t.id)).into_response())
+}
+
+async fn tenant_revoke_key(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path((tenant, key)): Path<(String, String)>,
+    Form(f): Form<CsrfForm>,
+) -> Result<Response, PageError> {
+    csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
+    operator_only(&v)?;
+    let t = gw.tenants.tenant(&tenant).await.map_err(crate::error::store_error)?;
+    let k = gw.tenants.key(&key).await.map_err(crate::error::store_error)?;
+    if k.tenant_id != t.id {
+        return Err(ApiError::not_found(format!("API key {key:?} does not exist")).into());
+    }
+    gw.management()
+        .via(v.origin.clone())
+        .revoke_key(Actor::Operator, &key)
+        .await?;
+    Ok(Redirect::to(&format!("/dashboard/tenants/{}", t.id)).into_response())
 }
 
 // ---- assets -------------------------------------------------------------------------------
