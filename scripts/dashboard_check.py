@@ -6,7 +6,8 @@ It signs in with an API key, checks the usage numbers equal the sum of the `usag
 returned for requests it made, creates a key (which then works) and revokes it (which then
 gets 401), uploads and activates a processor, signs out, checks that a tenant named
 `<img src=x onerror=alert(1)>` is shown as text (no alert, no element) and sees none of the
-first tenant's data, and that the operator's view lists both tenants. Then members: the
+first tenant's data, and that the operator's view lists both tenants; the operator creates a
+tenant and sets its budget from the console, and the CLI sees both. Then members: the
 operator invites acme's first owner, who joins through the link, invites a viewer from the
 Members page; the viewer joins and is shown no key, export or audit controls; the owner
 signs in with the password and removes the viewer; acme's API key no longer signs in.
@@ -224,6 +225,22 @@ try:
     check("operator sees workers", len(driver.find_elements(By.CSS_SELECTOR, "table.workers tbody tr")) >= 1)
     check("no script ran for the operator", no_alert())
     shot("operator.png")
+    # The console: a new tenant, its budget set from its drill-down; the CLI sees both.
+    driver.find_element(By.ID, "new-tenant-name").send_keys("console-made")
+    driver.find_element(By.ID, "create-tenant").click()
+    wait.until(EC.presence_of_element_located((By.ID, "drill-tenant-name")))
+    check("the console created a tenant", text("drill-tenant-name") == "console-made", text("drill-tenant-name"))
+    driver.find_element(By.ID, "budget-usd").send_keys("25")
+    driver.find_element(By.ID, "set-budget").click()
+    wait.until(EC.alert_is_present())
+    driver.switch_to.alert.accept()
+    wait.until(lambda d: d.find_element(By.ID, "budget-usd").get_attribute("value").startswith("25"))
+    shot("tenant.png")
+    tenants = json.loads(admin("tenant", "list"))
+    check("the CLI sees the console's tenant", any(t["name"] == "console-made" for t in tenants), tenants)
+    audit = json.loads(admin("audit", "--tenant", "console-made"))
+    check("the console's budget is audited", any(e["action"] == "tenant.budget" and e["channel"] == "dashboard"
+                                                 and e["detail"]["monthly_nusd"] == 25_000_000_000 for e in audit), audit)
     sign_out()
 
     # ---- members: an owner joins, invites a viewer, removes them ------------------------------
