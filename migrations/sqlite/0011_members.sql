@@ -23,6 +23,8 @@ CREATE TABLE member_invitations (
     role         TEXT NOT NULL,
     invited_by   TEXT NOT NULL,
     created_at   BIGINT NOT NULL,
-    expires_at   BIGINT NOT NULL
+    expires_at   BIGINT NOT NULL,
+    UNIQUE (tenant_id, email)
 );
-CREATE INDEX member_invitations_tenant ON member_invitations(tenant_id);
+-- Removing a member deletes its sessions by this column.
+CREATE INDEX dashboard_sessions_credential ON dashboard_sessions(credential);

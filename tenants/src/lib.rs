@@ -50,6 +50,11 @@ pub enum TenantError {
     NoSuchMember(String),
     #[error("invitation {0:?} does not exist")]
     NoSuchInvitation(String),
+    /// The change collides with the object's current state.
+    #[error("{0}")]
+    Conflict(String),
+    #[error("password hashing failed: {0}")]
+    Password(String),
     #[error("invalid name {0:?}: use 1-64 letters, digits, '.', '_' or '-'")]
     InvalidName(String),
     #[error("invalid tenant name {0:?}: use 1-64 printable characters, without control characters, surrounding spaces or the 'tn_' prefix of tenant ids")]

@@ -910,14 +910,32 @@ async fn members_are_invited_signed_in_and_removed_with_their_sessions() {
             .await
             .unwrap()
             .is_none());
-        // A session reads the member's role as it is now.
+        // A session reads the member's role as it is now; the last owner stays; a change
+        // applies only to the role the caller saw.
         let kind = SessionKind::Member {
             tenant_id: t.id.clone(),
             member_id: m.id.clone(),
         };
         let (cookie, session) = s.create_session(kind, None, None).await.unwrap();
         assert_eq!(s.session_member(&session).await.unwrap().member.role, Role::Owner);
-        s.set_member_role(&m.id, Role::Viewer).await.unwrap();
+        let last = s.change_member(&m.id, Role::Owner, Some(Role::Viewer), false).await;
+        assert!(matches!(last, Err(TenantError::Conflict(_))), "{last:?}");
+        let (bo, _) = s
+            .invite_member(&t.id, "bo@example.com", Role::Developer, "admin")
+            .await
+            .unwrap();
+        let b = s.accept_invitation(&bo, &hash).await.unwrap().unwrap();
+        let stale = s.change_member(&b.id, Role::Viewer, Some(Role::Owner), false).await;
+        assert!(
+            matches!(stale, Err(TenantError::Conflict(_))),
+            "not the role the caller saw: {stale:?}"
+        );
+        s.change_member(&b.id, Role::Developer, Some(Role::Owner), false)
+            .await
+            .unwrap();
+        s.change_member(&m.id, Role::Owner, Some(Role::Viewer), false)
+            .await
+            .unwrap();
         let now = s
             .session_member(&s.session(&cookie).await.unwrap().unwrap())
             .await
@@ -926,12 +944,22 @@ async fn members_are_invited_signed_in_and_removed_with_their_sessions() {
             (now.member.role, now.ctx.key_id.as_str()),
             (Role::Viewer, format!("member:{}", m.id).as_str())
         );
-        assert_eq!(s.owner_count(&t.id).await.unwrap(), 0);
-        // Removal: the member and its sessions are gone in one step.
-        s.remove_member(&m.id).await.unwrap();
+        assert_eq!(s.owner_count(&t.id).await.unwrap(), 1);
+        // Removal: the member, its sessions and the invitations it sent are gone in one step.
+        let by_m = format!("member:{}:{}", m.id, m.email);
+        s.invite_member(&t.id, "cy@example.com", Role::Viewer, &by_m)
+            .await
+            .unwrap();
+        s.change_member(&m.id, Role::Viewer, None, false).await.unwrap();
         assert!(s.session(&cookie).await.unwrap().is_none());
         assert!(s.session_member(&session).await.is_err());
         assert!(s.member(&m.id).await.is_err());
-        assert!(s.list_members(&t.id).await.unwrap().is_empty());
+        assert!(
+            s.list_invitations(&t.id).await.unwrap().is_empty(),
+            "its invitations went with it"
+        );
+        assert_eq!(s.list_members(&t.id).await.unwrap().len(), 1);
+        let last = s.change_member(&b.id, Role::Owner, None, false).await;
+        assert!(matches!(last, Err(TenantError::Conflict(_))), "the last owner stays");
     }
 }

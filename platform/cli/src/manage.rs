@@ -937,7 +937,7 @@ fn admin_text(command: &AdminCommand, v: &serde_json::Value) -> String {
                     let how = if m["has_password"].as_bool() == Some(true) {
                         "password"
                     } else {
-                        "identity provider"
+                        "no password"
                     };
                     format!(
                         "{}\t{}\t{}\t{how}\tsince {}",

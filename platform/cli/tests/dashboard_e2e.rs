@@ -769,7 +769,25 @@ async fn members_roles_invitations_and_removal() {
     .unwrap();
     let key = key["key"].as_str().unwrap().to_string();
     // No members yet: the key still opens a session (bootstrap).
-    assert!(sign_in(base, &key).await.is_ok());
+    let key_session = sign_in(base, &key).await.expect("a key session before members");
+    // The first member must be an owner.
+    let out = std::process::Command::new(bin())
+        .args([
+            "admin",
+            "--gateway-url",
+            base,
+            "member",
+            "invite",
+            "--tenant",
+            "team",
+            "--email",
+            "dev@example.com",
+        ])
+        .env("HEARTH_ADMIN_TOKEN", ADMIN_TOKEN)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("first member must be an owner"));
 
     // The operator invites the first owner through the gateway.
     let inv = remote(&[
@@ -806,10 +824,15 @@ async fn members_roles_invitations_and_removal() {
         (by_id(&html, "member"), by_id(&html, "role")),
         ("owner@example.com".into(), "owner".into())
     );
+    // The key's session, opened before, ends now that the tenant has a member.
+    let (status, _) = page(base, &key_session, "/dashboard").await;
+    assert_eq!(status, 303, "a key session does not outlive the tenant's first member");
 
     // Passwords: one answer for a wrong password, an unknown address and an unknown tenant.
     let again = member_sign_in(base, "team", "OWNER@example.com", password).await;
     assert!(again.is_ok(), "e-mail addresses are case-insensitive");
+    let checks = |m: String| metric_sum(&m, "hearth_dashboard_password_checks_total");
+    let before = checks(metrics(base).await);
     for (tenant, email, pw) in [
         ("team", "owner@example.com", "wrong password 1234"),
         ("team", "nobody@example.com", password),
@@ -819,6 +842,11 @@ async fn members_roles_invitations_and_removal() {
         assert_eq!(status, 401, "{tenant} {email}");
         assert_eq!(by_id(&body, "login-error"), "Wrong tenant, e-mail address or password.");
     }
+    assert_eq!(
+        checks(metrics(base).await) - before,
+        3.0,
+        "one Argon2id verification each, known member or not"
+    );
     // The tenant has members now: its keys are for programs.
     let (status, body) = sign_in(base, &key).await.err().expect("key sign-in refused");
     assert_eq!(status, 403);
@@ -912,6 +940,28 @@ async fn members_roles_invitations_and_removal() {
     )
     .await;
     assert_eq!(r.status(), 201);
+    // A `manage` key may do everything: only an owner creates one.
+    let manage_key = [
+        ("csrf", viewer.csrf.as_str()),
+        ("name", "m"),
+        ("scope_inference", "on"),
+        ("scope_manage", "on"),
+    ];
+    let r = post_form(base, &viewer, "/dashboard/keys", &manage_key).await;
+    assert_eq!(r.status(), 403);
+    assert!(r
+        .text()
+        .await
+        .unwrap()
+        .contains("Only an owner may create keys with the manage scope"));
+    let r = post_form(
+        base,
+        &owner,
+        "/dashboard/keys",
+        &[("csrf", owner.csrf.as_str()), ("name", "m"), ("scope_manage", "on")],
+    )
+    .await;
+    assert_eq!(r.status(), 201);
     // The operator makes them an admin: an admin still cannot make or remove owners.
     remote(&["member", "role", &viewer_id, "admin"]);
     let r = post_form(
@@ -930,6 +980,31 @@ async fn members_roles_invitations_and_removal() {
     )
     .await;
     assert_eq!(r.status(), 403, "an admin cannot remove an owner");
+    // Nor replace an open owner invitation by inviting the address again.
+    let r = post_form(
+        base,
+        &owner,
+        "/dashboard/members",
+        &[("csrf", &owner.csrf), ("email", "next@example.com"), ("role", "owner")],
+    )
+    .await;
+    assert_eq!(r.status(), 201);
+    let r = post_form(
+        base,
+        &viewer,
+        "/dashboard/members",
+        &[
+            ("csrf", &viewer.csrf),
+            ("email", "next@example.com"),
+            ("role", "viewer"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        r.status(),
+        403,
+        "an admin cannot withdraw an owner invitation by replacing it"
+    );
 
     // The last owner stays.
     let r = post_form(
@@ -939,7 +1014,7 @@ async fn members_roles_invitations_and_removal() {
         &[("csrf", &owner.csrf)],
     )
     .await;
-    assert_eq!(r.status(), 400);
+    assert_eq!(r.status(), 409);
     assert!(r.text().await.unwrap().contains("at least one owner"));
 
     // Another tenant's member is not found.
@@ -1014,7 +1089,12 @@ async fn members_roles_invitations_and_removal() {
     };
     let owner_actor = format!("member:{owner_id}:owner@example.com");
     let viewer_actor = format!("member:{viewer_id}:vi@example.com");
-    assert_eq!(by("member.invite"), vec![owner_actor.clone(), "admin".to_string()]);
+    let invites = by("member.invite");
+    assert_eq!(invites.len(), 3, "{invites:?}");
+    assert!(
+        invites[..2].iter().all(|a| *a == owner_actor) && invites[2] == "admin",
+        "{invites:?}"
+    );
     assert!(by("member.join").contains(&viewer_actor) && by("member.join").contains(&owner_actor));
     assert_eq!(by("member.remove"), vec![owner_actor.clone()]);
     assert_eq!(by("member.role"), vec!["admin".to_string(), owner_actor.clone()]);
@@ -1136,11 +1216,53 @@ async fn operator_console_manages_tenants() {
     assert_eq!(r.status(), 201);
     assert!(by_id(&r.text().await.unwrap(), "invite-link").contains("invite"));
 
+    // A price version from the console; the CLI lists it.
+    let r = send(
+        "/dashboard/prices".into(),
+        form(&[
+            ("model", "console-model"),
+            ("input", "0.5"),
+            ("cached_input", "0.05"),
+            ("output", "1.5"),
+        ]),
+    )
+    .await;
+    assert_eq!(r.status(), 303);
+    let r = send(
+        "/dashboard/prices".into(),
+        form(&[
+            ("model", "m"),
+            ("input", "cheap"),
+            ("cached_input", "0"),
+            ("output", "0"),
+        ]),
+    )
+    .await;
+    assert_eq!(r.status(), 400);
+    let prices: Value =
+        serde_json::from_str(&admin(&data, &["--json", "price", "list", "--model", "console-model"])).unwrap();
+    assert_eq!(prices[0]["output_micros_per_mtok"], 1_500_000, "{prices}");
+    assert!(page(base, &op, "/dashboard").await.1.contains("console-model"));
+
     // A tenant's session cannot use the console.
     let other = new_key(&data, "elsewhere");
     let t = sign_in(base, &other).await.expect("a tenant session");
     assert_eq!(page(base, &t, &at).await.0, 403);
     let r = post_form(base, &t, "/dashboard/tenants", &[("csrf", &t.csrf), ("name", "sneaky")]).await;
+    assert_eq!(r.status(), 403);
+    let r = post_form(
+        base,
+        &t,
+        "/dashboard/prices",
+        &[
+            ("csrf", &t.csrf),
+            ("model", "*"),
+            ("input", "0"),
+            ("cached_input", "0"),
+            ("output", "0"),
+        ],
+    )
+    .await;
     assert_eq!(r.status(), 403);
 
     let audit: Value = serde_json::from_str(&admin(&data, &["--json", "audit", "--tenant", "console"])).unwrap();

@@ -567,26 +567,37 @@ async fn set_budget(
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let o = parse_object(&body)?;
-    let micros = match o.get("monthly_usd") {
-        None | Some(Value::Null) => 0,
-        Some(Value::String(s)) => {
-            parse_usd_micros(s).ok_or_else(|| ApiError::invalid("monthly_usd", "a USD amount like \"12.50\""))?
-        }
-        Some(Value::Number(n)) => parse_usd_micros(&n.to_string())
-            .ok_or_else(|| ApiError::invalid("monthly_usd", "a USD amount like \"12.50\""))?,
+    let usd = match o.get("monthly_usd") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(Value::Number(n)) => Some(n.to_string()),
         Some(_) => return Err(ApiError::invalid("monthly_usd", "a USD amount like \"12.50\"")),
     };
-    let hard = match o.get("mode").and_then(Value::as_str) {
+    let mode = match o.get("mode") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(m)) => Some(m.as_str()),
+        Some(_) => return Err(ApiError::invalid("mode", "'mode' is hard or soft")),
+    };
+    let b = parse_budget(usd.as_deref(), mode)?;
+    let t = gw.management().via(origin).set_budget(&tenant, b).await?;
+    Ok(Json(budget_json(&t.name, b)))
+}
+
+/// A budget from its USD amount (none, empty or 0: no budget) and mode (`hard`, the
+/// default, or `soft`), as the admin API and the dashboard take them.
+pub(crate) fn parse_budget(usd: Option<&str>, mode: Option<&str>) -> Result<Option<Budget>, ApiError> {
+    let hard = match mode {
         None | Some("hard") => true,
         Some("soft") => false,
         Some(_) => return Err(ApiError::invalid("mode", "'mode' is hard or soft")),
     };
-    let b = (micros > 0).then_some(Budget {
-        monthly_nusd: micros * 1000,
-        hard,
-    });
-    let t = gw.management().via(origin).set_budget(&tenant, b).await?;
-    Ok(Json(budget_json(&t.name, b)))
+    let Some(text) = usd.map(str::trim).filter(|s| !s.is_empty()) else {
+        return Ok(None);
+    };
+    let monthly_nusd = parse_usd_micros(text)
+        .and_then(|m| m.checked_mul(1000))
+        .ok_or_else(|| ApiError::invalid("monthly_usd", "a USD amount like \"12.50\""))?;
+    Ok((monthly_nusd > 0).then_some(Budget { monthly_nusd, hard }))
 }
 
 /// The budget as the admin API shows it (also `hearth admin tenant budget --json`).

@@ -311,9 +311,9 @@ pub fn store_error(e: TenantError) -> ApiError {
         | TenantError::NoSuchProcessor(_)
         | TenantError::NoSuchMember(_)
         | TenantError::NoSuchInvitation(_) => ApiError::not_found(e.to_string()),
-        TenantError::IssuerExists(_) => ApiError::conflict(e.to_string()),
+        TenantError::IssuerExists(_) | TenantError::Conflict(_) => ApiError::conflict(e.to_string()),
         TenantError::Invalid { field, .. } => ApiError::invalid(field, e.to_string()),
-        TenantError::Db(_) | TenantError::Random(_) => {
+        TenantError::Db(_) | TenantError::Random(_) | TenantError::Password(_) => {
             tracing::error!(error = %e, "admin store error");
             ApiError::internal("the tenant store failed")
         }
@@ -344,6 +344,7 @@ impl From<crate::management::ManageError> for ApiError {
             ManageError::Internal(m) => ApiError::internal(m),
             ManageError::Quota(m) => ApiError::permission("quota_exceeded", m),
             ManageError::Role(m) => ApiError::permission("role_forbidden", m),
+            ManageError::Busy(m) => ApiError::unavailable(m),
         }
     }
 }

@@ -12,9 +12,11 @@
 //! over the stores (`TenantStore`, `UsageLedger`), here so that they are audited too.
 //!
 //! **Members and roles.** A tenant's member acts as [`Actor::Member`]: on its own tenant,
-//! with what its [`Role`] allows ([`allows`], one table for every channel — see the book's
-//! "Members and roles"). Only an owner invites, promotes or removes owners, and a tenant
-//! keeps at least one owner once it has members.
+//! with what its [`Role`] allows ([`allows`], one table — see the book's "Members and
+//! roles"). Only an owner invites, promotes or removes owners, or creates a key with the
+//! `manage` scope (such a key acts as the tenant, with every permission); a tenant's first
+//! member is an owner, and it keeps one. Argon2id work runs on [`password_work`]'s few
+//! threads, so a flood of sign-ins cannot take the machine's memory.
 //!
 //! **Audit.** Every successful change made through the service writes one
 //! [`hearth_tenants::audit`] entry: the actor (`admin`, `cli:<user>`, `key:<id>`,
@@ -33,7 +35,7 @@ use hearth_tenants::jwt::{IssuerInfo, IssuerSpec};
 use hearth_tenants::members::{Invitation, Member, MemberContext, Role};
 use hearth_tenants::processors::{ProcessorInfo, ProcessorSpec};
 use hearth_tenants::{
-    now_ms, ApiKeyInfo, Budget, CreatedKey, KeySpec, Limits, Tenant, TenantContext, TenantError, TenantStore,
+    now_ms, ApiKeyInfo, Budget, CreatedKey, KeySpec, Limits, Scopes, Tenant, TenantContext, TenantError, TenantStore,
 };
 use serde_json::json;
 
@@ -185,9 +187,29 @@ pub enum ManageError {
     /// A per-tenant quota is reached.
     #[error("{0}")]
     Quota(String),
+    /// The service is too busy for this now.
+    #[error("{0}")]
+    Busy(&'static str),
     /// The member's role does not allow it.
     #[error("{0}")]
     Role(String),
+}
+
+/// Argon2id hashes and verifications run at once (each holds 19 MiB and a core for ~30 ms).
+const PASSWORD_WORKERS: usize = 2;
+
+/// Runs CPU-heavy password work (hashing, verifying) on the blocking pool, at most
+/// [`PASSWORD_WORKERS`] at a time; waits up to 10 s for a turn, then refuses as busy.
+pub async fn password_work<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, ManageError> {
+    static TURNS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(PASSWORD_WORKERS);
+    let busy = "too many sign-ins at once; try again in a few seconds";
+    let _turn = tokio::time::timeout(std::time::Duration::from_secs(10), TURNS.acquire())
+        .await
+        .map_err(|_| ManageError::Busy(busy))?
+        .map_err(|_| ManageError::Busy(busy))?;
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|_| ManageError::Internal("password work failed".into()))
 }
 
 /// Active API keys one tenant may hold.
@@ -467,6 +489,20 @@ impl Management<'_> {
     ) -> Result<CreatedKey, ManageError> {
         actor.require(Permission::ManageKeys)?;
         let t = self.tenant_id(actor, tenant).await?;
+        if let Actor::Member(m) = actor {
+            // A `manage` key acts as the tenant with every permission: an owner's to give.
+            let scopes = spec.scopes.unwrap_or(Scopes {
+                inference: true,
+                manage: false,
+            });
+            if scopes.manage && m.member.role != Role::Owner {
+                return Err(ManageError::Role(
+                    "Only an owner may create keys with the manage scope (such a key may do everything on the tenant)."
+                        .into(),
+                ));
+            }
+            spec.scopes = Some(scopes);
+        }
         if let Actor::Tenant(ctx) = actor {
             let scopes = spec.scopes.unwrap_or(ctx.scopes);
             if !scopes.within(ctx.scopes) {
@@ -580,6 +616,19 @@ impl Management<'_> {
             actor.require(Permission::ManageOwners)?;
         }
         let t = self.tenant_id(actor, tenant).await?;
+        // Replacing an open invitation withdraws it: an owner's is the owners' to withdraw.
+        if let Some(open) = self.tenants.open_invitation(&t, email).await? {
+            if open.role == Role::Owner {
+                actor.require(Permission::ManageOwners)?;
+            }
+        }
+        if role != Role::Owner && self.tenants.owner_count(&t).await? == 0 {
+            return Err(TenantError::Conflict(
+                "this tenant has no owner yet: its first member must be an owner (invite others once they have joined)"
+                    .into(),
+            )
+            .into());
+        }
         let who = actor.audit_name(&self.origin);
         let (token, inv) = self.tenants.invite_member(&t, email, role, &who).await?;
         self.audit(
@@ -601,9 +650,7 @@ impl Management<'_> {
             return Ok(None);
         }
         let password = password.to_string();
-        let hash = tokio::task::spawn_blocking(move || hearth_tenants::members::hash_password(&password))
-            .await
-            .map_err(|_| ManageError::Internal("hashing the password failed".into()))??;
+        let hash = password_work(move || hearth_tenants::members::hash_password(&password)).await??;
         let Some(m) = self.tenants.accept_invitation(token, &hash).await? else {
             return Ok(None);
         };
@@ -632,27 +679,18 @@ impl Management<'_> {
         Ok(m)
     }
 
-    /// Refuses to leave a tenant that has members without an owner.
-    async fn keeps_an_owner(&self, m: &Member) -> Result<(), ManageError> {
-        if m.role == Role::Owner && self.tenants.owner_count(&m.tenant_id).await? <= 1 {
-            return Err(invalid(
-                "member",
-                "a tenant keeps at least one owner: make another member owner first",
-            ));
-        }
-        Ok(())
-    }
-
     pub async fn set_member_role(&self, actor: Actor<'_>, id: &str, role: Role) -> Result<Member, ManageError> {
         actor.require(Permission::ManageMembers)?;
         let m = self.own_member(actor, id).await?;
         if m.role == Role::Owner || role == Role::Owner {
             actor.require(Permission::ManageOwners)?;
         }
-        if role != Role::Owner {
-            self.keeps_an_owner(&m).await?;
-        }
-        let after = self.tenants.set_member_role(id, role).await?;
+        // Applied only if the member still has the role checked here; the last owner stays.
+        let drop_invitations = !allows(role, Permission::ManageMembers);
+        let after = self
+            .tenants
+            .change_member(id, m.role, Some(role), drop_invitations)
+            .await?;
         self.audit(
             actor,
             Some(&m.tenant_id),
@@ -664,15 +702,14 @@ impl Management<'_> {
         Ok(after)
     }
 
-    /// Removes a member; its sessions end at once.
+    /// Removes a member; its sessions end at once and its open invitations are withdrawn.
     pub async fn remove_member(&self, actor: Actor<'_>, id: &str) -> Result<Member, ManageError> {
         actor.require(Permission::ManageMembers)?;
         let m = self.own_member(actor, id).await?;
         if m.role == Role::Owner {
             actor.require(Permission::ManageOwners)?;
         }
-        self.keeps_an_owner(&m).await?;
-        let m = self.tenants.remove_member(id).await?;
+        let m = self.tenants.change_member(id, m.role, None, true).await?;
         self.audit(
             actor,
             Some(&m.tenant_id),
@@ -907,6 +944,12 @@ mod tests {
             .collect();
         assert_eq!(rows.len(), Permission::ALL.len());
         for (row, p) in rows.iter().zip(Permission::ALL) {
+            let what = p.describe();
+            assert_eq!(
+                row[0],
+                format!("{}{}", what[..1].to_uppercase(), &what[1..]),
+                "the wording of {p:?}"
+            );
             let marks: Vec<bool> = row[1..].iter().map(|c| *c == "✓").collect();
             let want: Vec<bool> = Role::ALL.iter().map(|r| allows(*r, p)).collect();
             assert_eq!(marks, want, "{p:?}: {row:?}");

@@ -163,6 +163,7 @@ pub struct Metrics {
     pub auth_stale: Counter,
     /// Credential checks refused because their source sent too many bad credentials.
     pub auth_throttled: Counter,
+    pub password_checks: Counter,
     /// Usage records the outbox could not append (the disk is full or failing).
     pub outbox_errors: Counter,
     /// The public listener's connections (open, refused at a cap).
@@ -287,6 +288,12 @@ impl Metrics {
             "Requests refused (429) because their source address sent too many invalid credentials",
             auth_throttled.clone(),
         );
+        let password_checks = Counter::default();
+        registry.register(
+            "hearth_dashboard_password_checks",
+            "Argon2id password verifications by dashboard sign-ins (an unknown tenant or address verifies a dummy hash, so it counts too)",
+            password_checks.clone(),
+        );
         let connections = crate::http::ConnectionMetrics::default();
         registry.register(
             "hearth_http_connections_open",
@@ -393,6 +400,7 @@ impl Metrics {
             failovers,
             auth_stale,
             auth_throttled,
+            password_checks,
             outbox_errors,
             connections,
             alive_tasks,

@@ -71,6 +71,7 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/members/{id}/{action}", post(member_action))
         .route("/invitations/{id}/revoke", post(revoke_invitation))
         .route("/tenants", post(create_tenant))
+        .route("/prices", post(set_price))
         .route("/tenants/{tenant}", get(tenant_page))
         .route("/tenants/{tenant}/{action}", post(tenant_action))
         .route("/tenants/{tenant}/keys/{key}/revoke", post(tenant_revoke_key))
@@ -355,6 +356,13 @@ impl FromRequestParts<Arc<AppState>> for Visitor {
                 }
             },
             SessionKind::Tenant { .. } => match gw.tenants.session_context(&session).await {
+                // A key's session ends when its tenant gets members: people sign in as themselves.
+                Ok(ctx) if gw.tenants.has_members(&ctx.tenant_id).await.unwrap_or(true) => {
+                    let _ = gw.tenants.end_session(token).await;
+                    return Err(refuse(ApiError::unauthorized(
+                        "This tenant has members now: sign in with your e-mail address and password.",
+                    )));
+                }
                 Ok(ctx) => Who::Credential(ctx),
                 Err(AuthError::Store(e)) => {
                     tracing::error!(error = %e, "dashboard credential check unavailable");
@@ -716,10 +724,18 @@ async fn login(
         // An unknown tenant or address costs the same Argon2id verification as a wrong
         // password (against a dummy hash), so the answer's time does not tell.
         let (member, hash) = found.map_or((None, None), |(m, h)| (Some(m), h));
-        let ok =
-            tokio::task::spawn_blocking(move || hearth_tenants::members::verify_password(hash.as_deref(), &password))
-                .await
-                .unwrap_or(false);
+        gw.metrics.password_checks.inc();
+        let ok = match crate::management::password_work(move || {
+            hearth_tenants::members::verify_password(hash.as_deref(), &password)
+        })
+        .await
+        {
+            Ok(ok) => ok,
+            Err(e) => {
+                let e = ApiError::from(e);
+                return login_page(&gw, headers, e.status, Some(&e.message)).await;
+            }
+        };
         let Some(member) = member.filter(|_| ok) else {
             sign_in_failed(&gw, &extensions);
             return login_page(
@@ -1408,10 +1424,25 @@ async fn operator(gw: &AppState, v: &Visitor) -> Result<Response, PageError> {
             })
         })
         .collect();
+    let prices: Vec<Value> = gw
+        .ledger
+        .prices(None)
+        .await
+        .map_err(crate::error::ledger_error)?
+        .iter()
+        .map(|p| {
+            let usd = |micros: i64| format_nusd(micros * 1000);
+            json!({
+                "model": p.model, "effective_from": p.effective_from,
+                "input": usd(p.rates.input_micros_per_mtok), "cached_input": usd(p.rates.cached_input_micros_per_mtok),
+                "output": usd(p.rates.output_micros_per_mtok), "processor": usd(p.rates.processor_micros_per_cpu_s),
+            })
+        })
+        .collect();
     Ok(page(
         StatusCode::OK,
         "operator.html",
-        context! {base => v.base(), page => "overview", month => month, tenants => rows, models => models},
+        context! {base => v.base(), page => "overview", month => month, tenants => rows, models => models, prices => prices},
     ))
 }
 
@@ -1446,6 +1477,56 @@ async fn create_tenant(
         .create_tenant(f.name.trim())
         .await?;
     Ok(Redirect::to(&format!("/dashboard/tenants/{}", t.id)).into_response())
+}
+
+#[derive(Deserialize)]
+struct PriceForm {
+    csrf: Option<String>,
+    model: String,
+    input: String,
+    cached_input: String,
+    output: String,
+    processor: Option<String>,
+}
+
+/// A new price version from now (the admin API's `POST /admin/v1/prices`; an empty
+/// processor rate carries the model's current one over).
+async fn set_price(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Form(f): Form<PriceForm>,
+) -> Result<Response, PageError> {
+    csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
+    operator_only(&v)?;
+    let model = f.model.trim();
+    if model.is_empty() {
+        return Err(ApiError::invalid("model", "'model' is required (a model id, or *)").into());
+    }
+    let usd = |text: &str, field: &'static str| {
+        hearth_billing::parse_usd_micros(text.trim())
+            .ok_or_else(|| ApiError::invalid(field, format!("'{field}' must be a USD amount like 0.15")))
+    };
+    let processor = match f.processor.as_deref().map(str::trim).filter(|p| !p.is_empty()) {
+        Some(p) => usd(p, "processor")?,
+        None => gw
+            .ledger
+            .latest_rates(model)
+            .await
+            .map_err(crate::error::ledger_error)?
+            .map_or(0, |r| r.processor_micros_per_cpu_s),
+    };
+    let rates = hearth_billing::PriceRates {
+        input_micros_per_mtok: usd(&f.input, "input")?,
+        cached_input_micros_per_mtok: usd(&f.cached_input, "cached_input")?,
+        output_micros_per_mtok: usd(&f.output, "output")?,
+        processor_micros_per_cpu_s: processor,
+    };
+    gw.management()
+        .via(v.origin.clone())
+        .set_price(model, rates, None)
+        .await?;
+    Ok(Redirect::to("/dashboard").into_response())
 }
 
 /// The operator's view of one tenant: the last 30 days' usage, cost, cache hit rate,
@@ -1552,18 +1633,7 @@ async fn tenant_action(
     let m = gw.management().via(v.origin.clone());
     match action.as_str() {
         "budget" => {
-            let b = match f.monthly_usd.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
-                None => None,
-                Some(s) => {
-                    let micros = hearth_billing::parse_usd_micros(s).filter(|m| *m > 0).ok_or_else(|| {
-                        ApiError::invalid("monthly_usd", "a USD amount like 12.50, or empty for none")
-                    })?;
-                    Some(hearth_tenants::Budget {
-                        monthly_nusd: micros * 1000,
-                        hard: f.mode.as_deref() != Some("soft"),
-                    })
-                }
-            };
+            let b = crate::admin::parse_budget(f.monthly_usd.as_deref(), f.mode.as_deref())?;
             m.set_budget(&t.id, b).await?;
         }
         "limits" => {
