@@ -699,10 +699,7 @@ async fn invite_member(
         .via(origin)
         .invite_member(Actor::Operator, Some(&tenant), &email, role)
         .await?;
-    let url = format!(
-        "{}/dashboard/invite/{token}",
-        crate::dashboard::link_base(&gw, &headers)
-    );
+    let url = crate::dashboard::invite_link(&gw, &headers, &token);
     Ok((
         StatusCode::CREATED,
         Json(json!({"invitation": inv, "token": token, "url": url})),

@@ -937,9 +937,19 @@ async fn accept_invitation(
     }
 }
 
+/// A form's role, or a 400.
+fn role_field(role: Option<&str>) -> Result<Role, ApiError> {
+    Role::parse(role.unwrap_or("")).ok_or_else(|| ApiError::invalid("role", "unknown role"))
+}
+
+/// The link that accepts an invitation: `<link base>/dashboard/invite/<token>`.
+pub(crate) fn invite_link(gw: &AppState, headers: &HeaderMap, token: &str) -> String {
+    format!("{}/dashboard/invite/{token}", link_base(gw, headers))
+}
+
 /// The base of links this gateway hands out: the public URL, else the request's own
 /// scheme and `Host`.
-pub(crate) fn link_base(gw: &AppState, headers: &HeaderMap) -> String {
+fn link_base(gw: &AppState, headers: &HeaderMap) -> String {
     if let Some(o) = &gw.public_origin {
         return o.clone();
     }
@@ -1001,13 +1011,13 @@ async fn invite_member(
 ) -> Result<Response, PageError> {
     csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
     v.tenant()?;
-    let role = Role::parse(&f.role).ok_or_else(|| ApiError::invalid("role", "unknown role"))?;
+    let role = role_field(Some(&f.role))?;
     let (token, inv) = gw
         .management()
         .via(v.origin.clone())
         .invite_member(v.actor(), None, &f.email, role)
         .await?;
-    let link = format!("{}/dashboard/invite/{token}", link_base(&gw, &headers));
+    let link = invite_link(&gw, &headers, &token);
     Ok(page(
         StatusCode::CREATED,
         "invited.html",
@@ -1033,8 +1043,7 @@ async fn member_action(
     let m = gw.management().via(v.origin.clone());
     match action.as_str() {
         "role" => {
-            let role = Role::parse(f.role.as_deref().unwrap_or(""))
-                .ok_or_else(|| ApiError::invalid("role", "unknown role"))?;
+            let role = role_field(f.role.as_deref())?;
             m.set_member_role(v.actor(), &id, role).await?;
         }
         "remove" => {
@@ -1660,12 +1669,11 @@ async fn tenant_action(
             m.set_tenant_limits(&t.id, l).await?;
         }
         "invite" => {
-            let role = Role::parse(f.role.as_deref().unwrap_or(""))
-                .ok_or_else(|| ApiError::invalid("role", "unknown role"))?;
+            let role = role_field(f.role.as_deref())?;
             let (token, inv) = m
                 .invite_member(Actor::Operator, Some(&t.id), f.email.as_deref().unwrap_or(""), role)
                 .await?;
-            let link = format!("{}/dashboard/invite/{token}", link_base(&gw, &headers));
+            let link = invite_link(&gw, &headers, &token);
             return Ok(page(
                 StatusCode::CREATED,
                 "invited.html",
