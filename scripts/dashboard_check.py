@@ -11,12 +11,17 @@ tenant and sets its budget from the console, and the CLI sees both. Then members
 operator invites acme's first owner, who joins through the link, invites a viewer from the
 Members page; the viewer joins and is shown no key, export or audit controls; the owner
 signs in with the password and removes the viewer; acme's API key no longer signs in.
+Then single sign-on through a real OpenID Connect provider (npm's `oidc-provider`, run under
+node by scripts/oidc-provider): acme's owner and a viewer, both invited by address, sign in
+through acme's provider and are shown what their roles allow; the viewer, removed by the CLI,
+is refused at its next request; an operator signs in through the operators' provider (audited
+under its address) and a tenant's member cannot.
 With --screenshots DIR
 it saves the main pages there (the book's dashboard pictures, docs/book/src/screenshots, come from this run).
 
 Usage: dashboard_check.py HEARTH_BINARY [--screenshots DIR]
 """
-import json, os, subprocess, sys, tempfile, urllib.error, urllib.request
+import json, os, socket, subprocess, sys, tempfile, urllib.error, urllib.request
 
 from selenium import webdriver
 from selenium.common.exceptions import NoAlertPresentException
@@ -34,7 +39,19 @@ if "--screenshots" in sys.argv:
     os.makedirs(shots, exist_ok=True)
 ADMIN = "dashboard-check-admin-token"
 ODD = "<img src=x onerror=alert(1)>"
-server = Serve(hearth, "dashboard", {"HEARTH_ADMIN_TOKEN": ADMIN})
+# The identity provider (scripts/oidc-provider) on a port chosen now: the gateway is told its
+# issuer at start, the provider the gateway's callback once the gateway listens.
+PROVIDER_JS = os.environ["HEARTH_OIDC_PROVIDER"]
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    idp_port = s.getsockname()[1]
+IDP = f"http://localhost:{idp_port}"
+IDP_SECRET = "dashboard-check-client-secret"
+server = Serve(hearth, "dashboard", {
+    "HEARTH_ADMIN_TOKEN": ADMIN, "HEARTH_OPERATOR_OIDC_ISSUER": IDP, "HEARTH_OPERATOR_OIDC_CLIENT_ID": "hearth",
+    "HEARTH_OPERATOR_OIDC_CLIENT_SECRET": IDP_SECRET, "HEARTH_OPERATORS": "ops@hearth.test",
+    "HEARTH_SSO_CLIENT_SECRET": IDP_SECRET})
+idp = None
 data = server.data
 admin = server.admin
 check = Checks()
@@ -54,6 +71,10 @@ def api(path, key, body=None):
 driver = None
 try:
     url = server.wait_url()
+    idp = subprocess.Popen(["node", PROVIDER_JS, str(idp_port), url + "/dashboard/sso/callback", IDP_SECRET],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    if idp.stdout.readline().strip() != "ready":
+        sys.exit("the OpenID Connect provider did not start")
     admin("tenant", "create", "acme")
     key_a = json.loads(admin("key", "create", "--tenant", "acme", "--name", "ops"))["key"]
     admin("tenant", "create", ODD)
@@ -285,9 +306,89 @@ try:
     check("acme's key no longer signs in", "This tenant has members" in text("login-error"), text("login-error"))
     driver.get(url + "/dashboard/keys")
     check("signed out: back to the sign-in form", "/dashboard/login" in driver.current_url, driver.current_url)
+
+    # ---- single sign-on through the tenant's and the operators' provider ----------------------
+    def at_provider(login):
+        """Signs in at the provider's development pages (any password) and consents."""
+        wait.until(EC.presence_of_element_located((By.NAME, "login")))
+        check(f"{login}: the provider's sign-in page", driver.current_url.startswith(IDP), driver.current_url)
+        driver.find_element(By.NAME, "login").send_keys(login)
+        driver.find_element(By.NAME, "password").send_keys("any password")
+        driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        wait.until(lambda d: not d.current_url.startswith(IDP) or d.find_elements(By.NAME, "prompt"))
+        if driver.current_url.startswith(IDP):
+            driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+
+    def forget_provider():
+        """Ends the provider's own session, so that the next sign-in there asks who it is."""
+        driver.get(IDP + "/.well-known/openid-configuration")
+        driver.delete_all_cookies()
+
+    def sso_sign_in(tenant, login):
+        forget_provider()
+        driver.get(url + "/dashboard/login")
+        driver.find_element(By.ID, "sso-tenant").send_keys(tenant)
+        driver.find_element(By.ID, "sso-sign-in-button").click()
+        at_provider(login)
+        signed_in()
+
+    admin("sso", "set", "--tenant", "acme", "--issuer", IDP, "--client-id", "hearth")
+    admin("member", "invite", "--tenant", "acme", "--email", "boss@acme.test", "--role", "owner")
+    admin("member", "invite", "--tenant", "acme", "--email", "watcher@acme.test", "--role", "viewer")
+    sso_sign_in("acme", "boss@acme.test")
+    check("the provider's owner is signed in", (text("member"), text("role")) == ("boss@acme.test", "owner"),
+          (text("member"), text("role")))
+    driver.get(url + "/dashboard/keys")
+    check("an owner may create keys", bool(driver.find_elements(By.ID, "create-key")))
+    driver.get(url + "/dashboard/members")
+    check("an owner may invite", bool(driver.find_elements(By.ID, "invite")))
+    sign_out()
+    sso_sign_in("acme", "watcher@acme.test")
+    check("the provider's viewer is signed in", (text("member"), text("role")) == ("watcher@acme.test", "viewer"),
+          (text("member"), text("role")))
+    driver.get(url + "/dashboard/keys")
+    check("a viewer signed in through the provider cannot create keys",
+          not driver.find_elements(By.ID, "create-key"))
+    members = json.loads(admin("member", "list", "--tenant", "acme"))
+    watcher = [m for m in members if m["email"] == "watcher@acme.test"][0]
+    admin("member", "remove", watcher["id"])
+    driver.get(url + "/dashboard/keys")
+    check("the removed viewer is refused at its next request", "/dashboard/login" in driver.current_url,
+          driver.current_url)
+    forget_provider()
+    driver.get(url + "/dashboard/login")
+    driver.find_element(By.ID, "sso-tenant").send_keys("acme")
+    driver.find_element(By.ID, "sso-sign-in-button").click()
+    at_provider("watcher@acme.test")
+    wait.until(EC.presence_of_element_located((By.ID, "login-error")))
+    check("the removed viewer cannot sign in again", "not a member" in text("login-error"), text("login-error"))
+    # Operators: one on the list signs in (and is named in the audit log); a member is not one.
+    forget_provider()
+    driver.get(url + "/dashboard/login")
+    driver.find_element(By.ID, "operator-sso").click()
+    at_provider("boss@acme.test")
+    wait.until(EC.presence_of_element_located((By.ID, "login-error")))
+    check("a tenant's member is no operator", "not one of this installation's operators" in text("login-error"),
+          text("login-error"))
+    forget_provider()
+    driver.get(url + "/dashboard/login")
+    driver.find_element(By.ID, "operator-sso").click()
+    at_provider("ops@hearth.test")
+    signed_in()
+    check("the operator signed in through the provider", bool(driver.find_elements(By.ID, "tenants")))
+    audit = json.loads(admin("audit", "--limit", "200"))
+    check("the operator's sign-in is audited under its address",
+          any(e["actor"] == "operator:ops@hearth.test" and e["action"] == "session.sign_in" for e in audit),
+          [e["actor"] for e in audit[:5]])
+    check("the members' sign-ins name the method",
+          any(e["action"] == "session.sign_in" and e["detail"].get("method") == "oidc"
+              and "boss@acme.test" in e["actor"] for e in audit), audit[:5])
+    sign_out()
 finally:
     if driver is not None:
         driver.quit()
+    if idp is not None:
+        idp.terminate()
     server.stop()
 
 check.exit("dashboard browser check")

@@ -389,7 +389,7 @@ impl TenantStore {
 
     /// The keys at a JWKS URL, cached; refetched when stale, or when `kid` is unknown and the
     /// last fetch is older than 30 s (key rotation).
-    async fn url_keys(
+    pub(crate) async fn url_keys(
         &self,
         url: &str,
         alg: Algorithm,

@@ -15,6 +15,7 @@ pub mod outage;
 pub mod processors;
 pub mod responses;
 pub mod sessions;
+pub mod sso;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -50,6 +51,8 @@ pub enum TenantError {
     NoSuchMember(String),
     #[error("invitation {0:?} does not exist")]
     NoSuchInvitation(String),
+    #[error("tenant {0:?} has no identity provider")]
+    NoSuchProvider(String),
     /// The change collides with the object's current state.
     #[error("{0}")]
     Conflict(String),
@@ -384,6 +387,7 @@ pub struct TenantStore {
     /// Processor code one tenant may store (bytes; identical components count once).
     pub processor_quota: i64,
     jwt: jwt::IssuerCache,
+    sso: sso::DiscoveryCache,
     processors: processors::ProcessorCache,
     /// Whether the database answers, and how long cached credentials outlive an outage.
     pub health: std::sync::Arc<outage::StoreHealth>,
@@ -405,6 +409,7 @@ impl TenantStore {
             principals: Mutex::new(HashMap::new()),
             processor_quota: processors::MAX_TENANT_PROCESSOR_BYTES,
             jwt: jwt::IssuerCache::default(),
+            sso: sso::DiscoveryCache::default(),
             processors: processors::ProcessorCache::default(),
             health: Default::default(),
             unknown_keys: Default::default(),

@@ -190,9 +190,9 @@ fn token_sha256(token: &str) -> String {
         .collect()
 }
 
-const MEMBER_COLUMNS: &str = "SELECT id, tenant_id, email, role, password_hash, created_at FROM members";
+pub(crate) const MEMBER_COLUMNS: &str = "SELECT id, tenant_id, email, role, password_hash, created_at FROM members";
 
-fn member_from(r: &AnyRow) -> Member {
+pub(crate) fn member_from(r: &AnyRow) -> Member {
     Member {
         id: r.get(0),
         tenant_id: r.get(1),
@@ -346,12 +346,23 @@ impl TenantStore {
         let Some(inv) = self.invitation(token).await? else {
             return Ok(None);
         };
+        self.take_invitation(&inv, Some(password_hash), None).await
+    }
+
+    /// Turns an invitation into a member, with a password hash or an identity provider's
+    /// (issuer, subject); None when another request took it first.
+    pub(crate) async fn take_invitation(
+        &self,
+        inv: &Invitation,
+        password_hash: Option<&str>,
+        sso: Option<(&str, &str)>,
+    ) -> Result<Option<Member>, TenantError> {
         let member = Member {
             id: format!("mb_{}", random_hex(8)?),
             tenant_id: inv.tenant_id.clone(),
             email: inv.email.clone(),
             role: inv.role,
-            has_password: true,
+            has_password: password_hash.is_some(),
             created_at: now_ms(),
         };
         let mut tx = self.pool.begin().await?;
@@ -365,8 +376,8 @@ impl TenantStore {
             return Ok(None);
         }
         sqlx::query(
-            "INSERT INTO members (id, tenant_id, email, role, password_hash, created_at) \
-             VALUES ($1, $2, $3, $4, $5, $6)",
+            "INSERT INTO members (id, tenant_id, email, role, password_hash, created_at, sso_issuer, sso_subject) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         )
         .bind(&member.id)
         .bind(&member.tenant_id)
@@ -374,6 +385,8 @@ impl TenantStore {
         .bind(member.role.as_str())
         .bind(password_hash)
         .bind(member.created_at)
+        .bind(sso.map(|s| s.0))
+        .bind(sso.map(|s| s.1))
         .execute(&mut *tx)
         .await
         .map_err(|e| match &e {
@@ -387,7 +400,6 @@ impl TenantStore {
         Ok(Some(member))
     }
 
-    /// A tenant's members, by e-mail.
     pub async fn list_members(&self, tenant_id: &str) -> Result<Vec<Member>, TenantError> {
         let rows = sqlx::query(&format!("{MEMBER_COLUMNS} WHERE tenant_id = $1 ORDER BY email"))
             .bind(tenant_id)

@@ -963,3 +963,204 @@ async fn members_are_invited_signed_in_and_removed_with_their_sessions() {
         assert!(matches!(last, Err(TenantError::Conflict(_))), "the last owner stays");
     }
 }
+
+/// A minimal OpenID provider for the SSO tests: discovery, the JWKS of the RSA fixture and a
+/// token endpoint answering with whatever ID token the test put in `next_token` (checking
+/// that the code exchange carries the PKCE verifier and the client's credentials).
+async fn fake_provider(next_token: Arc<Mutex<String>>) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let issuer = format!("http://{}", listener.local_addr().unwrap());
+    let base = issuer.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            let mut buf = vec![0u8; 16384];
+            let n = sock.read(&mut buf).await.unwrap_or(0);
+            let req = String::from_utf8_lossy(&buf[..n]).to_string();
+            let body = if req.starts_with("GET /.well-known/openid-configuration") {
+                json!({
+                    "issuer": base, "authorization_endpoint": format!("{base}/auth"),
+                    "token_endpoint": format!("{base}/token"), "jwks_uri": format!("{base}/jwks"),
+                    "id_token_signing_alg_values_supported": ["RS256"],
+                })
+                .to_string()
+            } else if req.starts_with("GET /jwks") {
+                RSA_JWKS.to_string()
+            } else if req.starts_with("POST /token")
+                && req.contains("code_verifier=")
+                && req.to_ascii_lowercase().contains("authorization: basic ")
+            {
+                json!({"id_token": next_token.lock().unwrap().clone(), "token_type": "Bearer"}).to_string()
+            } else {
+                json!({"error": "invalid_request"}).to_string()
+            };
+            let resp = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = sock.write_all(resp.as_bytes()).await;
+        }
+    });
+    issuer
+}
+
+fn id_token(alg: Algorithm, key: &EncodingKey, claims: serde_json::Value) -> String {
+    let mut h = Header::new(alg);
+    h.kid = Some("test-rsa-1".into());
+    encode(&h, &claims, key).unwrap()
+}
+
+/// OpenID Connect sign-in: the code exchange yields the identity of a good ID token; a bad
+/// signature, another audience or issuer, an expired token, another sign-in's nonce, a
+/// replayed nonce, HS256 keyed with the public key (alg swapped) or an algorithm the issuer
+/// does not list are refused. The identity becomes the invited member, then the linked one;
+/// strangers and unverified addresses are nobody; removal ends it.
+#[tokio::test]
+async fn sso_sign_in_verifies_id_tokens_and_finds_members() {
+    use crate::members::Role;
+    use crate::sso::{SsoError, SsoSpec};
+    let next = Arc::new(Mutex::new(String::new()));
+    let issuer = fake_provider(next.clone()).await;
+    let rs = EncodingKey::from_rsa_pem(RSA_PRIVATE.as_bytes()).unwrap();
+    let now = now_ms() / 1000;
+    let claims = |nonce: &str, sub: &str, email: &str| {
+        json!({"iss": issuer, "aud": "hearth", "sub": sub, "exp": now + 300, "iat": now,
+               "nonce": nonce, "email": email, "email_verified": true})
+    };
+    for db in testing::all().await {
+        let s = TenantStore::new(&db);
+        let name = format!("sso-{}", random_hex(4).unwrap());
+        let t = s.create_tenant(&name).await.unwrap();
+        assert!(s.sso(&name).await.unwrap().is_none());
+        let bad = SsoSpec {
+            issuer: "http://idp.example.com".into(),
+            client_id: "hearth".into(),
+            client_secret: None,
+        };
+        assert!(
+            s.set_sso(&name, &bad).await.is_err(),
+            "plain http only to a loopback host"
+        );
+        let spec = SsoSpec {
+            issuer: issuer.clone(),
+            client_id: "hearth".into(),
+            client_secret: Some("client secret".into()),
+        };
+        let p = s.set_sso(&name, &spec).await.unwrap();
+        assert!(p.has_client_secret);
+        let (_, stored) = s.sso_spec(&t.id).await.unwrap().unwrap();
+        assert_eq!(stored.client_secret.as_deref(), Some("client secret"));
+
+        let sign_in = |token: String, nonce: &'static str| {
+            *next.lock().unwrap() = token;
+            let (s, spec) = (&s, &spec);
+            async move { s.complete_sso(spec, "code", "verifier", "http://gw/cb", nonce).await }
+        };
+        // A good token, then the same token again (its nonce is spent).
+        let good = id_token(Algorithm::RS256, &rs, claims("n1", "ada-sub", "Ada@Example.com"));
+        let who = sign_in(good.clone(), "n1").await.unwrap();
+        assert_eq!(who.subject, "ada-sub");
+        assert_eq!(who.verified_email.as_deref(), Some("ada@example.com"));
+        let replay = sign_in(good, "n1").await.unwrap_err();
+        assert!(replay.to_string().contains("used before"), "{replay}");
+        // Each attack, with its own nonce so that only the attack is wrong.
+        let other_sig = id_token(Algorithm::RS256, &rs, claims("x", "mallory", "m@example.com"));
+        let tampered = id_token(Algorithm::RS256, &rs, claims("t", "ada-sub", "ada@example.com"));
+        let tampered = format!(
+            "{}.{}",
+            tampered.rsplit_once('.').unwrap().0,
+            other_sig.rsplit_once('.').unwrap().1
+        );
+        let with = |nonce: &str, field: &str, v: serde_json::Value| {
+            let mut c = claims(nonce, "ada-sub", "ada@example.com");
+            c[field] = v;
+            id_token(Algorithm::RS256, &rs, c)
+        };
+        let hs = EncodingKey::from_secret(RSA_PUBLIC.as_bytes()).unwrap();
+        let cases: Vec<(&str, String, &'static str)> = vec![
+            ("bad signature", tampered, "t"),
+            ("wrong audience", with("a", "aud", json!("someone-else")), "a"),
+            ("expired", with("e", "exp", json!(now - 3600)), "e"),
+            (
+                "another issuer",
+                with("i", "iss", json!("https://evil.example.com")),
+                "i",
+            ),
+            ("another client (azp)", with("z", "azp", json!("someone-else")), "z"),
+            (
+                "another sign-in's nonce",
+                id_token(Algorithm::RS256, &rs, claims("theirs", "ada-sub", "a@b.c")),
+                "mine",
+            ),
+            (
+                "alg swapped to HS256 keyed with the public key",
+                id_token(Algorithm::HS256, &hs, claims("h", "ada-sub", "ada@example.com")),
+                "h",
+            ),
+            (
+                "an algorithm the issuer does not list",
+                id_token(Algorithm::RS384, &rs, claims("r", "ada-sub", "a@b.c")),
+                "r",
+            ),
+        ];
+        for (what, token, n) in cases {
+            match sign_in(token, n).await {
+                Err(SsoError::Refused(m)) => assert!(m.contains("refused"), "{what}: {m}"),
+                other => panic!("{what}: {other:?}"),
+            }
+        }
+
+        // Who the identity is: nobody until invited; the invitation is taken by the
+        // provider's verified address; later sign-ins find the member by its subject.
+        assert!(s.sso_member(&t.id, &who).await.unwrap().is_none(), "not invited");
+        s.invite_member(&t.id, "ada@example.com", Role::Owner, "admin")
+            .await
+            .unwrap();
+        let m = s.sso_member(&t.id, &who).await.unwrap().unwrap();
+        assert_eq!((m.role, m.has_password), (Role::Owner, false));
+        assert!(
+            s.open_invitation(&t.id, "ada@example.com").await.unwrap().is_none(),
+            "taken"
+        );
+        let renamed = crate::sso::Identity {
+            verified_email: Some("ada.new@example.com".into()),
+            ..who.clone()
+        };
+        assert_eq!(
+            s.sso_member(&t.id, &renamed).await.unwrap().unwrap().id,
+            m.id,
+            "by subject"
+        );
+        // An unverified address links nobody; an existing member is linked by address once.
+        s.invite_member(&t.id, "bob@example.com", Role::Viewer, "admin")
+            .await
+            .unwrap();
+        let unverified = crate::sso::Identity {
+            issuer: issuer.clone(),
+            subject: "bob-sub".into(),
+            verified_email: None,
+        };
+        assert!(s.sso_member(&t.id, &unverified).await.unwrap().is_none());
+        let bob = crate::sso::Identity {
+            verified_email: Some("bob@example.com".into()),
+            ..unverified
+        };
+        let b = s.sso_member(&t.id, &bob).await.unwrap().unwrap();
+        assert_eq!(b.role, Role::Viewer);
+        let impostor = crate::sso::Identity {
+            subject: "mallory-sub".into(),
+            ..bob.clone()
+        };
+        assert!(
+            s.sso_member(&t.id, &impostor).await.unwrap().is_none(),
+            "an address already linked to another subject links no one else"
+        );
+        s.change_member(&b.id, Role::Viewer, None, true).await.unwrap();
+        assert!(s.sso_member(&t.id, &bob).await.unwrap().is_none(), "removed");
+        s.remove_sso(&name).await.unwrap();
+        assert!(s.sso(&name).await.unwrap().is_none());
+    }
+}

@@ -29,6 +29,8 @@ pub struct Cli {
     pub otlp_endpoint: Option<String>,
 }
 
+// Parsed once at start: the size of the largest variant (`serve`'s flags) does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 pub enum Command {
     /// Gateway + one in-process engine worker + SQLite: everything in one process.
@@ -435,6 +437,22 @@ pub struct AccessArgs {
     /// it, a change must come from the host the request names.
     #[arg(long, env = "HEARTH_PUBLIC_URL")]
     pub public_url: Option<String>,
+    /// The operators' OpenID Connect provider (its issuer URL): operators listed in
+    /// `--operators` then sign into the dashboard through it (authorization code with PKCE),
+    /// as well as with the admin token. Register `<public URL>/dashboard/sso/callback` as
+    /// the client's redirect URI.
+    #[arg(long, env = "HEARTH_OPERATOR_OIDC_ISSUER", requires_all = ["operator_oidc_client_id", "operators"])]
+    pub operator_oidc_issuer: Option<String>,
+    /// The client id registered at the operators' provider.
+    #[arg(long, env = "HEARTH_OPERATOR_OIDC_CLIENT_ID")]
+    pub operator_oidc_client_id: Option<String>,
+    /// The client's secret (leave unset for a public client).
+    #[arg(long, env = "HEARTH_OPERATOR_OIDC_CLIENT_SECRET", hide_env_values = true)]
+    pub operator_oidc_client_secret: Option<String>,
+    /// E-mail addresses (comma-separated) that are operators when the operators' provider
+    /// vouches for them (its ID token marks the address verified).
+    #[arg(long, env = "HEARTH_OPERATORS", value_delimiter = ',')]
+    pub operators: Vec<String>,
 }
 
 impl AccessArgs {
@@ -454,6 +472,30 @@ impl AccessArgs {
             Some(u) => Some(public_origin(u)?),
         };
         Ok((token, origin))
+    }
+
+    /// The operators' identity provider, if one is configured.
+    pub fn operator_sso(&self) -> anyhow::Result<Option<hearth_gateway::state::OperatorSso>> {
+        let Some(issuer) = self.operator_oidc_issuer.clone().filter(|i| !i.is_empty()) else {
+            return Ok(None);
+        };
+        let provider = hearth_tenants::sso::SsoSpec {
+            issuer,
+            client_id: self.operator_oidc_client_id.clone().unwrap_or_default(),
+            client_secret: self.operator_oidc_client_secret.clone().filter(|s| !s.is_empty()),
+        };
+        hearth_tenants::sso::check_spec(&provider).map_err(|e| anyhow::anyhow!("--operator-oidc-*: {e}"))?;
+        let operators = self
+            .operators
+            .iter()
+            .filter(|e| !e.trim().is_empty())
+            .map(|e| hearth_tenants::members::normalise_email(e).map_err(|e| anyhow::anyhow!("--operators: {e}")))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        anyhow::ensure!(
+            !operators.is_empty(),
+            "--operators: name at least one operator's e-mail address"
+        );
+        Ok(Some(hearth_gateway::state::OperatorSso { provider, operators }))
     }
 }
 
@@ -857,6 +899,12 @@ pub enum AdminCommand {
         #[command(subcommand)]
         command: JwtCommand,
     },
+    /// A tenant's identity provider (OpenID Connect), through which its members sign into
+    /// the dashboard.
+    Sso {
+        #[command(subcommand)]
+        command: SsoCommand,
+    },
     /// A tenant's members (the people who sign into the dashboard) and their roles.
     Member {
         #[command(subcommand)]
@@ -989,6 +1037,40 @@ pub enum JwtCommand {
     Remove {
         /// The issuer's id (from `jwt list`).
         id: String,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum SsoCommand {
+    /// Set (or replace) a tenant's provider. Register `<public URL>/dashboard/sso/callback`
+    /// as the client's redirect URI; members then sign in at `/dashboard/sso?tenant=NAME`
+    /// (an invitation to a member's address is taken by the provider's verified address).
+    Set {
+        /// The tenant (name or id).
+        #[arg(long)]
+        tenant: String,
+        /// The issuer URL (its `/.well-known/openid-configuration` is read).
+        #[arg(long)]
+        issuer: String,
+        /// The client id registered at the provider.
+        #[arg(long)]
+        client_id: String,
+        /// The client's secret (leave unset for a public client; from the environment, not
+        /// the command line, so that it stays out of shell history).
+        #[arg(long, env = "HEARTH_SSO_CLIENT_SECRET", hide_env_values = true)]
+        client_secret: Option<String>,
+    },
+    /// Show a tenant's provider (never its secret).
+    Show {
+        /// The tenant (name or id).
+        #[arg(long)]
+        tenant: String,
+    },
+    /// Remove a tenant's provider (members keep any password they set).
+    Remove {
+        /// The tenant (name or id).
+        #[arg(long)]
+        tenant: String,
     },
 }
 

@@ -174,6 +174,7 @@ async fn run_gateway(
     );
     state.admin_token = admin_token;
     state.public_origin = public_origin;
+    state.operator_sso = access.operator_sso()?;
     state
         .tenants
         .set_stale_limit(Duration::from_secs(limits.auth_stale_secs));

@@ -593,6 +593,20 @@ async fn admin_remote(gw: &AdminClient, command: &AdminCommand) -> anyhow::Resul
             }
             JwtCommand::Remove { id } => gw.call(Method::DELETE, &["jwt-issuers", id], &[], None).await?,
         },
+        AdminCommand::Sso { command } => match command {
+            SsoCommand::Set {
+                tenant,
+                issuer,
+                client_id,
+                client_secret,
+            } => {
+                let spec = sso_spec(issuer, client_id, client_secret);
+                gw.call(Method::PUT, &["tenants", tenant, "sso"], &[], Some(json!(spec)))
+                    .await?
+            }
+            SsoCommand::Show { tenant } => gw.get(&["tenants", tenant, "sso"], &[]).await?,
+            SsoCommand::Remove { tenant } => gw.call(Method::DELETE, &["tenants", tenant, "sso"], &[], None).await?,
+        },
         AdminCommand::Member { command } => match command {
             MemberCommand::Invite {
                 tenant, email, role, ..
@@ -663,6 +677,14 @@ fn role_arg(role: &str) -> anyhow::Result<hearth_tenants::members::Role> {
         let names = hearth_tenants::members::Role::ALL.map(|r| r.as_str()).join(", ");
         anyhow::anyhow!("unknown role {role:?}: one of {names}")
     })
+}
+
+fn sso_spec(issuer: &str, client_id: &str, client_secret: &Option<String>) -> hearth_tenants::sso::SsoSpec {
+    hearth_tenants::sso::SsoSpec {
+        issuer: issuer.to_string(),
+        client_id: client_id.to_string(),
+        client_secret: client_secret.clone().filter(|s| !s.is_empty()),
+    }
 }
 
 /// A JWT issuer from `hearth admin jwt add`'s arguments (key files read here).
@@ -766,6 +788,20 @@ async fn admin_direct(data: &DataArgs, command: &AdminCommand) -> anyhow::Result
             }
             JwtCommand::List { tenant } => json!(store.list_issuers(tenant.as_deref()).await?),
             JwtCommand::Remove { id } => json!(manage.remove_issuer(id).await?),
+        },
+        AdminCommand::Sso { command } => match command {
+            SsoCommand::Set {
+                tenant,
+                issuer,
+                client_id,
+                client_secret,
+            } => json!(
+                manage
+                    .set_sso(tenant, &sso_spec(issuer, client_id, client_secret))
+                    .await?
+            ),
+            SsoCommand::Show { tenant } => json!(store.sso(tenant).await?),
+            SsoCommand::Remove { tenant } => json!(manage.remove_sso(tenant).await?),
         },
         AdminCommand::Member { command } => match command {
             MemberCommand::Invite {
@@ -922,6 +958,23 @@ fn admin_text(command: &AdminCommand, v: &serde_json::Value) -> String {
                 "No JWT issuers.",
             ),
             JwtCommand::Remove { .. } => format!("Removed JWT issuer {} ({}).", s(v, "id"), s(v, "issuer")),
+        },
+        AdminCommand::Sso { command } => match command {
+            SsoCommand::Set { tenant, .. } => format!(
+                "Tenant {tenant} signs in through {} (client {}{}). Its members sign in at /dashboard/sso?tenant={tenant}; register <public URL>/dashboard/sso/callback as the client's redirect URI.",
+                s(v, "issuer"),
+                s(v, "client_id"),
+                if v["has_client_secret"].as_bool() == Some(true) { ", with a secret" } else { ", public" }
+            ),
+            SsoCommand::Show { tenant } if v.is_null() => format!("Tenant {tenant} has no identity provider."),
+            SsoCommand::Show { .. } => format!(
+                "{}\tclient {}\t{}\tsince {}",
+                s(v, "issuer"),
+                s(v, "client_id"),
+                if v["has_client_secret"].as_bool() == Some(true) { "confidential" } else { "public" },
+                iso_ms(v["created_at"].as_i64().unwrap_or(0))
+            ),
+            SsoCommand::Remove { tenant } => format!("Tenant {tenant} no longer signs in through {}.", s(v, "issuer")),
         },
         AdminCommand::Member { command } => match command {
             MemberCommand::Invite { .. } => format!(

@@ -1284,3 +1284,89 @@ async fn operator_console_manages_tenants() {
         .filter(|e| e["channel"] == "dashboard")
         .all(|e| e["actor"] == "admin"));
 }
+
+/// Single sign-on's edges over HTTP (the browser check signs in through a real provider):
+/// the admin API sets, shows and removes a tenant's provider (refusing plain http to a
+/// remote host, never showing the secret, auditing both); a sign-in for a tenant without a
+/// provider is 404 and one whose provider cannot be reached is 502; the callback refuses a
+/// flow without this installation's sealed cookie.
+#[tokio::test]
+async fn sso_configuration_and_callback_refusals() {
+    let data = temp_dir("sso");
+    let server = sim_serve_with(&data, "100", &[]);
+    let base = server.url.as_str();
+    admin(&data, &["tenant", "create", "acme"]);
+    let http = browser();
+    let api = |method: reqwest::Method, body: Option<Value>| {
+        let mut r = http
+            .request(method, format!("{base}/admin/v1/tenants/acme/sso"))
+            .bearer_auth(ADMIN_TOKEN);
+        if let Some(b) = body {
+            r = r.json(&b);
+        }
+        r.send()
+    };
+    let r = api(
+        reqwest::Method::PUT,
+        Some(json!({"issuer": "http://idp.example.com", "client_id": "h"})),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 400, "plain http to a remote host");
+    let r = api(reqwest::Method::GET, None).await.unwrap();
+    assert_eq!(r.json::<Value>().await.unwrap(), Value::Null);
+    let (status, html) = {
+        let r = http
+            .get(format!("{base}/dashboard/sso?tenant=acme"))
+            .send()
+            .await
+            .unwrap();
+        (r.status(), r.text().await.unwrap())
+    };
+    assert_eq!(status, 404, "no provider yet: {html}");
+    // A provider that does not answer (a closed port).
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let issuer = format!("http://127.0.0.1:{}", closed.local_addr().unwrap().port());
+    drop(closed);
+    let spec = json!({"issuer": issuer, "client_id": "hearth", "client_secret": "s3cret"});
+    let r = api(reqwest::Method::PUT, Some(spec)).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let shown: Value = r.json().await.unwrap();
+    assert_eq!(shown["has_client_secret"], true);
+    assert!(!shown.to_string().contains("s3cret"), "the secret is never shown");
+    let r = http
+        .get(format!("{base}/dashboard/sso?tenant=acme"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 502, "the provider cannot be reached");
+    // Callbacks this installation did not start.
+    let callback = |cookie: Option<&str>, state: &str| {
+        let mut r = http.get(format!("{base}/dashboard/sso/callback?code=c&state={state}"));
+        if let Some(c) = cookie {
+            r = r.header("cookie", format!("hearth_sso={c}"));
+        }
+        r.send()
+    };
+    assert_eq!(callback(None, "s").await.unwrap().status(), 403, "no flow cookie");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis();
+    let forged = format!("{now}.operator.s.n.v.{}", "ab".repeat(32));
+    assert_eq!(
+        callback(Some(&forged), "s").await.unwrap().status(),
+        403,
+        "a cookie the installation did not seal"
+    );
+    let r = api(reqwest::Method::DELETE, None).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let r = api(reqwest::Method::DELETE, None).await.unwrap();
+    assert_eq!(r.status(), 404, "nothing left to remove");
+    let audit: Value = serde_json::from_str(&admin(&data, &["--json", "audit", "--tenant", "acme"])).unwrap();
+    let actions = actions_and_channels(&audit);
+    assert!(
+        actions.contains(&("sso.set", "api")) && actions.contains(&("sso.remove", "api")),
+        "{actions:?}"
+    );
+}

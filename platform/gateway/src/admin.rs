@@ -43,6 +43,7 @@ pub fn router() -> Router<Arc<AppState>> {
         )
         .route("/tenants/{tenant}/jwt-issuers", get(list_issuers).post(add_issuer))
         .route("/jwt-issuers/{id}", delete(remove_issuer))
+        .route("/tenants/{tenant}/sso", get(get_sso).put(set_sso).delete(remove_sso))
         .route("/tenants/{tenant}/members", get(list_members).post(invite_member))
         .route("/tenants/{tenant}/invitations", get(list_invitations))
         .route("/members/{id}", delete(remove_member))
@@ -647,6 +648,39 @@ async fn remove_issuer(
 ) -> Result<Json<Value>, ApiError> {
     let i = gw.management().via(origin).remove_issuer(&id).await?;
     Ok(Json(json!(i)))
+}
+
+#[utoipa::path(get, path = "/admin/v1/tenants/{tenant}/sso", summary = "A tenant's identity provider.", tag = "members", params(("tenant" = String, Path, description = "A tenant's name or id.")),
+    responses((status = 200, description = "The tenant's OpenID Connect provider (null: none).", body = Option<hearth_tenants::sso::SsoProvider>), crate::error::Errors))]
+async fn get_sso(State(gw): State<Arc<AppState>>, Path(tenant): Path<String>) -> Result<Json<Value>, ApiError> {
+    let p = gw.tenants.sso(&tenant).await.map_err(store_error)?;
+    Ok(Json(json!(p)))
+}
+
+#[utoipa::path(put, path = "/admin/v1/tenants/{tenant}/sso", summary = "Sets a tenant's identity provider.", tag = "members", params(("tenant" = String, Path, description = "A tenant's name or id.")), request_body = hearth_tenants::sso::SsoSpec,
+    responses((status = 200, description = "The provider (never its secret). Its members then sign in at `/dashboard/sso?tenant=NAME`; register `<public URL>/dashboard/sso/callback` as the client's redirect URI.", body = hearth_tenants::sso::SsoProvider), crate::error::Errors))]
+/// `{"issuer", "client_id", "client_secret"?}`.
+async fn set_sso(
+    State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
+    Path(tenant): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let spec: hearth_tenants::sso::SsoSpec =
+        serde_json::from_slice(&body).map_err(|e| ApiError::invalid("body", e.to_string()))?;
+    let p = gw.management().via(origin).set_sso(&tenant, &spec).await?;
+    Ok(Json(json!(p)))
+}
+
+#[utoipa::path(delete, path = "/admin/v1/tenants/{tenant}/sso", summary = "Removes a tenant's identity provider.", tag = "members", params(("tenant" = String, Path, description = "A tenant's name or id.")),
+    responses((status = 200, description = "The removed provider; members keep any password they set.", body = hearth_tenants::sso::SsoProvider), crate::error::Errors))]
+async fn remove_sso(
+    State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
+    Path(tenant): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let p = gw.management().via(origin).remove_sso(&tenant).await?;
+    Ok(Json(json!(p)))
 }
 
 #[utoipa::path(get, path = "/admin/v1/tenants/{tenant}/members", summary = "A tenant's members.", tag = "members", params(("tenant" = String, Path, description = "A tenant's name or id.")),

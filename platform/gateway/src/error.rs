@@ -310,7 +310,8 @@ pub fn store_error(e: TenantError) -> ApiError {
         TenantError::NoSuchIssuer(_)
         | TenantError::NoSuchProcessor(_)
         | TenantError::NoSuchMember(_)
-        | TenantError::NoSuchInvitation(_) => ApiError::not_found(e.to_string()),
+        | TenantError::NoSuchInvitation(_)
+        | TenantError::NoSuchProvider(_) => ApiError::not_found(e.to_string()),
         TenantError::IssuerExists(_) | TenantError::Conflict(_) => ApiError::conflict(e.to_string()),
         TenantError::Invalid { field, .. } => ApiError::invalid(field, e.to_string()),
         TenantError::Db(_) | TenantError::Random(_) | TenantError::Password(_) => {

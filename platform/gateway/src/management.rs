@@ -45,6 +45,9 @@ pub struct Origin {
     pub channel: Channel,
     /// The client's address (API, dashboard); None for the CLI.
     pub address: Option<String>,
+    /// The operator's e-mail address when one signed in through the operators' identity
+    /// provider (the audit log then names the person, not the admin token).
+    pub operator: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -71,6 +74,7 @@ impl Origin {
         Self {
             channel: Channel::Api,
             address,
+            operator: None,
         }
     }
 
@@ -78,6 +82,7 @@ impl Origin {
         Self {
             channel: Channel::Dashboard,
             address,
+            operator: None,
         }
     }
 
@@ -85,6 +90,7 @@ impl Origin {
         Self {
             channel: Channel::Cli,
             address: None,
+            operator: None,
         }
     }
 }
@@ -297,7 +303,10 @@ impl Actor<'_> {
                 let user = std::env::var("USER").unwrap_or_default();
                 format!("cli:{}", if user.is_empty() { "unknown" } else { &user })
             }
-            Actor::Operator => "admin".into(),
+            Actor::Operator => match &origin.operator {
+                Some(email) => format!("operator:{email}"),
+                None => "admin".into(),
+            },
             Actor::Tenant(ctx) if ctx.key_id.starts_with("jwt:") => ctx.key_id.clone(),
             Actor::Tenant(ctx) => format!("key:{}", ctx.key_id),
             Actor::Member(m) => format!("member:{}:{}", m.member.id, m.member.email),
@@ -431,6 +440,37 @@ impl Management<'_> {
         )
         .await;
         Ok(i)
+    }
+
+    /// Sets a tenant's identity provider (operators only).
+    pub async fn set_sso(
+        &self,
+        tenant: &str,
+        spec: &hearth_tenants::sso::SsoSpec,
+    ) -> Result<hearth_tenants::sso::SsoProvider, ManageError> {
+        let p = self.tenants.set_sso(tenant, spec).await?;
+        self.audit(
+            Actor::Operator,
+            Some(&p.tenant_id),
+            "sso.set",
+            "sso",
+            json!({"issuer": p.issuer, "client_id": p.client_id, "client_secret": p.has_client_secret}),
+        )
+        .await;
+        Ok(p)
+    }
+
+    pub async fn remove_sso(&self, tenant: &str) -> Result<hearth_tenants::sso::SsoProvider, ManageError> {
+        let p = self.tenants.remove_sso(tenant).await?;
+        self.audit(
+            Actor::Operator,
+            Some(&p.tenant_id),
+            "sso.remove",
+            "sso",
+            json!({"issuer": p.issuer}),
+        )
+        .await;
+        Ok(p)
     }
 
     pub async fn remove_issuer(&self, id: &str) -> Result<IssuerInfo, ManageError> {

@@ -65,6 +65,17 @@ pub struct AppState {
     /// The key that signs the dashboard sign-in form's anti-CSRF token (a server secret
     /// shared by the gateways on one database; read once).
     pub login_key: tokio::sync::OnceCell<String>,
+    /// The operators' identity provider and who may sign in through it as an operator
+    /// (`--operator-oidc-*`, `--operators`; None: operators sign in with the admin token).
+    pub operator_sso: Option<OperatorSso>,
+}
+
+/// Operators signing into the dashboard through an OpenID Connect provider.
+#[derive(Debug, Clone)]
+pub struct OperatorSso {
+    pub provider: hearth_tenants::sso::SsoSpec,
+    /// Lower-cased e-mail addresses; the provider must mark the address verified.
+    pub operators: Vec<String>,
 }
 
 /// Time limits on one request, enforced by the relay.
@@ -168,6 +179,7 @@ impl AppState {
             default_max_tokens: None,
             public_origin: None,
             login_key: Default::default(),
+            operator_sso: None,
         }
     }
 }

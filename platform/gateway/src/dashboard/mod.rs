@@ -29,6 +29,7 @@
 //! Every change goes through [`crate::management::Management`] with the dashboard's
 //! [`Origin`], so it lands in the audit log like the API's and the CLI's.
 
+mod sso;
 pub mod views;
 
 use std::sync::{Arc, OnceLock};
@@ -66,6 +67,9 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/", get(home))
         .route("/login", get(login_form).post(login))
         .route("/logout", post(logout))
+        .route("/sso", get(sso::start_tenant))
+        .route("/sso/operator", get(sso::start_operator))
+        .route("/sso/callback", get(sso::callback))
         .route("/invite/{token}", get(invitation_form).post(accept_invitation))
         .route("/members", get(members).post(invite_member))
         .route("/members/{id}/{action}", post(member_action))
@@ -116,6 +120,7 @@ fn env() -> &'static Environment<'static> {
         for (name, src) in [
             ("base.html", include_str!("templates/base.html")),
             ("login.html", include_str!("templates/login.html")),
+            ("continue.html", include_str!("templates/continue.html")),
             ("invite.html", include_str!("templates/invite.html")),
             ("members.html", include_str!("templates/members.html")),
             ("invited.html", include_str!("templates/invited.html")),
@@ -326,7 +331,25 @@ impl FromRequestParts<Arc<AppState>> for Visitor {
                 )));
             }
         };
+        let mut operator = None;
         let who = match &session.kind {
+            SessionKind::Operator { admin_fp } if admin_fp.starts_with(sso::OPERATOR_PREFIX) => {
+                // Signed in through the operators' identity provider: still an operator while
+                // the address is on the gateway's list.
+                let email = &admin_fp[sso::OPERATOR_PREFIX.len()..];
+                if !gw
+                    .operator_sso
+                    .as_ref()
+                    .is_some_and(|o| o.operators.iter().any(|e| e == email))
+                {
+                    let _ = gw.tenants.end_session(token).await;
+                    return Err(refuse(ApiError::unauthorized(
+                        "You are no longer one of this installation's operators.",
+                    )));
+                }
+                operator = Some(email.to_string());
+                Who::Operator
+            }
             SessionKind::Operator { admin_fp } => {
                 let current = gw.admin_token.as_deref().map(admin_fingerprint);
                 if current
@@ -382,7 +405,10 @@ impl FromRequestParts<Arc<AppState>> for Visitor {
         Ok(Visitor {
             session,
             who,
-            origin: Origin::dashboard(client_address(&parts.extensions)),
+            origin: Origin {
+                operator,
+                ..Origin::dashboard(client_address(&parts.extensions))
+            },
         })
     }
 }
@@ -440,7 +466,15 @@ async fn home(v: Result<Visitor, Unauthenticated>, State(gw): State<Arc<AppState
 }
 
 async fn login_page(gw: &AppState, headers: &HeaderMap, status: StatusCode, error: Option<&str>) -> Response {
-    signed_form(gw, headers, status, "login.html", context! {error => error}).await
+    let operator_sso = gw.operator_sso.is_some();
+    signed_form(
+        gw,
+        headers,
+        status,
+        "login.html",
+        context! {error => error, operator_sso => operator_sso},
+    )
+    .await
 }
 
 /// A page with a form posted before there is a session (sign-in, accepting an invitation):
@@ -488,14 +522,32 @@ mod login_token {
             .map_err(|e| e.to_string())
     }
 
-    fn mac(key: &str, body: &str) -> String {
+    /// The MAC of `body` for one purpose (a token made for one is no use for another).
+    fn mac_for(key: &str, purpose: &str, body: &str) -> String {
         // HMAC takes a key of any length: `new_from_slice` cannot fail.
         let Ok(mut m) = <Hmac<Sha256> as Mac>::new_from_slice(key.as_bytes()) else {
             return String::new();
         };
-        m.update(b"hearth-dashboard-login\0");
+        m.update(purpose.as_bytes());
+        m.update(b"\0");
         m.update(body.as_bytes());
         m.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn mac(key: &str, body: &str) -> String {
+        mac_for(key, "hearth-dashboard-login", body)
+    }
+
+    /// `BODY.MAC` for `purpose` (BODY without dots at its end is returned by [`unseal`]).
+    pub async fn seal(gw: &AppState, purpose: &str, body: &str) -> Result<String, String> {
+        Ok(format!("{body}.{}", mac_for(key(gw).await?, purpose, body)))
+    }
+
+    /// The body of a token [`seal`]ed for `purpose` by this installation.
+    pub async fn unseal<'t>(gw: &AppState, purpose: &str, token: &'t str) -> Option<&'t str> {
+        let (body, given) = token.rsplit_once('.')?;
+        let want = mac_for(key(gw).await.ok()?, purpose, body);
+        (!want.is_empty() && hearth_tenants::constant_time_eq(want.as_bytes(), given.as_bytes())).then_some(body)
     }
 
     /// A token issued at `now` with `nonce`.
@@ -623,11 +675,15 @@ fn sign_in_failed(gw: &AppState, extensions: &axum::http::Extensions) {
     }
 }
 
-/// Sets the session cookie of a session just opened and goes to the dashboard.
+/// Sets the session cookie of a session just opened and goes to the dashboard. After an
+/// identity provider's redirect (`via_provider`), the way on is a page of ours rather than a
+/// redirect: a browser does not send the SameSite=Strict cookie on a redirect chain that
+/// another site started, but does on a navigation our own page starts.
 async fn session_opened(
     gw: &AppState,
     headers: &HeaderMap,
     opened: Result<(String, Session), hearth_tenants::TenantError>,
+    via_provider: bool,
 ) -> Response {
     // Sessions nobody reads again (closed tabs) are deleted here; live ones are checked on read.
     if let Err(e) = gw.tenants.purge_sessions().await {
@@ -635,7 +691,11 @@ async fn session_opened(
     }
     match opened {
         Ok((token, s)) => {
-            let mut resp = Redirect::to("/dashboard").into_response();
+            let mut resp = if via_provider {
+                sso::continue_page("Signed in", "/dashboard")
+            } else {
+                Redirect::to("/dashboard").into_response()
+            };
             let age = (s.expires_at - now_ms()) / 1000;
             let h = resp.headers_mut();
             h.append(
@@ -663,6 +723,7 @@ async fn open_member_session(
     gw: &AppState,
     member: &hearth_tenants::members::Member,
     origin: Origin,
+    method: &str,
 ) -> Result<(String, Session), hearth_tenants::TenantError> {
     let kind = SessionKind::Member {
         tenant_id: member.tenant_id.clone(),
@@ -677,7 +738,7 @@ async fn open_member_session(
                 Some(&member.tenant_id),
                 "session.sign_in",
                 "dashboard",
-                json!({"method": "password"}),
+                json!({"method": method}),
             )
             .await;
     }
@@ -746,8 +807,8 @@ async fn login(
             )
             .await;
         };
-        let opened = open_member_session(&gw, &member, origin).await;
-        return session_opened(&gw, headers, opened).await;
+        let opened = open_member_session(&gw, &member, origin, "password").await;
+        return session_opened(&gw, headers, opened, false).await;
     }
     let credential = form.credential.as_deref().unwrap_or("").trim();
     let admin = gw.admin_token.as_deref().filter(|t| !t.is_empty());
@@ -842,7 +903,7 @@ async fn login(
         }
         s
     };
-    session_opened(&gw, headers, opened).await
+    session_opened(&gw, headers, opened, false).await
 }
 
 // ---- invitations and members -------------------------------------------------------------
@@ -923,8 +984,8 @@ async fn accept_invitation(
     let m = gw.management().via(origin.clone());
     match m.accept_invitation(&token, &form.password).await {
         Ok(Some(member)) => {
-            let opened = open_member_session(&gw, &member, origin).await;
-            session_opened(&gw, headers, opened).await
+            let opened = open_member_session(&gw, &member, origin, "password").await;
+            session_opened(&gw, headers, opened, false).await
         }
         Ok(None) => {
             sign_in_failed(&gw, &extensions);

@@ -1,0 +1,19 @@
+-- Single sign-on: a tenant's OpenID Connect identity provider (one per tenant), the
+-- identity a member signed in with, and the ID-token nonces already used (a replayed
+-- token is refused; rows are purged once the nonce could no longer be accepted).
+CREATE TABLE sso_providers (
+    tenant_id     TEXT PRIMARY KEY REFERENCES tenants(id),
+    issuer        TEXT NOT NULL,
+    client_id     TEXT NOT NULL,
+    client_secret TEXT,
+    created_at    BIGINT NOT NULL
+);
+
+ALTER TABLE members ADD COLUMN sso_issuer TEXT;
+ALTER TABLE members ADD COLUMN sso_subject TEXT;
+CREATE UNIQUE INDEX members_sso ON members(tenant_id, sso_issuer, sso_subject);
+
+CREATE TABLE sso_nonces (
+    nonce      TEXT PRIMARY KEY,
+    expires_at BIGINT NOT NULL
+);

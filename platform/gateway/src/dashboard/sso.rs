@@ -1,0 +1,338 @@
+//! Signing into the dashboard through an OpenID Connect provider: a tenant's own
+//! (`/dashboard/sso?tenant=NAME`) or the operators' (`/dashboard/sso/operator`).
+//!
+//! The authorization-code flow with PKCE. Starting it sets the `hearth_sso` cookie, sealed
+//! with the installation's sign-in key: when it was issued, whose provider, `state`, `nonce`
+//! and the PKCE verifier. The cookie is `SameSite=Lax` (the provider's redirect back is a
+//! cross-site navigation, which a strict cookie would miss) and lives ten minutes. The
+//! callback takes the code only when the `state` it carries is the cookie's, from a cookie
+//! this installation sealed; the ID token is checked by [`hearth_tenants::sso`] (signature
+//! under the provider's JWKS, issuer, audience, expiry, this sign-in's nonce, not used
+//! before). Then a tenant's identity becomes its member ([`TenantStore::sso_member`]: linked,
+//! or an invitation to its verified address) and an operator's verified address must be on
+//! the gateway's `--operators` list.
+//!
+//! Both the way out and the way back are pages with a refresh rather than redirects: the
+//! dashboard's CSP (`form-action 'self'`) stops a form's redirect to another site, and a
+//! browser does not send the strict session cookie on a redirect chain another site began.
+//!
+//! [`TenantStore::sso_member`]: hearth_tenants::TenantStore::sso_member
+
+use std::sync::Arc;
+
+use axum::extract::{Query, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::Response;
+use hearth_tenants::sessions::SessionKind;
+use hearth_tenants::sso::{Pkce, SsoError, SsoSpec};
+use hearth_tenants::{constant_time_eq, now_ms, TenantError};
+use minijinja::context;
+use serde::Deserialize;
+use serde_json::json;
+
+use super::{
+    cookie, link_base, login_page, login_token, open_member_session, over_tls, page, session_opened, sign_in_failed,
+};
+use crate::auth::client_address;
+use crate::management::{Actor, Origin};
+use crate::state::AppState;
+
+const SSO_COOKIE: &str = "hearth_sso";
+const PURPOSE: &str = "hearth-dashboard-sso";
+const FLOW_LIFETIME_MS: i64 = 10 * 60 * 1000;
+/// An operator session opened through the provider stores `oidc:<e-mail>` where an admin
+/// token's session stores the token's fingerprint.
+pub(super) const OPERATOR_PREFIX: &str = "oidc:";
+const OPERATOR: &str = "operator";
+
+/// A page that moves the browser on to `url` (a refresh, and a link for browsers that do
+/// not follow it).
+pub(super) fn continue_page(title: &str, url: &str) -> Response {
+    page(StatusCode::OK, "continue.html", context! {title => title, url => url})
+}
+
+fn flow_cookie(gw: &AppState, headers: &HeaderMap, value: &str, max_age_s: i64) -> HeaderValue {
+    let secure = if over_tls(gw, headers) { "; Secure" } else { "" };
+    HeaderValue::from_str(&format!(
+        "{SSO_COOKIE}={value}; Path=/dashboard/sso; HttpOnly; SameSite=Lax; Max-Age={max_age_s}{secure}"
+    ))
+    .unwrap_or_else(|_| HeaderValue::from_static(""))
+}
+
+fn redirect_uri(gw: &AppState, headers: &HeaderMap) -> String {
+    format!("{}/dashboard/sso/callback", link_base(gw, headers))
+}
+
+#[derive(Deserialize)]
+pub(super) struct StartQuery {
+    tenant: Option<String>,
+}
+
+/// `GET /dashboard/sso?tenant=NAME`: off to the tenant's identity provider.
+pub(super) async fn start_tenant(
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Query(q): Query<StartQuery>,
+) -> Response {
+    let name = q.tenant.as_deref().unwrap_or("").trim();
+    let not_here = || format!("Tenant {name:?} does not sign in through an identity provider.");
+    let tenant = match gw.tenants.tenant(name).await {
+        Ok(t) => t,
+        Err(TenantError::NoSuchTenant(_) | TenantError::InvalidTenantName(_)) => {
+            return login_page(&gw, &headers, StatusCode::NOT_FOUND, Some(&not_here())).await
+        }
+        Err(e) => return unavailable(&gw, &headers, &e.to_string()).await,
+    };
+    match gw.tenants.sso_spec(&tenant.id).await {
+        Ok(Some((_, spec))) => start(&gw, &headers, &tenant.id, &spec).await,
+        Ok(None) => login_page(&gw, &headers, StatusCode::NOT_FOUND, Some(&not_here())).await,
+        Err(e) => unavailable(&gw, &headers, &e.to_string()).await,
+    }
+}
+
+/// `GET /dashboard/sso/operator`: off to the operators' identity provider.
+pub(super) async fn start_operator(State(gw): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    match &gw.operator_sso {
+        Some(o) => start(&gw, &headers, OPERATOR, &o.provider.clone()).await,
+        None => {
+            login_page(
+                &gw,
+                &headers,
+                StatusCode::NOT_FOUND,
+                Some("Operators sign in with the admin token here: no identity provider is configured."),
+            )
+            .await
+        }
+    }
+}
+
+async fn unavailable(gw: &AppState, headers: &HeaderMap, why: &str) -> Response {
+    tracing::error!(error = %why, "single sign-on unavailable");
+    login_page(
+        gw,
+        headers,
+        StatusCode::SERVICE_UNAVAILABLE,
+        Some("Sign-in is temporarily unavailable."),
+    )
+    .await
+}
+
+async fn provider_down(gw: &AppState, headers: &HeaderMap, why: &str) -> Response {
+    tracing::warn!(error = %why, "identity provider unusable");
+    login_page(
+        gw,
+        headers,
+        StatusCode::BAD_GATEWAY,
+        Some(&format!("The identity provider could not be used: {why}")),
+    )
+    .await
+}
+
+async fn start(gw: &AppState, headers: &HeaderMap, whose: &str, spec: &SsoSpec) -> Response {
+    let d = match gw.tenants.discover(&spec.issuer).await {
+        Ok(d) => d,
+        Err(e) => return provider_down(gw, headers, &e.to_string()).await,
+    };
+    let (pkce, state, nonce) = match (
+        Pkce::new(),
+        hearth_tenants::sso::random_value(),
+        hearth_tenants::sso::random_value(),
+    ) {
+        (Ok(p), Ok(s), Ok(n)) => (p, s, n),
+        _ => return unavailable(gw, headers, "the OS random source failed").await,
+    };
+    let body = format!("{}.{whose}.{state}.{nonce}.{}", now_ms(), pkce.verifier);
+    let sealed = match login_token::seal(gw, PURPOSE, &body).await {
+        Ok(s) => s,
+        Err(e) => return unavailable(gw, headers, &e).await,
+    };
+    let mut url = match reqwest::Url::parse(&d.authorization_endpoint) {
+        Ok(u) => u,
+        Err(e) => return provider_down(gw, headers, &format!("its authorization endpoint: {e}")).await,
+    };
+    url.query_pairs_mut()
+        .append_pair("response_type", "code")
+        .append_pair("client_id", &spec.client_id)
+        .append_pair("redirect_uri", &redirect_uri(gw, headers))
+        .append_pair("scope", "openid email profile")
+        .append_pair("state", &state)
+        .append_pair("nonce", &nonce)
+        .append_pair("code_challenge", &pkce.challenge)
+        .append_pair("code_challenge_method", "S256");
+    let mut resp = continue_page("Continuing to your identity provider", url.as_str());
+    resp.headers_mut().append(
+        header::SET_COOKIE,
+        flow_cookie(gw, headers, &sealed, FLOW_LIFETIME_MS / 1000),
+    );
+    resp
+}
+
+#[derive(Deserialize)]
+pub(super) struct CallbackQuery {
+    code: Option<String>,
+    state: Option<String>,
+    error: Option<String>,
+    error_description: Option<String>,
+}
+
+/// A flow the callback may finish: from this installation's cookie, fresh, for this state.
+struct Flow {
+    whose: String,
+    nonce: String,
+    verifier: String,
+}
+
+async fn flow(gw: &AppState, headers: &HeaderMap, state: &str) -> Option<Flow> {
+    let sealed = cookie(headers, SSO_COOKIE)?;
+    let body = login_token::unseal(gw, PURPOSE, sealed).await?;
+    let [issued, whose, want_state, nonce, verifier]: [&str; 5] =
+        body.split('.').collect::<Vec<_>>().try_into().ok()?;
+    let issued: i64 = issued.parse().ok()?;
+    let age = now_ms().saturating_sub(issued);
+    (age < FLOW_LIFETIME_MS
+        && age > -60_000
+        && !state.is_empty()
+        && constant_time_eq(want_state.as_bytes(), state.as_bytes()))
+    .then(|| Flow {
+        whose: whose.to_string(),
+        nonce: nonce.to_string(),
+        verifier: verifier.to_string(),
+    })
+}
+
+/// `GET /dashboard/sso/callback`: the provider's answer.
+pub(super) async fn callback(
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    extensions: axum::http::Extensions,
+    Query(q): Query<CallbackQuery>,
+) -> Response {
+    let headers = &headers;
+    let mut resp = finish(&gw, headers, &extensions, q).await;
+    // The flow is over either way.
+    resp.headers_mut()
+        .append(header::SET_COOKIE, flow_cookie(&gw, headers, "", 0));
+    resp
+}
+
+async fn finish(gw: &AppState, headers: &HeaderMap, extensions: &axum::http::Extensions, q: CallbackQuery) -> Response {
+    let Some(flow) = flow(gw, headers, q.state.as_deref().unwrap_or("")).await else {
+        return login_page(
+            gw,
+            headers,
+            StatusCode::FORBIDDEN,
+            Some("The sign-in expired or did not start here: try again."),
+        )
+        .await;
+    };
+    if let Some(error) = q.error {
+        let detail = q.error_description.map(|d| format!(" ({d})")).unwrap_or_default();
+        return login_page(
+            gw,
+            headers,
+            StatusCode::UNAUTHORIZED,
+            Some(&format!("The identity provider did not sign you in: {error}{detail}")),
+        )
+        .await;
+    }
+    let code = q.code.unwrap_or_default();
+    let spec = if flow.whose == OPERATOR {
+        match &gw.operator_sso {
+            Some(o) => o.provider.clone(),
+            None => return provider_gone(gw, headers).await,
+        }
+    } else {
+        match gw.tenants.sso_spec(&flow.whose).await {
+            Ok(Some((_, spec))) => spec,
+            Ok(None) => return provider_gone(gw, headers).await,
+            Err(e) => return unavailable(gw, headers, &e.to_string()).await,
+        }
+    };
+    let who = match gw
+        .tenants
+        .complete_sso(&spec, &code, &flow.verifier, &redirect_uri(gw, headers), &flow.nonce)
+        .await
+    {
+        Ok(who) => who,
+        Err(SsoError::Provider(why)) => return provider_down(gw, headers, &why).await,
+        Err(SsoError::Refused(why)) => {
+            sign_in_failed(gw, extensions);
+            tracing::warn!(reason = %why, "single sign-on refused");
+            return login_page(gw, headers, StatusCode::UNAUTHORIZED, Some(&why)).await;
+        }
+        Err(SsoError::Store(e)) => return unavailable(gw, headers, &e.to_string()).await,
+    };
+    let address = client_address(extensions);
+    let origin = Origin::dashboard(address.clone());
+    let email = who.verified_email.clone();
+    if flow.whose == OPERATOR {
+        let allowed = email.as_deref().filter(|e| {
+            gw.operator_sso
+                .as_ref()
+                .is_some_and(|o| o.operators.iter().any(|op| op == e))
+        });
+        let Some(email) = allowed else {
+            return login_page(
+                gw,
+                headers,
+                StatusCode::FORBIDDEN,
+                Some(&format!(
+                    "{} is not one of this installation's operators.",
+                    email.as_deref().unwrap_or("This identity (no verified e-mail address)")
+                )),
+            )
+            .await;
+        };
+        let kind = SessionKind::Operator {
+            admin_fp: format!("{OPERATOR_PREFIX}{email}"),
+        };
+        let opened = gw.tenants.create_session(kind, None, address.as_deref()).await;
+        if opened.is_ok() {
+            let origin = Origin {
+                operator: Some(email.to_string()),
+                ..origin
+            };
+            gw.management()
+                .via(origin)
+                .audit(
+                    Actor::Operator,
+                    None,
+                    "session.sign_in",
+                    "dashboard",
+                    json!({"method": "oidc", "issuer": who.issuer}),
+                )
+                .await;
+        }
+        return session_opened(gw, headers, opened, true).await;
+    }
+    match gw.tenants.sso_member(&flow.whose, &who).await {
+        Ok(Some(member)) => {
+            let opened = open_member_session(gw, &member, origin, "oidc").await;
+            session_opened(gw, headers, opened, true).await
+        }
+        Ok(None) => {
+            login_page(
+                gw,
+                headers,
+                StatusCode::FORBIDDEN,
+                Some(&format!(
+                    "{} is not a member of this tenant: ask one of its owners for an invitation.",
+                    email.as_deref().unwrap_or("This identity (no verified e-mail address)")
+                )),
+            )
+            .await
+        }
+        Err(e) => unavailable(gw, headers, &e.to_string()).await,
+    }
+}
+
+/// The provider the flow began with was removed meanwhile.
+async fn provider_gone(gw: &AppState, headers: &HeaderMap) -> Response {
+    login_page(
+        gw,
+        headers,
+        StatusCode::NOT_FOUND,
+        Some("This identity provider is no longer configured here."),
+    )
+    .await
+}
