@@ -47,7 +47,11 @@ with socket.socket() as s:
     idp_port = s.getsockname()[1]
 IDP = f"http://localhost:{idp_port}"
 IDP_SECRET = "dashboard-check-client-secret"
-server = Serve(hearth, "dashboard", {
+# A catalogue with the default model, so that the console can add models at runtime.
+catalogue = os.path.join(tempfile.mkdtemp(prefix="hearth-dashboard-catalogue-"), "catalogue.toml")
+with open(catalogue, "w") as f:
+    f.write('[[model]]\nid = "smollm2-135m-instruct"\nsource = "smollm2-135m-instruct"\n')
+server = Serve(hearth, "dashboard", {"HEARTH_CATALOGUE": catalogue,
     "HEARTH_ADMIN_TOKEN": ADMIN, "HEARTH_OPERATOR_OIDC_ISSUER": IDP, "HEARTH_OPERATOR_OIDC_CLIENT_ID": "hearth",
     "HEARTH_OPERATOR_OIDC_CLIENT_SECRET": IDP_SECRET, "HEARTH_OPERATORS": "ops@hearth.test",
     "HEARTH_SSO_CLIENT_SECRET": IDP_SECRET})
@@ -262,6 +266,21 @@ try:
     audit = json.loads(admin("audit", "--tenant", "console-made"))
     check("the console's budget is audited", any(e["action"] == "tenant.budget" and e["channel"] == "dashboard"
                                                  and e["detail"]["monthly_nusd"] == 25_000_000_000 for e in audit), audit)
+    # A model added from the console (cold, for one tenant): the CLI sees it through the admin API.
+    driver.get(url + "/dashboard")
+    driver.find_element(By.ID, "model-id").send_keys("console-model")
+    driver.find_element(By.ID, "model-source").send_keys("smollm2-135m-instruct")
+    driver.find_element(By.ID, "model-tenants").send_keys("console-made")
+    driver.find_element(By.ID, "add-model").click()
+    wait.until(EC.alert_is_present())
+    driver.switch_to.alert.accept()
+    wait.until(EC.presence_of_element_located((By.ID, "model-console-model")))
+    check("the console's model is listed, cold", "cold" in text("model-console-model"), text("model-console-model"))
+    models = json.loads(subprocess.run([hearth, "admin", "--json", "--gateway-url", url, "model", "list"], check=True,
+                                       capture_output=True, text=True, env=server.env).stdout)
+    added = [m for m in models["data"] if m["id"] == "console-model"]
+    check("the CLI sees the console's model, for its tenant only",
+          len(added) == 1 and added[0]["tenants"] == ["console-made"], models)
     sign_out()
 
     # ---- members: an owner joins, invites a viewer, removes them ------------------------------

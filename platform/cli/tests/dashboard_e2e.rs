@@ -1265,6 +1265,50 @@ async fn operator_console_manages_tenants() {
     .await;
     assert_eq!(r.status(), 403);
 
+    // The tenant's identity provider and JWT issuers, from its page.
+    let r = send(
+        format!("{at}/sso"),
+        form(&[("issuer", "https://login.console.example"), ("client_id", "hearth")]),
+    )
+    .await;
+    assert_eq!(r.status(), 303);
+    let r = send(
+        format!("{at}/jwt"),
+        form(&[
+            ("issuer", "https://jwt.console.example"),
+            ("audience", "hearth"),
+            ("algorithm", "RS256"),
+            ("jwks_url", "https://jwt.console.example/jwks"),
+        ]),
+    )
+    .await;
+    assert_eq!(r.status(), 303);
+    let (_, html) = page(base, &op, &at).await;
+    assert!(
+        by_id(&html, "sso-provider").contains("Members sign in through"),
+        "{html}"
+    );
+    let issuers: Value =
+        serde_json::from_str(&admin(&data, &["--json", "jwt", "list", "--tenant", "console"])).unwrap();
+    let issuer_id = issuers[0]["id"].as_str().unwrap().to_string();
+    assert!(html.contains(&format!("id=\"issuer-{issuer_id}\"")));
+    let r = send(
+        format!("{at}/jwt-remove"),
+        form(&[("issuer_id", "iss_not_this_tenants")]),
+    )
+    .await;
+    assert_eq!(r.status(), 404);
+    let mut f = form(&[]);
+    f.push(("issuer_id", issuer_id.clone()));
+    let r = send(format!("{at}/jwt-remove"), f).await;
+    assert_eq!(r.status(), 303);
+    let r = send(format!("{at}/sso-remove"), form(&[])).await;
+    assert_eq!(r.status(), 303);
+    assert_eq!(
+        admin(&data, &["--json", "sso", "show", "--tenant", "console"]).trim(),
+        "null"
+    );
+
     let audit: Value = serde_json::from_str(&admin(&data, &["--json", "audit", "--tenant", "console"])).unwrap();
     let mut seen = actions_and_channels(&audit);
     seen.sort();
@@ -1274,6 +1318,10 @@ async fn operator_console_manages_tenants() {
         "tenant.limits",
         "key.revoke",
         "member.invite",
+        "sso.set",
+        "sso.remove",
+        "jwt_issuer.add",
+        "jwt_issuer.remove",
     ] {
         assert!(seen.contains(&(want, "dashboard")), "{want} in {seen:?}");
     }

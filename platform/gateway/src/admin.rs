@@ -275,6 +275,17 @@ async fn add_model(
             ApiError::invalid("model", format!("invalid model: {e}"))
         }
     })?;
+    let body = add_catalogue_model(&gw, origin, spec).await?;
+    Ok((StatusCode::CREATED, Json(body)).into_response())
+}
+
+/// Adds a model to every worker catalogue and serves it (the admin API's and the operator
+/// console's); the answer's body, audited as `model.add`.
+pub(crate) async fn add_catalogue_model(
+    gw: &AppState,
+    origin: crate::management::Origin,
+    spec: hearth_protocol::ModelSpec,
+) -> Result<Value, ApiError> {
     spec.validate().map_err(|e| ApiError::invalid("model", e))?;
     if gw.models.get(&spec.id).is_some() {
         return Err(ApiError::conflict(format!("model {} is already served", spec.id)));
@@ -326,7 +337,7 @@ async fn add_model(
                     detail,
                 )
                 .await;
-            Ok((StatusCode::CREATED, Json(body)).into_response())
+            Ok(body)
         }
         Err(e) => {
             // Added meanwhile by another request, or unusable (its tokenizer or template):
@@ -373,12 +384,22 @@ async fn remove_model(
     ClientOrigin(origin): ClientOrigin,
     Path(model): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
+    remove_catalogue_model(&gw, origin, &model).await.map(Json)
+}
+
+/// Stops serving a model and removes it from every catalogue (requests in flight finish);
+/// audited as `model.remove`.
+pub(crate) async fn remove_catalogue_model(
+    gw: &AppState,
+    origin: crate::management::Origin,
+    model: &str,
+) -> Result<Value, ApiError> {
     gw.models
-        .remove(&model)
+        .remove(model)
         .ok_or_else(|| ApiError::model_not_found(&model))?;
     let mut errors = Vec::new();
     for h in gw.models.hosts() {
-        match h.remove_model(&model).await {
+        match h.remove_model(model).await {
             Ok(()) | Err(crate::workers::HostChangeError::Refused { status: 404, .. }) => {}
             Err(e) => errors.push(format!("{}: {e}", h.name())),
         }
@@ -393,7 +414,7 @@ async fn remove_model(
             json!({"errors": errors}),
         )
         .await;
-    Ok(Json(json!({"id": model, "deleted": true, "errors": errors})))
+    Ok(json!({"id": model, "deleted": true, "errors": errors}))
 }
 
 #[utoipa::path(post, path = "/admin/v1/routing/{model}/workers/{slot}/drain", summary = "Drains a worker (or undrains it).", tag = "models",

@@ -76,6 +76,8 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/invitations/{id}/revoke", post(revoke_invitation))
         .route("/tenants", post(create_tenant))
         .route("/prices", post(set_price))
+        .route("/models", post(add_model))
+        .route("/models/{model}/remove", post(remove_model))
         .route("/tenants/{tenant}", get(tenant_page))
         .route("/tenants/{tenant}/{action}", post(tenant_action))
         .route("/tenants/{tenant}/keys/{key}/revoke", post(tenant_revoke_key))
@@ -1494,6 +1496,7 @@ async fn operator(gw: &AppState, v: &Visitor) -> Result<Response, PageError> {
             })
         })
         .collect();
+    let catalogues: Vec<String> = gw.models.hosts().iter().map(|h| h.name().to_string()).collect();
     let prices: Vec<Value> = gw
         .ledger
         .prices(None)
@@ -1512,7 +1515,10 @@ async fn operator(gw: &AppState, v: &Visitor) -> Result<Response, PageError> {
     Ok(page(
         StatusCode::OK,
         "operator.html",
-        context! {base => v.base(), page => "overview", month => month, tenants => rows, models => models, prices => prices},
+        context! {
+            base => v.base(), page => "overview", month => month, tenants => rows, models => models,
+            prices => prices, catalogues => catalogues,
+        },
     ))
 }
 
@@ -1602,9 +1608,72 @@ async fn set_price(
 /// The operator's view of one tenant: the last 30 days' usage, cost, cache hit rate,
 /// latency and errors by code; its budget and limits (editable), keys (revocable) and
 /// members (invite).
+#[derive(Deserialize)]
+struct ModelForm {
+    csrf: Option<String>,
+    id: Option<String>,
+    source: Option<String>,
+    /// Tenants (names or ids, comma-separated) that may see it; empty: every tenant.
+    tenants: Option<String>,
+    /// "1": load now and keep warm.
+    warm: Option<String>,
+    idle_ttl_s: Option<String>,
+}
+
+/// `POST /dashboard/models`: the operator adds a model to every worker catalogue.
+async fn add_model(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Form(f): Form<ModelForm>,
+) -> Result<Response, PageError> {
+    csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
+    operator_only(&v)?;
+    let idle_ttl_s = match text_field(&f.idle_ttl_s) {
+        None => None,
+        Some(s) => Some(
+            s.parse::<f64>()
+                .ok()
+                .filter(|t| t.is_finite() && *t >= 0.0)
+                .ok_or_else(|| ApiError::invalid("idle_ttl_s", "seconds, or empty for never"))?,
+        ),
+    };
+    let tenants: Vec<String> = f
+        .tenants
+        .as_deref()
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(str::to_string)
+        .collect();
+    let spec: hearth_protocol::ModelSpec = serde_json::from_value(json!({
+        "id": text_field(&f.id).unwrap_or_default(), "source": text_field(&f.source).unwrap_or_default(),
+        "tenants": tenants, "min_warm": u32::from(f.warm.as_deref() == Some("1")), "idle_ttl_s": idle_ttl_s,
+    }))
+    .map_err(|e| ApiError::invalid("model", e.to_string()))?;
+    crate::admin::add_catalogue_model(&gw, v.origin.clone(), spec).await?;
+    Ok(Redirect::to("/dashboard#models").into_response())
+}
+
+/// `POST /dashboard/models/{model}/remove`.
+async fn remove_model(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(model): Path<String>,
+    Form(f): Form<CsrfForm>,
+) -> Result<Response, PageError> {
+    csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
+    operator_only(&v)?;
+    crate::admin::remove_catalogue_model(&gw, v.origin.clone(), &model).await?;
+    Ok(Redirect::to("/dashboard#models").into_response())
+}
+
 async fn tenant_page(
     v: Visitor,
     State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
     Path(tenant): Path<String>,
 ) -> Result<Response, PageError> {
     operator_only(&v)?;
@@ -1650,6 +1719,13 @@ async fn tenant_page(
     let m = gw.management();
     let keys = m.list_keys(Actor::Operator, Some(&t.id)).await?;
     let (members, _) = m.list_members(Actor::Operator, Some(&t.id)).await?;
+    let sso = gw.tenants.sso(&t.id).await.map_err(crate::error::store_error)?;
+    let issuers = gw
+        .tenants
+        .list_issuers(Some(&t.id))
+        .await
+        .map_err(crate::error::store_error)?;
+    let callback = format!("{}/dashboard/sso/callback", link_base(&gw, &headers));
     Ok(page(
         StatusCode::OK,
         "tenant.html",
@@ -1660,7 +1736,8 @@ async fn tenant_page(
                 "rpm": limits.rpm, "tpm": limits.tpm, "concurrent": limits.concurrent, "share": limits.share,
                 "priority": limits.priority.map(|p| p.as_str()),
             }),
-            keys => keys, members => members, roles => Role::ALL,
+            keys => keys, members => members, roles => Role::ALL, sso => sso, issuers => issuers,
+            callback => callback,
         },
     ))
 }
@@ -1677,6 +1754,23 @@ struct TenantForm {
     priority: Option<String>,
     email: Option<String>,
     role: Option<String>,
+    /// Identity provider / JWT issuer fields.
+    issuer: Option<String>,
+    client_id: Option<String>,
+    client_secret: Option<String>,
+    audience: Option<String>,
+    algorithm: Option<String>,
+    jwks_url: Option<String>,
+    key: Option<String>,
+    issuer_id: Option<String>,
+}
+
+/// A form's text field, trimmed; None when empty.
+fn text_field(v: &Option<String>) -> Option<String> {
+    v.as_deref()
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
 }
 
 /// A form's optional whole number (empty or 0: none).
@@ -1740,6 +1834,37 @@ async fn tenant_action(
                 "invited.html",
                 context! {base => v.base(), page => "overview", link => link, invitation => inv},
             ));
+        }
+        "sso" => {
+            let spec = hearth_tenants::sso::SsoSpec {
+                issuer: text_field(&f.issuer).unwrap_or_default(),
+                client_id: text_field(&f.client_id).unwrap_or_default(),
+                client_secret: text_field(&f.client_secret),
+            };
+            m.set_sso(&t.id, &spec).await?;
+        }
+        "sso-remove" => {
+            m.remove_sso(&t.id).await?;
+        }
+        "jwt" => {
+            let spec = hearth_tenants::jwt::IssuerSpec {
+                issuer: text_field(&f.issuer).unwrap_or_default(),
+                audience: text_field(&f.audience).unwrap_or_default(),
+                algorithm: text_field(&f.algorithm).unwrap_or_default(),
+                key: text_field(&f.key),
+                jwks: None,
+                jwks_url: text_field(&f.jwks_url),
+            };
+            m.add_issuer(&t.id, &spec).await?;
+        }
+        "jwt-remove" => {
+            let id = text_field(&f.issuer_id).unwrap_or_default();
+            // Only this tenant's issuers are removed from its page.
+            let issuer = gw.tenants.issuer(&id).await.map_err(crate::error::store_error)?;
+            if issuer.tenant_id != t.id {
+                return Err(ApiError::not_found(format!("JWT issuer {id:?} does not exist")).into());
+            }
+            m.remove_issuer(&id).await?;
         }
         _ => return Err(ApiError::not_found(format!("no tenant action {action:?}")).into()),
     }
