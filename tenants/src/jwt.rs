@@ -129,6 +129,7 @@ struct Resolved {
     tenant_name: String,
     tenant_limits: Limits,
     budget: Option<crate::Budget>,
+    suspended: bool,
     fetched: Instant,
 }
 
@@ -335,8 +336,8 @@ impl TenantStore {
         }
         let query = sqlx::query(
             "SELECT i.id, i.audience, i.algorithm, i.key_material, i.jwks, i.jwks_url, t.id, t.name, \
-             t.rpm, t.tpm, t.max_concurrent, t.share, t.priority, t.monthly_budget_nusd, t.budget_mode \
-             FROM jwt_issuers i JOIN tenants t ON t.id = i.tenant_id WHERE i.issuer = $1",
+             t.rpm, t.tpm, t.max_concurrent, t.share, t.priority, t.monthly_budget_nusd, t.budget_mode, \
+             t.suspended_at FROM jwt_issuers i JOIN tenants t ON t.id = i.tenant_id WHERE i.issuer = $1",
         )
         .bind(iss)
         .fetch_optional(&self.pool);
@@ -377,6 +378,7 @@ impl TenantStore {
             tenant_name: row.get(7),
             tenant_limits: Limits::from_row(&row, 8),
             budget: budget_from(row.get(13), &row.get::<String, _>(14)),
+            suspended: row.get::<Option<i64>, _>(15).is_some(),
             fetched: Instant::now(),
         };
         self.jwt
@@ -432,6 +434,9 @@ impl TenantStore {
             .iss
             .ok_or_else(|| jwt_err("the token has no 'iss' claim"))?;
         let issuer = self.resolve_issuer(&iss).await?;
+        if issuer.suspended {
+            return Err(AuthError::Suspended(issuer.tenant_name));
+        }
         if header.alg != issuer.alg {
             return Err(jwt_err(format!(
                 "algorithm {:?} is not accepted for this issuer",

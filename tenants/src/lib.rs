@@ -89,6 +89,9 @@ pub enum AuthError {
     Jwt(String),
     #[error("key store unavailable: {0}")]
     Store(String),
+    /// The credential is good but its tenant is suspended.
+    #[error("tenant {0:?} is suspended")]
+    Suspended(String),
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
@@ -97,6 +100,9 @@ pub struct Tenant {
     pub id: String,
     pub name: String,
     pub created_at: i64,
+    /// When the operator suspended it (Unix ms); its credentials, sessions and members are
+    /// refused until it is resumed. None: active.
+    pub suspended_at: Option<i64>,
 }
 
 /// What a credential may do.
@@ -344,6 +350,7 @@ fn budget_from(nusd: Option<i64>, mode: &str) -> Option<Budget> {
 struct CachedKey {
     secret_sha256: Vec<u8>,
     revoked: bool,
+    suspended: bool,
     expires_at: Option<i64>,
     ctx: TenantContext,
     fetched: Instant,
@@ -354,6 +361,7 @@ fn tenant_from(r: &AnyRow) -> Tenant {
         id: r.get(0),
         name: r.get(1),
         created_at: r.get(2),
+        suspended_at: r.get(3),
     }
 }
 
@@ -454,6 +462,7 @@ impl TenantStore {
             id: format!("tn_{}", random_hex(8)?),
             name: name.to_string(),
             created_at: now_ms(),
+            suspended_at: None,
         };
         let res = sqlx::query("INSERT INTO tenants (id, name, created_at) VALUES ($1, $2, $3)")
             .bind(&t.id)
@@ -471,7 +480,7 @@ impl TenantStore {
     }
 
     pub async fn list_tenants(&self) -> Result<Vec<Tenant>, TenantError> {
-        let rows = sqlx::query("SELECT id, name, created_at FROM tenants ORDER BY created_at, name")
+        let rows = sqlx::query("SELECT id, name, created_at, suspended_at FROM tenants ORDER BY created_at, name")
             .fetch_all(&self.pool)
             .await?;
         Ok(rows.iter().map(tenant_from).collect())
@@ -479,12 +488,26 @@ impl TenantStore {
 
     /// A tenant by name or id.
     pub async fn tenant(&self, name_or_id: &str) -> Result<Tenant, TenantError> {
-        let row = sqlx::query("SELECT id, name, created_at FROM tenants WHERE name = $1 OR id = $1")
+        let row = sqlx::query("SELECT id, name, created_at, suspended_at FROM tenants WHERE name = $1 OR id = $1")
             .bind(name_or_id)
             .fetch_optional(&self.pool)
             .await?
             .ok_or_else(|| TenantError::NoSuchTenant(name_or_id.to_string()))?;
         Ok(tenant_from(&row))
+    }
+
+    /// Suspends (or resumes) a tenant. Its API keys and JWTs get 403 `tenant_suspended`
+    /// within the credential caches' 5 s on every gateway; its dashboard sessions and
+    /// members are refused at their next request.
+    pub async fn set_suspended(&self, tenant: &str, suspended: bool) -> Result<Tenant, TenantError> {
+        let t = self.tenant(tenant).await?;
+        sqlx::query("UPDATE tenants SET suspended_at = $1 WHERE id = $2")
+            .bind(suspended.then(|| t.suspended_at.unwrap_or_else(now_ms)))
+            .bind(&t.id)
+            .execute(&self.pool)
+            .await?;
+        self.forget_cached();
+        self.tenant(&t.id).await
     }
 
     /// Creates a key for a tenant; the returned [`CreatedKey::key`] is never retrievable again.
@@ -845,7 +868,7 @@ impl TenantStore {
             "SELECT k.secret_sha256, k.revoked_at, t.id, t.name, \
              t.rpm, t.tpm, t.max_concurrent, t.share, t.priority, \
              k.rpm, k.tpm, k.max_concurrent, k.share, k.priority, k.scopes, k.models, k.expires_at, \
-             t.monthly_budget_nusd, t.budget_mode \
+             t.monthly_budget_nusd, t.budget_mode, t.suspended_at \
              FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.id = $1",
         )
         .bind(id)
@@ -873,6 +896,7 @@ impl TenantStore {
         let c = CachedKey {
             secret_sha256: row.get(0),
             revoked: revoked_at.is_some(),
+            suspended: row.get::<Option<i64>, _>(19).is_some(),
             expires_at: row.get(16),
             ctx: TenantContext {
                 tenant_id: row.get(2),
@@ -900,6 +924,9 @@ impl CachedKey {
         let entry = self;
         if entry.revoked {
             return Err(AuthError::Revoked);
+        }
+        if entry.suspended {
+            return Err(AuthError::Suspended(entry.ctx.tenant_name));
         }
         if let Some(e) = entry.expires_at.filter(|e| *e <= now_ms()) {
             return Err(AuthError::Expired(e));

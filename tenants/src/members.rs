@@ -557,7 +557,7 @@ impl TenantStore {
         let store = |e: sqlx::Error| AuthError::Store(e.to_string());
         let r = sqlx::query(
             "SELECT m.id, m.tenant_id, m.email, m.role, m.password_hash, m.created_at, t.name, t.rpm, t.tpm, \
-             t.max_concurrent, t.share, t.priority, t.monthly_budget_nusd, t.budget_mode \
+             t.max_concurrent, t.share, t.priority, t.monthly_budget_nusd, t.budget_mode, t.suspended_at \
              FROM members m JOIN tenants t ON t.id = m.tenant_id WHERE m.id = $1",
         )
         .bind(member_id)
@@ -568,6 +568,9 @@ impl TenantStore {
         let member = member_from(&r);
         if member.tenant_id != tenant_id {
             return Err(AuthError::Unknown);
+        }
+        if r.get::<Option<i64>, _>(14).is_some() {
+            return Err(AuthError::Suspended(r.get(6)));
         }
         let ctx = TenantContext {
             tenant_id: member.tenant_id.clone(),

@@ -225,14 +225,17 @@ impl TenantStore {
             let issuer = rest.split(':').next().unwrap_or("");
             let r = sqlx::query(
                 "SELECT t.id, t.name, t.rpm, t.tpm, t.max_concurrent, t.share, t.priority, \
-                 t.monthly_budget_nusd, t.budget_mode FROM jwt_issuers i JOIN tenants t ON t.id = i.tenant_id \
-                 WHERE i.id = $1",
+                 t.monthly_budget_nusd, t.budget_mode, t.suspended_at FROM jwt_issuers i \
+                 JOIN tenants t ON t.id = i.tenant_id WHERE i.id = $1",
             )
             .bind(issuer)
             .fetch_optional(&self.pool)
             .await
             .map_err(|e| AuthError::Store(e.to_string()))?
             .ok_or(AuthError::Unknown)?;
+            if r.get::<Option<i64>, _>(9).is_some() {
+                return Err(AuthError::Suspended(r.get(1)));
+            }
             let key_limits = self
                 .principal_limits(credential)
                 .await

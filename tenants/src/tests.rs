@@ -1164,3 +1164,66 @@ async fn sso_sign_in_verifies_id_tokens_and_finds_members() {
         assert!(s.sso(&name).await.unwrap().is_none());
     }
 }
+
+/// A suspended tenant's API keys, JWTs and members are refused (as suspended, not as bad
+/// credentials); resuming restores them; other tenants are untouched.
+#[tokio::test]
+async fn suspended_tenants_are_refused_until_resumed() {
+    use crate::members::{hash_password, Role};
+    for db in testing::all().await {
+        let s = TenantStore::new(&db);
+        let t = s.create_tenant("paused").await.unwrap();
+        s.create_tenant("running").await.unwrap();
+        let key = s.create_key("paused", &KeySpec::default()).await.unwrap().key;
+        let other = s.create_key("running", &KeySpec::default()).await.unwrap().key;
+        s.add_issuer(
+            "paused",
+            &IssuerSpec {
+                issuer: "https://paused.example".into(),
+                audience: "hearth".into(),
+                algorithm: "HS256".into(),
+                key: Some(HS_SECRET.into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        let jwt = encode(
+            &Header::new(Algorithm::HS256),
+            &json!({"iss": "https://paused.example", "aud": "hearth", "sub": "u", "exp": now_ms() / 1000 + 300}),
+            &EncodingKey::from_secret(HS_SECRET.as_bytes()).unwrap(),
+        )
+        .unwrap();
+        let (token, _) = s
+            .invite_member("paused", "ada@example.com", Role::Owner, "admin")
+            .await
+            .unwrap();
+        let m = s
+            .accept_invitation(&token, &hash_password("a long enough password").unwrap())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(s.authenticate(&key).await.is_ok());
+        assert!(s.authenticate(&key).await.is_ok(), "cached");
+
+        let suspended = s.set_suspended("paused", true).await.unwrap();
+        assert!(suspended.suspended_at.is_some());
+        assert!(matches!(s.authenticate(&key).await, Err(AuthError::Suspended(n)) if n == "paused"));
+        assert!(matches!(s.authenticate(&jwt).await, Err(AuthError::Suspended(_))));
+        assert!(matches!(
+            s.member_context(&m.id, &t.id, now_ms() + 1000).await,
+            Err(AuthError::Suspended(_))
+        ));
+        assert!(s.authenticate(&other).await.is_ok(), "another tenant");
+        let again = s.set_suspended("paused", true).await.unwrap();
+        assert_eq!(
+            again.suspended_at, suspended.suspended_at,
+            "suspending twice keeps the first time"
+        );
+
+        assert_eq!(s.set_suspended(&t.id, false).await.unwrap().suspended_at, None);
+        assert!(s.authenticate(&key).await.is_ok());
+        assert!(s.authenticate(&jwt).await.is_ok());
+        assert!(s.member_context(&m.id, &t.id, now_ms() + 1000).await.is_ok());
+    }
+}

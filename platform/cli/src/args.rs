@@ -1321,6 +1321,17 @@ pub enum TenantCommand {
     },
     /// List tenants.
     List,
+    /// Suspend a tenant: its API keys, JWTs, sessions and members are refused (403
+    /// tenant_suspended) until it is resumed; nothing is deleted.
+    Suspend {
+        /// The tenant (name or id).
+        name: String,
+    },
+    /// Resume a suspended tenant.
+    Resume {
+        /// The tenant (name or id).
+        name: String,
+    },
     /// Set a tenant's rate limits (running gateways apply them within 5 s).
     Limits {
         /// The tenant (name or id).

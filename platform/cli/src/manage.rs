@@ -520,6 +520,8 @@ async fn admin_remote(gw: &AdminClient, command: &AdminCommand) -> anyhow::Resul
                     .await?
             }
             TenantCommand::List => gw.get(&["tenants"], &[]).await?,
+            TenantCommand::Suspend { name } => gw.call(Method::POST, &["tenants", name, "suspend"], &[], None).await?,
+            TenantCommand::Resume { name } => gw.call(Method::POST, &["tenants", name, "resume"], &[], None).await?,
             TenantCommand::Limits { name, limits: l } => {
                 gw.call(Method::PUT, &["tenants", name, "limits"], &[], Some(limits(l.limits())))
                     .await?
@@ -734,6 +736,8 @@ async fn admin_direct(data: &DataArgs, command: &AdminCommand) -> anyhow::Result
         AdminCommand::Tenant { command } => match command {
             TenantCommand::Create { name } => json!(manage.create_tenant(name).await?),
             TenantCommand::List => json!(store.list_tenants().await?),
+            TenantCommand::Suspend { name } => json!(manage.set_suspended(name, true).await?),
+            TenantCommand::Resume { name } => json!(manage.set_suspended(name, false).await?),
             TenantCommand::Limits { name, limits } => {
                 let l = limits.limits();
                 let t = manage.set_tenant_limits(name, l).await?;
@@ -900,8 +904,16 @@ fn admin_text(command: &AdminCommand, v: &serde_json::Value) -> String {
     match command {
         AdminCommand::Tenant { command } => match command {
             TenantCommand::Create { .. } => format!("Created tenant {} ({}).", s(v, "name"), s(v, "id")),
+            TenantCommand::Suspend { .. } => format!(
+                "Suspended tenant {}: its keys, JWTs, sessions and members are refused until `hearth admin tenant resume`.",
+                s(v, "name")
+            ),
+            TenantCommand::Resume { .. } => format!("Resumed tenant {}.", s(v, "name")),
             TenantCommand::List => lines(
-                list(v).iter().map(|t| format!("{}\t{}", s(t, "id"), s(t, "name"))),
+                list(v).iter().map(|t| {
+                    let suspended = if t["suspended_at"].is_i64() { "\tsuspended" } else { "" };
+                    format!("{}\t{}{suspended}", s(t, "id"), s(t, "name"))
+                }),
                 "No tenants.",
             ),
             TenantCommand::Limits { .. } => format!("Tenant {} limits: {}.", s(v, "tenant"), limits(&v["limits"])),

@@ -1265,6 +1265,48 @@ async fn operator_console_manages_tenants() {
     .await;
     assert_eq!(r.status(), 403);
 
+    // Suspending from the console: the tenant's key is refused as suspended at once (the
+    // gateway's credential cache is cleared), the CLI sees it; resuming restores it.
+    let key = admin(&data, &["key", "create", "--tenant", "console"])
+        .split_whitespace()
+        .find(|w| w.starts_with("hk_"))
+        .expect("key printed")
+        .to_string();
+    let models = |key: String| {
+        let base = base.to_string();
+        async move {
+            let r = browser()
+                .get(format!("{base}/v1/models"))
+                .bearer_auth(key)
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    assert_eq!(models(key.clone()).await.0, 200);
+    let r = send(format!("{at}/suspend"), form(&[])).await;
+    assert_eq!(r.status(), 303);
+    let (status, body) = models(key.clone()).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (403, Some("tenant_suspended")),
+        "{body}"
+    );
+    let tenants: Value = serde_json::from_str(&admin(&data, &["--json", "tenant", "list"])).unwrap();
+    let console = tenants
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "console")
+        .unwrap();
+    assert!(console["suspended_at"].is_i64(), "{console}");
+    let (_, html) = page(base, &op, &at).await;
+    assert!(html.contains("id=\"resume-tenant\""));
+    let r = send(format!("{at}/resume"), form(&[])).await;
+    assert_eq!(r.status(), 303);
+    assert_eq!(models(key).await.0, 200);
+
     // The tenant's identity provider and JWT issuers, from its page.
     let r = send(
         format!("{at}/sso"),
@@ -1320,6 +1362,8 @@ async fn operator_console_manages_tenants() {
         "member.invite",
         "sso.set",
         "sso.remove",
+        "tenant.suspend",
+        "tenant.resume",
         "jwt_issuer.add",
         "jwt_issuer.remove",
     ] {

@@ -43,6 +43,8 @@ pub fn router() -> Router<Arc<AppState>> {
         )
         .route("/tenants/{tenant}/jwt-issuers", get(list_issuers).post(add_issuer))
         .route("/jwt-issuers/{id}", delete(remove_issuer))
+        .route("/tenants/{tenant}/suspend", axum::routing::post(suspend_tenant))
+        .route("/tenants/{tenant}/resume", axum::routing::post(resume_tenant))
         .route("/tenants/{tenant}/sso", get(get_sso).put(set_sso).delete(remove_sso))
         .route("/tenants/{tenant}/members", get(list_members).post(invite_member))
         .route("/tenants/{tenant}/invitations", get(list_invitations))
@@ -118,6 +120,26 @@ pub(crate) fn name_field(body: &Bytes, required: bool) -> Result<String, ApiErro
 async fn list_tenants(State(gw): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
     let tenants = gw.tenants.list_tenants().await.map_err(store_error)?;
     Ok(Json(json!({"object": "list", "data": tenants})))
+}
+
+#[utoipa::path(post, path = "/admin/v1/tenants/{tenant}/suspend", summary = "Suspends a tenant.", tag = "tenants", params(("tenant" = String, Path, description = "A tenant's name or id.")),
+    responses((status = 200, description = "The tenant (`suspended_at` set). Its API keys and JWTs get 403 `tenant_suspended` within 5 s; its dashboard sessions and members are refused at their next request. Nothing is deleted.", body = hearth_tenants::Tenant), crate::error::Errors))]
+async fn suspend_tenant(
+    State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
+    Path(tenant): Path<String>,
+) -> Result<Json<hearth_tenants::Tenant>, ApiError> {
+    Ok(Json(gw.management().via(origin).set_suspended(&tenant, true).await?))
+}
+
+#[utoipa::path(post, path = "/admin/v1/tenants/{tenant}/resume", summary = "Resumes a suspended tenant.", tag = "tenants", params(("tenant" = String, Path, description = "A tenant's name or id.")),
+    responses((status = 200, description = "The tenant, active again.", body = hearth_tenants::Tenant), crate::error::Errors))]
+async fn resume_tenant(
+    State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
+    Path(tenant): Path<String>,
+) -> Result<Json<hearth_tenants::Tenant>, ApiError> {
+    Ok(Json(gw.management().via(origin).set_suspended(&tenant, false).await?))
 }
 
 #[utoipa::path(post, path = "/admin/v1/tenants", summary = "Creates a tenant.", tag = "tenants", request_body = crate::openapi::TenantRequest,
@@ -396,7 +418,7 @@ pub(crate) async fn remove_catalogue_model(
 ) -> Result<Value, ApiError> {
     gw.models
         .remove(model)
-        .ok_or_else(|| ApiError::model_not_found(&model))?;
+        .ok_or_else(|| ApiError::model_not_found(model))?;
     let mut errors = Vec::new();
     for h in gw.models.hosts() {
         match h.remove_model(model).await {

@@ -130,7 +130,7 @@ pub async fn authenticate(
     }
     let result = state.tenants.authenticate(key).await;
     if let (Err(e), Some(ip), Some(throttle)) = (&result, peer, state.auth_throttle.as_ref()) {
-        if !matches!(e, AuthError::Store(_)) {
+        if !matches!(e, AuthError::Store(_) | AuthError::Suspended(_)) {
             throttle.failed(ip);
         }
     }
@@ -145,6 +145,10 @@ fn auth_result(result: Result<TenantContext, AuthError>) -> Result<TenantContext
             Err(ApiError::unavailable("authentication is temporarily unavailable"))
         }
         Err(AuthError::Revoked) => Err(ApiError::unauthorized("This API key has been revoked.")),
+        Err(AuthError::Suspended(tenant)) => Err(ApiError::permission(
+            "tenant_suspended",
+            format!("Tenant {tenant:?} is suspended: ask the platform's operator."),
+        )),
         Err(AuthError::Expired(_)) => Err(ApiError::unauthorized("This API key has expired.")),
         Err(AuthError::Jwt(why)) => Err(ApiError::unauthorized(format!("Invalid bearer token: {why}."))),
         Err(_) => Err(ApiError::unauthorized("Incorrect API key provided.")),

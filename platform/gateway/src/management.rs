@@ -398,6 +398,20 @@ impl Management<'_> {
         Ok(t)
     }
 
+    /// Suspends or resumes a tenant (operators only).
+    pub async fn set_suspended(&self, tenant: &str, suspended: bool) -> Result<Tenant, ManageError> {
+        let t = self.tenants.set_suspended(tenant, suspended).await?;
+        self.audit(
+            Actor::Operator,
+            Some(&t.id),
+            if suspended { "tenant.suspend" } else { "tenant.resume" },
+            &format!("tenant:{}", t.id),
+            json!({"name": t.name}),
+        )
+        .await;
+        Ok(t)
+    }
+
     pub async fn set_tenant_limits(&self, tenant: &str, l: Limits) -> Result<Tenant, ManageError> {
         let t = self.tenants.set_tenant_limits(tenant, l).await?;
         let object = format!("tenant:{}", t.id);

@@ -131,6 +131,8 @@ pub struct PublicApi;
         crate::admin::list_issuers,
         crate::admin::add_issuer,
         crate::admin::remove_issuer,
+        crate::admin::suspend_tenant,
+        crate::admin::resume_tenant,
         crate::admin::get_sso,
         crate::admin::set_sso,
         crate::admin::remove_sso,

@@ -296,6 +296,33 @@ impl Visitor {
     }
 }
 
+fn suspended_message(tenant: &str) -> String {
+    format!("Tenant {tenant:?} is suspended: ask the platform's operator.")
+}
+
+/// Refuses a member of a suspended tenant at sign-in (a good password or identity, so it
+/// does not count against the throttle).
+async fn refuse_if_suspended(gw: &AppState, headers: &HeaderMap, tenant_id: &str) -> Option<Response> {
+    match gw.tenants.tenant(tenant_id).await {
+        Ok(t) if t.suspended_at.is_some() => {
+            Some(login_page(gw, headers, StatusCode::FORBIDDEN, Some(&suspended_message(&t.name))).await)
+        }
+        Ok(_) => None,
+        Err(e) => {
+            tracing::error!(error = %e, "tenant store unavailable");
+            Some(
+                login_page(
+                    gw,
+                    headers,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    Some("Sign-in is temporarily unavailable."),
+                )
+                .await,
+            )
+        }
+    }
+}
+
 /// No session: pages redirect to the sign-in form, other requests get a 401.
 pub enum Unauthenticated {
     Redirect,
@@ -367,6 +394,10 @@ impl FromRequestParts<Arc<AppState>> for Visitor {
             }
             SessionKind::Member { .. } => match gw.tenants.session_member(&session).await {
                 Ok(m) => Who::Member(m),
+                Err(AuthError::Suspended(t)) => {
+                    let _ = gw.tenants.end_session(token).await;
+                    return Err(refuse(ApiError::permission("tenant_suspended", suspended_message(&t))));
+                }
                 Err(AuthError::Store(e)) => {
                     tracing::error!(error = %e, "dashboard member check unavailable");
                     return Err(Unauthenticated::Refused(ApiError::unavailable(
@@ -389,6 +420,10 @@ impl FromRequestParts<Arc<AppState>> for Visitor {
                     )));
                 }
                 Ok(ctx) => Who::Credential(ctx),
+                Err(AuthError::Suspended(t)) => {
+                    let _ = gw.tenants.end_session(token).await;
+                    return Err(refuse(ApiError::permission("tenant_suspended", suspended_message(&t))));
+                }
                 Err(AuthError::Store(e)) => {
                     tracing::error!(error = %e, "dashboard credential check unavailable");
                     return Err(Unauthenticated::Refused(ApiError::unavailable(
@@ -809,6 +844,9 @@ async fn login(
             )
             .await;
         };
+        if let Some(refused) = refuse_if_suspended(&gw, headers, &member.tenant_id).await {
+            return refused;
+        }
         let opened = open_member_session(&gw, &member, origin, "password").await;
         return session_opened(&gw, headers, opened, false).await;
     }
@@ -838,6 +876,9 @@ async fn login(
                     Some("Sign-in is temporarily unavailable."),
                 )
                 .await;
+            }
+            Err(AuthError::Suspended(t)) => {
+                return login_page(&gw, headers, StatusCode::FORBIDDEN, Some(&suspended_message(&t))).await;
             }
             Err(e) => {
                 sign_in_failed(&gw, &extensions);
@@ -1459,6 +1500,7 @@ async fn operator(gw: &AppState, v: &Visitor) -> Result<Response, PageError> {
         let budget = budgets.get(&t.id);
         rows.push(json!({
             "id": t.id, "name": t.name, "created_at": t.created_at, "spend_usd": format_nusd(cost),
+            "suspended": t.suspended_at.is_some(),
             "spend_nusd": cost, "requests": reqs,
             "budget": budget.map(|b| format!("${} ({})", format_nusd(b.monthly_nusd), if b.hard {"hard"} else {"soft"})),
         }));
@@ -1842,6 +1884,9 @@ async fn tenant_action(
                 client_secret: text_field(&f.client_secret),
             };
             m.set_sso(&t.id, &spec).await?;
+        }
+        "suspend" | "resume" => {
+            m.set_suspended(&t.id, action == "suspend").await?;
         }
         "sso-remove" => {
             m.remove_sso(&t.id).await?;

@@ -307,6 +307,9 @@ async fn finish(gw: &AppState, headers: &HeaderMap, extensions: &axum::http::Ext
     }
     match gw.tenants.sso_member(&flow.whose, &who).await {
         Ok(Some(member)) => {
+            if let Some(refused) = super::refuse_if_suspended(gw, headers, &member.tenant_id).await {
+                return refused;
+            }
             let opened = open_member_session(gw, &member, origin, "oidc").await;
             session_opened(gw, headers, opened, true).await
         }

@@ -17,3 +17,7 @@ CREATE TABLE sso_nonces (
     nonce      TEXT PRIMARY KEY,
     expires_at BIGINT NOT NULL
 );
+
+-- A suspended tenant's credentials, sessions and members are refused (403
+-- tenant_suspended) until the operator resumes it; nothing else changes.
+ALTER TABLE tenants ADD COLUMN suspended_at BIGINT;
