@@ -15,7 +15,8 @@ Then single sign-on through a real OpenID Connect provider (npm's `oidc-provider
 node by scripts/oidc-provider): acme's owner and a viewer, both invited by address, sign in
 through acme's provider and are shown what their roles allow; the viewer, removed by the CLI,
 is refused at its next request; an operator signs in through the operators' provider (audited
-under its address) and a tenant's member cannot.
+under its address) and a tenant's member cannot; `hearth admin login` signs the operator in
+through the browser and the CLI then creates a tenant without the admin token.
 With --screenshots DIR
 it saves the main pages there (the book's dashboard pictures, docs/book/src/screenshots, come from this run).
 
@@ -403,6 +404,30 @@ try:
           any(e["action"] == "session.sign_in" and e["detail"].get("method") == "oidc"
               and "boss@acme.test" in e["actor"] for e in audit), audit[:5])
     sign_out()
+    # `hearth admin login`: the CLI signs the operator in through this browser, then acts
+    # through the admin API without the admin token, audited under the operator's address.
+    cli_env = {k: v for k, v in server.env.items() if k != "HEARTH_ADMIN_TOKEN"}
+    cli_env["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="hearth-cli-config-")
+    no_token = subprocess.run([hearth, "admin", "--gateway-url", url, "tenant", "list"], capture_output=True,
+                              text=True, env=cli_env)
+    check("without a token or a session the CLI is told to sign in",
+          no_token.returncode != 0 and "sign in with" in no_token.stderr, no_token.stderr)
+    login = subprocess.Popen([hearth, "admin", "--gateway-url", url, "login", "--no-browser"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env)
+    link = next((line.strip() for line in login.stderr if "/dashboard/sso/operator?" in line), "")
+    check("hearth admin login prints the sign-in link", link.startswith(url), link)
+    forget_provider()
+    driver.get(link)
+    at_provider("ops@hearth.test")
+    out, _ = login.communicate(timeout=60)
+    check("hearth admin login signed the operator in", login.returncode == 0 and "ops@hearth.test" in out, out)
+    made = subprocess.run([hearth, "admin", "--json", "--gateway-url", url, "tenant", "create", "cli-sso-made"],
+                          capture_output=True, text=True, env=cli_env)
+    check("the CLI acts with the operator's session alone", made.returncode == 0, made.stderr)
+    audit = json.loads(admin("audit", "--tenant", "cli-sso-made"))
+    check("the CLI's change is audited under the operator's address",
+          any(e["action"] == "tenant.create" and e["actor"] == "operator:ops@hearth.test" and e["channel"] == "api"
+              for e in audit), audit)
 finally:
     if driver is not None:
         driver.quit()

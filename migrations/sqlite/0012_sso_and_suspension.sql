@@ -21,3 +21,13 @@ CREATE TABLE sso_nonces (
 -- A suspended tenant's credentials, sessions and members are refused (403
 -- tenant_suspended) until the operator resumes it; nothing else changes.
 ALTER TABLE tenants ADD COLUMN suspended_at BIGINT;
+
+-- `hearth admin login`: an operator signed in through the provider in a browser; the CLI
+-- that started it trades the one-time code (with its PKCE verifier) for a session within a
+-- minute. Only the code's SHA-256 is kept.
+CREATE TABLE cli_grants (
+    code_sha256 TEXT PRIMARY KEY,
+    email       TEXT NOT NULL,
+    challenge   TEXT NOT NULL,
+    expires_at  BIGINT NOT NULL
+);

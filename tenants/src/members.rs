@@ -183,7 +183,7 @@ pub fn verify_password(hash: Option<&str>, password: &str) -> bool {
     ok && real && password.len() <= MAX_PASSWORD_BYTES
 }
 
-fn token_sha256(token: &str) -> String {
+pub(crate) fn token_sha256(token: &str) -> String {
     Sha256::digest(token.as_bytes())
         .iter()
         .map(|b| format!("{b:02x}"))

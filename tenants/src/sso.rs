@@ -563,3 +563,49 @@ fn form_encode(s: &str) -> String {
         })
         .collect()
 }
+
+const CLI_GRANT_TTL_MS: i64 = 60 * 1000;
+
+impl TenantStore {
+    /// A one-time code for the CLI that started an operator's browser sign-in
+    /// (`hearth admin login`), bound to its PKCE `challenge`; valid one minute.
+    pub async fn create_cli_grant(&self, email: &str, challenge: &str) -> Result<String, TenantError> {
+        let code = random_hex(32)?;
+        let now = now_ms();
+        sqlx::query("DELETE FROM cli_grants WHERE expires_at < $1")
+            .bind(now)
+            .execute(&self.pool)
+            .await?;
+        sqlx::query("INSERT INTO cli_grants (code_sha256, email, challenge, expires_at) VALUES ($1, $2, $3, $4)")
+            .bind(crate::members::token_sha256(&code))
+            .bind(email)
+            .bind(challenge)
+            .bind(now + CLI_GRANT_TTL_MS)
+            .execute(&self.pool)
+            .await?;
+        Ok(code)
+    }
+
+    /// The operator's address of a CLI grant, spending it: None when the code is unknown,
+    /// used or expired, or the verifier is not the one its challenge was made from (the
+    /// grant is spent either way: one try).
+    pub async fn take_cli_grant(&self, code: &str, verifier: &str) -> Result<Option<String>, TenantError> {
+        let id = crate::members::token_sha256(code);
+        let r = sqlx::query("SELECT email, challenge, expires_at FROM cli_grants WHERE code_sha256 = $1")
+            .bind(&id)
+            .fetch_optional(&self.pool)
+            .await?;
+        let Some(r) = r else {
+            return Ok(None);
+        };
+        let taken = sqlx::query("DELETE FROM cli_grants WHERE code_sha256 = $1")
+            .bind(&id)
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        let (email, want, expires_at): (String, String, i64) = (r.get(0), r.get(1), r.get(2));
+        let ok =
+            taken == 1 && expires_at > now_ms() && constant_time_eq(challenge(verifier).as_bytes(), want.as_bytes());
+        Ok(ok.then_some(email))
+    }
+}

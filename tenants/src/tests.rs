@@ -1162,6 +1162,22 @@ async fn sso_sign_in_verifies_id_tokens_and_finds_members() {
         assert!(s.sso_member(&t.id, &bob).await.unwrap().is_none(), "removed");
         s.remove_sso(&name).await.unwrap();
         assert!(s.sso(&name).await.unwrap().is_none());
+
+        // `hearth admin login`'s one-time codes: bound to the CLI's challenge, one try.
+        let pkce = crate::sso::Pkce::new().unwrap();
+        let code = s.create_cli_grant("ops@example.com", &pkce.challenge).await.unwrap();
+        assert_eq!(s.take_cli_grant(&code, "not the verifier").await.unwrap(), None);
+        assert_eq!(
+            s.take_cli_grant(&code, &pkce.verifier).await.unwrap(),
+            None,
+            "spent by the wrong try"
+        );
+        let code = s.create_cli_grant("ops@example.com", &pkce.challenge).await.unwrap();
+        assert_eq!(
+            s.take_cli_grant(&code, &pkce.verifier).await.unwrap().as_deref(),
+            Some("ops@example.com")
+        );
+        assert_eq!(s.take_cli_grant(&code, &pkce.verifier).await.unwrap(), None, "once");
     }
 }
 

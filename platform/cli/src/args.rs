@@ -933,6 +933,16 @@ pub enum AdminCommand {
         #[arg(long, default_value_t = 50)]
         limit: u32,
     },
+    /// Sign in to a gateway (`--gateway-url`) through the operators' identity provider in a
+    /// browser; later `hearth admin --gateway-url …` commands use that session instead of
+    /// the admin token (30 minutes unused, 12 hours at most).
+    Login {
+        /// Print the link only (do not try to open a browser).
+        #[arg(long)]
+        no_browser: bool,
+    },
+    /// Forget the session `hearth admin login` kept for `--gateway-url`.
+    Logout,
     /// The model catalogue of a running gateway (always through its admin API, at
     /// `--gateway-url` or http://127.0.0.1:8080): list, add and remove models at runtime.
     Model {

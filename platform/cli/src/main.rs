@@ -8,6 +8,7 @@ mod catalogue;
 mod docs;
 mod launch;
 mod local_worker;
+mod login;
 mod manage;
 mod output;
 mod telemetry;

@@ -269,9 +269,15 @@ impl AdminClient {
     }
 
     fn new(url: &str, token: Option<&str>) -> anyhow::Result<Self> {
+        let saved = crate::login::saved_token(url);
         let token = token
             .filter(|t| !t.is_empty())
-            .ok_or_else(|| anyhow::anyhow!("set HEARTH_ADMIN_TOKEN (or --admin-token) to the gateway's admin token"))?;
+            .or(saved.as_deref())
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "set HEARTH_ADMIN_TOKEN (or --admin-token) to the gateway's admin token, or sign in with `hearth admin --gateway-url {url} login`"
+                )
+            })?;
         let base = reqwest::Url::parse(url.trim_end_matches('/'))
             .ok()
             .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
@@ -475,6 +481,15 @@ async fn admin_models(gw: GatewayApiArgs, command: AdminModelCommand, json: bool
 /// `--gateway-url`. Both print the same: the admin API's JSON (`--json`, lists as arrays), or
 /// text made from it.
 pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
+    let url = a.gateway.url.as_deref().filter(|u| !u.is_empty());
+    match (&a.command, url) {
+        (AdminCommand::Login { no_browser }, Some(url)) => return crate::login::login(url, !no_browser).await,
+        (AdminCommand::Logout, Some(url)) => return crate::login::logout(url),
+        (AdminCommand::Login { .. } | AdminCommand::Logout, None) => {
+            anyhow::bail!("name the gateway with --gateway-url (or HEARTH_GATEWAY_URL)")
+        }
+        _ => {}
+    }
     if let AdminCommand::Model { command } = a.command {
         return admin_models(a.gateway, command, a.json).await;
     }
@@ -670,6 +685,7 @@ async fn admin_remote(gw: &AdminClient, command: &AdminCommand) -> anyhow::Resul
             gw.get(&["audit"], &q).await?
         }
         AdminCommand::Model { .. } => unreachable!("answered by admin_models"),
+        AdminCommand::Login { .. } | AdminCommand::Logout => unreachable!("answered by login"),
     })
 }
 
@@ -869,6 +885,7 @@ async fn admin_direct(data: &DataArgs, command: &AdminCommand) -> anyhow::Result
             json!(ledger.recent(tenant_id.as_deref(), *limit).await?)
         }
         AdminCommand::Model { .. } => unreachable!("answered by admin_models"),
+        AdminCommand::Login { .. } | AdminCommand::Logout => unreachable!("answered by login"),
     })
 }
 
@@ -1086,6 +1103,7 @@ fn admin_text(command: &AdminCommand, v: &serde_json::Value) -> String {
             "No usage yet.",
         ),
         AdminCommand::Model { .. } => unreachable!("answered by admin_models"),
+        AdminCommand::Login { .. } | AdminCommand::Logout => unreachable!("answered by login"),
     }
 }
 
@@ -1101,7 +1119,7 @@ fn short_usd(amount: &str) -> String {
 }
 
 /// Unix milliseconds as `YYYY-MM-DDTHH:MM:SSZ` (UTC).
-fn iso_ms(ms: i64) -> String {
+pub(crate) fn iso_ms(ms: i64) -> String {
     let secs = ms.div_euclid(1000);
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
     format!(

@@ -233,8 +233,29 @@ impl<S: Send + Sync> FromRequestParts<S> for ClientOrigin {
     type Rejection = std::convert::Infallible;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-        Ok(Self(Origin::api(client_address(&parts.extensions))))
+        Ok(Self(Origin {
+            operator: parts.extensions.get::<OperatorSignedIn>().map(|o| o.0.clone()),
+            ..Origin::api(client_address(&parts.extensions))
+        }))
     }
+}
+
+/// On an operator route, the operator's address when the bearer token is the session of an
+/// operator who signed in through the operators' identity provider (`hearth admin login`)
+/// rather than the admin token.
+#[derive(Clone)]
+pub struct OperatorSignedIn(pub String);
+
+/// The operator an operator session token names, while the address is on `--operators`.
+async fn operator_session(state: &AppState, headers: &HeaderMap) -> Option<String> {
+    let sso = state.operator_sso.as_ref()?;
+    let token = bearer(headers)?;
+    let session = state.tenants.session(token).await.ok()??;
+    let hearth_tenants::sessions::SessionKind::Operator { admin_fp } = &session.kind else {
+        return None;
+    };
+    let email = admin_fp.strip_prefix("oidc:")?;
+    sso.operators.iter().any(|e| e == email).then(|| email.to_string())
 }
 
 /// The operator check: `Authorization: Bearer $HEARTH_ADMIN_TOKEN`, compared in constant
@@ -273,6 +294,21 @@ pub async fn require_admin(State(state): State<Arc<AppState>>, req: Request, nex
     }
     match check_admin(&state, req.headers()) {
         Ok(()) => next.run(req).await,
+        Err(e) if state.admin_token.is_some() => match operator_session(&state, req.headers()).await {
+            Some(email) => {
+                let mut req = req;
+                req.extensions_mut().insert(OperatorSignedIn(email));
+                next.run(req).await
+            }
+            None => {
+                if let (true, Some(ip), Some(throttle)) =
+                    (bearer(req.headers()).is_some(), peer, state.admin_throttle.as_ref())
+                {
+                    throttle.failed(ip);
+                }
+                e.into_response()
+            }
+        },
         Err(e) => {
             let guessed = bearer(req.headers()).is_some() && state.admin_token.is_some();
             if let (true, Some(ip), Some(throttle)) = (guessed, peer, state.admin_throttle.as_ref()) {

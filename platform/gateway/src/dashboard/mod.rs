@@ -70,6 +70,7 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/sso", get(sso::start_tenant))
         .route("/sso/operator", get(sso::start_operator))
         .route("/sso/callback", get(sso::callback))
+        .route("/sso/cli-token", post(sso::cli_token))
         .route("/invite/{token}", get(invitation_form).post(accept_invitation))
         .route("/members", get(members).post(invite_member))
         .route("/members/{id}/{action}", post(member_action))

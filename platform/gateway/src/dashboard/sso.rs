@@ -44,6 +44,8 @@ const FLOW_LIFETIME_MS: i64 = 10 * 60 * 1000;
 /// token's session stores the token's fingerprint.
 pub(super) const OPERATOR_PREFIX: &str = "oidc:";
 const OPERATOR: &str = "operator";
+/// A flow for `hearth admin login`: `cli-<port>-<challenge>`.
+const CLI: &str = "cli-";
 
 /// A page that moves the browser on to `url` (a refresh, and a link for browsers that do
 /// not follow it).
@@ -90,10 +92,39 @@ pub(super) async fn start_tenant(
     }
 }
 
-/// `GET /dashboard/sso/operator`: off to the operators' identity provider.
-pub(super) async fn start_operator(State(gw): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+#[derive(Deserialize)]
+pub(super) struct OperatorQuery {
+    /// `hearth admin login`: the port of its loopback listener, and its PKCE challenge.
+    cli_port: Option<u16>,
+    cli_challenge: Option<String>,
+}
+
+/// `GET /dashboard/sso/operator`: off to the operators' identity provider (for the
+/// dashboard, or for `hearth admin login` with `cli_port` and `cli_challenge`).
+pub(super) async fn start_operator(
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Query(q): Query<OperatorQuery>,
+) -> Response {
+    let whose = match (q.cli_port, q.cli_challenge.as_deref()) {
+        (None, None) => OPERATOR.to_string(),
+        (Some(port), Some(c))
+            if port > 0 && c.len() == 43 && c.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') =>
+        {
+            format!("{CLI}{port}-{c}")
+        }
+        _ => {
+            return login_page(
+                &gw,
+                &headers,
+                StatusCode::BAD_REQUEST,
+                Some("A command-line sign-in needs cli_port and a 43-character S256 cli_challenge."),
+            )
+            .await
+        }
+    };
     match &gw.operator_sso {
-        Some(o) => start(&gw, &headers, OPERATOR, &o.provider.clone()).await,
+        Some(o) => start(&gw, &headers, &whose, &o.provider.clone()).await,
         None => {
             login_page(
                 &gw,
@@ -236,7 +267,8 @@ async fn finish(gw: &AppState, headers: &HeaderMap, extensions: &axum::http::Ext
         .await;
     }
     let code = q.code.unwrap_or_default();
-    let spec = if flow.whose == OPERATOR {
+    let operator_flow = flow.whose == OPERATOR || flow.whose.starts_with(CLI);
+    let spec = if operator_flow {
         match &gw.operator_sso {
             Some(o) => o.provider.clone(),
             None => return provider_gone(gw, headers).await,
@@ -265,7 +297,7 @@ async fn finish(gw: &AppState, headers: &HeaderMap, extensions: &axum::http::Ext
     let address = client_address(extensions);
     let origin = Origin::dashboard(address.clone());
     let email = who.verified_email.clone();
-    if flow.whose == OPERATOR {
+    if operator_flow {
         let allowed = email.as_deref().filter(|e| {
             gw.operator_sso
                 .as_ref()
@@ -283,6 +315,17 @@ async fn finish(gw: &AppState, headers: &HeaderMap, extensions: &axum::http::Ext
             )
             .await;
         };
+        if let Some((port, challenge)) = flow.whose.strip_prefix(CLI).and_then(|r| r.split_once('-')) {
+            // Back to the CLI's loopback listener with a one-time code bound to its
+            // challenge; the CLI trades it for a session (`cli_token`).
+            return match gw.tenants.create_cli_grant(email, challenge).await {
+                Ok(code) => continue_page(
+                    "Signed in: back to the command line",
+                    &format!("http://127.0.0.1:{port}/callback?code={code}"),
+                ),
+                Err(e) => unavailable(gw, headers, &e.to_string()).await,
+            };
+        }
         let kind = SessionKind::Operator {
             admin_fp: format!("{OPERATOR_PREFIX}{email}"),
         };
@@ -338,4 +381,80 @@ async fn provider_gone(gw: &AppState, headers: &HeaderMap) -> Response {
         Some("This identity provider is no longer configured here."),
     )
     .await
+}
+
+#[derive(Deserialize)]
+pub(super) struct CliTokenRequest {
+    code: String,
+    verifier: String,
+}
+
+/// `POST /dashboard/sso/cli-token` `{"code", "verifier"}`: `hearth admin login` trades the
+/// code the browser brought back (with the PKCE verifier only it holds) for an operator
+/// session token, which the admin API takes as a bearer token like the admin token. The
+/// session lives like a dashboard session (30 minutes idle, 12 hours at most) and ends when
+/// the address leaves `--operators`.
+pub(super) async fn cli_token(
+    State(gw): State<Arc<AppState>>,
+    extensions: axum::http::Extensions,
+    body: axum::body::Bytes,
+) -> Response {
+    use axum::response::IntoResponse;
+    let peer = crate::auth::peer_ip(&extensions);
+    if let (Some(ip), Some(throttle)) = (peer, gw.admin_throttle.as_ref()) {
+        if let Err(wait) = throttle.check(ip) {
+            gw.metrics.auth_throttled.inc();
+            return crate::error::ApiError::rate_limited("auth_failures", "Too many invalid codes; wait.", wait)
+                .into_response();
+        }
+    }
+    let req: CliTokenRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return crate::error::ApiError::invalid("body", e.to_string()).into_response(),
+    };
+    let email = match gw.tenants.take_cli_grant(&req.code, &req.verifier).await {
+        Ok(e) => e,
+        Err(e) => {
+            tracing::error!(error = %e, "cli grant store unavailable");
+            return crate::error::ApiError::unavailable("sign-in is temporarily unavailable").into_response();
+        }
+    };
+    let Some(email) = email.filter(|e| {
+        gw.operator_sso
+            .as_ref()
+            .is_some_and(|o| o.operators.iter().any(|op| op == e))
+    }) else {
+        if let (Some(ip), Some(throttle)) = (peer, gw.admin_throttle.as_ref()) {
+            throttle.failed(ip);
+        }
+        return crate::error::ApiError::unauthorized("Unknown, used or expired code, or not this sign-in's verifier.")
+            .into_response();
+    };
+    let kind = SessionKind::Operator {
+        admin_fp: format!("{OPERATOR_PREFIX}{email}"),
+    };
+    let address = client_address(&extensions);
+    match gw.tenants.create_session(kind, None, address.as_deref()).await {
+        Ok((token, s)) => {
+            let origin = Origin {
+                operator: Some(email.clone()),
+                ..Origin::api(address)
+            };
+            gw.management()
+                .via(origin)
+                .audit(
+                    Actor::Operator,
+                    None,
+                    "session.sign_in",
+                    "cli",
+                    json!({"method": "oidc"}),
+                )
+                .await;
+            axum::Json(json!({"token": token, "expires_at": s.expires_at, "operator": email})).into_response()
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "operator session could not be created");
+            crate::error::ApiError::unavailable("sign-in is temporarily unavailable").into_response()
+        }
+    }
 }
