@@ -414,11 +414,20 @@ try:
           no_token.returncode != 0 and "sign in with" in no_token.stderr, no_token.stderr)
     login = subprocess.Popen([hearth, "admin", "--gateway-url", url, "login", "--no-browser"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env)
-    link = next((line.strip() for line in login.stderr if "/dashboard/sso/operator?" in line), "")
-    check("hearth admin login prints the sign-in link", link.startswith(url), link)
+    link = code = ""
+    for line in login.stderr:
+        if "/dashboard/sso/operator?" in line:
+            link = line.strip()
+        if "shows the code" in line:
+            code = line.strip().rsplit(" ", 1)[1].rstrip(".")
+            break
+    check("hearth admin login prints the sign-in link", link.startswith(url) and len(code) == 9, (link, code))
     forget_provider()
     driver.get(link)
     at_provider("ops@hearth.test")
+    wait.until(EC.presence_of_element_located((By.ID, "continue")))
+    check("the page asks to confirm the command line's code", code in driver.page_source, driver.page_source[:500])
+    driver.find_element(By.ID, "continue").click()
     out, _ = login.communicate(timeout=60)
     check("hearth admin login signed the operator in", login.returncode == 0 and "ops@hearth.test" in out, out)
     made = subprocess.run([hearth, "admin", "--json", "--gateway-url", url, "tenant", "create", "cli-sso-made"],
@@ -428,6 +437,15 @@ try:
     check("the CLI's change is audited under the operator's address",
           any(e["action"] == "tenant.create" and e["actor"] == "operator:ops@hearth.test" and e["channel"] == "api"
               for e in audit), audit)
+    with open(os.path.join(cli_env["XDG_CONFIG_HOME"], "hearth", "operator-sessions.json")) as f:
+        session_token = json.load(f)[url]["token"]
+    status, _ = api("/admin/v1/tenants", session_token)
+    check("the kept session is an admin bearer token", status == 200, status)
+    out = subprocess.run([hearth, "admin", "--gateway-url", url, "logout"], capture_output=True, text=True,
+                         env=cli_env).stdout
+    check("hearth admin logout says it signed out", "Signed out of" in out, out)
+    status, _ = api("/admin/v1/tenants", session_token)
+    check("after logout the gateway refuses that session", status == 401, status)
 finally:
     if driver is not None:
         driver.quit()

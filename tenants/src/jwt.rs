@@ -31,6 +31,19 @@ const ISSUER_TTL: Duration = Duration::from_secs(5);
 const JWKS_TTL: Duration = Duration::from_secs(300);
 const JWKS_MIN_REFETCH: Duration = Duration::from_secs(30);
 const LEEWAY_SECS: u64 = 30;
+/// A failed fetch of a provider's document is not retried for this long: a dead or slow
+/// provider costs one fetch per period, not one per request.
+pub(crate) const FAILURE_BACKOFF: Duration = Duration::from_secs(10);
+
+/// A recent failure for `key` (and how long ago), forgetting older ones.
+pub(crate) fn cache_failure(
+    failures: &Mutex<HashMap<String, (Instant, String)>>,
+    key: &str,
+) -> Option<(Duration, String)> {
+    let mut f = failures.lock().unwrap_or_else(|e| e.into_inner());
+    f.retain(|_, (at, _)| at.elapsed() < FAILURE_BACKOFF);
+    f.get(key).map(|(at, why)| (at.elapsed(), why.clone()))
+}
 
 /// What registering an issuer takes; exactly one of `key`, `jwks`, `jwks_url` (the body of
 /// the admin API's registration, which `hearth admin --gateway-url jwt add` sends).
@@ -143,6 +156,8 @@ struct FetchedJwks {
 pub(crate) struct IssuerCache {
     issuers: Mutex<HashMap<String, Resolved>>,
     jwks: tokio::sync::Mutex<HashMap<String, FetchedJwks>>,
+    /// JWKS fetches that failed lately (not retried for [`FAILURE_BACKOFF`]).
+    jwks_failures: Mutex<HashMap<String, (Instant, String)>>,
     /// Issuers recently found not to be registered.
     unknown: crate::outage::NegativeCache,
 }
@@ -397,24 +412,42 @@ impl TenantStore {
         alg: Algorithm,
         kid: Option<&str>,
     ) -> Result<Arc<Vec<(Option<String>, DecodingKey)>>, AuthError> {
-        let mut cache = self.jwt.jwks.lock().await;
-        if let Some(f) = cache.get(url) {
-            let known = kid.is_none_or(|k| f.keys.iter().any(|(id, _)| id.as_deref() == Some(k)));
-            let age = f.fetched.elapsed();
-            if age < JWKS_TTL && (known || age < JWKS_MIN_REFETCH) {
-                return Ok(f.keys.clone());
+        // Keys are kept per (algorithm, URL): one document may serve several algorithms.
+        let slot = format!("{alg:?} {url}");
+        {
+            // The lock is never held across the fetch: a slow JWKS stalls only its own callers.
+            let cache = self.jwt.jwks.lock().await;
+            if let Some(f) = cache.get(&slot) {
+                let known = kid.is_none_or(|k| f.keys.iter().any(|(id, _)| id.as_deref() == Some(k)));
+                let age = f.fetched.elapsed();
+                if age < JWKS_TTL && (known || age < JWKS_MIN_REFETCH) {
+                    return Ok(f.keys.clone());
+                }
+            }
+            if let Some((at, why)) = cache_failure(&self.jwt.jwks_failures, &slot) {
+                return Err(AuthError::Store(format!("{why} ({}s ago)", at.as_secs())));
             }
         }
-        let client = reqwest::Client::builder()
-            .timeout(Duration::from_secs(5))
-            .build()
-            .map_err(|e| AuthError::Store(e.to_string()))?;
-        let doc = async { client.get(url).send().await?.error_for_status()?.text().await }
-            .await
-            .map_err(|e| AuthError::Store(format!("fetching the JWKS at {url}: {e}")))?;
-        let keys = Arc::new(jwks_keys(alg, &doc).map_err(AuthError::Store)?);
-        cache.insert(
-            url.to_string(),
+        let fetched = async {
+            let client = crate::sso::client(Duration::from_secs(5))?;
+            let doc = crate::sso::fetch_limited(client.get(url), crate::sso::MAX_DOCUMENT_BYTES).await?;
+            jwks_keys(alg, &String::from_utf8_lossy(&doc))
+        }
+        .await
+        .map_err(|e| format!("fetching the JWKS at {url}: {e}"));
+        let keys = match fetched {
+            Ok(k) => Arc::new(k),
+            Err(why) => {
+                self.jwt
+                    .jwks_failures
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(slot, (Instant::now(), why.clone()));
+                return Err(AuthError::Store(why));
+            }
+        };
+        self.jwt.jwks.lock().await.insert(
+            slot,
             FetchedJwks {
                 keys: keys.clone(),
                 fetched: Instant::now(),

@@ -400,6 +400,7 @@ impl TenantStore {
         Ok(Some(member))
     }
 
+    /// A tenant's members, by e-mail.
     pub async fn list_members(&self, tenant_id: &str) -> Result<Vec<Member>, TenantError> {
         let rows = sqlx::query(&format!("{MEMBER_COLUMNS} WHERE tenant_id = $1 ORDER BY email"))
             .bind(tenant_id)

@@ -7,7 +7,8 @@
 //! lifetime, [`IDLE_TIMEOUT`] without a request, or its credential's own end — an API key
 //! is looked up again on every request (revoked or expired: the session is dead), a JWT
 //! session never outlives the token's `exp`, an operator session dies when the admin token
-//! changes, a member's session dies with the member (and reads its role again each time).
+//! changes (one opened through the operators' identity provider, when its address leaves
+//! `--operators`), a member's session dies with the member (and reads its role again each time).
 
 use sha2::{Digest, Sha256};
 use sqlx::any::AnyRow;
@@ -28,7 +29,8 @@ const TOUCH_EVERY_MS: i64 = 60 * 1000;
 /// Who a session is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SessionKind {
-    /// The operator (the admin token).
+    /// The operator: the admin token's fingerprint, or [`OPERATOR_SSO_PREFIX`] and the
+    /// address of an operator who signed in through the operators' identity provider.
     Operator { admin_fp: String },
     /// A tenant credential with the `manage` scope.
     Tenant {
@@ -54,6 +56,11 @@ pub struct Session {
     /// The SHA-256 (hex) of the cookie's token: the session's id in the database.
     pub id: String,
 }
+
+/// What an operator session opened through the operators' identity provider stores where
+/// an admin token's session stores the token's fingerprint: `oidc:<e-mail>`. Such a session
+/// lives while the address is on the gateway's `--operators` (not with the admin token).
+pub const OPERATOR_SSO_PREFIX: &str = "oidc:";
 
 /// A fingerprint of the admin token (its SHA-256, hex): an operator session remembers which
 /// token opened it without storing the token.

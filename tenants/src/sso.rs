@@ -42,7 +42,7 @@ const HTTP_TIMEOUT: Duration = Duration::from_secs(10);
 const LEEWAY_SECS: u64 = 30;
 
 /// What configuring a provider takes (the admin API's body).
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Clone, Default, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SsoSpec {
     /// The issuer URL (`https://…`; `http://` only for a loopback host): its
@@ -54,6 +54,16 @@ pub struct SsoSpec {
     /// endpoint). None: a public client, protected by PKCE alone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub client_secret: Option<String>,
+}
+
+impl std::fmt::Debug for SsoSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SsoSpec")
+            .field("issuer", &self.issuer)
+            .field("client_id", &self.client_id)
+            .field("client_secret", &self.client_secret.as_ref().map(|_| "…"))
+            .finish()
+    }
 }
 
 /// A tenant's provider as listings show it (never the secret).
@@ -85,6 +95,17 @@ pub struct Identity {
     pub subject: String,
     /// Lower-cased; only when the provider marks it verified.
     pub verified_email: Option<String>,
+}
+
+/// How [`TenantStore::sso_member`] found the member.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SsoMatch {
+    /// By issuer and subject, linked before.
+    Linked,
+    /// An existing member, linked to the identity now by its verified address.
+    LinkedNow,
+    /// A new member, from an open invitation to the verified address.
+    Joined,
 }
 
 /// Why a sign-in through a provider failed.
@@ -119,6 +140,15 @@ impl Pkce {
 /// The S256 challenge of a verifier.
 pub fn challenge(verifier: &str) -> String {
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(Sha256::digest(verifier.as_bytes()))
+}
+
+/// The code `hearth admin login` prints and the gateway's confirmation page shows (the
+/// start of the CLI's challenge), so that operators see it is their own command line they
+/// sign in.
+pub fn cli_code(challenge: &str) -> String {
+    let c: Vec<char> = challenge.chars().take(8).collect();
+    let (a, b) = c.split_at(c.len().min(4));
+    format!("{}-{}", a.iter().collect::<String>(), b.iter().collect::<String>())
 }
 
 /// A random value for `state` and `nonce` (128 bits, hex).
@@ -178,7 +208,9 @@ pub fn check_spec(spec: &SsoSpec) -> Result<(), TenantError> {
 /// Discovery documents by issuer.
 #[derive(Default)]
 pub(crate) struct DiscoveryCache {
-    docs: tokio::sync::Mutex<HashMap<String, (Discovery, Instant)>>,
+    docs: std::sync::Mutex<HashMap<String, (Discovery, Instant)>>,
+    /// Issuers whose discovery failed lately (not retried for a few seconds).
+    failures: std::sync::Mutex<HashMap<String, (Instant, String)>>,
 }
 
 #[derive(Deserialize)]
@@ -214,12 +246,57 @@ struct IdClaims {
     aud: Option<serde_json::Value>,
 }
 
-fn http() -> Result<reqwest::Client, SsoError> {
+/// The largest discovery document, JWKS or token answer read from a provider.
+pub(crate) const MAX_DOCUMENT_BYTES: usize = 1 << 20;
+
+/// An HTTP client for providers: a timeout, and no redirects (an endpoint is where the
+/// discovery document says, nowhere else).
+pub(crate) fn client(timeout: Duration) -> Result<reqwest::Client, String> {
     reqwest::Client::builder()
-        .timeout(HTTP_TIMEOUT)
+        .timeout(timeout)
         .redirect(reqwest::redirect::Policy::none())
         .build()
-        .map_err(|e| SsoError::Provider(e.to_string()))
+        .map_err(|e| e.to_string())
+}
+
+fn http() -> Result<reqwest::Client, SsoError> {
+    client(HTTP_TIMEOUT).map_err(SsoError::Provider)
+}
+
+/// Sends `req` and reads at most `limit` bytes of a successful answer. A non-success status
+/// is an error unless `any_status` (the token endpoint answers errors as JSON).
+pub(crate) async fn fetch_limited(req: reqwest::RequestBuilder, limit: usize) -> Result<Vec<u8>, String> {
+    fetch_answer(req, limit, false).await.map(|(_, b)| b)
+}
+
+async fn fetch_answer(
+    req: reqwest::RequestBuilder,
+    limit: usize,
+    any_status: bool,
+) -> Result<(reqwest::StatusCode, Vec<u8>), String> {
+    let mut resp = req.send().await.map_err(|e| e.to_string())?;
+    let status = resp.status();
+    if !any_status && !status.is_success() {
+        return Err(format!("answered {status}"));
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(|e| e.to_string())? {
+        if body.len() + chunk.len() > limit {
+            return Err(format!("answered more than {limit} bytes"));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok((status, body))
+}
+
+/// An endpoint a discovery document names: the issuer's own rules (https, or http to a
+/// loopback host), so that a document cannot point the gateway at internal services.
+fn check_endpoint(name: &str, url: &str) -> Result<(), SsoError> {
+    check_issuer(url).map_err(|_| {
+        SsoError::Provider(format!(
+            "its {name} {url:?} is not an https URL (http only for localhost)"
+        ))
+    })
 }
 
 /// Verifies an ID token against `keys` (a JWKS's keys by `kid`) and returns who it names.
@@ -385,17 +462,44 @@ impl TenantStore {
     /// The issuer's discovery document (cached for ten minutes). Its `issuer` must be
     /// exactly the configured one (OpenID Connect Discovery §4.3).
     pub async fn discover(&self, issuer: &str) -> Result<Discovery, SsoError> {
-        let mut docs = self.sso.docs.lock().await;
-        if let Some((d, at)) = docs.get(issuer) {
+        if let Some((d, at)) = self.sso.docs.lock().unwrap_or_else(|e| e.into_inner()).get(issuer) {
             if at.elapsed() < DISCOVERY_TTL {
                 return Ok(d.clone());
             }
         }
+        if let Some((ago, why)) = crate::jwt::cache_failure(&self.sso.failures, issuer) {
+            return Err(SsoError::Provider(format!("{why} ({}s ago)", ago.as_secs())));
+        }
+        let d = self.fetch_discovery(issuer).await;
+        let mut docs = self.sso.docs.lock().unwrap_or_else(|e| e.into_inner());
+        match d {
+            Ok(d) => {
+                docs.insert(issuer.to_string(), (d.clone(), Instant::now()));
+                Ok(d)
+            }
+            Err(e) => {
+                self.sso
+                    .failures
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(issuer.to_string(), (Instant::now(), e.to_string()));
+                Err(e)
+            }
+        }
+    }
+
+    /// Reads and checks an issuer's discovery document (no lock held: a slow provider
+    /// delays only its own sign-ins).
+    async fn fetch_discovery(&self, issuer: &str) -> Result<Discovery, SsoError> {
         let url = format!("{}/.well-known/openid-configuration", issuer.trim_end_matches('/'));
-        let client = http()?;
-        let doc: DiscoveryDoc = async { client.get(&url).send().await?.error_for_status()?.json().await }
+        let body = fetch_limited(http()?.get(&url), MAX_DOCUMENT_BYTES)
             .await
-            .map_err(|e: reqwest::Error| SsoError::Provider(format!("reading {url}: {e}")))?;
+            .map_err(|e| SsoError::Provider(format!("reading {url}: {e}")))?;
+        let doc: DiscoveryDoc =
+            serde_json::from_slice(&body).map_err(|e| SsoError::Provider(format!("reading {url}: {e}")))?;
+        check_endpoint("authorization endpoint", &doc.authorization_endpoint)?;
+        check_endpoint("token endpoint", &doc.token_endpoint)?;
+        check_endpoint("JWKS URL", &doc.jwks_uri)?;
         if doc.issuer != issuer {
             return Err(SsoError::Provider(format!(
                 "{url} names the issuer {:?}, not {issuer:?}",
@@ -411,15 +515,13 @@ impl TenantStore {
         if algorithms.is_empty() {
             algorithms.push(Algorithm::RS256);
         }
-        let d = Discovery {
+        Ok(Discovery {
             issuer: doc.issuer,
             authorization_endpoint: doc.authorization_endpoint,
             token_endpoint: doc.token_endpoint,
             jwks_uri: doc.jwks_uri,
             algorithms,
-        };
-        docs.insert(issuer.to_string(), (d.clone(), Instant::now()));
-        Ok(d)
+        })
     }
 
     /// Exchanges an authorization code (with its PKCE verifier) for the ID token, verifies
@@ -444,15 +546,10 @@ impl TenantStore {
             Some(secret) => req = req.basic_auth(form_encode(&spec.client_id), Some(form_encode(secret))),
             None => form.push(("client_id", &spec.client_id)),
         }
-        let resp = req
-            .form(&form)
-            .send()
+        let (status, body) = fetch_answer(req.form(&form), MAX_DOCUMENT_BYTES, true)
             .await
             .map_err(|e| SsoError::Provider(format!("the token endpoint: {e}")))?;
-        let status = resp.status();
-        let answer: TokenAnswer = resp
-            .json()
-            .await
+        let answer: TokenAnswer = serde_json::from_slice(&body)
             .map_err(|e| SsoError::Provider(format!("the token endpoint answered {status} without JSON: {e}")))?;
         if let Some(err) = answer.error {
             return Err(SsoError::Refused(format!(
@@ -465,10 +562,12 @@ impl TenantStore {
             .ok_or_else(|| SsoError::Provider("the token endpoint sent no id_token (is `openid` allowed?)".into()))?;
         let header = jsonwebtoken::decode_header(&token)
             .map_err(|_| SsoError::Refused("the ID token was refused: its header is malformed".into()))?;
+        // A token in an algorithm the provider does not list is refused by the check below;
+        // its keys are looked up under a listed one.
         let alg = if d.algorithms.contains(&header.alg) {
             header.alg
         } else {
-            d.algorithms[0]
+            d.algorithms.first().copied().unwrap_or(Algorithm::RS256)
         };
         let keys = self
             .url_keys(&d.jwks_uri, alg, header.kid.as_deref())
@@ -504,8 +603,9 @@ impl TenantStore {
         }
     }
 
-    /// The member an identity signs in as (see the module's notes), or None.
-    pub async fn sso_member(&self, tenant_id: &str, who: &Identity) -> Result<Option<Member>, TenantError> {
+    /// The member an identity signs in as (see the module's notes) and how it was found, or
+    /// None.
+    pub async fn sso_member(&self, tenant_id: &str, who: &Identity) -> Result<Option<(Member, SsoMatch)>, TenantError> {
         let by_subject = format!(
             "{} WHERE tenant_id = $1 AND sso_issuer = $2 AND sso_subject = $3",
             crate::members::MEMBER_COLUMNS
@@ -517,14 +617,16 @@ impl TenantStore {
             .fetch_optional(&self.pool)
             .await?;
         if let Some(r) = linked {
-            return Ok(Some(crate::members::member_from(&r)));
+            return Ok(Some((crate::members::member_from(&r), SsoMatch::Linked)));
         }
         let Some(email) = &who.verified_email else {
             return Ok(None);
         };
+        // Not linked yet, or linked at another issuer (the tenant changed providers): the
+        // verified address decides once. A subject at the current issuer is never replaced.
         let linked = sqlx::query(
             "UPDATE members SET sso_issuer = $1, sso_subject = $2 \
-             WHERE tenant_id = $3 AND email = $4 AND sso_subject IS NULL",
+             WHERE tenant_id = $3 AND email = $4 AND (sso_subject IS NULL OR sso_issuer <> $1)",
         )
         .bind(&who.issuer)
         .bind(&who.subject)
@@ -540,13 +642,13 @@ impl TenantStore {
                 .bind(&who.subject)
                 .fetch_optional(&self.pool)
                 .await?;
-            return Ok(r.map(|r| crate::members::member_from(&r)));
+            return Ok(r.map(|r| (crate::members::member_from(&r), SsoMatch::LinkedNow)));
         }
         match self.open_invitation(tenant_id, email).await? {
-            Some(inv) => {
-                self.take_invitation(&inv, None, Some((&who.issuer, &who.subject)))
-                    .await
-            }
+            Some(inv) => Ok(self
+                .take_invitation(&inv, None, Some((&who.issuer, &who.subject)))
+                .await?
+                .map(|m| (m, SsoMatch::Joined))),
             None => Ok(None),
         }
     }

@@ -1108,7 +1108,18 @@ async fn sso_sign_in_verifies_id_tokens_and_finds_members() {
         ];
         for (what, token, n) in cases {
             match sign_in(token, n).await {
-                Err(SsoError::Refused(m)) => assert!(m.contains("refused"), "{what}: {m}"),
+                Err(SsoError::Refused(m)) => {
+                    let why = match what {
+                        "bad signature" => "signature does not verify",
+                        "wrong audience" => "issued to another client",
+                        "expired" => "has expired",
+                        "another issuer" => "comes from another issuer",
+                        "another client (azp)" => "another client (azp)",
+                        "another sign-in's nonce" => "nonce is not this sign-in's",
+                        _ => "is not one the provider signs with",
+                    };
+                    assert!(m.contains(why), "{what}: {m}")
+                }
                 other => panic!("{what}: {other:?}"),
             }
         }
@@ -1119,8 +1130,11 @@ async fn sso_sign_in_verifies_id_tokens_and_finds_members() {
         s.invite_member(&t.id, "ada@example.com", Role::Owner, "admin")
             .await
             .unwrap();
-        let m = s.sso_member(&t.id, &who).await.unwrap().unwrap();
-        assert_eq!((m.role, m.has_password), (Role::Owner, false));
+        let (m, how) = s.sso_member(&t.id, &who).await.unwrap().unwrap();
+        assert_eq!(
+            (m.role, m.has_password, how),
+            (Role::Owner, false, crate::sso::SsoMatch::Joined)
+        );
         assert!(
             s.open_invitation(&t.id, "ada@example.com").await.unwrap().is_none(),
             "taken"
@@ -1129,9 +1143,10 @@ async fn sso_sign_in_verifies_id_tokens_and_finds_members() {
             verified_email: Some("ada.new@example.com".into()),
             ..who.clone()
         };
+        let (again, how) = s.sso_member(&t.id, &renamed).await.unwrap().unwrap();
         assert_eq!(
-            s.sso_member(&t.id, &renamed).await.unwrap().unwrap().id,
-            m.id,
+            (again.id, how),
+            (m.id.clone(), crate::sso::SsoMatch::Linked),
             "by subject"
         );
         // An unverified address links nobody; an existing member is linked by address once.
@@ -1148,8 +1163,34 @@ async fn sso_sign_in_verifies_id_tokens_and_finds_members() {
             verified_email: Some("bob@example.com".into()),
             ..unverified
         };
-        let b = s.sso_member(&t.id, &bob).await.unwrap().unwrap();
-        assert_eq!(b.role, Role::Viewer);
+        let (b, how) = s.sso_member(&t.id, &bob).await.unwrap().unwrap();
+        assert_eq!((b.role, how), (Role::Viewer, crate::sso::SsoMatch::Joined));
+        // A member that already exists (with a password) is linked by its verified address;
+        // after the tenant changes providers, the address links it to the new one once.
+        let (cy_token, _) = s
+            .invite_member(&t.id, "cy@example.com", Role::Developer, "admin")
+            .await
+            .unwrap();
+        s.accept_invitation(&cy_token, "phc").await.unwrap().unwrap();
+        let cy = crate::sso::Identity {
+            issuer: issuer.clone(),
+            subject: "cy-sub".into(),
+            verified_email: Some("cy@example.com".into()),
+        };
+        assert_eq!(
+            s.sso_member(&t.id, &cy).await.unwrap().unwrap().1,
+            crate::sso::SsoMatch::LinkedNow
+        );
+        let cy_elsewhere = crate::sso::Identity {
+            issuer: "https://new-idp.example".into(),
+            subject: "cy-new".into(),
+            ..cy.clone()
+        };
+        assert_eq!(
+            s.sso_member(&t.id, &cy_elsewhere).await.unwrap().unwrap().1,
+            crate::sso::SsoMatch::LinkedNow,
+            "relinked at the tenant's new provider"
+        );
         let impostor = crate::sso::Identity {
             subject: "mallory-sub".into(),
             ..bob.clone()
@@ -1242,4 +1283,21 @@ async fn suspended_tenants_are_refused_until_resumed() {
         assert!(s.authenticate(&jwt).await.is_ok());
         assert!(s.member_context(&m.id, &t.id, now_ms() + 1000).await.is_ok());
     }
+}
+
+/// An HMAC ID token is refused even if a provider's document lists HS256: the public key
+/// must never serve as an HMAC secret.
+#[test]
+fn hmac_id_tokens_are_refused_even_when_listed() {
+    use jsonwebtoken::DecodingKey;
+    let hs = EncodingKey::from_secret(RSA_PUBLIC.as_bytes()).unwrap();
+    let claims = json!({"iss": "https://idp", "aud": "hearth", "sub": "s", "exp": now_ms() / 1000 + 60, "nonce": "n"});
+    let token = id_token(Algorithm::HS256, &hs, claims);
+    let keys = vec![(
+        Some("test-rsa-1".to_string()),
+        DecodingKey::from_rsa_pem(RSA_PUBLIC.as_bytes()).unwrap(),
+    )];
+    let listed = [Algorithm::RS256, Algorithm::HS256];
+    let e = crate::sso::verify_id_token(&token, &keys, &listed, "https://idp", "hearth", "n").unwrap_err();
+    assert!(e.to_string().contains("not one the provider signs with"), "{e}");
 }

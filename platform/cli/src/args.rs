@@ -495,6 +495,10 @@ impl AccessArgs {
             !operators.is_empty(),
             "--operators: name at least one operator's e-mail address"
         );
+        anyhow::ensure!(
+            self.admin_token.as_deref().is_some_and(|t| !t.is_empty()),
+            "--operator-oidc-issuer needs the admin token (HEARTH_ADMIN_TOKEN): the operator routes it signs into are closed without one"
+        );
         Ok(Some(hearth_gateway::state::OperatorSso { provider, operators }))
     }
 }

@@ -88,7 +88,10 @@ pub async fn login(url: &str, open_browser: bool) -> anyhow::Result<()> {
         "{base}/dashboard/sso/operator?cli_port={port}&cli_challenge={}",
         pkce.challenge
     );
-    eprintln!("Sign in through the operators' identity provider at this link (on this machine):\n\n  {link}\n");
+    eprintln!(
+        "Sign in through the operators' identity provider at this link (on this machine):\n\n  {link}\n\nThen confirm on the page that shows the code {}.",
+        hearth_tenants::sso::cli_code(&pkce.challenge)
+    );
     if open_browser {
         // Best effort: without a desktop the link above is the way.
         let _ = std::process::Command::new("xdg-open")
@@ -131,15 +134,28 @@ pub async fn login(url: &str, open_browser: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `hearth admin logout`: forgets the session kept for this gateway.
-pub fn logout(url: &str) -> anyhow::Result<()> {
+/// `hearth admin logout`: ends the session kept for this gateway there, and forgets it.
+pub async fn logout(url: &str) -> anyhow::Result<()> {
+    let base = key(url);
     let mut all = load();
-    match all.remove(&key(url)) {
-        Some(_) => {
-            save(&all)?;
-            println!("Signed out of {} on this machine.", key(url));
-        }
-        None => println!("No session kept for {}.", key(url)),
+    let Some(saved) = all.remove(&base) else {
+        println!("No session kept for {base}.");
+        return Ok(());
+    };
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build()?;
+    let ended = http
+        .post(format!("{base}/dashboard/sso/cli-logout"))
+        .bearer_auth(&saved.token)
+        .send()
+        .await
+        .map_err(anyhow::Error::from)
+        .and_then(|r| r.error_for_status().map_err(anyhow::Error::from));
+    save(&all)?;
+    match ended {
+        Ok(_) => println!("Signed out of {base}."),
+        Err(e) => println!(
+            "Forgot the session for {base}, but could not end it there ({e}): it ends after 30 minutes unused."
+        ),
     }
     Ok(())
 }

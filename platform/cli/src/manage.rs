@@ -484,7 +484,7 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
     let url = a.gateway.url.as_deref().filter(|u| !u.is_empty());
     match (&a.command, url) {
         (AdminCommand::Login { no_browser }, Some(url)) => return crate::login::login(url, !no_browser).await,
-        (AdminCommand::Logout, Some(url)) => return crate::login::logout(url),
+        (AdminCommand::Logout, Some(url)) => return crate::login::logout(url).await,
         (AdminCommand::Login { .. } | AdminCommand::Logout, None) => {
             anyhow::bail!("name the gateway with --gateway-url (or HEARTH_GATEWAY_URL)")
         }

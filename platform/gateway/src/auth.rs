@@ -254,7 +254,7 @@ async fn operator_session(state: &AppState, headers: &HeaderMap) -> Option<Strin
     let hearth_tenants::sessions::SessionKind::Operator { admin_fp } = &session.kind else {
         return None;
     };
-    let email = admin_fp.strip_prefix("oidc:")?;
+    let email = admin_fp.strip_prefix(hearth_tenants::sessions::OPERATOR_SSO_PREFIX)?;
     sso.operators.iter().any(|e| e == email).then(|| email.to_string())
 }
 

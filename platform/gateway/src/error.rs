@@ -345,6 +345,10 @@ impl From<crate::management::ManageError> for ApiError {
             ManageError::Internal(m) => ApiError::internal(m),
             ManageError::Quota(m) => ApiError::permission("quota_exceeded", m),
             ManageError::Role(m) => ApiError::permission("role_forbidden", m),
+            ManageError::Suspended(t) => ApiError::permission(
+                "tenant_suspended",
+                format!("Tenant {t:?} is suspended: ask the platform's operator."),
+            ),
             ManageError::Busy(m) => ApiError::unavailable(m),
         }
     }

@@ -199,6 +199,9 @@ pub enum ManageError {
     /// The member's role does not allow it.
     #[error("{0}")]
     Role(String),
+    /// The tenant is suspended.
+    #[error("tenant {0:?} is suspended: ask the platform's operator")]
+    Suspended(String),
 }
 
 /// Argon2id hashes and verifications run at once (each holds 19 MiB and a core for ~30 ms).
@@ -700,8 +703,13 @@ impl Management<'_> {
     /// the audit entry. None: the link is unknown, used or expired.
     pub async fn accept_invitation(&self, token: &str, password: &str) -> Result<Option<Member>, ManageError> {
         hearth_tenants::members::check_password_policy(password)?;
-        if self.tenants.invitation(token).await?.is_none() {
+        let Some(inv) = self.tenants.invitation(token).await? else {
             return Ok(None);
+        };
+        // A suspended tenant takes no one in (the invitation stays for when it resumes).
+        let t = self.tenants.tenant(&inv.tenant_id).await?;
+        if t.suspended_at.is_some() {
+            return Err(ManageError::Suspended(t.name));
         }
         let password = password.to_string();
         let hash = password_work(move || hearth_tenants::members::hash_password(&password)).await??;
@@ -712,7 +720,10 @@ impl Management<'_> {
             .tenants
             .member_context(&m.id, &m.tenant_id, now_ms())
             .await
-            .map_err(|e| ManageError::Internal(e.to_string()))?;
+            .map_err(|e| match e {
+                hearth_tenants::AuthError::Suspended(t) => ManageError::Suspended(t),
+                e => ManageError::Internal(e.to_string()),
+            })?;
         self.audit(
             Actor::Member(&mc),
             Some(&m.tenant_id),

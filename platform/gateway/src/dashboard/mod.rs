@@ -71,6 +71,7 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/sso/operator", get(sso::start_operator))
         .route("/sso/callback", get(sso::callback))
         .route("/sso/cli-token", post(sso::cli_token))
+        .route("/sso/cli-logout", post(sso::cli_logout))
         .route("/invite/{token}", get(invitation_form).post(accept_invitation))
         .route("/members", get(members).post(invite_member))
         .route("/members/{id}/{action}", post(member_action))
@@ -1648,9 +1649,6 @@ async fn set_price(
     Ok(Redirect::to("/dashboard").into_response())
 }
 
-/// The operator's view of one tenant: the last 30 days' usage, cost, cache hit rate,
-/// latency and errors by code; its budget and limits (editable), keys (revocable) and
-/// members (invite).
 #[derive(Deserialize)]
 struct ModelForm {
     csrf: Option<String>,
@@ -1713,6 +1711,9 @@ async fn remove_model(
     Ok(Redirect::to("/dashboard#models").into_response())
 }
 
+/// The operator's view of one tenant: the last 30 days' usage, cost, cache hit rate,
+/// latency and errors by code; its budget and limits (editable), keys (revocable), members
+/// (invite), identity provider and JWT issuers (set, remove), and suspension.
 async fn tenant_page(
     v: Visitor,
     State(gw): State<Arc<AppState>>,

@@ -24,7 +24,7 @@ use axum::extract::{Query, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::Response;
 use hearth_tenants::sessions::SessionKind;
-use hearth_tenants::sso::{Pkce, SsoError, SsoSpec};
+use hearth_tenants::sso::{Pkce, SsoError, SsoMatch, SsoSpec};
 use hearth_tenants::{constant_time_eq, now_ms, TenantError};
 use minijinja::context;
 use serde::Deserialize;
@@ -40,9 +40,7 @@ use crate::state::AppState;
 const SSO_COOKIE: &str = "hearth_sso";
 const PURPOSE: &str = "hearth-dashboard-sso";
 const FLOW_LIFETIME_MS: i64 = 10 * 60 * 1000;
-/// An operator session opened through the provider stores `oidc:<e-mail>` where an admin
-/// token's session stores the token's fingerprint.
-pub(super) const OPERATOR_PREFIX: &str = "oidc:";
+pub(super) use hearth_tenants::sessions::OPERATOR_SSO_PREFIX as OPERATOR_PREFIX;
 const OPERATOR: &str = "operator";
 /// A flow for `hearth admin login`: `cli-<port>-<challenge>`.
 const CLI: &str = "cli-";
@@ -148,13 +146,15 @@ async fn unavailable(gw: &AppState, headers: &HeaderMap, why: &str) -> Response 
     .await
 }
 
+/// The provider could not be used: the page says so, the log says why (what a provider or
+/// its endpoints answered is not shown to whoever asked).
 async fn provider_down(gw: &AppState, headers: &HeaderMap, why: &str) -> Response {
     tracing::warn!(error = %why, "identity provider unusable");
     login_page(
         gw,
         headers,
         StatusCode::BAD_GATEWAY,
-        Some(&format!("The identity provider could not be used: {why}")),
+        Some("The identity provider could not be reached or answered something unusable; the gateway's log says why."),
     )
     .await
 }
@@ -318,10 +318,20 @@ async fn finish(gw: &AppState, headers: &HeaderMap, extensions: &axum::http::Ext
         if let Some((port, challenge)) = flow.whose.strip_prefix(CLI).and_then(|r| r.split_once('-')) {
             // Back to the CLI's loopback listener with a one-time code bound to its
             // challenge; the CLI trades it for a session (`cli_token`).
+            // Not followed by itself: a link someone else made would sign *their* command line
+            // in as this operator, so the operator confirms the code their own CLI printed.
             return match gw.tenants.create_cli_grant(email, challenge).await {
-                Ok(code) => continue_page(
-                    "Signed in: back to the command line",
-                    &format!("http://127.0.0.1:{port}/callback?code={code}"),
+                Ok(code) => page(
+                    StatusCode::OK,
+                    "continue.html",
+                    context! {
+                        title => format!("Sign the command line on this computer in as {email}"),
+                        url => format!("http://127.0.0.1:{port}/callback?code={code}"),
+                        confirm => format!(
+                            "Continue only if `hearth admin login` on this computer printed the code {}.",
+                            hearth_tenants::sso::cli_code(challenge)
+                        ),
+                    },
                 ),
                 Err(e) => unavailable(gw, headers, &e.to_string()).await,
             };
@@ -348,10 +358,36 @@ async fn finish(gw: &AppState, headers: &HeaderMap, extensions: &axum::http::Ext
         }
         return session_opened(gw, headers, opened, true).await;
     }
+    // A suspended tenant takes no one in (and its invitations stay for when it resumes).
+    if let Some(refused) = super::refuse_if_suspended(gw, headers, &flow.whose).await {
+        return refused;
+    }
     match gw.tenants.sso_member(&flow.whose, &who).await {
-        Ok(Some(member)) => {
-            if let Some(refused) = super::refuse_if_suspended(gw, headers, &member.tenant_id).await {
-                return refused;
+        Ok(Some((member, how))) => {
+            let (action, detail) = match how {
+                SsoMatch::Linked => (None, json!({})),
+                SsoMatch::LinkedNow => (
+                    Some("member.link"),
+                    json!({"issuer": who.issuer, "subject": who.subject}),
+                ),
+                SsoMatch::Joined => (
+                    Some("member.join"),
+                    json!({"email": member.email, "role": member.role, "issuer": who.issuer}),
+                ),
+            };
+            if let Some(action) = action {
+                if let Ok(mc) = gw.tenants.member_context(&member.id, &member.tenant_id, now_ms()).await {
+                    gw.management()
+                        .via(origin.clone())
+                        .audit(
+                            Actor::Member(&mc),
+                            Some(&member.tenant_id),
+                            action,
+                            &format!("member:{}", member.id),
+                            detail,
+                        )
+                        .await;
+                }
             }
             let opened = open_member_session(gw, &member, origin, "oidc").await;
             session_opened(gw, headers, opened, true).await
@@ -457,4 +493,21 @@ pub(super) async fn cli_token(
             crate::error::ApiError::unavailable("sign-in is temporarily unavailable").into_response()
         }
     }
+}
+
+/// `POST /dashboard/sso/cli-logout` with the session as bearer token: `hearth admin logout`
+/// ends the operator session it holds (200 whether or not there was one).
+pub(super) async fn cli_logout(State(gw): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    use axum::response::IntoResponse;
+    if let Some(token) = crate::auth::bearer(&headers) {
+        if let Ok(Some(s)) = gw.tenants.session(token).await {
+            if matches!(&s.kind, SessionKind::Operator { admin_fp } if admin_fp.starts_with(OPERATOR_PREFIX)) {
+                if let Err(e) = gw.tenants.end_session(token).await {
+                    tracing::error!(error = %e, "operator session could not be ended");
+                    return crate::error::ApiError::unavailable("sign-out is temporarily unavailable").into_response();
+                }
+            }
+        }
+    }
+    axum::Json(json!({"signed_out": true})).into_response()
 }
