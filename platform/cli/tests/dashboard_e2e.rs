@@ -1214,7 +1214,85 @@ async fn operator_console_manages_tenants() {
     )
     .await;
     assert_eq!(r.status(), 201);
-    assert!(by_id(&r.text().await.unwrap(), "invite-link").contains("invite"));
+    let link = by_id(&r.text().await.unwrap(), "invite-link").replace("&#x2f;", "/");
+    assert!(link.contains("/dashboard/invite/"), "{link}");
+    // The invitee joins as the only owner: the operator can neither demote nor remove them
+    // (a tenant keeps an owner), but changes and removes a developer.
+    let boss = accept(base, &link, "a long enough password", "a long enough password")
+        .await
+        .expect("joined");
+    let members: Value =
+        serde_json::from_str(&admin(&data, &["--json", "member", "list", "--tenant", "console"])).unwrap();
+    let boss_id = members[0]["id"].as_str().unwrap().to_string();
+    let r = send(format!("{at}/members/{boss_id}/role"), form(&[("role", "viewer")])).await;
+    assert_eq!(r.status(), 409, "a tenant keeps an owner");
+    let r = send(format!("{at}/members/mb_elsewhere/remove"), form(&[])).await;
+    assert_eq!(r.status(), 404);
+    // A key made by the operator for the tenant works; its billing export is the operator's.
+    let r = send(
+        format!("{at}/keys"),
+        form(&[("name", "from-console"), ("scope_inference", "1")]),
+    )
+    .await;
+    assert_eq!(r.status(), 201);
+    let made = by_id(&r.text().await.unwrap(), "new-key");
+    let ok = browser()
+        .get(format!("{base}/v1/models"))
+        .bearer_auth(&made)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200, "the console's key works");
+    let (status, csv) = page(base, &op, &format!("{at}/export?format=csv")).await;
+    assert_eq!(status, 200);
+    assert!(csv.lines().next().unwrap_or("").contains("tenant"), "{csv}");
+    let r = send(format!("{at}/members/{boss_id}/remove"), form(&[])).await;
+    assert_eq!(r.status(), 409, "nor its last owner");
+    assert_eq!(page(base, &boss, "/dashboard").await.0, 200, "still a member");
+    let inv: Value = serde_json::from_str(&admin(
+        &data,
+        &[
+            "--json",
+            "member",
+            "invite",
+            "--tenant",
+            "console",
+            "--email",
+            "dev@example.com",
+            "--role",
+            "developer",
+            "--public-url",
+            base,
+        ],
+    ))
+    .unwrap();
+    let dev = accept(
+        base,
+        inv["url"].as_str().unwrap(),
+        "another long password",
+        "another long password",
+    )
+    .await
+    .expect("joined");
+    let members: Value =
+        serde_json::from_str(&admin(&data, &["--json", "member", "list", "--tenant", "console"])).unwrap();
+    let dev_id = members
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["email"] == "dev@example.com")
+        .and_then(|m| m["id"].as_str())
+        .expect("the developer is a member")
+        .to_string();
+    let r = send(format!("{at}/members/{dev_id}/role"), form(&[("role", "billing")])).await;
+    assert_eq!(r.status(), 303);
+    let r = send(format!("{at}/members/{dev_id}/remove"), form(&[])).await;
+    assert_eq!(r.status(), 303);
+    assert_ne!(
+        page(base, &dev, "/dashboard").await.0,
+        200,
+        "the removed member's session ends"
+    );
 
     // A price version from the console; the CLI lists it.
     let r = send(
@@ -1354,7 +1432,7 @@ async fn operator_console_manages_tenants() {
     let audit: Value = serde_json::from_str(&admin(&data, &["--json", "audit", "--tenant", "console"])).unwrap();
     let mut seen = actions_and_channels(&audit);
     seen.sort();
-    for want in [
+    let console = [
         "tenant.create",
         "tenant.budget",
         "tenant.limits",
@@ -1364,16 +1442,21 @@ async fn operator_console_manages_tenants() {
         "sso.remove",
         "tenant.suspend",
         "tenant.resume",
+        "key.create",
+        "member.role",
+        "member.remove",
         "jwt_issuer.add",
         "jwt_issuer.remove",
-    ] {
+    ];
+    for want in console {
         assert!(seen.contains(&(want, "dashboard")), "{want} in {seen:?}");
     }
+    // The console's changes are the operator's (the members' own joins and sign-ins are theirs).
     assert!(audit
         .as_array()
         .unwrap()
         .iter()
-        .filter(|e| e["channel"] == "dashboard")
+        .filter(|e| e["channel"] == "dashboard" && console.contains(&e["action"].as_str().unwrap()))
         .all(|e| e["actor"] == "admin"));
 }
 

@@ -904,7 +904,7 @@ async fn set_price(
 #[into_params(parameter_in = Query)]
 pub(crate) struct ExportQuery {
     /// A tenant's name or id (admin API; the self-service API exports the caller's).
-    tenant: Option<String>,
+    pub(crate) tenant: Option<String>,
     /// YYYY-MM-DD or Unix ms (inclusive); default: the start of this month.
     from: Option<String>,
     /// YYYY-MM-DD or Unix ms (exclusive); default: now.

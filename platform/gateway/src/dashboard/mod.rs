@@ -82,7 +82,10 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/models/{model}/remove", post(remove_model))
         .route("/tenants/{tenant}", get(tenant_page))
         .route("/tenants/{tenant}/{action}", post(tenant_action))
+        .route("/tenants/{tenant}/keys", post(tenant_create_key))
         .route("/tenants/{tenant}/keys/{key}/revoke", post(tenant_revoke_key))
+        .route("/tenants/{tenant}/members/{id}/{action}", post(tenant_member_action))
+        .route("/tenants/{tenant}/export", get(tenant_export))
         .route("/requests", get(requests))
         .route("/keys", get(keys).post(create_key))
         .route("/keys/{id}/revoke", post(revoke_key))
@@ -1326,6 +1329,21 @@ async fn create_key(
 ) -> Result<Response, PageError> {
     csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
     v.tenant()?;
+    let spec = key_spec(f)?;
+    let created = gw
+        .management()
+        .via(v.origin.clone())
+        .create_key(v.actor(), None, spec)
+        .await?;
+    Ok(page(
+        StatusCode::CREATED,
+        "key_created.html",
+        context! {base => v.base(), page => "keys", key => created.key, id => created.info.id, name => created.info.name},
+    ))
+}
+
+/// The key a key form describes.
+fn key_spec(f: NewKeyForm) -> Result<KeySpec, ApiError> {
     let models: Vec<String> = f
         .models
         .as_deref()
@@ -1339,7 +1357,12 @@ async fn create_key(
         None => None,
         Some(d) => match d.parse::<u32>() {
             Ok(days) if (1..=3650).contains(&days) => Some(now_ms() + i64::from(days) * views::DAY_MS),
-            _ => return Err(ApiError::invalid("expires_days", "expiry must be 1 to 3650 days, or empty").into()),
+            _ => {
+                return Err(ApiError::invalid(
+                    "expires_days",
+                    "expiry must be 1 to 3650 days, or empty",
+                ))
+            }
         },
     };
     let scopes = Scopes {
@@ -1347,24 +1370,14 @@ async fn create_key(
         manage: f.scope_manage.is_some(),
     };
     if scopes == Scopes::default() {
-        return Err(ApiError::invalid("scopes", "choose at least one scope").into());
+        return Err(ApiError::invalid("scopes", "choose at least one scope"));
     }
-    let spec = KeySpec {
+    Ok(KeySpec {
         name: f.name.unwrap_or_default().trim().to_string(),
         scopes: Some(scopes),
         models: (!models.is_empty()).then_some(models),
         expires_at,
-    };
-    let created = gw
-        .management()
-        .via(v.origin.clone())
-        .create_key(v.actor(), None, spec)
-        .await?;
-    Ok(page(
-        StatusCode::CREATED,
-        "key_created.html",
-        context! {base => v.base(), page => "keys", key => created.key, id => created.info.id, name => created.info.name},
-    ))
+    })
 }
 
 async fn revoke_key(
@@ -1916,6 +1929,77 @@ async fn tenant_action(
         _ => return Err(ApiError::not_found(format!("no tenant action {action:?}")).into()),
     }
     Ok(Redirect::to(&format!("/dashboard/tenants/{}", t.id)).into_response())
+}
+
+/// `POST /dashboard/tenants/{tenant}/keys`: the operator creates a key for a tenant (shown
+/// once, like a tenant's own).
+async fn tenant_create_key(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(tenant): Path<String>,
+    Form(f): Form<NewKeyForm>,
+) -> Result<Response, PageError> {
+    csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
+    operator_only(&v)?;
+    let t = gw.tenants.tenant(&tenant).await.map_err(crate::error::store_error)?;
+    let created = gw
+        .management()
+        .via(v.origin.clone())
+        .create_key(Actor::Operator, Some(&t.id), key_spec(f)?)
+        .await?;
+    Ok(page(
+        StatusCode::CREATED,
+        "key_created.html",
+        context! {
+            base => v.base(), page => "overview", key => created.key, id => created.info.id,
+            name => created.info.name, back => format!("/dashboard/tenants/{}", t.id),
+        },
+    ))
+}
+
+/// `POST /dashboard/tenants/{tenant}/members/{id}/role|remove`: the operator changes or
+/// removes one of the tenant's members.
+async fn tenant_member_action(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path((tenant, id, action)): Path<(String, String, String)>,
+    Form(f): Form<MemberForm>,
+) -> Result<Response, PageError> {
+    csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
+    operator_only(&v)?;
+    let t = gw.tenants.tenant(&tenant).await.map_err(crate::error::store_error)?;
+    let member = gw.tenants.member(&id).await.map_err(crate::error::store_error)?;
+    if member.tenant_id != t.id {
+        return Err(ApiError::not_found(format!("member {id:?} does not exist")).into());
+    }
+    let m = gw.management().via(v.origin.clone());
+    match action.as_str() {
+        "role" => {
+            m.set_member_role(Actor::Operator, &id, role_field(f.role.as_deref())?)
+                .await?;
+        }
+        "remove" => {
+            m.remove_member(Actor::Operator, &id).await?;
+        }
+        _ => return Err(ApiError::not_found(format!("no member action {action:?}")).into()),
+    }
+    Ok(Redirect::to(&format!("/dashboard/tenants/{}", t.id)).into_response())
+}
+
+/// `GET /dashboard/tenants/{tenant}/export`: a tenant's billing export, for the operator.
+async fn tenant_export(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    Path(tenant): Path<String>,
+    q: Result<Query<crate::admin::ExportQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, PageError> {
+    operator_only(&v)?;
+    let t = gw.tenants.tenant(&tenant).await.map_err(crate::error::store_error)?;
+    let Query(mut q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
+    q.tenant = Some(t.id);
+    Ok(crate::admin::export_response(&gw, Actor::Operator, &q).await?)
 }
 
 async fn tenant_revoke_key(
