@@ -282,6 +282,22 @@ try:
     added = [m for m in models["data"] if m["id"] == "console-model"]
     check("the CLI sees the console's model, for its tenant only",
           len(added) == 1 and added[0]["tenants"] == ["console-made"], models)
+    # A tenant's processors from the console: acme's is listed; the operator deactivates and
+    # reactivates it, and the tenant's API sees each.
+    acme_id = [t["id"] for t in tenants if t["name"] == "acme"][0]
+    driver.get(f"{url}/dashboard/tenants/{acme_id}/processors")
+    wait.until(EC.presence_of_element_located((By.ID, f"processor-{pid}")))
+    check("the operator sees acme's processor", "trivial" in text(f"processor-{pid}"), text(f"processor-{pid}"))
+    driver.find_element(By.ID, f"deactivate-{pid}").click()
+    wait.until(EC.presence_of_element_located((By.ID, f"activate-{pid}")))
+    status, r = api("/v1/tenant/processors", key_a)
+    check("acme's API sees the operator's deactivation",
+          status == 200 and any(p["id"] == pid and not p["active"] for p in r["data"]), r)
+    driver.find_element(By.ID, f"activate-{pid}").click()
+    wait.until(EC.presence_of_element_located((By.ID, f"deactivate-{pid}")))
+    audit = json.loads(admin("audit", "--tenant", "acme"))
+    check("the operator's processor actions are audited",
+          any(e["action"] == "processor.deactivate" and e["actor"] == "admin" for e in audit), audit[:3])
     sign_out()
 
     # ---- members: an owner joins, invites a viewer, removes them ------------------------------

@@ -1243,6 +1243,10 @@ async fn operator_console_manages_tenants() {
         .await
         .unwrap();
     assert_eq!(ok.status(), 200, "the console's key works");
+    let (status, html) = page(base, &op, &format!("{at}/processors")).await;
+    assert_eq!((status, by_id(&html, "processors-tenant").as_str()), (200, "console"));
+    let r = send(format!("{at}/processors/pr_not_this_tenants/activate"), form(&[])).await;
+    assert_eq!(r.status(), 404);
     let (status, csv) = page(base, &op, &format!("{at}/export?format=csv")).await;
     assert_eq!(status, 200);
     assert!(csv.lines().next().unwrap_or("").contains("tenant"), "{csv}");

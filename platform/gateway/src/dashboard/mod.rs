@@ -86,6 +86,16 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/tenants/{tenant}/keys/{key}/revoke", post(tenant_revoke_key))
         .route("/tenants/{tenant}/members/{id}/{action}", post(tenant_member_action))
         .route("/tenants/{tenant}/export", get(tenant_export))
+        .route(
+            "/tenants/{tenant}/processors",
+            get(tenant_processors)
+                .post(tenant_upload_processor)
+                .layer(crate::admin::upload_limit()),
+        )
+        .route(
+            "/tenants/{tenant}/processors/{id}/{action}",
+            post(tenant_processor_action),
+        )
         .route("/requests", get(requests))
         .route("/keys", get(keys).post(create_key))
         .route("/keys/{id}/revoke", post(revoke_key))
@@ -1395,11 +1405,33 @@ async fn revoke_key(
 
 async fn processors(v: Visitor, State(gw): State<Arc<AppState>>) -> Result<Response, PageError> {
     v.tenant()?;
+    processors_page(&gw, &v, v.actor(), None).await
+}
+
+/// `GET /dashboard/tenants/{tenant}/processors`: a tenant's processors, for the operator.
+async fn tenant_processors(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    Path(tenant): Path<String>,
+) -> Result<Response, PageError> {
+    operator_only(&v)?;
+    let t = gw.tenants.tenant(&tenant).await.map_err(crate::error::store_error)?;
+    processors_page(&gw, &v, Actor::Operator, Some(&t)).await
+}
+
+/// The processors page: the visitor's own tenant's, or (`tenant`) one the operator opened.
+async fn processors_page(
+    gw: &AppState,
+    v: &Visitor,
+    actor: Actor<'_>,
+    tenant: Option<&hearth_tenants::Tenant>,
+) -> Result<Response, PageError> {
     let enabled = gw.processors.is_some();
-    let list = gw.management().list_processors(v.actor(), None).await?;
+    let tenant_id = tenant.map(|t| t.id.as_str());
+    let list = gw.management().list_processors(actor, tenant_id).await?;
     let keys: Vec<Value> = gw
         .management()
-        .list_keys(v.actor(), None)
+        .list_keys(actor, tenant_id)
         .await?
         .iter()
         .filter(|k| k.revoked_at.is_none())
@@ -1408,7 +1440,11 @@ async fn processors(v: Visitor, State(gw): State<Arc<AppState>>) -> Result<Respo
     Ok(page(
         StatusCode::OK,
         "processors.html",
-        context! {base => v.base(), page => "processors", processors => list, keys => keys, enabled => enabled},
+        context! {
+            base => v.base(), page => "processors", processors => list, keys => keys, enabled => enabled,
+            tenant => tenant,
+            prefix => tenant.map_or("/dashboard".to_string(), |t| format!("/dashboard/tenants/{}", t.id)),
+        },
     ))
 }
 
@@ -1430,8 +1466,39 @@ async fn upload_processor(
     csrf_ok(&gw, &v, &headers, None)?;
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
     if !v.is_tenant() {
-        return Err(ApiError::forbidden("processors are managed from a tenant's session"));
+        return Err(ApiError::forbidden(
+            "the operator uploads a tenant's processors from its page (/dashboard/tenants/{tenant}/processors)",
+        ));
     }
+    upload(&gw, &v, v.actor(), None, q, body).await
+}
+
+/// `POST /dashboard/tenants/{tenant}/processors`: the operator uploads a tenant's processor.
+async fn tenant_upload_processor(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(tenant): Path<String>,
+    q: Result<Query<UploadQuery>, axum::extract::rejection::QueryRejection>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    csrf_ok(&gw, &v, &headers, None)?;
+    let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
+    if v.is_tenant() {
+        return Err(ApiError::forbidden("this page is the operator's"));
+    }
+    let t = gw.tenants.tenant(&tenant).await.map_err(crate::error::store_error)?;
+    upload(&gw, &v, Actor::Operator, Some(&t.id), q, body).await
+}
+
+async fn upload(
+    gw: &AppState,
+    v: &Visitor,
+    actor: Actor<'_>,
+    tenant: Option<&str>,
+    q: UploadQuery,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let up = Upload {
         name: q.name.unwrap_or_default(),
         activate: q.activate.unwrap_or(false),
@@ -1440,7 +1507,7 @@ async fn upload_processor(
     let p = gw
         .management()
         .via(v.origin.clone())
-        .upload_processor(v.actor(), None, up, body.to_vec())
+        .upload_processor(actor, tenant, up, body.to_vec())
         .await?;
     Ok((StatusCode::CREATED, Json(p)).into_response())
 }
@@ -1460,18 +1527,49 @@ async fn processor_action(
 ) -> Result<Response, PageError> {
     csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
     v.tenant()?;
+    act_on_processor(&gw, &v, v.actor(), &id, &action, f).await?;
+    Ok(Redirect::to("/dashboard/processors").into_response())
+}
+
+/// `POST /dashboard/tenants/{tenant}/processors/{id}/{action}`: the operator's.
+async fn tenant_processor_action(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path((tenant, id, action)): Path<(String, String, String)>,
+    Form(f): Form<ProcessorForm>,
+) -> Result<Response, PageError> {
+    csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
+    operator_only(&v)?;
+    let t = gw.tenants.tenant(&tenant).await.map_err(crate::error::store_error)?;
+    let p = gw.tenants.processor(&id).await.map_err(crate::error::store_error)?;
+    if p.tenant_id != t.id {
+        return Err(ApiError::not_found(format!("processor {id:?} does not exist")).into());
+    }
+    act_on_processor(&gw, &v, Actor::Operator, &id, &action, f).await?;
+    Ok(Redirect::to(&format!("/dashboard/tenants/{}/processors", t.id)).into_response())
+}
+
+async fn act_on_processor(
+    gw: &AppState,
+    v: &Visitor,
+    actor: Actor<'_>,
+    id: &str,
+    action: &str,
+    f: ProcessorForm,
+) -> Result<(), PageError> {
     let m = gw.management().via(v.origin.clone());
-    match action.as_str() {
-        "activate" => m.set_processor_active(v.actor(), &id, true).await.map(drop),
-        "deactivate" => m.set_processor_active(v.actor(), &id, false).await.map(drop),
-        "delete" => m.delete_processor(v.actor(), &id).await.map(drop),
+    match action {
+        "activate" => m.set_processor_active(actor, id, true).await.map(drop),
+        "deactivate" => m.set_processor_active(actor, id, false).await.map(drop),
+        "delete" => m.delete_processor(actor, id).await.map(drop),
         "attach" => {
             let key = f.key_id.filter(|k| !k.is_empty());
-            m.attach_processor(v.actor(), &id, key.as_deref()).await.map(drop)
+            m.attach_processor(actor, id, key.as_deref()).await.map(drop)
         }
         _ => return Err(ApiError::not_found(format!("no processor action {action:?}")).into()),
     }?;
-    Ok(Redirect::to("/dashboard/processors").into_response())
+    Ok(())
 }
 
 /// The billing export, exactly as `GET /v1/tenant/usage/export` renders it.

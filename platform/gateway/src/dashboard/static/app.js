@@ -38,7 +38,7 @@ document.addEventListener("DOMContentLoaded", () => {
       });
       const body = await resp.json();
       if (resp.ok) {
-        window.location.assign("/dashboard/processors");
+        window.location.assign(form.dataset.endpoint);
       } else {
         status.textContent = (body.error && body.error.message) || ("Upload failed: " + resp.status);
       }
