@@ -29,9 +29,11 @@ const TOUCH_EVERY_MS: i64 = 60 * 1000;
 /// Who a session is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SessionKind {
-    /// The operator: the admin token's fingerprint, or [`OPERATOR_SSO_PREFIX`] and the
-    /// address of an operator who signed in through the operators' identity provider.
+    /// The operator, by the admin token's fingerprint.
     Operator { admin_fp: String },
+    /// An operator who signed in through the operators' identity provider (the dashboard or
+    /// `hearth admin login`): lives while the address is on the gateway's `--operators`.
+    OperatorSso { email: String },
     /// A tenant credential with the `manage` scope.
     Tenant {
         tenant_id: String,
@@ -56,11 +58,6 @@ pub struct Session {
     /// The SHA-256 (hex) of the cookie's token: the session's id in the database.
     pub id: String,
 }
-
-/// What an operator session opened through the operators' identity provider stores where
-/// an admin token's session stores the token's fingerprint: `oidc:<e-mail>`. Such a session
-/// lives while the address is on the gateway's `--operators` (not with the admin token).
-pub const OPERATOR_SSO_PREFIX: &str = "oidc:";
 
 /// A fingerprint of the admin token (its SHA-256, hex): an operator session remembers which
 /// token opened it without storing the token.
@@ -97,6 +94,7 @@ impl TenantStore {
         };
         let (k, tenant, credential, scopes, models, fp) = match &s.kind {
             SessionKind::Operator { admin_fp } => ("operator", None, None, None, None, Some(admin_fp.clone())),
+            SessionKind::OperatorSso { email } => ("operator-sso", None, Some(email.clone()), None, None, None),
             SessionKind::Tenant {
                 tenant_id,
                 credential,
@@ -274,6 +272,10 @@ fn session_from(r: &AnyRow, id: String) -> Session {
     let kind = if kind == "operator" {
         SessionKind::Operator {
             admin_fp: r.get::<Option<String>, _>(5).unwrap_or_default(),
+        }
+    } else if kind == "operator-sso" {
+        SessionKind::OperatorSso {
+            email: r.get::<Option<String>, _>(2).unwrap_or_default(),
         }
     } else if kind == "member" {
         SessionKind::Member {

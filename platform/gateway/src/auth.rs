@@ -251,11 +251,10 @@ async fn operator_session(state: &AppState, headers: &HeaderMap) -> Option<Strin
     let sso = state.operator_sso.as_ref()?;
     let token = bearer(headers)?;
     let session = state.tenants.session(token).await.ok()??;
-    let hearth_tenants::sessions::SessionKind::Operator { admin_fp } = &session.kind else {
+    let hearth_tenants::sessions::SessionKind::OperatorSso { email } = session.kind else {
         return None;
     };
-    let email = admin_fp.strip_prefix(hearth_tenants::sessions::OPERATOR_SSO_PREFIX)?;
-    sso.operators.iter().any(|e| e == email).then(|| email.to_string())
+    sso.operators.contains(&email).then_some(email)
 }
 
 /// The operator check: `Authorization: Bearer $HEARTH_ADMIN_TOKEN`, compared in constant

@@ -377,15 +377,10 @@ impl FromRequestParts<Arc<AppState>> for Visitor {
         };
         let mut operator = None;
         let who = match &session.kind {
-            SessionKind::Operator { admin_fp } if admin_fp.starts_with(sso::OPERATOR_PREFIX) => {
+            SessionKind::OperatorSso { email } => {
                 // Signed in through the operators' identity provider: still an operator while
                 // the address is on the gateway's list.
-                let email = &admin_fp[sso::OPERATOR_PREFIX.len()..];
-                if !gw
-                    .operator_sso
-                    .as_ref()
-                    .is_some_and(|o| o.operators.iter().any(|e| e == email))
-                {
+                if !gw.operator_sso.as_ref().is_some_and(|o| o.operators.contains(email)) {
                     let _ = gw.tenants.end_session(token).await;
                     return Err(refuse(ApiError::unauthorized(
                         "You are no longer one of this installation's operators.",

@@ -40,10 +40,42 @@ use crate::state::AppState;
 const SSO_COOKIE: &str = "hearth_sso";
 const PURPOSE: &str = "hearth-dashboard-sso";
 const FLOW_LIFETIME_MS: i64 = 10 * 60 * 1000;
-pub(super) use hearth_tenants::sessions::OPERATOR_SSO_PREFIX as OPERATOR_PREFIX;
-const OPERATOR: &str = "operator";
-/// A flow for `hearth admin login`: `cli-<port>-<challenge>`.
-const CLI: &str = "cli-";
+/// Whose sign-in a flow is, as the flow cookie carries it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum FlowOwner {
+    /// A tenant's member, through the tenant's provider (the tenant's id).
+    Tenant(String),
+    /// An operator, into the dashboard.
+    Operator,
+    /// An operator, for `hearth admin login` listening on `port` with its PKCE `challenge`.
+    Cli { port: u16, challenge: String },
+}
+
+impl FlowOwner {
+    /// The cookie's field: a tenant id (`tn_…`), `operator` or `cli-<port>-<challenge>`
+    /// (none holds a dot, the cookie's separator).
+    fn encode(&self) -> String {
+        match self {
+            FlowOwner::Tenant(id) => id.clone(),
+            FlowOwner::Operator => "operator".into(),
+            FlowOwner::Cli { port, challenge } => format!("cli-{port}-{challenge}"),
+        }
+    }
+
+    fn decode(s: &str) -> Option<FlowOwner> {
+        if s == "operator" {
+            return Some(FlowOwner::Operator);
+        }
+        if let Some(rest) = s.strip_prefix("cli-") {
+            let (port, challenge) = rest.split_once('-')?;
+            return Some(FlowOwner::Cli {
+                port: port.parse().ok()?,
+                challenge: challenge.to_string(),
+            });
+        }
+        s.starts_with("tn_").then(|| FlowOwner::Tenant(s.to_string()))
+    }
+}
 
 /// A page that moves the browser on to `url` (a refresh, and a link for browsers that do
 /// not follow it).
@@ -84,7 +116,7 @@ pub(super) async fn start_tenant(
         Err(e) => return unavailable(&gw, &headers, &e.to_string()).await,
     };
     match gw.tenants.sso_spec(&tenant.id).await {
-        Ok(Some((_, spec))) => start(&gw, &headers, &tenant.id, &spec).await,
+        Ok(Some((_, spec))) => start(&gw, &headers, &FlowOwner::Tenant(tenant.id), &spec).await,
         Ok(None) => login_page(&gw, &headers, StatusCode::NOT_FOUND, Some(&not_here())).await,
         Err(e) => unavailable(&gw, &headers, &e.to_string()).await,
     }
@@ -104,12 +136,12 @@ pub(super) async fn start_operator(
     headers: HeaderMap,
     Query(q): Query<OperatorQuery>,
 ) -> Response {
-    let whose = match (q.cli_port, q.cli_challenge.as_deref()) {
-        (None, None) => OPERATOR.to_string(),
+    let whose = match (q.cli_port, q.cli_challenge) {
+        (None, None) => FlowOwner::Operator,
         (Some(port), Some(c))
             if port > 0 && c.len() == 43 && c.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') =>
         {
-            format!("{CLI}{port}-{c}")
+            FlowOwner::Cli { port, challenge: c }
         }
         _ => {
             return login_page(
@@ -159,7 +191,7 @@ async fn provider_down(gw: &AppState, headers: &HeaderMap, why: &str) -> Respons
     .await
 }
 
-async fn start(gw: &AppState, headers: &HeaderMap, whose: &str, spec: &SsoSpec) -> Response {
+async fn start(gw: &AppState, headers: &HeaderMap, whose: &FlowOwner, spec: &SsoSpec) -> Response {
     let d = match gw.tenants.discover(&spec.issuer).await {
         Ok(d) => d,
         Err(e) => return provider_down(gw, headers, &e.to_string()).await,
@@ -172,7 +204,7 @@ async fn start(gw: &AppState, headers: &HeaderMap, whose: &str, spec: &SsoSpec) 
         (Ok(p), Ok(s), Ok(n)) => (p, s, n),
         _ => return unavailable(gw, headers, "the OS random source failed").await,
     };
-    let body = format!("{}.{whose}.{state}.{nonce}.{}", now_ms(), pkce.verifier);
+    let body = format!("{}.{}.{state}.{nonce}.{}", now_ms(), whose.encode(), pkce.verifier);
     let sealed = match login_token::seal(gw, PURPOSE, &body).await {
         Ok(s) => s,
         Err(e) => return unavailable(gw, headers, &e).await,
@@ -208,7 +240,7 @@ pub(super) struct CallbackQuery {
 
 /// A flow the callback may finish: from this installation's cookie, fresh, for this state.
 struct Flow {
-    whose: String,
+    whose: FlowOwner,
     nonce: String,
     verifier: String,
 }
@@ -224,8 +256,9 @@ async fn flow(gw: &AppState, headers: &HeaderMap, state: &str) -> Option<Flow> {
         && age > -60_000
         && !state.is_empty()
         && constant_time_eq(want_state.as_bytes(), state.as_bytes()))
-    .then(|| Flow {
-        whose: whose.to_string(),
+    .then_some(())?;
+    Some(Flow {
+        whose: FlowOwner::decode(whose)?,
         nonce: nonce.to_string(),
         verifier: verifier.to_string(),
     })
@@ -267,18 +300,20 @@ async fn finish(gw: &AppState, headers: &HeaderMap, extensions: &axum::http::Ext
         .await;
     }
     let code = q.code.unwrap_or_default();
-    let operator_flow = flow.whose == OPERATOR || flow.whose.starts_with(CLI);
-    let spec = if operator_flow {
-        match &gw.operator_sso {
+    let tenant_id = match &flow.whose {
+        FlowOwner::Tenant(id) => Some(id.as_str()),
+        FlowOwner::Operator | FlowOwner::Cli { .. } => None,
+    };
+    let spec = match tenant_id {
+        None => match &gw.operator_sso {
             Some(o) => o.provider.clone(),
             None => return provider_gone(gw, headers).await,
-        }
-    } else {
-        match gw.tenants.sso_spec(&flow.whose).await {
+        },
+        Some(id) => match gw.tenants.sso_spec(id).await {
             Ok(Some((_, spec))) => spec,
             Ok(None) => return provider_gone(gw, headers).await,
             Err(e) => return unavailable(gw, headers, &e.to_string()).await,
-        }
+        },
     };
     let who = match gw
         .tenants
@@ -297,7 +332,7 @@ async fn finish(gw: &AppState, headers: &HeaderMap, extensions: &axum::http::Ext
     let address = client_address(extensions);
     let origin = Origin::dashboard(address.clone());
     let email = who.verified_email.clone();
-    if operator_flow {
+    let Some(tenant_id) = tenant_id else {
         let allowed = email.as_deref().filter(|e| {
             gw.operator_sso
                 .as_ref()
@@ -315,7 +350,7 @@ async fn finish(gw: &AppState, headers: &HeaderMap, extensions: &axum::http::Ext
             )
             .await;
         };
-        if let Some((port, challenge)) = flow.whose.strip_prefix(CLI).and_then(|r| r.split_once('-')) {
+        if let FlowOwner::Cli { port, challenge } = &flow.whose {
             // Back to the CLI's loopback listener with a one-time code bound to its
             // challenge; the CLI trades it for a session (`cli_token`).
             // Not followed by itself: a link someone else made would sign *their* command line
@@ -336,8 +371,8 @@ async fn finish(gw: &AppState, headers: &HeaderMap, extensions: &axum::http::Ext
                 Err(e) => unavailable(gw, headers, &e.to_string()).await,
             };
         }
-        let kind = SessionKind::Operator {
-            admin_fp: format!("{OPERATOR_PREFIX}{email}"),
+        let kind = SessionKind::OperatorSso {
+            email: email.to_string(),
         };
         let opened = gw.tenants.create_session(kind, None, address.as_deref()).await;
         if opened.is_ok() {
@@ -357,12 +392,12 @@ async fn finish(gw: &AppState, headers: &HeaderMap, extensions: &axum::http::Ext
                 .await;
         }
         return session_opened(gw, headers, opened, true).await;
-    }
+    };
     // A suspended tenant takes no one in (and its invitations stay for when it resumes).
-    if let Some(refused) = super::refuse_if_suspended(gw, headers, &flow.whose).await {
+    if let Some(refused) = super::refuse_if_suspended(gw, headers, tenant_id).await {
         return refused;
     }
-    match gw.tenants.sso_member(&flow.whose, &who).await {
+    match gw.tenants.sso_member(tenant_id, &who).await {
         Ok(Some((member, how))) => {
             let (action, detail) = match how {
                 SsoMatch::Linked => (None, json!({})),
@@ -466,9 +501,7 @@ pub(super) async fn cli_token(
         return crate::error::ApiError::unauthorized("Unknown, used or expired code, or not this sign-in's verifier.")
             .into_response();
     };
-    let kind = SessionKind::Operator {
-        admin_fp: format!("{OPERATOR_PREFIX}{email}"),
-    };
+    let kind = SessionKind::OperatorSso { email: email.clone() };
     let address = client_address(&extensions);
     match gw.tenants.create_session(kind, None, address.as_deref()).await {
         Ok((token, s)) => {
@@ -501,7 +534,7 @@ pub(super) async fn cli_logout(State(gw): State<Arc<AppState>>, headers: HeaderM
     use axum::response::IntoResponse;
     if let Some(token) = crate::auth::bearer(&headers) {
         if let Ok(Some(s)) = gw.tenants.session(token).await {
-            if matches!(&s.kind, SessionKind::Operator { admin_fp } if admin_fp.starts_with(OPERATOR_PREFIX)) {
+            if matches!(s.kind, SessionKind::OperatorSso { .. }) {
                 if let Err(e) = gw.tenants.end_session(token).await {
                     tracing::error!(error = %e, "operator session could not be ended");
                     return crate::error::ApiError::unavailable("sign-out is temporarily unavailable").into_response();
@@ -510,4 +543,26 @@ pub(super) async fn cli_logout(State(gw): State<Arc<AppState>>, headers: HeaderM
         }
     }
     axum::Json(json!({"signed_out": true})).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FlowOwner;
+
+    #[test]
+    fn flow_owners_round_trip_through_the_cookie_field() {
+        let challenge = "E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM".to_string();
+        for owner in [
+            FlowOwner::Tenant("tn_0123456789abcdef".into()),
+            FlowOwner::Operator,
+            FlowOwner::Cli { port: 41234, challenge },
+        ] {
+            let field = owner.encode();
+            assert!(!field.contains('.'), "{field}");
+            assert_eq!(FlowOwner::decode(&field), Some(owner));
+        }
+        for junk in ["", "admin", "cli-", "cli-x-abc", "cli-70000-abc", "tenant"] {
+            assert_eq!(FlowOwner::decode(junk), None, "{junk:?}");
+        }
+    }
 }
