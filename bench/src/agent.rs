@@ -531,6 +531,7 @@ impl Bench {
                 share: 1,
             },
             constraint: task.constraint.clone(),
+            adapter: None,
         })
     }
 }

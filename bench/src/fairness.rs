@@ -451,6 +451,7 @@ async fn engine_run(e: &EngineRun, policy: Policy, flood: bool, cfg: &FairnessCo
             kv_source: None,
             qos: qos(tenant, Priority::Interactive, 1),
             constraint: None,
+            adapter: None,
         }
     };
     // One request: (TTFT ms, output tokens).

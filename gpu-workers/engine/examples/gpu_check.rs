@@ -118,6 +118,7 @@ fn prefill(gpu: &mut CudaCompute, seqs: &Seqs, seq: usize, start: usize, tokens:
         positions: &positions,
         tables: &tables,
         logit_rows: &[tokens.len() - 1],
+        adapters: &[],
     };
     gpu.forward(&batch).map_err(|e| e.to_string())
 }
@@ -200,6 +201,7 @@ fn measure(a: &Args, cpu_model: &Model, mut gpu: CudaCompute, load_s: f64) -> Re
             positions: &[pos],
             tables: &tables,
             logit_rows: &[0],
+            adapters: &[],
         };
         let gpu_l = gpu.forward(&batch).map_err(err)?;
         step_diffs.push(max_abs_diff(&cpu_l, &gpu_l));
@@ -252,6 +254,7 @@ fn measure(a: &Args, cpu_model: &Model, mut gpu: CudaCompute, load_s: f64) -> Re
             positions: &positions,
             tables: &tables,
             logit_rows: &rows,
+            adapters: &[],
         };
         gpu.set_graphs(false);
         let eager = gpu.forward(&batch).map_err(err)?;
@@ -312,6 +315,7 @@ fn measure(a: &Args, cpu_model: &Model, mut gpu: CudaCompute, load_s: f64) -> Re
                     positions: &positions,
                     tables: &tables,
                     logit_rows: &rows,
+                    adapters: &[],
                 };
                 let logits = gpu.forward(&batch).map_err(err)?;
                 for (t, l) in last.iter_mut().zip(logits.chunks_exact(vocab)) {

@@ -150,6 +150,7 @@ async fn run_one(
         kv_source: None,
         qos: Default::default(),
         constraint: None,
+        adapter: None,
     };
     let start = Instant::now();
     let mut rx = engine.generate(req);

@@ -161,6 +161,7 @@ fn request(model: &str, prompt: &[u32], tag: &str) -> GenerateRequest {
         kv_source: None,
         qos: Default::default(),
         constraint: None,
+        adapter: None,
     }
 }
 

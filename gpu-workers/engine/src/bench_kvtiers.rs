@@ -136,6 +136,7 @@ async fn request(e: &EngineHandle, prompt: &[u32], max_tokens: u32) -> Result<(f
         kv_source: None,
         qos: Default::default(),
         constraint: None,
+        adapter: None,
     });
     let mut ms = None;
     let mut tokens = Vec::new();

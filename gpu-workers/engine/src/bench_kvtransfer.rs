@@ -68,6 +68,7 @@ async fn first_token(e: &EngineHandle, prompt: &[u32]) -> (f64, u32) {
         kv_source: None,
         qos: Default::default(),
         constraint: None,
+        adapter: None,
     });
     let mut ms = 0.0;
     while let Some(ev) = rx.recv().await {

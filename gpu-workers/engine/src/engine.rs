@@ -4,7 +4,7 @@
 //! A request whose receiver is dropped is cancelled before the next step and its blocks are
 //! freed at once.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::path::Path;
 use std::sync::{mpsc, Arc};
@@ -17,6 +17,7 @@ use hearth_protocol::{
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{broadcast, oneshot, watch};
 
+use crate::adapters::{AdapterCache, AdapterCacheConfig, AdapterRefused};
 use crate::cuda::Device;
 use crate::gguf::{GgufError, GgufFile};
 use crate::grammar::{Grammar, Grammars};
@@ -25,7 +26,7 @@ use crate::kv::{KvDtype, KvPool};
 use crate::kv_tier::{BlockKey, DiskTier, DiskTierConfig, ReadBlock};
 use crate::kv_transfer::{ImportError, ImportReport, KvBlock, KvLayout};
 use crate::metrics::EngineMetrics;
-use crate::models::{Batch, ForwardScratch, LoadOptions, Model, ModelConfig, ModelError};
+use crate::models::{Batch, ForwardScratch, LoadOptions, LoraAdapter, Model, ModelConfig, ModelError};
 use crate::sampling::Sampler;
 use crate::scheduler::{Policy, Scheduler, SchedulerConfig, StepItem};
 use crate::speculative::{Drafter, PromptLookup, Speculation};
@@ -100,6 +101,8 @@ pub struct EngineConfig {
     /// The KV tier below the pool: evicted blocks kept on local disk (see
     /// [`crate::kv_tier`]); None: evicted blocks are dropped.
     pub kv_disk: Option<DiskTierConfig>,
+    /// LoRA adapters loaded on demand (see [`crate::adapters`]).
+    pub adapters: AdapterCacheConfig,
 }
 
 /// The most one read-back from the disk tier brings in (the rest of the prompt is computed).
@@ -129,6 +132,7 @@ impl Default for EngineConfig {
             cuda_graphs: true,
             chat_template: None,
             kv_disk: None,
+            adapters: AdapterCacheConfig::default(),
         }
     }
 }
@@ -298,6 +302,11 @@ pub struct EngineStats {
     pub prefix_hits: u64,
     pub preemptions: u64,
     pub steps: u64,
+    /// LoRA adapters loaded now, their bytes, and loads from the store so far.
+    pub adapters_loaded: usize,
+    pub adapter_bytes: usize,
+    pub adapter_loads: u64,
+    pub adapter_load_seconds: f64,
     /// The device failed (CUDA): every request fails until the worker restarts, and the
     /// worker answers `/readyz` with 503.
     pub device_failed: bool,
@@ -493,6 +502,8 @@ impl EngineHandle {
             holds: HashMap::new(),
             queue_tokens,
             tier: tier.clone(),
+            adapters: AdapterCache::new(cfg.adapters.clone()),
+            adapter_waiting: VecDeque::new(),
         };
         let (commands, rx) = mpsc::channel::<Command>();
         std::thread::Builder::new()
@@ -707,6 +718,8 @@ struct Request {
     forked: bool,
     /// Ends after the first token with `Handoff` (disaggregated prefill).
     prefill_only: bool,
+    /// The LoRA adapter every token runs under.
+    adapter: Option<Arc<LoraAdapter>>,
     choices: Vec<Choice>,
     started: Instant,
     /// The first step that computed any of it (queue time ends here).
@@ -858,12 +871,16 @@ struct Runner {
     queue_tokens: u64,
     /// The KV tier below the pool.
     tier: Option<Arc<DiskTier>>,
+    /// LoRA adapters, loaded on demand.
+    adapters: AdapterCache,
+    /// Requests whose adapter waits for room in the adapter cache, in arrival order.
+    adapter_waiting: VecDeque<Job>,
 }
 
 impl Runner {
     fn run(&mut self, rx: mpsc::Receiver<Command>) {
         loop {
-            if self.sched.is_idle() {
+            if self.sched.is_idle() && self.adapter_waiting.is_empty() {
                 // Holds expire even while nothing runs.
                 let cmd = if self.holds.is_empty() {
                     rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected)
@@ -881,12 +898,23 @@ impl Runner {
                 self.command(cmd);
             }
             self.reap_cancelled();
+            self.admit_adapter_waiting();
             if self.sched.is_idle() {
                 self.publish();
                 continue;
             }
             self.step();
             self.publish();
+        }
+    }
+
+    /// Admits the requests that waited for room in the adapter cache, as far as there is
+    /// room now (those still without it wait on; those whose client left are dropped).
+    fn admit_adapter_waiting(&mut self) {
+        for job in std::mem::take(&mut self.adapter_waiting) {
+            if !job.tx.is_closed() {
+                self.admit(job);
+            }
         }
     }
 
@@ -1105,8 +1133,9 @@ impl Runner {
         let bt = self.sched.config().block_tokens;
         let tokens: Vec<u32> = req.prompt.iter().chain(&req.resume).copied().collect();
         let full = tokens.len().saturating_sub(1) / bt;
-        let mut h = namespace_root(&self.model_id, &req.cache_namespace);
-        let mut key = BlockKey::root(&self.model_id, &req.cache_namespace);
+        let namespace = req.kv_namespace();
+        let mut h = namespace_root(&self.model_id, &namespace);
+        let mut key = BlockKey::root(&self.model_id, &namespace);
         let mut run = Vec::new();
         let mut leading = 0;
         // No more than the pool can take without evicting the prompt's own leading blocks
@@ -1134,6 +1163,28 @@ impl Runner {
             let _ = job.tx.send(e);
             return;
         }
+        let adapter = match &job.req.adapter {
+            None => None,
+            Some(_) if !matches!(self.compute, Compute::Cpu { .. }) => {
+                let _ = job.tx.send(error(
+                    "adapter_unavailable",
+                    "LoRA adapters are served by CPU workers only".into(),
+                ));
+                return;
+            }
+            Some(r) => match self.adapters.get(r, &self.model) {
+                Ok(a) => Some(a),
+                Err(AdapterRefused::Busy) => {
+                    self.adapter_waiting.push_back(job);
+                    return;
+                }
+                Err(AdapterRefused::Failed { code, message }) => {
+                    tracing::warn!(request_id = %job.req.request_id, adapter = %r.name, code, error = %message, "adapter refused");
+                    let _ = job.tx.send(error(code, message));
+                    return;
+                }
+            },
+        };
         if let (Some(tier), Some(resend)) = (self.tier.clone(), job.resend.take()) {
             let run = self.disk_run(&tier, &job.req);
             if !run.is_empty() {
@@ -1149,6 +1200,7 @@ impl Runner {
             }
         }
         let Job { req, tx, .. } = job;
+        let namespace = req.kv_namespace().into_owned();
         let queue = self.sched.queue_state(&req.qos.tenant, self.queue_tokens);
         if let Err(shed) = queue.admit(req.qos.priority, req.prompt.len() as u64) {
             self.metrics.shed(req.qos.priority).inc();
@@ -1218,6 +1270,7 @@ impl Runner {
             n: req.n,
             forked: req.n == 1,
             prefill_only: req.prefill_only,
+            adapter,
             choices,
             started: Instant::now(),
             scheduled: None,
@@ -1227,15 +1280,10 @@ impl Runner {
         self.owner.insert(id, (id, 0));
         let mut tokens = req.prompt;
         tokens.extend_from_slice(&req.resume);
-        self.sched.add_for(
-            id,
-            tokens,
-            namespace_root(&self.model_id, &req.cache_namespace),
-            &req.qos,
-        );
+        self.sched
+            .add_for(id, tokens, namespace_root(&self.model_id, &namespace), &req.qos);
         if self.tier.is_some() {
-            self.sched
-                .set_key_root(id, BlockKey::root(&self.model_id, &req.cache_namespace));
+            self.sched.set_key_root(id, BlockKey::root(&self.model_id, &namespace));
         }
         self.requests.insert(id, r);
     }
@@ -1367,15 +1415,26 @@ impl Runner {
             .iter()
             .map(|s| self.sched.get(*s).map_or(&[][..], |q| &q.table[..]))
             .collect();
+        // Each row's adapter (none at all when no request of the step has one).
+        let adapter_of = |s: &u64| {
+            let key = self.owner.get(s)?.0;
+            self.requests.get(&key)?.adapter.as_deref()
+        };
+        let adapters: Vec<Option<&LoraAdapter>> = if row_seq.iter().any(|s| adapter_of(s).is_some()) {
+            row_seq.iter().map(adapter_of).collect()
+        } else {
+            Vec::new()
+        };
         let batch = Batch {
             tokens: &tokens,
             positions: &positions,
             tables: &tables,
             logit_rows: &logit_rows,
+            adapters: &adapters,
         };
         let (model, compute) = (&self.model, &mut self.compute);
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| compute.forward(model, &batch)));
-        drop(tables);
+        drop((tables, adapters));
         let logits = match outcome {
             Ok(Ok(l)) => l,
             failed => {
@@ -1658,6 +1717,10 @@ impl Runner {
             prefix_hits: self.sched.blocks.hits,
             preemptions: self.sched.preemptions,
             steps: self.steps,
+            adapters_loaded: self.adapters.digests().len(),
+            adapter_bytes: self.adapters.bytes(),
+            adapter_loads: self.adapters.loads,
+            adapter_load_seconds: self.adapters.load_seconds,
             device_failed: self.compute.failed(),
         });
     }

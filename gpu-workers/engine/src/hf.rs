@@ -152,7 +152,7 @@ fn layer_names(arch: Arch) -> Vec<(&'static str, &'static str)> {
 }
 
 /// Hugging Face tensor name → GGUF tensor name.
-fn gguf_name(hf: &str, arch: Arch) -> Option<String> {
+pub(crate) fn gguf_name(hf: &str, arch: Arch) -> Option<String> {
     match hf {
         "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
         "model.norm.weight" => return Some("output_norm.weight".into()),
@@ -261,7 +261,7 @@ fn shard_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<WeightMap>), HfError>
     Ok((files, None))
 }
 
-fn ggml_type(d: Dtype) -> Option<GgmlType> {
+pub(crate) fn ggml_type(d: Dtype) -> Option<GgmlType> {
     match d {
         Dtype::F32 => Some(GgmlType::F32),
         Dtype::F16 => Some(GgmlType::F16),

@@ -847,7 +847,7 @@ pub async fn prepare(
         0 => &req.prompt[..],
         n => &req.prompt[..(n + 1).min(req.prompt.len())],
     };
-    let report = pull(engine, transport, &src.worker, prompt, &req.cache_namespace, hold).await;
+    let report = pull(engine, transport, &src.worker, prompt, &req.kv_namespace(), hold).await;
     if report.error.is_some() && hold.is_some() {
         // The peer's export may never have begun (busy, unreachable): its hold ends now.
         transport.release(&src.worker, &req.model, src.hold.clone()).await;

@@ -12,6 +12,7 @@
 //!
 //! The gateway never links these internals: it speaks `hearth-protocol` to a worker.
 
+pub mod adapters;
 pub mod attention;
 pub mod backend;
 pub mod bench;
@@ -19,6 +20,7 @@ pub mod bench_attention;
 pub mod bench_coldstart;
 pub mod bench_kvtiers;
 pub mod bench_kvtransfer;
+pub mod bench_lora;
 pub mod cuda;
 pub mod engine;
 pub mod fetch;

@@ -532,6 +532,7 @@ pub(crate) mod handle_tests {
             kv_source: None,
             qos: Qos::default(),
             constraint: None,
+            adapter: None,
         };
         let mut rx = h.generate(req);
         let mut tokens = 0;

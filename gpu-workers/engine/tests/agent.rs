@@ -55,6 +55,7 @@ async fn generate(e: &EngineHandle, prompt: Vec<u32>, sampling: SamplingParams, 
         kv_source: None,
         qos: Default::default(),
         constraint,
+        adapter: None,
     });
     let mut out = Out {
         ids: Vec::new(),

@@ -441,6 +441,7 @@ fn run_scenario(spec: Spec, seed: u64) {
         positions: &positions,
         tables: &tables,
         logit_rows: &[19, 26],
+        adapters: &[],
     };
     pair.step(&batch, true, "two prefills");
 
@@ -454,6 +455,7 @@ fn run_scenario(spec: Spec, seed: u64) {
             positions: &positions,
             tables: &tables,
             logit_rows: &[0, 1],
+            adapters: &[],
         };
         pair.step(&batch, graphs, &format!("decode {k}"));
     }
@@ -471,6 +473,7 @@ fn run_scenario(spec: Spec, seed: u64) {
         positions: &positions,
         tables: &tables,
         logit_rows: &[0, 1, 2, 3, 8],
+        adapters: &[],
     };
     pair.step(&batch, true, "mixed step");
     let tokens = [13u32, 14, 15, 16];
@@ -481,6 +484,7 @@ fn run_scenario(spec: Spec, seed: u64) {
         positions: &positions,
         tables: &tables,
         logit_rows: &[0, 1, 2, 3],
+        adapters: &[],
     };
     pair.step(&batch, true, "speculative verify");
 
@@ -495,6 +499,7 @@ fn run_scenario(spec: Spec, seed: u64) {
         positions: &positions,
         tables: &tables,
         logit_rows: &[63, 127, 149],
+        adapters: &[],
     };
     pair.step(&batch, true, "long prompt");
     for k in 0..2 {
@@ -504,6 +509,7 @@ fn run_scenario(spec: Spec, seed: u64) {
             positions: &[150 + k as usize, 25 + k as usize],
             tables: &tables,
             logit_rows: &[0, 1],
+            adapters: &[],
         };
         pair.step(&batch, true, &format!("long decode {k}"));
     }
@@ -598,6 +604,7 @@ fn emulated_kernels_give_the_golden_answer_on_the_default_model() {
             positions: &positions,
             tables: &tables,
             logit_rows: &[prompt.len() - 1],
+            adapters: &[],
         },
         true,
     );
@@ -621,6 +628,7 @@ fn emulated_kernels_give_the_golden_answer_on_the_default_model() {
                 positions: &[pos],
                 tables: &tables,
                 logit_rows: &[0],
+                adapters: &[],
             },
             true,
         );

@@ -64,6 +64,7 @@ async fn run(b: &dyn Backend, model: &str, max_tokens: u32) -> (usize, Option<St
         kv_source: None,
         qos: Default::default(),
         constraint: None,
+        adapter: None,
     };
     let mut rx = b.generate(req);
     let mut tokens = 0;
@@ -306,6 +307,7 @@ async fn a_removed_model_holds_its_memory_until_its_requests_end() {
         kv_source: None,
         qos: Default::default(),
         constraint: None,
+        adapter: None,
     };
     let mut rx_a = a.generate(req("a", 48));
     assert!(

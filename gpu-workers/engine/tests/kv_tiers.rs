@@ -82,6 +82,7 @@ async fn greedy(e: &EngineHandle, prompt: &[u32], namespace: &str, tenant: &str)
             ..Default::default()
         },
         constraint: None,
+        adapter: None,
     };
     let mut rx = e.generate(req);
     let mut tokens = Vec::new();

@@ -65,6 +65,7 @@ async fn greedy(e: &EngineHandle, prompt: &[u32], max_tokens: u32) -> (Vec<u32>,
         kv_source: None,
         qos: Default::default(),
         constraint: None,
+        adapter: None,
     };
     let mut rx = e.generate(req);
     let mut tokens = Vec::new();
@@ -505,6 +506,7 @@ fn request(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
         kv_source: None,
         qos: Default::default(),
         constraint: None,
+        adapter: None,
     }
 }
 

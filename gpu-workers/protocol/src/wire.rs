@@ -150,6 +150,35 @@ pub struct GenerateRequest {
     /// Constrained decoding: every choice's output matches this grammar.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub constraint: Option<Constraint>,
+    /// A tenant's LoRA adapter over the model: every token of the request runs under it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapter: Option<AdapterRef>,
+}
+
+impl GenerateRequest {
+    /// The namespace the prompt's KV blocks are cached and found under: `cache_namespace`,
+    /// and with an adapter its digest too, so that KV computed under one adapter is never
+    /// reused under another or under the base model. Routing hashes prompts under it too.
+    pub fn kv_namespace(&self) -> std::borrow::Cow<'_, str> {
+        match &self.adapter {
+            None => std::borrow::Cow::Borrowed(&self.cache_namespace),
+            Some(a) => std::borrow::Cow::Owned(format!("{}\u{1f}lora:{}", self.cache_namespace, a.digest)),
+        }
+    }
+}
+
+/// Which LoRA adapter a request runs under, and where a worker reads it from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdapterRef {
+    /// The name the request used (`BASE:ADAPTER`), for logs and metrics.
+    pub name: String,
+    /// SHA-256 of the adapter's files (hex): its identity in the worker's adapter cache and
+    /// in cache namespaces. A worker refuses files whose digest differs.
+    pub digest: String,
+    /// The adapter in the shared adapter store: a PEFT directory or a GGUF LoRA file,
+    /// relative to the store (each worker's `--adapter-dir`); a worker reads nothing
+    /// outside its store.
+    pub path: String,
 }
 
 fn is_default_qos(q: &crate::Qos) -> bool {

@@ -317,6 +317,31 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// LoRA adapters: streams spread over several adapters decoding in shared steps, against
+    /// the base model and against serving one adapter at a time; and a cold adapter's first
+    /// token against a loaded one's.
+    Lora {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Concurrent streams.
+        #[arg(long, default_value_t = 32)]
+        streams: usize,
+        /// Distinct adapters the streams are spread over.
+        #[arg(long, default_value_t = 8)]
+        adapters: usize,
+        /// The adapters' rank (every q/k/v/o/gate/up/down projection).
+        #[arg(long, default_value_t = 16)]
+        rank: usize,
+        /// Tokens each stream generates.
+        #[arg(long, default_value_t = 64)]
+        tokens: usize,
+        /// Fewer tokens and samples (smoke).
+        #[arg(long)]
+        quick: bool,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// KV transfer between engines (prefill/decode disaggregation): in process and worker to
     /// worker over loopback HTTP, in GB/s.
     KvTransfer {
@@ -633,6 +658,20 @@ pub struct ModelArgs {
     /// Each tenant's share of a disk tier, in GiB (0: only the tier's size bounds it).
     #[arg(long, env = "HEARTH_KV_DISK_TENANT_GIB", default_value_t = 0.0)]
     pub kv_disk_tenant_gib: f64,
+    /// The LoRA adapter store engines read adapters from (requests name adapters relative
+    /// to it; nothing outside it is read). Unset: engines serve no adapters.
+    #[arg(long, env = "HEARTH_ADAPTER_DIR")]
+    pub adapter_dir: Option<PathBuf>,
+    /// LoRA adapters an engine keeps loaded at once (least recently used unloaded first;
+    /// 0: serve no adapters).
+    #[arg(long, env = "HEARTH_MAX_ADAPTERS", default_value_t = 16)]
+    pub max_adapters: usize,
+    /// Memory for loaded adapters per engine, in MiB.
+    #[arg(long, env = "HEARTH_ADAPTER_MEMORY_MIB", default_value_t = 1024)]
+    pub adapter_memory_mib: usize,
+    /// The largest adapter rank an engine loads.
+    #[arg(long, env = "HEARTH_ADAPTER_MAX_RANK", default_value_t = 64)]
+    pub adapter_max_rank: usize,
 }
 
 fn read_template(path: &str) -> Result<String, String> {
@@ -719,6 +758,16 @@ impl ModelArgs {
                     capacity_bytes: gib_bytes(self.kv_disk_gib),
                     tenant_bytes: gib_bytes(self.kv_disk_tenant_gib),
                 }),
+            adapters: hearth_engine::adapters::AdapterCacheConfig {
+                store: self.adapter_dir.clone(),
+                max_loaded: self.max_adapters,
+                memory_mib: self.adapter_memory_mib,
+                limits: hearth_engine::models::LoraLimits {
+                    max_rank: self.adapter_max_rank,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
         }
     }
 }

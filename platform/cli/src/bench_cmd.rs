@@ -63,6 +63,31 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
             print!("{}", report.table());
             write_json(&report, json)
         }
+        BenchCommand::Lora {
+            model,
+            streams,
+            adapters,
+            rank,
+            tokens,
+            quick,
+            json,
+        } => {
+            let (path, id) = resolve_model(&model).await?;
+            let tokens = if quick { tokens.min(16) } else { tokens };
+            let report = hearth_engine::bench_lora::run(
+                &path,
+                &id,
+                &model.engine_config(),
+                streams.clamp(1, 256),
+                adapters.clamp(1, 64),
+                rank.clamp(1, 64),
+                tokens.clamp(2, 1024),
+                quick,
+            )
+            .await?;
+            print!("{}", report.table());
+            write_json(&report, json)
+        }
         BenchCommand::KvTiers { model, quick, json } => {
             let (path, id) = resolve_model(&model).await?;
             let report = hearth_engine::bench_kvtiers::run(&path, &id, &model.engine_config(), quick).await?;

@@ -585,6 +585,11 @@ impl CudaCompute {
     /// One forward step (see [`Model::forward_batch`]): K/V of every row written into
     /// the device pool; the logits of `b.logit_rows` returned, in that order.
     pub fn forward(&mut self, b: &Batch<'_>) -> Result<Vec<f32>, CudaError> {
+        if b.adapters.iter().any(Option::is_some) {
+            return Err(CudaError::Model(
+                "LoRA adapters are computed on the CPU backend only".into(),
+            ));
+        }
         self.shielded(|c| c.step(b))
     }
 

@@ -303,6 +303,7 @@ pub(crate) mod tests {
             positions: &[20, 0, 1, 2],
             tables: &tables,
             logit_rows: &[0, 3],
+            adapters: &[],
         };
         let s = assemble(&batch, bt, 4, 99, None).unwrap();
         assert_eq!(s.rows, 4);
@@ -348,6 +349,7 @@ pub(crate) mod tests {
             positions: &[5, 9, 17],
             tables: &tables,
             logit_rows: &[0, 1, 2],
+            adapters: &[],
         };
         // Position 17 needs a second block this table lacks.
         assert!(assemble(&batch, 16, 4, 9, Some(4))

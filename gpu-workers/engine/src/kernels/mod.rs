@@ -452,6 +452,43 @@ pub fn axpy(w: f32, v: &[f32], out: &mut [f32]) {
     }
 }
 
+/// LoRA's shrink: `t[j] = a[j] · x` for the `t.len()` rows of `a` (f16 bits), each
+/// `x.len()` wide.
+pub fn lora_shrink(a: &[u16], x: &[f32], t: &mut [f32]) {
+    assert!(a.len() >= t.len() * x.len(), "A is smaller than rank × columns");
+    #[cfg(target_arch = "x86_64")]
+    if isa().is_simd() {
+        // SAFETY: every SIMD path implies AVX2/FMA/F16C (checked by `isa()`); the length
+        // is asserted above.
+        unsafe { x86::avx2::lora_shrink(a, x, t) };
+        return;
+    }
+    for (t, a) in t.iter_mut().zip(a.chunks_exact(x.len().max(1))) {
+        *t = a
+            .iter()
+            .zip(x)
+            .map(|(&a, x)| half::f16::from_bits(a).to_f32() * x)
+            .sum();
+    }
+}
+
+/// LoRA's expand: `y[o] += Σ_j t[j] · bt[j][o]`, `bt` being `t.len()` f16 rows of
+/// `y.len()`.
+pub fn lora_expand(bt: &[u16], t: &[f32], y: &mut [f32]) {
+    assert!(bt.len() >= t.len() * y.len(), "Bᵀ is smaller than rank × rows");
+    #[cfg(target_arch = "x86_64")]
+    if isa().is_simd() {
+        // SAFETY: as for `lora_shrink`.
+        unsafe { x86::avx2::lora_expand(bt, t, y) };
+        return;
+    }
+    for (&w, b) in t.iter().zip(bt.chunks_exact(y.len().max(1))) {
+        for (y, &b) in y.iter_mut().zip(b) {
+            *y += w * half::f16::from_bits(b).to_f32();
+        }
+    }
+}
+
 /// `gate[i] = silu(gate[i]) · up[i]` (SwiGLU).
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     let n = gate.len().min(up.len());
@@ -695,6 +732,29 @@ fn packed_matmul_many(isa: Isa, ps: &[&PackedMatrix], acts: &QuantizedActs, outs
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    /// The SIMD shrink and expand (f16 matrices) equal the plain sums, tails included.
+    #[test]
+    fn lora_shrink_and_expand_match_the_plain_sums() {
+        let (cols, rank, out) = (37, 6, 43);
+        let h = |v: f32| half::f16::from_f32(v).to_bits();
+        let f = |b: u16| half::f16::from_bits(b).to_f32();
+        let a: Vec<u16> = (0..rank * cols).map(|i| h(((i * 7 % 11) as f32 - 5.0) / 8.0)).collect();
+        let x: Vec<f32> = (0..cols).map(|i| ((i * 5 % 13) as f32 - 6.0) / 4.0).collect();
+        let bt: Vec<u16> = (0..rank * out).map(|i| h(((i * 3 % 7) as f32 - 3.0) / 2.0)).collect();
+        let mut t = vec![0f32; rank];
+        lora_shrink(&a, &x, &mut t);
+        for (j, &tj) in t.iter().enumerate() {
+            let want: f32 = (0..cols).map(|c| f(a[j * cols + c]) * x[c]).sum();
+            assert!((tj - want).abs() < 1e-4, "t[{j}] = {tj}, want {want}");
+        }
+        let mut y: Vec<f32> = (0..out).map(|o| o as f32).collect();
+        lora_expand(&bt, &t, &mut y);
+        for (o, &yo) in y.iter().enumerate() {
+            let want = o as f32 + (0..rank).map(|j| t[j] * f(bt[j * out + o])).sum::<f32>();
+            assert!((yo - want).abs() < 1e-3, "y[{o}] = {yo}, want {want}");
+        }
+    }
 
     const QUANTIZED: [GgmlType; 8] = GgmlType::QUANTIZED;
 

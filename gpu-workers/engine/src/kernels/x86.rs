@@ -563,6 +563,89 @@ pub mod avx2 {
         }
     }
 
+    /// Eight f16 values from `p`, as floats.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_f16(p: *const u16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+
+    /// LoRA's shrink: `t[j] = a[j] · x` for the `t.len()` rows of `a` (f16, each `x.len()`
+    /// wide), four rows of `a` per pass over `x`.
+    ///
+    /// # Safety
+    /// AVX2/FMA/F16C available; `a` holds `t.len() · x.len()` values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn lora_shrink(a: &[u16], x: &[f32], t: &mut [f32]) {
+        let (cols, rank) = (x.len(), t.len());
+        debug_assert!(a.len() >= rank * cols);
+        let (xp, ap) = (x.as_ptr(), a.as_ptr());
+        let scalar = |j: usize, from: usize| -> f32 {
+            (from..cols)
+                .map(|c| half::f16::from_bits(a[j * cols + c]).to_f32() * x[c])
+                .sum()
+        };
+        let mut j = 0;
+        while j + 4 <= rank {
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut i = 0;
+            while i + 8 <= cols {
+                let xv = _mm256_loadu_ps(xp.add(i));
+                for (k, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm256_fmadd_ps(load_f16(ap.add((j + k) * cols + i)), xv, *acc);
+                }
+                i += 8;
+            }
+            for (k, acc) in acc.iter().enumerate() {
+                t[j + k] = hsum(*acc) + scalar(j + k, i);
+            }
+            j += 4;
+        }
+        while j < rank {
+            let mut acc = _mm256_setzero_ps();
+            let mut i = 0;
+            while i + 8 <= cols {
+                acc = _mm256_fmadd_ps(load_f16(ap.add(j * cols + i)), _mm256_loadu_ps(xp.add(i)), acc);
+                i += 8;
+            }
+            t[j] = hsum(acc) + scalar(j, i);
+            j += 1;
+        }
+    }
+
+    /// LoRA's expand: `y[o] += Σ_j t[j] · bt[j][o]` (`bt` is `t.len()` f16 rows of
+    /// `y.len()`), `y` read and written once.
+    ///
+    /// # Safety
+    /// AVX2/FMA/F16C available; `bt` holds `t.len() · y.len()` values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn lora_expand(bt: &[u16], t: &[f32], y: &mut [f32]) {
+        let (out, rank) = (y.len(), t.len());
+        debug_assert!(bt.len() >= rank * out);
+        let (bp, yp) = (bt.as_ptr(), y.as_mut_ptr());
+        let mut o = 0;
+        while o + 16 <= out {
+            let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            for (j, &w) in t.iter().enumerate() {
+                let w = _mm256_set1_ps(w);
+                let p = bp.add(j * out + o);
+                acc0 = _mm256_fmadd_ps(w, load_f16(p), acc0);
+                acc1 = _mm256_fmadd_ps(w, load_f16(p.add(8)), acc1);
+            }
+            _mm256_storeu_ps(yp.add(o), _mm256_add_ps(_mm256_loadu_ps(yp.add(o)), acc0));
+            _mm256_storeu_ps(yp.add(o + 8), _mm256_add_ps(_mm256_loadu_ps(yp.add(o + 8)), acc1));
+            o += 16;
+        }
+        while o < out {
+            y[o] += t
+                .iter()
+                .enumerate()
+                .map(|(j, &w)| w * half::f16::from_bits(bt[j * out + o]).to_f32())
+                .sum::<f32>();
+            o += 1;
+        }
+    }
+
     /// `g = silu(g) · u`.
     ///
     /// # Safety

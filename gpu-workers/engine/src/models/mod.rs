@@ -25,6 +25,7 @@ pub mod deepseek2;
 pub mod gemma2;
 pub mod gemma3;
 pub mod llama;
+pub mod lora;
 pub mod mistral;
 pub mod mixtral;
 pub mod mla;
@@ -41,6 +42,7 @@ use serde::{Deserialize, Serialize};
 pub use config::{
     Activation, BlockSpec, Gating, Hparams, MlaSpec, ModelConfig, MoeSpec, NORM_SHIFT_KEY, ROPE_LAYOUT_KEY,
 };
+pub use lora::{LoraAdapter, LoraError, LoraLimits};
 pub use rope::{RopeLayout, RopeScaling, RopeScalingKind};
 pub use transformer::{Batch, FloatWeights, ForwardScratch, LayerWeights, LoadOptions, Model, ModelWeights, Session};
 

@@ -31,6 +31,7 @@ use rayon::prelude::*;
 
 use crate::gguf::GgufFile;
 
+use super::lora::LoraRows;
 use super::transformer::{load_mlp, matrices_3d, matrix, opt_vector, GateUp, Matrix, Mlp, MlpBufs};
 use super::{ForwardScratch, Gating, Model, ModelConfig, ModelError, MoeSpec};
 
@@ -172,7 +173,7 @@ impl Moe {
                     xe.extend_from_slice(&h[r * d..(r + 1) * d]);
                 }
                 let mut ye = vec![0f32; picks.len() * d];
-                self.experts[e].forward(model, &xe[..], bufs, &mut ye, s);
+                self.experts[e].forward(model, &xe[..], LoraRows::NONE, bufs, &mut ye, s);
                 ye
             })
             .collect();
@@ -185,7 +186,7 @@ impl Moe {
         let mut ye = Vec::new();
         if let Some(shared) = &self.shared {
             ye.resize(rows * d, 0.0);
-            shared.forward(model, h, bufs, &mut ye, s);
+            shared.forward(model, h, LoraRows::NONE, bufs, &mut ye, s);
             out.iter_mut().zip(&ye).for_each(|(o, y)| *o += y);
         }
     }

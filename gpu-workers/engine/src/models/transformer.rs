@@ -31,6 +31,7 @@ use crate::kernels::{
 use crate::kv::{KvDtype, KvPool, KvShape};
 use crate::pack_cache::{self, Wanted};
 
+use super::lora::{LoraAdapter, LoraGroups, LoraRows, Target};
 use super::mla::Latent;
 use super::moe::Moe;
 use super::rope::{self, RopeFreqs, RopeScaling, RopeScalingKind};
@@ -93,11 +94,13 @@ impl Mlp {
         ms
     }
 
-    /// The MLP of `h` (rows of `d_model`) into `out`; `bufs` are scratch.
+    /// The MLP of `h` (rows of `d_model`) into `out`, with the rows' adapters' updates;
+    /// `bufs` are scratch.
     pub(super) fn forward(
         &self,
         model: &Model,
         h: &[f32],
+        lora: LoraRows<'_>,
         bufs: &mut MlpBufs,
         out: &mut [f32],
         s: &mut ForwardScratch,
@@ -117,14 +120,20 @@ impl Mlp {
             GateUp::Fused(w) => {
                 fused.resize(2 * rows * ff, 0.0);
                 matmul(&model.view(w), h, fused, &mut s.mm);
+                lora.apply(Target::Up, h, fused);
                 split_rows(fused, rows, &mut [&mut gate[..], &mut up[..]]);
             }
+        }
+        if let GateUp::Split { .. } = &self.gate_up {
+            lora.apply(Target::Gate, h, gate);
+            lora.apply(Target::Up, h, up);
         }
         match model.config.block.activation {
             Activation::Silu => silu_mul(gate, up),
             Activation::GeluTanh => gelu_mul(gate, up),
         }
         matmul(&model.view(&self.down), gate, out, &mut s.mm);
+        lora.apply(Target::Down, gate, out);
     }
 }
 
@@ -945,11 +954,46 @@ impl Model {
         })
     }
 
-    /// The attention's projections of `h` into `q`, `k`, `v`, with their biases.
+    /// The shape (rows, columns) of the matrix a LoRA adapter's `target` updates in layer
+    /// `layer`, or why adapters cannot update it in this model.
+    pub(super) fn lora_target(&self, layer: usize, target: Target) -> Result<(usize, usize), &'static str> {
+        let l = self.layers.get(layer).ok_or("no such layer")?;
+        let m = match target {
+            Target::O => &l.wo,
+            Target::Q | Target::K | Target::V | Target::Qkv => match (&l.attn, target) {
+                (Attention::Latent(_), _) => return Err("latent attention's projections take no adapters"),
+                (Attention::Heads(a), _) => match (&a.qkv, target) {
+                    (Qkv::Split { q, .. }, Target::Q) => q,
+                    (Qkv::Split { k, .. }, Target::K) => k,
+                    (Qkv::Split { v, .. }, Target::V) => v,
+                    (Qkv::Fused(m), Target::Qkv) => m,
+                    (Qkv::Split { .. }, _) => return Err("this model has separate Q, K and V projections"),
+                    (Qkv::Fused(_), _) => return Err("this model's Q, K and V are one fused projection (qkv_proj)"),
+                },
+            },
+            Target::Gate | Target::Up | Target::Down => match &l.ffn {
+                Ffn::Experts(_) => return Err("a mixture of experts' MLP takes no adapters"),
+                Ffn::Dense(mlp) => match (&mlp.gate_up, target) {
+                    (_, Target::Down) => &mlp.down,
+                    (GateUp::Split { gate, .. }, Target::Gate) => gate,
+                    (GateUp::Split { up, .. }, _) => up,
+                    (GateUp::Fused(_), Target::Gate) => {
+                        return Err("this model's gate and up are one fused projection (gate_up_proj)")
+                    }
+                    (GateUp::Fused(m), _) => m,
+                },
+            },
+        };
+        Ok((m.rows, m.cols))
+    }
+
+    /// The attention's projections of `h` into `q`, `k`, `v`, with the rows' adapters'
+    /// updates and the biases.
     fn project_qkv(
         &self,
         layer: &HeadsAttention,
         h: &[f32],
+        lora: LoraRows<'_>,
         qkv: [&mut Vec<f32>; 3],
         fused: &mut Vec<f32>,
         s: &mut ForwardScratch,
@@ -959,15 +1003,21 @@ impl Model {
             Qkv::Split { q: wq, k: wk, v: wv } => matmul_many(
                 &[self.view(wq), self.view(wk), self.view(wv)],
                 h,
-                &mut [q, k, v],
+                &mut [&mut q[..], &mut k[..], &mut v[..]],
                 &mut s.mm,
             ),
             Qkv::Fused(w) => {
                 fused.resize(q.len() + k.len() + v.len(), 0.0);
                 matmul(&self.view(w), h, fused, &mut s.mm);
+                lora.apply(Target::Qkv, h, fused);
                 let rows = h.len() / self.config.d_model;
                 split_rows(fused, rows, &mut [&mut q[..], &mut k[..], &mut v[..]]);
             }
+        }
+        if let Qkv::Split { .. } = &layer.qkv {
+            lora.apply(Target::Q, h, q);
+            lora.apply(Target::K, h, k);
+            lora.apply(Target::V, h, v);
         }
         for (x, bias) in [q, k, v].into_iter().zip(&layer.bias) {
             add_bias(x, bias.as_ref());
@@ -1013,13 +1063,19 @@ impl Model {
         let tiles = attention_tiles(b, c.n_heads, c.n_kv_heads);
         let rope_global = self.rope.table(b.positions);
         let rope_local = self.rope_local.as_ref().map(|r| r.table(b.positions));
+        assert!(
+            b.adapters.is_empty() || b.adapters.len() == t,
+            "adapters are given for every row of a step or for none"
+        );
+        let groups = LoraGroups::new(b.adapters);
         for (l, layer) in self.layers.iter().enumerate() {
             let window = c.window(l);
+            let lora = groups.at(l);
             rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
             att.resize(t * layer.wo.cols, 0.0);
             match &layer.attn {
                 Attention::Heads(a) => {
-                    self.project_qkv(a, &h, [&mut q, &mut k, &mut v], &mut fused, s);
+                    self.project_qkv(a, &h, lora, [&mut q, &mut k, &mut v], &mut fused, s);
                     if let Some((qn, kn)) = &a.qk_norm {
                         rms_norm_in_place(&mut q, qn, c.rms_eps);
                         rms_norm_in_place(&mut k, kn, c.rms_eps);
@@ -1045,10 +1101,11 @@ impl Model {
                 Attention::Latent(a) => a.forward(self, b, l, &h, &rope_global, &tiles, pool, &mut att, s),
             }
             matmul(&self.view(&layer.wo), &att, &mut o, &mut s.mm);
+            lora.apply(Target::O, &att, &mut o);
             Self::residual(&mut x, &mut o, layer.attn_post_norm.as_deref(), c.rms_eps);
             rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
             match &layer.ffn {
-                Ffn::Dense(m) => m.forward(self, &h, &mut bufs, &mut o, s),
+                Ffn::Dense(m) => m.forward(self, &h, lora, &mut bufs, &mut o, s),
                 Ffn::Experts(m) => m.forward(self, &h, &mut bufs, &mut o, s),
             }
             Self::residual(&mut x, &mut o, layer.ffn_post_norm.as_deref(), c.rms_eps);
@@ -1194,6 +1251,9 @@ pub struct Batch<'a> {
     pub positions: &'a [usize],
     pub tables: &'a [&'a [u32]],
     pub logit_rows: &'a [usize],
+    /// The LoRA adapter each row runs under (None: the base model's weights), one per row;
+    /// empty when no row has one.
+    pub adapters: &'a [Option<&'a LoraAdapter>],
 }
 
 /// One sequence over its own small paged cache: for tests, tools and numerics checks.
@@ -1203,6 +1263,7 @@ pub struct Session<'m> {
     table: Vec<u32>,
     len: usize,
     scratch: ForwardScratch,
+    adapter: Option<&'m LoraAdapter>,
 }
 
 impl<'m> Session<'m> {
@@ -1226,18 +1287,30 @@ impl<'m> Session<'m> {
             table: (0..blocks as u32).collect(),
             len: 0,
             scratch,
+            adapter: None,
         }
+    }
+
+    /// The session with a LoRA adapter applied to every token.
+    pub fn with_adapter(mut self, adapter: &'m LoraAdapter) -> Self {
+        self.adapter = Some(adapter);
+        self
     }
 
     /// Appends tokens and returns the logits after the last one.
     pub fn feed(&mut self, tokens: &[u32]) -> Vec<f32> {
         let positions: Vec<usize> = (self.len..self.len + tokens.len()).collect();
         let tables = vec![&self.table[..]; tokens.len()];
+        let adapters = match self.adapter {
+            Some(a) => vec![Some(a); tokens.len()],
+            None => Vec::new(),
+        };
         let batch = Batch {
             tokens,
             positions: &positions,
             tables: &tables,
             logit_rows: &[tokens.len() - 1],
+            adapters: &adapters,
         };
         self.len += tokens.len();
         self.model.forward_batch(&batch, &mut self.pool, &mut self.scratch)
@@ -1261,6 +1334,7 @@ mod tests {
             positions: &positions,
             tables: &tables,
             logit_rows: &[],
+            adapters: &[],
         };
         for (heads, kv) in [(9, 3), (16, 8), (32, 32), (32, 4), (8, 1)] {
             let tiles = attention_tiles(&batch, heads, kv);

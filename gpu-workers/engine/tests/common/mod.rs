@@ -84,6 +84,7 @@ pub async fn generate(
         kv_source: None,
         qos: Default::default(),
         constraint,
+        adapter: None,
     });
     let mut tokens = Vec::new();
     while let Some(ev) = rx.recv().await {

@@ -458,6 +458,7 @@ mod tests {
             kv_source: None,
             qos: Default::default(),
             constraint: None,
+            adapter: None,
         };
         let hints = RouteHints {
             session: None,
@@ -517,6 +518,7 @@ mod tests {
             kv_source: None,
             qos: Default::default(),
             constraint: None,
+            adapter: None,
         };
         req.qos.tenant = "t".into();
         let routed = |req: &GenerateRequest| {

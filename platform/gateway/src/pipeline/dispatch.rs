@@ -132,6 +132,7 @@ pub async fn run(state: &crate::state::AppState, ctx: &mut RequestContext) -> Re
         kv_source: None,
         qos: ctx.qos.clone(),
         constraint: request.common.constraint.clone(),
+        adapter: None,
     };
     // Sessions are the tenant's own: equal header values of two tenants are two sessions.
     // Without the header, the request's own session key (`prompt_cache_key`, Claude Code's
