@@ -5,9 +5,9 @@
 //!
 //! An adapter in use by a running request is never unloaded: its requests hold an `Arc`. A
 //! request whose adapter finds no room (every loaded adapter in use) waits in the engine
-//! until a request ends.
-//! Removing an adapter from the store therefore never disturbs requests already running; new
-//! requests for it fail to load it.
+//! until a request holding an adapter ends. Removing an adapter from the store never
+//! disturbs requests already running; new requests for it are refused (the store is
+//! checked on every request, loaded or not).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -56,7 +56,6 @@ pub enum AdapterRefused {
 
 struct Entry {
     adapter: Arc<LoraAdapter>,
-    name: String,
     last_used: Instant,
 }
 
@@ -64,9 +63,9 @@ struct Entry {
 pub struct AdapterCache {
     config: AdapterCacheConfig,
     loaded: HashMap<String, Entry>,
-    /// Loads from the store, and the seconds they took (for metrics).
-    pub loads: u64,
-    pub load_seconds: f64,
+    /// Loads from the store, and the seconds they took.
+    loads: u64,
+    load_seconds: f64,
 }
 
 impl AdapterCache {
@@ -83,15 +82,8 @@ impl AdapterCache {
     pub fn get(&mut self, r: &AdapterRef, model: &Model) -> Result<Arc<LoraAdapter>, AdapterRefused> {
         let now = Instant::now();
         self.unload_idle(now);
-        if let Some(e) = self.loaded.get_mut(&r.digest) {
-            e.last_used = now;
-            return Ok(e.adapter.clone());
-        }
         let path = match (&self.config.store, self.config.max_loaded) {
-            (Some(store), 1..) => within_store(store, &r.path).ok_or_else(|| AdapterRefused::Failed {
-                code: "adapter_not_found",
-                message: format!("adapter {}: not found in this worker's adapter store", r.name),
-            })?,
+            (Some(store), 1..) => within_store(store, &r.path),
             _ => {
                 return Err(AdapterRefused::Failed {
                     code: "adapter_unavailable",
@@ -99,6 +91,25 @@ impl AdapterCache {
                 })
             }
         };
+        // Checked on every request, loaded or not: an adapter removed from the store serves
+        // no new request (those running keep theirs).
+        let Some(path) = path else {
+            if self
+                .loaded
+                .get(&r.digest)
+                .is_some_and(|e| Arc::strong_count(&e.adapter) == 1)
+            {
+                self.loaded.remove(&r.digest);
+            }
+            return Err(AdapterRefused::Failed {
+                code: "adapter_not_found",
+                message: format!("adapter {}: not found in this worker's adapter store", r.name),
+            });
+        };
+        if let Some(e) = self.loaded.get_mut(&r.digest) {
+            e.last_used = now;
+            return Ok(e.adapter.clone());
+        }
         if self.loaded.len() >= self.config.max_loaded
             && !self.loaded.values().any(|e| Arc::strong_count(&e.adapter) == 1)
         {
@@ -153,7 +164,6 @@ impl AdapterCache {
             r.digest.clone(),
             Entry {
                 adapter: adapter.clone(),
-                name: r.name.clone(),
                 last_used: now,
             },
         );
@@ -171,26 +181,29 @@ impl AdapterCache {
         self.loaded.values().map(|e| e.adapter.bytes()).sum()
     }
 
-    /// The loaded adapters' names (as requests named them), sorted.
-    pub fn names(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.loaded.values().map(|e| e.name.clone()).collect();
-        v.sort();
-        v
+    /// How many adapters are loaded.
+    pub fn loaded(&self) -> usize {
+        self.loaded.len()
     }
 
-    /// The loaded adapters' digests.
-    pub fn digests(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.loaded.keys().cloned().collect();
-        v.sort();
-        v
+    /// Loads from the store so far, and the seconds they took.
+    pub fn loads(&self) -> (u64, f64) {
+        (self.loads, self.load_seconds)
     }
 }
 
-/// `path` (relative to the store, or absolute) if it exists and lies inside the store.
+/// `path` (relative to the store, or absolute) if it exists and lies inside the store, as
+/// do the files of a PEFT directory there (a link out of the store is refused).
 fn within_store(store: &Path, path: &str) -> Option<PathBuf> {
     let store = store.canonicalize().ok()?;
-    let full = store.join(path).canonicalize().ok()?;
-    full.starts_with(&store).then_some(full)
+    let inside = |p: &Path| p.canonicalize().ok().filter(|p| p.starts_with(&store));
+    let full = inside(&store.join(path))?;
+    if full.is_dir() {
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            inside(&full.join(f))?;
+        }
+    }
+    Some(full)
 }
 
 #[cfg(test)]
@@ -203,12 +216,19 @@ mod tests {
         let store = root.join("store");
         std::fs::create_dir_all(store.join("a")).unwrap();
         std::fs::write(root.join("secret"), b"x").unwrap();
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            std::fs::write(store.join("a").join(f), b"{}").unwrap();
+        }
         assert_eq!(within_store(&store, "a"), Some(store.join("a").canonicalize().unwrap()));
         let inside = store.join("a").display().to_string();
         assert!(within_store(&store, &inside).is_some());
         assert_eq!(within_store(&store, "../secret"), None);
         assert_eq!(within_store(&store, &root.join("secret").display().to_string()), None);
         assert_eq!(within_store(&store, "missing"), None);
+        // A PEFT directory whose weights link out of the store.
+        std::fs::remove_file(store.join("a/adapter_model.safetensors")).unwrap();
+        std::os::unix::fs::symlink(root.join("secret"), store.join("a/adapter_model.safetensors")).unwrap();
+        assert_eq!(within_store(&store, "a"), None);
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

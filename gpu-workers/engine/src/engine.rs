@@ -302,9 +302,11 @@ pub struct EngineStats {
     pub prefix_hits: u64,
     pub preemptions: u64,
     pub steps: u64,
-    /// LoRA adapters loaded now, their bytes, and loads from the store so far.
+    /// LoRA adapters loaded now.
     pub adapters_loaded: usize,
+    /// Their bytes in memory.
     pub adapter_bytes: usize,
+    /// Adapters read from the store so far, and the seconds that took.
     pub adapter_loads: u64,
     pub adapter_load_seconds: f64,
     /// The device failed (CUDA): every request fails until the worker restarts, and the
@@ -504,6 +506,8 @@ impl EngineHandle {
             tier: tier.clone(),
             adapters: AdapterCache::new(cfg.adapters.clone()),
             adapter_waiting: VecDeque::new(),
+            adapter_released: false,
+            adapter_retrying: false,
         };
         let (commands, rx) = mpsc::channel::<Command>();
         std::thread::Builder::new()
@@ -875,12 +879,17 @@ struct Runner {
     adapters: AdapterCache,
     /// Requests whose adapter waits for room in the adapter cache, in arrival order.
     adapter_waiting: VecDeque<Job>,
+    /// A request holding an adapter ended since the waiting requests were last tried.
+    adapter_released: bool,
+    /// The waiting requests are being tried (admission order is theirs, not a newcomer's).
+    adapter_retrying: bool,
 }
 
 impl Runner {
     fn run(&mut self, rx: mpsc::Receiver<Command>) {
         loop {
-            if self.sched.is_idle() && self.adapter_waiting.is_empty() {
+            // Idle, unless a released adapter lets waiting requests in.
+            if self.sched.is_idle() && !self.adapter_released {
                 // Holds expire even while nothing runs.
                 let cmd = if self.holds.is_empty() {
                     rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected)
@@ -894,11 +903,11 @@ impl Runner {
                 }
             }
             self.expire_holds();
+            self.admit_adapter_waiting();
             while let Ok(cmd) = rx.try_recv() {
                 self.command(cmd);
             }
             self.reap_cancelled();
-            self.admit_adapter_waiting();
             if self.sched.is_idle() {
                 self.publish();
                 continue;
@@ -908,14 +917,25 @@ impl Runner {
         }
     }
 
-    /// Admits the requests that waited for room in the adapter cache, as far as there is
-    /// room now (those still without it wait on; those whose client left are dropped).
+    /// Once a request holding an adapter has ended, admits the requests that waited for
+    /// room in the adapter cache, in order, until one finds none (it and those behind it
+    /// wait on; those whose client left are dropped).
     fn admit_adapter_waiting(&mut self) {
+        if !std::mem::take(&mut self.adapter_released) {
+            return;
+        }
+        self.adapter_retrying = true;
         for job in std::mem::take(&mut self.adapter_waiting) {
-            if !job.tx.is_closed() {
+            if job.tx.is_closed() {
+                continue;
+            }
+            if self.adapter_waiting.is_empty() {
                 self.admit(job);
+            } else {
+                self.adapter_waiting.push_back(job);
             }
         }
+        self.adapter_retrying = false;
     }
 
     fn command(&mut self, cmd: Command) {
@@ -1172,6 +1192,11 @@ impl Runner {
                 ));
                 return;
             }
+            // Behind requests already waiting for room: arrival order is kept.
+            Some(_) if !self.adapter_retrying && !self.adapter_waiting.is_empty() => {
+                self.adapter_waiting.push_back(job);
+                return;
+            }
             Some(r) => match self.adapters.get(r, &self.model) {
                 Ok(a) => Some(a),
                 Err(AdapterRefused::Busy) => {
@@ -1290,6 +1315,7 @@ impl Runner {
 
     fn drop_request(&mut self, key: u64) {
         if let Some(r) = self.requests.remove(&key) {
+            self.adapter_released |= r.adapter.is_some();
             for c in &r.choices {
                 if let Some(s) = c.seq {
                     self.sched.remove(s);
@@ -1685,7 +1711,9 @@ impl Runner {
                 },
                 timings,
             });
-            self.requests.remove(&key);
+            if let Some(r) = self.requests.remove(&key) {
+                self.adapter_released |= r.adapter.is_some();
+            }
         }
         false
     }
@@ -1717,10 +1745,10 @@ impl Runner {
             prefix_hits: self.sched.blocks.hits,
             preemptions: self.sched.preemptions,
             steps: self.steps,
-            adapters_loaded: self.adapters.digests().len(),
+            adapters_loaded: self.adapters.loaded(),
             adapter_bytes: self.adapters.bytes(),
-            adapter_loads: self.adapters.loads,
-            adapter_load_seconds: self.adapters.load_seconds,
+            adapter_loads: self.adapters.loads().0,
+            adapter_load_seconds: self.adapters.loads().1,
             device_failed: self.compute.failed(),
         });
     }

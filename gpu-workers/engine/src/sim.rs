@@ -353,9 +353,10 @@ fn sim_loop(
                             finish,
                         },
                     );
+                    let root = namespace_root(&model, &req.kv_namespace());
                     let mut tokens = req.prompt;
                     tokens.extend(req.resume);
-                    w.submit_for(id, tokens, namespace_root(&model, &req.cache_namespace), max, &req.qos);
+                    w.submit_for(id, tokens, root, max, &req.qos);
                 }
                 SimCommand::Subscribe(reply) => {
                     let snap = KvEvent::Snapshot {

@@ -162,7 +162,9 @@ impl GenerateRequest {
     pub fn kv_namespace(&self) -> std::borrow::Cow<'_, str> {
         match &self.adapter {
             None => std::borrow::Cow::Borrowed(&self.cache_namespace),
-            Some(a) => std::borrow::Cow::Owned(format!("{}\u{1f}lora:{}", self.cache_namespace, a.digest)),
+            // Apart from every plain namespace, which starts with a tenant's id, whatever
+            // the client's `prompt_cache_key`.
+            Some(a) => std::borrow::Cow::Owned(format!("lora\u{0}{}\u{0}{}", a.digest, self.cache_namespace)),
         }
     }
 }
@@ -524,4 +526,54 @@ fn default_region() -> String {
 
 fn default_block_tokens() -> u32 {
     crate::DEFAULT_BLOCK_TOKENS as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(cache_namespace: String, adapter: Option<&str>) -> GenerateRequest {
+        GenerateRequest {
+            request_id: String::new(),
+            model: "m".into(),
+            prompt: vec![1],
+            sampling: SamplingParams::default(),
+            cache_namespace,
+            n: 1,
+            prefill_only: false,
+            resume: Vec::new(),
+            kv_source: None,
+            qos: Default::default(),
+            constraint: None,
+            adapter: adapter.map(|d| AdapterRef {
+                name: "m:a".into(),
+                digest: d.into(),
+                path: "a".into(),
+            }),
+        }
+    }
+
+    /// An adapter's namespace is apart from every plain one, whatever `prompt_cache_key` a
+    /// client sends, and from every other adapter's.
+    #[test]
+    fn adapter_namespaces_are_apart_from_client_chosen_ones() {
+        let (a, b) = ("a".repeat(64), "b".repeat(64));
+        let with = request(crate::cache_namespace("tenant", None), Some(&a))
+            .kv_namespace()
+            .into_owned();
+        for key in [
+            None,
+            Some(format!("lora:{a}")),
+            Some(format!("lora\u{0}{a}")),
+            Some(with.clone()),
+            Some(with["lora".len()..].to_string()),
+        ] {
+            let plain = request(crate::cache_namespace("tenant", key.as_deref()), None);
+            assert_ne!(plain.kv_namespace(), with, "{key:?}");
+        }
+        let other = request(crate::cache_namespace("tenant", None), Some(&b));
+        assert_ne!(other.kv_namespace(), with);
+        let keyed = request(crate::cache_namespace("tenant", Some("k")), Some(&a));
+        assert_ne!(keyed.kv_namespace(), with);
+    }
 }

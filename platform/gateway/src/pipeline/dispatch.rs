@@ -149,12 +149,12 @@ pub async fn run(state: &crate::state::AppState, ctx: &mut RequestContext) -> Re
     let hints = RouteHints {
         session,
         region: ctx.header("x-hearth-region"),
-        prefix_key: route::prefix_key(&model, &request.routing_text(), &req.cache_namespace),
+        prefix_key: route::prefix_key(&model, &request.routing_text(), &req.kv_namespace()),
         tenant: ctx.qos.tenant.clone(),
         pinned,
         shared,
     };
-    let routed = RouteRequest::new(&model, &req.prompt, &req.cache_namespace, hints);
+    let routed = RouteRequest::new(&model, &req.prompt, &req.kv_namespace(), hints);
     // One completion only: `n` choices share one prompt on one worker.
     if req.n == 1 && req.sampling.max_tokens > 1 {
         let pd = tracing::info_span!("route").in_scope(|| route::run_pd(&model, &routed, 0));

@@ -33,6 +33,10 @@ pub fn worker_error(code: &str, message: &str) -> ApiError {
         "stream_idle_timeout" => ApiError::timed_out("stream_idle_timeout", message.to_string()),
         "overloaded" => ApiError::overloaded(message.to_string(), 1),
         "model_load_failed" => ApiError::unavailable(message.to_string()),
+        // A LoRA adapter the worker could not use.
+        "adapter_not_found" => ApiError::not_found(message.to_string()).with_param("model"),
+        "invalid_adapter" => ApiError::invalid("model", message.to_string()),
+        "adapter_unavailable" => ApiError::unavailable(message.to_string()),
         // A schema the engine's grammar compiler refused (the relay names the parameter).
         "unsupported_schema" => ApiError::unsupported("response_format", message.to_string()),
         "invalid_schema" => ApiError::invalid("response_format", message.to_string()),
