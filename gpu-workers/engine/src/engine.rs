@@ -1739,6 +1739,7 @@ impl Runner {
             let _ = self.kv_tx.send(KvEvent::Load(load));
             self.last_load = (load, Instant::now());
         }
+        let (adapter_loads, adapter_load_seconds) = self.adapters.loads();
         self.stats_tx.send_replace(EngineStats {
             load,
             prefix_queries: self.sched.blocks.queries,
@@ -1747,8 +1748,8 @@ impl Runner {
             steps: self.steps,
             adapters_loaded: self.adapters.loaded(),
             adapter_bytes: self.adapters.bytes(),
-            adapter_loads: self.adapters.loads().0,
-            adapter_load_seconds: self.adapters.loads().1,
+            adapter_loads,
+            adapter_load_seconds,
             device_failed: self.compute.failed(),
         });
     }

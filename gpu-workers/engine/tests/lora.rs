@@ -8,6 +8,7 @@
 
 mod common;
 
+use common::TempDir;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
@@ -20,24 +21,6 @@ use hearth_engine::kv::{KvDtype, KvPool};
 use hearth_engine::models::{lora, Batch, ForwardScratch, LoraAdapter, LoraError, LoraLimits, Model, Session};
 use hearth_engine::{EngineConfig, EngineHandle};
 use hearth_protocol::{AdapterRef, GenerateEvent, GenerateRequest, SamplingParams};
-
-/// A directory under the system temp dir, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("hearth-lora-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Self(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn gguf_path() -> PathBuf {
     ensure_model(DEFAULT_MODEL_ID, &hearth_home(), &mut |m| eprintln!("{m}")).expect("default model")

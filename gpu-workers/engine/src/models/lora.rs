@@ -155,7 +155,7 @@ pub struct LoraAdapter {
     /// `(layer, target)` pairs updated.
     pub modules: usize,
     /// Per layer, per [`Target`].
-    layers: Vec<[Option<Pair>; 8]>,
+    layers: Vec<[Option<Pair>; Target::ALL.len()]>,
 }
 
 impl LoraAdapter {
@@ -342,7 +342,7 @@ fn build(
     if raws.is_empty() {
         return Err(LoraError::Invalid("the adapter updates no module".into()));
     }
-    let mut layers: Vec<[Option<Pair>; 8]> = (0..c.n_layers).map(|_| Default::default()).collect();
+    let mut layers: Vec<[Option<Pair>; Target::ALL.len()]> = (0..c.n_layers).map(|_| Default::default()).collect();
     let (mut max_rank, mut modules) = (0, 0);
     for r in raws {
         let name = format!("blk.{}.{}", r.layer, r.target.gguf_stem());
