@@ -103,6 +103,7 @@ impl WorkerClient for InstantWorker {
                     total_blocks: 1 << 20,
                 },
                 disk: Vec::new(),
+                adapters: Vec::new(),
             };
             Ok(futures_util::stream::iter([snap])
                 .chain(futures_util::stream::pending())
@@ -275,7 +276,7 @@ async fn baseline(
     ));
     let run = async {
         parse::run(&mut ctx, false)?;
-        resolve::run(&state, &mut ctx)?;
+        resolve::run(&state, &mut ctx).await?;
         tokenize::run(&mut ctx)?;
         let dispatched = dispatch::run(&state, &mut ctx).await?;
         let events = relay::start(state.clone(), Arc::new(Unmetered), &mut ctx, dispatched).await?;

@@ -210,6 +210,7 @@ fn simulate(policy: Policy, workload: &str, reqs: &[Req], workers: usize, cost: 
                     region: None,
                     exclude: 0,
                     fetch: true,
+                    adapter: None,
                 };
                 let t0 = Instant::now();
                 let d = router.route(&input, (now * 1000.0) as u64).expect("a worker");
@@ -370,6 +371,7 @@ fn decisions(router: &mut Router, all_chains: &[Vec<BlockHash>], quick: bool) ->
             region: None,
             exclude: 0,
             fetch: true,
+            adapter: None,
         };
         let t = Instant::now();
         let d = router.route(&input, 0);

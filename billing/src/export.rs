@@ -100,25 +100,33 @@ impl Totals {
     }
 }
 
-/// One aggregate line: a day and a model.
+/// One aggregate line: a day, a model and an adapter.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct DayLine {
     pub day: String,
     pub model: String,
+    /// The tenant's adapter (empty: the base model).
+    pub adapter: String,
     #[serde(flatten)]
     pub totals: Totals,
 }
 
-/// Per-day, per-model aggregates, in day then model order.
+/// Per-day aggregates by model and adapter, in day, model, adapter order.
 pub fn by_day(rows: &[LedgerRow]) -> Vec<DayLine> {
-    let mut m: BTreeMap<(String, String), Totals> = BTreeMap::new();
+    let mut m: BTreeMap<(String, String, String), Totals> = BTreeMap::new();
     for r in rows {
-        m.entry((day_of(r.rec.started_at), r.rec.model.clone()))
+        let adapter = r.rec.adapter.clone().unwrap_or_default();
+        m.entry((day_of(r.rec.started_at), r.rec.model.clone(), adapter))
             .or_default()
             .add(r);
     }
     m.into_iter()
-        .map(|((day, model), totals)| DayLine { day, model, totals })
+        .map(|((day, model, adapter), totals)| DayLine {
+            day,
+            model,
+            adapter,
+            totals,
+        })
         .collect()
 }
 
@@ -162,6 +170,7 @@ fn request_columns(rows: &[LedgerRow]) -> Vec<Col> {
         s("tenant_id", &|r| r.rec.tenant_id.clone()),
         s("key_id", &|r| r.rec.key_id.clone().unwrap_or_default()),
         s("model", &|r| r.rec.model.clone()),
+        s("adapter", &|r| r.rec.adapter.clone().unwrap_or_default()),
         s("endpoint", &|r| r.rec.endpoint.clone()),
         s("status", &|r| r.rec.status.clone()),
         s("finish_reason", &|r| r.rec.finish_reason.clone().unwrap_or_default()),
@@ -190,6 +199,7 @@ fn day_columns(lines: &[DayLine]) -> Vec<Col> {
             lines.iter().map(|l| crate::parse_day(&l.day).unwrap_or(0)).collect(),
         ),
         s("model", &|l| l.model.clone()),
+        s("adapter", &|l| l.adapter.clone()),
         i("requests", &|l| l.totals.requests),
         i("uncached_input_tokens", &|l| l.totals.uncached_input_tokens),
         i("cached_input_tokens", &|l| l.totals.cached_input_tokens),

@@ -97,6 +97,9 @@ pub struct UsageRecord {
     /// None when no token was.
     #[serde(default)]
     pub ttft_ms: Option<u32>,
+    /// The tenant's LoRA adapter the request ran under (its name; None: the base model).
+    #[serde(default)]
+    pub adapter: Option<String>,
 }
 
 impl UsageRecord {
@@ -118,6 +121,7 @@ impl UsageRecord {
             finished_at: at,
             processor_us: 0,
             ttft_ms: None,
+            adapter: None,
         }
     }
 
@@ -195,6 +199,19 @@ pub fn price_at<'a>(prices: &'a [Price], model: &str, at_ms: i64) -> Option<&'a 
             .max_by_key(|p| p.effective_from)
     };
     pick(model).or_else(|| pick("*"))
+}
+
+/// The price a record is rated with: under an adapter, `MODEL:ADAPTER`'s if one is set,
+/// else as [`price_at`] (the base model's, else `*`'s).
+pub fn price_of<'a>(prices: &'a [Price], rec: &UsageRecord) -> Option<&'a Price> {
+    let own = rec.adapter.as_ref().and_then(|a| {
+        let name = format!("{}:{a}", rec.model);
+        prices
+            .iter()
+            .filter(|p| p.model == name && p.effective_from <= rec.started_at)
+            .max_by_key(|p| p.effective_from)
+    });
+    own.or_else(|| price_at(prices, &rec.model, rec.started_at))
 }
 
 /// USD as a decimal string → micro-USD (exact; at most 6 decimals).
@@ -279,7 +296,7 @@ struct Job {
 
 const USAGE_COLUMNS: &str = "request_id, tenant_id, key_id, model, endpoint, prompt_tokens, cached_tokens, \
      completion_tokens, status, finish_reason, error_code, started_at, finished_at, price_effective_from, \
-     cost_input_nusd, cost_cached_nusd, cost_output_nusd, cost_nusd, processor_us, cost_processor_nusd, ttft_ms";
+     cost_input_nusd, cost_cached_nusd, cost_output_nusd, cost_nusd, processor_us, cost_processor_nusd, ttft_ms, adapter";
 
 /// A ledger row: the record and its rating.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -310,6 +327,7 @@ fn ledger_row(r: &AnyRow) -> LedgerRow {
             ttft_ms: r
                 .get::<Option<i64>, _>(20)
                 .map(|v| u32::try_from(v).unwrap_or(u32::MAX)),
+            adapter: r.get(21),
         },
         cost: Cost {
             price_effective_from: r.get(13),
@@ -363,10 +381,10 @@ async fn write_batch(pool: &AnyPool, recs: &[&UsageRecord]) -> Result<Vec<Record
     let mut tx = pool.begin().await?;
     let mut out = Vec::with_capacity(recs.len());
     for u in recs {
-        let cost = rate(u, price_at(&prices, &u.model, u.started_at));
+        let cost = rate(u, price_of(&prices, u));
         let res = sqlx::query(&format!(
             "INSERT INTO usage_records ({USAGE_COLUMNS}) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22) \
              ON CONFLICT (request_id) DO NOTHING"
         ))
         .bind(&u.request_id)
@@ -390,6 +408,7 @@ async fn write_batch(pool: &AnyPool, recs: &[&UsageRecord]) -> Result<Vec<Record
         .bind(i64::try_from(u.processor_us).unwrap_or(i64::MAX))
         .bind(cost.processor_nusd)
         .bind(u.ttft_ms.map(i64::from))
+        .bind(&u.adapter)
         .execute(&mut *tx)
         .await?;
         let inserted = res.rows_affected() == 1;

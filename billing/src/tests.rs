@@ -30,6 +30,7 @@ fn rec(id: &str, tenant: &str, model: &str, prompt: u32, cached: u32, completion
         finished_at: at + 5,
         processor_us: 0,
         ttft_ms: Some(3),
+        adapter: None,
     }
 }
 

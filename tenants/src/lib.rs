@@ -7,6 +7,7 @@
 //! models and an optional expiry. JWTs from a tenant's registered issuers are the other way
 //! in (see [`jwt`]).
 
+pub mod adapters;
 pub mod audit;
 pub mod db;
 pub mod jwt;
@@ -47,6 +48,8 @@ pub enum TenantError {
     NoSuchIssuer(String),
     #[error("processor {0:?} does not exist")]
     NoSuchProcessor(String),
+    #[error("adapter {0:?} does not exist")]
+    NoSuchAdapter(String),
     #[error("member {0:?} does not exist")]
     NoSuchMember(String),
     #[error("invitation {0:?} does not exist")]
@@ -304,13 +307,15 @@ pub fn now_ms() -> i64 {
         .map_or(0, |d| d.as_millis() as i64)
 }
 
-fn random_hex(bytes: usize) -> Result<String, TenantError> {
+/// `bytes` random bytes from the OS, as hex.
+pub fn random_hex(bytes: usize) -> Result<String, TenantError> {
     let mut buf = vec![0u8; bytes];
     getrandom::fill(&mut buf).map_err(|e| TenantError::Random(e.to_string()))?;
     Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-fn valid_name(name: &str) -> bool {
+/// Names of processors and adapters: 1-64 letters, digits, '.', '_' or '-'.
+pub fn valid_name(name: &str) -> bool {
     (1..=64).contains(&name.len()) && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
 }
 
@@ -394,6 +399,10 @@ pub struct TenantStore {
     principals: Mutex<HashMap<String, (Limits, Instant)>>,
     /// Processor code one tenant may store (bytes; identical components count once).
     pub processor_quota: i64,
+    /// Adapter bytes one tenant may store (identical uploads count once).
+    pub adapter_quota: i64,
+    /// Adapter versions one tenant may keep.
+    pub adapter_count_quota: i64,
     jwt: jwt::IssuerCache,
     sso: sso::DiscoveryCache,
     processors: processors::ProcessorCache,
@@ -416,6 +425,8 @@ impl TenantStore {
             cache: Mutex::new(HashMap::new()),
             principals: Mutex::new(HashMap::new()),
             processor_quota: processors::MAX_TENANT_PROCESSOR_BYTES,
+            adapter_quota: adapters::MAX_TENANT_ADAPTER_BYTES,
+            adapter_count_quota: adapters::MAX_TENANT_ADAPTERS,
             jwt: jwt::IssuerCache::default(),
             sso: sso::DiscoveryCache::default(),
             processors: processors::ProcessorCache::default(),

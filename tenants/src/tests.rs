@@ -1301,3 +1301,63 @@ fn hmac_id_tokens_are_refused_even_when_listed() {
     let e = crate::sso::verify_id_token(&token, &keys, &listed, "https://idp", "hearth", "n").unwrap_err();
     assert!(e.to_string().contains("not one the provider signs with"), "{e}");
 }
+
+/// Adapter versions per name, the latest found for `BASE:NAME`, private to their tenant;
+/// the quotas count each distinct upload once; deleting says whether the files are shared.
+#[tokio::test]
+async fn adapters_are_versioned_private_and_bounded() {
+    use crate::adapters::AdapterSpec;
+    for db in testing::all().await {
+        let mut s = TenantStore::new(&db);
+        s.adapter_quota = 1_000;
+        s.adapter_count_quota = 4;
+        let a = s.create_tenant("tuner").await.unwrap();
+        let b = s.create_tenant("other").await.unwrap();
+        let spec = |name: &str, digest: &str, size: i64| AdapterSpec {
+            name: name.into(),
+            base_model: "base".into(),
+            digest: digest.repeat(64),
+            format: "peft".into(),
+            rank: Some(8),
+            size,
+        };
+        let v1 = s.add_adapter("tuner", &spec("style", "a", 600)).await.unwrap();
+        let v2 = s.add_adapter("tuner", &spec("style", "b", 300)).await.unwrap();
+        assert_eq!((v1.version, v2.version), (1, 2));
+        assert_eq!(v2.store_path(), "b".repeat(64));
+        let found = s.find_adapter(&a.id, "base", "style").await.unwrap().unwrap();
+        assert_eq!(found.id, v2.id, "the latest version");
+        assert!(s.find_adapter(&a.id, "other-base", "style").await.unwrap().is_none());
+        assert!(
+            s.find_adapter(&b.id, "base", "style").await.unwrap().is_none(),
+            "private"
+        );
+        // Bytes: 900 used; the same files again cost nothing, new ones past 1,000 are refused.
+        s.add_adapter("tuner", &spec("again", "a", 600)).await.unwrap();
+        assert!(matches!(
+            s.add_adapter("tuner", &spec("big", "c", 200)).await,
+            Err(TenantError::Invalid { field: "file", .. })
+        ));
+        // Another tenant's quota is its own; the same files are shared.
+        s.add_adapter("other", &spec("mine", "a", 600)).await.unwrap();
+        assert!(matches!(
+            s.add_adapter("tuner", &spec("bad name!", "a", 600)).await,
+            Err(TenantError::InvalidName(_))
+        ));
+        // Versions: 3 of 4 kept; one more, then refused.
+        s.add_adapter("tuner", &spec("fourth", "b", 300)).await.unwrap();
+        assert!(matches!(
+            s.add_adapter("tuner", &spec("fifth", "b", 300)).await,
+            Err(TenantError::Invalid { field: "file", .. })
+        ));
+        assert_eq!(s.list_adapters("tuner").await.unwrap().len(), 4);
+        // Deleting: files "a" stay in use (another row of this tenant, and tenant b's).
+        let (gone, shared) = s.delete_adapter(&v1.id).await.unwrap();
+        assert_eq!((gone.id.as_str(), shared), (v1.id.as_str(), true));
+        let fourth = s.find_adapter(&a.id, "base", "fourth").await.unwrap().unwrap();
+        s.delete_adapter(&fourth.id).await.unwrap();
+        let (_, shared) = s.delete_adapter(&v2.id).await.unwrap();
+        assert!(!shared, "nothing uses files b any more");
+        assert!(matches!(s.adapter(&v2.id).await, Err(TenantError::NoSuchAdapter(_))));
+    }
+}

@@ -186,6 +186,13 @@ impl AdapterCache {
         self.loaded.len()
     }
 
+    /// The loaded adapters' digests, sorted.
+    pub fn digests(&self) -> Vec<String> {
+        let mut d: Vec<String> = self.loaded.keys().cloned().collect();
+        d.sort();
+        d
+    }
+
     /// Loads from the store so far, and the seconds they took.
     pub fn loads(&self) -> (u64, f64) {
         (self.loads, self.load_seconds)

@@ -501,6 +501,7 @@ impl EngineHandle {
             metrics: metrics.clone(),
             steps: 0,
             last_load: (LoadReport::default(), Instant::now()),
+            last_adapters: (0, 0),
             holds: HashMap::new(),
             queue_tokens,
             tier: tier.clone(),
@@ -868,6 +869,8 @@ struct Runner {
     metrics: Arc<EngineMetrics>,
     steps: u64,
     last_load: (LoadReport, Instant),
+    /// Adapter loads and adapters loaded when [`KvEvent::Adapters`] was last sent.
+    last_adapters: (u64, usize),
     /// Blocks held for decode workers, by the prefill request's id, until released or
     /// [`HOLD_TTL`] passes.
     holds: HashMap<String, (Vec<u32>, Instant)>,
@@ -950,6 +953,7 @@ impl Runner {
                     blocks: self.sched.blocks.cached_hashes(),
                     load: self.sched.load(),
                     disk: self.tier.as_ref().map_or_else(Vec::new, |t| t.hashes()),
+                    adapters: self.adapters.digests(),
                 };
                 let _ = reply.send((snap, events));
             }
@@ -1740,6 +1744,14 @@ impl Runner {
             self.last_load = (load, Instant::now());
         }
         let (adapter_loads, adapter_load_seconds) = self.adapters.loads();
+        // The set changes only when an adapter is loaded or unloaded, each of which counts.
+        let adapter_state = (adapter_loads, self.adapters.loaded());
+        if adapter_state != self.last_adapters {
+            self.last_adapters = adapter_state;
+            let _ = self.kv_tx.send(KvEvent::Adapters {
+                loaded: self.adapters.digests(),
+            });
+        }
         self.stats_tx.send_replace(EngineStats {
             load,
             prefix_queries: self.sched.blocks.queries,

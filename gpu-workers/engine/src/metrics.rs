@@ -245,6 +245,45 @@ impl Collector for EngineCollector {
                 ConstCounter::new(value(s, *bt)).encode(m.encode_family(&labels)?)?;
             }
         }
+        let adapter_gauges: [FromStats<f64>; 2] = [
+            (
+                "hearth_adapters_loaded",
+                "LoRA adapters loaded in the engine's adapter cache.",
+                |s, _| s.adapters_loaded as f64,
+            ),
+            (
+                "hearth_adapter_bytes",
+                "Memory the loaded LoRA adapters take, in bytes.",
+                |s, _| s.adapter_bytes as f64,
+            ),
+        ];
+        for (name, help, value) in adapter_gauges {
+            let mut m = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (worker, s, bt) in &with_stats {
+                let labels: Labels = [("worker", worker)];
+                ConstGauge::new(value(s, *bt)).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let mut m = encoder.encode_descriptor(
+            "hearth_adapter_loads",
+            "LoRA adapters read from the store and loaded (cold starts and reloads).",
+            None,
+            MetricType::Counter,
+        )?;
+        for (worker, s, _) in &with_stats {
+            let labels: Labels = [("worker", worker)];
+            ConstCounter::new(s.adapter_loads).encode(m.encode_family(&labels)?)?;
+        }
+        let mut m = encoder.encode_descriptor(
+            "hearth_adapter_load_seconds",
+            "Time spent loading LoRA adapters.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (worker, s, _) in &with_stats {
+            let labels: Labels = [("worker", worker)];
+            ConstCounter::new(s.adapter_load_seconds).encode(m.encode_family(&labels)?)?;
+        }
         let mut m = encoder.encode_descriptor(
             "hearth_model_load_seconds",
             "Time to load the model and start the engine.",

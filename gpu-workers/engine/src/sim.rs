@@ -364,6 +364,7 @@ fn sim_loop(
                         blocks: w.sched.blocks.cached_hashes(),
                         load: w.load(),
                         disk: Vec::new(),
+                        adapters: Vec::new(),
                     };
                     let _ = reply.send((snap, kv_tx.subscribe()));
                 }

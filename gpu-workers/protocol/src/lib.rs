@@ -5,6 +5,7 @@
 //! token ids the engine will cache), which is why the tokenizer lives here and not in the
 //! engine: a gateway never links the engine, it receives a [`TokenizerSpec`] from a worker.
 
+pub mod adapter;
 pub mod blocks;
 pub mod chat;
 pub mod output;

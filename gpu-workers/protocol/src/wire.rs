@@ -363,6 +363,9 @@ pub enum KvEvent {
         /// Blocks held in the disk tier (a worker without one sends none).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         disk: Vec<crate::BlockHash>,
+        /// Digests of the LoRA adapters loaded (see [`KvEvent::Adapters`]).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        adapters: Vec<String>,
     },
     /// Blocks now held in `tier` (reusable by a request with the same prefix).
     Stored {
@@ -377,6 +380,11 @@ pub enum KvEvent {
         tier: Tier,
     },
     Load(LoadReport),
+    /// The LoRA adapters now loaded (their digests, sorted), sent when the set changes: the
+    /// router prefers a worker that has a request's adapter loaded.
+    Adapters {
+        loaded: Vec<String>,
+    },
 }
 
 /// `GET /v1/worker/info`: what a worker serves.

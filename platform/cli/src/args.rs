@@ -440,7 +440,7 @@ pub struct HttpArgs {
     /// Open connections from one client address at most.
     #[arg(long, env = "HEARTH_MAX_CONNECTIONS_PER_IP", default_value_t = 512)]
     pub max_connections_per_ip: usize,
-    /// The largest request body (processor uploads excepted); larger gets 413.
+    /// The largest request body (processor and adapter uploads excepted); larger gets 413.
     #[arg(long, env = "HEARTH_MAX_BODY_BYTES", default_value_t = 8 * 1024 * 1024)]
     pub max_body_bytes: usize,
     /// A request's body must arrive within this, else 408.
@@ -659,7 +659,8 @@ pub struct ModelArgs {
     #[arg(long, env = "HEARTH_KV_DISK_TENANT_GIB", default_value_t = 0.0)]
     pub kv_disk_tenant_gib: f64,
     /// The LoRA adapter store engines read adapters from (requests name adapters relative
-    /// to it; nothing outside it is read). Unset: engines serve no adapters.
+    /// to it; nothing outside it is read). Unset: engines serve no adapters, except under
+    /// `hearth serve`, whose gateway keeps tenants' uploads in DATA_DIR/adapters.
     #[arg(long, env = "HEARTH_ADAPTER_DIR")]
     pub adapter_dir: Option<PathBuf>,
     /// LoRA adapters an engine keeps loaded at once (least recently used unloaded first;
@@ -914,6 +915,10 @@ pub struct GatewayArgs {
     /// accepting registrations (`--discover`).
     #[arg(long, env = "HEARTH_WORKER_TOKEN", hide_env_values = true)]
     pub worker_token: Option<String>,
+    /// The LoRA adapter store tenants' uploads are written to: a directory the workers read
+    /// as their `--adapter-dir` (a shared volume). Unset: no adapters.
+    #[arg(long, env = "HEARTH_ADAPTER_DIR")]
+    pub adapter_dir: Option<PathBuf>,
     #[command(flatten)]
     pub limits: LimitStoreArgs,
     #[command(flatten)]
@@ -1001,6 +1006,43 @@ pub enum AdminCommand {
     Model {
         #[command(subcommand)]
         command: AdminModelCommand,
+    },
+    /// Tenants' LoRA adapters on a running gateway (always through its admin API, at
+    /// `--gateway-url` or http://127.0.0.1:8080: a worker checks each upload).
+    Adapter {
+        #[command(subcommand)]
+        command: AdminAdapterCommand,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum AdminAdapterCommand {
+    /// Upload an adapter version: a PEFT directory (adapter_config.json and
+    /// adapter_model.safetensors) or a GGUF LoRA file. Requests then use `BASE:NAME`.
+    Upload {
+        /// The tenant (name or id).
+        #[arg(long)]
+        tenant: String,
+        /// The catalogue model it was trained on.
+        #[arg(long)]
+        base_model: String,
+        /// Its name; uploading a name again adds a version.
+        #[arg(long)]
+        name: String,
+        /// The PEFT directory or the .gguf file.
+        path: PathBuf,
+    },
+    /// A tenant's adapter versions.
+    List {
+        /// The tenant (name or id).
+        #[arg(long)]
+        tenant: String,
+    },
+    /// Delete an adapter version (its id from `list`); its files leave the store when no
+    /// version of any tenant uses them.
+    Delete {
+        /// The version's id (`lora_…`).
+        id: String,
     },
 }
 

@@ -120,6 +120,8 @@ struct Workers {
     hosts: Vec<Arc<dyn ModelHostClient>>,
     /// Workers found in the registry in Redis as they register.
     discover: Option<Discover>,
+    /// The adapter store they read (`--adapter-dir`), where the gateway puts uploads.
+    adapter_store: Option<PathBuf>,
 }
 
 /// `hearth gateway --discover`: the registry is read with the workers' token.
@@ -183,6 +185,10 @@ async fn run_gateway(
         &http_limits,
         "/processors",
         hearth_tenants::processors::MAX_PROCESSOR_BYTES + (1 << 20),
+    )
+    .with_upload(
+        "/adapters",
+        hearth_gateway::adapters::MAX_ADAPTER_UPLOAD_BYTES + (1 << 20),
     );
     state.request_limits = hearth_gateway::state::RequestLimits {
         stream_idle: Duration::from_secs(limits.stream_idle_timeout_secs.max(1)),
@@ -212,6 +218,11 @@ async fn run_gateway(
         });
     }
     state.limiter = limiter;
+    if let Some(dir) = &workers.adapter_store {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating the adapter store {}", dir.display()))?;
+        tracing::info!(dir = %dir.display(), "adapter store");
+    }
+    state.adapter_dir = workers.adapter_store.clone();
     state.processors = Some(hearth_gateway::processors::ProcessorHost {
         runtime: Arc::new(hearth_runtime::Runtime::new(Some(
             limits
@@ -330,9 +341,17 @@ async fn run_gateway(
     Ok(())
 }
 
-pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
+pub async fn serve(mut a: ServeArgs) -> anyhow::Result<()> {
     // Refused before a model is loaded.
     a.access.checked()?;
+    // Tenants' adapters: the in-process engines read what the gateway stores.
+    let adapters = a
+        .model
+        .adapter_dir
+        .clone()
+        .unwrap_or_else(|| a.data.dir().join("adapters"));
+    std::fs::create_dir_all(&adapters).with_context(|| format!("creating the adapter store {}", adapters.display()))?;
+    a.model.adapter_dir = Some(adapters);
     if let Some(path) = &a.catalogue {
         if a.prefill_workers + a.decode_workers > 0 {
             bail!("--prefill-workers and --decode-workers serve one model: they do not combine with --catalogue");
@@ -361,6 +380,7 @@ pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
             engines: Some(engines),
             hosts: vec![catalogue as Arc<dyn ModelHostClient>],
             discover: None,
+            adapter_store: a.model.adapter_dir.clone(),
         };
         let routing = a.routing.config(&a.model.region)?;
         return run_gateway(
@@ -415,6 +435,7 @@ pub async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         engines: Some(EngineCollector::new(engines)),
         hosts: Vec::new(),
         discover: None,
+        adapter_store: a.model.adapter_dir.clone(),
     };
     let routing = a.routing.config(&a.model.region)?;
     run_gateway(
@@ -612,6 +633,7 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
         engines: None,
         hosts,
         discover,
+        adapter_store: a.adapter_dir.clone(),
     };
     run_gateway(
         a.listen,

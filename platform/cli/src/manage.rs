@@ -91,6 +91,7 @@ pub async fn processor(a: ProcessorArgs) -> anyhow::Result<()> {
         tenants: &store,
         ledger: &ledger,
         runtime: None,
+        adapters: None,
         origin: Origin::cli(),
     };
     match a.command {
@@ -199,6 +200,7 @@ pub async fn billing(command: BillingCommand) -> anyhow::Result<()> {
                 tenants: &store,
                 ledger: &ledger,
                 runtime: None,
+                adapters: None,
                 origin: Origin::cli(),
             };
             manage
@@ -477,6 +479,74 @@ async fn admin_models(gw: GatewayApiArgs, command: AdminModelCommand, json: bool
     Ok(())
 }
 
+/// `hearth admin adapter …`, through a gateway's admin API (a worker checks uploads).
+async fn admin_adapters(gw: GatewayApiArgs, command: AdminAdapterCommand, json: bool) -> anyhow::Result<()> {
+    let url = gw
+        .url
+        .clone()
+        .filter(|u| !u.is_empty())
+        .unwrap_or_else(|| "http://127.0.0.1:8080".into());
+    let gw = AdminClient::new(&url, gw.admin_token.as_deref())?;
+    let body = match command {
+        AdminAdapterCommand::Upload {
+            tenant,
+            base_model,
+            name,
+            path,
+        } => {
+            let files: Vec<PathBuf> = if path.is_dir() {
+                ["adapter_config.json", "adapter_model.safetensors"]
+                    .iter()
+                    .map(|f| path.join(f))
+                    .collect()
+            } else {
+                vec![path.clone()]
+            };
+            let mut form = reqwest::multipart::Form::new()
+                .text("base_model", base_model)
+                .text("name", name);
+            for f in files {
+                let bytes = std::fs::read(&f).with_context(|| format!("reading {}", f.display()))?;
+                let file_name = f
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                form = form.part("file", reqwest::multipart::Part::bytes(bytes).file_name(file_name));
+            }
+            let req = gw.http.post(gw.url(&["tenants", &tenant, "adapters"])).multipart(form);
+            gw.send(req, SLOW_CALL)
+                .await?
+                .json()
+                .await
+                .context("the gateway's answer was not JSON")?
+        }
+        AdminAdapterCommand::List { tenant } => gw.get(&["tenants", &tenant, "adapters"], &[]).await?,
+        AdminAdapterCommand::Delete { id } => gw.call(reqwest::Method::DELETE, &["adapters", &id], &[], None).await?,
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&body).unwrap_or_default());
+        return Ok(());
+    }
+    let one = |a: &serde_json::Value| {
+        format!(
+            "{}\t{}:{}\tv{}\t{}\t{} bytes\t{}",
+            a["id"].as_str().unwrap_or("?"),
+            a["base_model"].as_str().unwrap_or("?"),
+            a["name"].as_str().unwrap_or("?"),
+            a["version"],
+            a["format"].as_str().unwrap_or("?"),
+            a["size"],
+            a["digest"].as_str().unwrap_or("?"),
+        )
+    };
+    match body.as_array() {
+        Some(list) if list.is_empty() => println!("No adapters."),
+        Some(list) => list.iter().for_each(|a| println!("{}", one(a))),
+        None => println!("{}", one(&body)),
+    }
+    Ok(())
+}
+
 /// `hearth admin …`: on the database, or through a gateway's admin API with
 /// `--gateway-url`. Both print the same: the admin API's JSON (`--json`, lists as arrays), or
 /// text made from it.
@@ -492,6 +562,9 @@ pub async fn admin(a: AdminArgs) -> anyhow::Result<()> {
     }
     if let AdminCommand::Model { command } = a.command {
         return admin_models(a.gateway, command, a.json).await;
+    }
+    if let AdminCommand::Adapter { command } = a.command {
+        return admin_adapters(a.gateway, command, a.json).await;
     }
     let v = match AdminClient::from_args(&a.gateway)? {
         Some(gw) => admin_remote(&gw, &a.command).await?,
@@ -685,6 +758,7 @@ async fn admin_remote(gw: &AdminClient, command: &AdminCommand) -> anyhow::Resul
             gw.get(&["audit"], &q).await?
         }
         AdminCommand::Model { .. } => unreachable!("answered by admin_models"),
+        AdminCommand::Adapter { .. } => unreachable!("answered by admin_adapters"),
         AdminCommand::Login { .. } | AdminCommand::Logout => unreachable!("answered by login"),
     })
 }
@@ -746,6 +820,7 @@ async fn admin_direct(data: &DataArgs, command: &AdminCommand) -> anyhow::Result
         tenants: &store,
         ledger: &ledger,
         runtime: None,
+        adapters: None,
         origin: Origin::cli(),
     };
     Ok(match command {
@@ -885,6 +960,7 @@ async fn admin_direct(data: &DataArgs, command: &AdminCommand) -> anyhow::Result
             json!(ledger.recent(tenant_id.as_deref(), *limit).await?)
         }
         AdminCommand::Model { .. } => unreachable!("answered by admin_models"),
+        AdminCommand::Adapter { .. } => unreachable!("answered by admin_adapters"),
         AdminCommand::Login { .. } | AdminCommand::Logout => unreachable!("answered by login"),
     })
 }
@@ -1103,6 +1179,7 @@ fn admin_text(command: &AdminCommand, v: &serde_json::Value) -> String {
             "No usage yet.",
         ),
         AdminCommand::Model { .. } => unreachable!("answered by admin_models"),
+        AdminCommand::Adapter { .. } => unreachable!("answered by admin_adapters"),
         AdminCommand::Login { .. } | AdminCommand::Logout => unreachable!("answered by login"),
     }
 }

@@ -57,6 +57,13 @@ pub fn router() -> Router<Arc<AppState>> {
             get(list_processors).post(upload_processor).layer(upload_limit()),
         )
         .route("/processors/{id}", delete(delete_processor))
+        .route(
+            "/tenants/{tenant}/adapters",
+            get(list_adapters)
+                .post(upload_adapter)
+                .layer(crate::adapters::upload_limit()),
+        )
+        .route("/adapters/{id}", delete(delete_adapter))
         .route("/processors/{id}/activate", axum::routing::post(activate_processor))
         .route("/processors/{id}/deactivate", axum::routing::post(deactivate_processor))
         .route("/processors/{id}/attachment", axum::routing::put(attach_processor))
@@ -1119,5 +1126,45 @@ async fn delete_processor(
             .via(origin)
             .delete_processor(Actor::Operator, &id)
             .await?
+    )))
+}
+
+// ---- adapters --------------------------------------------------------------------------
+
+#[utoipa::path(post, path = "/admin/v1/tenants/{tenant}/adapters", summary = "Uploads a LoRA adapter version for a tenant.", tag = "adapters", params(("tenant" = String, Path, description = "A tenant's name or id.")),
+    request_body(content = crate::adapters::UploadForm, content_type = "multipart/form-data", description = "`base_model`, `name`, and the adapter's files as `file` parts."),
+    responses((status = 201, description = "The stored version.", body = hearth_tenants::adapters::AdapterInfo), crate::error::Errors))]
+async fn upload_adapter(
+    State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
+    Path(tenant): Path<String>,
+    form: Result<axum::extract::Multipart, axum::extract::multipart::MultipartRejection>,
+) -> Result<Response, ApiError> {
+    let form = form.map_err(|e| ApiError::invalid("file", e.body_text()))?;
+    let up = crate::adapters::read_form(form).await?;
+    let a = gw
+        .management()
+        .via(origin)
+        .upload_adapter(Actor::Operator, Some(&tenant), up)
+        .await?;
+    Ok((StatusCode::CREATED, Json(a)).into_response())
+}
+
+#[utoipa::path(get, path = "/admin/v1/tenants/{tenant}/adapters", summary = "A tenant's adapter versions.", tag = "adapters", params(("tenant" = String, Path, description = "A tenant's name or id.")),
+    responses((status = 200, description = "The tenant's adapter versions.", body = crate::openapi::List<hearth_tenants::adapters::AdapterInfo>), crate::error::Errors))]
+async fn list_adapters(State(gw): State<Arc<AppState>>, Path(tenant): Path<String>) -> Result<Json<Value>, ApiError> {
+    let a = gw.management().list_adapters(Actor::Operator, Some(&tenant)).await?;
+    Ok(Json(json!({"object": "list", "data": a})))
+}
+
+#[utoipa::path(delete, path = "/admin/v1/adapters/{id}", summary = "Deletes an adapter version.", tag = "adapters", params(("id" = String, Path, description = "An adapter version's id.")),
+    responses((status = 200, description = "The deleted version.", body = hearth_tenants::adapters::AdapterInfo), crate::error::Errors))]
+async fn delete_adapter(
+    State(gw): State<Arc<AppState>>,
+    ClientOrigin(origin): ClientOrigin,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    Ok(Json(json!(
+        gw.management().via(origin).delete_adapter(Actor::Operator, &id).await?
     )))
 }

@@ -221,14 +221,35 @@ fn model_json(m: &ServedModel) -> Value {
 #[utoipa::path(get, path = "/v1/models", tag = "models", security(("bearer" = [])),
     responses((status = 200, description = "`{\"object\": \"list\", \"data\": [model]}`.", body = crate::openapi::List<crate::openapi::Model>), crate::error::Errors))]
 pub(crate) async fn list_models(State(state): State<Arc<AppState>>, Caller(ctx): Caller) -> Json<Value> {
-    let data: Vec<Value> = state
+    let models: Vec<_> = state
         .models
         .all()
-        .iter()
+        .into_iter()
         .filter(|m| ctx.allows_model(&m.id) && m.visible_to(&ctx))
-        .map(|m| model_json(m))
         .collect();
+    let mut data: Vec<Value> = models.iter().map(|m| model_json(m)).collect();
+    // The tenant's adapters, as `BASE:NAME` (the latest version of each name).
+    match state.tenants.list_adapters(&ctx.tenant_id).await {
+        Ok(adapters) => {
+            let mut seen = std::collections::HashSet::new();
+            for a in adapters.iter().rev() {
+                let Some(m) = models.iter().find(|m| m.id == a.base_model) else {
+                    continue;
+                };
+                if seen.insert((&a.base_model, &a.name)) {
+                    data.push(adapter_json(m, a));
+                }
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "listing the tenant's adapters failed"),
+    }
     Json(json!({"object": "list", "data": data}))
+}
+
+/// A tenant's adapter as a model: `BASE:NAME`, its parent the base model.
+fn adapter_json(m: &ServedModel, a: &hearth_tenants::adapters::AdapterInfo) -> Value {
+    json!({"id": format!("{}:{}", m.id, a.name), "object": "model", "created": a.created_at / 1000,
+        "owned_by": a.tenant_id, "context_length": m.context_length, "parent": m.id, "adapter": {"id": a.id, "version": a.version, "digest": a.digest}})
 }
 
 /// One model (404 `model_not_found` if the credential may not use it).
@@ -240,13 +261,26 @@ pub(crate) async fn get_model(
     Caller(ctx): Caller,
     Path(model): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    if !ctx.allows_model(&model) {
-        return Err(ApiError::model_not_found(&model));
+    if let Some(m) = state.models.get(&model).filter(|m| m.visible_to(&ctx)) {
+        if !ctx.allows_model(&model) {
+            return Err(ApiError::model_not_found(&model));
+        }
+        return Ok(Json(model_json(&m)));
     }
+    // `BASE:NAME`: one of the tenant's adapters.
+    let (base, name) = model
+        .rsplit_once(':')
+        .ok_or_else(|| ApiError::model_not_found(&model))?;
     let m = state
         .models
-        .get(&model)
-        .filter(|m| m.visible_to(&ctx))
+        .get(base)
+        .filter(|m| m.visible_to(&ctx) && ctx.allows_model(&m.id))
         .ok_or_else(|| ApiError::model_not_found(&model))?;
-    Ok(Json(model_json(&m)))
+    let a = state
+        .tenants
+        .find_adapter(&ctx.tenant_id, base, name)
+        .await
+        .map_err(crate::error::store_error)?
+        .ok_or_else(|| ApiError::model_not_found(&model))?;
+    Ok(Json(adapter_json(&m, &a)))
 }

@@ -309,6 +309,7 @@ pub fn store_error(e: TenantError) -> ApiError {
         TenantError::InvalidTenantName(_) => ApiError::invalid("name", e.to_string()),
         TenantError::NoSuchIssuer(_)
         | TenantError::NoSuchProcessor(_)
+        | TenantError::NoSuchAdapter(_)
         | TenantError::NoSuchMember(_)
         | TenantError::NoSuchInvitation(_)
         | TenantError::NoSuchProvider(_) => ApiError::not_found(e.to_string()),

@@ -202,15 +202,15 @@ pub async fn serve(
     Ok(())
 }
 
-/// The body limits of one route: the default, or a larger one (processor uploads).
+/// The body limits of one route: the default, or a larger one (processor and adapter
+/// uploads).
 #[derive(Debug, Clone)]
 pub struct BodyLimits {
     pub max_bytes: usize,
     pub read_timeout: Duration,
-    /// `POST`s to paths under the management prefixes ending in this may send up to
-    /// `upload_bytes` (processor uploads).
-    pub upload_suffix: &'static str,
-    pub upload_bytes: usize,
+    /// `POST`s to paths under the management prefixes ending in a suffix here may send up
+    /// to its bytes (processor uploads, adapter uploads).
+    pub uploads: Vec<(&'static str, usize)>,
     /// Request bodies held at once by the whole process, in KiB ([`BODY_BUDGET_KIB`]): past
     /// it a request gets 503 instead of more memory.
     budget: Arc<tokio::sync::Semaphore>,
@@ -219,7 +219,7 @@ pub struct BodyLimits {
 /// Request bodies the process holds at once, at most (KiB): 512 MiB.
 pub const BODY_BUDGET_KIB: usize = 512 << 10;
 
-/// Where processor uploads are (the admin API, the self-service API, the dashboard).
+/// Where uploads are (the admin API, the self-service API, the dashboard).
 const UPLOAD_PREFIXES: [&str; 3] = ["/admin/v1/tenants/", "/v1/tenant/", "/dashboard/"];
 
 impl BodyLimits {
@@ -227,21 +227,29 @@ impl BodyLimits {
         Self {
             max_bytes: http.max_body_bytes,
             read_timeout: http.body_read_timeout,
-            upload_suffix,
-            upload_bytes,
+            uploads: if upload_suffix.is_empty() {
+                Vec::new()
+            } else {
+                vec![(upload_suffix, upload_bytes)]
+            },
             budget: Arc::new(tokio::sync::Semaphore::new(BODY_BUDGET_KIB)),
         }
     }
 
+    /// POSTs to paths ending in `suffix` (under the management prefixes) may send up to
+    /// `bytes`.
+    pub fn with_upload(mut self, suffix: &'static str, bytes: usize) -> Self {
+        self.uploads.push((suffix, bytes));
+        self
+    }
+
     fn limit_for(&self, method: &axum::http::Method, path: &str) -> usize {
-        let upload = !self.upload_suffix.is_empty()
-            && method == axum::http::Method::POST
-            && path.ends_with(self.upload_suffix)
-            && UPLOAD_PREFIXES.iter().any(|p| path.starts_with(p));
-        if upload {
-            self.upload_bytes.max(self.max_bytes)
-        } else {
-            self.max_bytes
+        let upload = (method == axum::http::Method::POST && UPLOAD_PREFIXES.iter().any(|p| path.starts_with(p)))
+            .then(|| self.uploads.iter().find(|(suffix, _)| path.ends_with(suffix)))
+            .flatten();
+        match upload {
+            Some((_, bytes)) => (*bytes).max(self.max_bytes),
+            None => self.max_bytes,
         }
     }
 }

@@ -19,6 +19,7 @@
 //! `hearth-protocol` and a [`workers::WorkerClient`]; the embedded launcher (`hearth serve`,
 //! in `hearth-cli`) supplies an in-process client.
 
+pub mod adapters;
 pub mod admin;
 pub mod answer;
 pub mod anthropic;

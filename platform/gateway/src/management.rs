@@ -117,6 +117,8 @@ pub enum Permission {
     ManageKeys,
     /// Upload, activate, attach and delete processors.
     ManageProcessors,
+    /// Upload and delete LoRA adapters.
+    ManageAdapters,
     /// Read the tenant's audit log.
     ReadAudit,
     /// Invite, remove and change the role of members below owner.
@@ -126,11 +128,12 @@ pub enum Permission {
 }
 
 impl Permission {
-    pub const ALL: [Permission; 7] = [
+    pub const ALL: [Permission; 8] = [
         Permission::Read,
         Permission::Export,
         Permission::ManageKeys,
         Permission::ManageProcessors,
+        Permission::ManageAdapters,
         Permission::ReadAudit,
         Permission::ManageMembers,
         Permission::ManageOwners,
@@ -143,6 +146,7 @@ impl Permission {
             Permission::Export => "download billing exports",
             Permission::ManageKeys => "create and revoke API keys",
             Permission::ManageProcessors => "manage processors",
+            Permission::ManageAdapters => "manage adapters",
             Permission::ReadAudit => "read the audit log",
             Permission::ManageMembers => "invite and remove members",
             Permission::ManageOwners => "invite, promote and remove owners",
@@ -158,6 +162,7 @@ impl Permission {
 /// | billing exports | ✓ | ✓ | | ✓ | |
 /// | create and revoke API keys | ✓ | ✓ | ✓ | | |
 /// | manage processors | ✓ | ✓ | ✓ | | |
+/// | manage adapters | ✓ | ✓ | ✓ | | |
 /// | read the audit log | ✓ | ✓ | | ✓ | |
 /// | invite and remove members | ✓ | ✓ | | | |
 /// | the same for owners | ✓ | | | | |
@@ -166,7 +171,9 @@ pub fn allows(role: Role, p: Permission) -> bool {
     match p {
         Permission::Read => true,
         Permission::Export | Permission::ReadAudit => matches!(role, Owner | Admin | Billing),
-        Permission::ManageKeys | Permission::ManageProcessors => matches!(role, Owner | Admin | Developer),
+        Permission::ManageKeys | Permission::ManageProcessors | Permission::ManageAdapters => {
+            matches!(role, Owner | Admin | Developer)
+        }
         Permission::ManageMembers => matches!(role, Owner | Admin),
         Permission::ManageOwners => role == Owner,
     }
@@ -291,6 +298,8 @@ pub struct Management<'a> {
     pub ledger: &'a UsageLedger,
     /// Compiles (validates) uploaded processors; None: processors are disabled.
     pub runtime: Option<&'a Arc<Runtime>>,
+    /// The adapter store and the workers that check uploads; None: adapters are disabled.
+    pub adapters: Option<crate::adapters::AdapterHost<'a>>,
     /// Where the actions come from, for the audit log.
     pub origin: Origin,
 }

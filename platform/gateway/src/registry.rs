@@ -551,15 +551,23 @@ async fn follow_kv_events_until_retired(model: &ServedModel, slot: usize) {
                         return; // the worker left; the slot may be another's now
                     }
                     match ev {
-                        KvEvent::Snapshot { blocks, disk, .. } => {
+                        KvEvent::Snapshot {
+                            blocks, disk, adapters, ..
+                        } => {
                             r.index.reset_worker_tiers(slot, &blocks, &disk);
                             if let Some(w) = r.worker_mut(slot) {
                                 w.exact_events = true;
+                                w.adapters = adapters;
                             }
                         }
                         KvEvent::Stored { blocks, tier } => r.index.stored_in(slot, &blocks, tier),
                         KvEvent::Removed { blocks, tier } => r.index.removed_from(slot, &blocks, tier),
                         KvEvent::Load(_) => {}
+                        KvEvent::Adapters { loaded } => {
+                            if let Some(w) = r.worker_mut(slot) {
+                                w.adapters = loaded;
+                            }
+                        }
                     }
                 }
             }

@@ -8,6 +8,8 @@
 //! * `GET /v1/tenant/usage/export?from&to&format&granularity` — the billing export;
 //! * `/v1/tenant/processors` — upload (POST, the `.wasm` as the body), list, activate,
 //!   deactivate, attach to a key, delete the tenant's processors;
+//! * `/v1/tenant/adapters` — upload (POST, `multipart/form-data`), list and delete the
+//!   tenant's LoRA adapters;
 //! * `GET /v1/tenant/audit?limit` — the tenant's audit log (who changed what, when, from where).
 
 use std::sync::Arc;
@@ -47,7 +49,61 @@ pub fn router() -> Router<Arc<AppState>> {
         .route("/processors/{id}/activate", axum::routing::post(activate_processor))
         .route("/processors/{id}/deactivate", axum::routing::post(deactivate_processor))
         .route("/processors/{id}/attachment", axum::routing::put(attach_processor))
+        .route(
+            "/adapters",
+            get(list_adapters)
+                .post(upload_adapter)
+                .layer(crate::adapters::upload_limit()),
+        )
+        .route("/adapters/{id}", delete(delete_adapter))
         .route("/audit", get(audit_log))
+}
+
+// ---- adapters --------------------------------------------------------------------------
+
+#[utoipa::path(post, path = "/v1/tenant/adapters", summary = "Uploads a LoRA adapter version for a model of the catalogue.", tag = "self-service", security(("bearer" = [])),
+    request_body(content = crate::adapters::UploadForm, content_type = "multipart/form-data", description = "`base_model`, `name`, and the adapter's files as `file` parts. A worker serving the base model loads it before it is stored; requests then use `model: \"BASE:NAME\"`."),
+    responses((status = 201, description = "The stored version.", body = hearth_tenants::adapters::AdapterInfo), crate::error::Errors))]
+pub(crate) async fn upload_adapter(
+    State(gw): State<Arc<AppState>>,
+    Manager(ctx): Manager,
+    ClientOrigin(origin): ClientOrigin,
+    form: Result<axum::extract::Multipart, axum::extract::multipart::MultipartRejection>,
+) -> Result<Response, ApiError> {
+    let form = form.map_err(|e| ApiError::invalid("file", e.body_text()))?;
+    let up = crate::adapters::read_form(form).await?;
+    let a = gw
+        .management()
+        .via(origin)
+        .upload_adapter(Actor::Tenant(&ctx), None, up)
+        .await?;
+    Ok((StatusCode::CREATED, Json(a)).into_response())
+}
+
+#[utoipa::path(get, path = "/v1/tenant/adapters", summary = "The tenant's adapter versions.", tag = "self-service", security(("bearer" = [])),
+    responses((status = 200, description = "The tenant's adapter versions.", body = crate::openapi::List<hearth_tenants::adapters::AdapterInfo>), crate::error::Errors))]
+pub(crate) async fn list_adapters(
+    State(gw): State<Arc<AppState>>,
+    Manager(ctx): Manager,
+) -> Result<Json<Value>, ApiError> {
+    let a = gw.management().list_adapters(Actor::Tenant(&ctx), None).await?;
+    Ok(Json(json!({"object": "list", "data": a})))
+}
+
+#[utoipa::path(delete, path = "/v1/tenant/adapters/{id}", summary = "Deletes an adapter version (requests running under it finish).", tag = "self-service", security(("bearer" = [])), params(("id" = String, Path, description = "An adapter version's id.")),
+    responses((status = 200, description = "The deleted version.", body = hearth_tenants::adapters::AdapterInfo), crate::error::Errors))]
+pub(crate) async fn delete_adapter(
+    State(gw): State<Arc<AppState>>,
+    Manager(ctx): Manager,
+    ClientOrigin(origin): ClientOrigin,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    Ok(Json(json!(
+        gw.management()
+            .via(origin)
+            .delete_adapter(Actor::Tenant(&ctx), &id)
+            .await?
+    )))
 }
 
 #[derive(serde::Deserialize, utoipa::IntoParams)]

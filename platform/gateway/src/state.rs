@@ -68,6 +68,8 @@ pub struct AppState {
     /// The operators' identity provider and who may sign in through it as an operator
     /// (`--operator-oidc-*`, `--operators`; None: operators sign in with the admin token).
     pub operator_sso: Option<OperatorSso>,
+    /// The adapter store shared with the workers (`--adapter-dir`; None: no adapters).
+    pub adapter_dir: Option<std::path::PathBuf>,
 }
 
 /// Operators signing into the dashboard through an OpenID Connect provider.
@@ -146,6 +148,10 @@ impl AppState {
             tenants: &self.tenants,
             ledger: &self.ledger,
             runtime: self.processors.as_ref().map(|h| &h.runtime),
+            adapters: self.adapter_dir.as_deref().map(|dir| crate::adapters::AdapterHost {
+                dir,
+                models: &self.models,
+            }),
             origin: Default::default(),
         }
     }
@@ -172,7 +178,8 @@ impl AppState {
                 &crate::http::HttpLimits::default(),
                 "/processors",
                 hearth_tenants::processors::MAX_PROCESSOR_BYTES + (1 << 20),
-            ),
+            )
+            .with_upload("/adapters", crate::adapters::MAX_ADAPTER_UPLOAD_BYTES + (1 << 20)),
             request_limits: RequestLimits::default(),
             response_retention: Default::default(),
             keep_billing_header: false,
@@ -180,6 +187,7 @@ impl AppState {
             public_origin: None,
             login_key: Default::default(),
             operator_sso: None,
+            adapter_dir: None,
         }
     }
 }

@@ -201,6 +201,8 @@ pub struct WorkerState {
     pub remote_outstanding: u32,
     pub remote_prefill_tokens: u64,
     pub remote_decoding: u32,
+    /// Digests of the LoRA adapters it has loaded (its KV events say).
+    pub adapters: Vec<String>,
 }
 
 impl WorkerState {
@@ -254,6 +256,9 @@ pub struct RouteInput<'a> {
     pub exclude: u64,
     /// Whether the chosen worker may pull a prefix from a peer ([`Decision::fetch`]).
     pub fetch: bool,
+    /// The digest of the request's LoRA adapter: workers that have it loaded are preferred
+    /// while one is under its load bound.
+    pub adapter: Option<&'a str>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -433,6 +438,17 @@ impl Router {
         {
             candidates = usable;
             spilled = true;
+        }
+        // An adapter: the workers that have it loaded, while one of them has room (loading
+        // it elsewhere costs a read and a check; its cached prefixes are there too).
+        if let Some(a) = input.adapter {
+            let warm = (0..MAX_WORKERS)
+                .filter(|&i| candidates & (1 << i) != 0 && self.under(i, bound))
+                .filter(|&i| self.worker(i).is_some_and(|w| w.adapters.iter().any(|d| d == a)))
+                .fold(0u64, |m, i| m | (1 << i));
+            if warm != 0 {
+                candidates = warm;
+            }
         }
         let bt = self.cfg.block_tokens;
         let most = input.prompt_tokens.saturating_sub(1);
@@ -680,6 +696,7 @@ mod tests {
             region: None,
             exclude: 0,
             fetch: true,
+            adapter: None,
         }
     }
 
@@ -754,6 +771,7 @@ mod tests {
             .route(
                 &RouteInput {
                     fetch: false,
+                    adapter: None,
                     ..input(&hashes, None)
                 },
                 0,
@@ -890,6 +908,34 @@ mod tests {
     }
 
     #[test]
+    fn workers_with_the_adapter_loaded_are_preferred_within_the_bound() {
+        for policy in ["kv_aware", "least_outstanding", "prefix_aware", "random"] {
+            let mut r = router(policy, 3);
+            r.worker_mut(2).unwrap().adapters = vec!["d1".into(), "d2".into()];
+            // The least loaded worker lacks the adapter: the warm one is chosen anyway.
+            r.worker_mut(2).unwrap().outstanding = 2;
+            let warm = RouteInput {
+                adapter: Some("d2"),
+                ..input(&[], None)
+            };
+            for t in 0..5 {
+                assert_eq!(r.route(&warm, t).unwrap().worker, 2, "{policy}");
+            }
+            // An adapter nobody has loaded: the usual choice (the least loaded).
+            if matches!(policy, "kv_aware" | "least_outstanding") {
+                let cold = RouteInput {
+                    adapter: Some("d3"),
+                    ..input(&[], None)
+                };
+                assert_ne!(r.route(&cold, 5).unwrap().worker, 2, "{policy}");
+            }
+            // Over the load bound, the warm worker yields.
+            r.worker_mut(2).unwrap().outstanding = 50;
+            assert_ne!(r.route(&warm, 6).unwrap().worker, 2, "{policy}");
+        }
+    }
+
+    #[test]
     fn prefix_keys_separate_and_overflow() {
         let mut r = router("prefix_aware", 5);
         let a = RouteInput {
@@ -900,6 +946,7 @@ mod tests {
             region: None,
             exclude: 0,
             fetch: true,
+            adapter: None,
         };
         let w = r.route(&a, 0).unwrap().worker;
         assert_eq!(r.route(&a, 0).unwrap().worker, w, "same key, same worker");

@@ -36,7 +36,6 @@ use std::path::Path;
 use rayon::prelude::*;
 use safetensors::SafeTensors;
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 
 use crate::gguf::{GgmlType, GgufFile, MetaValue};
 use crate::kernels::{axpy, dequantize_row, lora_expand, lora_shrink};
@@ -578,7 +577,7 @@ fn open_peft(dir: &Path, model: &Model, limits: LoraLimits) -> Result<LoraAdapte
             rank: sa[0],
         });
     }
-    let digest = peft_digest(&config_bytes, &weights);
+    let digest = hearth_protocol::adapter::peft_digest(&config_bytes, &weights);
     let scale = move |r: usize| {
         if rslora {
             (alpha / (r as f64).sqrt()) as f32
@@ -608,7 +607,7 @@ fn open_gguf(path: &Path, model: &Model, limits: LoraLimits) -> Result<LoraAdapt
             "the adapter is for a {arch:?} model; the base model is {base:?}"
         )));
     }
-    let digest = hex(&Sha256::digest(read(path, limits)?));
+    let digest = hearth_protocol::adapter::gguf_digest(&read(path, limits)?);
     let alpha = g.get_f64("adapter.lora.alpha").unwrap_or(0.0);
     let mut raws = Vec::new();
     for t in &g.tensors {
@@ -669,22 +668,13 @@ pub fn digest(path: &Path) -> Result<String, LoraError> {
     let read = |p: &Path| std::fs::read(p).map_err(io_error(p));
     if path.is_dir() {
         let config = read(&path.join("adapter_config.json"))?;
-        Ok(peft_digest(&config, &read(&path.join("adapter_model.safetensors"))?))
+        Ok(hearth_protocol::adapter::peft_digest(
+            &config,
+            &read(&path.join("adapter_model.safetensors"))?,
+        ))
     } else {
-        Ok(hex(&Sha256::digest(read(path)?)))
+        Ok(hearth_protocol::adapter::gguf_digest(&read(path)?))
     }
-}
-
-fn peft_digest(config: &[u8], weights: &[u8]) -> String {
-    let mut h = Sha256::new();
-    h.update((config.len() as u64).to_le_bytes());
-    h.update(config);
-    h.update(weights);
-    hex(&h.finalize())
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 
 use hearth_billing::export::Totals;
-use hearth_billing::{format_nusd, price_at, rate, LedgerRow, Price};
+use hearth_billing::{format_nusd, price_of, rate, LedgerRow, Price};
 use serde::Serialize;
 
 /// A usage window and its bucket size.
@@ -164,7 +164,7 @@ fn saved_nusd(r: &LedgerRow, prices: &[Price]) -> i64 {
     if r.rec.cached_tokens == 0 || r.cost.price_effective_from.is_none() {
         return 0;
     }
-    let Some(p) = price_at(prices, &r.rec.model, r.rec.started_at) else {
+    let Some(p) = price_of(prices, &r.rec) else {
         return 0;
     };
     let mut uncached = r.rec.clone();

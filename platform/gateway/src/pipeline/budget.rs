@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use axum::http::{HeaderMap, HeaderValue};
-use hearth_billing::{format_nusd, month_of, price_at, rate, Price, UsageLedger, UsageRecord};
+use hearth_billing::{format_nusd, month_of, price_of, rate, Price, UsageLedger, UsageRecord};
 use hearth_tenants::now_ms;
 
 use super::RequestContext;
@@ -252,9 +252,10 @@ pub async fn reserve(state: &AppState, ctx: &mut RequestContext) -> Result<(), A
         prompt_tokens: ctx.prompt.len() as u32,
         cached_tokens: 0,
         completion_tokens: ctx.max_tokens.saturating_mul(n),
+        adapter: ctx.usage.as_ref().and_then(|u| u.adapter.clone()),
         ..UsageRecord::started(&ctx.request_id, &tenant.tenant_id, None, "", now)
     };
-    let nusd = rate(&worst, price_at(&prices, &model, now)).total_nusd;
+    let nusd = rate(&worst, price_of(&prices, &worst)).total_nusd;
     if nusd == 0 {
         return Ok(());
     }

@@ -467,6 +467,7 @@ mod tests {
             tenant: String::new(),
             pinned: None,
             shared: None,
+            adapter: None,
         };
         let routed = RouteRequest::new(&model, &req.prompt, "", hints);
         let pd = route::run_pd(&model, &routed, 0).expect("a long prompt is disaggregated");
@@ -529,6 +530,7 @@ mod tests {
                 tenant: "t".into(),
                 pinned: None,
                 shared: None,
+                adapter: None,
             };
             RouteRequest::new(&model, &req.prompt, "", hints)
         };

@@ -132,7 +132,7 @@ pub async fn run(state: &crate::state::AppState, ctx: &mut RequestContext) -> Re
         kv_source: None,
         qos: ctx.qos.clone(),
         constraint: request.common.constraint.clone(),
-        adapter: None,
+        adapter: ctx.adapter.clone(),
     };
     // Sessions are the tenant's own: equal header values of two tenants are two sessions.
     // Without the header, the request's own session key (`prompt_cache_key`, Claude Code's
@@ -153,6 +153,7 @@ pub async fn run(state: &crate::state::AppState, ctx: &mut RequestContext) -> Re
         tenant: ctx.qos.tenant.clone(),
         pinned,
         shared,
+        adapter: req.adapter.as_ref().map(|a| a.digest.clone()),
     };
     let routed = RouteRequest::new(&model, &req.prompt, &req.kv_namespace(), hints);
     // One completion only: `n` choices share one prompt on one worker.

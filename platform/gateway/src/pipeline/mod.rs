@@ -128,6 +128,8 @@ pub struct RequestContext {
     pub request: Option<parse::Parsed>,
     /// resolve: the model served.
     pub model: Option<Arc<ServedModel>>,
+    /// resolve: the tenant's LoRA adapter it runs under (`model: "BASE:ADAPTER"`).
+    pub adapter: Option<hearth_protocol::AdapterRef>,
     /// tokenize: the prompt's token ids and the completion's token budget.
     pub prompt: Vec<u32>,
     /// tokenize: the prompt's length (the ids go to the worker; this stays).
@@ -173,6 +175,7 @@ impl RequestContext {
             post_done: None,
             request: None,
             model: None,
+            adapter: None,
             prompt: Vec::new(),
             prompt_tokens: 0,
             output: Default::default(),
@@ -225,7 +228,7 @@ async fn run(state: &Arc<AppState>, ctx: &mut RequestContext) -> Result<Response
     preprocess::run(state, ctx).instrument(info_span!("preprocess")).await?;
     info_span!("parse").in_scope(|| parse::run(ctx, state.keep_billing_header))?;
     recall::run(state, ctx).instrument(info_span!("recall")).await?;
-    info_span!("resolve").in_scope(|| resolve::run(state, ctx))?;
+    resolve::run(state, ctx).instrument(info_span!("resolve")).await?;
     info_span!("tokenize").in_scope(|| tokenize::run(ctx))?;
     limit::run(state, ctx).instrument(info_span!("limit")).await?;
     info_span!("admit").in_scope(|| admit::run(state, ctx))?;
@@ -361,7 +364,7 @@ async fn count_tokens(state: Arc<AppState>, mut ctx: RequestContext) -> Response
         authenticate::run(&state, &mut ctx).await?;
         preprocess::run(&state, &mut ctx).await?;
         parse::run(&mut ctx, state.keep_billing_header)?;
-        resolve::run(&state, &mut ctx)?;
+        resolve::run(&state, &mut ctx).await?;
         tokenize::run(&mut ctx)?;
         Ok::<_, ApiError>(ctx.prompt_tokens)
     }

@@ -34,6 +34,8 @@ pub struct RouteHints {
     pub pinned: Option<String>,
     /// Where session pins are shared with the other gateways (None: this gateway alone).
     pub shared: Option<Arc<crate::cluster::SharedRouting>>,
+    /// The digest of the request's LoRA adapter (workers with it loaded are preferred).
+    pub adapter: Option<String>,
 }
 
 /// The request as the router sees it: its prompt's block hashes and hints.
@@ -196,6 +198,7 @@ pub fn run_pinned(
         region: req.hints.region.as_deref(),
         exclude: exclude | not_warm(model, exclude),
         fetch: true,
+        adapter: req.hints.adapter.as_deref(),
     };
     let d = match r.route(&input, model.now_ms()) {
         Some(d) => d,
@@ -291,6 +294,7 @@ pub fn run_pd(model: &Arc<ServedModel>, req: &RouteRequest, exclude: u64) -> Opt
         exclude: !p_cands,
         // The halves move the blocks themselves (the decode half from the prefill half).
         fetch: false,
+        adapter: req.hints.adapter.as_deref(),
     };
     let p = r.route(&input, now)?;
     input.exclude = !d_cands;
@@ -576,6 +580,7 @@ pub(crate) mod tests {
                 tenant: String::new(),
                 pinned: None,
                 shared: None,
+                adapter: None,
             },
         }
     }
