@@ -4,9 +4,10 @@ data directory.
 
 It signs in with an API key, checks the usage numbers equal the sum of the `usage` the API
 returned for requests it made, creates a key (which then works) and revokes it (which then
-gets 401), uploads and activates a processor, signs out, checks that a tenant named
+gets 401), uploads and activates a processor, uploads a LoRA adapter (both PEFT files in one
+file input) and uses it, signs out, checks that a tenant named
 `<img src=x onerror=alert(1)>` is shown as text (no alert, no element) and sees none of the
-first tenant's data, and that the operator's view lists both tenants; the operator creates a
+first tenant's data (its adapters included), and that the operator's view lists both tenants; the operator creates a
 tenant and sets its budget from the console, and the CLI sees both. Then members: the
 operator invites acme's first owner, who joins through the link, invites a viewer from the
 Members page; the viewer joins and is shown no key, export or audit controls; the owner
@@ -31,7 +32,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions as EC
 from selenium.webdriver.support.ui import WebDriverWait
 
-from harness import Checks, Serve
+from harness import Checks, Serve, synthetic_adapter
 
 hearth = sys.argv[1]
 shots = None
@@ -223,10 +224,33 @@ try:
     status, r = api("/v1/tenant/processors", key_a)
     check("the API agrees", status == 200 and any(p["id"] == pid and p["active"] for p in r["data"]), r)
     shot("processors.png")
+
+    # ---- a LoRA adapter: both PEFT files chosen in one file input, uploaded, listed, used ------
+    adapter_dir = os.path.join(data, "adapter")
+    os.makedirs(adapter_dir, exist_ok=True)
+    paths = []
+    for name, blob in synthetic_adapter(rank=4):
+        paths.append(os.path.join(adapter_dir, name))
+        with open(paths[-1], "wb") as f:
+            f.write(blob)
+    driver.get(url + "/dashboard/adapters")
+    driver.find_element(By.ID, "adapter-name").send_keys("house-style")
+    driver.find_element(By.ID, "adapter-files").send_keys("\n".join(paths))
+    driver.find_element(By.ID, "adapter-upload").click()
+    wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "button[id^='delete-lora_']")))
+    aid = driver.find_element(By.CSS_SELECTOR, "button[id^='delete-lora_']").get_attribute("id")[len("delete-"):]
+    row = driver.find_element(By.ID, f"adapter-{aid}").text
+    check("adapter uploaded and listed", "smollm2-135m-instruct:house-style" in row and "peft" in row, row)
+    status, r = api("/v1/chat/completions", key_a, {
+        "model": "smollm2-135m-instruct:house-style", "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "user", "content": "Hi"}]})
+    check("the adapter serves", status == 200, r)
+    shot("adapters.png")
     driver.get(url + "/dashboard/audit")
     audit = driver.find_element(By.ID, "audit").text
     check("audit shows the dashboard's actions",
-          all(a in audit for a in ["key.create", "key.revoke", "processor.upload", "processor.activate"]), audit[:400])
+          all(a in audit for a in ["key.create", "key.revoke", "processor.upload", "processor.activate",
+                                   "adapter.upload"]), audit[:400])
     shot("audit.png")
     sign_out()
 
@@ -242,6 +266,8 @@ try:
     check("B sees none of A's keys", new_id not in driver.page_source and key_a.split("_")[1] not in driver.page_source)
     driver.get(url + "/dashboard/processors")
     check("B sees none of A's processors", pid not in driver.page_source)
+    driver.get(url + "/dashboard/adapters")
+    check("B sees none of A's adapters", aid not in driver.page_source and "house-style" not in driver.page_source)
     sign_out()
 
     # ---- the operator -----------------------------------------------------------------------

@@ -1,11 +1,18 @@
 """What the scripts that drive a real `hearth serve` share (openai_sdk_check.py,
 dashboard_check.py): the server on a free port with a fresh data directory, the CLI against
-that directory, and the count of checks passed and failed."""
+that directory, the count of checks passed and failed, and a synthetic LoRA adapter for the
+default model with its upload."""
+import json
 import os
+import random
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
+import uuid
 
 
 class Serve:
@@ -56,3 +63,49 @@ class Checks:
     def exit(self, label):
         print(f"{label}: {self.passed} passed, {self.failed} failed")
         sys.exit(1 if self.failed else 0)
+
+
+def synthetic_adapter(rank, seed=7):
+    """A PEFT adapter for the default model (30 layers, 576 wide, 3 KV heads of 64, MLP
+    1536) with seeded random weights, written with the standard library only."""
+    rng = random.Random(seed)
+    d, kv, ff = 576, 192, 1536
+    modules = [("self_attn.q_proj", d, d), ("self_attn.k_proj", kv, d), ("self_attn.v_proj", kv, d),
+               ("self_attn.o_proj", d, d), ("mlp.gate_proj", ff, d), ("mlp.up_proj", ff, d),
+               ("mlp.down_proj", d, ff)]
+    header, blobs, offset = {}, [], 0
+    for layer in range(30):
+        for m, out, inp in modules:
+            stem = f"base_model.model.model.layers.{layer}.{m}"
+            for part, shape, std in (("lora_A", [rank, inp], inp ** -0.5), ("lora_B", [out, rank], 0.05)):
+                n = shape[0] * shape[1]
+                blob = struct.pack(f"<{n}f", *(rng.gauss(0, std) for _ in range(n)))
+                header[f"{stem}.{part}.weight"] = {"dtype": "F32", "shape": shape,
+                                                  "data_offsets": [offset, offset + len(blob)]}
+                blobs.append(blob)
+                offset += len(blob)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    weights = struct.pack("<Q", len(head)) + head + b"".join(blobs)
+    config = json.dumps({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+                         "target_modules": [m.split(".")[1] for m, _, _ in modules], "bias": "none"}).encode()
+    return [("adapter_config.json", config), ("adapter_model.safetensors", weights)]
+
+
+def upload_adapter(url, key, base, name, files):
+    """`POST /v1/tenant/adapters` as multipart/form-data; (status, JSON body)."""
+    boundary = uuid.uuid4().hex
+    body = b""
+    for field, value in (("base_model", base), ("name", name)):
+        body += f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"\r\n\r\n{value}\r\n'.encode()
+    for file_name, data in files:
+        body += (f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{file_name}"\r\n'
+                 f"Content-Type: application/octet-stream\r\n\r\n").encode() + data + b"\r\n"
+    body += f"--{boundary}--\r\n".encode()
+    req = urllib.request.Request(url + "/v1/tenant/adapters", data=body, method="POST", headers={
+        "Authorization": "Bearer " + key, "Content-Type": f"multipart/form-data; boundary={boundary}"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")

@@ -110,7 +110,13 @@ async fn adapters_uploaded_served_isolated_metered_and_deleted() {
     assert!(msg.contains("safetensors"), "{msg}");
     let (s, body) = upload(&self_service, &key_a, MODEL, "wrong", &peft_files(&work.join("wrong"))).await;
     assert_eq!(s, 400, "{body}");
-    assert!(body["error"]["message"].as_str().unwrap().contains("does not fit this base model"), "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("does not fit this base model"),
+        "{body}"
+    );
     let (s, body) = upload(
         &self_service,
         &key_a,

@@ -361,13 +361,29 @@ pub struct UploadForm {
 }
 
 /// Reads an upload's form.
-pub async fn read_form(mut form: axum::extract::Multipart) -> Result<AdapterUpload, crate::error::ApiError> {
+pub async fn read_form(form: axum::extract::Multipart) -> Result<AdapterUpload, crate::error::ApiError> {
+    Ok(read(form, false).await?.0)
+}
+
+/// Reads the dashboard's upload form, whose CSRF token is its `csrf` field.
+pub async fn read_form_with_csrf(
+    form: axum::extract::Multipart,
+) -> Result<(AdapterUpload, Option<String>), crate::error::ApiError> {
+    read(form, true).await
+}
+
+async fn read(
+    mut form: axum::extract::Multipart,
+    csrf_field: bool,
+) -> Result<(AdapterUpload, Option<String>), crate::error::ApiError> {
     use crate::error::ApiError;
     let bad = |e: axum::extract::multipart::MultipartError| ApiError::invalid("file", e.body_text());
     let mut up = AdapterUpload::default();
+    let mut csrf = None;
     while let Some(field) = form.next_field().await.map_err(bad)? {
         let name = field.name().unwrap_or_default().to_string();
         match name.as_str() {
+            "csrf" if csrf_field => csrf = Some(field.text().await.map_err(bad)?),
             "base_model" => up.base_model = field.text().await.map_err(bad)?,
             "name" => up.name = field.text().await.map_err(bad)?,
             "file" => {
@@ -388,7 +404,7 @@ pub async fn read_form(mut form: axum::extract::Multipart) -> Result<AdapterUplo
     if up.base_model.is_empty() {
         return Err(ApiError::invalid("base_model", "'base_model' is required"));
     }
-    Ok(up)
+    Ok((up, csrf))
 }
 
 /// Uploads may be large (rank-64 adapters of 7B models are hundreds of MB).

@@ -106,6 +106,13 @@ pub fn router() -> Router<Arc<AppState>> {
                 .layer(crate::admin::upload_limit()),
         )
         .route("/processors/{id}/{action}", post(processor_action))
+        .route(
+            "/adapters",
+            get(adapters)
+                .post(upload_adapter)
+                .layer(crate::adapters::upload_limit()),
+        )
+        .route("/adapters/{id}/delete", post(delete_adapter))
         .route("/export", get(export))
         .route("/audit", get(audit))
         .route("/static/app.css", get(css))
@@ -147,6 +154,7 @@ fn env() -> &'static Environment<'static> {
             ("keys.html", include_str!("templates/keys.html")),
             ("key_created.html", include_str!("templates/key_created.html")),
             ("processors.html", include_str!("templates/processors.html")),
+            ("adapters.html", include_str!("templates/adapters.html")),
             ("audit.html", include_str!("templates/audit.html")),
             ("operator.html", include_str!("templates/operator.html")),
             ("tenant.html", include_str!("templates/tenant.html")),
@@ -294,6 +302,7 @@ impl Visitor {
         let can = context! {
             export => self.can(Permission::Export), manage_keys => self.can(Permission::ManageKeys),
             manage_processors => self.can(Permission::ManageProcessors), audit => self.can(Permission::ReadAudit),
+            manage_adapters => self.can(Permission::ManageAdapters),
             manage_members => self.can(Permission::ManageMembers), manage_owners => self.can(Permission::ManageOwners),
         };
         match &self.who {
@@ -1565,6 +1574,62 @@ async fn act_on_processor(
         _ => return Err(ApiError::not_found(format!("no processor action {action:?}")).into()),
     }?;
     Ok(())
+}
+
+/// `GET /dashboard/adapters`: the tenant's LoRA adapters, and the upload form.
+async fn adapters(v: Visitor, State(gw): State<Arc<AppState>>) -> Result<Response, PageError> {
+    let t = v.tenant()?;
+    let list = gw.management().list_adapters(v.actor(), None).await?;
+    let models: Vec<String> = gw
+        .models
+        .all()
+        .iter()
+        .filter(|m| m.visible_to(t) && t.allows_model(&m.id))
+        .map(|m| m.id.clone())
+        .collect();
+    Ok(page(
+        StatusCode::OK,
+        "adapters.html",
+        context! {
+            base => v.base(), page => "adapters", adapters => list, models => models,
+            enabled => gw.adapter_dir.is_some(),
+        },
+    ))
+}
+
+/// `POST /dashboard/adapters`: the upload form (`multipart/form-data`, the CSRF token a
+/// field of it).
+async fn upload_adapter(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    form: Result<axum::extract::Multipart, axum::extract::multipart::MultipartRejection>,
+) -> Result<Response, PageError> {
+    let form = form.map_err(|e| ApiError::invalid("file", e.body_text()))?;
+    let (up, csrf) = crate::adapters::read_form_with_csrf(form).await?;
+    csrf_ok(&gw, &v, &headers, csrf.as_deref())?;
+    v.tenant()?;
+    gw.management()
+        .via(v.origin.clone())
+        .upload_adapter(v.actor(), None, up)
+        .await?;
+    Ok(Redirect::to("/dashboard/adapters").into_response())
+}
+
+async fn delete_adapter(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Form(f): Form<CsrfForm>,
+) -> Result<Response, PageError> {
+    csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
+    v.tenant()?;
+    gw.management()
+        .via(v.origin.clone())
+        .delete_adapter(v.actor(), &id)
+        .await?;
+    Ok(Redirect::to("/dashboard/adapters").into_response())
 }
 
 /// The billing export, exactly as `GET /v1/tenant/usage/export` renders it.
