@@ -51,6 +51,18 @@ pub fn store_path(digest: &str, format: &str) -> String {
     }
 }
 
+/// A model name that is not a served model's, read as `BASE:ADAPTER` (split at the last
+/// `:`, since model ids may contain one): None when it has no adapter part.
+pub fn split_model_name(name: &str) -> Option<(&str, &str)> {
+    name.rsplit_once(':')
+        .filter(|(base, adapter)| !base.is_empty() && !adapter.is_empty())
+}
+
+/// The model name requests use for `adapter` of `base`.
+pub fn model_name(base: &str, adapter: &str) -> String {
+    format!("{base}:{adapter}")
+}
+
 /// What a new version is (its files already in the store and checked).
 #[derive(Debug, Clone)]
 pub struct AdapterSpec {
@@ -159,7 +171,15 @@ impl TenantStore {
         .bind(spec.size)
         .bind(now_ms())
         .execute(&self.pool)
-        .await?;
+        .await
+        .map_err(|e| match e {
+            // Two uploads of one name at once: both read the same last version.
+            sqlx::Error::Database(d) if d.is_unique_violation() => TenantError::Conflict(format!(
+                "another version of adapter {:?} was stored at the same time; upload again",
+                spec.name
+            )),
+            e => e.into(),
+        })?;
         self.adapter(&id).await
     }
 

@@ -220,6 +220,7 @@ async fn run_gateway(
     state.limiter = limiter;
     if let Some(dir) = &workers.adapter_store {
         std::fs::create_dir_all(dir).with_context(|| format!("creating the adapter store {}", dir.display()))?;
+        hearth_gateway::adapters::sweep_staging(dir);
         tracing::info!(dir = %dir.display(), "adapter store");
     }
     state.adapter_dir = workers.adapter_store.clone();

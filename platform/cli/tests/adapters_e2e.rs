@@ -330,7 +330,13 @@ async fn adapters_uploaded_served_isolated_metered_and_deleted() {
             .await
             .unwrap();
         assert_eq!(r.status(), 200);
+        if a == &a2 {
+            let (lp_v1, _, _) = first_logprob(url, &key_a, &name_a).await;
+            assert!((lp_v1 - lp).abs() < 1e-4, "version 1 again: {lp_v1} vs {lp}");
+        }
     }
+    // Nothing staged is left behind.
+    assert_eq!(std::fs::read_dir(data.join("adapters/.staging")).unwrap().count(), 0);
     let (s, _, _) = post(
         &format!("{url}/v1/chat/completions"),
         Some(&key_a),

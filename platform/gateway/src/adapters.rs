@@ -23,8 +23,11 @@ use crate::registry::ModelRegistry;
 /// Largest adapter upload accepted (the files together).
 pub const MAX_ADAPTER_UPLOAD_BYTES: usize = 256 << 20;
 
-/// How long a worker may take to load and check an upload.
+/// How long the workers may take, together, to load and check an upload.
 const CHECK_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Workers asked in turn to check an upload (the next when one cannot answer).
+const CHECK_WORKERS: usize = 3;
 
 /// What the management service needs for adapters: the store and the models whose
 /// workers check uploads.
@@ -129,6 +132,48 @@ impl Files {
     }
 }
 
+/// Held while a version's row and the store's files change together (an upload's row and
+/// its files; a delete's row and, when no row names them any more, the files), so that a
+/// row never names files a concurrent delete removed. In this process: gateways sharing
+/// one store over several hosts are not serialised with each other.
+static STORE_LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// A staged upload, removed when dropped (checked, refused, moved, or abandoned when the
+/// client went away).
+struct Staged(PathBuf);
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        remove(&self.0);
+    }
+}
+
+/// Runs blocking file work off the async runtime.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, ManageError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ManageError::Internal(format!("storing the adapter failed: {e}")))
+}
+
+/// Removes staged uploads older than an hour (a gateway that stopped mid-upload leaves
+/// them; younger ones may be another gateway's upload in progress).
+pub fn sweep_staging(store: &Path) {
+    let Ok(entries) = std::fs::read_dir(store.join(".staging")) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let old = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > Duration::from_secs(3600));
+        if old {
+            remove(&e.path());
+        }
+    }
+}
+
 fn remove(path: &Path) {
     let _ = if path.is_dir() {
         std::fs::remove_dir_all(path)
@@ -152,10 +197,16 @@ impl AdapterHost<'_> {
             .ok_or_else(|| invalid("base_model", format!("model {model:?} is not served here")))?;
         let prompt = vec![served.tokenizer.bos_id().unwrap_or(0)];
         let mut last = None;
-        for slot in 0..served.slots() {
-            let Some(worker) = served.client(slot) else { continue };
+        // A worker that cannot read the store says so: the operator's problem, not the file's.
+        let mut unreadable = false;
+        let deadline = tokio::time::Instant::now() + CHECK_TIMEOUT;
+        let workers = (0..served.slots())
+            .filter_map(|slot| served.client(slot))
+            .take(CHECK_WORKERS);
+        for worker in workers {
+            let id = hearth_tenants::random_hex(6).map_err(|e| ManageError::Internal(e.to_string()))?;
             let req = GenerateRequest {
-                request_id: format!("adapter-check-{}", &digest[..12]),
+                request_id: format!("adapter-check-{id}"),
                 model: model.to_string(),
                 prompt: prompt.clone(),
                 sampling: SamplingParams {
@@ -172,12 +223,12 @@ impl AdapterHost<'_> {
                 qos: Default::default(),
                 constraint: None,
                 adapter: Some(AdapterRef {
-                    name: format!("{model}:{name}"),
+                    name: hearth_tenants::adapters::model_name(model, name),
                     digest: digest.to_string(),
                     path: path.to_string(),
                 }),
             };
-            let answer = tokio::time::timeout(CHECK_TIMEOUT, async {
+            let answer = tokio::time::timeout_at(deadline, async {
                 let mut events = worker.generate(req).await?;
                 while let Some(ev) = events.next().await {
                     match ev {
@@ -194,15 +245,31 @@ impl AdapterHost<'_> {
             .await;
             match answer {
                 Ok(Ok(Ok(()))) => return Ok(()),
-                Ok(Ok(Err((code, message)))) if code == "invalid_adapter" || code == "adapter_not_found" => {
-                    return Err(invalid("file", message));
+                Ok(Ok(Err((code, message)))) if code == "invalid_adapter" => return Err(invalid("file", message)),
+                Ok(Ok(Err((code, message)))) => {
+                    unreadable |= code == "adapter_not_found" || code == "adapter_unavailable";
+                    tracing::warn!(
+                        worker = worker.name(),
+                        code,
+                        message,
+                        "a worker could not check an adapter upload"
+                    );
+                    last = Some(format!("{}: {code}: {message}", worker.name()));
                 }
-                Ok(Ok(Err((code, message)))) => last = Some(format!("{code}: {message}")),
                 Ok(Err(e)) => last = Some(e.to_string()),
-                Err(_) => last = Some("the check timed out".into()),
+                Err(_) => {
+                    last = Some("the check timed out".into());
+                    break;
+                }
             }
         }
         tracing::warn!(model, last = ?last, "no worker could check an adapter upload");
+        if unreadable {
+            return Err(ManageError::Internal(format!(
+                "the workers of {model} cannot load adapters from this gateway's adapter store (each worker's --adapter-dir must be the gateway's): {}",
+                last.unwrap_or_default()
+            )));
+        }
         Err(ManageError::Busy(
             "no worker of the base model could check the adapter now; try again shortly",
         ))
@@ -238,68 +305,62 @@ impl Management<'_> {
         let base = host
             .models
             .get(&up.base_model)
-            .filter(|m| actor.credential().is_none_or(|c| m.visible_to(c)))
+            .filter(|m| {
+                actor
+                    .credential()
+                    .is_none_or(|c| m.visible_to(c) && c.allows_model(&m.id))
+            })
             .ok_or_else(|| invalid("base_model", format!("model {:?} is not served here", up.base_model)))?;
         let files = Files::of(up.files)?;
         let (format, size, rank) = (files.format(), files.size(), files.rank()?);
         // Hashing and writing hundreds of MB is blocking work.
-        let blocking = |e: tokio::task::JoinError| ManageError::Internal(format!("storing the adapter failed: {e}"));
-        let (files, digest) = tokio::task::spawn_blocking(move || {
+        let (files, digest) = blocking(move || {
             let d = files.digest();
             (files, d)
         })
-        .await
-        .map_err(blocking)?;
+        .await?;
         self.tenants.adapter_room(&t, &digest, size as i64).await?;
-        let name = hearth_tenants::adapters::store_path(&digest, format);
-        let fin = host.dir.join(&name);
-        if !fin.exists() {
-            let staging = host.dir.join(".staging");
-            std::fs::create_dir_all(&staging).map_err(|e| io("creating .staging", e))?;
-            let id = hearth_tenants::random_hex(8).map_err(|e| ManageError::Internal(e.to_string()))?;
-            let staged_name = match format {
-                "gguf" => format!(".staging/{id}.gguf"),
-                _ => format!(".staging/{id}"),
-            };
-            let staged: PathBuf = host.dir.join(&staged_name);
-            let to = staged.clone();
-            if let Err(e) = tokio::task::spawn_blocking(move || files.write(&to))
-                .await
-                .map_err(blocking)?
-            {
-                remove(&staged);
-                return Err(io("writing the upload", e));
-            }
-            if let Err(e) = host.check(&base.id, &up.name, &staged_name, &digest).await {
-                remove(&staged);
-                return Err(e);
-            }
-            // Another upload of the same files may have got there first: theirs stay.
-            if let Err(e) = std::fs::rename(&staged, &fin) {
-                remove(&staged);
-                if !fin.exists() {
-                    return Err(io("moving the upload into the store", e));
+        // Every upload is staged and checked where it is staged: a copy that is kept until
+        // the row is in, so that the files exist whatever a concurrent delete does.
+        let id = hearth_tenants::random_hex(8).map_err(|e| ManageError::Internal(e.to_string()))?;
+        let staged_name = format!(".staging/{}", hearth_tenants::adapters::store_path(&id, format));
+        let staged = Staged(host.dir.join(&staged_name));
+        let (dir, to) = (host.dir.join(".staging"), staged.0.clone());
+        blocking(move || std::fs::create_dir_all(&dir).and_then(|()| files.write(&to)))
+            .await?
+            .map_err(|e| io("writing the upload", e))?;
+        host.check(&base.id, &up.name, &staged_name, &digest).await?;
+        let fin = host.dir.join(hearth_tenants::adapters::store_path(&digest, format));
+        let a = {
+            // A delete that finds no row for these files removes them under this lock.
+            let _store = STORE_LOCK.lock().await;
+            let a = self
+                .tenants
+                .add_adapter(
+                    &t,
+                    &AdapterSpec {
+                        name: up.name,
+                        base_model: base.id.clone(),
+                        digest,
+                        format: format.to_string(),
+                        rank,
+                        size: size as i64,
+                    },
+                )
+                .await?;
+            let from = staged.0.clone();
+            blocking(move || {
+                if fin.exists() {
+                    Ok(())
+                } else {
+                    std::fs::rename(&from, &fin)
                 }
-            }
-        } else {
-            // Stored already (checked then): the same files for the same model check the
-            // same way, but another base model must check them itself.
-            host.check(&base.id, &up.name, &name, &digest).await?;
-        }
-        let a = self
-            .tenants
-            .add_adapter(
-                &t,
-                &AdapterSpec {
-                    name: up.name,
-                    base_model: base.id.clone(),
-                    digest,
-                    format: format.to_string(),
-                    rank,
-                    size: size as i64,
-                },
-            )
-            .await?;
+            })
+            .await?
+            .map_err(|e| io("moving the upload into the store", e))?;
+            a
+        };
+        drop(staged);
         self.audit(
             actor,
             Some(&t),
@@ -327,12 +388,15 @@ impl Management<'_> {
                 return Err(ManageError::NotFound(format!("adapter {id:?} does not exist")));
             }
         }
-        let (a, shared) = self.tenants.delete_adapter(id).await?;
-        if !shared {
-            if let Some(host) = self.adapters {
-                remove(&host.dir.join(a.store_path()));
+        let a = {
+            let _store = STORE_LOCK.lock().await;
+            let (a, shared) = self.tenants.delete_adapter(id).await?;
+            if let (false, Some(host)) = (shared, self.adapters) {
+                let path = host.dir.join(a.store_path());
+                blocking(move || remove(&path)).await?;
             }
-        }
+            a
+        };
         self.audit(
             actor,
             Some(&a.tenant_id),

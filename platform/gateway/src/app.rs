@@ -248,7 +248,7 @@ pub(crate) async fn list_models(State(state): State<Arc<AppState>>, Caller(ctx):
 
 /// A tenant's adapter as a model: `BASE:NAME`, its parent the base model.
 fn adapter_json(m: &ServedModel, a: &hearth_tenants::adapters::AdapterInfo) -> Value {
-    json!({"id": format!("{}:{}", m.id, a.name), "object": "model", "created": a.created_at / 1000,
+    json!({"id": hearth_tenants::adapters::model_name(&m.id, &a.name), "object": "model", "created": a.created_at / 1000,
         "owned_by": a.tenant_id, "context_length": m.context_length, "parent": m.id, "adapter": {"id": a.id, "version": a.version, "digest": a.digest}})
 }
 
@@ -268,9 +268,8 @@ pub(crate) async fn get_model(
         return Ok(Json(model_json(&m)));
     }
     // `BASE:NAME`: one of the tenant's adapters.
-    let (base, name) = model
-        .rsplit_once(':')
-        .ok_or_else(|| ApiError::model_not_found(&model))?;
+    let (base, name) =
+        hearth_tenants::adapters::split_model_name(&model).ok_or_else(|| ApiError::model_not_found(&model))?;
     let m = state
         .models
         .get(base)

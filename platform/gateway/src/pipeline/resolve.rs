@@ -12,8 +12,8 @@ pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiEr
     // A served model's own name first (model ids may contain ':'), then `BASE:ADAPTER`.
     let (model, adapter) = match state.models.get(&name) {
         Some(m) => (m, None),
-        None => match name.rsplit_once(':') {
-            Some((base, adapter)) if !adapter.is_empty() => (
+        None => match hearth_tenants::adapters::split_model_name(&name) {
+            Some((base, adapter)) => (
                 state.models.get(base).ok_or_else(|| ApiError::model_not_found(&name))?,
                 Some(adapter),
             ),
@@ -51,7 +51,7 @@ pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiEr
         usage.model = model.id.clone();
         usage.adapter = Some(a.name.clone());
         ctx.adapter = Some(AdapterRef {
-            name: format!("{}:{}", model.id, a.name),
+            name: hearth_tenants::adapters::model_name(&model.id, &a.name),
             path: a.store_path(),
             digest: a.digest,
         });
