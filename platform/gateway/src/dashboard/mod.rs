@@ -1281,7 +1281,7 @@ async fn requests(v: Visitor, State(gw): State<Arc<AppState>>) -> Result<Respons
         .iter()
         .map(|r| {
             json!({
-                "id": r.rec.request_id, "at": r.rec.started_at, "model": r.rec.model,
+                "id": r.rec.request_id, "at": r.rec.started_at, "model": r.rec.model, "adapter": r.rec.adapter,
                 "status": r.rec.status, "finish_reason": r.rec.finish_reason, "error": r.rec.error_code,
                 "prompt": r.rec.prompt_tokens, "cached": r.rec.cached_tokens, "completion": r.rec.completion_tokens,
                 "cost_usd": format_nusd(r.cost.total_nusd), "ttft_ms": r.rec.ttft_ms,
