@@ -47,9 +47,12 @@ fi
 echo "== llama.cpp: $amx_note"
 build_llamacpp "$cmake_args"
 # A native build that crashes on its first matrix product (its AMX path) is rebuilt with
-# AMX off; $1 is a model file to try it on.
+# AMX off; $1 is a model file to try it on. Only a crash (a signal) counts: a script error
+# says nothing about AMX.
 rebuild_without_amx_if_crashing() {
-  if ! "$venv/bin/python" "$(dirname "${BASH_SOURCE[0]}")/llamacpp_bench.py" "$1" --threads 2 --smoke > /dev/null 2>&1; then
+  local rc=0
+  "$venv/bin/python" "$(dirname "${BASH_SOURCE[0]}")/llamacpp_bench.py" "$1" --threads 2 --smoke > /dev/null 2>&1 || rc=$?
+  if [ "$rc" -ge 128 ]; then
     if [ "$cmake_args" = "-DGGML_NATIVE=ON" ] && has amx_tile; then
       echo "== the native llama.cpp build crashed (its AMX path); rebuilding it with AMX off"
       touch "$venv/.native-build-crashed"

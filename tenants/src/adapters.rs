@@ -224,6 +224,15 @@ impl TenantStore {
         Ok(r.as_ref().map(info))
     }
 
+    /// Whether any version (of any tenant) names these files.
+    pub async fn adapter_digest_in_use(&self, digest: &str) -> Result<bool, TenantError> {
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM adapters WHERE digest = $1")
+            .bind(digest)
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(n > 0)
+    }
+
     /// Deletes a version; also says whether any row (of any tenant) still uses its files,
     /// so that the caller removes them from the store only when none does.
     pub async fn delete_adapter(&self, id: &str) -> Result<(AdapterInfo, bool), TenantError> {

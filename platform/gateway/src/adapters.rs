@@ -199,11 +199,14 @@ impl AdapterHost<'_> {
         let mut last = None;
         // A worker that cannot read the store says so: the operator's problem, not the file's.
         let mut unreadable = false;
+        let mut no_adapters = None;
         let deadline = tokio::time::Instant::now() + CHECK_TIMEOUT;
-        let workers = (0..served.slots())
-            .filter_map(|slot| served.client(slot))
-            .take(CHECK_WORKERS);
-        for worker in workers {
+        let mut asked = 0;
+        for worker in (0..served.slots()).filter_map(|slot| served.client(slot)) {
+            if asked == CHECK_WORKERS {
+                break;
+            }
+            asked += 1;
             let id = hearth_tenants::random_hex(6).map_err(|e| ManageError::Internal(e.to_string()))?;
             let req = GenerateRequest {
                 request_id: format!("adapter-check-{id}"),
@@ -246,8 +249,14 @@ impl AdapterHost<'_> {
             match answer {
                 Ok(Ok(Ok(()))) => return Ok(()),
                 Ok(Ok(Err((code, message)))) if code == "invalid_adapter" => return Err(invalid("file", message)),
+                // This worker serves no adapters (a GPU worker): the next may, and it does
+                // not count among those asked.
+                Ok(Ok(Err((code, message)))) if code == "adapter_unavailable" => {
+                    no_adapters = Some(message);
+                    asked -= 1;
+                }
                 Ok(Ok(Err((code, message)))) => {
-                    unreadable |= code == "adapter_not_found" || code == "adapter_unavailable";
+                    unreadable |= code == "adapter_not_found";
                     tracing::warn!(
                         worker = worker.name(),
                         code,
@@ -264,6 +273,12 @@ impl AdapterHost<'_> {
             }
         }
         tracing::warn!(model, last = ?last, "no worker could check an adapter upload");
+        if let (None, Some(message)) = (&last, no_adapters) {
+            return Err(invalid(
+                "base_model",
+                format!("no worker of {model} serves adapters: {message}"),
+            ));
+        }
         if unreadable {
             return Err(ManageError::Internal(format!(
                 "the workers of {model} cannot load adapters from this gateway's adapter store (each worker's --adapter-dir must be the gateway's): {}",
@@ -334,33 +349,39 @@ impl Management<'_> {
         let a = {
             // A delete that finds no row for these files removes them under this lock.
             let _store = STORE_LOCK.lock().await;
-            let a = self
-                .tenants
-                .add_adapter(
-                    &t,
-                    &AdapterSpec {
-                        name: up.name,
-                        base_model: base.id.clone(),
-                        digest,
-                        format: format.to_string(),
-                        rank,
-                        size: size as i64,
-                    },
-                )
-                .await?;
-            let from = staged.0.clone();
-            blocking(move || {
-                if fin.exists() {
-                    Ok(())
+            // Files first, then the row: files without a row are harmless, a row without
+            // files is not. The move owns the staged copy, so a request dropped meanwhile
+            // cannot remove it halfway (blocking work runs to its end).
+            let to = fin.clone();
+            let created = blocking(move || {
+                let moved = if to.exists() {
+                    Ok(false)
                 } else {
-                    std::fs::rename(&from, &fin)
-                }
+                    std::fs::rename(&staged.0, &to).map(|()| true)
+                };
+                drop(staged);
+                moved
             })
             .await?
             .map_err(|e| io("moving the upload into the store", e))?;
-            a
+            let spec = AdapterSpec {
+                name: up.name,
+                base_model: base.id.clone(),
+                digest,
+                format: format.to_string(),
+                rank,
+                size: size as i64,
+            };
+            match self.tenants.add_adapter(&t, &spec).await {
+                Ok(a) => a,
+                Err(e) => {
+                    if created && !self.tenants.adapter_digest_in_use(&spec.digest).await.unwrap_or(true) {
+                        blocking(move || remove(&fin)).await?;
+                    }
+                    return Err(e.into());
+                }
+            }
         };
-        drop(staged);
         self.audit(
             actor,
             Some(&t),
