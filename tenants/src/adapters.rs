@@ -124,7 +124,8 @@ impl TenantStore {
             .await?;
         if known == 0 {
             let used: i64 = sqlx::query_scalar(
-                "SELECT COALESCE(SUM(s.size), 0) FROM (SELECT DISTINCT digest, size FROM adapters \
+                // SUM of a BIGINT is NUMERIC on PostgreSQL: cast back for the Any driver.
+                "SELECT CAST(COALESCE(SUM(s.size), 0) AS BIGINT) FROM (SELECT DISTINCT digest, size FROM adapters \
                  WHERE tenant_id = $1) s",
             )
             .bind(&t.id)
