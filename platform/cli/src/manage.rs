@@ -270,6 +270,17 @@ impl AdminClient {
         }
     }
 
+    /// The client for `--gateway-url`, or for a local gateway (http://127.0.0.1:8080): for
+    /// the commands that only a running gateway can carry out.
+    fn named_or_local(a: &GatewayApiArgs) -> anyhow::Result<Self> {
+        let url = a
+            .url
+            .as_deref()
+            .filter(|u| !u.is_empty())
+            .unwrap_or("http://127.0.0.1:8080");
+        Self::new(url, a.admin_token.as_deref())
+    }
+
     fn new(url: &str, token: Option<&str>) -> anyhow::Result<Self> {
         let saved = crate::login::saved_token(url);
         let token = token
@@ -399,12 +410,7 @@ impl AdminClient {
 
 /// `hearth admin model …`: the gateway's `/admin/v1/models` over HTTP.
 async fn admin_models(gw: GatewayApiArgs, command: AdminModelCommand, json: bool) -> anyhow::Result<()> {
-    let url = gw
-        .url
-        .clone()
-        .filter(|u| !u.is_empty())
-        .unwrap_or_else(|| "http://127.0.0.1:8080".into());
-    let gw = AdminClient::new(&url, gw.admin_token.as_deref())?;
+    let gw = AdminClient::named_or_local(&gw)?;
     let body = match command {
         AdminModelCommand::List => gw.call(reqwest::Method::GET, &["models"], &[], None).await?,
         AdminModelCommand::Add {
@@ -481,12 +487,7 @@ async fn admin_models(gw: GatewayApiArgs, command: AdminModelCommand, json: bool
 
 /// `hearth admin adapter …`, through a gateway's admin API (a worker checks uploads).
 async fn admin_adapters(gw: GatewayApiArgs, command: AdminAdapterCommand, json: bool) -> anyhow::Result<()> {
-    let url = gw
-        .url
-        .clone()
-        .filter(|u| !u.is_empty())
-        .unwrap_or_else(|| "http://127.0.0.1:8080".into());
-    let gw = AdminClient::new(&url, gw.admin_token.as_deref())?;
+    let gw = AdminClient::named_or_local(&gw)?;
     let body = match command {
         AdminAdapterCommand::Upload {
             tenant,

@@ -445,23 +445,23 @@ pub struct UploadForm {
     file: Vec<Vec<u8>>,
 }
 
+/// An upload's form as a handler extracts it (a request that is not `multipart/form-data`
+/// is refused by [`read_form`]).
+pub type Form = Result<axum::extract::Multipart, axum::extract::multipart::MultipartRejection>;
+
 /// Reads an upload's form.
-pub async fn read_form(form: axum::extract::Multipart) -> Result<AdapterUpload, crate::error::ApiError> {
+pub async fn read_form(form: Form) -> Result<AdapterUpload, crate::error::ApiError> {
     Ok(read(form, false).await?.0)
 }
 
 /// Reads the dashboard's upload form, whose CSRF token is its `csrf` field.
-pub async fn read_form_with_csrf(
-    form: axum::extract::Multipart,
-) -> Result<(AdapterUpload, Option<String>), crate::error::ApiError> {
+pub async fn read_form_with_csrf(form: Form) -> Result<(AdapterUpload, Option<String>), crate::error::ApiError> {
     read(form, true).await
 }
 
-async fn read(
-    mut form: axum::extract::Multipart,
-    csrf_field: bool,
-) -> Result<(AdapterUpload, Option<String>), crate::error::ApiError> {
+async fn read(form: Form, csrf_field: bool) -> Result<(AdapterUpload, Option<String>), crate::error::ApiError> {
     use crate::error::ApiError;
+    let mut form = form.map_err(|e| ApiError::invalid("file", e.body_text()))?;
     let bad = |e: axum::extract::multipart::MultipartError| ApiError::invalid("file", e.body_text());
     let mut up = AdapterUpload::default();
     let mut csrf = None;

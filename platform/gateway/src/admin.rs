@@ -1138,9 +1138,8 @@ async fn upload_adapter(
     State(gw): State<Arc<AppState>>,
     ClientOrigin(origin): ClientOrigin,
     Path(tenant): Path<String>,
-    form: Result<axum::extract::Multipart, axum::extract::multipart::MultipartRejection>,
+    form: crate::adapters::Form,
 ) -> Result<Response, ApiError> {
-    let form = form.map_err(|e| ApiError::invalid("file", e.body_text()))?;
     let up = crate::adapters::read_form(form).await?;
     let a = gw
         .management()

@@ -1603,13 +1603,12 @@ async fn upload_adapter(
     v: Visitor,
     State(gw): State<Arc<AppState>>,
     headers: HeaderMap,
-    form: Result<axum::extract::Multipart, axum::extract::multipart::MultipartRejection>,
+    form: crate::adapters::Form,
 ) -> Result<Response, PageError> {
     // The origin before the form is read; the token (a field of the form) once it is.
     if !same_origin(&gw, &headers) {
         return Err(ApiError::permission("csrf_failed", "This request did not come from a dashboard page.").into());
     }
-    let form = form.map_err(|e| ApiError::invalid("file", e.body_text()))?;
     let (up, csrf) = crate::adapters::read_form_with_csrf(form).await?;
     csrf_ok(&gw, &v, &headers, csrf.as_deref())?;
     v.tenant()?;
