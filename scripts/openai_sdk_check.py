@@ -145,6 +145,64 @@ try:
     check("export has the adapter", col is not None
           and sum(1 for l in lines[1:] if l.split(",")[col] == "my-adapter") == 1, lines[:3])
 
+    # The Files and Batch APIs: 50 lines, good and bad mixed. Every good line is answered
+    # once, every bad one is in the error file, each line that ran has one usage row naming
+    # the batch, and another tenant sees none of it.
+    lines, good = [], []
+    for i in range(50):
+        if i % 10 == 3:
+            lines.append("{not json")
+        elif i % 10 == 7:
+            lines.append(json.dumps({"custom_id": f"bad-{i}", "method": "POST", "url": "/v1/embeddings", "body": {}}))
+        elif i == 25:  # runs, and the model refuses it: more tokens than the context holds
+            lines.append(json.dumps({"custom_id": "over-context", "method": "POST", "url": "/v1/chat/completions",
+                                     "body": {"model": model, "max_tokens": 10**8, "messages": q}}))
+        else:
+            good.append(f"good-{i}")
+            lines.append(json.dumps({"custom_id": f"good-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                     "body": {"model": model, "max_tokens": 6, "temperature": 0,
+                                              "messages": [{"role": "user", "content": f"Say the number {i}."}]}}))
+    data = ("\n".join(lines) + "\n").encode()
+    f = c.files.create(file=("requests.jsonl", data), purpose="batch")
+    check("file uploaded", f.purpose == "batch" and f.bytes == len(data), f)
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                         metadata={"run": "sdk"})
+    check("batch created", b.status == "in_progress" and b.request_counts.total == 50, b)
+    deadline = time.time() + 600
+    while b.status not in ("completed", "failed", "expired", "cancelled") and time.time() < deadline:
+        time.sleep(0.5)
+        b = c.batches.retrieve(b.id)
+    check("batch completed", b.status == "completed" and b.request_counts.completed == len(good)
+          and b.request_counts.failed == 50 - len(good), b)
+    out = [json.loads(l) for l in c.files.content(b.output_file_id).text.splitlines()]
+    check("every good line answered once", sorted(l["custom_id"] for l in out) == sorted(good)
+          and all(l["response"]["status_code"] == 200 and l["response"]["body"]["choices"] for l in out), out[:2])
+    err = [json.loads(l) for l in c.files.content(b.error_file_id).text.splitlines()]
+    check("every bad line in the error file", len(err) == 50 - len(good)
+          and sum(1 for l in err if l.get("response") and l["response"]["status_code"] == 400) == 1, err[:3])
+    check("batch listed", b.id in [x.id for x in c.batches.list()])
+    check("output file listed", b.output_file_id in [x.id for x in c.files.list(purpose="batch_output")])
+    rows = []
+    for _ in range(40):
+        rows = [r for r in json.loads(admin("usage", "--limit", "1000")) if r.get("batch_id") == b.id]
+        if len(rows) >= len(good) + 1:
+            break
+        time.sleep(0.25)
+    check("one usage row per line run", len(rows) == len(good) + 1
+          and len({r["request_id"] for r in rows}) == len(rows), len(rows))
+    check("input file deleted", c.files.delete(f.id).deleted)
+    admin("tenant", "create", "sdk-other")
+    other = OpenAI(base_url=url + "/v1", api_key=json.loads(admin("key", "create", "--tenant", "sdk-other"))["key"],
+                   max_retries=0)
+    for what, call in [("batch", lambda: other.batches.retrieve(b.id)),
+                       ("output", lambda: other.files.content(b.output_file_id)),
+                       ("file", lambda: other.files.retrieve(b.error_file_id))]:
+        try:
+            call()
+            check(f"another tenant's {what} is NotFoundError", False)
+        except openai.NotFoundError:
+            check(f"another tenant's {what} is NotFoundError", True)
+
     try:
         c.chat.completions.create(model="nope", messages=q)
         check("unknown model is NotFoundError", False)

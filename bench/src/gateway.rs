@@ -378,6 +378,7 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> 
                 cached_input_micros_per_mtok: 75_000,
                 output_micros_per_mtok: 600_000,
                 processor_micros_per_cpu_s: 0,
+                batch_percent: hearth_billing::DEFAULT_BATCH_PERCENT,
             },
             None,
         )

@@ -171,6 +171,7 @@ fn request_columns(rows: &[LedgerRow]) -> Vec<Col> {
         s("key_id", &|r| r.rec.key_id.clone().unwrap_or_default()),
         s("model", &|r| r.rec.model.clone()),
         s("adapter", &|r| r.rec.adapter.clone().unwrap_or_default()),
+        s("batch_id", &|r| r.rec.batch_id.clone().unwrap_or_default()),
         s("endpoint", &|r| r.rec.endpoint.clone()),
         s("status", &|r| r.rec.status.clone()),
         s("finish_reason", &|r| r.rec.finish_reason.clone().unwrap_or_default()),

@@ -100,6 +100,10 @@ pub struct UsageRecord {
     /// The tenant's LoRA adapter the request ran under (its name; None: the base model).
     #[serde(default)]
     pub adapter: Option<String>,
+    /// The batch the request was a line of (None: not a batch's); rated at the price's
+    /// `batch_percent`.
+    #[serde(default)]
+    pub batch_id: Option<String>,
 }
 
 impl UsageRecord {
@@ -122,6 +126,7 @@ impl UsageRecord {
             processor_us: 0,
             ttft_ms: None,
             adapter: None,
+            batch_id: None,
         }
     }
 
@@ -140,6 +145,16 @@ pub struct PriceRates {
     /// Tenant processors' time, per CPU-second (0: free).
     #[serde(default)]
     pub processor_micros_per_cpu_s: i64,
+    /// What a batch's request pays, in percent of these rates (OpenAI's Batch API: 50).
+    #[serde(default = "default_batch_percent")]
+    pub batch_percent: i64,
+}
+
+/// A batch request's share of the price when none is set: half, as OpenAI's Batch API.
+pub const DEFAULT_BATCH_PERCENT: i64 = 50;
+
+fn default_batch_percent() -> i64 {
+    DEFAULT_BATCH_PERCENT
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -150,6 +165,16 @@ pub struct Price {
     #[serde(flatten)]
     pub rates: PriceRates,
     pub created_at: i64,
+}
+
+/// A batch's recorded usage: its lines' requests, tokens and cost.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct BatchUsage {
+    pub requests: i64,
+    pub prompt_tokens: i64,
+    pub cached_tokens: i64,
+    pub completion_tokens: i64,
+    pub cost_nusd: i64,
 }
 
 /// A request's cost, per class, in nano-USD.
@@ -174,12 +199,18 @@ fn class_cost(tokens: u32, micros_per_mtok: i64) -> i64 {
 /// Rates a record with a price (None: free).
 pub fn rate(rec: &UsageRecord, price: Option<&Price>) -> Cost {
     let Some(p) = price else { return Cost::default() };
-    let input = class_cost(rec.uncached_input_tokens(), p.rates.input_micros_per_mtok);
-    let cached = class_cost(rec.cached_tokens, p.rates.cached_input_micros_per_mtok);
-    let output = class_cost(rec.completion_tokens, p.rates.output_micros_per_mtok);
+    // A batch's line pays its share of every rate.
+    let share = |rate: i64| match rec.batch_id {
+        Some(_) => ((rate as i128 * p.rates.batch_percent.clamp(0, 100) as i128) / 100) as i64,
+        None => rate,
+    };
+    let input = class_cost(rec.uncached_input_tokens(), share(p.rates.input_micros_per_mtok));
+    let cached = class_cost(rec.cached_tokens, share(p.rates.cached_input_micros_per_mtok));
+    let output = class_cost(rec.completion_tokens, share(p.rates.output_micros_per_mtok));
     // µs × (µUSD / s) = 1e-6 µUSD = 1e-3 nUSD.
-    let processor = ((rec.processor_us as i128 * p.rates.processor_micros_per_cpu_s as i128 + 500).div_euclid(1000))
-        .clamp(0, i64::MAX as i128) as i64;
+    let processor = ((rec.processor_us as i128 * share(p.rates.processor_micros_per_cpu_s) as i128 + 500)
+        .div_euclid(1000))
+    .clamp(0, i64::MAX as i128) as i64;
     Cost {
         price_effective_from: Some(p.effective_from),
         input_nusd: input,
@@ -296,7 +327,7 @@ struct Job {
 
 const USAGE_COLUMNS: &str = "request_id, tenant_id, key_id, model, endpoint, prompt_tokens, cached_tokens, \
      completion_tokens, status, finish_reason, error_code, started_at, finished_at, price_effective_from, \
-     cost_input_nusd, cost_cached_nusd, cost_output_nusd, cost_nusd, processor_us, cost_processor_nusd, ttft_ms, adapter";
+     cost_input_nusd, cost_cached_nusd, cost_output_nusd, cost_nusd, processor_us, cost_processor_nusd, ttft_ms, adapter, batch_id";
 
 /// A ledger row: the record and its rating.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -328,6 +359,7 @@ fn ledger_row(r: &AnyRow) -> LedgerRow {
                 .get::<Option<i64>, _>(20)
                 .map(|v| u32::try_from(v).unwrap_or(u32::MAX)),
             adapter: r.get(21),
+            batch_id: r.get(22),
         },
         cost: Cost {
             price_effective_from: r.get(13),
@@ -346,7 +378,7 @@ where
 {
     let rows = sqlx::query(
         "SELECT model, effective_from, input_micros_per_mtok, cached_input_micros_per_mtok, output_micros_per_mtok, \
-         created_at, processor_micros_per_cpu_s FROM prices ORDER BY model, effective_from",
+         created_at, processor_micros_per_cpu_s, batch_percent FROM prices ORDER BY model, effective_from",
     )
     .fetch_all(ex)
     .await?;
@@ -360,6 +392,7 @@ where
                 cached_input_micros_per_mtok: r.get(3),
                 output_micros_per_mtok: r.get(4),
                 processor_micros_per_cpu_s: r.get(6),
+                batch_percent: r.get(7),
             },
             created_at: r.get(5),
         })
@@ -384,7 +417,7 @@ async fn write_batch(pool: &AnyPool, recs: &[&UsageRecord]) -> Result<Vec<Record
         let cost = rate(u, price_of(&prices, u));
         let res = sqlx::query(&format!(
             "INSERT INTO usage_records ({USAGE_COLUMNS}) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23) \
              ON CONFLICT (request_id) DO NOTHING"
         ))
         .bind(&u.request_id)
@@ -409,6 +442,7 @@ async fn write_batch(pool: &AnyPool, recs: &[&UsageRecord]) -> Result<Vec<Record
         .bind(cost.processor_nusd)
         .bind(u.ttft_ms.map(i64::from))
         .bind(&u.adapter)
+        .bind(&u.batch_id)
         .execute(&mut *tx)
         .await?;
         let inserted = res.rows_affected() == 1;
@@ -859,6 +893,12 @@ impl UsageLedger {
                 message: "prices cannot be negative".into(),
             });
         }
+        if !(0..=100).contains(&rates.batch_percent) {
+            return Err(BillingError::Invalid {
+                field: "batch_percent",
+                message: "a batch request's share of the price is a percentage, 0 to 100".into(),
+            });
+        }
         let now = now_ms();
         let existing: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM prices WHERE model = $1")
             .bind(model)
@@ -883,7 +923,7 @@ impl UsageLedger {
         };
         let res = sqlx::query(
             "INSERT INTO prices (model, effective_from, input_micros_per_mtok, cached_input_micros_per_mtok, \
-             output_micros_per_mtok, created_at, processor_micros_per_cpu_s) VALUES ($1, $2, $3, $4, $5, $6, $7) \
+             output_micros_per_mtok, created_at, processor_micros_per_cpu_s, batch_percent) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
              ON CONFLICT (model, effective_from) DO NOTHING",
         )
         .bind(&p.model)
@@ -893,6 +933,7 @@ impl UsageLedger {
         .bind(rates.output_micros_per_mtok)
         .bind(p.created_at)
         .bind(rates.processor_micros_per_cpu_s)
+        .bind(rates.batch_percent)
         .execute(&self.pool)
         .await?;
         if res.rows_affected() == 0 {
@@ -920,6 +961,26 @@ impl UsageLedger {
     pub async fn prices(&self, model: Option<&str>) -> Result<Vec<Price>, BillingError> {
         let all = load_prices(&self.pool).await?;
         Ok(all.into_iter().filter(|p| model.is_none_or(|m| p.model == m)).collect())
+    }
+
+    /// A batch's usage as recorded so far (records still in the outbox are not counted yet).
+    pub async fn batch_usage(&self, tenant_id: &str, batch_id: &str) -> Result<BatchUsage, BillingError> {
+        let r = sqlx::query(
+            "SELECT COUNT(*), CAST(COALESCE(SUM(prompt_tokens), 0) AS BIGINT), CAST(COALESCE(SUM(cached_tokens), 0) AS BIGINT), \
+             CAST(COALESCE(SUM(completion_tokens), 0) AS BIGINT), CAST(COALESCE(SUM(cost_nusd), 0) AS BIGINT) \
+             FROM usage_records WHERE tenant_id = $1 AND batch_id = $2",
+        )
+        .bind(tenant_id)
+        .bind(batch_id)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(BatchUsage {
+            requests: r.get(0),
+            prompt_tokens: r.get(1),
+            cached_tokens: r.get(2),
+            completion_tokens: r.get(3),
+            cost_nusd: r.get(4),
+        })
     }
 
     /// A tenant's spend in a calendar month (`YYYY-MM`), nano-USD.

@@ -31,6 +31,7 @@ fn rec(id: &str, tenant: &str, model: &str, prompt: u32, cached: u32, completion
         processor_us: 0,
         ttft_ms: Some(3),
         adapter: None,
+        batch_id: None,
     }
 }
 
@@ -40,6 +41,7 @@ fn rates(input: &str, cached: &str, output: &str) -> PriceRates {
         cached_input_micros_per_mtok: parse_usd_micros(cached).unwrap(),
         output_micros_per_mtok: parse_usd_micros(output).unwrap(),
         processor_micros_per_cpu_s: 0,
+        batch_percent: crate::DEFAULT_BATCH_PERCENT,
     }
 }
 
@@ -60,6 +62,64 @@ fn processor_time_is_rated() {
     let c = rate(&r, Some(&price));
     assert_eq!(c.processor_nusd, 30_000);
     assert_eq!(c.total_nusd, c.input_nusd + c.output_nusd + 30_000);
+}
+
+/// A batch's line pays the price's `batch_percent` of every class; other requests pay it whole.
+#[tokio::test]
+async fn batch_lines_pay_their_share() {
+    let price = Price {
+        model: "*".into(),
+        effective_from: 0,
+        rates: rates("1", "0.5", "2"),
+        created_at: 0,
+    };
+    let plain = rec("b0", "t", "m", 1000, 200, 100, 0);
+    let mut line = plain.clone();
+    line.batch_id = Some("batch_1".into());
+    let (full, half) = (rate(&plain, Some(&price)), rate(&line, Some(&price)));
+    assert_eq!(full.total_nusd, 800_000 + 100_000 + 200_000);
+    assert_eq!(half.total_nusd, full.total_nusd / 2);
+    let whole = Price {
+        rates: PriceRates {
+            batch_percent: 100,
+            ..rates("1", "0.5", "2")
+        },
+        ..price
+    };
+    assert_eq!(rate(&line, Some(&whole)).total_nusd, full.total_nusd);
+    // Stored and read back with the row; a share outside 0–100 is refused.
+    for db in testing::all().await {
+        tenant(&db, "tn_1").await;
+        let l = UsageLedger::new(&db);
+        l.set_price(
+            "m",
+            PriceRates {
+                batch_percent: 25,
+                ..rates("1", "0.5", "2")
+            },
+            None,
+        )
+        .await
+        .unwrap();
+        assert_eq!(l.latest_rates("m").await.unwrap().unwrap().batch_percent, 25);
+        assert!(l
+            .set_price(
+                "n",
+                PriceRates {
+                    batch_percent: 101,
+                    ..rates("1", "0.5", "2")
+                },
+                None
+            )
+            .await
+            .is_err());
+        let mut u = rec("req_b", "tn_1", "m", 1000, 200, 100, now_ms());
+        u.batch_id = Some("batch_1".into());
+        let r = l.record(&u).await.unwrap();
+        assert_eq!(r.cost.total_nusd, (800_000 + 100_000 + 200_000) / 4);
+        let rows = l.rows("tn_1", 0, i64::MAX).await.unwrap();
+        assert_eq!(rows[0].rec.batch_id.as_deref(), Some("batch_1"));
+    }
 }
 
 #[tokio::test]

@@ -9,6 +9,7 @@
 
 pub mod adapters;
 pub mod audit;
+pub mod batches;
 pub mod db;
 pub mod jwt;
 pub mod members;
@@ -50,6 +51,10 @@ pub enum TenantError {
     NoSuchProcessor(String),
     #[error("adapter {0:?} does not exist")]
     NoSuchAdapter(String),
+    #[error("file {0:?} does not exist")]
+    NoSuchFile(String),
+    #[error("batch {0:?} does not exist")]
+    NoSuchBatch(String),
     #[error("member {0:?} does not exist")]
     NoSuchMember(String),
     #[error("invitation {0:?} does not exist")]

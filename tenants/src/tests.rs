@@ -1361,3 +1361,190 @@ async fn adapters_are_versioned_private_and_bounded() {
         assert!(matches!(s.adapter(&v2.id).await, Err(TenantError::NoSuchAdapter(_))));
     }
 }
+
+/// Files and batches: privacy, claims that never overlap (two gateways at once), leases that
+/// run out, lines sent back under a new request id, and a batch finished once with its
+/// output and error files.
+#[tokio::test]
+async fn batches_claim_once_and_finish_once() {
+    use crate::batches::{status, LineResult, NewLine, Page};
+    for db in testing::all().await {
+        let s = TenantStore::new(&db);
+        let name = db.backend.as_str();
+        let a = s.create_tenant("batch-a").await.unwrap();
+        let b = s.create_tenant("batch-b").await.unwrap();
+        let f = s.add_file(&a.id, "batch", "in.jsonl", b"{}\n").await.unwrap();
+        assert_eq!(f.bytes, 3);
+        assert_eq!(
+            s.file_content(&a.id, &f.id).await.unwrap().1,
+            b"{}\n".to_vec(),
+            "{name}"
+        );
+        // Another tenant's file is missing, not forbidden.
+        assert!(
+            matches!(s.file(&b.id, &f.id).await, Err(TenantError::NoSuchFile(_))),
+            "{name}"
+        );
+        assert!(matches!(
+            s.delete_file(&b.id, &f.id).await,
+            Err(TenantError::NoSuchFile(_))
+        ));
+        let mut lines: Vec<NewLine> = (0..6)
+            .map(|i| NewLine::Request {
+                custom_id: format!("c{i}"),
+                body: "{}".into(),
+            })
+            .collect();
+        lines.push(NewLine::Refused {
+            custom_id: None,
+            code: "invalid_json",
+            message: "not JSON".into(),
+        });
+        let batch = s
+            .create_batch(&a.id, "k1", "/v1/chat/completions", &f.id, None, &lines)
+            .await
+            .unwrap();
+        assert_eq!((batch.counts.total, batch.counts.failed), (7, 1), "{name}");
+        assert!(matches!(
+            s.batch(&b.id, &batch.id).await,
+            Err(TenantError::NoSuchBatch(_))
+        ));
+        assert!(s
+            .list_batches(&b.id, &Page { after: None, limit: 10 })
+            .await
+            .unwrap()
+            .is_empty());
+        // Two owners claim at once: each line goes to one of them.
+        let far = now_ms() + 60_000;
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await; // listings order by time
+        let race = s
+            .create_batch(&a.id, "k1", "/v1/chat/completions", &f.id, None, &lines[..6])
+            .await
+            .unwrap();
+        let (p, q) = tokio::join!(
+            s.claim_lines(&race.id, "gw-p", 4, far),
+            s.claim_lines(&race.id, "gw-q", 4, far)
+        );
+        let (mut p, q) = (p.unwrap(), q.unwrap());
+        p.extend(s.claim_lines(&race.id, "gw-p", 10, far).await.unwrap());
+        let mut ids: Vec<i64> = p.iter().chain(&q).map(|l| l.line).collect();
+        ids.sort();
+        ids.dedup();
+        assert_eq!(
+            (ids.len(), p.len() + q.len()),
+            (6, 6),
+            "{name}: a line claimed twice or not at all"
+        );
+        s.cancel_batch(&a.id, &race.id).await.unwrap();
+        let x = s.claim_lines(&batch.id, "gw-x", 3, far).await.unwrap();
+        let y = s.claim_lines(&batch.id, "gw-y", 10, far).await.unwrap();
+        assert_eq!((x.len(), y.len()), (3, 3), "{name}");
+        let done = |code: i64| LineResult {
+            status_code: Some(code),
+            result: format!("{{\"status\":{code}}}"),
+        };
+        // Only the owner's result counts.
+        assert!(!s.finish_line(&x[0], "gw-y", &done(200)).await.unwrap(), "{name}");
+        assert!(s.finish_line(&x[0], "gw-x", &done(200)).await.unwrap());
+        assert!(s.finish_line(&x[1], "gw-x", &done(400)).await.unwrap());
+        // Sent back: waits, then runs under a new request id.
+        let back = x[2].clone();
+        s.release_line(&back, "gw-x", now_ms() - 1).await.unwrap();
+        // gw-y dies: its leases run out and gw-x takes its lines, same request ids.
+        s.renew_leases("gw-y", now_ms() - 1).await.unwrap();
+        assert!(
+            s.finish_batch(&batch.id).await.unwrap().is_none(),
+            "{name}: lines still to run"
+        );
+        let again = s.claim_lines(&batch.id, "gw-x", 10, far).await.unwrap();
+        let rerun = again.iter().find(|l| l.line == back.line).unwrap();
+        assert_eq!(rerun.attempt, 1, "{name}");
+        assert_ne!(rerun.request_id(), back.request_id());
+        for l in &again {
+            if let Some(old) = y.iter().find(|o| o.line == l.line) {
+                assert_eq!(
+                    old.request_id(),
+                    l.request_id(),
+                    "{name}: a dead owner's line keeps its id"
+                );
+            }
+        }
+        // The dead owner's late result is refused.
+        if let Some(late) = y.first() {
+            assert!(!s.finish_line(late, "gw-y", &done(200)).await.unwrap(), "{name}");
+        }
+        for l in &again {
+            s.finish_line(l, "gw-x", &done(200)).await.unwrap();
+        }
+        let fin = s.finish_batch(&batch.id).await.unwrap().expect("finished");
+        assert_eq!(fin.status, status::COMPLETED, "{name}");
+        assert_eq!((fin.counts.completed, fin.counts.failed), (5, 2), "{name}");
+        assert!(
+            s.finish_batch(&batch.id).await.unwrap().is_none(),
+            "{name}: finished once"
+        );
+        let out = s
+            .file_content(&a.id, fin.output_file_id.as_ref().unwrap())
+            .await
+            .unwrap()
+            .1;
+        assert_eq!(String::from_utf8(out).unwrap().lines().count(), 5, "{name}");
+        let err = s
+            .file_content(&a.id, fin.error_file_id.as_ref().unwrap())
+            .await
+            .unwrap()
+            .1;
+        let err = String::from_utf8(err).unwrap();
+        assert_eq!(err.lines().count(), 2, "{name}");
+        assert!(err.contains("invalid_json"), "{name}");
+        // Cancelling: nothing claimed any more, unrun lines in the error file.
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await; // listings order by time
+        let c = s
+            .create_batch(&a.id, "k1", "/v1/chat/completions", &f.id, None, &lines[..3])
+            .await
+            .unwrap();
+        assert_eq!(s.cancel_batch(&a.id, &c.id).await.unwrap().status, status::CANCELLING);
+        assert!(
+            s.claim_lines(&c.id, "gw-x", 10, far).await.unwrap().is_empty(),
+            "{name}"
+        );
+        let fin = s.finish_batch(&c.id).await.unwrap().expect("cancelled");
+        assert_eq!(fin.status, status::CANCELLED, "{name}");
+        let err = s
+            .file_content(&a.id, fin.error_file_id.as_ref().unwrap())
+            .await
+            .unwrap()
+            .1;
+        assert_eq!(
+            String::from_utf8(err).unwrap().matches("batch_cancelled").count(),
+            3,
+            "{name}"
+        );
+        assert!(matches!(
+            s.cancel_batch(&a.id, &batch.id).await,
+            Err(TenantError::Conflict(_))
+        ));
+        // Listing: newest first, paged.
+        let all = s.list_batches(&a.id, &Page { after: None, limit: 10 }).await.unwrap();
+        assert_eq!(
+            all.iter().map(|b| b.id.as_str()).collect::<Vec<_>>(),
+            [c.id.as_str(), race.id.as_str(), batch.id.as_str()]
+        );
+        let rest = s
+            .list_batches(
+                &a.id,
+                &Page {
+                    after: Some(c.id.clone()),
+                    limit: 10,
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(rest.len(), 2, "{name}");
+        let outputs = s
+            .list_files(&a.id, Some("batch_output"), &Page { after: None, limit: 10 })
+            .await
+            .unwrap();
+        assert_eq!(outputs.len(), 3, "{name}");
+    }
+}

@@ -422,6 +422,14 @@ pub struct LimitStoreArgs {
     /// groups: survives a power cut, at a cost measured by `hearth bench gateway`).
     #[arg(long, env = "HEARTH_USAGE_DURABILITY", default_value = "write", value_parser = ["write", "fsync"])]
     pub usage_durability: String,
+    /// Batch lines (OpenAI Batch API) this gateway runs at once, over every batch, in the
+    /// `batch` class (0: it runs none; other gateways on the database do).
+    #[arg(long, env = "HEARTH_BATCH_CONCURRENCY", default_value_t = 4)]
+    pub batch_concurrency: usize,
+    /// How long a batch line this gateway runs stays its own without a renewal: a line
+    /// whose gateway died runs again (metered once) after it.
+    #[arg(long, env = "HEARTH_BATCH_LEASE_SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(3..))]
+    pub batch_lease_secs: u64,
 }
 
 /// Connection, header and body limits of the HTTP server (see `hearth_gateway::http`).
@@ -1250,6 +1258,10 @@ pub enum PriceCommand {
         /// free).
         #[arg(long)]
         processor: Option<String>,
+        /// What a batch's request pays, in percent of these rates, 0–100 (default: the
+        /// model's current share, or 50 as OpenAI's Batch API).
+        #[arg(long, value_parser = clap::value_parser!(u8).range(0..=100))]
+        batch_percent: Option<u8>,
         /// When it takes effect: YYYY-MM-DD (UTC) or Unix ms; default now (the first price
         /// of a model covers all time).
         #[arg(long)]

@@ -189,7 +189,8 @@ async fn run_gateway(
     .with_upload(
         "/adapters",
         hearth_gateway::adapters::MAX_ADAPTER_UPLOAD_BYTES + (1 << 20),
-    );
+    )
+    .with_upload("/v1/files", hearth_tenants::batches::MAX_FILE_BYTES + (1 << 20));
     state.request_limits = hearth_gateway::state::RequestLimits {
         stream_idle: Duration::from_secs(limits.stream_idle_timeout_secs.max(1)),
         max_duration: Duration::from_secs(limits.max_request_secs.max(1)),
@@ -199,6 +200,11 @@ async fn run_gateway(
         max_per_tenant: limits.responses_per_tenant.max(1),
     };
     state.keep_billing_header = limits.keep_billing_header;
+    state.batches = hearth_gateway::batches::BatchSettings {
+        concurrency: limits.batch_concurrency,
+        lease: Duration::from_secs(limits.batch_lease_secs),
+        ..Default::default()
+    };
     state.default_max_tokens = limits.default_max_tokens.filter(|&n| n > 0);
     let mut discovery = None;
     if let Some(r) = limiter.redis() {
@@ -252,6 +258,8 @@ async fn run_gateway(
     if let Some(shared) = gw.shared_routing.clone() {
         tokio::spawn(shared.sync_load(gw.clone(), Duration::from_millis(500)));
     }
+    // Batches (OpenAI Batch API): this gateway's share of the lines, in the batch class.
+    tokio::spawn(hearth_gateway::batches::run(gw.clone(), gateway_id()));
     if let Some((discovery, interval)) = discovery {
         // The first poll before listening: workers already registered serve from the start.
         let mut discovery = discovery;

@@ -723,6 +723,7 @@ async fn admin_remote(gw: &AdminClient, command: &AdminCommand) -> anyhow::Resul
                 cached_input,
                 output,
                 processor,
+                batch_percent,
                 effective_from,
             } => {
                 // Checked here too, for the same messages as on the database.
@@ -737,6 +738,9 @@ async fn admin_remote(gw: &AdminClient, command: &AdminCommand) -> anyhow::Resul
                 if let Some(p) = processor {
                     usd(p, "--processor")?;
                     body["processor"] = json!(p);
+                }
+                if let Some(p) = batch_percent {
+                    body["batch_percent"] = json!(p);
                 }
                 if let Some(f) = effective_from {
                     body["effective_from"] = json!(parse_time(f)?);
@@ -929,20 +933,25 @@ async fn admin_direct(data: &DataArgs, command: &AdminCommand) -> anyhow::Result
                 cached_input,
                 output,
                 processor,
+                batch_percent,
                 effective_from,
             } => {
+                let latest = ledger.latest_rates(model).await?;
                 let processor = match processor {
                     Some(p) => usd(p, "--processor")?,
-                    None => ledger
-                        .latest_rates(model)
-                        .await?
-                        .map_or(0, |r| r.processor_micros_per_cpu_s),
+                    None => latest.as_ref().map_or(0, |r| r.processor_micros_per_cpu_s),
                 };
+                let batch_percent = batch_percent.map(i64::from).unwrap_or_else(|| {
+                    latest
+                        .as_ref()
+                        .map_or(hearth_billing::DEFAULT_BATCH_PERCENT, |r| r.batch_percent)
+                });
                 let rates = hearth_billing::PriceRates {
                     input_micros_per_mtok: usd(input, "--input")?,
                     cached_input_micros_per_mtok: usd(cached_input, "--cached-input")?,
                     output_micros_per_mtok: usd(output, "--output")?,
                     processor_micros_per_cpu_s: processor,
+                    batch_percent,
                 };
                 let from = effective_from.as_deref().map(parse_time).transpose()?;
                 json!(manage.set_price(model, rates, from).await?)
@@ -988,11 +997,14 @@ fn admin_text(command: &AdminCommand, v: &serde_json::Value) -> String {
     };
     let rates = |p: &Value| {
         format!(
-            "input ${}, cached input ${}, output ${} per 1M tokens; processors ${} per CPU-second",
+            "input ${}, cached input ${}, output ${} per 1M tokens; processors ${} per CPU-second; batches pay {}%",
             usd_micros(p, "input_micros_per_mtok"),
             usd_micros(p, "cached_input_micros_per_mtok"),
             usd_micros(p, "output_micros_per_mtok"),
             usd_micros(p, "processor_micros_per_cpu_s"),
+            p["batch_percent"]
+                .as_i64()
+                .unwrap_or(hearth_billing::DEFAULT_BATCH_PERCENT),
         )
     };
     match command {

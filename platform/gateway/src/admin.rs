@@ -881,20 +881,27 @@ async fn set_price(
     };
     // Processor time is optional (USD per CPU-second): left out, the model's current rate
     // carries over (free when it has none).
+    let latest = gw.ledger.latest_rates(model).await.map_err(ledger_error)?;
     let processor = match o.get("processor") {
-        None | Some(Value::Null) => gw
-            .ledger
-            .latest_rates(model)
-            .await
-            .map_err(ledger_error)?
-            .map_or(0, |r| r.processor_micros_per_cpu_s),
+        None | Some(Value::Null) => latest.as_ref().map_or(0, |r| r.processor_micros_per_cpu_s),
         Some(_) => rate("processor")?,
+    };
+    // So does a batch's share of the price (half when the model never had one).
+    let batch_percent = match o.get("batch_percent") {
+        None | Some(Value::Null) => latest
+            .as_ref()
+            .map_or(hearth_billing::DEFAULT_BATCH_PERCENT, |r| r.batch_percent),
+        Some(v) => v
+            .as_i64()
+            .filter(|p| (0..=100).contains(p))
+            .ok_or_else(|| ApiError::invalid("batch_percent", "'batch_percent' is a percentage, 0 to 100"))?,
     };
     let rates = PriceRates {
         input_micros_per_mtok: rate("input")?,
         cached_input_micros_per_mtok: rate("cached_input")?,
         output_micros_per_mtok: rate("output")?,
         processor_micros_per_cpu_s: processor,
+        batch_percent,
     };
     let from = match o.get("effective_from") {
         None | Some(Value::Null) => None,

@@ -36,6 +36,23 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/responses/{id}/input_items", get(crate::responses::input_items))
         .route("/v1/messages", post(pipeline::messages))
         .route("/v1/messages/count_tokens", post(pipeline::count_tokens_handler))
+        .route(
+            "/v1/files",
+            get(crate::batches::list_files).post(crate::batches::upload_file).layer(
+                axum::extract::DefaultBodyLimit::max(hearth_tenants::batches::MAX_FILE_BYTES + (1 << 20)),
+            ),
+        )
+        .route(
+            "/v1/files/{id}",
+            get(crate::batches::get_file).delete(crate::batches::delete_file),
+        )
+        .route("/v1/files/{id}/content", get(crate::batches::file_content))
+        .route(
+            "/v1/batches",
+            get(crate::batches::list_batches).post(crate::batches::create_batch),
+        )
+        .route("/v1/batches/{id}", get(crate::batches::get_batch))
+        .route("/v1/batches/{id}/cancel", post(crate::batches::cancel_batch))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{model}", get(get_model))
         .route("/healthz", get(healthz))

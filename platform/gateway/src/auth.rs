@@ -172,6 +172,17 @@ pub async fn authorize(
     scope: Scope,
 ) -> Result<TenantContext, ApiError> {
     let ctx = authenticate(state, headers, peer).await?;
+    require_scope(ctx, scope)
+}
+
+/// The credential a batch's lines run under: the API key that created the batch, as it is
+/// now — revoked, expired or suspended refused as for a presented key — with the
+/// `inference` scope.
+pub async fn batch_credential(state: &AppState, key_id: &str) -> Result<TenantContext, ApiError> {
+    require_scope(auth_result(state.tenants.key_context(key_id).await)?, Scope::Inference)
+}
+
+fn require_scope(ctx: TenantContext, scope: Scope) -> Result<TenantContext, ApiError> {
     let (ok, name) = match scope {
         Scope::Inference => (ctx.scopes.inference, "inference"),
         Scope::Manage => (ctx.scopes.manage, "manage"),

@@ -310,6 +310,8 @@ pub fn store_error(e: TenantError) -> ApiError {
         TenantError::NoSuchIssuer(_)
         | TenantError::NoSuchProcessor(_)
         | TenantError::NoSuchAdapter(_)
+        | TenantError::NoSuchFile(_)
+        | TenantError::NoSuchBatch(_)
         | TenantError::NoSuchMember(_)
         | TenantError::NoSuchInvitation(_)
         | TenantError::NoSuchProvider(_) => ApiError::not_found(e.to_string()),

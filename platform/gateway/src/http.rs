@@ -220,7 +220,7 @@ pub struct BodyLimits {
 pub const BODY_BUDGET_KIB: usize = 512 << 10;
 
 /// Where uploads are (the admin API, the self-service API, the dashboard).
-const UPLOAD_PREFIXES: [&str; 3] = ["/admin/v1/tenants/", "/v1/tenant/", "/dashboard/"];
+const UPLOAD_PREFIXES: [&str; 4] = ["/admin/v1/tenants/", "/v1/tenant/", "/dashboard/", "/v1/files"];
 
 impl BodyLimits {
     pub fn new(http: &HttpLimits, upload_suffix: &'static str, upload_bytes: usize) -> Self {

@@ -10,6 +10,8 @@
 //! * [`management`] — the one implementation of key/processor/usage management, with its
 //!   adapters [`admin`] and [`selfservice`] (and the CLI); [`metrics`] — Prometheus;
 //! * [`http`] — the HTTP server with its connection, header and body limits (gateway and workers);
+//! * [`batches`] — OpenAI's Files and Batch APIs, and the runner that works batches off in
+//!   the `batch` class;
 //! * [`openai`] — request parsing; [`error`] — every client-visible error; [`db`] — the store;
 //! * [`responses`] (OpenAI Responses) and [`anthropic`] (Anthropic Messages) — translations
 //!   onto the same pipeline, their answers built as items by [`answer`];
@@ -25,6 +27,7 @@ pub mod answer;
 pub mod anthropic;
 pub mod app;
 pub mod auth;
+pub mod batches;
 pub mod cluster;
 pub mod dashboard;
 pub mod db;

@@ -163,6 +163,12 @@ pub struct Metrics {
     pub auth_stale: Counter,
     /// Credential checks refused because their source sent too many bad credentials.
     pub auth_throttled: Counter,
+    /// Batches created, batches finished (completed, expired or cancelled), batch lines
+    /// answered by this gateway, and lines sent back to wait (rate limit, overload).
+    pub batches_created: Counter,
+    pub batches_finished: Counter,
+    pub batch_lines: Counter,
+    pub batch_lines_sent_back: Counter,
     pub password_checks: Counter,
     /// Usage records the outbox could not append (the disk is full or failing).
     pub outbox_errors: Counter,
@@ -288,6 +294,31 @@ impl Metrics {
             "Requests refused (429) because their source address sent too many invalid credentials",
             auth_throttled.clone(),
         );
+        let counter = |registry: &mut Registry, name: &str, help: &str| {
+            let c = Counter::default();
+            registry.register(name, help, c.clone());
+            c
+        };
+        let batches_created = counter(
+            &mut registry,
+            "hearth_batches_created",
+            "Batches created (OpenAI Batch API)",
+        );
+        let batches_finished = counter(
+            &mut registry,
+            "hearth_batches_finished",
+            "Batches this gateway finished: completed, expired or cancelled, their output and error files written",
+        );
+        let batch_lines = counter(
+            &mut registry,
+            "hearth_batch_lines",
+            "Batch lines this gateway ran and answered (any status)",
+        );
+        let batch_lines_sent_back = counter(
+            &mut registry,
+            "hearth_batch_lines_sent_back",
+            "Batch lines refused for now (rate limit, overload) and sent back to run again later",
+        );
         let password_checks = Counter::default();
         registry.register(
             "hearth_dashboard_password_checks",
@@ -400,6 +431,10 @@ impl Metrics {
             failovers,
             auth_stale,
             auth_throttled,
+            batches_created,
+            batches_finished,
+            batch_lines,
+            batch_lines_sent_back,
             password_checks,
             outbox_errors,
             connections,

@@ -79,6 +79,15 @@ impl Modify for Schemes {
         crate::responses::input_items,
         crate::pipeline::messages,
         crate::pipeline::count_tokens_handler,
+        crate::batches::upload_file,
+        crate::batches::list_files,
+        crate::batches::get_file,
+        crate::batches::file_content,
+        crate::batches::delete_file,
+        crate::batches::create_batch,
+        crate::batches::list_batches,
+        crate::batches::get_batch,
+        crate::batches::cancel_batch,
         crate::app::list_models,
         crate::app::get_model,
         crate::app::healthz,
@@ -107,6 +116,7 @@ impl Modify for Schemes {
     tags(
         (name = "inference", description = "The model APIs (scope `inference`)."),
         (name = "models", description = "The models a credential may use."),
+        (name = "batches", description = "OpenAI's Files and Batch APIs: JSONL files of requests run in the batch class, at the batch price (scope `inference`)."),
         (name = "probes", description = "Health, liveness, readiness; no authentication."),
         (name = "self-service", description = "A tenant's own keys, usage, processors and audit log (scope `manage`)."),
     )
@@ -825,6 +835,10 @@ pub struct PriceRequest {
     output: Usd,
     /// Per CPU-second; absent: the model's current rate carries over.
     processor: Option<Usd>,
+    /// What a batch's request pays, in percent of these rates (0–100); absent: the model's
+    /// current share carries over (50 when it has none).
+    #[schema(minimum = 0, maximum = 100)]
+    batch_percent: Option<i64>,
     effective_from: Option<i64>,
 }
 

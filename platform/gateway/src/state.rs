@@ -70,6 +70,8 @@ pub struct AppState {
     pub operator_sso: Option<OperatorSso>,
     /// The adapter store shared with the workers (`--adapter-dir`; None: no adapters).
     pub adapter_dir: Option<std::path::PathBuf>,
+    /// How this gateway works batches off (`--batch-concurrency`, `--batch-lease-secs`).
+    pub batches: crate::batches::BatchSettings,
 }
 
 /// Operators signing into the dashboard through an OpenID Connect provider.
@@ -179,7 +181,8 @@ impl AppState {
                 "/processors",
                 hearth_tenants::processors::MAX_PROCESSOR_BYTES + (1 << 20),
             )
-            .with_upload("/adapters", crate::adapters::MAX_ADAPTER_UPLOAD_BYTES + (1 << 20)),
+            .with_upload("/adapters", crate::adapters::MAX_ADAPTER_UPLOAD_BYTES + (1 << 20))
+            .with_upload("/v1/files", hearth_tenants::batches::MAX_FILE_BYTES + (1 << 20)),
             request_limits: RequestLimits::default(),
             response_retention: Default::default(),
             keep_billing_header: false,
@@ -188,6 +191,7 @@ impl AppState {
             login_key: Default::default(),
             operator_sso: None,
             adapter_dir: None,
+            batches: Default::default(),
         }
     }
 }

@@ -113,6 +113,9 @@ pub fn router() -> Router<Arc<AppState>> {
                 .layer(crate::adapters::upload_limit()),
         )
         .route("/adapters/{id}/delete", post(delete_adapter))
+        .route("/batches", get(batches))
+        .route("/batches/{id}/cancel", post(cancel_batch))
+        .route("/files/{id}", get(download_file))
         .route("/export", get(export))
         .route("/audit", get(audit))
         .route("/static/app.css", get(css))
@@ -155,6 +158,7 @@ fn env() -> &'static Environment<'static> {
             ("key_created.html", include_str!("templates/key_created.html")),
             ("processors.html", include_str!("templates/processors.html")),
             ("adapters.html", include_str!("templates/adapters.html")),
+            ("batches.html", include_str!("templates/batches.html")),
             ("audit.html", include_str!("templates/audit.html")),
             ("operator.html", include_str!("templates/operator.html")),
             ("tenant.html", include_str!("templates/tenant.html")),
@@ -303,6 +307,8 @@ impl Visitor {
             export => self.can(Permission::Export), manage_keys => self.can(Permission::ManageKeys),
             manage_processors => self.can(Permission::ManageProcessors), audit => self.can(Permission::ReadAudit),
             manage_adapters => self.can(Permission::ManageAdapters),
+            // Batch answers are read, and batches cancelled, by whoever may run requests.
+            batch_outputs => self.can(Permission::ManageKeys),
             manage_members => self.can(Permission::ManageMembers), manage_owners => self.can(Permission::ManageOwners),
         };
         match &self.who {
@@ -1635,6 +1641,59 @@ async fn delete_adapter(
     Ok(Redirect::to("/dashboard/adapters").into_response())
 }
 
+/// `GET /dashboard/batches`: the tenant's batches with progress and cost so far.
+async fn batches(v: Visitor, State(gw): State<Arc<AppState>>) -> Result<Response, PageError> {
+    let t = v.tenant()?;
+    v.actor().require(Permission::Read)?;
+    let list = crate::batches::tenant_batches(&gw, t).await?;
+    Ok(page(
+        StatusCode::OK,
+        "batches.html",
+        context! { base => v.base(), page => "batches", batches => list },
+    ))
+}
+
+async fn cancel_batch(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Form(f): Form<CsrfForm>,
+) -> Result<Response, PageError> {
+    csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
+    let t = v.tenant()?;
+    v.actor().require(Permission::ManageKeys)?;
+    gw.tenants
+        .cancel_batch(&t.tenant_id, &id)
+        .await
+        .map_err(crate::error::store_error)?;
+    Ok(Redirect::to("/dashboard/batches").into_response())
+}
+
+/// `GET /dashboard/files/{id}`: a batch's output or error file (or an input), downloaded.
+async fn download_file(
+    v: Visitor,
+    State(gw): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Response, PageError> {
+    let t = v.tenant()?;
+    v.actor().require(Permission::ManageKeys)?;
+    let (f, bytes) = gw
+        .tenants
+        .file_content(&t.tenant_id, &id)
+        .await
+        .map_err(crate::error::store_error)?;
+    let disposition = format!("attachment; filename=\"{}\"", f.filename.replace(['"', '\\'], "_"));
+    Ok((
+        [
+            (axum::http::header::CONTENT_TYPE, "application/octet-stream".to_string()),
+            (axum::http::header::CONTENT_DISPOSITION, disposition),
+        ],
+        bytes,
+    )
+        .into_response())
+}
+
 /// The billing export, exactly as `GET /v1/tenant/usage/export` renders it.
 async fn export(
     v: Visitor,
@@ -1801,20 +1860,23 @@ async fn set_price(
         hearth_billing::parse_usd_micros(text.trim())
             .ok_or_else(|| ApiError::invalid(field, format!("'{field}' must be a USD amount like 0.15")))
     };
+    let latest = gw
+        .ledger
+        .latest_rates(model)
+        .await
+        .map_err(crate::error::ledger_error)?;
     let processor = match f.processor.as_deref().map(str::trim).filter(|p| !p.is_empty()) {
         Some(p) => usd(p, "processor")?,
-        None => gw
-            .ledger
-            .latest_rates(model)
-            .await
-            .map_err(crate::error::ledger_error)?
-            .map_or(0, |r| r.processor_micros_per_cpu_s),
+        None => latest.as_ref().map_or(0, |r| r.processor_micros_per_cpu_s),
     };
     let rates = hearth_billing::PriceRates {
         input_micros_per_mtok: usd(&f.input, "input")?,
         cached_input_micros_per_mtok: usd(&f.cached_input, "cached_input")?,
         output_micros_per_mtok: usd(&f.output, "output")?,
         processor_micros_per_cpu_s: processor,
+        batch_percent: latest
+            .as_ref()
+            .map_or(hearth_billing::DEFAULT_BATCH_PERCENT, |r| r.batch_percent),
     };
     gw.management()
         .via(v.origin.clone())

@@ -451,6 +451,7 @@ mod tests {
                 cached_input_micros_per_mtok: 250_000,
                 output_micros_per_mtok: 2_000_000,
                 processor_micros_per_cpu_s: 0,
+                batch_percent: hearth_billing::DEFAULT_BATCH_PERCENT,
             },
             created_at: 0,
         }

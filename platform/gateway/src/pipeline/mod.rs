@@ -109,6 +109,9 @@ pub struct RequestContext {
     pub headers: HeaderMap,
     /// The client's address (None without connect info, e.g. a test's router).
     pub peer: Option<std::net::IpAddr>,
+    /// A batch's line: it runs under the key that created the batch (no credential is
+    /// presented), and its usage record names the batch.
+    pub batch: Option<crate::batches::LineRun>,
     pub received: Instant,
     /// The request body: raw, then as rewritten by the pre-processors.
     pub body: Result<Bytes, BytesRejection>,
@@ -165,6 +168,7 @@ impl RequestContext {
             endpoint,
             headers,
             peer: None,
+            batch: None,
             received: Instant::now(),
             body,
             tenant: None,
@@ -250,6 +254,11 @@ pub async fn handle(state: Arc<AppState>, mut ctx: RequestContext) -> Response {
         Ok(resp) => resp,
         Err(e) => {
             span.record("error.type", e.code.unwrap_or(e.kind));
+            if ctx.batch.is_some() && crate::batches::sent_back(&e) {
+                // The batch runs this line again later, under a new request id: this
+                // refusal is not the line's record.
+                ctx.usage = None;
+            }
             meter::refused(&*state, &mut ctx, &e)
                 .instrument(info_span!(parent: &span, "meter"))
                 .await;
