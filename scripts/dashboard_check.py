@@ -23,7 +23,7 @@ it saves the main pages there (the book's dashboard pictures, docs/book/src/scre
 
 Usage: dashboard_check.py HEARTH_BINARY [--screenshots DIR]
 """
-import json, os, socket, subprocess, sys, tempfile, urllib.error, urllib.request
+import json, os, socket, subprocess, sys, tempfile, time, urllib.error, urllib.request
 
 from selenium import webdriver
 from selenium.common.exceptions import NoAlertPresentException
@@ -32,7 +32,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions as EC
 from selenium.webdriver.support.ui import WebDriverWait
 
-from harness import Checks, Serve, synthetic_adapter
+from harness import Checks, Serve, synthetic_adapter, upload_batch_file
 
 hearth = sys.argv[1]
 shots = None
@@ -246,6 +246,30 @@ try:
         "messages": [{"role": "user", "content": "Hi"}]})
     check("the adapter serves", status == 200, r)
     shot("adapters.png")
+
+    # ---- a batch made through the API: its progress, cost and output on the Batches page ----
+    good = lambda i: json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                 "body": {"model": "smollm2-135m-instruct", "max_tokens": 4, "temperature": 0,
+                                          "messages": [{"role": "user", "content": f"Say {i}."}]}})
+    fid = upload_batch_file(url, key_a, [good(1), good(2), "{not json"])
+    status, batch = api("/v1/batches", key_a, {"input_file_id": fid, "endpoint": "/v1/chat/completions",
+                                               "completion_window": "24h"})
+    check("batch created through the API", status == 200 and batch.get("status") == "in_progress", batch)
+    bid = batch.get("id", "")
+    for _ in range(240):
+        status, batch = api(f"/v1/batches/{bid}", key_a)
+        if batch.get("status") == "completed":
+            break
+        time.sleep(0.25)
+    driver.get(url + "/dashboard/batches")
+    row = driver.find_element(By.ID, f"batch-{bid}").text
+    check("batch listed with its progress", "completed" in row and "2 answered, 1 failed of 3" in row, row)
+    check("batch shows its cost so far", "$" in driver.find_element(By.CSS_SELECTOR, f"#batch-{bid} .cost").text, row)
+    href = driver.find_element(By.CSS_SELECTOR, f"#batch-{bid} a.output").get_attribute("href")
+    out = driver.execute_script("return fetch(arguments[0]).then(r => r.text())", href)
+    check("the output downloads from the page", sorted(json.loads(l)["custom_id"] for l in out.splitlines())
+          == ["line-1", "line-2"], out[:300])
+    shot("batches.png")
     driver.get(url + "/dashboard/audit")
     audit = driver.find_element(By.ID, "audit").text
     check("audit shows the dashboard's actions",
@@ -268,6 +292,10 @@ try:
     check("B sees none of A's processors", pid not in driver.page_source)
     driver.get(url + "/dashboard/adapters")
     check("B sees none of A's adapters", aid not in driver.page_source and "house-style" not in driver.page_source)
+    driver.get(url + "/dashboard/batches")
+    check("B sees none of A's batches", bid not in driver.page_source)
+    out = driver.execute_script("return fetch(arguments[0]).then(r => r.status)", href)
+    check("B cannot download A's output", out == 404, out)
     sign_out()
 
     # ---- the operator -----------------------------------------------------------------------

@@ -92,6 +92,19 @@ def synthetic_adapter(rank, seed=7):
     return [("adapter_config.json", config), ("adapter_model.safetensors", weights)]
 
 
+def upload_batch_file(url, key, lines):
+    """`POST /v1/files` (purpose batch) of JSONL `lines`; the file's id."""
+    boundary = uuid.uuid4().hex
+    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="batch.jsonl"\r\n'
+            f"Content-Type: application/jsonl\r\n\r\n").encode() + ("\n".join(lines) + "\n").encode()
+    body += f"\r\n--{boundary}--\r\n".encode()
+    req = urllib.request.Request(url + "/v1/files", data=body, method="POST", headers={
+        "Authorization": "Bearer " + key, "Content-Type": f"multipart/form-data; boundary={boundary}"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["id"]
+
+
 def upload_adapter(url, key, base, name, files):
     """`POST /v1/tenant/adapters` as multipart/form-data; (status, JSON body)."""
     boundary = uuid.uuid4().hex
