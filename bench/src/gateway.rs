@@ -205,12 +205,7 @@ impl GatewayBenchReport {
     }
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
+use crate::percentile;
 
 struct Mode {
     name: &'static str,

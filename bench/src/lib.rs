@@ -11,6 +11,8 @@
 //! * [`fairness`] — FIFO vs fair scheduling between tenants and classes on one saturated
 //!   worker (sim and engine);
 //! * [`tokenizer`] — Hearth's tokenizer against Hugging Face's `tokenizers`, side by side;
+//! * [`batch`] — a large batch (OpenAI Batch API) beside interactive load on one engine:
+//!   the batch's share of the idle capacity and the interactive TTFT it costs;
 //! * [`soak`] — long mixed traffic through real processes, sampling memory, descriptors and
 //!   tasks for leaks, and checking the usage books.
 //!
@@ -19,6 +21,7 @@
 //! (`llamacpp-compare`, `gateway-compare`), measured in the same run.
 
 pub mod agent;
+pub mod batch;
 pub mod fairness;
 pub mod gateway;
 pub mod pd;
@@ -27,6 +30,14 @@ mod procs;
 pub mod routing;
 pub mod soak;
 pub mod tokenizer;
+
+/// The value at `p` (0–1) of ascending `sorted` samples (0 when there are none).
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
 
 /// The benchmarks' seeded xorshift generator (workloads must be the same run to run).
 pub(crate) struct Rng(pub(crate) u64);

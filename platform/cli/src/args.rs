@@ -123,6 +123,34 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// A large batch (OpenAI Batch API) beside interactive load on one engine: the batch's
+    /// share of the idle capacity, and the interactive TTFT with and without it.
+    Batch {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Lines in the batch.
+        #[arg(long, default_value_t = 2000)]
+        lines: usize,
+        /// Completion tokens per request (batch lines and interactive requests alike).
+        #[arg(long, default_value_t = 8)]
+        max_tokens: u32,
+        /// Batch lines run at once (the gateway's `--batch-concurrency`), and the clients
+        /// that measure the capacity.
+        #[arg(long, default_value_t = 8)]
+        concurrency: usize,
+        /// The interactive load's rate, as a share of the measured capacity.
+        #[arg(long, default_value_t = 0.3)]
+        interactive_share: f64,
+        /// Length of the capacity and the interactive-alone phases, seconds.
+        #[arg(long, default_value_t = 30.0)]
+        seconds: f64,
+        /// Seed of the interactive arrivals.
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Gateway overhead: auth, limits, budget and metering vs none, with an instant worker.
     Gateway {
         #[command(flatten)]

@@ -156,6 +156,33 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
             print!("{}", report.table());
             write_json(&report, json)
         }
+        BenchCommand::Batch {
+            model,
+            lines,
+            max_tokens,
+            concurrency,
+            interactive_share,
+            seconds,
+            seed,
+            json,
+        } => {
+            let (path, id) = resolve_model(&model).await?;
+            let cfg = hearth_bench::batch::BatchBenchConfig {
+                exe: std::env::current_exe()?,
+                model: path.to_string_lossy().into_owned(),
+                model_id: id,
+                threads: model.threads,
+                lines: lines.clamp(1, hearth_tenants::batches::MAX_BATCH_LINES),
+                max_tokens: max_tokens.max(1),
+                concurrency: concurrency.clamp(1, 256),
+                interactive_share: interactive_share.clamp(0.0, 0.95),
+                seconds: seconds.max(2.0),
+                seed,
+            };
+            let report = hearth_bench::batch::run(cfg).await?;
+            print!("{}", report.table());
+            write_json(&report, json)
+        }
         BenchCommand::Soak {
             model,
             minutes,
