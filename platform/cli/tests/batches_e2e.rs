@@ -333,3 +333,78 @@ async fn two_gateways_share_one_batch() {
     assert_eq!(na + nb, 41.0);
     assert!(na > 0.0 && nb > 0.0, "both gateways run lines: {na} and {nb}");
 }
+
+/// The other endpoints a batch may run: `/v1/completions` and `/v1/responses` answer in
+/// their own shapes; a line of one endpoint in a batch of another is an error line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_and_responses_batches() {
+    let data = temp_dir("batches-endpoints");
+    let worker = sim_worker("4");
+    let gw = gateway_with(&data, &worker.url, &[], &[]);
+    let key = new_key(&data, "acme");
+    let url = gw.url.clone();
+    for (endpoint, body, object) in [
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4}),
+            "text_completion",
+        ),
+        (
+            "/v1/responses",
+            json!({"model": MODEL, "input": "Say hi.", "max_output_tokens": 4}),
+            "response",
+        ),
+    ] {
+        let lines = [
+            json!({"custom_id": "a", "method": "POST", "url": endpoint, "body": body}).to_string(),
+            json!({"custom_id": "b", "method": "POST", "url": endpoint, "body": body}).to_string(),
+            json!({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": body}).to_string(),
+        ];
+        let file = upload(&url, &key, lines.join("\n")).await;
+        let (s, _, b) = post(
+            &format!("{url}/v1/batches"),
+            Some(&key),
+            &json!({"input_file_id": file["id"], "endpoint": endpoint, "completion_window": "24h"}),
+        )
+        .await;
+        assert_eq!(s, 200, "{b}");
+        let done = wait_for(&url, &key, b["id"].as_str().unwrap(), |b| b["status"] == "completed").await;
+        assert_eq!(
+            (
+                done["request_counts"]["completed"].as_i64(),
+                done["request_counts"]["failed"].as_i64()
+            ),
+            (Some(2), Some(1)),
+            "{endpoint}: {done}"
+        );
+        let (_, out) = content(&url, &key, done["output_file_id"].as_str().unwrap()).await;
+        for l in jsonl(&out) {
+            assert_eq!(l["response"]["body"]["object"], object, "{endpoint}: {l}");
+        }
+        let (_, err) = content(&url, &key, done["error_file_id"].as_str().unwrap()).await;
+        assert_eq!(jsonl(&err)[0]["error"]["code"], "invalid_url", "{endpoint}: {err}");
+    }
+    // Requests the API refuses: named, in OpenAI's error shape.
+    let file = upload(&url, &key, "{}\n".into()).await;
+    for (body, param) in [
+        (
+            json!({"input_file_id": file["id"], "endpoint": "/v1/embeddings", "completion_window": "24h"}),
+            "endpoint",
+        ),
+        (
+            json!({"input_file_id": file["id"], "endpoint": "/v1/completions", "completion_window": "1h"}),
+            "completion_window",
+        ),
+        (
+            json!({"input_file_id": "file-nope", "endpoint": "/v1/completions", "completion_window": "24h"}),
+            "input_file_id",
+        ),
+        (
+            json!({"input_file_id": file["id"], "endpoint": "/v1/completions", "completion_window": "24h", "metadata": {"k": 1}}),
+            "metadata",
+        ),
+    ] {
+        let (s, _, b) = post(&format!("{url}/v1/batches"), Some(&key), &body).await;
+        assert_eq!((s, b["error"]["param"].as_str()), (400, Some(param)), "{b}");
+    }
+}
