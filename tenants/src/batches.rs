@@ -13,10 +13,13 @@ use sqlx::Row;
 
 use crate::{now_ms, random_hex, TenantError, TenantStore};
 
-/// A file's size, at most (OpenAI's Batch API: 200 MB).
+/// A file's size, at most (OpenAI's Batch API takes up to 200 MB).
 pub const MAX_FILE_BYTES: usize = 100 << 20;
-/// What one tenant's files may hold together (uploads and batch outputs).
+/// What one tenant's uploads may hold together (batch outputs are bounded by their lines:
+/// see [`MAX_RESULT_BYTES`]).
 pub const MAX_TENANT_FILE_BYTES: i64 = 1 << 30;
+/// One line's answer as kept, at most: a larger one is kept as an error.
+pub const MAX_RESULT_BYTES: usize = 1 << 20;
 /// Lines in one batch, at most (OpenAI's limit).
 pub const MAX_BATCH_LINES: usize = 50_000;
 /// Batches of one tenant not yet finished, at most.
@@ -72,16 +75,6 @@ pub struct BatchInfo {
     pub counts: LineCounts,
 }
 
-impl BatchInfo {
-    /// Whether lines may still run (not finished, not being cancelled).
-    pub fn open(&self) -> bool {
-        matches!(
-            self.status.as_str(),
-            status::IN_PROGRESS | status::CANCELLING | status::FINALIZING
-        )
-    }
-}
-
 /// A batch's lines by outcome.
 #[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
 pub struct LineCounts {
@@ -90,8 +83,6 @@ pub struct LineCounts {
     pub completed: i64,
     /// Answered otherwise, or refused when the batch was created.
     pub failed: i64,
-    /// Running now.
-    pub running: i64,
 }
 
 /// One line of a new batch: a request to run, or one refused as written.
@@ -114,7 +105,6 @@ pub enum NewLine {
 #[derive(Debug, Clone)]
 pub struct OpenBatch {
     pub id: String,
-    pub tenant_id: String,
     pub key_id: String,
     pub status: String,
     pub expires_at: i64,
@@ -356,20 +346,26 @@ impl TenantStore {
                 ),
             ));
         }
+        let id = format!("batch_{}", random_hex(12)?);
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
+        // The tenant's row locked (SQLite: the write lock): concurrent creations count one
+        // after the other.
+        sqlx::query("UPDATE tenants SET name = name WHERE id = $1")
+            .bind(tenant_id)
+            .execute(&mut *tx)
+            .await?;
         let open: i64 = sqlx::query_scalar(
             "SELECT COUNT(*) FROM batches WHERE tenant_id = $1 AND status IN ('in_progress', 'finalizing', 'cancelling')",
         )
         .bind(tenant_id)
-        .fetch_one(&self.pool)
+        .fetch_one(&mut *tx)
         .await?;
         if open >= MAX_OPEN_BATCHES {
             return Err(TenantError::Conflict(format!(
                 "the tenant has {open} batches running, the most it may; wait for one to finish or cancel one"
             )));
         }
-        let id = format!("batch_{}", random_hex(12)?);
-        let now = now_ms();
-        let mut tx = self.pool.begin().await?;
         sqlx::query(
             "INSERT INTO batches (id, tenant_id, key_id, endpoint, input_file_id, completion_window, status, metadata, \
              total, created_at, in_progress_at, expires_at) VALUES ($1, $2, $3, $4, $5, '24h', 'in_progress', $6, $7, $8, $8, $9)",
@@ -385,34 +381,53 @@ impl TenantStore {
         .bind(now + COMPLETION_WINDOW_MS)
         .execute(&mut *tx)
         .await?;
-        // One statement per line inside one transaction: a batch appears whole or not at all.
-        for (i, l) in lines.iter().enumerate() {
-            let q = sqlx::query(
-                "INSERT INTO batch_lines (batch_id, line, custom_id, body, state, status_code, result, finished_at) \
-                 VALUES ($1, $2, $3, $4, $5, NULL, $6, $7)",
-            )
-            .bind(&id)
-            .bind(i as i64);
-            let q = match l {
-                NewLine::Request { custom_id, body } => q
-                    .bind(Some(custom_id.clone()))
-                    .bind(Some(body.clone()))
-                    .bind("pending")
-                    .bind(None::<String>)
-                    .bind(None::<i64>),
-                NewLine::Refused {
-                    custom_id,
-                    code,
-                    message,
-                } => q
-                    .bind(custom_id.clone())
-                    .bind(None::<String>)
-                    .bind("done")
-                    .bind(Some(
-                        error_line(&line_request_id(&id, i as i64, 0), custom_id.as_deref(), code, message).to_string(),
-                    ))
-                    .bind(Some(now)),
-            };
+        // Many lines per statement, all in one transaction: a batch appears whole or not at all.
+        const ROWS: usize = 200;
+        for (c, chunk) in lines.chunks(ROWS).enumerate() {
+            let values: Vec<String> = (0..chunk.len())
+                .map(|k| {
+                    let b = k * 7;
+                    format!(
+                        "(${}, ${}, ${}, ${}, ${}, ${}, ${})",
+                        b + 1,
+                        b + 2,
+                        b + 3,
+                        b + 4,
+                        b + 5,
+                        b + 6,
+                        b + 7
+                    )
+                })
+                .collect();
+            let sql = format!(
+                "INSERT INTO batch_lines (batch_id, line, custom_id, body, state, result, finished_at) VALUES {}",
+                values.join(", ")
+            );
+            let mut q = sqlx::query(&sql);
+            for (k, l) in chunk.iter().enumerate() {
+                let line = (c * ROWS + k) as i64;
+                q = q.bind(id.clone()).bind(line);
+                q = match l {
+                    NewLine::Request { custom_id, body } => q
+                        .bind(Some(custom_id.clone()))
+                        .bind(Some(body.clone()))
+                        .bind("pending")
+                        .bind(None::<String>)
+                        .bind(None::<i64>),
+                    NewLine::Refused {
+                        custom_id,
+                        code,
+                        message,
+                    } => q
+                        .bind(custom_id.clone())
+                        .bind(None::<String>)
+                        .bind("done")
+                        .bind(Some(
+                            error_line(&line_request_id(&id, line, 0), custom_id.as_deref(), code, message).to_string(),
+                        ))
+                        .bind(Some(now)),
+                };
+            }
             q.execute(&mut *tx).await?;
         }
         tx.commit().await?;
@@ -450,7 +465,6 @@ impl TenantStore {
             match (state.as_str(), ok) {
                 ("done", 1) => c.completed += n,
                 ("done", _) => c.failed += n,
-                ("running", _) => c.running += n,
                 _ => {}
             }
         }
@@ -510,7 +524,7 @@ impl TenantStore {
     /// Batches whose lines may run or which wait to be finished, oldest first (every tenant's).
     pub async fn open_batches(&self) -> Result<Vec<OpenBatch>, TenantError> {
         let rows = sqlx::query(
-            "SELECT id, tenant_id, key_id, status, expires_at, endpoint FROM batches \
+            "SELECT id, key_id, status, expires_at, endpoint FROM batches \
              WHERE status IN ('in_progress', 'finalizing', 'cancelling') ORDER BY created_at",
         )
         .fetch_all(&self.pool)
@@ -519,11 +533,10 @@ impl TenantStore {
             .iter()
             .map(|r| OpenBatch {
                 id: r.get(0),
-                tenant_id: r.get(1),
-                key_id: r.get(2),
-                status: r.get(3),
-                expires_at: r.get(4),
-                endpoint: r.get(5),
+                key_id: r.get(1),
+                status: r.get(2),
+                expires_at: r.get(3),
+                endpoint: r.get(4),
             })
             .collect())
     }
@@ -532,7 +545,9 @@ impl TenantStore {
     /// paused is not written).
     pub async fn set_batch_paused(&self, id: &str, reason: Option<&str>) -> Result<(), TenantError> {
         let q = match reason {
-            Some(r) => sqlx::query("UPDATE batches SET paused_reason = $1 WHERE id = $2").bind(r),
+            Some(r) => {
+                sqlx::query("UPDATE batches SET paused_reason = $1 WHERE id = $2 AND status = 'in_progress'").bind(r)
+            }
             None => sqlx::query("UPDATE batches SET paused_reason = NULL WHERE id = $1 AND paused_reason IS NOT NULL"),
         };
         q.bind(id).execute(&self.pool).await?;
@@ -567,7 +582,8 @@ impl TenantStore {
             let res = sqlx::query(
                 "UPDATE batch_lines SET state = 'running', owner = $1, lease_until = $2 \
                  WHERE batch_id = $3 AND line = $4 \
-                 AND ((state = 'pending' AND not_before <= $5) OR (state = 'running' AND lease_until < $5))",
+                 AND ((state = 'pending' AND not_before <= $5) OR (state = 'running' AND lease_until < $5)) \
+                 AND EXISTS (SELECT 1 FROM batches b WHERE b.id = $3 AND b.status = 'in_progress' AND b.expires_at > $5)",
             )
             .bind(owner)
             .bind(lease_until)
@@ -589,14 +605,18 @@ impl TenantStore {
         Ok(claimed)
     }
 
-    /// Extends the leases of every line `owner` runs.
-    pub async fn renew_leases(&self, owner: &str, lease_until: i64) -> Result<u64, TenantError> {
-        let res = sqlx::query("UPDATE batch_lines SET lease_until = $1 WHERE owner = $2 AND state = 'running'")
-            .bind(lease_until)
-            .bind(owner)
-            .execute(&self.pool)
-            .await?;
-        Ok(res.rows_affected())
+    /// Extends the lease of a line `owner` is running (false: it holds it no more).
+    pub async fn renew_lease(&self, l: &ClaimedLine, owner: &str, lease_until: i64) -> Result<bool, TenantError> {
+        let res = sqlx::query(
+            "UPDATE batch_lines SET lease_until = $1 WHERE batch_id = $2 AND line = $3 AND owner = $4 AND state = 'running'",
+        )
+        .bind(lease_until)
+        .bind(&l.batch_id)
+        .bind(l.line)
+        .bind(owner)
+        .execute(&self.pool)
+        .await?;
+        Ok(res.rows_affected() == 1)
     }
 
     /// Keeps a line's result if `owner` still holds it; false when its lease was lost (the
@@ -633,9 +653,11 @@ impl TenantStore {
     }
 
     /// Finishes a batch whose lines have all run, or which was cancelled or expired and has
-    /// no line running: writes its output and error files (lines not run go to the error
-    /// file with `unrun_code`) and sets its final status, in one transaction. None when it
-    /// is not ready (or another gateway finished it first).
+    /// no line running: in one transaction, sets its final status, marks the lines that never
+    /// ran (`unrun`, so no claim can take them any more), writes its output and error files
+    /// (lines not run go to the error file as `batch_cancelled` or `batch_expired`) and drops
+    /// the lines' bodies and answers, which the files now hold. None when it is not ready
+    /// (or another gateway finished it first).
     pub async fn finish_batch(&self, id: &str) -> Result<Option<BatchInfo>, TenantError> {
         let now = now_ms();
         let r = sqlx::query(&format!("SELECT {BATCH_COLUMNS} FROM batches WHERE id = $1"))
@@ -643,23 +665,15 @@ impl TenantStore {
             .fetch_optional(&self.pool)
             .await?
             .ok_or_else(|| TenantError::NoSuchBatch(id.to_string()))?;
-        let counts = self.line_counts(id).await?;
-        let b = batch_info(&r, counts);
-        let live: i64 = sqlx::query_scalar(
-            "SELECT COUNT(*) FROM batch_lines WHERE batch_id = $1 AND state = 'running' AND lease_until >= $2",
-        )
-        .bind(id)
-        .bind(now)
-        .fetch_one(&self.pool)
-        .await?;
-        let unrun = b.counts.total - b.counts.completed - b.counts.failed;
+        let b = batch_info(&r, self.line_counts(id).await?);
+        let unfinished = b.counts.total - b.counts.completed - b.counts.failed;
         let (final_status, unrun_code, unrun_message) = match b.status.as_str() {
             status::CANCELLING => (
                 status::CANCELLED,
                 "batch_cancelled",
                 "The batch was cancelled before this line ran.",
             ),
-            status::IN_PROGRESS | status::FINALIZING if unrun == 0 => (status::COMPLETED, "", ""),
+            status::IN_PROGRESS | status::FINALIZING if unfinished == 0 => (status::COMPLETED, "", ""),
             status::IN_PROGRESS | status::FINALIZING if b.expires_at <= now => (
                 status::EXPIRED,
                 "batch_expired",
@@ -667,54 +681,11 @@ impl TenantStore {
             ),
             _ => return Ok(None),
         };
-        if live > 0 {
-            return Ok(None);
-        }
-        sqlx::query(
-            "UPDATE batches SET status = 'finalizing', finalizing_at = $1 WHERE id = $2 AND status = 'in_progress'",
-        )
-        .bind(now)
-        .bind(id)
-        .execute(&self.pool)
-        .await?;
-        let rows = sqlx::query(
-            "SELECT line, custom_id, status_code, result, state, attempt FROM batch_lines WHERE batch_id = $1 ORDER BY line",
-        )
-        .bind(id)
-        .fetch_all(&self.pool)
-        .await?;
-        let (mut out, mut err) = (Vec::new(), Vec::new());
-        for r in &rows {
-            let state: String = r.get(4);
-            let code: Option<i64> = r.get(2);
-            if state == "done" {
-                let text: String = r.get::<Option<String>, _>(3).unwrap_or_default();
-                let to = if code.is_some_and(|c| (200..300).contains(&c)) {
-                    &mut out
-                } else {
-                    &mut err
-                };
-                to.extend_from_slice(text.as_bytes());
-                to.push(b'\n');
-            } else {
-                let line: i64 = r.get(0);
-                let custom_id: Option<String> = r.get(1);
-                let v = error_line(
-                    &line_request_id(id, line, r.get(5)),
-                    custom_id.as_deref(),
-                    unrun_code,
-                    unrun_message,
-                );
-                err.extend_from_slice(v.to_string().as_bytes());
-                err.push(b'\n');
-            }
-        }
-        let hex = id.trim_start_matches("batch_");
-        let (out_id, err_id) = (format!("file-{hex}out"), format!("file-{hex}err"));
+        // The batch's row first: it orders this against a concurrent finish and a cancel.
         let mut tx = self.pool.begin().await?;
         let moved = sqlx::query(&format!(
-            "UPDATE batches SET status = $1, {col} = $2, output_file_id = $3, error_file_id = $4, paused_reason = NULL \
-             WHERE id = $5 AND status IN ('in_progress', 'finalizing', 'cancelling')",
+            "UPDATE batches SET status = $1, finalizing_at = $2, {col} = $2, paused_reason = NULL \
+             WHERE id = $3 AND status IN ('in_progress', 'finalizing', 'cancelling')",
             col = match final_status {
                 status::CANCELLED => "cancelled_at",
                 status::EXPIRED => "expired_at",
@@ -723,29 +694,82 @@ impl TenantStore {
         ))
         .bind(final_status)
         .bind(now)
-        .bind((!out.is_empty()).then(|| out_id.clone()))
-        .bind((!err.is_empty()).then(|| err_id.clone()))
         .bind(id)
         .execute(&mut *tx)
         .await?;
         if moved.rows_affected() == 0 {
             return Ok(None);
         }
-        for (fid, bytes, name) in [(&out_id, &out, "output"), (&err_id, &err, "errors")] {
+        // A line still running under a live lease finishes first.
+        let live: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM batch_lines WHERE batch_id = $1 AND state = 'running' AND lease_until >= $2",
+        )
+        .bind(id)
+        .bind(now)
+        .fetch_one(&mut *tx)
+        .await?;
+        if live > 0 {
+            return Ok(None);
+        }
+        // The rest never ran (a claim or a late answer waiting on these rows finds them unrun).
+        sqlx::query("UPDATE batch_lines SET state = 'unrun', owner = NULL WHERE batch_id = $1 AND state <> 'done'")
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        let rows = sqlx::query(
+            "SELECT line, custom_id, status_code, result, state, attempt FROM batch_lines WHERE batch_id = $1 ORDER BY line",
+        )
+        .bind(id)
+        .fetch_all(&mut *tx)
+        .await?;
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        for r in &rows {
+            let state: String = r.get(4);
+            let code: Option<i64> = r.get(2);
+            let text = if state == "done" {
+                r.get::<Option<String>, _>(3).unwrap_or_default()
+            } else {
+                let custom_id: Option<String> = r.get(1);
+                error_line(
+                    &line_request_id(id, r.get(0), r.get(5)),
+                    custom_id.as_deref(),
+                    unrun_code,
+                    unrun_message,
+                )
+                .to_string()
+            };
+            let to = if code.is_some_and(|c| (200..300).contains(&c)) {
+                &mut out
+            } else {
+                &mut err
+            };
+            to.extend_from_slice(text.as_bytes());
+            to.push(b'\n');
+        }
+        let hex = id.trim_start_matches("batch_");
+        let mut files = [(None, out, "output"), (None, err, "errors")];
+        for (fid, bytes, name) in &mut files {
             if !bytes.is_empty() {
+                let file_id = format!("file-{hex}{}", &name[..3]);
                 self.insert_file(
                     &mut *tx,
-                    fid,
+                    &file_id,
                     &b.tenant_id,
                     "batch_output",
                     &format!("{id}_{name}.jsonl"),
                     bytes,
                 )
                 .await?;
+                *fid = Some(file_id);
             }
         }
-        // Leases of lines that never ran go; nothing claims lines of a finished batch.
-        sqlx::query("UPDATE batch_lines SET owner = NULL WHERE batch_id = $1 AND state <> 'done'")
+        sqlx::query("UPDATE batches SET output_file_id = $1, error_file_id = $2 WHERE id = $3")
+            .bind(files[0].0.clone())
+            .bind(files[1].0.clone())
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("UPDATE batch_lines SET body = NULL, result = NULL WHERE batch_id = $1")
             .bind(id)
             .execute(&mut *tx)
             .await?;

@@ -1451,7 +1451,13 @@ async fn batches_claim_once_and_finish_once() {
         let back = x[2].clone();
         s.release_line(&back, "gw-x", now_ms() - 1).await.unwrap();
         // gw-y dies: its leases run out and gw-x takes its lines, same request ids.
-        s.renew_leases("gw-y", now_ms() - 1).await.unwrap();
+        for l in &y {
+            assert!(s.renew_lease(l, "gw-y", now_ms() - 1).await.unwrap(), "{name}");
+        }
+        assert!(
+            !s.renew_lease(&x[0], "gw-y", far).await.unwrap(),
+            "{name}: not gw-y's line"
+        );
         assert!(
             s.finish_batch(&batch.id).await.unwrap().is_none(),
             "{name}: lines still to run"
@@ -1524,11 +1530,48 @@ async fn batches_claim_once_and_finish_once() {
             s.cancel_batch(&a.id, &batch.id).await,
             Err(TenantError::Conflict(_))
         ));
+        // Past its window: nothing claimed, unrun lines in the error file as expired.
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await; // listings order by time
+        let e = s
+            .create_batch(&a.id, "k1", "/v1/chat/completions", &f.id, None, &lines[..2])
+            .await
+            .unwrap();
+        let one = s.claim_lines(&e.id, "gw-x", 1, far).await.unwrap();
+        sqlx::query("UPDATE batches SET expires_at = 1 WHERE id = $1")
+            .bind(&e.id)
+            .execute(s.pool())
+            .await
+            .unwrap();
+        assert!(
+            s.claim_lines(&e.id, "gw-x", 10, far).await.unwrap().is_empty(),
+            "{name}"
+        );
+        assert!(
+            s.finish_batch(&e.id).await.unwrap().is_none(),
+            "{name}: a line still runs"
+        );
+        assert!(s.finish_line(&one[0], "gw-x", &done(200)).await.unwrap());
+        let fin = s.finish_batch(&e.id).await.unwrap().expect("expired");
+        assert_eq!(
+            (fin.status.as_str(), fin.counts.completed),
+            (status::EXPIRED, 1),
+            "{name}"
+        );
+        let err = s
+            .file_content(&a.id, fin.error_file_id.as_ref().unwrap())
+            .await
+            .unwrap()
+            .1;
+        assert_eq!(
+            String::from_utf8(err).unwrap().matches("batch_expired").count(),
+            1,
+            "{name}"
+        );
         // Listing: newest first, paged.
         let all = s.list_batches(&a.id, &Page { after: None, limit: 10 }).await.unwrap();
         assert_eq!(
             all.iter().map(|b| b.id.as_str()).collect::<Vec<_>>(),
-            [c.id.as_str(), race.id.as_str(), batch.id.as_str()]
+            [e.id.as_str(), c.id.as_str(), race.id.as_str(), batch.id.as_str()]
         );
         let rest = s
             .list_batches(
@@ -1545,6 +1588,6 @@ async fn batches_claim_once_and_finish_once() {
             .list_files(&a.id, Some("batch_output"), &Page { after: None, limit: 10 })
             .await
             .unwrap();
-        assert_eq!(outputs.len(), 3, "{name}");
+        assert_eq!(outputs.len(), 5, "{name}");
     }
 }

@@ -58,21 +58,37 @@ impl Default for BatchSettings {
     }
 }
 
+/// Runs of one line, at most: the refusal of the last one (rate limited, unavailable, over
+/// budget) is kept as its answer.
+pub const MAX_ATTEMPTS: i64 = 20;
+
 /// A batch's line in the pipeline: who runs it and for which batch.
 #[derive(Debug, Clone)]
 pub struct LineRun {
     pub batch_id: String,
     /// The API key that created the batch.
     pub key_id: String,
+    /// The line's last run: a refusal is its answer, not sent back.
+    pub last_try: bool,
 }
 
-/// Whether a line refused with `e` waits and runs again (rather than answering with it):
-/// rate limited, overloaded or unavailable, or over a hard budget.
-pub fn sent_back(e: &ApiError) -> bool {
-    matches!(
-        e.status,
-        StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE | StatusCode::PAYMENT_REQUIRED
-    )
+impl LineRun {
+    /// Whether this run, refused with `e`, waits and runs again (so the refusal is not its
+    /// usage record).
+    pub fn sent_back(&self, e: &ApiError) -> bool {
+        !self.last_try && sent_back(e.status, e.code)
+    }
+}
+
+/// Whether a refusal with `status` and `code` is one that waiting may end: rate limited
+/// (not a request larger than the limit allows at all), unavailable or overloaded, or over
+/// a hard budget.
+pub fn sent_back(status: StatusCode, code: Option<&str>) -> bool {
+    match status {
+        StatusCode::TOO_MANY_REQUESTS => code != Some("tokens_over_limit"),
+        StatusCode::SERVICE_UNAVAILABLE | StatusCode::PAYMENT_REQUIRED => true,
+        _ => false,
+    }
 }
 
 // ---- files ------------------------------------------------------------------------------
@@ -103,6 +119,10 @@ pub struct FileObject {
     purpose: String,
     /// `processed`.
     status: String,
+    /// Always null: files are kept until deleted.
+    expires_at: Option<i64>,
+    /// Always null.
+    status_details: Option<String>,
 }
 
 fn file_json(f: &FileInfo) -> Value {
@@ -118,7 +138,7 @@ fn list_json(data: Vec<Value>, has_more: bool) -> Value {
 #[derive(serde::Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct ListQuery {
-    /// 1 to 10,000 for files, 1 to 100 for batches (default 20 / 10,000 for files as OpenAI).
+    /// Files: 1 to 10,000 (default 10,000); batches: 1 to 100 (default 20), as OpenAI's.
     limit: Option<i64>,
     /// An id: list the objects after it (newest first).
     after: Option<String>,
@@ -327,7 +347,7 @@ pub struct BatchObject {
     error_file_id: Option<String>,
     /// Unix seconds, as every `…_at`.
     created_at: i64,
-    expires_at: Option<i64>,
+    expires_at: i64,
     /// `{total, completed, failed}`: lines answered with a 2xx status, and the others.
     #[schema(value_type = Object)]
     request_counts: Value,
@@ -448,6 +468,12 @@ fn read_line(raw: &str, endpoint: &str, seen: &mut HashSet<String>) -> NewLine {
             "invalid_body",
             "'stream' is not available in a batch: each answer is kept whole.".into(),
         );
+    }
+    let mut body = body.clone();
+    if endpoint == "/v1/responses" && !b.contains_key("store") {
+        // A batch's responses are its output file: not kept among the tenant's stored
+        // responses (whose oldest a large batch would push out) unless the line asks.
+        body["store"] = json!(false);
     }
     NewLine::Request {
         custom_id,
@@ -608,24 +634,33 @@ pub async fn run(gw: Arc<AppState>, owner: String) {
     }
     let owner: Arc<str> = owner.into();
     let slots = Arc::new(tokio::sync::Semaphore::new(settings.concurrency));
+    // The lines this runner is running: only theirs are renewed.
+    let running: Running = Default::default();
     let mut renewed = Instant::now();
     // Batches that were sent back (rate limit, budget): not claimed from until then.
     let waits: Arc<std::sync::Mutex<HashMap<String, Instant>>> = Default::default();
+    // A line that ends wakes the runner at once, so a free slot is filled without waiting for
+    // the next poll.
+    let wake = Arc::new(tokio::sync::Notify::new());
     let mut every = tokio::time::interval(settings.poll);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        every.tick().await;
-        if gw.draining.load(std::sync::atomic::Ordering::SeqCst) {
-            // Lines running finish; none starts. Their leases run out if this process
-            // ends first, and another gateway (or this one, restarted) runs them.
-            return;
+        tokio::select! {
+            _ = every.tick() => {}
+            () = wake.notified() => {}
         }
         if renewed.elapsed() >= settings.lease / 3 {
             renewed = Instant::now();
-            let until = now_ms() + settings.lease.as_millis() as i64;
-            if let Err(e) = gw.tenants.renew_leases(&owner, until).await {
-                tracing::warn!(error = %e, "batch line leases could not be renewed");
+            renew(&gw, &owner, &running, settings.lease).await;
+        }
+        if gw.draining.load(std::sync::atomic::Ordering::SeqCst) {
+            // Lines running finish (their leases renewed meanwhile); none starts. If this
+            // process ends first, their leases run out and another gateway (or this one,
+            // restarted) runs them.
+            if lock(&running).is_empty() {
+                return;
             }
+            continue;
         }
         let open = match gw.tenants.open_batches().await {
             Ok(o) => o,
@@ -672,17 +707,67 @@ pub async fn run(gw: Arc<AppState>, owner: String) {
             }
             free -= lines.len();
             for line in lines {
+                // Claims stay within the free slots, and only this loop takes slots.
                 let Ok(permit) = slots.clone().try_acquire_owned() else {
-                    // Cannot happen (claims stay within the free slots); give it back.
-                    let _ = gw.tenants.release_line(&line, &owner, now_ms()).await;
+                    debug_assert!(false, "a batch line was claimed without a free slot");
                     continue;
                 };
                 let (gw, owner, waits, key) = (gw.clone(), owner.clone(), waits.clone(), b.key_id.clone());
-                let endpoint = b.endpoint.clone();
+                let (endpoint, wake) = (b.endpoint.clone(), wake.clone());
+                let guard = InFlight::new(&running, &line);
                 tokio::spawn(async move {
-                    let _permit = permit;
                     run_line(&gw, &owner, &line, &key, &endpoint, &waits).await;
+                    // Dropped even if the line's task panics: the line is renewed no more.
+                    drop(guard);
+                    drop(permit);
+                    wake.notify_one();
                 });
+            }
+        }
+    }
+}
+
+type Running = Arc<std::sync::Mutex<HashMap<(String, i64), ClaimedLine>>>;
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A line among those this runner runs, for as long as the guard lives.
+struct InFlight {
+    running: Running,
+    key: (String, i64),
+}
+
+impl InFlight {
+    fn new(running: &Running, line: &ClaimedLine) -> Self {
+        let key = (line.batch_id.clone(), line.line);
+        lock(running).insert(key.clone(), line.clone());
+        Self {
+            running: running.clone(),
+            key,
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        lock(&self.running).remove(&self.key);
+    }
+}
+
+/// Extends the leases of the lines this runner is running.
+async fn renew(gw: &AppState, owner: &str, running: &Running, lease: Duration) {
+    let lines: Vec<ClaimedLine> = lock(running).values().cloned().collect();
+    let until = now_ms() + lease.as_millis() as i64;
+    for l in lines {
+        match gw.tenants.renew_lease(&l, owner, until).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!(batch = %l.batch_id, line = l.line, "a batch line's lease was lost while it ran")
+            }
+            Err(e) => {
+                tracing::warn!(batch = %l.batch_id, line = l.line, error = %e, "a batch line's lease could not be renewed")
             }
         }
     }
@@ -729,10 +814,13 @@ async fn run_line(
         headers,
         Ok(Bytes::from(line.body.clone())),
     );
-    ctx.batch = Some(LineRun {
+    let run = LineRun {
         batch_id: line.batch_id.clone(),
         key_id: key_id.to_string(),
-    });
+        last_try: line.attempt + 1 >= MAX_ATTEMPTS,
+    };
+    let last_try = run.last_try;
+    ctx.batch = Some(run);
     let resp = pipeline::handle(gw.clone(), ctx).await;
     let status = resp.status();
     let retry_after = resp
@@ -742,11 +830,19 @@ async fn run_line(
         .and_then(|v| v.parse::<u64>().ok())
         .unwrap_or(1)
         .clamp(1, 600);
-    let body = axum::body::to_bytes(resp.into_body(), 64 << 20).await;
-    let body: Value = match &body {
-        Ok(b) => serde_json::from_slice(b).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(b).into_owned())),
-        Err(e) => json!({"error": {"message": format!("the answer could not be read: {e}"), "type": "server_error"}}),
+    let body = axum::body::to_bytes(resp.into_body(), store::MAX_RESULT_BYTES).await;
+    let (status, body): (StatusCode, Value) = match &body {
+        Ok(b) => (
+            status,
+            serde_json::from_slice(b).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(b).into_owned())),
+        ),
+        Err(_) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            json!({"error": {"message": format!("the answer is larger than a batch keeps ({} bytes)", store::MAX_RESULT_BYTES),
+                "type": "server_error", "code": "answer_too_large"}}),
+        ),
     };
+    let code = body["error"]["code"].as_str();
     let wait_until = |secs: u64| now_ms() + secs as i64 * 1000;
     let send_back = |secs: u64| {
         waits
@@ -755,6 +851,7 @@ async fn run_line(
             .insert(line.batch_id.clone(), Instant::now() + Duration::from_secs(secs));
     };
     let outcome = match status {
+        s if last_try || !sent_back(s, code) => keep(gw, owner, line, &request_id, status, body).await,
         StatusCode::PAYMENT_REQUIRED => {
             // A spent hard budget: the batch waits (and says why) until the budget allows.
             let reason = body["error"]["message"]
@@ -762,50 +859,69 @@ async fn run_line(
                 .unwrap_or("The tenant's hard monthly budget is spent.")
                 .to_string();
             send_back(30);
-            let _ = gw.tenants.set_batch_paused(&line.batch_id, Some(&reason)).await;
-            gw.tenants.release_line(line, owner, wait_until(30)).await
-        }
-        StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE => {
-            send_back(retry_after);
             gw.metrics.batch_lines_sent_back.inc();
-            gw.tenants.release_line(line, owner, wait_until(retry_after)).await
+            if let Err(e) = gw.tenants.set_batch_paused(&line.batch_id, Some(&reason)).await {
+                tracing::warn!(batch = %line.batch_id, error = %e, "a batch's pause could not be recorded");
+            }
+            stored(|| gw.tenants.release_line(line, owner, wait_until(30))).await
         }
         _ => {
-            let result = json!({
-                "id": request_id, "custom_id": line.custom_id,
-                "response": {"status_code": status.as_u16(), "request_id": request_id, "body": body},
-                "error": null,
-            });
-            let r = LineResult {
-                status_code: Some(i64::from(status.as_u16())),
-                result: result.to_string(),
-            };
-            match gw.tenants.finish_line(line, owner, &r).await {
-                Ok(true) => {
-                    gw.metrics.batch_lines.inc();
-                    if status.is_success() {
-                        clear_pause(gw, &line.batch_id).await;
-                    }
-                    Ok(())
-                }
-                Ok(false) => {
-                    tracing::warn!(batch = %line.batch_id, line = line.line, "a batch line's lease was lost while it ran; the other run's answer is kept");
-                    Ok(())
-                }
-                Err(e) => Err(e),
-            }
+            send_back(retry_after);
+            gw.metrics.batch_lines_sent_back.inc();
+            stored(|| gw.tenants.release_line(line, owner, wait_until(retry_after))).await
         }
     };
     if let Err(e) = outcome {
-        // The lease runs out and the line runs again (under the same request id: metered once).
+        // Its lease runs out and the line runs again (under the same request id: metered once).
         tracing::warn!(batch = %line.batch_id, line = line.line, error = %e, "a batch line's outcome could not be stored");
     }
 }
 
-async fn clear_pause(gw: &AppState, batch_id: &str) {
-    if let Err(e) = gw.tenants.set_batch_paused(batch_id, None).await {
-        tracing::warn!(batch = %batch_id, error = %e, "a batch's pause could not be cleared");
+/// A store write, tried again twice after a failure (a busy database).
+async fn stored<F, Fut, T>(write: F) -> Result<T, TenantError>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T, TenantError>>,
+{
+    let mut last = None;
+    for wait in [0, 200, 1000] {
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        match write().await {
+            Ok(v) => return Ok(v),
+            Err(e) => last = Some(e),
+        }
     }
+    Err(last.unwrap_or_else(|| TenantError::Conflict("no attempt made".into())))
+}
+
+/// Keeps an answer as the line's output (if this runner still holds the line).
+async fn keep(
+    gw: &AppState,
+    owner: &str,
+    line: &ClaimedLine,
+    request_id: &str,
+    status: StatusCode,
+    body: Value,
+) -> Result<(), TenantError> {
+    let result = json!({
+        "id": request_id, "custom_id": line.custom_id,
+        "response": {"status_code": status.as_u16(), "request_id": request_id, "body": body},
+        "error": null,
+    });
+    let r = LineResult {
+        status_code: Some(i64::from(status.as_u16())),
+        result: result.to_string(),
+    };
+    if stored(|| gw.tenants.finish_line(line, owner, &r)).await? {
+        gw.metrics.batch_lines.inc();
+        if status.is_success() {
+            // A batch that was paused (budget) runs again: it says so no more.
+            stored(|| gw.tenants.set_batch_paused(&line.batch_id, None)).await?;
+        }
+    } else {
+        tracing::warn!(batch = %line.batch_id, line = line.line, "a batch line's lease was lost while it ran; its answer is not kept");
+    }
+    Ok(())
 }
 
 /// The dashboard's view of a tenant's batches: each with its usage and cost so far.

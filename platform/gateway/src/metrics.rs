@@ -164,7 +164,7 @@ pub struct Metrics {
     /// Credential checks refused because their source sent too many bad credentials.
     pub auth_throttled: Counter,
     /// Batches created, batches finished (completed, expired or cancelled), batch lines
-    /// answered by this gateway, and lines sent back to wait (rate limit, overload).
+    /// answered by this gateway, and lines sent back to wait (rate limit, overload, budget).
     pub batches_created: Counter,
     pub batches_finished: Counter,
     pub batch_lines: Counter,
@@ -317,7 +317,7 @@ impl Metrics {
         let batch_lines_sent_back = counter(
             &mut registry,
             "hearth_batch_lines_sent_back",
-            "Batch lines refused for now (rate limit, overload) and sent back to run again later",
+            "Batch lines refused for now (rate limit, overload, a spent hard budget) and sent back to run again later",
         );
         let password_checks = Counter::default();
         registry.register(

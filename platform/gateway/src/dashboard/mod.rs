@@ -307,7 +307,8 @@ impl Visitor {
             export => self.can(Permission::Export), manage_keys => self.can(Permission::ManageKeys),
             manage_processors => self.can(Permission::ManageProcessors), audit => self.can(Permission::ReadAudit),
             manage_adapters => self.can(Permission::ManageAdapters),
-            // Batch answers are read, and batches cancelled, by whoever may run requests.
+            // Batch answers are read, and batches cancelled, by the roles that may create
+            // keys (and so run requests themselves).
             batch_outputs => self.can(Permission::ManageKeys),
             manage_members => self.can(Permission::ManageMembers), manage_owners => self.can(Permission::ManageOwners),
         };

@@ -208,6 +208,8 @@ fn refusal(ctx: &TenantContext, r: &Rate, units: u32, take: Take, mut state: Rat
     match take {
         Take::Never => {
             let mut e = limited(kind, what, &who, r.per_minute, Duration::from_secs(60), state);
+            // Not a rate that waiting restores: a batch keeps this as the line's answer.
+            e.error.code = Some("tokens_over_limit");
             e.error.message = format!(
                 "This request may use up to {units} tokens (its prompt and max_tokens), more than the {} tokens per minute allowed for {who}. Lower max_tokens.",
                 r.per_minute

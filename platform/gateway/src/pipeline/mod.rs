@@ -254,7 +254,7 @@ pub async fn handle(state: Arc<AppState>, mut ctx: RequestContext) -> Response {
         Ok(resp) => resp,
         Err(e) => {
             span.record("error.type", e.code.unwrap_or(e.kind));
-            if ctx.batch.is_some() && crate::batches::sent_back(&e) {
+            if ctx.batch.as_ref().is_some_and(|b| b.sent_back(&e)) {
                 // The batch runs this line again later, under a new request id: this
                 // refusal is not the line's record.
                 ctx.usage = None;
