@@ -274,6 +274,8 @@ async fn batch_survives_sigkill_and_keeps_tenants_apart() {
         40 - answered - (cancelled["request_counts"]["failed"].as_i64().unwrap() - 4)
     );
     println!("cancelled: {answered} of 40 lines answered, {unrun} not run");
+    let audit = admin(&data, &["audit", "--tenant", "acme"]);
+    assert!(audit.contains("batch.cancel") && audit.contains(&cid), "{audit}");
 
     // Deleting the input leaves the finished batch and its outputs.
     let r = client()

@@ -28,8 +28,9 @@ use hearth_tenants::batches::{self as store, BatchInfo, ClaimedLine, FileInfo, L
 use hearth_tenants::{now_ms, TenantContext, TenantError};
 use serde_json::{json, Value};
 
-use crate::auth::Caller;
+use crate::auth::{Caller, ClientOrigin};
 use crate::error::{store_error, ApiError};
+use crate::management::{Actor, ManageError, Management, Permission};
 use crate::pipeline::{self, Endpoint, RequestContext};
 use crate::state::AppState;
 
@@ -616,10 +617,37 @@ pub async fn list_batches(
 pub async fn cancel_batch(
     State(gw): State<Arc<AppState>>,
     Caller(ctx): Caller,
+    ClientOrigin(origin): ClientOrigin,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let b = gw.tenants.cancel_batch(&ctx.tenant_id, &id).await.map_err(not_found)?;
+    let b = gw
+        .management()
+        .via(origin)
+        .cancel_batch(Actor::Tenant(&ctx), &ctx.tenant_id, &id)
+        .await
+        .map_err(|e| match e {
+            ManageError::Store(e) => not_found(e),
+            e => e.into(),
+        })?;
     Ok(Json(batch_json(&b, None)))
+}
+
+impl Management<'_> {
+    /// Cancels a tenant's batch (see [`hearth_tenants::TenantStore::cancel_batch`]),
+    /// audited as `batch.cancel`. A member needs the role that may create keys.
+    pub async fn cancel_batch(&self, actor: Actor<'_>, tenant_id: &str, id: &str) -> Result<BatchInfo, ManageError> {
+        actor.require(Permission::ManageKeys)?;
+        let b = self.tenants.cancel_batch(tenant_id, id).await?;
+        self.audit(
+            actor,
+            Some(tenant_id),
+            "batch.cancel",
+            &format!("batch:{id}"),
+            json!({"completed": b.counts.completed, "failed": b.counts.failed, "total": b.counts.total}),
+        )
+        .await;
+        Ok(b)
+    }
 }
 
 // ---- the runner -------------------------------------------------------------------------

@@ -1663,11 +1663,10 @@ async fn cancel_batch(
 ) -> Result<Response, PageError> {
     csrf_ok(&gw, &v, &headers, f.csrf.as_deref())?;
     let t = v.tenant()?;
-    v.actor().require(Permission::ManageKeys)?;
-    gw.tenants
-        .cancel_batch(&t.tenant_id, &id)
-        .await
-        .map_err(crate::error::store_error)?;
+    gw.management()
+        .via(v.origin.clone())
+        .cancel_batch(v.actor(), &t.tenant_id, &id)
+        .await?;
     Ok(Redirect::to("/dashboard/batches").into_response())
 }
 
