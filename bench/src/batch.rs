@@ -2,7 +2,7 @@
 //! engine, through a real gateway and a real-engine worker (separate processes).
 //!
 //! Three phases with the same request shape:
-//! 1. **capacity** — `concurrency` clients send the lines' requests back to back for
+//! 1. **capacity** — `capacity_clients` clients send the lines' requests back to back for
 //!    `seconds`: the engine's lines/s when nothing else runs;
 //! 2. **interactive alone** — streamed chat requests arriving at random (Poisson) at
 //!    `interactive_share` of that capacity for `seconds`: their time to first token;
@@ -32,9 +32,10 @@ pub struct BatchBenchConfig {
     pub threads: Option<usize>,
     pub lines: usize,
     pub max_tokens: u32,
-    /// Batch lines run at once (the gateway's `--batch-concurrency`), and the clients of the
-    /// capacity phase.
+    /// Batch lines run at once (the gateway's `--batch-concurrency`).
     pub concurrency: usize,
+    /// Clients of the capacity phase (enough to fill the engine's batch).
+    pub capacity_clients: usize,
     /// The interactive load, as a share of the measured capacity (requests/s).
     pub interactive_share: f64,
     /// Length of the capacity and interactive-alone phases.
@@ -57,6 +58,7 @@ pub struct BatchReport {
     pub lines: usize,
     pub max_tokens: u32,
     pub concurrency: usize,
+    pub capacity_clients: usize,
     /// Phase 1: lines/s with nothing else running.
     pub capacity_lines_per_s: f64,
     /// Phase 2: the interactive rate (requests/s) and its share of the capacity.
@@ -214,12 +216,12 @@ pub async fn run(cfg: BatchBenchConfig) -> anyhow::Result<BatchReport> {
             .error_for_status()?;
     }
 
-    // 1. Capacity: closed loop, `concurrency` clients.
+    // 1. Capacity: closed loop, `capacity_clients` clients.
     let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let until = Instant::now() + Duration::from_secs_f64(cfg.seconds);
     let start = Instant::now();
     let mut clients = Vec::new();
-    for c in 0..cfg.concurrency {
+    for c in 0..cfg.capacity_clients {
         let (client, url, key, model, done) = (client.clone(), url.clone(), key.clone(), model.clone(), done.clone());
         let max_tokens = cfg.max_tokens;
         clients.push(tokio::spawn(async move {
@@ -321,6 +323,7 @@ pub async fn run(cfg: BatchBenchConfig) -> anyhow::Result<BatchReport> {
         lines: cfg.lines,
         max_tokens: cfg.max_tokens,
         concurrency: cfg.concurrency,
+        capacity_clients: cfg.capacity_clients,
         capacity_lines_per_s: capacity,
         interactive_rps: rps,
         interactive_share: share,
@@ -347,7 +350,7 @@ impl BatchReport {
         format!(
             "hearth bench batch — {} lines of {} tokens, {} at once, ISA {}\n\n\
              | interactive load | requests | errors | TTFT p50 ms | p90 ms | p99 ms |\n|---|---|---|---|---|---|\n{}{}\n\
-             capacity (nothing else running): {:.2} lines/s; interactive load {:.2} req/s ({:.0} % of it)\n\
+             capacity ({} clients, nothing else running): {:.2} lines/s; interactive load {:.2} req/s ({:.0} % of it)\n\
              batch: {} completed, {} failed in {:.1} s = {:.2} lines/s\n\n\
              | target | measured | goal | |\n|---|---|---|---|\n\
              | batch lines/s ÷ idle capacity | {:.2} | ≥ 0.80 | {} |\n\
@@ -358,6 +361,7 @@ impl BatchReport {
             self.isa,
             row("alone", &self.interactive_alone),
             row("beside the batch", &self.interactive_with_batch),
+            self.capacity_clients,
             self.capacity_lines_per_s,
             self.interactive_rps,
             self.interactive_share * 100.0,

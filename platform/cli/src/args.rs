@@ -134,10 +134,12 @@ pub enum BenchCommand {
         /// Completion tokens per request (batch lines and interactive requests alike).
         #[arg(long, default_value_t = 8)]
         max_tokens: u32,
-        /// Batch lines run at once (the gateway's `--batch-concurrency`), and the clients
-        /// that measure the capacity.
-        #[arg(long, default_value_t = 8)]
+        /// Batch lines run at once (the gateway's `--batch-concurrency`).
+        #[arg(long, default_value_t = 4)]
         concurrency: usize,
+        /// Clients that measure the engine's capacity (enough to fill its batch).
+        #[arg(long, default_value_t = 16)]
+        capacity_clients: usize,
         /// The interactive load's rate, as a share of the measured capacity.
         #[arg(long, default_value_t = 0.3)]
         interactive_share: f64,

@@ -791,9 +791,11 @@ async fn renew(gw: &AppState, owner: &str, running: &Running, lease: Duration) {
     for l in lines {
         match gw.tenants.renew_lease(&l, owner, until).await {
             Ok(true) => {}
-            Ok(false) => {
+            // Not held: it ended since the map was read, or (still in the map) it was lost.
+            Ok(false) if lock(running).contains_key(&(l.batch_id.clone(), l.line)) => {
                 tracing::warn!(batch = %l.batch_id, line = l.line, "a batch line's lease was lost while it ran")
             }
+            Ok(_) => {}
             Err(e) => {
                 tracing::warn!(batch = %l.batch_id, line = l.line, error = %e, "a batch line's lease could not be renewed")
             }
