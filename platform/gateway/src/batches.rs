@@ -698,18 +698,15 @@ pub async fn run(gw: Arc<AppState>, owner: String) {
             }
         };
         let now = Instant::now();
-        waits
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|_, until| *until > now);
+        lock(&waits).retain(|_, until| *until > now);
         let mut runnable = Vec::new();
         for b in &open {
-            let running = b.status == store::status::IN_PROGRESS && b.expires_at > now_ms();
-            if !running {
+            let claimable = b.status == store::status::IN_PROGRESS && b.expires_at > now_ms();
+            if !claimable {
                 finish(&gw, &b.id).await;
                 continue;
             }
-            if !waits.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&b.id) {
+            if !lock(&waits).contains_key(&b.id) {
                 runnable.push(b);
             }
         }
@@ -875,10 +872,7 @@ async fn run_line(
     let code = body["error"]["code"].as_str();
     let wait_until = |secs: u64| now_ms() + secs as i64 * 1000;
     let send_back = |secs: u64| {
-        waits
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(line.batch_id.clone(), Instant::now() + Duration::from_secs(secs));
+        lock(waits).insert(line.batch_id.clone(), Instant::now() + Duration::from_secs(secs));
     };
     let outcome = match status {
         s if last_try || !sent_back(s, code) => keep(gw, owner, line, &request_id, status, body).await,
