@@ -196,12 +196,7 @@ pub async fn run(cfg: BatchBenchConfig) -> anyhow::Result<BatchReport> {
         &env,
     )?;
     procs::cli(&cfg.exe, "admin", &data_s, &["tenant", "create", "bench"])?;
-    let out = procs::cli(&cfg.exe, "admin", &data_s, &["key", "create", "--tenant", "bench"])?;
-    let key = out
-        .split_whitespace()
-        .find(|w| w.starts_with("hk_"))
-        .ok_or_else(|| anyhow::anyhow!("no key printed"))?
-        .to_string();
+    let key = procs::new_key(&cfg.exe, &data_s, "bench")?;
     let client = reqwest::Client::new();
     let model = cfg.model_id.clone();
 

@@ -264,12 +264,7 @@ async fn engine_mode(cfg: &PdBenchConfig, pd: bool) -> anyhow::Result<ModeResult
     std::fs::create_dir_all(&data)?;
     let data_s = data.to_string_lossy().to_string();
     admin(&cfg.exe, &data_s, &["tenant", "create", "bench"])?;
-    let out = admin(&cfg.exe, &data_s, &["key", "create", "--tenant", "bench"])?;
-    let key = out
-        .split_whitespace()
-        .find(|w| w.starts_with("hk_"))
-        .ok_or_else(|| anyhow::anyhow!("no key printed"))?
-        .to_string();
+    let key = crate::procs::new_key(&cfg.exe, &data_s, "bench")?;
     let threads = (cfg.threads / 2).max(1).to_string();
     let step_tokens = cfg.step_tokens.to_string();
     let roles = if pd { ["prefill", "decode"] } else { ["both", "both"] };

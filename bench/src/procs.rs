@@ -45,6 +45,15 @@ pub(crate) fn spawn(exe: &Path, args: &[&str], env: &[(&str, &str)]) -> anyhow::
     }
 }
 
+/// A new API key of `tenant` (which must exist), made with `hearth admin key create`.
+pub(crate) fn new_key(exe: &Path, data: &str, tenant: &str) -> anyhow::Result<String> {
+    let out = cli(exe, "admin", data, &["key", "create", "--tenant", tenant])?;
+    out.split_whitespace()
+        .find(|w| w.starts_with("hk_"))
+        .map(str::to_string)
+        .ok_or_else(|| anyhow::anyhow!("no key printed"))
+}
+
 /// `hearth CMD --data-dir DATA ARGS` (CMD: `admin`, `processor`), its output.
 pub(crate) fn cli(exe: &Path, cmd: &str, data: &str, args: &[&str]) -> anyhow::Result<String> {
     let out = Command::new(exe).args([cmd, "--data-dir", data]).args(args).output()?;

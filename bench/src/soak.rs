@@ -94,14 +94,6 @@ fn admin(exe: &Path, data: &str, args: &[&str]) -> anyhow::Result<String> {
     procs::cli(exe, "admin", data, args)
 }
 
-fn new_key(exe: &Path, data: &str, tenant: &str) -> anyhow::Result<String> {
-    let out = admin(exe, data, &["key", "create", "--tenant", tenant])?;
-    out.split_whitespace()
-        .find(|w| w.starts_with("hk_"))
-        .map(str::to_string)
-        .ok_or_else(|| anyhow::anyhow!("no key printed"))
-}
-
 /// (resident KiB, open descriptors, threads) of a process, from /proc.
 fn proc_stats(pid: u32) -> (u64, u64, u64) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
@@ -285,8 +277,8 @@ pub async fn run(cfg: SoakConfig) -> anyhow::Result<SoakReport> {
         ],
     )?;
     admin(&cfg.exe, &data_s, &["tenant", "create", "soak"])?;
-    let key = new_key(&cfg.exe, &data_s, "soak")?;
-    let pkey = new_key(&cfg.exe, &data_s, "soak")?;
+    let key = procs::new_key(&cfg.exe, &data_s, "soak")?;
+    let pkey = procs::new_key(&cfg.exe, &data_s, "soak")?;
     let wasm = data.join("trivial.wasm");
     std::fs::write(&wasm, hearth_runtime::wat_guest::trivial())?;
     let key_id = pkey.split('_').nth(1).unwrap_or_default().to_string();
