@@ -274,13 +274,15 @@ impl TenantStore {
 
     /// A tenant's file's bytes.
     pub async fn file_content(&self, tenant_id: &str, id: &str) -> Result<(FileInfo, Vec<u8>), TenantError> {
-        let info = self.file(tenant_id, id).await?;
-        let content: Vec<u8> = sqlx::query_scalar("SELECT content FROM files WHERE id = $1 AND tenant_id = $2")
-            .bind(id)
-            .bind(tenant_id)
-            .fetch_one(&self.pool)
-            .await?;
-        Ok((info, content))
+        let r = sqlx::query(&format!(
+            "SELECT {FILE_COLUMNS}, content FROM files WHERE id = $1 AND tenant_id = $2"
+        ))
+        .bind(id)
+        .bind(tenant_id)
+        .fetch_optional(&self.pool)
+        .await?
+        .ok_or_else(|| TenantError::NoSuchFile(id.to_string()))?;
+        Ok((file_info(&r), r.get(6)))
     }
 
     /// A tenant's files, newest first, optionally of one purpose.

@@ -287,6 +287,12 @@ pub async fn file_content(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let (f, bytes) = gw.tenants.file_content(&ctx.tenant_id, &id).await.map_err(not_found)?;
+    Ok(download(&f, bytes))
+}
+
+/// A file's bytes as a download (the API's `…/content` and the dashboard's link). A name
+/// that cannot be a header value is left out of the header.
+pub(crate) fn download(f: &FileInfo, bytes: Vec<u8>) -> Response {
     let mut resp = bytes.into_response();
     let h = resp.headers_mut();
     h.insert(
@@ -299,7 +305,7 @@ pub async fn file_content(
     )) {
         h.insert(header::CONTENT_DISPOSITION, v);
     }
-    Ok(resp)
+    resp
 }
 
 /// `DELETE /v1/files/{id}`.
@@ -726,8 +732,11 @@ pub async fn run(gw: Arc<AppState>, owner: String) {
                 }
             };
             if lines.is_empty() {
-                // Every line answered, or running elsewhere.
-                finish(&gw, &b.id).await;
+                // Every line answered, or running (while one runs here, the batch is not
+                // done: no need to ask the store).
+                if !lock(&running).keys().any(|(batch, _)| *batch == b.id) {
+                    finish(&gw, &b.id).await;
+                }
                 continue;
             }
             free -= lines.len();

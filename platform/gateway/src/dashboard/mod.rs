@@ -1683,15 +1683,7 @@ async fn download_file(
         .file_content(&t.tenant_id, &id)
         .await
         .map_err(crate::error::store_error)?;
-    let disposition = format!("attachment; filename=\"{}\"", f.filename.replace(['"', '\\'], "_"));
-    Ok((
-        [
-            (axum::http::header::CONTENT_TYPE, "application/octet-stream".to_string()),
-            (axum::http::header::CONTENT_DISPOSITION, disposition),
-        ],
-        bytes,
-    )
-        .into_response())
+    Ok(crate::batches::download(&f, bytes))
 }
 
 /// The billing export, exactly as `GET /v1/tenant/usage/export` renders it.
