@@ -3,7 +3,10 @@
 //!
 //! **Sim** (the engine's real scheduler and KV cache, the model's time from the sim's cost
 //! model, virtual time): requests of ~450 prompt tokens and 32 output tokens (the issue's
-//! shape) on one worker whose KV cache holds about 32 of them.
+//! shape) on one worker whose KV cache holds about 32 of them. Mixed steps are timed as the
+//! longer of their prefill and decode parts (`--step-cost overlap`, as one batched GPU pass)
+//! or their sum (`--step-cost sum`, the earlier figures' model); an arrival cuts the step in
+//! progress when the engine would ([`SimWorker::step_before`]).
 //! - `flood`: a steady tenant at a low rate plus a flooder at `flood`× its rate: the steady
 //!   tenant's TTFT against its solo run, FIFO, fair, and fair with the queue limit
 //!   (admission control as the gateway applies it: [`QueueState::admit`]);
@@ -13,13 +16,14 @@
 //!   worker: the interactive TTFT against its solo run.
 //!
 //! **Engine** (unless `--sim-only`): the same steady-plus-flooder shape on the real engine,
-//! small (short prompts, a KV cache that holds a few requests), FIFO against fair.
+//! small (short prompts, a KV cache that holds a few requests), FIFO against fair, with
+//! `--engine-requests` steady requests per mode (200: a stable P90).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use hearth_engine::scheduler::{Policy, SchedulerConfig};
-use hearth_engine::sim::{CostModel, SimWorker};
+use hearth_engine::sim::{CostModel, MixedStep, SimWorker};
 use hearth_protocol::{namespace_root, GenerateEvent, GenerateRequest, Priority, Qos, QueueState, SamplingParams};
 use serde::Serialize;
 
@@ -35,7 +39,9 @@ pub struct FairnessConfig {
     /// How many times the steady rate the flooder sends.
     pub flood: f64,
     pub seed: u64,
-    /// The real-engine run: (model path, model id, threads, seconds per mode).
+    /// How the sim times a step that both prefills and decodes.
+    pub mixed: MixedStep,
+    /// The real-engine run.
     pub engine: Option<EngineRun>,
 }
 
@@ -44,7 +50,10 @@ pub struct EngineRun {
     pub model: std::path::PathBuf,
     pub model_id: String,
     pub threads: usize,
-    pub seconds: f64,
+    /// The steady tenant's requests per mode (solo, FIFO, fair).
+    pub requests: usize,
+    /// Its rate (Poisson arrivals), requests per second.
+    pub steady_rps: f64,
 }
 
 /// One tenant's outcome in one run.
@@ -74,6 +83,8 @@ pub struct RunResult {
     pub policy: String,
     pub queue_limit: bool,
     pub tenants: Vec<TenantResult>,
+    /// Steps cut short between layers for an arriving request.
+    pub steps_cut: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -81,6 +92,8 @@ pub struct FairnessReport {
     pub isa: String,
     pub cpu: String,
     pub workload: String,
+    /// How the sim timed mixed steps (`overlap` or `sum`).
+    pub sim_mixed_step: String,
     /// The flooder's rate ÷ the steady tenant's.
     pub flood: f64,
     pub runs: Vec<RunResult>,
@@ -104,12 +117,12 @@ impl FairnessReport {
             "Fairness on one saturated worker (ISA {}; {})\n{}\n\n",
             self.isa, self.cpu, self.workload
         );
-        out += "| backend | scenario | policy | queue limit | tenant | class | share | requests | completed | shed | TTFT P50/P90/P99 ms | output tok/s | service share |\n";
-        out += "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+        out += "| backend | scenario | policy | queue limit | tenant | class | share | requests | completed | shed | TTFT P50/P90/P99 ms | output tok/s | service share | steps cut |\n";
+        out += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
         for r in &self.runs {
             for t in &r.tenants {
                 out += &format!(
-                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0}/{:.0}/{:.0} | {:.1} | {:.3} |\n",
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0}/{:.0}/{:.0} | {:.1} | {:.3} | {} |\n",
                     r.backend,
                     r.scenario,
                     r.policy,
@@ -124,7 +137,8 @@ impl FairnessReport {
                     t.ttft_p90_ms,
                     t.ttft_p99_ms,
                     t.output_tok_s,
-                    t.service_share
+                    t.service_share,
+                    r.steps_cut.map_or_else(String::new, |n| n.to_string())
                 );
             }
         }
@@ -159,10 +173,11 @@ struct Traffic {
 /// The sim's pool: the default cost model with a cache for about 32 requests of the
 /// workload, 512-token steps (chunked prefill's usual size: a step's time grows with its
 /// tokens, so this is how long an arrival can wait for the step in progress).
-fn sim_pool(policy: Policy) -> SimWorker {
+fn sim_pool(policy: Policy, mixed: MixedStep) -> SimWorker {
     SimWorker::with_scheduler(
         CostModel {
             kv_tokens: 16_384,
+            mixed,
             ..CostModel::default()
         },
         SchedulerConfig {
@@ -178,7 +193,8 @@ const PROMPT: (usize, usize) = (400, 500);
 const OUTPUT: usize = 32;
 
 /// Runs tenants' Poisson traffic for `seconds` (virtual) on one sim worker, then drains it.
-fn sim_run(scenario: &str, policy: Policy, limit: bool, traffic: &[Traffic], seconds: f64, seed: u64) -> RunResult {
+fn sim_run(scenario: &str, policy: Policy, limit: bool, traffic: &[Traffic], cfg: &FairnessConfig) -> RunResult {
+    let (seconds, seed) = (cfg.sim_seconds, cfg.seed);
     let mut rng = Rng(seed | 1);
     // (arrival, tenant index, prompt length)
     let mut arrivals: Vec<(f64, usize, usize)> = Vec::new();
@@ -191,7 +207,7 @@ fn sim_run(scenario: &str, policy: Policy, limit: bool, traffic: &[Traffic], sec
         }
     }
     arrivals.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let mut w = sim_pool(policy);
+    let mut w = sim_pool(policy, cfg.mixed);
     let root = namespace_root("sim", "");
     let n = traffic.len();
     let mut ttft: Vec<Vec<f64>> = vec![Vec::new(); n];
@@ -202,6 +218,7 @@ fn sim_run(scenario: &str, policy: Policy, limit: bool, traffic: &[Traffic], sec
     let mut next = 0usize;
     let mut id = 0u64;
     let limit_tokens = w.scheduler().capacity_tokens() as u64;
+    let mut steps_cut = 0u64;
     loop {
         while next < arrivals.len() && arrivals[next].0 <= t {
             let (at, i, len) = arrivals[next];
@@ -238,8 +255,14 @@ fn sim_run(scenario: &str, policy: Policy, limit: bool, traffic: &[Traffic], sec
                     .map_or(0.0, |a| weighted(a.served))
             })
             .collect();
-        let Some(step) = w.step() else { break };
+        // The next arrival may cut the step short, as on the engine.
+        let upcoming = arrivals.get(next).map(|a| (a.0 - t, &traffic[a.1].qos));
+        let Some(step) = w.step_before(upcoming) else { break };
         t += step.seconds;
+        if step.cut {
+            steps_cut += 1;
+            continue;
+        }
         if t <= seconds {
             for (i, tr) in traffic.iter().enumerate() {
                 let after = w
@@ -291,6 +314,7 @@ fn sim_run(scenario: &str, policy: Policy, limit: bool, traffic: &[Traffic], sec
         policy: policy.as_str().into(),
         queue_limit: limit,
         tenants,
+        steps_cut: Some(steps_cut),
     }
 }
 
@@ -331,8 +355,10 @@ pub async fn run(cfg: FairnessConfig) -> anyhow::Result<FairnessReport> {
     Ok(FairnessReport {
         isa: hearth_engine::kernels::isa().name().to_string(),
         cpu: hearth_engine::kernels::cpu_features(),
+        sim_mixed_step: cfg.mixed.as_str().into(),
         workload: format!(
-            "sim: one worker (the sim's default cost model, 16,384 KV tokens, 512-token steps), prompts {}-{} tokens, {OUTPUT} out, {:.0} s of Poisson arrivals; steady tenant {:.1} req/s, flooder {:.0}× that; engine: {}",
+            "sim: one worker (the sim's default cost model, mixed steps timed as the {} of prefill and decode, 16,384 KV tokens, 512-token steps), prompts {}-{} tokens, {OUTPUT} out, {:.0} s of Poisson arrivals; steady tenant {:.1} req/s, flooder {:.0}× that; engine: {}",
+            cfg.mixed.as_str(),
             PROMPT.0,
             PROMPT.1,
             cfg.sim_seconds,
@@ -340,7 +366,10 @@ pub async fn run(cfg: FairnessConfig) -> anyhow::Result<FairnessReport> {
             cfg.flood,
             cfg.engine.as_ref().map_or_else(
                 || "not run".to_string(),
-                |e| format!("{} s per mode, {} threads; see the engine rows", e.seconds, e.threads)
+                |e| format!(
+                    "{} steady requests per mode (Poisson, {} req/s), {} threads; see the engine rows",
+                    e.requests, e.steady_rps, e.threads
+                )
             )
         ),
         flood: cfg.flood,
@@ -358,7 +387,6 @@ pub async fn run(cfg: FairnessConfig) -> anyhow::Result<FairnessReport> {
 }
 
 fn sim_runs(cfg: &FairnessConfig) -> Vec<RunResult> {
-    let s = cfg.sim_seconds;
     let steady = Traffic {
         qos: qos("steady", Priority::Interactive, 1),
         rps: cfg.steady_rps,
@@ -367,23 +395,9 @@ fn sim_runs(cfg: &FairnessConfig) -> Vec<RunResult> {
         qos: qos("flooder", Priority::Interactive, 1),
         rps: cfg.steady_rps * cfg.flood,
     };
-    let mut runs = vec![sim_run(
-        "solo",
-        Policy::Fair,
-        false,
-        std::slice::from_ref(&steady),
-        s,
-        cfg.seed,
-    )];
+    let mut runs = vec![sim_run("solo", Policy::Fair, false, std::slice::from_ref(&steady), cfg)];
     for (policy, limit) in [(Policy::Fifo, false), (Policy::Fair, false), (Policy::Fair, true)] {
-        runs.push(sim_run(
-            "flood",
-            policy,
-            limit,
-            &[steady.clone(), flooder.clone()],
-            s,
-            cfg.seed,
-        ));
+        runs.push(sim_run("flood", policy, limit, &[steady.clone(), flooder.clone()], cfg));
     }
     // Both far past the worker's capacity: backlogged throughout.
     let heavy = cfg.steady_rps * cfg.flood;
@@ -398,7 +412,7 @@ fn sim_runs(cfg: &FairnessConfig) -> Vec<RunResult> {
         },
     ];
     for policy in [Policy::Fifo, Policy::Fair] {
-        runs.push(sim_run("shares", policy, false, &shares, s, cfg.seed));
+        runs.push(sim_run("shares", policy, false, &shares, cfg));
     }
     let classes = [
         steady.clone(),
@@ -408,13 +422,14 @@ fn sim_runs(cfg: &FairnessConfig) -> Vec<RunResult> {
         },
     ];
     for policy in [Policy::Fifo, Policy::Fair] {
-        runs.push(sim_run("classes", policy, false, &classes, s, cfg.seed));
+        runs.push(sim_run("classes", policy, false, &classes, cfg));
     }
     runs
 }
 
-/// The real engine: a steady tenant (one request every 2 s) and, with `flood`, a flooder
-/// keeping eight requests in flight; short prompts on a KV cache for a few of them.
+/// The real engine: a steady tenant (`requests` Poisson arrivals at `steady_rps`) and, with
+/// `flood`, a flooder keeping eight requests in flight until the steady tenant is done;
+/// short prompts on a KV cache for a few of them.
 async fn engine_run(e: &EngineRun, policy: Policy, flood: bool, cfg: &FairnessConfig) -> anyhow::Result<RunResult> {
     let ecfg = hearth_engine::EngineConfig {
         threads: e.threads,
@@ -428,7 +443,7 @@ async fn engine_run(e: &EngineRun, policy: Policy, flood: bool, cfg: &FairnessCo
     let engine = hearth_engine::EngineHandle::load(&e.model, &e.model_id, &ecfg)?;
     let vocab = engine.info().tokenizer.tokens.len() as u32;
     let started = Instant::now();
-    let deadline = started + Duration::from_secs_f64(e.seconds);
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let request = |tenant: &str, n: u64| {
         // Distinct prompts (no prefix sharing): 96 pseudo-random ordinary tokens.
         let mut rng = Rng(cfg.seed ^ (n + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
@@ -475,12 +490,12 @@ async fn engine_run(e: &EngineRun, policy: Policy, flood: bool, cfg: &FairnessCo
     let mut flooders = Vec::new();
     if flood {
         for c in 0..8u64 {
-            let engine = engine.clone();
-            let reqs: Vec<GenerateRequest> = (0..10_000).map(|k| request("flooder", c * 10_000 + k)).collect();
+            let (engine, done) = (engine.clone(), done.clone());
+            let reqs: Vec<GenerateRequest> = (0..100_000).map(|k| request("flooder", c * 100_000 + k)).collect();
             flooders.push(tokio::spawn(async move {
                 let mut out = Vec::new();
                 for r in reqs {
-                    if Instant::now() >= deadline {
+                    if done.load(std::sync::atomic::Ordering::Relaxed) {
                         break;
                     }
                     out.extend(one(engine.clone(), r).await);
@@ -488,22 +503,25 @@ async fn engine_run(e: &EngineRun, policy: Policy, flood: bool, cfg: &FairnessCo
                 out
             }));
         }
-    }
-    let mut steady = Vec::new();
-    let mut k = 0;
-    while Instant::now() < deadline {
-        steady.push(tokio::spawn(one(engine.clone(), request("steady", k))));
-        k += 1;
+        // The flooder is saturating the engine before the first steady request.
         tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    let mut gaps = Rng(cfg.seed.wrapping_add(7) | 1);
+    let mut steady = Vec::new();
+    for k in 0..e.requests as u64 {
+        steady.push(tokio::spawn(one(engine.clone(), request("steady", k))));
+        tokio::time::sleep(Duration::from_secs_f64(gaps.gap(e.steady_rps))).await;
     }
     let mut results = vec![Vec::new(), Vec::new()];
     for h in steady {
         results[0].extend(h.await?);
     }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
     for h in flooders {
         results[1].extend(h.await?);
     }
     let elapsed = started.elapsed().as_secs_f64();
+    let steps_cut = engine.metrics().steps_cut.get();
     let tenants = ["steady", "flooder"]
         .iter()
         .zip(results)
@@ -531,5 +549,6 @@ async fn engine_run(e: &EngineRun, policy: Policy, flood: bool, cfg: &FairnessCo
         policy: policy.as_str().into(),
         queue_limit: false,
         tenants,
+        steps_cut: Some(steps_cut),
     })
 }

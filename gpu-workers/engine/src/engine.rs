@@ -500,6 +500,7 @@ impl EngineHandle {
             stats_tx,
             metrics: metrics.clone(),
             steps: 0,
+            cuts_in_a_row: 0,
             last_load: (LoadReport::default(), Instant::now()),
             last_adapters: (0, 0),
             holds: HashMap::new(),
@@ -788,11 +789,21 @@ impl Compute {
         }
     }
 
-    fn forward(&mut self, model: &Model, batch: &Batch<'_>) -> Result<Vec<f32>, String> {
+    /// One step; `Ok(None)` if `stop` gave it up between layers (the CPU backend asks
+    /// before each layer; a GPU step is short and runs whole).
+    fn forward(
+        &mut self,
+        model: &Model,
+        batch: &Batch<'_>,
+        stop: &mut dyn FnMut(usize) -> bool,
+    ) -> Result<Option<Vec<f32>>, String> {
         match self {
-            Compute::Cpu { pool, scratch } => Ok(model.forward_batch(batch, pool, scratch)),
+            Compute::Cpu { pool, scratch } => Ok(model.forward_batch_until(batch, pool, scratch, stop)),
             #[cfg(feature = "cuda")]
-            Compute::Cuda(c) => c.forward(batch).map_err(|e| e.to_string()),
+            Compute::Cuda(c) => {
+                let _ = stop;
+                c.forward(batch).map(Some).map_err(|e| e.to_string())
+            }
         }
     }
 
@@ -868,6 +879,8 @@ struct Runner {
     stats_tx: watch::Sender<EngineStats>,
     metrics: Arc<EngineMetrics>,
     steps: u64,
+    /// Steps cut short in a row (see [`Runner::step`]).
+    cuts_in_a_row: u32,
     last_load: (LoadReport, Instant),
     /// Adapter loads and adapters loaded when [`KvEvent::Adapters`] was last sent.
     last_adapters: (u64, usize),
@@ -915,7 +928,7 @@ impl Runner {
                 self.publish();
                 continue;
             }
-            self.step();
+            self.step(&rx);
             self.publish();
         }
     }
@@ -1391,7 +1404,12 @@ impl Runner {
         }
     }
 
-    fn step(&mut self) {
+    /// Plans and runs one step. Commands that arrive while it runs are taken between layers
+    /// and carried out after it; one that brings a request the scheduler would admit ahead
+    /// of the step's prompt work ([`Scheduler::interrupts`]) cuts the step short, at most
+    /// [`crate::scheduler::MAX_CUTS_IN_A_ROW`] steps in a row so that running work always
+    /// progresses.
+    fn step(&mut self, rx: &mpsc::Receiver<Command>) {
         self.propose_drafts();
         let items = self.sched.schedule();
         // Evicted blocks go to the tier below before this step (or a fork's copy) overwrites them.
@@ -1462,11 +1480,33 @@ impl Runner {
             logit_rows: &logit_rows,
             adapters: &adapters,
         };
-        let (model, compute) = (&self.model, &mut self.compute);
-        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| compute.forward(model, &batch)));
+        let (model, compute, sched) = (&self.model, &mut self.compute, &self.sched);
+        let may_cut = self.cuts_in_a_row < crate::scheduler::MAX_CUTS_IN_A_ROW;
+        let mut arrived = Vec::new();
+        let mut stop = |_layer: usize| {
+            while let Ok(cmd) = rx.try_recv() {
+                let cut = may_cut && matches!(&cmd, Command::Generate(job) if sched.interrupts(&job.req.qos, &items));
+                arrived.push(cmd);
+                if cut {
+                    return true;
+                }
+            }
+            false
+        };
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| compute.forward(model, &batch, &mut stop)));
         drop((tables, adapters));
         let logits = match outcome {
-            Ok(Ok(l)) => l,
+            Ok(Ok(Some(l))) => l,
+            Ok(Ok(None)) => {
+                // Cut short: nothing of it counts; the new request is admitted and the next
+                // step planned with it.
+                self.cuts_in_a_row += 1;
+                self.metrics.steps_cut.inc();
+                for cmd in arrived {
+                    self.command(cmd);
+                }
+                return;
+            }
             failed => {
                 match failed {
                     Ok(Err(e)) => tracing::error!(error = %e, "a forward step failed; failing that step's requests"),
@@ -1483,16 +1523,23 @@ impl Runner {
                     }
                     self.drop_request(key);
                 }
+                for cmd in arrived {
+                    self.command(cmd);
+                }
                 return;
             }
         };
         self.steps += 1;
+        self.cuts_in_a_row = 0;
         self.sched.complete(&items);
         let vocab = self.model.config.vocab_size;
         let mut rows = logits.chunks_exact(vocab);
         for (it, draft) in items.iter().zip(&drafts).filter(|(i, _)| i.sample) {
             let group: Vec<&[f32]> = rows.by_ref().take(1 + it.draft).collect();
             self.on_logits(it, &group, draft);
+        }
+        for cmd in arrived {
+            self.command(cmd);
         }
     }
 

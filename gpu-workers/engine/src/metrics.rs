@@ -12,7 +12,8 @@
 //! because the queue was full), `hearth_spec_draft_tokens_total` and
 //! `hearth_spec_accepted_tokens_total` (speculative decoding's acceptance rate is their
 //! ratio), `hearth_moe_expert_tokens_total{layer,expert}` (rows routed to each expert), `hearth_grammar_masks_total` and `hearth_grammar_mask_seconds_total`
-//! (constrained decoding). Every series carries a `worker` label.
+//! (constrained decoding), `hearth_engine_steps_cut_total` (steps cut short between layers
+//! for an arriving request). Every series carries a `worker` label.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -58,6 +59,8 @@ pub struct EngineMetrics {
     /// Constrained decoding: token masks computed, and the seconds they took.
     pub grammar_masks: Counter,
     pub grammar_mask_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
+    /// Steps cut short between layers for an arriving request (see `Scheduler::interrupts`).
+    pub steps_cut: Counter,
     /// Rows routed to each expert of each mixture-of-experts layer.
     pub expert_load: crate::models::moe::ExpertLoad,
     /// The disk tier below the pool (zero without one).
@@ -81,6 +84,7 @@ impl Default for EngineMetrics {
             spec_accepted: Counter::default(),
             grammar_masks: Counter::default(),
             grammar_mask_seconds: Counter::default(),
+            steps_cut: Counter::default(),
             kv_disk: Arc::default(),
         }
     }
@@ -148,6 +152,7 @@ pub const SERIES_LABELS: &[(&str, &[&str])] = &[
     ("hearth_spec_draft_tokens", &["worker"]),
     ("hearth_spec_accepted_tokens", &["worker"]),
     ("hearth_grammar_masks", &["worker"]),
+    ("hearth_engine_steps_cut", &["worker"]),
     ("hearth_kv_tier_hits", &["worker", "tier"]),
     ("hearth_kv_tier_read_bytes", &["worker", "tier"]),
     ("hearth_kv_tier_writes", &["worker", "tier"]),
@@ -304,7 +309,7 @@ impl Collector for EngineCollector {
             .iter()
             .filter_map(|(n, b)| Some((n.as_str(), b.metrics()?)))
             .collect();
-        let transfer_counters: [FromCounters; 6] = [
+        let transfer_counters: [FromCounters; 7] = [
             (
                 "hearth_kv_transfer_bytes",
                 "KV cache bytes imported from other workers (disaggregated decode, peer fetch).",
@@ -334,6 +339,11 @@ impl Collector for EngineCollector {
                 "hearth_grammar_masks",
                 "Constrained decoding: token masks computed.",
                 |m| &m.grammar_masks,
+            ),
+            (
+                "hearth_engine_steps_cut",
+                "Forward steps cut short between layers for an arriving request that is admitted ahead of the step's prompt work (fair scheduling).",
+                |m| &m.steps_cut,
             ),
         ];
         for (name, help, pick) in transfer_counters {

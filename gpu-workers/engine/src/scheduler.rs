@@ -26,7 +26,12 @@
 //! - when that sequence does not fit, the newest running sequences of tenants with higher
 //!   counters (same or lower class) are preempted for it — they lose little: their computed
 //!   full blocks stay in the prefix cache, so they recompute at most a partial block;
-//! - prompt chunks get the step's budget lowest class and counter first;
+//! - prompt chunks get the step's budget lowest class and counter first; a step that starts
+//!   the prompt of a light tenant (one with nothing running) gives the chunks ranked after
+//!   it none, so that prompt's first token waits on no heavier tenant's prompt;
+//! - a step in progress is no wait either: a request that would be admitted ahead of every
+//!   tenant whose prompt the step computes cuts it short between layers
+//!   ([`Scheduler::interrupts`]); the engine then plans again with the request admitted;
 //! - when blocks run out, the sequence preempted is the newest of the lowest class's
 //!   tenant with the highest counter;
 //! - admission is head-of-line in that order: a sequence that does not fit waits for room
@@ -264,6 +269,10 @@ pub struct Scheduler {
 
 /// At most this many steps in a row leave batch work out for interactive prefills.
 pub const MAX_DEFERRED_STEPS: u32 = 4;
+
+/// At most this many steps in a row are cut short for arriving requests
+/// ([`Scheduler::interrupts`]); the next one runs whole, so running work always progresses.
+pub const MAX_CUTS_IN_A_ROW: u32 = 2;
 
 fn class(p: Priority) -> usize {
     match p {
@@ -720,9 +729,13 @@ impl Scheduler {
         let mut later = Vec::new();
         if self.cfg.policy == Policy::Fair {
             prefilling.sort_by(|a, b| self.rank(*a).total_cmp(&self.rank(*b)));
-            if let Some(bar) = self.next_waiting().map(|w| self.rank(w)) {
-                let split = prefilling.partition_point(|id| self.rank(*id) <= bar);
-                later = prefilling.split_off(split);
+            if let Some(w) = self.next_waiting() {
+                // Ties go to the waiting sequence, except against its own tenant's older work.
+                let (bar, account) = (self.rank(w), self.seqs[&w].account);
+                (prefilling, later) = prefilling.into_iter().partition(|id| {
+                    let r = self.rank(*id);
+                    r < bar || (r == bar && self.seqs[id].account == account)
+                });
             }
         }
         for id in prefilling {
@@ -731,12 +744,15 @@ impl Scheduler {
 
         // 3. Admission: the fair (or FIFO) choice; when it does not fit, nothing jumps it,
         //    but interactive work may preempt running batch work to make room.
+        // A light tenant's (nothing running) prompt starts in this step.
+        let mut light = false;
+        let mut admitted_now = Vec::new();
         while budget > 0 {
             let Some(id) = self.next_waiting() else { break };
             let urgent =
                 self.cfg.policy == Policy::Fair && (self.seqs[&id].priority == Priority::Interactive || self.aged(id));
             if self.running.len() >= self.cfg.max_running {
-                if (urgent && self.preempt_batch(&mut items, &mut budget))
+                if (urgent && self.preempt_batch(&admitted_now, &mut items, &mut budget))
                     || self.preempt_for(id, &mut items, &mut budget)
                 {
                     continue;
@@ -752,14 +768,18 @@ impl Scheduler {
             let need = (total + 1).div_ceil(bt).saturating_sub(have);
             if self.blocks.available() < need {
                 self.unmatch(id);
-                if (urgent && self.preempt_batch(&mut items, &mut budget))
+                if (urgent && self.preempt_batch(&admitted_now, &mut items, &mut budget))
                     || self.preempt_for(id, &mut items, &mut budget)
                 {
                     continue;
                 }
                 break;
             }
+            // A tenant with nothing running (a light one, beside heavier ones).
+            let account = self.seqs[&id].account;
+            light |= self.cfg.policy == Policy::Fair && !self.running.iter().any(|r| self.seqs[r].account == account);
             self.admit(id);
+            admitted_now.push(id);
             let len = (total - computed).min(budget);
             let ok = self.ensure(id, computed + len);
             debug_assert!(ok, "admission checked the free blocks");
@@ -772,8 +792,10 @@ impl Scheduler {
             });
             budget -= len;
         }
-        // (Admission may have preempted some of them, or re-admitted one with a chunk.)
-        for id in later {
+        // (Admission may have preempted some of them, or re-admitted one with a chunk.) A
+        // step that starts a light tenant's prompt leaves the chunks ranked after it out: its
+        // first token waits on no heavier tenant's prompt (they go on next step).
+        for id in later.into_iter().filter(|_| !light) {
             if self.running.contains(&id) && !items.iter().any(|it| it.seq == id) {
                 self.prefill_chunk(id, &mut items, &mut budget);
             }
@@ -874,6 +896,50 @@ impl Scheduler {
         items.retain(|_| k.next().is_none_or(|k| k.1 != Priority::Batch));
     }
 
+    /// Whether a new request of `qos` should cut short the step `items` while it runs
+    /// (between layers; the engine then plans again with the request admitted). Only under
+    /// [`Policy::Fair`], only for interactive work, and only when the step computes prompt
+    /// tokens (at least a block's worth) of other tenants and the request would be admitted
+    /// ahead of every one of them — in a higher class, or at a lower (counter, sequences)
+    /// rank, the order [`Self::next_waiting`] admits in. An idle tenant returns at the
+    /// lowest active counter with one sequence, so a light tenant beside a flooder cuts the
+    /// flooder's prefill steps; two backlogged tenants never cut each other's.
+    pub fn interrupts(&self, qos: &Qos, items: &[StepItem]) -> bool {
+        if self.cfg.policy != Policy::Fair || qos.priority != Priority::Interactive {
+            return false;
+        }
+        let mine = self.account_ids.get(&qos.tenant).map(|&a| &self.accounts[a]);
+        let floor = self
+            .accounts
+            .iter()
+            .filter(|a| a.seqs > 0)
+            .map(|a| a.counter)
+            .fold(f64::INFINITY, f64::min);
+        let (counter, seqs) = match mine {
+            Some(a) if a.seqs > 0 => (a.counter, a.seqs + 1),
+            Some(a) if floor.is_finite() => (a.counter.max(floor), 1),
+            _ => (if floor.is_finite() { floor } else { 0.0 }, 1),
+        };
+        let mut prompt_tokens = 0;
+        for it in items {
+            let Some(s) = self.seqs.get(&it.seq) else { continue };
+            let prompt = !(it.len == 1 && it.sample && it.start >= s.prompt_len);
+            if !prompt {
+                continue;
+            }
+            let a = &self.accounts[s.account];
+            if a.name == qos.tenant {
+                return false;
+            }
+            let ahead = class(s.priority) > 0 || counter.total_cmp(&a.counter).then(seqs.cmp(&a.seqs)).is_lt();
+            if !ahead {
+                return false;
+            }
+            prompt_tokens += it.len;
+        }
+        prompt_tokens >= self.cfg.block_tokens
+    }
+
     /// Whether `id` is waiting batch work past its wait bound (a waiting sequence holds no
     /// blocks; a running one always holds some).
     fn aged(&self, id: u64) -> bool {
@@ -885,11 +951,16 @@ impl Scheduler {
     }
 
     /// Preempts the last running sequence if it is batch work (dropping what this step
-    /// planned for it); false if none is.
-    fn preempt_batch(&mut self, items: &mut Vec<StepItem>, budget: &mut usize) -> bool {
+    /// planned for it); false if none is, or if it was admitted in this same plan
+    /// (`admitted_now`): it would be admitted again, ahead of an aged sequence behind it in
+    /// its queue, and the two would take turns for ever.
+    fn preempt_batch(&mut self, admitted_now: &[u64], items: &mut Vec<StepItem>, budget: &mut usize) -> bool {
         let Some(&victim) = self.running.last() else {
             return false;
         };
+        if admitted_now.contains(&victim) {
+            return false;
+        }
         if self.seqs.get(&victim).is_none_or(|s| s.priority != Priority::Batch) {
             return false;
         }
@@ -1537,6 +1608,86 @@ mod tests {
             worst <= MAX_DEFERRED_STEPS,
             "the batch decode waited {worst} steps in a row"
         );
+    }
+
+    #[test]
+    fn a_light_tenants_prompt_step_leaves_heavier_chunks_out() {
+        let root = namespace_root("m", "t");
+        let q = |t: &str| qos(t, Priority::Interactive);
+        let mut s = Scheduler::new(cfg(16), 64);
+        // The flooder's long prompt runs in chunks.
+        s.add_for(1, (0..40).collect(), root, &q("flood"));
+        let a = s.schedule();
+        assert_eq!(a[0].len, 16);
+        run_step(&mut s, &a, 7);
+        // A light tenant arrives: its prompt gets the step, the flooder's chunk waits one.
+        s.add_for(2, (100..110).collect(), root, &q("steady"));
+        let b = s.schedule();
+        assert_eq!(b.len(), 1, "{b:?}");
+        assert_eq!((b[0].seq, b[0].len), (2, 10));
+        run_step(&mut s, &b, 7);
+        // Next step: the steady decode and the flooder's chunk.
+        let c = s.schedule();
+        assert!(c.iter().any(|i| i.seq == 1 && i.len > 1), "{c:?}");
+        // A second request of a tenant already running is not light: no chunk left out.
+        s.add_for(3, (200..204).collect(), root, &q("steady"));
+        run_step(&mut s, &c, 7);
+        let d = s.schedule();
+        assert!(
+            d.iter().any(|i| i.seq == 3) && d.iter().any(|i| i.seq == 1 && i.len > 1),
+            "{d:?}"
+        );
+        s.blocks.check(&s.owned_blocks()).unwrap();
+    }
+
+    #[test]
+    fn a_request_ranked_ahead_of_a_steps_prompt_work_interrupts_it() {
+        let root = namespace_root("m", "t");
+        let q = |t: &str| qos(t, Priority::Interactive);
+        let mut s = Scheduler::new(cfg(16), 64);
+        for id in 1..=3 {
+            s.add_for(id, (0..40).map(|t| t + 100 * id as u32).collect(), root, &q("flood"));
+        }
+        let a = s.schedule();
+        // An idle tenant comes back at the lowest counter with one sequence: ahead.
+        assert!(s.interrupts(&q("steady"), &a));
+        // Not the flooder itself, not batch work, not under FIFO.
+        assert!(!s.interrupts(&q("flood"), &a));
+        assert!(!s.interrupts(&qos("steady", Priority::Batch), &a));
+        let mut fifo = Scheduler::new(
+            SchedulerConfig {
+                policy: Policy::Fifo,
+                ..cfg(16)
+            },
+            64,
+        );
+        fifo.add_for(1, (0..40).collect(), root, &q("flood"));
+        let f = fifo.schedule();
+        assert!(!fifo.interrupts(&q("steady"), &f));
+        // A step of decodes alone is short: nothing to cut.
+        let mut d = Scheduler::new(cfg(16), 64);
+        d.add_for(1, (0..4).collect(), root, &q("flood"));
+        let first = d.schedule();
+        run_step(&mut d, &first, 7);
+        let decode = d.schedule();
+        assert!(!d.interrupts(&q("steady"), &decode));
+        // A tenant already running, charged as much as the flooder (lifted to it), does not
+        // cut its step: it is not ahead.
+        let mut t = Scheduler::new(cfg(16), 64);
+        t.add_for(1, (0..12).collect(), root, &q("heavy"));
+        let first = t.schedule();
+        run_step(&mut t, &first, 7);
+        t.add_for(2, (0..40).map(|x| x + 500).collect(), root, &q("flood"));
+        t.add_for(3, (0..40).map(|x| x + 900).collect(), root, &q("flood"));
+        let step = t.schedule();
+        assert!(t.account("heavy").unwrap().counter >= t.account("flood").unwrap().counter);
+        assert!(step.iter().any(|i| i.len > 1 && i.seq != 1), "{step:?}");
+        assert!(!t.interrupts(&q("heavy"), &step));
+        // With the batch class's prompt in the step, any interactive request cuts it.
+        let mut m = Scheduler::new(cfg(16), 64);
+        m.add_for(1, (0..40).collect(), root, &qos("b", Priority::Batch));
+        let batch = m.schedule();
+        assert!(m.interrupts(&q("b2"), &batch));
     }
 
     #[test]

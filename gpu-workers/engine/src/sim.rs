@@ -27,6 +27,37 @@ pub struct CostModel {
     pub decode_step_s: f64,
     pub decode_per_seq_s: f64,
     pub kv_tokens: usize,
+    /// How a step that both prefills and decodes is timed.
+    pub mixed: MixedStep,
+}
+
+/// The time of a step holding prompt tokens and decodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MixedStep {
+    /// Prefill time plus decode time (no overlap): the model the published routing and PD
+    /// figures were measured with, and the default.
+    #[default]
+    Sum,
+    /// The longer of the two: on a GPU a mixed step's prompt tokens are compute-bound and
+    /// its decodes bound by reading weights and KV, and one batched pass overlaps them.
+    Overlap,
+}
+
+impl MixedStep {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "sum" => Some(Self::Sum),
+            "overlap" => Some(Self::Overlap),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Sum => "sum",
+            Self::Overlap => "overlap",
+        }
+    }
 }
 
 impl Default for CostModel {
@@ -36,6 +67,23 @@ impl Default for CostModel {
             decode_step_s: 0.030,
             decode_per_seq_s: 0.000_25,
             kv_tokens: 250_000,
+            mixed: MixedStep::Sum,
+        }
+    }
+}
+
+impl CostModel {
+    /// Seconds of a step computing `prefill` prompt tokens and `decodes` decodes.
+    pub fn step_seconds(&self, prefill: usize, decodes: usize) -> f64 {
+        let p = prefill as f64 / self.prefill_tok_s;
+        let d = if decodes > 0 {
+            self.decode_step_s + decodes as f64 * self.decode_per_seq_s
+        } else {
+            0.0
+        };
+        match self.mixed {
+            MixedStep::Sum => p + d,
+            MixedStep::Overlap => p.max(d),
         }
     }
 }
@@ -55,7 +103,13 @@ pub struct SimStep {
     pub finished: Vec<u64>,
     /// Requests that produced a token this step.
     pub sampled: Vec<u64>,
+    /// The step was cut short for an arriving request ([`SimWorker::step_before`]): it
+    /// took `seconds` and computed nothing.
+    pub cut: bool,
 }
+
+/// Layers a simulated step is cut between (a 70B-class model's 80).
+const SIM_LAYERS: f64 = 80.0;
 
 /// The `g`-th (from 1) token a simulated request generates: distinct per request, so
 /// generated blocks never collide across requests, and reproducible, so a conversation's
@@ -68,6 +122,7 @@ pub struct SimWorker {
     sched: Scheduler,
     cost: CostModel,
     requests: HashMap<u64, SimRequest>,
+    cuts_in_a_row: u32,
 }
 
 impl SimWorker {
@@ -96,6 +151,7 @@ impl SimWorker {
             sched: Scheduler::new(cfg, cost.kv_tokens / cfg.block_tokens.max(1)),
             cost,
             requests: HashMap::new(),
+            cuts_in_a_row: 0,
         }
     }
 
@@ -154,6 +210,15 @@ impl SimWorker {
 
     /// Runs one step; `None` when there is nothing to do.
     pub fn step(&mut self) -> Option<SimStep> {
+        self.step_before(None)
+    }
+
+    /// Runs one step, as the engine does with a request arriving `after` seconds from its
+    /// start: if the request arrives before the step ends and would be admitted ahead of
+    /// its prompt work ([`Scheduler::interrupts`]), the step is cut at the next layer
+    /// boundary and computes nothing (at most [`crate::scheduler::MAX_CUTS_IN_A_ROW`] in a
+    /// row). The caller then submits the request and steps again.
+    pub fn step_before(&mut self, arrival: Option<(f64, &Qos)>) -> Option<SimStep> {
         if self.sched.is_idle() {
             return None;
         }
@@ -172,14 +237,22 @@ impl SimWorker {
             .filter(|i| i.len == 1 && self.requests.get(&i.seq).is_some_and(|r| r.generated > 0))
             .count();
         let mut out = SimStep {
-            seconds: prefill as f64 / self.cost.prefill_tok_s
-                + if decodes > 0 {
-                    self.cost.decode_step_s + decodes as f64 * self.cost.decode_per_seq_s
-                } else {
-                    0.0
-                },
+            seconds: self.cost.step_seconds(prefill, decodes),
             ..Default::default()
         };
+        if let Some((after, qos)) = arrival {
+            if after < out.seconds
+                && self.cuts_in_a_row < crate::scheduler::MAX_CUTS_IN_A_ROW
+                && self.sched.interrupts(qos, &items)
+            {
+                self.cuts_in_a_row += 1;
+                let layers = (after.max(0.0) / out.seconds * SIM_LAYERS).ceil().max(1.0);
+                out.seconds *= layers / SIM_LAYERS;
+                out.cut = true;
+                return Some(out);
+            }
+        }
+        self.cuts_in_a_row = 0;
         self.sched.complete(&items);
         for it in items.iter().filter(|i| i.sample) {
             let Some(r) = self.requests.get_mut(&it.seq) else {

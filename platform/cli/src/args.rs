@@ -182,7 +182,7 @@ pub enum BenchCommand {
         #[command(flatten)]
         model: ModelArgs,
         /// Seconds of arrivals per sim run (virtual).
-        #[arg(long, default_value_t = 120.0)]
+        #[arg(long, default_value_t = 240.0)]
         sim_seconds: f64,
         /// The steady tenant's requests per second (sim).
         #[arg(long, default_value_t = 1.0)]
@@ -190,9 +190,17 @@ pub enum BenchCommand {
         /// The flooder's rate as a multiple of the steady tenant's.
         #[arg(long, default_value_t = 20.0)]
         flood: f64,
-        /// Seconds per engine mode (solo, FIFO, fair).
-        #[arg(long, default_value_t = 40.0)]
-        engine_seconds: f64,
+        /// The steady tenant's requests per engine mode (solo, FIFO, fair).
+        #[arg(long, default_value_t = 200)]
+        engine_requests: usize,
+        /// The steady tenant's rate on the engine (Poisson), requests per second.
+        #[arg(long, default_value_t = 2.5)]
+        engine_steady_rps: f64,
+        /// How the sim times a step that both prefills and decodes: `overlap` (the longer
+        /// of the two, as one batched GPU pass does) or `sum` (the model of the earlier
+        /// published figures).
+        #[arg(long, default_value = "overlap", value_parser = ["overlap", "sum"])]
+        step_cost: String,
         /// Skip the real-engine run.
         #[arg(long)]
         sim_only: bool,

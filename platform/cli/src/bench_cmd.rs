@@ -215,7 +215,9 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
             sim_seconds,
             steady_rps,
             flood,
-            engine_seconds,
+            engine_requests,
+            engine_steady_rps,
+            step_cost,
             sim_only,
             seed,
             quick,
@@ -229,7 +231,8 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
                     model: path,
                     model_id: id,
                     threads: model.engine_config().threads,
-                    seconds: if quick { 12.0 } else { engine_seconds.max(6.0) },
+                    requests: if quick { 20 } else { engine_requests.clamp(5, 100_000) },
+                    steady_rps: engine_steady_rps.clamp(0.05, 100.0),
                 })
             };
             let cfg = hearth_bench::fairness::FairnessConfig {
@@ -237,6 +240,7 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
                 steady_rps: steady_rps.clamp(0.01, 100.0),
                 flood: flood.clamp(1.0, 1000.0),
                 seed,
+                mixed: hearth_engine::sim::MixedStep::parse(&step_cost).unwrap_or_default(),
                 engine,
             };
             let report = hearth_bench::fairness::run(cfg).await?;

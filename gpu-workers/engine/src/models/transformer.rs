@@ -1030,6 +1030,21 @@ impl Model {
     /// row sees its own sequence up to its position (within the layer's window). Returns
     /// logits (`vocab` floats) for each row in `logit_rows`, in that order.
     pub fn forward_batch(&self, b: &Batch<'_>, pool: &mut KvPool, s: &mut ForwardScratch) -> Vec<f32> {
+        self.forward_batch_until(b, pool, s, &mut |_| false)
+            .expect("a step that is never stopped completes")
+    }
+
+    /// [`Self::forward_batch`], asking `stop(layer)` before each layer after the first
+    /// whether to give the step up: `None` if it did. The K/V it wrote for the step's
+    /// positions are then stale until a later step computes those positions again (the
+    /// scheduler counts none of them as computed).
+    pub fn forward_batch_until(
+        &self,
+        b: &Batch<'_>,
+        pool: &mut KvPool,
+        s: &mut ForwardScratch,
+        stop: &mut dyn FnMut(usize) -> bool,
+    ) -> Option<Vec<f32>> {
         let c = &self.config;
         let blk = &c.block;
         let (t, d, hd) = (b.tokens.len(), c.d_model, c.head_dim);
@@ -1069,6 +1084,9 @@ impl Model {
         );
         let groups = LoraGroups::new(b.adapters);
         for (l, layer) in self.layers.iter().enumerate() {
+            if l > 0 && stop(l) {
+                return None;
+            }
             let window = c.window(l);
             let lora = groups.at(l);
             rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
@@ -1111,7 +1129,7 @@ impl Model {
             Self::residual(&mut x, &mut o, layer.ffn_post_norm.as_deref(), c.rms_eps);
         }
         if b.logit_rows.is_empty() {
-            return Vec::new();
+            return Some(Vec::new());
         }
         let mut last = vec![0f32; b.logit_rows.len() * d];
         for (dst, &r) in last.chunks_exact_mut(d).zip(b.logit_rows) {
@@ -1122,7 +1140,7 @@ impl Model {
         if let Some(cap) = blk.final_softcap {
             soft_cap(&mut logits, cap);
         }
-        logits
+        Some(logits)
     }
 
     /// Attention of every row and head of layer `l` into `att`, a tile at a time (see
