@@ -250,3 +250,56 @@ async fn a_busy_guest_does_not_block_others() {
     assert!(quick_time < Duration::from_millis(400), "{quick_time:?}");
     assert_eq!(spinner.await.unwrap().unwrap_err(), ProcessorError::Cpu(500));
 }
+
+/// A guest with state: each `on-request` adds one to a global and replaces the body with
+/// `global + memory[600]` x's, then sets memory[600] to 1. A fresh instance answers "x"; a
+/// second call on the same instance "xxx".
+fn stateful() -> Vec<u8> {
+    c(&guest(
+        r#"(global.set $n (i32.add (global.get $n) (i32.const 1)))
+           (i32.store8 (i32.const 128) (i32.const 1))
+           (i32.store (i32.const 132) (i32.const 700))
+           (i32.store (i32.const 136) (i32.add (global.get $n) (i32.load8_u (i32.const 600))))
+           (i32.store8 (i32.const 600) (i32.const 1))
+           (i32.const 128)"#,
+        r#"(global $n (mut i32) (i32.const 0))
+           (data (i32.const 700) "xxxxxxxxxxxxxxxx")"#,
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_made_ahead_share_no_state_between_requests() {
+    let rt = runtime();
+    let code = rt.compile(&stateful()).unwrap();
+    let replaced = |a: Action| match a {
+        Action::Replace(s) => s,
+        other => panic!("expected a replacement, got {other:?}"),
+    };
+    // The guest does keep state within one instance (globals and memory)...
+    let mut one = rt.instantiate_now(&code, "{}", Limits::default()).await.unwrap();
+    assert_eq!(replaced(one.on_request(&request("{}")).await.unwrap()), "x");
+    assert_eq!(replaced(one.on_request(&request("{}")).await.unwrap()), "xxx");
+    // ...but each request's instance, ready-made or not, starts from the component's image.
+    let mut made_ahead = 0;
+    for n in 0..40 {
+        let mut i = rt.instantiate(&code, "{}", Limits::default()).await.unwrap();
+        assert_eq!(
+            replaced(i.on_request(&request("{}")).await.unwrap()),
+            "x",
+            "request {n}"
+        );
+        drop(i);
+        // Give the background a moment to make the next ones.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        made_ahead += usize::from(rt.warm_ready(&code) > 0);
+    }
+    assert!(made_ahead > 0, "no instance was ever ready ahead of a request");
+    // With none kept ready, the same.
+    let cold = runtime().warm_instances(0);
+    let code = cold.compile(&stateful()).unwrap();
+    for _ in 0..3 {
+        let mut i = cold.instantiate(&code, "{}", Limits::default()).await.unwrap();
+        assert_eq!(replaced(i.on_request(&request("{}")).await.unwrap()), "x");
+    }
+    assert_eq!(cold.warm_ready(&code), 0);
+}
