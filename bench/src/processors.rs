@@ -1,16 +1,13 @@
 //! `hearth bench processors`: what a trivial pre + post processor adds to a request, per
 //! guest language, and whether processor work scales across cores.
 //!
-//! * **Per request** (in the runtime, as the gateway does it): a fresh instance,
-//!   `on-request`, `on-response`, drop. P50/P99 over sequential requests, two ways: the
-//!   instance made on the request's path (`cold`), and one made ahead by the runtime
-//!   ([`Runtime::instantiate`]'s ready instances; requests 2 ms apart, so the background
-//!   has made the next one) — the figure a request sees.
+//! * **Per request** (in the runtime, as the gateway does it): a fresh instance from the
+//!   pool, `on-request`, `on-response`, drop. P50/P99 over sequential requests.
 //! * **Through the gateway** (the WAT guest): the same instant-worker gateway as
 //!   `hearth bench gateway`, two metered tenants, one with the processor as pre + post;
 //!   requests alternate between them over HTTP; the added P50 is the difference.
-//! * **Scaling**: requests/s of the per-request loop back to back with 1 and 2 concurrent
-//!   tasks on a 2-thread runtime (every instance's start counted, wherever it ran).
+//! * **Scaling**: requests/s of the per-request loop with 1 and 2 concurrent tasks on a
+//!   2-thread runtime.
 //!
 //! Guests: the WAT trivial processor (built in-process; the "compiled language" figure —
 //! no language runtime at all), and the JavaScript and Python trivial processors from
@@ -29,14 +26,8 @@ pub struct GuestResult {
     pub bytes: usize,
     /// Validation + compilation at upload (first time; later loads come from the cache).
     pub compile_ms: f64,
-    /// An instance made on the request's path.
-    pub cold_p50_us: f64,
-    pub cold_p99_us: f64,
-    /// An instance made ahead (the runtime's ready instances).
     pub p50_us: f64,
     pub p99_us: f64,
-    /// Requests of the `p50_us` run that found an instance ready.
-    pub ready_share: f64,
     pub per_s_1_task: f64,
     pub per_s_2_tasks: f64,
 }
@@ -57,36 +48,22 @@ impl ProcessorBenchReport {
             self.requests
         );
         s += &format!(
-            "{:<10} {:>12} {:>11} {:>14} {:>14} {:>14} {:>14} {:>7} {:>11} {:>11} {:>8}\n",
-            "guest",
-            "bytes",
-            "compile ms",
-            "cold p50 µs",
-            "cold p99 µs",
-            "ready p50 µs",
-            "ready p99 µs",
-            "ready",
-            "1 task /s",
-            "2 tasks /s",
-            "scaling"
+            "{:<10} {:>12} {:>12} {:>10} {:>10} {:>12} {:>12} {:>8}\n",
+            "guest", "bytes", "compile ms", "p50 µs", "p99 µs", "1 task /s", "2 tasks /s", "scaling"
         );
         for g in &self.guests {
             s += &format!(
-                "{:<10} {:>12} {:>11.0} {:>14.1} {:>14.1} {:>14.1} {:>14.1} {:>6.0}% {:>11.0} {:>11.0} {:>7.2}×\n",
+                "{:<10} {:>12} {:>12.0} {:>10.1} {:>10.1} {:>12.0} {:>12.0} {:>7.2}×\n",
                 g.guest,
                 g.bytes,
                 g.compile_ms,
-                g.cold_p50_us,
-                g.cold_p99_us,
                 g.p50_us,
                 g.p99_us,
-                g.ready_share * 100.0,
                 g.per_s_1_task,
                 g.per_s_2_tasks,
                 g.per_s_2_tasks / g.per_s_1_task.max(1e-9)
             );
         }
-        s += "\nready: an instance made ahead by the runtime, requests 2 ms apart (target for JS and Python: ready p50 ≤ 200 µs); cold: made on the request's path; 1/2 tasks: back to back, every start counted\n";
         s += &format!(
             "\nthrough the gateway (HTTP, instant worker, metered): p50 {:.1} µs without, {:.1} µs with the WAT pre+post processor: +{:.1} µs (target ≤ 50)\n",
             self.gateway_plain_p50_us,
@@ -118,12 +95,8 @@ fn response() -> Response {
     }
 }
 
-async fn one(rt: &Runtime, c: &hearth_runtime::Compiled, limits: Limits, cold: bool) -> anyhow::Result<()> {
-    let mut i = if cold {
-        rt.instantiate_now(c, "{}", limits).await?
-    } else {
-        rt.instantiate(c, "{}", limits).await?
-    };
+async fn one(rt: &Runtime, c: &hearth_runtime::Compiled, limits: Limits) -> anyhow::Result<()> {
+    let mut i = rt.instantiate(c, "{}", limits).await?;
     let a = i.on_request(&request()).await?;
     let b = i.on_response(&response()).await?;
     anyhow::ensure!(
@@ -151,26 +124,13 @@ async fn guest(
         ..Default::default()
     };
     for _ in 0..requests.min(50) {
-        one(rt, &c, limits, true).await?;
+        one(rt, &c, limits).await?;
     }
-    let mut cold = Vec::with_capacity(requests);
+    let mut lat = Vec::with_capacity(requests);
     for _ in 0..requests {
         let t = Instant::now();
-        one(rt, &c, limits, true).await?;
-        cold.push(t.elapsed().as_secs_f64() * 1e6);
-    }
-    cold.sort_by(f64::total_cmp);
-    let mut lat = Vec::with_capacity(requests);
-    let mut ready = 0usize;
-    for k in 0..requests + 20 {
-        tokio::time::sleep(Duration::from_millis(2)).await;
-        let was_ready = rt.warm_ready(&c) > 0;
-        let t = Instant::now();
-        one(rt, &c, limits, false).await?;
-        if k >= 20 {
-            lat.push(t.elapsed().as_secs_f64() * 1e6);
-            ready += usize::from(was_ready);
-        }
+        one(rt, &c, limits).await?;
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
     }
     lat.sort_by(f64::total_cmp);
     let mut rates = [0.0; 2];
@@ -183,7 +143,7 @@ async fn guest(
             hs.push(tokio::spawn(async move {
                 let mut n = 0usize;
                 while Instant::now() < deadline {
-                    if one(&rt, &c, limits, false).await.is_ok() {
+                    if one(&rt, &c, limits).await.is_ok() {
                         n += 1;
                     }
                 }
@@ -200,11 +160,8 @@ async fn guest(
         guest: name.to_string(),
         bytes,
         compile_ms,
-        cold_p50_us: percentile(&cold, 0.5),
-        cold_p99_us: percentile(&cold, 0.99),
         p50_us: percentile(&lat, 0.5),
         p99_us: percentile(&lat, 0.99),
-        ready_share: ready as f64 / requests.max(1) as f64,
         per_s_1_task: rates[0],
         per_s_2_tasks: rates[1],
     })

@@ -5,10 +5,8 @@
 //!   this world, importing nothing but the world's `host` interface and a restricted WASI)
 //!   and precompiles it; compiled code is cached by the SHA-256 of the upload, in memory
 //!   and, with a cache directory, on disk.
-//! * **Per request**: [`Runtime::instantiate`] hands out a fresh instance from the pooling
-//!   allocator (`InstancePre`, copy-on-write memory images), made ahead of the request
-//!   when one is ready ([`DEFAULT_WARM_INSTANCES`] per processor, refilled in the
-//!   background); each serves one request, so requests share nothing.
+//! * **Per request**: [`Runtime::instantiate`] makes a fresh instance from the pooling
+//!   allocator (`InstancePre`, copy-on-write memory images), so requests share nothing.
 //! * **Limits per call**: CPU through epoch interruption (a 1 ms tick; the guest also
 //!   yields to the async executor at every tick, so a busy guest cannot hold a gateway
 //!   thread), memory (growing past the limit traps), input and output bytes, captured log
@@ -51,7 +49,7 @@ pub const MAX_CPU_MS: u32 = 1_000;
 pub const MAX_MEMORY_MIB: u32 = 256;
 
 /// Limits of one processor's calls.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Limits {
     /// CPU time per call (ms, in 1 ms epochs).
     pub cpu_ms: u32,
@@ -231,103 +229,6 @@ pub struct Runtime {
     linker: Linker<State>,
     cache: Mutex<HashMap<String, Arc<Compiled>>>,
     cache_dir: Option<PathBuf>,
-    warm: Arc<Warm>,
-}
-
-/// Default instances kept ready per processor (code, configuration and limits).
-pub const DEFAULT_WARM_INSTANCES: usize = 2;
-/// At most this many instances are kept ready in all (each holds a pool slot and memory).
-pub const MAX_WARM_INSTANCES: usize = 64;
-/// A processor not instantiated for this long has its ready instances dropped.
-const WARM_IDLE: Duration = Duration::from_secs(600);
-
-/// Instances made ahead of the requests that will use them: a language runtime's start
-/// (its core instances, memory images, tables) is then off the request's path. Each is
-/// used by one request and dropped, exactly as a fresh one made on the request's path:
-/// nothing a guest does can reach a later request.
-struct Warm {
-    per_key: usize,
-    slots: Mutex<HashMap<WarmKey, WarmSlot>>,
-}
-
-#[derive(Clone, PartialEq, Eq, Hash)]
-struct WarmKey {
-    sha256: String,
-    config: String,
-    limits: Limits,
-}
-
-struct WarmSlot {
-    ready: Vec<Instance>,
-    /// Instances being made in the background.
-    filling: usize,
-    last_used: std::time::Instant,
-    /// The last background start failed: no more until one on a request's path succeeds.
-    failing: bool,
-}
-
-impl Warm {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<WarmKey, WarmSlot>> {
-        self.slots.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// A ready instance of `key`, if one is; then starts making the ones it lacks (in the
-    /// current tokio runtime, when there is one).
-    fn take(self: &Arc<Self>, engine: &Engine, pre: &ProcessorPre<State>, key: &WarmKey) -> Option<Instance> {
-        if self.per_key == 0 {
-            return None;
-        }
-        let now = std::time::Instant::now();
-        let (taken, wanted) = {
-            let mut slots = self.lock();
-            slots.retain(|k, s| k == key || now.duration_since(s.last_used) < WARM_IDLE);
-            let held: usize = slots.values().map(|s| s.ready.len() + s.filling).sum();
-            let slot = slots.entry(key.clone()).or_insert_with(|| WarmSlot {
-                ready: Vec::new(),
-                filling: 0,
-                last_used: now,
-                failing: false,
-            });
-            slot.last_used = now;
-            let taken = slot.ready.pop();
-            let have = slot.ready.len() + slot.filling;
-            let room = MAX_WARM_INSTANCES.saturating_sub(held - usize::from(taken.is_some()));
-            let wanted = if slot.failing {
-                0
-            } else {
-                self.per_key.saturating_sub(have).min(room)
-            };
-            slot.filling += wanted;
-            (taken, wanted)
-        };
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            if let Some(s) = self.lock().get_mut(key) {
-                s.filling -= wanted;
-            }
-            return taken;
-        };
-        for _ in 0..wanted {
-            let (warm, engine, pre, key) = (self.clone(), engine.clone(), pre.clone(), key.clone());
-            rt.spawn(async move {
-                let made = fresh(&engine, &pre, &key.config, key.limits).await;
-                let mut slots = warm.lock();
-                let Some(slot) = slots.get_mut(&key) else { return };
-                slot.filling -= 1;
-                match made {
-                    Ok(i) => slot.ready.push(i),
-                    Err(_) => slot.failing = true,
-                }
-            });
-        }
-        taken
-    }
-
-    /// A start on a request's path succeeded: background starts may resume.
-    fn succeeded(&self, key: &WarmKey) {
-        if let Some(s) = self.lock().get_mut(key) {
-            s.failing = false;
-        }
-    }
 }
 
 impl std::fmt::Debug for Runtime {
@@ -408,20 +309,7 @@ impl Runtime {
             linker,
             cache: Mutex::new(HashMap::new()),
             cache_dir,
-            warm: Arc::new(Warm {
-                per_key: DEFAULT_WARM_INSTANCES,
-                slots: Mutex::default(),
-            }),
         })
-    }
-
-    /// Keeps `n` instances ready per processor (0: make each on its request's path).
-    pub fn warm_instances(mut self, n: usize) -> Self {
-        self.warm = Arc::new(Warm {
-            per_key: n.min(MAX_WARM_INSTANCES),
-            slots: Mutex::default(),
-        });
-        self
     }
 
     fn cached(&self, sha: &str) -> Option<Arc<Compiled>> {
@@ -483,111 +371,70 @@ impl Runtime {
         self.compile(&bytes).ok()
     }
 
-    /// A fresh instance for one request: one made ahead for this processor, configuration
-    /// and limits when one is ready (see [`DEFAULT_WARM_INSTANCES`]), else one made now.
-    /// Either way it has never run a call, and no other request gets it.
+    /// A fresh instance for one request.
     pub async fn instantiate(
         &self,
         compiled: &Compiled,
         config: &str,
         limits: Limits,
     ) -> Result<Instance, ProcessorError> {
-        let key = WarmKey {
-            sha256: compiled.sha256.clone(),
+        let limits = limits.clamped();
+        let stdout = MemoryOutputPipe::new(limits.max_log_bytes.max(1024));
+        let wasi = wasmtime_wasi::WasiCtxBuilder::new()
+            .stdout(stdout.clone())
+            .stderr(stdout.clone())
+            .wall_clock(CoarseWall)
+            .monotonic_clock(CoarseMonotonic(std::time::Instant::now()))
+            .allow_tcp(false)
+            .allow_udp(false)
+            .allow_ip_name_lookup(false)
+            .build();
+        let state = State {
+            wasi,
+            table: ResourceTable::new(),
+            limits: StoreLimitsBuilder::new()
+                .memory_size((limits.memory_mib as usize) << 20)
+                .instances(64)
+                .tables(64)
+                .memories(16)
+                .trap_on_grow_failure(true)
+                .build(),
             config: config.to_string(),
-            limits: limits.clamped(),
+            logs: LogBuf {
+                limit: limits.max_log_bytes,
+                ..Default::default()
+            },
+            stdout,
+            ticks: 0,
+            max_ticks: limits.cpu_ms,
         };
-        if let Some(i) = self.warm.take(&self.engine, &compiled.pre, &key) {
-            return Ok(i);
-        }
-        let i = fresh(&self.engine, &compiled.pre, config, limits).await?;
-        self.warm.succeeded(&key);
-        Ok(i)
+        let mut store = Store::new(&self.engine, state);
+        store.limiter(|s| &mut s.limits);
+        store.epoch_deadline_callback(|mut ctx| {
+            let s = ctx.data_mut();
+            s.ticks += 1;
+            if s.ticks > s.max_ticks {
+                Ok(UpdateDeadline::Interrupt)
+            } else {
+                Ok(UpdateDeadline::Yield(1))
+            }
+        });
+        store.set_epoch_deadline(1);
+        // Starting the guest (its initializers) is bounded by the CPU limit too.
+        let bindings = compiled
+            .pre
+            .instantiate_async(&mut store)
+            .await
+            .map_err(|e| match classify(e, &limits) {
+                ProcessorError::Trap(m) => ProcessorError::Instantiate(m),
+                other => other,
+            })?;
+        Ok(Instance {
+            store,
+            bindings,
+            limits,
+        })
     }
-
-    /// Instances of `compiled` ready ahead of requests (all configurations and limits).
-    pub fn warm_ready(&self, compiled: &Compiled) -> usize {
-        let slots = self.warm.lock();
-        slots
-            .iter()
-            .filter(|(k, _)| k.sha256 == compiled.sha256)
-            .map(|(_, s)| s.ready.len())
-            .sum()
-    }
-
-    /// An instance made now, never one made ahead (the benchmark's cold figure).
-    pub async fn instantiate_now(
-        &self,
-        compiled: &Compiled,
-        config: &str,
-        limits: Limits,
-    ) -> Result<Instance, ProcessorError> {
-        fresh(&self.engine, &compiled.pre, config, limits).await
-    }
-}
-
-/// A new instance: its own store, WASI context, limits and CPU clock.
-async fn fresh(
-    engine: &Engine,
-    pre: &ProcessorPre<State>,
-    config: &str,
-    limits: Limits,
-) -> Result<Instance, ProcessorError> {
-    let limits = limits.clamped();
-    let stdout = MemoryOutputPipe::new(limits.max_log_bytes.max(1024));
-    let wasi = wasmtime_wasi::WasiCtxBuilder::new()
-        .stdout(stdout.clone())
-        .stderr(stdout.clone())
-        .wall_clock(CoarseWall)
-        .monotonic_clock(CoarseMonotonic(std::time::Instant::now()))
-        .allow_tcp(false)
-        .allow_udp(false)
-        .allow_ip_name_lookup(false)
-        .build();
-    let state = State {
-        wasi,
-        table: ResourceTable::new(),
-        limits: StoreLimitsBuilder::new()
-            .memory_size((limits.memory_mib as usize) << 20)
-            .instances(64)
-            .tables(64)
-            .memories(16)
-            .trap_on_grow_failure(true)
-            .build(),
-        config: config.to_string(),
-        logs: LogBuf {
-            limit: limits.max_log_bytes,
-            ..Default::default()
-        },
-        stdout,
-        ticks: 0,
-        max_ticks: limits.cpu_ms,
-    };
-    let mut store = Store::new(engine, state);
-    store.limiter(|s| &mut s.limits);
-    store.epoch_deadline_callback(|mut ctx| {
-        let s = ctx.data_mut();
-        s.ticks += 1;
-        if s.ticks > s.max_ticks {
-            Ok(UpdateDeadline::Interrupt)
-        } else {
-            Ok(UpdateDeadline::Yield(1))
-        }
-    });
-    store.set_epoch_deadline(1);
-    // Starting the guest (its initializers) is bounded by the CPU limit too.
-    let bindings = pre
-        .instantiate_async(&mut store)
-        .await
-        .map_err(|e| match classify(e, &limits) {
-            ProcessorError::Trap(m) => ProcessorError::Instantiate(m),
-            other => other,
-        })?;
-    Ok(Instance {
-        store,
-        bindings,
-        limits,
-    })
 }
 
 /// One request's instance of a processor.

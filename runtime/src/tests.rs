@@ -267,8 +267,8 @@ fn stateful() -> Vec<u8> {
     ))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn instances_made_ahead_share_no_state_between_requests() {
+#[tokio::test]
+async fn a_guest_never_sees_a_previous_requests_state() {
     let rt = runtime();
     let code = rt.compile(&stateful()).unwrap();
     let replaced = |a: Action| match a {
@@ -276,30 +276,17 @@ async fn instances_made_ahead_share_no_state_between_requests() {
         other => panic!("expected a replacement, got {other:?}"),
     };
     // The guest does keep state within one instance (globals and memory)...
-    let mut one = rt.instantiate_now(&code, "{}", Limits::default()).await.unwrap();
+    let mut one = rt.instantiate(&code, "{}", Limits::default()).await.unwrap();
     assert_eq!(replaced(one.on_request(&request("{}")).await.unwrap()), "x");
     assert_eq!(replaced(one.on_request(&request("{}")).await.unwrap()), "xxx");
-    // ...but each request's instance, ready-made or not, starts from the component's image.
-    let mut made_ahead = 0;
-    for n in 0..40 {
+    // ...but each request's instance starts from the component's image, whether the last
+    // one is still alive or was dropped (its pool slot reused).
+    for n in 0..20 {
         let mut i = rt.instantiate(&code, "{}", Limits::default()).await.unwrap();
         assert_eq!(
             replaced(i.on_request(&request("{}")).await.unwrap()),
             "x",
             "request {n}"
         );
-        drop(i);
-        // Give the background a moment to make the next ones.
-        tokio::time::sleep(Duration::from_millis(5)).await;
-        made_ahead += usize::from(rt.warm_ready(&code) > 0);
     }
-    assert!(made_ahead > 0, "no instance was ever ready ahead of a request");
-    // With none kept ready, the same.
-    let cold = runtime().warm_instances(0);
-    let code = cold.compile(&stateful()).unwrap();
-    for _ in 0..3 {
-        let mut i = cold.instantiate(&code, "{}", Limits::default()).await.unwrap();
-        assert_eq!(replaced(i.on_request(&request("{}")).await.unwrap()), "x");
-    }
-    assert_eq!(cold.warm_ready(&code), 0);
 }
