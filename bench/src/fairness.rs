@@ -427,6 +427,33 @@ fn sim_runs(cfg: &FairnessConfig) -> Vec<RunResult> {
     runs
 }
 
+/// One engine request: 96 pseudo-random ordinary tokens, distinct per (tenant, n), so no
+/// prefix is shared; 16 greedy tokens.
+fn engine_request(seed: u64, model_id: &str, vocab: u32, tenant: &str, n: u64) -> GenerateRequest {
+    let mut rng = Rng(seed ^ (n + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    GenerateRequest {
+        request_id: format!("{tenant}-{n}"),
+        model: model_id.to_string(),
+        prompt: (0..96)
+            .map(|_| 300 + (rng.next() % u64::from(vocab - 400)) as u32)
+            .collect(),
+        sampling: SamplingParams {
+            max_tokens: 16,
+            temperature: 0.0,
+            ignore_eos: true,
+            ..Default::default()
+        },
+        cache_namespace: tenant.into(),
+        n: 1,
+        prefill_only: false,
+        resume: Vec::new(),
+        kv_source: None,
+        qos: qos(tenant, Priority::Interactive, 1),
+        constraint: None,
+        adapter: None,
+    }
+}
+
 /// The real engine: a steady tenant (`requests` Poisson arrivals at `steady_rps`) and, with
 /// `flood`, a flooder keeping eight requests in flight until the steady tenant is done;
 /// short prompts on a KV cache for a few of them.
@@ -444,31 +471,8 @@ async fn engine_run(e: &EngineRun, policy: Policy, flood: bool, cfg: &FairnessCo
     let vocab = engine.info().tokenizer.tokens.len() as u32;
     let started = Instant::now();
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let request = |tenant: &str, n: u64| {
-        // Distinct prompts (no prefix sharing): 96 pseudo-random ordinary tokens.
-        let mut rng = Rng(cfg.seed ^ (n + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-        GenerateRequest {
-            request_id: format!("{tenant}-{n}"),
-            model: e.model_id.clone(),
-            prompt: (0..96)
-                .map(|_| 300 + (rng.next() % u64::from(vocab - 400)) as u32)
-                .collect(),
-            sampling: SamplingParams {
-                max_tokens: 16,
-                temperature: 0.0,
-                ignore_eos: true,
-                ..Default::default()
-            },
-            cache_namespace: tenant.into(),
-            n: 1,
-            prefill_only: false,
-            resume: Vec::new(),
-            kv_source: None,
-            qos: qos(tenant, Priority::Interactive, 1),
-            constraint: None,
-            adapter: None,
-        }
-    };
+    let (seed, model_id) = (cfg.seed, e.model_id.clone());
+    let request = move |tenant: &str, n: u64| engine_request(seed, &model_id, vocab, tenant, n);
     // One request: (TTFT ms, output tokens).
     async fn one(engine: hearth_engine::EngineHandle, req: GenerateRequest) -> Option<(f64, u64)> {
         let sent = Instant::now();
@@ -490,15 +494,14 @@ async fn engine_run(e: &EngineRun, policy: Policy, flood: bool, cfg: &FairnessCo
     let mut flooders = Vec::new();
     if flood {
         for c in 0..8u64 {
-            let (engine, done) = (engine.clone(), done.clone());
-            let reqs: Vec<GenerateRequest> = (0..100_000).map(|k| request("flooder", c * 100_000 + k)).collect();
+            let (engine, done, request) = (engine.clone(), done.clone(), request.clone());
             flooders.push(tokio::spawn(async move {
                 let mut out = Vec::new();
-                for r in reqs {
+                for k in 0.. {
                     if done.load(std::sync::atomic::Ordering::Relaxed) {
                         break;
                     }
-                    out.extend(one(engine.clone(), r).await);
+                    out.extend(one(engine.clone(), request("flooder", c * 1_000_000 + k)).await);
                 }
                 out
             }));

@@ -26,12 +26,7 @@
 //! - when that sequence does not fit, the newest running sequences of tenants with higher
 //!   counters (same or lower class) are preempted for it — they lose little: their computed
 //!   full blocks stay in the prefix cache, so they recompute at most a partial block;
-//! - prompt chunks get the step's budget lowest class and counter first; a step that starts
-//!   the prompt of a light tenant (one with nothing running) gives the chunks ranked after
-//!   it none, so that prompt's first token waits on no heavier tenant's prompt;
-//! - a step in progress is no wait either: a request that would be admitted ahead of every
-//!   tenant whose prompt the step computes cuts it short between layers
-//!   ([`Scheduler::interrupts`]); the engine then plans again with the request admitted;
+//! - prompt chunks get the step's budget lowest class and counter first;
 //! - when blocks run out, the sequence preempted is the newest of the lowest class's
 //!   tenant with the highest counter;
 //! - admission is head-of-line in that order: a sequence that does not fit waits for room
@@ -45,7 +40,10 @@
 //!   preempts running batch sequences to make room;
 //! - a step that prefills interactive work leaves batch work out (at most
 //!   [`MAX_DEFERRED_STEPS`] steps in a row), so an interactive first token does not share
-//!   its step with the batch class's tokens.
+//!   its step with the batch class's tokens;
+//! - nor does it wait for a batch step in progress: an interactive request arriving while a
+//!   step computes batch prompt tokens cuts that step short between layers
+//!   ([`Scheduler::interrupts`]); the engine then plans again with the request admitted.
 //!
 //! **Starvation bound for the lowest class.** A batch sequence that has waited
 //! [`SchedulerConfig::starvation_steps`] steps is admitted ahead of all other waiting work,
@@ -729,13 +727,9 @@ impl Scheduler {
         let mut later = Vec::new();
         if self.cfg.policy == Policy::Fair {
             prefilling.sort_by(|a, b| self.rank(*a).total_cmp(&self.rank(*b)));
-            if let Some(w) = self.next_waiting() {
-                // Ties go to the waiting sequence, except against its own tenant's older work.
-                let (bar, account) = (self.rank(w), self.seqs[&w].account);
-                (prefilling, later) = prefilling.into_iter().partition(|id| {
-                    let r = self.rank(*id);
-                    r < bar || (r == bar && self.seqs[id].account == account)
-                });
+            if let Some(bar) = self.next_waiting().map(|w| self.rank(w)) {
+                let split = prefilling.partition_point(|id| self.rank(*id) <= bar);
+                later = prefilling.split_off(split);
             }
         }
         for id in prefilling {
@@ -744,8 +738,6 @@ impl Scheduler {
 
         // 3. Admission: the fair (or FIFO) choice; when it does not fit, nothing jumps it,
         //    but interactive work may preempt running batch work to make room.
-        // A light tenant's (nothing running) prompt starts in this step.
-        let mut light = false;
         let mut admitted_now = Vec::new();
         while budget > 0 {
             let Some(id) = self.next_waiting() else { break };
@@ -775,9 +767,6 @@ impl Scheduler {
                 }
                 break;
             }
-            // A tenant with nothing running (a light one, beside heavier ones).
-            let account = self.seqs[&id].account;
-            light |= self.cfg.policy == Policy::Fair && !self.running.iter().any(|r| self.seqs[r].account == account);
             self.admit(id);
             admitted_now.push(id);
             let len = (total - computed).min(budget);
@@ -792,10 +781,8 @@ impl Scheduler {
             });
             budget -= len;
         }
-        // (Admission may have preempted some of them, or re-admitted one with a chunk.) A
-        // step that starts a light tenant's prompt leaves the chunks ranked after it out: its
-        // first token waits on no heavier tenant's prompt (they go on next step).
-        for id in later.into_iter().filter(|_| !light) {
+        // (Admission may have preempted some of them, or re-admitted one with a chunk.)
+        for id in later {
             if self.running.contains(&id) && !items.iter().any(|it| it.seq == id) {
                 self.prefill_chunk(id, &mut items, &mut budget);
             }
@@ -882,7 +869,10 @@ impl Scheduler {
             .iter()
             .map(|it| {
                 let s = &self.seqs[&it.seq];
-                (!(it.len == 1 && it.sample && it.start >= s.prompt_len), s.priority)
+                (
+                    !(it.len - it.draft == 1 && it.sample && it.start >= s.prompt_len),
+                    s.priority,
+                )
             })
             .collect();
         let interactive_prefill = kinds.contains(&(true, Priority::Interactive));
@@ -897,47 +887,29 @@ impl Scheduler {
     }
 
     /// Whether a new request of `qos` should cut short the step `items` while it runs
-    /// (between layers; the engine then plans again with the request admitted). Only under
-    /// [`Policy::Fair`], only for interactive work, and only when the step computes prompt
-    /// tokens (at least a block's worth) of other tenants and the request would be admitted
-    /// ahead of every one of them — in a higher class, or at a lower (counter, sequences)
-    /// rank, the order [`Self::next_waiting`] admits in. An idle tenant returns at the
-    /// lowest active counter with one sequence, so a light tenant beside a flooder cuts the
-    /// flooder's prefill steps; two backlogged tenants never cut each other's.
+    /// (between layers; the engine then plans again with the request admitted): under
+    /// [`Policy::Fair`], an interactive request arriving while the step computes at least a
+    /// block's worth of batch prompt tokens, and no prompt tokens of the interactive class.
+    /// (Within one class a cut does not pay: a newly active tenant is lifted to the lowest
+    /// counter, which ties and preempts nothing, so it could not be admitted sooner.)
     pub fn interrupts(&self, qos: &Qos, items: &[StepItem]) -> bool {
         if self.cfg.policy != Policy::Fair || qos.priority != Priority::Interactive {
             return false;
         }
-        let mine = self.account_ids.get(&qos.tenant).map(|&a| &self.accounts[a]);
-        let floor = self
-            .accounts
-            .iter()
-            .filter(|a| a.seqs > 0)
-            .map(|a| a.counter)
-            .fold(f64::INFINITY, f64::min);
-        let (counter, seqs) = match mine {
-            Some(a) if a.seqs > 0 => (a.counter, a.seqs + 1),
-            Some(a) if floor.is_finite() => (a.counter.max(floor), 1),
-            _ => (if floor.is_finite() { floor } else { 0.0 }, 1),
-        };
-        let mut prompt_tokens = 0;
+        let mut batch_prompt = 0;
         for it in items {
             let Some(s) = self.seqs.get(&it.seq) else { continue };
-            let prompt = !(it.len == 1 && it.sample && it.start >= s.prompt_len);
+            // (A decode carrying draft tokens is still a decode.)
+            let prompt = !(it.len - it.draft == 1 && it.sample && it.start >= s.prompt_len);
             if !prompt {
                 continue;
             }
-            let a = &self.accounts[s.account];
-            if a.name == qos.tenant {
+            if class(s.priority) == 0 {
                 return false;
             }
-            let ahead = class(s.priority) > 0 || counter.total_cmp(&a.counter).then(seqs.cmp(&a.seqs)).is_lt();
-            if !ahead {
-                return false;
-            }
-            prompt_tokens += it.len;
+            batch_prompt += it.len;
         }
-        prompt_tokens >= self.cfg.block_tokens
+        batch_prompt >= self.cfg.block_tokens
     }
 
     /// Whether `id` is waiting batch work past its wait bound (a waiting sequence holds no
@@ -1611,49 +1583,23 @@ mod tests {
     }
 
     #[test]
-    fn a_light_tenants_prompt_step_leaves_heavier_chunks_out() {
+    fn an_interactive_request_cuts_a_batch_prompt_step_and_nothing_else() {
         let root = namespace_root("m", "t");
-        let q = |t: &str| qos(t, Priority::Interactive);
-        let mut s = Scheduler::new(cfg(16), 64);
-        // The flooder's long prompt runs in chunks.
-        s.add_for(1, (0..40).collect(), root, &q("flood"));
-        let a = s.schedule();
-        assert_eq!(a[0].len, 16);
-        run_step(&mut s, &a, 7);
-        // A light tenant arrives: its prompt gets the step, the flooder's chunk waits one.
-        s.add_for(2, (100..110).collect(), root, &q("steady"));
-        let b = s.schedule();
-        assert_eq!(b.len(), 1, "{b:?}");
-        assert_eq!((b[0].seq, b[0].len), (2, 10));
-        run_step(&mut s, &b, 7);
-        // Next step: the steady decode and the flooder's chunk.
-        let c = s.schedule();
-        assert!(c.iter().any(|i| i.seq == 1 && i.len > 1), "{c:?}");
-        // A second request of a tenant already running is not light: no chunk left out.
-        s.add_for(3, (200..204).collect(), root, &q("steady"));
-        run_step(&mut s, &c, 7);
-        let d = s.schedule();
-        assert!(
-            d.iter().any(|i| i.seq == 3) && d.iter().any(|i| i.seq == 1 && i.len > 1),
-            "{d:?}"
-        );
-        s.blocks.check(&s.owned_blocks()).unwrap();
-    }
-
-    #[test]
-    fn a_request_ranked_ahead_of_a_steps_prompt_work_interrupts_it() {
-        let root = namespace_root("m", "t");
-        let q = |t: &str| qos(t, Priority::Interactive);
-        let mut s = Scheduler::new(cfg(16), 64);
+        let inter = |t: &str| qos(t, Priority::Interactive);
+        // A batch tenant's long prompts: an interactive arrival cuts the step.
+        let mut b = Scheduler::new(cfg(16), 64);
         for id in 1..=3 {
-            s.add_for(id, (0..40).map(|t| t + 100 * id as u32).collect(), root, &q("flood"));
+            b.add_for(
+                id,
+                (0..40).map(|t| t + 100 * id as u32).collect(),
+                root,
+                &qos("b", Priority::Batch),
+            );
         }
-        let a = s.schedule();
-        // An idle tenant comes back at the lowest counter with one sequence: ahead.
-        assert!(s.interrupts(&q("steady"), &a));
-        // Not the flooder itself, not batch work, not under FIFO.
-        assert!(!s.interrupts(&q("flood"), &a));
-        assert!(!s.interrupts(&qos("steady", Priority::Batch), &a));
+        let step = b.schedule();
+        assert!(b.interrupts(&inter("i"), &step));
+        // Not a batch arrival, and not under FIFO.
+        assert!(!b.interrupts(&qos("b2", Priority::Batch), &step));
         let mut fifo = Scheduler::new(
             SchedulerConfig {
                 policy: Policy::Fifo,
@@ -1661,33 +1607,23 @@ mod tests {
             },
             64,
         );
-        fifo.add_for(1, (0..40).collect(), root, &q("flood"));
+        fifo.add_for(1, (0..40).collect(), root, &qos("b", Priority::Batch));
         let f = fifo.schedule();
-        assert!(!fifo.interrupts(&q("steady"), &f));
-        // A step of decodes alone is short: nothing to cut.
-        let mut d = Scheduler::new(cfg(16), 64);
-        d.add_for(1, (0..4).collect(), root, &q("flood"));
+        assert!(!fifo.interrupts(&inter("i"), &f));
+        // Interactive prompt work in the step (another tenant's): no cut within the class.
+        let mut s = Scheduler::new(cfg(16), 64);
+        s.add_for(1, (0..40).collect(), root, &inter("flood"));
+        let step = s.schedule();
+        assert!(!s.interrupts(&inter("steady"), &step));
+        // A step of decodes alone (even carrying draft tokens) is short: nothing to cut.
+        let mut d = Scheduler::new(cfg(32), 64);
+        d.add_for(1, (0..4).collect(), root, &qos("b", Priority::Batch));
         let first = d.schedule();
         run_step(&mut d, &first, 7);
+        d.set_draft(1, (0..20).collect());
         let decode = d.schedule();
-        assert!(!d.interrupts(&q("steady"), &decode));
-        // A tenant already running, charged as much as the flooder (lifted to it), does not
-        // cut its step: it is not ahead.
-        let mut t = Scheduler::new(cfg(16), 64);
-        t.add_for(1, (0..12).collect(), root, &q("heavy"));
-        let first = t.schedule();
-        run_step(&mut t, &first, 7);
-        t.add_for(2, (0..40).map(|x| x + 500).collect(), root, &q("flood"));
-        t.add_for(3, (0..40).map(|x| x + 900).collect(), root, &q("flood"));
-        let step = t.schedule();
-        assert!(t.account("heavy").unwrap().counter >= t.account("flood").unwrap().counter);
-        assert!(step.iter().any(|i| i.len > 1 && i.seq != 1), "{step:?}");
-        assert!(!t.interrupts(&q("heavy"), &step));
-        // With the batch class's prompt in the step, any interactive request cuts it.
-        let mut m = Scheduler::new(cfg(16), 64);
-        m.add_for(1, (0..40).collect(), root, &qos("b", Priority::Batch));
-        let batch = m.schedule();
-        assert!(m.interrupts(&q("b2"), &batch));
+        assert!(decode[0].draft > 0, "{decode:?}");
+        assert!(!d.interrupts(&inter("i"), &decode));
     }
 
     #[test]

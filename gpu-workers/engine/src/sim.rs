@@ -241,12 +241,13 @@ impl SimWorker {
             ..Default::default()
         };
         if let Some((after, qos)) = arrival {
-            if after < out.seconds
+            // The engine asks before each layer after the first, never after the last.
+            let layers = (after.max(0.0) / out.seconds * SIM_LAYERS).ceil().max(1.0);
+            if layers < SIM_LAYERS
                 && self.cuts_in_a_row < crate::scheduler::MAX_CUTS_IN_A_ROW
                 && self.sched.interrupts(qos, &items)
             {
                 self.cuts_in_a_row += 1;
-                let layers = (after.max(0.0) / out.seconds * SIM_LAYERS).ceil().max(1.0);
                 out.seconds *= layers / SIM_LAYERS;
                 out.cut = true;
                 return Some(out);

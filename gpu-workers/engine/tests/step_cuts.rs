@@ -1,5 +1,5 @@
-//! Steps cut short between layers (fair scheduling): a light tenant's request arriving while
-//! the engine prefills a flooder's long prompts cuts the step in progress, and every
+//! Steps cut short between layers (fair scheduling): an interactive request arriving while
+//! the engine prefills batch work's long prompts cuts the step in progress, and every
 //! request — the cut ones included — generates exactly what it generates alone.
 
 use std::path::PathBuf;
@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::{EngineConfig, EngineHandle};
-use hearth_protocol::{GenerateEvent, GenerateRequest, Qos, SamplingParams};
+use hearth_protocol::{GenerateEvent, GenerateRequest, Priority, Qos, SamplingParams};
 
 fn model_path() -> PathBuf {
     ensure_model(DEFAULT_MODEL_ID, &hearth_home(), &mut |m| eprintln!("{m}")).expect("default model")
@@ -18,7 +18,7 @@ fn prompt(seed: u32, n: u32) -> Vec<u32> {
     (0..n).map(|i| 300 + (i * 37 + seed * 1009) % 5000).collect()
 }
 
-fn request(id: &str, prompt: Vec<u32>, tenant: &str) -> GenerateRequest {
+fn request(id: &str, prompt: Vec<u32>, tenant: &str, priority: Priority) -> GenerateRequest {
     GenerateRequest {
         request_id: id.into(),
         model: DEFAULT_MODEL_ID.into(),
@@ -37,6 +37,7 @@ fn request(id: &str, prompt: Vec<u32>, tenant: &str) -> GenerateRequest {
         kv_source: None,
         qos: Qos {
             tenant: tenant.into(),
+            priority,
             ..Default::default()
         },
         constraint: None,
@@ -59,11 +60,11 @@ async fn greedy(e: EngineHandle, req: GenerateRequest) -> Vec<u32> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_light_tenant_cuts_a_flooders_prefill_step_and_nothing_changes_its_output() {
+async fn an_interactive_request_cuts_a_batch_prefill_step_and_nothing_changes_its_output() {
     let m = model_path();
     let cfg = EngineConfig {
         threads: 2,
-        // Long steps: 128 tokens of the flooder's 384-token prompts each.
+        // Long steps: 128 tokens of the batch work's 384-token prompts each.
         max_batch_tokens: 128,
         ..Default::default()
     };
@@ -73,14 +74,15 @@ async fn a_light_tenant_cuts_a_flooders_prefill_step_and_nothing_changes_its_out
         let flood: Vec<_> = (0..3)
             .map(|k| {
                 let p = prompt(round * 10 + k, 384);
-                let req = request(&format!("f{round}-{k}"), p.clone(), "flood");
+                let req = request(&format!("f{round}-{k}"), p.clone(), "bulk", Priority::Batch);
                 (tokio::spawn(greedy(e.clone(), req)), p)
             })
             .collect();
-        // Into the flooder's prefill, then the light tenant's request.
+        // Into the batch prefill, then the interactive request.
         tokio::time::sleep(Duration::from_millis(40)).await;
         let p = prompt(1000 + round, 24);
-        let steady = tokio::spawn(greedy(e.clone(), request(&format!("s{round}"), p.clone(), "steady")));
+        let req = request(&format!("s{round}"), p.clone(), "chat", Priority::Interactive);
+        let steady = tokio::spawn(greedy(e.clone(), req));
         runs.push((steady.await.unwrap(), p));
         for (h, p) in flood {
             runs.push((h.await.unwrap(), p));
@@ -91,12 +93,16 @@ async fn a_light_tenant_cuts_a_flooders_prefill_step_and_nothing_changes_its_out
     }
     assert!(
         e.metrics().steps_cut.get() > 0,
-        "no step was cut in 10 rounds of a light request arriving mid-prefill"
+        "no step was cut in 10 rounds of an interactive request arriving mid-prefill"
     );
     // Each alone, on a fresh engine: the same tokens.
     let alone = EngineHandle::load(&m, DEFAULT_MODEL_ID, &cfg).unwrap();
     for (i, (got, p)) in runs.into_iter().enumerate() {
-        let want = greedy(alone.clone(), request(&format!("alone{i}"), p, "solo")).await;
+        let want = greedy(
+            alone.clone(),
+            request(&format!("alone{i}"), p, "solo", Priority::Interactive),
+        )
+        .await;
         assert_eq!(got, want, "request {i} generated what it generates alone");
     }
 }
