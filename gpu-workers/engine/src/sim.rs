@@ -214,9 +214,10 @@ impl SimWorker {
     }
 
     /// Runs one step, as the engine does with a request arriving `after` seconds from its
-    /// start: if the request arrives before the step ends and would be admitted ahead of
-    /// its prompt work ([`Scheduler::interrupts`]), the step is cut at the next layer
-    /// boundary and computes nothing (at most [`crate::scheduler::MAX_CUTS_IN_A_ROW`] in a
+    /// start: if the request arrives before the step's last layer and the engine would cut
+    /// the step for it (an interactive request during batch prompt work:
+    /// [`Scheduler::interrupts`]), the step is cut at the next layer boundary and computes
+    /// nothing (at most [`crate::scheduler::MAX_CUTS_IN_A_ROW`] in a
     /// row). The caller then submits the request and steps again.
     pub fn step_before(&mut self, arrival: Option<(f64, &Qos)>) -> Option<SimStep> {
         if self.sched.is_idle() {
