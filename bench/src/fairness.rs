@@ -84,7 +84,7 @@ pub struct RunResult {
     pub queue_limit: bool,
     pub tenants: Vec<TenantResult>,
     /// Steps cut short between layers for an arriving request.
-    pub steps_cut: Option<u64>,
+    pub steps_cut: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -138,7 +138,7 @@ impl FairnessReport {
                     t.ttft_p99_ms,
                     t.output_tok_s,
                     t.service_share,
-                    r.steps_cut.map_or_else(String::new, |n| n.to_string())
+                    r.steps_cut
                 );
             }
         }
@@ -314,7 +314,7 @@ fn sim_run(scenario: &str, policy: Policy, limit: bool, traffic: &[Traffic], cfg
         policy: policy.as_str().into(),
         queue_limit: limit,
         tenants,
-        steps_cut: Some(steps_cut),
+        steps_cut,
     }
 }
 
@@ -552,6 +552,6 @@ async fn engine_run(e: &EngineRun, policy: Policy, flood: bool, cfg: &FairnessCo
         policy: policy.as_str().into(),
         queue_limit: false,
         tenants,
-        steps_cut: Some(steps_cut),
+        steps_cut,
     })
 }

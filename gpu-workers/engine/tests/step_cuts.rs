@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::{EngineConfig, EngineHandle};
-use hearth_protocol::{GenerateEvent, GenerateRequest, Priority, Qos, SamplingParams};
+use hearth_protocol::{GenerateRequest, Priority, Qos, SamplingParams};
+
+mod common;
 
 fn model_path() -> PathBuf {
     ensure_model(DEFAULT_MODEL_ID, &hearth_home(), &mut |m| eprintln!("{m}")).expect("default model")
@@ -46,17 +48,7 @@ fn request(id: &str, prompt: Vec<u32>, tenant: &str, priority: Priority) -> Gene
 }
 
 async fn greedy(e: EngineHandle, req: GenerateRequest) -> Vec<u32> {
-    let mut rx = e.generate(req);
-    let mut tokens = Vec::new();
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            GenerateEvent::Token { id, .. } => tokens.push(id),
-            GenerateEvent::Done { .. } => return tokens,
-            GenerateEvent::Error { message, .. } => panic!("{message}"),
-            GenerateEvent::Finish { .. } => {}
-        }
-    }
-    panic!("no Done")
+    common::run_request(&e, req).await.expect("the request succeeds").0
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

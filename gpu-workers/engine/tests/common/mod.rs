@@ -90,8 +90,7 @@ pub async fn generate(
     sampling: hearth_protocol::SamplingParams,
     constraint: Option<hearth_protocol::Constraint>,
 ) -> Result<(Vec<u32>, hearth_protocol::Usage), String> {
-    use hearth_protocol::{GenerateEvent, GenerateRequest};
-    let mut rx = e.generate(GenerateRequest {
+    let req = hearth_protocol::GenerateRequest {
         request_id: "test".into(),
         model: e.info().model.clone(),
         prompt: prompt.to_vec(),
@@ -104,7 +103,17 @@ pub async fn generate(
         qos: Default::default(),
         constraint,
         adapter: None,
-    });
+    };
+    run_request(e, req).await
+}
+
+/// Runs `req` on an engine: the tokens and usage, or the error's code.
+pub async fn run_request(
+    e: &hearth_engine::EngineHandle,
+    req: hearth_protocol::GenerateRequest,
+) -> Result<(Vec<u32>, hearth_protocol::Usage), String> {
+    use hearth_protocol::GenerateEvent;
+    let mut rx = e.generate(req);
     let mut tokens = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
