@@ -1406,7 +1406,8 @@ impl Runner {
 
     /// Plans and runs one step. Commands that arrive while it runs are taken between layers
     /// and carried out after it; one that brings an interactive request while the step
-    /// computes batch prompt tokens ([`Scheduler::interrupts`]) cuts the step short, at most
+    /// computes prompt tokens of work it outranks — batch work, or a tenant it would preempt
+    /// ([`Scheduler::interrupts`]) — cuts the step short, at most
     /// [`crate::scheduler::MAX_CUTS_IN_A_ROW`] steps in a row so that running work always
     /// progresses.
     fn step(&mut self, rx: &mpsc::Receiver<Command>) {

@@ -13,7 +13,7 @@
 //! `hearth_spec_accepted_tokens_total` (speculative decoding's acceptance rate is their
 //! ratio), `hearth_moe_expert_tokens_total{layer,expert}` (rows routed to each expert), `hearth_grammar_masks_total` and `hearth_grammar_mask_seconds_total`
 //! (constrained decoding), `hearth_engine_steps_cut_total` (steps cut short between layers
-//! for an interactive request arriving during batch prompt work). Every series carries a `worker` label.
+//! for an interactive request arriving during prompt work it outranks). Every series carries a `worker` label.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -342,7 +342,7 @@ impl Collector for EngineCollector {
             ),
             (
                 "hearth_engine_steps_cut",
-                "Forward steps cut short between layers for an interactive request arriving while they computed batch prompt tokens (fair scheduling).",
+                "Forward steps cut short between layers for an interactive request arriving while they computed prompt tokens of work it outranks: batch work, or a tenant it would preempt (fair scheduling).",
                 |m| &m.steps_cut,
             ),
         ];

@@ -215,7 +215,7 @@ impl SimWorker {
 
     /// Runs one step, as the engine does with a request arriving `after` seconds from its
     /// start: if the request arrives before the step's last layer and the engine would cut
-    /// the step for it (an interactive request during batch prompt work:
+    /// the step for it (an interactive request during prompt work it outranks:
     /// [`Scheduler::interrupts`]), the step is cut at the next layer boundary and computes
     /// nothing (at most [`crate::scheduler::MAX_CUTS_IN_A_ROW`] in a
     /// row). The caller then submits the request and steps again.
