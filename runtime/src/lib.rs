@@ -267,6 +267,7 @@ impl Runtime {
             .memory_init_cow(true)
             .cranelift_opt_level(wasmtime::OptLevel::Speed);
         let mut pool = PoolingAllocationConfig::default();
+        let scan = PoolingAllocationConfig::is_pagemap_scan_available();
         pool.total_component_instances(512)
             .total_core_instances(4096)
             .total_memories(1024)
@@ -281,7 +282,20 @@ impl Runtime {
             .max_memory_size((MAX_MEMORY_MIB as usize) << 20)
             // Reset small memories, tables and stacks with memset instead of madvise: the
             // kernel's mm lock would otherwise serialize instantiations across threads.
-            .linear_memory_keep_resident(1 << 20)
+            // With PAGEMAP_SCAN (Linux 6.7+) a memory is reset by copying back only the
+            // pages the last instance dirtied, up to 16 MiB, and they stay resident: a JS
+            // guest's request no longer refaults its engine's heap from the image
+            // (measured, `hearth bench processors`: JS 648 → 249 µs p50, Python 1,069 →
+            // 757). The contents are the image's, as before. Without it the reset would
+            // memset all 16 MiB, so the old 1 MiB stays.
+            .linear_memory_keep_resident(if scan { 16 << 20 } else { 1 << 20 })
+            .pagemap_scan(if scan {
+                wasmtime::Enabled::Yes
+            } else {
+                wasmtime::Enabled::No
+            })
+            // What idle slots keep resident stays bounded: at most 16 of them × 16 MiB.
+            .max_unused_warm_slots(16)
             .table_keep_resident(64 << 10)
             .async_stack_keep_resident(128 << 10)
             .decommit_batch_size(64);
