@@ -26,7 +26,8 @@
 //!   it, and a light tenant's request — and the next one, arriving while it runs — goes
 //!   ahead of a flooder's;
 //! - when that sequence does not fit, the newest running sequences of tenants ahead of its
-//!   own by more than the preemption margin (one step's prompt budget; same or lower class)
+//!   own by more than the preemption margin (one step's prompt budget, in counter units:
+//!   so divided by the share; same or lower class)
 //!   are preempted for it — they lose little: their computed full blocks stay in the prefix
 //!   cache, so they recompute at most a partial block. The margin is what keeps two tenants
 //!   on a full cache from preempting each other in turn as each is charged past the other;
@@ -52,8 +53,8 @@
 //!
 //! **Starvation bound for the lowest class.** A batch sequence that has waited
 //! [`SchedulerConfig::starvation_steps`] steps is admitted ahead of all other waiting work,
-//! and from then on runs as interactive (it is not preempted before interactive work) —
-//! one such promoted request at a time, so a batch backlog older than the bound gets a
+//! and from then on runs as interactive (it is not preempted before interactive work, nor
+//! for fairness) — one such promoted request at a time, so a batch backlog older than the bound gets a
 //! guaranteed share of the worker (one request running) without taking it from
 //! interactive work. So the oldest aged batch sequence waits at most that many steps plus
 //! the time for the promoted one ahead of it to finish and its blocks to free, which the
@@ -276,6 +277,9 @@ pub struct Scheduler {
     /// Sequences the starvation bound has promoted (until they end): while one is, no
     /// other batch sequence ages past the bound.
     promoted: usize,
+    /// The highest lowest-active-counter seen at an arrival since the scheduler was last
+    /// idle (see [`Scheduler::floor`]).
+    floor_seen: Option<f64>,
 }
 
 /// A returning tenant starts this many preemption margins below the lowest active counter
@@ -311,6 +315,7 @@ impl Scheduler {
             steps: 0,
             deferred: 0,
             promoted: 0,
+            floor_seen: None,
         }
     }
 
@@ -352,7 +357,8 @@ impl Scheduler {
     }
 
     /// Drops the accounts of tenants with no sequences (a returning tenant is lifted to the
-    /// active counters anyway, so only its debt beyond them is forgotten).
+    /// lowest active counter less the credit anyway, so only its debt beyond that is
+    /// forgotten).
     fn forget_idle_accounts(&mut self) {
         let mut remap = vec![usize::MAX; self.accounts.len()];
         let mut kept = Vec::new();
@@ -381,23 +387,24 @@ impl Scheduler {
     /// flooder's and may preempt its work, and no more.
     fn arrival_counter(&self, qos: &Qos) -> f64 {
         let Some(a) = self.account_ids.get(&qos.tenant).map(|&a| &self.accounts[a]) else {
-            return self
-                .floor_counter()
-                .map_or(0.0, |f| (f - self.return_credit()).max(0.0));
+            return self.floor().map_or(0.0, |f| (f - self.return_credit()).max(0.0));
         };
-        match self.floor_counter() {
+        match self.floor() {
             Some(f) if a.seqs == 0 => a.counter.max(f - self.return_credit()),
             _ => a.counter,
         }
     }
 
-    /// The lowest counter of the tenants with sequences.
-    fn floor_counter(&self) -> Option<f64> {
+    /// What returning tenants are lifted to (less the credit): the lowest counter of the
+    /// tenants with sequences, or the highest it has been since the scheduler was last idle
+    /// ([`Scheduler::floor_seen`]) if that is higher, so that tenants returning one after
+    /// another all start from the same place, not each a credit below the last.
+    fn floor(&self) -> Option<f64> {
         let f = (self.accounts.iter())
             .filter(|a| a.seqs > 0)
             .map(|a| a.counter)
             .fold(f64::INFINITY, f64::min);
-        f.is_finite().then_some(f)
+        f.is_finite().then(|| self.floor_seen.map_or(f, |seen| seen.max(f)))
     }
 
     fn return_credit(&self) -> f64 {
@@ -408,6 +415,7 @@ impl Scheduler {
     pub fn add_for(&mut self, id: u64, tokens: Vec<u32>, root: BlockHash, qos: &Qos) {
         let account = self.account_for(qos);
         self.accounts[account].counter = self.arrival_counter(qos);
+        self.floor_seen = self.floor();
         self.arrivals += 1;
         let seq = Sequence {
             id,
@@ -616,8 +624,7 @@ impl Scheduler {
                 if let Some((_, id)) = aged {
                     return Some(id);
                 }
-                // Ties (a tenant just lifted to the lowest counter) go to the tenant with
-                // fewer sequences, then to the oldest.
+                // Ties go to the tenant with fewer sequences, then to the oldest.
                 (0..2).find_map(|c| {
                     self.accounts
                         .iter()
@@ -988,8 +995,10 @@ impl Scheduler {
     }
 
     /// Fairness preemption: when the fair choice `id` does not fit, a running sequence of a
-    /// tenant with a higher counter, in the same or a lower class, makes room — the newest
-    /// still computing its prompt, else the newest. It loses little while the cache keeps
+    /// tenant ahead of its own by more than [`Scheduler::preemption_margin`], in the same or
+    /// a lower class, makes room — the newest still computing its prompt, else the newest;
+    /// never a batch request the starvation bound promoted (it would lose its turn and hold
+    /// the next one up). It loses little while the cache keeps
     /// its computed full blocks (prompt and output): admitted again, it recomputes only
     /// its last partial block (on a cache too small to keep them, more). False if there is
     /// none.
@@ -1002,7 +1011,7 @@ impl Scheduler {
         let bar = self.accounts[account].counter + self.preemption_margin();
         let over_served = |r: &u64| {
             let s = &self.seqs[r];
-            s.account != account && class(s.priority) >= c && self.accounts[s.account].counter > bar
+            s.account != account && !s.promoted && class(s.priority) >= c && self.accounts[s.account].counter > bar
         };
         // Cheapest first: a sequence still computing its prompt has produced nothing yet.
         let prefilling = |r: &u64| self.seqs[r].tokens.len() == self.seqs[r].prompt_len;
@@ -1030,8 +1039,11 @@ impl Scheduler {
     /// prefix.
     fn admit(&mut self, id: u64) {
         let w = self.cfg.weights;
-        let promote = self.cfg.policy == Policy::Fair && self.aged(id);
+        let (steps, bound) = (self.steps, self.cfg.starvation_steps);
+        // (Not `aged`: its prefix taken from the cache, the sequence already holds blocks.)
+        let gate_open = self.cfg.policy == Policy::Fair && self.promoted == 0;
         let Some(s) = self.seqs.get_mut(&id) else { return };
+        let promote = gate_open && s.priority == Priority::Batch && steps - s.waiting_since >= bound;
         let a = &mut self.accounts[s.account];
         let c = class(s.priority);
         if a.waiting[c].front() == Some(&id) {
@@ -1115,6 +1127,10 @@ impl Scheduler {
                         share: self.accounts[p.account].share as u32,
                     };
                     self.add_for(child, p.tokens.clone(), p.root, &qos);
+                    if let Some(c) = self.seqs.get_mut(&child) {
+                        c.promoted = p.promoted;
+                        self.promoted += usize::from(p.promoted);
+                    }
                     return;
                 }
             }
@@ -1697,9 +1713,10 @@ mod tests {
         );
         let inter = qos("i", Priority::Interactive);
         let batch = qos("b", Priority::Batch);
-        // A batch backlog, all of it past the bound at once.
+        // A batch backlog, all of it past the bound at once, sharing a system prompt (a
+        // prefix from the cache must not keep a request from being promoted).
         for id in 0..12 {
-            s.add_for(id, vec![id as u32 + 1; 6], root, &batch);
+            s.add_for(id, vec![7, 7, 7, 7, id as u32 + 1, id as u32 + 1], root, &batch);
         }
         let mut next = 100;
         let mut generated: HashMap<u64, usize> = HashMap::new();
@@ -1791,7 +1808,7 @@ mod tests {
     }
 
     #[test]
-    fn an_interactive_request_cuts_a_batch_prompt_step_and_nothing_else() {
+    fn an_interactive_request_cuts_a_prompt_step_of_work_it_outranks_and_nothing_else() {
         let root = namespace_root("m", "t");
         let inter = |t: &str| qos(t, Priority::Interactive);
         // A batch tenant's long prompts: an interactive arrival cuts the step.
@@ -1818,20 +1835,22 @@ mod tests {
         fifo.add_for(1, (0..40).collect(), root, &qos("b", Priority::Batch));
         let f = fifo.schedule();
         assert!(!fifo.interrupts(&inter("i"), &f));
-        // Interactive prompt work of a tenant no further ahead than the margin: no cut.
+        // Interactive prompt work of a tenant no further ahead than the margin (16): no cut.
         let mut s = Scheduler::new(cfg(16), 64);
         s.add_for(1, (0..40).collect(), root, &inter("flood"));
-        let step = s.schedule();
-        assert!(!s.interrupts(&inter("steady"), &step));
-        // Once the flooder is ahead by more than the margin, a returning tenant cuts it.
-        for _ in 0..4 {
+        s.add_for(2, (100..140).collect(), root, &inter("steady"));
+        for _ in 0..6 {
             let step = s.schedule();
             run_step(&mut s, &step, 7);
         }
-        s.add_for(2, (50..90).collect(), root, &inter("flood"));
+        s.add_for(3, (50..90).collect(), root, &inter("flood"));
         let step = s.schedule();
-        assert!(step.iter().any(|i| i.seq == 2 && i.len > 1), "{step:?}");
-        assert!(s.interrupts(&inter("steady"), &step));
+        assert!(step.iter().any(|i| i.seq == 3 && i.len > 1), "{step:?}");
+        let [flood, steady] = ["flood", "steady"].map(|t| s.account(t).unwrap().counter);
+        assert!((flood - steady).abs() <= 16.0, "{flood} {steady}");
+        assert!(!s.interrupts(&inter("steady"), &step), "steady is active and level");
+        // A returning tenant starts two margins below the lowest active counter: it cuts.
+        assert!(s.interrupts(&inter("light"), &step));
         assert!(!s.interrupts(&inter("flood"), &step), "not the flooder's own requests");
         // A step of decodes alone (even carrying draft tokens) is short: nothing to cut.
         let mut d = Scheduler::new(cfg(32), 64);
