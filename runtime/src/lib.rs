@@ -282,20 +282,18 @@ impl Runtime {
             .max_memory_size((MAX_MEMORY_MIB as usize) << 20)
             // Reset small memories, tables and stacks with memset instead of madvise: the
             // kernel's mm lock would otherwise serialize instantiations across threads.
-            // With PAGEMAP_SCAN (Linux 6.7+) a memory is reset by copying back only the
-            // pages the last instance dirtied, up to 16 MiB, and they stay resident: a JS
-            // guest's request no longer refaults its engine's heap from the image
-            // (measured, `hearth bench processors`: JS 648 → 249 µs p50, Python 1,069 →
-            // 757). The contents are the image's, as before. Without it the reset would
-            // memset all 16 MiB, so the old 1 MiB stays.
-            .linear_memory_keep_resident(if scan { 16 << 20 } else { 1 << 20 })
+            // With PAGEMAP_SCAN (Linux 6.7+) wasmtime finds the pages the last instance
+            // dirtied and copies back only those, so they stay resident and a JS guest's
+            // request no longer refaults its engine's heap from the image (`hearth bench
+            // processors`, 2-core Xeon: JS p50 648 → 237–250 µs, Python 1,069 → 740). The
+            // contents are the image's, as before. (A larger keep-resident size, 16 or 64
+            // MiB, measured no better, and every warm slot would keep that much.)
+            .linear_memory_keep_resident(1 << 20)
             .pagemap_scan(if scan {
                 wasmtime::Enabled::Yes
             } else {
                 wasmtime::Enabled::No
             })
-            // What idle slots keep resident stays bounded: at most 16 of them × 16 MiB.
-            .max_unused_warm_slots(16)
             .table_keep_resident(64 << 10)
             .async_stack_keep_resident(128 << 10)
             .decommit_batch_size(64);
