@@ -104,6 +104,30 @@ fn u64_at(b: &[u8], i: usize) -> u64 {
     u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default())
 }
 
+/// Starts reading `file` into the page cache in the background, in file order (tensors are
+/// laid out layer by layer), 8 MiB at a time, so that a cold disk's reads overlap the load
+/// and the first prefill instead of each weight page faulting in when first touched.
+/// Advice only: nothing waits for it, and a failure (or a file already cached) costs
+/// nothing.
+pub fn read_ahead(file: &std::fs::File) {
+    use std::os::fd::AsRawFd;
+    let (Ok(f), Ok(meta)) = (file.try_clone(), file.metadata()) else {
+        return;
+    };
+    let len = meta.len() as i64;
+    let _ = std::thread::Builder::new()
+        .name("hearth-readahead".into())
+        .spawn(move || {
+            const CHUNK: i64 = 8 << 20;
+            let mut off = 0;
+            while off < len {
+                // SAFETY: posix_fadvise only advises the kernel about this open file's pages.
+                unsafe { libc::posix_fadvise(f.as_raw_fd(), off, CHUNK.min(len - off), libc::POSIX_FADV_WILLNEED) };
+                off += CHUNK;
+            }
+        });
+}
+
 /// Maps the cache for `model` if it holds exactly `want`; `Err` says why not (missing,
 /// stale, corrupt).
 pub fn load(model: &Path, want: &[Wanted]) -> Result<Vec<PackedMatrix>, String> {
@@ -114,6 +138,7 @@ pub fn load(model: &Path, want: &[Wanted]) -> Result<Vec<PackedMatrix>, String> 
     // rename, leaving this map intact. (A file truncated in place by someone else would
     // fault on access, as any mapped model file would.)
     let map = Arc::new(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| e.to_string())?);
+    read_ahead(&file);
     let b: &[u8] = &map;
     let header = 48 + want.len() * ENTRY;
     if b.len() < header || &b[0..8] != MAGIC {
