@@ -368,6 +368,9 @@ impl EngineHandle {
         if let Some(isa) = cfg.isa {
             set_isa(isa).map_err(|e| EngineError::Start(e.to_string()))?;
         }
+        if path.is_file() {
+            crate::pack_cache::read_ahead(path);
+        }
         let file = crate::hf::open_model(path)?;
         let mut spec = tokenizer_spec(&file)?;
         if let Some(t) = &cfg.chat_template {

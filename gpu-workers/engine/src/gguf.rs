@@ -367,7 +367,6 @@ impl GgufFile {
         // concurrent writer could change weights under us, but not memory safety of the
         // parser, which copies everything it interprets and bounds-checks all offsets).
         let map = unsafe { Mmap::map(&file) }.map_err(open_err)?;
-        crate::pack_cache::read_ahead(&file);
         Self::parse(map, path.to_path_buf())
     }
 

@@ -104,20 +104,19 @@ fn u64_at(b: &[u8], i: usize) -> u64 {
     u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default())
 }
 
-/// Starts reading `file` into the page cache in the background, in file order (tensors are
-/// laid out layer by layer), 8 MiB at a time, so that a cold disk's reads overlap the load
-/// and the first prefill instead of each weight page faulting in when first touched.
-/// Advice only: nothing waits for it, and a failure (or a file already cached) costs
-/// nothing.
-pub fn read_ahead(file: &std::fs::File) {
+/// Starts reading the file at `path` into the page cache in the background, in file order
+/// (tensors are laid out layer by layer), 8 MiB at a time, so that a cold disk's reads
+/// overlap the load and the first prefill instead of each weight page faulting in when
+/// first touched. For loads only, not for reading a model's metadata. Advice only: nothing
+/// waits for it, and a failure (or a file already cached) costs nothing.
+pub fn read_ahead(path: &Path) {
     use std::os::fd::AsRawFd;
-    let (Ok(f), Ok(meta)) = (file.try_clone(), file.metadata()) else {
-        return;
-    };
-    let len = meta.len() as i64;
+    let path = path.to_path_buf();
     let _ = std::thread::Builder::new()
         .name("hearth-readahead".into())
         .spawn(move || {
+            let Ok(f) = std::fs::File::open(&path) else { return };
+            let len = f.metadata().map_or(0, |m| m.len() as i64);
             const CHUNK: i64 = 8 << 20;
             let mut off = 0;
             while off < len {
@@ -138,7 +137,7 @@ pub fn load(model: &Path, want: &[Wanted]) -> Result<Vec<PackedMatrix>, String> 
     // rename, leaving this map intact. (A file truncated in place by someone else would
     // fault on access, as any mapped model file would.)
     let map = Arc::new(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| e.to_string())?);
-    read_ahead(&file);
+    read_ahead(&cache);
     let b: &[u8] = &map;
     let header = 48 + want.len() * ENTRY;
     if b.len() < header || &b[0..8] != MAGIC {

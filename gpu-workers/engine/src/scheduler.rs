@@ -386,12 +386,11 @@ impl Scheduler {
     /// tenant's request, and one more arriving while it runs, is admitted ahead of a
     /// flooder's and may preempt its work, and no more.
     fn arrival_counter(&self, qos: &Qos) -> f64 {
-        let Some(a) = self.account_ids.get(&qos.tenant).map(|&a| &self.accounts[a]) else {
-            return self.floor().map_or(0.0, |f| (f - self.return_credit()).max(0.0));
-        };
+        let account = self.account_ids.get(&qos.tenant).map(|&a| &self.accounts[a]);
+        let (own, idle) = account.map_or((0.0, true), |a| (a.counter, a.seqs == 0));
         match self.floor() {
-            Some(f) if a.seqs == 0 => a.counter.max(f - self.return_credit()),
-            _ => a.counter,
+            Some(f) if idle => own.max(f - self.return_credit()),
+            _ => own,
         }
     }
 
@@ -965,12 +964,15 @@ impl Scheduler {
     /// the bound promotes one batch sequence at a time, so the batch class is guaranteed
     /// progress without taking the worker from interactive work.
     fn aged(&self, id: u64) -> bool {
-        self.promoted == 0
-            && self.seqs.get(&id).is_some_and(|s| {
-                s.table.is_empty()
-                    && s.priority == Priority::Batch
-                    && self.steps - s.waiting_since >= self.cfg.starvation_steps
-            })
+        self.seqs
+            .get(&id)
+            .is_some_and(|s| s.table.is_empty() && self.past_bound(s))
+    }
+
+    /// Whether `s` is batch work that has waited past the bound while no promoted sequence is
+    /// alive (waiting or not: see [`Scheduler::aged`]).
+    fn past_bound(&self, s: &Sequence) -> bool {
+        self.promoted == 0 && s.priority == Priority::Batch && self.steps - s.waiting_since >= self.cfg.starvation_steps
     }
 
     /// Preempts the last running sequence if it is batch work (dropping what this step
@@ -1039,11 +1041,9 @@ impl Scheduler {
     /// prefix.
     fn admit(&mut self, id: u64) {
         let w = self.cfg.weights;
-        let (steps, bound) = (self.steps, self.cfg.starvation_steps);
         // (Not `aged`: its prefix taken from the cache, the sequence already holds blocks.)
-        let gate_open = self.cfg.policy == Policy::Fair && self.promoted == 0;
+        let promote = self.cfg.policy == Policy::Fair && self.seqs.get(&id).is_some_and(|s| self.past_bound(s));
         let Some(s) = self.seqs.get_mut(&id) else { return };
-        let promote = gate_open && s.priority == Priority::Batch && steps - s.waiting_since >= bound;
         let a = &mut self.accounts[s.account];
         let c = class(s.priority);
         if a.waiting[c].front() == Some(&id) {
@@ -1194,6 +1194,17 @@ mod tests {
             max_running: 8,
             ..Default::default()
         }
+    }
+
+    /// 16-token steps, 64 blocks, and a starvation bound of `bound` steps.
+    fn bounded(bound: u64) -> Scheduler {
+        Scheduler::new(
+            SchedulerConfig {
+                starvation_steps: bound,
+                ..cfg(16)
+            },
+            64,
+        )
     }
 
     /// A tenant's requests in a class, share 1.
@@ -1576,13 +1587,7 @@ mod tests {
     fn a_batch_request_waits_at_most_the_starvation_bound() {
         let root = namespace_root("m", "t");
         let bound = 50;
-        let mut s = Scheduler::new(
-            SchedulerConfig {
-                starvation_steps: bound,
-                ..cfg(16)
-            },
-            64,
-        );
+        let mut s = bounded(bound);
         let inter = qos("i", Priority::Interactive);
         let batch = qos("b", Priority::Batch);
         s.add_for(0, vec![9; 6], root, &batch);
@@ -1704,13 +1709,7 @@ mod tests {
     fn the_starvation_bound_promotes_one_batch_request_at_a_time() {
         let root = namespace_root("m", "t");
         let bound = 20;
-        let mut s = Scheduler::new(
-            SchedulerConfig {
-                starvation_steps: bound,
-                ..cfg(16)
-            },
-            64,
-        );
+        let mut s = bounded(bound);
         let inter = qos("i", Priority::Interactive);
         let batch = qos("b", Priority::Batch);
         // A batch backlog, all of it past the bound at once, sharing a system prompt (a
