@@ -12,7 +12,8 @@
 //!   the one-copy path).
 //!
 //! Reported per mode: TTFT and inter-token latency P50/P90/P99, output tokens/s, KV bytes
-//! moved and the transfer rate; then the ratios the issue's targets name.
+//! moved and the transfer rate; for each engine worker, where its engine thread spent the
+//! run ([`WorkerProfile`]); then the ratios the issue's targets name.
 
 use std::collections::{BinaryHeap, HashMap};
 use std::path::PathBuf;
@@ -56,6 +57,12 @@ pub struct PdBenchConfig {
     /// The sim's KV transfer rate, GB/s.
     pub sim_transfer_gbs: f64,
     pub quick: bool,
+    /// Disaggregated mode's threads for the prefill and the decode worker (default: half
+    /// of `threads` each, as each colocated worker has).
+    pub pd_threads: Option<(usize, usize)>,
+    /// Disaggregated mode's decode worker: `--max-running` (a batch cap; default: the
+    /// worker's own).
+    pub decode_max_running: Option<usize>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -80,6 +87,90 @@ pub struct ModeResult {
     pub disaggregated: u64,
     pub kv_bytes: u64,
     pub transfer_gbs: f64,
+    /// Each worker's engine thread over the measured run (engine mode only).
+    pub profile: Vec<WorkerProfile>,
+}
+
+/// Where one worker's engine thread spent the measured run, read from its
+/// `hearth_engine_step_*` and `hearth_engine_thread_seconds_total` metrics (the difference
+/// between a scrape before the load and one after).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct WorkerProfile {
+    pub role: String,
+    pub threads: usize,
+    /// Busy time ÷ the run's time, and its parts, in ms per second of run.
+    pub busy: f64,
+    pub plan_ms_s: f64,
+    pub forward_ms_s: f64,
+    pub sample_ms_s: f64,
+    pub commands_ms_s: f64,
+    pub publish_ms_s: f64,
+    /// Steps of decodes only: how many, their mean time, their mean rows.
+    pub decode_steps: u64,
+    pub decode_step_ms: f64,
+    pub decode_rows: f64,
+    /// Steps with prompt tokens.
+    pub prompt_steps: u64,
+    pub prompt_step_ms: f64,
+    pub prompt_rows: f64,
+    /// KV pulls this worker made (disaggregated decode): how many and their mean time.
+    pub pulls: u64,
+    pub pull_ms: f64,
+}
+
+/// A counter or histogram part of one worker's metrics: the sum of the lines of `name`
+/// whose labels contain `label` (or any, for `""`).
+fn series(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+                && l.contains(label)
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+impl WorkerProfile {
+    fn between(role: &str, threads: usize, before: &str, after: &str, seconds: f64) -> Self {
+        let d = |name: &str, label: &str| series(after, name, label) - series(before, name, label);
+        let phase = |p: &str| d("hearth_engine_thread_seconds_total", &format!("phase=\"{p}\"")) * 1000.0 / seconds;
+        let kind = |k: &str| {
+            let label = format!("kind=\"{k}\"");
+            let n = d("hearth_engine_step_seconds_count", &label);
+            let ms = d("hearth_engine_step_seconds_sum", &label) * 1000.0 / n.max(1.0);
+            let rows = d("hearth_engine_step_rows_total", &label) / n.max(1.0);
+            (n as u64, ms, rows)
+        };
+        let (decode_steps, decode_step_ms, decode_rows) = kind("decode");
+        let (prompt_steps, prompt_step_ms, prompt_rows) = kind("prompt");
+        let pulls = d("hearth_kv_transfer_seconds_count", "");
+        let (plan, forward, sample, commands, publish) = (
+            phase("plan"),
+            phase("forward"),
+            phase("sample"),
+            phase("commands"),
+            phase("publish"),
+        );
+        WorkerProfile {
+            role: role.to_string(),
+            threads,
+            busy: (plan + forward + sample + commands + publish) / 1000.0,
+            plan_ms_s: plan,
+            forward_ms_s: forward,
+            sample_ms_s: sample,
+            commands_ms_s: commands,
+            publish_ms_s: publish,
+            decode_steps,
+            decode_step_ms,
+            decode_rows,
+            prompt_steps,
+            prompt_step_ms,
+            prompt_rows,
+            pulls: pulls as u64,
+            pull_ms: d("hearth_kv_transfer_seconds_sum", "") * 1000.0 / pulls.max(1.0),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -131,6 +222,33 @@ impl PdReport {
                 r.kv_bytes as f64 / 1e6,
                 r.transfer_gbs
             );
+        }
+        out += "\nWhere each engine worker's engine thread spent the run (busy share; ms per second of run by phase; steps of decodes only and steps with prompt tokens: count, mean ms, mean rows; KV pulls):\n\n";
+        out += "| mode | worker | threads | busy | plan / forward / sample / commands / publish ms/s | decode steps | decode step ms | decode rows | prompt steps | prompt step ms | prompt rows | KV pulls | pull ms |\n";
+        out += "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+        for r in &self.results {
+            for p in &r.profile {
+                out += &format!(
+                    "| {} | {} | {} | {:.0} % | {:.0} / {:.0} / {:.0} / {:.0} / {:.0} | {} | {:.2} | {:.2} | {} | {:.2} | {:.1} | {} | {:.1} |\n",
+                    r.mode,
+                    p.role,
+                    p.threads,
+                    p.busy * 100.0,
+                    p.plan_ms_s,
+                    p.forward_ms_s,
+                    p.sample_ms_s,
+                    p.commands_ms_s,
+                    p.publish_ms_s,
+                    p.decode_steps,
+                    p.decode_step_ms,
+                    p.decode_rows,
+                    p.prompt_steps,
+                    p.prompt_step_ms,
+                    p.prompt_rows,
+                    p.pulls,
+                    p.pull_ms
+                );
+            }
         }
         out += &format!(
             "\nP90 ITL, disaggregated ÷ colocated: engine {:.2}×, sim {:.2}× (RDMA-class link {:.2}×) (target ≤ 0.5×)\n\
@@ -252,43 +370,43 @@ fn long_prompt(words: usize, n: usize) -> String {
     s + "\nSummarise the document in one line."
 }
 
-fn metric(text: &str, prefix: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(prefix))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 async fn engine_mode(cfg: &PdBenchConfig, pd: bool) -> anyhow::Result<ModeResult> {
     let data = std::env::temp_dir().join(format!("hearth-bench-pd-{}-{pd}", std::process::id()));
     std::fs::create_dir_all(&data)?;
     let data_s = data.to_string_lossy().to_string();
     admin(&cfg.exe, &data_s, &["tenant", "create", "bench"])?;
     let key = crate::procs::new_key(&cfg.exe, &data_s, "bench")?;
-    let threads = (cfg.threads / 2).max(1).to_string();
+    let half = (cfg.threads / 2).max(1);
+    let threads = match (pd, cfg.pd_threads) {
+        (true, Some((p, d))) => [p.max(1), d.max(1)],
+        _ => [half, half],
+    };
     let step_tokens = cfg.step_tokens.to_string();
     let roles = if pd { ["prefill", "decode"] } else { ["both", "both"] };
     let mut procs = Vec::new();
     let mut urls = Vec::new();
-    for role in roles {
-        let (p, url) = spawn(
-            &cfg.exe,
-            &[
-                "worker",
-                "--listen",
-                "127.0.0.1:0",
-                "--model",
-                &cfg.model,
-                "--model-id",
-                &cfg.model_id,
-                "--threads",
-                &threads,
-                "--max-batch-tokens",
-                &step_tokens,
-                "--role",
-                role,
-            ],
-        )?;
+    for (role, n) in roles.into_iter().zip(threads) {
+        let n = n.to_string();
+        let mut args = vec![
+            "worker",
+            "--listen",
+            "127.0.0.1:0",
+            "--model",
+            &cfg.model,
+            "--model-id",
+            &cfg.model_id,
+            "--threads",
+            &n,
+            "--max-batch-tokens",
+            &step_tokens,
+            "--role",
+            role,
+        ];
+        let cap = cfg.decode_max_running.map(|c| c.to_string());
+        if let (true, Some(cap)) = (role == "decode", &cap) {
+            args.extend(["--max-running", cap]);
+        }
+        let (p, url) = spawn(&cfg.exe, &args)?;
         procs.push(p);
         urls.push(url);
     }
@@ -317,6 +435,10 @@ async fn engine_mode(cfg: &PdBenchConfig, pd: bool) -> anyhow::Result<ModeResult
         let body = json!({"model": model, "stream": true, "max_tokens": 4,
             "messages": [{"role": "user", "content": long_prompt(cfg.long_words, 900 + i)}]});
         stream(&client, &url, &key, body, true).await;
+    }
+    let mut before = Vec::new();
+    for u in &urls {
+        before.push(client.get(format!("{u}/metrics")).send().await?.text().await?);
     }
     let started = Instant::now();
     let deadline = started + Duration::from_secs_f64(cfg.seconds);
@@ -369,10 +491,14 @@ async fn engine_mode(cfg: &PdBenchConfig, pd: bool) -> anyhow::Result<ModeResult
     let elapsed = started.elapsed().as_secs_f64();
     let mut kv_bytes = 0.0;
     let mut kv_seconds = 0.0;
-    for u in &urls {
+    let mut profile = Vec::new();
+    for (i, u) in urls.iter().enumerate() {
         let m = client.get(format!("{u}/metrics")).send().await?.text().await?;
-        kv_bytes += metric(&m, "hearth_kv_transfer_bytes_total");
-        kv_seconds += metric(&m, "hearth_kv_transfer_seconds_sum");
+        kv_bytes +=
+            series(&m, "hearth_kv_transfer_bytes_total", "") - series(&before[i], "hearth_kv_transfer_bytes_total", "");
+        kv_seconds +=
+            series(&m, "hearth_kv_transfer_seconds_sum", "") - series(&before[i], "hearth_kv_transfer_seconds_sum", "");
+        profile.push(WorkerProfile::between(roles[i], threads[i], &before[i], &m, elapsed));
     }
     let gm = client
         .get(format!("{gw_url}/metrics"))
@@ -381,22 +507,23 @@ async fn engine_mode(cfg: &PdBenchConfig, pd: bool) -> anyhow::Result<ModeResult
         .await?
         .text()
         .await?;
-    let disaggregated = metric(
+    let disaggregated = series(
         &gm,
-        &format!("hearth_pd_requests_total{{model=\"{model}\",outcome=\"disaggregated\"}}"),
+        "hearth_pd_requests_total",
+        &format!("model=\"{model}\",outcome=\"disaggregated\""),
     ) as u64;
     drop(gw);
     drop(procs);
     let _ = std::fs::remove_dir_all(&data);
     let errors = all.iter().filter(|r| r.is_none()).count();
     let ok: Vec<Timed> = all.into_iter().flatten().collect();
-    Ok(summarise(
+    let mut result = summarise(
         "engine",
         pd,
         if pd {
-            format!("1 prefill + 1 decode ({threads} threads each)")
+            format!("1 prefill ({} threads) + 1 decode ({} threads)", threads[0], threads[1])
         } else {
-            format!("2 both ({threads} threads each)")
+            format!("2 both ({half} threads each)")
         },
         &ok,
         errors,
@@ -404,7 +531,9 @@ async fn engine_mode(cfg: &PdBenchConfig, pd: bool) -> anyhow::Result<ModeResult
         disaggregated,
         kv_bytes as u64,
         kv_seconds,
-    ))
+    );
+    result.profile = profile;
+    Ok(result)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -444,6 +573,7 @@ fn summarise(
         } else {
             0.0
         },
+        profile: Vec::new(),
     }
 }
 

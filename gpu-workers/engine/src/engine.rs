@@ -25,7 +25,7 @@ use crate::kernels::{cpu_features, isa, set_isa, Isa};
 use crate::kv::{KvDtype, KvPool};
 use crate::kv_tier::{BlockKey, DiskTier, DiskTierConfig, ReadBlock};
 use crate::kv_transfer::{ImportError, ImportReport, KvBlock, KvLayout};
-use crate::metrics::EngineMetrics;
+use crate::metrics::{EngineMetrics, Phase, StepKind};
 use crate::models::{Batch, ForwardScratch, LoadOptions, LoraAdapter, Model, ModelConfig, ModelError};
 use crate::sampling::Sampler;
 use crate::scheduler::{Policy, Scheduler, SchedulerConfig, StepItem};
@@ -958,6 +958,12 @@ impl Runner {
     }
 
     fn command(&mut self, cmd: Command) {
+        let t = Instant::now();
+        self.apply(cmd);
+        self.metrics.spend(Phase::Commands, t.elapsed());
+    }
+
+    fn apply(&mut self, cmd: Command) {
         match cmd {
             Command::Generate(job) => self.admit(*job),
             Command::Subscribe(reply) => {
@@ -1414,6 +1420,7 @@ impl Runner {
     /// [`crate::scheduler::MAX_CUTS_IN_A_ROW`] steps in a row so that running work always
     /// progresses.
     fn step(&mut self, rx: &mpsc::Receiver<Command>) {
+        let planned = Instant::now();
         self.propose_drafts();
         let items = self.sched.schedule();
         // Evicted blocks go to the tier below before this step (or a fork's copy) overwrites them.
@@ -1424,6 +1431,7 @@ impl Runner {
         if items.is_empty() {
             // Only possible when every waiting request is larger than the free cache while
             // nothing runs; validation prevents it, but never spin.
+            self.metrics.spend(Phase::Plan, planned.elapsed());
             std::thread::sleep(Duration::from_millis(1));
             return;
         }
@@ -1497,7 +1505,11 @@ impl Runner {
             }
             false
         };
+        let started = Instant::now();
+        self.metrics.spend(Phase::Plan, started - planned);
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| compute.forward(model, &batch, &mut stop)));
+        let took = started.elapsed();
+        self.metrics.spend(Phase::Forward, took);
         drop((tables, adapters));
         let logits = match outcome {
             Ok(Ok(Some(l))) => l,
@@ -1535,6 +1547,13 @@ impl Runner {
         };
         self.steps += 1;
         self.cuts_in_a_row = 0;
+        let kind = if items.iter().any(|i| i.len > 1 + i.draft) {
+            StepKind::Prompt
+        } else {
+            StepKind::Decode
+        };
+        self.metrics.step(kind, tokens.len(), took);
+        let sampling = Instant::now();
         self.sched.complete(&items);
         let vocab = self.model.config.vocab_size;
         let mut rows = logits.chunks_exact(vocab);
@@ -1542,6 +1561,7 @@ impl Runner {
             let group: Vec<&[f32]> = rows.by_ref().take(1 + it.draft).collect();
             self.on_logits(it, &group, draft);
         }
+        self.metrics.spend(Phase::Sample, sampling.elapsed());
         for cmd in arrived {
             self.command(cmd);
         }
@@ -1775,6 +1795,12 @@ impl Runner {
 
     /// Sends KV events and (at most every 50 ms, when it changed) the load report.
     fn publish(&mut self) {
+        let t = Instant::now();
+        self.announce();
+        self.metrics.spend(Phase::Publish, t.elapsed());
+    }
+
+    fn announce(&mut self) {
         let ev = self.sched.blocks.take_events();
         if !ev.stored.is_empty() {
             let _ = self.kv_tx.send(KvEvent::Stored {

@@ -13,7 +13,10 @@
 //! `hearth_spec_accepted_tokens_total` (speculative decoding's acceptance rate is their
 //! ratio), `hearth_moe_expert_tokens_total{layer,expert}` (rows routed to each expert), `hearth_grammar_masks_total` and `hearth_grammar_mask_seconds_total`
 //! (constrained decoding), `hearth_engine_steps_cut_total` (steps cut short between layers
-//! for an interactive request arriving during prompt work it outranks). Every series carries a `worker` label.
+//! for an interactive request arriving during prompt work it outranks),
+//! `hearth_engine_step_seconds{kind}` and `hearth_engine_step_rows_total{kind}` (forward steps
+//! of decodes only, or with prompt tokens: time and batch), `hearth_engine_thread_seconds_total{phase}`
+//! (where the engine thread's time goes). Every series carries a `worker` label.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -61,6 +64,12 @@ pub struct EngineMetrics {
     pub grammar_mask_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
     /// Steps cut short between layers for an arriving request (see `Scheduler::interrupts`).
     pub steps_cut: Counter,
+    /// Forward steps that ran to the end, by [`StepKind`]: their time, and the rows
+    /// (tokens) they computed.
+    pub step_seconds: [Histogram; 2],
+    pub step_rows: [Counter; 2],
+    /// The engine thread's busy time, by [`Phase`].
+    pub thread_seconds: [Counter<f64, std::sync::atomic::AtomicU64>; 5],
     /// Rows routed to each expert of each mixture-of-experts layer.
     pub expert_load: crate::models::moe::ExpertLoad,
     /// The disk tier below the pool (zero without one).
@@ -85,7 +94,65 @@ impl Default for EngineMetrics {
             grammar_masks: Counter::default(),
             grammar_mask_seconds: Counter::default(),
             steps_cut: Counter::default(),
+            step_seconds: std::array::from_fn(|_| Histogram::new(STEP_BUCKETS.iter().copied())),
+            step_rows: Default::default(),
+            thread_seconds: Default::default(),
             kv_disk: Arc::default(),
+        }
+    }
+}
+
+const STEP_BUCKETS: &[f64] = &[
+    0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.012, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
+];
+
+/// A forward step's kind: only decode rows (one token per sequence, with its draft tokens),
+/// or prompt tokens too (a prefill chunk, with or without decodes beside it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepKind {
+    Decode = 0,
+    Prompt = 1,
+}
+
+impl StepKind {
+    pub const ALL: [StepKind; 2] = [StepKind::Decode, StepKind::Prompt];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StepKind::Decode => "decode",
+            StepKind::Prompt => "prompt",
+        }
+    }
+}
+
+/// Where the engine thread's time goes: planning a step (drafts, the schedule, block copies,
+/// the batch), the forward pass (steps cut short included), sampling and sending tokens,
+/// commands (admissions, KV imports and exports), and publishing cache events and load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Plan = 0,
+    Forward = 1,
+    Sample = 2,
+    Commands = 3,
+    Publish = 4,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 5] = [
+        Phase::Plan,
+        Phase::Forward,
+        Phase::Sample,
+        Phase::Commands,
+        Phase::Publish,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Plan => "plan",
+            Phase::Forward => "forward",
+            Phase::Sample => "sample",
+            Phase::Commands => "commands",
+            Phase::Publish => "publish",
         }
     }
 }
@@ -97,6 +164,17 @@ impl EngineMetrics {
 
     pub fn shed(&self, p: Priority) -> &Counter {
         &self.shed[p as usize]
+    }
+
+    /// A forward step that ran to the end: `rows` tokens in `d`.
+    pub fn step(&self, kind: StepKind, rows: usize, d: Duration) {
+        self.step_seconds[kind as usize].observe(d.as_secs_f64());
+        self.step_rows[kind as usize].inc_by(rows as u64);
+    }
+
+    /// Engine-thread time spent in `phase`.
+    pub fn spend(&self, phase: Phase, d: Duration) {
+        self.thread_seconds[phase as usize].inc_by(d.as_secs_f64());
     }
 }
 
@@ -170,6 +248,9 @@ pub const SERIES_LABELS: &[(&str, &[&str])] = &[
     ("hearth:request_prefill_time_seconds", &["worker"]),
     ("hearth:request_decode_time_seconds", &["worker"]),
     ("hearth_kv_transfer_seconds", &["worker"]),
+    ("hearth_engine_step_seconds", &["worker", "kind"]),
+    ("hearth_engine_step_rows", &["worker", "kind"]),
+    ("hearth_engine_thread_seconds", &["worker", "phase"]),
 ];
 
 impl EngineCollector {
@@ -495,6 +576,42 @@ impl Collector for EngineCollector {
             for (worker, em) in &with_metrics {
                 let labels: Labels = [("worker", worker)];
                 pick(em).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let mut m = encoder.encode_descriptor(
+            "hearth_engine_step_seconds",
+            "Forward steps that ran to the end, by kind: `decode` (one token per sequence, with its draft tokens) or `prompt` (prompt tokens, with or without decodes beside them).",
+            None,
+            MetricType::Histogram,
+        )?;
+        for (worker, em) in &with_metrics {
+            for k in StepKind::ALL {
+                let labels = [("worker", *worker), ("kind", k.as_str())];
+                em.step_seconds[k as usize].encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let mut m = encoder.encode_descriptor(
+            "hearth_engine_step_rows",
+            "Tokens computed by forward steps that ran to the end, by step kind (rows ÷ steps is the mean batch).",
+            None,
+            MetricType::Counter,
+        )?;
+        for (worker, em) in &with_metrics {
+            for k in StepKind::ALL {
+                let labels = [("worker", *worker), ("kind", k.as_str())];
+                em.step_rows[k as usize].encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let mut m = encoder.encode_descriptor(
+            "hearth_engine_thread_seconds",
+            "The engine thread's busy time by phase: plan (drafts, schedule, block copies, the batch), forward (steps cut short included), sample (sampling and sending tokens), commands (admissions, KV imports and exports), publish (cache events and load).",
+            None,
+            MetricType::Counter,
+        )?;
+        for (worker, em) in &with_metrics {
+            for p in Phase::ALL {
+                let labels = [("worker", *worker), ("phase", p.as_str())];
+                em.thread_seconds[p as usize].encode(m.encode_family(&labels)?)?;
             }
         }
         Ok(())

@@ -1,12 +1,16 @@
 //! Steps cut short between layers (fair scheduling): an interactive request arriving while
 //! the engine prefills batch work's long prompts cuts the step in progress, and every
-//! request — the cut ones included — generates exactly what it generates alone.
+//! request — the cut ones included — generates exactly what it generates alone. And the
+//! step profile (`hearth_engine_step_*`, `hearth_engine_thread_seconds_total`) counts what
+//! the steps computed.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
-use hearth_engine::{EngineConfig, EngineHandle};
+use hearth_engine::metrics::EngineCollector;
+use hearth_engine::{Backend, EngineConfig, EngineHandle};
 use hearth_protocol::{GenerateRequest, Priority, Qos, SamplingParams};
 
 mod common;
@@ -97,4 +101,43 @@ async fn an_interactive_request_cuts_a_batch_prefill_step_and_nothing_changes_it
         .await;
         assert_eq!(got, want, "request {i} generated what it generates alone");
     }
+}
+
+/// The sum of the exposition's lines of `name` whose labels contain `label`.
+fn series(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_step_profile_counts_each_step_by_kind_with_its_rows() {
+    let m = model_path();
+    let cfg = EngineConfig {
+        threads: 1,
+        max_batch_tokens: 16,
+        speculative_tokens: 0,
+        ..Default::default()
+    };
+    let e = EngineHandle::load(&m, DEFAULT_MODEL_ID, &cfg).unwrap();
+    let out = greedy(e.clone(), request("p", prompt(7, 40), "t", Priority::Interactive)).await;
+    assert_eq!(out.len(), 6);
+    let mut registry = prometheus_client::registry::Registry::default();
+    let backend: Arc<dyn Backend> = Arc::new(e.clone());
+    registry.register_collector(Box::new(EngineCollector::new(vec![("w".into(), backend)])));
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    let kind = |name: &str, k: &str| series(&text, name, &format!("kind=\"{k}\""));
+    // 40 prompt tokens in 16-token steps (16, 16, 8; the last gives the first token), then
+    // one decode step for each of the other 5 tokens.
+    assert_eq!(kind("hearth_engine_step_seconds_count", "prompt"), 3.0, "prompt steps");
+    assert_eq!(kind("hearth_engine_step_rows_total", "prompt"), 40.0);
+    assert_eq!(kind("hearth_engine_step_seconds_count", "decode"), 5.0, "decode steps");
+    assert_eq!(kind("hearth_engine_step_rows_total", "decode"), 5.0);
+    let phase = |p: &str| series(&text, "hearth_engine_thread_seconds_total", &format!("phase=\"{p}\""));
+    let steps = series(&text, "hearth_engine_step_seconds_sum", "");
+    assert!(steps > 0.0);
+    assert!(phase("forward") + 1e-9 >= steps, "the forward phase holds every step");
+    assert!(phase("commands") > 0.0, "the admission was a command");
 }

@@ -325,6 +325,14 @@ pub enum BenchCommand {
         /// measures 1.1–1.4 GB/s now).
         #[arg(long, default_value_t = 0.5)]
         sim_transfer_gbs: f64,
+        /// Disaggregated mode's threads for the prefill and the decode worker, as
+        /// `PREFILL:DECODE` (default: half of `--threads` each, as each colocated worker
+        /// has).
+        #[arg(long, value_parser = parse_thread_split)]
+        pd_threads: Option<(usize, usize)>,
+        /// Disaggregated mode's decode worker: its `--max-running` (a cap on its batch).
+        #[arg(long)]
+        decode_max_running: Option<usize>,
         /// Shorter runs (smoke).
         #[arg(long)]
         quick: bool,
@@ -1581,4 +1589,14 @@ pub enum ModelCommand {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// `PREFILL:DECODE` thread counts, each at least 1.
+fn parse_thread_split(s: &str) -> Result<(usize, usize), String> {
+    let (p, d) = s.split_once(':').ok_or("expected PREFILL:DECODE, e.g. 1:2")?;
+    let n = |x: &str| match x.trim().parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("`{x}` is not a thread count (1 or more)")),
+    };
+    Ok((n(p)?, n(d)?))
 }

@@ -26,6 +26,8 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
             step_tokens,
             threshold,
             sim_transfer_gbs,
+            pd_threads,
+            decode_max_running,
             quick,
             json,
         } => {
@@ -45,6 +47,8 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
                 threshold: threshold.max(1),
                 sim_transfer_gbs,
                 quick,
+                pd_threads,
+                decode_max_running: decode_max_running.map(|c| c.max(1)),
             };
             let report = hearth_bench::pd::run(cfg).await?;
             print!("{}", report.table());
