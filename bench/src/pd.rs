@@ -378,11 +378,12 @@ async fn engine_mode(cfg: &PdBenchConfig, pd: bool) -> anyhow::Result<ModeResult
     let key = crate::procs::new_key(&cfg.exe, &data_s, "bench")?;
     let half = (cfg.threads / 2).max(1);
     let threads = match (pd, cfg.pd_threads) {
-        (true, Some((p, d))) => [p.max(1), d.max(1)],
+        (true, Some((p, d))) => [p, d],
         _ => [half, half],
     };
     let step_tokens = cfg.step_tokens.to_string();
     let roles = if pd { ["prefill", "decode"] } else { ["both", "both"] };
+    let cap = cfg.decode_max_running.map(|c| c.to_string());
     let mut procs = Vec::new();
     let mut urls = Vec::new();
     for (role, n) in roles.into_iter().zip(threads) {
@@ -402,7 +403,6 @@ async fn engine_mode(cfg: &PdBenchConfig, pd: bool) -> anyhow::Result<ModeResult
             "--role",
             role,
         ];
-        let cap = cfg.decode_max_running.map(|c| c.to_string());
         if let (true, Some(cap)) = (role == "decode", &cap) {
             args.extend(["--max-running", cap]);
         }
@@ -436,10 +436,20 @@ async fn engine_mode(cfg: &PdBenchConfig, pd: bool) -> anyhow::Result<ModeResult
             "messages": [{"role": "user", "content": long_prompt(cfg.long_words, 900 + i)}]});
         stream(&client, &url, &key, body, true).await;
     }
+    let gateway_metrics = || async {
+        client
+            .get(format!("{gw_url}/metrics"))
+            .bearer_auth(TOKEN)
+            .send()
+            .await?
+            .text()
+            .await
+    };
     let mut before = Vec::new();
     for u in &urls {
         before.push(client.get(format!("{u}/metrics")).send().await?.text().await?);
     }
+    let gateway_before = gateway_metrics().await?;
     let started = Instant::now();
     let deadline = started + Duration::from_secs_f64(cfg.seconds);
     let mut tasks = Vec::new();
@@ -500,18 +510,10 @@ async fn engine_mode(cfg: &PdBenchConfig, pd: bool) -> anyhow::Result<ModeResult
             series(&m, "hearth_kv_transfer_seconds_sum", "") - series(&before[i], "hearth_kv_transfer_seconds_sum", "");
         profile.push(WorkerProfile::between(roles[i], threads[i], &before[i], &m, elapsed));
     }
-    let gm = client
-        .get(format!("{gw_url}/metrics"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await?
-        .text()
-        .await?;
-    let disaggregated = series(
-        &gm,
-        "hearth_pd_requests_total",
-        &format!("model=\"{model}\",outcome=\"disaggregated\""),
-    ) as u64;
+    let gateway_after = gateway_metrics().await?;
+    let label = format!("model=\"{model}\",outcome=\"disaggregated\"");
+    let disaggregated = (series(&gateway_after, "hearth_pd_requests_total", &label)
+        - series(&gateway_before, "hearth_pd_requests_total", &label)) as u64;
     drop(gw);
     drop(procs);
     let _ = std::fs::remove_dir_all(&data);

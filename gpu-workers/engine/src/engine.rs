@@ -921,12 +921,16 @@ impl Runner {
                     Err(mpsc::RecvTimeoutError::Disconnected) => return, // every handle dropped
                 }
             }
+            let t = Instant::now();
             self.expire_holds();
             self.admit_adapter_waiting();
+            self.metrics.spend(Phase::Commands, t.elapsed());
             while let Ok(cmd) = rx.try_recv() {
                 self.command(cmd);
             }
+            let t = Instant::now();
             self.reap_cancelled();
+            self.metrics.spend(Phase::Commands, t.elapsed());
             if self.sched.is_idle() {
                 self.publish();
                 continue;
@@ -957,6 +961,7 @@ impl Runner {
         self.adapter_retrying = false;
     }
 
+    /// [`Self::apply`], timed as the commands phase.
     fn command(&mut self, cmd: Command) {
         let t = Instant::now();
         self.apply(cmd);
@@ -1003,8 +1008,9 @@ impl Runner {
                     _ => self.import(blocks),
                 };
                 let _ = reply.send(report);
-                // Announce the new cached blocks now, not at the next step.
-                self.publish();
+                // Announce the new cached blocks now, not at the next step (timed as part
+                // of this command).
+                self.announce();
             }
             Command::DiskRead(job, blocks) => {
                 let report = self.import(blocks);
@@ -1547,12 +1553,14 @@ impl Runner {
         };
         self.steps += 1;
         self.cuts_in_a_row = 0;
-        let kind = if items.iter().any(|i| i.len > 1 + i.draft) {
+        let computes_prompt =
+            |i: &StepItem| i.len > 1 + i.draft || self.sched.get(i.seq).is_some_and(|s| i.start < s.prompt_len());
+        let kind = if items.iter().any(computes_prompt) {
             StepKind::Prompt
         } else {
             StepKind::Decode
         };
-        self.metrics.step(kind, tokens.len(), took);
+        self.metrics.record_step(kind, tokens.len(), took);
         let sampling = Instant::now();
         self.sched.complete(&items);
         let vocab = self.model.config.vocab_size;
@@ -1794,12 +1802,15 @@ impl Runner {
     }
 
     /// Sends KV events and (at most every 50 ms, when it changed) the load report.
+    /// [`Self::announce`], timed as the publish phase.
     fn publish(&mut self) {
         let t = Instant::now();
         self.announce();
         self.metrics.spend(Phase::Publish, t.elapsed());
     }
 
+    /// Sends the block events since the last call, the load (at most every 50 ms, or when
+    /// idle) and the adapter set when it changed, and updates the stats.
     fn announce(&mut self) {
         let ev = self.sched.blocks.take_events();
         if !ev.stored.is_empty() {

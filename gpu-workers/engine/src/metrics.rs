@@ -15,7 +15,7 @@
 //! (constrained decoding), `hearth_engine_steps_cut_total` (steps cut short between layers
 //! for an interactive request arriving during prompt work it outranks),
 //! `hearth_engine_step_seconds{kind}` and `hearth_engine_step_rows_total{kind}` (forward steps
-//! of decodes only, or with prompt tokens: time and batch), `hearth_engine_thread_seconds_total{phase}`
+//! of decodes only, or with prompt tokens: time and rows), `hearth_engine_thread_seconds_total{phase}`
 //! (where the engine thread's time goes). Every series carries a `worker` label.
 
 use std::sync::Arc;
@@ -64,9 +64,9 @@ pub struct EngineMetrics {
     pub grammar_mask_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
     /// Steps cut short between layers for an arriving request (see `Scheduler::interrupts`).
     pub steps_cut: Counter,
-    /// Forward steps that ran to the end, by [`StepKind`]: their time, and the rows
-    /// (tokens) they computed.
+    /// Forward steps that ran to the end, by [`StepKind`].
     pub step_seconds: [Histogram; 2],
+    /// The rows those steps computed, by [`StepKind`]: tokens, draft tokens included.
     pub step_rows: [Counter; 2],
     /// The engine thread's busy time, by [`Phase`].
     pub thread_seconds: [Counter<f64, std::sync::atomic::AtomicU64>; 5],
@@ -104,10 +104,13 @@ impl Default for EngineMetrics {
 
 const STEP_BUCKETS: &[f64] = &[
     0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.012, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0,
 ];
 
 /// A forward step's kind: only decode rows (one token per sequence, with its draft tokens),
-/// or prompt tokens too (a prefill chunk, with or without decodes beside it).
+/// or prompt tokens too (a prefill chunk, a prompt's last token recomputed after a cache hit
+/// or a KV import, or a preempted sequence's recomputation; with or without decodes beside
+/// it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepKind {
     Decode = 0,
@@ -127,7 +130,8 @@ impl StepKind {
 
 /// Where the engine thread's time goes: planning a step (drafts, the schedule, block copies,
 /// the batch), the forward pass (steps cut short included), sampling and sending tokens,
-/// commands (admissions, KV imports and exports), and publishing cache events and load.
+/// commands (admissions, KV imports and exports, expired holds, cancelled requests), and
+/// publishing cache events and load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
     Plan = 0,
@@ -167,7 +171,7 @@ impl EngineMetrics {
     }
 
     /// A forward step that ran to the end: `rows` tokens in `d`.
-    pub fn step(&self, kind: StepKind, rows: usize, d: Duration) {
+    pub fn record_step(&self, kind: StepKind, rows: usize, d: Duration) {
         self.step_seconds[kind as usize].observe(d.as_secs_f64());
         self.step_rows[kind as usize].inc_by(rows as u64);
     }
@@ -592,7 +596,7 @@ impl Collector for EngineCollector {
         }
         let mut m = encoder.encode_descriptor(
             "hearth_engine_step_rows",
-            "Tokens computed by forward steps that ran to the end, by step kind (rows ÷ steps is the mean batch).",
+            "Rows (tokens, draft tokens included) computed by forward steps that ran to the end, by step kind; rows ÷ steps is the mean rows per step.",
             None,
             MetricType::Counter,
         )?;
@@ -604,7 +608,7 @@ impl Collector for EngineCollector {
         }
         let mut m = encoder.encode_descriptor(
             "hearth_engine_thread_seconds",
-            "The engine thread's busy time by phase: plan (drafts, schedule, block copies, the batch), forward (steps cut short included), sample (sampling and sending tokens), commands (admissions, KV imports and exports), publish (cache events and load).",
+            "The engine thread's busy time by phase: plan (drafts, schedule, block copies, the batch), forward (steps cut short included), sample (sampling and sending tokens), commands (admissions, KV imports and exports, expired holds, cancelled requests), publish (cache events and load); together the thread's busy time.",
             None,
             MetricType::Counter,
         )?;

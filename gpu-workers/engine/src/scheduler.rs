@@ -195,6 +195,11 @@ pub struct Sequence {
 }
 
 impl Sequence {
+    /// Tokens at arrival: positions below it are prompt tokens (or resumed ones).
+    pub fn prompt_len(&self) -> usize {
+        self.prompt_len
+    }
+
     fn remaining(&self) -> usize {
         self.tokens.len() - self.computed
     }

@@ -403,10 +403,7 @@ async fn transfer_failures(worker: &str) -> f64 {
         .text()
         .await
         .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with("hearth_kv_transfer_failures_total"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    common::series(&text, "hearth_kv_transfer_failures_total", "")
 }
 
 async fn a_peer_fetch_reuses_the_holders_prefix_and_a_gone_or_silent_peer_costs_a_recompute(m: &Path) {

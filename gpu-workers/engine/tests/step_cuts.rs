@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hearth_engine::fetch::{ensure_model, hearth_home, DEFAULT_MODEL_ID};
 use hearth_engine::metrics::EngineCollector;
@@ -103,14 +103,6 @@ async fn an_interactive_request_cuts_a_batch_prefill_step_and_nothing_changes_it
     }
 }
 
-/// The sum of the exposition's lines of `name` whose labels contain `label`.
-fn series(text: &str, name: &str, label: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_step_profile_counts_each_step_by_kind_with_its_rows() {
     let m = model_path();
@@ -121,6 +113,7 @@ async fn the_step_profile_counts_each_step_by_kind_with_its_rows() {
         ..Default::default()
     };
     let e = EngineHandle::load(&m, DEFAULT_MODEL_ID, &cfg).unwrap();
+    let started = Instant::now();
     let out = greedy(e.clone(), request("p", prompt(7, 40), "t", Priority::Interactive)).await;
     assert_eq!(out.len(), 6);
     let mut registry = prometheus_client::registry::Registry::default();
@@ -128,6 +121,9 @@ async fn the_step_profile_counts_each_step_by_kind_with_its_rows() {
     registry.register_collector(Box::new(EngineCollector::new(vec![("w".into(), backend)])));
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    // Every time the text counts was spent before it was read.
+    let elapsed = started.elapsed().as_secs_f64();
+    let series = common::series;
     let kind = |name: &str, k: &str| series(&text, name, &format!("kind=\"{k}\""));
     // 40 prompt tokens in 16-token steps (16, 16, 8; the last gives the first token), then
     // one decode step for each of the other 5 tokens.
@@ -139,5 +135,13 @@ async fn the_step_profile_counts_each_step_by_kind_with_its_rows() {
     let steps = series(&text, "hearth_engine_step_seconds_sum", "");
     assert!(steps > 0.0);
     assert!(phase("forward") + 1e-9 >= steps, "the forward phase holds every step");
-    assert!(phase("commands") > 0.0, "the admission was a command");
+    for p in ["plan", "sample", "commands", "publish"] {
+        assert!(phase(p) > 0.0, "the {p} phase was timed");
+    }
+    // One thread, each moment counted once: the phases fit in the request's time.
+    let busy: f64 = ["plan", "forward", "sample", "commands", "publish"]
+        .map(phase)
+        .iter()
+        .sum();
+    assert!(busy <= elapsed, "the phases add up to {busy} s in {elapsed} s");
 }

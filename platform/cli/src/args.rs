@@ -330,7 +330,8 @@ pub enum BenchCommand {
         /// has).
         #[arg(long, value_parser = parse_thread_split)]
         pd_threads: Option<(usize, usize)>,
-        /// Disaggregated mode's decode worker: its `--max-running` (a cap on its batch).
+        /// Disaggregated mode's decode worker: its `--max-running` (a cap on its batch;
+        /// default: the worker's own).
         #[arg(long)]
         decode_max_running: Option<usize>,
         /// Shorter runs (smoke).
