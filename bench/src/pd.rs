@@ -20,6 +20,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
+use hearth_engine::metrics::series_sum as series;
 use hearth_engine::sim::{CostModel, SimWorker};
 use hearth_protocol::namespace_root;
 use serde::Serialize;
@@ -116,19 +117,6 @@ pub struct WorkerProfile {
     /// KV pulls this worker made (disaggregated decode): how many and their mean time.
     pub pulls: u64,
     pub pull_ms: f64,
-}
-
-/// A counter or histogram part of one worker's metrics: the sum of the lines of `name`
-/// whose labels contain `label` (or any, for `""`).
-fn series(text: &str, name: &str, label: &str) -> f64 {
-    text.lines()
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-                && l.contains(label)
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 impl WorkerProfile {

@@ -622,6 +622,19 @@ impl Collector for EngineCollector {
     }
 }
 
+/// The sum of a metrics exposition's series of `name` (exactly that name, any labels) whose
+/// labels contain `label` (every series of the name for `""`).
+pub fn series_sum(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+                && l.contains(label)
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -403,7 +403,7 @@ async fn transfer_failures(worker: &str) -> f64 {
         .text()
         .await
         .unwrap();
-    common::series(&text, "hearth_kv_transfer_failures_total", "")
+    hearth_engine::metrics::series_sum(&text, "hearth_kv_transfer_failures_total", "")
 }
 
 async fn a_peer_fetch_reuses_the_holders_prefix_and_a_gone_or_silent_peer_costs_a_recompute(m: &Path) {

@@ -123,7 +123,7 @@ async fn the_step_profile_counts_each_step_by_kind_with_its_rows() {
     prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
     // Every time the text counts was spent before it was read.
     let elapsed = started.elapsed().as_secs_f64();
-    let series = common::series;
+    let series = hearth_engine::metrics::series_sum;
     let kind = |name: &str, k: &str| series(&text, name, &format!("kind=\"{k}\""));
     // 40 prompt tokens in 16-token steps (16, 16, 8; the last gives the first token), then
     // one decode step for each of the other 5 tokens.

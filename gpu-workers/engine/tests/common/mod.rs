@@ -125,16 +125,3 @@ pub async fn run_request(
     }
     Err("the stream ended without Done".into())
 }
-
-/// The sum of a metrics exposition's series of `name` (exactly that name, any labels) whose
-/// labels contain `label` (every series of the name for `""`).
-pub fn series(text: &str, name: &str, label: &str) -> f64 {
-    text.lines()
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-                && l.contains(label)
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
