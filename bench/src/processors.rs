@@ -1,13 +1,19 @@
 //! `hearth bench processors`: what a trivial pre + post processor adds to a request, per
 //! guest language, and whether processor work scales across cores.
 //!
-//! * **Per request** (in the runtime, as the gateway does it): a fresh instance from the
-//!   pool, `on-request`, `on-response`, drop. P50/P99 over sequential requests.
+//! * **Per request** (in the runtime, as the gateway does it): a fresh instance,
+//!   `on-request`, `on-response`, drop. P50/P99 over sequential requests, two ways:
+//!   - *warm* (the default): the instance comes from the runtime's shelf of instances made
+//!     ahead, refilled in the background; requests are paced (one per `PACE`) so that the
+//!     shelf can keep up, and the share that found their instance ready is printed;
+//!   - *made*: shelves off, the instance made on the request's path (the cost without them).
+//! * **CPU per request**: the process's CPU time over the back-to-back 1-task run, divided by
+//!   its requests: what a request costs the machine, background instantiation included.
 //! * **Through the gateway** (the WAT guest): the same instant-worker gateway as
 //!   `hearth bench gateway`, two metered tenants, one with the processor as pre + post;
 //!   requests alternate between them over HTTP; the added P50 is the difference.
-//! * **Scaling**: requests/s of the per-request loop with 1 and 2 concurrent tasks on a
-//!   2-thread runtime.
+//! * **Scaling**: requests/s of the per-request loop back to back (shelves on) with 1 and 2
+//!   concurrent tasks on a 2-thread runtime.
 //!
 //! Guests: the WAT trivial processor (built in-process; the "compiled language" figure —
 //! no language runtime at all), and the JavaScript and Python trivial processors from
@@ -17,8 +23,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hearth_runtime::{Action, Limits, Request, Response, Runtime};
+use hearth_runtime::{Action, Compiled, Limits, Request, Response, Runtime};
 use serde::Serialize;
+
+/// The gap between the paced warm requests' starts.
+const PACE: Duration = Duration::from_millis(2);
 
 #[derive(Debug, Clone, Serialize)]
 pub struct GuestResult {
@@ -26,8 +35,14 @@ pub struct GuestResult {
     pub bytes: usize,
     /// Validation + compilation at upload (first time; later loads come from the cache).
     pub compile_ms: f64,
-    pub p50_us: f64,
-    pub p99_us: f64,
+    /// Per request, the instance taken from the shelf.
+    pub warm: Latency,
+    /// The share of those requests that found their instance ready.
+    pub warm_share: f64,
+    /// Per request, the instance made on the request's path (shelves off).
+    pub made: Latency,
+    /// The process's CPU time per request, back to back, background instantiation included.
+    pub cpu_us_per_request: f64,
     pub per_s_1_task: f64,
     pub per_s_2_tasks: f64,
 }
@@ -44,21 +59,41 @@ pub struct ProcessorBenchReport {
 impl ProcessorBenchReport {
     pub fn table(&self) -> String {
         let mut s = format!(
-            "processor overhead per request: new instance + on-request + on-response ({} sequential requests)\n\n",
-            self.requests
+            "processor overhead per request: instance + on-request + on-response + drop \
+             (up to {} sequential requests per guest and mode, {} ms apart)\n\
+             warm: the instance made ahead, taken from the shelf (ready: the share that found one); \
+             made: made on the request's path (shelves off)\n\n",
+            self.requests,
+            PACE.as_millis()
         );
         s += &format!(
-            "{:<10} {:>12} {:>12} {:>10} {:>10} {:>12} {:>12} {:>8}\n",
-            "guest", "bytes", "compile ms", "p50 µs", "p99 µs", "1 task /s", "2 tasks /s", "scaling"
+            "{:<8} {:<5} {:>9} {:>9} {:>10} {:>9} {:>8} {:>6}\n",
+            "guest", "mode", "p50 µs", "p99 µs", "instance", "calls", "drop", "ready"
+        );
+        for g in &self.guests {
+            for (mode, l, ready) in [
+                ("warm", &g.warm, format!("{:.0}%", g.warm_share * 100.0)),
+                ("made", &g.made, String::new()),
+            ] {
+                s += &format!(
+                    "{:<8} {:<5} {:>9.1} {:>9.1} {:>10.1} {:>9.1} {:>8.1} {:>6}\n",
+                    g.guest, mode, l.p50_us, l.p99_us, l.instance_p50_us, l.calls_p50_us, l.drop_p50_us, ready
+                );
+            }
+        }
+        s += "(instance, calls, drop: the P50 of each part; the target, ≤ 200 µs, is the warm P50)\n\n";
+        s += "back to back, shelves on (CPU/req: the process's CPU time per request, background instantiation included)\n";
+        s += &format!(
+            "{:<8} {:>10} {:>11} {:>11} {:>10} {:>11} {:>8}\n",
+            "guest", "bytes", "compile ms", "CPU/req µs", "1 task /s", "2 tasks /s", "scaling"
         );
         for g in &self.guests {
             s += &format!(
-                "{:<10} {:>12} {:>12.0} {:>10.1} {:>10.1} {:>12.0} {:>12.0} {:>7.2}×\n",
+                "{:<8} {:>10} {:>11.0} {:>11.0} {:>10.0} {:>11.0} {:>7.2}×\n",
                 g.guest,
                 g.bytes,
                 g.compile_ms,
-                g.p50_us,
-                g.p99_us,
+                g.cpu_us_per_request,
                 g.per_s_1_task,
                 g.per_s_2_tasks,
                 g.per_s_2_tasks / g.per_s_1_task.max(1e-9)
@@ -95,19 +130,76 @@ fn response() -> Response {
     }
 }
 
-async fn one(rt: &Runtime, c: &hearth_runtime::Compiled, limits: Limits) -> anyhow::Result<()> {
+/// One request's processor work: the instance, the two calls, the drop.
+async fn one(rt: &Runtime, c: &Arc<Compiled>, limits: Limits) -> anyhow::Result<[Duration; 3]> {
+    let t0 = Instant::now();
     let mut i = rt.instantiate(c, "{}", limits).await?;
+    let t1 = Instant::now();
     let a = i.on_request(&request()).await?;
     let b = i.on_response(&response()).await?;
+    let t2 = Instant::now();
     anyhow::ensure!(
         a == Action::Continue && b == Action::Continue,
         "a trivial guest must continue"
     );
-    Ok(())
+    drop(i);
+    Ok([t1 - t0, t2 - t1, t2.elapsed()])
+}
+
+/// This process's user + system CPU time (`/proc/self/stat`, in clock ticks of 10 ms).
+fn cpu_time() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command's closing parenthesis: state is 3rd; utime, stime 14th, 15th.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some(Duration::from_millis(ticks * 10))
+}
+
+/// Per-request latencies of one mode, µs.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Latency {
+    pub p50_us: f64,
+    pub p99_us: f64,
+    /// The P50s of the request's parts: getting the instance (taken or made), the two calls,
+    /// dropping it.
+    pub instance_p50_us: f64,
+    pub calls_p50_us: f64,
+    pub drop_p50_us: f64,
+}
+
+/// `requests` sequential requests, each `PACE` after the last one's start.
+async fn latencies(rt: &Runtime, c: &Arc<Compiled>, limits: Limits, requests: usize) -> anyhow::Result<Latency> {
+    let mut total = Vec::with_capacity(requests);
+    let mut parts: [Vec<f64>; 3] = Default::default();
+    let mut next = tokio::time::Instant::now();
+    for _ in 0..requests {
+        tokio::time::sleep_until(next).await;
+        next += PACE;
+        let t = Instant::now();
+        let ds = one(rt, c, limits).await?;
+        total.push(t.elapsed().as_secs_f64() * 1e6);
+        for (v, d) in parts.iter_mut().zip(ds) {
+            v.push(d.as_secs_f64() * 1e6);
+        }
+    }
+    let p50 = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        percentile(v, 0.5)
+    };
+    let [i, c, d] = &mut parts;
+    Ok(Latency {
+        p50_us: p50(&mut total),
+        p99_us: percentile(&total, 0.99),
+        instance_p50_us: p50(i),
+        calls_p50_us: p50(c),
+        drop_p50_us: p50(d),
+    })
 }
 
 async fn guest(
-    rt: &Arc<Runtime>,
+    warm: &Arc<Runtime>,
+    made: &Runtime,
     name: &str,
     wasm: Vec<u8>,
     requests: usize,
@@ -115,31 +207,39 @@ async fn guest(
 ) -> anyhow::Result<GuestResult> {
     let t = Instant::now();
     let bytes = wasm.len();
-    let rt2 = rt.clone();
-    let c = tokio::task::spawn_blocking(move || rt2.compile(&wasm)).await??;
+    let rt2 = warm.clone();
+    let wasm = Arc::new(wasm);
+    let w2 = wasm.clone();
+    let c = tokio::task::spawn_blocking(move || rt2.compile(&w2)).await??;
     let compile_ms = t.elapsed().as_secs_f64() * 1e3;
+    // The second runtime loads the first's compiled code from the shared disk cache.
+    let c_made = made.compile(&wasm)?;
     let limits = Limits {
         cpu_ms: 1000,
         memory_mib: 256,
         ..Default::default()
     };
     for _ in 0..requests.min(50) {
-        one(rt, &c, limits).await?;
+        one(made, &c_made, limits).await?;
     }
-    let mut lat = Vec::with_capacity(requests);
-    for _ in 0..requests {
-        let t = Instant::now();
-        one(rt, &c, limits).await?;
-        lat.push(t.elapsed().as_secs_f64() * 1e6);
+    let made_path = latencies(made, &c_made, limits, requests).await?;
+    for _ in 0..requests.min(50) {
+        one(warm, &c, limits).await?;
+        tokio::time::sleep(PACE).await;
     }
-    lat.sort_by(f64::total_cmp);
+    let before = warm.warm_stats();
+    let warm_path = latencies(warm, &c, limits, requests).await?;
+    let after = warm.warm_stats();
+    let warm_share = (after.warm - before.warm) as f64 / requests.max(1) as f64;
     let mut rates = [0.0; 2];
+    let mut cpu_us_per_request = 0.0;
     for (k, tasks) in [1usize, 2].into_iter().enumerate() {
         let deadline = Instant::now() + Duration::from_secs_f64(seconds);
         let started = Instant::now();
+        let cpu0 = cpu_time();
         let mut hs = Vec::new();
         for _ in 0..tasks {
-            let (rt, c) = (rt.clone(), c.clone());
+            let (rt, c) = (warm.clone(), c.clone());
             hs.push(tokio::spawn(async move {
                 let mut n = 0usize;
                 while Instant::now() < deadline {
@@ -155,13 +255,18 @@ async fn guest(
             n += h.await?;
         }
         rates[k] = n as f64 / started.elapsed().as_secs_f64();
+        if let (0, Some(a), Some(b)) = (k, cpu0, cpu_time()) {
+            cpu_us_per_request = (b - a).as_secs_f64() * 1e6 / n.max(1) as f64;
+        }
     }
     Ok(GuestResult {
         guest: name.to_string(),
         bytes,
         compile_ms,
-        p50_us: percentile(&lat, 0.5),
-        p99_us: percentile(&lat, 0.99),
+        warm: warm_path,
+        warm_share,
+        made: made_path,
+        cpu_us_per_request,
         per_s_1_task: rates[0],
         per_s_2_tasks: rates[1],
     })
@@ -176,18 +281,33 @@ pub async fn run(
     requests: usize,
     seconds: f64,
 ) -> anyhow::Result<ProcessorBenchReport> {
-    // No disk cache: the compile column is the cold upload cost.
-    let rt = Arc::new(Runtime::new(None)?);
-    let mut guests = vec![guest(&rt, "wat", hearth_runtime::wat_guest::trivial(), requests, seconds).await?];
+    // A fresh disk cache: the compile column is the cold upload cost; the shelf-less
+    // runtime then loads the same compiled code from it.
+    let cache = std::env::temp_dir().join(format!("hearth-bench-processors-{}", std::process::id()));
+    let warm = Arc::new(Runtime::new(Some(cache.clone()))?);
+    let made = Runtime::new(Some(cache.clone()))?.with_warm(0);
+    let mut guests = vec![
+        guest(
+            &warm,
+            &made,
+            "wat",
+            hearth_runtime::wat_guest::trivial(),
+            requests,
+            seconds,
+        )
+        .await,
+    ];
     if let Some(dir) = examples {
         for (name, file) in [("js", "trivial.wasm"), ("python", "trivial-py.wasm")] {
             let path = dir.join(file);
             match std::fs::read(&path) {
-                Ok(wasm) => guests.push(guest(&rt, name, wasm, (requests / 10).max(20), seconds).await?),
+                Ok(wasm) => guests.push(guest(&warm, &made, name, wasm, (requests / 4).max(20), seconds).await),
                 Err(e) => tracing::warn!(path = %path.display(), error = %e, "guest not built; skipped"),
             }
         }
     }
+    let _ = std::fs::remove_dir_all(&cache);
+    let guests = guests.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
     let (plain, with) = crate::gateway::processor_overhead(model_path, model_id, requests).await?;
     Ok(ProcessorBenchReport {
         requests,

@@ -5,8 +5,15 @@
 //!   this world, importing nothing but the world's `host` interface and a restricted WASI)
 //!   and precompiles it; compiled code is cached by the SHA-256 of the upload, in memory
 //!   and, with a cache directory, on disk.
-//! * **Per request**: [`Runtime::instantiate`] makes a fresh instance from the pooling
-//!   allocator (`InstancePre`, copy-on-write memory images), so requests share nothing.
+//! * **Per request**: [`Runtime::instantiate`] hands out a fresh instance, never used
+//!   before, so requests share nothing. Instances come from the pooling allocator
+//!   (`InstancePre`, copy-on-write memory images) and are made *ahead* of their requests: a
+//!   small shelf of ready instances per processor version, configuration and limits
+//!   ([`Runtime::with_warm`]). A request finds its instance made, so instantiating a large
+//!   guest (a Python runtime: ~600 µs) is off its path. A used instance is never put back:
+//!   releasing it (dropping it) hands its store to a background thread, the *maker*, which
+//!   drops it (the pool slot's reset) and then tops up the shelf, between requests rather
+//!   than beside a guest's calls.
 //! * **Limits per call**: CPU through epoch interruption (a 1 ms tick; the guest also
 //!   yields to the async executor at every tick, so a busy guest cannot hold a gateway
 //!   thread), memory (growing past the limit traps), input and output bytes, captured log
@@ -17,8 +24,9 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
@@ -49,7 +57,7 @@ pub const MAX_CPU_MS: u32 = 1_000;
 pub const MAX_MEMORY_MIB: u32 = 256;
 
 /// Limits of one processor's calls.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Limits {
     /// CPU time per call (ms, in 1 ms epochs).
     pub cpu_ms: u32,
@@ -134,7 +142,7 @@ impl HostWallClock for CoarseWall {
     }
 }
 
-struct CoarseMonotonic(std::time::Instant);
+struct CoarseMonotonic(Instant);
 impl HostMonotonicClock for CoarseMonotonic {
     fn resolution(&self) -> u64 {
         1_000_000_000
@@ -223,12 +231,114 @@ impl std::fmt::Debug for Compiled {
     }
 }
 
-/// The engine, linker and compiled-code cache of one process.
+/// The engine, linker, compiled-code cache and ready instances of one process.
 pub struct Runtime {
     engine: Engine,
     linker: Linker<State>,
     cache: Mutex<HashMap<String, Arc<Compiled>>>,
     cache_dir: Option<PathBuf>,
+    warm: Arc<Warm>,
+    maker: tokio::sync::mpsc::Sender<Job>,
+}
+
+/// Ready instances kept per processor version, configuration and limits by default.
+pub const DEFAULT_WARM_INSTANCES: usize = 2;
+/// Ready instances kept in all (each holds a pool slot and its resident pages); the least
+/// recently used shelf goes first.
+const MAX_WARM_TOTAL: usize = 64;
+/// A shelf not taken from for this long is emptied.
+const WARM_IDLE: Duration = Duration::from_secs(120);
+
+/// Counts of how requests got their instances.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WarmStats {
+    /// Instances taken ready from a shelf.
+    pub warm: u64,
+    /// Instances made on the request's path (an empty shelf: the first request of a
+    /// processor, requests faster than the refill, or shelves turned off).
+    pub made: u64,
+}
+
+/// Instances made ahead of their requests. Each is used by one request and dropped: a
+/// shelf only ever holds instances no request has touched, so isolation is that of a fresh
+/// instance.
+struct Warm {
+    per_key: usize,
+    shelves: Mutex<HashMap<WarmKey, Shelf>>,
+    hits: AtomicU64,
+    misses: AtomicU64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct WarmKey {
+    sha256: String,
+    config: String,
+    limits: Limits,
+}
+
+struct Shelf {
+    ready: Vec<Instance>,
+    used: Instant,
+}
+
+impl Warm {
+    fn new(per_key: usize) -> Arc<Self> {
+        Arc::new(Self {
+            per_key,
+            shelves: Mutex::new(HashMap::new()),
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+        })
+    }
+
+    /// Takes a ready instance if there is one, and returns the instances of shelves it
+    /// dropped (idle, or evicted), to drop unlocked.
+    fn take(&self, key: &WarmKey) -> (Option<Instance>, Vec<Instance>) {
+        let mut shelves = self.shelves.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let mut dropped = Vec::new();
+        shelves.retain(|k, s| {
+            let keep = k == key || now.duration_since(s.used) < WARM_IDLE;
+            if !keep {
+                dropped.append(&mut s.ready);
+            }
+            keep
+        });
+        if !shelves.contains_key(key) {
+            while (shelves.len() + 1) * self.per_key > MAX_WARM_TOTAL {
+                let Some(lru) = shelves.iter().min_by_key(|(_, s)| s.used).map(|(k, _)| k.clone()) else {
+                    break;
+                };
+                if let Some(mut s) = shelves.remove(&lru) {
+                    dropped.append(&mut s.ready);
+                }
+            }
+        }
+        let shelf = shelves.entry(key.clone()).or_insert_with(|| Shelf {
+            ready: Vec::new(),
+            used: now,
+        });
+        shelf.used = now;
+        (shelf.ready.pop(), dropped)
+    }
+
+    /// Whether the shelf exists and has room.
+    fn wants(&self, key: &WarmKey) -> bool {
+        let shelves = self.shelves.lock().unwrap_or_else(|e| e.into_inner());
+        shelves.get(key).is_some_and(|s| s.ready.len() < self.per_key)
+    }
+
+    /// Shelves an instance; returns it when the shelf is gone or full, to drop unlocked.
+    fn put(&self, key: &WarmKey, made: Instance) -> Option<Instance> {
+        let mut shelves = self.shelves.lock().unwrap_or_else(|e| e.into_inner());
+        match shelves.get_mut(key) {
+            Some(shelf) if shelf.ready.len() < self.per_key => {
+                shelf.ready.push(made);
+                None
+            }
+            _ => Some(made),
+        }
+    }
 }
 
 impl std::fmt::Debug for Runtime {
@@ -316,12 +426,32 @@ impl Runtime {
         if let Some(d) = &cache_dir {
             std::fs::create_dir_all(d)?;
         }
+        let maker = spawn_maker(engine.clone())?;
         Ok(Self {
             engine,
+            maker,
             linker,
             cache: Mutex::new(HashMap::new()),
             cache_dir,
+            warm: Warm::new(DEFAULT_WARM_INSTANCES),
         })
+    }
+
+    /// Keeps `per_processor` ready instances for each processor version, configuration and
+    /// limits in use (0: every request makes its own, on its path). Shelves are topped up by
+    /// the maker thread when an instance is released; emptied after two idle minutes; at
+    /// most 64 instances are kept in all.
+    pub fn with_warm(mut self, per_processor: usize) -> Self {
+        self.warm = Warm::new(per_processor.min(MAX_WARM_TOTAL));
+        self
+    }
+
+    /// How requests got their instances so far.
+    pub fn warm_stats(&self) -> WarmStats {
+        WarmStats {
+            warm: self.warm.hits.load(Ordering::Relaxed),
+            made: self.warm.misses.load(Ordering::Relaxed),
+        }
     }
 
     fn cached(&self, sha: &str) -> Option<Arc<Compiled>> {
@@ -383,80 +513,236 @@ impl Runtime {
         self.compile(&bytes).ok()
     }
 
-    /// A fresh instance for one request.
+    /// A fresh instance for one request: never used before, taken ready from its shelf
+    /// when there is one (made on this path otherwise). Dropping it releases it.
     pub async fn instantiate(
         &self,
-        compiled: &Compiled,
+        compiled: &Arc<Compiled>,
         config: &str,
         limits: Limits,
     ) -> Result<Instance, ProcessorError> {
         let limits = limits.clamped();
-        let stdout = MemoryOutputPipe::new(limits.max_log_bytes.max(1024));
-        let wasi = wasmtime_wasi::WasiCtxBuilder::new()
-            .stdout(stdout.clone())
-            .stderr(stdout.clone())
-            .wall_clock(CoarseWall)
-            .monotonic_clock(CoarseMonotonic(std::time::Instant::now()))
-            .allow_tcp(false)
-            .allow_udp(false)
-            .allow_ip_name_lookup(false)
-            .build();
-        let state = State {
-            wasi,
-            table: ResourceTable::new(),
-            limits: StoreLimitsBuilder::new()
-                .memory_size((limits.memory_mib as usize) << 20)
-                .instances(64)
-                .tables(64)
-                .memories(16)
-                .trap_on_grow_failure(true)
-                .build(),
+        if self.warm.per_key == 0 {
+            self.warm.misses.fetch_add(1, Ordering::Relaxed);
+            let mut i = make(&self.engine, &compiled.pre, config, limits).await?;
+            i.release = Some(Release {
+                maker: self.maker.clone(),
+                top_up: None,
+            });
+            return Ok(i);
+        }
+        let key = WarmKey {
+            sha256: compiled.sha256.clone(),
             config: config.to_string(),
-            logs: LogBuf {
-                limit: limits.max_log_bytes,
-                ..Default::default()
-            },
-            stdout,
-            ticks: 0,
-            max_ticks: limits.cpu_ms,
-        };
-        let mut store = Store::new(&self.engine, state);
-        store.limiter(|s| &mut s.limits);
-        store.epoch_deadline_callback(|mut ctx| {
-            let s = ctx.data_mut();
-            s.ticks += 1;
-            if s.ticks > s.max_ticks {
-                Ok(UpdateDeadline::Interrupt)
-            } else {
-                Ok(UpdateDeadline::Yield(1))
-            }
-        });
-        store.set_epoch_deadline(1);
-        // Starting the guest (its initializers) is bounded by the CPU limit too.
-        let bindings = compiled
-            .pre
-            .instantiate_async(&mut store)
-            .await
-            .map_err(|e| match classify(e, &limits) {
-                ProcessorError::Trap(m) => ProcessorError::Instantiate(m),
-                other => other,
-            })?;
-        Ok(Instance {
-            store,
-            bindings,
             limits,
-        })
+        };
+        let (taken, dropped) = self.warm.take(&key);
+        drop(dropped);
+        // The shelf is topped up when this instance is released, not now: making an instance
+        // beside a guest's first calls slows them by about half the making (measured: a
+        // Python guest's first calls 190 → 470-590 µs), since both work the same address
+        // space.
+        let release = Release {
+            maker: self.maker.clone(),
+            top_up: Some(TopUp {
+                pre: compiled.pre.clone(),
+                key,
+                warm: self.warm.clone(),
+            }),
+        };
+        let mut i = match taken {
+            Some(mut i) => {
+                self.warm.hits.fetch_add(1, Ordering::Relaxed);
+                i.warm = true;
+                i
+            }
+            None => {
+                self.warm.misses.fetch_add(1, Ordering::Relaxed);
+                // A guest that cannot start fails here; its shelf is not topped up.
+                make(&self.engine, &compiled.pre, config, limits).await?
+            }
+        };
+        i.release = Some(release);
+        Ok(i)
     }
 }
 
-/// One request's instance of a processor.
-pub struct Instance {
-    store: Store<State>,
-    bindings: Processor,
-    limits: Limits,
+/// What releasing a handed-out instance does, on the maker thread: drop its store (the
+/// pool slot's reset, 50-100 µs for a language runtime's memory), then top up its shelf.
+struct Release {
+    maker: tokio::sync::mpsc::Sender<Job>,
+    /// None with shelves off.
+    top_up: Option<TopUp>,
 }
 
+impl Release {
+    /// When the maker thread is behind (its queue full) the store is dropped here, and the
+    /// shelf waits for a later release: released stores never pile up holding pool slots.
+    fn send(self, store: Option<Store<State>>) {
+        if let Some(store) = store {
+            drop(self.maker.try_send(Job::Retire(store)));
+        }
+        if let Some(t) = self.top_up {
+            drop(self.maker.try_send(Job::TopUp(t)));
+        }
+    }
+}
+
+/// Fill a shelf, on the maker thread.
+struct TopUp {
+    pre: ProcessorPre<State>,
+    key: WarmKey,
+    warm: Arc<Warm>,
+}
+
+/// Releases the maker thread may have queued; past this a releasing request drops its
+/// own instance.
+const MAKER_QUEUE: usize = 64;
+/// The maker thread's nice value.
+const MAKER_NICE: libc::c_int = 10;
+
+/// Work for the maker thread.
+enum Job {
+    /// Drop a released instance's store.
+    Retire(Store<State>),
+    /// Make instances until the shelf is full (or gone, or making fails: the next release
+    /// tries again).
+    TopUp(TopUp),
+}
+
+/// The thread that drops released instances and makes shelved ones, in order (a slot freed
+/// first is reused warm), on its own single-threaded executor: it never takes a
+/// request-serving thread, and ends with its runtime.
+fn spawn_maker(engine: Engine) -> anyhow::Result<tokio::sync::mpsc::Sender<Job>> {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Job>(MAKER_QUEUE);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
+    std::thread::Builder::new()
+        .name("hearth-wasm-maker".into())
+        .spawn(move || {
+            // Background work: at a lower priority than the threads serving requests, so
+            // that waking it does not preempt the request that released an instance.
+            // SAFETY: setpriority on this thread's own id; a failure leaves it at the default.
+            unsafe {
+                libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, MAKER_NICE);
+            }
+            rt.block_on(async move {
+                while let Some(job) = rx.recv().await {
+                    match job {
+                        Job::Retire(store) => drop(store),
+                        Job::TopUp(t) => {
+                            while t.warm.wants(&t.key) {
+                                match make(&engine, &t.pre, &t.key.config, t.key.limits).await {
+                                    Ok(i) => drop(t.warm.put(&t.key, i)),
+                                    Err(e) => {
+                                        tracing::debug!(error = %e, "a processor instance could not be made ahead");
+                                        break;
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            })
+        })?;
+    Ok(tx)
+}
+
+/// A fresh instance of a processor (its initializers bounded by its CPU limit).
+async fn make(
+    engine: &Engine,
+    pre: &ProcessorPre<State>,
+    config: &str,
+    limits: Limits,
+) -> Result<Instance, ProcessorError> {
+    let stdout = MemoryOutputPipe::new(limits.max_log_bytes.max(1024));
+    let wasi = wasmtime_wasi::WasiCtxBuilder::new()
+        .stdout(stdout.clone())
+        .stderr(stdout.clone())
+        .wall_clock(CoarseWall)
+        .monotonic_clock(CoarseMonotonic(Instant::now()))
+        .allow_tcp(false)
+        .allow_udp(false)
+        .allow_ip_name_lookup(false)
+        .build();
+    let state = State {
+        wasi,
+        table: ResourceTable::new(),
+        limits: StoreLimitsBuilder::new()
+            .memory_size((limits.memory_mib as usize) << 20)
+            .instances(64)
+            .tables(64)
+            .memories(16)
+            .trap_on_grow_failure(true)
+            .build(),
+        config: config.to_string(),
+        logs: LogBuf {
+            limit: limits.max_log_bytes,
+            ..Default::default()
+        },
+        stdout,
+        ticks: 0,
+        max_ticks: limits.cpu_ms,
+    };
+    let mut store = Store::new(engine, state);
+    store.limiter(|s| &mut s.limits);
+    store.epoch_deadline_callback(|mut ctx| {
+        let s = ctx.data_mut();
+        s.ticks += 1;
+        if s.ticks > s.max_ticks {
+            Ok(UpdateDeadline::Interrupt)
+        } else {
+            Ok(UpdateDeadline::Yield(1))
+        }
+    });
+    store.set_epoch_deadline(1);
+    let bindings = pre
+        .instantiate_async(&mut store)
+        .await
+        .map_err(|e| match classify(e, &limits) {
+            ProcessorError::Trap(m) => ProcessorError::Instantiate(m),
+            other => other,
+        })?;
+    Ok(Instance {
+        store: Some(store),
+        bindings,
+        limits,
+        warm: false,
+        release: None,
+    })
+}
+
+/// One request's instance of a processor. Dropping it releases it: its store is dropped
+/// on the maker thread, which then refills its shelf.
+pub struct Instance {
+    /// None only once released.
+    store: Option<Store<State>>,
+    bindings: Processor,
+    limits: Limits,
+    warm: bool,
+    /// Set when handed to a request (a shelved instance has none).
+    release: Option<Release>,
+}
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        if let Some(r) = self.release.take() {
+            r.send(self.store.take());
+        }
+    }
+}
+
+const LIVE: &str = "an instance's store lives until the instance is dropped";
+
 impl Instance {
+    fn store(&mut self) -> &mut Store<State> {
+        self.store.as_mut().expect(LIVE)
+    }
+
+    /// Whether it was made ahead of its request (taken from a shelf).
+    pub fn was_warm(&self) -> bool {
+        self.warm
+    }
+
     fn begin(&mut self, input: usize) -> Result<(), ProcessorError> {
         if input > self.limits.max_input_bytes {
             return Err(ProcessorError::InputTooLarge {
@@ -464,8 +750,9 @@ impl Instance {
                 limit: self.limits.max_input_bytes,
             });
         }
-        self.store.data_mut().ticks = 0;
-        self.store.set_epoch_deadline(1);
+        let store = self.store();
+        store.data_mut().ticks = 0;
+        store.set_epoch_deadline(1);
         Ok(())
     }
 
@@ -488,31 +775,40 @@ impl Instance {
     pub async fn on_request(&mut self, req: &Request) -> Result<Action, ProcessorError> {
         let size = req.body.len() + req.headers.iter().map(|h| h.name.len() + h.value.len()).sum::<usize>();
         self.begin(size)?;
-        let r = self.bindings.call_on_request(&mut self.store, req).await;
+        let r = self
+            .bindings
+            .call_on_request(self.store.as_mut().expect(LIVE), req)
+            .await;
         self.finish(r)
     }
 
     pub async fn on_response(&mut self, resp: &Response) -> Result<Action, ProcessorError> {
         self.begin(resp.body.len())?;
-        let r = self.bindings.call_on_response(&mut self.store, resp).await;
+        let r = self
+            .bindings
+            .call_on_response(self.store.as_mut().expect(LIVE), resp)
+            .await;
         self.finish(r)
     }
 
     pub async fn on_chunk(&mut self, index: u32, text: &str) -> Result<Action, ProcessorError> {
         self.begin(text.len())?;
-        let r = self.bindings.call_on_chunk(&mut self.store, index, text).await;
+        let r = self
+            .bindings
+            .call_on_chunk(self.store.as_mut().expect(LIVE), index, text)
+            .await;
         self.finish(r)
     }
 
     pub async fn on_stream_end(&mut self) -> Result<Action, ProcessorError> {
         self.begin(0)?;
-        let r = self.bindings.call_on_stream_end(&mut self.store).await;
+        let r = self.bindings.call_on_stream_end(self.store.as_mut().expect(LIVE)).await;
         self.finish(r)
     }
 
     /// What the guest logged (host `log`, stdout and stderr), truncated.
     pub fn logs(&self) -> String {
-        let s = self.store.data();
+        let s = self.store.as_ref().expect(LIVE).data();
         let mut out = s.logs.text.clone();
         let raw = s.stdout.contents();
         if !raw.is_empty() {

@@ -267,7 +267,7 @@ fn stateful() -> Vec<u8> {
     ))
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_guest_never_sees_a_previous_requests_state() {
     let rt = runtime();
     let code = rt.compile(&stateful()).unwrap();
@@ -280,13 +280,80 @@ async fn a_guest_never_sees_a_previous_requests_state() {
     assert_eq!(replaced(one.on_request(&request("{}")).await.unwrap()), "x");
     assert_eq!(replaced(one.on_request(&request("{}")).await.unwrap()), "xxx");
     // ...but each request's instance starts from the component's image, whether the last
-    // one is still alive or was dropped (its pool slot reused).
+    // one is still alive or was dropped (its pool slot reused), and whether it was made on
+    // the request's path or ahead of it (taken from the shelf).
+    let mut sources = [0; 2];
     for n in 0..20 {
         let mut i = rt.instantiate(&code, "{}", Limits::default()).await.unwrap();
+        sources[usize::from(i.was_warm())] += 1;
         assert_eq!(
             replaced(i.on_request(&request("{}")).await.unwrap()),
             "x",
             "request {n}"
         );
+        assert_eq!(replaced(i.on_request(&request("{}")).await.unwrap()), "xxx");
+        if n % 2 == 0 {
+            let mut i = ready(&rt, &code, "{}").await;
+            sources[1] += 1;
+            assert_eq!(replaced(i.on_request(&request("{}")).await.unwrap()), "x", "warm {n}");
+        }
     }
+    assert!(sources[1] >= 10, "{sources:?}");
+}
+
+/// An instance taken from the shelf: instantiates until one comes warm (the shelf refills
+/// on the runtime's other tasks).
+async fn ready(rt: &Runtime, code: &Arc<Compiled>, config: &str) -> Instance {
+    for _ in 0..500 {
+        let i = rt.instantiate(code, config, Limits::default()).await.unwrap();
+        if i.was_warm() {
+            return i;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the shelf never refilled");
+}
+
+/// Instances are made ahead per processor, configuration and limits, handed out once, and
+/// counted; with shelves off every request makes its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_are_made_ahead_per_configuration_and_counted() {
+    let rt = runtime();
+    let code = rt.compile(&stateful()).unwrap();
+    // The first request of a processor finds an empty shelf.
+    let first = rt.instantiate(&code, "{}", Limits::default()).await.unwrap();
+    assert!(!first.was_warm());
+    let mut a = ready(&rt, &code, "{}").await;
+    // Another configuration is another shelf: its guest reads its own configuration.
+    let b = rt.instantiate(&code, "{\"other\":1}", Limits::default()).await.unwrap();
+    assert!(!b.was_warm());
+    let mut b = ready(&rt, &code, "{\"other\":1}").await;
+    assert_eq!(b.store().data_mut().config, "{\"other\":1}");
+    assert_eq!(a.store().data_mut().config, "{}");
+    // So are other limits.
+    let tight = Limits {
+        cpu_ms: 7,
+        ..Default::default()
+    };
+    let mut c = rt.instantiate(&code, "{}", tight).await.unwrap();
+    assert!(!c.was_warm());
+    assert_eq!(c.store().data().max_ticks, 7);
+    let stats = rt.warm_stats();
+    assert!(stats.warm >= 2 && stats.made >= 3, "{stats:?}");
+    // Both shelves' instances are fresh.
+    for i in [&mut a, &mut b] {
+        assert_eq!(i.on_request(&request("{}")).await.unwrap(), Action::Replace("x".into()));
+    }
+
+    let off = runtime().with_warm(0);
+    let code = off.compile(&stateful()).unwrap();
+    for _ in 0..5 {
+        assert!(!off
+            .instantiate(&code, "{}", Limits::default())
+            .await
+            .unwrap()
+            .was_warm());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(off.warm_stats(), WarmStats { warm: 0, made: 5 });
 }

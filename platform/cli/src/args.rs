@@ -429,6 +429,12 @@ pub struct LimitStoreArgs {
     /// Compiled processor code, by content hash (default: DATA_DIR/processors).
     #[arg(long, env = "HEARTH_PROCESSOR_CACHE")]
     pub processor_cache: Option<PathBuf>,
+    /// Instances of each processor version (per configuration and limits) made ahead of
+    /// their requests and kept ready, so that instantiating a large guest is off the
+    /// request's path; refilled in the background after each request, never reused. 0: each
+    /// request makes its own.
+    #[arg(long, env = "HEARTH_PROCESSOR_WARM", default_value_t = hearth_runtime::DEFAULT_WARM_INSTANCES)]
+    pub processor_warm: usize,
     /// Count rate limits in Redis (redis://HOST:PORT), shared by every gateway using it;
     /// without it each gateway counts alone.
     #[arg(long, env = "HEARTH_REDIS_URL", hide_env_values = true)]

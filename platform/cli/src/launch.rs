@@ -231,12 +231,15 @@ async fn run_gateway(
     }
     state.adapter_dir = workers.adapter_store.clone();
     state.processors = Some(hearth_gateway::processors::ProcessorHost {
-        runtime: Arc::new(hearth_runtime::Runtime::new(Some(
-            limits
-                .processor_cache
-                .clone()
-                .unwrap_or_else(|| data_dir.join("processors")),
-        ))?),
+        runtime: Arc::new(
+            hearth_runtime::Runtime::new(Some(
+                limits
+                    .processor_cache
+                    .clone()
+                    .unwrap_or_else(|| data_dir.join("processors")),
+            ))?
+            .with_warm(limits.processor_warm),
+        ),
     });
     if let Some(engines) = workers.engines {
         state.metrics.register_collector(Box::new(engines));

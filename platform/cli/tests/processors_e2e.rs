@@ -343,6 +343,41 @@ async fn example_processors_change_requests_and_responses() {
         (first["version"].as_i64(), first["active"].as_bool()),
         (Some(1), Some(false))
     );
+
+    // Every instance given to a request is counted by source; a processor's second request
+    // a moment after its first finds its instance made ahead.
+    let metrics = || async {
+        let text = client()
+            .get(format!("{base}/metrics"))
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let n = |source: &str| {
+            let label = format!("source=\"{source}\"");
+            hearth_engine::metrics::series_sum(&text, "hearth_processor_instances_total", &label)
+        };
+        (n("warm"), n("made"))
+    };
+    let (warm0, made0) = metrics().await;
+    assert!(made0 >= 1.0, "{made0}");
+    let mut warm_now = warm0;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (s, _, r) = post(&url, Some(&ordered), &q).await;
+        assert_eq!(s, 200, "{r}");
+        warm_now = metrics().await.0;
+        if warm_now >= warm0 + 2.0 {
+            break;
+        }
+    }
+    assert!(
+        warm_now >= warm0 + 2.0,
+        "no instance was taken warm: {warm0} -> {warm_now}"
+    );
 }
 
 /// Hostile guests fail their own requests — quickly, with an error naming the processor and

@@ -16,7 +16,8 @@
 //! Hearth's own: `hearth_requests_total{model,endpoint,status}` (every answered request by
 //! HTTP status), `hearth_prompt_tokens_cached_total` (prompt tokens served from the prefix
 //! cache), `hearth_limiter_decisions_total{decision,limit}`,
-//! `hearth_processor_seconds{hook}`, per tenant and class `hearth_shed_requests_total`,
+//! `hearth_processor_seconds{hook}`, `hearth_processor_instances_total{source}` (a
+//! processor's instance made ahead or on the request's path), per tenant and class `hearth_shed_requests_total`,
 //! `hearth_tenant_time_to_first_token_seconds` and `hearth_tenant_queue_time_seconds`
 //! (the engine's queue), and per worker the router's view (in-flight requests,
 //! prefill tokens, decoding sequences, cached blocks, health, KV-event mode) and routing
@@ -72,6 +73,12 @@ pub struct LimiterLabels {
 pub struct HookLabel {
     /// `pre` or `post`.
     pub hook: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabel {
+    /// `warm` (made ahead, taken from the runtime's shelf) or `made` (on the request's path).
+    pub source: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -152,6 +159,7 @@ pub struct Metrics {
     pub finished: Family<FinishLabels, Counter>,
     pub limiter: Family<LimiterLabels, Counter>,
     pub processor: Family<HookLabel, Histogram, fn() -> Histogram>,
+    pub processor_instances: Family<SourceLabel, Counter>,
     pub pd: Family<PdLabels, Counter>,
     /// Requests shed by admission control.
     pub shed: Family<TenantClassLabels, Counter>,
@@ -257,6 +265,12 @@ impl Metrics {
             "hearth_processor_seconds",
             "Time in tenant processors per request, by hook",
             processor.clone(),
+        );
+        let processor_instances = Family::<SourceLabel, Counter>::default();
+        registry.register(
+            "hearth_processor_instances",
+            "Processor instances given to requests, by source: warm (made ahead) or made (on the request's path, an empty shelf)",
+            processor_instances.clone(),
         );
         let pd = Family::<PdLabels, Counter>::default();
         registry.register(
@@ -443,6 +457,7 @@ impl Metrics {
             tenant_ttft,
             tenant_queue,
             processor,
+            processor_instances,
             worker_gauges,
             decisions,
             index_blocks,
@@ -478,6 +493,9 @@ impl Metrics {
             limit: s("LIMIT"),
         });
         let _ = m.processor.get_or_create(&HookLabel { hook: s("HOOK") });
+        let _ = m
+            .processor_instances
+            .get_or_create(&SourceLabel { source: s("SOURCE") });
         let _ = m.pd.get_or_create(&PdLabels {
             model: s("MODEL"),
             outcome: s("OUTCOME"),
@@ -518,6 +536,14 @@ impl Metrics {
         ModelLabel {
             model: model.to_string(),
         }
+    }
+
+    /// One processor instance given to a request: made ahead (`warm`) or not.
+    pub fn count_processor_instance(&self, warm: bool) {
+        let source = if warm { "warm" } else { "made" };
+        self.processor_instances
+            .get_or_create(&SourceLabel { source: source.into() })
+            .inc();
     }
 
     pub fn observe_processor(&self, hook: &str, took: Duration) {

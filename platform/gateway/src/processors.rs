@@ -1,8 +1,8 @@
 //! Tenant processors in the request pipeline (the sandbox itself is `hearth-runtime`).
 //!
 //! For each request of a tenant with active processors (tenant-wide, or attached to the
-//! request's key), every processor gets a fresh instance; the same instance then sees the
-//! answer. Order: pre-processors run by ascending `position`, post-processors by
+//! request's key), every processor gets a fresh instance (made ahead of the request by the
+//! runtime, never used before); the same instance then sees the answer. Order: pre-processors run by ascending `position`, post-processors by
 //! descending `position` (the first to see the request is the last to see the answer).
 //!
 //! * **pre** (`on-request`): the raw JSON body, before parsing; may replace it or reject
@@ -149,6 +149,11 @@ impl Chain {
             endpoint,
             spent: Arc::default(),
         }))
+    }
+
+    /// For each processor, whether its instance was made ahead of the request.
+    pub fn instances_warm(&self) -> impl Iterator<Item = bool> + '_ {
+        self.items.iter().map(|(_, i)| i.was_warm())
     }
 
     /// Microseconds spent in guest calls so far.

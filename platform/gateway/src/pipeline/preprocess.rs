@@ -19,6 +19,9 @@ pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiEr
     let Some(mut chain) = Chain::load(host, &state.tenants, tenant, ctx.endpoint.path()).await? else {
         return Ok(());
     };
+    for warm in chain.instances_warm() {
+        state.metrics.count_processor_instance(warm);
+    }
     let started = std::time::Instant::now();
     let rewritten = chain.pre(&ctx.headers, body).await;
     state.metrics.observe_processor("pre", started.elapsed());
