@@ -142,13 +142,16 @@ impl HostWallClock for CoarseWall {
     }
 }
 
-struct CoarseMonotonic(Instant);
+/// A monotonic clock in whole seconds from the moment its instance was handed to a
+/// request (not made: a shelved instance must not tell how long it waited).
+struct CoarseMonotonic(Arc<Mutex<Instant>>);
 impl HostMonotonicClock for CoarseMonotonic {
     fn resolution(&self) -> u64 {
         1_000_000_000
     }
     fn now(&self) -> u64 {
-        self.0.elapsed().as_secs() * 1_000_000_000
+        let start = *self.0.lock().unwrap_or_else(|e| e.into_inner());
+        start.elapsed().as_secs() * 1_000_000_000
     }
 }
 
@@ -190,6 +193,8 @@ pub struct State {
     stdout: MemoryOutputPipe,
     ticks: u32,
     max_ticks: u32,
+    /// The start of the guest's monotonic clock.
+    clock_start: Arc<Mutex<Instant>>,
 }
 
 impl WasiView for State {
@@ -263,7 +268,8 @@ pub struct WarmStats {
 /// shelf only ever holds instances no request has touched, so isolation is that of a fresh
 /// instance.
 struct Warm {
-    per_key: usize,
+    /// Ready instances per shelf (0: shelves off).
+    per_key: std::sync::atomic::AtomicUsize,
     shelves: Mutex<HashMap<WarmKey, Shelf>>,
     hits: AtomicU64,
     misses: AtomicU64,
@@ -279,33 +285,47 @@ struct WarmKey {
 struct Shelf {
     ready: Vec<Instance>,
     used: Instant,
+    /// A top-up for this shelf is queued or running: at most one at a time.
+    topping: bool,
 }
 
 impl Warm {
+    fn per_key(&self) -> usize {
+        self.per_key.load(Ordering::Relaxed)
+    }
+
     fn new(per_key: usize) -> Arc<Self> {
         Arc::new(Self {
-            per_key,
+            per_key: per_key.into(),
             shelves: Mutex::new(HashMap::new()),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
         })
     }
 
-    /// Takes a ready instance if there is one, and returns the instances of shelves it
-    /// dropped (idle, or evicted), to drop unlocked.
-    fn take(&self, key: &WarmKey) -> (Option<Instance>, Vec<Instance>) {
+    /// Empties the shelves not taken from for [`WARM_IDLE`]; returns their instances, to
+    /// drop unlocked.
+    fn sweep(&self) -> Vec<Instance> {
         let mut shelves = self.shelves.lock().unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now();
         let mut dropped = Vec::new();
-        shelves.retain(|k, s| {
-            let keep = k == key || now.duration_since(s.used) < WARM_IDLE;
+        shelves.retain(|_, s| {
+            let keep = s.topping || s.used.elapsed() < WARM_IDLE;
             if !keep {
                 dropped.append(&mut s.ready);
             }
             keep
         });
+        dropped
+    }
+
+    /// Takes a ready instance if there is one, and returns the instances of shelves it
+    /// evicted to make room for a new one, to drop off the request's path.
+    fn take(&self, key: &WarmKey) -> (Option<Instance>, Vec<Instance>) {
+        let mut shelves = self.shelves.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let mut dropped = Vec::new();
         if !shelves.contains_key(key) {
-            while (shelves.len() + 1) * self.per_key > MAX_WARM_TOTAL {
+            while (shelves.len() + 1) * self.per_key() > MAX_WARM_TOTAL {
                 let Some(lru) = shelves.iter().min_by_key(|(_, s)| s.used).map(|(k, _)| k.clone()) else {
                     break;
                 };
@@ -317,22 +337,46 @@ impl Warm {
         let shelf = shelves.entry(key.clone()).or_insert_with(|| Shelf {
             ready: Vec::new(),
             used: now,
+            topping: false,
         });
         shelf.used = now;
         (shelf.ready.pop(), dropped)
     }
 
-    /// Whether the shelf exists and has room.
-    fn wants(&self, key: &WarmKey) -> bool {
+    /// Claims the shelf's top-up; false when one is already queued or running, or the
+    /// shelf is gone or full.
+    fn claim(&self, key: &WarmKey) -> bool {
+        let mut shelves = self.shelves.lock().unwrap_or_else(|e| e.into_inner());
+        match shelves.get_mut(key) {
+            Some(s) if !s.topping && s.ready.len() < self.per_key() => {
+                s.topping = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// How many instances the shelf lacks (0 when gone).
+    fn lacking(&self, key: &WarmKey) -> usize {
         let shelves = self.shelves.lock().unwrap_or_else(|e| e.into_inner());
-        shelves.get(key).is_some_and(|s| s.ready.len() < self.per_key)
+        shelves
+            .get(key)
+            .map_or(0, |s| self.per_key().saturating_sub(s.ready.len()))
+    }
+
+    /// Ends the shelf's top-up.
+    fn done(&self, key: &WarmKey) {
+        let mut shelves = self.shelves.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = shelves.get_mut(key) {
+            s.topping = false;
+        }
     }
 
     /// Shelves an instance; returns it when the shelf is gone or full, to drop unlocked.
     fn put(&self, key: &WarmKey, made: Instance) -> Option<Instance> {
         let mut shelves = self.shelves.lock().unwrap_or_else(|e| e.into_inner());
         match shelves.get_mut(key) {
-            Some(shelf) if shelf.ready.len() < self.per_key => {
+            Some(shelf) if shelf.ready.len() < self.per_key() => {
                 shelf.ready.push(made);
                 None
             }
@@ -426,14 +470,15 @@ impl Runtime {
         if let Some(d) = &cache_dir {
             std::fs::create_dir_all(d)?;
         }
-        let maker = spawn_maker(engine.clone())?;
+        let warm = Warm::new(DEFAULT_WARM_INSTANCES);
+        let maker = spawn_maker(engine.clone(), Arc::downgrade(&warm))?;
         Ok(Self {
             engine,
             maker,
             linker,
             cache: Mutex::new(HashMap::new()),
             cache_dir,
-            warm: Warm::new(DEFAULT_WARM_INSTANCES),
+            warm,
         })
     }
 
@@ -441,8 +486,10 @@ impl Runtime {
     /// limits in use (0: every request makes its own, on its path). Shelves are topped up by
     /// the maker thread when an instance is released; emptied after two idle minutes; at
     /// most 64 instances are kept in all.
-    pub fn with_warm(mut self, per_processor: usize) -> Self {
-        self.warm = Warm::new(per_processor.min(MAX_WARM_TOTAL));
+    pub fn with_warm(self, per_processor: usize) -> Self {
+        self.warm
+            .per_key
+            .store(per_processor.min(MAX_WARM_TOTAL), Ordering::Relaxed);
         self
     }
 
@@ -522,7 +569,7 @@ impl Runtime {
         limits: Limits,
     ) -> Result<Instance, ProcessorError> {
         let limits = limits.clamped();
-        if self.warm.per_key == 0 {
+        if self.warm.per_key() == 0 {
             self.warm.misses.fetch_add(1, Ordering::Relaxed);
             let mut i = make(&self.engine, &compiled.pre, config, limits).await?;
             i.release = Some(Release {
@@ -536,8 +583,10 @@ impl Runtime {
             config: config.to_string(),
             limits,
         };
-        let (taken, dropped) = self.warm.take(&key);
-        drop(dropped);
+        let (taken, evicted) = self.warm.take(&key);
+        for i in evicted {
+            retire(&self.maker, i);
+        }
         // The shelf is topped up when this instance is released, not now: making an instance
         // beside a guest's first calls slows them by about half the making (measured: a
         // Python guest's first calls 190 → 470-590 µs), since both work the same address
@@ -563,6 +612,9 @@ impl Runtime {
             }
         };
         i.release = Some(release);
+        if let Some(store) = &i.store {
+            *store.data().clock_start.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        }
         Ok(i)
     }
 }
@@ -583,8 +635,21 @@ impl Release {
             drop(self.maker.try_send(Job::Retire(store)));
         }
         if let Some(t) = self.top_up {
-            drop(self.maker.try_send(Job::TopUp(t)));
+            if t.warm.claim(&t.key) {
+                let (warm, key) = (t.warm.clone(), t.key.clone());
+                if self.maker.try_send(Job::TopUp(t)).is_err() {
+                    warm.done(&key);
+                }
+            }
         }
+    }
+}
+
+/// Drops an instance that never served a request (a shelf's) on the maker thread, or here
+/// when it is behind.
+fn retire(maker: &tokio::sync::mpsc::Sender<Job>, mut i: Instance) {
+    if let Some(store) = i.store.take() {
+        drop(maker.try_send(Job::Retire(store)));
     }
 }
 
@@ -595,25 +660,28 @@ struct TopUp {
     warm: Arc<Warm>,
 }
 
-/// Releases the maker thread may have queued; past this a releasing request drops its
-/// own instance.
+/// Jobs the maker thread may have queued (a store to drop per release, at most one
+/// top-up per shelf); past this a releasing request drops its own instance.
 const MAKER_QUEUE: usize = 64;
 /// The maker thread's nice value.
+#[cfg(target_os = "linux")]
 const MAKER_NICE: libc::c_int = 10;
 
 /// Work for the maker thread.
 enum Job {
     /// Drop a released instance's store.
     Retire(Store<State>),
-    /// Make instances until the shelf is full (or gone, or making fails: the next release
-    /// tries again).
+    /// Make the instances the shelf lacks, at most one shelf's worth (stopping at a failure:
+    /// the next release tries again).
     TopUp(TopUp),
 }
 
 /// The thread that drops released instances and makes shelved ones, in order (a slot freed
-/// first is reused warm), on its own single-threaded executor: it never takes a
-/// request-serving thread, and ends with its runtime.
-fn spawn_maker(engine: Engine) -> anyhow::Result<tokio::sync::mpsc::Sender<Job>> {
+/// first is reused warm), and empties idle shelves, on its own single-threaded executor: it
+/// never takes a request-serving thread, and ends with its runtime. It is one thread, so
+/// making ahead keeps up with about one instance per making time (a Python guest: ~1,700
+/// a second); past that, requests make their own.
+fn spawn_maker(engine: Engine, warm: std::sync::Weak<Warm>) -> anyhow::Result<tokio::sync::mpsc::Sender<Job>> {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Job>(MAKER_QUEUE);
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
     std::thread::Builder::new()
@@ -621,16 +689,28 @@ fn spawn_maker(engine: Engine) -> anyhow::Result<tokio::sync::mpsc::Sender<Job>>
         .spawn(move || {
             // Background work: at a lower priority than the threads serving requests, so
             // that waking it does not preempt the request that released an instance.
+            #[cfg(target_os = "linux")]
             // SAFETY: setpriority on this thread's own id; a failure leaves it at the default.
             unsafe {
                 libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, MAKER_NICE);
             }
             rt.block_on(async move {
-                while let Some(job) = rx.recv().await {
+                let mut sweep = tokio::time::interval(WARM_IDLE / 4);
+                loop {
+                    let job = tokio::select! {
+                        job = rx.recv() => job,
+                        _ = sweep.tick() => {
+                            if let Some(w) = warm.upgrade() {
+                                drop(w.sweep());
+                            }
+                            continue;
+                        }
+                    };
                     match job {
-                        Job::Retire(store) => drop(store),
-                        Job::TopUp(t) => {
-                            while t.warm.wants(&t.key) {
+                        None => break,
+                        Some(Job::Retire(store)) => drop(store),
+                        Some(Job::TopUp(t)) => {
+                            for _ in 0..t.warm.lacking(&t.key) {
                                 match make(&engine, &t.pre, &t.key.config, t.key.limits).await {
                                     Ok(i) => drop(t.warm.put(&t.key, i)),
                                     Err(e) => {
@@ -639,6 +719,7 @@ fn spawn_maker(engine: Engine) -> anyhow::Result<tokio::sync::mpsc::Sender<Job>>
                                     }
                                 }
                             }
+                            t.warm.done(&t.key);
                         }
                     }
                 }
@@ -655,11 +736,12 @@ async fn make(
     limits: Limits,
 ) -> Result<Instance, ProcessorError> {
     let stdout = MemoryOutputPipe::new(limits.max_log_bytes.max(1024));
+    let clock_start = Arc::new(Mutex::new(Instant::now()));
     let wasi = wasmtime_wasi::WasiCtxBuilder::new()
         .stdout(stdout.clone())
         .stderr(stdout.clone())
         .wall_clock(CoarseWall)
-        .monotonic_clock(CoarseMonotonic(Instant::now()))
+        .monotonic_clock(CoarseMonotonic(clock_start.clone()))
         .allow_tcp(false)
         .allow_udp(false)
         .allow_ip_name_lookup(false)
@@ -682,6 +764,7 @@ async fn make(
         stdout,
         ticks: 0,
         max_ticks: limits.cpu_ms,
+        clock_start,
     };
     let mut store = Store::new(engine, state);
     store.limiter(|s| &mut s.limits);
@@ -731,11 +814,13 @@ impl Drop for Instance {
     }
 }
 
-const LIVE: &str = "an instance's store lives until the instance is dropped";
-
 impl Instance {
-    fn store(&mut self) -> &mut Store<State> {
-        self.store.as_mut().expect(LIVE)
+    /// The bindings and the store, for a call (the store is only gone once released).
+    fn live(&mut self) -> Result<(&Processor, &mut Store<State>), ProcessorError> {
+        match self.store.as_mut() {
+            Some(store) => Ok((&self.bindings, store)),
+            None => Err(ProcessorError::Instantiate("the instance was released".into())),
+        }
     }
 
     /// Whether it was made ahead of its request (taken from a shelf).
@@ -750,7 +835,7 @@ impl Instance {
                 limit: self.limits.max_input_bytes,
             });
         }
-        let store = self.store();
+        let (_, store) = self.live()?;
         store.data_mut().ticks = 0;
         store.set_epoch_deadline(1);
         Ok(())
@@ -775,40 +860,38 @@ impl Instance {
     pub async fn on_request(&mut self, req: &Request) -> Result<Action, ProcessorError> {
         let size = req.body.len() + req.headers.iter().map(|h| h.name.len() + h.value.len()).sum::<usize>();
         self.begin(size)?;
-        let r = self
-            .bindings
-            .call_on_request(self.store.as_mut().expect(LIVE), req)
-            .await;
+        let (bindings, store) = self.live()?;
+        let r = bindings.call_on_request(store, req).await;
         self.finish(r)
     }
 
     pub async fn on_response(&mut self, resp: &Response) -> Result<Action, ProcessorError> {
         self.begin(resp.body.len())?;
-        let r = self
-            .bindings
-            .call_on_response(self.store.as_mut().expect(LIVE), resp)
-            .await;
+        let (bindings, store) = self.live()?;
+        let r = bindings.call_on_response(store, resp).await;
         self.finish(r)
     }
 
     pub async fn on_chunk(&mut self, index: u32, text: &str) -> Result<Action, ProcessorError> {
         self.begin(text.len())?;
-        let r = self
-            .bindings
-            .call_on_chunk(self.store.as_mut().expect(LIVE), index, text)
-            .await;
+        let (bindings, store) = self.live()?;
+        let r = bindings.call_on_chunk(store, index, text).await;
         self.finish(r)
     }
 
     pub async fn on_stream_end(&mut self) -> Result<Action, ProcessorError> {
         self.begin(0)?;
-        let r = self.bindings.call_on_stream_end(self.store.as_mut().expect(LIVE)).await;
+        let (bindings, store) = self.live()?;
+        let r = bindings.call_on_stream_end(store).await;
         self.finish(r)
     }
 
     /// What the guest logged (host `log`, stdout and stderr), truncated.
     pub fn logs(&self) -> String {
-        let s = self.store.as_ref().expect(LIVE).data();
+        let Some(store) = &self.store else {
+            return String::new();
+        };
+        let s = store.data();
         let mut out = s.logs.text.clone();
         let raw = s.stdout.contents();
         if !raw.is_empty() {

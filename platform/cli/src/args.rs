@@ -431,8 +431,8 @@ pub struct LimitStoreArgs {
     pub processor_cache: Option<PathBuf>,
     /// Instances of each processor version (per configuration and limits) made ahead of
     /// their requests and kept ready, so that instantiating a large guest is off the
-    /// request's path; refilled in the background after each request, never reused. 0: each
-    /// request makes its own.
+    /// request's path; refilled in the background after each request, never reused (at most
+    /// 64 in all). 0: each request makes its own.
     #[arg(long, env = "HEARTH_PROCESSOR_WARM", default_value_t = hearth_runtime::DEFAULT_WARM_INSTANCES)]
     pub processor_warm: usize,
     /// Count rate limits in Redis (redis://HOST:PORT), shared by every gateway using it;

@@ -285,6 +285,7 @@ async fn run_gateway(
         admin_api = gw.admin_token.is_some(),
         operator_sso = gw.operator_sso.as_ref().map(|o| format!("{} ({} operators)", o.provider.issuer, o.operators.len())),
         pd_threshold = routing_pd,
+        processor_warm = limits.processor_warm,
         shared_routing = gw.shared_routing.as_ref().map(|s| s.gateway().to_string()),
         "effective configuration"
     );

@@ -369,6 +369,8 @@ async fn example_processors_change_requests_and_responses() {
         tokio::time::sleep(Duration::from_millis(100)).await;
         let (s, _, r) = post(&url, Some(&ordered), &q).await;
         assert_eq!(s, 200, "{r}");
+        // The two versions share their code and differ in configuration: each has its shelf.
+        assert_eq!(r["choices"][0]["message"]["content"], "The capital of France is ****.");
         warm_now = metrics().await.0;
         if warm_now >= warm0 + 2.0 {
             break;

@@ -269,7 +269,7 @@ impl Metrics {
         let processor_instances = Family::<SourceLabel, Counter>::default();
         registry.register(
             "hearth_processor_instances",
-            "Processor instances given to requests, by source: warm (made ahead) or made (on the request's path, an empty shelf)",
+            "Processor instances given to requests, by source: warm (made ahead) or made (on the request's path: an empty shelf, or --processor-warm 0)",
             processor_instances.clone(),
         );
         let pd = Family::<PdLabels, Counter>::default();
