@@ -143,7 +143,8 @@ impl HostWallClock for CoarseWall {
 }
 
 /// A monotonic clock in whole seconds from the moment its instance was handed to a
-/// request (not made: a shelved instance must not tell how long it waited).
+/// request, not made (the wall clock, also in whole seconds, still moves while an instance
+/// waits on its shelf).
 struct CoarseMonotonic(Arc<Mutex<Instant>>);
 impl HostMonotonicClock for CoarseMonotonic {
     fn resolution(&self) -> u64 {
