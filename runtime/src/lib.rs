@@ -570,35 +570,32 @@ impl Runtime {
         limits: Limits,
     ) -> Result<Instance, ProcessorError> {
         let limits = limits.clamped();
-        if self.warm.per_key() == 0 {
-            self.warm.misses.fetch_add(1, Ordering::Relaxed);
-            let mut i = make(&self.engine, &compiled.pre, config, limits).await?;
-            i.release = Some(Release {
-                maker: self.maker.clone(),
-                top_up: None,
-            });
-            return Ok(i);
-        }
-        let key = WarmKey {
-            sha256: compiled.sha256.clone(),
-            config: config.to_string(),
-            limits,
-        };
-        let (taken, evicted) = self.warm.take(&key);
-        for i in evicted {
-            retire(&self.maker, i);
-        }
-        // The shelf is topped up when this instance is released, not now: making an instance
-        // beside a guest's first calls slows them by about half the making (measured: a
-        // Python guest's first calls 190 → 470-590 µs), since both work the same address
-        // space.
-        let release = Release {
-            maker: self.maker.clone(),
-            top_up: Some(TopUp {
+        // With shelves on, the shelf is topped up when this instance is released, not now:
+        // making an instance beside a guest's first calls slows them by about half the
+        // making (measured: a Python guest's first calls 190 → 470-590 µs), since both work
+        // the same address space.
+        let (taken, top_up) = if self.warm.per_key() == 0 {
+            (None, None)
+        } else {
+            let key = WarmKey {
+                sha256: compiled.sha256.clone(),
+                config: config.to_string(),
+                limits,
+            };
+            let (taken, evicted) = self.warm.take(&key);
+            for i in evicted {
+                retire(&self.maker, i);
+            }
+            let top_up = TopUp {
                 pre: compiled.pre.clone(),
                 key,
                 warm: self.warm.clone(),
-            }),
+            };
+            (taken, Some(top_up))
+        };
+        let release = Release {
+            maker: self.maker.clone(),
+            top_up,
         };
         let mut i = match taken {
             Some(mut i) => {
@@ -637,9 +634,10 @@ impl Release {
         }
         if let Some(t) = self.top_up {
             if t.warm.claim(&t.key) {
-                let (warm, key) = (t.warm.clone(), t.key.clone());
-                if self.maker.try_send(Job::TopUp(t)).is_err() {
-                    warm.done(&key);
+                if let Err(e) = self.maker.try_send(Job::TopUp(t)) {
+                    if let Job::TopUp(t) = e.into_inner() {
+                        t.warm.done(&t.key);
+                    }
                 }
             }
         }

@@ -346,23 +346,17 @@ async fn example_processors_change_requests_and_responses() {
 
     // Every instance given to a request is counted by source; a processor's second request
     // a moment after its first finds its instance made ahead.
-    let metrics = || async {
-        let text = client()
-            .get(format!("{base}/metrics"))
-            .bearer_auth(ADMIN_TOKEN)
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+    let instances = || async {
+        let text = metrics(&base).await;
         let n = |source: &str| {
-            let label = format!("source=\"{source}\"");
-            hearth_engine::metrics::series_sum(&text, "hearth_processor_instances_total", &label)
+            metric_sum(
+                &text,
+                &format!("hearth_processor_instances_total{{source=\"{source}\"}}"),
+            )
         };
         (n("warm"), n("made"))
     };
-    let (warm0, made0) = metrics().await;
+    let (warm0, made0) = instances().await;
     assert!(made0 >= 1.0, "{made0}");
     let mut warm_now = warm0;
     for _ in 0..50 {
@@ -371,7 +365,7 @@ async fn example_processors_change_requests_and_responses() {
         assert_eq!(s, 200, "{r}");
         // The two versions share their code and differ in configuration: each has its shelf.
         assert_eq!(r["choices"][0]["message"]["content"], "The capital of France is ****.");
-        warm_now = metrics().await.0;
+        warm_now = instances().await.0;
         if warm_now >= warm0 + 2.0 {
             break;
         }
