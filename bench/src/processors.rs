@@ -2,7 +2,9 @@
 //! guest language, and whether processor work scales across cores.
 //!
 //! * **Per request** (in the runtime, as the gateway does it): a fresh instance,
-//!   `on-request`, `on-response`, drop. P50/P99 over sequential requests, two ways:
+//!   `on-request`, `on-response`, drop. P50/P99 over sequential requests, with the P50 of
+//!   the minor page faults the two calls take (pages of a fresh instance that are not
+//!   resident), two ways:
 //!   - *warm* (the default): the instance comes from the runtime's shelf of instances made
 //!     ahead, refilled in the background; requests are paced (one per `PACE`) so that the
 //!     shelf can keep up, and the share that found their instance ready is printed;
@@ -70,8 +72,8 @@ impl ProcessorBenchReport {
             PACE.as_millis()
         );
         s += &format!(
-            "{:<8} {:<5} {:>9} {:>9} {:>10} {:>9} {:>8} {:>6}\n",
-            "guest", "mode", "p50 µs", "p99 µs", "instance", "calls", "drop", "ready"
+            "{:<8} {:<5} {:>9} {:>9} {:>10} {:>9} {:>8} {:>7} {:>6}\n",
+            "guest", "mode", "p50 µs", "p99 µs", "instance", "calls", "drop", "faults", "ready"
         );
         for g in &self.guests {
             for (mode, l, ready) in [
@@ -79,12 +81,21 @@ impl ProcessorBenchReport {
                 ("made", &g.made, String::new()),
             ] {
                 s += &format!(
-                    "{:<8} {:<5} {:>9.1} {:>9.1} {:>10.1} {:>9.1} {:>8.1} {:>6}\n",
-                    g.guest, mode, l.p50_us, l.p99_us, l.instance_p50_us, l.calls_p50_us, l.drop_p50_us, ready
+                    "{:<8} {:<5} {:>9.1} {:>9.1} {:>10.1} {:>9.1} {:>8.1} {:>7.0} {:>6}\n",
+                    g.guest,
+                    mode,
+                    l.p50_us,
+                    l.p99_us,
+                    l.instance_p50_us,
+                    l.calls_p50_us,
+                    l.drop_p50_us,
+                    l.calls_faults_p50,
+                    ready
                 );
             }
         }
-        s += "(instance, calls, drop: the P50 of each part; drop: releasing the instance, its store dropped on the maker thread)\n\n";
+        s += "(instance, calls, drop: the P50 of each part; drop: releasing the instance, its store dropped on the maker thread; \
+              faults: the P50 of the minor page faults taken during the calls)\n\n";
         s += "back to back, shelves on (CPU/req: the process's CPU time per request, background instantiation included; \
               ready: the share of 1-task requests that found their instance made)\n";
         s += &format!(
@@ -135,20 +146,37 @@ fn response() -> Response {
     }
 }
 
-/// One request's processor work: the instance, the two calls, the drop.
-async fn one(rt: &Runtime, c: &Arc<Compiled>, limits: Limits) -> anyhow::Result<[Duration; 3]> {
+/// This thread's minor page faults so far (`getrusage`; 0 where unavailable).
+fn minor_faults() -> u64 {
+    #[cfg(target_os = "linux")]
+    {
+        let mut u = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+        // SAFETY: getrusage writes the whole struct on success; zeroed is a valid rusage.
+        if unsafe { libc::getrusage(libc::RUSAGE_THREAD, u.as_mut_ptr()) } == 0 {
+            // SAFETY: initialised (zeroed, then written by the call).
+            return unsafe { u.assume_init() }.ru_minflt as u64;
+        }
+    }
+    0
+}
+
+/// One request's processor work: the instance, the two calls, the drop; and the minor page
+/// faults taken during the calls.
+async fn one(rt: &Runtime, c: &Arc<Compiled>, limits: Limits) -> anyhow::Result<([Duration; 3], u64)> {
     let t0 = Instant::now();
     let mut i = rt.instantiate(c, "{}", limits).await?;
+    let f0 = minor_faults();
     let t1 = Instant::now();
     let a = i.on_request(&request()).await?;
     let b = i.on_response(&response()).await?;
     let t2 = Instant::now();
+    let faults = minor_faults().saturating_sub(f0);
     anyhow::ensure!(
         a == Action::Continue && b == Action::Continue,
         "a trivial guest must continue"
     );
     drop(i);
-    Ok([t1 - t0, t2 - t1, t2.elapsed()])
+    Ok(([t1 - t0, t2 - t1, t2.elapsed()], faults))
 }
 
 /// This process's user + system CPU time (`/proc/self/stat`, in clock ticks: USER_HZ, 100
@@ -172,24 +200,29 @@ pub struct Latency {
     pub instance_p50_us: f64,
     pub calls_p50_us: f64,
     pub drop_p50_us: f64,
+    /// The P50 of the minor page faults taken during the two calls (the pages a fresh
+    /// instance's guest touches that are not resident).
+    pub calls_faults_p50: f64,
 }
 
 /// `requests` sequential requests, each `PACE` after the last one's start.
 async fn latencies(rt: &Runtime, c: &Arc<Compiled>, limits: Limits, requests: usize) -> anyhow::Result<Latency> {
     let mut total = Vec::with_capacity(requests);
     let mut parts: [Vec<f64>; 3] = Default::default();
+    let mut faults = Vec::with_capacity(requests);
     let mut next = tokio::time::Instant::now();
     for _ in 0..requests {
         tokio::time::sleep_until(next).await;
         next += PACE;
         let t = Instant::now();
-        let ds = one(rt, c, limits).await?;
+        let (ds, f) = one(rt, c, limits).await?;
         total.push(t.elapsed().as_secs_f64() * 1e6);
+        faults.push(f as f64);
         for (v, d) in parts.iter_mut().zip(ds) {
             v.push(d.as_secs_f64() * 1e6);
         }
     }
-    for v in parts.iter_mut().chain([&mut total]) {
+    for v in parts.iter_mut().chain([&mut total, &mut faults]) {
         v.sort_by(f64::total_cmp);
     }
     let [i, c, d] = &parts;
@@ -200,6 +233,7 @@ async fn latencies(rt: &Runtime, c: &Arc<Compiled>, limits: Limits, requests: us
         instance_p50_us: p50(i),
         calls_p50_us: p50(c),
         drop_p50_us: p50(d),
+        calls_faults_p50: p50(&faults),
     })
 }
 

@@ -22,13 +22,14 @@
 //!   environment, no sockets, empty stdin, stdout/stderr captured, clocks rounded to 1 s,
 //!   random numbers.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
+use tokio::sync::mpsc::error::TryRecvError;
 use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{Config, Engine, PoolingAllocationConfig, Store, StoreLimits, StoreLimitsBuilder, UpdateDeadline};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
@@ -443,6 +444,12 @@ impl Runtime {
             // processors`, 2-core Xeon: JS p50 648 → 237–250 µs, Python 1,069 → 740). The
             // contents are the image's, as before. (A larger keep-resident size, 16 or 64
             // MiB, measured no better, and every warm slot would keep that much.)
+            // Still, a fresh JS or Python instance's calls take 37 / 60 page faults (the
+            // bench's faults column): wasmtime's scan reports at most 32 dirty regions
+            // and decommits everything past the last one, and these guests dirty more.
+            // Without the scan and with all of memory kept resident they take none (calls:
+            // JS ~290 → ~220 µs, Python ~195 → ~85 µs), but every release then copies the
+            // whole image back (12 MiB), which the maker cannot keep up with.
             .linear_memory_keep_resident(1 << 20)
             .pagemap_scan(if scan {
                 wasmtime::Enabled::Yes
@@ -670,8 +677,8 @@ const MAKER_NICE: libc::c_int = 10;
 enum Job {
     /// Drop a released instance's store.
     Retire(Store<State>),
-    /// Make the instances the shelf lacks, at most one shelf's worth (stopping at a failure:
-    /// the next release tries again).
+    /// Make the instances the shelf lacks, one per turn, until it lacks none (stopping at
+    /// a failure: the next release tries again).
     TopUp(TopUp),
 }
 
@@ -695,30 +702,46 @@ fn spawn_maker(engine: Engine, warm: std::sync::Weak<Warm>) -> anyhow::Result<to
             }
             rt.block_on(async move {
                 let mut sweep = tokio::time::interval(WARM_IDLE / 4);
+                // Top-ups in progress, one instance made per turn, so that released stores
+                // (which hold pool slots) and other shelves are served in between.
+                let mut topping: VecDeque<TopUp> = VecDeque::new();
                 loop {
-                    let job = tokio::select! {
-                        job = rx.recv() => job,
-                        _ = sweep.tick() => {
-                            if let Some(w) = warm.upgrade() {
-                                drop(w.sweep());
-                            }
-                            continue;
-                        }
+                    let job = match rx.try_recv() {
+                        Ok(job) => Some(job),
+                        Err(TryRecvError::Disconnected) => None,
+                        Err(TryRecvError::Empty) => match topping.pop_front() {
+                            Some(t) => Some(Job::TopUp(t)),
+                            None => tokio::select! {
+                                job = rx.recv() => job,
+                                _ = sweep.tick() => {
+                                    if let Some(w) = warm.upgrade() {
+                                        drop(w.sweep());
+                                    }
+                                    continue;
+                                }
+                            },
+                        },
                     };
                     match job {
                         None => break,
                         Some(Job::Retire(store)) => drop(store),
                         Some(Job::TopUp(t)) => {
-                            for _ in 0..t.warm.lacking(&t.key) {
-                                match make(&engine, &t.pre, &t.key.config, t.key.limits).await {
-                                    Ok(i) => drop(t.warm.put(&t.key, i)),
-                                    Err(e) => {
-                                        tracing::debug!(error = %e, "a processor instance could not be made ahead");
-                                        break;
-                                    }
+                            // The shelf's need is read again each turn: instances taken
+                            // while it is topped up are made too.
+                            if t.warm.lacking(&t.key) == 0 {
+                                t.warm.done(&t.key);
+                                continue;
+                            }
+                            match make(&engine, &t.pre, &t.key.config, t.key.limits).await {
+                                Ok(i) => {
+                                    drop(t.warm.put(&t.key, i));
+                                    topping.push_back(t);
+                                }
+                                Err(e) => {
+                                    tracing::debug!(error = %e, "a processor instance could not be made ahead");
+                                    t.warm.done(&t.key);
                                 }
                             }
-                            t.warm.done(&t.key);
                         }
                     }
                 }

@@ -355,3 +355,42 @@ async fn instances_are_made_ahead_per_configuration_and_counted() {
     }
     assert_eq!(off.warm_stats(), WarmStats { warm: 0, made: 5 });
 }
+
+/// Ready instances on a processor's shelf now.
+fn shelved(rt: &Runtime, code: &Compiled, config: &str, limits: Limits) -> usize {
+    let key = WarmKey {
+        sha256: code.sha256.clone(),
+        config: config.to_string(),
+        limits: limits.clamped(),
+    };
+    let shelves = rt.warm.shelves.lock().unwrap();
+    shelves.get(&key).map_or(0, |s| s.ready.len())
+}
+
+/// Instances taken while their shelf is being topped up are made too: after requests taken
+/// and released in many interleavings with the maker thread (a release starts a top-up, the
+/// next take empties what it made), the shelf ends full.
+#[tokio::test]
+async fn a_shelf_emptied_during_its_top_up_ends_full() {
+    let rt = runtime().with_warm(3);
+    let code = rt.compile(&stateful()).unwrap();
+    let limits = Limits::default();
+    let mut held = std::collections::VecDeque::new();
+    for n in 0..200 {
+        if held.len() == 3 {
+            drop(held.pop_front());
+        }
+        if n % 7 == 0 {
+            tokio::time::sleep(Duration::from_micros(50)).await;
+        }
+        held.push_back(rt.instantiate(&code, "{}", limits).await.unwrap());
+    }
+    drop(held);
+    for _ in 0..500 {
+        if shelved(&rt, &code, "{}", limits) == 3 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the shelf holds {} of 3", shelved(&rt, &code, "{}", limits));
+}
