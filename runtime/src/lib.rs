@@ -328,7 +328,14 @@ impl Warm {
         let mut dropped = Vec::new();
         if !shelves.contains_key(key) {
             while (shelves.len() + 1) * self.per_key() > MAX_WARM_TOTAL {
-                let Some(lru) = shelves.iter().min_by_key(|(_, s)| s.used).map(|(k, _)| k.clone()) else {
+                // Not a shelf being topped up: its top-up would carry on against the shelf
+                // made again under its key, beside that one's own.
+                let Some(lru) = shelves
+                    .iter()
+                    .filter(|(_, s)| !s.topping)
+                    .min_by_key(|(_, s)| s.used)
+                    .map(|(k, _)| k.clone())
+                else {
                     break;
                 };
                 if let Some(mut s) = shelves.remove(&lru) {
@@ -358,12 +365,16 @@ impl Warm {
         }
     }
 
-    /// How many instances the shelf lacks (0 when gone).
-    fn lacking(&self, key: &WarmKey) -> usize {
-        let shelves = self.shelves.lock().unwrap_or_else(|e| e.into_inner());
-        shelves
-            .get(key)
-            .map_or(0, |s| self.per_key().saturating_sub(s.ready.len()))
+    /// How many instances the shelf lacks (0 when gone); at 0 its top-up ends, under the
+    /// same lock, so that a release between the two cannot find it still running.
+    fn lacking_or_done(&self, key: &WarmKey) -> usize {
+        let mut shelves = self.shelves.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(s) = shelves.get_mut(key) else { return 0 };
+        let lacking = self.per_key().saturating_sub(s.ready.len());
+        if lacking == 0 {
+            s.topping = false;
+        }
+        lacking
     }
 
     /// Ends the shelf's top-up.
@@ -446,7 +457,9 @@ impl Runtime {
             // MiB, measured no better, and every warm slot would keep that much.)
             // Still, a fresh JS or Python instance's calls take 37 / 60 page faults (the
             // bench's faults column): wasmtime's scan reports at most 32 dirty regions
-            // and decommits everything past the last one, and these guests dirty more.
+            // and decommits everything past the last one, and these guests dirty more (the
+            // scan also stops at the keep-resident size, but 16 or 32 MiB left the faults
+            // as they were, so the regions are the limit).
             // Without the scan and with all of memory kept resident they take none (calls:
             // JS ~290 → ~220 µs, Python ~195 → ~85 µs), but every release then copies the
             // whole image back (12 MiB), which the maker cannot keep up with.
@@ -682,8 +695,9 @@ enum Job {
     TopUp(TopUp),
 }
 
-/// The thread that drops released instances and makes shelved ones, in order (a slot freed
-/// first is reused warm), and empties idle shelves, on its own single-threaded executor: it
+/// The thread that drops released instances and makes shelved ones (queued jobs first, then
+/// one instance for each running top-up in turn; a slot freed first is reused warm), and
+/// empties idle shelves, on its own single-threaded executor: it
 /// never takes a request-serving thread, and ends with its runtime. It is one thread, so
 /// making ahead keeps up with about one instance per making time (a Python guest: ~1,700
 /// a second); past that, requests make their own.
@@ -701,11 +715,19 @@ fn spawn_maker(engine: Engine, warm: std::sync::Weak<Warm>) -> anyhow::Result<to
                 libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, MAKER_NICE);
             }
             rt.block_on(async move {
-                let mut sweep = tokio::time::interval(WARM_IDLE / 4);
+                let sweep_every = WARM_IDLE / 4;
+                let mut next_sweep = Instant::now() + sweep_every;
                 // Top-ups in progress, one instance made per turn, so that released stores
                 // (which hold pool slots) and other shelves are served in between.
                 let mut topping: VecDeque<TopUp> = VecDeque::new();
                 loop {
+                    // Idle shelves are emptied on time even while top-ups keep it busy.
+                    if Instant::now() >= next_sweep {
+                        if let Some(w) = warm.upgrade() {
+                            drop(w.sweep());
+                        }
+                        next_sweep = Instant::now() + sweep_every;
+                    }
                     let job = match rx.try_recv() {
                         Ok(job) => Some(job),
                         Err(TryRecvError::Disconnected) => None,
@@ -713,23 +735,19 @@ fn spawn_maker(engine: Engine, warm: std::sync::Weak<Warm>) -> anyhow::Result<to
                             Some(t) => Some(Job::TopUp(t)),
                             None => tokio::select! {
                                 job = rx.recv() => job,
-                                _ = sweep.tick() => {
-                                    if let Some(w) = warm.upgrade() {
-                                        drop(w.sweep());
-                                    }
-                                    continue;
-                                }
+                                _ = tokio::time::sleep_until(next_sweep.into()) => continue,
                             },
                         },
                     };
                     match job {
+                        // Every sender is gone (the runtime and all its instances): queued
+                        // top-ups have no shelves left to fill.
                         None => break,
                         Some(Job::Retire(store)) => drop(store),
                         Some(Job::TopUp(t)) => {
                             // The shelf's need is read again each turn: instances taken
                             // while it is topped up are made too.
-                            if t.warm.lacking(&t.key) == 0 {
-                                t.warm.done(&t.key);
+                            if t.warm.lacking_or_done(&t.key) == 0 {
                                 continue;
                             }
                             match make(&engine, &t.pre, &t.key.config, t.key.limits).await {

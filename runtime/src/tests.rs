@@ -386,11 +386,21 @@ async fn a_shelf_emptied_during_its_top_up_ends_full() {
         held.push_back(rt.instantiate(&code, "{}", limits).await.unwrap());
     }
     drop(held);
+    full(&rt, &code, limits).await;
+    // And its top-up ended: the next release starts another.
+    let taken = rt.instantiate(&code, "{}", limits).await.unwrap();
+    assert!(taken.was_warm());
+    drop(taken);
+    full(&rt, &code, limits).await;
+}
+
+/// Waits for the shelf of `code` (configuration "{}") to hold 3.
+async fn full(rt: &Runtime, code: &Compiled, limits: Limits) {
     for _ in 0..500 {
-        if shelved(&rt, &code, "{}", limits) == 3 {
+        if shelved(rt, code, "{}", limits) == 3 {
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    panic!("the shelf holds {} of 3", shelved(&rt, &code, "{}", limits));
+    panic!("the shelf holds {} of 3", shelved(rt, code, "{}", limits));
 }
