@@ -275,6 +275,8 @@ struct Warm {
     shelves: Mutex<HashMap<WarmKey, Shelf>>,
     hits: AtomicU64,
     misses: AtomicU64,
+    /// The next shelf's id.
+    next_shelf: AtomicU64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -285,6 +287,9 @@ struct WarmKey {
 }
 
 struct Shelf {
+    /// Tells this shelf from one made again under its key after it was evicted or swept:
+    /// a top-up fills only the shelf it was claimed for.
+    id: u64,
     ready: Vec<Instance>,
     used: Instant,
     /// A top-up for this shelf is queued or running: at most one at a time.
@@ -302,6 +307,7 @@ impl Warm {
             shelves: Mutex::new(HashMap::new()),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
+            next_shelf: AtomicU64::new(0),
         })
     }
 
@@ -328,14 +334,8 @@ impl Warm {
         let mut dropped = Vec::new();
         if !shelves.contains_key(key) {
             while (shelves.len() + 1) * self.per_key() > MAX_WARM_TOTAL {
-                // Not a shelf being topped up: its top-up would carry on against the shelf
-                // made again under its key, beside that one's own.
-                let Some(lru) = shelves
-                    .iter()
-                    .filter(|(_, s)| !s.topping)
-                    .min_by_key(|(_, s)| s.used)
-                    .map(|(k, _)| k.clone())
-                else {
+                // A top-up of the evicted shelf stops at its next turn (the ids differ).
+                let Some(lru) = shelves.iter().min_by_key(|(_, s)| s.used).map(|(k, _)| k.clone()) else {
                     break;
                 };
                 if let Some(mut s) = shelves.remove(&lru) {
@@ -346,30 +346,34 @@ impl Warm {
         let shelf = shelves.entry(key.clone()).or_insert_with(|| Shelf {
             ready: Vec::new(),
             used: now,
+            id: self.next_shelf.fetch_add(1, Ordering::Relaxed),
             topping: false,
         });
         shelf.used = now;
         (shelf.ready.pop(), dropped)
     }
 
-    /// Claims the shelf's top-up; false when one is already queued or running, or the
-    /// shelf is gone or full.
-    fn claim(&self, key: &WarmKey) -> bool {
+    /// Claims the shelf's top-up, returning the shelf's id; None when one is already
+    /// queued or running, or the shelf is gone or full.
+    fn claim(&self, key: &WarmKey) -> Option<u64> {
         let mut shelves = self.shelves.lock().unwrap_or_else(|e| e.into_inner());
         match shelves.get_mut(key) {
             Some(s) if !s.topping && s.ready.len() < self.per_key() => {
                 s.topping = true;
-                true
+                Some(s.id)
             }
-            _ => false,
+            _ => None,
         }
     }
 
-    /// How many instances the shelf lacks (0 when gone); at 0 its top-up ends, under the
-    /// same lock, so that a release between the two cannot find it still running.
-    fn lacking_or_done(&self, key: &WarmKey) -> usize {
+    /// How many instances shelf `id` lacks (0 when it is gone, or another shelf now holds
+    /// its key); at 0 its top-up ends, under the same lock, so that a release between the
+    /// two cannot find it still running.
+    fn lacking_or_done(&self, key: &WarmKey, id: u64) -> usize {
         let mut shelves = self.shelves.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(s) = shelves.get_mut(key) else { return 0 };
+        let Some(s) = shelves.get_mut(key).filter(|s| s.id == id) else {
+            return 0;
+        };
         let lacking = self.per_key().saturating_sub(s.ready.len());
         if lacking == 0 {
             s.topping = false;
@@ -377,19 +381,20 @@ impl Warm {
         lacking
     }
 
-    /// Ends the shelf's top-up.
-    fn done(&self, key: &WarmKey) {
+    /// Ends shelf `id`'s top-up.
+    fn done(&self, key: &WarmKey, id: u64) {
         let mut shelves = self.shelves.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(s) = shelves.get_mut(key) {
+        if let Some(s) = shelves.get_mut(key).filter(|s| s.id == id) {
             s.topping = false;
         }
     }
 
-    /// Shelves an instance; returns it when the shelf is gone or full, to drop unlocked.
-    fn put(&self, key: &WarmKey, made: Instance) -> Option<Instance> {
+    /// Shelves an instance on shelf `id`; returns it when that shelf is gone or full, to
+    /// drop unlocked.
+    fn put(&self, key: &WarmKey, id: u64, made: Instance) -> Option<Instance> {
         let mut shelves = self.shelves.lock().unwrap_or_else(|e| e.into_inner());
         match shelves.get_mut(key) {
-            Some(shelf) if shelf.ready.len() < self.per_key() => {
+            Some(shelf) if shelf.id == id && shelf.ready.len() < self.per_key() => {
                 shelf.ready.push(made);
                 None
             }
@@ -450,16 +455,16 @@ impl Runtime {
             // Reset small memories, tables and stacks with memset instead of madvise: the
             // kernel's mm lock would otherwise serialize instantiations across threads.
             // With PAGEMAP_SCAN (Linux 6.7+) wasmtime finds the pages the last instance
-            // dirtied and copies back only those, so they stay resident and a JS guest's
-            // request no longer refaults its engine's heap from the image (`hearth bench
-            // processors`, 2-core Xeon: JS p50 648 → 237–250 µs, Python 1,069 → 740). The
-            // contents are the image's, as before. (A larger keep-resident size, 16 or 64
-            // MiB, measured no better, and every warm slot would keep that much.)
-            // Still, a fresh JS or Python instance's calls take 37 / 60 page faults (the
-            // bench's faults column): wasmtime's scan reports at most 32 dirty regions
-            // and decommits everything past the last one, and these guests dirty more (the
-            // scan also stops at the keep-resident size, but 16 or 32 MiB left the faults
-            // as they were, so the regions are the limit).
+            // dirtied and copies back only those, so most of a JS guest's heap stays
+            // resident instead of being refaulted from the image on every request (`hearth
+            // bench processors`, 2-core Xeon: JS p50 648 → 237–250 µs, Python 1,069 → 740).
+            // The contents are the image's, as before. (A larger keep-resident size, 16, 32
+            // or 64 MiB in separate runs, measured no better, and every warm slot would keep
+            // that much.) Still, a fresh JS or Python instance's calls take 37 / 60 page
+            // faults (the bench's faults column): wasmtime's scan reports at most 32 dirty
+            // regions and decommits everything past the last one, and these guests dirty
+            // more (the scan also stops at the keep-resident size, but the larger sizes
+            // left the faults as they were, so the regions are the limit).
             // Without the scan and with all of memory kept resident they take none (calls:
             // JS ~290 → ~220 µs, Python ~195 → ~85 µs), but every release then copies the
             // whole image back (12 MiB), which the maker cannot keep up with.
@@ -609,6 +614,7 @@ impl Runtime {
             let top_up = TopUp {
                 pre: compiled.pre.clone(),
                 key,
+                shelf: 0,
                 warm: self.warm.clone(),
             };
             (taken, Some(top_up))
@@ -652,11 +658,12 @@ impl Release {
         if let Some(store) = store {
             drop(self.maker.try_send(Job::Retire(store)));
         }
-        if let Some(t) = self.top_up {
-            if t.warm.claim(&t.key) {
+        if let Some(mut t) = self.top_up {
+            if let Some(id) = t.warm.claim(&t.key) {
+                t.shelf = id;
                 if let Err(e) = self.maker.try_send(Job::TopUp(t)) {
                     if let Job::TopUp(t) = e.into_inner() {
-                        t.warm.done(&t.key);
+                        t.warm.done(&t.key, t.shelf);
                     }
                 }
             }
@@ -676,6 +683,8 @@ fn retire(maker: &tokio::sync::mpsc::Sender<Job>, mut i: Instance) {
 struct TopUp {
     pre: ProcessorPre<State>,
     key: WarmKey,
+    /// The id of the shelf it fills, set when the release claims it.
+    shelf: u64,
     warm: Arc<Warm>,
 }
 
@@ -740,24 +749,24 @@ fn spawn_maker(engine: Engine, warm: std::sync::Weak<Warm>) -> anyhow::Result<to
                         },
                     };
                     match job {
-                        // Every sender is gone (the runtime and all its instances): queued
-                        // top-ups have no shelves left to fill.
+                        // Every sender is gone (the runtime and all its instances): no one is
+                        // left to take from the shelves that queued top-ups would fill.
                         None => break,
                         Some(Job::Retire(store)) => drop(store),
                         Some(Job::TopUp(t)) => {
                             // The shelf's need is read again each turn: instances taken
                             // while it is topped up are made too.
-                            if t.warm.lacking_or_done(&t.key) == 0 {
+                            if t.warm.lacking_or_done(&t.key, t.shelf) == 0 {
                                 continue;
                             }
                             match make(&engine, &t.pre, &t.key.config, t.key.limits).await {
                                 Ok(i) => {
-                                    drop(t.warm.put(&t.key, i));
+                                    drop(t.warm.put(&t.key, t.shelf, i));
                                     topping.push_back(t);
                                 }
                                 Err(e) => {
                                     tracing::debug!(error = %e, "a processor instance could not be made ahead");
-                                    t.warm.done(&t.key);
+                                    t.warm.done(&t.key, t.shelf);
                                 }
                             }
                         }
