@@ -286,6 +286,17 @@ struct WarmKey {
     limits: Limits,
 }
 
+impl WarmKey {
+    /// The shelf of `compiled` under `config` and `limits` (already clamped).
+    fn new(compiled: &Compiled, config: &str, limits: Limits) -> Self {
+        Self {
+            sha256: compiled.sha256.clone(),
+            config: config.to_string(),
+            limits,
+        }
+    }
+}
+
 struct Shelf {
     /// Tells this shelf from one made again under its key after it was evicted or swept:
     /// a top-up fills only the shelf it was claimed for.
@@ -602,11 +613,7 @@ impl Runtime {
         let (taken, top_up) = if self.warm.per_key() == 0 {
             (None, None)
         } else {
-            let key = WarmKey {
-                sha256: compiled.sha256.clone(),
-                config: config.to_string(),
-                limits,
-            };
+            let key = WarmKey::new(compiled, config, limits);
             let (taken, evicted) = self.warm.take(&key);
             for i in evicted {
                 retire(&self.maker, i);

@@ -356,13 +356,9 @@ async fn instances_are_made_ahead_per_configuration_and_counted() {
     assert_eq!(off.warm_stats(), WarmStats { warm: 0, made: 5 });
 }
 
-/// Ready instances on a processor's shelf now.
-fn shelved(rt: &Runtime, code: &Compiled, config: &str, limits: Limits) -> usize {
-    let key = WarmKey {
-        sha256: code.sha256.clone(),
-        config: config.to_string(),
-        limits: limits.clamped(),
-    };
+/// Ready instances on a processor's shelf (configuration "{}") now.
+fn shelved(rt: &Runtime, code: &Compiled, limits: Limits) -> usize {
+    let key = WarmKey::new(code, "{}", limits.clamped());
     let shelves = rt.warm.shelves.lock().unwrap();
     shelves.get(&key).map_or(0, |s| s.ready.len())
 }
@@ -397,10 +393,10 @@ async fn a_shelf_emptied_during_its_top_up_ends_full() {
 /// Waits for the shelf of `code` (configuration "{}") to hold 3.
 async fn full(rt: &Runtime, code: &Compiled, limits: Limits) {
     for _ in 0..500 {
-        if shelved(rt, code, "{}", limits) == 3 {
+        if shelved(rt, code, limits) == 3 {
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    panic!("the shelf holds {} of 3", shelved(rt, code, "{}", limits));
+    panic!("the shelf holds {} of 3", shelved(rt, code, limits));
 }
