@@ -404,8 +404,13 @@ try:
         check(f"{login}: the provider's sign-in page", driver.current_url.startswith(IDP), driver.current_url)
         driver.find_element(By.NAME, "login").send_keys(login)
         driver.find_element(By.NAME, "password").send_keys("any password")
-        driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
-        wait.until(lambda d: not d.current_url.startswith(IDP) or d.find_elements(By.NAME, "prompt"))
+        sign_in_button = driver.find_element(By.CSS_SELECTOR, "button[type=submit]")
+        sign_in_button.click()
+        # The sign-in form also carries a hidden `prompt` field (value "login"): wait for it to
+        # be gone before looking for the consent form, or the old page's button is clicked.
+        wait.until(EC.staleness_of(sign_in_button))
+        consent = (By.CSS_SELECTOR, "input[name=prompt][value=consent]")
+        wait.until(lambda d: not d.current_url.startswith(IDP) or d.find_elements(*consent))
         if driver.current_url.startswith(IDP):
             driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
 
