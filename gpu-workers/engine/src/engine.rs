@@ -368,12 +368,7 @@ impl EngineHandle {
         if let Some(isa) = cfg.isa {
             set_isa(isa).map_err(|e| EngineError::Start(e.to_string()))?;
         }
-        // The whole file is read ahead only when its matrices will be repacked from it: with
-        // a pack cache the load reads the cache instead (read ahead by its own load), and
-        // from the model file only its metadata, norms and the embedding rows looked up, so
-        // reading all of it would halve a cold disk's bandwidth for the cache.
-        let cached = matches!(cfg.device, Device::Cpu) && cfg.pack_cache && crate::pack_cache::path_for(path).is_file();
-        if path.is_file() && !cached {
+        if path.is_file() {
             crate::pack_cache::read_ahead(path);
         }
         let file = crate::hf::open_model(path)?;
