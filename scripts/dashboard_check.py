@@ -314,13 +314,17 @@ try:
     driver.find_element(By.ID, "set-budget").click()
     wait.until(EC.alert_is_present())
     driver.switch_to.alert.accept()
+    # The field holds "25" before the form is sent too: wait for the server's record of it.
+    def budget_audited():
+        return [e for e in json.loads(admin("audit", "--tenant", "console-made"))
+                if e["action"] == "tenant.budget" and e["channel"] == "dashboard"
+                and e["detail"]["monthly_nusd"] == 25_000_000_000]
+    wait.until(lambda d: budget_audited())
     wait.until(lambda d: d.find_element(By.ID, "budget-usd").get_attribute("value").startswith("25"))
     shot("tenant.png")
     tenants = json.loads(admin("tenant", "list"))
     check("the CLI sees the console's tenant", any(t["name"] == "console-made" for t in tenants), tenants)
-    audit = json.loads(admin("audit", "--tenant", "console-made"))
-    check("the console's budget is audited", any(e["action"] == "tenant.budget" and e["channel"] == "dashboard"
-                                                 and e["detail"]["monthly_nusd"] == 25_000_000_000 for e in audit), audit)
+    check("the console's budget is audited", bool(budget_audited()))
     # A model added from the console (cold, for one tenant): the CLI sees it through the admin API.
     driver.get(url + "/dashboard")
     driver.find_element(By.ID, "model-id").send_keys("console-model")
@@ -404,11 +408,10 @@ try:
         check(f"{login}: the provider's sign-in page", driver.current_url.startswith(IDP), driver.current_url)
         driver.find_element(By.NAME, "login").send_keys(login)
         driver.find_element(By.NAME, "password").send_keys("any password")
-        sign_in_button = driver.find_element(By.CSS_SELECTOR, "button[type=submit]")
-        sign_in_button.click()
-        # The sign-in form also carries a hidden `prompt` field (value "login"): wait for it to
-        # be gone before looking for the consent form, or the old page's button is clicked.
-        wait.until(EC.staleness_of(sign_in_button))
+        driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        # The consent form is told by its hidden `prompt` field's value: the sign-in form has
+        # one too (value "login"), so a wait on the name alone passed on the old page and
+        # clicked its button as it went stale.
         consent = (By.CSS_SELECTOR, "input[name=prompt][value=consent]")
         wait.until(lambda d: not d.current_url.startswith(IDP) or d.find_elements(*consent))
         if driver.current_url.startswith(IDP):
