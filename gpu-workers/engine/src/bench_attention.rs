@@ -129,11 +129,15 @@ fn measure(head_dim: usize, group: usize, rows: usize, context: usize, min_s: f6
     }
 }
 
-/// Decode (one row) and prefill (48 consecutive rows) at 1k–16k positions, heads of 64,
+/// Decode (one row) and prefill (48 consecutive rows) at 1k–32k positions, heads of 64,
 /// 128 and 256, GQA groups of 1, 3 and 4.
 pub fn run(quick: bool) -> AttentionReport {
     let min_s = if quick { 0.05 } else { 0.4 };
-    let contexts: &[usize] = if quick { &[1024, 4096] } else { &[1024, 4096, 16384] };
+    let contexts: &[usize] = if quick {
+        &[1024, 4096]
+    } else {
+        &[1024, 4096, 16384, 32768]
+    };
     let mut rows = Vec::new();
     for &(head_dim, group) in &[(64, 3), (128, 4), (256, 2), (96, 1)] {
         for &context in contexts {

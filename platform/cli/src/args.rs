@@ -342,7 +342,7 @@ pub enum BenchCommand {
         json: Option<PathBuf>,
     },
     /// The attention kernels alone, one thread: a head at a time against grouped queries
-    /// (a GQA group's heads × consecutive rows), decode- and prefill-shaped, 1k–16k positions.
+    /// (a GQA group's heads × consecutive rows), decode- and prefill-shaped, 1k–32k positions.
     Attention {
         /// Shorter runs, fewer contexts (smoke).
         #[arg(long)]
