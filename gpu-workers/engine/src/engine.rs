@@ -368,26 +368,59 @@ impl EngineHandle {
         if let Some(isa) = cfg.isa {
             set_isa(isa).map_err(|e| EngineError::Start(e.to_string()))?;
         }
-        if path.is_file() {
+        // A cold disk's reads overlap the load and the first prefill (see
+        // `pack_cache::read_ahead`). Where the pack cache will supply the matrices, the model
+        // file is read ahead only where it is still read: its header (parsed next), then its
+        // vectors (norms, biases) and the embedding (rows looked up), then the cache. Reading
+        // the whole file too doubled a cold load's reads.
+        let cache = crate::pack_cache::path_for(path);
+        let from_cache =
+            matches!(cfg.device, Device::Cpu) && cfg.pack_cache && isa().is_simd() && path.is_file() && cache.is_file();
+        if from_cache {
+            crate::pack_cache::read_ahead_parts(vec![(path.to_path_buf(), 0..8 << 20)]);
+        } else if path.is_file() {
             crate::pack_cache::read_ahead(path);
         }
         let file = crate::hf::open_model(path)?;
+        if from_cache {
+            let mut parts: Vec<_> = file
+                .tensors
+                .iter()
+                .filter(|t| t.dims.len() == 1 || t.name == "token_embd.weight")
+                .map(|t| (path.to_path_buf(), t.offset as u64..(t.offset + t.len) as u64))
+                .collect();
+            parts.push((cache, 0..u64::MAX));
+            crate::pack_cache::read_ahead_parts(parts);
+        }
         let mut spec = tokenizer_spec(&file)?;
         if let Some(t) = &cfg.chat_template {
             spec.chat_template = Some(t.clone());
         }
-        let tokenizer = Arc::new(Tokenizer::from_spec(&spec)?);
         let opts = LoadOptions {
             pack_cache: cfg.pack_cache,
             float_weights: cfg.float_weights,
             rope_scaling: cfg.rope_scaling,
             max_context: cfg.max_context,
         };
-        let model = match cfg.device {
-            Device::Cpu => Model::load_options(file, opts)?,
-            // The device keeps its own copy of the weights: no CPU repacking.
-            Device::Cuda(_) => Model::load_unpacked(file, opts)?,
-        };
+        // The tokenizer's tables (a vocabulary and its merges: tens of thousands of strings)
+        // are built beside the weights' load; neither needs the other.
+        let (tokenizer, model) = std::thread::scope(|s| {
+            let tokenizer = std::thread::Builder::new()
+                .name("hearth-tokenizer".into())
+                .spawn_scoped(s, || Tokenizer::from_spec(&spec));
+            let model = match cfg.device {
+                Device::Cpu => Model::load_options(file, opts),
+                // The device keeps its own copy of the weights: no CPU repacking.
+                Device::Cuda(_) => Model::load_unpacked(file, opts),
+            };
+            let tokenizer = match tokenizer {
+                Ok(t) => t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                Err(_) => Tokenizer::from_spec(&spec),
+            };
+            (tokenizer, model)
+        });
+        let tokenizer = Arc::new(tokenizer?);
+        let model = model?;
         tracing::info!(
             isa = %isa(),
             pack_cache = model.packed_from_cache(),

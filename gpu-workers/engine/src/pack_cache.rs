@@ -110,19 +110,34 @@ fn u64_at(b: &[u8], i: usize) -> u64 {
 /// first touched. For loads only, not for reading a model's metadata. Advice only: nothing
 /// waits for it, and a failure (or a file already cached) costs nothing.
 pub fn read_ahead(path: &Path) {
+    read_ahead_parts(vec![(path.to_path_buf(), 0..u64::MAX)]);
+}
+
+/// [`read_ahead`] for parts of files, `(file, byte range)` (clamped to the file's length),
+/// read in the order given, each in file order.
+pub fn read_ahead_parts(parts: Vec<(PathBuf, std::ops::Range<u64>)>) {
     use std::os::fd::AsRawFd;
-    let path = path.to_path_buf();
     let _ = std::thread::Builder::new()
         .name("hearth-readahead".into())
         .spawn(move || {
-            let Ok(f) = std::fs::File::open(&path) else { return };
-            let len = f.metadata().map_or(0, |m| m.len() as i64);
-            const CHUNK: i64 = 8 << 20;
-            let mut off = 0;
-            while off < len {
-                // SAFETY: posix_fadvise only advises the kernel about this open file's pages.
-                unsafe { libc::posix_fadvise(f.as_raw_fd(), off, CHUNK.min(len - off), libc::POSIX_FADV_WILLNEED) };
-                off += CHUNK;
+            const CHUNK: u64 = 8 << 20;
+            let mut open: Option<(PathBuf, std::fs::File, u64)> = None;
+            for (path, range) in parts {
+                if open.as_ref().is_none_or(|(p, ..)| *p != path) {
+                    open = std::fs::File::open(&path).ok().map(|f| {
+                        let len = f.metadata().map_or(0, |m| m.len());
+                        (path, f, len)
+                    });
+                }
+                let Some((_, f, len)) = &open else { continue };
+                let end = range.end.min(*len);
+                let mut off = range.start;
+                while off < end {
+                    let n = CHUNK.min(end - off);
+                    // SAFETY: posix_fadvise only advises the kernel about this open file's pages.
+                    unsafe { libc::posix_fadvise(f.as_raw_fd(), off as i64, n as i64, libc::POSIX_FADV_WILLNEED) };
+                    off += n;
+                }
             }
         });
 }
