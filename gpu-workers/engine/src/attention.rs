@@ -338,7 +338,10 @@ mod x86 {
     }
 
     /// `out[m] = Σⱼ p[m][j] · V[j]` over the first `n` positions of `blocks` (weights
-    /// already normalized), 32 output columns at a time (8 without `wide`).
+    /// already normalized), [`VALUE_CHUNK`] positions at a time and, within a chunk, 32
+    /// output columns at a time (8 without `wide`). The sums live in `out` between chunks
+    /// (an exact round trip), so each output is the same chain of fused multiply-adds in
+    /// position order as one pass over every position: the same bits.
     ///
     /// # Safety
     /// As [`group_scores`]; `out` holds `M · head_dim`, `p` holds `M · width`.
@@ -438,15 +441,11 @@ mod x86 {
         }
     }
 
-    /// Positions per pass of the value kernels: the chunk's weights (`M` rows) and values
-    /// stay in L1 while every output column pass reads them. Unchunked, each column pass
-    /// streamed a long context's whole weight rows and values again from L3 (12 rows of a
-    /// 30,000-position prefill are 1.4 MB).
+    /// Positions per pass of the value kernels: a chunk's weights (`M` rows, at most 6 KiB)
+    /// stay in L1 across the output column passes. Unchunked, each column pass streamed a
+    /// long context's whole weight rows again from L3 (12 rows of a 30,000-position prefill
+    /// are 1.4 MB).
     const VALUE_CHUNK: usize = 128;
-
-    // The accumulators live in `out` between chunks (an exact round trip), so each output
-    // element is the same chain of fused multiply-adds in position order as one pass over
-    // every position: the results are bit-identical to unchunked kernels.
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     unsafe fn values_m512<const M: usize>(
@@ -462,10 +461,8 @@ mod x86 {
         let off = h.kv_head * hd;
         out[..M * hd].fill(0.0);
         let per = (VALUE_CHUNK / bt).max(1);
+        let blocks = &blocks[..n.div_ceil(bt)];
         for (b0, chunk) in (0..).step_by(per).zip(blocks.chunks(per)) {
-            if b0 * bt >= n {
-                break;
-            }
             for c0 in (0..hd).step_by(32) {
                 let mut acc = [[_mm512_setzero_ps(); 2]; M];
                 for (m, a) in acc.iter_mut().enumerate() {
@@ -474,9 +471,6 @@ mod x86 {
                 }
                 for (k, &block) in chunk.iter().enumerate() {
                     let bi = b0 + k;
-                    if bi * bt >= n {
-                        break;
-                    }
                     let v = pool.values(block, h.layer);
                     for slot in 0..(n - bi * bt).min(bt) {
                         let row = slot * h.kv_dim + off + c0;
@@ -513,10 +507,8 @@ mod x86 {
         let off = h.kv_head * hd;
         out[..M * hd].fill(0.0);
         let per = (VALUE_CHUNK / bt).max(1);
+        let blocks = &blocks[..n.div_ceil(bt)];
         for (b0, chunk) in (0..).step_by(per).zip(blocks.chunks(per)) {
-            if b0 * bt >= n {
-                break;
-            }
             for c0 in (0..hd).step_by(8) {
                 let mut acc = [_mm256_setzero_ps(); M];
                 for (m, a) in acc.iter_mut().enumerate() {
@@ -524,9 +516,6 @@ mod x86 {
                 }
                 for (k, &block) in chunk.iter().enumerate() {
                     let bi = b0 + k;
-                    if bi * bt >= n {
-                        break;
-                    }
                     let v = pool.values(block, h.layer);
                     for slot in 0..(n - bi * bt).min(bt) {
                         let v0 = load8(v, slot * h.kv_dim + off + c0);
@@ -711,13 +700,10 @@ mod tests {
         }
     }
 
-    /// A group of queries (1 to MAX_GROUP, each with its own span: causal ends, windows)
-    /// gives what the scalar reference gives each query, on every instruction-set path this
-    /// CPU runs, for shapes every kernel takes and shapes only some do.
     /// The value kernels walk a long context in chunks, keeping their sums in the output
     /// between chunks; each output element is still exactly one fused multiply-add chain in
     /// position order (what a pass over every position at once computes), bit for bit, on
-    /// spans of many chunks that start and end mid-block.
+    /// spans of many chunks that end mid-block and mid-chunk.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn value_kernels_sum_each_output_in_position_order() {
@@ -783,6 +769,9 @@ mod tests {
         }
     }
 
+    /// A group of queries (1 to MAX_GROUP, each with its own span: causal ends, windows)
+    /// gives what the scalar reference gives each query, on every instruction-set path this
+    /// CPU runs, for shapes every kernel takes and shapes only some do.
     #[test]
     fn groups_equal_single_queries() {
         let mut rng = Lcg(5);

@@ -361,6 +361,11 @@ impl std::fmt::Debug for EngineHandle {
     }
 }
 
+/// How much of a GGUF's start is read ahead before it is parsed where a pack cache holds its
+/// matrices: the header and metadata (the default model's, with its vocabulary, are about
+/// 2 MiB; a longer header's rest is read by the parse itself).
+const GGUF_HEADER_READ_AHEAD: u64 = 8 << 20;
+
 impl EngineHandle {
     /// Loads a GGUF model and starts the engine thread.
     pub fn load(path: &Path, model_id: &str, cfg: &EngineConfig) -> Result<Self, EngineError> {
@@ -369,27 +374,31 @@ impl EngineHandle {
             set_isa(isa).map_err(|e| EngineError::Start(e.to_string()))?;
         }
         // A cold disk's reads overlap the load and the first prefill (see
-        // `pack_cache::read_ahead`). Where the pack cache will supply the matrices, the model
-        // file is read ahead only where it is still read: its header (parsed next), then its
-        // vectors (norms, biases) and the embedding (rows looked up), then the cache. Reading
-        // the whole file too doubled a cold load's reads.
-        let cache = crate::pack_cache::path_for(path);
-        let from_cache =
-            matches!(cfg.device, Device::Cpu) && cfg.pack_cache && isa().is_simd() && path.is_file() && cache.is_file();
-        if from_cache {
-            crate::pack_cache::read_ahead_parts(vec![(path.to_path_buf(), 0..8 << 20)]);
-        } else if path.is_file() {
-            crate::pack_cache::read_ahead(path);
+        // `pack_cache::read_ahead`). Where a current pack cache holds the model's matrices,
+        // the model file is read ahead only where the load still reads it: its header
+        // (parsed next), then every tensor the cache does not hold (norms, biases, the
+        // embedding whose rows are looked up, anything not repacked), while the cache itself
+        // is read ahead as it is mapped. Reading the whole file as well doubled a cold
+        // load's reads. (A cache written for another set of matrices, after
+        // `--float-weights` changed, is refused when mapped: that one load repacks from a
+        // file it did not read ahead.)
+        let packed = match (path.is_file(), cfg.device) {
+            (true, Device::Cpu) if cfg.pack_cache && isa().is_simd() => crate::pack_cache::cached_tensors(path),
+            _ => None,
+        };
+        match packed {
+            Some(_) => crate::pack_cache::read_ahead_parts(vec![(path.to_path_buf(), 0..GGUF_HEADER_READ_AHEAD)]),
+            None if path.is_file() => crate::pack_cache::read_ahead(path),
+            None => {}
         }
         let file = crate::hf::open_model(path)?;
-        if from_cache {
-            let mut parts: Vec<_> = file
+        if let Some(packed) = &packed {
+            let parts = file
                 .tensors
                 .iter()
-                .filter(|t| t.dims.len() == 1 || t.name == "token_embd.weight")
+                .filter(|t| !packed.contains(&(t.offset as u64)) || t.name == "token_embd.weight")
                 .map(|t| (path.to_path_buf(), t.offset as u64..(t.offset + t.len) as u64))
                 .collect();
-            parts.push((cache, 0..u64::MAX));
             crate::pack_cache::read_ahead_parts(parts);
         }
         let mut spec = tokenizer_spec(&file)?;
@@ -403,7 +412,8 @@ impl EngineHandle {
             max_context: cfg.max_context,
         };
         // The tokenizer's tables (a vocabulary and its merges: tens of thousands of strings)
-        // are built beside the weights' load; neither needs the other.
+        // are built beside the weights' load; neither needs the other. (A bad vocabulary is
+        // then reported after the weights' load, not before it.)
         let (tokenizer, model) = std::thread::scope(|s| {
             let tokenizer = std::thread::Builder::new()
                 .name("hearth-tokenizer".into())

@@ -121,15 +121,17 @@ pub fn read_ahead_parts(parts: Vec<(PathBuf, std::ops::Range<u64>)>) {
         .name("hearth-readahead".into())
         .spawn(move || {
             const CHUNK: u64 = 8 << 20;
-            let mut open: Option<(PathBuf, std::fs::File, u64)> = None;
+            // The file of the last part (`None`: it could not be opened).
+            let mut open: Option<(PathBuf, Option<(std::fs::File, u64)>)> = None;
             for (path, range) in parts {
-                if open.as_ref().is_none_or(|(p, ..)| *p != path) {
-                    open = std::fs::File::open(&path).ok().map(|f| {
+                if open.as_ref().is_none_or(|(p, _)| *p != path) {
+                    let f = std::fs::File::open(&path).ok().map(|f| {
                         let len = f.metadata().map_or(0, |m| m.len());
-                        (path, f, len)
+                        (f, len)
                     });
+                    open = Some((path, f));
                 }
-                let Some((_, f, len)) = &open else { continue };
+                let Some((_, Some((f, len)))) = &open else { continue };
                 let end = range.end.min(*len);
                 let mut off = range.start;
                 while off < end {
@@ -140,6 +142,31 @@ pub fn read_ahead_parts(parts: Vec<(PathBuf, std::ops::Range<u64>)>) {
                 }
             }
         });
+}
+
+/// The model-file offsets of the matrices a current cache beside `model` holds (read from
+/// its header and entry table; the matrices themselves are neither read nor checked), or
+/// `None` when there is no cache or it is not for this file as it is now.
+pub fn cached_tensors(model: &Path) -> Option<std::collections::HashSet<u64>> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path_for(model)).ok()?;
+    let mut head = [0u8; 48];
+    f.read_exact(&mut head).ok()?;
+    let (size, secs, nanos, shards) = source_id(model)?;
+    let current = &head[0..8] == MAGIC
+        && u32_at(&head, 8) == PACK_FORMAT
+        && (
+            u64_at(&head, 16),
+            u64_at(&head, 24),
+            u32_at(&head, 32),
+            u32_at(&head, 36),
+        ) == (size, secs, nanos, shards);
+    if !current {
+        return None;
+    }
+    let mut entries = vec![0u8; (u32_at(&head, 12) as usize).min(1 << 20) * ENTRY];
+    f.read_exact(&mut entries).ok()?;
+    Some(entries.chunks_exact(ENTRY).map(|e| u64_at(e, 24)).collect())
 }
 
 /// Maps the cache for `model` if it holds exactly `want`; `Err` says why not (missing,

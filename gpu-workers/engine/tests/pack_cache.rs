@@ -31,9 +31,29 @@ fn the_pack_cache_is_written_mapped_and_refused_when_bad() {
     std::fs::copy(&src, &model).unwrap();
     let cache = pack_cache::path_for(&model);
 
+    assert!(pack_cache::cached_tensors(&model).is_none(), "no cache yet");
     let (first, from_cache) = logits(&model);
     assert!(!from_cache, "no cache yet: repacked");
     assert!(cache.exists(), "the first load wrote {}", cache.display());
+    // What a cold load reads ahead from the model file: every tensor the cache does not
+    // hold. The cache holds every layer's matrices (7 per layer) and the (tied) output,
+    // none of the vectors.
+    let gguf = GgufFile::open(&model).unwrap();
+    let held = pack_cache::cached_tensors(&model).expect("a current cache");
+    let layers = gguf
+        .tensors
+        .iter()
+        .filter(|t| t.name.ends_with(".attn_q.weight"))
+        .count();
+    assert_eq!(held.len(), 7 * layers + 1, "{held:?}");
+    for t in &gguf.tensors {
+        assert_eq!(
+            held.contains(&(t.offset as u64)),
+            t.dims.len() == 2,
+            "{}: held by the cache only if a matrix",
+            t.name
+        );
+    }
     let (second, from_cache) = logits(&model);
     assert!(from_cache, "the second load maps the cache");
     assert_eq!(first, second, "mapped and repacked weights give the same logits");
@@ -54,6 +74,10 @@ fn the_pack_cache_is_written_mapped_and_refused_when_bad() {
     f.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5))
         .unwrap();
     drop(f);
+    assert!(
+        pack_cache::cached_tensors(&model).is_none(),
+        "a stale cache holds nothing"
+    );
     assert!(!logits(&model).1, "a stale cache is not used");
     std::fs::remove_dir_all(&dir).ok();
 }
