@@ -376,12 +376,13 @@ impl EngineHandle {
         // A cold disk's reads overlap the load and the first prefill (see
         // `pack_cache::read_ahead`). Where a current pack cache holds the model's matrices,
         // the model file is read ahead only where the load still reads it: its header
-        // (parsed next), then every tensor the cache does not hold (norms, biases, the
-        // embedding whose rows are looked up, anything not repacked), while the cache itself
-        // is read ahead as it is mapped. Reading the whole file as well doubled a cold
-        // load's reads. (A cache written for another set of matrices, after
-        // `--float-weights` changed, is refused when mapped: that one load repacks from a
-        // file it did not read ahead.)
+        // (parsed next), then every tensor the cache does not hold (norms, biases, anything
+        // not repacked; float matrices too with `--float-weights float`, which computes
+        // them from the file), plus the embedding, whose rows are looked up; the cache
+        // itself is read ahead as it is mapped. Reading the whole file as well doubled a
+        // cold load's reads. (A cache written before `--float-weights` changed for a file
+        // that mixes quantized and float matrices is refused when mapped: that one load
+        // repacks from a file it did not read ahead.)
         let packed = match (path.is_file(), cfg.device) {
             (true, Device::Cpu) if cfg.pack_cache && isa().is_simd() => crate::pack_cache::cached_tensors(path),
             _ => None,
@@ -396,7 +397,10 @@ impl EngineHandle {
             let parts = file
                 .tensors
                 .iter()
-                .filter(|t| !packed.contains(&(t.offset as u64)) || t.name == "token_embd.weight")
+                .filter(|t| {
+                    let float = cfg.float_weights == crate::models::FloatWeights::Float && !t.ty.is_quantized();
+                    !packed.contains(&(t.offset as u64)) || float || t.name == "token_embd.weight"
+                })
                 .map(|t| (path.to_path_buf(), t.offset as u64..(t.offset + t.len) as u64))
                 .collect();
             crate::pack_cache::read_ahead_parts(parts);
