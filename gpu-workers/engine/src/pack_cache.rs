@@ -1,6 +1,6 @@
 //! The on-disk cache of repacked weights: written beside the model file after its first
-//! repacking (`MODEL.gguf.hearth-pack-v2`; inside a Hugging Face directory
-//! `hearth-pack-v2`, holding its float matrices quantized to Q8_0), then mapped — not read into memory, not
+//! repacking (`MODEL.gguf.hearth-pack-v3`; inside a Hugging Face directory
+//! `hearth-pack-v3`, holding its float matrices quantized to Q8_0), then mapped — not read into memory, not
 //! copied — by every later load, so a cold start costs reading the file, not recomputing.
 //!
 //! Layout (little-endian), version [`PACK_FORMAT`]:
@@ -13,24 +13,34 @@
 //! | 16..24 | the model file's size (a Hugging Face directory: its shards' total) |
 //! | 24..36 | the model file's modification time (seconds u64, nanoseconds u32; a directory: its newest shard's) |
 //! | 36..40 | a directory's shards: 32 bits of the XXH3 of every shard's name, size and time (a file: 0) |
-//! | 40..48 | XXH3-64 of every matrix's bytes, in order |
-//! | 48.. | `n` entries of 48 bytes: kind (u32: [`PackKind::code`]), reserved u32, rows u64, cols u64, the tensor's offset in the model file u64 (a directory: the shard's index in the top 16 bits), the bytes' offset in this file u64, their length u64 |
+//! | 40..48 | reserved (0) |
+//! | 48.. | `n` entries of 56 bytes: kind (u32: [`PackKind::code`]), reserved u32, rows u64, cols u64, the tensor's offset in the model file u64 (a directory: the shard's index in the top 16 bits), the bytes' offset in this file u64, their length u64, the XXH3-64 of those bytes |
 //!
-//! Each matrix's bytes start at a multiple of 4096. A cache is used only if the version, the
-//! model file's size and time, every entry's shape and tensor offset and the checksum all
-//! match; anything else is a miss, and the load repacks and rewrites the cache (atomically:
-//! a temporary file renamed into place).
+//! Each matrix's bytes start at a multiple of 4096. A cache is mapped only if the version,
+//! the model file's size and time, and every entry's shape and tensor offset match; anything
+//! else is a miss, and the load repacks and rewrites the cache (atomically: a temporary file
+//! renamed into place).
+//!
+//! **Checked before first use, not before the load returns.** Reading the whole file to
+//! check it first would put a cold disk's read before the first prefill. Instead a
+//! [`Verifier`] thread hashes the matrices in file order (the order the forward pass uses
+//! them: layer by layer, then the output), and each matrix's first use waits for its own
+//! check ([`PackedMatrix::checked`]). So the read overlaps the first layers' compute, and no
+//! matrix whose bytes differ from what was written is ever computed with: such a matrix is
+//! repacked from the model file in memory on that use (the same bytes a fresh load makes),
+//! and the cache file is deleted so that the next load rewrites it.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::kernels::packed::{PackKind, PackedMatrix, PACK_FORMAT};
 
 const MAGIC: &[u8; 8] = b"HRTHPACK";
-const ENTRY: usize = 48;
+const ENTRY: usize = 56;
 const ALIGN: usize = 4096;
 
 /// What a cached matrix must be to stand for one of the model's.
@@ -144,6 +154,26 @@ pub fn read_ahead_parts(parts: Vec<(PathBuf, std::ops::Range<u64>)>) {
         });
 }
 
+/// Checks a cache's first 48 bytes (`head`) against this build's layout and `model` as it
+/// is now; `Ok` holds the number of matrices its entry table lists, `Err` says why the cache
+/// is not current (not a cache, another layout version, stale).
+fn check_header(head: &[u8], model: &Path) -> Result<usize, String> {
+    if head.len() < 48 || &head[0..8] != MAGIC {
+        return Err("not a pack cache".into());
+    }
+    if u32_at(head, 8) != PACK_FORMAT {
+        return Err(format!(
+            "layout version {} (this build uses {PACK_FORMAT})",
+            u32_at(head, 8)
+        ));
+    }
+    let (size, secs, nanos, shards) = source_id(model).ok_or("cannot stat the model file")?;
+    if (u64_at(head, 16), u64_at(head, 24), u32_at(head, 32), u32_at(head, 36)) != (size, secs, nanos, shards) {
+        return Err("stale: the model file changed".into());
+    }
+    Ok(u32_at(head, 12) as usize)
+}
+
 /// The model-file offsets of the matrices a current cache beside `model` holds (read from
 /// its header and entry table; the matrices themselves are neither read nor checked), or
 /// `None` when there is no cache or it is not for this file as it is now.
@@ -152,25 +182,104 @@ pub fn cached_tensors(model: &Path) -> Option<std::collections::HashSet<u64>> {
     let mut f = std::fs::File::open(path_for(model)).ok()?;
     let mut head = [0u8; 48];
     f.read_exact(&mut head).ok()?;
-    let (size, secs, nanos, shards) = source_id(model)?;
-    let current = &head[0..8] == MAGIC
-        && u32_at(&head, 8) == PACK_FORMAT
-        && (
-            u64_at(&head, 16),
-            u64_at(&head, 24),
-            u32_at(&head, 32),
-            u32_at(&head, 36),
-        ) == (size, secs, nanos, shards);
-    if !current {
-        return None;
-    }
-    let mut entries = vec![0u8; (u32_at(&head, 12) as usize).min(1 << 20) * ENTRY];
+    let n = check_header(&head, model).ok()?;
+    let mut entries = vec![0u8; n.min(1 << 20) * ENTRY];
     f.read_exact(&mut entries).ok()?;
     Some(entries.chunks_exact(ENTRY).map(|e| u64_at(e, 24)).collect())
 }
 
+/// The checks of a mapped cache's matrices, made by a background thread in file order and
+/// waited for by each matrix's first use.
+#[derive(Debug)]
+pub struct Verifier {
+    /// Per matrix: [`PENDING`], [`GOOD`] or [`BAD`].
+    state: Vec<AtomicU8>,
+    lock: Mutex<()>,
+    done: Condvar,
+}
+
+const PENDING: u8 = 0;
+const GOOD: u8 = 1;
+const BAD: u8 = 2;
+
+impl Verifier {
+    fn new(n: usize) -> Self {
+        Self {
+            state: (0..n).map(|_| AtomicU8::new(PENDING)).collect(),
+            lock: Mutex::new(()),
+            done: Condvar::new(),
+        }
+    }
+
+    /// Waits for matrix `i`'s check; true if its bytes are the ones written.
+    pub fn wait(&self, i: usize) -> bool {
+        let s = self.state[i].load(Ordering::Acquire);
+        if s != PENDING {
+            return s == GOOD;
+        }
+        let mut g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            match self.state[i].load(Ordering::Acquire) {
+                PENDING => g = self.done.wait(g).unwrap_or_else(|e| e.into_inner()),
+                s => return s == GOOD,
+            }
+        }
+    }
+
+    fn set(&self, i: usize, good: bool) {
+        let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.state[i].store(if good { GOOD } else { BAD }, Ordering::Release);
+        self.done.notify_all();
+    }
+
+    /// Checks every matrix in order: `(offset, length, checksum)` of each in `map`. On the
+    /// first mismatch the file at `path` is deleted (if it is still the one mapped), before
+    /// that matrix is marked, so that whoever sees the mark finds the file gone. Matrices
+    /// not checked when this returns or unwinds (no one left to use them) count as bad, so
+    /// nothing waits forever.
+    fn run(self: &Arc<Self>, map: &memmap2::Mmap, entries: &[(usize, usize, u64)], path: &Path, file: &std::fs::File) {
+        struct Unchecked<'a>(&'a Verifier);
+        impl Drop for Unchecked<'_> {
+            fn drop(&mut self) {
+                for i in 0..self.0.state.len() {
+                    if self.0.state[i].load(Ordering::Acquire) == PENDING {
+                        self.0.set(i, false);
+                    }
+                }
+            }
+        }
+        let _rest = Unchecked(self);
+        let mut deleted = false;
+        for (i, &(at, len, sum)) in entries.iter().enumerate() {
+            // Every matrix (and so every user) is gone: nothing left to check for.
+            if Arc::strong_count(self) == 1 {
+                return;
+            }
+            let good = xxhash_rust::xxh3::xxh3_64(&map[at..at + len]) == sum;
+            if !good && !deleted {
+                deleted = true;
+                tracing::warn!(path = %path.display(), matrix = i, "pack cache corrupt: the matrix is repacked, the cache deleted for the next load to rewrite");
+                if same_file(file, path) {
+                    let _ = std::fs::remove_file(path);
+                }
+            }
+            self.set(i, good);
+        }
+    }
+}
+
+/// Whether `path` still names the open `file` (not a cache another load wrote since).
+fn same_file(file: &std::fs::File, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (file.metadata(), std::fs::metadata(path)) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => false,
+    }
+}
+
 /// Maps the cache for `model` if it holds exactly `want`; `Err` says why not (missing,
-/// stale, corrupt).
+/// stale, another shape). Its matrices' bytes are checked in the background (the module's
+/// docs): each waits for its check at its first use.
 pub fn load(model: &Path, want: &[Wanted]) -> Result<Vec<PackedMatrix>, String> {
     let cache = path_for(model);
     let file = std::fs::File::open(&cache).map_err(|e| format!("no cache ({e})"))?;
@@ -181,33 +290,23 @@ pub fn load(model: &Path, want: &[Wanted]) -> Result<Vec<PackedMatrix>, String> 
     let map = Arc::new(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| e.to_string())?);
     read_ahead(&cache);
     let b: &[u8] = &map;
-    let header = 48 + want.len() * ENTRY;
-    if b.len() < header || &b[0..8] != MAGIC {
-        return Err("not a pack cache".into());
-    }
-    if u32_at(b, 8) != PACK_FORMAT {
-        return Err(format!(
-            "layout version {} (this build uses {PACK_FORMAT})",
-            u32_at(b, 8)
-        ));
-    }
-    if u32_at(b, 12) as usize != want.len() {
+    if check_header(&b[..b.len().min(48)], model)? != want.len() {
         return Err("another set of matrices".into());
     }
-    let (size, secs, nanos, shards) = source_id(model).ok_or("cannot stat the model file")?;
-    if (u64_at(b, 16), u64_at(b, 24), u32_at(b, 32), u32_at(b, 36)) != (size, secs, nanos, shards) {
-        return Err("stale: the model file changed".into());
+    if b.len() < 48 + want.len() * ENTRY {
+        return Err("not a pack cache (its entry table is cut short)".into());
     }
     let mut ranges = Vec::with_capacity(want.len());
     for (i, w) in want.iter().enumerate() {
         let e = 48 + i * ENTRY;
-        let (kind, rows, cols, toff, at, len) = (
+        let (kind, rows, cols, toff, at, len, sum) = (
             u32_at(b, e),
             u64_at(b, e + 8) as usize,
             u64_at(b, e + 16) as usize,
             u64_at(b, e + 24),
             u64_at(b, e + 32) as usize,
             u64_at(b, e + 40) as usize,
+            u64_at(b, e + 48),
         );
         if (kind, rows, cols, toff) != (w.kind.code() as u32, w.rows, w.cols, w.tensor_offset)
             || len != PackedMatrix::size_for(w.kind, rows, cols)
@@ -215,21 +314,36 @@ pub fn load(model: &Path, want: &[Wanted]) -> Result<Vec<PackedMatrix>, String> 
         {
             return Err(format!("entry {i} does not match the model"));
         }
-        ranges.push((at, len));
+        ranges.push((at, len, sum));
     }
-    let mut h = Xxh3::new();
-    for &(at, len) in &ranges {
-        h.update(&b[at..at + len]);
-    }
-    if h.digest() != u64_at(b, 40) {
-        return Err("checksum mismatch (corrupt)".into());
-    }
-    want.iter()
+    let verifier = Arc::new(Verifier::new(want.len()));
+    let matrices = want
+        .iter()
         .zip(&ranges)
-        .map(|(w, &(at, _))| {
-            PackedMatrix::mapped(w.kind, w.rows, w.cols, map.clone(), at).ok_or_else(|| "misaligned entry".to_string())
+        .enumerate()
+        .map(|(i, (w, &(at, _, _)))| {
+            PackedMatrix::mapped(w.kind, w.rows, w.cols, map.clone(), at, (verifier.clone(), i))
+                .ok_or_else(|| "misaligned entry".to_string())
         })
-        .collect()
+        .collect::<Result<Vec<_>, _>>()?;
+    let check = {
+        let verifier = verifier.clone();
+        move || verifier.run(&map, &ranges, &cache, &file)
+    };
+    // Where no thread can be started, the check runs now (the whole read before the load
+    // returns), never skipped.
+    let job = Arc::new(Mutex::new(Some(check)));
+    let take = |job: &Mutex<Option<_>>| job.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let theirs = job.clone();
+    let spawned = std::thread::Builder::new()
+        .name("hearth-pack-check".into())
+        .spawn(move || take(&theirs).map(|f| f()));
+    if spawned.is_err() {
+        if let Some(f) = take(&job) {
+            f();
+        }
+    }
+    Ok(matrices)
 }
 
 /// Writes the cache for `model` (atomically). Returns its path.
@@ -240,11 +354,9 @@ pub fn store(model: &Path, matrices: &[(Wanted, &PackedMatrix)]) -> std::io::Res
     let header = (48 + matrices.len() * ENTRY).div_ceil(ALIGN) * ALIGN;
     let mut at = header;
     let mut entries = Vec::new();
-    let mut h = Xxh3::new();
     for (w, p) in matrices {
         let len = p.bytes().len();
-        entries.push((w, at, len));
-        h.update(p.bytes());
+        entries.push((w, at, len, xxhash_rust::xxh3::xxh3_64(p.bytes())));
         at = (at + len).div_ceil(ALIGN) * ALIGN;
     }
     let mut head = Vec::with_capacity(header);
@@ -255,11 +367,18 @@ pub fn store(model: &Path, matrices: &[(Wanted, &PackedMatrix)]) -> std::io::Res
     head.extend_from_slice(&secs.to_le_bytes());
     head.extend_from_slice(&nanos.to_le_bytes());
     head.extend_from_slice(&shards.to_le_bytes());
-    head.extend_from_slice(&h.digest().to_le_bytes());
-    for (w, at, len) in &entries {
+    head.extend_from_slice(&0u64.to_le_bytes());
+    for (w, at, len, sum) in &entries {
         head.extend_from_slice(&(w.kind.code() as u32).to_le_bytes());
         head.extend_from_slice(&0u32.to_le_bytes());
-        for v in [w.rows as u64, w.cols as u64, w.tensor_offset, *at as u64, *len as u64] {
+        for v in [
+            w.rows as u64,
+            w.cols as u64,
+            w.tensor_offset,
+            *at as u64,
+            *len as u64,
+            *sum,
+        ] {
             head.extend_from_slice(&v.to_le_bytes());
         }
     }
@@ -273,7 +392,7 @@ pub fn store(model: &Path, matrices: &[(Wanted, &PackedMatrix)]) -> std::io::Res
         let mut f = std::io::BufWriter::with_capacity(1 << 20, file);
         f.write_all(&head)?;
         let mut pos = header;
-        for ((_, p), (_, at, len)) in matrices.iter().zip(&entries) {
+        for ((_, p), (_, at, len, _)) in matrices.iter().zip(&entries) {
             f.write_all(&vec![0u8; at - pos])?;
             f.write_all(p.bytes())?;
             pos = at + len;

@@ -1,6 +1,6 @@
 //! The on-disk cache of repacked weights: written by the first load, mapped by the next
-//! (same logits, bit for bit), refused when corrupt or stale (the load repacks and rewrites
-//! it).
+//! (same logits, bit for bit), refused when stale (the load repacks and rewrites it); a
+//! corrupt matrix is found before its first use, repacked, and the cache deleted.
 
 use std::io::{Seek, SeekFrom, Write};
 use std::path::Path;
@@ -58,15 +58,25 @@ fn the_pack_cache_is_written_mapped_and_refused_when_bad() {
     assert!(from_cache, "the second load maps the cache");
     assert_eq!(first, second, "mapped and repacked weights give the same logits");
 
-    // One flipped byte in the payload: refused, repacked, rewritten.
+    // One flipped byte in a matrix: the cache is mapped, but that matrix's check (before its
+    // first use) fails, so it is repacked from the model (the same logits) and the cache
+    // deleted; the next load repacks and rewrites it.
     let len = std::fs::metadata(&cache).unwrap().len();
     let mut f = std::fs::OpenOptions::new().read(true).write(true).open(&cache).unwrap();
     f.seek(SeekFrom::Start(len / 2)).unwrap();
-    f.write_all(&[0x5A]).unwrap();
+    let mut byte = [0u8];
+    std::io::Read::read_exact(&mut f, &mut byte).unwrap();
+    f.seek(SeekFrom::Start(len / 2)).unwrap();
+    f.write_all(&[byte[0] ^ 0x5A]).unwrap();
     drop(f);
     let (third, from_cache) = logits(&model);
-    assert!(!from_cache, "a corrupt cache is not used");
-    assert_eq!(first, third);
+    assert!(from_cache, "the header is sound: the cache is mapped");
+    assert_eq!(first, third, "the corrupt matrix was not computed with");
+    assert!(!cache.exists(), "the corrupt cache is deleted");
+    let (fourth, from_cache) = logits(&model);
+    assert!(!from_cache, "the next load repacks");
+    assert_eq!(first, fourth);
+    assert!(cache.exists(), "and rewrites the cache");
     assert!(logits(&model).1, "the rewritten cache is used again");
 
     // The model file changed (its time): the cache is stale.

@@ -50,9 +50,11 @@ use rayon::prelude::*;
 use super::blocks::{self, RawScale};
 use super::{WeightView, QK};
 use crate::gguf::GgmlType;
+use crate::pack_cache::Verifier;
 
-/// Version of the layout described above.
-pub const PACK_FORMAT: u32 = 2;
+/// Version of the layout described above and of the cache file holding it
+/// ([`crate::pack_cache`]; 3: a checksum per matrix).
+pub const PACK_FORMAT: u32 = 3;
 /// Weight rows per group (one 32-bit lane each in a 512-bit register).
 pub const GROUP_ROWS: usize = 16;
 /// Bytes of a 32-column kind's scales before its quants.
@@ -164,8 +166,16 @@ enum Storage {
     /// when the matrix is dropped: an unloaded model's RSS really goes.
     Owned(memmap2::MmapMut),
     /// A page-aligned range of a mapped pack cache file (see [`crate::pack_cache`]): page
-    /// cache, shared, nothing copied.
-    Mapped(std::sync::Arc<memmap2::Mmap>, usize, usize),
+    /// cache, shared, nothing copied; computed with only once its check passed.
+    Mapped(std::sync::Arc<memmap2::Mmap>, usize, usize, Check),
+}
+
+/// A mapped matrix's check: its index in the cache's [`Verifier`], and the copy repacked
+/// from the model in its place if the check fails.
+struct Check {
+    verifier: std::sync::Arc<Verifier>,
+    index: usize,
+    repaired: std::sync::OnceLock<Option<Box<PackedMatrix>>>,
 }
 
 impl std::fmt::Debug for PackedMatrix {
@@ -256,11 +266,23 @@ impl PackedMatrix {
         self.blocks / self.kind.blocks_per_super() * self.kind.super_bytes()
     }
 
-    /// The packed bytes.
+    /// The packed bytes. A mapped matrix's are as read, checked or not: compute with
+    /// [`Self::checked`]'s matrix.
     pub fn bytes(&self) -> &[u8] {
         match &self.data {
             Storage::Owned(m) => m,
-            Storage::Mapped(m, at, len) => &m[*at..*at + *len],
+            Storage::Mapped(m, at, len, _) => &m[*at..*at + *len],
+        }
+    }
+
+    /// The matrix to compute with: this one, once a mapped matrix's check has passed (the
+    /// first call waits for it); where it failed, the copy `repack` makes from the model
+    /// (made once, kept), or `None` (the caller computes from the model's own weights).
+    pub fn checked(&self, repack: impl FnOnce() -> Option<PackedMatrix>) -> Option<&PackedMatrix> {
+        match &self.data {
+            Storage::Owned(_) => Some(self),
+            Storage::Mapped(.., c) if c.verifier.wait(c.index) => Some(self),
+            Storage::Mapped(.., c) => c.repaired.get_or_init(|| repack().map(Box::new)).as_deref(),
         }
     }
 
@@ -270,13 +292,14 @@ impl PackedMatrix {
     }
 
     /// A packed matrix over `len` bytes at `at` of a mapped cache file (`at` 64-byte
-    /// aligned; `len` = [`Self::size_for`]).
+    /// aligned; `len` = [`Self::size_for`]), checked by `verifier`'s `index`th check.
     pub fn mapped(
         kind: PackKind,
         rows: usize,
         cols: usize,
         map: std::sync::Arc<memmap2::Mmap>,
         at: usize,
+        (verifier, index): (std::sync::Arc<Verifier>, usize),
     ) -> Option<Self> {
         let len = Self::size_for(kind, rows, cols);
         if !at.is_multiple_of(64)
@@ -291,7 +314,16 @@ impl PackedMatrix {
             rows,
             cols,
             blocks: cols / QK,
-            data: Storage::Mapped(map, at, len),
+            data: Storage::Mapped(
+                map,
+                at,
+                len,
+                Check {
+                    verifier,
+                    index,
+                    repaired: std::sync::OnceLock::new(),
+                },
+            ),
         })
     }
 

@@ -432,7 +432,9 @@ fn check_row_blocks(name: &str, ty: GgmlType, cols: usize) -> Result<(), ModelEr
     Ok(())
 }
 
-/// A matrix's bytes in the file, with its repacked copy when it has one.
+/// A matrix's bytes in the file, with its repacked copy when it has one (one mapped from
+/// the pack cache once its check passed: the first use waits for it, and a copy that failed
+/// it is repacked from the file here).
 pub(super) fn weight_view<'a>(file: &'a GgufFile, m: &'a Matrix) -> WeightView<'a> {
     let t = TensorInfo {
         name: String::new(),
@@ -442,12 +444,22 @@ pub(super) fn weight_view<'a>(file: &'a GgufFile, m: &'a Matrix) -> WeightView<'
         len: m.len,
         shard: m.shard,
     };
-    WeightView {
+    let mut w = WeightView {
         ty: m.ty,
         rows: m.rows,
         cols: m.cols,
         data: file.tensor_data(&t),
-        packed: m.packed.as_deref(),
+        packed: None,
+    };
+    w.packed = m.packed.as_deref().and_then(|p| p.checked(|| pack_one(&w)));
+    w
+}
+
+/// A matrix repacked at load: quantized weights as they are, floats quantized to Q8_0.
+fn pack_one(w: &WeightView<'_>) -> Option<PackedMatrix> {
+    match w.ty.is_quantized() {
+        true => PackedMatrix::pack(w),
+        false => PackedMatrix::pack_float_as_q8_0(w),
     }
 }
 
@@ -816,12 +828,7 @@ impl Model {
             Err(why) => {
                 tracing::debug!(reason = %why, "pack cache not used: repacking");
                 for m in ms.iter_mut() {
-                    let w = weight_view(file, m);
-                    let packed = match w.ty.is_quantized() {
-                        true => PackedMatrix::pack(&w),
-                        false => PackedMatrix::pack_float_as_q8_0(&w),
-                    };
-                    if let Some(p) = packed {
+                    if let Some(p) = pack_one(&weight_view(file, m)) {
                         total += p.bytes().len();
                         m.packed = Some(Arc::new(p));
                         // This matrix's file pages leave the resident set at once, so that
