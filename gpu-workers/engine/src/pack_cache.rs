@@ -25,10 +25,12 @@
 //! check it first would put a cold disk's read before the first prefill. Instead a
 //! [`Verifier`] thread hashes the matrices in file order (the order the forward pass uses
 //! them: layer by layer, then the output), and each matrix's first use waits for its own
-//! check ([`PackedMatrix::checked`]). So the read overlaps the first layers' compute, and no
-//! matrix whose bytes differ from what was written is ever computed with: such a matrix is
-//! repacked from the model file in memory on that use (the same bytes a fresh load makes),
-//! and the cache file is deleted so that the next load rewrites it.
+//! check ([`PackedMatrix::checked`]). So the read overlaps the first layers' compute, and
+//! every matrix is checked once, before its first use: one whose bytes differ from what was
+//! written is repacked from the model file in memory on that use (the same bytes a fresh
+//! load makes), and the cache file is deleted so that the next load rewrites it. (A process
+//! that unloads the model or exits before the check reaches a corrupt matrix deletes
+//! nothing: the next load finds it again.)
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -191,7 +193,7 @@ pub fn cached_tensors(model: &Path) -> Option<std::collections::HashSet<u64>> {
 /// The checks of a mapped cache's matrices, made by a background thread in file order and
 /// waited for by each matrix's first use.
 #[derive(Debug)]
-pub struct Verifier {
+pub(crate) struct Verifier {
     /// Per matrix: [`PENDING`], [`GOOD`] or [`BAD`].
     state: Vec<AtomicU8>,
     lock: Mutex<()>,
@@ -212,7 +214,7 @@ impl Verifier {
     }
 
     /// Waits for matrix `i`'s check; true if its bytes are the ones written.
-    pub fn wait(&self, i: usize) -> bool {
+    pub(crate) fn wait(&self, i: usize) -> bool {
         let s = self.state[i].load(Ordering::Acquire);
         if s != PENDING {
             return s == GOOD;
@@ -236,7 +238,8 @@ impl Verifier {
     /// first mismatch the file at `path` is deleted (if it is still the one mapped), before
     /// that matrix is marked, so that whoever sees the mark finds the file gone. Matrices
     /// not checked when this returns or unwinds (no one left to use them) count as bad, so
-    /// nothing waits forever.
+    /// nothing waits forever. Whether anyone is left is looked at between matrices, so after
+    /// an unload the matrix being hashed is still read to its end.
     fn run(self: &Arc<Self>, map: &memmap2::Mmap, entries: &[(usize, usize, u64)], path: &Path, file: &std::fs::File) {
         struct Unchecked<'a>(&'a Verifier);
         impl Drop for Unchecked<'_> {
@@ -268,7 +271,9 @@ impl Verifier {
     }
 }
 
-/// Whether `path` still names the open `file` (not a cache another load wrote since).
+/// Whether `path` still names the open `file` (not a cache another load wrote since). The
+/// look and the deletion are two steps: a fresh cache renamed into place between them is
+/// deleted, and costs one rewrite at the next load.
 fn same_file(file: &std::fs::File, path: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
     match (file.metadata(), std::fs::metadata(path)) {
@@ -286,15 +291,18 @@ pub fn load(model: &Path, want: &[Wanted]) -> Result<Vec<PackedMatrix>, String> 
     // SAFETY: read-only map of a file Hearth writes under a unique temporary name and
     // renames into place complete, never modifying it after; a later writer replaces it by
     // rename, leaving this map intact. (A file truncated in place by someone else would
-    // fault on access, as any mapped model file would.)
+    // fault on access, as any mapped model file would: at the load, in the check thread
+    // below, or in the forward pass.)
     let map = Arc::new(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| e.to_string())?);
-    read_ahead(&cache);
     let b: &[u8] = &map;
-    if check_header(&b[..b.len().min(48)], model)? != want.len() {
+    if b.len() < 48 {
+        return Err("truncated: shorter than a header".into());
+    }
+    if check_header(&b[..48], model)? != want.len() {
         return Err("another set of matrices".into());
     }
     if b.len() < 48 + want.len() * ENTRY {
-        return Err("not a pack cache (its entry table is cut short)".into());
+        return Err("truncated: the entry table is cut short".into());
     }
     let mut ranges = Vec::with_capacity(want.len());
     for (i, w) in want.iter().enumerate() {
@@ -310,12 +318,16 @@ pub fn load(model: &Path, want: &[Wanted]) -> Result<Vec<PackedMatrix>, String> 
         );
         if (kind, rows, cols, toff) != (w.kind.code() as u32, w.rows, w.cols, w.tensor_offset)
             || len != PackedMatrix::size_for(w.kind, rows, cols)
-            || at.checked_add(len).is_none_or(|end| end > b.len())
         {
             return Err(format!("entry {i} does not match the model"));
         }
+        if at.checked_add(len).is_none_or(|end| end > b.len()) {
+            return Err(format!("truncated: entry {i} runs past the file's end"));
+        }
         ranges.push((at, len, sum));
     }
+    // Read ahead once the cache is known to be this model's (a stale one is not read).
+    read_ahead(&cache);
     let verifier = Arc::new(Verifier::new(want.len()));
     let matrices = want
         .iter()
@@ -412,4 +424,67 @@ pub fn store(model: &Path, matrices: &[(Wanted, &PackedMatrix)]) -> std::io::Res
         }
     }
     result.map(|()| cache)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file of three 4 KiB "matrices" (bytes 1, 2, 3), mapped, and its path.
+    fn three_matrices(name: &str) -> (PathBuf, std::fs::File, memmap2::Mmap, Vec<(usize, usize, u64)>) {
+        let path = std::env::temp_dir().join(format!("hearth-verifier-{name}-{}", std::process::id()));
+        let bytes: Vec<u8> = (1..=3u8).flat_map(|b| vec![b; ALIGN]).collect();
+        std::fs::write(&path, &bytes).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        // SAFETY: a file this test wrote and no one else touches.
+        let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+        let entries = (0..3)
+            .map(|i| (i * ALIGN, ALIGN, xxhash_rust::xxh3::xxh3_64(&bytes[i * ALIGN..(i + 1) * ALIGN])))
+            .collect();
+        (path, file, map, entries)
+    }
+
+    #[test]
+    fn a_mismatch_marks_its_matrix_bad_and_deletes_the_file_first() {
+        let (path, file, map, mut entries) = three_matrices("bad");
+        entries[1].2 ^= 1;
+        let verifier = Arc::new(Verifier::new(3));
+        let user = verifier.clone();
+        let checker = {
+            let path = path.clone();
+            std::thread::spawn(move || verifier.run(&map, &entries, &path, &file))
+        };
+        assert!(user.wait(0));
+        assert!(!user.wait(1), "the changed matrix fails its check");
+        assert!(!path.exists(), "the file is gone once the bad mark is seen");
+        assert!(user.wait(2), "the matrices after it are still checked");
+        checker.join().unwrap();
+    }
+
+    #[test]
+    fn with_no_one_left_the_check_stops_and_nothing_waits_forever() {
+        let (path, file, map, entries) = three_matrices("gone");
+        let verifier = Arc::new(Verifier::new(3));
+        let watcher = Arc::downgrade(&verifier);
+        // Only the checker holds the verifier: it returns at once, every matrix marked.
+        verifier.run(&map, &entries, &path, &file);
+        assert!(watcher.upgrade().is_some_and(|v| (0..3).all(|i| !v.wait(i))));
+        assert!(path.exists(), "nothing was found bad: the file stays");
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn a_file_renamed_over_the_mapped_one_is_not_deleted() {
+        let (path, file, map, mut entries) = three_matrices("replaced");
+        entries[0].2 ^= 1;
+        let fresh = path.with_extension("fresh");
+        std::fs::write(&fresh, b"a cache another load wrote").unwrap();
+        std::fs::rename(&fresh, &path).unwrap();
+        let verifier = Arc::new(Verifier::new(3));
+        let user = verifier.clone();
+        verifier.run(&map, &entries, &path, &file);
+        assert!(!user.wait(0));
+        assert!(path.exists(), "the path names another file now: it stays");
+        std::fs::remove_file(&path).unwrap();
+    }
 }

@@ -60,13 +60,19 @@ fn the_pack_cache_is_written_mapped_and_refused_when_bad() {
 
     // One flipped byte in a matrix: the cache is mapped, but that matrix's check (before its
     // first use) fails, so it is repacked from the model (the same logits) and the cache
-    // deleted; the next load repacks and rewrites it.
-    let len = std::fs::metadata(&cache).unwrap().len();
+    // deleted; the next load repacks and rewrites it. The byte is inside the middle
+    // matrix's bytes (its entry: 56 bytes from offset 48, its position at +32, its length
+    // at +40), not in the padding between matrices.
+    let head = std::fs::read(&cache).unwrap();
+    let n = u32::from_le_bytes(head[12..16].try_into().unwrap()) as usize;
+    let entry = 48 + n / 2 * 56;
+    let field = |at: usize| u64::from_le_bytes(head[entry + at..entry + at + 8].try_into().unwrap());
+    let at = field(32) + field(40) / 2;
     let mut f = std::fs::OpenOptions::new().read(true).write(true).open(&cache).unwrap();
-    f.seek(SeekFrom::Start(len / 2)).unwrap();
+    f.seek(SeekFrom::Start(at)).unwrap();
     let mut byte = [0u8];
     std::io::Read::read_exact(&mut f, &mut byte).unwrap();
-    f.seek(SeekFrom::Start(len / 2)).unwrap();
+    f.seek(SeekFrom::Start(at)).unwrap();
     f.write_all(&[byte[0] ^ 0x5A]).unwrap();
     drop(f);
     let (third, from_cache) = logits(&model);

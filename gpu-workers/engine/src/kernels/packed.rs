@@ -277,12 +277,22 @@ impl PackedMatrix {
 
     /// The matrix to compute with: this one, once a mapped matrix's check has passed (the
     /// first call waits for it); where it failed, the copy `repack` makes from the model
-    /// (made once, kept), or `None` (the caller computes from the model's own weights).
+    /// (kept for later calls; owned memory beside the map, not counted in the model's
+    /// packed bytes), or `None` (the caller computes from the model's own weights).
     pub fn checked(&self, repack: impl FnOnce() -> Option<PackedMatrix>) -> Option<&PackedMatrix> {
         match &self.data {
             Storage::Owned(_) => Some(self),
             Storage::Mapped(.., c) if c.verifier.wait(c.index) => Some(self),
-            Storage::Mapped(.., c) => c.repaired.get_or_init(|| repack().map(Box::new)).as_deref(),
+            Storage::Mapped(.., c) => {
+                // The repack runs on the compute pool, so not inside the cell's
+                // initialisation, where a pool thread stealing work that reaches this same
+                // cell would block on itself; two racing repacks make the same bytes, and
+                // the first one set is kept.
+                if c.repaired.get().is_none() {
+                    let _ = c.repaired.set(repack().map(Box::new));
+                }
+                c.repaired.get().and_then(|r| r.as_deref())
+            }
         }
     }
 
@@ -293,7 +303,7 @@ impl PackedMatrix {
 
     /// A packed matrix over `len` bytes at `at` of a mapped cache file (`at` 64-byte
     /// aligned; `len` = [`Self::size_for`]), checked by `verifier`'s `index`th check.
-    pub fn mapped(
+    pub(crate) fn mapped(
         kind: PackKind,
         rows: usize,
         cols: usize,
@@ -325,11 +335,6 @@ impl PackedMatrix {
                 },
             ),
         })
-    }
-
-    /// Whether the bytes come from a cache file (not repacked in this process).
-    pub fn is_mapped(&self) -> bool {
-        matches!(self.data, Storage::Mapped(..))
     }
 
     /// Group `g`'s bytes (64-byte aligned).

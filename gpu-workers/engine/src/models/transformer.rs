@@ -434,7 +434,7 @@ fn check_row_blocks(name: &str, ty: GgmlType, cols: usize) -> Result<(), ModelEr
 
 /// A matrix's bytes in the file, with its repacked copy when it has one (one mapped from
 /// the pack cache once its check passed: the first use waits for it, and a copy that failed
-/// it is repacked from the file here).
+/// it is repacked from the file here, whose pages are then released again, as at load).
 pub(super) fn weight_view<'a>(file: &'a GgufFile, m: &'a Matrix) -> WeightView<'a> {
     let t = TensorInfo {
         name: String::new(),
@@ -451,7 +451,15 @@ pub(super) fn weight_view<'a>(file: &'a GgufFile, m: &'a Matrix) -> WeightView<'
         data: file.tensor_data(&t),
         packed: None,
     };
-    w.packed = m.packed.as_deref().and_then(|p| p.checked(|| pack_one(&w)));
+    w.packed = m.packed.as_deref().and_then(|p| {
+        p.checked(|| {
+            let repacked = pack_one(&w);
+            if repacked.is_some() {
+                file.release(m.shard, m.offset, m.len);
+            }
+            repacked
+        })
+    });
     w
 }
 
