@@ -63,8 +63,12 @@ fn the_pack_cache_is_written_mapped_and_refused_when_bad() {
     // deleted; the next load repacks and rewrites it. The byte is inside the middle
     // matrix's bytes (its entry: 56 bytes from offset 48, its position at +32, its length
     // at +40), not in the padding between matrices.
-    let head = std::fs::read(&cache).unwrap();
+    let mut head = vec![0u8; 48];
+    let mut f = std::fs::File::open(&cache).unwrap();
+    std::io::Read::read_exact(&mut f, &mut head).unwrap();
     let n = u32::from_le_bytes(head[12..16].try_into().unwrap()) as usize;
+    head.resize(48 + n * 56, 0);
+    std::io::Read::read_exact(&mut f, &mut head[48..]).unwrap();
     let entry = 48 + n / 2 * 56;
     let field = |at: usize| u64::from_le_bytes(head[entry + at..entry + at + 8].try_into().unwrap());
     let at = field(32) + field(40) / 2;

@@ -463,7 +463,8 @@ pub(super) fn weight_view<'a>(file: &'a GgufFile, m: &'a Matrix) -> WeightView<'
     w
 }
 
-/// A matrix repacked at load: quantized weights as they are, floats quantized to Q8_0.
+/// A matrix repacked (at load, or in place of a cached copy that failed its check):
+/// quantized weights as they are, floats quantized to Q8_0.
 fn pack_one(w: &WeightView<'_>) -> Option<PackedMatrix> {
     match w.ty.is_quantized() {
         true => PackedMatrix::pack(w),
