@@ -42,6 +42,8 @@ use xxhash_rust::xxh3::Xxh3;
 use crate::kernels::packed::{PackKind, PackedMatrix, PACK_FORMAT};
 
 const MAGIC: &[u8; 8] = b"HRTHPACK";
+/// Bytes of the header before the entry table.
+const HEADER: usize = 48;
 const ENTRY: usize = 56;
 const ALIGN: usize = 4096;
 
@@ -156,11 +158,11 @@ pub fn read_ahead_parts(parts: Vec<(PathBuf, std::ops::Range<u64>)>) {
         });
 }
 
-/// Checks a cache's first 48 bytes (`head`) against this build's layout and `model` as it
+/// Checks a cache's first [`HEADER`] bytes (`head`) against this build's layout and `model` as it
 /// is now; `Ok` holds the number of matrices its entry table lists, `Err` says why the cache
 /// is not current (not a cache, another layout version, stale).
 fn check_header(head: &[u8], model: &Path) -> Result<usize, String> {
-    if head.len() < 48 || &head[0..8] != MAGIC {
+    if head.len() < HEADER || &head[0..8] != MAGIC {
         return Err("not a pack cache".into());
     }
     if u32_at(head, 8) != PACK_FORMAT {
@@ -182,7 +184,7 @@ fn check_header(head: &[u8], model: &Path) -> Result<usize, String> {
 pub fn cached_tensors(model: &Path) -> Option<std::collections::HashSet<u64>> {
     use std::io::Read;
     let mut f = std::fs::File::open(path_for(model)).ok()?;
-    let mut head = [0u8; 48];
+    let mut head = [0u8; HEADER];
     f.read_exact(&mut head).ok()?;
     let n = check_header(&head, model).ok()?;
     let mut entries = vec![0u8; n.min(1 << 20) * ENTRY];
@@ -235,12 +237,13 @@ impl Verifier {
     }
 
     /// Checks every matrix in order: `(offset, length, checksum)` of each in `map`. On the
-    /// first mismatch the file at `path` is deleted (if it is still the one mapped), before
-    /// that matrix is marked, so that whoever sees the mark finds the file gone. Matrices
-    /// not checked when this returns (no one left to use them) or unwinds count as bad (a
-    /// user repacks them), so nothing waits forever. Whether anyone is left is looked at between matrices, so after
-    /// an unload the matrix being hashed is still read to its end.
-    fn run(self: &Arc<Self>, map: &memmap2::Mmap, entries: &[(usize, usize, u64)], path: &Path, file: &std::fs::File) {
+    /// first mismatch the file at `path` is deleted (if it is still the mapped one, `mapped`:
+    /// [`file_id`]), before that matrix is marked, so that whoever sees the mark finds the
+    /// file gone. Matrices not checked when this returns (no one left to use them) or
+    /// unwinds count as bad (a user repacks them), so nothing waits forever. Whether anyone
+    /// is left is looked at between matrices, so after an unload the matrix being hashed is
+    /// still read to its end.
+    fn run(self: &Arc<Self>, map: &memmap2::Mmap, entries: &[(usize, usize, u64)], path: &Path, mapped: FileId) {
         struct Unchecked<'a>(&'a Verifier);
         impl Drop for Unchecked<'_> {
             fn drop(&mut self) {
@@ -262,7 +265,7 @@ impl Verifier {
             if !good && !deleted {
                 deleted = true;
                 tracing::warn!(path = %path.display(), matrix = i, "pack cache corrupt: the matrix is repacked, the cache deleted for the next load to rewrite");
-                if same_file(file, path) {
+                if file_id(std::fs::metadata(path)) == mapped {
                     let _ = std::fs::remove_file(path);
                 }
             }
@@ -271,15 +274,17 @@ impl Verifier {
     }
 }
 
-/// Whether `path` still names the open `file` (not a cache another load wrote since). The
-/// look and the deletion are two steps: a fresh cache renamed into place between them is
-/// deleted, and costs one rewrite at the next load.
-fn same_file(file: &std::fs::File, path: &Path) -> bool {
+/// A file's identity (device, inode): tells the mapped cache from one another load renamed
+/// into place since. `None` when it cannot be read, which matches no file.
+type FileId = Option<(u64, u64)>;
+
+/// The identity in a file's metadata: of an open file (`File::metadata`), or of the file a
+/// path names now (`fs::metadata`; the look and a deletion after it are two steps: a fresh
+/// cache renamed into place between them is deleted, and costs one rewrite at the next
+/// load).
+fn file_id(meta: std::io::Result<std::fs::Metadata>) -> FileId {
     use std::os::unix::fs::MetadataExt;
-    match (file.metadata(), std::fs::metadata(path)) {
-        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
-        _ => false,
-    }
+    meta.ok().map(|m| (m.dev(), m.ino()))
 }
 
 /// Maps the cache for `model` if it holds exactly `want`; `Err` says why not (missing,
@@ -295,18 +300,18 @@ pub fn load(model: &Path, want: &[Wanted]) -> Result<Vec<PackedMatrix>, String> 
     // below, or in the forward pass.)
     let map = Arc::new(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| e.to_string())?);
     let b: &[u8] = &map;
-    if b.len() < 48 {
+    if b.len() < HEADER {
         return Err("truncated: shorter than a header".into());
     }
-    if check_header(&b[..48], model)? != want.len() {
+    if check_header(&b[..HEADER], model)? != want.len() {
         return Err("another set of matrices".into());
     }
-    if b.len() < 48 + want.len() * ENTRY {
+    if b.len() < HEADER + want.len() * ENTRY {
         return Err("truncated: the entry table is cut short".into());
     }
     let mut ranges = Vec::with_capacity(want.len());
     for (i, w) in want.iter().enumerate() {
-        let e = 48 + i * ENTRY;
+        let e = HEADER + i * ENTRY;
         let (kind, rows, cols, toff, at, len, sum) = (
             u32_at(b, e),
             u64_at(b, e + 8) as usize,
@@ -338,22 +343,17 @@ pub fn load(model: &Path, want: &[Wanted]) -> Result<Vec<PackedMatrix>, String> 
         .collect::<Result<Vec<_>, _>>()?;
     // Read ahead once the cache is known to be this model's (a stale one is not read).
     read_ahead(&cache);
-    let check = {
-        let verifier = verifier.clone();
-        move || verifier.run(&map, &ranges, &cache, &file)
+    let mapped = file_id(file.metadata());
+    let spawned = {
+        let (verifier, map, ranges, cache) = (verifier.clone(), map.clone(), ranges.clone(), cache.clone());
+        std::thread::Builder::new()
+            .name("hearth-pack-check".into())
+            .spawn(move || verifier.run(&map, &ranges, &cache, mapped))
     };
     // Where no thread can be started, the check runs now (the whole read before the load
     // returns), never skipped.
-    let job = Arc::new(Mutex::new(Some(check)));
-    let take = |job: &Mutex<Option<_>>| job.lock().unwrap_or_else(|e| e.into_inner()).take();
-    let theirs = job.clone();
-    let spawned = std::thread::Builder::new()
-        .name("hearth-pack-check".into())
-        .spawn(move || take(&theirs).map(|f| f()));
     if spawned.is_err() {
-        if let Some(f) = take(&job) {
-            f();
-        }
+        verifier.run(&map, &ranges, &cache, mapped);
     }
     Ok(matrices)
 }
@@ -363,7 +363,7 @@ pub fn store(model: &Path, matrices: &[(Wanted, &PackedMatrix)]) -> std::io::Res
     let cache = path_for(model);
     let (size, secs, nanos, shards) =
         source_id(model).ok_or_else(|| std::io::Error::other("cannot stat the model file"))?;
-    let header = (48 + matrices.len() * ENTRY).div_ceil(ALIGN) * ALIGN;
+    let header = (HEADER + matrices.len() * ENTRY).div_ceil(ALIGN) * ALIGN;
     let mut at = header;
     let mut entries = Vec::new();
     for (w, p) in matrices {
@@ -431,7 +431,7 @@ mod tests {
     use super::*;
 
     /// A file of three 4 KiB "matrices" (bytes 1, 2, 3), mapped, and its path.
-    fn three_matrices(name: &str) -> (PathBuf, std::fs::File, memmap2::Mmap, Vec<(usize, usize, u64)>) {
+    fn three_matrices(name: &str) -> (PathBuf, FileId, memmap2::Mmap, Vec<(usize, usize, u64)>) {
         let path = std::env::temp_dir().join(format!("hearth-verifier-{name}-{}", std::process::id()));
         let bytes: Vec<u8> = (1..=3u8).flat_map(|b| vec![b; ALIGN]).collect();
         std::fs::write(&path, &bytes).unwrap();
@@ -447,7 +447,7 @@ mod tests {
                 )
             })
             .collect();
-        (path, file, map, entries)
+        (path, file_id(file.metadata()), map, entries)
     }
 
     #[test]
@@ -458,7 +458,7 @@ mod tests {
         let user = verifier.clone();
         let checker = {
             let path = path.clone();
-            std::thread::spawn(move || verifier.run(&map, &entries, &path, &file))
+            std::thread::spawn(move || verifier.run(&map, &entries, &path, file))
         };
         assert!(user.wait(0));
         assert!(!user.wait(1), "the changed matrix fails its check");
@@ -474,7 +474,7 @@ mod tests {
         let (path, file, map, entries) = three_matrices("gone");
         let verifier = Arc::new(Verifier::new(3));
         // Only the checker holds the verifier: it returns at once, every matrix marked.
-        verifier.run(&map, &entries, &path, &file);
+        verifier.run(&map, &entries, &path, file);
         assert!((0..3).all(|i| !verifier.wait(i)));
         assert!(path.exists(), "nothing was found bad: the file stays");
         std::fs::remove_file(&path).unwrap();
@@ -489,7 +489,7 @@ mod tests {
         std::fs::rename(&fresh, &path).unwrap();
         let verifier = Arc::new(Verifier::new(3));
         let user = verifier.clone();
-        verifier.run(&map, &entries, &path, &file);
+        verifier.run(&map, &entries, &path, file);
         assert!(!user.wait(0));
         assert!(path.exists(), "the path names another file now: it stays");
         std::fs::remove_file(&path).unwrap();
