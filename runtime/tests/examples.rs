@@ -132,3 +132,34 @@ async fn response_filter_js() {
     let mut i = load(&rt, &dir, "response-filter", r#"{"require_json": true}"#).await;
     assert_eq!(i.on_response(&resp(r#"{"ok": true}"#)).await.unwrap(), Action::Continue);
 }
+
+/// A JavaScript guest built with the SDK's warm-up (its bindings run once in the snapshot)
+/// keeps state within one request's instance but never sees another request's: the
+/// response filter holds a partial word back between deltas, and a fresh instance, made on
+/// the request's path or taken from the shelf after the first was released, has nothing
+/// held back.
+#[tokio::test]
+async fn a_js_guest_never_sees_a_previous_requests_state() {
+    let Some(dir) = examples() else { return };
+    let rt = Runtime::new(Some(dir.join("cache"))).unwrap();
+    let mask = r#"{"blocked_words": ["darn"], "mode": "mask"}"#;
+    let wasm = std::fs::read(dir.join("response-filter.wasm")).unwrap();
+    let code = rt.compile(&wasm).unwrap();
+    let tail = |a: Action| match a {
+        Action::Replace(t) => t,
+        Action::Continue => String::new(),
+        other => panic!("{other:?}"),
+    };
+    for n in 0..6 {
+        let mut i = rt.instantiate(&code, mask, limits()).await.unwrap();
+        // Within the request: "da" is held back until the next delta or the end.
+        assert_eq!(tail(i.on_chunk(0, "Well da").await.unwrap()), "Well ", "request {n}");
+        if n % 2 == 0 {
+            assert_eq!(tail(i.on_stream_end().await.unwrap()), "da", "request {n}");
+        }
+        drop(i);
+        // The next request's instance starts from the component's image.
+        let mut next = rt.instantiate(&code, mask, limits()).await.unwrap();
+        assert_eq!(tail(next.on_stream_end().await.unwrap()), "", "after request {n}");
+    }
+}
