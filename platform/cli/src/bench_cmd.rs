@@ -134,14 +134,16 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
             json,
         } => {
             let (path, id) = resolve_model(&model).await?;
-            if !examples.exists() {
+            let examples = if examples.exists() {
+                Some(examples)
+            } else {
                 eprintln!(
                     "hearth: {} does not exist, so only the WebAssembly text guest runs \
                      (sdk/processors/build builds the JavaScript and Python ones there)",
                     examples.display()
                 );
-            }
-            let examples = examples.exists().then_some(examples);
+                None
+            };
             let (requests, seconds) = if quick { (200, 0.5) } else { (requests.max(20), 2.0) };
             let report = hearth_bench::processors::run(examples.as_deref(), &path, &id, requests, seconds).await?;
             print!("{}", report.table());
