@@ -64,6 +64,46 @@ async fn pii_redactor_python() {
     assert_eq!(i.on_request(&request(clean)).await.unwrap(), Action::Continue);
 }
 
+/// The traffic split sends a share of a model's requests elsewhere, drawn from Python's
+/// `random`. componentize-py reseeds it in every instance, and the SDK's
+/// `seed_random_lazily` (which the example calls) defers that reseed to the first draw: an
+/// even split over fresh instances goes both ways, where a seed left as the snapshot's
+/// would send every instance's first request the same way.
+#[tokio::test]
+async fn traffic_split_python_draws_fresh_in_every_instance() {
+    let Some(dir) = examples() else { return };
+    let rt = Runtime::new(Some(dir.join("cache"))).unwrap();
+    let even = r#"{"split": {"m": {"a": 0.5, "b": 0.5}}}"#;
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "Hi"}]});
+    let mut seen = std::collections::BTreeMap::new();
+    for _ in 0..32 {
+        let mut i = load(&rt, &dir, "traffic-split", even).await;
+        let Action::Replace(out) = i.on_request(&request(body.clone())).await.unwrap() else {
+            panic!("an even split of all requests continued one");
+        };
+        let out: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(out["messages"], body["messages"]);
+        *seen.entry(out["model"].as_str().unwrap().to_string()).or_insert(0) += 1;
+        assert!(i.logs().contains("sent a request for m to "), "{}", i.logs());
+    }
+    assert_eq!(seen.len(), 2, "every instance drew the same: {seen:?}");
+    // Other models continue; a share of nothing keeps the model.
+    let mut i = load(&rt, &dir, "traffic-split", even).await;
+    let other = json!({"model": "x", "messages": []});
+    assert_eq!(i.on_request(&request(other)).await.unwrap(), Action::Continue);
+    let mut i = load(&rt, &dir, "traffic-split", r#"{"split": {"m": {"a": 0}}}"#).await;
+    assert_eq!(i.on_request(&request(body.clone())).await.unwrap(), Action::Continue);
+    // A malformed configuration fails the request, naming the problem.
+    let mut i = load(&rt, &dir, "traffic-split", r#"{"split": {"m": {"a": 0.7, "b": 0.7}}}"#).await;
+    match i.on_request(&request(body)).await.unwrap() {
+        Action::Reject(Rejection { status, message }) => {
+            assert_eq!(status, 500);
+            assert!(message.contains("add up to more than 1"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 #[tokio::test]
 async fn system_prompt_injector_js() {
     let Some(dir) = examples() else { return };
