@@ -1,8 +1,8 @@
 """Helpers for Hearth processors written in Python (componentize-py).
 
-Put this directory on componentize-py's path (`-p sdk/processors/python -p .`) and call the
-helpers from `app.py`'s module-level code, which runs once, in the snapshot every instance
-starts from.
+Put this directory on componentize-py's path before the app's (`-p SDK/python -p APP_DIR`),
+and call the helpers from `app.py`'s module-level code, which runs once, in the snapshot
+every instance starts from.
 
 `seed_random_lazily()`
     componentize-py reseeds `random` from the host's entropy at the first call of every
@@ -10,8 +10,8 @@ starts from.
     through WASI and rewrites the generator's state: about half of a trivial processor's
     time per request, paid whether or not the processor uses `random`. After this call the
     reseed is drawn when `random`'s shared generator is first used in the instance instead,
-    so a processor that never uses it never pays, and one that does gets the same fresh
-    sequence as before.
+    so a processor that never uses it never pays, and one that does draws from a fresh seed
+    as before.
 """
 
 import functools
@@ -44,15 +44,16 @@ def seed(a=None, version=2):
     if a is None:
         _owed = True
     else:
-        _owed = False
+        # Cleared only once the seed took: a value it refuses leaves the reseed owed.
         _SEED(a, version)
+        _owed = False
 
 
 def setstate(state):
     """`random.setstate`: the given state replaces any owed reseed."""
     global _owed
-    _owed = False
     _SETSTATE(state)
+    _owed = False
 
 
 def _lazy(method):
@@ -67,7 +68,10 @@ def _lazy(method):
 
 def _replacement(value):
     """What stands in for one of the shared generator's bound methods (None: not one)."""
-    if getattr(value, "__self__", None) is not _INST:
+    try:
+        if getattr(value, "__self__", None) is not _INST:
+            return None
+    except Exception:  # a proxy whose attributes raise is not one of them
         return None
     name = getattr(value, "__name__", "")
     if name == "seed":
@@ -81,12 +85,13 @@ def seed_random_lazily():
     """Defers componentize-py's per-instance reseed of `random` to the shared generator's
     first use in the instance (see the module's documentation).
 
-    Every module-level reference to the shared generator's methods is replaced: `random`'s
-    own functions and any that another module imported them (`from random import choice`).
-    Call it before code that keeps one elsewhere (a default argument, a closure); such a
-    reference would use the generator without drawing the owed reseed. Generators of your
-    own (`random.Random()`) are seeded where they are made: make them inside a hook, not at
-    module level, or every instance starts with the snapshot's.
+    Every reference to the shared generator's methods in a module's globals is replaced:
+    `random`'s own functions, and those other modules imported (`from random import
+    choice`), before or after this call. Call it before any code keeps one elsewhere (a
+    default argument, a closure, a class attribute, a container); such a reference would
+    draw without the owed reseed. Generators of your own (`random.Random()`) are seeded
+    where they are made: make them inside a hook, not at module level, or every instance
+    starts with the snapshot's state.
     """
     global _installed
     if _installed:

@@ -14,14 +14,16 @@ import hearth_processor
 import wit_world
 from wit_world.imports import host, types
 
-# Before anything draws from `random`: its fresh per-instance seed is drawn at the first
-# draw of each request, not at every request's first call (see hearth_processor).
+# Each instance's fresh seed is drawn at its first draw, not at every request's first call
+# (see hearth_processor).
 hearth_processor.seed_random_lazily()
 
 
 def shares_of(cfg, model):
     """The shares of MODEL's requests that go elsewhere ({} when it is not split); raises
     ValueError on a malformed configuration."""
+    if not isinstance(cfg, dict):
+        raise ValueError("the configuration must be an object")
     split = cfg.get("split", {})
     if not isinstance(split, dict):
         raise ValueError('"split" must be an object of models')
@@ -37,8 +39,13 @@ def shares_of(cfg, model):
 
 
 def route(raw, cfg):
-    """The model this request goes to (None: it keeps its own)."""
-    body = json.loads(raw)
+    """The model this request goes to (None: it keeps its own) and the parsed body; raises
+    ValueError on a malformed configuration. A body that is not JSON keeps its model (the
+    gateway then refuses it with its own 400)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None, None
     model = body.get("model") if isinstance(body, dict) else None
     if not isinstance(model, str):
         return None, body
@@ -56,7 +63,8 @@ def route(raw, cfg):
 class WitWorld(wit_world.WitWorld):
     def on_request(self, req: types.Request) -> types.Action:
         try:
-            target, body = route(req.body, json.loads(host.config() or "{}"))
+            cfg = json.loads(host.config() or "{}")
+            target, body = route(req.body, cfg)
         except ValueError as e:
             return types.Action_Reject(types.Rejection(500, f"traffic-split configuration: {e}"))
         if target is None:
