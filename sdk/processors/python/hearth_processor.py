@@ -32,8 +32,8 @@ def _settle():
     """Draws the owed reseed (a no-op when none is owed)."""
     global _owed
     if _owed:
+        _SEED()  # cleared only once drawn: a failed draw leaves it owed
         _owed = False
-        _SEED()
 
 
 def seed(a=None, version=2):
