@@ -12,11 +12,20 @@ every instance starts from.
     reseed is drawn when `random`'s shared generator is first used in the instance instead,
     so a processor that never uses it never pays, and one that does draws from a fresh seed
     as before.
+
+`Continue`
+    A base for the app's `WitWorld` whose four hooks all continue, so the app defines only
+    the hooks that act: `class WitWorld(hearth_processor.Continue, wit_world.WitWorld)`.
 """
 
 import functools
 import random
 import sys
+
+try:
+    from wit_world.imports.types import Action_Continue
+except ImportError:  # outside a componentize-py build (checking the helpers on a host)
+    Action_Continue = None
 
 # The shared generator behind random's module-level functions.
 _INST = random._inst
@@ -59,8 +68,7 @@ def setstate(state):
 def _lazy(method):
     @functools.wraps(method)
     def draw(*args, **kwargs):
-        if _owed:
-            _settle()
+        _settle()
         return method(*args, **kwargs)
 
     return draw
@@ -107,3 +115,20 @@ def seed_random_lazily():
             if stand_in is not None:
                 names[name] = stand_in
     _installed = True
+
+
+class Continue:
+    """Hooks that let everything through unchanged. List it before `wit_world.WitWorld` in
+    the app's bases and override the hooks the processor acts on."""
+
+    def on_request(self, req):
+        return Action_Continue()
+
+    def on_response(self, resp):
+        return Action_Continue()
+
+    def on_chunk(self, index, text):
+        return Action_Continue()
+
+    def on_stream_end(self):
+        return Action_Continue()

@@ -53,7 +53,7 @@ def redact_body(raw, cfg):
     return (json.dumps(body) if total else None), total
 
 
-class WitWorld(wit_world.WitWorld):
+class WitWorld(hearth_processor.Continue, wit_world.WitWorld):
     def on_request(self, req: types.Request) -> types.Action:
         cfg = json.loads(host.config() or "{}")
         out, total = redact_body(req.body, cfg)
@@ -61,15 +61,6 @@ class WitWorld(wit_world.WitWorld):
             return types.Action_Continue()
         host.log(host.Level.INFO, f"redacted {total} item(s)")
         return types.Action_Replace(out)
-
-    def on_response(self, resp: types.Response) -> types.Action:
-        return types.Action_Continue()
-
-    def on_chunk(self, index: int, text: str) -> types.Action:
-        return types.Action_Continue()
-
-    def on_stream_end(self) -> types.Action:
-        return types.Action_Continue()
 
 
 # Warm-up, as in the trivial example: the hook's own work on a sample, without its host

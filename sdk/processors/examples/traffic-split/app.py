@@ -60,7 +60,7 @@ def route(raw, cfg):
     return None, body
 
 
-class WitWorld(wit_world.WitWorld):
+class WitWorld(hearth_processor.Continue, wit_world.WitWorld):
     def on_request(self, req: types.Request) -> types.Action:
         try:
             cfg = json.loads(host.config() or "{}")
@@ -72,15 +72,6 @@ class WitWorld(wit_world.WitWorld):
         host.log(host.Level.INFO, f"sent a request for {body['model']} to {target}")
         body["model"] = target
         return types.Action_Replace(json.dumps(body))
-
-    def on_response(self, resp: types.Response) -> types.Action:
-        return types.Action_Continue()
-
-    def on_chunk(self, index: int, text: str) -> types.Action:
-        return types.Action_Continue()
-
-    def on_stream_end(self) -> types.Action:
-        return types.Action_Continue()
 
 
 # Warm-up, as in the trivial example: the hook's pure part on a sample (config and log are

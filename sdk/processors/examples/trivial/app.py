@@ -10,18 +10,8 @@ from wit_world.imports import types
 hearth_processor.seed_random_lazily()
 
 
-class WitWorld(wit_world.WitWorld):
-    def on_request(self, req: types.Request) -> types.Action:
-        return types.Action_Continue()
-
-    def on_response(self, resp: types.Response) -> types.Action:
-        return types.Action_Continue()
-
-    def on_chunk(self, index: int, text: str) -> types.Action:
-        return types.Action_Continue()
-
-    def on_stream_end(self) -> types.Action:
-        return types.Action_Continue()
+class WitWorld(hearth_processor.Continue, wit_world.WitWorld):
+    """Every hook is `Continue`'s."""
 
 
 # Module-level code runs once, while componentize-py makes the snapshot every instance
