@@ -17,7 +17,11 @@
 //!
 //! **Engine** (unless `--sim-only`): the same steady-plus-flooder shape on the real engine,
 //! small (short prompts, a KV cache that holds a few requests), FIFO against fair, with
-//! `--engine-requests` steady requests per mode (200: a stable P90).
+//! `--engine-requests` steady requests solo and fair (200: a stable P90), the two modes
+//! alternating in blocks on fresh engines. The steady rate keeps the engine busy a set share
+//! of the time (`--engine-steady-load`, from a request's time alone, measured first), so the
+//! steady tenant is as light on a slow CPU as on a fast one; the report splits its
+//! first-token time into the step in progress, the queue and the prefill.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -50,10 +54,16 @@ pub struct EngineRun {
     pub model: std::path::PathBuf,
     pub model_id: String,
     pub threads: usize,
-    /// The steady tenant's requests per mode (solo, FIFO, fair).
+    /// The steady tenant's requests in the solo and fair modes (FIFO, the comparison, runs a
+    /// quarter of them).
     pub requests: usize,
-    /// Its rate (Poisson arrivals), requests per second.
-    pub steady_rps: f64,
+    /// Its rate (Poisson arrivals), requests per second; `None`: from `steady_load`.
+    pub steady_rps: Option<f64>,
+    /// The share of the engine's time the steady tenant's requests would take on their own,
+    /// one at a time (each request's time alone × the rate): what sets the rate unless
+    /// `steady_rps` is given. A steady tenant is one well inside its fair share (half the
+    /// engine beside one flooder); a fixed rate is that on one CPU and past it on a slower one.
+    pub steady_load: f64,
 }
 
 /// One tenant's outcome in one run.
@@ -85,6 +95,64 @@ pub struct RunResult {
     pub tenants: Vec<TenantResult>,
     /// Steps cut short between layers for an arriving request.
     pub steps_cut: u64,
+    /// Engine runs: where the steady tenant's first-token time went, for its requests up to
+    /// its P90 and above it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub steady_ttft_parts: Vec<TtftParts>,
+}
+
+/// Means over a group of one tenant's engine requests: their TTFT split into the wait for the
+/// engine to take the request (the step in progress, unless an arrival cuts it), the queue
+/// (taken → first scheduled) and the prefill (first scheduled → first token, including
+/// preemptions and the steps it shared).
+#[derive(Debug, Clone, Serialize)]
+pub struct TtftParts {
+    /// `to_p90` or `above_p90`.
+    pub group: String,
+    pub requests: usize,
+    pub ttft_ms: f64,
+    pub before_engine_ms: f64,
+    pub queue_ms: f64,
+    pub prefill_ms: f64,
+    /// The tenant's own requests still in flight when each was sent.
+    pub own_in_flight: f64,
+}
+
+impl TtftParts {
+    fn of(group: &str, samples: &[&Sample]) -> Self {
+        let n = samples.len().max(1) as f64;
+        let mean = |f: &dyn Fn(&Sample) -> f64| samples.iter().map(|s| f(s)).sum::<f64>() / n;
+        TtftParts {
+            group: group.into(),
+            requests: samples.len(),
+            ttft_ms: mean(&|s| s.ttft_ms),
+            before_engine_ms: mean(&|s| (s.ttft_ms - s.queue_ms - s.prefill_ms).max(0.0)),
+            queue_ms: mean(&|s| s.queue_ms),
+            prefill_ms: mean(&|s| s.prefill_ms),
+            own_in_flight: mean(&|s| s.in_flight as f64),
+        }
+    }
+
+    /// The groups up to and above the `p90` TTFT.
+    fn split(samples: &[Sample], p90: f64) -> Vec<TtftParts> {
+        let (low, high): (Vec<&Sample>, Vec<&Sample>) = samples.iter().partition(|s| s.ttft_ms <= p90);
+        vec![Self::of("to_p90", &low), Self::of("above_p90", &high)]
+    }
+}
+
+/// Engine solo and fair runs alternate in this many blocks each.
+const ROUNDS: usize = 4;
+
+/// One finished engine request.
+#[derive(Debug, Clone)]
+struct Sample {
+    ttft_ms: f64,
+    /// Send to the last event.
+    total_ms: f64,
+    tokens: u64,
+    queue_ms: f64,
+    prefill_ms: f64,
+    in_flight: usize,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -109,6 +177,15 @@ pub struct FairnessReport {
     pub sim_interactive_p90_vs_solo_fifo: f64,
     pub engine_steady_p90_vs_solo_fair: Option<f64>,
     pub engine_steady_p90_vs_solo_fifo: Option<f64>,
+    /// One steady request alone on the engine, send to last token (mean of the calibration's).
+    pub engine_request_alone_ms: Option<f64>,
+    /// The steady tenant's rate on the engine, and the share of the engine's time it takes
+    /// (rate × a request's time alone).
+    pub engine_steady_rps: Option<f64>,
+    pub engine_steady_load: Option<f64>,
+    /// The same from the solo run: the rate × the mean time of its requests sent while none
+    /// of the tenant's others was in flight (a shared machine's speed varies).
+    pub engine_steady_load_solo: Option<f64>,
 }
 
 impl FairnessReport {
@@ -139,6 +216,30 @@ impl FairnessReport {
                     t.output_tok_s,
                     t.service_share,
                     r.steps_cut
+                );
+            }
+        }
+        let parts: Vec<(&RunResult, &TtftParts)> = self
+            .runs
+            .iter()
+            .flat_map(|r| r.steady_ttft_parts.iter().map(move |p| (r, p)))
+            .collect();
+        if !parts.is_empty() {
+            out += "\nEngine, the steady tenant's TTFT by part (means, ms): waiting for the engine to take it (the step in progress), queued, prefilling\n\n";
+            out += "| scenario | policy | requests | group | TTFT | before the engine | queued | prefill | own in flight at send |\n";
+            out += "|---|---|---|---|---|---|---|---|---|\n";
+            for (r, p) in parts {
+                out += &format!(
+                    "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} |\n",
+                    r.scenario,
+                    r.policy,
+                    p.requests,
+                    p.group.replace('_', " "),
+                    p.ttft_ms,
+                    p.before_engine_ms,
+                    p.queue_ms,
+                    p.prefill_ms,
+                    p.own_in_flight
                 );
             }
         }
@@ -315,6 +416,7 @@ fn sim_run(scenario: &str, policy: Policy, limit: bool, traffic: &[Traffic], cfg
         queue_limit: limit,
         tenants,
         steps_cut,
+        steady_ttft_parts: Vec::new(),
     }
 }
 
@@ -333,11 +435,40 @@ fn qos(tenant: &str, priority: Priority, share: u32) -> Qos {
 pub async fn run(cfg: FairnessConfig) -> anyhow::Result<FairnessReport> {
     let sim_cfg = cfg.clone();
     let mut runs = tokio::task::spawn_blocking(move || sim_runs(&sim_cfg)).await?;
-    let (mut engine_fair, mut engine_fifo) = (None, None);
+    let (mut engine_fair, mut engine_fifo, mut alone, mut rate, mut solo_load) = (None, None, None, None, None);
     if let Some(e) = &cfg.engine {
-        let solo = engine_run(e, Policy::Fair, false, &cfg).await?;
-        let fifo = engine_run(e, Policy::Fifo, true, &cfg).await?;
-        let fair = engine_run(e, Policy::Fair, true, &cfg).await?;
+        let t = request_alone(e, &cfg).await?;
+        let rps = e.steady_rps.unwrap_or(e.steady_load / t);
+        tracing::info!(
+            request_alone_ms = t * 1000.0,
+            rps,
+            load = rps * t,
+            "the steady tenant's rate"
+        );
+        (alone, rate) = (Some(t), Some(rps));
+        // Solo and fair in alternating blocks, so that both see the same spells of a shared
+        // machine's speed; FIFO, the comparison, once.
+        let per = e.requests.div_ceil(ROUNDS).max(5);
+        let gaps = |r: usize| cfg.seed.wrapping_add(7 + r as u64);
+        let fifo = engine_block(e, rps, (e.requests / 4).max(5), 0, gaps(0), Policy::Fifo, true, &cfg).await?;
+        let (mut solo, mut fair) = (Vec::new(), Vec::new());
+        for r in 0..ROUNDS {
+            let first = (r * per) as u64;
+            solo.push(engine_block(e, rps, per, first, gaps(r), Policy::Fair, false, &cfg).await?);
+            fair.push(engine_block(e, rps, per, first, gaps(r), Policy::Fair, true, &cfg).await?);
+        }
+        // The share of the engine the steady tenant took alone: its rate × the time of its
+        // solo requests sent while none of its others was in flight.
+        let lone: Vec<f64> = (solo.iter().flat_map(|b| &b.steady))
+            .filter(|s| s.in_flight == 0)
+            .map(|s| s.total_ms / 1000.0)
+            .collect();
+        solo_load = Some(rps * lone.iter().sum::<f64>() / lone.len().max(1) as f64);
+        let (solo, fifo, fair) = (
+            engine_result(Policy::Fair, false, &solo),
+            engine_result(Policy::Fifo, true, std::slice::from_ref(&fifo)),
+            engine_result(Policy::Fair, true, &fair),
+        );
         let p90 = |r: &RunResult| r.tenants[0].ttft_p90_ms;
         engine_fifo = Some(p90(&fifo) / p90(&solo).max(1e-9));
         engine_fair = Some(p90(&fair) / p90(&solo).max(1e-9));
@@ -367,8 +498,14 @@ pub async fn run(cfg: FairnessConfig) -> anyhow::Result<FairnessReport> {
             cfg.engine.as_ref().map_or_else(
                 || "not run".to_string(),
                 |e| format!(
-                    "{} steady requests per mode (Poisson, {} req/s), {} threads; see the engine rows",
-                    e.requests, e.steady_rps, e.threads
+                    "{} steady requests solo and fair (alternating, {ROUNDS} blocks each), {} FIFO; Poisson, {:.2} req/s: {:.0} % of the engine's time (a request alone took {:.0} ms; {:.0} % by the solo run's), {} threads; see the engine rows",
+                    e.requests.div_ceil(ROUNDS).max(5) * ROUNDS,
+                    (e.requests / 4).max(5),
+                    rate.unwrap_or(0.0),
+                    100.0 * rate.unwrap_or(0.0) * alone.unwrap_or(0.0),
+                    1000.0 * alone.unwrap_or(0.0),
+                    100.0 * solo_load.unwrap_or(0.0),
+                    e.threads
                 )
             )
         ),
@@ -382,6 +519,10 @@ pub async fn run(cfg: FairnessConfig) -> anyhow::Result<FairnessReport> {
         sim_interactive_p90_vs_solo_fifo: ratio("classes", "fifo", false),
         engine_steady_p90_vs_solo_fair: engine_fair,
         engine_steady_p90_vs_solo_fifo: engine_fifo,
+        engine_request_alone_ms: alone.map(|t| t * 1000.0),
+        engine_steady_rps: rate,
+        engine_steady_load: rate.zip(alone).map(|(r, t)| r * t),
+        engine_steady_load_solo: solo_load,
         runs,
     })
 }
@@ -454,10 +595,8 @@ fn engine_request(seed: u64, model_id: &str, vocab: u32, tenant: &str, n: u64) -
     }
 }
 
-/// The real engine: a steady tenant (`requests` Poisson arrivals at `steady_rps`) and, with
-/// `flood`, a flooder keeping eight requests in flight until the steady tenant is done;
-/// short prompts on a KV cache for a few of them.
-async fn engine_run(e: &EngineRun, policy: Policy, flood: bool, cfg: &FairnessConfig) -> anyhow::Result<RunResult> {
+/// The engine of the engine runs: short prompts on a KV cache for a few requests.
+fn load(e: &EngineRun, policy: Policy) -> anyhow::Result<hearth_engine::EngineHandle> {
     let ecfg = hearth_engine::EngineConfig {
         threads: e.threads,
         kv_cache_mib: Some(8),
@@ -467,30 +606,83 @@ async fn engine_run(e: &EngineRun, policy: Policy, flood: bool, cfg: &FairnessCo
         max_queue_tokens: Some(0),
         ..Default::default()
     };
-    let engine = hearth_engine::EngineHandle::load(&e.model, &e.model_id, &ecfg)?;
+    Ok(hearth_engine::EngineHandle::load(&e.model, &e.model_id, &ecfg)?)
+}
+
+/// One request, sent while `in_flight` others of its tenant were (None if it failed).
+async fn one(engine: hearth_engine::EngineHandle, req: GenerateRequest, in_flight: usize) -> Option<Sample> {
+    let sent = Instant::now();
+    let mut rx = engine.generate(req);
+    let (mut first, mut tokens) = (None, 0u64);
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            GenerateEvent::Token { .. } => {
+                tokens += 1;
+                first.get_or_insert(sent.elapsed().as_secs_f64() * 1000.0);
+            }
+            GenerateEvent::Done { timings, .. } => {
+                return first.map(|ttft_ms| Sample {
+                    ttft_ms,
+                    total_ms: sent.elapsed().as_secs_f64() * 1000.0,
+                    tokens,
+                    queue_ms: timings.queue_us as f64 / 1000.0,
+                    prefill_ms: timings.prefill_us as f64 / 1000.0,
+                    in_flight,
+                })
+            }
+            GenerateEvent::Error { .. } => return None,
+            GenerateEvent::Finish { .. } => {}
+        }
+    }
+    None
+}
+
+/// A steady request's time alone on the engine, send to last token, in seconds: the median
+/// of twelve sent one at a time, after two that warm it up.
+async fn request_alone(e: &EngineRun, cfg: &FairnessConfig) -> anyhow::Result<f64> {
+    let engine = load(e, Policy::Fair)?;
+    let vocab = engine.info().tokenizer.tokens.len() as u32;
+    let mut times = Vec::new();
+    for n in 0..14u64 {
+        let req = engine_request(cfg.seed, &e.model_id, vocab, "alone", n);
+        let Some(s) = one(engine.clone(), req, 0).await else {
+            anyhow::bail!("a request alone on the engine failed");
+        };
+        if n >= 2 {
+            times.push(s.total_ms / 1000.0);
+        }
+    }
+    Ok(percentile(&mut times, 0.5))
+}
+
+/// What one engine block measured.
+struct Block {
+    steady: Vec<Sample>,
+    flooder: Vec<Sample>,
+    seconds: f64,
+    steps_cut: u64,
+}
+
+/// One block on a fresh engine: a steady tenant (`requests` Poisson arrivals at `rps`, its
+/// requests numbered from `first`, its gaps drawn from `gaps_seed`) and, with `flood`, a
+/// flooder keeping eight requests in flight until the steady tenant is done.
+#[allow(clippy::too_many_arguments)]
+async fn engine_block(
+    e: &EngineRun,
+    rps: f64,
+    requests: usize,
+    first: u64,
+    gaps_seed: u64,
+    policy: Policy,
+    flood: bool,
+    cfg: &FairnessConfig,
+) -> anyhow::Result<Block> {
+    let engine = load(e, policy)?;
     let vocab = engine.info().tokenizer.tokens.len() as u32;
     let started = Instant::now();
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (seed, model_id) = (cfg.seed, e.model_id.clone());
     let request = move |tenant: &str, n: u64| engine_request(seed, &model_id, vocab, tenant, n);
-    // One request: (TTFT ms, output tokens).
-    async fn one(engine: hearth_engine::EngineHandle, req: GenerateRequest) -> Option<(f64, u64)> {
-        let sent = Instant::now();
-        let mut rx = engine.generate(req);
-        let (mut first, mut tokens) = (None, 0u64);
-        while let Some(ev) = rx.recv().await {
-            match ev {
-                GenerateEvent::Token { .. } => {
-                    tokens += 1;
-                    first.get_or_insert(sent.elapsed().as_secs_f64() * 1000.0);
-                }
-                GenerateEvent::Done { .. } => return first.map(|f| (f, tokens)),
-                GenerateEvent::Error { .. } => return None,
-                GenerateEvent::Finish { .. } => {}
-            }
-        }
-        None
-    }
     let mut flooders = Vec::new();
     if flood {
         for c in 0..8u64 {
@@ -501,7 +693,8 @@ async fn engine_run(e: &EngineRun, policy: Policy, flood: bool, cfg: &FairnessCo
                     if done.load(std::sync::atomic::Ordering::Relaxed) {
                         break;
                     }
-                    out.extend(one(engine.clone(), request("flooder", c * 1_000_000 + k)).await);
+                    let n = (first * 8 + c) * 1_000_000 + k;
+                    out.extend(one(engine.clone(), request("flooder", n), 0).await);
                 }
                 out
             }));
@@ -509,30 +702,51 @@ async fn engine_run(e: &EngineRun, policy: Policy, flood: bool, cfg: &FairnessCo
         // The flooder is saturating the engine before the first steady request.
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
-    let mut gaps = Rng(cfg.seed.wrapping_add(7) | 1);
+    let mut gaps = Rng(gaps_seed | 1);
     let mut steady = Vec::new();
-    for k in 0..e.requests as u64 {
-        steady.push(tokio::spawn(one(engine.clone(), request("steady", k))));
-        tokio::time::sleep(Duration::from_secs_f64(gaps.gap(e.steady_rps))).await;
+    let in_flight = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    for k in first..first + requests as u64 {
+        let (engine, req, in_flight) = (engine.clone(), request("steady", k), in_flight.clone());
+        steady.push(tokio::spawn(async move {
+            let before = in_flight.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let sample = one(engine, req, before).await;
+            in_flight.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            sample
+        }));
+        tokio::time::sleep(Duration::from_secs_f64(gaps.gap(rps))).await;
     }
-    let mut results = vec![Vec::new(), Vec::new()];
+    let mut block = Block {
+        steady: Vec::new(),
+        flooder: Vec::new(),
+        seconds: 0.0,
+        steps_cut: 0,
+    };
     for h in steady {
-        results[0].extend(h.await?);
+        block.steady.extend(h.await?);
     }
     done.store(true, std::sync::atomic::Ordering::Relaxed);
     for h in flooders {
-        results[1].extend(h.await?);
+        block.flooder.extend(h.await?);
     }
-    let elapsed = started.elapsed().as_secs_f64();
-    let steps_cut = engine.metrics().steps_cut.get();
-    let tenants = ["steady", "flooder"]
-        .iter()
-        .zip(results)
-        .filter(|(name, r)| **name == "steady" || !r.is_empty())
+    block.seconds = started.elapsed().as_secs_f64();
+    block.steps_cut = engine.metrics().steps_cut.get();
+    Ok(block)
+}
+
+/// An engine mode's result from its blocks.
+fn engine_result(policy: Policy, flood: bool, blocks: &[Block]) -> RunResult {
+    let seconds: f64 = blocks.iter().map(|b| b.seconds).sum::<f64>().max(1e-9);
+    let steady: Vec<Sample> = blocks.iter().flat_map(|b| b.steady.iter().cloned()).collect();
+    let flooder: Vec<Sample> = blocks.iter().flat_map(|b| b.flooder.iter().cloned()).collect();
+    let mut steady_ttft: Vec<f64> = steady.iter().map(|x| x.ttft_ms).collect();
+    let steady_ttft_parts = TtftParts::split(&steady, percentile(&mut steady_ttft, 0.9));
+    let tenants = [("steady", steady), ("flooder", flooder)]
+        .into_iter()
+        .filter(|(name, r)| *name == "steady" || !r.is_empty())
         .map(|(name, r)| {
-            let mut ttft: Vec<f64> = r.iter().map(|x| x.0).collect();
+            let mut ttft: Vec<f64> = r.iter().map(|x| x.ttft_ms).collect();
             TenantResult {
-                tenant: (*name).into(),
+                tenant: name.into(),
                 priority: "interactive".into(),
                 share: 1,
                 requests: r.len(),
@@ -541,17 +755,18 @@ async fn engine_run(e: &EngineRun, policy: Policy, flood: bool, cfg: &FairnessCo
                 ttft_p50_ms: percentile(&mut ttft, 0.5),
                 ttft_p90_ms: percentile(&mut ttft, 0.9),
                 ttft_p99_ms: percentile(&mut ttft, 0.99),
-                output_tok_s: r.iter().map(|x| x.1).sum::<u64>() as f64 / elapsed,
+                output_tok_s: r.iter().map(|x| x.tokens).sum::<u64>() as f64 / seconds,
                 service_share: 0.0,
             }
         })
         .collect();
-    Ok(RunResult {
+    RunResult {
         backend: "engine".into(),
         scenario: if flood { "flood" } else { "solo" }.into(),
         policy: policy.as_str().into(),
         queue_limit: false,
         tenants,
-        steps_cut,
-    })
+        steps_cut: blocks.iter().map(|b| b.steps_cut).sum(),
+        steady_ttft_parts,
+    }
 }

@@ -190,12 +190,19 @@ pub enum BenchCommand {
         /// The flooder's rate as a multiple of the steady tenant's.
         #[arg(long, default_value_t = 20.0)]
         flood: f64,
-        /// The steady tenant's requests per engine mode (solo, FIFO, fair).
+        /// The steady tenant's requests on the engine, solo and fair (FIFO, the comparison,
+        /// runs a quarter of them).
         #[arg(long, default_value_t = 200)]
         engine_requests: usize,
-        /// The steady tenant's rate on the engine (Poisson), requests per second.
-        #[arg(long, default_value_t = 2.5)]
-        engine_steady_rps: f64,
+        /// The share of the engine's time the steady tenant's requests take (Poisson
+        /// arrivals at this share ÷ one request's time alone, measured first): a tenant well
+        /// inside its fair share on any CPU.
+        #[arg(long, default_value_t = 0.25)]
+        engine_steady_load: f64,
+        /// The steady tenant's rate on the engine instead, requests per second (the earlier
+        /// figures used 2.5).
+        #[arg(long)]
+        engine_steady_rps: Option<f64>,
         /// How the sim times a step that both prefills and decodes: `overlap` (the longer
         /// of the two, as one batched GPU pass does) or `sum` (the model of the earlier
         /// published figures).

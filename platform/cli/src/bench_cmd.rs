@@ -229,6 +229,7 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
             steady_rps,
             flood,
             engine_requests,
+            engine_steady_load,
             engine_steady_rps,
             step_cost,
             sim_only,
@@ -245,7 +246,8 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
                     model_id: id,
                     threads: model.engine_config().threads,
                     requests: if quick { 20 } else { engine_requests.clamp(5, 100_000) },
-                    steady_rps: engine_steady_rps.clamp(0.05, 100.0),
+                    steady_rps: engine_steady_rps.map(|r| r.clamp(0.05, 100.0)),
+                    steady_load: engine_steady_load.clamp(0.01, 1.0),
                 })
             };
             let cfg = hearth_bench::fairness::FairnessConfig {
