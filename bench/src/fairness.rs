@@ -143,6 +143,12 @@ impl TtftParts {
 /// Engine solo and fair runs alternate in this many blocks each.
 const ROUNDS: usize = 4;
 
+/// The steady tenant's requests in each solo and fair block (at least 5), and under FIFO (a
+/// quarter of `--engine-requests`, at least 5).
+fn engine_requests(e: &EngineRun) -> (usize, usize) {
+    (e.requests.div_ceil(ROUNDS).max(5), (e.requests / 4).max(5))
+}
+
 /// One finished engine request.
 #[derive(Debug, Clone)]
 struct Sample {
@@ -177,7 +183,7 @@ pub struct FairnessReport {
     pub sim_interactive_p90_vs_solo_fifo: f64,
     pub engine_steady_p90_vs_solo_fair: Option<f64>,
     pub engine_steady_p90_vs_solo_fifo: Option<f64>,
-    /// One steady request alone on the engine, send to last token (mean of the calibration's).
+    /// One steady request alone on the engine, send to last token (the calibration's median).
     pub engine_request_alone_ms: Option<f64>,
     /// The steady tenant's rate on the engine, and the share of the engine's time it takes
     /// (rate × a request's time alone).
@@ -448,22 +454,25 @@ pub async fn run(cfg: FairnessConfig) -> anyhow::Result<FairnessReport> {
         (alone, rate) = (Some(t), Some(rps));
         // Solo and fair in alternating blocks, so that both see the same spells of a shared
         // machine's speed; FIFO, the comparison, once.
-        let per = e.requests.div_ceil(ROUNDS).max(5);
-        let gaps = |r: usize| cfg.seed.wrapping_add(7 + r as u64);
-        let fifo = engine_block(e, rps, (e.requests / 4).max(5), 0, gaps(0), Policy::Fifo, true, &cfg).await?;
+        let (per, fifo_requests) = engine_requests(e);
+        // Each block's arrivals from a well-mixed seed (a small xorshift seed draws a first
+        // gap of zero: a burst at every block's start).
+        let gaps = |r: usize| cfg.seed.wrapping_add(7) ^ (r as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let fifo = engine_block(e, rps, fifo_requests, 0, gaps(0), Policy::Fifo, true, &cfg).await?;
         let (mut solo, mut fair) = (Vec::new(), Vec::new());
         for r in 0..ROUNDS {
             let first = (r * per) as u64;
             solo.push(engine_block(e, rps, per, first, gaps(r), Policy::Fair, false, &cfg).await?);
             fair.push(engine_block(e, rps, per, first, gaps(r), Policy::Fair, true, &cfg).await?);
         }
-        // The share of the engine the steady tenant took alone: its rate × the time of its
-        // solo requests sent while none of its others was in flight.
-        let lone: Vec<f64> = (solo.iter().flat_map(|b| &b.steady))
+        // The share of the engine the steady tenant took alone: its rate × the median time
+        // of its solo requests sent while none of its others was in flight (the measure of
+        // the calibration, on requests that arrive to an idle engine).
+        let mut lone: Vec<f64> = (solo.iter().flat_map(|b| &b.steady))
             .filter(|s| s.in_flight == 0)
             .map(|s| s.total_ms / 1000.0)
             .collect();
-        solo_load = Some(rps * lone.iter().sum::<f64>() / lone.len().max(1) as f64);
+        solo_load = (!lone.is_empty()).then(|| rps * percentile(&mut lone, 0.5));
         let (solo, fifo, fair) = (
             engine_result(Policy::Fair, false, &solo),
             engine_result(Policy::Fifo, true, std::slice::from_ref(&fifo)),
@@ -499,8 +508,8 @@ pub async fn run(cfg: FairnessConfig) -> anyhow::Result<FairnessReport> {
                 || "not run".to_string(),
                 |e| format!(
                     "{} steady requests solo and fair (alternating, {ROUNDS} blocks each), {} FIFO; Poisson, {:.2} req/s: {:.0} % of the engine's time (a request alone took {:.0} ms; {:.0} % by the solo run's), {} threads; see the engine rows",
-                    e.requests.div_ceil(ROUNDS).max(5) * ROUNDS,
-                    (e.requests / 4).max(5),
+                    engine_requests(e).0 * ROUNDS,
+                    engine_requests(e).1,
                     rate.unwrap_or(0.0),
                     100.0 * rate.unwrap_or(0.0) * alone.unwrap_or(0.0),
                     1000.0 * alone.unwrap_or(0.0),
@@ -568,8 +577,8 @@ fn sim_runs(cfg: &FairnessConfig) -> Vec<RunResult> {
     runs
 }
 
-/// One engine request: 96 pseudo-random ordinary tokens, distinct per (tenant, n), so no
-/// prefix is shared; 16 greedy tokens.
+/// One engine request: 96 pseudo-random ordinary tokens, distinct per n (and tenants' cache
+/// namespaces differ), so no prefix is shared; 16 greedy tokens.
 fn engine_request(seed: u64, model_id: &str, vocab: u32, tenant: &str, n: u64) -> GenerateRequest {
     let mut rng = Rng(seed ^ (n + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     GenerateRequest {
@@ -596,7 +605,7 @@ fn engine_request(seed: u64, model_id: &str, vocab: u32, tenant: &str, n: u64) -
 }
 
 /// The engine of the engine runs: short prompts on a KV cache for a few requests.
-fn load(e: &EngineRun, policy: Policy) -> anyhow::Result<hearth_engine::EngineHandle> {
+fn fresh_engine(e: &EngineRun, policy: Policy) -> anyhow::Result<hearth_engine::EngineHandle> {
     let ecfg = hearth_engine::EngineConfig {
         threads: e.threads,
         kv_cache_mib: Some(8),
@@ -640,7 +649,7 @@ async fn one(engine: hearth_engine::EngineHandle, req: GenerateRequest, in_fligh
 /// A steady request's time alone on the engine, send to last token, in seconds: the median
 /// of twelve sent one at a time, after two that warm it up.
 async fn request_alone(e: &EngineRun, cfg: &FairnessConfig) -> anyhow::Result<f64> {
-    let engine = load(e, Policy::Fair)?;
+    let engine = fresh_engine(e, Policy::Fair)?;
     let vocab = engine.info().tokenizer.tokens.len() as u32;
     let mut times = Vec::new();
     for n in 0..14u64 {
@@ -677,7 +686,7 @@ async fn engine_block(
     flood: bool,
     cfg: &FairnessConfig,
 ) -> anyhow::Result<Block> {
-    let engine = load(e, policy)?;
+    let engine = fresh_engine(e, policy)?;
     let vocab = engine.info().tokenizer.tokens.len() as u32;
     let started = Instant::now();
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -707,8 +716,9 @@ async fn engine_block(
     let in_flight = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     for k in first..first + requests as u64 {
         let (engine, req, in_flight) = (engine.clone(), request("steady", k), in_flight.clone());
+        // Counted here, at send: a task may start after the next one is sent.
+        let before = in_flight.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         steady.push(tokio::spawn(async move {
-            let before = in_flight.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let sample = one(engine, req, before).await;
             in_flight.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
             sample

@@ -190,17 +190,19 @@ pub enum BenchCommand {
         /// The flooder's rate as a multiple of the steady tenant's.
         #[arg(long, default_value_t = 20.0)]
         flood: f64,
-        /// The steady tenant's requests on the engine, solo and fair (FIFO, the comparison,
-        /// runs a quarter of them).
+        /// The steady tenant's requests on the engine, solo and fair (each in four blocks,
+        /// so rounded up to a multiple of four, at least 20; FIFO, the comparison, runs a
+        /// quarter of them). `--quick`: 20, a smoke run.
         #[arg(long, default_value_t = 200)]
         engine_requests: usize,
         /// The share of the engine's time the steady tenant's requests take (Poisson
         /// arrivals at this share ÷ one request's time alone, measured first): a tenant well
-        /// inside its fair share on any CPU.
+        /// inside its fair share on any CPU. The engine runs take about 450 requests at
+        /// that rate: a lower share, proportionally longer.
         #[arg(long, default_value_t = 0.25)]
         engine_steady_load: f64,
         /// The steady tenant's rate on the engine instead, requests per second (the earlier
-        /// figures used 2.5).
+        /// figures used 2.5); the request alone is still timed, to report the load.
         #[arg(long)]
         engine_steady_rps: Option<f64>,
         /// How the sim times a step that both prefills and decodes: `overlap` (the longer

@@ -25,7 +25,10 @@ import sys
 try:
     from wit_world.imports.types import Action_Continue
 except ImportError:  # outside a componentize-py build (checking the helpers on a host)
-    Action_Continue = None
+
+    def Action_Continue():
+        raise RuntimeError("hearth_processor.Continue's hooks run only in a componentize-py build")
+
 
 # The shared generator behind random's module-level functions.
 _INST = random._inst
