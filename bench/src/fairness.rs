@@ -143,6 +143,9 @@ impl TtftParts {
 /// Engine solo and fair runs alternate in this many blocks each.
 const ROUNDS: usize = 4;
 
+/// How long the engine is left idle before each calibration request.
+const CALIBRATION_IDLE: Duration = Duration::from_millis(500);
+
 /// The steady tenant's requests in each solo and fair block (at least 5), and under FIFO (a
 /// quarter of `--engine-requests`, at least 5).
 fn engine_requests(e: &EngineRun) -> (usize, usize) {
@@ -458,12 +461,17 @@ pub async fn run(cfg: FairnessConfig) -> anyhow::Result<FairnessReport> {
         // Each block's arrivals from a well-mixed seed (a small xorshift seed draws a first
         // gap of zero: a burst at every block's start).
         let gaps = |r: usize| cfg.seed.wrapping_add(7) ^ (r as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let fifo = engine_block(e, rps, fifo_requests, 0, gaps(0), Policy::Fifo, true, &cfg).await?;
+        let arrivals = |requests: usize, r: usize| Arrivals {
+            rps,
+            requests,
+            first: (r * per) as u64,
+            gaps_seed: gaps(r),
+        };
+        let fifo = engine_block(e, arrivals(fifo_requests, 0), Policy::Fifo, true, &cfg).await?;
         let (mut solo, mut fair) = (Vec::new(), Vec::new());
         for r in 0..ROUNDS {
-            let first = (r * per) as u64;
-            solo.push(engine_block(e, rps, per, first, gaps(r), Policy::Fair, false, &cfg).await?);
-            fair.push(engine_block(e, rps, per, first, gaps(r), Policy::Fair, true, &cfg).await?);
+            solo.push(engine_block(e, arrivals(per, r), Policy::Fair, false, &cfg).await?);
+            fair.push(engine_block(e, arrivals(per, r), Policy::Fair, true, &cfg).await?);
         }
         // The share of the engine the steady tenant took alone: its rate × the median time
         // of its solo requests sent while none of its others was in flight (the measure of
@@ -647,12 +655,17 @@ async fn one(engine: hearth_engine::EngineHandle, req: GenerateRequest, in_fligh
 }
 
 /// A steady request's time alone on the engine, send to last token, in seconds: the median
-/// of twelve sent one at a time, after two that warm it up.
+/// of twelve sent one at a time, after two that warm it up. Each is sent after the engine
+/// has been idle for [`CALIBRATION_IDLE`], as the steady tenant's requests arrive at a
+/// quarter of the engine: back to back they read faster than the solo run's lone requests
+/// (183-213 ms against 256-278 on a 2-core EPYC; why is not established: sleeping worker
+/// threads, cold caches), so the rate came out high and the load above the one aimed at.
 async fn request_alone(e: &EngineRun, cfg: &FairnessConfig) -> anyhow::Result<f64> {
     let engine = fresh_engine(e, Policy::Fair)?;
     let vocab = engine.info().tokenizer.tokens.len() as u32;
     let mut times = Vec::new();
     for n in 0..14u64 {
+        tokio::time::sleep(CALIBRATION_IDLE).await;
         let req = engine_request(cfg.seed, &e.model_id, vocab, "alone", n);
         let Some(s) = one(engine.clone(), req, 0).await else {
             anyhow::bail!("a request alone on the engine failed");
@@ -672,20 +685,31 @@ struct Block {
     steps_cut: u64,
 }
 
-/// One block on a fresh engine: a steady tenant (`requests` Poisson arrivals at `rps`, its
-/// requests numbered from `first`, its gaps drawn from `gaps_seed`) and, with `flood`, a
-/// flooder keeping eight requests in flight until the steady tenant is done.
-#[allow(clippy::too_many_arguments)]
-async fn engine_block(
-    e: &EngineRun,
+/// A block's steady tenant: `requests` Poisson arrivals at `rps`, numbered from `first`,
+/// their gaps drawn from `gaps_seed`.
+#[derive(Clone, Copy)]
+struct Arrivals {
     rps: f64,
     requests: usize,
     first: u64,
     gaps_seed: u64,
+}
+
+/// One block on a fresh engine: the steady tenant's `arrivals` and, with `flood`, a flooder
+/// keeping eight requests in flight until the steady tenant is done.
+async fn engine_block(
+    e: &EngineRun,
+    arrivals: Arrivals,
     policy: Policy,
     flood: bool,
     cfg: &FairnessConfig,
 ) -> anyhow::Result<Block> {
+    let Arrivals {
+        rps,
+        requests,
+        first,
+        gaps_seed,
+    } = arrivals;
     let engine = fresh_engine(e, policy)?;
     let vocab = engine.info().tokenizer.tokens.len() as u32;
     let started = Instant::now();
