@@ -188,12 +188,12 @@ pub struct FairnessReport {
     pub engine_steady_p90_vs_solo_fifo: Option<f64>,
     /// One steady request alone on the engine, send to last token (the calibration's median).
     pub engine_request_alone_ms: Option<f64>,
-    /// The steady tenant's rate on the engine, and the share of the engine's time it takes
-    /// (rate × a request's time alone).
+    /// The steady tenant's rate on the engine, requests per second.
     pub engine_steady_rps: Option<f64>,
+    /// The share of the engine's time it takes: the rate × a request's time alone.
     pub engine_steady_load: Option<f64>,
-    /// The same from the solo run: the rate × the mean time of its requests sent while none
-    /// of the tenant's others was in flight (a shared machine's speed varies).
+    /// The same from the solo run: the rate × the median time of its requests sent while
+    /// none of the tenant's others was in flight (a shared machine's speed varies).
     pub engine_steady_load_solo: Option<f64>,
 }
 
@@ -445,6 +445,7 @@ pub async fn run(cfg: FairnessConfig) -> anyhow::Result<FairnessReport> {
     let sim_cfg = cfg.clone();
     let mut runs = tokio::task::spawn_blocking(move || sim_runs(&sim_cfg)).await?;
     let (mut engine_fair, mut engine_fifo, mut alone, mut rate, mut solo_load) = (None, None, None, None, None);
+    let mut engine_desc = "not run".to_string();
     if let Some(e) = &cfg.engine {
         let t = request_alone(e, &cfg).await?;
         let rps = e.steady_rps.unwrap_or(e.steady_load / t);
@@ -460,7 +461,7 @@ pub async fn run(cfg: FairnessConfig) -> anyhow::Result<FairnessReport> {
         let (per, fifo_requests) = engine_requests(e);
         // Each block's arrivals from a well-mixed seed (a small xorshift seed draws a first
         // gap of zero: a burst at every block's start).
-        let gaps = |r: usize| cfg.seed.wrapping_add(7) ^ (r as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let gaps = |r: usize| mix(cfg.seed.wrapping_add(7), r as u64);
         let arrivals = |requests: usize, r: usize| Arrivals {
             rps,
             requests,
@@ -481,6 +482,14 @@ pub async fn run(cfg: FairnessConfig) -> anyhow::Result<FairnessReport> {
             .map(|s| s.total_ms / 1000.0)
             .collect();
         solo_load = (!lone.is_empty()).then(|| rps * percentile(&mut lone, 0.5));
+        engine_desc = format!(
+            "{} steady requests solo and fair (alternating, {ROUNDS} blocks each), {fifo_requests} FIFO; Poisson, {rps:.2} req/s: {:.0} % of the engine's time (a request alone took {:.0} ms; {} by the solo run's), {} threads; see the engine rows",
+            per * ROUNDS,
+            100.0 * rps * t,
+            1000.0 * t,
+            solo_load.map_or_else(|| "no lone request".to_string(), |l| format!("{:.0} %", 100.0 * l)),
+            e.threads
+        );
         let (solo, fifo, fair) = (
             engine_result(Policy::Fair, false, &solo),
             engine_result(Policy::Fifo, true, std::slice::from_ref(&fifo)),
@@ -512,19 +521,7 @@ pub async fn run(cfg: FairnessConfig) -> anyhow::Result<FairnessReport> {
             cfg.sim_seconds,
             cfg.steady_rps,
             cfg.flood,
-            cfg.engine.as_ref().map_or_else(
-                || "not run".to_string(),
-                |e| format!(
-                    "{} steady requests solo and fair (alternating, {ROUNDS} blocks each), {} FIFO; Poisson, {:.2} req/s: {:.0} % of the engine's time (a request alone took {:.0} ms; {:.0} % by the solo run's), {} threads; see the engine rows",
-                    engine_requests(e).0 * ROUNDS,
-                    engine_requests(e).1,
-                    rate.unwrap_or(0.0),
-                    100.0 * rate.unwrap_or(0.0) * alone.unwrap_or(0.0),
-                    1000.0 * alone.unwrap_or(0.0),
-                    100.0 * solo_load.unwrap_or(0.0),
-                    e.threads
-                )
-            )
+            engine_desc
         ),
         flood: cfg.flood,
         sim_steady_p90_vs_solo_fair: ratio("flood", "fair", false),
@@ -585,10 +582,16 @@ fn sim_runs(cfg: &FairnessConfig) -> Vec<RunResult> {
     runs
 }
 
+/// A well-spread seed for stream `i` of `seed` (consecutive small seeds give the xorshift
+/// generator correlated first draws; a small one draws a first gap of zero).
+fn mix(seed: u64, i: u64) -> u64 {
+    seed ^ (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
 /// One engine request: 96 pseudo-random ordinary tokens, distinct per n (and tenants' cache
 /// namespaces differ), so no prefix is shared; 16 greedy tokens.
 fn engine_request(seed: u64, model_id: &str, vocab: u32, tenant: &str, n: u64) -> GenerateRequest {
-    let mut rng = Rng(seed ^ (n + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut rng = Rng(mix(seed, n) | 1);
     GenerateRequest {
         request_id: format!("{tenant}-{n}"),
         model: model_id.to_string(),
@@ -657,9 +660,9 @@ async fn one(engine: hearth_engine::EngineHandle, req: GenerateRequest, in_fligh
 /// A steady request's time alone on the engine, send to last token, in seconds: the median
 /// of twelve sent one at a time, after two that warm it up. Each is sent after the engine
 /// has been idle for [`CALIBRATION_IDLE`], as the steady tenant's requests arrive at a
-/// quarter of the engine: back to back they read faster than the solo run's lone requests
-/// (183-213 ms against 256-278 on a 2-core EPYC; why is not established: sleeping worker
-/// threads, cold caches), so the rate came out high and the load above the one aimed at.
+/// quarter of the engine: back to back they read faster than the solo run's lone requests,
+/// so the load came out above the one aimed at (the book's fairness benchmark page has
+/// the figures).
 async fn request_alone(e: &EngineRun, cfg: &FairnessConfig) -> anyhow::Result<f64> {
     let engine = fresh_engine(e, Policy::Fair)?;
     let vocab = engine.info().tokenizer.tokens.len() as u32;
@@ -712,6 +715,16 @@ async fn engine_block(
     } = arrivals;
     let engine = fresh_engine(e, policy)?;
     let vocab = engine.info().tokenizer.tokens.len() as u32;
+    // A fresh engine's first requests are slow: two, one at a time, before either tenant
+    // (as the calibration's), so that a solo block does not open on a cold engine while a
+    // fair one opens on an engine the flooder has warmed.
+    for n in 0..2 {
+        let req = engine_request(cfg.seed, &e.model_id, vocab, "warm-up", n);
+        if one(engine.clone(), req, 0).await.is_none() {
+            anyhow::bail!("a warm-up request on the engine failed");
+        }
+    }
+    tokio::time::sleep(CALIBRATION_IDLE).await;
     let started = Instant::now();
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (seed, model_id) = (cfg.seed, e.model_id.clone());
@@ -726,6 +739,7 @@ async fn engine_block(
                     if done.load(std::sync::atomic::Ordering::Relaxed) {
                         break;
                     }
+                    // Numbered by block too, so each block's flooder sends other prompts.
                     let n = (first * 8 + c) * 1_000_000 + k;
                     out.extend(one(engine.clone(), request("flooder", n), 0).await);
                 }
