@@ -657,6 +657,13 @@ async fn one(engine: hearth_engine::EngineHandle, req: GenerateRequest, in_fligh
     None
 }
 
+/// One request sent while nothing else is on the engine (the calibration's, a block's
+/// warm-up); its failure fails the run.
+async fn sole(engine: &hearth_engine::EngineHandle, req: GenerateRequest) -> anyhow::Result<Sample> {
+    let id = req.request_id.clone();
+    (one(engine.clone(), req, 0).await).ok_or_else(|| anyhow::anyhow!("request {id} alone on the engine failed"))
+}
+
 /// A steady request's time alone on the engine, send to last token, in seconds: the median
 /// of twelve sent one at a time, after two that warm it up. Each is sent after the engine
 /// has been idle for [`CALIBRATION_IDLE`], as the steady tenant's requests arrive at a
@@ -669,10 +676,7 @@ async fn request_alone(e: &EngineRun, cfg: &FairnessConfig) -> anyhow::Result<f6
     let mut times = Vec::new();
     for n in 0..14u64 {
         tokio::time::sleep(CALIBRATION_IDLE).await;
-        let req = engine_request(cfg.seed, &e.model_id, vocab, "alone", n);
-        let Some(s) = one(engine.clone(), req, 0).await else {
-            anyhow::bail!("a request alone on the engine failed");
-        };
+        let s = sole(&engine, engine_request(cfg.seed, &e.model_id, vocab, "alone", n)).await?;
         if n >= 2 {
             times.push(s.total_ms / 1000.0);
         }
@@ -690,7 +694,6 @@ struct Block {
 
 /// A block's steady tenant: `requests` Poisson arrivals at `rps`, numbered from `first`,
 /// their gaps drawn from `gaps_seed`.
-#[derive(Clone, Copy)]
 struct Arrivals {
     rps: f64,
     requests: usize,
@@ -719,10 +722,7 @@ async fn engine_block(
     // (as the calibration's), so that a solo block does not open on a cold engine while a
     // fair one opens on an engine the flooder has warmed.
     for n in 0..2 {
-        let req = engine_request(cfg.seed, &e.model_id, vocab, "warm-up", n);
-        if one(engine.clone(), req, 0).await.is_none() {
-            anyhow::bail!("a warm-up request on the engine failed");
-        }
+        sole(&engine, engine_request(cfg.seed, &e.model_id, vocab, "warm-up", n)).await?;
     }
     tokio::time::sleep(CALIBRATION_IDLE).await;
     let started = Instant::now();
