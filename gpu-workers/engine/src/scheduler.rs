@@ -1633,10 +1633,10 @@ mod tests {
     /// `hearth bench fairness`'s engine scenario on the scheduler alone, in virtual time: a
     /// flooder keeps eight 96-token requests in flight on a cache with room for three; a
     /// light tenant's 400 requests arrive Poisson at `rps` a second (16 tokens out each;
-    /// the gaps and prompts drawn from `seed`, not zero); a step costs 4 ms, plus 0.3 ms a prompt token and
-    /// 1.2 ms a decode (so a request alone takes about 110 ms: 2.5 a second is 28 % of the
-    /// engine). Returns the light tenant's P90 wait for its first token (ms) and the
-    /// preemptions.
+    /// the gaps and prompts drawn from `seed`, not zero); a step costs 4 ms, plus 0.3 ms a
+    /// prompt token and 1.2 ms a decode (so a request alone takes about 110 ms: 2.5 a second
+    /// is 28 % of the engine). Returns the light tenant's P90 wait for its first token (ms)
+    /// and the preemptions.
     fn light_tenant_beside_a_flooder(policy: Policy, flood: bool, rps: f64, seed: u64) -> (f64, u64) {
         let cfg = SchedulerConfig {
             block_tokens: 16,
@@ -1705,9 +1705,12 @@ mod tests {
         (ttft[ttft.len() * 9 / 10], s.preemptions)
     }
 
+    /// The seeds of [`light_tenant_beside_a_flooder`]'s runs.
+    const LIGHT_SEEDS: [u64; 3] = [0x9E37_79B9_7F4A_7C15, 12_345, 987_654_321];
+
     #[test]
     fn a_light_tenant_beside_a_flooder_on_a_full_cache_waits_little() {
-        let seed = 0x9E37_79B9_7F4A_7C15;
+        let seed = LIGHT_SEEDS[0];
         let (solo, _) = light_tenant_beside_a_flooder(Policy::Fair, false, 2.5, seed);
         let (fair, preemptions) = light_tenant_beside_a_flooder(Policy::Fair, true, 2.5, seed);
         let (fifo, _) = light_tenant_beside_a_flooder(Policy::Fifo, true, 2.5, seed);
@@ -1724,7 +1727,7 @@ mod tests {
     /// to finish (with a credit of two margins, 3.6–5.2× here).
     #[test]
     fn a_light_tenants_burst_beside_a_flooder_still_preempts() {
-        for seed in [0x9E37_79B9_7F4A_7C15, 12_345, 987_654_321] {
+        for seed in LIGHT_SEEDS {
             let (solo, _) = light_tenant_beside_a_flooder(Policy::Fair, false, 4.0, seed);
             let (fair, preemptions) = light_tenant_beside_a_flooder(Policy::Fair, true, 4.0, seed);
             assert!(
