@@ -26,7 +26,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use hearth_engine::scheduler::{Policy, SchedulerConfig};
+use hearth_engine::scheduler::{FairWeights, Policy, SchedulerConfig, Served};
 use hearth_engine::sim::{CostModel, MixedStep, SimWorker};
 use hearth_protocol::{namespace_root, GenerateEvent, GenerateRequest, Priority, Qos, QueueState, SamplingParams};
 use serde::Serialize;
@@ -82,7 +82,8 @@ pub struct TenantResult {
     /// Output tokens per second over the arrival window.
     pub output_tok_s: f64,
     /// Its share of the worker's weighted service (prefill + 2 × decode tokens) over the
-    /// arrival window.
+    /// arrival window (engine runs: of the requests completed, as the scheduler charges
+    /// them; a steady tenant below one half is inside its fair share beside one flooder).
     pub service_share: f64,
 }
 
@@ -429,8 +430,11 @@ fn sim_run(scenario: &str, policy: Policy, limit: bool, traffic: &[Traffic], cfg
     }
 }
 
-fn weighted(s: hearth_engine::scheduler::Served) -> f64 {
-    s.prefill as f64 + 2.0 * s.decode as f64 + 0.1 * s.cached as f64
+/// Tokens served, weighted as the scheduler charges them (both backends run its default
+/// weights).
+fn weighted(s: Served) -> f64 {
+    let w = FairWeights::default();
+    s.prefill as f64 * w.prefill + s.decode as f64 * w.decode + s.cached as f64 * w.cached
 }
 
 fn qos(tenant: &str, priority: Priority, share: u32) -> Qos {
@@ -588,14 +592,17 @@ fn mix(seed: u64, i: u64) -> u64 {
     seed ^ (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
-/// One engine request: 96 pseudo-random ordinary tokens, distinct per n (and tenants' cache
-/// namespaces differ), so no prefix is shared; 16 greedy tokens.
+/// An engine request's prompt tokens.
+const ENGINE_PROMPT: u64 = 96;
+
+/// One engine request: [`ENGINE_PROMPT`] pseudo-random ordinary tokens, distinct per n (and
+/// tenants' cache namespaces differ), so no prefix is shared; 16 greedy tokens.
 fn engine_request(seed: u64, model_id: &str, vocab: u32, tenant: &str, n: u64) -> GenerateRequest {
     let mut rng = Rng(mix(seed, n) | 1);
     GenerateRequest {
         request_id: format!("{tenant}-{n}"),
         model: model_id.to_string(),
-        prompt: (0..96)
+        prompt: (0..ENGINE_PROMPT)
             .map(|_| 300 + (rng.next() % u64::from(vocab - 400)) as u32)
             .collect(),
         sampling: SamplingParams {
@@ -786,6 +793,20 @@ fn engine_result(policy: Policy, flood: bool, blocks: &[Block]) -> RunResult {
     let seconds: f64 = blocks.iter().map(|b| b.seconds).sum::<f64>().max(1e-9);
     let steady: Vec<Sample> = blocks.iter().flat_map(|b| b.steady.iter().cloned()).collect();
     let flooder: Vec<Sample> = blocks.iter().flat_map(|b| b.flooder.iter().cloned()).collect();
+    // As the scheduler charges a finished request: its prompt, then a decode step for each
+    // token after the first (the prefill gives the first).
+    let service = |r: &[Sample]| -> f64 {
+        (r.iter())
+            .map(|x| {
+                weighted(Served {
+                    prefill: ENGINE_PROMPT,
+                    decode: x.tokens.saturating_sub(1),
+                    cached: 0,
+                })
+            })
+            .sum()
+    };
+    let total = (service(&steady) + service(&flooder)).max(1e-9);
     let mut steady_ttft: Vec<f64> = steady.iter().map(|x| x.ttft_ms).collect();
     let steady_ttft_parts = TtftParts::split(&steady, percentile(&mut steady_ttft, 0.9));
     let tenants = [("steady", steady), ("flooder", flooder)]
@@ -804,7 +825,7 @@ fn engine_result(policy: Policy, flood: bool, blocks: &[Block]) -> RunResult {
                 ttft_p90_ms: percentile(&mut ttft, 0.9),
                 ttft_p99_ms: percentile(&mut ttft, 0.99),
                 output_tok_s: r.iter().map(|x| x.tokens).sum::<u64>() as f64 / seconds,
-                service_share: 0.0,
+                service_share: service(&r) / total,
             }
         })
         .collect();
