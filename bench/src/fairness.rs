@@ -81,9 +81,9 @@ pub struct TenantResult {
     pub ttft_p99_ms: f64,
     /// Output tokens per second over the arrival window.
     pub output_tok_s: f64,
-    /// Its share of the worker's weighted service (prefill + 2 × decode tokens) over the
-    /// arrival window (engine runs: of the requests completed, as the scheduler charges
-    /// them; a steady tenant below one half is inside its fair share beside one flooder).
+    /// Its share of the worker's weighted service (prefill + 2 × decode tokens): the sim's
+    /// over the arrival window, the engine's over the requests that ended while the steady
+    /// tenant was sending or had requests in flight.
     pub service_share: f64,
 }
 
@@ -159,6 +159,8 @@ struct Sample {
     ttft_ms: f64,
     /// Send to the last event.
     total_ms: f64,
+    /// The last event.
+    finished: Instant,
     tokens: u64,
     queue_ms: f64,
     prefill_ms: f64,
@@ -651,6 +653,7 @@ async fn one(engine: hearth_engine::EngineHandle, req: GenerateRequest, in_fligh
                 return first.map(|ttft_ms| Sample {
                     ttft_ms,
                     total_ms: sent.elapsed().as_secs_f64() * 1000.0,
+                    finished: Instant::now(),
                     tokens,
                     queue_ms: timings.queue_us as f64 / 1000.0,
                     prefill_ms: timings.prefill_us as f64 / 1000.0,
@@ -695,6 +698,9 @@ async fn request_alone(e: &EngineRun, cfg: &FairnessConfig) -> anyhow::Result<f6
 struct Block {
     steady: Vec<Sample>,
     flooder: Vec<Sample>,
+    /// The steady tenant's first send to its last request's end: the service shares are
+    /// counted over the requests that end in it (the flooder runs alone before and after).
+    steady_span: (Instant, Instant),
     seconds: f64,
     steps_cut: u64,
 }
@@ -759,6 +765,7 @@ async fn engine_block(
     let mut gaps = Rng(gaps_seed | 1);
     let mut steady = Vec::new();
     let in_flight = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let steady_start = Instant::now();
     for k in first..first + requests as u64 {
         let (engine, req, in_flight) = (engine.clone(), request("steady", k), in_flight.clone());
         // Counted here, at send: a task may start after the next one is sent.
@@ -773,12 +780,15 @@ async fn engine_block(
     let mut block = Block {
         steady: Vec::new(),
         flooder: Vec::new(),
+        steady_span: (steady_start, steady_start),
         seconds: 0.0,
         steps_cut: 0,
     };
     for h in steady {
         block.steady.extend(h.await?);
     }
+    let steady_end = block.steady.iter().map(|x| x.finished).max();
+    block.steady_span.1 = steady_end.unwrap_or(steady_start);
     done.store(true, std::sync::atomic::Ordering::Relaxed);
     for h in flooders {
         block.flooder.extend(h.await?);
@@ -793,10 +803,14 @@ fn engine_result(policy: Policy, flood: bool, blocks: &[Block]) -> RunResult {
     let seconds: f64 = blocks.iter().map(|b| b.seconds).sum::<f64>().max(1e-9);
     let steady: Vec<Sample> = blocks.iter().flat_map(|b| b.steady.iter().cloned()).collect();
     let flooder: Vec<Sample> = blocks.iter().flat_map(|b| b.flooder.iter().cloned()).collect();
-    // As the scheduler charges a finished request: its prompt, then a decode step for each
+    // Each tenant's service over the requests that ended within the steady tenant's span, as
+    // the scheduler charges a finished request: its prompt, then a decode step for each
     // token after the first (the prefill gives the first).
-    let service = |r: &[Sample]| -> f64 {
-        (r.iter())
+    let service = |tenant: fn(&Block) -> &[Sample]| -> f64 {
+        let ended_in_span = |b: &Block, x: &Sample| (b.steady_span.0..=b.steady_span.1).contains(&x.finished);
+        blocks
+            .iter()
+            .flat_map(|b| tenant(b).iter().filter(move |x| ended_in_span(b, x)))
             .map(|x| {
                 weighted(Served {
                     prefill: ENGINE_PROMPT,
@@ -806,13 +820,14 @@ fn engine_result(policy: Policy, flood: bool, blocks: &[Block]) -> RunResult {
             })
             .sum()
     };
-    let total = (service(&steady) + service(&flooder)).max(1e-9);
+    let served = [service(|b| &b.steady), service(|b| &b.flooder)];
+    let total = (served[0] + served[1]).max(1e-9);
     let mut steady_ttft: Vec<f64> = steady.iter().map(|x| x.ttft_ms).collect();
     let steady_ttft_parts = TtftParts::split(&steady, percentile(&mut steady_ttft, 0.9));
-    let tenants = [("steady", steady), ("flooder", flooder)]
+    let tenants = [("steady", steady, served[0]), ("flooder", flooder, served[1])]
         .into_iter()
-        .filter(|(name, r)| *name == "steady" || !r.is_empty())
-        .map(|(name, r)| {
+        .filter(|(name, r, _)| *name == "steady" || !r.is_empty())
+        .map(|(name, r, served)| {
             let mut ttft: Vec<f64> = r.iter().map(|x| x.ttft_ms).collect();
             TenantResult {
                 tenant: name.into(),
@@ -825,7 +840,7 @@ fn engine_result(policy: Policy, flood: bool, blocks: &[Block]) -> RunResult {
                 ttft_p90_ms: percentile(&mut ttft, 0.9),
                 ttft_p99_ms: percentile(&mut ttft, 0.99),
                 output_tok_s: r.iter().map(|x| x.tokens).sum::<u64>() as f64 / seconds,
-                service_share: service(&r) / total,
+                service_share: served / total,
             }
         })
         .collect();
