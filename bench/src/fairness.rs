@@ -79,7 +79,8 @@ pub struct TenantResult {
     pub ttft_p50_ms: f64,
     pub ttft_p90_ms: f64,
     pub ttft_p99_ms: f64,
-    /// Output tokens per second over the arrival window.
+    /// Output tokens per second over the arrival window (engine runs: over the blocks, the
+    /// flooder's lead-in and drain included).
     pub output_tok_s: f64,
     /// Its share of the worker's weighted service (prefill + 2 × decode tokens): the sim's
     /// over the arrival window, the engine's over the requests that ended while the steady
@@ -650,15 +651,16 @@ async fn one(engine: hearth_engine::EngineHandle, req: GenerateRequest, in_fligh
                 first.get_or_insert(sent.elapsed().as_secs_f64() * 1000.0);
             }
             GenerateEvent::Done { timings, .. } => {
+                let finished = Instant::now();
                 return first.map(|ttft_ms| Sample {
                     ttft_ms,
-                    total_ms: sent.elapsed().as_secs_f64() * 1000.0,
-                    finished: Instant::now(),
+                    total_ms: (finished - sent).as_secs_f64() * 1000.0,
+                    finished,
                     tokens,
                     queue_ms: timings.queue_us as f64 / 1000.0,
                     prefill_ms: timings.prefill_us as f64 / 1000.0,
                     in_flight,
-                })
+                });
             }
             GenerateEvent::Error { .. } => return None,
             GenerateEvent::Finish { .. } => {}
@@ -820,11 +822,11 @@ fn engine_result(policy: Policy, flood: bool, blocks: &[Block]) -> RunResult {
             })
             .sum()
     };
-    let served = [service(|b| &b.steady), service(|b| &b.flooder)];
-    let total = (served[0] + served[1]).max(1e-9);
+    let [steady_served, flooder_served] = [service(|b| &b.steady), service(|b| &b.flooder)];
+    let total = (steady_served + flooder_served).max(1e-9);
     let mut steady_ttft: Vec<f64> = steady.iter().map(|x| x.ttft_ms).collect();
     let steady_ttft_parts = TtftParts::split(&steady, percentile(&mut steady_ttft, 0.9));
-    let tenants = [("steady", steady, served[0]), ("flooder", flooder, served[1])]
+    let tenants = [("steady", steady, steady_served), ("flooder", flooder, flooder_served)]
         .into_iter()
         .filter(|(name, r, _)| *name == "steady" || !r.is_empty())
         .map(|(name, r, served)| {
