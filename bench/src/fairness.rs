@@ -779,18 +779,18 @@ async fn engine_block(
         }));
         tokio::time::sleep(Duration::from_secs_f64(gaps.gap(rps))).await;
     }
+    let mut samples = Vec::new();
+    for h in steady {
+        samples.extend(h.await?);
+    }
+    let steady_end = samples.iter().map(|x| x.finished).max().unwrap_or(steady_start);
     let mut block = Block {
-        steady: Vec::new(),
+        steady: samples,
         flooder: Vec::new(),
-        steady_span: (steady_start, steady_start),
+        steady_span: (steady_start, steady_end),
         seconds: 0.0,
         steps_cut: 0,
     };
-    for h in steady {
-        block.steady.extend(h.await?);
-    }
-    let steady_end = block.steady.iter().map(|x| x.finished).max();
-    block.steady_span.1 = steady_end.unwrap_or(steady_start);
     done.store(true, std::sync::atomic::Ordering::Relaxed);
     for h in flooders {
         block.flooder.extend(h.await?);
