@@ -16,12 +16,16 @@
 //! * [`soak`] — long mixed traffic through real processes, sampling memory, descriptors and
 //!   tasks for leaks, and checking the usage books.
 //!
-//! (`hearth bench engine` lives with the engine, in `hearth_engine::bench`.) Side-by-side
+//! * [`engine`] — the engine's hot paths in-process (step, TTFT, decode at batch), with its
+//!   attention, cold-start, KV-tier, KV-transfer and LoRA benchmarks as submodules.
+//!
+//! Side-by-side
 //! comparisons with other projects are the scripts beside this crate
 //! (`llamacpp-compare`, `gateway-compare`), measured in the same run.
 
 pub mod agent;
 pub mod batch;
+pub mod engine;
 pub mod fairness;
 pub mod gateway;
 pub mod pd;

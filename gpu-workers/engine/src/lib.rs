@@ -8,19 +8,13 @@
 //! * [`cuda`] runs the same forward pass on an NVIDIA GPU (the `cuda` feature; CUDA is
 //!   loaded at run time).
 //! * [`EngineHandle`] runs a model on its own thread; [`server`] exposes it over HTTP as a
-//!   worker; [`fetch`] acquires the default model; [`bench`] measures it.
+//!   worker; [`fetch`] acquires the default model. (Its benchmarks are in `hearth-bench`.)
 //!
 //! The gateway never links these internals: it speaks `hearth-protocol` to a worker.
 
 pub mod adapters;
 pub mod attention;
 pub mod backend;
-pub mod bench;
-pub mod bench_attention;
-pub mod bench_coldstart;
-pub mod bench_kvtiers;
-pub mod bench_kvtransfer;
-pub mod bench_lora;
 pub mod cuda;
 pub mod engine;
 pub mod fetch;

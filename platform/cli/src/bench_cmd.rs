@@ -1,4 +1,4 @@
-//! `hearth bench …`: the benchmarks (in `hearth-bench` and the engine), each printing a
+//! `hearth bench …`: the benchmarks (in `hearth-bench`), each printing a
 //! table and optionally writing JSON.
 
 use std::path::PathBuf;
@@ -63,7 +63,7 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
             let mut cfg = model.engine_config();
             // Room for the prompt's blocks in each engine, whatever the machine's memory.
             cfg.kv_cache_mib.get_or_insert(256);
-            let report = hearth_engine::bench_kvtransfer::run(&path, &id, &cfg, prompt_tokens.clamp(32, 8192)).await?;
+            let report = hearth_bench::engine::kvtransfer::run(&path, &id, &cfg, prompt_tokens.clamp(32, 8192)).await?;
             print!("{}", report.table());
             write_json(&report, json)
         }
@@ -78,7 +78,7 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
         } => {
             let (path, id) = resolve_model(&model).await?;
             let tokens = if quick { tokens.min(16) } else { tokens };
-            let report = hearth_engine::bench_lora::run(
+            let report = hearth_bench::engine::lora::run(
                 &path,
                 &id,
                 &model.engine_config(),
@@ -94,12 +94,12 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
         }
         BenchCommand::KvTiers { model, quick, json } => {
             let (path, id) = resolve_model(&model).await?;
-            let report = hearth_engine::bench_kvtiers::run(&path, &id, &model.engine_config(), quick).await?;
+            let report = hearth_bench::engine::kvtiers::run(&path, &id, &model.engine_config(), quick).await?;
             print!("{}", report.table());
             write_json(&report, json)
         }
         BenchCommand::Attention { quick, json } => {
-            let report = hearth_engine::bench_attention::run(quick);
+            let report = hearth_bench::engine::attention::run(quick);
             print!("{}", report.table());
             write_json(&report, json)
         }
@@ -121,7 +121,7 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
             let cfg = model.engine_config();
             let exe = std::env::current_exe().ok();
             let report =
-                hearth_engine::bench_coldstart::run(&path, &id, &cfg, prompt_tokens.clamp(1, 4096), exe.as_deref())
+                hearth_bench::engine::coldstart::run(&path, &id, &cfg, prompt_tokens.clamp(1, 4096), exe.as_deref())
                     .await?;
             print!("{}", report.table());
             write_json(&report, json)
@@ -304,7 +304,7 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
 async fn engine(model: ModelArgs, quick: bool, speculative: bool, json: Option<PathBuf>) -> anyhow::Result<()> {
     let (path, id) = resolve_model(&model).await?;
     let cfg = model.engine_config();
-    let bench = hearth_engine::bench::BenchConfig {
+    let bench = hearth_bench::engine::BenchConfig {
         threads: cfg.threads,
         kv_cache_mib: cfg.kv_cache_mib,
         kv_dtype: cfg.kv_dtype,
@@ -312,7 +312,7 @@ async fn engine(model: ModelArgs, quick: bool, speculative: bool, json: Option<P
         quick,
         speculative,
     };
-    let report = hearth_engine::bench::run(&path, &id, &bench).await?;
+    let report = hearth_bench::engine::run(&path, &id, &bench).await?;
     print!("{}", report.table());
     write_json(&report, json)
 }

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::Command;
 
 use common::*;
-use hearth_engine::bench_lora::write_synthetic_adapter;
+use hearth_bench::engine::lora::write_synthetic_adapter;
 use hearth_engine::models::ModelConfig;
 use serde_json::{json, Value};
 

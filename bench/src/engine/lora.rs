@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 use hearth_protocol::{AdapterRef, GenerateEvent, GenerateRequest, SamplingParams};
 use serde::Serialize;
 
-use crate::models::{lora, ModelConfig};
-use crate::{EngineConfig, EngineError, EngineHandle};
+use hearth_engine::models::{lora, ModelConfig};
+use hearth_engine::{EngineConfig, EngineError, EngineHandle};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct LoraReport {
@@ -247,7 +247,7 @@ pub async fn run(
     tokens: usize,
     quick: bool,
 ) -> Result<LoraReport, EngineError> {
-    let file = crate::hf::open_model(model_path)?;
+    let file = hearth_engine::hf::open_model(model_path)?;
     let c = ModelConfig::from_gguf(&file)?;
     drop(file);
     let vocab = c.vocab_size as u32;
@@ -351,8 +351,8 @@ pub async fn run(
     let (cold_ms, warm_ms) = (median(cold), median(warm));
     Ok(LoraReport {
         model: model_id.to_string(),
-        isa: crate::kernels::isa().to_string(),
-        cpu: crate::kernels::cpu_features(),
+        isa: hearth_engine::kernels::isa().to_string(),
+        cpu: hearth_engine::kernels::cpu_features(),
         threads: cfg.threads,
         streams,
         adapters,

@@ -9,9 +9,9 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::attention::{attend_group, attend_head, HeadSpec, Query, Scoring, MAX_GROUP};
-use crate::kernels::isa;
-use crate::kv::{KvDtype, KvPool, KvShape};
+use hearth_engine::attention::{attend_group, attend_head, HeadSpec, Query, Scoring, MAX_GROUP};
+use hearth_engine::kernels::isa;
+use hearth_engine::kv::{KvDtype, KvPool, KvShape};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct AttentionRow {

@@ -1,6 +1,16 @@
 //! `hearth bench engine`: the engine's hot paths measured in-process, printed as a table and
 //! returned as JSON. Each measurement uses its own cache namespace so that only the TTFT
 //! comparison sees prefix-cache hits.
+//!
+//! The engine's other benchmarks are its submodules: [`attention`] (the attention kernels),
+//! [`coldstart`] (load to first token), [`kvtiers`] (the KV tiers), [`kvtransfer`] (KV
+//! blocks between workers) and [`lora`] (adapters beside the base model).
+
+pub mod attention;
+pub mod coldstart;
+pub mod kvtiers;
+pub mod kvtransfer;
+pub mod lora;
 
 use std::path::Path;
 use std::time::Instant;
@@ -8,16 +18,16 @@ use std::time::Instant;
 use hearth_protocol::{GenerateEvent, GenerateRequest, SamplingParams};
 use serde::Serialize;
 
-use crate::sampling::Rng;
-use crate::{EngineConfig, EngineError, EngineHandle};
+use hearth_engine::sampling::Rng;
+use hearth_engine::{EngineConfig, EngineError, EngineHandle};
 
 #[derive(Debug, Clone)]
 pub struct BenchConfig {
     pub threads: usize,
     pub kv_cache_mib: Option<usize>,
-    pub kv_dtype: crate::kv::KvDtype,
+    pub kv_dtype: hearth_engine::kv::KvDtype,
     /// The kernels' instruction set (None: the best this CPU runs).
-    pub isa: Option<crate::kernels::Isa>,
+    pub isa: Option<hearth_engine::kernels::Isa>,
     /// Fewer tokens per measurement (for smoke runs).
     pub quick: bool,
     /// Decoding speculates (prompt-lookup drafts); off: one token per forward pass.
@@ -294,8 +304,8 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: &BenchConfig) -> Result
     Ok(BenchReport {
         model: c.model.clone(),
         threads: cfg.threads,
-        isa: crate::kernels::isa().to_string(),
-        cpu: crate::kernels::cpu_features(),
+        isa: hearth_engine::kernels::isa().to_string(),
+        cpu: hearth_engine::kernels::cpu_features(),
         kv_dtype: cfg.kv_dtype.name().to_string(),
         speculative: cfg.speculative,
         model_file_mib: file_mib,

@@ -10,8 +10,8 @@ use std::time::Instant;
 use hearth_protocol::{GenerateEvent, GenerateRequest, SamplingParams};
 use serde::Serialize;
 
-use crate::kv_transfer::{pull, HttpKvTransport};
-use crate::{EngineConfig, EngineError, EngineHandle};
+use hearth_engine::kv_transfer::{pull, HttpKvTransport};
+use hearth_engine::{EngineConfig, EngineError, EngineHandle};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct KvTransferReport {
@@ -92,11 +92,11 @@ const TOKEN: &str = "kv-bench";
 pub(crate) async fn serve(engine: EngineHandle, token: &str) -> std::io::Result<String> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    let engines: Vec<(String, Arc<dyn crate::Backend>)> = vec![(engine.info().model.clone(), Arc::new(engine))];
-    let app = crate::server::router_many(
+    let engines: Vec<(String, Arc<dyn hearth_engine::Backend>)> = vec![(engine.info().model.clone(), Arc::new(engine))];
+    let app = hearth_engine::server::router_many(
         engines,
         "bench",
-        crate::server::WorkerOptions {
+        hearth_engine::server::WorkerOptions {
             token: Some(token.into()),
             ..Default::default()
         },
@@ -112,7 +112,7 @@ pub async fn run(
     prompt_tokens: usize,
 ) -> Result<KvTransferReport, EngineError> {
     let load = || EngineHandle::load(model_path, model_id, cfg);
-    let vocab = crate::engine::file_info(model_path, model_id, "local")?
+    let vocab = hearth_engine::engine::file_info(model_path, model_id, "local")?
         .tokenizer
         .tokens
         .len() as u32;
@@ -210,8 +210,8 @@ pub async fn run(
         blocks: hashes.len(),
         block_bytes,
         kv_dtype: cfg.kv_dtype.name().to_string(),
-        isa: crate::kernels::isa().to_string(),
-        cpu: crate::kernels::cpu_features(),
+        isa: hearth_engine::kernels::isa().to_string(),
+        cpu: hearth_engine::kernels::cpu_features(),
         in_process_ms,
         in_process_gb_s: gb_s(in_process_ms),
         in_process_warm_ms,

@@ -23,10 +23,10 @@ use std::time::Instant;
 use hearth_protocol::{GenerateEvent, GenerateRequest, SamplingParams};
 use serde::Serialize;
 
-use crate::bench_kvtransfer::serve;
-use crate::kv_tier::DiskTierConfig;
-use crate::kv_transfer::{pull, HttpKvTransport};
-use crate::{EngineConfig, EngineError, EngineHandle};
+use super::kvtransfer::serve;
+use hearth_engine::kv_tier::DiskTierConfig;
+use hearth_engine::kv_transfer::{pull, HttpKvTransport};
+use hearth_engine::{EngineConfig, EngineError, EngineHandle};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct KvTiersReport {
@@ -186,7 +186,7 @@ pub async fn run(
     cfg: &EngineConfig,
     quick: bool,
 ) -> Result<KvTiersReport, EngineError> {
-    let vocab = crate::engine::file_info(model_path, model_id, "local")?
+    let vocab = hearth_engine::engine::file_info(model_path, model_id, "local")?
         .tokenizer
         .tokens
         .len() as u32;
@@ -388,7 +388,7 @@ pub async fn run(
     let placement = placement(model_path, model_id, &with(mib, None), &prompts, shape).await?;
     Ok(KvTiersReport {
         model: model_id.to_string(),
-        isa: crate::kernels::isa().to_string(),
+        isa: hearth_engine::kernels::isa().to_string(),
         threads: cfg.threads,
         kv_dtype: cfg.kv_dtype.name().to_string(),
         block_bytes,
