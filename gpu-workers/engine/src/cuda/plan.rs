@@ -7,7 +7,7 @@ use crate::kernels::{dequantize_row, WeightView};
 use crate::models::{Batch, ModelConfig};
 
 /// The kernels, in CUDA C, compiled at run time by NVRTC (and in CI, see
-/// `tests/cuda_kernels.rs`).
+/// `tests/engine/cuda_kernels.rs`).
 pub const KERNELS: &str = include_str!("kernels.cu");
 
 /// Every `extern "C" __global__` entry point in [`KERNELS`] the backend loads.

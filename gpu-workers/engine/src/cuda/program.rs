@@ -1,6 +1,6 @@
 //! The forward pass as a program: kernel launches and GEMMs over named buffers. The CUDA
 //! backend runs it on the device (`device.rs`); the kernel emulator test
-//! (`tests/cuda_emulated.rs`) runs the same program, with the same kernels' source, on the
+//! (`tests/engine/cuda_emulated.rs`) runs the same program, with the same kernels' source, on the
 //! CPU and checks it against the CPU engine. So the launch order, the arguments and the
 //! buffer sizes are tested without a GPU.
 

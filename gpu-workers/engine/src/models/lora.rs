@@ -7,7 +7,7 @@
 //! output, reading its adapter's `A` and `B` (the CPU form of Punica's batched gather
 //! matrix-vector product; `A` and `B` are small enough to stay in cache across the rows of
 //! one adapter). The term is added where the projection's output is, before biases, norms
-//! and RoPE, so the result is the merged model's up to float rounding (`tests/lora.rs`).
+//! and RoPE, so the result is the merged model's up to float rounding (`tests/engine/lora.rs`).
 //!
 //! Two files are read:
 //! * a PEFT directory: `adapter_config.json` (`peft_type: LORA`, `r`, `lora_alpha`,
