@@ -12,14 +12,14 @@ use std::time::{Duration, Instant};
 
 use hearth_protocol::{
     namespace_root, BlockHash, EngineTimings, FinishReason, GenerateEvent, GenerateRequest, KvEvent, LoadReport,
-    SamplingParams, Tier, TokenLogprob, Tokenizer, TokenizerSpec, Usage, WorkerInfo,
+    SamplingParams, Tier, TokenLogprob, Tokenizer, Usage, WorkerInfo,
 };
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{broadcast, oneshot, watch};
 
 use crate::adapters::{AdapterCache, AdapterCacheConfig, AdapterRefused};
 use crate::cuda::Device;
-use crate::gguf::{GgufError, GgufFile};
+use crate::gguf::{tokenizer_spec, GgufError, GgufFile};
 use crate::grammar::{Grammar, Grammars};
 use crate::kernels::{cpu_features, isa, set_isa, Isa};
 use crate::kv::{KvDtype, KvPool};
@@ -142,74 +142,6 @@ fn available_memory_mib() -> Option<usize> {
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib / 1024)
-}
-
-/// Reads the tokenizer description from GGUF metadata (the `tokenizer.ggml.*` keys llama.cpp
-/// writes; token types, merges and scores are optional where the tokenizer kind allows).
-pub fn tokenizer_spec(g: &GgufFile) -> Result<TokenizerSpec, GgufError> {
-    use crate::gguf::MetaValue;
-    let id = |k: &str| g.get_u64(k).ok().map(|v| v as u32);
-    let flag = |k: &str| match g.get(k) {
-        Some(MetaValue::Bool(b)) => Some(*b),
-        _ => None,
-    };
-    let optional = |r: Result<Vec<String>, GgufError>| match r {
-        Err(GgufError::MissingKey(_)) => Ok(Vec::new()),
-        r => r,
-    };
-    let tokens = g.get_str_array("tokenizer.ggml.tokens")?;
-    let token_types = match g.get_i64_array("tokenizer.ggml.token_type") {
-        Err(GgufError::MissingKey(_)) => vec![hearth_protocol::tokenizer::TOKEN_TYPE_NORMAL; tokens.len()],
-        r => r?.into_iter().map(|t| t as i32).collect(),
-    };
-    let scores = match g.get_f64_array("tokenizer.ggml.scores") {
-        Err(GgufError::MissingKey(_)) => Vec::new(),
-        r => r?.into_iter().map(|s| s as f32).collect(),
-    };
-    // llama.cpp strips the whitespace after Phi-3's special tokens (as its tokenizer.json's
-    // `rstrip` flags do), recognising the family by `general.name`.
-    let name = g.get_str("general.name").unwrap_or("").to_lowercase();
-    let rstrip = if name.contains("phi-3") || name.contains("phi3") {
-        tokens
-            .iter()
-            .zip(&token_types)
-            .enumerate()
-            .filter(|(_, (t, &ty))| {
-                let special = ty == hearth_protocol::tokenizer::TOKEN_TYPE_CONTROL
-                    || ty == hearth_protocol::tokenizer::TOKEN_TYPE_USER_DEFINED
-                    || ty == hearth_protocol::tokenizer::TOKEN_TYPE_UNKNOWN
-                    || t.as_str() == "</s>";
-                special && !matches!(t.as_str(), "<unk>" | "<s>" | "<|endoftext|>")
-            })
-            .map(|(i, _)| i as u32)
-            .collect()
-    } else {
-        Vec::new()
-    };
-    Ok(TokenizerSpec {
-        model: g.get_str("tokenizer.ggml.model")?.to_string(),
-        pre: g.get_str("tokenizer.ggml.pre").unwrap_or("default").to_string(),
-        tokens,
-        token_types,
-        scores,
-        merges: optional(g.get_str_array("tokenizer.ggml.merges"))?,
-        bos_id: id("tokenizer.ggml.bos_token_id"),
-        eos_id: id("tokenizer.ggml.eos_token_id"),
-        eot_id: id("tokenizer.ggml.eot_token_id"),
-        eom_id: id("tokenizer.ggml.eom_token_id"),
-        add_bos: flag("tokenizer.ggml.add_bos_token"),
-        add_space_prefix: flag("tokenizer.ggml.add_space_prefix"),
-        rstrip: [rstrip, ids(g, "tokenizer.hearth.rstrip")].concat(),
-        lstrip: ids(g, "tokenizer.hearth.lstrip"),
-        chat_template: g.get_str("tokenizer.chat_template").ok().map(str::to_string),
-    })
-}
-
-/// Token ids under a Hearth key (strip flags read from a `tokenizer.json`; see `hf`).
-fn ids(g: &GgufFile, key: &str) -> Vec<u32> {
-    g.get_i64_array(key)
-        .map(|v| v.into_iter().filter_map(|i| u32::try_from(i).ok()).collect())
-        .unwrap_or_default()
 }
 
 /// The text a generated token adds to the output: none for control tokens, unless the

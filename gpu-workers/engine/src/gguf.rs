@@ -1,14 +1,15 @@
 //! GGUF v3 reader (the llama.cpp model format) over a memory map.
 //!
 //! Owns: the header, metadata key/values, tensor infos, alignment and the location of each
-//! tensor's bytes. Tensor data is never copied here: [`GgufFile::tensor_data`] borrows
-//! straight from the map. Every read is bounds-checked, so a truncated or hostile file is
-//! an error, never a panic.
+//! tensor's bytes, and the tokenizer its metadata describes ([`tokenizer_spec`]). Tensor data
+//! is never copied here: [`GgufFile::tensor_data`] borrows straight from the map. Every read
+//! is bounds-checked, so a truncated or hostile file is an error, never a panic.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::Path;
 
+use hearth_protocol::TokenizerSpec;
 use memmap2::Mmap;
 
 const MAGIC: u32 = 0x4655_4747; // "GGUF" little-endian
@@ -667,6 +668,73 @@ pub(crate) mod writer {
             out
         }
     }
+}
+
+/// Reads the tokenizer description from GGUF metadata (the `tokenizer.ggml.*` keys llama.cpp
+/// writes; token types, merges and scores are optional where the tokenizer kind allows).
+pub fn tokenizer_spec(g: &GgufFile) -> Result<TokenizerSpec, GgufError> {
+    let id = |k: &str| g.get_u64(k).ok().map(|v| v as u32);
+    let flag = |k: &str| match g.get(k) {
+        Some(MetaValue::Bool(b)) => Some(*b),
+        _ => None,
+    };
+    let optional = |r: Result<Vec<String>, GgufError>| match r {
+        Err(GgufError::MissingKey(_)) => Ok(Vec::new()),
+        r => r,
+    };
+    let tokens = g.get_str_array("tokenizer.ggml.tokens")?;
+    let token_types = match g.get_i64_array("tokenizer.ggml.token_type") {
+        Err(GgufError::MissingKey(_)) => vec![hearth_protocol::tokenizer::TOKEN_TYPE_NORMAL; tokens.len()],
+        r => r?.into_iter().map(|t| t as i32).collect(),
+    };
+    let scores = match g.get_f64_array("tokenizer.ggml.scores") {
+        Err(GgufError::MissingKey(_)) => Vec::new(),
+        r => r?.into_iter().map(|s| s as f32).collect(),
+    };
+    // llama.cpp strips the whitespace after Phi-3's special tokens (as its tokenizer.json's
+    // `rstrip` flags do), recognising the family by `general.name`.
+    let name = g.get_str("general.name").unwrap_or("").to_lowercase();
+    let rstrip = if name.contains("phi-3") || name.contains("phi3") {
+        tokens
+            .iter()
+            .zip(&token_types)
+            .enumerate()
+            .filter(|(_, (t, &ty))| {
+                let special = ty == hearth_protocol::tokenizer::TOKEN_TYPE_CONTROL
+                    || ty == hearth_protocol::tokenizer::TOKEN_TYPE_USER_DEFINED
+                    || ty == hearth_protocol::tokenizer::TOKEN_TYPE_UNKNOWN
+                    || t.as_str() == "</s>";
+                special && !matches!(t.as_str(), "<unk>" | "<s>" | "<|endoftext|>")
+            })
+            .map(|(i, _)| i as u32)
+            .collect()
+    } else {
+        Vec::new()
+    };
+    Ok(TokenizerSpec {
+        model: g.get_str("tokenizer.ggml.model")?.to_string(),
+        pre: g.get_str("tokenizer.ggml.pre").unwrap_or("default").to_string(),
+        tokens,
+        token_types,
+        scores,
+        merges: optional(g.get_str_array("tokenizer.ggml.merges"))?,
+        bos_id: id("tokenizer.ggml.bos_token_id"),
+        eos_id: id("tokenizer.ggml.eos_token_id"),
+        eot_id: id("tokenizer.ggml.eot_token_id"),
+        eom_id: id("tokenizer.ggml.eom_token_id"),
+        add_bos: flag("tokenizer.ggml.add_bos_token"),
+        add_space_prefix: flag("tokenizer.ggml.add_space_prefix"),
+        rstrip: [rstrip, ids(g, "tokenizer.hearth.rstrip")].concat(),
+        lstrip: ids(g, "tokenizer.hearth.lstrip"),
+        chat_template: g.get_str("tokenizer.chat_template").ok().map(str::to_string),
+    })
+}
+
+/// Token ids under a Hearth key (strip flags read from a `tokenizer.json`; see `hf`).
+fn ids(g: &GgufFile, key: &str) -> Vec<u32> {
+    g.get_i64_array(key)
+        .map(|v| v.into_iter().filter_map(|i| u32::try_from(i).ok()).collect())
+        .unwrap_or_default()
 }
 
 #[cfg(test)]

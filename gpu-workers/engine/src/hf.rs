@@ -1509,7 +1509,7 @@ pub fn export(g: &GgufFile, out: &Path, dtype: ExportDtype, shards: usize) -> Re
         }
     }
     std::fs::create_dir_all(out).map_err(io_err(out))?;
-    let spec = crate::engine::tokenizer_spec(g)?;
+    let spec = crate::gguf::tokenizer_spec(g)?;
     // Weights, dequantized, in the order of the GGUF file.
     let mut items: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = Vec::new();
     let mut rope_scaling = Value::Null;

@@ -79,7 +79,7 @@ pub fn inspect(path: &Path) -> Result<ModelReport, crate::hf::HfError> {
             ));
         }
     }
-    let spec = crate::engine::tokenizer_spec(&file);
+    let spec = crate::gguf::tokenizer_spec(&file);
     let tokenizer = match &spec {
         Ok(s) => match Tokenizer::from_spec(s) {
             Ok(t) => Some(t),

@@ -27,6 +27,8 @@ pub mod kernels;
 pub mod kv;
 pub mod kv_tier;
 pub mod kv_transfer;
+#[cfg(test)]
+mod layering;
 pub mod metrics;
 pub mod models;
 pub mod pack_cache;
@@ -39,4 +41,5 @@ pub mod telemetry;
 pub mod text;
 
 pub use backend::Backend;
-pub use engine::{tokenizer_spec, EngineConfig, EngineError, EngineHandle, EngineStats};
+pub use engine::{EngineConfig, EngineError, EngineHandle, EngineStats};
+pub use gguf::tokenizer_spec;

@@ -149,10 +149,8 @@ fn now_ms() -> i64 {
 }
 
 /// Connects to Redis with the limits' timeouts (a slow Redis never holds a request long).
-pub async fn connect(url: &str) -> Result<ConnectionManager, crate::limits::RedisConnectError> {
-    crate::limits::RedisLimiter::connect(url, "")
-        .await
-        .map(|l| l.connection().0)
+pub async fn connect(url: &str) -> Result<ConnectionManager, crate::redis_conn::RedisConnectError> {
+    crate::redis_conn::connect(url).await
 }
 
 /// A worker's registration: its heartbeat task writes the sealed record every interval.
@@ -530,7 +528,7 @@ pub struct SharedRouting {
     /// How long a request waits for Redis about its pin ([`PIN_TIMEOUT`]).
     pub pin_timeout: Duration,
     /// The limiter's view of this Redis: while it is down, pins are not asked for.
-    pub health: Option<Arc<crate::limits::RedisHealth>>,
+    pub health: Option<Arc<crate::redis_conn::RedisHealth>>,
 }
 
 /// How long a request waits for a session pin from Redis before routing without it.

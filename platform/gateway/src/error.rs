@@ -334,25 +334,3 @@ pub fn ledger_error(e: BillingError) -> ApiError {
         }
     }
 }
-
-impl From<crate::management::ManageError> for ApiError {
-    fn from(e: crate::management::ManageError) -> Self {
-        use crate::management::ManageError;
-        match e {
-            ManageError::Store(e) => store_error(e),
-            ManageError::Ledger(e) => ledger_error(e),
-            ManageError::Invalid { field, message } => ApiError::invalid(field, message),
-            ManageError::Escalation(m) => ApiError::permission("scope_escalation", m),
-            ManageError::NotFound(m) => ApiError::not_found(m),
-            ManageError::Disabled(m) => ApiError::forbidden(m),
-            ManageError::Internal(m) => ApiError::internal(m),
-            ManageError::Quota(m) => ApiError::permission("quota_exceeded", m),
-            ManageError::Role(m) => ApiError::permission("role_forbidden", m),
-            ManageError::Suspended(t) => ApiError::permission(
-                "tenant_suspended",
-                format!("Tenant {t:?} is suspended: ask the platform's operator."),
-            ),
-            ManageError::Busy(m) => ApiError::unavailable(m),
-        }
-    }
-}

@@ -5,7 +5,9 @@
 //! * [`auth`] — the one bearer parser, tenant credentials and scopes, the admin token;
 //! * [`pipeline`] — the OpenAI request as named phases over one per-request context;
 //! * [`limits`] — rate limits (GCRA, in-process or Redis); [`processors`] — tenant Wasm chains;
+//! * [`redis_conn`] — connecting to Redis, and whether it answers (limits, budgets, routing state);
 //! * [`registry`] — the models served and their routers; [`workers`] — how workers are reached;
+//!   [`queues`] — each model's queued prompt tokens by tenant, and its drain rate;
 //! * [`cluster`] — workers registering through Redis, discovery, routing state shared by gateways;
 //! * [`management`] — the one implementation of key/processor/usage management, with its
 //!   adapters [`admin`] and [`selfservice`] (and the CLI); [`metrics`] — Prometheus;
@@ -33,6 +35,8 @@ pub mod dashboard;
 pub mod db;
 pub mod error;
 pub mod http;
+#[cfg(test)]
+mod layering;
 pub mod limits;
 pub mod management;
 pub mod metrics;
@@ -40,6 +44,8 @@ pub mod openai;
 pub mod openapi;
 pub mod pipeline;
 pub mod processors;
+pub mod queues;
+pub mod redis_conn;
 pub mod registry;
 pub mod responses;
 pub mod selfservice;

@@ -39,6 +39,8 @@ use hearth_tenants::{
 };
 use serde_json::json;
 
+use crate::error::{ledger_error, store_error, ApiError};
+
 /// Through which adapter, and from where, a management action came.
 #[derive(Debug, Clone, Default)]
 pub struct Origin {
@@ -996,6 +998,28 @@ impl Management<'_> {
             format,
             file_name,
         })
+    }
+}
+
+/// A management error as the client sees it (every channel but the CLI answers in HTTP).
+impl From<ManageError> for ApiError {
+    fn from(e: ManageError) -> Self {
+        match e {
+            ManageError::Store(e) => store_error(e),
+            ManageError::Ledger(e) => ledger_error(e),
+            ManageError::Invalid { field, message } => ApiError::invalid(field, message),
+            ManageError::Escalation(m) => ApiError::permission("scope_escalation", m),
+            ManageError::NotFound(m) => ApiError::not_found(m),
+            ManageError::Disabled(m) => ApiError::forbidden(m),
+            ManageError::Internal(m) => ApiError::internal(m),
+            ManageError::Quota(m) => ApiError::permission("quota_exceeded", m),
+            ManageError::Role(m) => ApiError::permission("role_forbidden", m),
+            ManageError::Suspended(t) => ApiError::permission(
+                "tenant_suspended",
+                format!("Tenant {t:?} is suspended: ask the platform's operator."),
+            ),
+            ManageError::Busy(m) => ApiError::unavailable(m),
+        }
     }
 }
 

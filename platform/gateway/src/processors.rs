@@ -25,11 +25,10 @@ use hearth_runtime::{Action, Compiled, Header, Instance, Limits, ProcessorError,
 use hearth_tenants::processors::ActiveProcessor;
 use hearth_tenants::{TenantContext, TenantStore};
 use serde_json::Value;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::error::ApiError;
-use crate::pipeline::relay::PostDoneSender;
 use crate::workers::EventStream;
 
 /// The gateway's processor runtime.
@@ -319,7 +318,7 @@ impl Chain {
                             });
                         }
                         if let Some(tx) = post_done.take() {
-                            crate::pipeline::relay::report_post(tx, self.spent_us()).await;
+                            report_post(tx, self.spent_us()).await;
                         }
                         v
                     }
@@ -418,5 +417,22 @@ pub fn stream_error(code: &str, message: &str) -> ApiError {
         param: None,
         code: Some(code),
         retry_after: None,
+    }
+}
+
+/// What post-processing reports to the pipeline's relay: the processors' total time, and where to
+/// say that the record is durable.
+pub struct PostDone {
+    pub processor_us: u64,
+    pub written: oneshot::Sender<()>,
+}
+
+pub type PostDoneSender = oneshot::Sender<PostDone>;
+
+/// Reports post-processing's time and waits until the usage record is durable.
+pub async fn report_post(tx: PostDoneSender, processor_us: u64) {
+    let (written, durable) = oneshot::channel();
+    if tx.send(PostDone { processor_us, written }).is_ok() {
+        let _ = durable.await;
     }
 }

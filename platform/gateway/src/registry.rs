@@ -50,8 +50,8 @@ pub struct ServedModel {
     /// Disaggregated requests by outcome.
     pub pd: PdCounts,
     /// Prompt tokens queued on the pool per tenant, and how fast the queue drains (see
-    /// [`crate::pipeline::admit`]).
-    pub queues: crate::pipeline::admit::TenantQueues,
+    /// the pipeline's `admit` phase).
+    pub queues: crate::queues::TenantQueues,
 }
 
 /// Where a worker of a model's pool is and what it can take, from its `WorkerInfo`.

@@ -7,12 +7,10 @@ use opentelemetry::trace::TraceContextExt;
 use tracing::field::Empty;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use crate::pipeline::Endpoint;
-
-/// The root span of one OpenAI request. Named after the GenAI operation; the
-/// `gen_ai.*` fields are recorded as the phases learn them.
-pub fn request_span(endpoint: Endpoint, request_id: &str) -> tracing::Span {
-    let operation = endpoint.operation();
+/// The root span of one API request: `operation` is the GenAI operation (`chat`,
+/// `text_completion`, …; the span's name), `route` the HTTP route. The `gen_ai.*` fields
+/// are recorded as the phases learn them.
+pub fn request_span(operation: &'static str, route: &'static str, request_id: &str) -> tracing::Span {
     tracing::info_span!(
         "gen_ai.request",
         otel.name = operation,
@@ -32,7 +30,7 @@ pub fn request_span(endpoint: Endpoint, request_id: &str) -> tracing::Span {
         gen_ai.usage.output_tokens = Empty,
         hearth.usage.cached_tokens = Empty,
         hearth.tenant = Empty,
-        http.route = endpoint.path(),
+        http.route = route,
         http.response.status_code = Empty,
         error.type = Empty,
     )

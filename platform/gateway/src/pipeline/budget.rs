@@ -72,7 +72,7 @@ pub struct BudgetCache {
     /// Shared reservations (`--redis-url`): connection and key prefix.
     redis: Option<(redis::aio::ConnectionManager, String, redis::Script)>,
     /// The limiter's view of that Redis: while it is down, hard budgets refuse at once.
-    pub health: Option<Arc<crate::limits::RedisHealth>>,
+    pub health: Option<Arc<crate::redis_conn::RedisHealth>>,
 }
 
 impl BudgetCache {

@@ -126,7 +126,7 @@ pub struct RequestContext {
     /// preprocess: the tenant's processors, kept for the response; and (from the relay)
     /// where post-processing reports its time.
     pub chain: Option<Chain>,
-    pub post_done: Option<relay::PostDoneSender>,
+    pub post_done: Option<crate::processors::PostDoneSender>,
     /// parse: the validated request.
     pub request: Option<parse::Parsed>,
     /// resolve: the model served.
@@ -247,7 +247,7 @@ async fn run(state: &Arc<AppState>, ctx: &mut RequestContext) -> Result<Response
 /// Runs the pipeline for one request; a refusal becomes its OpenAI-shaped error (and, once
 /// the request is authenticated, still one usage record).
 pub async fn handle(state: Arc<AppState>, mut ctx: RequestContext) -> Response {
-    ctx.span = crate::telemetry::request_span(ctx.endpoint, &ctx.request_id);
+    ctx.span = crate::telemetry::request_span(ctx.endpoint.operation(), ctx.endpoint.path(), &ctx.request_id);
     ctx.default_max_tokens = state.default_max_tokens;
     let span = ctx.span.clone();
     let mut resp = match run(&state, &mut ctx).instrument(span.clone()).await {
@@ -367,7 +367,7 @@ endpoint_handler!(
 /// through the tenant's pre-processors, parsed, templated and tokenized — counted, not run.
 /// Nothing is generated, so nothing is metered.
 async fn count_tokens(state: Arc<AppState>, mut ctx: RequestContext) -> Response {
-    ctx.span = crate::telemetry::request_span(ctx.endpoint, &ctx.request_id);
+    ctx.span = crate::telemetry::request_span(ctx.endpoint.operation(), ctx.endpoint.path(), &ctx.request_id);
     let span = ctx.span.clone();
     let counted = async {
         authenticate::run(&state, &mut ctx).await?;

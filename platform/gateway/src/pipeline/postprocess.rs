@@ -84,7 +84,7 @@ pub async fn run(state: &Arc<AppState>, ctx: &mut RequestContext, events: EventS
         state.metrics.observe_processor("post", started.elapsed());
         // The record (with the processors' time) is durable before the answer goes out.
         if let Some(tx) = post_done {
-            super::relay::report_post(tx, c.spent_us()).await;
+            crate::processors::report_post(tx, c.spent_us()).await;
         }
         body = processed?;
     }

@@ -6,8 +6,8 @@
 //!
 //! With tenant processors the answer is not final when the worker finishes: their
 //! post-processing (and its time, which is metered) comes after. Then the relay passes the
-//! worker's last event on, waits for the post-processing's [`PostDone`], records the
-//! request with the processors' time, and only then lets the answer's end go out — still
+//! worker's last event on, waits for the post-processing's [`PostDone`], records the request
+//! with the processors' time, and only then lets the answer's end go out — still
 //! write-before-ack.
 
 use std::sync::Arc;
@@ -29,28 +29,12 @@ use super::respond::worker_error;
 use super::RequestContext;
 use crate::error::ApiError;
 use crate::metrics::{FinishLabels, Metrics, ModelLabel, TenantClassLabels};
+use crate::processors::PostDone;
 use crate::state::AppState;
 use crate::workers::EventStream;
 
-/// What post-processing reports to the relay: the processors' total time, and where to
-/// say that the record is durable.
-pub struct PostDone {
-    pub processor_us: u64,
-    pub written: oneshot::Sender<()>,
-}
-
-pub type PostDoneSender = oneshot::Sender<PostDone>;
-
 /// How long the relay waits for post-processing (bounded by the processors' own limits).
 const POST_WAIT: Duration = Duration::from_secs(120);
-
-/// Reports post-processing's time and waits until the usage record is durable.
-pub async fn report_post(tx: PostDoneSender, processor_us: u64) {
-    let (written, durable) = oneshot::channel();
-    if tx.send(PostDone { processor_us, written }).is_ok() {
-        let _ = durable.await;
-    }
-}
 
 /// Starts the relay and waits for the first event, so that a refusal by the worker becomes
 /// an HTTP error rather than a broken stream. Returns the events for the response.

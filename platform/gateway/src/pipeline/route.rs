@@ -27,7 +27,7 @@ pub struct RouteHints {
     /// `prefix_aware`'s key: the leading text of the request and its cache namespace.
     pub prefix_key: u64,
     /// The tenant, whose queued tokens the placement accounts for (see
-    /// [`super::admit::TenantQueues`]).
+    /// [`crate::queues::TenantQueues`]).
     pub tenant: String,
     /// The worker (by name) the shared store pins `session` to: another gateway's decision
     /// (see [`crate::cluster::SharedRouting`]).
