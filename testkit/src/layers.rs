@@ -62,11 +62,7 @@ impl ModuleGraph {
             let mut named = BTreeSet::new();
             for path in paths_after(code, "crate::") {
                 let segs: Vec<&str> = path.split("::").filter(|s| !s.is_empty()).collect();
-                let target = graph
-                    .longest_module(&segs)
-                    .filter(|t| !t.is_empty())
-                    .or_else(|| segs.first().and_then(|s| root_reexports.get(*s).cloned()));
-                named.extend(target);
+                named.extend(graph.resolve(&segs, &root_reexports));
             }
             for path in paths_after(code, "super::") {
                 let mut base: Vec<&str> = module.split("::").filter(|s| !s.is_empty()).collect();
@@ -77,7 +73,7 @@ impl ModuleGraph {
                     base.pop();
                 }
                 let full: Vec<&str> = base.iter().copied().chain(segs).collect();
-                named.extend(graph.longest_module(&full));
+                named.extend(graph.resolve(&full, &root_reexports));
             }
             named.remove(module);
             if !named.is_empty() {
@@ -85,6 +81,14 @@ impl ModuleGraph {
             }
         }
         Ok(graph)
+    }
+
+    /// The module a path from the crate root names: the longest module it starts with, or,
+    /// for a name the root re-exports (`crate::EngineHandle`), that name's module.
+    fn resolve(&self, segs: &[&str], root_reexports: &BTreeMap<String, String>) -> Option<String> {
+        self.longest_module(segs)
+            .filter(|m| !m.is_empty())
+            .or_else(|| segs.first().and_then(|s| root_reexports.get(*s).cloned()))
     }
 
     /// The longest module path that `segs` starts with (`""`, the root, if none).
@@ -216,39 +220,36 @@ fn collect(root: &Path, dir: &Path, out: &mut Vec<(String, std::path::PathBuf)>)
             if matches!(segs.last().map(String::as_str), Some("mod" | "lib" | "main")) {
                 segs.pop();
             }
-            out.push((segs.join("::"), path));
+            let module = segs.join("::");
+            if module.is_empty() && out.iter().any(|(m, _): &(String, _)| m.is_empty()) {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!(
+                        "{}: both lib.rs and main.rs; read one crate root at a time",
+                        dir.display()
+                    ),
+                ));
+            }
+            out.push((module, path));
         }
     }
     Ok(())
 }
 
-/// The source without comments and without `#[cfg(test)] mod … { … }` blocks.
+/// The source with comments, string literals and character literals blanked (each of their
+/// characters a space, newlines kept), and without `#[cfg(test)] mod … { … }` blocks: what is
+/// left is code, so braces and paths can be read off it.
 fn code_only(text: &str) -> String {
-    let no_comments: String = text
-        .lines()
-        .map(|l| match l.find("//") {
-            // `//` inside a string literal (a URL) cuts the line short; the paths this
-            // reads never follow one.
-            Some(i) => &l[..i],
-            None => l,
-        })
-        .collect::<Vec<_>>()
-        .join("\n");
-    let mut out = String::with_capacity(no_comments.len());
-    let mut rest = no_comments.as_str();
+    let code = blank_literals_and_comments(text);
+    let mut out = String::with_capacity(code.len());
+    let mut rest = code.as_str();
     while let Some(at) = rest.find("#[cfg(test)]") {
         out.push_str(&rest[..at]);
         let after = &rest[at + "#[cfg(test)]".len()..];
-        let trimmed = after.trim_start();
-        let is_inline_mod = (trimmed.starts_with("mod ") || trimmed.starts_with("pub mod "))
-            && trimmed
-                .find('{')
-                .is_some_and(|b| trimmed.find(';').is_none_or(|s| b < s));
-        if !is_inline_mod {
+        let Some(open) = inline_mod_body(after) else {
             rest = after;
             continue;
-        }
-        let open = after.find('{').unwrap_or(0);
+        };
         let mut depth = 0usize;
         let mut end = after.len();
         for (i, c) in after[open..].char_indices() {
@@ -270,6 +271,128 @@ fn code_only(text: &str) -> String {
     out
 }
 
+/// Where the body of the inline module `text` starts with (`mod x {`, `pub(crate) mod x {`),
+/// if it starts with one (not `mod x;`, not any other item).
+fn inline_mod_body(text: &str) -> Option<usize> {
+    let t = text.trim_start();
+    let skipped = text.len() - t.len();
+    let mut rest = t.strip_prefix("pub").unwrap_or(t);
+    if rest.len() < t.len() {
+        rest = rest.trim_start();
+        if rest.starts_with('(') {
+            rest = &rest[rest.find(')')? + 1..];
+        }
+        rest = rest.trim_start();
+    }
+    let rest = rest.strip_prefix("mod ")?;
+    let brace = rest.find('{')?;
+    if rest.find(';').is_some_and(|semi| semi < brace) {
+        return None;
+    }
+    Some(skipped + (t.len() - rest.len()) + brace)
+}
+
+/// `text` with every comment (line, block, nested block) and every string, byte string, raw
+/// string and character literal replaced by spaces (newlines kept). Lifetimes stay.
+fn blank_literals_and_comments(text: &str) -> String {
+    let c: Vec<char> = text.chars().collect();
+    let mut out: Vec<char> = c.clone();
+    let blank = |out: &mut Vec<char>, from: usize, to: usize| {
+        for ch in &mut out[from..to.min(c.len())] {
+            if *ch != '\n' {
+                *ch = ' ';
+            }
+        }
+    };
+    let ident = |i: usize| i > 0 && (c[i - 1].is_alphanumeric() || c[i - 1] == '_');
+    let mut i = 0;
+    while i < c.len() {
+        match c[i] {
+            '/' if c.get(i + 1) == Some(&'/') => {
+                let end = c[i..].iter().position(|&x| x == '\n').map_or(c.len(), |p| i + p);
+                blank(&mut out, i, end);
+                i = end;
+            }
+            '/' if c.get(i + 1) == Some(&'*') => {
+                let (mut depth, mut j) = (0usize, i);
+                while j < c.len() {
+                    if c[j] == '/' && c.get(j + 1) == Some(&'*') {
+                        depth += 1;
+                        j += 2;
+                    } else if c[j] == '*' && c.get(j + 1) == Some(&'/') {
+                        depth -= 1;
+                        j += 2;
+                        if depth == 0 {
+                            break;
+                        }
+                    } else {
+                        j += 1;
+                    }
+                }
+                blank(&mut out, i, j);
+                i = j;
+            }
+            'r' | 'b' if !ident(i) && raw_string_start(&c, i).is_some() => {
+                let (hashes, quote) = raw_string_start(&c, i).unwrap_or((0, i));
+                let mut j = quote + 1;
+                while j < c.len()
+                    && !(c[j] == '"' && c[j + 1..].iter().take(hashes).filter(|&&x| x == '#').count() == hashes)
+                {
+                    j += 1;
+                }
+                let end = (j + 1 + hashes).min(c.len());
+                blank(&mut out, i, end);
+                i = end;
+            }
+            '"' => {
+                let mut j = i + 1;
+                while j < c.len() && c[j] != '"' {
+                    j += if c[j] == '\\' { 2 } else { 1 };
+                }
+                let end = (j + 1).min(c.len());
+                blank(&mut out, i, end);
+                i = end;
+            }
+            '\'' => {
+                // A character literal ('x', '\n', '\u{1F600}'), or a lifetime ('a), left alone.
+                let end = if c.get(i + 1) == Some(&'\\') {
+                    // The escaped character, then the closing quote ('\'' included).
+                    let from = (i + 3).min(c.len());
+                    c[from..].iter().position(|&x| x == '\'').map(|p| from + p + 1)
+                } else if c.get(i + 2) == Some(&'\'') {
+                    Some(i + 3)
+                } else {
+                    None
+                };
+                match end {
+                    Some(end) => {
+                        blank(&mut out, i, end);
+                        i = end;
+                    }
+                    None => i += 1,
+                }
+            }
+            _ => i += 1,
+        }
+    }
+    out.into_iter().collect()
+}
+
+/// At `i`, a raw string's start (`r"`, `r#"`, `br##"`): its number of `#`s and where its
+/// opening quote is.
+fn raw_string_start(c: &[char], i: usize) -> Option<(usize, usize)> {
+    let mut j = i;
+    if c.get(j) == Some(&'b') {
+        j += 1;
+    }
+    if c.get(j) != Some(&'r') {
+        return None;
+    }
+    j += 1;
+    let hashes = c[j..].iter().take_while(|&&x| x == '#').count();
+    (c.get(j + hashes) == Some(&'"')).then_some((hashes, j + hashes))
+}
+
 /// Every path written after `prefix` (`crate::a::{b, c::d}` gives `a::b` and `a::c::d`).
 fn paths_after(code: &str, prefix: &str) -> Vec<String> {
     let mut out = Vec::new();
@@ -282,18 +405,24 @@ fn paths_after(code: &str, prefix: &str) -> Vec<String> {
             continue; // `xcrate::` or `a::super::`, not a path from here
         }
         let mut pos = from;
-        tree(code.as_bytes(), &mut pos, String::new(), &mut out);
+        let mut paths = Vec::new();
+        tree(code.as_bytes(), &mut pos, String::new(), &mut paths);
+        out.extend(paths.into_iter().map(|(path, _alias)| path));
     }
     out
 }
 
-/// Reads one use tree at `pos`: a path, then possibly `{ tree, tree, … }`.
-fn tree(b: &[u8], pos: &mut usize, prefix: String, out: &mut Vec<String>) {
-    let start = *pos;
-    while *pos < b.len() && (b[*pos].is_ascii_alphanumeric() || b[*pos] == b'_' || b[*pos] == b':') {
-        *pos += 1;
-    }
-    let path = format!("{prefix}{}", String::from_utf8_lossy(&b[start..*pos]));
+/// Reads one use tree at `pos`: a path, then possibly `{ tree, tree, … }`; each leaf's path
+/// with the name it is imported as when renamed (`a::B as C`).
+fn tree(b: &[u8], pos: &mut usize, prefix: String, out: &mut Vec<(String, Option<String>)>) {
+    let word = |pos: &mut usize| {
+        let start = *pos;
+        while *pos < b.len() && (b[*pos].is_ascii_alphanumeric() || b[*pos] == b'_' || b[*pos] == b':') {
+            *pos += 1;
+        }
+        String::from_utf8_lossy(&b[start..*pos]).into_owned()
+    };
+    let path = format!("{prefix}{}", word(pos));
     if *pos < b.len() && b[*pos] == b'{' {
         *pos += 1;
         loop {
@@ -306,7 +435,7 @@ fn tree(b: &[u8], pos: &mut usize, prefix: String, out: &mut Vec<String>) {
             }
             let before = *pos;
             tree(b, pos, path.clone(), out);
-            // Skip `as name` and anything else up to the next item.
+            // Anything else up to the next item (a glob's `*`).
             while *pos < b.len() && !matches!(b[*pos], b',' | b'}') {
                 *pos += 1;
             }
@@ -315,28 +444,48 @@ fn tree(b: &[u8], pos: &mut usize, prefix: String, out: &mut Vec<String>) {
             }
         }
     } else {
-        out.push(path.trim_end_matches(':').to_string());
+        let mut alias = None;
+        let rest = &b[*pos..];
+        let trimmed = rest.iter().position(|c| !c.is_ascii_whitespace()).unwrap_or(rest.len());
+        if rest[trimmed..].starts_with(b"as ") {
+            let mut at = *pos + trimmed + 3;
+            while at < b.len() && b[at].is_ascii_whitespace() {
+                at += 1;
+            }
+            alias = Some(word(&mut at)).filter(|a| !a.is_empty());
+            *pos = at;
+        }
+        out.push((path.trim_end_matches(':').to_string(), alias));
     }
 }
 
-/// Names `pub use module::…` in the root makes available at `crate::Name`, with their module.
+/// Names the root makes available at `crate::Name` with `pub use` (or `pub(crate) use`),
+/// under the name they are exported as, with their module. Globs name nothing here.
 fn reexports(root: &str, modules: &BTreeSet<String>) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
-    for line in root.split(';') {
-        let Some(rest) = line.trim().strip_prefix("pub use ") else {
+    for item in root.split(';') {
+        let item = item.trim();
+        let Some(at) = item.find("use ") else { continue };
+        let head = item[..at].trim();
+        if !(head == "pub" || (head.starts_with("pub(") && head.ends_with(')'))) {
             continue;
-        };
+        }
         let mut paths = Vec::new();
         let mut pos = 0;
-        tree(rest.as_bytes(), &mut pos, String::new(), &mut paths);
-        for p in paths {
-            let segs: Vec<&str> = p.split("::").filter(|s| !s.is_empty()).collect();
+        tree(
+            item[at + 4..].trim_start().as_bytes(),
+            &mut pos,
+            String::new(),
+            &mut paths,
+        );
+        for (path, alias) in paths {
+            let segs: Vec<&str> = path.split("::").filter(|s| !s.is_empty()).collect();
             let Some((name, module)) = segs.split_last() else {
                 continue;
             };
             let module = module.join("::");
-            if modules.contains(&module) {
-                out.insert(name.to_string(), module);
+            if !module.is_empty() && modules.contains(&module) {
+                out.insert(alias.unwrap_or_else(|| name.to_string()), module);
             }
         }
     }
@@ -441,6 +590,42 @@ mod tests {
         assert_eq!(names("a"), ["b", "c"]);
         assert_eq!(names("b"), Vec::<String>::new(), "a test module's imports do not count");
         assert_eq!(names("b::inner"), ["a", "b"]);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn literals_comments_and_test_modules_are_not_code() {
+        let (g, dir) = crate_of(&[
+            ("lib.rs", "pub mod a; pub mod b; pub mod c; pub mod d;\npub use d::Thing as Renamed;\n"),
+            (
+                "a.rs",
+                concat!(
+                    "fn f() { let s = \"{ crate::b::X }\"; let r = r#\"crate::b \"{\"#; let c = '{'; let e = '\\''; }\n",
+                    "/* crate::b /* nested */ crate::b */\n",
+                    "fn g<'a>(x: &'a str) -> &'a str { x }\n",
+                    "#[cfg(test)]\npub(crate) mod tests { use crate::b; const S: &str = \"}\"; }\n",
+                    "fn h() { crate::c::go(); }\n",
+                ),
+            ),
+            ("b.rs", "pub struct X;\n"),
+            ("c/mod.rs", "pub fn go() {}\npub mod inner;\n"),
+            ("c/inner.rs", "use super::super::Renamed;\n"),
+            ("d.rs", "pub struct Thing;\n"),
+        ]);
+        let names = |m: &str| {
+            g.edges
+                .get(m)
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(names("a"), ["c"], "only the path outside literals, comments and tests");
+        assert_eq!(
+            names("c::inner"),
+            ["d"],
+            "super:: up to the root, then a renamed re-export"
+        );
         let _ = std::fs::remove_dir_all(dir);
     }
 

@@ -109,6 +109,7 @@ fn root() -> PathBuf {
 }
 
 fn reference() -> PathBuf {
+    hearth_testkit::tier::needs(hearth_testkit::tier::Tier::Reference);
     let script = root().join("scripts/reference-data");
     let out = std::process::Command::new(&script)
         .stderr(std::process::Stdio::inherit())

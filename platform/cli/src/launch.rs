@@ -511,7 +511,7 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
                 heartbeat_ms: now,
                 ttl_ms: 0, // set by each heartbeat
             };
-            let conn = hearth_gateway::cluster::connect(url).await?;
+            let conn = hearth_gateway::redis_conn::connect(url).await?;
             let heartbeat = Duration::from_millis(a.heartbeat_ms.max(50));
             let r = Registrar::start(conn, &a.redis_prefix, token, record.clone(), heartbeat)
                 .await

@@ -148,11 +148,6 @@ fn now_ms() -> i64 {
     hearth_tenants::now_ms()
 }
 
-/// Connects to Redis with the limits' timeouts (a slow Redis never holds a request long).
-pub async fn connect(url: &str) -> Result<ConnectionManager, crate::redis_conn::RedisConnectError> {
-    crate::redis_conn::connect(url).await
-}
-
 /// A worker's registration: its heartbeat task writes the sealed record every interval.
 pub struct Registrar {
     conn: ConnectionManager,
@@ -746,7 +741,7 @@ mod tests {
             eprintln!("REDIS_URL is not set; skipping");
             return;
         };
-        let conn = connect(&url).await.unwrap();
+        let conn = crate::redis_conn::connect(&url).await.unwrap();
         let prefix = format!("hearth-test-{}-{}:", std::process::id(), now_ms());
         let mut rec = record();
         rec.heartbeat_ms = now_ms();

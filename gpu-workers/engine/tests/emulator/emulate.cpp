@@ -1,6 +1,6 @@
 // A CPU emulation of CUDA's execution model, just enough to run Hearth's kernels
 // (src/cuda/kernels.cu, included unchanged but for the f16 conversions) without a GPU, for
-// tests/cuda_emulated.rs. Not a simulator of performance or of memory ordering: it runs
+// tests/engine/cuda_emulated.rs. Not a simulator of performance or of memory ordering: it runs
 // each block's threads as cooperative fibers on one OS thread, switching at
 // __syncthreads() and at warp shuffles, which is where CUDA threads exchange data.
 //

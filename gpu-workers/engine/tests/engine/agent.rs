@@ -18,7 +18,7 @@ fn engine() -> &'static EngineHandle {
             kv_cache_mib: Some(64),
             ..Default::default()
         };
-        EngineHandle::load(&crate::common::default_model(), DEFAULT_MODEL_ID, &cfg).expect("engine")
+        EngineHandle::load(&crate::harness::default_model(), DEFAULT_MODEL_ID, &cfg).expect("engine")
     })
 }
 

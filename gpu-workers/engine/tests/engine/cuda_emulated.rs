@@ -586,7 +586,7 @@ fn emulated_kernels_give_the_golden_answer_on_the_default_model() {
     // The default model (Q4_1 matrices, a Q8_0 tied embedding, 30 layers, 9/3 heads of 64)
     // through the device program: the golden prompt prefilled in one eager step, then the
     // greedy answer decoded with graph-padded steps (see shared/reference/smollm2).
-    let path = crate::common::default_model();
+    let path = crate::harness::default_model();
     let model = Model::load_unpacked(GgufFile::open(&path).unwrap(), Default::default()).unwrap();
     let prompt: [u32; 42] = [
         1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2,

@@ -23,14 +23,14 @@ async fn generate(
         speculative,
         ..Default::default()
     };
-    let (tokens, usage) = crate::common::generate(e, prompt, sampling, constraint).await.unwrap();
+    let (tokens, usage) = crate::harness::generate(e, prompt, sampling, constraint).await.unwrap();
     (tokens, usage.cached_tokens)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_family_serves_through_the_engine() {
-    for (family, arch) in crate::common::FAMILIES {
-        let (_, path) = crate::common::synth(&["--shape", &format!("{family}-tiny"), "--types", "q8_0"]).remove(0);
+    for (family, arch) in crate::harness::FAMILIES {
+        let (_, path) = crate::harness::synth(&["--shape", &format!("{family}-tiny"), "--types", "q8_0"]).remove(0);
         let cfg = EngineConfig {
             threads: 2,
             kv_cache_mib: Some(32),

@@ -49,7 +49,7 @@ fn export_once(slot: &'static OnceLock<PathBuf>, name: &str) -> &'static Path {
         let dir = std::env::temp_dir().join(format!("hearth-fuzz-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let g = GgufFile::open(&crate::common::default_model()).unwrap();
+        let g = GgufFile::open(&crate::harness::default_model()).unwrap();
         hf::export(&g, &dir, ExportDtype::F16, 1).unwrap();
         dir
     })
@@ -130,7 +130,7 @@ proptest! {
 fn gguf_head() -> &'static (Vec<u8>, u64) {
     static HEAD: OnceLock<(Vec<u8>, u64)> = OnceLock::new();
     HEAD.get_or_init(|| {
-        let path = crate::common::default_model();
+        let path = crate::harness::default_model();
         let len = std::fs::metadata(&path).unwrap().len();
         let mut f = std::fs::File::open(&path).unwrap();
         let mut head = vec![0u8; (4 << 20).min(len as usize)];

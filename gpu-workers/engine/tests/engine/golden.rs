@@ -11,7 +11,7 @@ use hearth_engine::tokenizer_spec;
 use hearth_protocol::{ChatMessage, ChatTemplate, Tokenizer};
 
 fn load() -> (Model, Tokenizer, ChatTemplate) {
-    let file = GgufFile::open(&crate::common::default_model()).unwrap();
+    let file = GgufFile::open(&crate::harness::default_model()).unwrap();
     let spec = tokenizer_spec(&file).unwrap();
     let tok = Tokenizer::from_spec(&spec).unwrap();
     let tmpl = ChatTemplate::new(spec.chat_template.as_deref().unwrap(), "<|im_start|>", "<|im_end|>").unwrap();
@@ -147,7 +147,7 @@ fn every_isa_path_gives_the_golden_answer_and_scalar_logits() {
     };
     let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
     set_isa(Isa::Scalar).unwrap();
-    let scalar_model = Model::load(GgufFile::open(&crate::common::default_model()).unwrap()).unwrap();
+    let scalar_model = Model::load(GgufFile::open(&crate::harness::default_model()).unwrap()).unwrap();
     assert_eq!(scalar_model.packed_bytes(), 0, "the scalar path reads the GGUF bytes");
     let (reference, answer) = golden_run(&scalar_model, &ids, KvDtype::F16);
     assert_eq!(answer, want, "scalar");
@@ -156,7 +156,7 @@ fn every_isa_path_gives_the_golden_answer_and_scalar_logits() {
     let mut first_simd: Option<Vec<f32>> = None;
     for isa in Isa::all_available().into_iter().filter(|i| i.is_simd()) {
         set_isa(isa).unwrap();
-        let model = Model::load(GgufFile::open(&crate::common::default_model()).unwrap()).unwrap();
+        let model = Model::load(GgufFile::open(&crate::harness::default_model()).unwrap()).unwrap();
         assert!(model.packed_bytes() > 0, "{isa}");
         let kvs: &[KvDtype] = if isa == Isa::best() {
             &[KvDtype::F16, KvDtype::F32]

@@ -3,7 +3,7 @@
 //! answer from a sharded F16 export, Hearth's tokenizer identical to the `tokenizers` crate
 //! on `tokenizer.json`, and clear errors for broken directories.
 
-use crate::common::TempDir;
+use crate::harness::TempDir;
 use std::path::Path;
 
 use hearth_engine::gguf::GgufFile;
@@ -18,7 +18,7 @@ const GOLDEN_ANSWER: [u32; 8] = [504, 3575, 282, 4649, 314, 7042, 30, 2];
 
 fn export(dtype: ExportDtype, shards: usize, name: &str) -> TempDir {
     let dir = TempDir::new(name);
-    let g = GgufFile::open(&crate::common::default_model()).unwrap();
+    let g = GgufFile::open(&crate::harness::default_model()).unwrap();
     hf::export(&g, &dir.0, dtype, shards).unwrap();
     dir
 }
@@ -53,7 +53,7 @@ fn f32_export_gives_the_gguf_logits() {
     // Float activations on both sides and weights dequantized exactly: any difference is a
     // layout error (Q/K un-permuting, rotate-half RoPE, names, transposition).
     let dir = export(ExportDtype::F32, 1, "f32");
-    let gguf = Model::load(GgufFile::open(&crate::common::default_model()).unwrap()).unwrap();
+    let gguf = Model::load(GgufFile::open(&crate::harness::default_model()).unwrap()).unwrap();
     let hfm = Model::load(hf::open(&dir.0).unwrap()).unwrap();
     assert_eq!(hfm.config.rope_layout, RopeLayout::Halves);
     assert_eq!(gguf.config.rope_layout, RopeLayout::Adjacent);
@@ -110,7 +110,7 @@ fn sharded_f16_export_answers_the_golden_prompt() {
 #[test]
 fn hearth_tokenizer_matches_the_tokenizers_crate_on_tokenizer_json() {
     let dir = TempDir::new("tok");
-    let g = GgufFile::open(&crate::common::default_model()).unwrap();
+    let g = GgufFile::open(&crate::harness::default_model()).unwrap();
     hf::export(&g, &dir.0, ExportDtype::F16, 1).unwrap();
     let hearth = Tokenizer::from_spec(&tokenizer_spec(&hf::open(&dir.0).unwrap()).unwrap()).unwrap();
     let reference = tokenizers::Tokenizer::from_file(dir.0.join("tokenizer.json")).unwrap();
@@ -227,8 +227,8 @@ fn broken_directories_are_refused_with_the_reason() {
 /// attention's `kv_b_proj` (split per head again at load) and DeepSeek's YaRN `mscale`.
 #[test]
 fn every_family_round_trips_through_safetensors() {
-    for (family, _) in crate::common::FAMILIES.iter().chain(&crate::common::MOE_FAMILIES) {
-        let (_, path) = crate::common::synth(&["--shape", &format!("{family}-tiny"), "--types", "f16"]).remove(0);
+    for (family, _) in crate::harness::FAMILIES.iter().chain(&crate::harness::MOE_FAMILIES) {
+        let (_, path) = crate::harness::synth(&["--shape", &format!("{family}-tiny"), "--types", "f16"]).remove(0);
         let dir = TempDir::new(&format!("family-{family}"));
         let g = GgufFile::open(&path).unwrap();
         hf::export(&g, &dir.0, ExportDtype::F32, 2).unwrap();
@@ -286,7 +286,7 @@ fn greedy_n(model: &Model, ids: &[u32], n: usize) -> Vec<u32> {
 /// by name rather than approximated.
 #[test]
 fn deepseek_checkpoints_skip_prediction_layers_and_name_unsupported_routing() {
-    let (_, path) = crate::common::synth(&["--shape", "deepseek2-tiny", "--types", "f16"]).remove(0);
+    let (_, path) = crate::harness::synth(&["--shape", "deepseek2-tiny", "--types", "f16"]).remove(0);
     let dir = TempDir::new("deepseek-mtp");
     let g = GgufFile::open(&path).unwrap();
     let layers = hearth_engine::models::ModelConfig::from_gguf(&g).unwrap().n_layers;

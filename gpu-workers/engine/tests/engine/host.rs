@@ -26,7 +26,7 @@ fn entry(id: &str, path: PathBuf, ttl: Option<Duration>) -> ModelEntry {
 }
 
 fn config(budget_models: Option<u64>) -> HostConfig {
-    let file = std::fs::metadata(crate::common::default_model()).unwrap().len();
+    let file = std::fs::metadata(crate::harness::default_model()).unwrap().len();
     HostConfig {
         // Room for this many models of the default size (file + 16 MiB of KV) and a bit.
         memory_budget: budget_models.map(|n| n * (file + (16 << 20)) + (8 << 20)),
@@ -88,7 +88,7 @@ fn rss_mib() -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_first_requests_share_one_load() {
-    let (host, failed) = ModelHost::new(vec![entry("a", crate::common::default_model(), None)], config(None));
+    let (host, failed) = ModelHost::new(vec![entry("a", crate::harness::default_model(), None)], config(None));
     assert!(failed.is_empty());
     let a = host.model("a").unwrap();
     assert_eq!(a.state(), ModelState::Cold);
@@ -111,8 +111,8 @@ async fn a_busy_model_is_never_evicted() {
     // Room for one model: B's request must wait for A's to finish, then evict A.
     let (host, _) = ModelHost::new(
         vec![
-            entry("a", crate::common::default_model(), None),
-            entry("b", crate::common::default_model(), None),
+            entry("a", crate::harness::default_model(), None),
+            entry("b", crate::harness::default_model(), None),
         ],
         config(Some(1)),
     );
@@ -141,7 +141,7 @@ async fn a_busy_model_is_never_evicted() {
 async fn idle_models_scale_to_zero_and_reload() {
     let ttl = Duration::from_millis(300);
     let (host, _) = ModelHost::new(
-        vec![entry("a", crate::common::default_model(), Some(ttl))],
+        vec![entry("a", crate::harness::default_model(), Some(ttl))],
         config(None),
     );
     let a = host.model("a").unwrap();
@@ -172,11 +172,11 @@ async fn a_model_whose_file_went_bad_fails_alone() {
     let dir = std::env::temp_dir().join(format!("hearth-host-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let copy = dir.join("copy.gguf");
-    std::fs::copy(crate::common::default_model(), &copy).unwrap();
+    std::fs::copy(crate::harness::default_model(), &copy).unwrap();
     let missing = dir.join("missing.gguf");
     let (host, failed) = ModelHost::new(
         vec![
-            entry("good", crate::common::default_model(), None),
+            entry("good", crate::harness::default_model(), None),
             entry("bad", copy.clone(), None),
             entry("gone", missing, None),
         ],
@@ -203,7 +203,7 @@ async fn a_model_whose_file_went_bad_fails_alone() {
 async fn a_model_larger_than_the_budget_fails_at_once() {
     let mut cfg = config(Some(1));
     cfg.memory_budget = Some(32 << 20);
-    let (host, _) = ModelHost::new(vec![entry("big", crate::common::default_model(), None)], cfg);
+    let (host, _) = ModelHost::new(vec![entry("big", crate::harness::default_model(), None)], cfg);
     let big = host.model("big").unwrap();
     let t = std::time::Instant::now();
     assert_eq!(run(&big, "big", 2).await, (0, Some("model_load_failed".into())));
@@ -219,7 +219,7 @@ async fn a_corrupt_safetensors_model_fails_alone() {
     let dir = std::env::temp_dir().join(format!("hearth-host-hf-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let (late, early) = (dir.join("late"), dir.join("early"));
-    let gguf = hearth_engine::gguf::GgufFile::open(&crate::common::default_model()).unwrap();
+    let gguf = hearth_engine::gguf::GgufFile::open(&crate::harness::default_model()).unwrap();
     for d in [&late, &early] {
         hearth_engine::hf::export(&gguf, d, hearth_engine::hf::ExportDtype::BF16, 2).unwrap();
     }
@@ -229,7 +229,7 @@ async fn a_corrupt_safetensors_model_fails_alone() {
     f.set_len(1 << 20).unwrap();
     let (host, failed) = ModelHost::new(
         vec![
-            entry("good", crate::common::default_model(), None),
+            entry("good", crate::harness::default_model(), None),
             entry("late", late.clone(), None),
             entry("early", early.clone(), None),
         ],
@@ -258,7 +258,7 @@ async fn a_corrupt_safetensors_model_fails_alone() {
 /// is discarded, not installed as the new entry (the new one loads for itself).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_removed_while_loading_and_added_again_loads_anew() {
-    let (host, _) = ModelHost::new(vec![entry("a", crate::common::default_model(), None)], config(None));
+    let (host, _) = ModelHost::new(vec![entry("a", crate::harness::default_model(), None)], config(None));
     let first = host.model("a").unwrap();
     let pending = tokio::spawn(async move { run(&first, "a", 2).await });
     while host.state("a") != Some(ModelState::Loading) {
@@ -266,7 +266,7 @@ async fn a_model_removed_while_loading_and_added_again_loads_anew() {
     }
     assert!(host.remove("a"));
     assert!(!host.remove("a"), "removed once");
-    let mut again = entry("a", crate::common::default_model(), None);
+    let mut again = entry("a", crate::harness::default_model(), None);
     again.context_length = Some(128);
     let b = host.add(again).unwrap();
     assert_eq!(b.info().context_length, 128);
@@ -292,7 +292,7 @@ async fn a_model_removed_while_loading_and_added_again_loads_anew() {
 /// until they do: another model waits for the room rather than overcommitting it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_removed_model_holds_its_memory_until_its_requests_end() {
-    let (host, _) = ModelHost::new(vec![entry("a", crate::common::default_model(), None)], config(Some(1)));
+    let (host, _) = ModelHost::new(vec![entry("a", crate::harness::default_model(), None)], config(Some(1)));
     let a = host.model("a").unwrap();
     let (order_tx, mut order) = tokio::sync::mpsc::unbounded_channel::<&'static str>();
     let req = |model: &str, max_tokens: u32| GenerateRequest {
@@ -320,7 +320,7 @@ async fn a_removed_model_holds_its_memory_until_its_requests_end() {
         "a is running"
     );
     assert!(host.remove("a"));
-    let b = host.add(entry("b", crate::common::default_model(), None)).unwrap();
+    let b = host.add(entry("b", crate::harness::default_model(), None)).unwrap();
     let tx = order_tx.clone();
     let a_done = tokio::spawn(async move {
         let mut tokens = 1;

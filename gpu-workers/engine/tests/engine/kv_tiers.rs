@@ -105,7 +105,7 @@ async fn spill(e: &EngineHandle, a: &[u32], ns: &str, tenant: &str) -> Vec<u32> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn evicted_blocks_come_back_from_disk_and_continue_exactly() {
-    let m = crate::common::default_model();
+    let m = crate::harness::default_model();
     let a = prompt(1, 200);
     let want = greedy(&engine(&m, None, 0), &a, "", "").await.0;
 
@@ -148,7 +148,7 @@ async fn evicted_blocks_come_back_from_disk_and_continue_exactly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn damaged_records_are_recomputed() {
-    let m = crate::common::default_model();
+    let m = crate::harness::default_model();
     let a = prompt(2, 200);
     let dir = tempdir("damage");
     let e = engine(&m, Some(&dir), 0);
@@ -176,7 +176,7 @@ async fn damaged_records_are_recomputed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_quota_holds_on_disk() {
-    let m = crate::common::default_model();
+    let m = crate::harness::default_model();
     let dir = tempdir("quota");
     // 4 MiB each: about 11 blocks of the default model.
     let e = engine(&m, Some(&dir), 4);

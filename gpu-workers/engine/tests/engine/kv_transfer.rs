@@ -14,7 +14,7 @@ use hearth_protocol::{GenerateEvent, GenerateRequest, SamplingParams};
 
 /// The synthetic latent-attention, mixture-of-experts model.
 fn latent_model_path() -> PathBuf {
-    crate::common::synth(&["--shape", "deepseek2-tiny", "--types", "q8_0"])
+    crate::harness::synth(&["--shape", "deepseek2-tiny", "--types", "q8_0"])
         .remove(0)
         .1
 }
@@ -670,7 +670,7 @@ macro_rules! on_both_models {
         mod default_model {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() {
-                super::$name(&crate::common::default_model()).await
+                super::$name(&crate::harness::default_model()).await
             })*
         }
         mod latent_attention_model {

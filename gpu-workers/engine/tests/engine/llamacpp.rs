@@ -17,7 +17,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::common::{repo, run, synth, FAMILIES, MOE_FAMILIES};
+use crate::harness::{repo, run, synth, FAMILIES, MOE_FAMILIES};
 use hearth_engine::gguf::GgufFile;
 use hearth_engine::kernels::{set_isa, Isa};
 use hearth_engine::kv::KvDtype;
@@ -319,7 +319,7 @@ fn rope_scaling_follows_llamacpp() {
 fn the_default_model_requantized_by_llamacpp_answers_the_golden_prompt() {
     let _isa = ISA.lock().unwrap_or_else(|e| e.into_inner());
     set_isa(Isa::best()).unwrap();
-    let source = crate::common::default_model();
+    let source = crate::harness::default_model();
     let files = synth(&["--source", source.to_str().unwrap(), "--types", "q4_k_m,q6_k,q5_0"]);
     let golden = [504u32, 3575, 282, 4649, 314, 7042, 30, 2]; // "The capital of France is Paris."
     for (ty, path) in files {

@@ -15,7 +15,7 @@ async fn generate(e: &EngineHandle, prompt: Vec<u32>, max_tokens: u32) -> Result
         max_tokens,
         ..Default::default()
     };
-    crate::common::generate(e, &prompt, sampling, None).await
+    crate::harness::generate(e, &prompt, sampling, None).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -26,7 +26,7 @@ async fn yarn_stretches_the_default_model_to_32k_tokens() {
         kv_cache_mib: Some(800),
         ..Default::default()
     };
-    let engine = EngineHandle::load(&crate::common::default_model(), DEFAULT_MODEL_ID, &cfg).unwrap();
+    let engine = EngineHandle::load(&crate::harness::default_model(), DEFAULT_MODEL_ID, &cfg).unwrap();
     assert_eq!(engine.info().context_length, 32768);
     assert!(engine.kv_capacity_tokens() >= 32768, "{}", engine.kv_capacity_tokens());
 
@@ -81,7 +81,7 @@ fn a_context_past_the_model_needs_rope_scaling() {
         kv_cache_mib: Some(64),
         ..Default::default()
     };
-    let err = EngineHandle::load(&crate::common::default_model(), DEFAULT_MODEL_ID, &cfg)
+    let err = EngineHandle::load(&crate::harness::default_model(), DEFAULT_MODEL_ID, &cfg)
         .unwrap_err()
         .to_string();
     assert!(

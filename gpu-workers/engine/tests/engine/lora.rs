@@ -6,7 +6,7 @@
 //! alone, in the forward pass and through the engine (whose prefix cache keeps adapters
 //! apart); and broken or mismatched adapters are refused with a message naming the problem.
 
-use crate::common::TempDir;
+use crate::harness::TempDir;
 use std::path::Path;
 use std::process::Command;
 use std::sync::OnceLock;
@@ -24,7 +24,7 @@ fn base_dir() -> &'static Path {
     static DIR: OnceLock<TempDir> = OnceLock::new();
     &DIR.get_or_init(|| {
         let dir = TempDir::new("base");
-        let g = GgufFile::open(&crate::common::default_model()).unwrap();
+        let g = GgufFile::open(&crate::harness::default_model()).unwrap();
         hf::export(&g, &dir.0, ExportDtype::F32, 1).unwrap();
         dir
     })
@@ -33,10 +33,10 @@ fn base_dir() -> &'static Path {
 
 /// `bench/synth_lora.py` under the reference venv.
 fn synth_lora(args: &[&str]) {
-    let python = crate::common::reference().join("venv/bin/python");
-    crate::common::run(
+    let python = crate::harness::reference().join("venv/bin/python");
+    crate::harness::run(
         Command::new(python)
-            .arg(crate::common::repo().join("bench/synth_lora.py"))
+            .arg(crate::harness::repo().join("bench/synth_lora.py"))
             .args(args),
     );
 }
@@ -91,7 +91,7 @@ fn session(m: &Model) -> Session<'_> {
 
 #[test]
 fn peft_adapters_give_the_merged_models_tokens_and_logits() {
-    let gguf = Model::load(GgufFile::open(&crate::common::default_model()).unwrap()).unwrap();
+    let gguf = Model::load(GgufFile::open(&crate::harness::default_model()).unwrap()).unwrap();
     let hf_base = Model::load(hf::open(base_dir()).unwrap()).unwrap();
     let (base_logits, base_tokens) = greedy(session(&gguf), 12);
     for rank in [8, 16] {
@@ -132,7 +132,7 @@ fn peft_adapters_give_the_merged_models_tokens_and_logits() {
 
 #[test]
 fn a_gguf_lora_gives_the_same_model_as_its_peft_form() {
-    let gguf = Model::load(GgufFile::open(&crate::common::default_model()).unwrap()).unwrap();
+    let gguf = Model::load(GgufFile::open(&crate::harness::default_model()).unwrap()).unwrap();
     let hf_base = Model::load(hf::open(base_dir()).unwrap()).unwrap();
     let dir = TempDir::new("gguf");
     let (a, file) = (dir.0.join("adapter"), dir.0.join("adapter.gguf"));
@@ -151,7 +151,7 @@ fn a_gguf_lora_gives_the_same_model_as_its_peft_form() {
 
 #[test]
 fn a_step_mixing_four_adapters_and_the_base_gives_each_sequence_its_solo_tokens() {
-    let model = Model::load(GgufFile::open(&crate::common::default_model()).unwrap()).unwrap();
+    let model = Model::load(GgufFile::open(&crate::harness::default_model()).unwrap()).unwrap();
     let dir = TempDir::new("mixed");
     let adapters: Vec<LoraAdapter> = [(8, 11), (16, 12), (8, 13), (16, 14)]
         .iter()
@@ -239,7 +239,7 @@ fn refused(path: &Path, model: &Model, limits: LoraLimits) -> LoraError {
 
 #[test]
 fn broken_and_mismatched_adapters_are_refused_by_name() {
-    let model = Model::load(GgufFile::open(&crate::common::default_model()).unwrap()).unwrap();
+    let model = Model::load(GgufFile::open(&crate::harness::default_model()).unwrap()).unwrap();
     let dir = TempDir::new("refused");
     let good = dir.0.join("good");
     adapter(&good, 8, 3, &["--layers", "0,1"]);
@@ -333,7 +333,7 @@ fn broken_and_mismatched_adapters_are_refused_by_name() {
     let e = refused(&dir.0, &model, LoraLimits::default());
     assert!(e.to_string().contains("adapter_config.json"), "{e}");
     let e = refused(
-        &crate::common::default_model(),
+        &crate::harness::default_model(),
         &model,
         LoraLimits {
             max_bytes: u64::MAX,
@@ -415,7 +415,7 @@ async fn the_engine_batches_adapters_and_keeps_their_prefix_caches_apart() {
         },
         ..Default::default()
     };
-    let e = EngineHandle::load(&crate::common::default_model(), "smollm2", &cfg).unwrap();
+    let e = EngineHandle::load(&crate::harness::default_model(), "smollm2", &cfg).unwrap();
     // Two blocks of prompt, the same for every adapter: a cache shared between adapters
     // would hand one adapter's KV to the next.
     let prompt: Vec<u32> = PROMPT

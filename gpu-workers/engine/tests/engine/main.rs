@@ -1,9 +1,9 @@
 //! The engine's integration tests, one test binary (one link) for every file: each module
 //! is one concern (golden values, families against llama.cpp, KV transfer, LoRA, ...).
-//! `common` holds the shared helpers and the reference data's location; the tier a test
+//! `harness` holds the shared helpers and the reference data's location; the tier a test
 //! belongs to (`quick`, `model`, `reference`) is set in `.config/nextest.toml`.
 
-mod common;
+mod harness;
 
 mod agent;
 mod cuda_emulated;

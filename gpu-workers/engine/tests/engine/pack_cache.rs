@@ -23,7 +23,7 @@ fn the_pack_cache_is_written_mapped_and_refused_when_bad() {
         eprintln!("no SIMD path on this CPU: nothing is packed");
         return;
     }
-    let src = crate::common::default_model();
+    let src = crate::harness::default_model();
     let dir = std::env::temp_dir().join(format!("hearth-pack-cache-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let model = dir.join("model.gguf");
@@ -111,7 +111,7 @@ fn a_safetensors_directory_is_cached_inside_it_and_tied_to_its_shards() {
     if !Isa::best().is_simd() {
         return;
     }
-    let src = crate::common::default_model();
+    let src = crate::harness::default_model();
     let dir = std::env::temp_dir().join(format!("hearth-pack-cache-hf-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     hf::export(&GgufFile::open(&src).unwrap(), &dir, ExportDtype::F16, 2).unwrap();

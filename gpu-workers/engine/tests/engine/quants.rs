@@ -14,7 +14,7 @@ use hearth_engine::kernels::{blocks, dequantize_row, PackedMatrix, WeightView};
 const TYPES: [GgmlType; 8] = GgmlType::QUANTIZED;
 
 fn reference_python() -> PathBuf {
-    crate::common::reference().join("venv/bin/python")
+    crate::harness::reference().join("venv/bin/python")
 }
 
 struct Lcg(u64);

@@ -45,7 +45,7 @@ fn request(id: &str, prompt: Vec<u32>, tenant: &str, priority: Priority) -> Gene
 }
 
 async fn greedy(e: EngineHandle, req: GenerateRequest) -> Vec<u32> {
-    crate::common::run_request(&e, req)
+    crate::harness::run_request(&e, req)
         .await
         .expect("the request succeeds")
         .0
@@ -53,7 +53,7 @@ async fn greedy(e: EngineHandle, req: GenerateRequest) -> Vec<u32> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interactive_request_cuts_a_batch_prefill_step_and_nothing_changes_its_output() {
-    let m = crate::common::default_model();
+    let m = crate::harness::default_model();
     let cfg = EngineConfig {
         threads: 2,
         // Long steps: 128 tokens of the batch work's 384-token prompts each.
@@ -101,7 +101,7 @@ async fn an_interactive_request_cuts_a_batch_prefill_step_and_nothing_changes_it
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_step_profile_counts_each_step_by_kind_with_its_rows() {
-    let m = crate::common::default_model();
+    let m = crate::harness::default_model();
     let cfg = EngineConfig {
         threads: 1,
         max_batch_tokens: 16,

@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use crate::common::*;
+use crate::harness::*;
 use hearth_bench::engine::lora::write_synthetic_adapter;
 use hearth_engine::models::ModelConfig;
 use serde_json::{json, Value};

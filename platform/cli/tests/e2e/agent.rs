@@ -6,7 +6,7 @@
 //! usage row. (The schemas bound their strings: a temperature-1.0 string can otherwise run
 //! to `max_tokens`, and a cut-off answer is not complete JSON.)
 
-use crate::common::*;
+use crate::harness::*;
 use serde_json::{json, Value};
 
 fn tools() -> Value {

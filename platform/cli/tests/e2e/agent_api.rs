@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use crate::common::*;
+use crate::harness::*;
 use serde_json::{json, Value};
 
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::common::*;
+use crate::harness::*;
 use serde_json::{json, Value};
 
 /// The JSONL of `good` chat lines (`good-N`) and the bad ones, mixed in.

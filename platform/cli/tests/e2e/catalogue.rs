@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::common::*;
+use crate::harness::*;
 use serde_json::json;
 
 async fn states(url: &str, key: &str) -> Vec<(String, String)> {
@@ -77,6 +77,7 @@ async fn catalogue_models_load_on_demand_and_scale_to_zero() {
     let data = temp_dir("catalogue");
     // A Hugging Face directory (sharded F16 safetensors + tokenizer.json) from the GGUF.
     let hf = data.join("smollm2-hf");
+    needs_for(&["serve"]); // export-hf reads the default model
     hearth(&["model", "export-hf", "--out", hf.to_str().unwrap(), "--shards", "2"]);
     let file = data.join("catalogue.toml");
     std::fs::write(

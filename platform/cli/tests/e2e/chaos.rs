@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::*;
+use crate::harness::*;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 

@@ -12,7 +12,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::common::*;
+use crate::harness::*;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 

@@ -5,7 +5,7 @@
 //! dashboard and the CLI, and the Parquet export's types. (The browser test,
 //! `scripts/dashboard-check`, drives the same pages in headless Chromium.)
 
-use crate::common::*;
+use crate::harness::*;
 use reqwest::header::{HeaderMap, LOCATION, SET_COOKIE};
 use reqwest::redirect::Policy;
 use serde_json::{json, Value};

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use crate::common::*;
+use crate::harness::*;
 use serde_json::{json, Value};
 
 /// The worker's queue, in prompt tokens not yet computed.

@@ -8,7 +8,7 @@
 
 use std::path::PathBuf;
 
-use crate::common::*;
+use crate::harness::*;
 use serde_json::{json, Value};
 
 fn template(name: &str) -> PathBuf {

@@ -1,9 +1,9 @@
 //! The `hearth` binary end to end, one test binary (one link) for every file: each module
 //! is one surface (chat, tenants, PD, processors, ...) driven through real processes and
-//! real HTTP. `common` starts the processes and holds the shared helpers; the tier a test
+//! real HTTP. `harness` starts the processes and holds the shared helpers; the tier a test
 //! belongs to (`quick`, `model`, `reference`) is set in `.config/nextest.toml`.
 
-mod common;
+mod harness;
 
 mod adapters;
 mod agent;

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::common::*;
+use crate::harness::*;
 use serde_json::{json, Value};
 
 const TOKEN: &str = "pd-e2e-worker-token";

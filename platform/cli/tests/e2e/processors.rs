@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crate::common::*;
+use crate::harness::*;
 use hearth_runtime::wat_guest::{component, guest};
 use serde_json::{json, Value};
 

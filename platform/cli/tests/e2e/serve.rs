@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::common::*;
+use crate::harness::*;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 

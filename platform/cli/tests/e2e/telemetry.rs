@@ -6,7 +6,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::common::*;
+use crate::harness::*;
 use axum::body::Bytes;
 use serde_json::{json, Value};
 

@@ -1,7 +1,7 @@
 //! Helpers the integration tests share: the repository's root, its scripts' output, and
 //! the reference data `scripts/reference-data` fetches.
 
-#![allow(dead_code)] // each test binary uses its own part
+#![allow(dead_code)] // each module uses its own part
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
