@@ -564,6 +564,11 @@ mod tests {
         (ModuleGraph::read(&dir).unwrap(), dir)
     }
 
+    /// The modules `m` names, in order.
+    fn named(g: &ModuleGraph, m: &str) -> Vec<String> {
+        g.edges.get(m).map(|n| n.iter().cloned().collect()).unwrap_or_default()
+    }
+
     #[test]
     fn reads_use_trees_inline_paths_super_and_reexports() {
         let (g, dir) = crate_of(&[
@@ -579,14 +584,7 @@ mod tests {
             ("b/inner.rs", "use super::super::a::F;\nuse super::X;\n"),
             ("c.rs", "pub struct Thing; pub fn g() {}\n"),
         ]);
-        let names = |m: &str| {
-            g.edges
-                .get(m)
-                .cloned()
-                .unwrap_or_default()
-                .into_iter()
-                .collect::<Vec<_>>()
-        };
+        let names = |m: &str| named(&g, m);
         assert_eq!(names("a"), ["b", "c"]);
         assert_eq!(names("b"), Vec::<String>::new(), "a test module's imports do not count");
         assert_eq!(names("b::inner"), ["a", "b"]);
@@ -612,14 +610,7 @@ mod tests {
             ("c/inner.rs", "use super::super::Renamed;\n"),
             ("d.rs", "pub struct Thing;\n"),
         ]);
-        let names = |m: &str| {
-            g.edges
-                .get(m)
-                .cloned()
-                .unwrap_or_default()
-                .into_iter()
-                .collect::<Vec<_>>()
-        };
+        let names = |m: &str| named(&g, m);
         assert_eq!(names("a"), ["c"], "only the path outside literals, comments and tests");
         assert_eq!(
             names("c::inner"),
