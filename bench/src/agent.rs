@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use hearth_engine::{EngineConfig, EngineHandle};
-use hearth_gateway::tools::{in_hearth_format, parse_tools, Tools};
+use hearth_gateway::api::tools::{in_hearth_format, parse_tools, Tools};
 use hearth_protocol::output::{ToolFormat, ToolStream};
 use hearth_protocol::{
     ChatMessage, ChatTemplate, Constraint, FinishReason, GenerateEvent, GenerateRequest, Priority, Qos, SamplingParams,

@@ -26,8 +26,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use hearth_engine::scheduler::{FairWeights, Policy, SchedulerConfig, Served};
-use hearth_engine::sim::{CostModel, MixedStep, SimWorker};
+use hearth_engine::step::scheduler::{FairWeights, Policy, SchedulerConfig, Served};
+use hearth_engine::worker::sim::{CostModel, MixedStep, SimWorker};
 use hearth_protocol::{namespace_root, GenerateEvent, GenerateRequest, Priority, Qos, QueueState, SamplingParams};
 use serde::Serialize;
 

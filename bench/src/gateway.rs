@@ -38,12 +38,12 @@ use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use hearth_billing::{Pending, UsageRecord};
 use hearth_gateway::app;
-use hearth_gateway::limits::{Limiter, RedisLimiter};
 use hearth_gateway::pipeline::meter::Meter;
 use hearth_gateway::pipeline::{dispatch, parse, postprocess, relay, resolve, tokenize, Endpoint, RequestContext};
-use hearth_gateway::registry::{ModelRegistry, RoutingConfig};
+use hearth_gateway::policy::limits::{Limiter, RedisLimiter};
 use hearth_gateway::state::AppState;
-use hearth_gateway::workers::{EventStream, KvEventStream, WorkerClient, WorkerError};
+use hearth_gateway::upstream::registry::{ModelRegistry, RoutingConfig};
+use hearth_gateway::upstream::workers::{EventStream, KvEventStream, WorkerClient, WorkerError};
 use hearth_gateway::RequestId;
 
 /// A worker that answers every request at once with `max_tokens` copies of one token.
@@ -340,10 +340,10 @@ async fn throughput(s: &Sender, cfg: &GatewayBenchConfig) -> anyhow::Result<(f64
 
 /// Runs the benchmark with the model's tokenizer (`model_path`) served as `model_id`.
 pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> anyhow::Result<GatewayBenchReport> {
-    let info = hearth_engine::sim::sim_info(model_path, model_id, "local")?;
+    let info = hearth_engine::worker::sim::sim_info(model_path, model_id, "local")?;
     let dir = std::env::temp_dir().join(format!("hearth-bench-gateway-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let db = hearth_gateway::db::open(&dir, None).await?;
+    let db = hearth_gateway::server::db::open(&dir, None).await?;
     let tenants = TenantStore::new(&db);
     tenants.create_tenant("bench").await?;
     let generous = Limits {
@@ -505,10 +505,10 @@ pub async fn run(model_path: &Path, model_id: &str, cfg: GatewayBenchConfig) -> 
 /// P50 (µs) of the same request through one metered gateway for a tenant without processors
 /// and a tenant with the trivial WAT processor as pre + post, interleaved.
 pub async fn processor_overhead(model_path: &Path, model_id: &str, requests: usize) -> anyhow::Result<(f64, f64)> {
-    let info = hearth_engine::sim::sim_info(model_path, model_id, "local")?;
+    let info = hearth_engine::worker::sim::sim_info(model_path, model_id, "local")?;
     let dir = std::env::temp_dir().join(format!("hearth-bench-processors-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let db = hearth_gateway::db::open(&dir, None).await?;
+    let db = hearth_gateway::server::db::open(&dir, None).await?;
     let tenants = TenantStore::new(&db);
     let mut keys = Vec::new();
     for t in ["plain", "proc"] {
@@ -541,7 +541,7 @@ pub async fn processor_overhead(model_path: &Path, model_id: &str, requests: usi
         UsageLedger::with_outbox(&db, &dir).await?,
         models,
     );
-    state.processors = Some(hearth_gateway::processors::ProcessorHost { runtime });
+    state.processors = Some(hearth_gateway::policy::processors::ProcessorHost { runtime });
     let url: Arc<str> = start(app::router(Arc::new(state))).await?.into();
     let body = Arc::new(serde_json::to_vec(&json!({
         "model": model_id, "max_tokens": 8,

@@ -20,8 +20,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
-use hearth_engine::metrics::series_sum as series;
-use hearth_engine::sim::{CostModel, SimWorker};
+use hearth_engine::worker::metrics::series_sum as series;
+use hearth_engine::worker::sim::{CostModel, SimWorker};
 use hearth_protocol::namespace_root;
 use serde::Serialize;
 
@@ -616,7 +616,7 @@ enum SimEv {
 /// The simulation's state: workers, the event queue, requests by id.
 struct Sim {
     sims: Vec<SimWorker>,
-    pending: Vec<Option<hearth_engine::sim::SimStep>>,
+    pending: Vec<Option<hearth_engine::worker::sim::SimStep>>,
     heap: BinaryHeap<(At, u64)>,
     evs: HashMap<u64, SimEv>,
     seq: u64,
@@ -627,7 +627,7 @@ struct Sim {
     /// When each prefill worker's link is free again (its transfers queue on it).
     link_free: Vec<f64>,
     next_rid: u64,
-    rng: hearth_engine::sampling::Rng,
+    rng: hearth_engine::step::sampling::Rng,
     root: hearth_protocol::BlockHash,
 }
 
@@ -715,7 +715,7 @@ fn sim_mode(cfg: &PdBenchConfig, gbs: Option<f64>) -> ModeResult {
         next_flight: 0,
         on_worker: HashMap::new(),
         next_rid: 0,
-        rng: hearth_engine::sampling::Rng::new(11),
+        rng: hearth_engine::step::sampling::Rng::new(11),
         root: namespace_root("sim-70b", "bench"),
     };
     for s in 0..streams {

@@ -1,7 +1,7 @@
 //! `hearth bench routing`: routing policies compared on simulated workers, in virtual time.
 //!
 //! N `sim` workers (the real scheduler and prefix cache with a cost model; see
-//! `hearth_engine::sim`) serve a seeded workload; their KV events feed the real router's
+//! `hearth_engine::worker::sim`) serve a seeded workload; their KV events feed the real router's
 //! index, exactly as live workers' `/v1/worker/events` do. Every policy sees the same
 //! request stream. Workloads:
 //! * `long_prefix` — SageMaker's setup: groups of 8,000-token shared prefixes with short
@@ -16,8 +16,8 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::time::Instant;
 
-use hearth_engine::sampling::Rng;
-use hearth_engine::sim::{generated_token, CostModel, SimStep, SimWorker};
+use hearth_engine::step::sampling::Rng;
+use hearth_engine::worker::sim::{generated_token, CostModel, SimStep, SimWorker};
 use hearth_protocol::{block_hashes, namespace_root, BlockHash, Tier};
 use hearth_router::{Policy, RouteInput, Router, RouterConfig};
 use serde::Serialize;

@@ -1,5 +1,5 @@
 //! The audit log: who did what to which object, when, and from where. The management
-//! service (`hearth_gateway::management`) writes one entry per successful management action
+//! service (`hearth_gateway::manage`) writes one entry per successful management action
 //! for every adapter — the admin API, the self-service API, the dashboard and the CLI.
 //! Entries are never updated or deleted by Hearth.
 

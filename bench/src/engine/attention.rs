@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use hearth_engine::attention::{attend_group, attend_head, HeadSpec, Query, Scoring, MAX_GROUP};
 use hearth_engine::kernels::isa;
-use hearth_engine::kv::{KvDtype, KvPool, KvShape};
+use hearth_engine::kv::pool::{KvDtype, KvPool, KvShape};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct AttentionRow {

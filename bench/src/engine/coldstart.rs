@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use hearth_protocol::{GenerateEvent, GenerateRequest, SamplingParams};
 use serde::Serialize;
 
-use hearth_engine::host::{HostConfig, ModelEntry, ModelHost};
+use hearth_engine::worker::host::{HostConfig, ModelEntry, ModelHost};
 use hearth_engine::{Backend, EngineConfig, EngineError, EngineHandle};
 
 #[derive(Debug, Clone, Serialize)]
@@ -217,7 +217,7 @@ pub async fn run(
     exe: Option<&Path>,
 ) -> Result<ColdstartReport, EngineError> {
     // Ordinary token ids (above the special tokens), deterministic, inside the vocabulary.
-    let vocab = hearth_engine::engine::file_info(model_path, model_id, "local")?
+    let vocab = hearth_engine::engine::config::file_info(model_path, model_id, "local")?
         .tokenizer
         .tokens
         .len() as u32;
@@ -231,8 +231,13 @@ pub async fn run(
         }
     }
     let hf_dir = Removed(std::env::temp_dir().join(format!("hearth-coldstart-hf-{}", std::process::id())));
-    let gguf = hearth_engine::gguf::GgufFile::open(model_path)?;
-    hearth_engine::hf::export(&gguf, &hf_dir.0, hearth_engine::hf::ExportDtype::F16, 1)?;
+    let gguf = hearth_engine::formats::gguf::GgufFile::open(model_path)?;
+    hearth_engine::formats::hf::export::export(
+        &gguf,
+        &hf_dir.0,
+        hearth_engine::formats::hf::export::ExportDtype::F16,
+        1,
+    )?;
     drop(gguf);
     let mut formats = Vec::new();
     let mut cold_disk_measured = true;
@@ -263,7 +268,7 @@ async fn alternating(path: &Path, cfg: &EngineConfig, prompt: &[u32]) -> Alterna
         kv_cache_mib: Some(kv_mib),
         ..cfg.clone()
     };
-    let per_model = hearth_engine::hf::weights_bytes(path) + ((kv_mib as u64) << 20);
+    let per_model = hearth_engine::formats::hf::weights_bytes(path) + ((kv_mib as u64) << 20);
     let entries = MODELS
         .iter()
         .map(|id| ModelEntry {
@@ -353,8 +358,8 @@ async fn measure(
     prompt: &[u32],
     exe: Option<&Path>,
 ) -> (Result<FormatColdstart, EngineError>, bool) {
-    let weights_mib = hearth_engine::hf::weights_bytes(path) as f64 / (1 << 20) as f64;
-    let pack = hearth_engine::pack_cache::path_for(path);
+    let weights_mib = hearth_engine::formats::hf::weights_bytes(path) as f64 / (1 << 20) as f64;
+    let pack = hearth_engine::kernels::pack_cache::path_for(path);
 
     // The floor: reading the file(s), and one prefill on a loaded engine.
     read_ms(path);

@@ -24,8 +24,8 @@ use hearth_protocol::{GenerateEvent, GenerateRequest, SamplingParams};
 use serde::Serialize;
 
 use super::kvtransfer::serve;
-use hearth_engine::kv_tier::DiskTierConfig;
-use hearth_engine::kv_transfer::{pull, HttpKvTransport};
+use hearth_engine::kv::tier::DiskTierConfig;
+use hearth_engine::kv::transfer::{pull, HttpKvTransport};
 use hearth_engine::{EngineConfig, EngineError, EngineHandle};
 
 #[derive(Debug, Clone, Serialize)]
@@ -186,7 +186,7 @@ pub async fn run(
     cfg: &EngineConfig,
     quick: bool,
 ) -> Result<KvTiersReport, EngineError> {
-    let vocab = hearth_engine::engine::file_info(model_path, model_id, "local")?
+    let vocab = hearth_engine::engine::config::file_info(model_path, model_id, "local")?
         .tokenizer
         .tokens
         .len() as u32;

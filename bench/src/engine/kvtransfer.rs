@@ -10,7 +10,7 @@ use std::time::Instant;
 use hearth_protocol::{GenerateEvent, GenerateRequest, SamplingParams};
 use serde::Serialize;
 
-use hearth_engine::kv_transfer::{pull, HttpKvTransport};
+use hearth_engine::kv::transfer::{pull, HttpKvTransport};
 use hearth_engine::{EngineConfig, EngineError, EngineHandle};
 
 #[derive(Debug, Clone, Serialize)]
@@ -93,10 +93,10 @@ pub(crate) async fn serve(engine: EngineHandle, token: &str) -> std::io::Result<
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let engines: Vec<(String, Arc<dyn hearth_engine::Backend>)> = vec![(engine.info().model.clone(), Arc::new(engine))];
-    let app = hearth_engine::server::router_many(
+    let app = hearth_engine::worker::server::router_many(
         engines,
         "bench",
-        hearth_engine::server::WorkerOptions {
+        hearth_engine::worker::server::WorkerOptions {
             token: Some(token.into()),
             ..Default::default()
         },
@@ -112,7 +112,7 @@ pub async fn run(
     prompt_tokens: usize,
 ) -> Result<KvTransferReport, EngineError> {
     let load = || EngineHandle::load(model_path, model_id, cfg);
-    let vocab = hearth_engine::engine::file_info(model_path, model_id, "local")?
+    let vocab = hearth_engine::engine::config::file_info(model_path, model_id, "local")?
         .tokenizer
         .tokens
         .len() as u32;

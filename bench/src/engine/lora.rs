@@ -247,7 +247,7 @@ pub async fn run(
     tokens: usize,
     quick: bool,
 ) -> Result<LoraReport, EngineError> {
-    let file = hearth_engine::hf::open_model(model_path)?;
+    let file = hearth_engine::formats::hf::open_model(model_path)?;
     let c = ModelConfig::from_gguf(&file)?;
     drop(file);
     let vocab = c.vocab_size as u32;

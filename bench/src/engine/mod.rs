@@ -18,14 +18,14 @@ use std::time::Instant;
 use hearth_protocol::{GenerateEvent, GenerateRequest, SamplingParams};
 use serde::Serialize;
 
-use hearth_engine::sampling::Rng;
+use hearth_engine::step::sampling::Rng;
 use hearth_engine::{EngineConfig, EngineError, EngineHandle};
 
 #[derive(Debug, Clone)]
 pub struct BenchConfig {
     pub threads: usize,
     pub kv_cache_mib: Option<usize>,
-    pub kv_dtype: hearth_engine::kv::KvDtype,
+    pub kv_dtype: hearth_engine::kv::pool::KvDtype,
     /// The kernels' instruction set (None: the best this CPU runs).
     pub isa: Option<hearth_engine::kernels::Isa>,
     /// Fewer tokens per measurement (for smoke runs).

@@ -21,9 +21,9 @@
 use std::time::Instant;
 
 use hearth_engine::cuda::{plan, CudaCompute, CudaOptions};
-use hearth_engine::gguf::GgufFile;
+use hearth_engine::formats::gguf::GgufFile;
 use hearth_engine::models::{Batch, ForwardScratch, Model, Session};
-use hearth_engine::sampling::argmax;
+use hearth_engine::step::sampling::argmax;
 use serde_json::json;
 
 const GOLDEN_PROMPT: [u32; 42] = [

@@ -10,7 +10,7 @@
 //! group's heads, consecutive rows of a prefill), reading each key and value once for all.
 
 use crate::kernels::{exp_shifted_sum, isa, soft_cap, Isa};
-use crate::kv::{KvPool, KvSlice};
+use crate::kv::pool::{KvPool, KvSlice};
 
 /// Where one head's keys and values live.
 #[derive(Debug, Clone, Copy)]
@@ -537,7 +537,7 @@ mod x86 {
 mod tests {
     use super::*;
     use crate::kernels::tests::Lcg;
-    use crate::kv::{KvDtype, KvShape};
+    use crate::kv::pool::{KvDtype, KvShape};
 
     /// Paged attention equals attention over contiguous K/V, on random data with the
     /// sequence's blocks scattered through the pool: for both storage types, on shapes the

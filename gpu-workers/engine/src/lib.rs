@@ -1,45 +1,35 @@
 //! Hearth's inference engine.
 //!
-//! * [`gguf`] reads model files ([`hf`] opens Hugging Face directories as the same view); [`kernels`] holds the CPU maths; [`models`] has one file
-//!   per architecture; [`kv`] is the paged KV cache and prefix cache; [`attention`] reads it;
-//!   [`scheduler`] plans continuous batching; [`sampling`] and [`text`] turn logits into
-//!   tokens and tokens into streamed text; [`grammar`] constrains them (llguidance) and
-//!   [`speculative`] drafts several per step.
+//! * [`formats`] reads model files ([`formats::gguf`]; [`formats::hf`] opens Hugging Face
+//!   directories as the same view) and fetches and inspects them; [`kernels`] holds the CPU
+//!   maths; [`models`] has one file per architecture; [`kv`] is the paged KV cache and prefix
+//!   cache, its disk tier and its transfer between workers; [`attention`] reads it;
+//!   [`step`] holds what a step uses besides the model: the scheduler that plans continuous
+//!   batching, sampling and streamed text, grammar constraints (llguidance) and drafting.
 //! * [`cuda`] runs the same forward pass on an NVIDIA GPU (the `cuda` feature; CUDA is
 //!   loaded at run time).
-//! * [`EngineHandle`] runs a model on its own thread; [`server`] exposes it over HTTP as a
-//!   worker; [`fetch`] acquires the default model. (Its benchmarks are in `hearth-bench`.)
+//! * [`EngineHandle`] ([`engine`]) runs a model on its own thread; [`worker`] exposes it over
+//!   HTTP as a worker, with its metrics and traces; [`formats::fetch`] acquires the default
+//!   model. (Its benchmarks are in `hearth-bench`.)
 //!
-//! The gateway never links these internals: it speaks `hearth-protocol` to a worker.
+//! The gateway never links these internals: it speaks `hearth-protocol` to a worker. Inside
+//! the crate, modules name each other by their full paths; the re-exports below are for
+//! other crates.
 
-pub mod adapters;
 pub mod attention;
-pub mod backend;
 pub mod cuda;
 pub mod engine;
-pub mod fetch;
-pub mod gguf;
-pub mod grammar;
-pub mod hf;
-pub mod host;
-pub mod inspect;
+pub mod formats;
 pub mod kernels;
 pub mod kv;
-pub mod kv_tier;
-pub mod kv_transfer;
 #[cfg(test)]
 mod layering;
-pub mod metrics;
 pub mod models;
-pub mod pack_cache;
-pub mod sampling;
-pub mod scheduler;
-pub mod server;
-pub mod sim;
-pub mod speculative;
-pub mod telemetry;
-pub mod text;
+pub mod step;
+pub mod worker;
 
-pub use backend::Backend;
-pub use engine::{EngineConfig, EngineError, EngineHandle, EngineStats};
-pub use gguf::tokenizer_spec;
+pub use engine::command::EngineStats;
+pub use engine::config::{EngineConfig, EngineError};
+pub use engine::EngineHandle;
+pub use formats::gguf::tokenizer_spec;
+pub use worker::backend::Backend;

@@ -5,17 +5,17 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
-use hearth_engine::fetch::DEFAULT_MODEL_ID;
+use hearth_engine::formats::fetch::DEFAULT_MODEL_ID;
 use hearth_engine::kernels::Isa;
-use hearth_engine::kv::KvDtype;
+use hearth_engine::kv::pool::KvDtype;
 use hearth_engine::EngineConfig;
 
 fn parse_isa(s: &str) -> Result<Isa, String> {
     Isa::parse(s).map_err(|e| e.to_string())
 }
-use hearth_gateway::db;
-use hearth_gateway::limits::{Limiter, RedisLimiter};
-use hearth_gateway::registry::RoutingConfig;
+use hearth_gateway::policy::limits::{Limiter, RedisLimiter};
+use hearth_gateway::server::db;
+use hearth_gateway::upstream::registry::RoutingConfig;
 use hearth_router::Policy;
 
 #[derive(Parser)]
@@ -494,7 +494,7 @@ pub struct LimitStoreArgs {
     pub batch_lease_secs: u64,
 }
 
-/// Connection, header and body limits of the HTTP server (see `hearth_gateway::http`).
+/// Connection, header and body limits of the HTTP server (see `hearth_gateway::server::http`).
 #[derive(Args, Clone)]
 pub struct HttpArgs {
     /// A request's head must arrive within this; an idle keep-alive connection is closed
@@ -613,9 +613,9 @@ fn public_origin(url: &str) -> anyhow::Result<String> {
 }
 
 impl HttpArgs {
-    pub fn limits(&self) -> hearth_gateway::http::HttpLimits {
+    pub fn limits(&self) -> hearth_gateway::server::http::HttpLimits {
         use std::time::Duration;
-        hearth_gateway::http::HttpLimits {
+        hearth_gateway::server::http::HttpLimits {
             header_read_timeout: Duration::from_secs(self.header_read_timeout_secs.max(1)),
             max_header_bytes: self.max_header_bytes,
             max_connections: self.max_connections.max(1),
@@ -688,16 +688,16 @@ pub struct ModelArgs {
     pub max_queue_tokens: Option<usize>,
     /// Speculative decoding: at most this many prompt-lookup draft tokens verified per
     /// sequence and step (0: off).
-    #[arg(long, env = "HEARTH_SPECULATIVE_TOKENS", default_value_t = hearth_engine::engine::DEFAULT_SPECULATIVE_TOKENS)]
+    #[arg(long, env = "HEARTH_SPECULATIVE_TOKENS", default_value_t = hearth_engine::engine::config::DEFAULT_SPECULATIVE_TOKENS)]
     pub speculative_tokens: usize,
     /// Admission order on a busy engine: `fair` (between tenants, by class) or `fifo`.
     #[arg(long, env = "HEARTH_SCHEDULE", default_value = "fair", value_parser = parse_schedule)]
-    pub schedule: hearth_engine::scheduler::Policy,
+    pub schedule: hearth_engine::step::scheduler::Policy,
     /// Region label of the engine(s).
     #[arg(long, env = "HEARTH_REGION", default_value = "local")]
     pub region: String,
     /// `engine` (the real model) or `sim` (the real scheduler and caches, with a cost model
-    /// instead of the maths; see `hearth_engine::sim`).
+    /// instead of the maths; see `hearth_engine::worker::sim`).
     #[arg(long, env = "HEARTH_BACKEND", default_value = "engine")]
     pub backend: String,
     /// For `--backend sim`: how many times faster than the cost model time runs.
@@ -763,7 +763,7 @@ pub struct RoutingArgs {
     /// Prefill/decode disaggregation: a request with at least this many prompt tokens not
     /// cached on the best prefill worker is prefilled on a `prefill` worker and decoded on a
     /// `decode` worker (pools without such workers never disaggregate); 0: never.
-    #[arg(long, env = "HEARTH_PD_THRESHOLD", default_value_t = hearth_gateway::registry::DEFAULT_PD_THRESHOLD)]
+    #[arg(long, env = "HEARTH_PD_THRESHOLD", default_value_t = hearth_gateway::upstream::registry::DEFAULT_PD_THRESHOLD)]
     pub pd_threshold: usize,
     /// Peer fetch: a worker that lacks at least this many leading prompt tokens another
     /// worker holds in its KV cache pulls them from there instead of computing them (needs
@@ -810,7 +810,7 @@ impl ModelArgs {
             isa: Some(self.isa),
             max_context: self.context_length,
             rope_scaling: self.rope_scaling,
-            pack_cache: hearth_engine::pack_cache::enabled_by_env(),
+            pack_cache: hearth_engine::kernels::pack_cache::enabled_by_env(),
             float_weights: self.float_weights,
             max_batch_tokens: self.max_batch_tokens,
             max_running: self.max_running,
@@ -824,12 +824,12 @@ impl ModelArgs {
             kv_disk: self
                 .kv_disk_dir
                 .as_ref()
-                .map(|dir| hearth_engine::kv_tier::DiskTierConfig {
+                .map(|dir| hearth_engine::kv::tier::DiskTierConfig {
                     dir: dir.clone(),
                     capacity_bytes: gib_bytes(self.kv_disk_gib),
                     tenant_bytes: gib_bytes(self.kv_disk_tenant_gib),
                 }),
-            adapters: hearth_engine::adapters::AdapterCacheConfig {
+            adapters: hearth_engine::engine::adapters::AdapterCacheConfig {
                 store: self.adapter_dir.clone(),
                 max_loaded: self.max_adapters,
                 memory_mib: self.adapter_memory_mib,
@@ -847,8 +847,8 @@ fn gib_bytes(g: f64) -> u64 {
     (g.max(0.0) * (1u64 << 30) as f64) as u64
 }
 
-fn parse_schedule(s: &str) -> Result<hearth_engine::scheduler::Policy, String> {
-    hearth_engine::scheduler::Policy::parse(s).ok_or_else(|| format!("{s:?} is not a schedule (fair, fifo)"))
+fn parse_schedule(s: &str) -> Result<hearth_engine::step::scheduler::Policy, String> {
+    hearth_engine::step::scheduler::Policy::parse(s).ok_or_else(|| format!("{s:?} is not a schedule (fair, fifo)"))
 }
 
 #[derive(Args)]

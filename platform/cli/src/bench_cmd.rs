@@ -105,7 +105,7 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
         }
         BenchCommand::Tokenizer { model, quick, json } => {
             let (path, id) = resolve_model(&model).await?;
-            let file = hearth_engine::hf::open_model(&path)?;
+            let file = hearth_engine::formats::hf::open_model(&path)?;
             let spec = hearth_engine::tokenizer_spec(&file)?;
             let reference = hearth_protocol::tokenizer::hf_tokenizer_json(&spec)?;
             let report = hearth_bench::tokenizer::run(&id, &spec, &reference.to_string(), quick)?;
@@ -255,7 +255,7 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
                 steady_rps: steady_rps.clamp(0.01, 100.0),
                 flood: flood.clamp(1.0, 1000.0),
                 seed,
-                mixed: hearth_engine::sim::MixedStep::parse(&step_cost).unwrap_or_default(),
+                mixed: hearth_engine::worker::sim::MixedStep::parse(&step_cost).unwrap_or_default(),
                 engine,
             };
             let report = hearth_bench::fairness::run(cfg).await?;

@@ -1,5 +1,5 @@
 //! `hearth serve --catalogue FILE` / `hearth worker --catalogue FILE`: the models one process
-//! hosts, each loaded on its first request (see `hearth_engine::host`). The file is TOML:
+//! hosts, each loaded on its first request (see `hearth_engine::worker::host`). The file is TOML:
 //!
 //! ```toml
 //! memory_budget_mib = 2048       # all warm models together (file + KV cache each); optional
@@ -34,10 +34,10 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
-use hearth_engine::host::{AddError, HostConfig, ModelEntry, ModelHost};
-use hearth_engine::server::{CatalogueControl, ControlError};
+use hearth_engine::worker::host::{AddError, HostConfig, ModelEntry, ModelHost};
+use hearth_engine::worker::server::{CatalogueControl, ControlError};
 use hearth_engine::Backend;
-use hearth_gateway::workers::{AddedModel, HostChangeError, ModelHostClient, WorkerClient};
+use hearth_gateway::upstream::workers::{AddedModel, HostChangeError, ModelHostClient, WorkerClient};
 use hearth_protocol::ModelSpec;
 use serde::{Deserialize, Serialize};
 

@@ -349,11 +349,14 @@ fn metrics_table(out: &mut String, metrics: &BTreeMap<String, Metric>) {
 /// The metrics reference: the gateway's and the engine's metrics with their type, labels and
 /// help, as Markdown.
 pub fn metrics() -> String {
-    let gateway = parse_exposition(&hearth_gateway::metrics::Metrics::reference_exposition());
-    let mut engine = parse_exposition(&hearth_engine::metrics::EngineCollector::reference_exposition());
+    let gateway = parse_exposition(&hearth_gateway::server::metrics::Metrics::reference_exposition());
+    let mut engine = parse_exposition(&hearth_engine::worker::metrics::EngineCollector::reference_exposition());
     for (name, m) in engine.iter_mut() {
         let base = name.strip_suffix("_total").unwrap_or(name);
-        if let Some((_, labels)) = hearth_engine::metrics::SERIES_LABELS.iter().find(|(n, _)| *n == base) {
+        if let Some((_, labels)) = hearth_engine::worker::metrics::SERIES_LABELS
+            .iter()
+            .find(|(n, _)| *n == base)
+        {
             m.labels = labels.iter().map(|l| l.to_string()).collect();
         }
     }
@@ -388,9 +391,9 @@ const GENERATED_API: &str =
 /// API's.
 pub fn openapi(admin: bool) -> String {
     let doc = if admin {
-        hearth_gateway::openapi::admin_json()
+        hearth_gateway::routes::openapi::admin_json()
     } else {
-        hearth_gateway::openapi::public_json()
+        hearth_gateway::routes::openapi::public_json()
     };
     format!("{doc}\n")
 }
@@ -398,8 +401,10 @@ pub fn openapi(admin: bool) -> String {
 /// The API reference: both OpenAPI documents rendered as Markdown (operations by tag, then
 /// every schema's fields).
 pub fn api() -> String {
-    let public: serde_json::Value = serde_json::from_str(hearth_gateway::openapi::public_json()).expect("valid JSON");
-    let admin: serde_json::Value = serde_json::from_str(hearth_gateway::openapi::admin_json()).expect("valid JSON");
+    let public: serde_json::Value =
+        serde_json::from_str(hearth_gateway::routes::openapi::public_json()).expect("valid JSON");
+    let admin: serde_json::Value =
+        serde_json::from_str(hearth_gateway::routes::openapi::admin_json()).expect("valid JSON");
     let mut out = String::new();
     out.push_str(GENERATED_API);
     out.push_str(

@@ -8,17 +8,17 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use hearth_billing::UsageLedger;
-use hearth_engine::fetch::{ensure_model, hearth_home};
-use hearth_engine::kv_transfer::LocalKvTransport;
-use hearth_engine::metrics::EngineCollector;
-use hearth_engine::server::Lifecycle;
-use hearth_engine::sim::{sim_info, CostModel, SimHandle};
+use hearth_engine::formats::fetch::{ensure_model, hearth_home};
+use hearth_engine::kv::transfer::LocalKvTransport;
+use hearth_engine::worker::metrics::EngineCollector;
+use hearth_engine::worker::server::Lifecycle;
+use hearth_engine::worker::sim::{sim_info, CostModel, SimHandle};
 use hearth_engine::{Backend, EngineHandle};
 use hearth_gateway::app;
-use hearth_gateway::cluster::{Discovery, Registrar, SharedRouting, WorkerRecord};
-use hearth_gateway::registry::{ModelRegistry, RoutingConfig};
 use hearth_gateway::state::AppState;
-use hearth_gateway::workers::{HttpWorker, ModelHostClient, WorkerClient};
+use hearth_gateway::upstream::cluster::{Discovery, Registrar, SharedRouting, WorkerRecord};
+use hearth_gateway::upstream::registry::{ModelRegistry, RoutingConfig};
+use hearth_gateway::upstream::workers::{HttpWorker, ModelHostClient, WorkerClient};
 use hearth_tenants::TenantStore;
 
 use crate::args::{
@@ -181,14 +181,14 @@ async fn run_gateway(
         .tenants
         .set_stale_limit(Duration::from_secs(limits.auth_stale_secs));
     let http_limits = http.limits();
-    state.body_limits = hearth_gateway::http::BodyLimits::new(
+    state.body_limits = hearth_gateway::server::http::BodyLimits::new(
         &http_limits,
         "/processors",
         hearth_tenants::processors::MAX_PROCESSOR_BYTES + (1 << 20),
     )
     .with_upload(
         "/adapters",
-        hearth_gateway::adapters::MAX_ADAPTER_UPLOAD_BYTES + (1 << 20),
+        hearth_gateway::manage::adapters::MAX_ADAPTER_UPLOAD_BYTES + (1 << 20),
     )
     .with_upload("/v1/files", hearth_tenants::batches::MAX_FILE_BYTES + (1 << 20));
     state.request_limits = hearth_gateway::state::RequestLimits {
@@ -200,7 +200,7 @@ async fn run_gateway(
         max_per_tenant: limits.responses_per_tenant.max(1),
     };
     state.keep_billing_header = limits.keep_billing_header;
-    state.batches = hearth_gateway::batches::BatchSettings {
+    state.batches = hearth_gateway::state::BatchSettings {
         concurrency: limits.batch_concurrency,
         lease: Duration::from_secs(limits.batch_lease_secs),
         ..Default::default()
@@ -210,7 +210,7 @@ async fn run_gateway(
     if let Some(r) = limiter.redis() {
         // Budget reservations live where the limits live: shared by every gateway.
         let (conn, prefix) = r.connection();
-        let mut budgets = hearth_gateway::pipeline::budget::BudgetCache::with_redis(conn.clone(), prefix);
+        let mut budgets = hearth_gateway::policy::budget::BudgetCache::with_redis(conn.clone(), prefix);
         budgets.health = Some(r.health());
         state.budgets = Arc::new(budgets);
         // So do session pins and load: N gateways route like one.
@@ -226,11 +226,11 @@ async fn run_gateway(
     state.limiter = limiter;
     if let Some(dir) = &workers.adapter_store {
         std::fs::create_dir_all(dir).with_context(|| format!("creating the adapter store {}", dir.display()))?;
-        hearth_gateway::adapters::sweep_staging(dir);
+        hearth_gateway::manage::adapters::sweep_staging(dir);
         tracing::info!(dir = %dir.display(), "adapter store");
     }
     state.adapter_dir = workers.adapter_store.clone();
-    state.processors = Some(hearth_gateway::processors::ProcessorHost {
+    state.processors = Some(hearth_gateway::policy::processors::ProcessorHost {
         runtime: Arc::new(
             hearth_runtime::Runtime::new(Some(
                 limits
@@ -262,7 +262,7 @@ async fn run_gateway(
         tokio::spawn(shared.sync_load(gw.clone(), Duration::from_millis(500)));
     }
     // Batches (OpenAI Batch API): this gateway's share of the lines, in the batch class.
-    tokio::spawn(hearth_gateway::batches::run(gw.clone(), gateway_id()));
+    tokio::spawn(hearth_gateway::routes::batches::runner::run(gw.clone(), gateway_id()));
     if let Some((discovery, interval)) = discovery {
         // The first poll before listening: workers already registered serve from the start.
         let mut discovery = discovery;
@@ -324,7 +324,7 @@ async fn run_gateway(
         drained_tx.send_replace(true);
     };
     let connections = gw.metrics.connections.clone();
-    let server = hearth_gateway::http::serve(listener, service, http_limits, connections, shutdown);
+    let server = hearth_gateway::server::http::serve(listener, service, http_limits, connections, shutdown);
     let timeout = Duration::from_secs(lifecycle.drain_timeout_secs);
     let abort = gw.clone();
     let overrun = async move {
@@ -511,7 +511,7 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
                 heartbeat_ms: now,
                 ttl_ms: 0, // set by each heartbeat
             };
-            let conn = hearth_gateway::redis_conn::connect(url).await?;
+            let conn = hearth_gateway::server::redis_conn::connect(url).await?;
             let heartbeat = Duration::from_millis(a.heartbeat_ms.max(50));
             let r = Registrar::start(conn, &a.redis_prefix, token, record.clone(), heartbeat)
                 .await
@@ -521,14 +521,14 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let opts = hearth_engine::server::WorkerOptions {
+    let opts = hearth_engine::worker::server::WorkerOptions {
         token: a.worker_token.clone(),
         role: Some(a.role.clone()),
         lifecycle: Some(lifecycle.clone()),
     };
     let app = match catalogue {
-        Some(c) => hearth_engine::server::router_catalogue(&name, c, opts),
-        None => hearth_engine::server::router_many(engines, &name, opts),
+        Some(c) => hearth_engine::worker::server::router_catalogue(&name, c, opts),
+        None => hearth_engine::worker::server::router_many(engines, &name, opts),
     };
     // SIGTERM: refuse new work and say so (readiness, the registry), finish the streams in
     // flight (bounded), deregister, exit.
@@ -565,15 +565,15 @@ pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
     };
     // The same connection and body limits as the gateway's (no processor uploads here).
     let http_limits = a.http.limits();
-    let body = hearth_gateway::http::BodyLimits::new(&http_limits, "", 0);
+    let body = hearth_gateway::server::http::BodyLimits::new(&http_limits, "", 0);
     let app = app
         .layer(axum::extract::DefaultBodyLimit::disable())
         .layer(axum::middleware::from_fn(move |req, next| {
-            hearth_gateway::http::body_guard(body.clone(), req, next)
+            hearth_gateway::server::http::body_guard(body.clone(), req, next)
         }));
     // The worker's metrics are the engine's; its connection counts are not exported.
-    let connections = hearth_gateway::http::ConnectionMetrics::default();
-    let server = hearth_gateway::http::serve(listener, app, http_limits, connections, shutdown);
+    let connections = hearth_gateway::server::http::ConnectionMetrics::default();
+    let server = hearth_gateway::server::http::serve(listener, app, http_limits, connections, shutdown);
     // Past the drain, open connections (streams over the timeout) do not hold the exit.
     let overrun = async move {
         let mut drained = drained;
@@ -616,7 +616,7 @@ pub async fn gateway(a: GatewayArgs) -> anyhow::Result<()> {
                     hosts.extend(host.map(|h| Arc::new(h) as Arc<dyn ModelHostClient>));
                     break ws;
                 }
-                Err(hearth_gateway::workers::WorkerError::Unavailable { .. })
+                Err(hearth_gateway::upstream::workers::WorkerError::Unavailable { .. })
                     if tokio::time::Instant::now() < deadline =>
                 {
                     tokio::time::sleep(Duration::from_millis(500)).await;

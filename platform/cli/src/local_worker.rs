@@ -7,9 +7,9 @@ use std::sync::Arc;
 use futures_util::future::BoxFuture;
 use futures_util::stream;
 use futures_util::{FutureExt, StreamExt};
-use hearth_engine::kv_transfer::LocalKvTransport;
+use hearth_engine::kv::transfer::LocalKvTransport;
 use hearth_engine::Backend;
-use hearth_gateway::workers::{EventStream, KvEventStream, WorkerClient, WorkerError};
+use hearth_gateway::upstream::workers::{EventStream, KvEventStream, WorkerClient, WorkerError};
 use hearth_protocol::{GenerateRequest, WorkerInfo};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -112,10 +112,10 @@ impl WorkerClient for InProcessWorker {
             // A decode half or a peer fetch: the blocks it lacks come from the holder first
             // (what does not arrive is computed).
             if let (Some(t), Some(e)) = (&self.transport, self.engine.engine()) {
-                hearth_engine::kv_transfer::prepare(&e, &**t, &req, &self.name, &parent).await;
+                hearth_engine::kv::transfer::prepare(&e, &**t, &req, &self.name, &parent).await;
             }
             let rx = self.engine.generate(req);
-            let events = hearth_engine::telemetry::traced(
+            let events = hearth_engine::worker::telemetry::traced(
                 UnboundedReceiverStream::new(rx),
                 parent,
                 self.name.clone(),

@@ -14,7 +14,7 @@ mod output;
 mod telemetry;
 
 use clap::Parser;
-use hearth_engine::fetch::{ensure_model, hearth_home};
+use hearth_engine::formats::fetch::{ensure_model, hearth_home};
 
 use crate::args::{Cli, Command, DocsCommand, ModelCommand};
 
@@ -69,15 +69,15 @@ fn main() -> anyhow::Result<()> {
                         shards,
                     },
             } => {
-                let dtype = hearth_engine::hf::ExportDtype::parse(&dtype)
+                let dtype = hearth_engine::formats::hf::export::ExportDtype::parse(&dtype)
                     .ok_or_else(|| anyhow::anyhow!("unknown --dtype {dtype:?} (f16, bf16, f32)"))?;
                 let path = if std::path::Path::new(&model).exists() {
                     model.into()
                 } else {
                     ensure_model(&model, &hearth_home(), &mut |m| eprintln!("{m}"))?
                 };
-                let file = hearth_engine::gguf::GgufFile::open(&path)?;
-                let bytes = hearth_engine::hf::export(&file, &out, dtype, shards)?;
+                let file = hearth_engine::formats::gguf::GgufFile::open(&path)?;
+                let bytes = hearth_engine::formats::hf::export::export(&file, &out, dtype, shards)?;
                 eprintln!("hearth: wrote {} MiB of weights", bytes >> 20);
                 println!("{}", out.display());
                 Ok(())
@@ -90,7 +90,7 @@ fn main() -> anyhow::Result<()> {
                 } else {
                     ensure_model(&model, &hearth_home(), &mut |m| eprintln!("{m}"))?
                 };
-                let report = hearth_engine::inspect::inspect(&path)?;
+                let report = hearth_engine::formats::inspect::inspect(&path)?;
                 if json {
                     println!("{}", serde_json::to_string_pretty(&report)?);
                 } else {

@@ -8,7 +8,7 @@ use anyhow::{bail, Context};
 use std::sync::Arc;
 
 use hearth_billing::UsageLedger;
-use hearth_gateway::management::{Actor, Management, Origin, Upload, Window};
+use hearth_gateway::manage::{Actor, Management, Origin, Upload, Window};
 use hearth_tenants::TenantStore;
 
 use crate::args::*;
@@ -846,7 +846,7 @@ async fn admin_direct(data: &DataArgs, command: &AdminCommand) -> anyhow::Result
             } => {
                 let b = budget_arg(monthly_usd, *soft)?;
                 let t = manage.set_budget(name, b).await?;
-                hearth_gateway::admin::budget_json(&t.name, b)
+                hearth_gateway::routes::admin::budget_json(&t.name, b)
             }
         },
         AdminCommand::Key { command } => match command {

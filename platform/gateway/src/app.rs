@@ -4,26 +4,25 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, Request, State};
+use axum::extract::Request;
 use axum::http::{header, HeaderValue};
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::Router;
 use hearth_tenants::now_ms;
-use serde_json::{json, Value};
 
-use crate::auth::{require_admin, Caller};
-use crate::error::ApiError;
+use crate::auth::require_admin;
 use crate::pipeline;
-use crate::registry::ServedModel;
+use crate::server::error::ApiError;
 use crate::state::AppState;
 use crate::RequestId;
 
 pub fn router(state: Arc<AppState>) -> Router {
     let operator = Router::new()
-        .nest("/admin/v1", crate::admin::router())
-        .route("/metrics", get(crate::metrics::render))
+        .nest("/admin/v1", crate::routes::admin::router())
+        .route("/metrics", get(crate::routes::public::metrics))
+        .route("/admin/v1/openapi.json", get(crate::routes::openapi::openapi_admin))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_admin));
     Router::new()
         .route("/v1/chat/completions", post(pipeline::chat_completions))
@@ -31,35 +30,40 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/responses", post(pipeline::responses))
         .route(
             "/v1/responses/{id}",
-            get(crate::responses::retrieve).delete(crate::responses::delete),
+            get(crate::api::responses::retrieve).delete(crate::api::responses::delete),
         )
-        .route("/v1/responses/{id}/input_items", get(crate::responses::input_items))
+        .route(
+            "/v1/responses/{id}/input_items",
+            get(crate::api::responses::input_items),
+        )
         .route("/v1/messages", post(pipeline::messages))
         .route("/v1/messages/count_tokens", post(pipeline::count_tokens_handler))
         .route(
             "/v1/files",
-            get(crate::batches::list_files).post(crate::batches::upload_file).layer(
-                axum::extract::DefaultBodyLimit::max(hearth_tenants::batches::MAX_FILE_BYTES + (1 << 20)),
-            ),
+            get(crate::routes::batches::list_files)
+                .post(crate::routes::batches::upload_file)
+                .layer(axum::extract::DefaultBodyLimit::max(
+                    hearth_tenants::batches::MAX_FILE_BYTES + (1 << 20),
+                )),
         )
         .route(
             "/v1/files/{id}",
-            get(crate::batches::get_file).delete(crate::batches::delete_file),
+            get(crate::routes::batches::get_file).delete(crate::routes::batches::delete_file),
         )
-        .route("/v1/files/{id}/content", get(crate::batches::file_content))
+        .route("/v1/files/{id}/content", get(crate::routes::batches::file_content))
         .route(
             "/v1/batches",
-            get(crate::batches::list_batches).post(crate::batches::create_batch),
+            get(crate::routes::batches::list_batches).post(crate::routes::batches::create_batch),
         )
-        .route("/v1/batches/{id}", get(crate::batches::get_batch))
-        .route("/v1/batches/{id}/cancel", post(crate::batches::cancel_batch))
-        .route("/v1/models", get(list_models))
-        .route("/v1/models/{model}", get(get_model))
-        .route("/healthz", get(healthz))
-        .route("/livez", get(livez))
-        .route("/readyz", get(readyz))
-        .route("/openapi.json", get(openapi_public))
-        .nest("/v1/tenant", crate::selfservice::router())
+        .route("/v1/batches/{id}", get(crate::routes::batches::get_batch))
+        .route("/v1/batches/{id}/cancel", post(crate::routes::batches::cancel_batch))
+        .route("/v1/models", get(crate::routes::public::list_models))
+        .route("/v1/models/{model}", get(crate::routes::public::get_model))
+        .route("/healthz", get(crate::routes::public::healthz))
+        .route("/livez", get(crate::routes::public::livez))
+        .route("/readyz", get(crate::routes::public::readyz))
+        .route("/openapi.json", get(crate::routes::openapi::openapi_public))
+        .nest("/v1/tenant", crate::routes::selfservice::router())
         .nest("/dashboard", crate::dashboard::router())
         .route("/", get(|| async { axum::response::Redirect::to("/dashboard") }))
         .merge(operator)
@@ -72,7 +76,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         // The body guard enforces the size limits (the routes' own only raise them).
         .layer(axum::extract::DefaultBodyLimit::disable())
         .layer(middleware::from_fn(move |req, next| {
-            crate::http::body_guard(state.body_limits.clone(), req, next)
+            crate::server::http::body_guard(state.body_limits.clone(), req, next)
         }))
         .layer(middleware::from_fn(json_errors))
         .layer(middleware::from_fn(security_headers))
@@ -108,7 +112,7 @@ async fn json_errors(req: Request, next: Next) -> Response {
     };
     let err = ApiError::framework(status, message);
     let mut out = if anthropic {
-        crate::anthropic::error_response(&err)
+        crate::api::anthropic::error_response(&err)
     } else {
         err.into_response()
     };
@@ -162,141 +166,4 @@ pub async fn request_id(mut req: Request, next: Next) -> Response {
         resp.headers_mut().insert("x-request-id", v);
     }
     resp
-}
-
-/// The public OpenAPI document (the model APIs, probes and self-service), no auth.
-#[utoipa::path(get, path = "/openapi.json", tag = "probes",
-    responses((status = 200, description = "This document (OpenAPI 3.1).", body = crate::openapi::AnyObject)))]
-pub(crate) async fn openapi_public() -> Response {
-    crate::openapi::serve(crate::openapi::public_json())
-}
-
-/// Liveness: the process answers.
-#[utoipa::path(get, path = "/livez", tag = "probes",
-    responses((status = 200, description = "`{\"status\": \"ok\"}`.", body = crate::openapi::Status)))]
-pub(crate) async fn livez() -> Json<Value> {
-    Json(json!({"status": "ok"}))
-}
-
-/// Readiness: not shutting down, and the database answers. (Liveness, `/livez`, is the
-/// process answering at all.)
-#[utoipa::path(get, path = "/readyz", summary = "Readiness: not draining, and the database answers.", tag = "probes",
-    responses(
-        (status = 200, description = "Ready, with the number of models and workers.", body = crate::openapi::Status),
-        (status = 503, description = "Draining, or the database does not answer.", body = crate::openapi::Status),
-    ))]
-pub(crate) async fn readyz(State(state): State<Arc<AppState>>) -> axum::response::Response {
-    use axum::response::IntoResponse;
-    if state.draining.load(std::sync::atomic::Ordering::Relaxed) {
-        return (
-            axum::http::StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"status": "draining"})),
-        )
-            .into_response();
-    }
-    let db = tokio::time::timeout(std::time::Duration::from_secs(2), state.tenants.ping()).await;
-    match db {
-        Ok(Ok(())) => {
-            let workers: usize = state.models.all().iter().map(|m| m.worker_count()).sum();
-            Json(json!({"status": "ready", "models": state.models.all().len(), "workers": workers})).into_response()
-        }
-        Ok(Err(e)) => (
-            axum::http::StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"status": "database unavailable", "error": e.to_string()})),
-        )
-            .into_response(),
-        Err(_) => (
-            axum::http::StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"status": "database unavailable", "error": "no answer in 2 s"})),
-        )
-            .into_response(),
-    }
-}
-
-/// The status and the models served, with their worker counts.
-#[utoipa::path(get, path = "/healthz", tag = "probes",
-    responses((status = 200, description = "`ok` and the models.", body = crate::openapi::Health)))]
-pub(crate) async fn healthz(State(state): State<Arc<AppState>>) -> Json<Value> {
-    let models: Vec<Value> = state
-        .models
-        .all()
-        .iter()
-        .map(|m| json!({"id": m.id, "workers": m.worker_count()}))
-        .collect();
-    Json(json!({"status": "ok", "models": models}))
-}
-
-fn model_json(m: &ServedModel) -> Value {
-    let mut v = json!({"id": m.id, "object": "model", "created": m.created, "owned_by": "hearth", "context_length": m.context_length});
-    if let Some(state) = m.state() {
-        v["state"] = json!(state);
-    }
-    v
-}
-
-/// The models this credential may use.
-#[utoipa::path(get, path = "/v1/models", tag = "models", security(("bearer" = [])),
-    responses((status = 200, description = "`{\"object\": \"list\", \"data\": [model]}`.", body = crate::openapi::List<crate::openapi::Model>), crate::error::Errors))]
-pub(crate) async fn list_models(State(state): State<Arc<AppState>>, Caller(ctx): Caller) -> Json<Value> {
-    let models: Vec<_> = state
-        .models
-        .all()
-        .into_iter()
-        .filter(|m| ctx.allows_model(&m.id) && m.visible_to(&ctx))
-        .collect();
-    let mut data: Vec<Value> = models.iter().map(|m| model_json(m)).collect();
-    // The tenant's adapters, as `BASE:NAME` (the latest version of each name).
-    match state.tenants.list_adapters(&ctx.tenant_id).await {
-        Ok(adapters) => {
-            let mut seen = std::collections::HashSet::new();
-            for a in adapters.iter().rev() {
-                let Some(m) = models.iter().find(|m| m.id == a.base_model) else {
-                    continue;
-                };
-                if seen.insert((&a.base_model, &a.name)) {
-                    data.push(adapter_json(m, a));
-                }
-            }
-        }
-        Err(e) => tracing::warn!(error = %e, "listing the tenant's adapters failed"),
-    }
-    Json(json!({"object": "list", "data": data}))
-}
-
-/// A tenant's adapter as a model: `BASE:NAME`, its parent the base model.
-fn adapter_json(m: &ServedModel, a: &hearth_tenants::adapters::AdapterInfo) -> Value {
-    json!({"id": hearth_tenants::adapters::model_name(&m.id, &a.name), "object": "model", "created": a.created_at / 1000,
-        "owned_by": a.tenant_id, "context_length": m.context_length, "parent": m.id, "adapter": {"id": a.id, "version": a.version, "digest": a.digest}})
-}
-
-/// One model (404 `model_not_found` if the credential may not use it).
-#[utoipa::path(get, path = "/v1/models/{model}", tag = "models", security(("bearer" = [])),
-    params(("model" = String, Path, description = "A model id.")),
-    responses((status = 200, description = "The model.", body = crate::openapi::Model), crate::error::Errors))]
-pub(crate) async fn get_model(
-    State(state): State<Arc<AppState>>,
-    Caller(ctx): Caller,
-    Path(model): Path<String>,
-) -> Result<Json<Value>, ApiError> {
-    if let Some(m) = state.models.get(&model).filter(|m| m.visible_to(&ctx)) {
-        if !ctx.allows_model(&model) {
-            return Err(ApiError::model_not_found(&model));
-        }
-        return Ok(Json(model_json(&m)));
-    }
-    // `BASE:NAME`: one of the tenant's adapters.
-    let (base, name) =
-        hearth_tenants::adapters::split_model_name(&model).ok_or_else(|| ApiError::model_not_found(&model))?;
-    let m = state
-        .models
-        .get(base)
-        .filter(|m| m.visible_to(&ctx) && ctx.allows_model(&m.id))
-        .ok_or_else(|| ApiError::model_not_found(&model))?;
-    let a = state
-        .tenants
-        .find_adapter(&ctx.tenant_id, base, name)
-        .await
-        .map_err(crate::error::store_error)?
-        .ok_or_else(|| ApiError::model_not_found(&model))?;
-    Ok(Json(adapter_json(&m, &a)))
 }

@@ -14,8 +14,8 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use hearth_tenants::{constant_time_eq, AuthError, TenantContext};
 
-use crate::error::ApiError;
-use crate::management::Origin;
+use crate::manage::Origin;
+use crate::server::error::ApiError;
 use crate::state::AppState;
 
 /// The token of an `Authorization: Bearer <token>` header (the scheme is
@@ -24,70 +24,6 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
     let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = v.split_once(' ')?;
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
-}
-
-/// Invalid credentials per source address: a source may send [`AuthThrottle::BURST`] bad
-/// credentials at once and [`AuthThrottle::PER_SECOND`] a second after that; past it, its
-/// requests get 429 before their credential is looked at (no hashing, no database). Keys the
-/// store does not know are also cached as unknown (`hearth_tenants::outage`), so even a
-/// flood from many sources costs one query per distinct key id and interval.
-#[derive(Default)]
-pub struct AuthThrottle {
-    sources: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, (f64, std::time::Instant)>>,
-}
-
-impl AuthThrottle {
-    pub const BURST: f64 = 50.0;
-    pub const PER_SECOND: f64 = 10.0;
-    /// Sources tracked at most (idle ones are dropped first).
-    const MAX_SOURCES: usize = 100_000;
-
-    fn refill(entry: &mut (f64, std::time::Instant)) {
-        let now = std::time::Instant::now();
-        entry.0 = (entry.0 + now.duration_since(entry.1).as_secs_f64() * Self::PER_SECOND).min(Self::BURST);
-        entry.1 = now;
-    }
-
-    /// The source an address counts as: itself, or for IPv6 its /64 (one host's share of
-    /// addresses, which a client can rotate through).
-    fn source(ip: std::net::IpAddr) -> std::net::IpAddr {
-        match ip {
-            std::net::IpAddr::V6(v6) => {
-                let bits = u128::from(v6) & !((1u128 << 64) - 1);
-                std::net::IpAddr::V6(bits.into())
-            }
-            v4 => v4,
-        }
-    }
-
-    /// Whether `ip` may present a credential now; if not, how long until it may.
-    pub fn check(&self, ip: std::net::IpAddr) -> Result<(), u64> {
-        let ip = Self::source(ip);
-        let mut m = self.sources.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(e) = m.get_mut(&ip) else { return Ok(()) };
-        Self::refill(e);
-        if e.0 >= 1.0 {
-            Ok(())
-        } else {
-            Err(((1.0 - e.0) / Self::PER_SECOND).ceil().max(1.0) as u64)
-        }
-    }
-
-    /// `ip` presented a bad credential.
-    pub fn failed(&self, ip: std::net::IpAddr) {
-        let ip = Self::source(ip);
-        let mut m = self.sources.lock().unwrap_or_else(|e| e.into_inner());
-        if m.len() >= Self::MAX_SOURCES && !m.contains_key(&ip) {
-            let horizon = std::time::Duration::from_secs_f64(Self::BURST / Self::PER_SECOND);
-            m.retain(|_, (_, at)| at.elapsed() < horizon);
-            if m.len() >= Self::MAX_SOURCES {
-                m.clear();
-            }
-        }
-        let e = m.entry(ip).or_insert((Self::BURST, std::time::Instant::now()));
-        Self::refill(e);
-        e.0 -= 1.0;
-    }
 }
 
 /// The tenant credential a request presents: `Authorization: Bearer <key>`, or (Anthropic's
@@ -286,7 +222,7 @@ pub fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError
 
 /// Route layer in front of every operator route (`/admin/v1/*`, `/metrics`). Wrong admin
 /// tokens count against their source address in the operators' own budget
-/// (`AppState::admin_throttle`, the same rates as [`AuthThrottle`]); a throttled address gets
+/// (`AppState::admin_throttle`, the same rates as [`AuthThrottle`](crate::policy::throttle::AuthThrottle)); a throttled address gets
 /// 429 before its token is compared, even for the right one (else the answer would still tell
 /// a guesser when it guessed right). A request without a token is not a guess.
 pub async fn require_admin(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {

@@ -2,71 +2,30 @@
 //! (`docs/ARCHITECTURE.md`, "Layers"; checked by `hearth_testkit::layers`). `DEBT` lists the
 //! upward imports the code still has; it only shrinks.
 
-/// From the bottom. `server`: HTTP, metrics, telemetry, errors, the store; `upstream`: how
-/// workers are reached; `policy`: auth, limits, processors; `manage`: the one management
-/// service and its channels; `pipeline`: the phases; `api`: each dialect's parse and render;
-/// the top: the route table, the state it shares, the dashboard.
+/// From the bottom, one floor per folder: `server` (errors, the store, HTTP, telemetry,
+/// Redis); `upstream` (the models served and how workers are reached), with
+/// `server::metrics`, whose gauges read the registry; `policy` (limits, budgets, processors,
+/// the credential throttle); the state the process shares, `auth` read off it, and the
+/// `manage` service; `api` (each API's parse and render); the `pipeline`, which calls down
+/// into `api`; the other HTTP surfaces (`routes`); the top: the route table and the
+/// dashboard.
 const FLOORS: &[&[&str]] = &[
-    &["error", "db", "http", "metrics", "telemetry", "redis_conn"],
-    &["registry", "workers", "cluster", "queues"],
-    &["auth", "limits", "processors"],
-    &["management", "adapters", "admin", "selfservice"],
+    &["server"],
+    &["server::metrics", "upstream"],
+    &["policy"],
+    &["state", "auth", "manage"],
+    &["api"],
     &["pipeline"],
-    &[
-        "openai",
-        "tools",
-        "responses",
-        "anthropic",
-        "answer",
-        "batches",
-        "openapi",
-    ],
-    &["app", "state", "dashboard", "layering"],
+    &["routes"],
+    &["app", "dashboard", "layering"],
 ];
 
 /// Upward imports not yet removed: `(importer, imported)`.
-const DEBT: &[(&str, &str)] = &[
-    ("admin", "dashboard"),
-    ("admin", "openai"),
-    ("admin", "openapi"),
-    ("admin", "state"),
-    ("auth", "management"),
-    ("auth", "state"),
-    ("batches", "state"),
-    ("cluster", "state"),
-    ("metrics", "state"),
-    ("openapi", "app"),
-    ("pipeline", "anthropic"),
-    ("pipeline", "batches"),
-    ("pipeline", "openapi"),
-    ("pipeline", "state"),
-    ("pipeline::admit", "state"),
-    ("pipeline::authenticate", "state"),
-    ("pipeline::budget", "state"),
-    ("pipeline::dispatch", "state"),
-    ("pipeline::limit", "state"),
-    ("pipeline::meter", "state"),
-    ("pipeline::parse", "anthropic"),
-    ("pipeline::parse", "openai"),
-    ("pipeline::parse", "responses"),
-    ("pipeline::postprocess", "anthropic"),
-    ("pipeline::postprocess", "responses"),
-    ("pipeline::postprocess", "state"),
-    ("pipeline::preprocess", "state"),
-    ("pipeline::recall", "responses"),
-    ("pipeline::recall", "state"),
-    ("pipeline::relay", "state"),
-    ("pipeline::resolve", "state"),
-    ("pipeline::respond", "openai"),
-    ("pipeline::tokenize", "openai"),
-    ("pipeline::tokenize", "tools"),
-    ("responses", "state"),
-    ("selfservice", "openapi"),
-    ("selfservice", "state"),
-];
+const DEBT: &[(&str, &str)] = &[];
 
-/// The largest circle of modules importing each other may not grow (the target is 8).
-const MAX_CIRCLE: usize = 14;
+/// The largest circle of modules importing each other may not grow (the target was
+/// 8; today `pipeline::dispatch` and `pipeline::disaggregate` call each other).
+const MAX_CIRCLE: usize = 2;
 
 #[test]
 fn no_module_imports_from_a_floor_above() {

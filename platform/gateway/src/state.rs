@@ -5,11 +5,11 @@
 use hearth_billing::UsageLedger;
 use hearth_tenants::TenantStore;
 
-use crate::limits::Limiter;
-use crate::metrics::Metrics;
-use crate::pipeline::budget::BudgetCache;
-use crate::processors::ProcessorHost;
-use crate::registry::ModelRegistry;
+use crate::policy::budget::BudgetCache;
+use crate::policy::limits::Limiter;
+use crate::policy::processors::ProcessorHost;
+use crate::server::metrics::Metrics;
+use crate::upstream::registry::ModelRegistry;
 
 /// The shortest admin token a gateway starts with (`HEARTH_ADMIN_TOKEN`): it is a bearer
 /// secret for every tenant's data, guessed only through the per-address throttle.
@@ -28,7 +28,7 @@ pub struct AppState {
     pub processors: Option<ProcessorHost>,
     pub metrics: Metrics,
     /// Session pins and load shared with the other gateways (None: this gateway alone).
-    pub shared_routing: Option<std::sync::Arc<crate::cluster::SharedRouting>>,
+    pub shared_routing: Option<std::sync::Arc<crate::upstream::cluster::SharedRouting>>,
     /// Set when the process is shutting down: `/readyz` answers 503 so that load balancers
     /// stop sending requests, while those in flight finish.
     pub draining: std::sync::atomic::AtomicBool,
@@ -39,13 +39,13 @@ pub struct AppState {
     /// the relay task, to the record): the launcher waits for them before the last flush.
     pub unrecorded: Tasks,
     /// Sources sending bad credentials are throttled (None: never, e.g. for benchmarks).
-    pub auth_throttle: Option<crate::auth::AuthThrottle>,
+    pub auth_throttle: Option<crate::policy::throttle::AuthThrottle>,
     /// Sources sending wrong admin tokens (`/admin/v1`, `/metrics`), in a budget of their
     /// own: a flood of bad API keys through a shared address (a NAT, an ingress) must not
     /// lock the operator out.
-    pub admin_throttle: Option<crate::auth::AuthThrottle>,
-    /// Request body limits (see [`crate::http`]).
-    pub body_limits: crate::http::BodyLimits,
+    pub admin_throttle: Option<crate::policy::throttle::AuthThrottle>,
+    /// Request body limits (see [`crate::server::http`]).
+    pub body_limits: crate::server::http::BodyLimits,
     /// How long a request may run, and its worker stay quiet (see [`RequestLimits`]).
     pub request_limits: RequestLimits,
     /// How long stored responses (the Responses API's `store: true`) are kept, and how many
@@ -71,7 +71,7 @@ pub struct AppState {
     /// The adapter store shared with the workers (`--adapter-dir`; None: no adapters).
     pub adapter_dir: Option<std::path::PathBuf>,
     /// How this gateway works batches off (`--batch-concurrency`, `--batch-lease-secs`).
-    pub batches: crate::batches::BatchSettings,
+    pub batches: BatchSettings,
 }
 
 /// Operators signing into the dashboard through an OpenID Connect provider.
@@ -80,6 +80,28 @@ pub struct OperatorSso {
     pub provider: hearth_tenants::sso::SsoSpec,
     /// Lower-cased e-mail addresses; the provider must mark the address verified.
     pub operators: Vec<String>,
+}
+
+/// How one gateway works batches off.
+#[derive(Debug, Clone)]
+pub struct BatchSettings {
+    /// Lines this gateway runs at once, over every batch (0: it runs none).
+    pub concurrency: usize,
+    /// How long a claimed line is this gateway's without a renewal; a line whose gateway
+    /// died runs again elsewhere after it.
+    pub lease: std::time::Duration,
+    /// How often the runner looks for work (and for cancelled or finished batches).
+    pub poll: std::time::Duration,
+}
+
+impl Default for BatchSettings {
+    fn default() -> Self {
+        Self {
+            concurrency: 4,
+            lease: std::time::Duration::from_secs(60),
+            poll: std::time::Duration::from_millis(250),
+        }
+    }
 }
 
 /// Time limits on one request, enforced by the relay.
@@ -144,18 +166,50 @@ impl Tasks {
 
 impl AppState {
     /// The management service over this process's stores (acting through the API; see
-    /// [`crate::management::Management::via`]).
-    pub fn management(&self) -> crate::management::Management<'_> {
-        crate::management::Management {
+    /// [`crate::manage::Management::via`]).
+    pub fn management(&self) -> crate::manage::Management<'_> {
+        crate::manage::Management {
             tenants: &self.tenants,
             ledger: &self.ledger,
             runtime: self.processors.as_ref().map(|h| &h.runtime),
-            adapters: self.adapter_dir.as_deref().map(|dir| crate::adapters::AdapterHost {
-                dir,
-                models: &self.models,
-            }),
+            adapters: self
+                .adapter_dir
+                .as_deref()
+                .map(|dir| crate::manage::adapters::AdapterHost {
+                    dir,
+                    models: &self.models,
+                }),
             origin: Default::default(),
         }
+    }
+
+    /// Whether the client reached us over TLS: a terminating proxy says so, or the public URL
+    /// is `https`.
+    pub fn over_tls(&self, headers: &axum::http::HeaderMap) -> bool {
+        self.public_origin.as_deref().is_some_and(|o| o.starts_with("https://"))
+            || headers
+                .get("x-forwarded-proto")
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.eq_ignore_ascii_case("https"))
+    }
+
+    /// The base of links this gateway hands out: the public URL, else the request's own
+    /// scheme and `Host`.
+    pub fn link_base(&self, headers: &axum::http::HeaderMap) -> String {
+        if let Some(o) = &self.public_origin {
+            return o.clone();
+        }
+        let host = headers
+            .get(axum::http::header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .unwrap_or("localhost");
+        let scheme = if self.over_tls(headers) { "https" } else { "http" };
+        format!("{scheme}://{host}")
+    }
+
+    /// The link that accepts an invitation: `<link base>/dashboard/invite/<token>`.
+    pub fn invite_link(&self, headers: &axum::http::HeaderMap, token: &str) -> String {
+        format!("{}/dashboard/invite/{token}", self.link_base(headers))
     }
 
     /// A gateway with in-process limits, no admin token and no processors; set the public
@@ -176,12 +230,15 @@ impl AppState {
             unrecorded: Tasks::default(),
             auth_throttle: Some(Default::default()),
             admin_throttle: Some(Default::default()),
-            body_limits: crate::http::BodyLimits::new(
-                &crate::http::HttpLimits::default(),
+            body_limits: crate::server::http::BodyLimits::new(
+                &crate::server::http::HttpLimits::default(),
                 "/processors",
                 hearth_tenants::processors::MAX_PROCESSOR_BYTES + (1 << 20),
             )
-            .with_upload("/adapters", crate::adapters::MAX_ADAPTER_UPLOAD_BYTES + (1 << 20))
+            .with_upload(
+                "/adapters",
+                crate::manage::adapters::MAX_ADAPTER_UPLOAD_BYTES + (1 << 20),
+            )
             .with_upload("/v1/files", hearth_tenants::batches::MAX_FILE_BYTES + (1 << 20)),
             request_limits: RequestLimits::default(),
             response_retention: Default::default(),
@@ -193,5 +250,13 @@ impl AppState {
             adapter_dir: None,
             batches: Default::default(),
         }
+    }
+}
+
+/// The models served, for the background tasks that need no more of the state
+/// ([`crate::upstream::cluster`]'s registry poll and load exchange).
+impl AsRef<ModelRegistry> for AppState {
+    fn as_ref(&self) -> &ModelRegistry {
+        &self.models
     }
 }

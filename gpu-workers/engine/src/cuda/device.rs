@@ -677,7 +677,7 @@ impl CudaCompute {
         at..at + n
     }
 
-    /// A whole block's bytes, as [`crate::kv::KvPool::read_block`] gives them (f16).
+    /// A whole block's bytes, as [`crate::kv::pool::KvPool::read_block`] gives them (f16).
     pub fn read_block(&mut self, block: u32) -> Result<Vec<u8>, CudaError> {
         self.shielded(|c| c.read_block_inner(block))
     }
@@ -689,7 +689,7 @@ impl CudaCompute {
         let mut h = vec![0u16; self.block_elems()];
         self.stream
             .memcpy_dtoh(&self.pool().slice(self.block_range(block)), &mut h)?;
-        Ok(crate::kv::as_bytes(&h).to_vec())
+        Ok(crate::kv::pool::as_bytes(&h).to_vec())
     }
 
     /// Overwrites a block with [`CudaCompute::read_block`]'s (or an f16 CPU pool's) bytes;
@@ -703,7 +703,7 @@ impl CudaCompute {
             return Ok(false);
         }
         let mut h = vec![0u16; self.block_elems()];
-        crate::kv::as_bytes_mut(&mut h).copy_from_slice(bytes);
+        crate::kv::pool::as_bytes_mut(&mut h).copy_from_slice(bytes);
         let range = self.block_range(block);
         let st = self.stream.clone();
         match self.bufs.get_mut(&Buf::Pool) {

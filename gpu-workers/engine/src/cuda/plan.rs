@@ -223,8 +223,8 @@ pub fn kv_blocks(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::gguf::GgmlType;
-    use crate::kv::{KvDtype, KvPool, KvShape};
+    use crate::formats::gguf::GgmlType;
+    use crate::kv::pool::{KvDtype, KvPool, KvShape};
 
     pub(crate) fn cfg() -> ModelConfig {
         ModelConfig {

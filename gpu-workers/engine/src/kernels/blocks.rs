@@ -17,7 +17,7 @@
 //! operation, so dequantized values are bit-exact with llama.cpp and the `gguf` package.
 
 use super::{BlockQ8, QK};
-use crate::gguf::GgmlType;
+use crate::formats::gguf::GgmlType;
 
 /// The raw scale fields of one 32-value block, as the file stores them (f16 as bits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -11,6 +11,7 @@
 //! every other path with. Float weights (F32, F16, BF16) take a float path.
 
 pub mod blocks;
+pub mod pack_cache;
 pub mod packed;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -21,7 +22,7 @@ pub use packed::PackedMatrix;
 
 use rayon::prelude::*;
 
-use crate::gguf::GgmlType;
+use crate::formats::gguf::GgmlType;
 
 pub const QK: usize = 32;
 

@@ -43,18 +43,18 @@
 //! GGUF tensor: Q4_1 and Q5_1 exactly, Q4_K/Q5_K/Q6_K 1–3 % larger, Q4_0/Q5_0/Q8_0 6–11 %.
 //!
 //! The format depends on nothing but the GGUF tensor, so it is cached on disk
-//! ([`crate::pack_cache`], tied to the model file's size and time); the version changes with
+//! ([`crate::kernels::pack_cache`], tied to the model file's size and time); the version changes with
 //! any change to this layout or to the cache file's (3: a checksum per matrix).
 
 use rayon::prelude::*;
 
 use super::blocks::{self, RawScale};
 use super::{WeightView, QK};
-use crate::gguf::GgmlType;
-use crate::pack_cache::Verifier;
+use crate::formats::gguf::GgmlType;
+use crate::kernels::pack_cache::Verifier;
 
 /// Version of the layout described above and of the cache file holding it
-/// ([`crate::pack_cache`]; 3: a checksum per matrix).
+/// ([`crate::kernels::pack_cache`]; 3: a checksum per matrix).
 pub const PACK_FORMAT: u32 = 3;
 /// Weight rows per group (one 32-bit lane each in a 512-bit register).
 pub const GROUP_ROWS: usize = 16;
@@ -166,7 +166,7 @@ enum Storage {
     /// Anonymous pages of their own (page-aligned, so 64-byte aligned), returned to the OS
     /// when the matrix is dropped: an unloaded model's RSS really goes.
     Owned(memmap2::MmapMut),
-    /// A page-aligned range of a mapped pack cache file (see [`crate::pack_cache`]): page
+    /// A page-aligned range of a mapped pack cache file (see [`crate::kernels::pack_cache`]): page
     /// cache, shared, nothing copied; computed with only once its check passed.
     Mapped(std::sync::Arc<memmap2::Mmap>, usize, usize, Check),
 }

@@ -1,12 +1,12 @@
 //! A dense transformer's hyper-parameters, read from GGUF metadata (a Hugging Face
-//! directory is presented as the same keys, see [`crate::hf`]): what every family shares
+//! directory is presented as the same keys, see [`crate::formats::hf`]): what every family shares
 //! ([`ModelConfig`]) and what the families choose differently ([`BlockSpec`]). The family
 //! files read their own keys into the latter.
 
 use std::fmt;
 
-use crate::gguf::{GgufError, GgufFile, MetaValue};
-use crate::kv::{KvDtype, KvPool, KvShape};
+use crate::formats::gguf::{GgufError, GgufFile, MetaValue};
+use crate::kv::pool::{KvDtype, KvPool, KvShape};
 
 use super::rope::{RopeLayout, RopeScaling, RopeScalingKind};
 use super::{Arch, ModelError};

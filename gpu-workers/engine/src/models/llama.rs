@@ -1,6 +1,6 @@
 //! Llama (Llama 2/3.x, SmolLM2, TinyLlama): the base block every other family varies —
 //! RMSNorm, grouped-query attention with RoPE on adjacent pairs (llama.cpp's converter
-//! permutes the Q/K rows; Hugging Face directories rotate halves, see [`crate::hf`]), a
+//! permutes the Q/K rows; Hugging Face directories rotate halves, see [`crate::formats::hf`]), a
 //! SwiGLU MLP, optionally tied embeddings. Llama 3.1's RoPE scaling arrives as the
 //! `rope_freqs` tensor (found at load) or as `rope_scaling.rope_type = "llama3"`.
 //! Mistral is stored under this name too: a window in the file makes it [`super::mistral`];

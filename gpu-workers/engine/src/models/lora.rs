@@ -21,7 +21,7 @@
 //! (so PEFT's `rank_pattern` needs nothing more), folded into `B` at load.
 //!
 //! Q and K rows are in the base model's order: a GGUF Llama's rows are permuted so that
-//! RoPE pairs are adjacent (see [`crate::hf`]); a PEFT adapter's `B` rows are permuted the
+//! RoPE pairs are adjacent (see [`crate::formats::hf`]); a PEFT adapter's `B` rows are permuted the
 //! same way when it is applied to such a file, and a GGUF LoRA's un-permuted when applied to
 //! a Hugging Face directory.
 //!
@@ -37,7 +37,7 @@ use rayon::prelude::*;
 use safetensors::SafeTensors;
 use serde_json::Value;
 
-use crate::gguf::{GgmlType, GgufFile, MetaValue};
+use crate::formats::gguf::{GgmlType, GgufFile, MetaValue};
 use crate::kernels::{axpy, dequantize_row, lora_expand, lora_shrink};
 
 use super::rope::RopeLayout;
@@ -459,7 +459,7 @@ fn floats(ty: GgmlType, data: &[u8], n: usize, name: &str) -> Result<Vec<f32>, L
 
 /// `(layer, target)` of a Hugging Face module path (`model.layers.3.self_attn.q_proj`).
 fn hf_module(path: &str, model: &Model) -> Option<(usize, Target)> {
-    let gguf = crate::hf::gguf_name(&format!("{path}.weight"), model.config.arch)?;
+    let gguf = crate::formats::hf::names::gguf_name(&format!("{path}.weight"), model.config.arch)?;
     let (layer, stem) = gguf.strip_prefix("blk.")?.strip_suffix(".weight")?.split_once('.')?;
     Some((layer.parse().ok()?, Target::from_gguf_stem(stem)?))
 }
@@ -541,7 +541,7 @@ fn open_peft(dir: &Path, model: &Model, limits: LoraLimits) -> Result<LoraAdapte
         } else {
             return Err(bad("neither lora_A.weight nor lora_B.weight"));
         };
-        let ty = crate::hf::ggml_type(view.dtype())
+        let ty = crate::formats::hf::import::ggml_type(view.dtype())
             .ok_or_else(|| bad(&format!("{:?} (Hearth reads F32, F16 and BF16)", view.dtype())))?;
         let shape = view.shape().to_vec();
         if shape.len() != 2 {

@@ -11,7 +11,7 @@
 //! query — `q_nope·(W_kb·c) = (W_kbᵀ·q_nope)·c` — and the value's applied after the
 //! weighted sum — `Σ p·(W_vb·c) = W_vb·(Σ p·c)` — so every head is a query of
 //! `kv_lora_rank + qk_rope` against the one cached vector per position (multi-query
-//! attention over the latent pool, [`crate::kv::KvShape::latent`]), whose output is the
+//! attention over the latent pool, [`crate::kv::pool::KvShape::latent`]), whose output is the
 //! latent's weighted sum, decompressed once per head and row:
 //!
 //! ```text
@@ -22,12 +22,13 @@
 //! o_h      = W_vb,h · Σ softmax(scale · query·[c|k_pe]) · c
 //! ```
 
-use crate::gguf::GgufFile;
+use crate::formats::gguf::GgufFile;
 use crate::kernels::{matmul, rms_norm_in_place};
-use crate::kv::KvPool;
+use crate::kv::pool::KvPool;
 
+use super::layers::{matrices_3d, matrix, norm, Matrix, Tile};
 use super::rope;
-use super::transformer::{matrices_3d, matrix, norm, Batch, Matrix, Tile};
+use super::transformer::Batch;
 use super::{ForwardScratch, MlaSpec, Model, ModelConfig, ModelError};
 
 /// How queries are projected.

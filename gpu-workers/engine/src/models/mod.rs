@@ -20,10 +20,12 @@
 //!
 //! Mixture-of-experts MLPs are [`moe`]'s; latent attention and its cache layout [`mla`]'s.
 
+pub mod arch;
 pub mod config;
 pub mod deepseek2;
 pub mod gemma2;
 pub mod gemma3;
+pub mod layers;
 pub mod llama;
 pub mod lora;
 pub mod mistral;
@@ -37,8 +39,7 @@ pub mod qwen3moe;
 pub mod rope;
 pub mod transformer;
 
-use serde::{Deserialize, Serialize};
-
+pub use arch::Arch;
 pub use config::{
     Activation, BlockSpec, Gating, Hparams, MlaSpec, ModelConfig, MoeSpec, NORM_SHIFT_KEY, ROPE_LAYOUT_KEY,
 };
@@ -49,11 +50,14 @@ pub use transformer::{Batch, FloatWeights, ForwardScratch, LayerWeights, LoadOpt
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error(transparent)]
-    Gguf(#[from] crate::gguf::GgufError),
+    Gguf(#[from] crate::formats::gguf::GgufError),
     #[error("unsupported architecture {0:?} (Hearth serves {list})", list = Arch::supported())]
     Architecture(String),
     #[error("tensor {name} has type {ty}, which Hearth cannot compute with (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; requantize the file with llama-quantize, e.g. to Q4_K_M)")]
-    TensorType { name: String, ty: crate::gguf::GgmlType },
+    TensorType {
+        name: String,
+        ty: crate::formats::gguf::GgmlType,
+    },
     #[error("tensor {name} has shape {got:?}, expected {want:?}")]
     Shape {
         name: String,
@@ -62,22 +66,6 @@ pub enum ModelError {
     },
     #[error("invalid model configuration: {0}")]
     Config(String),
-}
-
-/// The architectures Hearth computes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Arch {
-    Llama,
-    Mistral,
-    Qwen2,
-    Qwen3,
-    Gemma2,
-    Gemma3,
-    Phi3,
-    Mixtral,
-    Qwen3Moe,
-    Deepseek2,
 }
 
 /// One family: how its files are recognised and how it reads its own settings.
@@ -95,19 +83,6 @@ pub struct Family {
 }
 
 impl Arch {
-    pub const ALL: [Arch; 10] = [
-        Arch::Llama,
-        Arch::Mistral,
-        Arch::Qwen2,
-        Arch::Qwen3,
-        Arch::Gemma2,
-        Arch::Gemma3,
-        Arch::Phi3,
-        Arch::Mixtral,
-        Arch::Qwen3Moe,
-        Arch::Deepseek2,
-    ];
-
     pub fn family(self) -> &'static Family {
         match self {
             Arch::Llama => &llama::FAMILY,
@@ -120,21 +95,6 @@ impl Arch {
             Arch::Mixtral => &mixtral::FAMILY,
             Arch::Qwen3Moe => &qwen3moe::FAMILY,
             Arch::Deepseek2 => &deepseek2::FAMILY,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Arch::Llama => "llama",
-            Arch::Mistral => "mistral",
-            Arch::Qwen2 => "qwen2",
-            Arch::Qwen3 => "qwen3",
-            Arch::Gemma2 => "gemma2",
-            Arch::Gemma3 => "gemma3",
-            Arch::Phi3 => "phi3",
-            Arch::Mixtral => "mixtral",
-            Arch::Qwen3Moe => "qwen3moe",
-            Arch::Deepseek2 => "deepseek2",
         }
     }
 
@@ -171,11 +131,5 @@ impl Arch {
             .copied()
             .collect::<Vec<_>>()
             .join(", ")
-    }
-}
-
-impl std::fmt::Display for Arch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
     }
 }

@@ -29,10 +29,10 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::gguf::GgufFile;
+use crate::formats::gguf::GgufFile;
 
+use super::layers::{load_mlp, matrices_3d, matrix, opt_vector, GateUp, Matrix, Mlp, MlpBufs};
 use super::lora::LoraRows;
-use super::transformer::{load_mlp, matrices_3d, matrix, opt_vector, GateUp, Matrix, Mlp, MlpBufs};
 use super::{ForwardScratch, Gating, Model, ModelConfig, ModelError, MoeSpec};
 
 /// One layer's experts.
@@ -56,7 +56,7 @@ impl Moe {
         let name = |s: &str| format!("blk.{l}.{s}.weight");
         let router_m = matrix(file, &name("ffn_gate_inp"), n, d)?;
         let mut router = vec![0f32; n * d];
-        let view = super::transformer::weight_view(file, &router_m);
+        let view = super::layers::weight_view(file, &router_m);
         for (e, row) in router.chunks_exact_mut(d).enumerate() {
             crate::kernels::dequantize_row(view.ty, view.row(e), row);
         }

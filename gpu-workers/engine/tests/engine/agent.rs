@@ -5,7 +5,7 @@
 
 use std::sync::OnceLock;
 
-use hearth_engine::fetch::DEFAULT_MODEL_ID;
+use hearth_engine::formats::fetch::DEFAULT_MODEL_ID;
 use hearth_engine::{EngineConfig, EngineHandle};
 use hearth_protocol::{ChatMessage, ChatTemplate, Constraint, GenerateEvent, GenerateRequest, SamplingParams};
 use serde_json::{json, Value};

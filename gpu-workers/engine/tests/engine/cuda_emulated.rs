@@ -20,10 +20,10 @@ use std::sync::OnceLock;
 
 use hearth_engine::cuda::plan;
 use hearth_engine::cuda::program::{self, Arg, Buf, Elem, HostData, Op, Shape};
-use hearth_engine::gguf::GgufFile;
-use hearth_engine::kv::{KvDtype, KvPool};
+use hearth_engine::formats::gguf::GgufFile;
+use hearth_engine::kv::pool::{KvDtype, KvPool};
 use hearth_engine::models::{Batch, ForwardScratch, Model, ModelConfig};
-use hearth_engine::sampling::argmax;
+use hearth_engine::step::sampling::argmax;
 use rayon::prelude::*;
 
 type LaunchFn = unsafe extern "C" fn(*const c_char, u32, u32, u32, *mut *mut c_void) -> i32;

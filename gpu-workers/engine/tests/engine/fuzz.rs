@@ -15,9 +15,10 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use hearth_engine::gguf::GgufFile;
-use hearth_engine::hf::{self, ExportDtype};
-use hearth_engine::kv_transfer::{encode_block, encode_header, FrameReader, KvBlock, KvDtypeName, KvLayout};
+use hearth_engine::formats::gguf::GgufFile;
+use hearth_engine::formats::hf::{self, export::ExportDtype};
+use hearth_engine::kv::block::{KvBlock, KvDtypeName, KvLayout};
+use hearth_engine::kv::transfer::{encode_block, encode_header, FrameReader};
 use hearth_engine::models::Model;
 use hearth_engine::tokenizer_spec;
 use hearth_protocol::tokenizer::Tokenizer;
@@ -50,7 +51,7 @@ fn export_once(slot: &'static OnceLock<PathBuf>, name: &str) -> &'static Path {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let g = GgufFile::open(&crate::harness::default_model()).unwrap();
-        hf::export(&g, &dir, ExportDtype::F16, 1).unwrap();
+        hf::export::export(&g, &dir, ExportDtype::F16, 1).unwrap();
         dir
     })
 }
@@ -290,7 +291,7 @@ fn valid_stream(n: usize) -> Vec<u8> {
     out
 }
 
-fn read_all(bytes: &[u8], splits: &[usize]) -> Result<Vec<hearth_engine::kv_transfer::Frame>, String> {
+fn read_all(bytes: &[u8], splits: &[usize]) -> Result<Vec<hearth_engine::kv::transfer::Frame>, String> {
     let mut r = FrameReader::default();
     let mut frames = Vec::new();
     let mut at = 0;

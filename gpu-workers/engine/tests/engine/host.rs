@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use hearth_engine::host::{HostConfig, ModelEntry, ModelHost, ModelState};
+use hearth_engine::worker::host::{HostConfig, ModelEntry, ModelHost, ModelState};
 use hearth_engine::{Backend, EngineConfig};
 use hearth_protocol::{GenerateEvent, GenerateRequest, SamplingParams};
 
@@ -219,9 +219,10 @@ async fn a_corrupt_safetensors_model_fails_alone() {
     let dir = std::env::temp_dir().join(format!("hearth-host-hf-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let (late, early) = (dir.join("late"), dir.join("early"));
-    let gguf = hearth_engine::gguf::GgufFile::open(&crate::harness::default_model()).unwrap();
+    let gguf = hearth_engine::formats::gguf::GgufFile::open(&crate::harness::default_model()).unwrap();
     for d in [&late, &early] {
-        hearth_engine::hf::export(&gguf, d, hearth_engine::hf::ExportDtype::BF16, 2).unwrap();
+        hearth_engine::formats::hf::export::export(&gguf, d, hearth_engine::formats::hf::export::ExportDtype::BF16, 2)
+            .unwrap();
     }
     // Truncated before the catalogue is read: left out, with the file named.
     let shard = |d: &std::path::Path| d.join("model-00002-of-00002.safetensors");

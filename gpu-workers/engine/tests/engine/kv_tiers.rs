@@ -6,8 +6,8 @@
 
 use std::path::{Path, PathBuf};
 
-use hearth_engine::fetch::DEFAULT_MODEL_ID;
-use hearth_engine::kv_tier::DiskTierConfig;
+use hearth_engine::formats::fetch::DEFAULT_MODEL_ID;
+use hearth_engine::kv::tier::DiskTierConfig;
 use hearth_engine::{EngineConfig, EngineHandle};
 use hearth_protocol::{GenerateEvent, GenerateRequest, Qos, SamplingParams};
 

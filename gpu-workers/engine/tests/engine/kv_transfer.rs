@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use futures_util::StreamExt;
-use hearth_engine::fetch::DEFAULT_MODEL_ID;
+use hearth_engine::formats::fetch::DEFAULT_MODEL_ID;
 use hearth_engine::{EngineConfig, EngineHandle};
 use hearth_protocol::{GenerateEvent, GenerateRequest, SamplingParams};
 
@@ -206,10 +206,10 @@ async fn serve(engine: EngineHandle) -> String {
     let addr = listener.local_addr().unwrap();
     let engines: Vec<(String, std::sync::Arc<dyn hearth_engine::Backend>)> =
         vec![(DEFAULT_MODEL_ID.into(), std::sync::Arc::new(engine))];
-    let app = hearth_engine::server::router_many(
+    let app = hearth_engine::worker::server::router_many(
         engines,
         "test",
-        hearth_engine::server::WorkerOptions {
+        hearth_engine::worker::server::WorkerOptions {
             token: Some(TOKEN.into()),
             ..Default::default()
         },
@@ -315,7 +315,7 @@ async fn blocks_move_worker_to_worker_over_http(m: &Path) {
 
 async fn a_transfer_cut_midway_keeps_what_arrived_and_the_request_completes(m: &Path) {
     use axum::body::{Body, Bytes};
-    use hearth_engine::kv_transfer::{encode_block, encode_header};
+    use hearth_engine::kv::transfer::{encode_block, encode_header};
     let prompt = prompt();
     let prefill = engine(m);
     greedy(&prefill, &prompt, 1).await;
@@ -397,7 +397,7 @@ async fn transfer_failures(worker: &str) -> f64 {
         .text()
         .await
         .unwrap();
-    hearth_engine::metrics::series_sum(&text, "hearth_kv_transfer_failures_total", "")
+    hearth_engine::worker::metrics::series_sum(&text, "hearth_kv_transfer_failures_total", "")
 }
 
 async fn a_peer_fetch_reuses_the_holders_prefix_and_a_gone_or_silent_peer_costs_a_recompute(m: &Path) {
@@ -513,14 +513,14 @@ async fn settle() {
 
 /// A transport that passes a peer's frames on, damaging or cutting them.
 struct Faulty {
-    inner: std::sync::Arc<hearth_engine::kv_transfer::LocalKvTransport>,
+    inner: std::sync::Arc<hearth_engine::kv::transfer::LocalKvTransport>,
     /// Flip a byte of this block (by position in the stream).
     corrupt: Option<usize>,
     /// End the stream with an error after this many blocks.
     cut_after: Option<usize>,
 }
 
-impl hearth_engine::kv_transfer::KvTransport for Faulty {
+impl hearth_engine::kv::transfer::KvTransport for Faulty {
     fn release(&self, peer: &str, model: &str, hold: String) -> futures_util::future::BoxFuture<'static, ()> {
         self.inner.release(peer, model, hold)
     }
@@ -533,10 +533,10 @@ impl hearth_engine::kv_transfer::KvTransport for Faulty {
         release: Option<String>,
     ) -> futures_util::future::BoxFuture<
         'static,
-        Result<hearth_engine::kv_transfer::FrameStream, hearth_engine::kv_transfer::TransferError>,
+        Result<hearth_engine::kv::transfer::FrameStream, hearth_engine::kv::transfer::TransferError>,
     > {
         use futures_util::FutureExt;
-        use hearth_engine::kv_transfer::{Frame, TransferError};
+        use hearth_engine::kv::transfer::{Frame, TransferError};
         let inner = self.inner.fetch(peer, model, hashes, release);
         let (corrupt, cut) = (self.corrupt, self.cut_after);
         async move {
@@ -573,10 +573,10 @@ impl hearth_engine::kv_transfer::KvTransport for Faulty {
 async fn disaggregated(
     prefill: &EngineHandle,
     decode: &EngineHandle,
-    transport: &dyn hearth_engine::kv_transfer::KvTransport,
+    transport: &dyn hearth_engine::kv::transfer::KvTransport,
     prompt: &[u32],
     max_tokens: u32,
-) -> (Run, Run, hearth_engine::kv_transfer::PullReport) {
+) -> (Run, Run, hearth_engine::kv::block::PullReport) {
     let mut first = request(prompt, max_tokens);
     first.prefill_only = true;
     let head = run(prefill, first).await;
@@ -591,7 +591,7 @@ async fn disaggregated(
         hold: "pd-1".into(),
         tokens: 0,
     });
-    let report = hearth_engine::kv_transfer::prepare(decode, transport, &rest, "decode", &Default::default())
+    let report = hearth_engine::kv::transfer::prepare(decode, transport, &rest, "decode", &Default::default())
         .await
         .expect("a kv_source means a pull");
     let tail = run(decode, rest).await;
@@ -604,7 +604,7 @@ async fn a_prefill_only_request_hands_off_and_the_decode_side_continues_exactly(
     let want = run(&colocated, request(&prompt, 12)).await;
 
     let (prefill, decode) = (engine(m), engine(m));
-    let local = std::sync::Arc::new(hearth_engine::kv_transfer::LocalKvTransport::default());
+    let local = std::sync::Arc::new(hearth_engine::kv::transfer::LocalKvTransport::default());
     local.add("prefill", prefill.clone());
     let (head, tail, report) = disaggregated(&prefill, &decode, &*local, &prompt, 12).await;
     let blocks = (prompt.len() - 1) / 16;
@@ -639,7 +639,7 @@ async fn a_corrupted_or_cut_transfer_still_completes_and_frees_every_block(m: &P
     let blocks = (prompt.len() - 1) / 16;
     for (corrupt, cut_after) in [(Some(3), None), (None, Some(5))] {
         let (prefill, decode) = (engine(m), engine(m));
-        let local = std::sync::Arc::new(hearth_engine::kv_transfer::LocalKvTransport::default());
+        let local = std::sync::Arc::new(hearth_engine::kv::transfer::LocalKvTransport::default());
         local.add("prefill", prefill.clone());
         let faulty = Faulty {
             inner: local,

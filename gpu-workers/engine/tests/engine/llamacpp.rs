@@ -18,11 +18,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::harness::{repo, run, synth, FAMILIES, MOE_FAMILIES};
-use hearth_engine::gguf::GgufFile;
+use hearth_engine::formats::gguf::GgufFile;
 use hearth_engine::kernels::{set_isa, Isa};
-use hearth_engine::kv::KvDtype;
+use hearth_engine::kv::pool::KvDtype;
 use hearth_engine::models::{FloatWeights, ForwardScratch, LoadOptions, Model, RopeScaling, Session};
-use hearth_engine::sampling::argmax;
+use hearth_engine::step::sampling::argmax;
 use hearth_engine::tokenizer_spec;
 use hearth_protocol::{ChatMessage, ChatTemplate, Tokenizer};
 use serde_json::Value;
@@ -201,7 +201,7 @@ fn every_family_follows_llamacpp() {
             assert_eq!(model.arch().name(), arch, "{}", path.display());
             drop(model);
             // `hearth model inspect` names the architecture's settings.
-            let inspected = hearth_engine::inspect::inspect(&path).unwrap();
+            let inspected = hearth_engine::formats::inspect::inspect(&path).unwrap();
             assert!(inspected.refused.is_empty(), "{family}: {:?}", inspected.refused);
             assert!(
                 inspected.settings.iter().any(|l| l.starts_with("RoPE:")),
@@ -242,7 +242,7 @@ fn every_moe_family_follows_llamacpp() {
                 ));
             }
             drop(model);
-            let inspected = hearth_engine::inspect::inspect(&path).unwrap();
+            let inspected = hearth_engine::formats::inspect::inspect(&path).unwrap();
             assert!(inspected.refused.is_empty(), "{family}: {:?}", inspected.refused);
             // F16 multiplied as floats, as llama.cpp does (the default quantizes it to Q8_0).
             let opts = LoadOptions {
@@ -356,7 +356,7 @@ fn the_default_model_requantized_by_llamacpp_answers_the_golden_prompt() {
 #[test]
 fn files_of_types_without_kernels_are_refused_by_name() {
     for (ty, path) in synth(&["--shape", "tiny", "--types", "q3_k_m,q2_k"]) {
-        let report = hearth_engine::inspect::inspect(&path).unwrap();
+        let report = hearth_engine::formats::inspect::inspect(&path).unwrap();
         let why = report.refused.join("; ");
         assert!(why.contains("Q3_K") || why.contains("Q2_K"), "{ty}: {why}");
         assert!(why.contains("Q4_K"), "{ty}: the message lists what runs: {why}");

@@ -3,7 +3,7 @@
 //! 30,000-token prompt is served, a longer one is refused with the context error, and a
 //! context past the model's without scaling is refused at load with the setting to use.
 
-use hearth_engine::fetch::DEFAULT_MODEL_ID;
+use hearth_engine::formats::fetch::DEFAULT_MODEL_ID;
 use hearth_engine::models::RopeScaling;
 use hearth_engine::{EngineConfig, EngineHandle};
 use hearth_protocol::{ChatMessage, ChatTemplate, SamplingParams, Tokenizer, Usage};

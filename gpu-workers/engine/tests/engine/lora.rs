@@ -11,10 +11,10 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::OnceLock;
 
-use hearth_engine::adapters::AdapterCacheConfig;
-use hearth_engine::gguf::GgufFile;
-use hearth_engine::hf::{self, ExportDtype};
-use hearth_engine::kv::{KvDtype, KvPool};
+use hearth_engine::engine::adapters::AdapterCacheConfig;
+use hearth_engine::formats::gguf::GgufFile;
+use hearth_engine::formats::hf::{self, export::ExportDtype};
+use hearth_engine::kv::pool::{KvDtype, KvPool};
 use hearth_engine::models::{lora, Batch, ForwardScratch, LoraAdapter, LoraError, LoraLimits, Model, Session};
 use hearth_engine::{EngineConfig, EngineHandle};
 use hearth_protocol::{AdapterRef, GenerateEvent, GenerateRequest, SamplingParams};
@@ -25,7 +25,7 @@ fn base_dir() -> &'static Path {
     &DIR.get_or_init(|| {
         let dir = TempDir::new("base");
         let g = GgufFile::open(&crate::harness::default_model()).unwrap();
-        hf::export(&g, &dir.0, ExportDtype::F32, 1).unwrap();
+        hf::export::export(&g, &dir.0, ExportDtype::F32, 1).unwrap();
         dir
     })
     .0

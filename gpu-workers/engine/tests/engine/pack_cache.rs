@@ -5,10 +5,10 @@
 use std::io::{Seek, SeekFrom, Write};
 use std::path::Path;
 
-use hearth_engine::gguf::GgufFile;
+use hearth_engine::formats::gguf::GgufFile;
+use hearth_engine::kernels::pack_cache;
 use hearth_engine::kernels::{set_isa, Isa};
 use hearth_engine::models::{FloatWeights, ForwardScratch, LoadOptions, Model, Session};
-use hearth_engine::pack_cache;
 
 fn logits(path: &Path) -> (Vec<f32>, bool) {
     let model = Model::load(GgufFile::open(path).unwrap()).unwrap();
@@ -106,7 +106,7 @@ fn the_pack_cache_is_written_mapped_and_refused_when_bad() {
 /// version is removed when the new one is written.
 #[test]
 fn a_safetensors_directory_is_cached_inside_it_and_tied_to_its_shards() {
-    use hearth_engine::hf::{self, ExportDtype};
+    use hearth_engine::formats::hf::{self, export::ExportDtype};
     set_isa(Isa::best()).unwrap();
     if !Isa::best().is_simd() {
         return;
@@ -114,7 +114,7 @@ fn a_safetensors_directory_is_cached_inside_it_and_tied_to_its_shards() {
     let src = crate::harness::default_model();
     let dir = std::env::temp_dir().join(format!("hearth-pack-cache-hf-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    hf::export(&GgufFile::open(&src).unwrap(), &dir, ExportDtype::F16, 2).unwrap();
+    hf::export::export(&GgufFile::open(&src).unwrap(), &dir, ExportDtype::F16, 2).unwrap();
     let old = dir.join("hearth-pack-v1");
     std::fs::write(&old, b"an earlier layout").unwrap();
     let load = || {

@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use hearth_engine::gguf::GgmlType;
+use hearth_engine::formats::gguf::GgmlType;
 use hearth_engine::kernels::{blocks, dequantize_row, PackedMatrix, WeightView};
 
 const TYPES: [GgmlType; 8] = GgmlType::QUANTIZED;
@@ -126,7 +126,7 @@ fn every_type_dequantizes_bit_exactly_as_the_gguf_package_does() {
 
 #[test]
 fn types_hearth_cannot_compute_with_are_named() {
-    use hearth_engine::gguf::GgmlType as T;
+    use hearth_engine::formats::gguf::GgmlType as T;
     // GGUF type numbers of refused types, by ggml's names.
     for (n, name) in [
         (10, "Q2_K"),

@@ -7,8 +7,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hearth_engine::fetch::DEFAULT_MODEL_ID;
-use hearth_engine::metrics::EngineCollector;
+use hearth_engine::formats::fetch::DEFAULT_MODEL_ID;
+use hearth_engine::worker::metrics::EngineCollector;
 use hearth_engine::{Backend, EngineConfig, EngineHandle};
 use hearth_protocol::{GenerateRequest, Priority, Qos, SamplingParams};
 
@@ -119,7 +119,7 @@ async fn the_step_profile_counts_each_step_by_kind_with_its_rows() {
     prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
     // Every time the text counts was spent before it was read.
     let elapsed = started.elapsed().as_secs_f64();
-    let series = hearth_engine::metrics::series_sum;
+    let series = hearth_engine::worker::metrics::series_sum;
     let kind = |name: &str, k: &str| series(&text, name, &format!("kind=\"{k}\""));
     // 40 prompt tokens in 16-token steps (16, 16, 8; the last gives the first token), then
     // one decode step for each of the other 5 tokens.

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use crate::harness::reference;
-use hearth_engine::gguf::GgufFile;
+use hearth_engine::formats::gguf::GgufFile;
 use hearth_engine::tokenizer_spec;
 use hearth_protocol::tokenizer::{hf_tokenizer_json, pretokenize, Tokenizer, TokenizerSpec};
 use proptest::prelude::*;

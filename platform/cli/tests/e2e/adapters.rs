@@ -14,8 +14,10 @@ use serde_json::{json, Value};
 /// The default model's shapes (the file `hearth serve` fetched).
 fn model_config() -> ModelConfig {
     hearth_testkit::tier::needs(hearth_testkit::tier::Tier::Model);
-    let path = hearth_engine::fetch::ensure_model(MODEL, &hearth_engine::fetch::hearth_home(), &mut |_| {}).unwrap();
-    let file = hearth_engine::gguf::GgufFile::open(&path).unwrap();
+    let path =
+        hearth_engine::formats::fetch::ensure_model(MODEL, &hearth_engine::formats::fetch::hearth_home(), &mut |_| {})
+            .unwrap();
+    let file = hearth_engine::formats::gguf::GgufFile::open(&path).unwrap();
     ModelConfig::from_gguf(&file).unwrap()
 }
 

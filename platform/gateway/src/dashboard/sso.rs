@@ -18,6 +18,10 @@
 //!
 //! [`TenantStore::sso_member`]: hearth_tenants::TenantStore::sso_member
 
+use super::login::{open_member_session, session_opened, sign_in_failed};
+use super::session::{cookie, login_page, login_token};
+use super::{continue_page, page};
+
 use std::sync::Arc;
 
 use axum::extract::{Query, State};
@@ -30,11 +34,8 @@ use minijinja::context;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::{
-    cookie, link_base, login_page, login_token, open_member_session, over_tls, page, session_opened, sign_in_failed,
-};
 use crate::auth::client_address;
-use crate::management::{Actor, Origin};
+use crate::manage::{Actor, Origin};
 use crate::state::AppState;
 
 const SSO_COOKIE: &str = "hearth_sso";
@@ -77,14 +78,8 @@ impl FlowOwner {
     }
 }
 
-/// A page that moves the browser on to `url` (a refresh, and a link for browsers that do
-/// not follow it).
-pub(super) fn continue_page(title: &str, url: &str) -> Response {
-    page(StatusCode::OK, "continue.html", context! {title => title, url => url})
-}
-
 fn flow_cookie(gw: &AppState, headers: &HeaderMap, value: &str, max_age_s: i64) -> HeaderValue {
-    let secure = if over_tls(gw, headers) { "; Secure" } else { "" };
+    let secure = if gw.over_tls(headers) { "; Secure" } else { "" };
     HeaderValue::from_str(&format!(
         "{SSO_COOKIE}={value}; Path=/dashboard/sso; HttpOnly; SameSite=Lax; Max-Age={max_age_s}{secure}"
     ))
@@ -92,7 +87,7 @@ fn flow_cookie(gw: &AppState, headers: &HeaderMap, value: &str, max_age_s: i64) 
 }
 
 fn redirect_uri(gw: &AppState, headers: &HeaderMap) -> String {
-    format!("{}/dashboard/sso/callback", link_base(gw, headers))
+    format!("{}/dashboard/sso/callback", gw.link_base(headers))
 }
 
 #[derive(Deserialize)]
@@ -394,7 +389,7 @@ async fn finish(gw: &AppState, headers: &HeaderMap, extensions: &axum::http::Ext
         return session_opened(gw, headers, opened, true).await;
     };
     // A suspended tenant takes no one in (and its invitations stay for when it resumes).
-    if let Some(refused) = super::refuse_if_suspended(gw, headers, tenant_id).await {
+    if let Some(refused) = super::session::refuse_if_suspended(gw, headers, tenant_id).await {
         return refused;
     }
     match gw.tenants.sso_member(tenant_id, &who).await {
@@ -475,19 +470,23 @@ pub(super) async fn cli_token(
     if let (Some(ip), Some(throttle)) = (peer, gw.admin_throttle.as_ref()) {
         if let Err(wait) = throttle.check(ip) {
             gw.metrics.auth_throttled.inc();
-            return crate::error::ApiError::rate_limited("auth_failures", "Too many invalid codes; wait.", wait)
-                .into_response();
+            return crate::server::error::ApiError::rate_limited(
+                "auth_failures",
+                "Too many invalid codes; wait.",
+                wait,
+            )
+            .into_response();
         }
     }
     let req: CliTokenRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
-        Err(e) => return crate::error::ApiError::invalid("body", e.to_string()).into_response(),
+        Err(e) => return crate::server::error::ApiError::invalid("body", e.to_string()).into_response(),
     };
     let email = match gw.tenants.take_cli_grant(&req.code, &req.verifier).await {
         Ok(e) => e,
         Err(e) => {
             tracing::error!(error = %e, "cli grant store unavailable");
-            return crate::error::ApiError::unavailable("sign-in is temporarily unavailable").into_response();
+            return crate::server::error::ApiError::unavailable("sign-in is temporarily unavailable").into_response();
         }
     };
     let Some(email) = email.filter(|e| {
@@ -498,8 +497,10 @@ pub(super) async fn cli_token(
         if let (Some(ip), Some(throttle)) = (peer, gw.admin_throttle.as_ref()) {
             throttle.failed(ip);
         }
-        return crate::error::ApiError::unauthorized("Unknown, used or expired code, or not this sign-in's verifier.")
-            .into_response();
+        return crate::server::error::ApiError::unauthorized(
+            "Unknown, used or expired code, or not this sign-in's verifier.",
+        )
+        .into_response();
     };
     let kind = SessionKind::OperatorSso { email: email.clone() };
     let address = client_address(&extensions);
@@ -523,7 +524,7 @@ pub(super) async fn cli_token(
         }
         Err(e) => {
             tracing::error!(error = %e, "operator session could not be created");
-            crate::error::ApiError::unavailable("sign-in is temporarily unavailable").into_response()
+            crate::server::error::ApiError::unavailable("sign-in is temporarily unavailable").into_response()
         }
     }
 }
@@ -537,7 +538,8 @@ pub(super) async fn cli_logout(State(gw): State<Arc<AppState>>, headers: HeaderM
             if matches!(s.kind, SessionKind::OperatorSso { .. }) {
                 if let Err(e) = gw.tenants.end_session(token).await {
                     tracing::error!(error = %e, "operator session could not be ended");
-                    return crate::error::ApiError::unavailable("sign-out is temporarily unavailable").into_response();
+                    return crate::server::error::ApiError::unavailable("sign-out is temporarily unavailable")
+                        .into_response();
                 }
             }
         }

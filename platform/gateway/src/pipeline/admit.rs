@@ -17,10 +17,10 @@
 use hearth_protocol::{Priority, Qos, QueueState};
 
 use super::RequestContext;
-use crate::error::ApiError;
-use crate::metrics::TenantClassLabels;
-use crate::registry::ServedModel;
+use crate::server::error::ApiError;
+use crate::server::metrics::TenantClassLabels;
 use crate::state::AppState;
+use crate::upstream::registry::ServedModel;
 
 /// The request header that lowers a request's class (`batch`).
 pub const PRIORITY_HEADER: &str = "x-hearth-priority";

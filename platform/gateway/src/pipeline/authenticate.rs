@@ -6,7 +6,7 @@ use hearth_tenants::now_ms;
 
 use super::RequestContext;
 use crate::auth::{authorize, Scope};
-use crate::error::ApiError;
+use crate::server::error::ApiError;
 use crate::state::AppState;
 
 pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiError> {

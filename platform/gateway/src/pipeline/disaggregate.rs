@@ -27,8 +27,8 @@ use tracing::Instrument;
 
 use super::dispatch::{self, mark_unhealthy, Dispatched};
 use super::route::{PdPlacement, Placement, RouteRequest};
-use crate::registry::{PdCounts, ServedModel};
-use crate::workers::{EventStream, WorkerClient, WorkerError};
+use crate::upstream::registry::{PdCounts, ServedModel};
+use crate::upstream::workers::{EventStream, WorkerClient, WorkerError};
 
 /// What the caller gets back when disaggregation could not start: the request, and the
 /// workers to leave out when serving it colocated.
@@ -348,8 +348,8 @@ mod tests {
     use super::*;
     use crate::pipeline::route::tests::Stateful;
     use crate::pipeline::route::{self, RouteHints};
-    use crate::registry::{ModelRegistry, RoutingConfig};
-    use crate::workers::KvEventStream;
+    use crate::upstream::registry::{ModelRegistry, RoutingConfig};
+    use crate::upstream::workers::KvEventStream;
 
     /// A worker answering each `generate` with the next scripted stream (or refusal), and
     /// recording the requests it got and the holds it was asked to release.

@@ -13,9 +13,9 @@ use hearth_protocol::{cache_namespace, GenerateEvent, GenerateRequest, KvSource}
 
 use super::route::{self, Placement, RouteHints, RouteRequest};
 use super::RequestContext;
-use crate::error::ApiError;
-use crate::registry::ServedModel;
-use crate::workers::{EventStream, WorkerError};
+use crate::server::error::ApiError;
+use crate::upstream::registry::ServedModel;
+use crate::upstream::workers::{EventStream, WorkerError};
 
 /// The worker's event stream and the request's place on it (None when disaggregated: the
 /// stitching task holds both places), and how to continue it elsewhere if its worker is lost.
@@ -280,7 +280,11 @@ fn with_fetch(model: &ServedModel, req: &GenerateRequest, placement: &Placement)
 
 /// Until its health check passes again — if `slot` still holds `client` (the worker may
 /// have left, and the slot been reused, while the request was on its way).
-pub fn mark_unhealthy(model: &ServedModel, slot: usize, client: &std::sync::Arc<dyn crate::workers::WorkerClient>) {
+pub fn mark_unhealthy(
+    model: &ServedModel,
+    slot: usize,
+    client: &std::sync::Arc<dyn crate::upstream::workers::WorkerClient>,
+) {
     let mut r = model.router();
     if model.holds(slot, client) {
         if let Some(w) = r.worker_mut(slot) {

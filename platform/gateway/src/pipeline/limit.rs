@@ -9,9 +9,9 @@
 //! is refused (429) rather than silently shortened.
 
 use super::RequestContext;
-use crate::error::ApiError;
-use crate::limits::Admission;
-use crate::metrics::LimiterLabels;
+use crate::policy::limits::Admission;
+use crate::server::error::ApiError;
+use crate::server::metrics::LimiterLabels;
 use crate::state::AppState;
 
 pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiError> {

@@ -9,7 +9,7 @@ use hearth_billing::{month_of, Pending, UsageRecord};
 use hearth_tenants::now_ms;
 
 use super::RequestContext;
-use crate::error::ApiError;
+use crate::server::error::ApiError;
 use crate::state::AppState;
 
 /// Where finished requests' usage goes. The gateway meters into its ledger; a composition

@@ -28,7 +28,6 @@ pub mod preprocess;
 pub mod recall;
 pub mod relay;
 pub mod resolve;
-pub mod respond;
 pub mod route;
 pub mod tokenize;
 
@@ -45,12 +44,12 @@ use hearth_billing::UsageRecord;
 use hearth_tenants::TenantContext;
 use tracing::{info_span, Instrument};
 
-use crate::error::ApiError;
-use crate::limits::RateState;
-use crate::metrics::RequestLabels;
-use crate::processors::Chain;
-use crate::registry::ServedModel;
+use crate::policy::limits::RateState;
+use crate::policy::processors::Chain;
+use crate::server::error::ApiError;
+use crate::server::metrics::RequestLabels;
 use crate::state::AppState;
+use crate::upstream::registry::ServedModel;
 use crate::RequestId;
 
 /// Which endpoint a request came in on.
@@ -87,10 +86,39 @@ impl Endpoint {
     }
 }
 
+/// A batch's line in the pipeline: who runs it and for which batch.
+#[derive(Debug, Clone)]
+pub struct LineRun {
+    pub batch_id: String,
+    /// The API key that created the batch.
+    pub key_id: String,
+    /// The line's last run: a refusal is its answer, not sent back.
+    pub last_try: bool,
+}
+
+impl LineRun {
+    /// Whether this run, refused with `e`, waits and runs again (so the refusal is not its
+    /// usage record).
+    pub fn sent_back(&self, e: &ApiError) -> bool {
+        !self.last_try && sent_back(e.status, e.code)
+    }
+}
+
+/// Whether a refusal with `status` and `code` is one that waiting may end: rate limited
+/// (not a request larger than the limit allows at all), unavailable or overloaded, or over
+/// a hard budget.
+pub fn sent_back(status: axum::http::StatusCode, code: Option<&str>) -> bool {
+    match status {
+        axum::http::StatusCode::TOO_MANY_REQUESTS => code != Some("tokens_over_limit"),
+        axum::http::StatusCode::SERVICE_UNAVAILABLE | axum::http::StatusCode::PAYMENT_REQUIRED => true,
+        _ => false,
+    }
+}
+
 /// An error in the endpoint's own shape: Anthropic's for the Messages API, OpenAI's for the rest.
 pub fn render_error(endpoint: Endpoint, e: ApiError) -> Response {
     match endpoint {
-        Endpoint::Messages | Endpoint::CountTokens => crate::anthropic::error_response(&e),
+        Endpoint::Messages | Endpoint::CountTokens => crate::api::anthropic::error_response(&e),
         // A schema the worker refused names chat's parameter: this API's is `text.format`.
         Endpoint::Responses if e.param.as_deref() == Some("response_format") => {
             e.with_param("text.format").into_response()
@@ -111,7 +139,7 @@ pub struct RequestContext {
     pub peer: Option<std::net::IpAddr>,
     /// A batch's line: it runs under the key that created the batch (no credential is
     /// presented), and its usage record names the batch.
-    pub batch: Option<crate::batches::LineRun>,
+    pub batch: Option<LineRun>,
     pub received: Instant,
     /// The request body: raw, then as rewritten by the pre-processors.
     pub body: Result<Bytes, BytesRejection>,
@@ -121,12 +149,12 @@ pub struct RequestContext {
     pub usage: Option<UsageRecord>,
     /// budget: what the client is told about the tenant's budget, and (after tokenize)
     /// the request's reservation against a hard budget.
-    pub budget: budget::BudgetState,
-    pub budget_hold: Option<budget::BudgetHold>,
+    pub budget: crate::policy::budget::BudgetState,
+    pub budget_hold: Option<crate::policy::budget::BudgetHold>,
     /// preprocess: the tenant's processors, kept for the response; and (from the relay)
     /// where post-processing reports its time.
     pub chain: Option<Chain>,
-    pub post_done: Option<crate::processors::PostDoneSender>,
+    pub post_done: Option<crate::policy::processors::PostDoneSender>,
     /// parse: the validated request.
     pub request: Option<parse::Parsed>,
     /// resolve: the model served.
@@ -247,7 +275,7 @@ async fn run(state: &Arc<AppState>, ctx: &mut RequestContext) -> Result<Response
 /// Runs the pipeline for one request; a refusal becomes its OpenAI-shaped error (and, once
 /// the request is authenticated, still one usage record).
 pub async fn handle(state: Arc<AppState>, mut ctx: RequestContext) -> Response {
-    ctx.span = crate::telemetry::request_span(ctx.endpoint.operation(), ctx.endpoint.path(), &ctx.request_id);
+    ctx.span = crate::server::telemetry::request_span(ctx.endpoint.operation(), ctx.endpoint.path(), &ctx.request_id);
     ctx.default_max_tokens = state.default_max_tokens;
     let span = ctx.span.clone();
     let mut resp = match run(&state, &mut ctx).instrument(span.clone()).await {
@@ -303,10 +331,10 @@ macro_rules! endpoint_handler {
 endpoint_handler!(
     /// `POST /v1/chat/completions`.
     #[utoipa::path(post, path = "/v1/chat/completions", summary = "Chat completions (OpenAI): the assistant's next message.", tag = "inference", security(("bearer" = [])),
-        request_body = crate::openapi::ChatCompletionRequest,
+        request_body = crate::api::schema::ChatCompletionRequest,
         responses(
-            (status = 200, description = "The completion, or with `stream: true` server-sent `chat.completion.chunk` events ending in `data: [DONE]`.", content((crate::openapi::ChatCompletion = "application/json"), (crate::openapi::SseEvent = "text/event-stream"))),
-            crate::error::Errors
+            (status = 200, description = "The completion, or with `stream: true` server-sent `chat.completion.chunk` events ending in `data: [DONE]`.", content((crate::api::schema::ChatCompletion = "application/json"), (crate::api::schema::SseEvent = "text/event-stream"))),
+            crate::server::error::Errors
         ))]
     chat_completions,
     Endpoint::Chat,
@@ -315,10 +343,10 @@ endpoint_handler!(
 endpoint_handler!(
     /// `POST /v1/completions`.
     #[utoipa::path(post, path = "/v1/completions", summary = "Completions (OpenAI, legacy): a prompt continued.", tag = "inference", security(("bearer" = [])),
-        request_body = crate::openapi::CompletionRequest,
+        request_body = crate::api::schema::CompletionRequest,
         responses(
-            (status = 200, description = "The completion, or with `stream: true` server-sent chunks ending in `data: [DONE]`.", content((crate::openapi::Completion = "application/json"), (crate::openapi::SseEvent = "text/event-stream"))),
-            crate::error::Errors
+            (status = 200, description = "The completion, or with `stream: true` server-sent chunks ending in `data: [DONE]`.", content((crate::api::schema::Completion = "application/json"), (crate::api::schema::SseEvent = "text/event-stream"))),
+            crate::server::error::Errors
         ))]
     completions,
     Endpoint::Completions,
@@ -327,10 +355,10 @@ endpoint_handler!(
 endpoint_handler!(
     /// `POST /v1/responses` (OpenAI Responses).
     #[utoipa::path(post, path = "/v1/responses", summary = "Responses (OpenAI): a response to input items, stored for `previous_response_id`.", tag = "inference", security(("bearer" = [])),
-        request_body = crate::openapi::ResponseRequest,
+        request_body = crate::api::schema::ResponseRequest,
         responses(
-            (status = 200, description = "The response, or with `stream: true` its typed server-sent events.", content((crate::openapi::ResponseObject = "application/json"), (crate::openapi::SseEvent = "text/event-stream"))),
-            crate::error::Errors
+            (status = 200, description = "The response, or with `stream: true` its typed server-sent events.", content((crate::api::schema::ResponseObject = "application/json"), (crate::api::schema::SseEvent = "text/event-stream"))),
+            crate::server::error::Errors
         ))]
     responses,
     Endpoint::Responses,
@@ -339,10 +367,10 @@ endpoint_handler!(
 endpoint_handler!(
     /// `POST /v1/messages` (Anthropic Messages).
     #[utoipa::path(post, path = "/v1/messages", summary = "Messages (Anthropic): the assistant's next message.", tag = "inference", security(("x_api_key" = []), ("bearer" = [])),
-        request_body = crate::openapi::MessagesRequest,
+        request_body = crate::api::schema::MessagesRequest,
         responses(
-            (status = 200, description = "The message, or with `stream: true` its server-sent events.", content((crate::openapi::MessageObject = "application/json"), (crate::openapi::SseEvent = "text/event-stream"))),
-            (status = "4XX", description = "Anthropic's error shape.", body = crate::openapi::AnthropicError), (status = "5XX", description = "No worker or database (503), overloaded (529, `retry-after`), or a processor failed.", body = crate::openapi::AnthropicError)
+            (status = 200, description = "The message, or with `stream: true` its server-sent events.", content((crate::api::schema::MessageObject = "application/json"), (crate::api::schema::SseEvent = "text/event-stream"))),
+            (status = "4XX", description = "Anthropic's error shape.", body = crate::api::schema::AnthropicError), (status = "5XX", description = "No worker or database (503), overloaded (529, `retry-after`), or a processor failed.", body = crate::api::schema::AnthropicError)
         ))]
     messages,
     Endpoint::Messages,
@@ -352,11 +380,11 @@ endpoint_handler!(
     /// `POST /v1/messages/count_tokens`.
     #[utoipa::path(post, path = "/v1/messages/count_tokens", summary = "Counts a Messages request's input tokens as a generation would see them.", tag = "inference",
         security(("x_api_key" = []), ("bearer" = [])),
-        request_body = crate::openapi::CountTokensRequest,
+        request_body = crate::api::schema::CountTokensRequest,
         responses(
-            (status = 200, description = "The prompt's tokens as a generation would see them.", body = crate::openapi::TokenCount),
-            (status = "4XX", description = "Anthropic's error shape.", body = crate::openapi::AnthropicError),
-            (status = "5XX", description = "No worker or database, or a processor failed.", body = crate::openapi::AnthropicError),
+            (status = 200, description = "The prompt's tokens as a generation would see them.", body = crate::api::schema::TokenCount),
+            (status = "4XX", description = "Anthropic's error shape.", body = crate::api::schema::AnthropicError),
+            (status = "5XX", description = "No worker or database, or a processor failed.", body = crate::api::schema::AnthropicError),
         ))]
     count_tokens_handler,
     Endpoint::CountTokens,
@@ -367,7 +395,7 @@ endpoint_handler!(
 /// through the tenant's pre-processors, parsed, templated and tokenized — counted, not run.
 /// Nothing is generated, so nothing is metered.
 async fn count_tokens(state: Arc<AppState>, mut ctx: RequestContext) -> Response {
-    ctx.span = crate::telemetry::request_span(ctx.endpoint.operation(), ctx.endpoint.path(), &ctx.request_id);
+    ctx.span = crate::server::telemetry::request_span(ctx.endpoint.operation(), ctx.endpoint.path(), &ctx.request_id);
     let span = ctx.span.clone();
     let counted = async {
         authenticate::run(&state, &mut ctx).await?;
@@ -383,7 +411,7 @@ async fn count_tokens(state: Arc<AppState>, mut ctx: RequestContext) -> Response
     ctx.usage = None;
     ctx.unrecorded = None;
     match counted {
-        Ok(n) => axum::Json(crate::anthropic::count_json(n)).into_response(),
+        Ok(n) => axum::Json(crate::api::anthropic::count_json(n)).into_response(),
         Err(e) => render_error(ctx.endpoint, e),
     }
 }

@@ -6,8 +6,8 @@ use hearth_protocol::ChatMessage;
 use serde_json::{Map, Value};
 
 use super::{Endpoint, RequestContext};
-use crate::error::ApiError;
-use crate::openai::{self, Common, Prompt};
+use crate::api::openai::{self, Common, Prompt};
+use crate::server::error::ApiError;
 
 /// What the request asks for.
 pub enum Input {
@@ -22,8 +22,8 @@ pub enum Input {
 /// What an API carries beyond the chat request it becomes.
 pub enum Api {
     OpenAi,
-    Responses(Box<crate::responses::Request>),
-    Messages(crate::anthropic::Request),
+    Responses(Box<crate::api::responses::Request>),
+    Messages(crate::api::anthropic::Request),
 }
 
 /// A validated request.
@@ -79,7 +79,7 @@ pub fn run(ctx: &mut RequestContext, keep_billing_header: bool) -> Result<(), Ap
             }
         }
         Endpoint::Responses => {
-            let (r, extra) = crate::responses::parse(body, hex)?;
+            let (r, extra) = crate::api::responses::parse(body, hex)?;
             Parsed {
                 common: r.common,
                 input: Input::Chat {
@@ -90,7 +90,7 @@ pub fn run(ctx: &mut RequestContext, keep_billing_header: bool) -> Result<(), Ap
             }
         }
         Endpoint::Messages | Endpoint::CountTokens => {
-            let (r, extra) = crate::anthropic::parse(
+            let (r, extra) = crate::api::anthropic::parse(
                 body,
                 &ctx.headers,
                 hex,

@@ -13,12 +13,12 @@ use hearth_tenants::now_ms;
 use serde_json::Value;
 
 use super::parse::Api;
-use super::respond::{collect_response, sse_response, Kind, Shape};
 use super::RequestContext;
-use crate::error::ApiError;
+use crate::api::respond::{collect_response, sse_response, Kind, Shape};
+use crate::api::{anthropic, responses};
+use crate::server::error::ApiError;
 use crate::state::AppState;
-use crate::workers::EventStream;
-use crate::{anthropic, responses};
+use crate::upstream::workers::EventStream;
 
 /// The API's renderer, built from the parsed request.
 enum Render {
@@ -84,7 +84,7 @@ pub async fn run(state: &Arc<AppState>, ctx: &mut RequestContext, events: EventS
         state.metrics.observe_processor("post", started.elapsed());
         // The record (with the processors' time) is durable before the answer goes out.
         if let Some(tx) = post_done {
-            crate::processors::report_post(tx, c.spent_us()).await;
+            crate::policy::processors::report_post(tx, c.spent_us()).await;
         }
         body = processed?;
     }

@@ -3,8 +3,8 @@
 //! the context for the response.
 
 use super::RequestContext;
-use crate::error::ApiError;
-use crate::processors::Chain;
+use crate::policy::processors::Chain;
+use crate::server::error::ApiError;
 use crate::state::AppState;
 
 pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiError> {

@@ -5,7 +5,7 @@
 
 use super::parse::{Api, Input};
 use super::RequestContext;
-use crate::error::ApiError;
+use crate::server::error::ApiError;
 use crate::state::AppState;
 
 pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiError> {
@@ -20,7 +20,7 @@ pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiEr
     if req.previous_response_id.is_none() && !referenced {
         return Ok(());
     }
-    crate::responses::recall(state, &tenant_id, req).await?;
+    crate::api::responses::recall(state, &tenant_id, req).await?;
     let chat = req.chat_request()?;
     parsed.input = Input::Chat {
         messages: chat.messages,

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures_util::StreamExt;
-use hearth_billing::{UsageRecord, UsageStatus};
+use hearth_billing::{Pending, UsageRecord, UsageStatus};
 use hearth_protocol::{FinishReason, GenerateEvent};
 use std::time::Duration;
 
@@ -22,16 +22,17 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
-use super::dispatch::{Dispatched, Resumed};
+use super::dispatch::{Dispatched, Failover, Resumed};
 use super::limit::Admitted;
 use super::meter::Meter;
-use super::respond::worker_error;
+use super::route::Placement;
 use super::RequestContext;
-use crate::error::ApiError;
-use crate::metrics::{FinishLabels, Metrics, ModelLabel, TenantClassLabels};
-use crate::processors::PostDone;
+use crate::api::respond::worker_error;
+use crate::policy::processors::PostDone;
+use crate::server::error::ApiError;
+use crate::server::metrics::{FinishLabels, Metrics, ModelLabel, TenantClassLabels};
 use crate::state::AppState;
-use crate::workers::EventStream;
+use crate::upstream::workers::EventStream;
 
 /// How long the relay waits for post-processing (bounded by the processors' own limits).
 const POST_WAIT: Duration = Duration::from_secs(120);
@@ -118,7 +119,7 @@ struct Holds {
     /// Rate-limit admission (in-flight slots; completion tokens charged at the end).
     lease: Option<Admitted>,
     /// The reservation against a hard budget, released once the real cost is counted.
-    budget: Option<super::budget::BudgetHold>,
+    budget: Option<crate::policy::budget::BudgetHold>,
     /// With processors: post-processing's report (see [`PostDone`]), and the processors'
     /// running time (for a request that ends another way, e.g. a chunk hook's refusal).
     post: Option<oneshot::Receiver<PostDone>>,
@@ -210,33 +211,106 @@ async fn aborted(rx: &mut tokio::sync::watch::Receiver<bool>) {
     }
 }
 
+/// One generation being relayed: the worker's stream, where it runs, and what has passed so
+/// far (for the usage record, and for a failover to continue from).
+struct Relay {
+    state: Arc<AppState>,
+    meter: Arc<dyn Meter>,
+    rec: UsageRecord,
+    timing: Timing,
+    events: EventStream,
+    placement: Option<Placement>,
+    failover: Option<Failover>,
+    holds: Holds,
+    tx: mpsc::Sender<GenerateEvent>,
+    abort: tokio::sync::watch::Receiver<bool>,
+    deadline: tokio::time::Instant,
+    /// Tokens generated, over every choice.
+    generated: u32,
+    /// Choice 0's tokens passed on: where a failover continues from.
+    sent: Vec<u32>,
+    /// Why choice 0 ended, once its `Finish` was passed on.
+    finished: Option<FinishReason>,
+    /// Whether the current worker has sent anything: before its first event the request may
+    /// be queued or prefilling, which the idle timeout does not cover.
+    streaming: bool,
+    /// The request's admission mark, from its first token on (see `Meter::admit`).
+    admitted: Option<hearth_billing::Admitted>,
+}
+
+/// What became of a worker's error event: passed on as it is (or as the end the lost worker
+/// owed), or the generation goes on on another worker.
+enum Recovery {
+    Event(GenerateEvent),
+    Resumed,
+    ClientGone,
+}
+
 async fn relay(
     state: Arc<AppState>,
     meter: Arc<dyn Meter>,
-    mut rec: UsageRecord,
-    mut timing: Timing,
+    rec: UsageRecord,
+    timing: Timing,
     Dispatched {
-        mut events,
-        mut placement,
-        mut failover,
+        events,
+        placement,
+        failover,
     }: Dispatched,
-    mut holds: Holds,
+    holds: Holds,
     tx: mpsc::Sender<GenerateEvent>,
 ) {
-    let mut generated = 0u32;
-    // Choice 0's tokens passed on: where a failover continues from.
-    let mut sent: Vec<u32> = Vec::new();
-    // Why choice 0 ended, once its `Finish` was passed on.
-    let mut finished: Option<FinishReason> = None;
-    // Whether the current worker has sent anything: before its first event the request may
-    // be queued or prefilling, which the idle timeout does not cover.
-    let mut streaming = false;
-    // The request's admission mark, from its first token on (see `Meter::admit`).
-    let mut admitted: Option<hearth_billing::Admitted> = None;
-    let mut abort = state.abort.subscribe();
-    let limits = state.request_limits;
-    let deadline = tokio::time::Instant::from_std(timing.received + limits.max_duration);
-    let ended = loop {
+    let abort = state.abort.subscribe();
+    let deadline = tokio::time::Instant::from_std(timing.received + state.request_limits.max_duration);
+    let mut relay = Relay {
+        state,
+        meter,
+        rec,
+        timing,
+        events,
+        placement,
+        failover,
+        holds,
+        tx,
+        abort,
+        deadline,
+        generated: 0,
+        sent: Vec::new(),
+        finished: None,
+        streaming: false,
+        admitted: None,
+    };
+    let ended = relay.run().await;
+    relay.settle(ended).await;
+}
+
+impl Relay {
+    /// Passes events on until the request ends; its usage record is then written
+    /// (`Some`), or the client went away first (`None`).
+    async fn run(&mut self) -> Option<Option<Pending>> {
+        loop {
+            let ev = self.next_event().await?;
+            self.streaming = true;
+            let ev = match self.recover(ev).await {
+                Recovery::Event(ev) => ev,
+                Recovery::Resumed => continue,
+                Recovery::ClientGone => return None,
+            };
+            if self.observe(&ev) {
+                return Some(self.close(ev).await);
+            }
+            if !self.send(ev).await {
+                return None;
+            }
+        }
+    }
+
+    /// The worker's next event, or the error that ends the request instead (a silent or
+    /// vanished worker, the drain timeout, the request's time limit); `None`: the client
+    /// is gone.
+    async fn next_event(&mut self) -> Option<GenerateEvent> {
+        let limits = self.state.request_limits;
+        let streaming = self.streaming;
+        let events = &mut self.events;
         let next = async {
             if streaming {
                 tokio::time::timeout(limits.stream_idle, events.next()).await
@@ -256,83 +330,96 @@ async fn relay(
                     message: format!("the worker sent nothing for {} s", limits.stream_idle.as_secs()),
                 },
             },
-            () = tx.closed() => break None,
-            () = aborted(&mut abort) => GenerateEvent::Error {
+            () = self.tx.closed() => return None,
+            () = aborted(&mut self.abort) => GenerateEvent::Error {
                 code: "shutting_down".into(),
                 message: "the gateway is shutting down and its drain timeout passed".into(),
             },
-            () = tokio::time::sleep_until(deadline) => GenerateEvent::Error {
+            () = tokio::time::sleep_until(self.deadline) => GenerateEvent::Error {
                 code: "request_timeout".into(),
                 message: format!("the request ran longer than {} s", limits.max_duration.as_secs()),
             },
         };
-        streaming = true;
-        // A lost worker: the generation continues on another one after what was sent.
-        let mut ev = ev;
-        if let (GenerateEvent::Error { code, .. }, Some(f)) = (&ev, failover.as_mut()) {
-            if super::dispatch::worker_lost(code) {
-                drop(std::mem::replace(&mut events, futures_util::stream::empty().boxed()));
-                let resumed = match finished {
-                    // The answer was complete; only its `Done` was lost.
-                    Some(_) => Resumed::Complete,
-                    None => f.resume(&sent, placement.as_ref()).await,
-                };
-                match resumed {
-                    Resumed::On(d) => {
-                        state.metrics.failovers.inc();
-                        events = d.events;
-                        placement = d.placement;
-                        streaming = false;
-                        continue;
-                    }
-                    Resumed::Complete => {
-                        // The usage the worker would have reported: the prompt (none of it
-                        // known to be cached) and every token generated.
-                        let finish_reason = finished.unwrap_or(FinishReason::Length);
-                        let finish = GenerateEvent::Finish {
-                            index: 0,
-                            finish_reason,
-                        };
-                        if finished.is_none() && !send(&tx, finish, &mut abort, deadline).await {
-                            break None;
-                        }
-                        ev = GenerateEvent::Done {
-                            finish_reason,
-                            usage: hearth_protocol::Usage {
-                                prompt_tokens: rec.prompt_tokens,
-                                cached_tokens: 0,
-                                completion_tokens: generated,
-                            },
-                            timings: Default::default(),
-                        };
-                    }
-                    Resumed::Unavailable => {}
-                }
-            }
+        Some(ev)
+    }
+
+    /// A lost worker: the generation continues on another one after what was sent.
+    async fn recover(&mut self, ev: GenerateEvent) -> Recovery {
+        let (GenerateEvent::Error { code, .. }, Some(f)) = (&ev, self.failover.as_mut()) else {
+            return Recovery::Event(ev);
+        };
+        if !super::dispatch::worker_lost(code) {
+            return Recovery::Event(ev);
         }
-        let terminal = match &ev {
+        drop(std::mem::replace(
+            &mut self.events,
+            futures_util::stream::empty().boxed(),
+        ));
+        let resumed = match self.finished {
+            // The answer was complete; only its `Done` was lost.
+            Some(_) => Resumed::Complete,
+            None => f.resume(&self.sent, self.placement.as_ref()).await,
+        };
+        match resumed {
+            Resumed::On(d) => {
+                self.state.metrics.failovers.inc();
+                self.events = d.events;
+                self.placement = d.placement;
+                self.streaming = false;
+                Recovery::Resumed
+            }
+            Resumed::Complete => {
+                // The usage the worker would have reported: the prompt (none of it known to
+                // be cached) and every token generated.
+                let finish_reason = self.finished.unwrap_or(FinishReason::Length);
+                let finish = GenerateEvent::Finish {
+                    index: 0,
+                    finish_reason,
+                };
+                if self.finished.is_none() && !self.send(finish).await {
+                    return Recovery::ClientGone;
+                }
+                Recovery::Event(GenerateEvent::Done {
+                    finish_reason,
+                    usage: hearth_protocol::Usage {
+                        prompt_tokens: self.rec.prompt_tokens,
+                        cached_tokens: 0,
+                        completion_tokens: self.generated,
+                    },
+                    timings: Default::default(),
+                })
+            }
+            Resumed::Unavailable => Recovery::Event(ev),
+        }
+    }
+
+    /// Takes one event into the record and the metrics; true when it ends the request.
+    fn observe(&mut self, ev: &GenerateEvent) -> bool {
+        let state = &self.state;
+        let rec = &mut self.rec;
+        match ev {
             GenerateEvent::Token { index, id, .. } => {
-                if admitted.is_none() {
+                if self.admitted.is_none() {
                     // Durable from the first token on: if this process dies before the
                     // final record, the next one records the request as interrupted.
-                    admitted = meter.admit(&rec);
+                    self.admitted = self.meter.admit(rec);
                 }
                 if *index == 0 {
-                    sent.push(*id);
+                    self.sent.push(*id);
                 }
-                generated += 1;
+                self.generated += 1;
                 if rec.ttft_ms.is_none() {
-                    rec.ttft_ms = Some(u32::try_from(timing.received.elapsed().as_millis()).unwrap_or(u32::MAX));
+                    rec.ttft_ms = Some(u32::try_from(self.timing.received.elapsed().as_millis()).unwrap_or(u32::MAX));
                 }
-                timing.token(&state.metrics);
-                if let Some(p) = placement.as_mut() {
+                self.timing.token(&state.metrics);
+                if let Some(p) = self.placement.as_mut() {
                     p.first_token();
                 }
                 false
             }
             GenerateEvent::Finish { index, finish_reason } => {
                 if *index == 0 {
-                    finished = Some(*finish_reason);
+                    self.finished = Some(*finish_reason);
                 }
                 false
             }
@@ -344,13 +431,13 @@ async fn relay(
                 rec.prompt_tokens = usage.prompt_tokens;
                 rec.cached_tokens = usage.cached_tokens;
                 rec.completion_tokens = usage.completion_tokens;
-                if let Some(p) = &placement {
+                if let Some(p) = &self.placement {
                     p.usage(usage.prompt_tokens, usage.cached_tokens);
                 }
                 rec.status = UsageStatus::Completed.as_str().into();
                 rec.finish_reason = Some(finish_reason.as_str().into());
-                timing.done(&state.metrics, finish_reason.as_str(), usage);
-                if let (Some(t), false) = (&timing.tenant, timings.is_empty()) {
+                self.timing.done(&state.metrics, finish_reason.as_str(), usage);
+                if let (Some(t), false) = (&self.timing.tenant, timings.is_empty()) {
                     let queue = timings.queue_us as f64 / 1e6;
                     state.metrics.tenant_queue.get_or_create(t).observe(queue);
                 }
@@ -358,8 +445,8 @@ async fn relay(
             }
             GenerateEvent::Error { code, message } => {
                 tracing::warn!(request_id = %rec.request_id, code = %code, message = %message, "generation failed");
-                rec.completion_tokens = generated;
-                if generated == 0 {
+                rec.completion_tokens = self.generated;
+                if self.generated == 0 {
                     // Refused or failed before anything was served: billed nothing.
                     rec.prompt_tokens = 0;
                     rec.cached_tokens = 0;
@@ -369,61 +456,84 @@ async fn relay(
                 rec.error_code = Some(code.clone());
                 true
             }
+        }
+    }
+
+    /// The request's last event: its usage is recorded before the event goes out
+    /// (write-before-ack); with processors, after their post-processing reports its time.
+    async fn close(&mut self, ev: GenerateEvent) -> Option<Pending> {
+        let finished = matches!(ev, GenerateEvent::Done { .. });
+        if let (true, Some(post)) = (finished, self.holds.post.take()) {
+            // Post-processing needs the worker's last event before its time is known.
+            self.send(ev).await;
+            let report = tokio::select! {
+                r = tokio::time::timeout(POST_WAIT, post) => r.ok().and_then(Result::ok),
+                () = aborted(&mut self.abort) => None,
+            };
+            if let Some(r) = &report {
+                self.rec.processor_us = r.processor_us;
+            }
+            let pending = self
+                .meter
+                .record(&mut self.rec)
+                .instrument(tracing::info_span!("meter"))
+                .await;
+            if let Some(r) = report {
+                let _ = r.written.send(());
+            }
+            return pending;
+        }
+        let pending = self
+            .meter
+            .record(&mut self.rec)
+            .instrument(tracing::info_span!("meter"))
+            .await;
+        self.send(ev).await;
+        pending
+    }
+
+    /// After the client's response has ended: the limits' lease settled, the record of a
+    /// request the client left, the admission mark, the budget's hold.
+    async fn settle(mut self, ended: Option<Option<Pending>>) {
+        drop(self.tx);
+        drop(self.placement);
+        if let Some(lease) = self.holds.lease {
+            // Settles the token reservation to what was used; releases the in-flight slots.
+            let used = self
+                .rec
+                .prompt_tokens
+                .saturating_add(self.rec.completion_tokens.max(self.generated));
+            lease.finish(used).await;
+        }
+        let pending = match ended {
+            Some(p) => p,
+            None => {
+                drop(self.events); // cancels the generation
+                self.rec.completion_tokens = self.generated;
+                if let Some(t) = &self.holds.processor_time {
+                    self.rec.processor_us = t.load(std::sync::atomic::Ordering::Relaxed);
+                }
+                self.rec.status = UsageStatus::Cancelled.as_str().into();
+                self.rec.finish_reason = Some(FinishReason::Cancelled.as_str().into());
+                self.meter
+                    .record(&mut self.rec)
+                    .instrument(tracing::info_span!("meter"))
+                    .await
+            }
         };
-        if terminal {
-            let finished = matches!(ev, GenerateEvent::Done { .. });
-            if let (true, Some(post)) = (finished, holds.post.take()) {
-                // Post-processing needs the worker's last event before its time is known.
-                send(&tx, ev, &mut abort, deadline).await;
-                let report = tokio::select! {
-                    r = tokio::time::timeout(POST_WAIT, post) => r.ok().and_then(Result::ok),
-                    () = aborted(&mut abort) => None,
-                };
-                if let Some(r) = &report {
-                    rec.processor_us = r.processor_us;
-                }
-                let pending = meter.record(&mut rec).instrument(tracing::info_span!("meter")).await;
-                if let Some(r) = report {
-                    let _ = r.written.send(());
-                }
-                break Some(pending);
-            }
-            let pending = meter.record(&mut rec).instrument(tracing::info_span!("meter")).await;
-            send(&tx, ev, &mut abort, deadline).await;
-            break Some(pending);
+        match (pending.is_some(), self.admitted) {
+            // Neither the outbox nor the database took the final record: the mark stays, so
+            // the request is recorded as interrupted on replay rather than lost.
+            (false, Some(a)) => a.abandon(),
+            (_, a) => drop(a),
         }
-        if !send(&tx, ev, &mut abort, deadline).await {
-            break None;
-        }
-    };
-    // The client's response ends here; what follows is bookkeeping.
-    drop(tx);
-    drop(placement);
-    if let Some(lease) = holds.lease {
-        // Settles the token reservation to what was used; releases the in-flight slots.
-        let used = rec.prompt_tokens.saturating_add(rec.completion_tokens.max(generated));
-        lease.finish(used).await;
+        self.meter.settle(&self.rec, pending).await;
+        // The real cost is now in the budget's spend: the worst case no longer needs holding.
+        drop(self.holds.budget);
     }
-    let pending = match ended {
-        Some(p) => p,
-        None => {
-            drop(events); // cancels the generation
-            rec.completion_tokens = generated;
-            if let Some(t) = &holds.processor_time {
-                rec.processor_us = t.load(std::sync::atomic::Ordering::Relaxed);
-            }
-            rec.status = UsageStatus::Cancelled.as_str().into();
-            rec.finish_reason = Some(FinishReason::Cancelled.as_str().into());
-            meter.record(&mut rec).instrument(tracing::info_span!("meter")).await
-        }
-    };
-    match (pending.is_some(), admitted) {
-        // Neither the outbox nor the database took the final record: the mark stays, so the
-        // request is recorded as interrupted on replay rather than lost.
-        (false, Some(a)) => a.abandon(),
-        (_, a) => drop(a),
+
+    /// [`send`] with this request's abort and deadline.
+    async fn send(&mut self, ev: GenerateEvent) -> bool {
+        send(&self.tx, ev, &mut self.abort, self.deadline).await
     }
-    meter.settle(&rec, pending).await;
-    // The real cost is now in the budget's spend: the worst case no longer needs holding.
-    drop(holds.budget);
 }

@@ -4,7 +4,7 @@
 use hearth_protocol::AdapterRef;
 
 use super::RequestContext;
-use crate::error::{store_error, ApiError};
+use crate::server::error::{store_error, ApiError};
 use crate::state::AppState;
 
 pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiError> {
@@ -59,7 +59,7 @@ pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiEr
     // The model is named in the trace once resolved (never the client's raw text).
     ctx.span.record("gen_ai.request.model", model.id.as_str());
     ctx.span.record("gen_ai.response.model", model.id.as_str());
-    crate::telemetry::rename(&ctx.span, format!("{} {}", ctx.endpoint.operation(), model.id));
+    crate::server::telemetry::rename(&ctx.span, format!("{} {}", ctx.endpoint.operation(), model.id));
     ctx.model = Some(model.clone());
     Ok(())
 }

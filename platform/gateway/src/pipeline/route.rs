@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use hearth_protocol::{block_hashes, namespace_root, BlockHash};
 use hearth_router::{Policy, RouteInput, Router};
 
-use crate::registry::ServedModel;
+use crate::upstream::registry::ServedModel;
 
 /// What the router may use besides the tokens.
 #[derive(Clone)]
@@ -27,13 +27,13 @@ pub struct RouteHints {
     /// `prefix_aware`'s key: the leading text of the request and its cache namespace.
     pub prefix_key: u64,
     /// The tenant, whose queued tokens the placement accounts for (see
-    /// [`crate::queues::TenantQueues`]).
+    /// [`crate::upstream::queues::TenantQueues`]).
     pub tenant: String,
     /// The worker (by name) the shared store pins `session` to: another gateway's decision
-    /// (see [`crate::cluster::SharedRouting`]).
+    /// (see [`crate::upstream::cluster::SharedRouting`]).
     pub pinned: Option<String>,
     /// Where session pins are shared with the other gateways (None: this gateway alone).
-    pub shared: Option<Arc<crate::cluster::SharedRouting>>,
+    pub shared: Option<Arc<crate::upstream::cluster::SharedRouting>>,
     /// The digest of the request's LoRA adapter (workers with it loaded are preferred).
     pub adapter: Option<String>,
 }
@@ -395,8 +395,8 @@ pub(crate) mod tests {
     use hearth_protocol::{GenerateRequest, WorkerInfo};
 
     use super::*;
-    use crate::registry::{ModelRegistry, RoutingConfig};
-    use crate::workers::{EventStream, KvEventStream, WorkerClient, WorkerError};
+    use crate::upstream::registry::{ModelRegistry, RoutingConfig};
+    use crate::upstream::workers::{EventStream, KvEventStream, WorkerClient, WorkerError};
 
     /// A worker that only reports a model state (and counts requests to load it); its
     /// `info` serves the disaggregation tests' scripted workers too.
@@ -533,7 +533,7 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn long_prompts_go_to_a_prefill_and_a_decode_worker_short_ones_to_decode() {
         let (model, _reg) = model_with_roles(&["prefill", "decode", "decode"]).await;
-        assert_eq!(model.pd_threshold, crate::registry::DEFAULT_PD_THRESHOLD);
+        assert_eq!(model.pd_threshold, crate::upstream::registry::DEFAULT_PD_THRESHOLD);
         // Short: colocated, never on the prefill worker.
         assert!(run_pd(&model, &prompt_of(100), 0).is_none());
         let held: Vec<Placement> = (0..4).map(|i| run(&model, &req(i), 0).unwrap()).collect();

@@ -13,10 +13,10 @@ use serde_json::Value;
 
 use super::parse::Input;
 use super::RequestContext;
-use crate::error::ApiError;
-use crate::openai::Prompt;
-use crate::registry::ServedModel;
-use crate::tools;
+use crate::api::openai::Prompt;
+use crate::api::tools;
+use crate::server::error::ApiError;
+use crate::upstream::registry::ServedModel;
 
 pub fn run(ctx: &mut RequestContext) -> Result<(), ApiError> {
     let model = ctx.model()?.clone();

@@ -1,0 +1,134 @@
+//! Where the forward pass runs ([`Compute`]): on the CPU with the KV pool in memory, or on
+//! a CUDA device that holds its own weights and pool; reading, writing and copying KV
+//! blocks wherever the pool is.
+
+use crate::cuda::Device;
+use crate::engine::config::{kv_blocks, EngineConfig, EngineError};
+use crate::kv::pool::KvPool;
+use crate::models::{Batch, ForwardScratch, Model};
+
+/// Where the forward pass runs, with the KV pool it writes.
+pub(super) enum Compute {
+    Cpu {
+        pool: KvPool,
+        scratch: ForwardScratch,
+    },
+    #[cfg(feature = "cuda")]
+    Cuda(Box<crate::cuda::CudaCompute>),
+}
+
+impl Compute {
+    /// The compute for `cfg.device`, its KV cache's MiB and blocks.
+    pub(super) fn new(
+        model: &Model,
+        cfg: &EngineConfig,
+        bt: usize,
+        context: usize,
+    ) -> Result<(Self, usize, usize), EngineError> {
+        match cfg.device {
+            Device::Cpu => {
+                let (mib, num_blocks) = kv_blocks(model.kv_shape(bt), cfg);
+                let pool = KvPool::new(model.kv_shape(bt), cfg.kv_dtype, num_blocks);
+                Ok((
+                    Compute::Cpu {
+                        pool,
+                        scratch: ForwardScratch::default(),
+                    },
+                    mib,
+                    num_blocks,
+                ))
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => {
+                if cfg.kv_dtype != crate::kv::pool::KvDtype::F16 {
+                    return Err(EngineError::Start("the CUDA backend keeps its KV cache in f16".into()));
+                }
+                // Rows a step carries: at most the token budget (draft tokens share it).
+                let max_rows = cfg.max_batch_tokens.max(1);
+                let options = crate::cuda::CudaOptions {
+                    ordinal,
+                    kv_cache_mib: cfg.kv_cache_mib,
+                    max_rows,
+                    context,
+                    block_tokens: bt,
+                    graphs: cfg.cuda_graphs,
+                };
+                let c =
+                    crate::cuda::CudaCompute::new(model, &options).map_err(|e| EngineError::Start(e.to_string()))?;
+                let (mib, blocks) = (c.report().kv_cache_mib, c.num_blocks());
+                Ok((Compute::Cuda(Box::new(c)), mib, blocks))
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => {
+                let _ = context; // what the CUDA backend would size its block tables by
+                Err(EngineError::Start(
+                    "this build has no CUDA backend (build hearth with `--features cuda`)".into(),
+                ))
+            }
+        }
+    }
+
+    /// One step; `Ok(None)` if `stop` gave it up between layers (the CPU backend asks
+    /// before each layer; a GPU step is short and runs whole).
+    pub(super) fn forward(
+        &mut self,
+        model: &Model,
+        batch: &Batch<'_>,
+        stop: &mut dyn FnMut(usize) -> bool,
+    ) -> Result<Option<Vec<f32>>, String> {
+        match self {
+            Compute::Cpu { pool, scratch } => Ok(model.forward_batch_until(batch, pool, scratch, stop)),
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(c) => {
+                let _ = stop;
+                c.forward(batch).map(Some).map_err(|e| e.to_string())
+            }
+        }
+    }
+
+    /// Whether the device is out of service (see [`crate::cuda::CudaCompute`]).
+    pub(super) fn failed(&self) -> bool {
+        match self {
+            Compute::Cpu { .. } => false,
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(c) => c.failure().is_some(),
+        }
+    }
+
+    /// A block's bytes (None: the device failed to give them).
+    pub(super) fn read_block(&mut self, block: u32) -> Option<Vec<u8>> {
+        match self {
+            Compute::Cpu { pool, .. } => Some(pool.read_block(block)),
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(c) => c
+                .read_block(block)
+                .inspect_err(|e| tracing::error!(error = %e, "reading a KV block from the device failed"))
+                .ok(),
+        }
+    }
+
+    pub(super) fn write_block(&mut self, block: u32, data: &crate::kv::block::BlockData) -> bool {
+        match self {
+            Compute::Cpu { pool, .. } => pool.write_block(block, data.parts()),
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(c) => c
+                .write_block(block, &data.to_vec())
+                .inspect_err(|e| tracing::error!(error = %e, "writing a KV block to the device failed"))
+                .unwrap_or(false),
+        }
+    }
+
+    /// A failed copy on the device puts the device out of service, so the next step fails
+    /// its requests instead of computing on a block that was not copied.
+    pub(super) fn copy_block(&mut self, from: u32, to: u32) {
+        match self {
+            Compute::Cpu { pool, .. } => pool.copy_block(from, to),
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(c) => {
+                if let Err(e) = c.copy_block(from, to) {
+                    tracing::error!(error = %e, "copying a KV block on the device failed");
+                }
+            }
+        }
+    }
+}
