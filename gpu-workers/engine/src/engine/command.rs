@@ -48,7 +48,7 @@ pub(super) enum Command {
     /// Which of these hashes are not cached here.
     MissingBlocks(Vec<BlockHash>, oneshot::Sender<Vec<BlockHash>>),
     /// Blocks in chain order, each with why it was already refused (its checksum), and the
-    /// block they must follow (see [`EngineHandle::start_import`]).
+    /// block they must follow (see [`EngineHandle::start_import`](crate::EngineHandle::start_import)).
     ImportBlocks(Vec<ReadBlock>, Option<BlockHash>, oneshot::Sender<ImportReport>),
     /// A request's blocks read back from the disk tier: import them, then admit it.
     DiskRead(Box<Job>, Vec<ReadBlock>),

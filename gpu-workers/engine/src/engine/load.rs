@@ -160,6 +160,7 @@ impl EngineHandle {
 
 /// Starts the cold disk's reads ahead of the load, and returns the matrices a current pack
 /// cache holds (by offset), if one does.
+///
 /// A cold disk's reads overlap the load and the first prefill (see
 /// `pack_cache::read_ahead`). Where a current pack cache holds the model's matrices,
 /// the model file is read ahead only where the load still reads it: its header

@@ -86,7 +86,7 @@ impl KvLayout {
     }
 }
 
-/// [`KvDtype`] as it travels.
+/// [`KvDtype`](crate::kv::pool::KvDtype) as it travels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KvDtypeName {

@@ -12,7 +12,7 @@
 //!   Secure when the request came over TLS: `X-Forwarded-Proto: https`); the database holds
 //!   its hash. Sessions end on sign-out, after 30 minutes idle, after 12 hours, or with their
 //!   credential (a revoked key, a JWT's `exp`, a changed admin token, a removed member).
-//! * **Roles**: a member's session acts as [`Actor::Member`]; the management service's role
+//! * **Roles**: a member's session acts as [`Actor::Member`](crate::manage::Actor::Member); the management service's role
 //!   table decides, and pages hide what the role may not do.
 //! * **CSRF**: every POST carries the session's token (a form field or `x-csrf-token`),
 //!   compared in constant time, and is refused when `Origin` or `Sec-Fetch-Site` says it
@@ -22,12 +22,12 @@
 //! * **CSP**: `default-src 'none'`; scripts, styles and images only from the dashboard
 //!   itself, no inline script, no framing. Every value a template prints is HTML-escaped
 //!   (minijinja's auto-escaping for `.html` templates); nothing is marked safe.
-//! * **Isolation**: a tenant session acts as [`Actor::Tenant`] through the management
+//! * **Isolation**: a tenant session acts as [`Actor::Tenant`](crate::manage::Actor::Tenant) through the management
 //!   service and reads the ledger by its own tenant id only; operator pages need an operator
 //!   session.
 //!
 //! Every change goes through [`crate::manage::Management`] with the dashboard's
-//! [`Origin`], so it lands in the audit log like the API's and the CLI's.
+//! [`Origin`](crate::manage::Origin), so it lands in the audit log like the API's and the CLI's.
 
 pub(super) mod login;
 mod members;

@@ -238,8 +238,9 @@ struct Relay {
     admitted: Option<hearth_billing::Admitted>,
 }
 
-/// What became of a worker's error event: passed on as it is (or as the end the lost worker
-/// owed), or the generation goes on on another worker.
+/// What [`Relay::recover`] made of an event: the event to pass on (as it came, or the end a
+/// lost worker owed), the generation resumed on another worker, or the client gone while
+/// the lost worker's `Finish` was sent.
 enum Recovery {
     Event(GenerateEvent),
     Resumed,

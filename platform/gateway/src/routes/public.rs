@@ -145,7 +145,7 @@ pub async fn get_model(
 }
 
 /// The Prometheus exposition (operator-only).
-#[utoipa::path(get, path = "/metrics", tag = "operations",
+#[utoipa::path(get, path = "/metrics", tag = "operations", operation_id = "render",
     responses((status = 200, description = "Prometheus text format; see the metrics reference.", content_type = "text/plain", body = String), crate::server::error::Errors))]
 pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     let body = state.metrics.render(&state.ledger, &state.tenants, &state.models);

@@ -110,9 +110,9 @@ pub(super) struct Runner {
     /// Adapter loads and adapters loaded when [`KvEvent::Adapters`] was last sent.
     pub(super) last_adapters: (u64, usize),
     /// Blocks held for decode workers, by the prefill request's id, until released or
-    /// [`HOLD_TTL`] passes.
+    /// [`HOLD_TTL`](crate::engine::config::HOLD_TTL) passes.
     pub(super) holds: HashMap<String, (Vec<u32>, Instant)>,
-    /// The queue limit (0: unbounded), as reported in [`WorkerInfo::queue_tokens`].
+    /// The queue limit (0: unbounded), as reported in [`WorkerInfo::queue_tokens`](hearth_protocol::WorkerInfo::queue_tokens).
     pub(super) queue_tokens: u64,
     /// The KV tier below the pool.
     pub(super) tier: Option<Arc<DiskTier>>,

@@ -66,7 +66,7 @@ impl Runner {
     /// Plans and runs one step. Commands that arrive while it runs are taken between layers
     /// and carried out after it; one that brings an interactive request while the step
     /// computes prompt tokens of work it outranks — batch work, or a tenant it would preempt
-    /// ([`Scheduler::interrupts`]) — cuts the step short, at most
+    /// ([`Scheduler::interrupts`](crate::step::scheduler::Scheduler::interrupts)) — cuts the step short, at most
     /// [`crate::step::scheduler::MAX_CUTS_IN_A_ROW`] steps in a row so that running work always
     /// progresses.
     pub(super) fn step(&mut self, rx: &mpsc::Receiver<Command>) {

@@ -7,7 +7,7 @@
 //! as GGUF weights are) and presents the directory as the same [`GgufFile`] view the model
 //! code reads: the configuration under GGUF's `llama.*` keys, the tokenizer under
 //! `tokenizer.ggml.*`, tensors under GGUF's names with their dimensions reversed, and
-//! [`ROPE_LAYOUT_KEY`] = `halves` for Llama, Mistral and Mixtral, because their Hugging Face
+//! [`ROPE_LAYOUT_KEY`](crate::models::ROPE_LAYOUT_KEY) = `halves` for Llama, Mistral and Mixtral, because their Hugging Face
 //! checkpoints keep Q/K rows unpermuted and rotate the two halves of each head (DeepSeek's
 //! rotate adjacent pairs, as GGUF does). Routed experts stay one tensor per expert, and
 //! `kv_b_proj` is split per head as llama.cpp's converter splits it ([`split_latent_kv`]).

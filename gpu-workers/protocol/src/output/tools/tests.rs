@@ -1,5 +1,6 @@
 use super::*;
 use proptest::prelude::*;
+use serde_json::json;
 
 fn tools() -> Vec<ToolDef> {
     vec![
