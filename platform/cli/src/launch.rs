@@ -154,20 +154,47 @@ async fn run_gateway(
     limits: &LimitStoreArgs,
     (lifecycle, http): (&LifecycleArgs, &HttpArgs),
 ) -> anyhow::Result<()> {
+    let db = data.open().await?;
+    let (state, discovery) = gateway_state(data, &db, workers, access, &routing, limits, http).await?;
+    let gw = Arc::new(state);
+    spawn_background(&gw, discovery).await;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen}"))?;
+    let addr = listener.local_addr()?;
+    let config = Effective {
+        data_dir: &data.dir(),
+        database: db.backend.as_str(),
+        pd_threshold: routing.pd_threshold,
+        processor_warm: limits.processor_warm,
+    };
+    announce(&gw, addr, config).await?;
+    serve_until_drained(gw, listener, lifecycle, http).await
+}
+
+/// The gateway's shared state from its arguments, and the worker registry to poll
+/// (`--discover`, with the Redis connection the limits use).
+async fn gateway_state(
+    data: &DataArgs,
+    db: &hearth_tenants::Db,
+    workers: Workers,
+    access: &AccessArgs,
+    routing: &RoutingConfig,
+    limits: &LimitStoreArgs,
+    http: &HttpArgs,
+) -> anyhow::Result<(AppState, Option<(Discovery, Duration)>)> {
     let (admin_token, public_origin) = access.checked()?;
     let data_dir = data.dir();
-    let db = data.open().await?;
     let limiter = limits.limiter().await?;
     if workers.discover.is_some() && limiter.redis().is_none() {
         bail!("--discover reads the worker registry in Redis: give --redis-url (HEARTH_REDIS_URL)");
     }
-    let models = ModelRegistry::discover(workers.clients, workers.wait, &routing).await?;
-    let routing_pd = routing.pd_threshold;
+    let models = ModelRegistry::discover(workers.clients, workers.wait, routing).await?;
     models.set_hosts(workers.hosts);
     let mut state = AppState::new(
-        TenantStore::new(&db),
+        TenantStore::new(db),
         UsageLedger::with_outbox_durability(
-            &db,
+            db,
             &data_dir,
             hearth_billing::outbox::Durability::parse(&limits.usage_durability).map_err(anyhow::Error::msg)?,
         )
@@ -180,9 +207,8 @@ async fn run_gateway(
     state
         .tenants
         .set_stale_limit(Duration::from_secs(limits.auth_stale_secs));
-    let http_limits = http.limits();
     state.body_limits = hearth_gateway::server::http::BodyLimits::new(
-        &http_limits,
+        &http.limits(),
         "/processors",
         hearth_tenants::processors::MAX_PROCESSOR_BYTES + (1 << 20),
     )
@@ -244,7 +270,13 @@ async fn run_gateway(
     if let Some(engines) = workers.engines {
         state.metrics.register_collector(Box::new(engines));
     }
-    let gw = Arc::new(state);
+    Ok((state, discovery))
+}
+
+/// This gateway's background work: purging expired stored responses, exchanging load with
+/// the other gateways, its share of the batch lines, and the worker registry's polls (the
+/// first one before it listens, so that registered workers serve from the start).
+async fn spawn_background(gw: &Arc<AppState>, discovery: Option<(Discovery, Duration)>) {
     // Expired stored responses are invisible at once and deleted hourly.
     {
         let gw = gw.clone();
@@ -271,21 +303,35 @@ async fn run_gateway(
         }
         tokio::spawn(discovery.run(gw.clone(), interval));
     }
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("cannot listen on {listen}"))?;
-    let addr = listener.local_addr()?;
+}
+
+/// What the startup line reports beside the state's own settings.
+struct Effective<'a> {
+    data_dir: &'a Path,
+    database: &'a str,
+    pd_threshold: usize,
+    processor_warm: usize,
+}
+
+/// The effective configuration, logged, and the first steps for a newcomer, printed.
+async fn announce(gw: &AppState, addr: SocketAddr, config: Effective<'_>) -> anyhow::Result<()> {
+    let Effective {
+        data_dir,
+        database,
+        pd_threshold,
+        processor_warm,
+    } = config;
     let served: Vec<String> = gw.models.all().iter().map(|m| m.id.clone()).collect();
     tracing::info!(
         listen = %addr,
         data_dir = %data_dir.display(),
-        database = db.backend.as_str(),
+        database,
         rate_limits = if gw.limiter.shared() { "redis" } else { "in-process" },
         models = ?served,
         admin_api = gw.admin_token.is_some(),
         operator_sso = gw.operator_sso.as_ref().map(|o| format!("{} ({} operators)", o.provider.issuer, o.operators.len())),
-        pd_threshold = routing_pd,
-        processor_warm = limits.processor_warm,
+        pd_threshold,
+        processor_warm,
         shared_routing = gw.shared_routing.as_ref().map(|s| s.gateway().to_string()),
         "effective configuration"
     );
@@ -305,6 +351,17 @@ async fn run_gateway(
             served.first().map_or("MODEL", String::as_str)
         );
     }
+    Ok(())
+}
+
+/// Serves until SIGTERM, then drains: readiness off, the shutdown delay, requests in flight
+/// finished (or ended at the drain timeout), and every usage record committed.
+async fn serve_until_drained(
+    gw: Arc<AppState>,
+    listener: tokio::net::TcpListener,
+    lifecycle: &LifecycleArgs,
+    http: &HttpArgs,
+) -> anyhow::Result<()> {
     // With the peer's address: the audit log records where management actions came from.
     let service = app::router(gw.clone());
     // SIGTERM: readiness off, the shutdown delay (load balancers notice), then no new
@@ -324,7 +381,7 @@ async fn run_gateway(
         drained_tx.send_replace(true);
     };
     let connections = gw.metrics.connections.clone();
-    let server = hearth_gateway::server::http::serve(listener, service, http_limits, connections, shutdown);
+    let server = hearth_gateway::server::http::serve(listener, service, http.limits(), connections, shutdown);
     let timeout = Duration::from_secs(lifecycle.drain_timeout_secs);
     let abort = gw.clone();
     let overrun = async move {

@@ -168,148 +168,181 @@ pub(super) async fn login(
     }
     let address = client_address(&extensions);
     let origin = Origin::dashboard(address.clone());
-    if let Some(email) = form.email.as_deref().filter(|e| !e.trim().is_empty()) {
-        let tenant = form.tenant.as_deref().unwrap_or("").trim();
-        let password = form.password.unwrap_or_default();
-        let found = match gw.tenants.member_for_sign_in(tenant, email).await {
-            Ok(found) => found,
-            Err(e) => {
-                tracing::error!(error = %e, "member store unavailable");
-                return login_page(
-                    &gw,
-                    headers,
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    Some("Sign-in is temporarily unavailable."),
-                )
-                .await;
-            }
-        };
-        // An unknown tenant or address costs the same Argon2id verification as a wrong
-        // password (against a dummy hash), so the answer's time does not tell.
-        let (member, hash) = found.map_or((None, None), |(m, h)| (Some(m), h));
-        gw.metrics.password_checks.inc();
-        let ok = match crate::manage::password_work(move || {
-            hearth_tenants::members::verify_password(hash.as_deref(), &password)
-        })
-        .await
-        {
-            Ok(ok) => ok,
-            Err(e) => {
-                let e = ApiError::from(e);
-                return login_page(&gw, headers, e.status, Some(&e.message)).await;
-            }
-        };
-        let Some(member) = member.filter(|_| ok) else {
-            sign_in_failed(&gw, &extensions);
-            return login_page(
-                &gw,
-                headers,
-                StatusCode::UNAUTHORIZED,
-                Some("Wrong tenant, e-mail address or password."),
-            )
-            .await;
-        };
-        if let Some(refused) = refuse_if_suspended(&gw, headers, &member.tenant_id).await {
-            return refused;
-        }
-        let opened = open_member_session(&gw, &member, origin, "password").await;
-        return session_opened(&gw, headers, opened, false).await;
+    if form.email.as_deref().is_some_and(|e| !e.trim().is_empty()) {
+        return member_sign_in(&gw, headers, &extensions, form, origin).await;
     }
     let credential = form.credential.as_deref().unwrap_or("").trim();
     let admin = gw.admin_token.as_deref().filter(|t| !t.is_empty());
     let opened = if admin.is_some_and(|t| constant_time_eq(credential.as_bytes(), t.as_bytes())) {
-        let kind = SessionKind::Operator {
-            admin_fp: admin_fingerprint(credential),
-        };
-        let s = gw.tenants.create_session(kind, None, address.as_deref()).await;
-        if s.is_ok() {
-            gw.management()
-                .via(origin)
-                .audit(Actor::Operator, None, "session.sign_in", "dashboard", json!({}))
-                .await;
-        }
-        s
+        operator_session(&gw, credential, address.as_deref(), origin).await
     } else {
-        let ctx = match gw.tenants.authenticate(credential).await {
-            Ok(ctx) => ctx,
-            Err(AuthError::Store(e)) => {
-                tracing::error!(error = %e, "key store unavailable");
-                return login_page(
-                    &gw,
-                    headers,
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    Some("Sign-in is temporarily unavailable."),
-                )
-                .await;
-            }
-            Err(AuthError::Suspended(t)) => {
-                return login_page(&gw, headers, StatusCode::FORBIDDEN, Some(&suspended_message(&t))).await;
-            }
-            Err(e) => {
-                sign_in_failed(&gw, &extensions);
-                let why = match e {
-                    AuthError::Revoked => "This API key has been revoked.",
-                    AuthError::Expired(_) => "This credential has expired.",
-                    _ => "That is not a valid API key, JWT or admin token.",
-                };
-                return login_page(&gw, headers, StatusCode::UNAUTHORIZED, Some(why)).await;
-            }
-        };
-        if !ctx.scopes.manage {
+        match key_session(&gw, headers, &extensions, credential, address.as_deref(), origin).await {
+            Ok(opened) => opened,
+            Err(refused) => return refused,
+        }
+    };
+    session_opened(&gw, headers, opened, false).await
+}
+
+/// A member signs in with its tenant, e-mail address and password.
+async fn member_sign_in(
+    gw: &AppState,
+    headers: &HeaderMap,
+    extensions: &axum::http::Extensions,
+    form: LoginForm,
+    origin: Origin,
+) -> Response {
+    let tenant = form.tenant.as_deref().unwrap_or("").trim();
+    let email = form.email.as_deref().unwrap_or("");
+    let password = form.password.unwrap_or_default();
+    let found = match gw.tenants.member_for_sign_in(tenant, email).await {
+        Ok(found) => found,
+        Err(e) => {
+            tracing::error!(error = %e, "member store unavailable");
             return login_page(
-                &gw,
+                gw,
                 headers,
-                StatusCode::FORBIDDEN,
-                Some("This credential lacks the 'manage' scope the dashboard needs."),
+                StatusCode::SERVICE_UNAVAILABLE,
+                Some("Sign-in is temporarily unavailable."),
             )
             .await;
         }
-        // Once a tenant has members, people sign in as themselves: its keys are for programs.
-        match gw.tenants.has_members(&ctx.tenant_id).await {
-            Ok(false) => {}
-            Ok(true) => {
-                return login_page(
-                    &gw,
-                    headers,
-                    StatusCode::FORBIDDEN,
-                    Some("This tenant has members: sign in with your e-mail address and password. API keys are for programs."),
-                )
-                .await
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "member store unavailable");
-                return login_page(
-                    &gw,
-                    headers,
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    Some("Sign-in is temporarily unavailable."),
-                )
-                .await;
-            }
-        }
-        let kind = SessionKind::Tenant {
-            tenant_id: ctx.tenant_id.clone(),
-            credential: ctx.key_id.clone(),
-            scopes: ctx.scopes,
-            models: ctx.models.as_ref().map(|m| m.to_vec()),
-        };
-        let s = gw
-            .tenants
-            .create_session(kind, ctx.expires_at, address.as_deref())
-            .await;
-        if s.is_ok() {
-            gw.management()
-                .via(origin)
-                .audit(
-                    Actor::Tenant(&ctx),
-                    Some(&ctx.tenant_id),
-                    "session.sign_in",
-                    "dashboard",
-                    json!({}),
-                )
-                .await;
-        }
-        s
     };
-    session_opened(&gw, headers, opened, false).await
+    // An unknown tenant or address costs the same Argon2id verification as a wrong
+    // password (against a dummy hash), so the answer's time does not tell.
+    let (member, hash) = found.map_or((None, None), |(m, h)| (Some(m), h));
+    gw.metrics.password_checks.inc();
+    let ok = match crate::manage::password_work(move || {
+        hearth_tenants::members::verify_password(hash.as_deref(), &password)
+    })
+    .await
+    {
+        Ok(ok) => ok,
+        Err(e) => {
+            let e = ApiError::from(e);
+            return login_page(gw, headers, e.status, Some(&e.message)).await;
+        }
+    };
+    let Some(member) = member.filter(|_| ok) else {
+        sign_in_failed(gw, extensions);
+        return login_page(
+            gw,
+            headers,
+            StatusCode::UNAUTHORIZED,
+            Some("Wrong tenant, e-mail address or password."),
+        )
+        .await;
+    };
+    if let Some(refused) = refuse_if_suspended(gw, headers, &member.tenant_id).await {
+        return refused;
+    }
+    let opened = open_member_session(gw, &member, origin, "password").await;
+    session_opened(gw, headers, opened, false).await
+}
+
+/// The operator signs in with the admin token.
+async fn operator_session(
+    gw: &AppState,
+    credential: &str,
+    address: Option<&str>,
+    origin: Origin,
+) -> Result<(String, Session), hearth_tenants::TenantError> {
+    let kind = SessionKind::Operator {
+        admin_fp: admin_fingerprint(credential),
+    };
+    let s = gw.tenants.create_session(kind, None, address).await;
+    if s.is_ok() {
+        gw.management()
+            .via(origin)
+            .audit(Actor::Operator, None, "session.sign_in", "dashboard", json!({}))
+            .await;
+    }
+    s
+}
+
+/// A tenant's credential (an API key or JWT with the `manage` scope) opens a session, while
+/// the tenant has no members; refused with the sign-in page otherwise.
+async fn key_session(
+    gw: &AppState,
+    headers: &HeaderMap,
+    extensions: &axum::http::Extensions,
+    credential: &str,
+    address: Option<&str>,
+    origin: Origin,
+) -> Result<Result<(String, Session), hearth_tenants::TenantError>, Response> {
+    let ctx = match gw.tenants.authenticate(credential).await {
+        Ok(ctx) => ctx,
+        Err(AuthError::Store(e)) => {
+            tracing::error!(error = %e, "key store unavailable");
+            return Err(login_page(
+                gw,
+                headers,
+                StatusCode::SERVICE_UNAVAILABLE,
+                Some("Sign-in is temporarily unavailable."),
+            )
+            .await);
+        }
+        Err(AuthError::Suspended(t)) => {
+            return Err(login_page(gw, headers, StatusCode::FORBIDDEN, Some(&suspended_message(&t))).await);
+        }
+        Err(e) => {
+            sign_in_failed(gw, extensions);
+            let why = match e {
+                AuthError::Revoked => "This API key has been revoked.",
+                AuthError::Expired(_) => "This credential has expired.",
+                _ => "That is not a valid API key, JWT or admin token.",
+            };
+            return Err(login_page(gw, headers, StatusCode::UNAUTHORIZED, Some(why)).await);
+        }
+    };
+    if !ctx.scopes.manage {
+        return Err(login_page(
+            gw,
+            headers,
+            StatusCode::FORBIDDEN,
+            Some("This credential lacks the 'manage' scope the dashboard needs."),
+        )
+        .await);
+    }
+    // Once a tenant has members, people sign in as themselves: its keys are for programs.
+    match gw.tenants.has_members(&ctx.tenant_id).await {
+        Ok(false) => {}
+        Ok(true) => return Err(login_page(
+            gw,
+            headers,
+            StatusCode::FORBIDDEN,
+            Some("This tenant has members: sign in with your e-mail address and password. API keys are for programs."),
+        )
+        .await),
+        Err(e) => {
+            tracing::error!(error = %e, "member store unavailable");
+            return Err(login_page(
+                gw,
+                headers,
+                StatusCode::SERVICE_UNAVAILABLE,
+                Some("Sign-in is temporarily unavailable."),
+            )
+            .await);
+        }
+    }
+    let kind = SessionKind::Tenant {
+        tenant_id: ctx.tenant_id.clone(),
+        credential: ctx.key_id.clone(),
+        scopes: ctx.scopes,
+        models: ctx.models.as_ref().map(|m| m.to_vec()),
+    };
+    let s = gw.tenants.create_session(kind, ctx.expires_at, address).await;
+    if s.is_ok() {
+        gw.management()
+            .via(origin)
+            .audit(
+                Actor::Tenant(&ctx),
+                Some(&ctx.tenant_id),
+                "session.sign_in",
+                "dashboard",
+                json!({}),
+            )
+            .await;
+    }
+    Ok(s)
 }

@@ -2,6 +2,13 @@
 //! issuer, price, processor and export management, against the database or (`hearth admin`,
 //! `hearth billing` with `--gateway-url`) through a gateway's admin API.
 
+mod jwt;
+mod key;
+mod member;
+mod price;
+mod sso;
+mod tenant;
+
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
@@ -595,163 +602,13 @@ fn budget_arg(monthly_usd: &str, soft: bool) -> anyhow::Result<Option<hearth_ten
 
 /// `hearth admin …` through the gateway's admin API.
 async fn admin_remote(gw: &AdminClient, command: &AdminCommand) -> anyhow::Result<serde_json::Value> {
-    use reqwest::Method;
-    use serde_json::json;
-    let limits = |l: hearth_tenants::Limits| {
-        json!({"rpm": l.rpm, "tpm": l.tpm, "concurrent": l.concurrent, "share": l.share,
-               "priority": l.priority.map(|p| p.to_string())})
-    };
-    let opt = |k: &'static str, v: &Option<String>| v.clone().map(|v| (k, v));
     Ok(match command {
-        AdminCommand::Tenant { command } => match command {
-            TenantCommand::Create { name } => {
-                gw.call(Method::POST, &["tenants"], &[], Some(json!({"name": name})))
-                    .await?
-            }
-            TenantCommand::List => gw.get(&["tenants"], &[]).await?,
-            TenantCommand::Suspend { name } => gw.call(Method::POST, &["tenants", name, "suspend"], &[], None).await?,
-            TenantCommand::Resume { name } => gw.call(Method::POST, &["tenants", name, "resume"], &[], None).await?,
-            TenantCommand::Limits { name, limits: l } => {
-                gw.call(Method::PUT, &["tenants", name, "limits"], &[], Some(limits(l.limits())))
-                    .await?
-            }
-            TenantCommand::Budget {
-                name,
-                monthly_usd,
-                soft,
-            } => {
-                budget_arg(monthly_usd, *soft)?; // the same message as on the database
-                let body = json!({"monthly_usd": monthly_usd, "mode": if *soft { "soft" } else { "hard" }});
-                gw.call(Method::PUT, &["tenants", name, "budget"], &[], Some(body))
-                    .await?
-            }
-        },
-        AdminCommand::Key { command } => match command {
-            KeyCommand::Create {
-                tenant,
-                name,
-                scopes,
-                models,
-                expires_in,
-            } => {
-                let scopes = hearth_tenants::Scopes::parse(scopes)?;
-                let mut body = json!({"name": name, "scopes": scopes.names(), "models": models});
-                if let Some(ms) = expires_in_ms(expires_in)? {
-                    body["expires_in"] = json!((ms + 999) / 1000);
-                }
-                gw.call(Method::POST, &["tenants", tenant, "keys"], &[], Some(body))
-                    .await?
-            }
-            KeyCommand::List { tenant } => gw.get(&["tenants", tenant, "keys"], &[]).await?,
-            KeyCommand::Revoke { key_id } => gw.call(Method::DELETE, &["keys", key_id], &[], None).await?,
-            KeyCommand::Limits { key_id, limits: l } => {
-                gw.call(Method::PUT, &["keys", key_id, "limits"], &[], Some(limits(l.limits())))
-                    .await?
-            }
-        },
-        AdminCommand::Jwt { command } => match command {
-            JwtCommand::Add {
-                tenant,
-                issuer,
-                audience,
-                algorithm,
-                key_file,
-                jwks_file,
-                jwks_url,
-            } => {
-                let spec = issuer_spec(issuer, audience, algorithm, key_file, jwks_file, jwks_url)?;
-                gw.call(
-                    Method::POST,
-                    &["tenants", tenant, "jwt-issuers"],
-                    &[],
-                    Some(json!(spec)),
-                )
-                .await?
-            }
-            JwtCommand::List { tenant: Some(t) } => gw.get(&["tenants", t, "jwt-issuers"], &[]).await?,
-            JwtCommand::List { tenant: None } => {
-                // The admin API lists issuers per tenant: every tenant's, in turn, in the
-                // database path's order.
-                let mut all = Vec::new();
-                for t in gw.get(&["tenants"], &[]).await?.as_array().into_iter().flatten() {
-                    let id = t["id"].as_str().unwrap_or_default();
-                    if let serde_json::Value::Array(is) = gw.get(&["tenants", id, "jwt-issuers"], &[]).await? {
-                        all.extend(is);
-                    }
-                }
-                all.sort_by_key(|i| (i["created_at"].as_i64(), i["id"].as_str().map(str::to_string)));
-                serde_json::Value::Array(all)
-            }
-            JwtCommand::Remove { id } => gw.call(Method::DELETE, &["jwt-issuers", id], &[], None).await?,
-        },
-        AdminCommand::Sso { command } => match command {
-            SsoCommand::Set {
-                tenant,
-                issuer,
-                client_id,
-                client_secret,
-            } => {
-                let spec = sso_spec(issuer, client_id, client_secret);
-                gw.call(Method::PUT, &["tenants", tenant, "sso"], &[], Some(json!(spec)))
-                    .await?
-            }
-            SsoCommand::Show { tenant } => gw.get(&["tenants", tenant, "sso"], &[]).await?,
-            SsoCommand::Remove { tenant } => gw.call(Method::DELETE, &["tenants", tenant, "sso"], &[], None).await?,
-        },
-        AdminCommand::Member { command } => match command {
-            MemberCommand::Invite {
-                tenant, email, role, ..
-            } => {
-                let role = role_arg(role)?;
-                let body = json!({"email": email, "role": role});
-                gw.call(Method::POST, &["tenants", tenant, "members"], &[], Some(body))
-                    .await?
-            }
-            MemberCommand::List { tenant } => gw.get(&["tenants", tenant, "members"], &[]).await?,
-            MemberCommand::Invitations { tenant } => gw.get(&["tenants", tenant, "invitations"], &[]).await?,
-            MemberCommand::Role { id, role } => {
-                let body = json!({"role": role_arg(role)?});
-                gw.call(Method::PUT, &["members", id, "role"], &[], Some(body)).await?
-            }
-            MemberCommand::Remove { id } => gw.call(Method::DELETE, &["members", id], &[], None).await?,
-            MemberCommand::Uninvite { id } => gw.call(Method::DELETE, &["invitations", id], &[], None).await?,
-        },
-        AdminCommand::Price { command } => match command {
-            PriceCommand::Set {
-                model,
-                input,
-                cached_input,
-                output,
-                processor,
-                batch_percent,
-                effective_from,
-            } => {
-                // Checked here too, for the same messages as on the database.
-                for (v, what) in [
-                    (input, "--input"),
-                    (cached_input, "--cached-input"),
-                    (output, "--output"),
-                ] {
-                    usd(v, what)?;
-                }
-                let mut body = json!({"model": model, "input": input, "cached_input": cached_input, "output": output});
-                if let Some(p) = processor {
-                    usd(p, "--processor")?;
-                    body["processor"] = json!(p);
-                }
-                if let Some(p) = batch_percent {
-                    body["batch_percent"] = json!(p);
-                }
-                if let Some(f) = effective_from {
-                    body["effective_from"] = json!(parse_time(f)?);
-                }
-                gw.call(Method::POST, &["prices"], &[], Some(body)).await?
-            }
-            PriceCommand::List { model } => {
-                let q: Vec<_> = opt("model", model).into_iter().collect();
-                gw.get(&["prices"], &q).await?
-            }
-        },
+        AdminCommand::Tenant { command } => tenant::remote(gw, command).await?,
+        AdminCommand::Key { command } => key::remote(gw, command).await?,
+        AdminCommand::Jwt { command } => jwt::remote(gw, command).await?,
+        AdminCommand::Sso { command } => sso::remote(gw, command).await?,
+        AdminCommand::Member { command } => member::remote(gw, command).await?,
+        AdminCommand::Price { command } => price::remote(gw, command).await?,
         AdminCommand::Usage { tenant, limit } => {
             let mut q: Vec<_> = opt("tenant", tenant).into_iter().collect();
             q.push(("limit", limit.to_string()));
@@ -829,135 +686,12 @@ async fn admin_direct(data: &DataArgs, command: &AdminCommand) -> anyhow::Result
         origin: Origin::cli(),
     };
     Ok(match command {
-        AdminCommand::Tenant { command } => match command {
-            TenantCommand::Create { name } => json!(manage.create_tenant(name).await?),
-            TenantCommand::List => json!(store.list_tenants().await?),
-            TenantCommand::Suspend { name } => json!(manage.set_suspended(name, true).await?),
-            TenantCommand::Resume { name } => json!(manage.set_suspended(name, false).await?),
-            TenantCommand::Limits { name, limits } => {
-                let l = limits.limits();
-                let t = manage.set_tenant_limits(name, l).await?;
-                json!({"tenant": t.name, "limits": l})
-            }
-            TenantCommand::Budget {
-                name,
-                monthly_usd,
-                soft,
-            } => {
-                let b = budget_arg(monthly_usd, *soft)?;
-                let t = manage.set_budget(name, b).await?;
-                hearth_gateway::routes::admin::budget_json(&t.name, b)
-            }
-        },
-        AdminCommand::Key { command } => match command {
-            KeyCommand::Create {
-                tenant,
-                name,
-                scopes,
-                models,
-                expires_in,
-            } => {
-                let spec = hearth_tenants::KeySpec {
-                    name: name.clone(),
-                    scopes: Some(hearth_tenants::Scopes::parse(scopes)?),
-                    models: models.clone(),
-                    expires_at: expires_in_ms(expires_in)?.map(|ms| hearth_tenants::now_ms() + ms),
-                };
-                json!(manage.create_key(Actor::Operator, Some(tenant), spec).await?)
-            }
-            KeyCommand::List { tenant } => json!(manage.list_keys(Actor::Operator, Some(tenant)).await?),
-            KeyCommand::Revoke { key_id } => json!(manage.revoke_key(Actor::Operator, key_id).await?),
-            KeyCommand::Limits { key_id, limits } => {
-                let l = limits.limits();
-                manage.set_key_limits(key_id, l).await?;
-                json!({"key": key_id, "limits": l})
-            }
-        },
-        AdminCommand::Jwt { command } => match command {
-            JwtCommand::Add {
-                tenant,
-                issuer,
-                audience,
-                algorithm,
-                key_file,
-                jwks_file,
-                jwks_url,
-            } => {
-                let spec = issuer_spec(issuer, audience, algorithm, key_file, jwks_file, jwks_url)?;
-                json!(manage.add_issuer(tenant, &spec).await?)
-            }
-            JwtCommand::List { tenant } => json!(store.list_issuers(tenant.as_deref()).await?),
-            JwtCommand::Remove { id } => json!(manage.remove_issuer(id).await?),
-        },
-        AdminCommand::Sso { command } => match command {
-            SsoCommand::Set {
-                tenant,
-                issuer,
-                client_id,
-                client_secret,
-            } => json!(
-                manage
-                    .set_sso(tenant, &sso_spec(issuer, client_id, client_secret))
-                    .await?
-            ),
-            SsoCommand::Show { tenant } => json!(store.sso(tenant).await?),
-            SsoCommand::Remove { tenant } => json!(manage.remove_sso(tenant).await?),
-        },
-        AdminCommand::Member { command } => match command {
-            MemberCommand::Invite {
-                tenant,
-                email,
-                role,
-                public_url,
-            } => {
-                let (token, inv) = manage
-                    .invite_member(Actor::Operator, Some(tenant), email, role_arg(role)?)
-                    .await?;
-                let url = format!("{}/dashboard/invite/{token}", public_url.trim_end_matches('/'));
-                json!({"invitation": inv, "token": token, "url": url})
-            }
-            MemberCommand::List { tenant } => json!(manage.list_members(Actor::Operator, Some(tenant)).await?.0),
-            MemberCommand::Invitations { tenant } => {
-                json!(manage.list_members(Actor::Operator, Some(tenant)).await?.1)
-            }
-            MemberCommand::Role { id, role } => {
-                json!(manage.set_member_role(Actor::Operator, id, role_arg(role)?).await?)
-            }
-            MemberCommand::Remove { id } => json!(manage.remove_member(Actor::Operator, id).await?),
-            MemberCommand::Uninvite { id } => json!(manage.revoke_invitation(Actor::Operator, id).await?),
-        },
-        AdminCommand::Price { command } => match command {
-            PriceCommand::Set {
-                model,
-                input,
-                cached_input,
-                output,
-                processor,
-                batch_percent,
-                effective_from,
-            } => {
-                let latest = ledger.latest_rates(model).await?;
-                let processor = match processor {
-                    Some(p) => usd(p, "--processor")?,
-                    None => latest.as_ref().map_or(0, |r| r.processor_micros_per_cpu_s),
-                };
-                let batch_percent = batch_percent.map(i64::from).unwrap_or_else(|| {
-                    latest
-                        .as_ref()
-                        .map_or(hearth_billing::DEFAULT_BATCH_PERCENT, |r| r.batch_percent)
-                });
-                let rates = hearth_billing::PriceRates {
-                    input_micros_per_mtok: usd(input, "--input")?,
-                    cached_input_micros_per_mtok: usd(cached_input, "--cached-input")?,
-                    output_micros_per_mtok: usd(output, "--output")?,
-                    processor_micros_per_cpu_s: processor,
-                    batch_percent,
-                };
-                let from = effective_from.as_deref().map(parse_time).transpose()?;
-                json!(manage.set_price(model, rates, from).await?)
-            }
-            PriceCommand::List { model } => json!(ledger.prices(model.as_deref()).await?),
-        },
+        AdminCommand::Tenant { command } => tenant::direct(&manage, &store, &ledger, command).await?,
+        AdminCommand::Key { command } => key::direct(&manage, &store, &ledger, command).await?,
+        AdminCommand::Jwt { command } => jwt::direct(&manage, &store, &ledger, command).await?,
+        AdminCommand::Sso { command } => sso::direct(&manage, &store, &ledger, command).await?,
+        AdminCommand::Member { command } => member::direct(&manage, &store, &ledger, command).await?,
+        AdminCommand::Price { command } => price::direct(&manage, &store, &ledger, command).await?,
         AdminCommand::Audit { tenant, limit } => {
             json!(manage.audit_log(Actor::Operator, tenant.as_deref(), *limit).await?)
         }
@@ -977,189 +711,13 @@ async fn admin_direct(data: &DataArgs, command: &AdminCommand) -> anyhow::Result
 
 /// The text `hearth admin …` prints for `v`, its answer (the admin API's JSON).
 fn admin_text(command: &AdminCommand, v: &serde_json::Value) -> String {
-    use serde_json::Value;
-    let s = |v: &Value, k: &str| v[k].as_str().unwrap_or("").to_string();
-    let list = |v: &Value| v.as_array().cloned().unwrap_or_default();
-    let usd_micros = |v: &Value, k: &str| short_usd(&hearth_billing::format_nusd(v[k].as_i64().unwrap_or(0) * 1000));
-    let limits = |l: &Value| {
-        let n = |k: &str| match l[k].as_u64() {
-            Some(n) if n > 0 => n.to_string(),
-            _ => "unlimited".into(),
-        };
-        let share = l["share"].as_u64().filter(|s| *s > 0).unwrap_or(1);
-        let class = l["priority"].as_str().unwrap_or("interactive");
-        format!(
-            "{} requests/min, {} tokens/min, {} concurrent, share {share}, class {class}",
-            n("rpm"),
-            n("tpm"),
-            n("concurrent")
-        )
-    };
-    let rates = |p: &Value| {
-        format!(
-            "input ${}, cached input ${}, output ${} per 1M tokens; processors ${} per CPU-second; batches pay {}%",
-            usd_micros(p, "input_micros_per_mtok"),
-            usd_micros(p, "cached_input_micros_per_mtok"),
-            usd_micros(p, "output_micros_per_mtok"),
-            usd_micros(p, "processor_micros_per_cpu_s"),
-            p["batch_percent"]
-                .as_i64()
-                .unwrap_or(hearth_billing::DEFAULT_BATCH_PERCENT),
-        )
-    };
     match command {
-        AdminCommand::Tenant { command } => match command {
-            TenantCommand::Create { .. } => format!("Created tenant {} ({}).", s(v, "name"), s(v, "id")),
-            TenantCommand::Suspend { .. } => format!(
-                "Suspended tenant {}: its keys, JWTs, sessions and members are refused until `hearth admin tenant resume`.",
-                s(v, "name")
-            ),
-            TenantCommand::Resume { .. } => format!("Resumed tenant {}.", s(v, "name")),
-            TenantCommand::List => lines(
-                list(v).iter().map(|t| {
-                    let suspended = if t["suspended_at"].is_i64() { "\tsuspended" } else { "" };
-                    format!("{}\t{}{suspended}", s(t, "id"), s(t, "name"))
-                }),
-                "No tenants.",
-            ),
-            TenantCommand::Limits { .. } => format!("Tenant {} limits: {}.", s(v, "tenant"), limits(&v["limits"])),
-            TenantCommand::Budget { .. } => match v["budget"].as_object() {
-                Some(_) => format!(
-                    "Tenant {} budget: ${} per month ({}).",
-                    s(v, "tenant"),
-                    short_usd(&s(&v["budget"], "monthly_usd")),
-                    s(&v["budget"], "mode")
-                ),
-                None => format!("Tenant {} has no budget.", s(v, "tenant")),
-            },
-        },
-        AdminCommand::Key { command } => match command {
-            KeyCommand::Create { .. } => format!(
-                "Created API key {} for tenant {}. Copy it now; it is not shown again:\n\n{}\n",
-                s(v, "id"),
-                s(v, "tenant"),
-                s(v, "key")
-            ),
-            KeyCommand::List { .. } => lines(
-                list(v).iter().map(|k| {
-                    let state = if k["revoked_at"].is_null() { "active" } else { "revoked" };
-                    format!("{}\t{state}\t{}", s(k, "id"), s(k, "name"))
-                }),
-                "No keys.",
-            ),
-            KeyCommand::Revoke { .. } => format!(
-                "Revoked key {} (running servers stop accepting it within 5 s).",
-                s(v, "id")
-            ),
-            KeyCommand::Limits { .. } => format!("Key {} limits: {}.", s(v, "key"), limits(&v["limits"])),
-        },
-        AdminCommand::Jwt { command } => match command {
-            JwtCommand::Add { .. } => format!(
-                "Registered JWT issuer {} ({}, {}) as {}.",
-                s(v, "issuer"),
-                s(v, "algorithm"),
-                s(v, "key_source"),
-                s(v, "id")
-            ),
-            JwtCommand::List { .. } => lines(
-                list(v).iter().map(|i| {
-                    format!(
-                        "{}\t{}\t{}\taud={}\t{}\t{}",
-                        s(i, "id"),
-                        s(i, "tenant_id"),
-                        s(i, "issuer"),
-                        s(i, "audience"),
-                        s(i, "algorithm"),
-                        s(i, "key_source")
-                    )
-                }),
-                "No JWT issuers.",
-            ),
-            JwtCommand::Remove { .. } => format!("Removed JWT issuer {} ({}).", s(v, "id"), s(v, "issuer")),
-        },
-        AdminCommand::Sso { command } => match command {
-            SsoCommand::Set { tenant, .. } => format!(
-                "Tenant {tenant} signs in through {} (client {}{}). Its members sign in at /dashboard/sso?tenant={tenant}; register <public URL>/dashboard/sso/callback as the client's redirect URI.",
-                s(v, "issuer"),
-                s(v, "client_id"),
-                if v["has_client_secret"].as_bool() == Some(true) { ", with a secret" } else { ", public" }
-            ),
-            SsoCommand::Show { tenant } if v.is_null() => format!("Tenant {tenant} has no identity provider."),
-            SsoCommand::Show { .. } => format!(
-                "{}\tclient {}\t{}\tsince {}",
-                s(v, "issuer"),
-                s(v, "client_id"),
-                if v["has_client_secret"].as_bool() == Some(true) { "confidential" } else { "public" },
-                iso_ms(v["created_at"].as_i64().unwrap_or(0))
-            ),
-            SsoCommand::Remove { tenant } => format!("Tenant {tenant} no longer signs in through {}.", s(v, "issuer")),
-        },
-        AdminCommand::Member { command } => match command {
-            MemberCommand::Invite { .. } => format!(
-                "Invited {} as {} (invitation {}, valid until {}). Send them this link; it is not shown again:\n\n{}\n",
-                s(&v["invitation"], "email"),
-                s(&v["invitation"], "role"),
-                s(&v["invitation"], "id"),
-                iso_ms(v["invitation"]["expires_at"].as_i64().unwrap_or(0)),
-                s(v, "url")
-            ),
-            MemberCommand::List { .. } => lines(
-                list(v).iter().map(|m| {
-                    let how = if m["has_password"].as_bool() == Some(true) {
-                        "password"
-                    } else {
-                        "no password"
-                    };
-                    format!(
-                        "{}\t{}\t{}\t{how}\tsince {}",
-                        s(m, "id"),
-                        s(m, "email"),
-                        s(m, "role"),
-                        iso_ms(m["created_at"].as_i64().unwrap_or(0))
-                    )
-                }),
-                "No members.",
-            ),
-            MemberCommand::Invitations { .. } => lines(
-                list(v).iter().map(|i| {
-                    format!(
-                        "{}\t{}\t{}\tby {}\tuntil {}",
-                        s(i, "id"),
-                        s(i, "email"),
-                        s(i, "role"),
-                        s(i, "invited_by"),
-                        iso_ms(i["expires_at"].as_i64().unwrap_or(0))
-                    )
-                }),
-                "No open invitations.",
-            ),
-            MemberCommand::Role { .. } => format!("{} ({}) is now {}.", s(v, "email"), s(v, "id"), s(v, "role")),
-            MemberCommand::Remove { .. } => format!(
-                "Removed {} ({}); their dashboard sessions have ended.",
-                s(v, "email"),
-                s(v, "id")
-            ),
-            MemberCommand::Uninvite { .. } => format!("Withdrew the invitation of {} ({}).", s(v, "email"), s(v, "id")),
-        },
-        AdminCommand::Price { command } => match command {
-            PriceCommand::Set { .. } => format!(
-                "Price for {} from {}: {}.",
-                s(v, "model"),
-                iso_ms(v["effective_from"].as_i64().unwrap_or(0)),
-                rates(v)
-            ),
-            PriceCommand::List { .. } => lines(
-                list(v).iter().map(|p| {
-                    format!(
-                        "{}\tfrom {}\t{}",
-                        s(p, "model"),
-                        iso_ms(p["effective_from"].as_i64().unwrap_or(0)),
-                        rates(p)
-                    )
-                }),
-                "No prices.",
-            ),
-        },
+        AdminCommand::Tenant { command } => tenant::text(command, v),
+        AdminCommand::Key { command } => key::text(command, v),
+        AdminCommand::Jwt { command } => jwt::text(command, v),
+        AdminCommand::Sso { command } => sso::text(command, v),
+        AdminCommand::Member { command } => member::text(command, v),
+        AdminCommand::Price { command } => price::text(command, v),
         AdminCommand::Audit { .. } => lines(
             list(v).iter().map(|e| {
                 format!(
@@ -1195,6 +753,62 @@ fn admin_text(command: &AdminCommand, v: &serde_json::Value) -> String {
         AdminCommand::Adapter { .. } => unreachable!("answered by admin_adapters"),
         AdminCommand::Login { .. } | AdminCommand::Logout => unreachable!("answered by login"),
     }
+}
+
+/// A tenant's or key's limits as the admin API takes them.
+fn limits_json(l: hearth_tenants::Limits) -> serde_json::Value {
+    serde_json::json!({"rpm": l.rpm, "tpm": l.tpm, "concurrent": l.concurrent, "share": l.share,
+           "priority": l.priority.map(|p| p.to_string())})
+}
+
+/// An optional query parameter.
+fn opt(k: &'static str, v: &Option<String>) -> Option<(&'static str, String)> {
+    v.clone().map(|v| (k, v))
+}
+
+/// A string field of an answer ("" when absent).
+fn s(v: &serde_json::Value, k: &str) -> String {
+    v[k].as_str().unwrap_or("").to_string()
+}
+
+/// An answer's list (empty when it is not one).
+fn list(v: &serde_json::Value) -> Vec<serde_json::Value> {
+    v.as_array().cloned().unwrap_or_default()
+}
+
+/// A price field in micro-USD, for people.
+fn usd_micros(v: &serde_json::Value, k: &str) -> String {
+    short_usd(&hearth_billing::format_nusd(v[k].as_i64().unwrap_or(0) * 1000))
+}
+
+/// Limits as text.
+fn limits_text(l: &serde_json::Value) -> String {
+    let n = |k: &str| match l[k].as_u64() {
+        Some(n) if n > 0 => n.to_string(),
+        _ => "unlimited".into(),
+    };
+    let share = l["share"].as_u64().filter(|s| *s > 0).unwrap_or(1);
+    let class = l["priority"].as_str().unwrap_or("interactive");
+    format!(
+        "{} requests/min, {} tokens/min, {} concurrent, share {share}, class {class}",
+        n("rpm"),
+        n("tpm"),
+        n("concurrent")
+    )
+}
+
+/// A price's rates as text.
+fn rates(p: &serde_json::Value) -> String {
+    format!(
+        "input ${}, cached input ${}, output ${} per 1M tokens; processors ${} per CPU-second; batches pay {}%",
+        usd_micros(p, "input_micros_per_mtok"),
+        usd_micros(p, "cached_input_micros_per_mtok"),
+        usd_micros(p, "output_micros_per_mtok"),
+        usd_micros(p, "processor_micros_per_cpu_s"),
+        p["batch_percent"]
+            .as_i64()
+            .unwrap_or(hearth_billing::DEFAULT_BATCH_PERCENT),
+    )
 }
 
 /// A USD amount for people: `12.500000000` → `12.50`, `0.000150000` → `0.00015`.
