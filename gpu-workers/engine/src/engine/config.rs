@@ -124,7 +124,7 @@ impl Default for EngineConfig {
     }
 }
 
-pub(super) fn available_memory_mib() -> Option<usize> {
+fn available_memory_mib() -> Option<usize> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;

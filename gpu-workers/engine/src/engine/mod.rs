@@ -11,11 +11,11 @@
 
 pub mod adapters;
 pub mod command;
-pub mod compute;
+mod compute;
 pub mod config;
-pub mod load;
+mod load;
 pub mod metrics;
-pub mod runner;
+mod runner;
 
 use std::sync::{mpsc, Arc};
 

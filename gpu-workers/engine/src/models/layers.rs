@@ -209,7 +209,7 @@ pub(super) fn matrices_3d(
 }
 
 /// Rows of `cols` values of type `ty` are a whole number of blocks.
-pub(super) fn check_row_blocks(name: &str, ty: GgmlType, cols: usize) -> Result<(), ModelError> {
+fn check_row_blocks(name: &str, ty: GgmlType, cols: usize) -> Result<(), ModelError> {
     let (per_block, _) = ty
         .block_layout()
         .ok_or(ModelError::TensorType { name: name.into(), ty })?;

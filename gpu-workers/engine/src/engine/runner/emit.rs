@@ -53,7 +53,7 @@ impl Runner {
     /// rejection sampling — the draft kept with probability p(draft), else a draw from the
     /// rest — with one random draw per emitted token, so a seeded request gives the same
     /// text with speculation or without.
-    pub(super) fn sample_choice(&mut self, key: u64, ci: usize, rows: &[&[f32]], draft: &[u32]) {
+    fn sample_choice(&mut self, key: u64, ci: usize, rows: &[&[f32]], draft: &[u32]) {
         let mut accepted = 0;
         for (i, logits) in rows.iter().enumerate() {
             let proposal = draft.get(i).copied();

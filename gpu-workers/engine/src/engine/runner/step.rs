@@ -16,7 +16,7 @@ use crate::step::speculative::Drafter;
 impl Runner {
     /// Proposes draft tokens for every decoding sequence that speculates (prompt lookup
     /// over its own tokens, no longer than what it may still generate).
-    pub(super) fn propose_drafts(&mut self) {
+    fn propose_drafts(&mut self) {
         if self.speculative_tokens == 0 {
             return;
         }

@@ -59,7 +59,7 @@ impl ExportDtype {
 /// A tensor of a GGUF model dequantized, as Hugging Face stores it: a `llama` file's Q/K
 /// rows are permuted so that RoPE pairs are adjacent, and this undoes it (row `h·d + 2i + s`
 /// of a head returns to `h·d + s·d/2 + i`); Gemma's norms lose the 1 GGUF adds.
-pub(super) fn hf_tensor(g: &GgufFile, t: &TensorInfo, c: &ModelConfig) -> Result<Vec<f32>, HfError> {
+fn hf_tensor(g: &GgufFile, t: &TensorInfo, c: &ModelConfig) -> Result<Vec<f32>, HfError> {
     let cols = t.dims.first().copied().unwrap_or(1) as usize;
     let rows = (t.n_elements() as usize) / cols.max(1);
     let (per_block, block_bytes) =
@@ -113,7 +113,7 @@ pub(super) fn hf_tensor(g: &GgufFile, t: &TensorInfo, c: &ModelConfig) -> Result
 /// (transposed back) with `attn_v_b`, as one `kv_b_proj`. None: the tensor is one Hugging
 /// Face tensor; an empty list: it went out with another (`attn_v_b` with `attn_k_b`).
 #[allow(clippy::type_complexity)]
-pub(super) fn hf_split(
+fn hf_split(
     g: &GgufFile,
     t: &TensorInfo,
     c: &ModelConfig,
@@ -178,7 +178,7 @@ pub(super) fn hf_split(
 /// between kept and divided frequencies fixes `original / low` and `original / high`
 /// (only those ratios matter, so `original` is the file's context). Checked by
 /// recomputing every divisor.
-pub(super) fn llama3_scaling(factors: &[f32], c: &ModelConfig) -> Result<Value, HfError> {
+fn llama3_scaling(factors: &[f32], c: &ModelConfig) -> Result<Value, HfError> {
     if factors.len() != c.rope_dims / 2 || factors.is_empty() {
         return Err(HfError::Unsupported(format!(
             "rope_freqs has {} values for {} rotated pairs",
@@ -239,7 +239,7 @@ pub(super) fn llama3_scaling(factors: &[f32], c: &ModelConfig) -> Result<Value, 
 }
 
 /// `config.json` for a GGUF model's configuration, in its family's terms.
-pub(super) fn hf_config(
+fn hf_config(
     g: &GgufFile,
     c: &ModelConfig,
     dtype: ExportDtype,

@@ -16,7 +16,7 @@ use crate::formats::hf::names::gguf_name;
 use crate::models::{Arch, NORM_SHIFT_KEY, ROPE_LAYOUT_KEY};
 
 /// Tensor name → shard file, from `model.safetensors.index.json`.
-pub(super) type WeightMap = HashMap<String, String>;
+type WeightMap = HashMap<String, String>;
 
 /// The safetensors files of a directory: the index's shards, or `model.safetensors`, or
 /// every `*.safetensors` file (sorted).
@@ -149,7 +149,7 @@ pub(super) fn open_weights(
     Ok((maps, tensors))
 }
 
-pub(super) fn uint(cfg: &Value, path: &Path, key: &str) -> Result<u64, HfError> {
+fn uint(cfg: &Value, path: &Path, key: &str) -> Result<u64, HfError> {
     cfg.get(key)
         .and_then(Value::as_u64)
         .ok_or_else(|| invalid(path, format!("{key} is missing or not a whole number")))
@@ -464,7 +464,7 @@ pub(super) fn config_metadata(
 
 /// `rope_scaling` → `rope.scaling.*` keys (llama.cpp's, plus Llama 3's two frequency
 /// factors, which llama.cpp's converter bakes into a tensor instead).
-pub(super) fn rope_scaling_metadata(r: &Value) -> Result<Vec<(String, MetaValue)>, String> {
+fn rope_scaling_metadata(r: &Value) -> Result<Vec<(String, MetaValue)>, String> {
     let kind = r
         .get("rope_type")
         .or(r.get("type"))

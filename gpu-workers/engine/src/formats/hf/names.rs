@@ -5,7 +5,7 @@ use crate::models::Arch;
 
 /// A layer's tensors: (Hugging Face name after `model.layers.N.`, GGUF name after `blk.N.`).
 /// Gemma's four norms sit where Llama's two do, under the same Hugging Face names.
-pub(super) fn layer_names(arch: Arch) -> Vec<(&'static str, &'static str)> {
+fn layer_names(arch: Arch) -> Vec<(&'static str, &'static str)> {
     let gemma = matches!(arch, Arch::Gemma2 | Arch::Gemma3);
     let mut t = vec![
         ("input_layernorm.weight", "attn_norm.weight"),

@@ -11,7 +11,7 @@ use crate::formats::gguf::MetaValue;
 use crate::formats::hf::error::{invalid, read_json, HfError};
 
 /// A token in `tokenizer_config.json`: a string or `{"content": …}`.
-pub(super) fn token_text(v: Option<&Value>) -> Option<&str> {
+fn token_text(v: Option<&Value>) -> Option<&str> {
     match v? {
         Value::String(s) => Some(s),
         Value::Object(o) => o.get("content")?.as_str(),
@@ -227,7 +227,7 @@ pub(super) fn tokenizer_metadata(dir: &Path, meta: &mut HashMap<String, MetaValu
 /// The patterns a `tokenizer.json` pre-tokenizer splits by, in order, if it is made only of
 /// pieces Hearth runs: `Split` (a regex, `Isolated`), `Digits`, and `ByteLevel` (its GPT-2
 /// regex when `use_regex`). None when there is no final byte-level step.
-pub(super) fn pre_tokenizer_patterns(p: &Value) -> Option<Vec<String>> {
+fn pre_tokenizer_patterns(p: &Value) -> Option<Vec<String>> {
     let steps: Vec<&Value> = match p.get("type").and_then(Value::as_str)? {
         "Sequence" => p.get("pretokenizers")?.as_array()?.iter().collect(),
         _ => vec![p],

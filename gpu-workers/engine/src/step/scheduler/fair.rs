@@ -33,7 +33,7 @@ impl Scheduler {
     /// Drops the accounts of tenants with no sequences (a returning tenant is lifted to the
     /// lowest active counter less the credit anyway, so only its debt beyond that is
     /// forgotten).
-    pub(super) fn forget_idle_accounts(&mut self) {
+    fn forget_idle_accounts(&mut self) {
         let mut remap = vec![usize::MAX; self.accounts.len()];
         let mut kept = Vec::new();
         for (i, a) in std::mem::take(&mut self.accounts).into_iter().enumerate() {
@@ -81,7 +81,7 @@ impl Scheduler {
         f.is_finite().then(|| self.floor_seen.map_or(f, |seen| seen.max(f)))
     }
 
-    pub(super) fn return_credit(&self) -> f64 {
+    fn return_credit(&self) -> f64 {
         RETURN_CREDIT * self.preemption_margin()
     }
 

@@ -176,7 +176,7 @@ impl Scheduler {
     /// the step has left once every decode, prefill chunk and admission has its share — the
     /// budget, and blocks still free — so that a draft never delays, starves or preempts
     /// other work.
-    pub(super) fn attach_drafts(&mut self, items: &mut [StepItem], budget: &mut usize) {
+    fn attach_drafts(&mut self, items: &mut [StepItem], budget: &mut usize) {
         let bt = self.cfg.block_tokens;
         for it in items.iter_mut() {
             if *budget == 0 {
@@ -201,7 +201,7 @@ impl Scheduler {
 
     /// The next chunk of a running sequence's prompt, as far as the budget and its blocks
     /// allow.
-    pub(super) fn prefill_chunk(&mut self, id: u64, items: &mut Vec<StepItem>, budget: &mut usize) {
+    fn prefill_chunk(&mut self, id: u64, items: &mut Vec<StepItem>, budget: &mut usize) {
         let bt = self.cfg.block_tokens;
         if *budget == 0 {
             return;
@@ -232,7 +232,7 @@ impl Scheduler {
     /// leaves batch work out (a step's time grows with its tokens, and an interactive first
     /// token should not wait on them) — but never more than [`MAX_DEFERRED_STEPS`] steps in
     /// a row, so running batch work keeps a bounded token rate.
-    pub(super) fn defer_batch_work(&mut self, items: &mut Vec<StepItem>) {
+    fn defer_batch_work(&mut self, items: &mut Vec<StepItem>) {
         if self.cfg.policy != Policy::Fair {
             return;
         }
@@ -288,7 +288,7 @@ impl Scheduler {
     }
 
     /// The waiting sequence to admit next (not removed from its queue).
-    pub(super) fn next_waiting(&self) -> Option<u64> {
+    fn next_waiting(&self) -> Option<u64> {
         let front = |a: &Account, c: usize| a.waiting[c].front().map(|id| (self.seqs[id].arrival, *id));
         match self.cfg.policy {
             Policy::Fifo => self
