@@ -718,6 +718,63 @@ async fn wait_for_exact_events(url: &str, n: usize) -> Value {
     }
 }
 
+/// `count_tokens` is not billed, but it is a request (a long prompt costs the tokenizer's
+/// time): under the tenant's requests per minute, refused past them in Anthropic's shape with
+/// the rate headers, and counted in `/metrics` by outcome.
+#[tokio::test]
+async fn count_tokens_is_under_the_request_limits() {
+    let data = temp_dir("count-limits");
+    let server = serve(&data);
+    let key = new_key(&data, "acme");
+    // Before the key is first used, so the server reads the limits with it.
+    admin(&data, &["tenant", "limits", "acme", "--rpm", "3"]);
+    let url = format!("{}/v1/messages/count_tokens", server.url);
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Tell me about Paris."}]});
+    let count = || client().post(&url).header("x-api-key", &key).json(&body).send();
+    for i in 0..3 {
+        let r = count().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            r.headers()["x-ratelimit-remaining-requests"],
+            (2 - i).to_string().as_str()
+        );
+        let v: Value = r.json().await.unwrap();
+        assert!(v["input_tokens"].as_u64().unwrap() > 0, "{v}");
+    }
+    let r = count().await.unwrap();
+    assert_eq!(r.status(), 429);
+    assert!(r.headers()["retry-after"].to_str().unwrap().parse::<u64>().unwrap() >= 1);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(
+        (v["type"].as_str(), v["error"]["type"].as_str()),
+        (Some("error"), Some("rate_limit_error")),
+        "{v}"
+    );
+    assert!(
+        usage_rows(&data)
+            .iter()
+            .all(|r| r["endpoint"] != "/v1/messages/count_tokens"),
+        "count_tokens is not metered"
+    );
+    let metrics = client()
+        .get(format!("{}/metrics", server.url))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("hearth_token_counts_total{outcome=\"counted\"} 3"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("hearth_token_counts_total{outcome=\"refused\"} 1"),
+        "{metrics}"
+    );
+}
+
 #[tokio::test]
 async fn rate_limits_answer_429_with_headers_and_are_metered() {
     let data = temp_dir("limits");

@@ -30,6 +30,19 @@ pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiEr
         }
     }
     let worst = prompt.saturating_add(ctx.max_tokens.saturating_mul(n));
+    admit(state, ctx, worst).await
+}
+
+/// A `count_tokens` request: counted against the tenant's and the key's requests per minute
+/// and in flight like any request (tokenizing a long prompt costs CPU), with no tokens
+/// reserved — counting generates none, and is never billed. Runs before the body is
+/// parsed and tokenized, so that a refused count costs no tokenizer time.
+pub async fn count(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiError> {
+    admit(state, ctx, 0).await
+}
+
+async fn admit(state: &AppState, ctx: &mut RequestContext, worst: u32) -> Result<(), ApiError> {
+    let tenant = ctx.tenant()?.clone();
     match state.limiter.admit(&tenant, &ctx.request_id, worst).await {
         Ok((admission, rate)) => {
             ctx.rate = rate;

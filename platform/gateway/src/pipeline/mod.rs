@@ -399,6 +399,7 @@ async fn count_tokens(state: Arc<AppState>, mut ctx: RequestContext) -> Response
     let span = ctx.span.clone();
     let counted = async {
         authenticate::run(&state, &mut ctx).await?;
+        limit::count(&state, &mut ctx).await?;
         preprocess::run(&state, &mut ctx).await?;
         parse::run(&mut ctx, state.keep_billing_header)?;
         resolve::run(&state, &mut ctx).await?;
@@ -407,11 +408,24 @@ async fn count_tokens(state: Arc<AppState>, mut ctx: RequestContext) -> Response
     }
     .instrument(span)
     .await;
-    // Not a generation: no usage record.
+    // Not a generation: no usage record. A count that ran is one request per minute (its
+    // in-flight slot goes now); a refused one gives its admission back.
     ctx.usage = None;
     ctx.unrecorded = None;
-    match counted {
+    if let (Some(lease), true) = (ctx.lease.take(), counted.is_ok()) {
+        lease.finish(0).await;
+    }
+    state
+        .metrics
+        .token_counts
+        .get_or_create(&crate::server::metrics::OutcomeLabel {
+            outcome: if counted.is_ok() { "counted" } else { "refused" }.into(),
+        })
+        .inc();
+    let mut resp = match counted {
         Ok(n) => axum::Json(crate::api::anthropic::count_json(n)).into_response(),
         Err(e) => render_error(ctx.endpoint, e),
-    }
+    };
+    ctx.rate.apply(resp.headers_mut());
+    resp
 }

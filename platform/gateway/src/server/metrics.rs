@@ -17,7 +17,9 @@
 //! HTTP status), `hearth_prompt_tokens_cached_total` (prompt tokens served from the prefix
 //! cache), `hearth_limiter_decisions_total{decision,limit}`,
 //! `hearth_processor_seconds{hook}`, `hearth_processor_instances_total{source}` (a
-//! processor's instance made ahead or on the request's path), per tenant and class `hearth_shed_requests_total`,
+//! processor's instance made ahead or on the request's path), `hearth_token_counts_total{outcome}`
+//! (`count_tokens` requests: not billed, under the request limits), per tenant and class
+//! `hearth_shed_requests_total`,
 //! `hearth_tenant_time_to_first_token_seconds` and `hearth_tenant_queue_time_seconds`
 //! (the engine's queue), and per worker the router's view (in-flight requests,
 //! prefill tokens, decoding sequences, cached blocks, health, KV-event mode) and routing
@@ -78,6 +80,12 @@ pub struct HookLabel {
 pub struct SourceLabel {
     /// `warm` (made ahead, taken from the runtime's shelf) or `made` (on the request's path).
     pub source: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    /// `counted`, or `refused` (a credential, a limit, a bad body).
+    pub outcome: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -159,6 +167,9 @@ pub struct Metrics {
     pub limiter: Family<LimiterLabels, Counter>,
     pub processor: Family<HookLabel, Histogram, fn() -> Histogram>,
     pub processor_instances: Family<SourceLabel, Counter>,
+    /// `count_tokens` requests (Anthropic's `/v1/messages/count_tokens`), by outcome: not
+    /// billed, but under the request limits.
+    pub token_counts: Family<OutcomeLabel, Counter>,
     pub pd: Family<PdLabels, Counter>,
     /// Requests shed by admission control.
     pub shed: Family<TenantClassLabels, Counter>,
@@ -270,6 +281,12 @@ impl Metrics {
             "hearth_processor_instances",
             "Processor instances given to requests, by source: warm (made ahead) or made (on the request's path: an empty shelf, or --processor-warm 0)",
             processor_instances.clone(),
+        );
+        let token_counts = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "hearth_token_counts",
+            "count_tokens requests (Anthropic Messages), by outcome: counted (not billed; under the tenant's and key's requests per minute and in flight) or refused",
+            token_counts.clone(),
         );
         let pd = Family::<PdLabels, Counter>::default();
         registry.register(
@@ -457,6 +474,7 @@ impl Metrics {
             tenant_queue,
             processor,
             processor_instances,
+            token_counts,
             worker_gauges,
             decisions,
             index_blocks,
@@ -495,6 +513,7 @@ impl Metrics {
         let _ = m
             .processor_instances
             .get_or_create(&SourceLabel { source: s("SOURCE") });
+        let _ = m.token_counts.get_or_create(&OutcomeLabel { outcome: s("OUTCOME") });
         let _ = m.pd.get_or_create(&PdLabels {
             model: s("MODEL"),
             outcome: s("OUTCOME"),
