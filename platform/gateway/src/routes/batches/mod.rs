@@ -244,13 +244,26 @@ pub(crate) fn download(f: &FileInfo, bytes: Vec<u8>) -> Response {
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/octet-stream"),
     );
-    if let Ok(v) = HeaderValue::from_str(&format!(
-        "attachment; filename=\"{}\"",
-        f.filename.replace(['"', '\\'], "_")
-    )) {
+    if let Ok(v) = HeaderValue::from_str(&format!("attachment; filename=\"{}\"", attachment_name(&f.filename))) {
         h.insert(header::CONTENT_DISPOSITION, v);
     }
     resp
+}
+
+/// A file's name as a `Content-Disposition` filename: quotes, backslashes, control
+/// characters and the invisible and bidirectional-formatting ones (U+202E makes
+/// `report\u{202E}fdp.exe` display as `reportexe.pdf`) each become `_`.
+fn attachment_name(name: &str) -> String {
+    let hidden = |c: char| matches!(c, '\u{061C}' | '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2060}'..='\u{2069}' | '\u{FEFF}');
+    name.chars()
+        .map(|c| {
+            if c == '"' || c == '\\' || c.is_control() || hidden(c) {
+                '_'
+            } else {
+                c
+            }
+        })
+        .collect()
 }
 
 /// `DELETE /v1/files/{id}`.
@@ -403,11 +416,18 @@ fn read_line(raw: &str, endpoint: &str, seen: &mut HashSet<String>) -> NewLine {
     }
     match o.get("url").and_then(Value::as_str) {
         Some(u) if u == endpoint => {}
-        u => {
+        Some(u) => {
             return refused(
                 id,
                 "invalid_url",
-                format!("The line's 'url' ({u:?}) is not the batch's endpoint {endpoint}."),
+                format!("The line's 'url' ({u}) is not the batch's endpoint {endpoint}."),
+            )
+        }
+        None => {
+            return refused(
+                id,
+                "invalid_url",
+                format!("The line has no 'url' string; it must be the batch's endpoint {endpoint}."),
             )
         }
     }
@@ -614,4 +634,38 @@ pub async fn tenant_batches(gw: &AppState, tenant: &TenantContext) -> Result<Vec
         out.push(batch_with_usage(gw, b).await);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn download_names_lose_quotes_controls_and_bidirectional_formatting() {
+        assert_eq!(attachment_name("report\u{202E}fdp.exe"), "report_fdp.exe");
+        assert_eq!(attachment_name("a\"b\\c\r\nd\u{2066}e\u{200B}f"), "a_b_c__d_e_f");
+        assert_eq!(attachment_name("données 2026.jsonl"), "données 2026.jsonl");
+    }
+
+    #[test]
+    fn a_wrong_url_is_named_as_written() {
+        let lines = read_lines(
+            b"{\"custom_id\": \"a\", \"method\": \"POST\", \"url\": \"/admin/v1/tenants\", \"body\": {}}\n{\"custom_id\": \"b\", \"method\": \"POST\", \"body\": {}}",
+            "/v1/chat/completions",
+        )
+        .unwrap();
+        let messages: Vec<String> = lines
+            .iter()
+            .map(|l| match l {
+                NewLine::Refused { message, .. } => message.clone(),
+                NewLine::Request { .. } => String::new(),
+            })
+            .collect();
+        assert!(
+            messages[0].contains("The line's 'url' (/admin/v1/tenants) is not"),
+            "{messages:?}"
+        );
+        assert!(messages[1].contains("has no 'url' string"), "{messages:?}");
+        assert!(messages.iter().all(|m| !m.contains("Some(")), "{messages:?}");
+    }
 }
