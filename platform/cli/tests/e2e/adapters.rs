@@ -133,6 +133,17 @@ async fn adapters_uploaded_served_isolated_metered_and_deleted() {
     );
     let (s, body) = upload(&self_service, &key_a, MODEL, "x", &[("weights.bin", vec![1, 2, 3])]).await;
     assert_eq!(s, 400, "{body}");
+    // A refusal names the upload, never where the server keeps it.
+    let not_gguf = vec![("adapter.gguf", b"GGUF, it says, but it is not".to_vec())];
+    for files in [truncated, peft_files(&work.join("wrong")), not_gguf] {
+        let (s, body) = upload(&self_service, &key_a, MODEL, "again", &files).await;
+        let text = body.to_string();
+        assert_eq!(s, 400, "{text}");
+        assert!(
+            !text.contains(".staging") && !text.contains(&*data.to_string_lossy()),
+            "a server path in a refusal: {text}"
+        );
+    }
     let store: Vec<_> = std::fs::read_dir(data.join("adapters"))
         .unwrap()
         .filter_map(|e| e.ok())

@@ -248,7 +248,9 @@ impl AdapterHost<'_> {
             .await;
             match answer {
                 Ok(Ok(Ok(()))) => return Ok(()),
-                Ok(Ok(Err((code, message)))) if code == "invalid_adapter" => return Err(invalid("file", message)),
+                Ok(Ok(Err((code, message)))) if code == "invalid_adapter" => {
+                    return Err(invalid("file", without_paths(&message, path)))
+                }
                 // This worker serves no adapters (a GPU worker): the next may, and it does
                 // not count among those asked.
                 Ok(Ok(Err((code, message)))) if code == "adapter_unavailable" => {
@@ -263,7 +265,7 @@ impl AdapterHost<'_> {
                         message,
                         "a worker could not check an adapter upload"
                     );
-                    last = Some(format!("{}: {code}: {message}", worker.name()));
+                    last = Some(format!("{}: {code}: {}", worker.name(), without_paths(&message, path)));
                 }
                 Ok(Err(e)) => last = Some(e.to_string()),
                 Err(_) => {
@@ -289,6 +291,24 @@ impl AdapterHost<'_> {
             "no worker of the base model could check the adapter now; try again shortly",
         ))
     }
+}
+
+/// A worker's message about an upload without the store's paths: the worker names the file
+/// it read (`/srv/adapters/.staging/<id>.gguf: not a GGUF file`), which is the deployment's
+/// business, not the tenant's; each path that ends in the staged name becomes "the upload".
+fn without_paths(message: &str, staged: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(at) = rest.find(staged) {
+        let start = rest[..at]
+            .rfind(|c: char| c.is_whitespace() || matches!(c, '(' | '\'' | '"' | '`'))
+            .map_or(0, |i| i + 1);
+        out.push_str(&rest[..start]);
+        out.push_str("the upload");
+        rest = &rest[at + staged.len()..];
+    }
+    out.push_str(rest);
+    out
 }
 
 impl Management<'_> {
@@ -497,4 +517,27 @@ async fn read(form: Form, csrf_field: bool) -> Result<(AdapterUpload, Option<Str
 /// Uploads may be large (rank-64 adapters of 7B models are hundreds of MB).
 pub(crate) fn upload_limit() -> axum::extract::DefaultBodyLimit {
     axum::extract::DefaultBodyLimit::max(MAX_ADAPTER_UPLOAD_BYTES + (1 << 20))
+}
+
+#[cfg(test)]
+mod path_tests {
+    #[test]
+    fn a_workers_refusal_names_no_server_path() {
+        let staged = ".staging/0123abcd.gguf";
+        assert_eq!(
+            super::without_paths("/srv/hearth/adapters/.staging/0123abcd.gguf: not a GGUF file", staged),
+            "the upload: not a GGUF file"
+        );
+        assert_eq!(
+            super::without_paths(
+                "reading '/a/b/.staging/0123abcd.gguf' failed (.staging/0123abcd.gguf)",
+                staged
+            ),
+            "reading 'the upload' failed (the upload)"
+        );
+        assert_eq!(
+            super::without_paths("rank 0 is not allowed", staged),
+            "rank 0 is not allowed"
+        );
+    }
 }
