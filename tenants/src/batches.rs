@@ -15,8 +15,8 @@ use crate::{now_ms, random_hex, TenantError, TenantStore};
 
 /// A file's size, at most (OpenAI's Batch API takes up to 200 MB).
 pub const MAX_FILE_BYTES: usize = 100 << 20;
-/// What one tenant's uploads may hold together (batch outputs are bounded by their lines:
-/// see [`MAX_RESULT_BYTES`]).
+/// What one tenant's files may hold together, by default (`TenantStore::file_quota`; batch
+/// outputs are bounded by their lines: see [`MAX_RESULT_BYTES`]).
 pub const MAX_TENANT_FILE_BYTES: i64 = 1 << 30;
 /// One line's answer as kept, at most: a larger one is kept as an error.
 pub const MAX_RESULT_BYTES: usize = 1 << 20;
@@ -37,6 +37,9 @@ pub struct FileInfo {
     pub filename: String,
     pub bytes: i64,
     pub created_at: i64,
+    /// The API key that created it (an upload's, or its batch's for a batch output).
+    #[serde(skip)]
+    pub key_id: Option<String>,
 }
 
 /// The states of a batch, as OpenAI names them.
@@ -105,6 +108,7 @@ pub enum NewLine {
 #[derive(Debug, Clone)]
 pub struct OpenBatch {
     pub id: String,
+    pub tenant_id: String,
     pub key_id: String,
     pub status: String,
     pub expires_at: i64,
@@ -137,7 +141,7 @@ pub struct LineResult {
     pub result: String,
 }
 
-const FILE_COLUMNS: &str = "id, tenant_id, purpose, filename, bytes, created_at";
+const FILE_COLUMNS: &str = "id, tenant_id, purpose, filename, bytes, created_at, key_id";
 const BATCH_COLUMNS: &str = "id, tenant_id, key_id, endpoint, input_file_id, completion_window, status, metadata, \
      paused_reason, output_file_id, error_file_id, created_at, in_progress_at, expires_at, finalizing_at, \
      completed_at, expired_at, cancelling_at, cancelled_at";
@@ -150,6 +154,7 @@ fn file_info(r: &AnyRow) -> FileInfo {
         filename: r.get(3),
         bytes: r.get(4),
         created_at: r.get(5),
+        key_id: r.get(6),
     }
 }
 
@@ -195,10 +200,12 @@ pub struct Page {
 impl TenantStore {
     // ---- files ---------------------------------------------------------------------------
 
-    /// Stores an uploaded file for `tenant` (its id), within the tenant's file quota.
+    /// Stores a file uploaded by `key_id` of `tenant` (its id), within the tenant's file
+    /// quota.
     pub async fn add_file(
         &self,
         tenant_id: &str,
+        key_id: Option<&str>,
         purpose: &str,
         filename: &str,
         content: &[u8],
@@ -212,30 +219,56 @@ impl TenantStore {
                 ),
             ));
         }
-        let used: i64 =
-            sqlx::query_scalar("SELECT CAST(COALESCE(SUM(bytes), 0) AS BIGINT) FROM files WHERE tenant_id = $1")
-                .bind(tenant_id)
-                .fetch_one(&self.pool)
-                .await?;
-        if used + content.len() as i64 > MAX_TENANT_FILE_BYTES {
+        // The quota holds under concurrent uploads (and gateways): the tenant's row is
+        // written first, so uploads of one tenant check and insert one at a time (a row lock
+        // on PostgreSQL, the write lock on SQLite).
+        let mut tx = self.pool.begin().await?;
+        let held = sqlx::query("UPDATE tenants SET id = id WHERE id = $1")
+            .bind(tenant_id)
+            .execute(&mut *tx)
+            .await?;
+        if held.rows_affected() == 0 {
+            return Err(TenantError::NoSuchTenant(tenant_id.to_string()));
+        }
+        let used = self.file_bytes_in(&mut *tx, tenant_id).await?;
+        let quota = self.file_quota;
+        if used + content.len() as i64 > quota {
             return Err(invalid(
                 "file",
                 format!(
-                    "the tenant's files hold {used} bytes; this one would pass the quota of {MAX_TENANT_FILE_BYTES} bytes (delete files no longer needed)"
+                    "the tenant's files hold {used} bytes; this one would pass the quota of {quota} bytes (delete files no longer needed)"
                 ),
             ));
         }
         let id = format!("file-{}", random_hex(12)?);
-        self.insert_file(&self.pool, &id, tenant_id, purpose, filename, content)
+        self.insert_file(&mut *tx, &id, (tenant_id, key_id), purpose, filename, content)
             .await?;
+        tx.commit().await?;
         self.file(tenant_id, &id).await
+    }
+
+    /// What the tenant's files hold together, in bytes (batch outputs included).
+    pub async fn file_bytes(&self, tenant_id: &str) -> Result<i64, TenantError> {
+        self.file_bytes_in(&self.pool, tenant_id).await
+    }
+
+    async fn file_bytes_in<'e, E>(&self, exec: E, tenant_id: &str) -> Result<i64, TenantError>
+    where
+        E: sqlx::Executor<'e, Database = sqlx::Any>,
+    {
+        Ok(
+            sqlx::query_scalar("SELECT CAST(COALESCE(SUM(bytes), 0) AS BIGINT) FROM files WHERE tenant_id = $1")
+                .bind(tenant_id)
+                .fetch_one(exec)
+                .await?,
+        )
     }
 
     async fn insert_file<'e, E>(
         &self,
         exec: E,
         id: &str,
-        tenant_id: &str,
+        (tenant_id, key_id): (&str, Option<&str>),
         purpose: &str,
         filename: &str,
         content: &[u8],
@@ -244,8 +277,8 @@ impl TenantStore {
         E: sqlx::Executor<'e, Database = sqlx::Any>,
     {
         sqlx::query(
-            "INSERT INTO files (id, tenant_id, purpose, filename, bytes, content, created_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (id) DO NOTHING",
+            "INSERT INTO files (id, tenant_id, purpose, filename, bytes, content, created_at, key_id) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (id) DO NOTHING",
         )
         .bind(id)
         .bind(tenant_id)
@@ -254,6 +287,7 @@ impl TenantStore {
         .bind(content.len() as i64)
         .bind(content.to_vec())
         .bind(now_ms())
+        .bind(key_id)
         .execute(exec)
         .await?;
         Ok(())
@@ -282,13 +316,14 @@ impl TenantStore {
         .fetch_optional(&self.pool)
         .await?
         .ok_or_else(|| TenantError::NoSuchFile(id.to_string()))?;
-        Ok((file_info(&r), r.get(6)))
+        Ok((file_info(&r), r.get(7)))
     }
 
-    /// A tenant's files, newest first, optionally of one purpose.
+    /// A tenant's files, newest first, optionally of one purpose and only `key_id`'s.
     pub async fn list_files(
         &self,
         tenant_id: &str,
+        key_id: Option<&str>,
         purpose: Option<&str>,
         page: &Page,
     ) -> Result<Vec<FileInfo>, TenantError> {
@@ -299,6 +334,7 @@ impl TenantStore {
         let rows = sqlx::query(&format!(
             "SELECT {FILE_COLUMNS} FROM files WHERE tenant_id = $1 AND ($2 IS NULL OR purpose = $2) \
              AND ($3 IS NULL OR created_at < $3 OR (created_at = $3 AND id < $4)) \
+             AND ($6 IS NULL OR key_id = $6) \
              ORDER BY created_at DESC, id DESC LIMIT $5"
         ))
         .bind(tenant_id)
@@ -306,6 +342,7 @@ impl TenantStore {
         .bind(before.as_ref().map(|f| f.created_at))
         .bind(before.as_ref().map_or("", |f| f.id.as_str()))
         .bind(page.limit)
+        .bind(key_id)
         .fetch_all(&self.pool)
         .await?;
         Ok(rows.iter().map(file_info).collect())
@@ -473,8 +510,13 @@ impl TenantStore {
         Ok(c)
     }
 
-    /// A tenant's batches, newest first.
-    pub async fn list_batches(&self, tenant_id: &str, page: &Page) -> Result<Vec<BatchInfo>, TenantError> {
+    /// A tenant's batches, newest first (only `key_id`'s when given).
+    pub async fn list_batches(
+        &self,
+        tenant_id: &str,
+        key_id: Option<&str>,
+        page: &Page,
+    ) -> Result<Vec<BatchInfo>, TenantError> {
         let before = match &page.after {
             Some(id) => Some(self.batch(tenant_id, id).await?),
             None => None,
@@ -482,12 +524,14 @@ impl TenantStore {
         let rows = sqlx::query(&format!(
             "SELECT {BATCH_COLUMNS} FROM batches WHERE tenant_id = $1 \
              AND ($2 IS NULL OR created_at < $2 OR (created_at = $2 AND id < $3)) \
+             AND ($5 IS NULL OR key_id = $5) \
              ORDER BY created_at DESC, id DESC LIMIT $4"
         ))
         .bind(tenant_id)
         .bind(before.as_ref().map(|b| b.created_at))
         .bind(before.as_ref().map_or("", |b| b.id.as_str()))
         .bind(page.limit)
+        .bind(key_id)
         .fetch_all(&self.pool)
         .await?;
         let mut out = Vec::with_capacity(rows.len());
@@ -526,7 +570,7 @@ impl TenantStore {
     /// Batches whose lines may run or which wait to be finished, oldest first (every tenant's).
     pub async fn open_batches(&self) -> Result<Vec<OpenBatch>, TenantError> {
         let rows = sqlx::query(
-            "SELECT id, key_id, status, expires_at, endpoint FROM batches \
+            "SELECT id, key_id, status, expires_at, endpoint, tenant_id FROM batches \
              WHERE status IN ('in_progress', 'finalizing', 'cancelling') ORDER BY created_at",
         )
         .fetch_all(&self.pool)
@@ -539,6 +583,7 @@ impl TenantStore {
                 status: r.get(2),
                 expires_at: r.get(3),
                 endpoint: r.get(4),
+                tenant_id: r.get(5),
             })
             .collect())
     }
@@ -756,7 +801,7 @@ impl TenantStore {
                 self.insert_file(
                     &mut *tx,
                     &file_id,
-                    &b.tenant_id,
+                    (&b.tenant_id, Some(&b.key_id)),
                     "batch_output",
                     &format!("{id}_{name}.jsonl"),
                     bytes,

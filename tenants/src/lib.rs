@@ -408,6 +408,8 @@ pub struct TenantStore {
     pub adapter_quota: i64,
     /// Adapter versions one tenant may keep.
     pub adapter_count_quota: i64,
+    /// File bytes one tenant may store (Files API uploads and batch outputs).
+    pub file_quota: i64,
     jwt: jwt::IssuerCache,
     sso: sso::DiscoveryCache,
     processors: processors::ProcessorCache,
@@ -432,6 +434,7 @@ impl TenantStore {
             processor_quota: processors::MAX_TENANT_PROCESSOR_BYTES,
             adapter_quota: adapters::MAX_TENANT_ADAPTER_BYTES,
             adapter_count_quota: adapters::MAX_TENANT_ADAPTERS,
+            file_quota: batches::MAX_TENANT_FILE_BYTES,
             jwt: jwt::IssuerCache::default(),
             sso: sso::DiscoveryCache::default(),
             processors: processors::ProcessorCache::default(),

@@ -816,27 +816,34 @@ async fn stored_responses_are_per_tenant_expire_and_respect_the_quota() {
             response: format!("{{\"id\":\"{id}\"}}"),
             input_items: "[]".into(),
             output: "[]".into(),
+            previous_id: None,
+            key_id: None,
         };
         let keep = ResponseRetention {
             ttl_ms: 3_600_000,
             max_per_tenant: 2,
+            ..Default::default()
         };
         let now = now_ms();
-        assert_eq!(s.store_response(&r("resp_a", "t1", now - 2), keep).await.unwrap(), 0);
+        assert_eq!(
+            s.store_response(&r("resp_a", "t1", now - 2), keep)
+                .await
+                .unwrap()
+                .dropped,
+            0
+        );
         s.store_response(&r("resp_b", "t1", now - 1), keep).await.unwrap();
         s.store_response(&r("resp_x", "t2", now), keep).await.unwrap();
         let got = s.stored_response("t1", "resp_a").await.unwrap().unwrap();
         assert_eq!(got.expires_at, now - 2 + 3_600_000, "{name}");
+        assert_eq!(got.object().unwrap(), serde_json::json!({"id": "resp_a", "output": []}));
         assert!(
             s.stored_response("t2", "resp_a").await.unwrap().is_none(),
             "{name}: another tenant's"
         );
         // The third of t1's drops its oldest.
-        assert_eq!(
-            s.store_response(&r("resp_c", "t1", now), keep).await.unwrap(),
-            1,
-            "{name}"
-        );
+        let third = s.store_response(&r("resp_c", "t1", now), keep).await.unwrap();
+        assert_eq!((third.dropped, third.count), (1, 2), "{name}");
         assert!(s.stored_response("t1", "resp_a").await.unwrap().is_none(), "{name}");
         assert_eq!(s.stored_response_count("t1").await.unwrap(), 2, "{name}");
         assert!(!s.delete_response("t2", "resp_b").await.unwrap(), "{name}");
@@ -846,11 +853,132 @@ async fn stored_responses_are_per_tenant_expire_and_respect_the_quota() {
         let gone = ResponseRetention {
             ttl_ms: -1,
             max_per_tenant: 10,
+            ..Default::default()
         };
         s.store_response(&r("resp_old", "t3", now), gone).await.unwrap();
         assert!(s.stored_response("t3", "resp_old").await.unwrap().is_none(), "{name}");
         assert!(s.purge_responses().await.unwrap() >= 1, "{name}");
         assert_eq!(s.stored_response_count("t3").await.unwrap(), 0, "{name}");
+    }
+}
+
+/// Issue 78, finding 1: a chain of continuations stores each response's own items once
+/// (bytes grow with the conversation, not with its square); the conversation is read back
+/// by walking the chain, refused whole when too large or broken; continuing extends the
+/// ancestors' lives; past the tenant's byte quota the least recently continued go first.
+#[tokio::test]
+async fn a_chain_of_responses_stores_each_item_once() {
+    use crate::responses::{Conversation, ResponseRetention, StoredResponse};
+    for db in testing::all().await {
+        let s = TenantStore::new(&db);
+        let name = db.backend.as_str();
+        let tenant = format!("tn_chain{}", random_hex(4).unwrap());
+        let item = "x".repeat(10_000);
+        let retention = ResponseRetention {
+            ttl_ms: 3_600_000,
+            max_tenant_bytes: 200_000,
+            ..Default::default()
+        };
+        let now = now_ms();
+        let mut previous: Option<String> = None;
+        let mut sizes = Vec::new();
+        for i in 0..8 {
+            let r = StoredResponse {
+                id: format!("resp_{tenant}_{i}"),
+                tenant_id: tenant.clone(),
+                created_at: now + i,
+                expires_at: 0,
+                response: "{}".into(),
+                input_items: serde_json::json!([{"id": format!("in{i}"), "text": item}]).to_string(),
+                output: serde_json::json!([{"id": format!("out{i}")}]).to_string(),
+                previous_id: previous.replace(format!("resp_{tenant}_{i}")),
+                key_id: None,
+            };
+            let stored = s.store_response(&r, retention).await.unwrap();
+            sizes.push(stored.bytes);
+        }
+        // Linear: each step adds about one item's bytes.
+        let step = sizes[7] - sizes[6];
+        assert!(step < 11_000 && sizes[7] < 8 * 11_000, "{name}: {sizes:?}");
+        let last = format!("resp_{tenant}_7");
+        let Conversation::Found(chain) = s.conversation(&tenant, &last, 1 << 20).await.unwrap() else {
+            panic!("{name}: the chain is whole")
+        };
+        let ids: Vec<_> = chain.iter().map(|r| r.id.clone()).collect();
+        assert_eq!(ids.len(), 8, "{name}");
+        assert_eq!(ids[0], format!("resp_{tenant}_0"), "{name}: oldest first");
+        assert!(matches!(
+            s.conversation(&tenant, &last, 50_000).await.unwrap(),
+            Conversation::TooLarge { bytes } if bytes > 80_000
+        ));
+        assert_eq!(
+            s.conversation("tn_other", &last, 1 << 20).await.unwrap(),
+            Conversation::NotFound,
+            "{name}: another tenant's"
+        );
+        // Continuing extended the first response's life to the last one's.
+        let first = s.stored_response(&tenant, &ids[0]).await.unwrap().unwrap();
+        assert_eq!(first.expires_at, now + 7 + 3_600_000, "{name}");
+        // A deleted middle response breaks the conversation: refused, not shortened.
+        assert!(s.delete_response(&tenant, &ids[3]).await.unwrap());
+        assert_eq!(
+            s.conversation(&tenant, &last, 1 << 20).await.unwrap(),
+            Conversation::Broken {
+                missing: ids[3].clone()
+            },
+            "{name}"
+        );
+        // Past the byte quota: an unrelated new response's arrival drops the oldest chain's
+        // responses, and the tenant stays within its bytes.
+        let big = StoredResponse {
+            id: format!("resp_{tenant}_big"),
+            tenant_id: tenant.clone(),
+            created_at: now + 100,
+            expires_at: 0,
+            response: "{}".into(),
+            input_items: serde_json::json!(["y".repeat(150_000)]).to_string(),
+            output: "[]".into(),
+            previous_id: None,
+            key_id: None,
+        };
+        let stored = s.store_response(&big, retention).await.unwrap();
+        assert!(stored.dropped > 0 && stored.bytes <= 200_000, "{name}: {stored:?}");
+        assert!(s.stored_response(&tenant, &big.id).await.unwrap().is_some(), "{name}");
+    }
+}
+
+/// Issue 78, finding 5: concurrent uploads cannot pass the tenant's file quota together
+/// (each checks and inserts under the tenant's row lock).
+#[tokio::test]
+async fn racing_uploads_stay_within_the_file_quota() {
+    for db in testing::all().await {
+        let mut s = TenantStore::new(&db);
+        s.file_quota = 10_000_000;
+        let s = std::sync::Arc::new(s);
+        let name = db.backend.as_str();
+        let t = s
+            .create_tenant(&format!("files-{}", random_hex(4).unwrap()))
+            .await
+            .unwrap();
+        s.add_file(&t.id, None, "batch", "base.jsonl", &vec![b'x'; 4_000_000])
+            .await
+            .unwrap();
+        let uploads: Vec<_> = (0..5)
+            .map(|i| {
+                let (s, id) = (s.clone(), t.id.clone());
+                tokio::spawn(async move {
+                    s.add_file(&id, None, "batch", &format!("{i}.jsonl"), &vec![b'y'; 2_500_000])
+                        .await
+                        .is_ok()
+                })
+            })
+            .collect();
+        let mut stored = 0;
+        for u in uploads {
+            stored += usize::from(u.await.unwrap());
+        }
+        assert_eq!(stored, 2, "{name}: 4 MB + 2 × 2.5 MB fit in 10 MB, a third does not");
+        assert!(s.file_bytes(&t.id).await.unwrap() <= 10_000_000, "{name}");
     }
 }
 
@@ -1373,7 +1501,7 @@ async fn batches_claim_once_and_finish_once() {
         let name = db.backend.as_str();
         let a = s.create_tenant("batch-a").await.unwrap();
         let b = s.create_tenant("batch-b").await.unwrap();
-        let f = s.add_file(&a.id, "batch", "in.jsonl", b"{}\n").await.unwrap();
+        let f = s.add_file(&a.id, None, "batch", "in.jsonl", b"{}\n").await.unwrap();
         assert_eq!(f.bytes, 3);
         assert_eq!(
             s.file_content(&a.id, &f.id).await.unwrap().1,
@@ -1410,7 +1538,7 @@ async fn batches_claim_once_and_finish_once() {
             Err(TenantError::NoSuchBatch(_))
         ));
         assert!(s
-            .list_batches(&b.id, &Page { after: None, limit: 10 })
+            .list_batches(&b.id, None, &Page { after: None, limit: 10 })
             .await
             .unwrap()
             .is_empty());
@@ -1568,7 +1696,10 @@ async fn batches_claim_once_and_finish_once() {
             "{name}"
         );
         // Listing: newest first, paged.
-        let all = s.list_batches(&a.id, &Page { after: None, limit: 10 }).await.unwrap();
+        let all = s
+            .list_batches(&a.id, None, &Page { after: None, limit: 10 })
+            .await
+            .unwrap();
         assert_eq!(
             all.iter().map(|b| b.id.as_str()).collect::<Vec<_>>(),
             [e.id.as_str(), c.id.as_str(), race.id.as_str(), batch.id.as_str()]
@@ -1576,6 +1707,7 @@ async fn batches_claim_once_and_finish_once() {
         let rest = s
             .list_batches(
                 &a.id,
+                None,
                 &Page {
                     after: Some(c.id.clone()),
                     limit: 10,
@@ -1585,7 +1717,7 @@ async fn batches_claim_once_and_finish_once() {
             .unwrap();
         assert_eq!(rest.len(), 2, "{name}");
         let outputs = s
-            .list_files(&a.id, Some("batch_output"), &Page { after: None, limit: 10 })
+            .list_files(&a.id, None, Some("batch_output"), &Page { after: None, limit: 10 })
             .await
             .unwrap();
         assert_eq!(outputs.len(), 5, "{name}");

@@ -463,9 +463,26 @@ pub struct LimitStoreArgs {
     /// `previous_response_id` and `GET /v1/responses/{id}` (at least 1).
     #[arg(long, env = "HEARTH_RESPONSES_TTL_DAYS", default_value_t = 30)]
     pub responses_ttl_days: u32,
-    /// Stored responses kept per tenant; past it a new one drops the tenant's oldest.
+    /// Stored responses kept per tenant; past it a new one drops the tenant's least
+    /// recently continued.
     #[arg(long, env = "HEARTH_RESPONSES_PER_TENANT", default_value_t = 10_000)]
     pub responses_per_tenant: u64,
+    /// Bytes of stored responses kept per tenant (default 1 GiB); past it a new one drops
+    /// the tenant's least recently continued.
+    #[arg(long, env = "HEARTH_RESPONSES_TENANT_BYTES", default_value_t = 1 << 30)]
+    pub responses_tenant_bytes: u64,
+    /// Bytes of files one tenant may store (Files API uploads and batch outputs; default
+    /// 1 GiB). An upload that would pass it is refused before its body is read.
+    #[arg(long, env = "HEARTH_TENANT_FILE_BYTES", default_value_t = 1 << 30)]
+    pub tenant_file_bytes: u64,
+    /// Bytes one stored response may hold (default 4 MiB): a `store: true` request whose
+    /// body is larger is refused before it runs.
+    #[arg(long, env = "HEARTH_RESPONSE_MAX_BYTES", default_value_t = 4 << 20)]
+    pub response_max_bytes: u64,
+    /// Bytes of a conversation a `previous_response_id` continuation reads (default 16 MiB):
+    /// a longer one is refused.
+    #[arg(long, env = "HEARTH_CONVERSATION_MAX_BYTES", default_value_t = 16 << 20)]
+    pub conversation_max_bytes: u64,
     /// Keep Claude Code's `x-anthropic-billing-header` system block in the prompt (by
     /// default it is dropped: it changes every request and would defeat the prefix cache).
     #[arg(long, env = "HEARTH_KEEP_BILLING_HEADER")]

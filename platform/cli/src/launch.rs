@@ -191,8 +191,10 @@ async fn gateway_state(
     }
     let models = ModelRegistry::discover(workers.clients, workers.wait, routing).await?;
     models.set_hosts(workers.hosts);
+    let mut tenants = TenantStore::new(db);
+    tenants.file_quota = i64::try_from(limits.tenant_file_bytes).unwrap_or(i64::MAX);
     let mut state = AppState::new(
-        TenantStore::new(db),
+        tenants,
         UsageLedger::with_outbox_durability(
             db,
             &data_dir,
@@ -224,6 +226,9 @@ async fn gateway_state(
     state.response_retention = hearth_tenants::responses::ResponseRetention {
         ttl_ms: i64::from(limits.responses_ttl_days.max(1)) * 24 * 3600 * 1000,
         max_per_tenant: limits.responses_per_tenant.max(1),
+        max_tenant_bytes: limits.responses_tenant_bytes.max(1),
+        max_response_bytes: limits.response_max_bytes.max(1),
+        max_conversation_bytes: limits.conversation_max_bytes.max(1),
     };
     state.keep_billing_header = limits.keep_billing_header;
     state.batches = hearth_gateway::state::BatchSettings {
@@ -277,15 +282,22 @@ async fn gateway_state(
 /// the other gateways, its share of the batch lines, and the worker registry's polls (the
 /// first one before it listens, so that registered workers serve from the start).
 async fn spawn_background(gw: &Arc<AppState>, discovery: Option<(Discovery, Duration)>) {
-    // Expired stored responses are invisible at once and deleted hourly.
+    // Expired stored responses are invisible at once and deleted hourly; each tenant's
+    // stored bytes are read for `/metrics` each minute.
     {
         let gw = gw.clone();
         tokio::spawn(async move {
-            let mut every = tokio::time::interval(Duration::from_secs(3600));
-            loop {
+            let mut every = tokio::time::interval(Duration::from_secs(60));
+            for minute in 0u64.. {
                 every.tick().await;
-                if let Err(e) = gw.tenants.purge_responses().await {
-                    tracing::warn!(error = %e, "expired stored responses could not be purged");
+                if minute % 60 == 0 {
+                    if let Err(e) = gw.tenants.purge_responses().await {
+                        tracing::warn!(error = %e, "expired stored responses could not be purged");
+                    }
+                }
+                match gw.tenants.response_totals().await {
+                    Ok(totals) => gw.metrics.set_stored_responses(&totals),
+                    Err(e) => tracing::warn!(error = %e, "stored responses could not be counted"),
                 }
             }
         });
@@ -335,6 +347,13 @@ async fn announce(gw: &AppState, addr: SocketAddr, config: Effective<'_>) -> any
         shared_routing = gw.shared_routing.as_ref().map(|s| s.gateway().to_string()),
         "effective configuration"
     );
+    if gw.public_origin.is_none() && !addr.ip().is_loopback() {
+        tracing::warn!(
+            listen = %addr,
+            "--public-url is unset: invitation links and single sign-on work only for requests addressed to localhost \
+             (links are never built from a client's Host header); give the URL clients reach this gateway at"
+        );
+    }
     println!("Hearth is listening on http://{addr} (models: {})", served.join(", "));
     println!(
         "Dashboard: http://{addr}/dashboard (sign in with an API key that has the 'manage' scope, or the admin token)"

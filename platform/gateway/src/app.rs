@@ -19,6 +19,7 @@ use crate::state::AppState;
 use crate::RequestId;
 
 pub fn router(state: Arc<AppState>) -> Router {
+    let gate_state = state.clone();
     let operator = Router::new()
         .nest("/admin/v1", crate::routes::admin::router())
         .route("/metrics", get(crate::routes::public::metrics))
@@ -78,6 +79,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .layer(middleware::from_fn(move |req, next| {
             crate::server::http::body_guard(state.body_limits.clone(), req, next)
         }))
+        // Credentials before large bodies; whose share of the body budget a body takes.
+        .layer(middleware::from_fn_with_state(
+            gate_state,
+            crate::gate::credentials_first,
+        ))
         .layer(middleware::from_fn(json_errors))
         .layer(middleware::from_fn(security_headers))
         .layer(middleware::from_fn(request_id))

@@ -132,6 +132,18 @@ fn require_scope(ctx: TenantContext, scope: Scope) -> Result<TenantContext, ApiE
     Ok(ctx)
 }
 
+/// The key whose own files, batches and stored responses a credential sees: a key
+/// restricted to some models sees only what it created itself; None: an unrestricted key
+/// sees all of its tenant's.
+pub fn own_objects(ctx: &TenantContext) -> Option<&str> {
+    ctx.models.is_some().then_some(ctx.key_id.as_str())
+}
+
+/// Whether `ctx` sees an object created by `key_id` (see [`own_objects`]).
+pub fn sees(ctx: &TenantContext, key_id: Option<&str>) -> bool {
+    own_objects(ctx).is_none_or(|own| key_id == Some(own))
+}
+
 /// A credential with the `manage` scope: the self-service API's extractor.
 pub struct Manager(pub TenantContext);
 
@@ -225,26 +237,34 @@ pub fn check_admin(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError
 /// (`AppState::admin_throttle`, the same rates as [`AuthThrottle`](crate::policy::throttle::AuthThrottle)); a throttled address gets
 /// 429 before its token is compared, even for the right one (else the answer would still tell
 /// a guesser when it guessed right). A request without a token is not a guess.
-pub async fn require_admin(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+pub async fn require_admin(State(state): State<Arc<AppState>>, mut req: Request, next: Next) -> Response {
+    match admit_operator(&state, &mut req).await {
+        Ok(()) => next.run(req).await,
+        Err(refused) => refused,
+    }
+}
+
+/// [`require_admin`]'s check (the body gate runs it before a large body is read): marks an
+/// operator signed in through the identity provider on the request.
+pub async fn admit_operator(state: &AppState, req: &mut Request) -> Result<(), Response> {
     let peer = peer_ip(req.extensions());
     if let (Some(ip), Some(throttle)) = (peer, state.admin_throttle.as_ref()) {
         if let Err(wait) = throttle.check(ip) {
             state.metrics.auth_throttled.inc();
-            return ApiError::rate_limited(
+            return Err(ApiError::rate_limited(
                 "auth_failures",
                 "Too many invalid admin tokens from this address; wait before trying again.",
                 wait,
             )
-            .into_response();
+            .into_response());
         }
     }
-    match check_admin(&state, req.headers()) {
-        Ok(()) => next.run(req).await,
-        Err(e) if state.admin_token.is_some() => match operator_session(&state, req.headers()).await {
+    match check_admin(state, req.headers()) {
+        Ok(()) => Ok(()),
+        Err(e) if state.admin_token.is_some() => match operator_session(state, req.headers()).await {
             Some(email) => {
-                let mut req = req;
                 req.extensions_mut().insert(OperatorSignedIn(email));
-                next.run(req).await
+                Ok(())
             }
             None => {
                 if let (true, Some(ip), Some(throttle)) =
@@ -252,7 +272,7 @@ pub async fn require_admin(State(state): State<Arc<AppState>>, req: Request, nex
                 {
                     throttle.failed(ip);
                 }
-                e.into_response()
+                Err(e.into_response())
             }
         },
         Err(e) => {
@@ -260,9 +280,15 @@ pub async fn require_admin(State(state): State<Arc<AppState>>, req: Request, nex
             if let (true, Some(ip), Some(throttle)) = (guessed, peer, state.admin_throttle.as_ref()) {
                 throttle.failed(ip);
             }
-            e.into_response()
+            Err(e.into_response())
         }
     }
+}
+
+/// The tenant a request's credential names, checked quietly (no bad-credential counting:
+/// its handler checks it again and answers); None if it names none.
+pub async fn quiet_tenant(state: &AppState, headers: &HeaderMap) -> Option<TenantContext> {
+    state.tenants.authenticate(credential(headers)?).await.ok()
 }
 
 #[cfg(test)]

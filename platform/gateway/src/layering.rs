@@ -17,7 +17,7 @@ const FLOORS: &[&[&str]] = &[
     &["api"],
     &["pipeline"],
     &["routes"],
-    &["app", "dashboard", "layering"],
+    &["app", "gate", "dashboard", "layering"],
 ];
 
 /// Upward imports not yet removed: `(importer, imported)`.

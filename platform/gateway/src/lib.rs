@@ -17,7 +17,8 @@
 //!   calls down into [`api`] to parse and to render;
 //! * [`routes`] — the other HTTP surfaces: admin and self-service, Files and Batches (with
 //!   the runner that works batches off), the OpenAPI documents, health and models;
-//! * [`app`] — the route table; [`dashboard`] — the browser console.
+//! * [`app`] — the route table; [`gate`] — credentials checked before large bodies are
+//!   read; [`dashboard`] — the browser console.
 //!
 //! Invariant: this crate never links the engine. It reaches engines only through
 //! `hearth-protocol` and a [`upstream::workers::WorkerClient`]; the embedded launcher
@@ -27,6 +28,7 @@ pub mod api;
 pub mod app;
 pub mod auth;
 pub mod dashboard;
+pub mod gate;
 #[cfg(test)]
 mod layering;
 pub mod manage;

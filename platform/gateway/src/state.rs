@@ -193,23 +193,25 @@ impl AppState {
                 .is_some_and(|v| v.eq_ignore_ascii_case("https"))
     }
 
-    /// The base of links this gateway hands out: the public URL, else the request's own
-    /// scheme and `Host`.
-    pub fn link_base(&self, headers: &axum::http::HeaderMap) -> String {
+    /// The base of links this gateway hands out (invitations, the single sign-on
+    /// callback): the public URL (`--public-url`). Without one, only a request addressed to
+    /// this machine (`Host` of localhost or a loopback address: one person trying Hearth
+    /// out) gets links from its `Host`; any other `Host` is the client's word, and a link
+    /// built from it could send an invitee or an identity provider's code elsewhere, so
+    /// there is none (None).
+    pub fn link_base(&self, headers: &axum::http::HeaderMap) -> Option<String> {
         if let Some(o) = &self.public_origin {
-            return o.clone();
+            return Some(o.clone());
         }
-        let host = headers
-            .get(axum::http::header::HOST)
-            .and_then(|h| h.to_str().ok())
-            .unwrap_or("localhost");
+        let host = headers.get(axum::http::header::HOST)?.to_str().ok()?;
         let scheme = if self.over_tls(headers) { "https" } else { "http" };
-        format!("{scheme}://{host}")
+        loopback_host(host).then(|| format!("{scheme}://{host}"))
     }
 
-    /// The link that accepts an invitation: `<link base>/dashboard/invite/<token>`.
-    pub fn invite_link(&self, headers: &axum::http::HeaderMap, token: &str) -> String {
-        format!("{}/dashboard/invite/{token}", self.link_base(headers))
+    /// The link that accepts an invitation: `<link base>/dashboard/invite/<token>` (None
+    /// without a link base: the invitation's token is handed out alone).
+    pub fn invite_link(&self, headers: &axum::http::HeaderMap, token: &str) -> Option<String> {
+        Some(format!("{}/dashboard/invite/{token}", self.link_base(headers)?))
     }
 
     /// A gateway with in-process limits, no admin token and no processors; set the public
@@ -258,5 +260,44 @@ impl AppState {
 impl AsRef<ModelRegistry> for AppState {
     fn as_ref(&self) -> &ModelRegistry {
         &self.models
+    }
+}
+
+/// Whether a `Host` header names this machine: localhost or a loopback address, with or
+/// without a port.
+fn loopback_host(host: &str) -> bool {
+    let name = match host.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host, |(h, _)| h),
+    };
+    name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+#[cfg(test)]
+mod tests {
+    /// Issue 78, finding 7: without a public URL, links come only from a `Host` that names
+    /// this machine.
+    #[test]
+    fn links_are_built_only_from_loopback_hosts() {
+        for host in [
+            "localhost",
+            "localhost:8080",
+            "127.0.0.1:80",
+            "127.1.2.3",
+            "[::1]:8080",
+            "LOCALHOST",
+        ] {
+            assert!(super::loopback_host(host), "{host}");
+        }
+        for host in [
+            "evil.example",
+            "evil.example:80",
+            "10.0.0.1:80",
+            "[2001:db8::1]:80",
+            "localhost.evil.example",
+            "",
+        ] {
+            assert!(!super::loopback_host(host), "{host}");
+        }
     }
 }

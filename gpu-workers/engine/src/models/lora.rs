@@ -520,6 +520,8 @@ fn open_peft(dir: &Path, model: &Model, limits: LoraLimits) -> Result<LoraAdapte
         .and_then(Value::as_f64)
         .ok_or_else(|| LoraError::Invalid("adapter_config.json: no numeric lora_alpha".into()))?;
     let rslora = flag("use_rslora");
+    // Bounded before parsing: a crafted header of many tiny tensors costs nothing to refuse.
+    hearth_protocol::adapter::check_safetensors_header(&weights).map_err(LoraError::Invalid)?;
     let st = SafeTensors::deserialize(&weights)
         .map_err(|e| LoraError::Invalid(format!("adapter_model.safetensors: {e}")))?;
     // Module path → [A, B], each as values and shape.

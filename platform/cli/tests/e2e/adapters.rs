@@ -133,6 +133,20 @@ async fn adapters_uploaded_served_isolated_metered_and_deleted() {
     );
     let (s, body) = upload(&self_service, &key_a, MODEL, "x", &[("weights.bin", vec![1, 2, 3])]).await;
     assert_eq!(s, 400, "{body}");
+    // Issue 78, finding 6: a header listing 200,000 tiny tensors is refused by counting
+    // them, before anything parses it.
+    let entries: Vec<String> = (0..200_000)
+        .map(|i| format!("\"t{i}\":{{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]}}"))
+        .collect();
+    let header = format!("{{{}}}", entries.join(","));
+    let mut crafted = (header.len() as u64).to_le_bytes().to_vec();
+    crafted.extend_from_slice(header.as_bytes());
+    let mut files = peft_files(&work.join("good"));
+    files.retain(|(n, _)| *n != "adapter_model.safetensors");
+    files.push(("adapter_model.safetensors", crafted));
+    let (s, body) = upload(&self_service, &key_a, MODEL, "many", &files).await;
+    assert_eq!(s, 400, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("tensors"), "{body}");
     // A refusal names the upload, never where the server keeps it.
     let not_gguf = vec![("adapter.gguf", b"GGUF, it says, but it is not".to_vec())];
     for files in [truncated, peft_files(&work.join("wrong")), not_gguf] {

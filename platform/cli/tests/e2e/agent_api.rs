@@ -257,3 +257,103 @@ async fn one_usage_row_per_request_with_the_responses_tokens() {
         "count_tokens is not metered"
     );
 }
+
+/// Issue 78, finding 1: a chain of stored responses, each turn carrying a 150 KB reasoning
+/// item (not tokenized: it costs almost nothing to send). Each response stores its own
+/// items once, so the tenant's stored bytes grow with the conversation, not with its
+/// square (copying the chain into every row stored ~3.6 MB by the eighth turn); the
+/// continuation still reads the whole conversation; the conversation bound refuses a
+/// continuation past it; a body over the per-response bound and metadata past OpenAI's
+/// caps are refused before they run, and the stored bytes are in `/metrics`.
+#[tokio::test]
+async fn chained_responses_store_each_item_once_within_quotas() {
+    let data = temp_dir("agent-chain");
+    let server = sim_serve_with(
+        &data,
+        "100000",
+        &["--response-max-bytes", "1000000", "--conversation-max-bytes", "1500000"],
+    );
+    let key = new_key(&data, "chain");
+    let thought = "t".repeat(150_000);
+    let turn = |previous: Option<&str>, i: usize| {
+        json!({"model": MODEL, "max_output_tokens": 4, "previous_response_id": previous,
+               "input": [{"type": "reasoning", "id": format!("rs_turn{i}"),
+                          "summary": [{"type": "summary_text", "text": thought}]},
+                         {"role": "user", "content": format!("Turn {i}.")}]})
+    };
+    let mut previous: Option<String> = None;
+    let mut refused_at = None;
+    for i in 0..12 {
+        let (s, r) = Route::Responses
+            .send(&server.url, &key, &turn(previous.as_deref(), i))
+            .await;
+        if s == 400 {
+            assert_eq!(r["error"]["param"], "previous_response_id", "{r}");
+            assert!(r["error"]["message"].as_str().unwrap().contains("1500000"), "{r}");
+            refused_at = Some(i);
+            break;
+        }
+        assert_eq!(s, 200, "turn {i}: {r}");
+        previous = Some(r["id"].as_str().unwrap().to_string());
+        let m = metrics(&server.url).await;
+        let stored = metric_sum(&m, "hearth_stored_response_bytes{tenant=\"chain\"}");
+        assert!(
+            stored < (i as f64 + 1.0) * 170_000.0,
+            "turn {i}: {stored} bytes stored for {} turns of 150 KB",
+            i + 1
+        );
+        if i == 5 {
+            // The sixth response's input is the whole conversation, the first turn's
+            // reasoning item included.
+            let items: Value = client()
+                .get(format!(
+                    "{}/v1/responses/{}/input_items?order=asc&limit=100",
+                    server.url,
+                    r["id"].as_str().unwrap()
+                ))
+                .bearer_auth(&key)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            assert_eq!(items["data"][0]["id"], "rs_turn0", "{items}");
+            let ids: Vec<&str> = items["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|i| i["id"].as_str())
+                .collect();
+            assert_eq!(ids.iter().filter(|id| id.starts_with("rs_turn")).count(), 6, "{ids:?}");
+        }
+    }
+    // 1.5 MB of conversation holds nine turns of 150 KB, not ten.
+    assert!(matches!(refused_at, Some(9 | 10)), "refused at {refused_at:?}");
+    // A fresh conversation still runs.
+    let (s, r) = Route::Responses.send(&server.url, &key, &turn(None, 100)).await;
+    assert_eq!(s, 200, "{r}");
+
+    // Over the per-response bound: refused before it runs unless not stored.
+    let mut big = turn(None, 0);
+    big["input"][0]["summary"][0]["text"] = json!("t".repeat(1_200_000));
+    let (s, r) = Route::Responses.send(&server.url, &key, &big).await;
+    assert_eq!((s, r["error"]["param"].as_str()), (400, Some("store")), "{r}");
+    big["store"] = json!(false);
+    let (s, r) = Route::Responses.send(&server.url, &key, &big).await;
+    assert_eq!(s, 200, "{r}");
+
+    // Metadata as OpenAI caps it: 16 values of at most 512 characters.
+    for metadata in [
+        json!((0..17)
+            .map(|i| (format!("k{i}"), json!("v")))
+            .collect::<serde_json::Map<_, _>>()),
+        json!({"k": "v".repeat(513)}),
+        json!({"k": {"nested": true}}),
+    ] {
+        let mut req = turn(None, 0);
+        req["metadata"] = metadata;
+        let (s, r) = Route::Responses.send(&server.url, &key, &req).await;
+        assert_eq!((s, r["error"]["param"].as_str()), (400, Some("metadata")), "{r}");
+    }
+}

@@ -408,3 +408,97 @@ async fn completions_and_responses_batches() {
         assert_eq!((s, b["error"]["param"].as_str()), (400, Some(param)), "{b}");
     }
 }
+
+/// Issue 78, finding 3: with four 60-line batches of one tenant open, another tenant's
+/// 3-line batch runs beside them (the slots are shared between tenants first), and
+/// completes while most of the first tenant's lines are still waiting. Before, the oldest
+/// batches took every slot that came free, and the second tenant's batch ran only after the
+/// first tenant's were done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenants_batches_do_not_starve_anothers() {
+    let data = temp_dir("batches-fair");
+    // About 20 tokens a second per line: each line takes about a second.
+    let worker = sim_worker("1");
+    let gw = gateway_with(&data, &worker.url, &["--batch-concurrency", "4"], &[]);
+    let (hog, small) = (new_key(&data, "hog"), new_key(&data, "small"));
+    let url = gw.url.clone();
+    let batch = |n: usize| {
+        (0..n)
+            .map(|i| {
+                json!({"custom_id": format!("l{i}"), "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": MODEL, "max_tokens": 20, "ignore_eos": true,
+                                "messages": [{"role": "user", "content": format!("Line {i}.")}]}})
+                .to_string()
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let create_batch = |key: String, lines: String| {
+        let url = url.clone();
+        async move {
+            let file = upload(&url, &key, lines).await;
+            let (s, _, b) = post(
+                &format!("{url}/v1/batches"),
+                Some(&key),
+                &json!({"input_file_id": file["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}),
+            )
+            .await;
+            assert_eq!(s, 200, "{b}");
+            b["id"].as_str().unwrap().to_string()
+        }
+    };
+    let mut hogs = Vec::new();
+    for _ in 0..4 {
+        hogs.push(create_batch(hog.clone(), batch(60)).await);
+    }
+    // The hog's lines are running when the small batch arrives.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let started = Instant::now();
+    let mine = create_batch(small.clone(), batch(3)).await;
+    let done = wait_for(&url, &small, &mine, |b| b["status"] == "completed").await;
+    assert_eq!(done["request_counts"]["completed"], 3, "{done}");
+    let mut hog_done = 0;
+    for id in &hogs {
+        let (_, b) = status(&url, &hog, id).await;
+        hog_done += b["request_counts"]["completed"].as_i64().unwrap_or(0);
+    }
+    assert!(
+        hog_done < 200,
+        "the small batch finished after {:?}, when {hog_done} of the hog's 240 lines were done",
+        started.elapsed()
+    );
+    for id in &hogs {
+        let _ = post(&format!("{url}/v1/batches/{id}/cancel"), Some(&hog), &json!({})).await;
+    }
+}
+
+/// Issue 78, finding 7: a batch line is held against a hard budget at the batch price it
+/// will pay (half the list price), so a line that fits the budget only at the batch price
+/// runs instead of pausing the batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_line_is_held_at_the_batch_price() {
+    let data = temp_dir("batches-budget");
+    let worker = sim_worker("100");
+    let gw = gateway_with(&data, &worker.url, &[], &[]);
+    admin(&data, &TEST_PRICE);
+    let key = new_key(&data, "thrifty");
+    // $0.0001: a short prompt and 70 completion tokens ($2/M) are over $0.00014 at the
+    // list price, under $0.0001 at the batch price.
+    admin(&data, &["tenant", "budget", "thrifty", "--monthly-usd", "0.0001"]);
+    let line = json!({"custom_id": "only", "method": "POST", "url": "/v1/chat/completions",
+                      "body": {"model": MODEL, "max_tokens": 70, "ignore_eos": true,
+                               "messages": [{"role": "user", "content": "Hi."}]}});
+    let file = upload(&gw.url, &key, line.to_string()).await;
+    let (s, _, b) = post(
+        &format!("{}/v1/batches", gw.url),
+        Some(&key),
+        &json!({"input_file_id": file["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}),
+    )
+    .await;
+    assert_eq!(s, 200, "{b}");
+    let done = wait_for(&gw.url, &key, b["id"].as_str().unwrap(), |b| {
+        b["status"] == "completed" || b["paused_reason"].is_string()
+    })
+    .await;
+    assert_eq!(done["request_counts"]["completed"], 1, "{done}");
+}

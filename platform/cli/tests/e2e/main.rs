@@ -16,6 +16,7 @@ mod dashboard;
 mod fairness;
 mod formats;
 mod pd;
+mod probe;
 mod processors;
 mod serve;
 mod telemetry;

@@ -78,6 +78,27 @@ pub(crate) fn wrong_type(key: &str, want: &str, got: &Value) -> ApiError {
     ApiError::invalid(key, format!("'{key}' must be {want}, not {}", type_name(got)))
 }
 
+/// `metadata` as OpenAI bounds it (batches, stored responses): at most 16 string values,
+/// keys of at most 64 characters and values of at most 512.
+pub fn metadata(v: Option<&Value>) -> Result<Option<Map<String, Value>>, ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            "metadata",
+            "'metadata' is an object of at most 16 string values (keys ≤ 64, values ≤ 512 characters)",
+        )
+    };
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Object(m)) => {
+            let ok = m.len() <= 16
+                && m.iter()
+                    .all(|(k, v)| k.chars().count() <= 64 && v.as_str().is_some_and(|s| s.chars().count() <= 512));
+            ok.then(|| Some(m.clone())).ok_or_else(bad)
+        }
+        Some(_) => Err(bad()),
+    }
+}
+
 pub(crate) fn get<'a>(o: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     o.get(key).filter(|v| !v.is_null())
 }
@@ -125,6 +146,7 @@ pub fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
 fn parse_common(o: &Map<String, Value>, max_tokens_keys: &[&str]) -> Result<Common, ApiError> {
     let model = match get(o, "model") {
         Some(Value::String(s)) if !s.is_empty() => s.clone(),
+        Some(Value::String(_)) => return Err(ApiError::invalid("model", "'model' must not be empty")),
         Some(v) => return Err(wrong_type("model", "a non-empty string", v)),
         None => return Err(ApiError::invalid("model", "you must provide a model parameter")),
     };

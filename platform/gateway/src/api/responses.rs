@@ -21,11 +21,12 @@ use axum::Json;
 use futures_util::StreamExt;
 use hearth_protocol::{FinishReason, Usage};
 use hearth_tenants::responses::StoredResponse;
+use hearth_tenants::TenantContext;
 use serde_json::{json, Map, Value};
 
 use crate::api::answer::{Answer, Change, End, Kind, Part};
 use crate::api::openai::{self, get, wrong_type, ChatRequest};
-use crate::auth::Caller;
+use crate::auth::{sees, Caller};
 use crate::server::error::ApiError;
 use crate::state::AppState;
 use crate::upstream::workers::EventStream;
@@ -275,6 +276,7 @@ pub fn parse(body: &[u8], hex: &str) -> Result<(ChatRequest, Request), ApiError>
         Some(Value::Bool(b)) => *b,
         Some(v) => return Err(wrong_type("store", "a boolean", v)),
     };
+    openai::metadata(get(&o, "metadata"))?;
     if get(&o, "background") == Some(&Value::Bool(true)) {
         return Err(ApiError::unsupported(
             "background",
@@ -432,23 +434,21 @@ impl Request {
     }
 }
 
-/// The `recall` phase's work: inherits the previous response's conversation and resolves
+/// The `recall` phase's work: inherits the previous response's conversation (its chain of
+/// responses, walked oldest first, within the conversation bound) and resolves
 /// `item_reference`s (each names its response by its id). Unknown or another tenant's ids
-/// are 404s.
-pub async fn recall(state: &AppState, tenant_id: &str, req: &mut Request) -> Result<(), ApiError> {
+/// are 404s; so is a conversation whose earlier response has expired or was deleted.
+pub async fn recall(state: &AppState, caller: &TenantContext, req: &mut Request) -> Result<(), ApiError> {
+    let tenant_id = caller.tenant_id.as_str();
     if let Some(prev) = req.previous_response_id.clone() {
-        let stored = state
-            .tenants
-            .stored_response(tenant_id, &prev)
-            .await
-            .map_err(store_error)?
+        let chain = stored_conversation(state, tenant_id, &prev, "previous_response_id")
+            .await?
+            .filter(|chain| chain.last().is_some_and(|r| sees(caller, r.key_id.as_deref())))
             .ok_or_else(|| {
                 ApiError::not_found(format!("Previous response with id '{prev}' not found."))
                     .with_param("previous_response_id")
             })?;
-        req.inherited = serde_json::from_str::<Vec<Value>>(&stored.input_items).unwrap_or_default();
-        req.inherited
-            .extend(serde_json::from_str::<Vec<Value>>(&stored.output).unwrap_or_default());
+        req.inherited = chain.iter().flat_map(items_of).collect();
     }
     let mut resolved = Vec::with_capacity(req.items.len());
     for (i, item) in std::mem::take(&mut req.items).into_iter().enumerate() {
@@ -465,11 +465,8 @@ pub async fn recall(state: &AppState, tenant_id: &str, req: &mut Request) -> Res
                     .stored_response(tenant_id, &resp)
                     .await
                     .map_err(store_error)?
-                    .and_then(|s| {
-                        let mut items = serde_json::from_str::<Vec<Value>>(&s.input_items).unwrap_or_default();
-                        items.extend(serde_json::from_str::<Vec<Value>>(&s.output).unwrap_or_default());
-                        items.into_iter().find(|it| it["id"] == id.as_str())
-                    }),
+                    .filter(|s| sees(caller, s.key_id.as_deref()))
+                    .and_then(|s| items_of(&s).into_iter().find(|it| it["id"] == id.as_str())),
                 None => None,
             },
         };
@@ -479,6 +476,46 @@ pub async fn recall(state: &AppState, tenant_id: &str, req: &mut Request) -> Res
     }
     req.items = resolved;
     Ok(())
+}
+
+/// The conversation response `id` ends, oldest response first, within the conversation
+/// bound (errors name `param`); None if the tenant has no response `id`.
+async fn stored_conversation(
+    state: &AppState,
+    tenant_id: &str,
+    id: &str,
+    param: &str,
+) -> Result<Option<Vec<StoredResponse>>, ApiError> {
+    use hearth_tenants::responses::Conversation;
+    let max = state.response_retention.max_conversation_bytes;
+    match state
+        .tenants
+        .conversation(tenant_id, id, max)
+        .await
+        .map_err(store_error)?
+    {
+        Conversation::Found(chain) => Ok(Some(chain)),
+        Conversation::NotFound => Ok(None),
+        Conversation::Broken { missing } => Err(ApiError::not_found(format!(
+            "Response '{missing}', earlier in the conversation of '{id}', has expired or was deleted: \
+             that conversation can no longer be continued."
+        ))
+        .with_param(param)),
+        Conversation::TooLarge { bytes } => Err(ApiError::invalid(
+            param,
+            format!(
+                "The conversation of '{id}' holds {bytes} bytes; a continuation reads at most {max} \
+                 (start a new conversation, or send the items you need with store: false)."
+            ),
+        )),
+    }
+}
+
+/// A stored response's own items: its input, then its output.
+fn items_of(r: &StoredResponse) -> Vec<Value> {
+    let mut items = serde_json::from_str::<Vec<Value>>(&r.input_items).unwrap_or_default();
+    items.extend(serde_json::from_str::<Vec<Value>>(&r.output).unwrap_or_default());
+    items
 }
 
 /// The response an item id of Hearth's names (`<kind>_<24 hex>…`).
@@ -500,6 +537,11 @@ pub struct Shape {
     pub req: Request,
     pub model: String,
     pub created_at: i64,
+    /// Whose it is (the id keys the store, the name labels the metrics) and the key that
+    /// asked (a model-restricted key sees only its own responses).
+    pub tenant_id: String,
+    pub tenant_name: String,
+    pub key_id: String,
 }
 
 fn part_json(p: &Part, status: &str) -> Value {
@@ -591,24 +633,33 @@ impl Shape {
         }
     }
 
-    /// Keeps the finished response (store: true); failures are logged, never the client's.
-    pub async fn store(&self, state: &AppState, tenant_id: &str, object: &Value) {
+    /// Keeps the finished response (store: true): its own items only (a continuation
+    /// names the response it continues); failures are logged, never the client's.
+    pub async fn store(&self, state: &AppState, object: &Value) {
         if !self.req.store {
             return;
         }
-        let mut input = self.req.inherited.clone();
-        input.extend(self.req.items.iter().cloned());
+        let mut response = object.clone();
+        let output = response
+            .as_object_mut()
+            .and_then(|o| o.remove("output"))
+            .unwrap_or_else(|| json!([]));
         let r = StoredResponse {
             id: self.req.id(),
-            tenant_id: tenant_id.to_string(),
+            tenant_id: self.tenant_id.clone(),
             created_at: self.created_at * 1000,
             expires_at: 0,
-            response: object.to_string(),
-            input_items: Value::Array(input).to_string(),
-            output: object["output"].to_string(),
+            response: response.to_string(),
+            input_items: Value::Array(self.req.items.clone()).to_string(),
+            output: output.to_string(),
+            previous_id: self.req.previous_response_id.clone(),
+            key_id: Some(self.key_id.clone()),
         };
-        if let Err(e) = state.tenants.store_response(&r, state.response_retention).await {
-            tracing::error!(error = %e, response = %r.id, "the response could not be stored");
+        match state.tenants.store_response(&r, state.response_retention).await {
+            Ok(stored) => state
+                .metrics
+                .stored_responses(&self.tenant_name, stored.count, stored.bytes),
+            Err(e) => tracing::error!(error = %e, response = %r.id, "the response could not be stored"),
         }
     }
 }
@@ -732,7 +783,6 @@ impl Writer {
 pub fn stream(
     state: Arc<AppState>,
     shape: Shape,
-    tenant_id: String,
     output: hearth_protocol::output::OutputSpec,
     mut events: EventStream,
 ) -> Response {
@@ -763,7 +813,7 @@ pub fn stream(
                 let status = Shape::status(&e);
                 let object = shape.object(status, Some(&answer), Some(&e));
                 if !matches!(e, End::Failed { .. }) {
-                    shape.store(&state, &tenant_id, &object).await;
+                    shape.store(&state, &object).await;
                 }
                 let kind = match status {
                     "completed" => "response.completed",
@@ -783,12 +833,15 @@ pub fn stream(
     crate::api::respond::event_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
 
-async fn stored(state: &AppState, tenant_id: &str, id: &str) -> Result<StoredResponse, ApiError> {
+/// The caller's stored response `id` (another key's, for a model-restricted key, is not
+/// found).
+async fn stored(state: &AppState, caller: &TenantContext, id: &str) -> Result<StoredResponse, ApiError> {
     state
         .tenants
-        .stored_response(tenant_id, id)
+        .stored_response(&caller.tenant_id, id)
         .await
         .map_err(store_error)?
+        .filter(|r| sees(caller, r.key_id.as_deref()))
         .ok_or_else(|| ApiError::not_found(format!("Response with id '{id}' not found.")))
 }
 
@@ -800,10 +853,10 @@ pub async fn retrieve(
     Caller(ctx): Caller,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let r = stored(&state, &ctx.tenant_id, &id).await?;
-    serde_json::from_str(&r.response)
+    let r = stored(&state, &ctx, &id).await?;
+    r.object()
         .map(Json)
-        .map_err(|_| ApiError::internal("a stored response is unreadable"))
+        .ok_or_else(|| ApiError::internal("a stored response is unreadable"))
 }
 
 /// `DELETE /v1/responses/{id}`.
@@ -814,6 +867,7 @@ pub async fn delete(
     Caller(ctx): Caller,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
+    stored(&state, &ctx, &id).await?;
     if !state
         .tenants
         .delete_response(&ctx.tenant_id, &id)
@@ -849,8 +903,17 @@ pub async fn input_items(
     q: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>, ApiError> {
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
-    let r = stored(&state, &ctx.tenant_id, &id).await?;
-    let mut items: Vec<Value> = serde_json::from_str(&r.input_items).unwrap_or_default();
+    // Its input: the conversation before it (each earlier response's input and output),
+    // then its own input items.
+    let chain = stored_conversation(&state, &ctx.tenant_id, &id, "id")
+        .await?
+        .filter(|chain| chain.last().is_some_and(|r| sees(&ctx, r.key_id.as_deref())))
+        .ok_or_else(|| ApiError::not_found(format!("Response with id '{id}' not found.")))?;
+    let (last, earlier) = chain
+        .split_last()
+        .ok_or_else(|| ApiError::internal("an empty conversation"))?;
+    let mut items: Vec<Value> = earlier.iter().flat_map(items_of).collect();
+    items.extend(serde_json::from_str::<Vec<Value>>(&last.input_items).unwrap_or_default());
     match q.order.as_deref() {
         None | Some("desc") => items.reverse(),
         Some("asc") => {}

@@ -188,6 +188,7 @@ pub struct ChatMessage {
 #[allow(dead_code)]
 pub struct ChatCompletionRequest {
     /// A model id from `GET /v1/models`.
+    #[schema(min_length = 1)]
     model: String,
     #[schema(min_items = 1)]
     messages: Vec<ChatMessage>,
@@ -289,6 +290,7 @@ pub struct ChatCompletion {
 #[derive(ToSchema)]
 #[allow(dead_code)]
 pub struct CompletionRequest {
+    #[schema(min_length = 1)]
     model: String,
     prompt: Prompt,
     #[schema(minimum = 1)]
@@ -377,6 +379,7 @@ pub enum AnthropicContent {
 #[derive(ToSchema)]
 #[allow(dead_code)]
 pub struct ResponseRequest {
+    #[schema(min_length = 1)]
     model: String,
     input: ResponseInput,
     instructions: Option<String>,
@@ -427,6 +430,7 @@ pub struct ResponseObject {
 #[derive(ToSchema)]
 #[allow(dead_code)]
 pub struct MessagesRequest {
+    #[schema(min_length = 1)]
     model: String,
     #[schema(min_items = 1)]
     messages: Vec<AnthropicMessage>,
@@ -478,6 +482,7 @@ pub struct MessageObject {
 #[derive(ToSchema)]
 #[allow(dead_code)]
 pub struct CountTokensRequest {
+    #[schema(min_length = 1)]
     model: String,
     #[schema(min_items = 1)]
     messages: Vec<AnthropicMessage>,
@@ -575,8 +580,10 @@ pub struct CreatedInvitation {
     invitation: hearth_tenants::members::Invitation,
     /// The link's secret.
     token: String,
-    /// The link to send: `<public URL>/dashboard/invite/<token>`.
-    url: String,
+    /// The link to send: `<public URL>/dashboard/invite/<token>`; null when the gateway has
+    /// no `--public-url` and the request was not addressed to localhost (links are not built
+    /// from a client's `Host`).
+    url: Option<String>,
 }
 
 /// `{"key_id": "…"}` attaches to one key; `{"key_id": null}` to the whole tenant.

@@ -178,7 +178,7 @@ pub(super) async fn invite_member(
     Ok(page(
         StatusCode::CREATED,
         "invited.html",
-        context! {base => v.base(), page => "members", link => link, invitation => inv},
+        context! {base => v.base(), page => "members", link => link, token => token, invitation => inv},
     ))
 }
 

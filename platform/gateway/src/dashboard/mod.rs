@@ -263,6 +263,24 @@ async fn js() -> Response {
         .into_response()
 }
 
+/// The body gate's check for a dashboard upload (see [`crate::gate`]): the visitor is
+/// signed in (else the refusal the page would give), and the body is its tenant's (or the
+/// operator's).
+pub async fn upload_owner(
+    gw: &Arc<AppState>,
+    parts: &mut axum::http::request::Parts,
+) -> Result<crate::server::http::BodyOwner, Response> {
+    use crate::server::http::BodyOwner;
+    use axum::extract::FromRequestParts;
+    let v = Visitor::from_request_parts(parts, gw)
+        .await
+        .map_err(IntoResponse::into_response)?;
+    Ok(match v.tenant() {
+        Ok(t) if v.is_tenant() => BodyOwner::Tenant(t.tenant_id.clone()),
+        _ => BodyOwner::Operator,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     /// Every template parses (a syntax error would otherwise surface as a panic on the

@@ -312,7 +312,10 @@ pub(super) async fn tenant_page(
         .list_issuers(Some(&t.id))
         .await
         .map_err(crate::server::error::store_error)?;
-    let callback = format!("{}/dashboard/sso/callback", gw.link_base(&headers));
+    let callback = gw.link_base(&headers).map_or_else(
+        || "<public URL>/dashboard/sso/callback (start the gateway with --public-url)".to_string(),
+        |b| format!("{b}/dashboard/sso/callback"),
+    );
     Ok(page(
         StatusCode::OK,
         "tenant.html",
@@ -423,7 +426,7 @@ pub(super) async fn tenant_action(
             return Ok(page(
                 StatusCode::CREATED,
                 "invited.html",
-                context! {base => v.base(), page => "overview", link => link, invitation => inv},
+                context! {base => v.base(), page => "overview", link => link, token => token, invitation => inv},
             ));
         }
         "sso" => {

@@ -86,9 +86,14 @@ fn flow_cookie(gw: &AppState, headers: &HeaderMap, value: &str, max_age_s: i64) 
     .unwrap_or_else(|_| HeaderValue::from_static(""))
 }
 
-fn redirect_uri(gw: &AppState, headers: &HeaderMap) -> String {
-    format!("{}/dashboard/sso/callback", gw.link_base(headers))
+/// The callback address the identity provider is given; None without `--public-url` (see
+/// [`AppState::link_base`]).
+fn redirect_uri(gw: &AppState, headers: &HeaderMap) -> Option<String> {
+    Some(format!("{}/dashboard/sso/callback", gw.link_base(headers)?))
 }
+
+const NO_PUBLIC_URL: &str =
+    "this gateway has no --public-url, and single sign-on's callback address is not built from a request's Host header";
 
 #[derive(Deserialize)]
 pub(super) struct StartQuery {
@@ -204,6 +209,9 @@ async fn start(gw: &AppState, headers: &HeaderMap, whose: &FlowOwner, spec: &Sso
         Ok(s) => s,
         Err(e) => return unavailable(gw, headers, &e).await,
     };
+    let Some(callback) = redirect_uri(gw, headers) else {
+        return unavailable(gw, headers, NO_PUBLIC_URL).await;
+    };
     let mut url = match reqwest::Url::parse(&d.authorization_endpoint) {
         Ok(u) => u,
         Err(e) => return provider_down(gw, headers, &format!("its authorization endpoint: {e}")).await,
@@ -211,7 +219,7 @@ async fn start(gw: &AppState, headers: &HeaderMap, whose: &FlowOwner, spec: &Sso
     url.query_pairs_mut()
         .append_pair("response_type", "code")
         .append_pair("client_id", &spec.client_id)
-        .append_pair("redirect_uri", &redirect_uri(gw, headers))
+        .append_pair("redirect_uri", &callback)
         .append_pair("scope", "openid email profile")
         .append_pair("state", &state)
         .append_pair("nonce", &nonce)
@@ -310,9 +318,12 @@ async fn finish(gw: &AppState, headers: &HeaderMap, extensions: &axum::http::Ext
             Err(e) => return unavailable(gw, headers, &e.to_string()).await,
         },
     };
+    let Some(callback) = redirect_uri(gw, headers) else {
+        return unavailable(gw, headers, NO_PUBLIC_URL).await;
+    };
     let who = match gw
         .tenants
-        .complete_sso(&spec, &code, &flow.verifier, &redirect_uri(gw, headers), &flow.nonce)
+        .complete_sso(&spec, &code, &flow.verifier, &callback, &flow.nonce)
         .await
     {
         Ok(who) => who,

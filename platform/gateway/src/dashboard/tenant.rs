@@ -62,11 +62,22 @@ pub(super) async fn overview(gw: &AppState, v: &Visitor, q: &RangeQuery) -> Resu
             "priority": l.priority.map(|p| p.as_str()),
         })
     };
+    // The Responses API's stored responses, against the tenant's byte quota.
+    let (count, bytes) = gw
+        .tenants
+        .response_usage(&ctx.tenant_id)
+        .await
+        .map_err(crate::server::error::store_error)?;
+    let mib = |b: u64| format!("{:.1}", b as f64 / f64::from(1 << 20));
+    let stored = json!({
+        "count": count, "mib": mib(bytes),
+        "quota_mib": mib(gw.response_retention.max_tenant_bytes),
+    });
     Ok(page(
         StatusCode::OK,
         "overview.html",
         context! {
-            base => v.base(), page => "overview", usage => view,
+            base => v.base(), page => "overview", usage => view, stored => stored,
             month => month, spent_usd => format_nusd(spent), budget => budget,
             tenant_limits => limits(ctx.tenant_limits), key_limits => limits(ctx.key_limits),
             from => from, to => to,

@@ -76,6 +76,8 @@ impl Files {
             ["adapter_config.json", "adapter_model.safetensors"] => {
                 let weights = files.pop().map(|f| f.1).unwrap_or_default();
                 let config = files.pop().map(|f| f.1).unwrap_or_default();
+                // Refused here, before a worker is asked to check it.
+                hearth_protocol::adapter::check_safetensors_header(&weights).map_err(|e| invalid("file", e))?;
                 Ok(Files::Peft { config, weights })
             }
             [one] if one.ends_with(".gguf") => Ok(Files::Gguf(files.pop().map(|f| f.1).unwrap_or_default())),

@@ -1,7 +1,8 @@
 //! Phase `budget`, in two steps. First, before any work: a hard budget already spent
 //! refuses (402), a soft one warns (`x-hearth-budget-*` headers). Then, once the prompt is
 //! tokenized ([`reserve`]): the request's worst case — every prompt token uncached and
-//! `n × max_tokens` completion tokens at the current price — is reserved against a hard
+//! `n × max_tokens` completion tokens at the current price (a batch line's at the batch
+//! price) — is reserved against a hard
 //! budget, together with every other request in flight, so that concurrency cannot spend
 //! past it. The reservation ([`BudgetHold`](crate::policy::budget::BudgetHold)) is released when the request's real cost has
 //! been counted.
@@ -59,6 +60,8 @@ pub async fn reserve(state: &AppState, ctx: &mut RequestContext) -> Result<(), A
         cached_tokens: 0,
         completion_tokens: ctx.max_tokens.saturating_mul(n),
         adapter: ctx.usage.as_ref().and_then(|u| u.adapter.clone()),
+        // A batch's line is held at the batch price it will pay, not the list price.
+        batch_id: ctx.batch.as_ref().map(|b| b.batch_id.clone()),
         ..UsageRecord::started(&ctx.request_id, &tenant.tenant_id, None, "", now)
     };
     let nusd = rate(&worst, price_of(&prices, &worst)).total_nusd;

@@ -29,7 +29,10 @@ enum Render {
 
 pub async fn run(state: &Arc<AppState>, ctx: &mut RequestContext, events: EventStream) -> Result<Response, ApiError> {
     let model = ctx.model()?.clone();
-    let tenant_id = ctx.tenant()?.tenant_id.clone();
+    let (tenant_id, tenant_name, key_id) = {
+        let t = ctx.tenant()?;
+        (t.tenant_id.clone(), t.tenant_name.clone(), t.key_id.clone())
+    };
     let hex = ctx.request_id.trim_start_matches("req_").to_string();
     let created = now_ms() / 1000;
     let request = ctx.request.as_mut().ok_or_else(|| ApiError::internal("no request"))?;
@@ -52,6 +55,9 @@ pub async fn run(state: &Arc<AppState>, ctx: &mut RequestContext, events: EventS
             req: *req,
             model: model.id.clone(),
             created_at: created,
+            tenant_id,
+            tenant_name,
+            key_id,
         })),
         Api::Messages(req) => Render::Messages(anthropic::Shape {
             hex: req.hex,
@@ -69,7 +75,7 @@ pub async fn run(state: &Arc<AppState>, ctx: &mut RequestContext, events: EventS
         let output = ctx.output.clone();
         return Ok(match render {
             Render::OpenAi(shape) => sse_response(shape, include_usage, events),
-            Render::Responses(shape) => responses::stream(state.clone(), *shape, tenant_id, output, events),
+            Render::Responses(shape) => responses::stream(state.clone(), *shape, output, events),
             Render::Messages(shape) => anthropic::stream(shape, output, events),
         });
     }
@@ -89,7 +95,7 @@ pub async fn run(state: &Arc<AppState>, ctx: &mut RequestContext, events: EventS
         body = processed?;
     }
     if let Render::Responses(shape) = &render {
-        shape.store(state, &tenant_id, &body).await;
+        shape.store(state, &body).await;
     }
     Ok(Json(body).into_response())
 }

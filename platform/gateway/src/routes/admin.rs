@@ -912,12 +912,16 @@ pub(crate) struct ExportQuery {
     /// A tenant's name or id (admin API; the self-service API exports the caller's).
     pub(crate) tenant: Option<String>,
     /// YYYY-MM-DD or Unix ms (inclusive); default: the start of this month.
+    #[param(pattern = r"^([0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])|[0-9]{1,15})$")]
     from: Option<String>,
     /// YYYY-MM-DD or Unix ms (exclusive); default: now.
+    #[param(pattern = r"^([0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])|[0-9]{1,15})$")]
     to: Option<String>,
     /// `csv` (default), `jsonl` or `parquet`.
+    #[param(pattern = "^(csv|jsonl|parquet)$")]
     format: Option<String>,
     /// `request` (default: one line per request) or `day`.
+    #[param(pattern = "^(request|day)$")]
     granularity: Option<String>,
 }
 

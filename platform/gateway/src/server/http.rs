@@ -16,6 +16,12 @@
 //!   connection, and the client would never see the answer. With `Expect: 100-continue`
 //!   the 413 goes out before the client sends anything. A body that does not arrive within
 //!   its timeout gets 408.
+//! * **Body budget** ([`BODY_BUDGET_KIB`], 512 MiB): the bodies the process holds at once.
+//!   Each body is charged to its [`BodyOwner`] — the tenant or operator whose credential a
+//!   layer in front checked before any byte of it was read, else the client's address —
+//!   and no owner may hold more than its share (a tenant a quarter of the budget, or its
+//!   largest upload if larger; an address one sixteenth, or the body limit if larger; the
+//!   operator all of it): one tenant or client trickling bodies cannot take every other's.
 //!
 //! Request duration and streams that go quiet are the relay's limits
 //! ([`crate::state::RequestLimits`]).
@@ -202,6 +208,61 @@ pub async fn serve(
     Ok(())
 }
 
+/// Whom a request's body is charged to in the body budget: set by a layer in front of
+/// [`body_guard`] once the request's credential is checked; without it, the client's
+/// address.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum BodyOwner {
+    /// The operator (the admin token): may hold the whole budget.
+    Operator,
+    /// A tenant, by id.
+    Tenant(String),
+    /// A client not (yet) known, by address.
+    Address(Option<IpAddr>),
+}
+
+/// What each owner holds of the body budget now, in KiB.
+#[derive(Debug, Default)]
+struct Shares {
+    held: Mutex<HashMap<BodyOwner, usize>>,
+}
+
+/// One body's part of its owner's share, given back when dropped.
+struct Share {
+    shares: Arc<Shares>,
+    owner: BodyOwner,
+    kib: usize,
+}
+
+impl Shares {
+    /// Adds `kib` to `owner`'s holding if it stays within `cap`.
+    fn take(self: &Arc<Self>, owner: &BodyOwner, kib: usize, cap: usize) -> Option<Share> {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let h = held.entry(owner.clone()).or_default();
+        if *h + kib > cap {
+            return None;
+        }
+        *h += kib;
+        Some(Share {
+            shares: self.clone(),
+            owner: owner.clone(),
+            kib,
+        })
+    }
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        let mut held = self.shares.held.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(h) = held.get_mut(&self.owner) {
+            *h = h.saturating_sub(self.kib);
+            if *h == 0 {
+                held.remove(&self.owner);
+            }
+        }
+    }
+}
+
 /// The body limits of one route: the default, or a larger one (processor and adapter
 /// uploads).
 #[derive(Debug, Clone)]
@@ -214,6 +275,8 @@ pub struct BodyLimits {
     /// Request bodies held at once by the whole process, in KiB ([`BODY_BUDGET_KIB`]): past
     /// it a request gets 503 instead of more memory.
     budget: Arc<tokio::sync::Semaphore>,
+    /// What each owner holds of it.
+    shares: Arc<Shares>,
 }
 
 /// Request bodies the process holds at once, at most (KiB): 512 MiB.
@@ -233,7 +296,30 @@ impl BodyLimits {
                 vec![(upload_suffix, upload_bytes)]
             },
             budget: Arc::new(tokio::sync::Semaphore::new(BODY_BUDGET_KIB)),
+            shares: Arc::default(),
         }
+    }
+
+    /// The most of the budget `owner` may hold at once, in KiB.
+    pub fn share_kib(&self, owner: &BodyOwner) -> usize {
+        let largest = self
+            .uploads
+            .iter()
+            .map(|(_, b)| *b)
+            .max()
+            .unwrap_or(0)
+            .max(self.max_bytes);
+        let share = match owner {
+            BodyOwner::Operator => BODY_BUDGET_KIB,
+            BodyOwner::Tenant(_) => (BODY_BUDGET_KIB / 4).max(largest.div_ceil(1024)),
+            BodyOwner::Address(_) => (BODY_BUDGET_KIB / 16).max(self.max_bytes.div_ceil(1024)),
+        };
+        share.min(BODY_BUDGET_KIB)
+    }
+
+    /// Whether `method` and `path` may send more than the default body (an upload route).
+    pub fn is_upload(&self, method: &axum::http::Method, path: &str) -> bool {
+        self.limit_for(method, path) > self.max_bytes
     }
 
     /// POSTs to paths ending in `suffix` (under the management prefixes) may send up to
@@ -272,6 +358,13 @@ fn too_large(limit: usize) -> Response {
     resp
 }
 
+/// The TCP peer's address (the server runs with connect info).
+pub fn peer(extensions: &axum::http::Extensions) -> Option<IpAddr> {
+    extensions
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map(|c| c.0.ip())
+}
+
 /// Middleware: the request's body read whole, within its size and time limits, before the
 /// handler runs (see the module's docs).
 pub async fn body_guard(limits: BodyLimits, req: Request, next: Next) -> Response {
@@ -293,6 +386,12 @@ pub async fn body_guard(limits: BodyLimits, req: Request, next: Next) -> Respons
         return next.run(req).await;
     }
     let (parts, body) = req.into_parts();
+    let owner = parts
+        .extensions
+        .get::<BodyOwner>()
+        .cloned()
+        .unwrap_or_else(|| BodyOwner::Address(peer(&parts.extensions)));
+    let cap = limits.share_kib(&owner);
     let deadline = tokio::time::Instant::now() + limits.read_timeout;
     let mut body = body;
     // An announced body over the limit is only drained; memory grows with what arrives,
@@ -330,12 +429,19 @@ pub async fn body_guard(limits: BodyLimits, req: Request, next: Next) -> Respons
             held.clear();
             continue;
         }
-        match limits
-            .budget
-            .clone()
-            .try_acquire_many_owned(data.len().div_ceil(1024) as u32)
-        {
-            Ok(p) => held.push(p),
+        let kib = data.len().div_ceil(1024);
+        let Some(share) = limits.shares.take(&owner, kib, cap) else {
+            let mut resp = ApiError::unavailable_code(
+                "server_busy",
+                "This client holds its share of the server's request bodies; retry once its other requests are done.",
+            )
+            .into_response();
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            return resp;
+        };
+        match limits.budget.clone().try_acquire_many_owned(kib as u32) {
+            Ok(p) => held.push((p, share)),
             Err(_) => {
                 let mut resp = ApiError::unavailable_code(
                     "server_busy",

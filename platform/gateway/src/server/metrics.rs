@@ -18,7 +18,8 @@
 //! cache), `hearth_limiter_decisions_total{decision,limit}`,
 //! `hearth_processor_seconds{hook}`, `hearth_processor_instances_total{source}` (a
 //! processor's instance made ahead or on the request's path), `hearth_token_counts_total{outcome}`
-//! (`count_tokens` requests: not billed, under the request limits), per tenant and class
+//! (`count_tokens` requests: not billed, under the request limits), per tenant
+//! `hearth_stored_responses` and `hearth_stored_response_bytes`, per tenant and class
 //! `hearth_shed_requests_total`,
 //! `hearth_tenant_time_to_first_token_seconds` and `hearth_tenant_queue_time_seconds`
 //! (the engine's queue), and per worker the router's view (in-flight requests,
@@ -103,6 +104,12 @@ pub struct PdLabels {
     pub outcome: String,
 }
 
+/// Per tenant (its name).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantLabel {
+    pub tenant: String,
+}
+
 /// Per tenant and class. The tenant is its name: one series per tenant and class, so a
 /// deployment with very many tenants should scrape these at a lower rate or drop them.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -171,6 +178,10 @@ pub struct Metrics {
     /// billed, but under the request limits.
     pub token_counts: Family<OutcomeLabel, Counter>,
     pub pd: Family<PdLabels, Counter>,
+    /// Each tenant's stored responses (Responses API, `store: true`) and their bytes, as
+    /// the shared database holds them (every gateway reports the same values).
+    pub stored_responses: Family<TenantLabel, Gauge>,
+    pub stored_response_bytes: Family<TenantLabel, Gauge>,
     /// Requests shed by admission control.
     pub shed: Family<TenantClassLabels, Counter>,
     /// Registry entries a discovering gateway refused (bad seal, stale, wrong id).
@@ -287,6 +298,18 @@ impl Metrics {
             "hearth_token_counts",
             "count_tokens requests (Anthropic Messages), by outcome: counted (not billed; under the tenant's and key's requests per minute and in flight) or refused",
             token_counts.clone(),
+        );
+        let stored_responses = Family::<TenantLabel, Gauge>::default();
+        registry.register(
+            "hearth_stored_responses",
+            "Stored responses (Responses API, store: true) by tenant, as the shared database holds them (refreshed each minute and on every store)",
+            stored_responses.clone(),
+        );
+        let stored_response_bytes = Family::<TenantLabel, Gauge>::default();
+        registry.register(
+            "hearth_stored_response_bytes",
+            "Bytes of stored responses by tenant (counted against --responses-tenant-bytes)",
+            stored_response_bytes.clone(),
         );
         let pd = Family::<PdLabels, Counter>::default();
         registry.register(
@@ -475,6 +498,8 @@ impl Metrics {
             processor,
             processor_instances,
             token_counts,
+            stored_responses,
+            stored_response_bytes,
             worker_gauges,
             decisions,
             index_blocks,
@@ -514,6 +539,10 @@ impl Metrics {
             .processor_instances
             .get_or_create(&SourceLabel { source: s("SOURCE") });
         let _ = m.token_counts.get_or_create(&OutcomeLabel { outcome: s("OUTCOME") });
+        let _ = m.stored_responses.get_or_create(&TenantLabel { tenant: s("TENANT") });
+        let _ = m
+            .stored_response_bytes
+            .get_or_create(&TenantLabel { tenant: s("TENANT") });
         let _ = m.pd.get_or_create(&PdLabels {
             model: s("MODEL"),
             outcome: s("OUTCOME"),
@@ -553,6 +582,29 @@ impl Metrics {
     pub fn model(model: &str) -> ModelLabel {
         ModelLabel {
             model: model.to_string(),
+        }
+    }
+
+    /// One tenant's stored responses and their bytes, as last read.
+    pub fn stored_responses(&self, tenant: &str, count: u64, bytes: u64) {
+        let t = TenantLabel {
+            tenant: tenant.to_string(),
+        };
+        self.stored_responses
+            .get_or_create(&t)
+            .set(i64::try_from(count).unwrap_or(i64::MAX));
+        self.stored_response_bytes
+            .get_or_create(&t)
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+    }
+
+    /// Every tenant's stored responses at once (the periodic refresh): tenants with none
+    /// left lose their series.
+    pub fn set_stored_responses(&self, totals: &[hearth_tenants::responses::ResponseTotals]) {
+        self.stored_responses.clear();
+        self.stored_response_bytes.clear();
+        for t in totals {
+            self.stored_responses(&t.tenant_name, t.count, t.bytes);
         }
     }
 

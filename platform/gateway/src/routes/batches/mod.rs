@@ -27,7 +27,7 @@ use hearth_tenants::batches::{self as store, BatchInfo, FileInfo, NewLine, Page}
 use hearth_tenants::{TenantContext, TenantError};
 use serde_json::{json, Value};
 
-use crate::auth::{Caller, ClientOrigin};
+use crate::auth::{own_objects, sees, Caller, ClientOrigin};
 use crate::manage::{Actor, ManageError, Management, Permission};
 use crate::server::error::{store_error, ApiError};
 use crate::state::AppState;
@@ -44,6 +44,7 @@ pub const ENDPOINTS: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v
 #[allow(dead_code)]
 pub struct FileUpload {
     /// `batch`.
+    #[schema(pattern = "^batch$")]
     purpose: String,
     /// The JSONL file, one request per line (`custom_id`, `method`, `url`, `body`).
     #[schema(value_type = String, format = Binary)]
@@ -81,17 +82,47 @@ fn list_json(data: Vec<Value>, has_more: bool) -> Value {
         "last_id": data.last().map(|v| v["id"].clone()), "has_more": has_more, "data": data})
 }
 
-#[derive(serde::Deserialize, utoipa::IntoParams)]
-#[into_params(parameter_in = Query)]
+/// The query of `GET /v1/files` and `GET /v1/batches` (their documents: [`FileListParams`],
+/// [`BatchListParams`]).
+#[derive(serde::Deserialize)]
 pub struct ListQuery {
-    /// Files: 1 to 10,000 (default 10,000); batches: 1 to 100 (default 20), as OpenAI's.
     limit: Option<i64>,
-    /// An id: list the objects after it (newest first).
+    after: Option<String>,
+    order: Option<String>,
+    purpose: Option<String>,
+}
+
+/// `GET /v1/files`'s query, as documented.
+#[derive(utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[allow(dead_code)]
+pub struct FileListParams {
+    /// 1 to 10,000 (default 10,000), as OpenAI's.
+    #[param(minimum = 1, maximum = 10000)]
+    limit: Option<i64>,
+    /// An id: list the files after it (newest first).
     after: Option<String>,
     /// `desc` (the default and the only order offered).
+    #[param(pattern = "^desc$")]
     order: Option<String>,
-    /// Files only: those of one purpose.
+    /// Those of one purpose.
+    #[param(pattern = "^(batch|batch_output)$")]
     purpose: Option<String>,
+}
+
+/// `GET /v1/batches`'s query, as documented.
+#[derive(utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[allow(dead_code)]
+pub struct BatchListParams {
+    /// 1 to 100 (default 20), as OpenAI's.
+    #[param(minimum = 1, maximum = 100)]
+    limit: Option<i64>,
+    /// An id: list the batches after it (newest first).
+    after: Option<String>,
+    /// `desc` (the default and the only order offered).
+    #[param(pattern = "^desc$")]
+    order: Option<String>,
 }
 
 impl ListQuery {
@@ -182,7 +213,7 @@ pub async fn upload_file(
     }
     let f = gw
         .tenants
-        .add_file(&ctx.tenant_id, "batch", &name, &bytes)
+        .add_file(&ctx.tenant_id, Some(&ctx.key_id), "batch", &name, &bytes)
         .await
         .map_err(store_error)?;
     Ok(Json(file_json(&f)))
@@ -190,7 +221,7 @@ pub async fn upload_file(
 
 /// `GET /v1/files`.
 #[utoipa::path(get, path = "/v1/files", summary = "Lists the tenant's files, newest first.", tag = "batches", security(("bearer" = [])),
-    params(ListQuery),
+    params(FileListParams),
     responses((status = 200, description = "`{\"object\": \"list\", \"data\": [file…], \"first_id\", \"last_id\", \"has_more\"}`.", body = crate::api::schema::AnyObject), crate::server::error::Errors))]
 pub async fn list_files(
     State(gw): State<Arc<AppState>>,
@@ -201,7 +232,7 @@ pub async fn list_files(
     let page = q.page(10_000, 10_000)?;
     let mut files = gw
         .tenants
-        .list_files(&ctx.tenant_id, q.purpose.as_deref(), &page)
+        .list_files(&ctx.tenant_id, own_objects(&ctx), q.purpose.as_deref(), &page)
         .await
         .map_err(not_found)?;
     let more = files.len() as i64 == page.limit;
@@ -218,7 +249,7 @@ pub async fn get_file(
     Caller(ctx): Caller,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let f = gw.tenants.file(&ctx.tenant_id, &id).await.map_err(not_found)?;
+    let f = visible_file(&ctx, gw.tenants.file(&ctx.tenant_id, &id).await)?;
     Ok(Json(file_json(&f)))
 }
 
@@ -232,6 +263,7 @@ pub async fn file_content(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let (f, bytes) = gw.tenants.file_content(&ctx.tenant_id, &id).await.map_err(not_found)?;
+    visible_file(&ctx, Ok(f.clone()))?;
     Ok(download(&f, bytes))
 }
 
@@ -275,8 +307,18 @@ pub async fn delete_file(
     Caller(ctx): Caller,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
+    visible_file(&ctx, gw.tenants.file(&ctx.tenant_id, &id).await)?;
     let f = gw.tenants.delete_file(&ctx.tenant_id, &id).await.map_err(not_found)?;
     Ok(Json(json!({"id": f.id, "object": "file", "deleted": true})))
+}
+
+/// A file the credential sees (another key's, for a model-restricted key, is not found).
+fn visible_file(ctx: &TenantContext, f: Result<FileInfo, TenantError>) -> Result<FileInfo, ApiError> {
+    let f = f.map_err(not_found)?;
+    if !sees(ctx, f.key_id.as_deref()) {
+        return Err(not_found(TenantError::NoSuchFile(f.id)));
+    }
+    Ok(f)
 }
 
 // ---- batches ----------------------------------------------------------------------------
@@ -288,8 +330,10 @@ pub struct BatchRequest {
     /// A file uploaded with purpose `batch`: JSONL, one `{"custom_id", "method": "POST", "url", "body"}` per line.
     input_file_id: String,
     /// `/v1/chat/completions`, `/v1/completions` or `/v1/responses`: every line's `url`.
+    #[schema(pattern = "^/v1/(chat/completions|completions|responses)$")]
     endpoint: String,
     /// `24h`.
+    #[schema(pattern = "^24h$")]
     completion_window: String,
     /// Up to 16 string pairs, kept with the batch.
     #[schema(value_type = Option<Object>)]
@@ -453,25 +497,6 @@ fn read_line(raw: &str, endpoint: &str, seen: &mut HashSet<String>) -> NewLine {
     }
 }
 
-fn metadata(v: Option<&Value>) -> Result<Option<String>, ApiError> {
-    let bad = || {
-        ApiError::invalid(
-            "metadata",
-            "'metadata' is an object of at most 16 string values (keys ≤ 64, values ≤ 512 characters)",
-        )
-    };
-    match v {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Object(m)) => {
-            let ok = m.len() <= 16
-                && m.iter()
-                    .all(|(k, v)| k.len() <= 64 && v.as_str().is_some_and(|s| s.len() <= 512));
-            ok.then(|| Some(Value::Object(m.clone()).to_string())).ok_or_else(bad)
-        }
-        Some(_) => Err(bad()),
-    }
-}
-
 /// `POST /v1/batches`.
 #[utoipa::path(post, path = "/v1/batches", summary = "Creates a batch (OpenAI Batch API): the input file's requests, run in the batch class within 24 h at the batch price.", tag = "batches", security(("bearer" = [])),
     request_body = BatchRequest,
@@ -506,7 +531,7 @@ pub async fn create_batch(
             ))
         }
     }
-    let metadata = metadata(o.get("metadata"))?;
+    let metadata = crate::api::openai::metadata(o.get("metadata"))?.map(|m| Value::Object(m).to_string());
     if ctx.key_id.starts_with("jwt:") {
         return Err(ApiError::invalid(
             "authorization",
@@ -521,6 +546,12 @@ pub async fn create_batch(
             TenantError::NoSuchFile(_) => ApiError::invalid("input_file_id", format!("No such File object: {input}")),
             e => store_error(e),
         })?;
+    if !sees(&ctx, file.key_id.as_deref()) {
+        return Err(ApiError::invalid(
+            "input_file_id",
+            format!("No such File object: {input}"),
+        ));
+    }
     if file.purpose != "batch" {
         return Err(ApiError::invalid(
             "input_file_id",
@@ -550,13 +581,22 @@ pub async fn get_batch(
     Caller(ctx): Caller,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let b = gw.tenants.batch(&ctx.tenant_id, &id).await.map_err(not_found)?;
+    let b = visible_batch(&ctx, gw.tenants.batch(&ctx.tenant_id, &id).await)?;
     Ok(Json(batch_with_usage(&gw, &b).await))
+}
+
+/// A batch the credential sees (another key's, for a model-restricted key, is not found).
+fn visible_batch(ctx: &TenantContext, b: Result<BatchInfo, TenantError>) -> Result<BatchInfo, ApiError> {
+    let b = b.map_err(not_found)?;
+    if !sees(ctx, Some(&b.key_id)) {
+        return Err(not_found(TenantError::NoSuchBatch(b.id)));
+    }
+    Ok(b)
 }
 
 /// `GET /v1/batches`.
 #[utoipa::path(get, path = "/v1/batches", summary = "Lists the tenant's batches, newest first.", tag = "batches", security(("bearer" = [])),
-    params(ListQuery),
+    params(BatchListParams),
     responses((status = 200, description = "`{\"object\": \"list\", \"data\": [batch…], \"first_id\", \"last_id\", \"has_more\"}`.", body = crate::api::schema::AnyObject), crate::server::error::Errors))]
 pub async fn list_batches(
     State(gw): State<Arc<AppState>>,
@@ -570,7 +610,7 @@ pub async fn list_batches(
     let page = q.page(20, 100)?;
     let mut batches = gw
         .tenants
-        .list_batches(&ctx.tenant_id, &page)
+        .list_batches(&ctx.tenant_id, own_objects(&ctx), &page)
         .await
         .map_err(not_found)?;
     let more = batches.len() as i64 == page.limit;
@@ -591,6 +631,7 @@ pub async fn cancel_batch(
     ClientOrigin(origin): ClientOrigin,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
+    visible_batch(&ctx, gw.tenants.batch(&ctx.tenant_id, &id).await)?;
     let b = gw
         .management()
         .via(origin)
@@ -626,7 +667,7 @@ pub async fn tenant_batches(gw: &AppState, tenant: &TenantContext) -> Result<Vec
     let page = Page { after: None, limit: 50 };
     let batches = gw
         .tenants
-        .list_batches(&tenant.tenant_id, &page)
+        .list_batches(&tenant.tenant_id, own_objects(tenant), &page)
         .await
         .map_err(store_error)?;
     let mut out = Vec::with_capacity(batches.len());

@@ -78,46 +78,80 @@ pub async fn run(gw: Arc<AppState>, owner: String) {
                 runnable.push(b);
             }
         }
-        // Free slots shared out over the runnable batches, oldest first.
+        // Free slots shared out between tenants first: each may hold its fair share of the
+        // slots (the concurrency over the tenants with runnable batches) while another
+        // waits; what no one else wants goes to whoever has lines left. Within a tenant, its
+        // batches oldest first.
         let mut free = slots.available_permits();
-        for (i, b) in runnable.iter().enumerate() {
-            if free == 0 {
-                break;
+        let tenant_of: HashMap<&str, &str> = open.iter().map(|b| (b.id.as_str(), b.tenant_id.as_str())).collect();
+        let mut held: HashMap<String, usize> = HashMap::new();
+        for (batch, _) in lock(&running).keys() {
+            if let Some(t) = tenant_of.get(batch.as_str()) {
+                *held.entry(t.to_string()).or_default() += 1;
             }
-            let share = free.div_ceil(runnable.len() - i);
-            let until = now_ms() + settings.lease.as_millis() as i64;
-            let lines = match gw.tenants.claim_lines(&b.id, &owner, share as i64, until).await {
-                Ok(l) => l,
-                Err(e) => {
-                    tracing::warn!(batch = %b.id, error = %e, "batch lines could not be claimed");
-                    continue;
-                }
-            };
-            if lines.is_empty() {
-                // Every line answered, or running (while one runs here, the batch is not
-                // done: no need to ask the store).
-                if !lock(&running).keys().any(|(batch, _)| *batch == b.id) {
-                    finish(&gw, &b.id).await;
-                }
-                continue;
+        }
+        let mut tenants: Vec<(&str, Vec<&&store::OpenBatch>)> = Vec::new();
+        for b in &runnable {
+            match tenants.iter_mut().find(|(t, _)| *t == b.tenant_id) {
+                Some((_, list)) => list.push(b),
+                None => tenants.push((&b.tenant_id, vec![b])),
             }
-            free -= lines.len();
-            for line in lines {
-                // Claims stay within the free slots, and only this loop takes slots.
-                let Ok(permit) = slots.clone().try_acquire_owned() else {
-                    debug_assert!(false, "a batch line was claimed without a free slot");
-                    continue;
-                };
-                let (gw, owner, waits, key) = (gw.clone(), owner.clone(), waits.clone(), b.key_id.clone());
-                let (endpoint, wake) = (b.endpoint.clone(), wake.clone());
-                let guard = InFlight::new(&running, &line);
-                tokio::spawn(async move {
-                    run_line(&gw, &owner, &line, &key, &endpoint, &waits).await;
-                    // Dropped even if the line's task panics: the line is renewed no more.
-                    drop(guard);
-                    drop(permit);
-                    wake.notify_one();
-                });
+        }
+        let fair = settings.concurrency.div_ceil(tenants.len().max(1));
+        let mut exhausted: std::collections::HashSet<&str> = Default::default();
+        for cap in [fair, usize::MAX] {
+            // The tenant holding fewest slots first.
+            tenants.sort_by_key(|(t, _)| held.get(*t).copied().unwrap_or(0));
+            for (tenant, batches) in &tenants {
+                for b in batches {
+                    let holding = held.get(*tenant).copied().unwrap_or(0);
+                    let want = free.min(cap.saturating_sub(holding));
+                    if want == 0 {
+                        break;
+                    }
+                    if exhausted.contains(b.id.as_str()) {
+                        continue;
+                    }
+                    let until = now_ms() + settings.lease.as_millis() as i64;
+                    let lines = match gw.tenants.claim_lines(&b.id, &owner, want as i64, until).await {
+                        Ok(l) => l,
+                        Err(e) => {
+                            tracing::warn!(batch = %b.id, error = %e, "batch lines could not be claimed");
+                            exhausted.insert(&b.id);
+                            continue;
+                        }
+                    };
+                    if lines.len() < want {
+                        exhausted.insert(&b.id);
+                    }
+                    if lines.is_empty() {
+                        // Every line answered, or running (while one runs here, the batch is
+                        // not done: no need to ask the store).
+                        if !lock(&running).keys().any(|(batch, _)| *batch == b.id) {
+                            finish(&gw, &b.id).await;
+                        }
+                        continue;
+                    }
+                    free -= lines.len();
+                    *held.entry(tenant.to_string()).or_default() += lines.len();
+                    for line in lines {
+                        // Claims stay within the free slots, and only this loop takes slots.
+                        let Ok(permit) = slots.clone().try_acquire_owned() else {
+                            debug_assert!(false, "a batch line was claimed without a free slot");
+                            continue;
+                        };
+                        let (gw, owner, waits, key) = (gw.clone(), owner.clone(), waits.clone(), b.key_id.clone());
+                        let (endpoint, wake) = (b.endpoint.clone(), wake.clone());
+                        let guard = InFlight::new(&running, &line);
+                        tokio::spawn(async move {
+                            run_line(&gw, &owner, &line, &key, &endpoint, &waits).await;
+                            // Dropped even if the line's task panics: the line is renewed no more.
+                            drop(guard);
+                            drop(permit);
+                            wake.notify_one();
+                        });
+                    }
+                }
             }
         }
     }
