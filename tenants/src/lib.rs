@@ -211,14 +211,18 @@ pub struct KeySpec {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Limits {
     /// Requests per minute.
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<i64>, minimum = 0, maximum = 4294967295_i64))]
     pub rpm: Option<u32>,
     /// Tokens (prompt + completion) per minute.
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<i64>, minimum = 0, maximum = 4294967295_i64))]
     pub tpm: Option<u32>,
     /// Requests in flight at once.
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<i64>, minimum = 0, maximum = 4294967295_i64))]
     pub concurrent: Option<u32>,
-    /// The tenant's weight in fair scheduling (1 to [`MAX_SHARE`]; None: 1). A tenant
-    /// setting: keys have none.
+    /// The tenant's weight in fair scheduling (1 to [`MAX_SHARE`]; None or 0: 1). A
+    /// tenant setting: keys have none.
     #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(minimum = 0, maximum = 1000))]
     pub share: Option<u32>,
     /// The class of its requests (None: interactive). A key's class can only lower its
     /// tenant's, and a request's only lower its key's.

@@ -254,13 +254,30 @@ impl TenantStore {
         if total > max_bytes {
             return Ok(Conversation::TooLarge { bytes: total });
         }
-        let mut chain = Vec::with_capacity(ids.len());
-        for id in ids.iter().rev() {
-            match self.stored_response(tenant_id, id).await? {
-                Some(r) => chain.push(r),
-                // Deleted or expired while being read.
-                None => return Ok(Conversation::Broken { missing: id.clone() }),
-            }
+        // The rows themselves in one statement: the same walk, oldest first.
+        let columns: Vec<String> = COLUMNS.split(", ").map(|c| format!("r.{c}")).collect();
+        let rows = sqlx::query(&format!(
+            "WITH RECURSIVE chain(id, previous_id, depth) AS ( \
+               SELECT id, previous_id, CAST(0 AS BIGINT) FROM stored_responses \
+               WHERE id = $1 AND tenant_id = $2 AND expires_at > $3 \
+               UNION ALL SELECT s.id, s.previous_id, c.depth + 1 FROM stored_responses s JOIN chain c ON s.id = c.previous_id \
+               WHERE s.tenant_id = $2 AND s.expires_at > $3 AND c.depth < $4) \
+             SELECT {} FROM chain c JOIN stored_responses r ON r.id = c.id ORDER BY c.depth DESC",
+            columns.join(", ")
+        ))
+        .bind(id)
+        .bind(tenant_id)
+        .bind(now)
+        .bind(MAX_CHAIN)
+        .fetch_all(&self.pool)
+        .await?;
+        let chain = rows.iter().map(row_of).collect::<Result<Vec<_>, _>>()?;
+        if chain.len() != ids.len() {
+            // A response was deleted or expired between the two reads.
+            let missing = ids.iter().find(|i| !chain.iter().any(|r| &r.id == *i));
+            return Ok(Conversation::Broken {
+                missing: missing.cloned().unwrap_or_default(),
+            });
         }
         Ok(Conversation::Found(chain))
     }

@@ -180,9 +180,7 @@ pub fn client_address(extensions: &axum::http::Extensions) -> Option<String> {
 
 /// The client's address as an IP (see [`client_address`]).
 pub fn peer_ip(extensions: &axum::http::Extensions) -> Option<std::net::IpAddr> {
-    extensions
-        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
-        .map(|c| c.0.ip())
+    crate::server::http::peer(extensions)
 }
 
 /// Where an API management call comes from, for the audit log.

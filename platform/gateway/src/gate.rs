@@ -57,7 +57,7 @@ pub async fn credentials_first(State(state): State<Arc<AppState>>, req: Request,
             BodyOwner::Address(peer)
         }
     } else if path.starts_with("/v1/") {
-        let scope = if path.starts_with("/v1/tenant") {
+        let scope = if path == "/v1/tenant" || path.starts_with("/v1/tenant/") {
             Scope::Manage
         } else {
             Scope::Inference

@@ -266,10 +266,14 @@ impl AsRef<ModelRegistry> for AppState {
 /// Whether a `Host` header names this machine: localhost or a loopback address, with or
 /// without a port.
 fn loopback_host(host: &str) -> bool {
-    let name = match host.strip_prefix('[') {
-        Some(v6) => v6.split(']').next().unwrap_or(""),
-        None => host.rsplit_once(':').map_or(host, |(h, _)| h),
+    // An authority with user info (`localhost:80@evil.example`) names another host.
+    if host.contains(['@', '/', '\\', '?', '#']) {
+        return false;
+    }
+    let Ok(authority) = host.parse::<axum::http::uri::Authority>() else {
+        return false;
     };
+    let name = authority.host().trim_start_matches('[').trim_end_matches(']');
     name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
@@ -296,6 +300,10 @@ mod tests {
             "[2001:db8::1]:80",
             "localhost.evil.example",
             "",
+            "localhost:80@evil.example",
+            "127.0.0.1:1@evil.example",
+            "[::1]@evil.example",
+            "localhost/evil",
         ] {
             assert!(!super::loopback_host(host), "{host}");
         }

@@ -208,6 +208,8 @@ async fn a_model_restricted_key_sees_only_its_own_files_batches_and_responses() 
     )
     .await;
     assert_eq!((s, r["error"]["param"].as_str()), (400, Some("input_file_id")), "{r}");
+    let (s, _, r) = post(&format!("{url}/v1/batches/{batch}/cancel"), Some(&narrow), &json!({})).await;
+    assert_eq!(s, 404, "another key's batch cannot be cancelled: {r}");
     // The unrestricted key sees the narrow key's file as well as its own.
     assert_eq!(get(format!("/v1/files/{mine}"), all.clone()).await.0, 200);
     let (_, files) = get("/v1/files".into(), all.clone()).await;

@@ -441,13 +441,23 @@ impl Request {
 pub async fn recall(state: &AppState, caller: &TenantContext, req: &mut Request) -> Result<(), ApiError> {
     let tenant_id = caller.tenant_id.as_str();
     if let Some(prev) = req.previous_response_id.clone() {
-        let chain = stored_conversation(state, tenant_id, &prev, "previous_response_id")
-            .await?
-            .filter(|chain| chain.last().is_some_and(|r| sees(caller, r.key_id.as_deref())))
-            .ok_or_else(|| {
-                ApiError::not_found(format!("Previous response with id '{prev}' not found."))
-                    .with_param("previous_response_id")
-            })?;
+        // The caller's own first (another key's, for a model-restricted key, is not found),
+        // so that nothing of a conversation it may not see is told.
+        let visible = state
+            .tenants
+            .stored_response(tenant_id, &prev)
+            .await
+            .map_err(store_error)?
+            .is_some_and(|r| sees(caller, r.key_id.as_deref()));
+        let chain = if visible {
+            stored_conversation(state, tenant_id, &prev, "previous_response_id").await?
+        } else {
+            None
+        };
+        let chain = chain.ok_or_else(|| {
+            ApiError::not_found(format!("Previous response with id '{prev}' not found."))
+                .with_param("previous_response_id")
+        })?;
         req.inherited = chain.iter().flat_map(items_of).collect();
     }
     let mut resolved = Vec::with_capacity(req.items.len());
@@ -883,8 +893,10 @@ pub async fn delete(
 #[into_params(parameter_in = Query)]
 pub struct ListQuery {
     /// 1 to 100 (default 20).
+    #[param(minimum = 1, maximum = 100)]
     limit: Option<usize>,
     /// `asc` or `desc` (default).
+    #[param(pattern = "^(asc|desc)$")]
     order: Option<String>,
     /// An item id: list the items after it.
     after: Option<String>,
@@ -905,9 +917,9 @@ pub async fn input_items(
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
     // Its input: the conversation before it (each earlier response's input and output),
     // then its own input items.
+    stored(&state, &ctx, &id).await?;
     let chain = stored_conversation(&state, &ctx.tenant_id, &id, "id")
         .await?
-        .filter(|chain| chain.last().is_some_and(|r| sees(&ctx, r.key_id.as_deref())))
         .ok_or_else(|| ApiError::not_found(format!("Response with id '{id}' not found.")))?;
     let (last, earlier) = chain
         .split_last()

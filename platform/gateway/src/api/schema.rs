@@ -235,6 +235,7 @@ pub struct ChatCompletionRequest {
     prompt_cache_key: Option<String>,
     /// `interactive` (also `auto`, `default`, `priority`) or `batch` (`flex`, `scale`); it
     /// can only lower the key's class.
+    #[schema(pattern = "^(auto|default|flex|scale|priority|interactive|batch)$")]
     service_tier: Option<String>,
     ignore_eos: Option<bool>,
     #[schema(minimum = 0)]
@@ -538,6 +539,7 @@ pub struct Status {
 #[derive(ToSchema)]
 #[allow(dead_code)]
 pub struct KeyRequest {
+    #[schema(min_length = 1)]
     name: Option<String>,
     /// `inference`, `manage` (default both; a tenant's key can grant no more than its own).
     scopes: Option<Vec<String>>,
@@ -554,6 +556,8 @@ pub struct KeyRequest {
 #[derive(ToSchema)]
 #[allow(dead_code)]
 pub struct TenantRequest {
+    /// 1-64 printable characters, without surrounding spaces or the `tn_` prefix of ids.
+    #[schema(min_length = 1, max_length = 64)]
     name: String,
 }
 
@@ -600,6 +604,7 @@ pub struct BudgetRequest {
     /// Null, 0 or absent: no budget.
     monthly_usd: Option<Usd>,
     /// `hard` (default: refuse once spent) or `soft` (a warning header).
+    #[schema(pattern = "^(hard|soft)$")]
     mode: Option<String>,
 }
 
@@ -627,6 +632,7 @@ pub struct LimitsView {
 #[allow(dead_code)]
 pub struct PriceRequest {
     /// A model id, or `*` for every model without its own price.
+    #[schema(min_length = 1, max_length = 128)]
     model: String,
     input: Usd,
     cached_input: Usd,

@@ -503,6 +503,8 @@ pub(super) async fn download_file(
 ) -> Result<Response, PageError> {
     let t = v.tenant()?;
     v.actor().require(Permission::ManageKeys)?;
+    // A model-restricted key's session downloads only its own (see `auth::own_objects`).
+    crate::routes::batches::visible_file(t, gw.tenants.file(&t.tenant_id, &id).await)?;
     let (f, bytes) = gw
         .tenants
         .file_content(&t.tenant_id, &id)

@@ -279,10 +279,22 @@ impl Window {
 fn time_param(v: Option<&str>, name: &'static str, default: i64) -> Result<i64, ManageError> {
     match v {
         None | Some("") => Ok(default),
-        Some(s) => s
-            .parse::<i64>()
-            .ok()
-            .or_else(|| parse_day(s))
+        // Unix ms as at most 15 digits (no sign), as the documents state.
+        Some(s) => (s.len() <= 15 && s.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| s.parse::<i64>().ok())
+            .flatten()
+            .or_else(|| {
+                let b = s.as_bytes();
+                let shaped = b.len() == 10
+                    && b.iter().enumerate().all(|(i, c)| {
+                        if i == 4 || i == 7 {
+                            *c == b'-'
+                        } else {
+                            c.is_ascii_digit()
+                        }
+                    });
+                shaped.then(|| parse_day(s)).flatten()
+            })
             .ok_or_else(|| invalid(name, format!("'{name}' must be YYYY-MM-DD or Unix milliseconds"))),
     }
 }
@@ -1028,6 +1040,28 @@ impl From<ManageError> for ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A window's ends are what the API documents state (`YYYY-MM-DD`, or Unix ms as at
+    /// most 15 digits), nothing looser: the contract check sends the rest and expects 400s.
+    #[test]
+    fn window_ends_are_exactly_the_documented_shapes() {
+        for ok in ["2026-01-01", "1700000000000", "0"] {
+            assert!(time_param(Some(ok), "from", 0).is_ok(), "{ok}");
+        }
+        assert_eq!(time_param(Some(""), "from", 7).unwrap(), 7);
+        for bad in [
+            "-5",
+            "+5",
+            "1234567890123456",
+            "2026-1-1",
+            "+2026-01-01",
+            "2026-13-01",
+            "2026/01/01",
+            "x",
+        ] {
+            assert!(time_param(Some(bad), "from", 0).is_err(), "{bad}");
+        }
+    }
 
     /// The book's role table (concepts/members.md) is this code's: one row per permission,
     /// in order, a ✓ exactly where [`allows`] says yes.

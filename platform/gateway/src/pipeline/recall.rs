@@ -34,6 +34,17 @@ pub async fn run(state: &AppState, ctx: &mut RequestContext) -> Result<(), ApiEr
         return Ok(());
     }
     crate::api::responses::recall(state, &caller, req).await?;
+    // Item references are stored resolved: the bound holds for what is kept.
+    let kept = serde_json::to_vec(&req.items).map_or(0, |v| v.len()) as u64;
+    if req.store && kept > max {
+        return Err(ApiError::invalid(
+            "store",
+            format!(
+                "A stored response keeps at most {max} bytes of input; this request's items, references resolved, \
+                 are {kept} (send store: false, or less)."
+            ),
+        ));
+    }
     let chat = req.chat_request()?;
     parsed.input = Input::Chat {
         messages: chat.messages,

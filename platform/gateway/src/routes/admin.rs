@@ -81,7 +81,8 @@ pub fn router() -> Router<Arc<AppState>> {
 struct AuditQuery {
     /// A tenant's name or id (default: every tenant's and the platform's).
     tenant: Option<String>,
-    /// Entries to return (default 100).
+    /// Entries to return: 1 to 1,000 (default 100).
+    #[param(minimum = 1, maximum = 1000)]
     limit: Option<u32>,
 }
 
@@ -94,6 +95,9 @@ async fn audit_log(
     q: Result<Query<AuditQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>, ApiError> {
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
+    if q.limit.is_some_and(|l| !(1..=1000).contains(&l)) {
+        return Err(ApiError::invalid("limit", "'limit' must be between 1 and 1000"));
+    }
     let entries = gw
         .management()
         .audit_log(Actor::Operator, q.tenant.as_deref(), q.limit.unwrap_or(100))
@@ -160,7 +164,7 @@ async fn list_keys(State(gw): State<Arc<AppState>>, Path(tenant): Path<String>) 
     Ok(Json(json!({"object": "list", "data": keys})))
 }
 
-#[utoipa::path(post, path = "/admin/v1/tenants/{tenant}/keys", summary = "Creates a key for a tenant.", tag = "tenants", params(("tenant" = String, Path, description = "A tenant's name or id.")), request_body = crate::api::schema::KeyRequest,
+#[utoipa::path(post, path = "/admin/v1/tenants/{tenant}/keys", summary = "Creates a key for a tenant.", tag = "tenants", params(("tenant" = String, Path, description = "A tenant's name or id.")), request_body = Option<crate::api::schema::KeyRequest>,
     responses((status = 201, description = "The key; `key` is shown only here.", body = hearth_tenants::CreatedKey), crate::server::error::Errors))]
 async fn create_key(
     State(gw): State<Arc<AppState>>,
@@ -193,7 +197,8 @@ async fn revoke_key(
 struct UsageQuery {
     /// A tenant's name or id (default: every tenant).
     tenant: Option<String>,
-    /// Rows to return, newest first (default 100, at most 10,000).
+    /// Rows to return, newest first: 1 to 10,000 (default 100).
+    #[param(minimum = 1, maximum = 10000)]
     limit: Option<u32>,
 }
 
@@ -204,6 +209,9 @@ async fn usage(
     q: Result<Query<UsageQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>, ApiError> {
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
+    if q.limit.is_some_and(|l| !(1..=10_000).contains(&l)) {
+        return Err(ApiError::invalid("limit", "'limit' must be between 1 and 10000"));
+    }
     let tenant_id = match q.tenant {
         Some(t) => Some(gw.tenants.tenant(&t).await.map_err(store_error)?.id),
         None => None,
@@ -449,7 +457,7 @@ async fn drain(
     Path((model, slot)): Path<(String, usize)>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    let draining = if body.is_empty() {
+    let draining = if body.is_empty() || body.trim_ascii() == b"null" {
         true
     } else {
         parse_object(&body)?
@@ -546,7 +554,7 @@ async fn set_key_limits(
 /// A new key from `{"name", "scopes": ["inference","manage"], "models": [...],
 /// "expires_in": seconds | "expires_at": unix ms}`; every field optional.
 pub(crate) fn key_spec(body: &Bytes) -> Result<KeySpec, ApiError> {
-    if body.is_empty() {
+    if body.is_empty() || body.trim_ascii() == b"null" {
         return Ok(KeySpec::default());
     }
     let o = parse_object(body)?;
@@ -554,6 +562,12 @@ pub(crate) fn key_spec(body: &Bytes) -> Result<KeySpec, ApiError> {
         name: name_field(body, false)?,
         ..Default::default()
     };
+    if o.get("name").and_then(Value::as_str) == Some("") {
+        return Err(ApiError::invalid(
+            "name",
+            "'name' must not be empty (leave it out for none)",
+        ));
+    }
     match o.get("scopes") {
         None | Some(Value::Null) => {}
         Some(Value::Array(a)) => {
@@ -912,10 +926,10 @@ pub(crate) struct ExportQuery {
     /// A tenant's name or id (admin API; the self-service API exports the caller's).
     pub(crate) tenant: Option<String>,
     /// YYYY-MM-DD or Unix ms (inclusive); default: the start of this month.
-    #[param(pattern = r"^([0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])|[0-9]{1,15})$")]
+    #[param(pattern = r"^([0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])|[0-9]{1,15})?$")]
     from: Option<String>,
     /// YYYY-MM-DD or Unix ms (exclusive); default: now.
-    #[param(pattern = r"^([0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])|[0-9]{1,15})$")]
+    #[param(pattern = r"^([0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])|[0-9]{1,15})?$")]
     to: Option<String>,
     /// `csv` (default), `jsonl` or `parquet`.
     #[param(pattern = "^(csv|jsonl|parquet)$")]
@@ -923,6 +937,19 @@ pub(crate) struct ExportQuery {
     /// `request` (default: one line per request) or `day`.
     #[param(pattern = "^(request|day)$")]
     granularity: Option<String>,
+}
+
+/// `GET /v1/tenant/usage`'s query, as documented (the window only).
+#[derive(utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[allow(dead_code)]
+pub(crate) struct WindowParams {
+    /// YYYY-MM-DD or Unix ms (inclusive); default: the start of this month.
+    #[param(pattern = r"^([0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])|[0-9]{1,15})?$")]
+    from: Option<String>,
+    /// YYYY-MM-DD or Unix ms (exclusive); default: now.
+    #[param(pattern = r"^([0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])|[0-9]{1,15})?$")]
+    to: Option<String>,
 }
 
 impl ExportQuery {
@@ -1002,6 +1029,7 @@ pub(crate) fn upload_limit() -> axum::extract::DefaultBodyLimit {
 #[into_params(parameter_in = Query)]
 pub(crate) struct UploadQuery {
     /// The processor's name (required); a new upload under a name is its next version.
+    #[param(required = true, min_length = 1)]
     name: Option<String>,
     /// JSON for the guest's `host.config` (default `{}`).
     config: Option<String>,

@@ -108,7 +108,8 @@ pub(crate) async fn delete_adapter(
 #[derive(serde::Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 struct AuditQuery {
-    /// Entries to return (default 100).
+    /// Entries to return: 1 to 1,000 (default 100).
+    #[param(minimum = 1, maximum = 1000)]
     limit: Option<u32>,
 }
 
@@ -121,6 +122,9 @@ async fn audit_log(
     q: Result<Query<AuditQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>, ApiError> {
     let Query(q) = q.map_err(|e| ApiError::invalid("query", e.body_text()))?;
+    if q.limit.is_some_and(|l| !(1..=1000).contains(&l)) {
+        return Err(ApiError::invalid("limit", "'limit' must be between 1 and 1000"));
+    }
     let entries = gw
         .management()
         .audit_log(Actor::Tenant(&ctx), None, q.limit.unwrap_or(100))
@@ -155,7 +159,7 @@ async fn list_keys(State(gw): State<Arc<AppState>>, Manager(ctx): Manager) -> Re
     Ok(Json(json!({"object": "list", "data": keys})))
 }
 
-#[utoipa::path(post, path = "/v1/tenant/keys", tag = "self-service", security(("bearer" = [])), request_body = crate::api::schema::KeyRequest,
+#[utoipa::path(post, path = "/v1/tenant/keys", tag = "self-service", security(("bearer" = [])), request_body = Option<crate::api::schema::KeyRequest>,
     responses((status = 201, description = "The key; `key` is shown only here.", body = hearth_tenants::CreatedKey), crate::server::error::Errors))]
 /// A new key for the caller's tenant; it can grant no scope and no model the caller lacks.
 async fn create_key(
@@ -197,7 +201,7 @@ fn totals_json(t: &Totals) -> Value {
     })
 }
 
-#[utoipa::path(get, path = "/v1/tenant/usage", summary = "Usage and cost by day and model, with totals.", tag = "self-service", security(("bearer" = [])), params(crate::routes::admin::ExportQuery),
+#[utoipa::path(get, path = "/v1/tenant/usage", summary = "Usage and cost by day and model, with totals.", tag = "self-service", security(("bearer" = [])), params(crate::routes::admin::WindowParams),
     responses((status = 200, description = "Usage and cost by day and model (`data`), with `totals`, `from` and `to`.", body = crate::api::schema::AnyObject), crate::server::error::Errors))]
 async fn usage(
     State(gw): State<Arc<AppState>>,

@@ -229,6 +229,12 @@ pub async fn list_files(
     q: QueryResult,
 ) -> Result<Json<Value>, ApiError> {
     let q = query(q)?;
+    if let Some(p) = q.purpose.as_deref().filter(|p| !matches!(*p, "batch" | "batch_output")) {
+        return Err(ApiError::invalid(
+            "purpose",
+            format!("'purpose' is batch or batch_output, got {p:?}"),
+        ));
+    }
     let page = q.page(10_000, 10_000)?;
     let mut files = gw
         .tenants
@@ -262,8 +268,8 @@ pub async fn file_content(
     Caller(ctx): Caller,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
+    visible_file(&ctx, gw.tenants.file(&ctx.tenant_id, &id).await)?;
     let (f, bytes) = gw.tenants.file_content(&ctx.tenant_id, &id).await.map_err(not_found)?;
-    visible_file(&ctx, Ok(f.clone()))?;
     Ok(download(&f, bytes))
 }
 
@@ -313,7 +319,7 @@ pub async fn delete_file(
 }
 
 /// A file the credential sees (another key's, for a model-restricted key, is not found).
-fn visible_file(ctx: &TenantContext, f: Result<FileInfo, TenantError>) -> Result<FileInfo, ApiError> {
+pub(crate) fn visible_file(ctx: &TenantContext, f: Result<FileInfo, TenantError>) -> Result<FileInfo, ApiError> {
     let f = f.map_err(not_found)?;
     if !sees(ctx, f.key_id.as_deref()) {
         return Err(not_found(TenantError::NoSuchFile(f.id)));
@@ -631,7 +637,6 @@ pub async fn cancel_batch(
     ClientOrigin(origin): ClientOrigin,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    visible_batch(&ctx, gw.tenants.batch(&ctx.tenant_id, &id).await)?;
     let b = gw
         .management()
         .via(origin)
@@ -649,6 +654,13 @@ impl Management<'_> {
     /// audited as `batch.cancel`. A member needs the role that may create keys.
     pub async fn cancel_batch(&self, actor: Actor<'_>, tenant_id: &str, id: &str) -> Result<BatchInfo, ManageError> {
         actor.require(Permission::ManageKeys)?;
+        // A model-restricted key cancels only its own (see `auth::own_objects`).
+        if let Actor::Tenant(ctx) = actor {
+            let b = self.tenants.batch(tenant_id, id).await?;
+            if !sees(ctx, Some(&b.key_id)) {
+                return Err(TenantError::NoSuchBatch(id.to_string()).into());
+            }
+        }
         let b = self.tenants.cancel_batch(tenant_id, id).await?;
         self.audit(
             actor,
