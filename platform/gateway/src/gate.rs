@@ -6,6 +6,7 @@
 //! body budget ([`BodyOwner`]): one tenant cannot hold more than its share, and clients
 //! without a credential only the share of their address.
 //!
+//! A body announced over the route's limit is the body guard's (413, read into no memory).
 //! A small body passes on to its handler, which checks the credential again and answers as
 //! it always has (the same errors, metrics and bad-credential counting); it is charged to
 //! the tenant whose credential is good, else to the client's address.
@@ -34,6 +35,12 @@ pub async fn credentials_first(State(state): State<Arc<AppState>>, req: Request,
         .and_then(|v| v.parse::<u64>().ok());
     let chunked = req.headers().contains_key(header::TRANSFER_ENCODING);
     if declared.unwrap_or(0) == 0 && !chunked {
+        return next.run(req).await;
+    }
+    // A body announced over the route's limit is refused by its size, whoever sends it: the
+    // body guard answers 413 at once under `Expect: 100-continue`, else after discarding
+    // what arrives (never held in memory).
+    if declared.is_some_and(|n| n > state.body_limits.limit_for(req.method(), req.uri().path()) as u64) {
         return next.run(req).await;
     }
     let large = declared.is_none_or(|n| n > SMALL_BODY);

@@ -48,7 +48,7 @@ async fn credentials_are_checked_before_large_bodies_and_the_budget_is_shared() 
     let server = sim_serve_with(
         &data,
         "100000",
-        &["--body-read-timeout-secs", "120", "--tenant-file-bytes", "300000000"],
+        &["--body-read-timeout-secs", "120", "--tenant-file-bytes", "100000000"],
     );
     let key_a = new_key(&data, "hog");
     let key_b = new_key(&data, "neighbour");
@@ -63,10 +63,11 @@ async fn credentials_are_checked_before_large_bodies_and_the_budget_is_shared() 
             bearer("not-the-admin-token"),
             401,
         ),
-        // Past the tenant's file quota (300 MB): 413 before the body.
+        // Past the tenant's file quota (100 MB; within the route's 101 MiB): 413 before the
+        // body.
         ("POST /v1/files", bearer(&key_a), 413),
     ] {
-        let length = if want == 413 { 310_000_000 } else { 50_000_000 };
+        let length = if want == 413 { 101_000_000 } else { 50_000_000 };
         let mut s = head(&server.url, path, &auth, length, 0).await;
         assert_eq!(answer(&mut s, wait).await, Some(want), "{path} with {auth:?}");
     }

@@ -329,7 +329,8 @@ impl BodyLimits {
         self
     }
 
-    fn limit_for(&self, method: &axum::http::Method, path: &str) -> usize {
+    /// The most a body of `method` to `path` may send.
+    pub fn limit_for(&self, method: &axum::http::Method, path: &str) -> usize {
         let upload = (method == axum::http::Method::POST && UPLOAD_PREFIXES.iter().any(|p| path.starts_with(p)))
             .then(|| self.uploads.iter().find(|(suffix, _)| path.ends_with(suffix)))
             .flatten();
