@@ -115,6 +115,14 @@ pub struct ResponseTotals {
 /// Responses in one chain, at most (a guard for the walk; bytes bound it first).
 const MAX_CHAIN: i64 = 1_000_000;
 
+/// The walk from response `$1` of tenant `$2` to the start of its conversation, live at `$3`,
+/// at most `$4` deep: `chain(id, previous_id, depth)`, depth 0 the response itself.
+const CHAIN: &str = "WITH RECURSIVE chain(id, previous_id, depth) AS ( \
+               SELECT id, previous_id, CAST(0 AS BIGINT) FROM stored_responses \
+               WHERE id = $1 AND tenant_id = $2 AND expires_at > $3 \
+               UNION ALL SELECT s.id, s.previous_id, c.depth + 1 FROM stored_responses s JOIN chain c ON s.id = c.previous_id \
+               WHERE s.tenant_id = $2 AND s.expires_at > $3 AND c.depth < $4)";
+
 const COLUMNS: &str = "id, tenant_id, created_at, expires_at, response, input_items, output, previous_id, key_id";
 
 fn row_of(r: &sqlx::any::AnyRow) -> Result<StoredResponse, TenantError> {
@@ -224,14 +232,9 @@ impl TenantStore {
     /// together they hold at most `max_bytes` (their sizes are read before their items).
     pub async fn conversation(&self, tenant_id: &str, id: &str, max_bytes: u64) -> Result<Conversation, TenantError> {
         let now = now_ms();
-        let links = sqlx::query(
-            "WITH RECURSIVE chain(id, previous_id, depth) AS ( \
-               SELECT id, previous_id, CAST(0 AS BIGINT) FROM stored_responses \
-               WHERE id = $1 AND tenant_id = $2 AND expires_at > $3 \
-               UNION ALL SELECT s.id, s.previous_id, c.depth + 1 FROM stored_responses s JOIN chain c ON s.id = c.previous_id \
-               WHERE s.tenant_id = $2 AND s.expires_at > $3 AND c.depth < $4) \
-             SELECT c.id, c.previous_id, s.bytes FROM chain c JOIN stored_responses s ON s.id = c.id ORDER BY c.depth",
-        )
+        let links = sqlx::query(&format!(
+            "{CHAIN} SELECT c.id, c.previous_id, r.bytes FROM chain c JOIN stored_responses r ON r.id = c.id ORDER BY c.depth"
+        ))
         .bind(id)
         .bind(tenant_id)
         .bind(now)
@@ -257,12 +260,7 @@ impl TenantStore {
         // The rows themselves in one statement: the same walk, oldest first.
         let columns: Vec<String> = COLUMNS.split(", ").map(|c| format!("r.{c}")).collect();
         let rows = sqlx::query(&format!(
-            "WITH RECURSIVE chain(id, previous_id, depth) AS ( \
-               SELECT id, previous_id, CAST(0 AS BIGINT) FROM stored_responses \
-               WHERE id = $1 AND tenant_id = $2 AND expires_at > $3 \
-               UNION ALL SELECT s.id, s.previous_id, c.depth + 1 FROM stored_responses s JOIN chain c ON s.id = c.previous_id \
-               WHERE s.tenant_id = $2 AND s.expires_at > $3 AND c.depth < $4) \
-             SELECT {} FROM chain c JOIN stored_responses r ON r.id = c.id ORDER BY c.depth DESC",
+            "{CHAIN} SELECT {} FROM chain c JOIN stored_responses r ON r.id = c.id ORDER BY c.depth DESC",
             columns.join(", ")
         ))
         .bind(id)

@@ -359,6 +359,14 @@ fn too_large(limit: usize) -> Response {
     resp
 }
 
+/// `503 server_busy` for a body the budget cannot hold; the connection is not reused.
+fn busy(message: &str) -> Response {
+    let mut resp = ApiError::unavailable_code("server_busy", message).into_response();
+    resp.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    resp
+}
+
 /// The TCP peer's address (the server runs with connect info).
 pub fn peer(extensions: &axum::http::Extensions) -> Option<IpAddr> {
     extensions
@@ -432,27 +440,13 @@ pub async fn body_guard(limits: BodyLimits, req: Request, next: Next) -> Respons
         }
         let kib = data.len().div_ceil(1024);
         let Some(share) = limits.shares.take(&owner, kib, cap) else {
-            let mut resp = ApiError::unavailable_code(
-                "server_busy",
+            return busy(
                 "This client holds its share of the server's request bodies; retry once its other requests are done.",
-            )
-            .into_response();
-            resp.headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            return resp;
+            );
         };
         match limits.budget.clone().try_acquire_many_owned(kib as u32) {
             Ok(p) => held.push((p, share)),
-            Err(_) => {
-                let mut resp = ApiError::unavailable_code(
-                    "server_busy",
-                    "The server is holding too many request bodies; retry shortly.",
-                )
-                .into_response();
-                resp.headers_mut()
-                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
-                return resp;
-            }
+            Err(_) => return busy("The server is holding too many request bodies; retry shortly."),
         }
         buf.extend_from_slice(&data);
     }
