@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use hearth_protocol::{GenerateEvent, GenerateRequest, SamplingParams};
 use serde::Serialize;
 
+use hearth_engine::kernels::pack_cache::{PackCache, PackMode};
 use hearth_engine::worker::host::{HostConfig, ModelEntry, ModelHost};
 use hearth_engine::{Backend, EngineConfig, EngineError, EngineHandle};
 
@@ -364,7 +365,16 @@ async fn measure(
     // The floor: reading the file(s), and one prefill on a loaded engine.
     read_ms(path);
     let file_read_warm_ms = read_ms(path);
-    let engine = match EngineHandle::load(path, model_id, cfg) {
+    // This first load repacks and writes the pack (beside the model) for the runs that
+    // map it.
+    let writing = EngineConfig {
+        pack_cache: PackCache {
+            mode: PackMode::Write,
+            dir: None,
+        },
+        ..cfg.clone()
+    };
+    let engine = match EngineHandle::load(path, model_id, &writing) {
         Ok(e) => e,
         Err(e) => return (Err(e), false),
     };
@@ -379,7 +389,7 @@ async fn measure(
     // directory's float weights quantized to Q8_0).
     let first_token_no_pack_cache_ms = {
         let no_cache = EngineConfig {
-            pack_cache: false,
+            pack_cache: PackCache::OFF,
             ..cfg.clone()
         };
         Some(cold_request(path, model_id, &no_cache, prompt, "nocache").await)

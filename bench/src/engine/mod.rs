@@ -8,6 +8,7 @@
 
 pub mod attention;
 pub mod coldstart;
+pub mod kld;
 pub mod kvtiers;
 pub mod kvtransfer;
 pub mod lora;

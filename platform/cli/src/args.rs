@@ -350,6 +350,19 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// What quantizing float weights at load costs: the KL divergence of the default
+    /// (`--float-weights q8_0`) against the float path, along fixed texts, beside
+    /// llama.cpp's own Q8_0 file of the same model (`bench/kld-compare` makes the files
+    /// for every family).
+    Kld {
+        /// `LABEL=FLOAT.gguf[,Q8_0.gguf]`, repeated: a float (F16/BF16/F32) GGUF and,
+        /// optionally, llama.cpp's Q8_0 quantization of it.
+        #[arg(long = "model", required = true, value_parser = hearth_bench::engine::kld::KldModel::parse)]
+        models: Vec<hearth_bench::engine::kld::KldModel>,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// The attention kernels alone, one thread: a head at a time against grouped queries
     /// (a GQA group's heads × consecutive rows), decode- and prefill-shaped, 1k–32k positions.
     Attention {
@@ -683,12 +696,24 @@ pub struct ModelArgs {
     /// How the KV cache stores keys and values: f16 (half the memory) or f32.
     #[arg(long, env = "HEARTH_KV_DTYPE", default_value = "f16", value_parser = KvDtype::parse)]
     pub kv_dtype: KvDtype,
-    /// How float (F32/F16/BF16) weights are computed: q8_0 (quantized at load, as
-    /// llama.cpp's quantizer would, for the integer kernels; cached with the repacked
-    /// weights) or float (exact, several times slower).
-    #[arg(long, env = "HEARTH_FLOAT_WEIGHTS", default_value = "q8_0",
+    /// How float (F32/F16/BF16) weights are computed: `q8_0` (quantized at load as
+    /// llama.cpp's quantizer would, routers and norms kept float, for the integer kernels),
+    /// `float` (exact, several times slower), or `auto`: q8_0 for a dense model, float for a
+    /// mixture of experts (whose routers' discrete choice 8-bit activations would move).
+    #[arg(long, env = "HEARTH_FLOAT_WEIGHTS", default_value = "auto",
           value_parser = hearth_engine::models::FloatWeights::parse)]
     pub float_weights: hearth_engine::models::FloatWeights,
+    /// Packs of repacked weights: `read` maps a current pack (from `--pack-dir`, else
+    /// beside the model) and never writes; a model without one is repacked in memory at
+    /// load. `write` also writes the pack after a repack (for CPUs too slow to repack at
+    /// load: it takes as much disk as the model). `off` neither maps nor writes.
+    #[arg(long, env = "HEARTH_PACK_CACHE", default_value = "read",
+          value_parser = hearth_engine::kernels::pack_cache::PackMode::parse)]
+    pub pack_cache: hearth_engine::kernels::pack_cache::PackMode,
+    /// A directory of packs prepared by `hearth model pack --out DIR` (a model store shared
+    /// by the fleet, possibly read-only), looked in before the model's own directory.
+    #[arg(long, env = "HEARTH_PACK_DIR")]
+    pub pack_dir: Option<std::path::PathBuf>,
     /// The kernels' instruction set: auto (the best this CPU runs), avx512, avx2 (with
     /// AVX-VNNI where present), avx2-novnni or scalar. Refused if the CPU cannot run it.
     #[arg(long, env = "HEARTH_ISA", default_value = "auto", value_parser = parse_isa)]
@@ -827,7 +852,10 @@ impl ModelArgs {
             isa: Some(self.isa),
             max_context: self.context_length,
             rope_scaling: self.rope_scaling,
-            pack_cache: hearth_engine::kernels::pack_cache::enabled_by_env(),
+            pack_cache: hearth_engine::kernels::pack_cache::PackCache {
+                mode: self.pack_cache,
+                dir: self.pack_dir.clone(),
+            },
             float_weights: self.float_weights,
             max_batch_tokens: self.max_batch_tokens,
             max_running: self.max_running,
@@ -1611,6 +1639,23 @@ pub enum ModelCommand {
         /// Number of safetensors files (more than one writes model.safetensors.index.json).
         #[arg(long, default_value_t = 1)]
         shards: usize,
+    },
+    /// Prepare a model once for a fleet: repack its weights for the CPU kernels and write
+    /// the pack (`NAME.hearth-pack-vN`) into `--out` (default: beside the model), where
+    /// workers started with `--pack-dir` (or finding it beside the model) map it instead of
+    /// repacking. A pack is tied to the model file's size and modification time: copy
+    /// models with their times kept (`cp -p`, `rsync -t`).
+    Pack {
+        /// A GGUF file, a Hugging Face directory, or a known model id.
+        model: String,
+        /// Directory to write the pack into (created if missing).
+        #[arg(long)]
+        out: Option<std::path::PathBuf>,
+        /// How float weights are computed (as the workers will run them: a pack made for
+        /// `q8_0` holds float matrices quantized, one for `float` does not; `auto` as the
+        /// workers' default).
+        #[arg(long, default_value = "auto", value_parser = hearth_engine::models::FloatWeights::parse)]
+        float_weights: hearth_engine::models::FloatWeights,
     },
     /// What a model file or directory is and what Hearth makes of it: architecture, tensor
     /// types, tokenizer, chat template, tool-call and reasoning formats, context length, and

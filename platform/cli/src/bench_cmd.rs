@@ -92,6 +92,11 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
             print!("{}", report.table());
             write_json(&report, json)
         }
+        BenchCommand::Kld { models, json } => {
+            let report = tokio::task::spawn_blocking(move || hearth_bench::engine::kld::run(&models)).await??;
+            print!("{}", report.table());
+            write_json(&report, json)
+        }
         BenchCommand::KvTiers { model, quick, json } => {
             let (path, id) = resolve_model(&model).await?;
             let report = hearth_bench::engine::kvtiers::run(&path, &id, &model.engine_config(), quick).await?;

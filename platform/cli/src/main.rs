@@ -83,6 +83,38 @@ fn main() -> anyhow::Result<()> {
                 Ok(())
             }
             Command::Model {
+                command:
+                    ModelCommand::Pack {
+                        model,
+                        out,
+                        float_weights,
+                    },
+            } => {
+                let path = if std::path::Path::new(&model).exists() {
+                    model.into()
+                } else {
+                    ensure_model(&model, &hearth_home(), &mut |m| eprintln!("{m}"))?
+                };
+                let file = hearth_engine::formats::hf::open_model(&path)?;
+                let opts = hearth_engine::models::LoadOptions {
+                    pack_cache: hearth_engine::kernels::pack_cache::PackCache {
+                        mode: hearth_engine::kernels::pack_cache::PackMode::Write,
+                        dir: out,
+                    },
+                    float_weights,
+                    ..Default::default()
+                };
+                let done = hearth_engine::models::Model::prepare_pack(file, opts)?;
+                eprintln!(
+                    "hearth: packed {} MiB in {:.1} s ({:.2} GB/s)",
+                    done.bytes >> 20,
+                    done.seconds,
+                    done.bytes as f64 / done.seconds.max(1e-9) / 1e9
+                );
+                println!("{}", done.path.display());
+                Ok(())
+            }
+            Command::Model {
                 command: ModelCommand::Inspect { model, json },
             } => {
                 let path = if std::path::Path::new(&model).exists() {

@@ -64,8 +64,9 @@ pub struct EngineConfig {
     /// RoPE scaling instead of the file's: stretches the model's context (see
     /// [`crate::models::RopeScaling`]).
     pub rope_scaling: Option<crate::models::RopeScaling>,
-    /// Map (or write) the on-disk cache of repacked weights beside the model.
-    pub pack_cache: bool,
+    /// Which prepared packs of repacked weights are mapped (a pack directory, else beside
+    /// the model), and whether a repack writes one.
+    pub pack_cache: crate::kernels::pack_cache::PackCache,
     /// How float weight matrices are computed (quantized to Q8_0 at load by default).
     pub float_weights: crate::models::FloatWeights,
     /// The queue limit in prompt tokens not yet computed (None: as many as the KV cache
@@ -110,7 +111,7 @@ impl Default for EngineConfig {
             isa: None,
             max_context: None,
             rope_scaling: None,
-            pack_cache: crate::kernels::pack_cache::enabled_by_env(),
+            pack_cache: crate::kernels::pack_cache::PackCache::from_env(),
             float_weights: Default::default(),
             max_queue_tokens: None,
             policy: Policy::default(),

@@ -57,10 +57,11 @@ impl EngineHandle {
             repacked_mib = model.packed_bytes() >> 20,
             repack_ms = (model.repack_seconds() * 1000.0) as u64,
             repack_format = crate::kernels::packed::PACK_FORMAT,
-            float_weights = cfg.float_weights.name(),
+            float_weights = model.float_weights().name(),
             "kernels"
         );
         let (packed_bytes, repack_seconds) = (model.packed_bytes(), model.repack_seconds());
+        let progress = model.load_progress();
         let decode_weight_bytes = model.decode_weight_bytes();
         let end_of_generation = tokenizer.end_of_generation().to_vec();
         let bt = hearth_protocol::DEFAULT_BLOCK_TOKENS;
@@ -154,6 +155,7 @@ impl EngineHandle {
             repack_seconds,
             kv_layout,
             tier,
+            progress,
         })
     }
 }
@@ -173,7 +175,7 @@ impl EngineHandle {
 /// repacks from a file it did not read ahead.)
 fn read_ahead(path: &Path, cfg: &EngineConfig) -> Option<std::collections::HashSet<u64>> {
     let packed = match (path.is_file(), cfg.device) {
-        (true, Device::Cpu) if cfg.pack_cache && isa().is_simd() => crate::kernels::pack_cache::cached_tensors(path),
+        (true, Device::Cpu) if isa().is_simd() => crate::kernels::pack_cache::cached_tensors(path, &cfg.pack_cache),
         _ => None,
     };
     match packed {
@@ -188,11 +190,13 @@ fn read_ahead(path: &Path, cfg: &EngineConfig) -> Option<std::collections::HashS
 /// model file: every tensor the cache does not hold, float matrices computed from the file,
 /// and the embedding.
 fn read_ahead_unpacked(path: &Path, file: &GgufFile, packed: &std::collections::HashSet<u64>, cfg: &EngineConfig) {
+    let moe = file.tensors.iter().any(|t| t.name.contains("_exps"));
+    let computes_floats = cfg.float_weights.resolve(moe) == crate::models::FloatWeights::Float;
     let parts = file
         .tensors
         .iter()
         .filter(|t| {
-            let float = cfg.float_weights == crate::models::FloatWeights::Float && !t.ty.is_quantized();
+            let float = computes_floats && !t.ty.is_quantized();
             !packed.contains(&(t.offset as u64)) || float || t.name == "token_embd.weight"
         })
         .map(|t| (path.to_path_buf(), t.offset as u64..(t.offset + t.len) as u64))
@@ -207,7 +211,7 @@ fn load_model(
     cfg: &EngineConfig,
 ) -> Result<(Arc<Tokenizer>, Model), EngineError> {
     let opts = LoadOptions {
-        pack_cache: cfg.pack_cache,
+        pack_cache: cfg.pack_cache.clone(),
         float_weights: cfg.float_weights,
         rope_scaling: cfg.rope_scaling,
         max_context: cfg.max_context,

@@ -43,6 +43,7 @@ pub struct EngineHandle {
     repack_seconds: f64,
     kv_layout: KvLayout,
     tier: Option<Arc<DiskTier>>,
+    progress: Arc<crate::kernels::pack_cache::LoadProgress>,
 }
 
 impl std::fmt::Debug for EngineHandle {
@@ -84,6 +85,11 @@ impl EngineHandle {
     /// Seconds from opening the file to ready.
     pub fn load_seconds(&self) -> f64 {
         self.load_seconds
+    }
+
+    /// How far the packed weights are ready (a mapped pack's check goes on after the load).
+    pub fn load_progress(&self) -> Arc<crate::kernels::pack_cache::LoadProgress> {
+        self.progress.clone()
     }
 
     pub fn kv_capacity_tokens(&self) -> usize {

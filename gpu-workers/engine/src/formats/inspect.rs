@@ -27,6 +27,10 @@ pub struct ModelReport {
     pub settings: Vec<String>,
     pub tokenizer: Option<TokenizerSummary>,
     pub template: TemplateReport,
+    /// What a load does to float (F32/F16/BF16) weights, one line each (empty: none are
+    /// float): which are quantized to Q8_0 and which stay float, as llama.cpp's quantizer
+    /// chooses, and what the default (`auto`) does for this model.
+    pub at_load: Vec<String>,
     /// Why Hearth would not serve it (empty: it would).
     pub refused: Vec<String>,
 }
@@ -126,8 +130,67 @@ pub fn inspect(path: &Path) -> Result<ModelReport, crate::formats::hf::error::Hf
         settings,
         tokenizer: tokenizer.as_ref().map(Tokenizer::summary),
         template,
+        at_load: at_load(&file),
         refused,
     })
+}
+
+/// Whether a load that quantizes float weights (`--float-weights q8_0`, and `auto` for a
+/// dense model) quantizes the float tensor `name` of
+/// `dims` (GGUF order, columns first) to Q8_0, as llama.cpp's quantizer would
+/// (`llama-quant.cpp`): matrices and experts, not vectors (norms, biases), not the expert
+/// routers (`ffn_gate_inp`, whose choice is discrete), not rows that are not whole blocks;
+/// the embedding's rows are looked up as floats (tied to the logits, its Q8_0 copy computes
+/// them).
+pub fn quantized_at_load(name: &str, dims: &[u64]) -> bool {
+    dims.len() >= 2
+        && dims[0].is_multiple_of(crate::kernels::QK as u64)
+        && name.ends_with(".weight")
+        && !name.contains("_norm")
+        && !name.contains("ffn_gate_inp")
+        && name != "token_embd.weight"
+}
+
+/// [`ModelReport::at_load`].
+fn at_load(file: &crate::formats::gguf::GgufFile) -> Vec<String> {
+    let float: Vec<_> = file.tensors.iter().filter(|t| !t.ty.is_quantized()).collect();
+    if float.is_empty() {
+        return Vec::new();
+    }
+    let (quantized, kept): (Vec<&&crate::formats::gguf::TensorInfo>, Vec<_>) =
+        float.iter().partition(|t| quantized_at_load(&t.name, &t.dims));
+    let bytes = |ts: &[&&crate::formats::gguf::TensorInfo]| ts.iter().map(|t| t.len as u64).sum::<u64>() >> 20;
+    let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
+    for t in &kept {
+        let kind = match t.name.as_str() {
+            n if n.contains("ffn_gate_inp") => "expert routers (ffn_gate_inp)",
+            "token_embd.weight" => "the embedding (rows looked up)",
+            n if t.dims.len() < 2 && n.contains("_norm") => "norms",
+            _ if t.dims.len() < 2 => "vectors (biases, factors)",
+            _ => "matrices of rows that are not whole 32-value blocks",
+        };
+        *kinds.entry(kind).or_default() += 1;
+    }
+    let moe = file.tensors.iter().any(|t| t.name.contains("_exps"));
+    let mut lines = vec![match moe {
+        false => format!(
+            "{} float tensors ({} MiB) quantized to Q8_0 at load (the default, `auto`, for a dense model; `--float-weights float` keeps them)",
+            quantized.len(),
+            bytes(&quantized)
+        ),
+        true => format!(
+            "a mixture of experts: computed as floats by default (`auto`: a router's choice is discrete); `--float-weights q8_0` quantizes {} float tensors ({} MiB) at load",
+            quantized.len(),
+            bytes(&quantized)
+        ),
+    }];
+    let kept_text: Vec<String> = kinds.iter().map(|(k, n)| format!("{k} ×{n}")).collect();
+    lines.push(format!("kept float: {}", kept_text.join(", ")));
+    if file.tensor("output.weight").is_none() && file.tensor("token_embd.weight").is_some_and(|t| !t.ty.is_quantized())
+    {
+        lines.push("tied logits: the embedding's Q8_0 copy computes them".into());
+    }
+    lines
 }
 
 impl ModelReport {
@@ -145,6 +208,9 @@ impl ModelReport {
         }
         for (i, line) in self.settings.iter().enumerate() {
             s.push_str(&format!("{:<14}{line}\n", if i == 0 { "settings" } else { "" }));
+        }
+        for (i, line) in self.at_load.iter().enumerate() {
+            s.push_str(&format!("{:<14}{line}\n", if i == 0 { "at load" } else { "" }));
         }
         match &self.tokenizer {
             Some(t) => {

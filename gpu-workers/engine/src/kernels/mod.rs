@@ -67,8 +67,15 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
             }
         }
         GgmlType::F16 => {
-            for (i, o) in out.iter_mut().enumerate() {
-                *o = f16_at(src, 2 * i);
+            // Through a small aligned buffer into `half`'s slice conversion (F16C where the
+            // CPU has it, found at run time): several times faster than value by value.
+            use half::slice::HalfFloatSliceExt;
+            let mut bits = [half::f16::ZERO; 64];
+            for (o, c) in out.chunks_mut(64).zip(src.chunks(128)) {
+                for (b, v) in bits.iter_mut().zip(c.chunks_exact(2)) {
+                    *b = half::f16::from_bits(u16::from_le_bytes([v[0], v[1]]));
+                }
+                bits[..o.len()].convert_to_f32_slice(o);
             }
         }
         GgmlType::BF16 => {

@@ -58,14 +58,194 @@ pub struct Wanted {
     pub tensor_offset: u64,
 }
 
-/// Whether the cache is on by default: yes unless `HEARTH_PACK_CACHE=0`.
-pub fn enabled_by_env() -> bool {
-    std::env::var_os("HEARTH_PACK_CACHE").is_none_or(|v| v != "0")
+/// What a load does with packs: map one that is current, and whether it writes one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PackMode {
+    /// Neither maps nor writes.
+    Off,
+    /// Maps a current pack (in the pack directory, else beside the model) and never
+    /// writes anything: a model store that is read-only or shared stays as it is, and a
+    /// miss repacks in memory.
+    #[default]
+    Read,
+    /// As `Read`, and after a repack writes the pack for the next load (the pack
+    /// directory if set, else beside the model) — for CPUs slow enough that reading the
+    /// pack beats repacking; it takes as much disk as the model.
+    Write,
 }
 
-/// The cache file for a model file (for a Hugging Face directory, a file inside it).
+impl PackMode {
+    /// `off`, `read` or `write` (`0` and `1`, the variable's earlier values: off and write).
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "off" | "0" | "false" => Ok(PackMode::Off),
+            "read" => Ok(PackMode::Read),
+            "write" | "1" | "true" => Ok(PackMode::Write),
+            other => Err(format!("unknown pack-cache mode {other:?} (off, read or write)")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PackMode::Off => "off",
+            PackMode::Read => "read",
+            PackMode::Write => "write",
+        }
+    }
+
+    /// `HEARTH_PACK_CACHE` (a value [`Self::parse`] refuses counts as the default).
+    pub fn from_env() -> Self {
+        std::env::var("HEARTH_PACK_CACHE")
+            .ok()
+            .and_then(|v| Self::parse(&v).ok())
+            .unwrap_or_default()
+    }
+}
+
+/// Where packs are looked for and written: a directory of prepared packs (a fleet's shared
+/// model store, `hearth model pack --out DIR`), and the mode.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PackCache {
+    pub mode: PackMode,
+    /// Looked in first; where `Write` writes. `None`: beside the model only.
+    pub dir: Option<PathBuf>,
+}
+
+impl PackCache {
+    /// No packs read or written.
+    pub const OFF: PackCache = PackCache {
+        mode: PackMode::Off,
+        dir: None,
+    };
+
+    /// The mode from `HEARTH_PACK_CACHE`, packs beside the model.
+    pub fn from_env() -> Self {
+        PackCache {
+            mode: PackMode::from_env(),
+            dir: None,
+        }
+    }
+
+    /// Writes after a repack, beside the model.
+    pub fn writing() -> Self {
+        PackCache {
+            mode: PackMode::Write,
+            dir: None,
+        }
+    }
+
+    /// The packs that could stand for `model`, in the order looked at: the directory's,
+    /// then the one beside the model.
+    pub fn candidates(&self, model: &Path) -> Vec<PathBuf> {
+        if self.mode == PackMode::Off {
+            return Vec::new();
+        }
+        self.dir
+            .iter()
+            .map(|d| path_in(d, model))
+            .chain([path_for(model)])
+            .collect()
+    }
+
+    /// Where a pack is written: the directory's, else beside the model.
+    pub fn target(&self, model: &Path) -> PathBuf {
+        match &self.dir {
+            Some(d) => path_in(d, model),
+            None => path_for(model),
+        }
+    }
+}
+
+/// How far a model's load has come, for `/metrics`: its packed weights' bytes and layers
+/// ready to compute with — repacked in memory, or mapped from a pack and checked (which
+/// goes on in the background after the load returns, so that an operator sees a large
+/// model's read advance while it already serves).
+#[derive(Debug, Default)]
+pub struct LoadProgress {
+    /// [`WeightsSource`] as its code.
+    source: AtomicU8,
+    total_bytes: std::sync::atomic::AtomicU64,
+    ready_bytes: std::sync::atomic::AtomicU64,
+    ready_matrices: std::sync::atomic::AtomicUsize,
+    /// Matrices counted at each layer's end (and the output's), in load order.
+    layer_ends: std::sync::OnceLock<Vec<usize>>,
+}
+
+/// Where a model's compute weights come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightsSource {
+    /// Straight from the model file (no SIMD path, or every matrix float).
+    Unpacked = 0,
+    /// Mapped from a prepared pack.
+    Pack = 1,
+    /// Repacked in memory at load.
+    Repacked = 2,
+}
+
+impl WeightsSource {
+    pub const ALL: [WeightsSource; 3] = [WeightsSource::Unpacked, WeightsSource::Pack, WeightsSource::Repacked];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightsSource::Unpacked => "unpacked",
+            WeightsSource::Pack => "pack",
+            WeightsSource::Repacked => "repacked",
+        }
+    }
+}
+
+impl LoadProgress {
+    /// Starts counting: `source`, the bytes to make ready, and how many matrices each layer
+    /// ends at (cumulative, load order; the last entry: every matrix).
+    pub fn start(&self, source: WeightsSource, total_bytes: u64, layer_ends: Vec<usize>) {
+        self.source.store(source as u8, Ordering::Relaxed);
+        self.total_bytes.store(total_bytes, Ordering::Relaxed);
+        let _ = self.layer_ends.set(layer_ends);
+    }
+
+    /// One more matrix of `bytes` ready.
+    pub fn ready(&self, bytes: u64) {
+        self.ready_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.ready_matrices.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn source(&self) -> WeightsSource {
+        match self.source.load(Ordering::Relaxed) {
+            1 => WeightsSource::Pack,
+            2 => WeightsSource::Repacked,
+            _ => WeightsSource::Unpacked,
+        }
+    }
+
+    /// (ready, total) bytes.
+    pub fn bytes(&self) -> (u64, u64) {
+        (
+            self.ready_bytes.load(Ordering::Relaxed),
+            self.total_bytes.load(Ordering::Relaxed),
+        )
+    }
+
+    /// (ready, total) layers (the output counts as one): a layer is ready once all its
+    /// matrices are (matrices are made ready in load order, but for a repack's parallel
+    /// tail, which ends before the load returns).
+    pub fn layers(&self) -> (usize, usize) {
+        let ends = self.layer_ends.get().map_or(&[][..], Vec::as_slice);
+        let n = self.ready_matrices.load(Ordering::Relaxed);
+        (ends.iter().filter(|&&e| e <= n).count(), ends.len())
+    }
+}
+
+/// The pack for a model file (for a Hugging Face directory, a file inside it) beside it.
 pub fn path_for(model: &Path) -> PathBuf {
     path_for_version(model, PACK_FORMAT)
+}
+
+/// The pack for a model in a directory of packs: the model's file (or directory) name
+/// with the pack suffix.
+pub fn path_in(dir: &Path, model: &Path) -> PathBuf {
+    let mut name = model.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".hearth-pack-v{PACK_FORMAT}"));
+    dir.join(name)
 }
 
 fn path_for_version(model: &Path, version: u32) -> PathBuf {
@@ -178,18 +358,20 @@ fn check_header(head: &[u8], model: &Path) -> Result<usize, String> {
     Ok(u32_at(head, 12) as usize)
 }
 
-/// The model-file offsets of the matrices a current cache beside `model` holds (read from
-/// its header and entry table; the matrices themselves are neither read nor checked), or
-/// `None` when there is no cache or it is not for this file as it is now.
-pub fn cached_tensors(model: &Path) -> Option<std::collections::HashSet<u64>> {
+/// The model-file offsets of the matrices the first current pack for `model` holds (read
+/// from its header and entry table; the matrices themselves are neither read nor checked),
+/// or `None` when there is none.
+pub fn cached_tensors(model: &Path, cache: &PackCache) -> Option<std::collections::HashSet<u64>> {
     use std::io::Read;
-    let mut f = std::fs::File::open(path_for(model)).ok()?;
-    let mut head = [0u8; HEADER];
-    f.read_exact(&mut head).ok()?;
-    let n = check_header(&head, model).ok()?;
-    let mut entries = vec![0u8; n.min(1 << 20) * ENTRY];
-    f.read_exact(&mut entries).ok()?;
-    Some(entries.chunks_exact(ENTRY).map(|e| u64_at(e, 24)).collect())
+    cache.candidates(model).into_iter().find_map(|path| {
+        let mut f = std::fs::File::open(path).ok()?;
+        let mut head = [0u8; HEADER];
+        f.read_exact(&mut head).ok()?;
+        let n = check_header(&head, model).ok()?;
+        let mut entries = vec![0u8; n.min(1 << 20) * ENTRY];
+        f.read_exact(&mut entries).ok()?;
+        Some(entries.chunks_exact(ENTRY).map(|e| u64_at(e, 24)).collect())
+    })
 }
 
 /// The checks of a mapped cache's matrices, made by a background thread in file order and
@@ -198,6 +380,8 @@ pub fn cached_tensors(model: &Path) -> Option<std::collections::HashSet<u64>> {
 pub(crate) struct Verifier {
     /// Per matrix: [`PENDING`], [`GOOD`] or [`BAD`].
     state: Vec<AtomicU8>,
+    /// Told of each matrix checked.
+    progress: Option<Arc<LoadProgress>>,
     lock: Mutex<()>,
     done: Condvar,
 }
@@ -207,9 +391,10 @@ const GOOD: u8 = 1;
 const BAD: u8 = 2;
 
 impl Verifier {
-    fn new(n: usize) -> Self {
+    fn new(n: usize, progress: Option<Arc<LoadProgress>>) -> Self {
         Self {
             state: (0..n).map(|_| AtomicU8::new(PENDING)).collect(),
+            progress,
             lock: Mutex::new(()),
             done: Condvar::new(),
         }
@@ -243,7 +428,21 @@ impl Verifier {
     /// unwinds count as bad (a user repacks them), so nothing waits forever. Whether anyone
     /// is left is looked at between matrices, so after an unload the matrix being hashed is
     /// still read to its end.
+    #[cfg(test)]
     fn run(self: &Arc<Self>, map: &memmap2::Mmap, entries: &[(usize, usize, u64)], path: &Path, mapped: FileId) {
+        self.run_checks(map, entries, path, Some(mapped));
+    }
+
+    /// [`Self::run`]; `mapped: None` never deletes (a pack read, not written, by this
+    /// worker: a read-only or shared store is left as it is, and the warning says to
+    /// prepare the pack again).
+    fn run_checks(
+        self: &Arc<Self>,
+        map: &memmap2::Mmap,
+        entries: &[(usize, usize, u64)],
+        path: &Path,
+        mapped: Option<FileId>,
+    ) {
         struct Unchecked<'a>(&'a Verifier);
         impl Drop for Unchecked<'_> {
             fn drop(&mut self) {
@@ -264,12 +463,24 @@ impl Verifier {
             let good = xxhash_rust::xxh3::xxh3_64(&map[at..at + len]) == sum;
             if !good && !deleted {
                 deleted = true;
-                tracing::warn!(path = %path.display(), matrix = i, "pack cache corrupt: the matrix is repacked, the cache deleted for the next load to rewrite");
-                if file_id(std::fs::metadata(path)) == mapped {
-                    let _ = std::fs::remove_file(path);
+                match mapped {
+                    Some(mapped) => {
+                        tracing::warn!(path = %path.display(), matrix = i, "pack corrupt: the matrix is repacked, the pack deleted for the next load to rewrite");
+                        if file_id(std::fs::metadata(path)) == mapped {
+                            let _ = std::fs::remove_file(path);
+                        }
+                    }
+                    None => tracing::warn!(
+                        path = %path.display(),
+                        matrix = i,
+                        "pack corrupt: the matrix is repacked in memory (the pack is left as it is: prepare it again with `hearth model pack`)"
+                    ),
                 }
             }
             self.set(i, good);
+            if let Some(p) = &self.progress {
+                p.ready(len as u64);
+            }
         }
     }
 }
@@ -287,12 +498,37 @@ fn file_id(meta: std::io::Result<std::fs::Metadata>) -> FileId {
     meta.ok().map(|m| (m.dev(), m.ino()))
 }
 
-/// Maps the cache for `model` if it holds exactly `want`; `Err` says why not (missing,
-/// stale, another shape). Its matrices' bytes are checked in the background (the module's
-/// docs): each waits for its check at its first use.
-pub fn load(model: &Path, want: &[Wanted]) -> Result<Vec<PackedMatrix>, String> {
-    let cache = path_for(model);
-    let file = std::fs::File::open(&cache).map_err(|e| format!("no cache ({e})"))?;
+/// Maps the first current pack for `model` holding every matrix of `want` (a pack may hold
+/// more: a worker serving part of a model maps only its part); `Err` says why none (missing,
+/// stale, another shape). The mapped matrices' bytes are checked in the background (the
+/// module's docs), in `want`'s order: each waits for its check at its first use.
+pub fn load(
+    model: &Path,
+    cache: &PackCache,
+    want: &[Wanted],
+    progress: &Arc<LoadProgress>,
+) -> Result<Vec<PackedMatrix>, String> {
+    let mut why = Vec::new();
+    for path in cache.candidates(model) {
+        match load_from(&path, model, cache.mode, want, progress) {
+            Ok(m) => return Ok(m),
+            Err(e) => why.push(format!("{}: {e}", path.display())),
+        }
+    }
+    Err(match why.is_empty() {
+        true => "turned off".into(),
+        false => why.join("; "),
+    })
+}
+
+fn load_from(
+    pack: &Path,
+    model: &Path,
+    mode: PackMode,
+    want: &[Wanted],
+    progress: &Arc<LoadProgress>,
+) -> Result<Vec<PackedMatrix>, String> {
+    let file = std::fs::File::open(pack).map_err(|e| format!("no pack ({e})"))?;
     // SAFETY: read-only map of a file Hearth writes under a unique temporary name and
     // renames into place complete, never modifying it after; a later writer replaces it by
     // rename, leaving this map intact. (A file truncated in place by someone else would
@@ -303,35 +539,52 @@ pub fn load(model: &Path, want: &[Wanted]) -> Result<Vec<PackedMatrix>, String> 
     if b.len() < HEADER {
         return Err("truncated: shorter than a header".into());
     }
-    if check_header(&b[..HEADER], model)? != want.len() {
-        return Err("another set of matrices".into());
-    }
-    if b.len() < HEADER + want.len() * ENTRY {
+    let n = check_header(&b[..HEADER], model)?;
+    if b.len() < HEADER + n * ENTRY {
         return Err("truncated: the entry table is cut short".into());
     }
-    let mut ranges = Vec::with_capacity(want.len());
-    for (i, w) in want.iter().enumerate() {
+    // The pack's entries by the tensor they stand for.
+    let mut entries = std::collections::HashMap::with_capacity(n);
+    for i in 0..n {
         let e = HEADER + i * ENTRY;
-        let (kind, rows, cols, toff, at, len, sum) = (
+        let (kind, rows, cols, toff) = (
             u32_at(b, e),
             u64_at(b, e + 8) as usize,
             u64_at(b, e + 16) as usize,
             u64_at(b, e + 24),
+        );
+        let (at, len, sum) = (
             u64_at(b, e + 32) as usize,
             u64_at(b, e + 40) as usize,
             u64_at(b, e + 48),
         );
-        if (kind, rows, cols, toff) != (w.kind.code() as u32, w.rows, w.cols, w.tensor_offset)
+        entries.insert(toff, (kind, rows, cols, at, len, sum));
+    }
+    let mut ranges = Vec::with_capacity(want.len());
+    for w in want {
+        let Some(&(kind, rows, cols, at, len, sum)) = entries.get(&w.tensor_offset) else {
+            return Err(format!(
+                "no matrix for the tensor at offset {:#x} (packed with other settings?)",
+                w.tensor_offset
+            ));
+        };
+        if (kind, rows, cols) != (w.kind.code() as u32, w.rows, w.cols)
             || len != PackedMatrix::size_for(w.kind, rows, cols)
         {
-            return Err(format!("entry {i} does not match the model"));
+            return Err(format!(
+                "the matrix for the tensor at offset {:#x} does not match the model",
+                w.tensor_offset
+            ));
         }
         if at.checked_add(len).is_none_or(|end| end > b.len()) {
-            return Err(format!("truncated: entry {i} runs past the file's end"));
+            return Err(format!(
+                "truncated: the matrix for offset {:#x} runs past the file's end",
+                w.tensor_offset
+            ));
         }
         ranges.push((at, len, sum));
     }
-    let verifier = Arc::new(Verifier::new(want.len()));
+    let verifier = Arc::new(Verifier::new(want.len(), Some(progress.clone())));
     let matrices = want
         .iter()
         .zip(&ranges)
@@ -341,26 +594,37 @@ pub fn load(model: &Path, want: &[Wanted]) -> Result<Vec<PackedMatrix>, String> 
                 .ok_or_else(|| "misaligned entry".to_string())
         })
         .collect::<Result<Vec<_>, _>>()?;
-    // Read ahead once the cache is known to be this model's (a stale one is not read).
-    read_ahead(&cache);
-    let mapped = file_id(file.metadata());
+    // Read ahead once the pack is known to be this model's (a stale one is not read), and
+    // only the matrices mapped.
+    read_ahead_parts(
+        ranges
+            .iter()
+            .map(|&(at, len, _)| (pack.to_path_buf(), at as u64..(at + len) as u64))
+            .collect(),
+    );
+    // Only a pack this worker writes is deleted when found corrupt.
+    let mapped = (mode == PackMode::Write).then(|| file_id(file.metadata()));
     let spawned = {
-        let (verifier, map, ranges, cache) = (verifier.clone(), map.clone(), ranges.clone(), cache.clone());
+        let (verifier, map, ranges, pack) = (verifier.clone(), map.clone(), ranges.clone(), pack.to_path_buf());
         std::thread::Builder::new()
             .name("hearth-pack-check".into())
-            .spawn(move || verifier.run(&map, &ranges, &cache, mapped))
+            .spawn(move || verifier.run_checks(&map, &ranges, &pack, mapped))
     };
     // Where no thread can be started, the check runs now (the whole read before the load
     // returns), never skipped.
     if spawned.is_err() {
-        verifier.run(&map, &ranges, &cache, mapped);
+        verifier.run_checks(&map, &ranges, pack, mapped);
     }
     Ok(matrices)
 }
 
-/// Writes the cache for `model` (atomically). Returns its path.
-pub fn store(model: &Path, matrices: &[(Wanted, &PackedMatrix)]) -> std::io::Result<PathBuf> {
-    let cache = path_for(model);
+/// Writes the pack for `model` at `cache`'s target (atomically: a temporary file renamed
+/// into place; the directory is created if missing). Returns its path.
+pub fn store(model: &Path, cache: &PackCache, matrices: &[(Wanted, &PackedMatrix)]) -> std::io::Result<PathBuf> {
+    let cache = cache.target(model);
+    if let Some(dir) = cache.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
     let (size, secs, nanos, shards) =
         source_id(model).ok_or_else(|| std::io::Error::other("cannot stat the model file"))?;
     let header = (HEADER + matrices.len() * ENTRY).div_ceil(ALIGN) * ALIGN;
@@ -454,7 +718,7 @@ mod tests {
     fn a_mismatch_marks_its_matrix_bad_and_deletes_the_file_first() {
         let (path, file, map, mut entries) = three_matrices("bad");
         entries[1].2 ^= 1;
-        let verifier = Arc::new(Verifier::new(3));
+        let verifier = Arc::new(Verifier::new(3, None));
         let user = verifier.clone();
         let checker = {
             let path = path.clone();
@@ -472,7 +736,7 @@ mod tests {
     #[test]
     fn with_no_one_left_the_check_stops_and_nothing_waits_forever() {
         let (path, file, map, entries) = three_matrices("gone");
-        let verifier = Arc::new(Verifier::new(3));
+        let verifier = Arc::new(Verifier::new(3, None));
         // Only the checker holds the verifier: it returns at once, every matrix marked.
         verifier.run(&map, &entries, &path, file);
         assert!((0..3).all(|i| !verifier.wait(i)));
@@ -487,7 +751,7 @@ mod tests {
         let fresh = path.with_extension("fresh");
         std::fs::write(&fresh, b"a cache another load wrote").unwrap();
         std::fs::rename(&fresh, &path).unwrap();
-        let verifier = Arc::new(Verifier::new(3));
+        let verifier = Arc::new(Verifier::new(3, None));
         let user = verifier.clone();
         verifier.run(&map, &entries, &path, file);
         assert!(!user.wait(0));

@@ -45,7 +45,9 @@ pub use config::{
 };
 pub use lora::{LoraAdapter, LoraError, LoraLimits};
 pub use rope::{RopeLayout, RopeScaling, RopeScalingKind};
-pub use transformer::{Batch, FloatWeights, ForwardScratch, LayerWeights, LoadOptions, Model, ModelWeights, Session};
+pub use transformer::{
+    Batch, FloatWeights, ForwardScratch, LayerWeights, LoadOptions, Model, ModelWeights, PreparedPack, Session,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {

@@ -23,7 +23,7 @@ use rayon::prelude::*;
 
 use crate::attention::{attend_group, HeadSpec, Query, Scoring, MAX_GROUP};
 use crate::formats::gguf::{GgmlType, GgufFile};
-use crate::kernels::pack_cache::{self, Wanted};
+use crate::kernels::pack_cache::{self, LoadProgress, PackCache, PackMode, Wanted, WeightsSource};
 use crate::kernels::packed::PackKind;
 use crate::kernels::{
     dequantize_row, gelu_mul, isa, matmul, matmul_many, rms_norm, rms_norm_in_place, silu_mul, soft_cap, MatmulScratch,
@@ -175,11 +175,21 @@ impl Mlp {
     }
 }
 
+/// What [`Model::prepare_pack`] wrote.
+#[derive(Debug, Clone)]
+pub struct PreparedPack {
+    pub path: std::path::PathBuf,
+    /// Bytes of packed matrices.
+    pub bytes: usize,
+    /// Seconds the repacking and writing took.
+    pub seconds: f64,
+}
+
 /// How a model is loaded.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct LoadOptions {
-    /// Map (or write) the on-disk cache of repacked weights beside the model.
-    pub pack_cache: bool,
+    /// Which prepared packs of repacked weights are mapped, and whether a repack writes one.
+    pub pack_cache: PackCache,
     /// How float matrices are computed.
     pub float_weights: FloatWeights,
     /// RoPE scaling instead of the file's (the context grows with it).
@@ -191,8 +201,8 @@ pub struct LoadOptions {
 impl Default for LoadOptions {
     fn default() -> Self {
         Self {
-            pack_cache: pack_cache::enabled_by_env(),
-            float_weights: FloatWeights::Q8_0,
+            pack_cache: PackCache::from_env(),
+            float_weights: FloatWeights::Auto,
             rope_scaling: None,
             max_context: None,
         }
@@ -215,9 +225,11 @@ pub struct Model {
     packed_bytes: usize,
     repack_seconds: f64,
     packed_from_cache: bool,
-    use_pack_cache: bool,
+    pack_cache: PackCache,
     /// How float matrices are computed (quantized to Q8_0 when repacked, or not).
     float_weights: FloatWeights,
+    /// How far the packed weights are ready (for `/metrics`).
+    progress: Arc<LoadProgress>,
 }
 
 impl std::fmt::Debug for Model {
@@ -293,9 +305,15 @@ fn attention_tiles(b: &Batch<'_>, n_heads: usize, n_kv_heads: usize) -> Vec<Tile
 /// How float (F32, F16, BF16) weight matrices are computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FloatWeights {
-    /// Quantized to Q8_0 at load (as llama.cpp's quantizer would) for the integer kernels:
-    /// the speed of a Q8_0 GGUF (the pack cache keeps the result).
+    /// `Q8_0` for a dense model, `Float` for a mixture of experts: a router's choice is
+    /// discrete, and 8-bit activations in front of it flip the choice at near-ties that
+    /// llama.cpp's float path (16-bit activations) keeps — the synthetic DeepSeek and
+    /// Qwen3-MoE F16 files leave llama.cpp's greedy path under `Q8_0` (even with only the
+    /// experts quantized) and follow it every step as floats.
     #[default]
+    Auto,
+    /// Quantized to Q8_0 at load (as llama.cpp's quantizer would: the tensors it keeps
+    /// float stay float) for the integer kernels: the speed of a Q8_0 GGUF.
     Q8_0,
     /// Multiplied as floats (dequantize a row, then FMA): several times slower.
     Float,
@@ -304,33 +322,48 @@ pub enum FloatWeights {
 impl FloatWeights {
     pub fn parse(s: &str) -> Result<Self, String> {
         match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(FloatWeights::Auto),
             "q8_0" | "q8" => Ok(FloatWeights::Q8_0),
             "float" | "f32" => Ok(FloatWeights::Float),
-            other => Err(format!("unknown float-weights mode {other:?} (q8_0 or float)")),
+            other => Err(format!("unknown float-weights mode {other:?} (auto, q8_0 or float)")),
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
+            FloatWeights::Auto => "auto",
             FloatWeights::Q8_0 => "q8_0",
             FloatWeights::Float => "float",
+        }
+    }
+
+    /// What `Auto` means for a model that is (`moe`) or is not a mixture of experts.
+    pub fn resolve(self, moe: bool) -> Self {
+        match (self, moe) {
+            (FloatWeights::Auto, true) => FloatWeights::Float,
+            (FloatWeights::Auto, false) => FloatWeights::Q8_0,
+            (other, _) => other,
         }
     }
 }
 
 impl Model {
-    /// Loads with the pack cache on unless `HEARTH_PACK_CACHE=0`.
+    /// Loads with the pack cache as `HEARTH_PACK_CACHE` says (default: map a prepared pack
+    /// beside the model, write none).
     pub fn load(file: GgufFile) -> Result<Self, ModelError> {
         Self::load_options(file, LoadOptions::default())
     }
 
-    /// Loads; `use_pack_cache`: map (or write) the on-disk cache of repacked weights.
-    /// Float matrices are quantized to Q8_0 ([`FloatWeights::Q8_0`]).
+    /// Loads; `use_pack_cache`: map a pack beside the model, or write one after a repack
+    /// ([`PackMode::Write`]); false: neither. Float matrices as [`FloatWeights::Auto`].
     pub fn load_with(file: GgufFile, use_pack_cache: bool) -> Result<Self, ModelError> {
         Self::load_options(
             file,
             LoadOptions {
-                pack_cache: use_pack_cache,
+                pack_cache: match use_pack_cache {
+                    true => PackCache::writing(),
+                    false => PackCache::OFF,
+                },
                 ..LoadOptions::default()
             },
         )
@@ -341,7 +374,8 @@ impl Model {
         let mut m = Self::load_inner(file, &o)?;
         if isa().is_simd() {
             let t = std::time::Instant::now();
-            m.repack();
+            // Only a pack written by choice can fail, and that failure is logged there.
+            let _ = m.repack(false);
             m.repack_seconds = t.elapsed().as_secs_f64();
         }
         Ok(m)
@@ -350,7 +384,13 @@ impl Model {
     /// Loads without repacking for the CPU kernels: for a backend that keeps its own copy
     /// of the weights (the CUDA backend reads them from [`Model::weights`]).
     pub fn load_unpacked(file: GgufFile, o: LoadOptions) -> Result<Self, ModelError> {
-        Self::load_inner(file, &LoadOptions { pack_cache: false, ..o })
+        Self::load_inner(
+            file,
+            &LoadOptions {
+                pack_cache: PackCache::OFF,
+                ..o
+            },
+        )
     }
 
     fn load_layer(file: &GgufFile, c: &ModelConfig, l: usize) -> Result<Layer, ModelError> {
@@ -506,6 +546,7 @@ impl Model {
             .map(|theta| RopeFreqs::new(theta, c.rope_dims, &RopeScaling::default(), None, c.context_length))
             .filter(|local| *local != rope);
         let n_params = file.tensors.iter().map(|t| t.n_elements()).sum();
+        let float_weights = o.float_weights.resolve(c.moe.is_some());
         Ok(Self {
             file,
             config: c,
@@ -519,8 +560,9 @@ impl Model {
             packed_bytes: 0,
             repack_seconds: 0.0,
             packed_from_cache: false,
-            use_pack_cache: o.pack_cache,
-            float_weights: o.float_weights,
+            pack_cache: o.pack_cache.clone(),
+            float_weights,
+            progress: Arc::default(),
         })
     }
 
@@ -529,24 +571,39 @@ impl Model {
     /// one copy of the weights, not two. The embedding stays in the file (rows are looked
     /// up, not multiplied); with tied embeddings its packed copy serves the logits.
     ///
-    /// The packed layout is first looked for in the on-disk cache beside the model
-    /// ([`crate::kernels::pack_cache`]; mapped, not copied); on a miss the matrices are repacked and
-    /// the cache written for the next load. `HEARTH_PACK_CACHE=0` turns the cache off.
-    fn repack(&mut self) {
+    /// A prepared pack ([`crate::kernels::pack_cache`]: in the pack directory, else beside
+    /// the model) is mapped, not copied, when one is current; otherwise the matrices are
+    /// repacked in memory, in parallel, and — with [`PackMode::Write`] — the pack written
+    /// for the next load. `rewrite`: repack and write the pack whatever is there
+    /// (`hearth model pack`); returns the path written, if any.
+    fn repack(&mut self, rewrite: bool) -> std::io::Result<Option<std::path::PathBuf>> {
         let file = &self.file;
         let embed = (self.embed.shard, self.embed.offset, self.embed.len);
         let is_embed = |m: &Matrix| (m.shard, m.offset) == (embed.0, embed.1);
-        // Every matrix, in a fixed order: each layer's, then the output.
-        let mut ms: Vec<&mut Matrix> = self.layers.iter_mut().flat_map(Layer::matrices_mut).collect();
+        // Every matrix, in a fixed order: each layer's, then the output (the layer of each
+        // kept, for the progress count).
+        let n_layers = self.layers.len();
+        let mut ms: Vec<&mut Matrix> = Vec::new();
+        let mut layer_of = Vec::new();
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            for m in layer.matrices_mut() {
+                ms.push(m);
+                layer_of.push(l);
+            }
+        }
         ms.push(&mut self.output);
+        layer_of.push(n_layers);
         let mut wanted = Vec::new();
+        let mut layer_of = layer_of.into_iter();
         let float_as_q8_0 = self.float_weights == FloatWeights::Q8_0;
         let kind_of = |ty: GgmlType| match PackKind::of(ty) {
             None if float_as_q8_0 && !ty.is_quantized() => Some(PackKind::Byte),
             k => k,
         };
-        ms.retain(|m| match kind_of(m.ty) {
-            Some(kind) if m.cols.is_multiple_of(QK * kind.blocks_per_super()) => {
+        let mut kept_layers = Vec::new();
+        ms.retain(|m| match (kind_of(m.ty), layer_of.next()) {
+            (Some(kind), Some(l)) if m.cols.is_multiple_of(QK * kind.blocks_per_super()) => {
+                kept_layers.push(l);
                 wanted.push(Wanted {
                     kind,
                     rows: m.rows,
@@ -559,15 +616,25 @@ impl Model {
         });
         if ms.is_empty() {
             // Nothing to repack or cache (float weights kept as floats).
-            return;
+            return Ok(None);
         }
-        let use_cache = self.use_pack_cache;
-        let cached = if use_cache {
-            pack_cache::load(&file.path, &wanted)
-        } else {
-            Err("turned off".into())
+        // Matrices counted at each layer's end, for the progress count.
+        let layer_ends: Vec<usize> = (0..kept_layers.len())
+            .filter(|&i| kept_layers.get(i + 1) != Some(&kept_layers[i]))
+            .map(|i| i + 1)
+            .collect();
+        let total_bytes = wanted
+            .iter()
+            .map(|w| PackedMatrix::size_for(w.kind, w.rows, w.cols) as u64)
+            .sum();
+        let progress = self.progress.clone();
+        progress.start(WeightsSource::Pack, total_bytes, layer_ends);
+        let cached = match rewrite {
+            true => Err("rewriting".into()),
+            false => pack_cache::load(&file.path, &self.pack_cache, &wanted, &progress),
         };
         let mut total = 0;
+        let mut written = None;
         match cached {
             Ok(packed) => {
                 for (m, p) in ms.iter_mut().zip(packed) {
@@ -580,30 +647,54 @@ impl Model {
                 self.packed_from_cache = true;
             }
             Err(why) => {
-                tracing::debug!(reason = %why, "pack cache not used: repacking");
-                for m in ms.iter_mut() {
-                    if let Some(p) = pack_one(&weight_view(file, m)) {
-                        total += p.bytes().len();
-                        m.packed = Some(Arc::new(p));
-                        // This matrix's file pages leave the resident set at once, so that
-                        // memory holds one copy of the weights, not two.
-                        if !is_embed(m) {
-                            file.release(m.shard, m.offset, m.len);
-                        }
-                    }
+                progress.start(WeightsSource::Repacked, total_bytes, Vec::new());
+                match self.pack_cache.candidates(&file.path).iter().any(|p| p.exists()) {
+                    true => tracing::info!(reason = %why, "pack not used: repacking in memory"),
+                    false => tracing::debug!(reason = %why, "no pack: repacking in memory"),
                 }
+                // Matrices in parallel (each one's groups in parallel too): the model's
+                // many small matrices — a mixture's experts — keep both cores busy.
+                total = ms
+                    .par_iter_mut()
+                    .map(|m| match pack_one(&weight_view(file, m)) {
+                        Some(p) => {
+                            let n = p.bytes().len();
+                            progress.ready(n as u64);
+                            m.packed = Some(Arc::new(p));
+                            // This matrix's file pages leave the resident set at once, so
+                            // that memory holds one copy of the weights, not two.
+                            if !is_embed(m) {
+                                file.release(m.shard, m.offset, m.len);
+                            }
+                            n
+                        }
+                        None => 0,
+                    })
+                    .sum();
                 let all: Option<Vec<(Wanted, &PackedMatrix)>> = ms
                     .iter()
                     .zip(&wanted)
                     .map(|(m, w)| Some((*w, m.packed.as_deref()?)))
                     .collect();
-                if let (true, Some(all)) = (use_cache, all) {
-                    match pack_cache::store(&file.path, &all) {
-                        Ok(p) => tracing::info!(path = %p.display(), "pack cache written for the next load"),
-                        Err(e) => {
-                            tracing::info!(error = %e, "pack cache not written (the model's directory is not writable?)")
+                match (rewrite, self.pack_cache.mode, all) {
+                    (true, _, None) => {
+                        return Err(std::io::Error::other(
+                            "a matrix did not pack (a scale overflows f16): no pack written",
+                        ))
+                    }
+                    (true, _, Some(all)) => written = Some(pack_cache::store(&file.path, &self.pack_cache, &all)?),
+                    (false, PackMode::Write, Some(all)) => {
+                        match pack_cache::store(&file.path, &self.pack_cache, &all) {
+                            Ok(p) => {
+                                tracing::info!(path = %p.display(), "pack written for the next load");
+                                written = Some(p);
+                            }
+                            Err(e) => {
+                                tracing::info!(error = %e, "pack not written (the directory is not writable?)")
+                            }
                         }
                     }
+                    _ => {}
                 }
             }
         }
@@ -611,6 +702,35 @@ impl Model {
         // embeddings its packed copy serves the logits); they fault in as needed.
         file.release(embed.0, embed.1, embed.2);
         self.packed_bytes = total;
+        Ok(written)
+    }
+
+    /// Repacks `file` in memory and writes its pack where `o.pack_cache` says (its
+    /// directory, else beside the model), whatever is there already: `hearth model pack`,
+    /// which prepares a model once for every worker that maps it.
+    pub fn prepare_pack(file: GgufFile, o: LoadOptions) -> Result<PreparedPack, ModelError> {
+        let mut m = Self::load_inner(file, &o)?;
+        let t = std::time::Instant::now();
+        let path = m
+            .repack(true)
+            .map_err(|e| ModelError::Config(format!("writing the pack: {e}")))?
+            .ok_or_else(|| ModelError::Config("nothing to pack: every matrix is computed as floats".into()))?;
+        Ok(PreparedPack {
+            path,
+            bytes: m.packed_bytes,
+            seconds: t.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// How far the packed weights are ready: counted as they are repacked, or as a mapped
+    /// pack's are checked (in the background, after the load returns).
+    pub fn load_progress(&self) -> Arc<LoadProgress> {
+        self.progress.clone()
+    }
+
+    /// How float matrices are computed ([`FloatWeights::Auto`] resolved for this model).
+    pub fn float_weights(&self) -> FloatWeights {
+        self.float_weights
     }
 
     /// Whether the repacked weights were mapped from the on-disk cache.

@@ -29,6 +29,10 @@ pub trait Backend: Send + Sync + 'static {
     fn load_seconds(&self) -> Option<f64> {
         None
     }
+    /// How far the model's packed weights are ready (None: not loaded, or no engine).
+    fn load_progress(&self) -> Option<std::sync::Arc<crate::kernels::pack_cache::LoadProgress>> {
+        None
+    }
     /// `warm`, `loading` or `cold` (None: this backend does not load and unload models).
     fn model_state(&self) -> Option<&'static str> {
         None
@@ -62,6 +66,9 @@ impl Backend for crate::engine::EngineHandle {
     }
     fn load_seconds(&self) -> Option<f64> {
         Some(crate::engine::EngineHandle::load_seconds(self))
+    }
+    fn load_progress(&self) -> Option<std::sync::Arc<crate::kernels::pack_cache::LoadProgress>> {
+        Some(crate::engine::EngineHandle::load_progress(self))
     }
     fn model_state(&self) -> Option<&'static str> {
         Some("warm")

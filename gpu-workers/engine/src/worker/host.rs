@@ -792,6 +792,10 @@ impl Backend for HostedModel {
         self.warm().map(|e| e.load_seconds())
     }
 
+    fn load_progress(&self) -> Option<Arc<crate::kernels::pack_cache::LoadProgress>> {
+        self.warm().map(|e| e.load_progress())
+    }
+
     fn model_state(&self) -> Option<&'static str> {
         Some(self.state().name())
     }

@@ -8,7 +8,9 @@
 //! `hearth:num_requests_waiting`, `hearth:kv_cache_usage_perc` (0–1; cached-idle blocks
 //! count as free, as vLLM's do), `hearth:prefix_cache_queries_total` and
 //! `hearth:prefix_cache_hits_total` (in tokens), `hearth:num_preemptions_total`. Hearth's
-//! own: `hearth_model_load_seconds`, `hearth_engine_shed_total{priority}` (requests refused
+//! own: `hearth_model_load_seconds`, the load's progress (`hearth_model_weights_bytes`,
+//! `hearth_model_weights_ready_bytes`, `hearth_model_layers`, `hearth_model_layers_ready`,
+//! `hearth_model_weights_source{source}`), `hearth_engine_shed_total{priority}` (requests refused
 //! because the queue was full), `hearth_spec_draft_tokens_total` and
 //! `hearth_spec_accepted_tokens_total` (speculative decoding's acceptance rate is their
 //! ratio), `hearth_moe_expert_tokens_total{layer,expert}` (rows routed to each expert), `hearth_grammar_masks_total` and `hearth_grammar_mask_seconds_total`
@@ -30,6 +32,7 @@ use prometheus_client::metrics::MetricType;
 use hearth_protocol::Priority;
 
 use crate::engine::metrics::{EngineMetrics, Phase, StepKind};
+use crate::kernels::pack_cache::{LoadProgress, WeightsSource};
 use crate::kv::tier::TierMetrics;
 use crate::worker::backend::Backend;
 
@@ -75,6 +78,11 @@ pub const SERIES_LABELS: &[(&str, &[&str])] = &[
     ("hearth:prefix_cache_hits", &["worker"]),
     ("hearth:num_preemptions", &["worker"]),
     ("hearth_model_load_seconds", &["worker"]),
+    ("hearth_model_weights_bytes", &["worker"]),
+    ("hearth_model_weights_ready_bytes", &["worker"]),
+    ("hearth_model_layers", &["worker"]),
+    ("hearth_model_layers_ready", &["worker"]),
+    ("hearth_model_weights_source", &["worker", "source"]),
     ("hearth_adapters_loaded", &["worker"]),
     ("hearth_adapter_bytes", &["worker"]),
     ("hearth_adapter_loads", &["worker"]),
@@ -243,6 +251,48 @@ impl Collector for EngineCollector {
             if let Some(s) = b.load_seconds() {
                 let labels: Labels = [("worker", worker)];
                 ConstGauge::new(s).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let progress: Vec<_> = engines
+            .iter()
+            .filter_map(|(n, b)| Some((n.as_str(), b.load_progress()?)))
+            .collect();
+        type FromProgress = (&'static str, &'static str, fn(&LoadProgress) -> u64);
+        let progress_gauges: [FromProgress; 4] = [
+            (
+                "hearth_model_weights_bytes",
+                "Bytes of packed weights the model computes with (repacked in memory, or mapped from a pack).",
+                |p| p.bytes().1,
+            ),
+            (
+                "hearth_model_weights_ready_bytes",
+                "Of which ready: repacked, or mapped and checked (a pack's check goes on after the load: a large model's read advancing).",
+                |p| p.bytes().0,
+            ),
+            (
+                "hearth_model_layers",
+                "Layers with packed weights (the output counts as one).",
+                |p| p.layers().1 as u64,
+            ),
+            ("hearth_model_layers_ready", "Of which ready.", |p| p.layers().0 as u64),
+        ];
+        for (name, help, value) in progress_gauges {
+            let mut m = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (worker, p) in &progress {
+                let labels: Labels = [("worker", worker)];
+                ConstGauge::new(value(p) as i64).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let mut m = encoder.encode_descriptor(
+            "hearth_model_weights_source",
+            "Where the compute weights come from: 1 for `pack` (mapped from a prepared pack), `repacked` (in memory at load) or `unpacked` (the model file's own), 0 for the others.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (worker, p) in &progress {
+            for source in WeightsSource::ALL {
+                let labels = [("worker", *worker), ("source", source.name())];
+                ConstGauge::new(i64::from(p.source() == source)).encode(m.encode_family(&labels)?)?;
             }
         }
         let with_metrics: Vec<_> = engines

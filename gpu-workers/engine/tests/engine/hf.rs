@@ -87,7 +87,7 @@ fn sharded_f16_export_answers_the_golden_prompt() {
             let model = Model::load_options(
                 hf::open(&dir.0).unwrap(),
                 LoadOptions {
-                    pack_cache: false,
+                    pack_cache: hearth_engine::kernels::pack_cache::PackCache::OFF,
                     float_weights: float,
                     ..Default::default()
                 },
@@ -233,11 +233,11 @@ fn every_family_round_trips_through_safetensors() {
         let g = GgufFile::open(&path).unwrap();
         hf::export::export(&g, &dir.0, ExportDtype::F32, 2).unwrap();
         let opts = LoadOptions {
-            pack_cache: false,
+            pack_cache: hearth_engine::kernels::pack_cache::PackCache::OFF,
             float_weights: FloatWeights::Float,
             ..Default::default()
         };
-        let gguf = Model::load_options(g, opts).unwrap();
+        let gguf = Model::load_options(g, opts.clone()).unwrap();
         let hfm = Model::load_options(hf::open(&dir.0).unwrap(), opts).unwrap();
         assert_eq!(hfm.config.arch, gguf.config.arch, "{family}");
         let mut a = gguf.config.clone();

@@ -261,9 +261,31 @@ fn every_moe_family_follows_llamacpp() {
                 &want,
                 FAMILY_LOGIT_BOUND,
                 share,
-                &|| Model::load_options(GgufFile::open(&path).unwrap(), opts).unwrap(),
+                &|| Model::load_options(GgufFile::open(&path).unwrap(), opts.clone()).unwrap(),
             ));
         }
+    }
+    eprintln!("{}", report.join("\n"));
+}
+
+/// Float mixtures under the default settings (`--float-weights q8_0`: float matrices
+/// quantized to Q8_0 at load, as llama.cpp's quantizer chooses them; the routers float)
+/// follow llama.cpp on the same F16 file on every step, as the float path does.
+#[test]
+fn float_mixtures_under_the_default_follow_llamacpp() {
+    let _isa = ISA.lock().unwrap_or_else(|e| e.into_inner());
+    let mut report = Vec::new();
+    for (family, _) in MOE_FAMILIES {
+        let shape = format!("{family}-tiny");
+        let (_, path) = synth(&["--shape", &shape, "--types", "f16"]).remove(0);
+        let want = reference(&path, &PROMPTS, 64, None);
+        report.extend(follow_most(
+            &format!("{family} f16 default"),
+            &want,
+            FAMILY_LOGIT_BOUND,
+            1.0,
+            &|| Model::load(GgufFile::open(&path).unwrap()).unwrap(),
+        ));
     }
     eprintln!("{}", report.join("\n"));
 }

@@ -10,8 +10,9 @@ use hearth_engine::kernels::pack_cache;
 use hearth_engine::kernels::{set_isa, Isa};
 use hearth_engine::models::{FloatWeights, ForwardScratch, LoadOptions, Model, Session};
 
+/// A load that writes the pack after a repack (`--pack-cache write`).
 fn logits(path: &Path) -> (Vec<f32>, bool) {
-    let model = Model::load(GgufFile::open(path).unwrap()).unwrap();
+    let model = Model::load_with(GgufFile::open(path).unwrap(), true).unwrap();
     let out = Session::new(&model, 64, ForwardScratch::default()).feed(&[1, 9690, 198, 2683, 359, 253, 5356]);
     (out, model.packed_from_cache())
 }
@@ -30,7 +31,10 @@ fn the_pack_cache_is_written_mapped_and_refused_when_bad() {
     std::fs::copy(&src, &model).unwrap();
     let cache = pack_cache::path_for(&model);
 
-    assert!(pack_cache::cached_tensors(&model).is_none(), "no cache yet");
+    assert!(
+        pack_cache::cached_tensors(&model, &pack_cache::PackCache::writing()).is_none(),
+        "no cache yet"
+    );
     let (first, from_cache) = logits(&model);
     assert!(!from_cache, "no cache yet: repacked");
     assert!(cache.exists(), "the first load wrote {}", cache.display());
@@ -38,7 +42,7 @@ fn the_pack_cache_is_written_mapped_and_refused_when_bad() {
     // hold. The cache holds every layer's matrices (7 per layer) and the (tied) output,
     // none of the vectors.
     let gguf = GgufFile::open(&model).unwrap();
-    let held = pack_cache::cached_tensors(&model).expect("a current cache");
+    let held = pack_cache::cached_tensors(&model, &pack_cache::PackCache::writing()).expect("a current cache");
     let layers = gguf
         .tensors
         .iter()
@@ -94,7 +98,7 @@ fn the_pack_cache_is_written_mapped_and_refused_when_bad() {
         .unwrap();
     drop(f);
     assert!(
-        pack_cache::cached_tensors(&model).is_none(),
+        pack_cache::cached_tensors(&model, &pack_cache::PackCache::writing()).is_none(),
         "a stale cache holds nothing"
     );
     assert!(!logits(&model).1, "a stale cache is not used");
@@ -121,7 +125,7 @@ fn a_safetensors_directory_is_cached_inside_it_and_tied_to_its_shards() {
         let model = Model::load_options(
             hf::open(&dir).unwrap(),
             LoadOptions {
-                pack_cache: true,
+                pack_cache: pack_cache::PackCache::writing(),
                 float_weights: FloatWeights::Q8_0,
                 ..Default::default()
             },

@@ -15,6 +15,7 @@ mod cluster;
 mod dashboard;
 mod fairness;
 mod formats;
+mod model_store;
 mod pd;
 mod probe;
 mod processors;
