@@ -84,7 +84,7 @@ fn weight_files(path: &Path) -> Vec<std::path::PathBuf> {
 
 /// Drops a file's pages from the page cache (only clean pages no one maps); false if the OS
 /// refused.
-fn drop_page_cache(path: &Path) -> bool {
+pub(super) fn drop_page_cache(path: &Path) -> bool {
     #[cfg(target_os = "linux")]
     {
         use std::os::fd::AsRawFd;
@@ -145,7 +145,7 @@ fn process_ready_ms(exe: &Path, path: &Path, cfg: &EngineConfig) -> Option<f64> 
     ready.then_some(ms)
 }
 
-fn request(model: &str, prompt: &[u32], tag: &str) -> GenerateRequest {
+pub(super) fn request(model: &str, prompt: &[u32], tag: &str) -> GenerateRequest {
     GenerateRequest {
         request_id: format!("coldstart-{tag}"),
         model: model.into(),
@@ -166,7 +166,7 @@ fn request(model: &str, prompt: &[u32], tag: &str) -> GenerateRequest {
     }
 }
 
-async fn first_token_ms(b: &dyn Backend, req: GenerateRequest) -> f64 {
+pub(super) async fn first_token_ms(b: &dyn Backend, req: GenerateRequest) -> f64 {
     let t = Instant::now();
     let mut rx = b.generate(req);
     while let Some(ev) = rx.recv().await {

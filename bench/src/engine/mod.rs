@@ -11,6 +11,7 @@ pub mod coldstart;
 pub mod kld;
 pub mod kvtiers;
 pub mod kvtransfer;
+pub mod load;
 pub mod lora;
 
 use std::path::Path;

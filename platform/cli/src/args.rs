@@ -350,6 +350,20 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// A model's first-ever load (no pack anywhere, page cache warm: parsed and repacked in
+    /// memory), several rounds, with the repacking rate; and a prepared pack's cold start
+    /// (page cache dropped) against reading its bytes at the drive's measured rate
+    /// (`bench/load-compare` runs it beside llama.cpp's load of the same file).
+    Load {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Load rounds (the median is reported).
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// What quantizing float weights at load costs: the KL divergence of the default
     /// (`--float-weights q8_0`) against the float path, along fixed texts, beside
     /// llama.cpp's own Q8_0 file of the same model (`bench/kld-compare` makes the files

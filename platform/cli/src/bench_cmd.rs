@@ -92,6 +92,13 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
             print!("{}", report.table());
             write_json(&report, json)
         }
+        BenchCommand::Load { model, rounds, json } => {
+            let (path, id) = resolve_model(&model).await?;
+            let cfg = model.engine_config();
+            let report = hearth_bench::engine::load::run(&path, &id, &cfg, rounds.clamp(1, 50)).await?;
+            print!("{}", report.table());
+            write_json(&report, json)
+        }
         BenchCommand::Kld { models, json } => {
             let report = tokio::task::spawn_blocking(move || hearth_bench::engine::kld::run(&models)).await??;
             print!("{}", report.table());

@@ -27,8 +27,8 @@ pub struct ModelReport {
     pub settings: Vec<String>,
     pub tokenizer: Option<TokenizerSummary>,
     pub template: TemplateReport,
-    /// What a load does to float (F32/F16/BF16) weights, one line each (empty: none are
-    /// float): which are quantized to Q8_0 and which stay float, as llama.cpp's quantizer
+    /// What a load does to float (F32/F16/BF16) weights, one line each (empty: no float
+    /// matrices): which are quantized to Q8_0 and which stay float, as llama.cpp's quantizer
     /// chooses, and what the default (`auto`) does for this model.
     pub at_load: Vec<String>,
     /// Why Hearth would not serve it (empty: it would).
@@ -159,6 +159,10 @@ fn at_load(file: &crate::formats::gguf::GgufFile) -> Vec<String> {
     }
     let (quantized, kept): (Vec<&&crate::formats::gguf::TensorInfo>, Vec<_>) =
         float.iter().partition(|t| quantized_at_load(&t.name, &t.dims));
+    if quantized.is_empty() {
+        // Only vectors (norms, biases) are float: nothing to say.
+        return Vec::new();
+    }
     let bytes = |ts: &[&&crate::formats::gguf::TensorInfo]| ts.iter().map(|t| t.len as u64).sum::<u64>() >> 20;
     let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
     for t in &kept {

@@ -1,7 +1,11 @@
-//! The on-disk cache of repacked weights: written beside the model file after its first
-//! repacking (`MODEL.gguf.hearth-pack-v3`; inside a Hugging Face directory
-//! `hearth-pack-v3`, holding its float matrices quantized to Q8_0), then mapped — not read into memory, not
-//! copied — by every later load, so a cold start costs reading the file, not recomputing.
+//! Packs: repacked weights in a file, mapped — not read into memory, not copied — by a load
+//! instead of repacking. `hearth model pack MODEL [--out DIR]` prepares one once for a fleet
+//! (`NAME.hearth-pack-v3` in `DIR`, else beside the model: `MODEL.gguf.hearth-pack-v3`, or
+//! `hearth-pack-v3` inside a Hugging Face directory, holding its float matrices quantized to
+//! Q8_0). A load looks in its [`PackCache`]'s directory first, then beside the model, and maps
+//! from the first current pack the matrices it computes with (a pack may hold more: a worker
+//! serving part of a model reads only its part). [`PackMode::Read`], the default, never
+//! writes; [`PackMode::Write`] writes the pack after a repack (for CPUs slow to repack).
 //!
 //! Layout (little-endian), version [`PACK_FORMAT`]:
 //!
@@ -16,10 +20,10 @@
 //! | 40..48 | reserved (0) |
 //! | 48.. | `n` entries of 56 bytes: kind (u32: [`PackKind::code`]), reserved u32, rows u64, cols u64, the tensor's offset in the model file u64 (a directory: the shard's index in the top 16 bits), the bytes' offset in this file u64, their length u64, the XXH3-64 of those bytes |
 //!
-//! Each matrix's bytes start at a multiple of 4096. A cache is mapped only if the version,
-//! the model file's size and time, and every entry's shape and tensor offset match; anything
-//! else is a miss, and the load repacks and rewrites the cache (atomically: a temporary file
-//! renamed into place).
+//! Each matrix's bytes start at a multiple of 4096. A pack is mapped only if the version and
+//! the model file's size and time match, and it holds every wanted matrix with its shape at
+//! its tensor offset; anything else is a miss, and the load repacks in memory (and, writing,
+//! rewrites the pack: atomically, a temporary file renamed into place).
 //!
 //! **Checked before first use, not before the load returns.** Reading the whole file to
 //! check it first would put a cold disk's read before the first prefill. Instead a
@@ -28,9 +32,10 @@
 //! check ([`PackedMatrix::checked`]). So the read overlaps the first layers' compute, and
 //! every matrix is checked once, before its first use: one whose bytes differ from what was
 //! written is repacked from the model file in memory on that use (the same bytes a fresh
-//! load makes), and the cache file is deleted so that the next load rewrites it. (A process
-//! that unloads the model or exits before the check reaches a corrupt matrix deletes
-//! nothing: the next load finds it again.)
+//! load makes), and — by a worker that writes packs — the file is deleted so that the next
+//! load rewrites it (a reading worker leaves a shared store as it is). (A process that
+//! unloads the model or exits before the check reaches a corrupt matrix deletes nothing: the
+//! next load finds it again.)
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -42,9 +42,9 @@
 //! (`q + 128`), which `c = −128·d` corrects. The packed matrix is about as large as the
 //! GGUF tensor: Q4_1 and Q5_1 exactly, Q4_K/Q5_K/Q6_K 1–3 % larger, Q4_0/Q5_0/Q8_0 6–11 %.
 //!
-//! The format depends on nothing but the GGUF tensor, so it is cached on disk
-//! ([`crate::kernels::pack_cache`], tied to the model file's size and time); the version changes with
-//! any change to this layout or to the cache file's (3: a checksum per matrix).
+//! The format depends on nothing but the GGUF tensor, so it can be prepared once and mapped
+//! ([`crate::kernels::pack_cache`], tied to the model file's size and time); the version
+//! changes with any change to this layout or to the pack file's (3: a checksum per matrix).
 
 use rayon::prelude::*;
 

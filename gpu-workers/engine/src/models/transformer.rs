@@ -337,7 +337,7 @@ impl FloatWeights {
         }
     }
 
-    /// What `Auto` means for a model that is (`moe`) or is not a mixture of experts.
+    /// What `Auto` means for a model that has (`moe`) or has not a layer of routed experts.
     pub fn resolve(self, moe: bool) -> Self {
         match (self, moe) {
             (FloatWeights::Auto, true) => FloatWeights::Float,
@@ -546,7 +546,11 @@ impl Model {
             .map(|theta| RopeFreqs::new(theta, c.rope_dims, &RopeScaling::default(), None, c.context_length))
             .filter(|local| *local != rope);
         let n_params = file.tensors.iter().map(|t| t.n_elements()).sum();
-        let float_weights = o.float_weights.resolve(c.moe.is_some());
+        let routed = c
+            .moe
+            .as_ref()
+            .is_some_and(|m| (0..c.n_layers).any(|l| m.is_moe_layer(l)));
+        let float_weights = o.float_weights.resolve(routed);
         Ok(Self {
             file,
             config: c,

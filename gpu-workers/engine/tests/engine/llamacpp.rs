@@ -208,6 +208,18 @@ fn every_family_follows_llamacpp() {
                 "{:?}",
                 inspected.settings
             );
+            // A dense model's float matrices are quantized at load; its norms stay float.
+            let at_load = inspected.at_load.join("\n");
+            match ty.as_str() {
+                "f16" => assert!(
+                    at_load.contains("quantized to Q8_0 at load") && at_load.contains("norms"),
+                    "{family}: {at_load}"
+                ),
+                _ => assert!(
+                    !at_load.contains("quantized to Q8_0 at load"),
+                    "{family} {ty}: {at_load}"
+                ),
+            }
             report.extend(follow(&format!("{family} {ty}"), &want, FAMILY_LOGIT_BOUND, &|| {
                 Model::load(GgufFile::open(&path).unwrap()).unwrap()
             }));
@@ -244,6 +256,18 @@ fn every_moe_family_follows_llamacpp() {
             drop(model);
             let inspected = hearth_engine::formats::inspect::inspect(&path).unwrap();
             assert!(inspected.refused.is_empty(), "{family}: {:?}", inspected.refused);
+            // What a load does to the float tensors: a mixture (routed experts) stays float by
+            // default, and `q8_0` keeps the routers float, as llama.cpp's quantizer does.
+            let routed = GgufFile::open(&path)
+                .unwrap()
+                .tensors
+                .iter()
+                .any(|t| t.name.contains("_exps"));
+            if ty == "f16" && routed {
+                let at_load = inspected.at_load.join("\n");
+                assert!(at_load.contains("computed as floats by default"), "{family}: {at_load}");
+                assert!(at_load.contains("expert routers (ffn_gate_inp)"), "{family}: {at_load}");
+            }
             // F16 multiplied as floats, as llama.cpp does (the default quantizes it to Q8_0).
             let opts = LoadOptions {
                 float_weights: if ty == "f16" {
