@@ -131,13 +131,11 @@ pub fn run(models: &[KldModel]) -> anyhow::Result<KldReport> {
             anyhow::bail!("{}: no float tensors (give the F16/BF16/F32 file)", m.float.display());
         }
         let spec = hearth_engine::tokenizer_spec(&file)?;
+        let default_is = FloatWeights::Auto.resolve(file.has_routed_experts()).name().to_string();
         drop(file);
         let tok = Tokenizer::from_spec(&spec)?;
         let texts: Vec<Vec<u32>> = TEXTS.iter().map(|t| tok.encode(t)).collect();
-        let reference_model = load(&m.float, FloatWeights::Float)?;
-        let default_is = load(&m.float, FloatWeights::Auto)?.float_weights().name().to_string();
-        let reference = distributions(&reference_model, &texts);
-        drop(reference_model);
+        let reference = distributions(&load(&m.float, FloatWeights::Float)?, &texts);
         let default = distributions(&load(&m.float, FloatWeights::Q8_0)?, &texts);
         let (default_mean, default_max, default_top1) = compare(&reference, &default);
         let theirs = match &m.q8_0 {

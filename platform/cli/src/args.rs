@@ -1668,7 +1668,8 @@ pub enum ModelCommand {
         /// How float weights are computed (as the workers will run them: a pack made for
         /// `q8_0` holds float matrices quantized, one for `float` does not; `auto` as the
         /// workers' default).
-        #[arg(long, default_value = "auto", value_parser = hearth_engine::models::FloatWeights::parse)]
+        #[arg(long, env = "HEARTH_FLOAT_WEIGHTS", default_value = "auto",
+              value_parser = hearth_engine::models::FloatWeights::parse)]
         float_weights: hearth_engine::models::FloatWeights,
     },
     /// What a model file or directory is and what Hearth makes of it: architecture, tensor

@@ -35,11 +35,6 @@ pub const ENV_ONLY: &[(&str, &str, &str)] = &[
         "without `--data-dir`, the data directory is `$XDG_DATA_HOME/hearth`",
     ),
     (
-        "HEARTH_PACK_CACHE",
-        "on",
-        "`0`: neither read nor write the on-disk cache of repacked weights beside the model",
-    ),
-    (
         "HEARTH_FORCE_SCALAR",
         "unset",
         "any value: the older spelling of `HEARTH_ISA=scalar`",

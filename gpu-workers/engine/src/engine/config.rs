@@ -67,7 +67,8 @@ pub struct EngineConfig {
     /// Which prepared packs of repacked weights are mapped (a pack directory, else beside
     /// the model), and whether a repack writes one.
     pub pack_cache: crate::kernels::pack_cache::PackCache,
-    /// How float weight matrices are computed (quantized to Q8_0 at load by default).
+    /// How float weight matrices are computed (by default quantized to Q8_0 at load for a
+    /// dense model, as floats for one with routed experts).
     pub float_weights: crate::models::FloatWeights,
     /// The queue limit in prompt tokens not yet computed (None: as many as the KV cache
     /// holds; 0: unbounded). Requests past it are refused as `overloaded` (see

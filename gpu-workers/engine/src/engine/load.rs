@@ -190,8 +190,7 @@ fn read_ahead(path: &Path, cfg: &EngineConfig) -> Option<std::collections::HashS
 /// model file: every tensor the cache does not hold, float matrices computed from the file,
 /// and the embedding.
 fn read_ahead_unpacked(path: &Path, file: &GgufFile, packed: &std::collections::HashSet<u64>, cfg: &EngineConfig) {
-    let moe = file.tensors.iter().any(|t| t.name.contains("_exps"));
-    let computes_floats = cfg.float_weights.resolve(moe) == crate::models::FloatWeights::Float;
+    let computes_floats = cfg.float_weights.resolve(file.has_routed_experts()) == crate::models::FloatWeights::Float;
     let parts = file
         .tensors
         .iter()

@@ -357,6 +357,12 @@ impl<'a> Cursor<'a> {
 }
 
 impl GgufFile {
+    /// Whether the model has layers of routed experts (a mixture's `*_exps` tensors): what
+    /// decides `--float-weights auto` for the loader, the read-ahead and `hearth model inspect`.
+    pub fn has_routed_experts(&self) -> bool {
+        self.tensors.iter().any(|t| t.name.contains("_exps"))
+    }
+
     /// Maps and parses a file. The tensor bytes stay on disk until touched.
     pub fn open(path: &Path) -> Result<Self, GgufError> {
         let open_err = |source| GgufError::Open {

@@ -175,7 +175,7 @@ fn at_load(file: &crate::formats::gguf::GgufFile) -> Vec<String> {
         };
         *kinds.entry(kind).or_default() += 1;
     }
-    let moe = file.tensors.iter().any(|t| t.name.contains("_exps"));
+    let moe = file.has_routed_experts();
     let mut lines = vec![match moe {
         false => format!(
             "{} float tensors ({} MiB) quantized to Q8_0 at load (the default, `auto`, for a dense model; `--float-weights float` keeps them)",

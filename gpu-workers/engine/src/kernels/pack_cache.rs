@@ -98,12 +98,17 @@ impl PackMode {
         }
     }
 
-    /// `HEARTH_PACK_CACHE` (a value [`Self::parse`] refuses counts as the default).
+    /// `HEARTH_PACK_CACHE` (a value [`Self::parse`] refuses counts as the default, with a
+    /// warning; the CLI refuses it).
     pub fn from_env() -> Self {
-        std::env::var("HEARTH_PACK_CACHE")
-            .ok()
-            .and_then(|v| Self::parse(&v).ok())
-            .unwrap_or_default()
+        match std::env::var("HEARTH_PACK_CACHE").ok().map(|v| Self::parse(&v)) {
+            Some(Ok(m)) => m,
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "HEARTH_PACK_CACHE ignored: packs are read");
+                Self::default()
+            }
+            None => Self::default(),
+        }
     }
 }
 
@@ -162,9 +167,10 @@ impl PackCache {
 }
 
 /// How far a model's load has come, for `/metrics`: its packed weights' bytes and layers
-/// ready to compute with — repacked in memory, or mapped from a pack and checked (which
-/// goes on in the background after the load returns, so that an operator sees a large
-/// model's read advance while it already serves).
+/// ready to compute with — repacked in memory (complete when the load returns), or mapped
+/// from a pack and checked (which goes on in the background after the load returns, so that
+/// an operator sees a large model's read advance while it already serves). Not visible
+/// while the engine is still being built: `/metrics` shows engines once loaded.
 #[derive(Debug, Default)]
 pub struct LoadProgress {
     /// [`WeightsSource`] as its code.
@@ -208,6 +214,11 @@ impl LoadProgress {
         let _ = self.layer_ends.set(layer_ends);
     }
 
+    /// Where the weights come from after all (a pack that was not current: repacked).
+    pub fn set_source(&self, source: WeightsSource) {
+        self.source.store(source as u8, Ordering::Relaxed);
+    }
+
     /// One more matrix of `bytes` ready.
     pub fn ready(&self, bytes: u64) {
         self.ready_bytes.fetch_add(bytes, Ordering::Relaxed);
@@ -230,9 +241,9 @@ impl LoadProgress {
         )
     }
 
-    /// (ready, total) layers (the output counts as one): a layer is ready once all its
-    /// matrices are (matrices are made ready in load order, but for a repack's parallel
-    /// tail, which ends before the load returns).
+    /// (ready, total) layers (the output counts as one), counting matrices ready in load
+    /// order: exact for a mapped pack's check, which goes in that order; a repack, parallel
+    /// and unordered, is complete before the load returns.
     pub fn layers(&self) -> (usize, usize) {
         let ends = self.layer_ends.get().map_or(&[][..], Vec::as_slice);
         let n = self.ready_matrices.load(Ordering::Relaxed);
@@ -246,7 +257,9 @@ pub fn path_for(model: &Path) -> PathBuf {
 }
 
 /// The pack for a model in a directory of packs: the model's file (or directory) name
-/// with the pack suffix.
+/// with the pack suffix. Two models of the same file name share that name: the pack is tied
+/// to one of them (size and modification time) and refused as stale for the other, which
+/// then repacks in memory — name models distinctly in a shared store.
 pub fn path_in(dir: &Path, model: &Path) -> PathBuf {
     let mut name = model.file_name().unwrap_or_default().to_os_string();
     name.push(format!(".hearth-pack-v{PACK_FORMAT}"));
@@ -736,6 +749,18 @@ mod tests {
         assert!(!path.exists(), "the file is gone once the bad mark is seen");
         assert!(user.wait(2), "the matrices after it are still checked");
         checker.join().unwrap();
+    }
+
+    #[test]
+    fn a_reading_worker_leaves_a_corrupt_pack_in_place() {
+        let (path, _, map, mut entries) = three_matrices("read");
+        entries[1].2 ^= 1;
+        let verifier = Arc::new(Verifier::new(3, None));
+        let user = verifier.clone();
+        verifier.run_checks(&map, &entries, &path, None);
+        assert!(user.wait(0) && !user.wait(1) && user.wait(2));
+        assert!(path.exists(), "a pack read, not written, by this worker stays as it is");
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

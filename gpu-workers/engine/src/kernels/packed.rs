@@ -595,7 +595,9 @@ fn pack_row_generic(ty: GgmlType, kind: PackKind, src: &[u8], r: usize, blocks: 
             |sup: &mut [u8], at: usize, v: u16| sup[at + 2 * r..at + 2 * r + 2].copy_from_slice(&v.to_le_bytes());
         match blocks::raw_scale(ty, src, b) {
             RawScale::Direct { d, m } => {
-                let c = m.unwrap_or_else(|| scaled_f16(d, -16.0));
+                // Q4_1/Q5_1 store `m`; Q4_0 and Q5_0 are centred at 8 and 16.
+                let zero = if ty == GgmlType::Q4_0 { -8.0 } else { -16.0 };
+                let c = m.unwrap_or_else(|| scaled_f16(d, zero));
                 ok &= half::f16::from_bits(c).is_finite();
                 put16(sup, 0, d);
                 put16(sup, 32, c);

@@ -546,11 +546,7 @@ impl Model {
             .map(|theta| RopeFreqs::new(theta, c.rope_dims, &RopeScaling::default(), None, c.context_length))
             .filter(|local| *local != rope);
         let n_params = file.tensors.iter().map(|t| t.n_elements()).sum();
-        let routed = c
-            .moe
-            .as_ref()
-            .is_some_and(|m| (0..c.n_layers).any(|l| m.is_moe_layer(l)));
-        let float_weights = o.float_weights.resolve(routed);
+        let float_weights = o.float_weights.resolve(file.has_routed_experts());
         Ok(Self {
             file,
             config: c,
@@ -651,7 +647,7 @@ impl Model {
                 self.packed_from_cache = true;
             }
             Err(why) => {
-                progress.start(WeightsSource::Repacked, total_bytes, Vec::new());
+                progress.set_source(WeightsSource::Repacked);
                 match self.pack_cache.candidates(&file.path).iter().any(|p| p.exists()) {
                     true => tracing::info!(reason = %why, "pack not used: repacking in memory"),
                     false => tracing::debug!(reason = %why, "no pack: repacking in memory"),
