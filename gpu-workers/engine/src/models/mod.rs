@@ -32,6 +32,7 @@ pub mod mistral;
 pub mod mixtral;
 pub mod mla;
 pub mod moe;
+pub mod options;
 pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;
@@ -44,10 +45,9 @@ pub use config::{
     Activation, BlockSpec, Gating, Hparams, MlaSpec, ModelConfig, MoeSpec, NORM_SHIFT_KEY, ROPE_LAYOUT_KEY,
 };
 pub use lora::{LoraAdapter, LoraError, LoraLimits};
+pub use options::{FloatWeights, LoadOptions, PreparedPack};
 pub use rope::{RopeLayout, RopeScaling, RopeScalingKind};
-pub use transformer::{
-    Batch, FloatWeights, ForwardScratch, LayerWeights, LoadOptions, Model, ModelWeights, PreparedPack, Session,
-};
+pub use transformer::{Batch, ForwardScratch, LayerWeights, Model, ModelWeights, Session};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
