@@ -224,14 +224,7 @@ pub async fn run(
         .len() as u32;
     let span = vocab.saturating_sub(17).clamp(1, 40_000);
     let prompt: Vec<u32> = (0..prompt_tokens as u32).map(|i| 17 + (i * 7919) % span).collect();
-    /// Removes the exported copy however the run ends.
-    struct Removed(std::path::PathBuf);
-    impl Drop for Removed {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-    let hf_dir = Removed(std::env::temp_dir().join(format!("hearth-coldstart-hf-{}", std::process::id())));
+    let hf_dir = super::RemovedDir(std::env::temp_dir().join(format!("hearth-coldstart-hf-{}", std::process::id())));
     let gguf = hearth_engine::formats::gguf::GgufFile::open(model_path)?;
     hearth_engine::formats::hf::export::export(
         &gguf,

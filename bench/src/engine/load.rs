@@ -50,12 +50,6 @@ pub struct ColdPack {
     pub ratio: f64,
 }
 
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    s.get(s.len() / 2).copied().unwrap_or(0.0)
-}
-
 pub async fn run(path: &Path, model_id: &str, cfg: &EngineConfig, rounds: usize) -> anyhow::Result<LoadReport> {
     let file_mib = std::fs::metadata(path)?.len() as f64 / (1 << 20) as f64;
     // Warm the page cache: the first-ever load is measured on a cached file, as llama.cpp's.
@@ -73,14 +67,14 @@ pub async fn run(path: &Path, model_id: &str, cfg: &EngineConfig, rounds: usize)
         repack_s.push(model.repack_seconds());
         packed = model.packed_bytes();
     }
-    let repack_median = median(&repack_s);
+    let repack_median = super::median(repack_s.clone());
     let cold = cold_pack(path, model_id, cfg).await?;
     Ok(LoadReport {
         model: path.display().to_string(),
         isa: hearth_engine::kernels::isa().to_string(),
         threads: rayon::current_num_threads(),
         file_mib,
-        load_median_s: median(&load_s),
+        load_median_s: super::median(load_s.clone()),
         load_s,
         repack_s,
         packed_mib: packed as f64 / (1 << 20) as f64,
@@ -92,9 +86,10 @@ pub async fn run(path: &Path, model_id: &str, cfg: &EngineConfig, rounds: usize)
 /// The prepared pack's cold start (None where the page cache cannot be dropped).
 async fn cold_pack(path: &Path, model_id: &str, cfg: &EngineConfig) -> anyhow::Result<Option<ColdPack>> {
     let dir = std::env::temp_dir().join(format!("hearth-bench-load-{}", std::process::id()));
+    let _removed = super::RemovedDir(dir.clone());
     let cache = PackCache {
         mode: PackMode::Read,
-        dir: Some(dir.clone()),
+        dir: Some(dir),
     };
     let prepared = Model::prepare_pack(
         GgufFile::open(path)?,
@@ -105,13 +100,6 @@ async fn cold_pack(path: &Path, model_id: &str, cfg: &EngineConfig) -> anyhow::R
         },
     )?;
     let pack = prepared.path;
-    struct Removed(std::path::PathBuf);
-    impl Drop for Removed {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-    let _removed = Removed(dir);
     let pack_bytes = std::fs::metadata(&pack)?.len();
     // The drive's sequential rate: the pack read whole, its pages dropped first.
     if !drop_page_cache(&pack) {

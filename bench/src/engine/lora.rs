@@ -231,11 +231,6 @@ async fn together(
     Ok((runs.into_iter().map(|s| s.tokens).collect(), decoded, seconds))
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
 #[allow(clippy::too_many_arguments)]
 pub async fn run(
     model_path: &Path,
@@ -348,7 +343,7 @@ pub async fn run(
     };
     let adapter_bytes = after.adapter_bytes / after.adapters_loaded.max(1);
     let _ = std::fs::remove_dir_all(&dir);
-    let (cold_ms, warm_ms) = (median(cold), median(warm));
+    let (cold_ms, warm_ms) = (super::median(cold), super::median(warm));
     Ok(LoraReport {
         model: model_id.to_string(),
         isa: hearth_engine::kernels::isa().to_string(),

@@ -14,6 +14,21 @@ pub mod kvtransfer;
 pub mod load;
 pub mod lora;
 
+/// The middle value of `v` (the upper one of an even count; 0 when empty).
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// A directory a benchmark made, removed however the run ends.
+pub(crate) struct RemovedDir(pub std::path::PathBuf);
+
+impl Drop for RemovedDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 use std::path::Path;
 use std::time::Instant;
 
