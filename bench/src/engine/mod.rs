@@ -13,6 +13,7 @@ pub mod kvtiers;
 pub mod kvtransfer;
 pub mod load;
 pub mod lora;
+pub mod pipeline;
 
 /// The middle value of `v` (the upper one of an even count; 0 when empty).
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {

@@ -6,7 +6,7 @@
 /// KV block types, sampling, text, grammar, drafting); the kernels and the KV pool and disk
 /// tier; attention over the pool; the models with the Hugging Face format they read and
 /// write; what the engine uses beside the model (the scheduler, CUDA, adapters, its
-/// metrics recorder, inspecting a file); the engine; what stands beside a running engine
+/// metrics recorder, inspecting a file, the pipeline's stages and channel); the engine; what stands beside a running engine
 /// (KV transfer between workers, trace spans, the backend interface); the worker.
 const FLOORS: &[&[&str]] = &[
     &[
@@ -26,6 +26,7 @@ const FLOORS: &[&[&str]] = &[
         "engine::adapters",
         "engine::metrics",
         "formats::inspect",
+        "pipeline",
     ],
     &["engine"],
     &["kv::transfer", "worker::telemetry", "worker::backend"],

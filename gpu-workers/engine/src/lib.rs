@@ -25,6 +25,7 @@ pub mod kv;
 #[cfg(test)]
 mod layering;
 pub mod models;
+pub mod pipeline;
 pub mod step;
 pub mod worker;
 

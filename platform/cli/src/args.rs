@@ -364,6 +364,18 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Pipeline parallelism: 2 stages (the leader here, stage 2 its own process) with
+    /// half the threads each against one process with all of them, in one run: prefill,
+    /// decode of one stream and of 32, the activation channel's hop on loopback, each
+    /// stage's share of the weights (the target model: `bench/synth-model --shape
+    /// llama-1b --types q4_k_m`).
+    Pipeline {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Write the results as JSON to this file (`-` for stdout).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// What quantizing float weights at load costs: the KL divergence of the default
     /// (`--float-weights q8_0`) against the float path, along fixed texts, beside
     /// llama.cpp's own Q8_0 file of the same model (`bench/kld-compare` makes the files
@@ -752,6 +764,16 @@ pub struct ModelArgs {
     /// Region label of the engine(s).
     #[arg(long, env = "HEARTH_REGION", default_value = "local")]
     pub region: String,
+    /// The layers this engine computes, set by `--stage` or `hearth serve --pipeline`.
+    #[arg(skip)]
+    pub stage: Option<hearth_engine::models::StagePlan>,
+    /// A pipeline leader's other stages.
+    #[arg(skip)]
+    pub pipeline: Option<hearth_engine::pipeline::PipelineConfig>,
+    /// The memory this engine's weights and KV cache may take (MiB), from
+    /// `--memory-budget-mib`; None: what the machine has available at start.
+    #[arg(skip)]
+    pub memory_budget_mib: Option<u64>,
     /// `engine` (the real model) or `sim` (the real scheduler and caches, with a cost model
     /// instead of the maths; see `hearth_engine::worker::sim`).
     #[arg(long, env = "HEARTH_BACKEND", default_value = "engine")]
@@ -880,6 +902,9 @@ impl ModelArgs {
             device: self.device,
             cuda_graphs: self.cuda_graphs,
             chat_template: self.chat_template.clone(),
+            stage: self.stage.clone(),
+            pipeline: self.pipeline.clone(),
+            memory_budget_mib: self.memory_budget_mib,
             kv_disk: self
                 .kv_disk_dir
                 .as_ref()
@@ -924,6 +949,12 @@ pub struct ServeArgs {
     /// In-process engine workers (each with its own KV cache; threads are shared out).
     #[arg(long, env = "HEARTH_WORKERS_LOCAL", default_value_t = 1)]
     pub workers: usize,
+    /// Split the model by layers into this many pipeline stages: the in-process engine
+    /// computes the first, and each other stage is a `hearth worker --stage K/N` process on
+    /// loopback (restarted if it dies), with the threads shared out. For a model larger
+    /// than one worker's `--memory-budget-mib`; across hosts, run `hearth worker --stage`.
+    #[arg(long, env = "HEARTH_PIPELINE", default_value_t = 1)]
+    pub pipeline: usize,
     /// In-process prefill workers (with `--decode-workers`, a one-command prefill/decode
     /// disaggregated setup; they replace `--workers`).
     #[arg(long, env = "HEARTH_PREFILL_WORKERS", default_value_t = 0)]
@@ -957,6 +988,8 @@ pub struct WorkerArgs {
     pub listen: SocketAddr,
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub stage: StageArgs,
     /// A model catalogue (TOML, as for `hearth serve`): this worker serves every model in
     /// it, loading each on demand. Replaces `--model`.
     #[arg(long, env = "HEARTH_CATALOGUE")]
@@ -993,6 +1026,29 @@ pub struct WorkerArgs {
     pub lifecycle: LifecycleArgs,
     #[command(flatten)]
     pub http: HttpArgs,
+}
+
+/// A worker as one stage of a pipeline group (see the book, "Pipeline parallelism").
+#[derive(Args, Clone)]
+pub struct StageArgs {
+    /// This worker's stage of a model split by layers: `K/N` (the K-th of N stages, cut
+    /// to balance each stage's weights read per token, the last counting the logits'
+    /// matrix) or `START..END` (explicit layers, for hosts of unequal sizes). Stage 1 (the
+    /// leader, layer 0 on) serves the worker API and needs `--stage-next`; every other
+    /// stage listens on `--stage-listen` for the stage before it. Every stage of a group
+    /// serves the same file and shares the workers' token.
+    #[arg(long, env = "HEARTH_STAGE", value_parser = hearth_engine::models::StagePlan::parse)]
+    pub stage: Option<hearth_engine::models::StagePlan>,
+    /// A follower stage's address for the stage before it (the activation channel, TCP).
+    #[arg(long, env = "HEARTH_STAGE_LISTEN")]
+    pub stage_listen: Option<SocketAddr>,
+    /// The leader's other stages, in order, comma-separated (`host:port,host:port`).
+    #[arg(long, env = "HEARTH_STAGE_NEXT", value_delimiter = ',')]
+    pub stage_next: Vec<String>,
+    /// Micro-batches a leader keeps in flight per step, so stages compute at once
+    /// (default: one per stage; 1: off).
+    #[arg(long, env = "HEARTH_MICROBATCHES")]
+    pub microbatches: Option<usize>,
 }
 
 /// How a process shuts down (SIGTERM or Ctrl-C).

@@ -99,6 +99,13 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
             print!("{}", report.table());
             write_json(&report, json)
         }
+        BenchCommand::Pipeline { model, json } => {
+            let (path, id) = resolve_model(&model).await?;
+            let exe = std::env::current_exe()?;
+            let report = hearth_bench::engine::pipeline::run(&exe, &path, &id, &model.engine_config()).await?;
+            print!("{}", report.table());
+            write_json(&report, json)
+        }
         BenchCommand::Kld { models, json } => {
             let report = tokio::task::spawn_blocking(move || hearth_bench::engine::kld::run(&models)).await??;
             print!("{}", report.table());

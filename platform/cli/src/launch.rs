@@ -442,6 +442,9 @@ pub async fn serve(mut a: ServeArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&adapters).with_context(|| format!("creating the adapter store {}", adapters.display()))?;
     a.model.adapter_dir = Some(adapters);
     if let Some(path) = &a.catalogue {
+        if a.pipeline > 1 {
+            bail!("--pipeline splits one model: it does not combine with --catalogue");
+        }
         if a.prefill_workers + a.decode_workers > 0 {
             bail!("--prefill-workers and --decode-workers serve one model: they do not combine with --catalogue");
         }
@@ -483,6 +486,20 @@ pub async fn serve(mut a: ServeArgs) -> anyhow::Result<()> {
         )
         .await;
     }
+    a.model.memory_budget_mib = a.memory_budget_mib;
+    // `--pipeline N`: the other stages as local processes, for as long as this one runs.
+    let _stages = match a.pipeline {
+        0 | 1 => None,
+        n => {
+            if a.prefill_workers + a.decode_workers > 0 || a.workers > 1 {
+                bail!("--pipeline splits one engine across processes: it does not combine with --workers, --prefill-workers or --decode-workers");
+            }
+            let (path, id) = resolve_model(&a.model).await?;
+            a.model.model = path.display().to_string();
+            a.model.model_id = Some(id);
+            Some(crate::pipeline::LocalStages::start(n, &path, &mut a.model)?)
+        }
+    };
     // Roles: `--prefill-workers`/`--decode-workers` (disaggregated), else `--workers` alike.
     let pd = a.prefill_workers + a.decode_workers > 0;
     let roles: Vec<&str> = if pd {
@@ -539,7 +556,15 @@ pub async fn serve(mut a: ServeArgs) -> anyhow::Result<()> {
     .await
 }
 
-pub async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
+pub async fn worker(mut a: WorkerArgs) -> anyhow::Result<()> {
+    let token = a.worker_token.clone().filter(|t| !t.is_empty());
+    if let Some(plan) = crate::pipeline::apply(&a.stage, &mut a.model, token.as_deref())? {
+        return crate::pipeline::follower(plan, &a.stage, &a.model, token).await;
+    }
+    if a.catalogue.is_some() && a.model.stage.is_some() {
+        bail!("--stage splits one model: it does not combine with --catalogue");
+    }
+    a.model.memory_budget_mib = a.memory_budget_mib;
     let (engines, catalogue): (Vec<(String, Arc<dyn Backend>)>, _) = match &a.catalogue {
         Some(path) => {
             let catalogue = LocalCatalogue::open(path, &a.model, a.memory_budget_mib).await?;

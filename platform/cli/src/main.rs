@@ -11,6 +11,7 @@ mod local_worker;
 mod login;
 mod manage;
 mod output;
+mod pipeline;
 mod telemetry;
 
 use clap::Parser;

@@ -6,12 +6,20 @@ use crate::cuda::Device;
 use crate::engine::config::{kv_blocks, EngineConfig, EngineError};
 use crate::kv::pool::KvPool;
 use crate::models::{Batch, ForwardScratch, Model};
+use crate::pipeline::link::StageLink;
+use crate::pipeline::wire::Setup;
 
 /// Where the forward pass runs, with the KV pool it writes.
 pub(super) enum Compute {
     Cpu {
         pool: KvPool,
         scratch: ForwardScratch,
+    },
+    /// A pipeline's leader: its layers here, the rest on the stages after it.
+    Pipeline {
+        pool: KvPool,
+        scratch: ForwardScratch,
+        link: Box<StageLink>,
     },
     #[cfg(feature = "cuda")]
     Cuda(Box<crate::cuda::CudaCompute>),
@@ -26,6 +34,44 @@ impl Compute {
         context: usize,
     ) -> Result<(Self, usize, usize), EngineError> {
         match cfg.device {
+            Device::Cpu if cfg.pipeline.is_some() || !model.span().is_whole() => {
+                let Some(p) = cfg.pipeline.clone() else {
+                    return Err(EngineError::Start(format!(
+                        "this engine computes {} only: a follower stage serves with `hearth worker --stage` and --stage-listen",
+                        model.span()
+                    )));
+                };
+                if !model.span().first() {
+                    return Err(EngineError::Start(
+                        "a pipeline's leader computes its first stage".into(),
+                    ));
+                }
+                let fingerprint = crate::models::stage::fingerprint(model.file());
+                let (mut link, most_layers) = StageLink::connect(p, model, fingerprint).map_err(EngineError::Start)?;
+                // Every stage holds the same block ids: as many as the largest stage's
+                // layers fit in the KV budget.
+                let widest = crate::kv::pool::KvShape {
+                    n_layers: most_layers.max(1),
+                    ..model.kv_shape(bt)
+                };
+                let (mib, num_blocks) = kv_blocks(widest, cfg);
+                link.set_up(Setup {
+                    num_blocks,
+                    block_tokens: bt,
+                    kv_dtype: cfg.kv_dtype.name().into(),
+                })
+                .map_err(EngineError::Start)?;
+                let pool = KvPool::new(model.kv_shape(bt), cfg.kv_dtype, num_blocks);
+                Ok((
+                    Compute::Pipeline {
+                        pool,
+                        scratch: ForwardScratch::default(),
+                        link: Box::new(link),
+                    },
+                    mib,
+                    num_blocks,
+                ))
+            }
             Device::Cpu => {
                 let (mib, num_blocks) = kv_blocks(model.kv_shape(bt), cfg);
                 let pool = KvPool::new(model.kv_shape(bt), cfg.kv_dtype, num_blocks);
@@ -78,6 +124,8 @@ impl Compute {
     ) -> Result<Option<Vec<f32>>, String> {
         match self {
             Compute::Cpu { pool, scratch } => Ok(model.forward_batch_until(batch, pool, scratch, stop)),
+            // A step in flight on other processes is not cut.
+            Compute::Pipeline { pool, scratch, link } => link.forward(model, pool, scratch, batch).map(Some),
             #[cfg(feature = "cuda")]
             Compute::Cuda(c) => {
                 let _ = stop;
@@ -90,8 +138,27 @@ impl Compute {
     pub(super) fn failed(&self) -> bool {
         match self {
             Compute::Cpu { .. } => false,
+            Compute::Pipeline { link, .. } => !link.connected(),
             #[cfg(feature = "cuda")]
             Compute::Cuda(c) => c.failure().is_some(),
+        }
+    }
+
+    /// Whether [`Self::upkeep`] has work while the engine is idle.
+    pub(super) fn needs_upkeep(&self) -> bool {
+        matches!(self, Compute::Pipeline { .. })
+    }
+
+    /// A pipeline's leader notices a lost group and reconnects it; true once after the
+    /// group was lost (every request is then failed and the prefix cache forgotten: the
+    /// other stages' KV is gone).
+    pub(super) fn upkeep(&mut self) -> bool {
+        match self {
+            Compute::Pipeline { link, .. } => {
+                link.upkeep();
+                link.take_lost()
+            }
+            _ => false,
         }
     }
 
@@ -99,6 +166,8 @@ impl Compute {
     pub(super) fn read_block(&mut self, block: u32) -> Option<Vec<u8>> {
         match self {
             Compute::Cpu { pool, .. } => Some(pool.read_block(block)),
+            // A block's layers are spread over the stages.
+            Compute::Pipeline { .. } => None,
             #[cfg(feature = "cuda")]
             Compute::Cuda(c) => c
                 .read_block(block)
@@ -110,6 +179,7 @@ impl Compute {
     pub(super) fn write_block(&mut self, block: u32, data: &crate::kv::block::BlockData) -> bool {
         match self {
             Compute::Cpu { pool, .. } => pool.write_block(block, data.parts()),
+            Compute::Pipeline { .. } => false,
             #[cfg(feature = "cuda")]
             Compute::Cuda(c) => c
                 .write_block(block, &data.to_vec())
@@ -123,6 +193,10 @@ impl Compute {
     pub(super) fn copy_block(&mut self, from: u32, to: u32) {
         match self {
             Compute::Cpu { pool, .. } => pool.copy_block(from, to),
+            Compute::Pipeline { pool, link, .. } => {
+                pool.copy_block(from, to);
+                link.copy_block(from, to);
+            }
             #[cfg(feature = "cuda")]
             Compute::Cuda(c) => {
                 if let Err(e) = c.copy_block(from, to) {

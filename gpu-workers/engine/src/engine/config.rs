@@ -92,6 +92,13 @@ pub struct EngineConfig {
     pub kv_disk: Option<DiskTierConfig>,
     /// LoRA adapters loaded on demand (see [`crate::engine::adapters`]).
     pub adapters: AdapterCacheConfig,
+    /// The layers this engine computes as a pipeline stage (None: every layer).
+    pub stage: Option<crate::models::StagePlan>,
+    /// A pipeline's leader: the stages after it (see [`crate::pipeline`]).
+    pub pipeline: Option<crate::pipeline::PipelineConfig>,
+    /// The memory (MiB) this engine's weights and KV cache may take; a model that does not
+    /// fit is refused, naming pipeline stages (None: no check).
+    pub memory_budget_mib: Option<u64>,
 }
 
 /// The most one read-back from the disk tier brings in (the rest of the prompt is computed).
@@ -122,8 +129,39 @@ impl Default for EngineConfig {
             chat_template: None,
             kv_disk: None,
             adapters: AdapterCacheConfig::default(),
+            stage: None,
+            pipeline: None,
+            memory_budget_mib: None,
         }
     }
+}
+
+/// Refuses a model (this stage of it) whose weights and KV cache do not fit `budget_mib`,
+/// naming the flags that split it across workers.
+pub fn check_memory(file: &GgufFile, cfg: &EngineConfig, kv_mib: usize) -> Result<(), EngineError> {
+    let Some(budget) = cfg
+        .memory_budget_mib
+        .or_else(|| available_memory_mib().map(|m| m as u64))
+    else {
+        return Ok(());
+    };
+    let c = crate::models::ModelConfig::from_gguf(file).map_err(|e| EngineError::Start(e.to_string()))?;
+    let span = match &cfg.stage {
+        Some(plan) => plan.resolve(file, &c).map_err(|e| EngineError::Start(e.to_string()))?,
+        None => crate::models::StageSpan::whole(c.n_layers),
+    };
+    let weights = crate::models::stage::resident_bytes(file, span) >> 20;
+    let need = weights + kv_mib as u64;
+    if need > budget {
+        let what = match span.is_whole() {
+            true => "the model".to_string(),
+            false => format!("this stage ({span})"),
+        };
+        return Err(EngineError::Start(format!(
+            "{what} needs {weights} MiB of weights and {kv_mib} MiB of KV cache, over this worker's memory budget of {budget} MiB (--memory-budget-mib; default: the memory available): split it across workers by layers with `hearth serve --pipeline N`, or `hearth worker --stage K/N` on each host"
+        )));
+    }
+    Ok(())
 }
 
 fn available_memory_mib() -> Option<usize> {
@@ -135,10 +173,14 @@ fn available_memory_mib() -> Option<usize> {
 
 /// The KV cache an engine with `cfg` gets: (MiB, blocks).
 pub(super) fn kv_blocks(shape: crate::kv::pool::KvShape, cfg: &EngineConfig) -> (usize, usize) {
-    let mib = cfg
-        .kv_cache_mib
-        .unwrap_or_else(|| available_memory_mib().map_or(512, |m| (m / 4).min(1024)));
+    let mib = kv_mib(cfg);
     (mib, ((mib << 20) / KvPool::block_bytes(shape, cfg.kv_dtype)).max(2))
+}
+
+/// The KV cache's MiB: configured, else a quarter of available memory, at most 1 GiB.
+pub fn kv_mib(cfg: &EngineConfig) -> usize {
+    cfg.kv_cache_mib
+        .unwrap_or_else(|| available_memory_mib().map_or(512, |m| (m / 4).min(1024)))
 }
 
 /// The queue limit: configured, else what the KV cache holds.

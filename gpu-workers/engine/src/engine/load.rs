@@ -14,7 +14,7 @@ use crate::cuda::Device;
 use crate::engine::adapters::AdapterCache;
 use crate::engine::command::{Command, EngineStats};
 use crate::engine::compute::Compute;
-use crate::engine::config::{queue_limit, EngineConfig, EngineError};
+use crate::engine::config::{check_memory, kv_mib, queue_limit, EngineConfig, EngineError};
 use crate::engine::metrics::EngineMetrics;
 use crate::engine::runner::Runner;
 use crate::engine::EngineHandle;
@@ -42,6 +42,9 @@ impl EngineHandle {
         }
         let packed = read_ahead(path, cfg);
         let file = crate::formats::hf::open_model(path)?;
+        if cfg.device == Device::Cpu {
+            check_memory(&file, cfg, kv_mib(cfg))?;
+        }
         if let Some(packed) = &packed {
             read_ahead_unpacked(path, &file, packed, cfg);
         }
@@ -214,6 +217,7 @@ fn load_model(
         float_weights: cfg.float_weights,
         rope_scaling: cfg.rope_scaling,
         max_context: cfg.max_context,
+        stage: cfg.stage.clone(),
     };
     // The tokenizer's tables (a vocabulary and its merges: tens of thousands of strings)
     // are built beside the weights' load; neither needs the other. (A bad vocabulary is
@@ -291,6 +295,12 @@ fn open_disk_tier(
 ) -> Result<Option<Arc<DiskTier>>, EngineError> {
     Ok(match &cfg.kv_disk {
         None => None,
+        Some(_) if cfg.pipeline.is_some() => {
+            return Err(EngineError::Start(
+                "--kv-disk is not yet supported by a pipeline group: a block's layers are spread over its stages"
+                    .into(),
+            ))
+        }
         Some(d) => {
             let weights = crate::kernels::pack_cache::source_id(path)
                 .map_or(0, |id| xxhash_rust::xxh3::xxh3_64(format!("{id:?}").as_bytes()));

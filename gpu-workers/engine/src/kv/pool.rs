@@ -515,6 +515,20 @@ impl BlockManager {
     /// Blocks to copy to the tier below: evicted since the last call (their bytes still
     /// intact: the caller copies them out before anything writes the blocks again — the
     /// next forward step, an import, a fork's copy), and reused for the first time.
+    /// Forgets every unreferenced cached block (its KV is gone: a pipeline stage was
+    /// lost), announcing each as removed; the blocks become free.
+    pub fn forget_cached(&mut self) {
+        for (_, b) in std::mem::take(&mut self.lru) {
+            if let Some(h) = self.hash[b as usize].take() {
+                self.cached.remove(&h);
+                self.events.removed.push(h);
+            }
+            self.spill[b as usize] = None;
+            self.free.push(b);
+        }
+        self.evicted.clear();
+    }
+
     pub fn take_evicted(&mut self) -> Vec<(u32, BlockHash, Spill)> {
         std::mem::take(&mut self.evicted)
     }

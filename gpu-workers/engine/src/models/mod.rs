@@ -38,6 +38,7 @@ pub mod qwen2;
 pub mod qwen3;
 pub mod qwen3moe;
 pub mod rope;
+pub mod stage;
 pub mod transformer;
 
 pub use arch::Arch;
@@ -47,7 +48,8 @@ pub use config::{
 pub use lora::{LoraAdapter, LoraError, LoraLimits};
 pub use options::{FloatWeights, LoadOptions, PreparedPack};
 pub use rope::{RopeLayout, RopeScaling, RopeScalingKind};
-pub use transformer::{Batch, ForwardScratch, LayerWeights, Model, ModelWeights, Session};
+pub use stage::{StagePlan, StageSpan};
+pub use transformer::{Batch, ForwardScratch, LayerWeights, Model, ModelWeights, Session, StageInput};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {

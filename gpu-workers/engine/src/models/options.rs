@@ -4,6 +4,7 @@
 use crate::kernels::pack_cache::PackCache;
 
 use super::rope::RopeScaling;
+use super::stage::StagePlan;
 
 /// What [`Model::prepare_pack`] wrote.
 #[derive(Debug, Clone)]
@@ -26,6 +27,8 @@ pub struct LoadOptions {
     pub rope_scaling: Option<RopeScaling>,
     /// The context that will be served (None: the model's); chooses LongRoPE's factors.
     pub max_context: Option<usize>,
+    /// The layers this process computes as a pipeline stage (None: every layer).
+    pub stage: Option<StagePlan>,
 }
 
 impl Default for LoadOptions {
@@ -35,6 +38,7 @@ impl Default for LoadOptions {
             float_weights: FloatWeights::Auto,
             rope_scaling: None,
             max_context: None,
+            stage: None,
         }
     }
 }

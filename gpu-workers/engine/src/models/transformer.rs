@@ -39,6 +39,7 @@ use super::mla::Latent;
 use super::moe::Moe;
 use super::options::{FloatWeights, LoadOptions, PreparedPack};
 use super::rope::{self, RopeFreqs, RopeScaling, RopeScalingKind};
+use super::stage::StageSpan;
 use super::{Activation, Arch, ModelConfig, ModelError};
 
 /// The attention's input projections: three matrices, or one of `q + 2·kv` rows (Phi-3).
@@ -181,6 +182,9 @@ impl Mlp {
 pub struct Model {
     file: GgufFile,
     pub config: ModelConfig,
+    /// The layers this process computes (a pipeline stage's, or all).
+    span: StageSpan,
+    /// This stage's layers, `span.start` first.
     layers: Vec<Layer>,
     embed: Matrix,
     output: Matrix,
@@ -445,7 +449,12 @@ impl Model {
         }
         Self::check_unused_biases(&file)?;
         let d = c.d_model;
-        let layers = (0..c.n_layers)
+        let span = match &o.stage {
+            Some(plan) => plan.resolve(&file, &c)?,
+            None => StageSpan::whole(c.n_layers),
+        };
+        let layers = span
+            .layers()
             .map(|l| Self::load_layer(&file, &c, l))
             .collect::<Result<Vec<_>, _>>()?;
         let embed = matrix(&file, "token_embd.weight", c.vocab_size, d)?;
@@ -472,6 +481,7 @@ impl Model {
         Ok(Self {
             file,
             config: c,
+            span,
             layers,
             embed,
             output,
@@ -513,8 +523,10 @@ impl Model {
                 layer_of.push(l);
             }
         }
-        ms.push(&mut self.output);
-        layer_of.push(n_layers);
+        if self.span.last() {
+            ms.push(&mut self.output);
+            layer_of.push(n_layers);
+        }
         let mut wanted = Vec::new();
         let mut layer_of = layer_of.into_iter();
         let float_as_q8_0 = self.float_weights == FloatWeights::Q8_0;
@@ -678,7 +690,7 @@ impl Model {
         // A mixture's step reads the experts its token chose: `used` of them.
         let used = self.config.moe.as_ref().map_or(0, |m| m.used);
         let layers: usize = self.layers.iter().flat_map(|l| l.decode_matrices(used)).map(size).sum();
-        layers + size(&self.output)
+        layers + if self.span.last() { size(&self.output) } else { 0 }
     }
 
     /// The mixture layers' per-expert row counters (empty for a dense model).
@@ -711,6 +723,9 @@ impl Model {
     /// [`Model::load_unpacked`]), which compute the plain Llama block only. Anything else
     /// (biases, fused projections, the other families' norms) is refused here.
     pub fn weights(&self) -> Result<ModelWeights<'_>, String> {
+        if !self.span.is_whole() {
+            return Err(format!("a pipeline stage ({}) is computed on the CPU only", self.span));
+        }
         if !self.config.plain_block() || self.rope.mscale != 1.0 {
             return Err(format!(
                 "the {} block (its norms, windows, soft-caps or RoPE magnitude) is computed on the CPU only",
@@ -760,6 +775,9 @@ impl Model {
     /// The shape (rows, columns) of the matrix a LoRA adapter's `target` updates in layer
     /// `layer`, or why adapters cannot update it in this model.
     pub(super) fn lora_target(&self, layer: usize, target: Target) -> Result<(usize, usize), &'static str> {
+        if !self.span.is_whole() {
+            return Err("a pipeline stage takes no adapters yet (each stage would need the adapter's layers)");
+        }
         let l = self.layers.get(layer).ok_or("no such layer")?;
         let m = match target {
             Target::O => &l.wo,
@@ -848,8 +866,74 @@ impl Model {
         s: &mut ForwardScratch,
         stop: &mut dyn FnMut(usize) -> bool,
     ) -> Option<Vec<f32>> {
+        assert!(self.span.is_whole(), "a pipeline stage computes with forward_stage");
+        self.forward_stage(b, StageInput::Tokens, pool, s, stop)
+    }
+
+    /// This stage's part of a step: the rows' hidden states in (`StageInput::Hidden`, `t ·
+    /// d_model` floats, from the stage before) or the tokens embedded (the first stage),
+    /// then this stage's layers; returns the logits of `logit_rows` on the last stage and
+    /// the hidden states otherwise. `stop` as [`Self::forward_batch_until`] (asked with
+    /// this stage's layer index).
+    pub fn forward_stage(
+        &self,
+        b: &Batch<'_>,
+        input: StageInput,
+        pool: &mut KvPool,
+        s: &mut ForwardScratch,
+        stop: &mut dyn FnMut(usize) -> bool,
+    ) -> Option<Vec<f32>> {
         let c = &self.config;
-        let blk = &c.block;
+        let (t, d) = (b.tokens.len(), c.d_model);
+        let bt = pool.block_tokens();
+        assert_eq!(
+            pool.shape(),
+            self.kv_shape(bt),
+            "the KV pool was built for another model shape"
+        );
+        let mut x = match input {
+            StageInput::Tokens => {
+                assert!(self.span.first(), "only the first stage embeds tokens");
+                self.embed_rows(b.tokens)
+            }
+            StageInput::Hidden(x) => {
+                assert!(!self.span.first(), "the first stage embeds its tokens");
+                assert_eq!(x.len(), t * d, "hidden states for {t} rows of {d}");
+                x
+            }
+        };
+        if !self.run_layers(b, &mut x, pool, s, stop) {
+            return None;
+        }
+        if !self.span.last() {
+            return Some(x);
+        }
+        Some(self.logits(b, &x, s))
+    }
+
+    fn embed_rows(&self, tokens: &[u32]) -> Vec<f32> {
+        let d = self.config.d_model;
+        let mut x = vec![0f32; tokens.len() * d];
+        let embed = self.view(&self.embed);
+        for (row, &tok) in x.chunks_exact_mut(d).zip(tokens) {
+            dequantize_row(embed.ty, embed.row(tok as usize), row);
+        }
+        if let Some(scale) = self.config.block.embed_scale {
+            x.iter_mut().for_each(|v| *v *= scale);
+        }
+        x
+    }
+
+    /// This stage's layers over `x`; false if `stop` gave the step up.
+    fn run_layers(
+        &self,
+        b: &Batch<'_>,
+        x: &mut [f32],
+        pool: &mut KvPool,
+        s: &mut ForwardScratch,
+        stop: &mut dyn FnMut(usize) -> bool,
+    ) -> bool {
+        let c = &self.config;
         let (t, d, hd) = (b.tokens.len(), c.d_model, c.head_dim);
         // Grouped-query layers' projections (latent attention has its own).
         let (qd, kvd) = match c.mla {
@@ -857,19 +941,6 @@ impl Model {
             None => (c.q_dim(), c.kv_dim()),
         };
         let bt = pool.block_tokens();
-        assert_eq!(
-            pool.shape(),
-            self.kv_shape(bt),
-            "the KV pool was built for another model shape"
-        );
-        let mut x = vec![0f32; t * d];
-        let embed = self.view(&self.embed);
-        for (row, &tok) in x.chunks_exact_mut(d).zip(b.tokens) {
-            dequantize_row(embed.ty, embed.row(tok as usize), row);
-        }
-        if let Some(scale) = blk.embed_scale {
-            x.iter_mut().for_each(|v| *v *= scale);
-        }
         let mut h = vec![0f32; t * d];
         let mut q = vec![0f32; t * qd];
         let mut k = vec![0f32; t * kvd];
@@ -886,13 +957,15 @@ impl Model {
             "adapters are given for every row of a step or for none"
         );
         let groups = LoraGroups::new(b.adapters);
+        // `l` indexes this stage's layers (and its KV pool); `at` is the model's layer.
         for (l, layer) in self.layers.iter().enumerate() {
+            let at = self.span.start + l;
             if l > 0 && stop(l) {
-                return None;
+                return false;
             }
-            let window = c.window(l);
-            let lora = groups.at(l);
-            rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
+            let window = c.window(at);
+            let lora = groups.at(at);
+            rms_norm(x, &layer.attn_norm, c.rms_eps, &mut h);
             att.resize(t * layer.wo.cols, 0.0);
             match &layer.attn {
                 Attention::Heads(a) => {
@@ -923,16 +996,23 @@ impl Model {
             }
             matmul(&self.view(&layer.wo), &att, &mut o, &mut s.mm);
             lora.apply(Target::O, &att, &mut o);
-            Self::residual(&mut x, &mut o, layer.attn_post_norm.as_deref(), c.rms_eps);
-            rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
+            Self::residual(x, &mut o, layer.attn_post_norm.as_deref(), c.rms_eps);
+            rms_norm(x, &layer.ffn_norm, c.rms_eps, &mut h);
             match &layer.ffn {
                 Ffn::Dense(m) => m.forward(self, &h, lora, &mut bufs, &mut o, s),
                 Ffn::Experts(m) => m.forward(self, &h, &mut bufs, &mut o, s),
             }
-            Self::residual(&mut x, &mut o, layer.ffn_post_norm.as_deref(), c.rms_eps);
+            Self::residual(x, &mut o, layer.ffn_post_norm.as_deref(), c.rms_eps);
         }
+        true
+    }
+
+    /// The final norm and the logits of `b.logit_rows` (the last stage's).
+    fn logits(&self, b: &Batch<'_>, x: &[f32], s: &mut ForwardScratch) -> Vec<f32> {
+        let c = &self.config;
+        let d = c.d_model;
         if b.logit_rows.is_empty() {
-            return Some(Vec::new());
+            return Vec::new();
         }
         let mut last = vec![0f32; b.logit_rows.len() * d];
         for (dst, &r) in last.chunks_exact_mut(d).zip(b.logit_rows) {
@@ -940,10 +1020,10 @@ impl Model {
         }
         let mut logits = vec![0f32; b.logit_rows.len() * c.vocab_size];
         matmul(&self.view(&self.output), &last, &mut logits, &mut s.mm);
-        if let Some(cap) = blk.final_softcap {
+        if let Some(cap) = c.block.final_softcap {
             soft_cap(&mut logits, cap);
         }
-        Some(logits)
+        logits
     }
 
     /// Attention of every row and head of layer `l` into `att`, a tile at a time (see
@@ -1011,7 +1091,15 @@ impl Model {
 
     /// The KV cache's shape for this model.
     pub fn kv_shape(&self, block_tokens: usize) -> KvShape {
-        self.config.kv_shape(block_tokens)
+        KvShape {
+            n_layers: self.span.len(),
+            ..self.config.kv_shape(block_tokens)
+        }
+    }
+
+    /// The layers this process computes.
+    pub fn span(&self) -> StageSpan {
+        self.span
     }
 
     /// KV bytes per cached token.
@@ -1063,6 +1151,15 @@ pub struct ModelWeights<'a> {
     pub output_norm: &'a [f32],
     /// RoPE's frequencies, `rope_dims / 2` of them.
     pub inv_freq: &'a [f32],
+}
+
+/// What a stage starts its part of a step from (see [`Model::forward_stage`]).
+#[derive(Debug)]
+pub enum StageInput {
+    /// The batch's tokens, embedded here (the first stage).
+    Tokens,
+    /// The rows' hidden states from the stage before, `rows · d_model` floats.
+    Hidden(Vec<f32>),
 }
 
 /// One forward step's rows (see [`Model::forward_batch`]).

@@ -19,6 +19,7 @@ mod llamacpp;
 mod long_context;
 mod lora;
 mod pack_cache;
+mod pipeline;
 mod quants;
 mod step_cuts;
 mod tokenizers;

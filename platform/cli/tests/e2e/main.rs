@@ -17,6 +17,7 @@ mod fairness;
 mod formats;
 mod model_store;
 mod pd;
+mod pipeline;
 mod probe;
 mod processors;
 mod serve;

@@ -47,7 +47,7 @@ const FAILOVERS: u32 = 2;
 /// Whether an event ending a stream means the worker was lost (its connection broke, it
 /// went silent, it ended without finishing) rather than refusing or failing the request.
 pub fn worker_lost(code: &str) -> bool {
-    matches!(code, "worker_disconnected" | "stream_idle_timeout")
+    matches!(code, "worker_disconnected" | "stream_idle_timeout" | "stage_lost")
 }
 
 impl Failover {

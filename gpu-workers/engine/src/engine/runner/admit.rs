@@ -101,8 +101,23 @@ impl Runner {
             let _ = job.tx.send(e);
             return;
         }
+        let pipeline = matches!(self.compute, Compute::Pipeline { .. });
+        if pipeline && job.req.prefill_only {
+            let _ = job.tx.send(error(
+                "unsupported",
+                "a pipeline group is not yet the prefill side of disaggregation: its KV is spread over its stages, and blocks move between single workers only".into(),
+            ));
+            return;
+        }
         let adapter = match &job.req.adapter {
             None => None,
+            Some(_) if pipeline => {
+                let _ = job.tx.send(error(
+                    "adapter_unavailable",
+                    "LoRA adapters are not yet served by pipeline groups (every stage would load its layers of the adapter)".into(),
+                ));
+                return;
+            }
             Some(_) if !matches!(self.compute, Compute::Cpu { .. }) => {
                 let _ = job.tx.send(error(
                     "adapter_unavailable",

@@ -132,7 +132,7 @@ impl Runner {
             // Idle, unless a released adapter lets waiting requests in.
             if self.sched.is_idle() && !self.adapter_released {
                 // Holds expire even while nothing runs.
-                let cmd = if self.holds.is_empty() {
+                let cmd = if self.holds.is_empty() && !self.compute.needs_upkeep() {
                     rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected)
                 } else {
                     rx.recv_timeout(Duration::from_secs(1))
@@ -144,6 +144,7 @@ impl Runner {
                 }
             }
             let t = Instant::now();
+            self.upkeep();
             self.expire_holds();
             self.admit_adapter_waiting();
             self.metrics.spend(Phase::Commands, t.elapsed());
@@ -160,6 +161,27 @@ impl Runner {
             self.step(&rx);
             self.publish();
         }
+    }
+
+    /// A pipeline's group lost: every request ends with `stage_lost` (the gateway fails
+    /// it over where it can) and the prefix cache is forgotten, since the other stages'
+    /// KV is gone.
+    pub(super) fn upkeep(&mut self) {
+        if !self.compute.upkeep() {
+            return;
+        }
+        let keys: Vec<u64> = self.requests.keys().copied().collect();
+        for key in keys {
+            if let Some(r) = self.requests.get(&key) {
+                let _ = r.tx.send(error(
+                    "stage_lost",
+                    "a pipeline stage of this worker was lost; the request cannot continue here".into(),
+                ));
+            }
+            self.drop_request(key);
+        }
+        self.sched.blocks.forget_cached();
+        self.announce();
     }
 
     /// [`Self::apply`], timed as the commands phase.

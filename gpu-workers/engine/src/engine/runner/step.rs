@@ -182,13 +182,19 @@ impl Runner {
                     .iter()
                     .filter_map(|it| self.owner.get(&it.seq).map(|o| o.0))
                     .collect();
+                // A stage lost is the worker's loss to the gateway (it fails the request over).
+                let code = match self.compute.failed() {
+                    true => "stage_lost",
+                    false => "engine_error",
+                };
                 for key in keys {
                     if let Some(r) = self.requests.get(&key) {
-                        let _ =
-                            r.tx.send(error("engine_error", "the engine failed on this request".into()));
+                        let _ = r.tx.send(error(code, "the engine failed on this request".into()));
                     }
                     self.drop_request(key);
                 }
+                // A pipeline that lost a stage fails every other request too.
+                self.upkeep();
                 for cmd in arrived {
                     self.command(cmd);
                 }
