@@ -969,6 +969,8 @@ pub struct ServeArgs {
     pub catalogue: Option<PathBuf>,
     /// Memory all warm models of the catalogue may use together (file + KV cache each);
     /// the least recently used idle model is unloaded to make room. Default: no limit.
+    /// Without a catalogue, what each engine (each pipeline stage) may take: a model past
+    /// it is refused, naming `--pipeline` (default: the memory available at start).
     #[arg(long, env = "HEARTH_MEMORY_BUDGET_MIB")]
     pub memory_budget_mib: Option<u64>,
     #[command(flatten)]
@@ -994,7 +996,9 @@ pub struct WorkerArgs {
     /// it, loading each on demand. Replaces `--model`.
     #[arg(long, env = "HEARTH_CATALOGUE")]
     pub catalogue: Option<PathBuf>,
-    /// Memory all warm models of the catalogue may use together.
+    /// Memory all warm models of the catalogue may use together; without a catalogue, what
+    /// the model (this stage of it) may take, weights and KV cache: a model past it is
+    /// refused, naming `--pipeline` and `--stage` (default: the memory available at start).
     #[arg(long, env = "HEARTH_MEMORY_BUDGET_MIB")]
     pub memory_budget_mib: Option<u64>,
     /// The workers' shared token: gateways present it to add or remove catalogue models at
