@@ -1036,7 +1036,7 @@ pub struct WorkerArgs {
 #[derive(Args, Clone)]
 pub struct StageArgs {
     /// This worker's stage of a model split by layers: `K/N` (the K-th of N stages, cut
-    /// to balance each stage's weights read per token, the last counting the logits'
+    /// to balance each stage's weights read per token, the last counting half the logits'
     /// matrix) or `START..END` (explicit layers, for hosts of unequal sizes). Stage 1 (the
     /// leader, layer 0 on) serves the worker API and needs `--stage-next`; every other
     /// stage listens on `--stage-listen` for the stage before it. Every stage of a group
@@ -1049,8 +1049,9 @@ pub struct StageArgs {
     /// The leader's other stages, in order, comma-separated (`host:port,host:port`).
     #[arg(long, env = "HEARTH_STAGE_NEXT", value_delimiter = ',')]
     pub stage_next: Vec<String>,
-    /// Micro-batches a leader keeps in flight per step, so stages compute at once
-    /// (default: one per stage; 1: off).
+    /// Micro-batches a leader cuts each step into, so that its stages compute a long
+    /// prefill at once (default: one per 64 rows, at most 8; 1: off). Decode steps overlap
+    /// across lanes of sequences instead: as many steps in flight as stages.
     #[arg(long, env = "HEARTH_MICROBATCHES")]
     pub microbatches: Option<usize>,
 }

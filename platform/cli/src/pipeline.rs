@@ -54,7 +54,7 @@ pub fn apply(stage: &StageArgs, model: &mut ModelArgs, token: Option<&str>) -> a
     }
     let mut p = PipelineConfig::new(stage.stage_next.clone(), token.map(str::to_string));
     if let Some(m) = stage.microbatches {
-        p.microbatches = m.max(1);
+        p.microbatches = m;
     }
     model.stage = Some(plan);
     model.pipeline = Some(p);
@@ -76,6 +76,9 @@ pub async fn follower(
     if token.is_none() && !listen.ip().is_loopback() {
         tracing::warn!(%listen, "no workers' token (HEARTH_WORKER_TOKEN): any process that reaches this address can drive this stage");
     }
+    // Bound before the (long) load, so the port is this stage's from the start: a leader
+    // connecting meanwhile waits in the backlog, and no other process can take the port.
+    let listener = TcpListener::bind(listen).with_context(|| format!("cannot listen on {listen}"))?;
     tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
         if let Some(isa) = cfg.isa {
             hearth_engine::kernels::set_isa(isa).map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -95,7 +98,6 @@ pub async fn follower(
         .context("loading the stage's layers")?;
         let span = model.span();
         let fingerprint = hearth_engine::models::stage::fingerprint(model.file());
-        let listener = TcpListener::bind(listen).with_context(|| format!("cannot listen on {listen}"))?;
         println!(
             "Hearth pipeline stage ({span}) is listening on {}",
             listener.local_addr()?
@@ -187,8 +189,9 @@ fn supervise(k: usize, args: Vec<String>, token: String, stop: Arc<AtomicBool>) 
             .env("HEARTH_WORKER_TOKEN", &token)
             .stdin(Stdio::null())
             .stdout(Stdio::null());
-        // The stage dies with the thread that started it (this supervisor, which lives as
-        // long as the process).
+        // The stage dies with the thread that started it: the caller's for the first start
+        // (`hearth serve`'s main thread, which lives as long as the process), this
+        // supervisor's for a restart.
         // SAFETY: prctl is async-signal-safe and touches only the child.
         unsafe {
             std::os::unix::process::CommandExt::pre_exec(&mut c, || {

@@ -6,7 +6,7 @@ use crate::cuda::Device;
 use crate::engine::config::{kv_blocks, EngineConfig, EngineError};
 use crate::kv::pool::KvPool;
 use crate::models::{Batch, ForwardScratch, Model};
-use crate::pipeline::link::StageLink;
+use crate::pipeline::link::{StageLink, Ticket};
 use crate::pipeline::wire::Setup;
 
 /// Where the forward pass runs, with the KV pool it writes.
@@ -131,6 +131,30 @@ impl Compute {
                 let _ = stop;
                 c.forward(batch).map(Some).map_err(|e| e.to_string())
             }
+        }
+    }
+
+    /// Steps a pipeline's leader keeps in flight (its stages); 1 elsewhere.
+    pub(super) fn depth(&self) -> usize {
+        match self {
+            Compute::Pipeline { link, .. } => link.depth(),
+            _ => 1,
+        }
+    }
+
+    /// Starts a pipeline step (the leader's layers, sent on); its logits come from
+    /// [`Self::finish`], in launch order.
+    pub(super) fn launch(&mut self, model: &Model, batch: &Batch<'_>) -> Result<Ticket, String> {
+        match self {
+            Compute::Pipeline { pool, scratch, link } => link.launch(model, pool, scratch, batch),
+            _ => unreachable!("only a pipeline's leader launches steps"),
+        }
+    }
+
+    pub(super) fn finish(&mut self, ticket: &Ticket, vocab: usize) -> Result<Vec<f32>, String> {
+        match self {
+            Compute::Pipeline { link, .. } => link.finish(ticket, vocab),
+            _ => unreachable!("only a pipeline's leader launches steps"),
         }
     }
 

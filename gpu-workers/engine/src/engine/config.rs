@@ -141,7 +141,7 @@ impl Default for EngineConfig {
 pub fn check_memory(file: &GgufFile, cfg: &EngineConfig, kv_mib: usize) -> Result<(), EngineError> {
     let Some(budget) = cfg
         .memory_budget_mib
-        .or_else(|| available_memory_mib().map(|m| m as u64))
+        .or_else(|| crate::kv::pool::available_memory_mib().map(|m| m as u64))
     else {
         return Ok(());
     };
@@ -164,13 +164,6 @@ pub fn check_memory(file: &GgufFile, cfg: &EngineConfig, kv_mib: usize) -> Resul
     Ok(())
 }
 
-fn available_memory_mib() -> Option<usize> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib / 1024)
-}
-
 /// The KV cache an engine with `cfg` gets: (MiB, blocks).
 pub(super) fn kv_blocks(shape: crate::kv::pool::KvShape, cfg: &EngineConfig) -> (usize, usize) {
     let mib = kv_mib(cfg);
@@ -179,8 +172,7 @@ pub(super) fn kv_blocks(shape: crate::kv::pool::KvShape, cfg: &EngineConfig) -> 
 
 /// The KV cache's MiB: configured, else a quarter of available memory, at most 1 GiB.
 pub fn kv_mib(cfg: &EngineConfig) -> usize {
-    cfg.kv_cache_mib
-        .unwrap_or_else(|| available_memory_mib().map_or(512, |m| (m / 4).min(1024)))
+    cfg.kv_cache_mib.unwrap_or_else(crate::kv::pool::default_kv_cache_mib)
 }
 
 /// The queue limit: configured, else what the KV cache holds.

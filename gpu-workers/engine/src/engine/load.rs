@@ -139,6 +139,8 @@ impl EngineHandle {
             adapter_waiting: VecDeque::new(),
             adapter_released: false,
             adapter_retrying: false,
+            lanes: VecDeque::new(),
+            next_lane: 0,
         };
         let (commands, rx) = mpsc::channel::<Command>();
         std::thread::Builder::new()

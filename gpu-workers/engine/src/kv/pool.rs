@@ -363,6 +363,19 @@ pub struct BlockEvents {
     pub removed: Vec<BlockHash>,
 }
 
+/// Memory available now (MiB, `/proc/meminfo`'s `MemAvailable`).
+pub fn available_memory_mib() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024)
+}
+
+/// A KV cache's MiB when none is configured: a quarter of available memory, at most 1 GiB.
+pub fn default_kv_cache_mib() -> usize {
+    available_memory_mib().map_or(512, |m| (m / 4).min(1024))
+}
+
 /// Ownership of KV blocks and the prefix cache.
 #[derive(Debug)]
 pub struct BlockManager {
@@ -512,9 +525,6 @@ impl BlockManager {
         self.events.stored.push(h);
     }
 
-    /// Blocks to copy to the tier below: evicted since the last call (their bytes still
-    /// intact: the caller copies them out before anything writes the blocks again — the
-    /// next forward step, an import, a fork's copy), and reused for the first time.
     /// Forgets every unreferenced cached block (its KV is gone: a pipeline stage was
     /// lost), announcing each as removed; the blocks become free.
     pub fn forget_cached(&mut self) {
@@ -529,6 +539,9 @@ impl BlockManager {
         self.evicted.clear();
     }
 
+    /// Blocks to copy to the tier below: evicted since the last call (their bytes still
+    /// intact: the caller copies them out before anything writes the blocks again — the
+    /// next forward step, an import, a fork's copy), and reused for the first time.
     pub fn take_evicted(&mut self) -> Vec<(u32, BlockHash, Spill)> {
         std::mem::take(&mut self.evicted)
     }

@@ -6,8 +6,9 @@
 //! The first stage also embeds the tokens; the last holds the final norm and the logits.
 //! Balanced stages are cut so that the costliest stage is as cheap as it can be, counting
 //! each layer by the bytes of weights a decode step reads (a routed expert's by the share of
-//! experts a token uses) and the logits' matrix on the last stage: decoding is bound by
-//! reading weights, and the logits' matrix of a large vocabulary weighs several layers.
+//! experts a token uses) and half the logits' matrix on the last stage: a decode step reads
+//! the whole matrix (of a large vocabulary it weighs several layers), a prefill step
+//! multiplies it by one row per sequence only, and a server runs both.
 
 use std::ops::Range;
 
@@ -120,7 +121,7 @@ impl StagePlan {
                         "{count} pipeline stages for a model of {n} layers: a stage needs at least one layer"
                     )));
                 }
-                balanced_stages(&layer_costs(file, c), output_cost(file), *count)[*index].clone()
+                balanced_stages(&layer_costs(file, c), output_cost(file) / 2, *count)[*index].clone()
             }
         };
         Ok(StageSpan {

@@ -11,9 +11,8 @@ use crate::kv::pool::KvPool;
 use crate::models::stage::StageSpan;
 use crate::models::{Batch, ForwardScratch, Model, StageInput};
 
-use super::stage::connect;
-use super::wire::{self, Frame, Kind, Setup, StepFrame, WireError};
-use super::{PipelineConfig, MIN_MICROBATCH_ROWS, STEP_TIMEOUT};
+use super::wire::{self, connect, Frame, Kind, Setup, StepFrame, WireError};
+use super::{PipelineConfig, AUTO_MICROBATCH_ROWS, MIN_MICROBATCH_ROWS, STEP_TIMEOUT};
 
 /// A connected group.
 struct Conn {
@@ -28,6 +27,10 @@ impl Drop for Conn {
         let _ = self.stream.shutdown(Shutdown::Both);
     }
 }
+
+/// A launched step: each micro-batch's frame number and its rows of logits.
+#[derive(Debug)]
+pub struct Ticket(Vec<(u64, usize)>);
 
 /// The leader's link to the stages after it.
 pub struct StageLink {
@@ -47,8 +50,6 @@ pub struct StageLink {
     /// Block copies made on the leader since the last step, for the other stages.
     copies: Vec<(u32, u32)>,
     seq: u64,
-    /// Seconds and bytes spent sending and waiting, for the metrics.
-    pub sent_bytes: u64,
 }
 
 impl StageLink {
@@ -67,22 +68,20 @@ impl StageLink {
             lost: false,
             copies: Vec::new(),
             seq: 0,
-            sent_bytes: 0,
         };
         let deadline = Instant::now() + link.cfg.connect_timeout;
         loop {
             match link.handshake() {
                 Ok(()) => break,
                 // A refusal is final: the group is misconfigured.
-                Err(e @ WireError::Refused(_)) => return Err(link.described(e)),
-                Err(e) if Instant::now() >= deadline => return Err(link.described(e)),
+                Err(e) if !e.transient() || Instant::now() >= deadline => return Err(link.described(e)),
                 Err(e) => {
                     tracing::debug!(error = %e, "pipeline stages not up yet");
                     std::thread::sleep(Duration::from_millis(200));
                 }
             }
         }
-        let most = link.spans.iter().map(|(a, b)| b - a).max().unwrap_or(0);
+        let most = link.spans.iter().map(|(a, b)| b.saturating_sub(*a)).max().unwrap_or(0);
         Ok((link, most))
     }
 
@@ -113,7 +112,9 @@ impl StageLink {
         )?;
         let mut all = vec![(self.span.start, self.span.end)];
         all.extend(spans);
-        let covered = all.windows(2).all(|w| w[0].1 == w[1].0) && all.last().is_some_and(|l| l.1 == n);
+        let covered = all.iter().all(|(a, b)| a < b)
+            && all.windows(2).all(|w| w[0].1 == w[1].0)
+            && all.last().is_some_and(|l| l.1 == n);
         if !covered || all.len() != self.cfg.next.len() + 1 {
             return Err(WireError::Refused(format!(
                 "the stages' layers {all:?} do not cover the model's {n} layers once, in order"
@@ -208,8 +209,12 @@ impl StageLink {
         self.copies.push((from, to));
     }
 
-    /// One step: the leader's layers, micro-batch by micro-batch, each sent on as it is
-    /// done; then every micro-batch's logits, in order.
+    /// How many stages the group has: the steps a leader keeps in flight.
+    pub fn depth(&self) -> usize {
+        self.cfg.next.len() + 1
+    }
+
+    /// One step: [`Self::launch`] then [`Self::finish`].
     pub fn forward(
         &mut self,
         model: &Model,
@@ -217,15 +222,36 @@ impl StageLink {
         scratch: &mut ForwardScratch,
         b: &Batch<'_>,
     ) -> Result<Vec<f32>, String> {
+        let ticket = self.launch(model, pool, scratch, b)?;
+        self.finish(&ticket, model.config.vocab_size)
+    }
+
+    /// Micro-batches for a step of `t` rows: configured, else one per 64 rows (at most 8),
+    /// so that a long prefill flows through the stages while a decode step stays whole
+    /// (its rows share each weight read; decode steps overlap across lanes instead).
+    fn microbatches(&self, t: usize) -> usize {
+        match self.cfg.microbatches {
+            0 => (t / AUTO_MICROBATCH_ROWS).clamp(1, 8),
+            m if t >= 2 * MIN_MICROBATCH_ROWS => m.clamp(1, t / MIN_MICROBATCH_ROWS),
+            _ => 1,
+        }
+    }
+
+    /// Starts a step: the leader's layers, micro-batch by micro-batch, each sent on as it
+    /// is done. Its logits are [`Self::finish`]'s, in launch order.
+    pub fn launch(
+        &mut self,
+        model: &Model,
+        pool: &mut KvPool,
+        scratch: &mut ForwardScratch,
+        b: &Batch<'_>,
+    ) -> Result<Ticket, String> {
         if !self.connected() {
             self.lose("the connection to stage 2 ended");
             return Err("the pipeline group is incomplete".into());
         }
         let t = b.tokens.len();
-        let m = match t >= 2 * MIN_MICROBATCH_ROWS {
-            true => self.cfg.microbatches.clamp(1, t / MIN_MICROBATCH_ROWS),
-            false => 1,
-        };
+        let m = self.microbatches(t);
         let bt = pool.block_tokens();
         let mut sent = Vec::with_capacity(m);
         for i in 0..m {
@@ -267,9 +293,10 @@ impl StageLink {
                     let table = sub.tables[r];
                     frame.tables.push(table[..(last / bt + 1).min(table.len())].to_vec());
                 }
+                // (The tokens stay with the leader: later stages compute on hidden states.)
                 frame
                     .rows
-                    .push(((frame.tables.len() - 1) as u32, sub.positions[r] as u32, sub.tokens[r]));
+                    .push(((frame.tables.len() - 1) as u32, sub.positions[r] as u32, 0));
             }
             self.seq += 1;
             let head = frame.encode_head();
@@ -279,12 +306,19 @@ impl StageLink {
                 self.lose(&e.to_string());
                 return Err(format!("sending a step to stage 2: {e}"));
             }
-            self.sent_bytes += (head.len() + bytes.len()) as u64;
             sent.push((self.seq, logit_rows.len()));
         }
-        let vocab = model.config.vocab_size;
-        let mut logits = Vec::with_capacity(b.logit_rows.len() * vocab);
-        for (seq, n) in sent {
+        Ok(Ticket(sent))
+    }
+
+    /// A launched step's logits (every micro-batch's, in order).
+    pub fn finish(&mut self, ticket: &Ticket, vocab: usize) -> Result<Vec<f32>, String> {
+        if self.conn.is_none() {
+            return Err("the pipeline group was lost with this step in flight".into());
+        }
+        let n_logits: usize = ticket.0.iter().map(|(_, n)| n).sum();
+        let mut logits = Vec::with_capacity(n_logits * vocab);
+        for &(seq, n) in &ticket.0 {
             let conn = self.conn.as_mut().expect("connected");
             let frame = match conn.results.recv_timeout(STEP_TIMEOUT) {
                 Ok(Ok(f)) => f,
@@ -302,7 +336,8 @@ impl StageLink {
                     logits.extend(wire::floats(&frame.payload));
                 }
                 Kind::Failed => {
-                    // The stage is up but this step is not: drain what is in flight.
+                    // A stage could not compute the step: its KV (and what is in flight
+                    // after it) is in doubt, so the group is dropped and set up afresh.
                     let why = String::from_utf8_lossy(&frame.payload).into_owned();
                     self.lose(&why);
                     return Err(why);

@@ -34,13 +34,18 @@ pub struct PipelineConfig {
     pub token: Option<String>,
     /// How long the leader waits at start for its stages to be up.
     pub connect_timeout: Duration,
-    /// A step of at least `2 · MIN_MICROBATCH_ROWS` rows is cut into this many micro-batches
-    /// in flight, so stages compute at once (1: off).
+    /// A step is cut into this many micro-batches in flight (at least
+    /// [`MIN_MICROBATCH_ROWS`] rows each), so that the stages compute it at once; 0: one
+    /// per [`AUTO_MICROBATCH_ROWS`] rows, at most 8 (a long prefill is cut, a decode step
+    /// is not: decode steps overlap across lanes instead).
     pub microbatches: usize,
 }
 
 /// The fewest rows a micro-batch is cut to.
 pub const MIN_MICROBATCH_ROWS: usize = 8;
+
+/// Rows per micro-batch when their number is automatic.
+pub const AUTO_MICROBATCH_ROWS: usize = 64;
 
 /// How long a step may wait for its logits before its stage is given up for lost.
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(300);
@@ -50,12 +55,11 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(20);
 
 impl PipelineConfig {
     pub fn new(next: Vec<String>, token: Option<String>) -> Self {
-        let stages = next.len() + 1;
         Self {
             next,
             token,
             connect_timeout: Duration::from_secs(300),
-            microbatches: stages,
+            microbatches: 0,
         }
     }
 }

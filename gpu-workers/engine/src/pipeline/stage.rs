@@ -8,20 +8,25 @@
 
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-use crate::kv::pool::{KvDtype, KvPool};
+use crate::kv::pool::{default_kv_cache_mib, KvDtype, KvPool};
 use crate::models::{Batch, ForwardScratch, Model, StageInput};
 
-use super::wire::{self, Frame, Hello, Kind, Setup, StepFrame, Welcome, WireError};
+use super::wire::{self, Frame, Hello, Kind, Setup, Side, StepFrame, Welcome, WireError};
 use super::HANDSHAKE_TIMEOUT;
+
+/// Handshakes a follower runs at once; more connections are dropped unanswered.
+const MAX_HANDSHAKES: usize = 8;
 
 /// What a follower serves with.
 pub struct StageOptions {
     /// [`crate::models::stage::fingerprint`] of its file.
     pub fingerprint: u64,
-    /// The workers' token (None: any upstream is taken; for loopback groups only).
+    /// The workers' token (None: an upstream without one is taken, with the right file
+    /// and layers; for loopback groups only).
     pub token: Option<String>,
     /// The most KV cache this stage holds (None: a quarter of available memory).
     pub kv_cache_mib: Option<usize>,
@@ -41,17 +46,30 @@ pub fn serve(listener: TcpListener, model: Model, opts: StageOptions) -> std::io
     let (tx, rx) = mpsc::channel::<(TcpStream, Hello)>();
     // The current session's upstream: shut down when a newcomer proves itself.
     let current: Arc<Mutex<Option<TcpStream>>> = Arc::default();
+    // Handshakes under way (each its own thread, bounded in time): at most a few.
+    let greeting = Arc::new(AtomicUsize::new(0));
     {
         let (opts, current) = (opts.clone(), current.clone());
         std::thread::Builder::new()
             .name("hearth-stage-accept".into())
             .spawn(move || {
                 for conn in listener.incoming() {
-                    let Ok(conn) = conn else { continue };
-                    let (opts, current, tx) = (opts.clone(), current.clone(), tx.clone());
+                    let Ok(conn) = conn else {
+                        // Out of descriptors, say: do not spin.
+                        std::thread::sleep(Duration::from_millis(100));
+                        continue;
+                    };
+                    if greeting.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
+                        greeting.fetch_sub(1, Ordering::AcqRel);
+                        tracing::warn!("too many handshakes at once; connection dropped");
+                        continue;
+                    }
+                    let (opts, current, tx, greeting) = (opts.clone(), current.clone(), tx.clone(), greeting.clone());
                     std::thread::spawn(move || {
                         let peer = conn.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string());
-                        match greet(conn, &opts, span.start, n_layers) {
+                        let greeted = greet(conn, &opts, span.start, n_layers);
+                        greeting.fetch_sub(1, Ordering::AcqRel);
+                        match greeted {
                             Ok((conn, hello)) => {
                                 if let Some(old) = current.lock().expect("not poisoned").take() {
                                     tracing::warn!(%peer, "a new upstream replaces the current one");
@@ -76,6 +94,10 @@ pub fn serve(listener: TcpListener, model: Model, opts: StageOptions) -> std::io
             Ok(()) => tracing::info!(%peer, "upstream closed the session"),
             Err(e) => tracing::warn!(%peer, error = %e, "session ended"),
         }
+        // However it ended, the upstream sees it end (not a silence until its timeout).
+        if let Some(up) = current.lock().expect("not poisoned").take() {
+            let _ = up.shutdown(Shutdown::Both);
+        }
     }
     Ok(())
 }
@@ -93,8 +115,16 @@ fn greet(
     conn.set_nodelay(true)?;
     let nonce = wire::nonce();
     wire::write_json(&mut conn, Kind::Challenge, &serde_json::json!({ "nonce": nonce }))?;
-    let hello: Hello = wire::read_frame(&mut conn)?.expect(Kind::Hello)?.json()?;
-    let refusal = if !wire::proves(opts.token.as_deref(), &nonce, &hello.proof) {
+    let hello: Hello = wire::read_frame_within(&mut conn, wire::MAX_HANDSHAKE_PAYLOAD)?
+        .expect(Kind::Hello)?
+        .json()?;
+    let refusal = if !wire::proves(
+        opts.token.as_deref(),
+        Side::Hello,
+        &nonce,
+        &hello.fields(),
+        &hello.proof,
+    ) {
         Some("the workers' token was not proved".to_string())
     } else if hello.fingerprint != opts.fingerprint || hello.n_layers != n_layers {
         Some(format!(
@@ -138,6 +168,11 @@ fn session(
                 spans.extend(more);
                 down = Some(s);
             }
+            Err(e) if e.transient() => {
+                let why = format!("the stage after this one ({next}): {e}");
+                let _ = wire::write_frame(&mut up, Kind::Unavailable, 0, &[why.as_bytes()]);
+                return Err(WireError::Unavailable(why));
+            }
             Err(e) => return Err(refuse(&mut up, format!("the stage after this one ({next}): {e}"))),
         }
     } else if !span.last() {
@@ -146,16 +181,27 @@ fn session(
             format!("this stage ({span}) is not the last, and no stage after it was named"),
         ));
     }
-    let welcome = Welcome {
-        proof: wire::proof(opts.token.as_deref(), &hello.nonce),
+    let mut welcome = Welcome {
+        proof: String::new(),
         spans,
     };
+    welcome.proof = wire::proof(opts.token.as_deref(), Side::Welcome, &hello.nonce, &welcome.fields());
     wire::write_json(&mut up, Kind::Welcome, &welcome)?;
-    let setup: Setup = wire::read_frame(&mut up)?.expect(Kind::Setup)?.json()?;
+    let setup: Setup = wire::read_frame_within(&mut up, wire::MAX_HANDSHAKE_PAYLOAD)?
+        .expect(Kind::Setup)?
+        .json()?;
     let dtype = KvDtype::parse(&setup.kv_dtype).map_err(|e| refuse(&mut up, e))?;
+    if setup.block_tokens == 0 || setup.block_tokens > 1 << 16 || setup.num_blocks == 0 {
+        return Err(refuse(
+            &mut up,
+            format!("a pool of {} blocks of {} tokens", setup.num_blocks, setup.block_tokens),
+        ));
+    }
     let shape = model.kv_shape(setup.block_tokens);
-    let mib = (KvPool::block_bytes(shape, dtype) * setup.num_blocks).div_ceil(1 << 20);
-    let budget = opts.kv_cache_mib.unwrap_or_else(default_kv_budget_mib);
+    let budget = opts.kv_cache_mib.unwrap_or_else(default_kv_cache_mib);
+    let mib = KvPool::block_bytes(shape, dtype)
+        .checked_mul(setup.num_blocks)
+        .map_or(usize::MAX, |b| b.div_ceil(1 << 20));
     if mib > budget {
         return Err(refuse(
             &mut up,
@@ -305,7 +351,7 @@ fn connect_next(
     end: usize,
     rest: &[String],
 ) -> Result<(TcpStream, Vec<(usize, usize)>), WireError> {
-    let mut s = connect(addr, HANDSHAKE_TIMEOUT)?;
+    let mut s = wire::connect(addr, HANDSHAKE_TIMEOUT)?;
     let spans = wire::introduce(
         &mut s,
         opts.token.as_deref(),
@@ -315,26 +361,6 @@ fn connect_next(
         rest,
     )?;
     Ok((s, spans))
-}
-
-/// A connection to `addr` (its first address that answers), with the handshake's timeouts.
-pub fn connect(addr: &str, timeout: Duration) -> Result<TcpStream, WireError> {
-    use std::net::ToSocketAddrs;
-    let mut last = None;
-    for a in addr.to_socket_addrs()? {
-        match TcpStream::connect_timeout(&a, timeout) {
-            Ok(s) => {
-                s.set_nodelay(true)?;
-                s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-                s.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-                return Ok(s);
-            }
-            Err(e) => last = Some(e),
-        }
-    }
-    Err(last
-        .unwrap_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("{addr} resolves to no address")))
-        .into())
 }
 
 /// Passes results and failures from the stages after this one to the one before it.
@@ -350,13 +376,4 @@ fn relay_results(from: &mut TcpStream, to: &Mutex<TcpStream>) -> Result<(), Wire
         let mut w = to.lock().expect("not poisoned");
         wire::write_frame(&mut *w, f.kind, f.seq, &[&f.payload])?;
     }
-}
-
-/// A quarter of the memory available now, at most 1 GiB (the engine's own default).
-fn default_kv_budget_mib() -> usize {
-    let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    info.lines()
-        .find(|l| l.starts_with("MemAvailable:"))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse::<usize>().ok())
-        .map_or(512, |kib| (kib / 1024 / 4).min(1024))
 }

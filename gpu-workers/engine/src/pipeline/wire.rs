@@ -38,6 +38,8 @@ pub enum Kind {
     Result = 8,
     /// A stage → the leader (relayed): a step failed there.
     Failed = 9,
+    /// Follower → connecting side: a stage after it is not up yet (try again).
+    Unavailable = 10,
 }
 
 impl Kind {
@@ -52,6 +54,7 @@ impl Kind {
             7 => Kind::Step,
             8 => Kind::Result,
             9 => Kind::Failed,
+            10 => Kind::Unavailable,
             _ => return None,
         })
     }
@@ -65,7 +68,7 @@ pub enum WireError {
     Magic([u8; 4]),
     #[error("unknown frame kind {0}")]
     Kind(u8),
-    #[error("a frame of {0} bytes is over the limit of {MAX_PAYLOAD}")]
+    #[error("a frame of {0} bytes is over the limit")]
     TooLong(usize),
     #[error("frame {seq}'s checksum does not match: damaged in transit")]
     Checksum { seq: u64 },
@@ -75,6 +78,16 @@ pub enum WireError {
     Unexpected { want: Kind, got: Kind },
     #[error("refused: {0}")]
     Refused(String),
+    #[error("not up yet: {0}")]
+    Unavailable(String),
+}
+
+impl WireError {
+    /// Whether trying again later may succeed (a stage not up yet, a connection lost), as
+    /// opposed to a refusal (a wrong token, file or layers).
+    pub fn transient(&self) -> bool {
+        matches!(self, WireError::Io(_) | WireError::Unavailable(_))
+    }
 }
 
 #[derive(Debug)]
@@ -98,6 +111,7 @@ impl Frame {
         match self.kind {
             k if k == want => Ok(self),
             Kind::Refuse | Kind::Failed => Err(WireError::Refused(String::from_utf8_lossy(&self.payload).into())),
+            Kind::Unavailable => Err(WireError::Unavailable(String::from_utf8_lossy(&self.payload).into())),
             got => Err(WireError::Unexpected { want, got }),
         }
     }
@@ -106,7 +120,14 @@ impl Frame {
 /// Writes one frame whose payload is `parts` joined (checksummed as one).
 pub fn write_frame(w: &mut impl Write, kind: Kind, seq: u64, parts: &[&[u8]]) -> std::io::Result<()> {
     let len: usize = parts.iter().map(|p| p.len()).sum();
-    assert!(len <= MAX_PAYLOAD, "a frame of {len} bytes");
+    if len > MAX_PAYLOAD {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "a frame of {len} bytes is over the limit of {MAX_PAYLOAD} (fewer rows per step: --max-batch-tokens)"
+            ),
+        ));
+    }
     let mut h = xxhash_rust::xxh3::Xxh3::new();
     parts.iter().for_each(|p| h.update(p));
     let mut header = [0u8; HEADER_BYTES];
@@ -130,6 +151,14 @@ pub fn write_json(w: &mut impl Write, kind: Kind, msg: &impl Serialize) -> std::
 
 /// Reads one whole frame, checked.
 pub fn read_frame(r: &mut impl Read) -> Result<Frame, WireError> {
+    read_frame_within(r, MAX_PAYLOAD)
+}
+
+/// The most a handshake's frame may hold (before its sender proved anything).
+pub const MAX_HANDSHAKE_PAYLOAD: usize = 64 << 10;
+
+/// [`read_frame`], refusing a payload over `max` bytes before allocating it.
+pub fn read_frame_within(r: &mut impl Read, max: usize) -> Result<Frame, WireError> {
     let mut header = [0u8; HEADER_BYTES];
     r.read_exact(&mut header)?;
     let magic: [u8; 4] = header[..4].try_into().expect("4 bytes");
@@ -140,7 +169,7 @@ pub fn read_frame(r: &mut impl Read) -> Result<Frame, WireError> {
     let seq = u64::from_le_bytes(header[8..16].try_into().expect("8 bytes"));
     let len = u32::from_le_bytes(header[16..20].try_into().expect("4 bytes")) as usize;
     let sum = u64::from_le_bytes(header[20..28].try_into().expect("8 bytes"));
-    if len > MAX_PAYLOAD {
+    if len > max {
         return Err(WireError::TooLong(len));
     }
     let mut payload = vec![0u8; len];
@@ -167,11 +196,32 @@ pub struct Hello {
     pub rest: Vec<String>,
 }
 
+impl Hello {
+    /// What the proof vouches for.
+    pub fn fields(&self) -> String {
+        format!(
+            "{}|{}|{}|{}|{}",
+            self.nonce,
+            self.fingerprint,
+            self.n_layers,
+            self.from_layer,
+            self.rest.join(",")
+        )
+    }
+}
+
 /// A stage's answer: its span and those after it, in order.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Welcome {
     pub proof: String,
     pub spans: Vec<(usize, usize)>,
+}
+
+impl Welcome {
+    /// What the proof vouches for.
+    pub fn fields(&self) -> String {
+        format!("{:?}", self.spans)
+    }
 }
 
 /// The KV pool every stage holds: the same block ids as the leader's.
@@ -289,21 +339,37 @@ pub fn floats(b: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-/// The token's proof on a nonce: SHA-256 over a label, the token and the nonce.
-pub fn proof(token: Option<&str>, nonce: &str) -> String {
+/// Which way a proof goes: a connecting side's `Hello` or a follower's `Welcome` (a proof
+/// made for one is never valid as the other).
+#[derive(Debug, Clone, Copy)]
+pub enum Side {
+    Hello,
+    Welcome,
+}
+
+/// The token's proof on a nonce and the message it vouches for: SHA-256 over a label, the
+/// side, the token, the nonce and `fields` (what the message says: file, layers, stages).
+/// No token: the empty string.
+pub fn proof(token: Option<&str>, side: Side, nonce: &str, fields: &str) -> String {
     use sha2::{Digest, Sha256};
     let Some(token) = token else { return String::new() };
     let mut h = Sha256::new();
     h.update(b"hearth-pipeline-v1\0");
-    h.update(token.as_bytes());
-    h.update(b"\0");
-    h.update(nonce.as_bytes());
+    h.update(match side {
+        Side::Hello => &b"hello"[..],
+        Side::Welcome => &b"welcome"[..],
+    });
+    for part in [token, nonce, fields] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Whether `got` proves `token` on `nonce` (in constant time; no token: anything does).
-pub fn proves(token: Option<&str>, nonce: &str, got: &str) -> bool {
-    let want = proof(token, nonce);
+/// Whether `got` is [`proof`]'s answer (compared in constant time). Without a token only
+/// the empty proof is.
+pub fn proves(token: Option<&str>, side: Side, nonce: &str, fields: &str, got: &str) -> bool {
+    let want = proof(token, side, nonce, fields);
     want.len() == got.len() && want.bytes().zip(got.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
 }
 
@@ -339,28 +405,53 @@ pub fn introduce(
     struct Challenge {
         nonce: String,
     }
-    let challenge: Challenge = read_frame(s)?.expect(Kind::Challenge)?.json()?;
+    let challenge: Challenge = read_frame_within(s, MAX_HANDSHAKE_PAYLOAD)?
+        .expect(Kind::Challenge)?
+        .json()?;
     let mine = nonce();
-    let hello = Hello {
-        proof: proof(token, &challenge.nonce),
+    let mut hello = Hello {
+        proof: String::new(),
         nonce: mine.clone(),
         fingerprint,
         n_layers,
         from_layer,
         rest: rest.to_vec(),
     };
+    hello.proof = proof(token, Side::Hello, &challenge.nonce, &hello.fields());
     write_json(s, Kind::Hello, &hello)?;
-    let welcome: Welcome = read_frame(s)?.expect(Kind::Welcome)?.json()?;
-    if !proves(token, &mine, &welcome.proof) {
+    let welcome: Welcome = read_frame_within(s, MAX_HANDSHAKE_PAYLOAD)?
+        .expect(Kind::Welcome)?
+        .json()?;
+    if !proves(token, Side::Welcome, &mine, &welcome.fields(), &welcome.proof) {
         return Err(WireError::Refused("the stage did not prove the workers' token".into()));
     }
     Ok(welcome.spans)
 }
 
+/// A connection to `addr` (its first address that answers), with the handshake's timeouts.
+pub fn connect(addr: &str, timeout: std::time::Duration) -> Result<std::net::TcpStream, WireError> {
+    use std::net::ToSocketAddrs;
+    let mut last = None;
+    for a in addr.to_socket_addrs()? {
+        match std::net::TcpStream::connect_timeout(&a, timeout) {
+            Ok(s) => {
+                s.set_nodelay(true)?;
+                s.set_read_timeout(Some(super::HANDSHAKE_TIMEOUT))?;
+                s.set_write_timeout(Some(super::HANDSHAKE_TIMEOUT))?;
+                return Ok(s);
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last
+        .unwrap_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("{addr} resolves to no address")))
+        .into())
+}
+
 /// Sends the pool to hold down `s` and waits until every stage holds it.
 pub fn set_up(s: &mut std::net::TcpStream, setup: &Setup) -> Result<(), WireError> {
     write_json(s, Kind::Setup, setup)?;
-    read_frame(s)?.expect(Kind::Ready)?;
+    read_frame_within(s, MAX_HANDSHAKE_PAYLOAD)?.expect(Kind::Ready)?;
     Ok(())
 }
 
@@ -418,11 +509,15 @@ mod tests {
         let n = nonce();
         assert_eq!(n.len(), 64);
         assert_ne!(n, nonce());
-        let p = proof(Some("secret"), &n);
-        assert!(proves(Some("secret"), &n, &p));
-        assert!(!proves(Some("other"), &n, &p));
-        assert!(!proves(Some("secret"), &nonce(), &p));
-        assert!(!proves(Some("secret"), &n, ""));
-        assert!(proves(None, &n, ""));
+        let p = proof(Some("secret"), Side::Hello, &n, "layers 0..8");
+        assert!(proves(Some("secret"), Side::Hello, &n, "layers 0..8", &p));
+        assert!(!proves(Some("other"), Side::Hello, &n, "layers 0..8", &p));
+        assert!(!proves(Some("secret"), Side::Hello, &nonce(), "layers 0..8", &p));
+        // Not valid the other way, nor for other fields.
+        assert!(!proves(Some("secret"), Side::Welcome, &n, "layers 0..8", &p));
+        assert!(!proves(Some("secret"), Side::Hello, &n, "layers 0..9", &p));
+        assert!(!proves(Some("secret"), Side::Hello, &n, "layers 0..8", ""));
+        assert!(proves(None, Side::Hello, &n, "layers 0..8", ""));
+        assert!(!proves(None, Side::Hello, &n, "layers 0..8", &p));
     }
 }

@@ -90,6 +90,14 @@ async fn every_family_gives_the_single_process_tokens_on_two_and_three_stages() 
             grammar: r#"start: "yes" | "no""#.into(),
         };
         let want = greedy(&one, &prompt, false, None).await;
+        // Streams at once (lanes of steps in flight on a group), each as it runs alone.
+        let prompts: Vec<Vec<u32>> = (1..=5)
+            .map(|i| tok.encode(&"Pack my box with five dozen jugs. ".repeat(i)))
+            .collect();
+        let mut alone = Vec::new();
+        for p in &prompts {
+            alone.push(greedy(&one, p, false, None).await);
+        }
         let want_constrained = greedy(&one, &prompt, false, Some(grammar())).await;
         let layers =
             hearth_engine::models::ModelConfig::from_gguf(&hearth_engine::formats::hf::open_model(&path).unwrap())
@@ -112,6 +120,8 @@ async fn every_family_gives_the_single_process_tokens_on_two_and_three_stages() 
                 want,
                 "{family} on {n} stages"
             );
+            let together = futures_util::future::join_all(prompts.iter().map(|p| greedy(&group, p, false, None))).await;
+            assert_eq!(together, alone, "{family} on {n} stages, streams at once");
             assert_eq!(
                 greedy(&group, &prompt, true, None).await,
                 want,

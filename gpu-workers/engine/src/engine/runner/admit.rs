@@ -259,10 +259,12 @@ impl Runner {
     }
 
     pub(super) fn reap_cancelled(&mut self) {
+        // A sequence in a pipeline's step in flight is reaped once the step lands.
+        let busy = self.in_flight();
         let gone: Vec<u64> = self
             .requests
             .iter()
-            .filter(|(_, r)| r.tx.is_closed())
+            .filter(|(_, r)| r.tx.is_closed() && !r.choices.iter().any(|c| c.seq.is_some_and(|s| busy.contains(&s))))
             .map(|(k, _)| *k)
             .collect();
         for key in gone {

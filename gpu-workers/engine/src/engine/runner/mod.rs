@@ -7,6 +7,7 @@
 mod admit;
 mod blocks;
 mod emit;
+pub(super) mod lanes;
 mod step;
 
 use std::collections::{HashMap, VecDeque};
@@ -124,6 +125,10 @@ pub(super) struct Runner {
     pub(super) adapter_released: bool,
     /// The waiting requests are being tried (admission order is theirs, not a newcomer's).
     pub(super) adapter_retrying: bool,
+    /// A pipeline leader's steps in flight, oldest first (see [`lanes`]).
+    pub(super) lanes: VecDeque<lanes::InFlight>,
+    /// The lane a pipeline leader plans next.
+    pub(super) next_lane: usize,
 }
 
 impl Runner {
@@ -158,7 +163,10 @@ impl Runner {
                 self.publish();
                 continue;
             }
-            self.step(&rx);
+            match self.compute.depth() {
+                1 => self.step(&rx),
+                _ => self.pipelined_step(&rx),
+            }
             self.publish();
         }
     }
@@ -170,6 +178,8 @@ impl Runner {
         if !self.compute.upkeep() {
             return;
         }
+        // The steps in flight are lost with the group.
+        self.lanes.clear();
         let keys: Vec<u64> = self.requests.keys().copied().collect();
         for key in keys {
             if let Some(r) = self.requests.get(&key) {

@@ -2,6 +2,7 @@
 //! pass over what the scheduler planned (cut short between layers when an arriving request
 //! outranks its prompt work).
 
+use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -15,8 +16,9 @@ use crate::step::speculative::Drafter;
 
 impl Runner {
     /// Proposes draft tokens for every decoding sequence that speculates (prompt lookup
-    /// over its own tokens, no longer than what it may still generate).
-    fn propose_drafts(&mut self) {
+    /// over its own tokens, no longer than what it may still generate), but those in `skip`
+    /// (a pipeline's sequences not planned now).
+    pub(super) fn propose_drafts(&mut self, skip: &HashSet<u64>) {
         if self.speculative_tokens == 0 {
             return;
         }
@@ -28,7 +30,7 @@ impl Runner {
                 continue;
             };
             let Some(seq) = self.sched.get(id) else { continue };
-            if seq.computed + 1 != seq.tokens.len() {
+            if seq.computed + 1 != seq.tokens.len() || skip.contains(&id) {
                 continue; // waiting or prefilling
             }
             let k = ch.spec.draft_len().min(room);
@@ -71,7 +73,7 @@ impl Runner {
     /// progresses.
     pub(super) fn step(&mut self, rx: &mpsc::Receiver<Command>) {
         let planned = Instant::now();
-        self.propose_drafts();
+        self.propose_drafts(&HashSet::new());
         let items = self.sched.schedule();
         // Evicted blocks go to the tier below before this step (or a fork's copy) overwrites them.
         self.spill_evicted();
@@ -94,33 +96,13 @@ impl Runner {
                 }
             }
         }
-        let mut tokens = Vec::new();
-        let mut positions = Vec::new();
-        let mut row_seq = Vec::new();
-        let mut logit_rows = Vec::new();
-        // The draft tokens each item verifies (positions past the sequence's tokens).
-        let mut drafts: Vec<Vec<u32>> = Vec::with_capacity(items.len());
-        for it in &items {
-            let Some(seq) = self.sched.get(it.seq) else {
-                drafts.push(Vec::new());
-                continue;
-            };
-            let draft = seq.draft[..it.draft.min(seq.draft.len())].to_vec();
-            for p in it.start..it.start + it.len {
-                let t = match seq.tokens.get(p) {
-                    Some(&t) => t,
-                    None => draft.get(p - seq.tokens.len()).copied().unwrap_or(0),
-                };
-                tokens.push(t);
-                positions.push(p);
-                row_seq.push(it.seq);
-            }
-            if it.sample {
-                // The last real token's row, then one per draft token.
-                logit_rows.extend(tokens.len() - 1 - it.draft..tokens.len());
-            }
-            drafts.push(draft);
-        }
+        let StepRows {
+            tokens,
+            positions,
+            row_seq,
+            logit_rows,
+            drafts,
+        } = self.rows(&items);
         let tables: Vec<&[u32]> = row_seq
             .iter()
             .map(|s| self.sched.get(*s).map_or(&[][..], |q| &q.table[..]))
@@ -178,21 +160,7 @@ impl Runner {
                     Ok(Err(e)) => tracing::error!(error = %e, "a forward step failed; failing that step's requests"),
                     _ => tracing::error!("engine panicked in a forward step; failing that step's requests"),
                 }
-                let keys: Vec<u64> = items
-                    .iter()
-                    .filter_map(|it| self.owner.get(&it.seq).map(|o| o.0))
-                    .collect();
-                // A stage lost is the worker's loss to the gateway (it fails the request over).
-                let code = match self.compute.failed() {
-                    true => "stage_lost",
-                    false => "engine_error",
-                };
-                for key in keys {
-                    if let Some(r) = self.requests.get(&key) {
-                        let _ = r.tx.send(error(code, "the engine failed on this request".into()));
-                    }
-                    self.drop_request(key);
-                }
+                self.fail_step(&items);
                 // A pipeline that lost a stage fails every other request too.
                 self.upkeep();
                 for cmd in arrived {
@@ -203,25 +171,101 @@ impl Runner {
         };
         self.steps += 1;
         self.cuts_in_a_row = 0;
-        let computes_prompt =
-            |i: &StepItem| i.len > 1 + i.draft || self.sched.get(i.seq).is_some_and(|s| i.start < s.prompt_len());
-        let kind = if items.iter().any(computes_prompt) {
-            StepKind::Prompt
-        } else {
-            StepKind::Decode
-        };
+        let kind = self.step_kind(&items);
         self.metrics.record_step(kind, tokens.len(), took);
+        self.sample_step(&items, &drafts, &logits);
+        for cmd in arrived {
+            self.command(cmd);
+        }
+    }
+}
+
+/// A step's rows, from its items (see [`Runner::rows`]).
+pub(super) struct StepRows {
+    pub tokens: Vec<u32>,
+    pub positions: Vec<usize>,
+    /// Each row's sequence.
+    pub row_seq: Vec<u64>,
+    pub logit_rows: Vec<usize>,
+    /// The draft tokens each item verifies (positions past the sequence's tokens).
+    pub drafts: Vec<Vec<u32>>,
+}
+
+impl Runner {
+    /// The rows a step's items compute: each item's positions, then (verifying drafts)
+    /// one row per draft token; the rows whose logits are sampled.
+    pub(super) fn rows(&self, items: &[StepItem]) -> StepRows {
+        let mut r = StepRows {
+            tokens: Vec::new(),
+            positions: Vec::new(),
+            row_seq: Vec::new(),
+            logit_rows: Vec::new(),
+            drafts: Vec::with_capacity(items.len()),
+        };
+        for it in items {
+            let Some(seq) = self.sched.get(it.seq) else {
+                r.drafts.push(Vec::new());
+                continue;
+            };
+            let draft = seq.draft[..it.draft.min(seq.draft.len())].to_vec();
+            for p in it.start..it.start + it.len {
+                let t = match seq.tokens.get(p) {
+                    Some(&t) => t,
+                    None => draft.get(p - seq.tokens.len()).copied().unwrap_or(0),
+                };
+                r.tokens.push(t);
+                r.positions.push(p);
+                r.row_seq.push(it.seq);
+            }
+            if it.sample {
+                // The last real token's row, then one per draft token.
+                r.logit_rows.extend(r.tokens.len() - 1 - it.draft..r.tokens.len());
+            }
+            r.drafts.push(draft);
+        }
+        r
+    }
+
+    /// A step failed: its requests end with an error (`stage_lost` when a pipeline's
+    /// group was lost: the gateway fails those over).
+    pub(super) fn fail_step(&mut self, items: &[StepItem]) {
+        let code = match self.compute.failed() {
+            true => "stage_lost",
+            false => "engine_error",
+        };
+        let keys: Vec<u64> = items
+            .iter()
+            .filter_map(|it| self.owner.get(&it.seq).map(|o| o.0))
+            .collect();
+        for key in keys {
+            if let Some(r) = self.requests.get(&key) {
+                let _ = r.tx.send(error(code, "the engine failed on this request".into()));
+            }
+            self.drop_request(key);
+        }
+    }
+
+    /// A computed step's logits: the items' sequences advance, and each sampling item's
+    /// rows are sampled (its drafts verified).
+    pub(super) fn sample_step(&mut self, items: &[StepItem], drafts: &[Vec<u32>], logits: &[f32]) {
         let sampling = Instant::now();
-        self.sched.complete(&items);
+        self.sched.complete(items);
         let vocab = self.model.config.vocab_size;
         let mut rows = logits.chunks_exact(vocab);
-        for (it, draft) in items.iter().zip(&drafts).filter(|(i, _)| i.sample) {
+        for (it, draft) in items.iter().zip(drafts).filter(|(i, _)| i.sample) {
             let group: Vec<&[f32]> = rows.by_ref().take(1 + it.draft).collect();
             self.on_logits(it, &group, draft);
         }
         self.metrics.spend(Phase::Sample, sampling.elapsed());
-        for cmd in arrived {
-            self.command(cmd);
+    }
+
+    /// Whether a step computes prompt tokens (else it decodes).
+    pub(super) fn step_kind(&self, items: &[StepItem]) -> StepKind {
+        let computes_prompt =
+            |i: &StepItem| i.len > 1 + i.draft || self.sched.get(i.seq).is_some_and(|s| i.start < s.prompt_len());
+        match items.iter().any(computes_prompt) {
+            true => StepKind::Prompt,
+            false => StepKind::Decode,
         }
     }
 }

@@ -278,6 +278,9 @@ pub struct Scheduler {
     account_ids: HashMap<String, usize>,
     /// Ordered by class, then admission (see the module's doc).
     running: Vec<u64>,
+    /// Running sequences left out of the next plan ([`Scheduler::park`]): neither planned
+    /// nor preempted until [`Scheduler::unpark`].
+    parked: Vec<u64>,
     /// Block copies (from, to) the engine must apply before the next step (forks).
     pub pending_copies: Vec<(u32, u32)>,
     pub preemptions: u64,
@@ -324,6 +327,7 @@ impl Scheduler {
             accounts: Vec::new(),
             account_ids: HashMap::new(),
             running: Vec::new(),
+            parked: Vec::new(),
             pending_copies: Vec::new(),
             preemptions: 0,
             arrivals: 0,
@@ -407,12 +411,34 @@ impl Scheduler {
             self.blocks.release(b);
         }
         self.running.retain(|&r| r != id);
+        self.parked.retain(|&r| r != id);
         let a = &mut self.accounts[seq.account];
         a.seqs -= 1;
         for q in &mut a.waiting {
             q.retain(|&w| w != id);
         }
         Some(seq)
+    }
+
+    /// Leaves these running sequences out of planning — neither planned nor preempted,
+    /// their blocks held — until [`Scheduler::unpark`]: a pipeline's leader plans one lane
+    /// of sequences while another lane's step is in flight on the stages after it.
+    pub fn park(&mut self, ids: impl IntoIterator<Item = u64>) {
+        for id in ids {
+            if let Some(p) = self.running.iter().position(|&r| r == id) {
+                self.running.remove(p);
+                self.parked.push(id);
+            }
+        }
+    }
+
+    /// Puts the parked sequences back among the running ones.
+    pub fn unpark(&mut self) {
+        for id in std::mem::take(&mut self.parked) {
+            if self.seqs.contains_key(&id) {
+                self.insert_running(id);
+            }
+        }
     }
 
     /// The blocks of `id`'s computed full blocks, which are in the prefix cache.
@@ -542,7 +568,7 @@ impl Scheduler {
     pub fn load(&self) -> LoadReport {
         let inflight: usize = self.seqs.values().filter(|s| s.queued()).map(Sequence::remaining).sum();
         LoadReport {
-            running: self.running.len() as u32,
+            running: (self.running.len() + self.parked.len()) as u32,
             waiting: self
                 .accounts
                 .iter()

@@ -123,7 +123,7 @@ impl Scheduler {
             let Some(id) = self.next_waiting() else { break };
             let urgent =
                 self.cfg.policy == Policy::Fair && (self.seqs[&id].priority == Priority::Interactive || self.aged(id));
-            if self.running.len() >= self.cfg.max_running {
+            if self.running.len() + self.parked.len() >= self.cfg.max_running {
                 if (urgent && self.preempt_batch(&admitted_now, &mut items, &mut budget))
                     || self.preempt_for(id, &mut items, &mut budget)
                 {

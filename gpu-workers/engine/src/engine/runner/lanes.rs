@@ -1,0 +1,153 @@
+//! A pipeline leader's steps in flight: its running sequences fall into lanes (as many as
+//! the group has stages), and while one lane's step is computed by the stages after the
+//! leader, the leader plans and computes the next lane's. A sequence is in at most one step
+//! in flight: the scheduler plans each lane with every other sequence parked (neither
+//! planned nor preempted), and a step's tokens are sampled when its logits arrive, oldest
+//! first.
+
+use std::collections::HashSet;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::engine::command::Command;
+use crate::engine::metrics::Phase;
+use crate::engine::runner::step::StepRows;
+use crate::engine::runner::Runner;
+use crate::models::Batch;
+use crate::pipeline::link::Ticket;
+use crate::step::scheduler::StepItem;
+
+/// A step launched and not yet sampled.
+pub(in crate::engine) struct InFlight {
+    items: Vec<StepItem>,
+    drafts: Vec<Vec<u32>>,
+    rows: usize,
+    started: Instant,
+    ticket: Ticket,
+}
+
+impl Runner {
+    /// The sequences of the steps in flight.
+    pub(super) fn in_flight(&self) -> HashSet<u64> {
+        self.lanes.iter().flat_map(|f| f.items.iter().map(|i| i.seq)).collect()
+    }
+
+    /// One round of a pipeline's leader: launch a step for each lane that has work, while
+    /// fewer than `depth` are in flight; then sample the oldest.
+    pub(super) fn pipelined_step(&mut self, rx: &mpsc::Receiver<Command>) {
+        let depth = self.compute.depth();
+        for _ in 0..depth {
+            if self.lanes.len() >= depth {
+                break;
+            }
+            let lane = self.next_lane;
+            self.next_lane = (lane + 1) % depth;
+            self.launch(lane, depth);
+            // Requests that arrived meanwhile join the next lane's plan.
+            while let Ok(cmd) = rx.try_recv() {
+                self.command(cmd);
+            }
+        }
+        match self.lanes.pop_front() {
+            Some(f) => self.land(f),
+            // Nothing could run (every waiting request larger than the free cache): never spin.
+            None => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
+
+    /// Plans and launches `lane`'s step: the decoding sequences of other lanes and every
+    /// sequence in flight parked; waiting and prefilling work joins whichever lane is
+    /// planned.
+    fn launch(&mut self, lane: usize, depth: usize) {
+        let planned = Instant::now();
+        let busy = self.in_flight();
+        let parked: HashSet<u64> = self
+            .owner
+            .keys()
+            .copied()
+            .filter(|id| {
+                busy.contains(id)
+                    || (id % depth as u64 != lane as u64
+                        && self.sched.get(*id).is_some_and(|s| s.computed + 1 == s.tokens.len()))
+            })
+            .collect();
+        self.propose_drafts(&parked);
+        self.sched.park(parked.iter().copied());
+        let items = self.sched.schedule();
+        self.sched.unpark();
+        self.spill_evicted();
+        for (from, to) in std::mem::take(&mut self.sched.pending_copies) {
+            self.compute.copy_block(from, to);
+        }
+        if items.is_empty() {
+            self.metrics.spend(Phase::Plan, planned.elapsed());
+            return;
+        }
+        let now = Instant::now();
+        for it in &items {
+            if let Some(r) = self.owner.get(&it.seq).and_then(|o| self.requests.get_mut(&o.0)) {
+                if r.scheduled.is_none() {
+                    r.scheduled = Some(now);
+                    crate::engine::metrics::EngineMetrics::observe(&self.metrics.queue, now - r.started);
+                }
+            }
+        }
+        let StepRows {
+            tokens,
+            positions,
+            row_seq,
+            logit_rows,
+            drafts,
+        } = self.rows(&items);
+        let tables: Vec<&[u32]> = row_seq
+            .iter()
+            .map(|s| self.sched.get(*s).map_or(&[][..], |q| &q.table[..]))
+            .collect();
+        let batch = Batch {
+            tokens: &tokens,
+            positions: &positions,
+            tables: &tables,
+            logit_rows: &logit_rows,
+            adapters: &[],
+        };
+        let started = Instant::now();
+        self.metrics.spend(Phase::Plan, started - planned);
+        let launched = self.compute.launch(&self.model, &batch);
+        self.metrics.spend(Phase::Forward, started.elapsed());
+        drop(tables);
+        match launched {
+            Ok(ticket) => self.lanes.push_back(InFlight {
+                items,
+                drafts,
+                rows: tokens.len(),
+                started,
+                ticket,
+            }),
+            Err(e) => {
+                tracing::error!(error = %e, "a pipeline step failed; failing that step's requests");
+                self.fail_step(&items);
+                self.upkeep();
+            }
+        }
+    }
+
+    /// Waits for the oldest step's logits and samples them.
+    fn land(&mut self, f: InFlight) {
+        let waited = Instant::now();
+        let logits = self.compute.finish(&f.ticket, self.model.config.vocab_size);
+        self.metrics.spend(Phase::Forward, waited.elapsed());
+        match logits {
+            Ok(logits) => {
+                self.steps += 1;
+                let kind = self.step_kind(&f.items);
+                self.metrics.record_step(kind, f.rows, f.started.elapsed());
+                self.sample_step(&f.items, &f.drafts, &logits);
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "a pipeline step failed; failing that step's requests");
+                self.fail_step(&f.items);
+                self.upkeep();
+            }
+        }
+    }
+}
