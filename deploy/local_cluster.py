@@ -1,7 +1,8 @@
 """A Hearth cluster as local processes (deploy/local-cluster runs this).
 
-2 gateways + 3 self-registering workers in 2 regions, on PostgreSQL + Redis. Runs a mixed
-load through both gateways, SIGKILLs a worker in the middle of it, adds another, checks
+2 gateways + 3 self-registering workers in 2 regions, and (engine backend) a 2-stage pipeline
+group (a leader worker and its stage-2 process, one replica to the gateways), on PostgreSQL +
+Redis. Runs a mixed load through both gateways, SIGKILLs a worker in the middle of it, adds another, checks
 session affinity across the gateways, and reports: requests served, errors (and why),
 affinity consistency, usage rows against responses. Exit status 1 if a check fails.
 
@@ -41,7 +42,7 @@ data = tempfile.mkdtemp(prefix="hearth-local-cluster-")
 procs = []
 
 
-def spawn(name, argv, env=None):
+def spawn(name, argv, env=None, listening=r"listening on (http://\S+)"):
     e = dict(os.environ, HEARTH_ADMIN_TOKEN=ADMIN, HEARTH_WORKER_TOKEN=TOKEN,
              HEARTH_LOG=os.environ.get("LOCAL_CLUSTER_LOG", "warn"))
     e.update(env or {})
@@ -52,7 +53,7 @@ def spawn(name, argv, env=None):
         line = p.stdout.readline()
         if not line:
             sys.exit(f"{name} exited before listening; see {log.name}")
-        m = re.search(r"listening on (http://\S+)", line)
+        m = re.search(listening, line)
         if m:
             # Keep draining its stdout so that it never blocks.
             threading.Thread(target=lambda: [None for _ in p.stdout], daemon=True).start()
@@ -68,6 +69,26 @@ def worker(name, region):
             "worker", "--listen", "127.0.0.1:0", "--region", region, "--threads", "1",
             "--backend", args.backend, "--redis-url", args.redis_url, "--redis-prefix", prefix,
             "--drain-timeout-secs", "20",
+        ],
+    )
+
+
+def group(name, region):
+    """A 2-stage pipeline group: stage 2 as its own process, then the leader (the worker
+    the gateways see), which connects to it."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _, addr = spawn(f"{name}-stage-2", [
+        "worker", "--stage", "2/2", "--stage-listen", f"127.0.0.1:{port}", "--threads", "1",
+    ], listening=r"listening on (\S+)")
+    return spawn(
+        name,
+        [
+            "worker", "--listen", "127.0.0.1:0", "--region", region, "--threads", "1",
+            "--backend", args.backend, "--redis-url", args.redis_url, "--redis-prefix", prefix,
+            "--drain-timeout-secs", "20", "--stage", "1/2", "--stage-next", addr,
         ],
     )
 
@@ -125,6 +146,8 @@ report = {"backend": args.backend}
 try:
     t0 = time.time()
     workers = [worker("worker-eu-1", "eu"), worker("worker-eu-2", "eu"), worker("worker-us-1", "us")]
+    if args.backend == "engine":
+        workers.append(group("group-eu-1", "eu"))
     gws = [gateway("gateway-a", "eu")[1], gateway("gateway-b", "us")[1]]
     want = [u for _, u in workers]
     wait_pools(gws, want, 30)
@@ -234,6 +257,9 @@ try:
         if not r["ok"]:
             errors[r["why"]] = errors.get(r["why"], 0) + 1
     time.sleep(1)
+    if args.backend == "engine":
+        # Prompt tokens the gateways routed to the pipeline group.
+        report["group_prompt_tokens"] = max(pool(g).get(workers[-1][1], 0) for g in gws)
     rows = json.loads(admin("--json", "usage", "--limit", "100000"))
     completed = sum(1 for r in rows if r["status"] == "completed")
     failed_codes = {}
@@ -266,11 +292,14 @@ checks = [
      and sum(report.get("usage_failed_by_code", {}).values()) == sum(report.get("errors", {}).values())),
     ("affinity consistent across gateways", report.get("affinity_consistent") == report.get("affinity_sessions")),
 ]
+if args.backend == "engine":
+    checks.append(("the pipeline group served requests", report.get("group_prompt_tokens", 0) > 0))
 print()
-print("local cluster: 2 gateways, 3 workers (eu, eu, us) + 1 added, PostgreSQL + Redis, backend", args.backend)
+print("local cluster: 2 gateways, 3 workers (eu, eu, us) + 1 added", "+ a 2-stage pipeline group (eu)" if args.backend == "engine" else "",
+      "PostgreSQL + Redis, backend", args.backend)
 print(f"{'':2}{'measure':44} value")
 for k in ("startup_s", "requests", "served", "errors", "killed_worker_left_pools_s", "added_worker_joined_pools_s",
-          "affinity_sessions", "affinity_consistent", "affinity_split", "usage_rows", "usage_completed", "usage_failed_by_code",
+          "affinity_sessions", "affinity_consistent", "affinity_split", "group_prompt_tokens", "usage_rows", "usage_completed", "usage_failed_by_code",
           "duration_s"):
     print(f"  {k:44} {report.get(k)}")
 for name, ok in checks:
