@@ -14,7 +14,10 @@ Checks, for one rendered overlay:
     (a misspelt variable would be silently ignored);
   * everything is in one namespace and runs one image (pulled if not present); overlays
     other than `bundled` pin its tag; the gpu overlay has a pool that requests
-    nvidia.com/gpu.
+    nvidia.com/gpu;
+  * pipeline groups (LeaderWorkerSet): known fields only, a leader that starts first and a
+    group that restarts whole, `--stage K/N` on every pod with N the group's size, probes,
+    resources, the token in the Secret, a PDB, and the stage port open only to leaders.
 """
 
 import re
@@ -143,6 +146,67 @@ for p in policies:
             if comp not in ("gateway", "worker") or "namespaceSelector" in src or "ipBlock" in src:
                 fail(f"NetworkPolicy/{p['metadata']['name']}: admits {src}")
 
+# Pipeline groups (LeaderWorkerSet, https://lws.sigs.k8s.io): the API group's fields this
+# project relies on, a leader that is a worker like the others, stages that add up to the
+# group's size, and the stage port open only to the group's leaders.
+LWS_SPEC = {"replicas", "leaderWorkerTemplate", "rolloutStrategy", "startupPolicy", "networkConfig"}
+LWS_TEMPLATE = {"size", "leaderTemplate", "workerTemplate", "restartPolicy", "subGroupPolicy"}
+for g in by_kind("LeaderWorkerSet"):
+    name = f'LeaderWorkerSet/{g["metadata"]["name"]}'
+    if g.get("apiVersion") != "leaderworkerset.x-k8s.io/v1":
+        fail(f"{name}: apiVersion {g.get('apiVersion')}, expected leaderworkerset.x-k8s.io/v1")
+    spec = g["spec"]
+    lwt = spec.get("leaderWorkerTemplate", {})
+    for key in set(spec) - LWS_SPEC:
+        fail(f"{name}: unknown field spec.{key}")
+    for key in set(lwt) - LWS_TEMPLATE:
+        fail(f"{name}: unknown field spec.leaderWorkerTemplate.{key}")
+    if spec.get("startupPolicy") != "LeaderCreated" or lwt.get("restartPolicy") != "RecreateGroupOnPodRestart":
+        fail(f"{name}: a group starts with its leader and restarts whole (startupPolicy LeaderCreated, restartPolicy RecreateGroupOnPodRestart)")
+    size = lwt.get("size", 1)
+    pods = {role: lwt.get(role, {}) for role in ("leaderTemplate", "workerTemplate")}
+    for role, t in pods.items():
+        pod = t.get("spec", {})
+        for c in pod.get("containers", []):
+            res = c.get("resources", {})
+            if not res.get("requests") or "memory" not in res.get("limits", {}):
+                fail(f"{name}: {role} container {c['name']} needs resource requests and a memory limit")
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                if probe not in c:
+                    fail(f"{name}: {role} container {c['name']} has no {probe}")
+            line = " ".join(c.get("command", []) + c.get("args", []))
+            stage = re.search(r"--stage (\d+)/(\d+)", line)
+            if not stage or int(stage.group(2)) != size:
+                fail(f"{name}: {role} runs {line!r}: want --stage K/{size}, the group's size")
+            elif (stage.group(1) == "1") != (role == "leaderTemplate"):
+                fail(f"{name}: the leader runs stage 1 and only the leader does ({line!r})")
+            env = {e["name"] for e in c.get("env", [])}
+            for var in env:
+                if var.startswith("HEARTH_") and var not in env_names_of("worker") | {"HEARTH_LOG", "HEARTH_HOME"}:
+                    fail(f"{name}: `hearth worker` reads no {var}")
+            if "HEARTH_WORKER_TOKEN" not in secret_keys:
+                fail(f"{name}: the stages prove the workers' token: HEARTH_WORKER_TOKEN is not in the Secret")
+    leader = pods["leaderTemplate"].get("spec", {}).get("containers", [{}])[0]
+    if leader.get("readinessProbe", {}).get("httpGet", {}).get("path") != "/readyz":
+        fail(f"{name}: the leader's readiness is /readyz (503 while its group is incomplete)")
+    if "HEARTH_ADVERTISE_URL" not in {e["name"] for e in leader.get("env", [])}:
+        fail(f"{name}: the leader must advertise its pod address (HEARTH_ADVERTISE_URL)")
+    labels = pods["leaderTemplate"].get("metadata", {}).get("labels", {})
+    if not any(labels_match(p["spec"]["selector"], labels) for p in by_kind("PodDisruptionBudget")):
+        fail(f"{name}: no PodDisruptionBudget covers it")
+    wlabels = pods["workerTemplate"].get("metadata", {}).get("labels", {})
+    stage_policies = [p for p in by_kind("NetworkPolicy") if labels_match(p["spec"]["podSelector"], wlabels)
+                      and any(port.get("port") == 9100 for r in p["spec"].get("ingress", []) for port in r.get("ports", []))]
+    if not stage_policies:
+        fail(f"{name}: no NetworkPolicy admits the stage port (9100) to its workers")
+    for p in stage_policies:
+        for rule in p["spec"].get("ingress", []):
+            for src in rule.get("from") or [{}]:
+                if not labels_match(src.get("podSelector", {}), labels) or "namespaceSelector" in src or "ipBlock" in src:
+                    fail(f"NetworkPolicy/{p['metadata']['name']}: the stage port admits {src}, not only the group's leaders")
+if overlay == "pipeline" and not by_kind("LeaderWorkerSet"):
+    fail("the pipeline overlay has no LeaderWorkerSet")
+
 if overlay == "gpu":
     gpu = [
         w
@@ -157,7 +221,13 @@ namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] != "Name
 if len(namespaces) != 1 or None in namespaces:
     fail(f"objects in several namespaces or none: {sorted(map(str, namespaces))}")
 images = set()
-for w in hearth_workloads:
+lws_pods = [
+    {"metadata": g["metadata"], "spec": {"template": t}}
+    for g in by_kind("LeaderWorkerSet")
+    for t in (g["spec"]["leaderWorkerTemplate"].get("leaderTemplate"), g["spec"]["leaderWorkerTemplate"].get("workerTemplate"))
+    if t
+]
+for w in hearth_workloads + lws_pods:
     for c in w["spec"]["template"]["spec"]["containers"]:
         images.add(c["image"])
         if c.get("imagePullPolicy") != "IfNotPresent":
