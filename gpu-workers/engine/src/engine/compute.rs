@@ -151,6 +151,13 @@ impl Compute {
         }
     }
 
+    /// Gives a pipeline's group up (a step failed part-way): reconnected and set up afresh.
+    pub(super) fn lose(&mut self, why: &str) {
+        if let Compute::Pipeline { link, .. } = self {
+            link.lose(why);
+        }
+    }
+
     pub(super) fn finish(&mut self, ticket: &Ticket, vocab: usize) -> Result<Vec<f32>, String> {
         match self {
             Compute::Pipeline { link, .. } => link.finish(ticket, vocab),

@@ -193,7 +193,9 @@ impl StageLink {
         std::mem::take(&mut self.lost)
     }
 
-    fn lose(&mut self, why: &str) {
+    /// Gives the group up: the connection is closed, the loss reported once to
+    /// [`Self::take_lost`], and the group set up afresh when it reconnects.
+    pub fn lose(&mut self, why: &str) {
         if self.conn.take().is_some() {
             tracing::error!(
                 error = why,

@@ -1,11 +1,14 @@
 //! A pipeline leader's steps in flight: its running sequences fall into lanes (as many as
 //! the group has stages), and while one lane's step is computed by the stages after the
 //! leader, the leader plans and computes the next lane's. A sequence is in at most one step
-//! in flight: the scheduler plans each lane with every other sequence parked (neither
-//! planned nor preempted), and a step's tokens are sampled when its logits arrive, oldest
-//! first.
+//! in flight: the scheduler plans each lane without the other lanes' decodes and the
+//! sequences in flight, and never preempts the latter ([`Scheduler::schedule_lane`]); a
+//! step's tokens are sampled when its logits arrive, oldest first.
+//!
+//! [`Scheduler::schedule_lane`]: crate::step::scheduler::Scheduler::schedule_lane
 
 use std::collections::HashSet;
+use std::panic::AssertUnwindSafe;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -22,7 +25,8 @@ pub(in crate::engine) struct InFlight {
     items: Vec<StepItem>,
     drafts: Vec<Vec<u32>>,
     rows: usize,
-    started: Instant,
+    /// The leader's own compute for the step (its layers, sending them on).
+    launch: Duration,
     ticket: Ticket,
 }
 
@@ -55,26 +59,25 @@ impl Runner {
         }
     }
 
-    /// Plans and launches `lane`'s step: the decoding sequences of other lanes and every
-    /// sequence in flight parked; waiting and prefilling work joins whichever lane is
-    /// planned.
+    /// Plans and launches `lane`'s step without the decoding sequences of other lanes, the
+    /// sequences in flight and those of cancelled requests (reaped once nothing of theirs
+    /// is in flight); waiting and prefilling work joins whichever lane is planned.
     fn launch(&mut self, lane: usize, depth: usize) {
         let planned = Instant::now();
         let busy = self.in_flight();
-        let parked: HashSet<u64> = self
+        let skip: HashSet<u64> = self
             .owner
-            .keys()
-            .copied()
-            .filter(|id| {
+            .iter()
+            .filter(|(id, (key, _))| {
                 busy.contains(id)
-                    || (id % depth as u64 != lane as u64
-                        && self.sched.get(*id).is_some_and(|s| s.computed + 1 == s.tokens.len()))
+                    || self.requests.get(key).is_none_or(|r| r.tx.is_closed())
+                    || (**id % depth as u64 != lane as u64
+                        && self.sched.get(**id).is_some_and(|s| s.computed + 1 == s.tokens.len()))
             })
+            .map(|(id, _)| *id)
             .collect();
-        self.propose_drafts(&parked);
-        self.sched.park(parked.iter().copied());
-        let items = self.sched.schedule();
-        self.sched.unpark();
+        self.propose_drafts(&skip);
+        let items = self.sched.schedule_lane(skip, busy);
         self.spill_evicted();
         for (from, to) in std::mem::take(&mut self.sched.pending_copies) {
             self.compute.copy_block(from, to);
@@ -112,42 +115,52 @@ impl Runner {
         };
         let started = Instant::now();
         self.metrics.spend(Phase::Plan, started - planned);
-        let launched = self.compute.launch(&self.model, &batch);
-        self.metrics.spend(Phase::Forward, started.elapsed());
+        let (model, compute) = (&self.model, &mut self.compute);
+        let launched = std::panic::catch_unwind(AssertUnwindSafe(|| compute.launch(model, &batch)))
+            .unwrap_or_else(|_| Err("the leader panicked computing a step".into()));
+        let launch = started.elapsed();
+        self.metrics.spend(Phase::Forward, launch);
         drop(tables);
         match launched {
             Ok(ticket) => self.lanes.push_back(InFlight {
                 items,
                 drafts,
                 rows: tokens.len(),
-                started,
+                launch,
                 ticket,
             }),
-            Err(e) => {
-                tracing::error!(error = %e, "a pipeline step failed; failing that step's requests");
-                self.fail_step(&items);
-                self.upkeep();
-            }
+            Err(e) => self.fail_pipelined(&items, &e),
         }
+    }
+
+    /// A pipelined step failed: part of it may be on its way through the stages, so the
+    /// group is given up (set up afresh when it reconnects) and every request fails.
+    fn fail_pipelined(&mut self, items: &[StepItem], why: &str) {
+        tracing::error!(error = why, "a pipeline step failed; failing that step's requests");
+        self.compute.lose(why);
+        self.fail_step(items);
+        self.upkeep();
     }
 
     /// Waits for the oldest step's logits and samples them.
     fn land(&mut self, f: InFlight) {
         let waited = Instant::now();
-        let logits = self.compute.finish(&f.ticket, self.model.config.vocab_size);
-        self.metrics.spend(Phase::Forward, waited.elapsed());
+        let vocab = self.model.config.vocab_size;
+        let compute = &mut self.compute;
+        let logits = std::panic::catch_unwind(AssertUnwindSafe(|| compute.finish(&f.ticket, vocab)))
+            .unwrap_or_else(|_| Err("the leader panicked taking a step's logits".into()));
+        let wait = waited.elapsed();
+        self.metrics.spend(Phase::Forward, wait);
         match logits {
             Ok(logits) => {
                 self.steps += 1;
                 let kind = self.step_kind(&f.items);
-                self.metrics.record_step(kind, f.rows, f.started.elapsed());
+                // The step's time: the leader's part and the wait for the rest (not the
+                // time other lanes' steps took in between).
+                self.metrics.record_step(kind, f.rows, f.launch + wait);
                 self.sample_step(&f.items, &f.drafts, &logits);
             }
-            Err(e) => {
-                tracing::error!(error = %e, "a pipeline step failed; failing that step's requests");
-                self.fail_step(&f.items);
-                self.upkeep();
-            }
+            Err(e) => self.fail_pipelined(&f.items, &e),
         }
     }
 }

@@ -131,7 +131,7 @@ impl Scheduler {
         items: &mut Vec<StepItem>,
         budget: &mut usize,
     ) -> bool {
-        let Some(&victim) = self.running.last() else {
+        let Some(&victim) = self.running.iter().rev().find(|id| !self.pinned.contains(id)) else {
             return false;
         };
         if admitted_now.contains(&victim) {
@@ -164,7 +164,11 @@ impl Scheduler {
         let bar = self.accounts[account].counter + self.preemption_margin();
         let over_served = |r: &u64| {
             let s = &self.seqs[r];
-            s.account != account && !s.promoted && class(s.priority) >= c && self.accounts[s.account].counter > bar
+            s.account != account
+                && !s.promoted
+                && !self.pinned.contains(r)
+                && class(s.priority) >= c
+                && self.accounts[s.account].counter > bar
         };
         // Cheapest first: a sequence still computing its prompt has produced nothing yet.
         let prefilling = |r: &u64| self.seqs[r].tokens.len() == self.seqs[r].prompt_len;

@@ -66,7 +66,7 @@
 //! tenant is not charged while the others are, so it does not stay the victim (the
 //! property tests drain random workloads of one and of two tenants).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use hearth_protocol::{chain, BlockHash, LoadReport, Priority, Qos};
@@ -278,9 +278,10 @@ pub struct Scheduler {
     account_ids: HashMap<String, usize>,
     /// Ordered by class, then admission (see the module's doc).
     running: Vec<u64>,
-    /// Running sequences left out of the next plan ([`Scheduler::park`]): neither planned
-    /// nor preempted until [`Scheduler::unpark`].
-    parked: Vec<u64>,
+    /// Sequences a pipeline lane's plan leaves out, and those it never preempts (see
+    /// [`Scheduler::schedule_lane`]); empty otherwise.
+    skip: HashSet<u64>,
+    pinned: HashSet<u64>,
     /// Block copies (from, to) the engine must apply before the next step (forks).
     pub pending_copies: Vec<(u32, u32)>,
     pub preemptions: u64,
@@ -327,7 +328,8 @@ impl Scheduler {
             accounts: Vec::new(),
             account_ids: HashMap::new(),
             running: Vec::new(),
-            parked: Vec::new(),
+            skip: HashSet::new(),
+            pinned: HashSet::new(),
             pending_copies: Vec::new(),
             preemptions: 0,
             arrivals: 0,
@@ -411,7 +413,6 @@ impl Scheduler {
             self.blocks.release(b);
         }
         self.running.retain(|&r| r != id);
-        self.parked.retain(|&r| r != id);
         let a = &mut self.accounts[seq.account];
         a.seqs -= 1;
         for q in &mut a.waiting {
@@ -420,25 +421,20 @@ impl Scheduler {
         Some(seq)
     }
 
-    /// Leaves these running sequences out of planning — neither planned nor preempted,
-    /// their blocks held — until [`Scheduler::unpark`]: a pipeline's leader plans one lane
-    /// of sequences while another lane's step is in flight on the stages after it.
-    pub fn park(&mut self, ids: impl IntoIterator<Item = u64>) {
-        for id in ids {
-            if let Some(p) = self.running.iter().position(|&r| r == id) {
-                self.running.remove(p);
-                self.parked.push(id);
-            }
+    /// Plans a step for one lane of a pipeline's leader ([`Scheduler::schedule`]) with
+    /// `skip` left out (not planned: another lane's decodes, sequences in flight) and
+    /// `pinned` never preempted (sequences a step in flight computes). `running` keeps its
+    /// order. A plan with nothing in it does not count as a step.
+    pub fn schedule_lane(&mut self, skip: HashSet<u64>, pinned: HashSet<u64>) -> Vec<StepItem> {
+        self.skip = skip;
+        self.pinned = pinned;
+        let items = self.schedule();
+        if items.is_empty() {
+            self.steps -= 1;
         }
-    }
-
-    /// Puts the parked sequences back among the running ones.
-    pub fn unpark(&mut self) {
-        for id in std::mem::take(&mut self.parked) {
-            if self.seqs.contains_key(&id) {
-                self.insert_running(id);
-            }
-        }
+        self.skip.clear();
+        self.pinned.clear();
+        items
     }
 
     /// The blocks of `id`'s computed full blocks, which are in the prefix cache.
@@ -568,7 +564,7 @@ impl Scheduler {
     pub fn load(&self) -> LoadReport {
         let inflight: usize = self.seqs.values().filter(|s| s.queued()).map(Sequence::remaining).sum();
         LoadReport {
-            running: (self.running.len() + self.parked.len()) as u32,
+            running: self.running.len() as u32,
             waiting: self
                 .accounts
                 .iter()

@@ -16,8 +16,10 @@ impl Scheduler {
             if !items.is_empty() || self.running.len() <= 1 {
                 return items;
             }
-            if let Some(victim) = self.victim() {
-                self.preempt(victim);
+            match self.victim() {
+                Some(victim) => self.preempt(victim),
+                // Only sequences a step in flight computes hold the blocks (a pipeline's).
+                None => return items,
             }
         }
     }
@@ -25,11 +27,13 @@ impl Scheduler {
     /// The running sequence to preempt when blocks run out: FIFO, the newest; fair, the
     /// newest of the lowest class's tenant with the highest counter (it has had the most).
     pub(super) fn victim(&self) -> Option<u64> {
+        let free = |id: &&u64| !self.pinned.contains(id);
         match self.cfg.policy {
-            Policy::Fifo => self.running.last().copied(),
+            Policy::Fifo => self.running.iter().rev().find(free).copied(),
             Policy::Fair => self
                 .running
                 .iter()
+                .filter(free)
                 .enumerate()
                 .max_by(|(i, a), (j, b)| {
                     let (sa, sb) = (&self.seqs[*a], &self.seqs[*b]);
@@ -59,7 +63,7 @@ impl Scheduler {
                 let s = &self.seqs[&id];
                 (s.computed, s.remaining())
             };
-            if remaining != 1 {
+            if remaining != 1 || self.skip.contains(&id) {
                 i += 1;
                 continue;
             }
@@ -102,7 +106,7 @@ impl Scheduler {
             .running
             .iter()
             .copied()
-            .filter(|id| self.seqs[id].remaining() > 1)
+            .filter(|id| self.seqs[id].remaining() > 1 && !self.skip.contains(id))
             .collect();
         let mut later = Vec::new();
         if self.cfg.policy == Policy::Fair {
@@ -123,7 +127,7 @@ impl Scheduler {
             let Some(id) = self.next_waiting() else { break };
             let urgent =
                 self.cfg.policy == Policy::Fair && (self.seqs[&id].priority == Priority::Interactive || self.aged(id));
-            if self.running.len() + self.parked.len() >= self.cfg.max_running {
+            if self.running.len() >= self.cfg.max_running {
                 if (urgent && self.preempt_batch(&admitted_now, &mut items, &mut budget))
                     || self.preempt_for(id, &mut items, &mut budget)
                 {

@@ -172,6 +172,39 @@ fn preempts_the_newest_when_blocks_run_out() {
     assert!(s.preemptions > 0);
 }
 
+#[test]
+fn a_lane_plans_around_sequences_in_flight_and_never_preempts_them() {
+    let root = namespace_root("m", "t");
+    let mut s = Scheduler::new(cfg(64), 4); // 16 tokens of cache
+    s.add(1, vec![1; 5], root);
+    s.add(2, vec![2; 5], root);
+    let a = s.schedule();
+    run_step(&mut s, &a, 7);
+    // Sequence 1's next step is in flight: lane plans leave it out and, with the cache
+    // full, preempt the newest sequence that is not in flight (2), never 1.
+    let busy = |ids: &[u64]| ids.iter().copied().collect::<HashSet<u64>>();
+    let mut in_flight = s.schedule_lane(HashSet::new(), HashSet::new());
+    for _ in 0..12 {
+        assert!(in_flight.iter().all(|i| i.seq == 1 || i.seq == 2));
+        let before = s.get(1).unwrap().computed;
+        let others = s.schedule_lane(busy(&[1]), busy(&[1]));
+        assert!(others.iter().all(|i| i.seq != 1), "{others:?}");
+        // (A preempted sequence starts again from nothing computed.)
+        assert_eq!(s.get(1).unwrap().computed, before, "the sequence in flight was preempted");
+        run_step(&mut s, &in_flight, 7);
+        run_step(&mut s, &others, 7);
+        s.blocks.check(&s.owned_blocks()).unwrap();
+        in_flight = s.schedule_lane(busy(&[2]), HashSet::new());
+        assert!(in_flight.iter().all(|i| i.seq != 2));
+    }
+    assert!(s.preemptions > 0);
+    assert!(s.get(1).unwrap().tokens.len() > 10, "the pinned sequence kept its blocks and went on");
+    // Nothing to plan but what is skipped: an empty plan, which counts as no step.
+    let steps = s.steps;
+    assert!(s.schedule_lane(busy(&[1, 2]), busy(&[1, 2])).is_empty());
+    assert_eq!(s.steps, steps);
+}
+
 /// Two tenants kept backlogged (each tops its queue up to `depth[i]` waiting requests
 /// of `prompt` tokens and `out` generated tokens) on one scheduler; returns the largest
 /// counter gap seen after the warm-up, the bound it must stay under, and each tenant's
