@@ -12,7 +12,8 @@
 //!   exact `f32`. A follower takes frames only from one upstream that proved the workers'
 //!   token on a fresh nonce, with a file of the same fingerprint and the layers just before
 //!   its own; the follower proves the token back. Backpressure is TCP's: the leader has at
-//!   most its micro-batches in flight.
+//!   most one step per stage in flight (`engine::runner`'s lanes), each of at most 8
+//!   micro-batches.
 //!
 //! When a follower dies, the leader's step fails with `stage_lost` (a code the gateway
 //! fails over on), every request in the engine ends the same way, its prefix cache is
