@@ -45,6 +45,9 @@ impl EngineHandle {
         if cfg.device == Device::Cpu {
             check_memory(&file, cfg, kv_mib(cfg))?;
         }
+        if let (Some(plan), None, true) = (&cfg.stage, &packed, path.is_file()) {
+            read_ahead_stage(path, &file, plan);
+        }
         if let Some(packed) = &packed {
             read_ahead_unpacked(path, &file, packed, cfg);
         }
@@ -184,11 +187,30 @@ fn read_ahead(path: &Path, cfg: &EngineConfig) -> Option<std::collections::HashS
         _ => None,
     };
     match packed {
+        // (A pipeline stage reads ahead its own tensors only, once parsed: `read_ahead_stage`.)
         Some(_) => crate::kernels::pack_cache::read_ahead_parts(vec![(path.to_path_buf(), 0..GGUF_HEADER_READ_AHEAD)]),
+        None if path.is_file() && cfg.stage.is_some() => {
+            crate::kernels::pack_cache::read_ahead_parts(vec![(path.to_path_buf(), 0..GGUF_HEADER_READ_AHEAD)])
+        }
         None if path.is_file() => crate::kernels::pack_cache::read_ahead(path),
         None => {}
     }
     packed
+}
+
+/// A pipeline stage's read-ahead without a pack: the tensors it computes with, not the
+/// rest of a model many times its size.
+fn read_ahead_stage(path: &Path, file: &GgufFile, plan: &crate::models::StagePlan) {
+    let Ok(span) = crate::models::ModelConfig::from_gguf(file).and_then(|c| plan.resolve(file, &c)) else {
+        return; // the load reports it
+    };
+    let parts = file
+        .tensors
+        .iter()
+        .filter(|t| crate::models::stage::computes_with(file, span, &t.name))
+        .map(|t| (path.to_path_buf(), t.offset as u64..(t.offset + t.len) as u64))
+        .collect();
+    crate::kernels::pack_cache::read_ahead_parts(parts);
 }
 
 /// Where a pack cache holds the matrices, reads ahead what the load still reads from the

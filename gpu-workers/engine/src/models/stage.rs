@@ -169,20 +169,23 @@ pub fn output_cost(file: &GgufFile) -> u64 {
 /// Bytes of the file a stage maps and computes with: its layers' tensors, the embedding
 /// (the first stage) and the final norm and logits' matrix (the last).
 pub fn resident_bytes(file: &GgufFile, span: StageSpan) -> u64 {
-    let in_span = |name: &str| -> bool {
-        match name.strip_prefix("blk.").and_then(|r| r.split_once('.')) {
-            Some((l, _)) => l.parse::<usize>().is_ok_and(|l| span.layers().contains(&l)),
-            None => match name {
-                "token_embd.weight" => span.first() || (span.last() && file.tensor("output.weight").is_none()),
-                _ => span.last(),
-            },
-        }
-    };
     file.tensors
         .iter()
-        .filter(|t| in_span(&t.name))
+        .filter(|t| computes_with(file, span, &t.name))
         .map(|t| t.len as u64)
         .sum()
+}
+
+/// Whether a stage reads tensor `name`: its layers', the embedding (the first stage, and
+/// the last when the logits reuse it), the final norm and logits (the last).
+pub fn computes_with(file: &GgufFile, span: StageSpan, name: &str) -> bool {
+    match name.strip_prefix("blk.").and_then(|r| r.split_once('.')) {
+        Some((l, _)) => l.parse::<usize>().is_ok_and(|l| span.layers().contains(&l)),
+        None => match name {
+            "token_embd.weight" => span.first() || (span.last() && file.tensor("output.weight").is_none()),
+            _ => span.last(),
+        },
+    }
 }
 
 /// `count` contiguous stages over layers of these costs (the last also paying `last_extra`),

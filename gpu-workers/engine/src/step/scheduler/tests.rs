@@ -190,7 +190,11 @@ fn a_lane_plans_around_sequences_in_flight_and_never_preempts_them() {
         let others = s.schedule_lane(busy(&[1]), busy(&[1]));
         assert!(others.iter().all(|i| i.seq != 1), "{others:?}");
         // (A preempted sequence starts again from nothing computed.)
-        assert_eq!(s.get(1).unwrap().computed, before, "the sequence in flight was preempted");
+        assert_eq!(
+            s.get(1).unwrap().computed,
+            before,
+            "the sequence in flight was preempted"
+        );
         run_step(&mut s, &in_flight, 7);
         run_step(&mut s, &others, 7);
         s.blocks.check(&s.owned_blocks()).unwrap();
@@ -198,7 +202,10 @@ fn a_lane_plans_around_sequences_in_flight_and_never_preempts_them() {
         assert!(in_flight.iter().all(|i| i.seq != 2));
     }
     assert!(s.preemptions > 0);
-    assert!(s.get(1).unwrap().tokens.len() > 10, "the pinned sequence kept its blocks and went on");
+    assert!(
+        s.get(1).unwrap().tokens.len() > 10,
+        "the pinned sequence kept its blocks and went on"
+    );
     // Nothing to plan but what is skipped: an empty plan, which counts as no step.
     let steps = s.steps;
     assert!(s.schedule_lane(busy(&[1, 2]), busy(&[1, 2])).is_empty());
