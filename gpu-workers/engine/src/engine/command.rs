@@ -30,6 +30,9 @@ pub struct EngineStats {
     /// The device failed (CUDA): every request fails until the worker restarts, and the
     /// worker answers `/readyz` with 503.
     pub device_failed: bool,
+    /// A pipeline's group is incomplete (a stage lost, not yet reconnected): requests fail
+    /// and `/readyz` answers 503 until it is whole.
+    pub stage_lost: bool,
 }
 
 pub(super) struct Job {

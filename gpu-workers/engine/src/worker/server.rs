@@ -90,16 +90,22 @@ struct WorkerState {
 const MAX_TRANSFERS: usize = 4;
 
 impl WorkerState {
-    /// 200 while serving, 503 once draining or once an engine's device has failed.
+    /// 200 while serving, 503 once draining, once an engine's device has failed, or while
+    /// a pipeline's group is incomplete.
     fn readiness(&self) -> Response {
-        if let Some((model, _)) = self
-            .list()
-            .into_iter()
-            .find(|(_, e)| e.stats().is_some_and(|s| s.device_failed))
-        {
+        let unready = self.list().into_iter().find_map(|(model, e)| {
+            let s = e.stats()?;
+            let status = match (s.device_failed, s.stage_lost) {
+                (true, _) => "device_failed",
+                (_, true) => "pipeline_incomplete",
+                _ => return None,
+            };
+            Some((model, status))
+        });
+        if let Some((model, status)) = unready {
             return (
                 StatusCode::SERVICE_UNAVAILABLE,
-                Json(serde_json::json!({"status": "device_failed", "model": model, "in_flight": self.lifecycle.in_flight()})),
+                Json(serde_json::json!({"status": status, "model": model, "in_flight": self.lifecycle.in_flight()})),
             )
                 .into_response();
         }

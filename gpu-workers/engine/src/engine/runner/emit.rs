@@ -288,7 +288,8 @@ impl Runner {
             adapter_bytes: self.adapters.bytes(),
             adapter_loads,
             adapter_load_seconds,
-            device_failed: self.compute.failed(),
+            device_failed: self.compute.failed() && self.compute.depth() == 1,
+            stage_lost: self.compute.failed() && self.compute.depth() > 1,
         });
     }
 }
