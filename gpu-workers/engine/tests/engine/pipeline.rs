@@ -180,6 +180,56 @@ async fn a_group_refuses_strangers_and_serves_on() {
     let tok = Tokenizer::from_spec(&group.info().tokenizer).unwrap();
     let out = greedy(&group, &tok.encode("Hello there"), false, None).await;
     assert_eq!(out.len(), 24);
+    // n > 1 (forks share the prompt's blocks; the partial block is copied on every stage,
+    // and the choices may fall in different lanes): each choice as on one process, seeded.
+    let one = EngineHandle::load(
+        &path,
+        "m",
+        &EngineConfig {
+            threads: 1,
+            kv_cache_mib: Some(32),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let story = tok.encode("Tell me a story about a dragon and a knight.");
+    let choices = |e: EngineHandle| {
+        let prompt = story.clone();
+        async move {
+            let req = hearth_protocol::GenerateRequest {
+                request_id: "n3".into(),
+                model: "m".into(),
+                prompt,
+                sampling: SamplingParams {
+                    temperature: 0.9,
+                    seed: Some(7),
+                    max_tokens: 16,
+                    ignore_eos: true,
+                    ..Default::default()
+                },
+                cache_namespace: String::new(),
+                n: 3,
+                prefill_only: false,
+                resume: Vec::new(),
+                kv_source: None,
+                qos: Default::default(),
+                constraint: None,
+                adapter: None,
+            };
+            let mut rx = e.generate(req);
+            let mut out = vec![Vec::new(); 3];
+            while let Some(ev) = rx.recv().await {
+                match ev {
+                    hearth_protocol::GenerateEvent::Token { index, id, .. } => out[index as usize].push(id),
+                    hearth_protocol::GenerateEvent::Done { .. } => break,
+                    hearth_protocol::GenerateEvent::Error { message, .. } => panic!("{message}"),
+                    hearth_protocol::GenerateEvent::Finish { .. } => {}
+                }
+            }
+            out
+        }
+    };
+    assert_eq!(choices(group.clone()).await, choices(one).await, "n = 3 on a group");
     // Adapters and the prefill side of disaggregation are refused by name.
     let mut req = hearth_protocol::GenerateRequest {
         request_id: "pd".into(),
