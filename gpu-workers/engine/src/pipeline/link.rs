@@ -40,6 +40,8 @@ pub struct StageLink {
     conn: Option<Conn>,
     /// A connection whose stages wait for their pool (at start).
     pending: Option<TcpStream>,
+    /// A reconnection under way on its own thread.
+    rejoining: Option<mpsc::Receiver<Result<(TcpStream, Vec<(usize, usize)>), WireError>>>,
     /// The pool every stage holds (fixed at start).
     setup: Option<Setup>,
     /// Every stage's layers, the leader's first (from the last handshake).
@@ -62,6 +64,7 @@ impl StageLink {
             span: model.span(),
             conn: None,
             pending: None,
+            rejoining: None,
             setup: None,
             spans: Vec::new(),
             last_try: Instant::now(),
@@ -92,40 +95,13 @@ impl StageLink {
         )
     }
 
-    /// Introduces the leader to stage 2 (which connects on), checks that the stages cover
-    /// every layer once, in order, and sets their pools up when `setup` is known.
+    /// Introduces the leader to stage 2 (here, on the engine thread: at start) and sets
+    /// the pools up when their size is known.
     fn handshake(&mut self) -> Result<(), WireError> {
-        let first = self
-            .cfg
-            .next
-            .first()
-            .ok_or_else(|| WireError::Refused("a pipeline needs the addresses of its other stages".into()))?;
-        let mut s = connect(first, Duration::from_secs(2))?;
-        let n = self.span.n_layers;
-        let spans = wire::introduce(
-            &mut s,
-            self.cfg.token.as_deref(),
-            self.fingerprint,
-            n,
-            self.span.end,
-            &self.cfg.next[1..],
-        )?;
-        let mut all = vec![(self.span.start, self.span.end)];
-        all.extend(spans);
-        let covered = all.iter().all(|(a, b)| a < b)
-            && all.windows(2).all(|w| w[0].1 == w[1].0)
-            && all.last().is_some_and(|l| l.1 == n);
-        if !covered || all.len() != self.cfg.next.len() + 1 {
-            return Err(WireError::Refused(format!(
-                "the stages' layers {all:?} do not cover the model's {n} layers once, in order"
-            )));
-        }
-        self.spans = all;
-        match &self.setup {
-            Some(setup) => {
-                wire::set_up(&mut s, setup)?;
-                self.attach(s)?;
-            }
+        let (s, spans) = join(&self.cfg, self.fingerprint, self.span, self.setup.as_ref())?;
+        self.spans = spans;
+        match self.setup {
+            Some(_) => self.attach(s)?,
             // Set up by `set_up` once the leader has sized its pool.
             None => self.pending = Some(s),
         }
@@ -177,13 +153,41 @@ impl StageLink {
         if self.conn.as_ref().is_some_and(|c| c.broken.load(Ordering::Acquire)) {
             self.lose("the connection to stage 2 ended");
         }
-        if self.conn.is_some() || self.last_try.elapsed() < Duration::from_secs(1) {
+        if self.conn.is_some() {
+            return;
+        }
+        // A reconnection runs on its own thread (a stage that hangs in the handshake holds
+        // it, not the engine); its result is taken here.
+        if let Some(rx) = &self.rejoining {
+            match rx.try_recv() {
+                Err(mpsc::TryRecvError::Empty) => return,
+                Ok(Ok((s, spans))) => {
+                    self.rejoining = None;
+                    self.spans = spans;
+                    match self.attach(s) {
+                        Ok(()) => tracing::info!("pipeline group whole again"),
+                        Err(e) => tracing::warn!(error = %e, "pipeline group rejoined but lost again"),
+                    }
+                    return;
+                }
+                Ok(Err(e)) => tracing::debug!(error = %e, "pipeline group still incomplete"),
+                Err(mpsc::TryRecvError::Disconnected) => {}
+            }
+            self.rejoining = None;
+        }
+        if self.last_try.elapsed() < Duration::from_secs(1) {
             return;
         }
         self.last_try = Instant::now();
-        match self.handshake() {
-            Ok(()) => tracing::info!("pipeline group whole again"),
-            Err(e) => tracing::debug!(error = %e, "pipeline group still incomplete"),
+        let (tx, rx) = mpsc::channel();
+        let (cfg, fingerprint, span, setup) = (self.cfg.clone(), self.fingerprint, self.span, self.setup.clone());
+        let spawned = std::thread::Builder::new()
+            .name("hearth-pipeline-join".into())
+            .spawn(move || {
+                let _ = tx.send(join(&cfg, fingerprint, span, setup.as_ref()));
+            });
+        if spawned.is_ok() {
+            self.rejoining = Some(rx);
         }
     }
 
@@ -358,4 +362,36 @@ impl StageLink {
         }
         Ok(logits)
     }
+}
+
+/// Introduces a leader of layers `span` to its stage 2 (which connects on), checks that the
+/// stages cover every layer once, in order, and sets their pools up if `setup` is given.
+/// Returns the connection and every stage's layers, the leader's first.
+fn join(
+    cfg: &PipelineConfig,
+    fingerprint: u64,
+    span: StageSpan,
+    setup: Option<&Setup>,
+) -> Result<(TcpStream, Vec<(usize, usize)>), WireError> {
+    let first = cfg
+        .next
+        .first()
+        .ok_or_else(|| WireError::Refused("a pipeline needs the addresses of its other stages".into()))?;
+    let mut s = connect(first, Duration::from_secs(2))?;
+    let n = span.n_layers;
+    let spans = wire::introduce(&mut s, cfg.token.as_deref(), fingerprint, n, span.end, &cfg.next[1..])?;
+    let mut all = vec![(span.start, span.end)];
+    all.extend(spans);
+    let covered = all.iter().all(|(a, b)| a < b)
+        && all.windows(2).all(|w| w[0].1 == w[1].0)
+        && all.last().is_some_and(|l| l.1 == n);
+    if !covered || all.len() != cfg.next.len() + 1 {
+        return Err(WireError::Refused(format!(
+            "the stages' layers {all:?} do not cover the model's {n} layers once, in order"
+        )));
+    }
+    if let Some(setup) = setup {
+        wire::set_up(&mut s, setup)?;
+    }
+    Ok((s, all))
 }
