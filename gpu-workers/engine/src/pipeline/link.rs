@@ -28,6 +28,9 @@ impl Drop for Conn {
     }
 }
 
+/// A group joined: the connection to stage 2 and every stage's layers, the leader's first.
+type Joined = (TcpStream, Vec<(usize, usize)>);
+
 /// A launched step: each micro-batch's frame number and its rows of logits.
 #[derive(Debug)]
 pub struct Ticket(Vec<(u64, usize)>);
@@ -41,7 +44,7 @@ pub struct StageLink {
     /// A connection whose stages wait for their pool (at start).
     pending: Option<TcpStream>,
     /// A reconnection under way on its own thread.
-    rejoining: Option<mpsc::Receiver<Result<(TcpStream, Vec<(usize, usize)>), WireError>>>,
+    rejoining: Option<mpsc::Receiver<Result<Joined, WireError>>>,
     /// The pool every stage holds (fixed at start).
     setup: Option<Setup>,
     /// Every stage's layers, the leader's first (from the last handshake).
@@ -372,7 +375,7 @@ fn join(
     fingerprint: u64,
     span: StageSpan,
     setup: Option<&Setup>,
-) -> Result<(TcpStream, Vec<(usize, usize)>), WireError> {
+) -> Result<Joined, WireError> {
     let first = cfg
         .next
         .first()
