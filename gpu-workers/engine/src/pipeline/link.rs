@@ -370,12 +370,7 @@ impl StageLink {
 /// Introduces a leader of layers `span` to its stage 2 (which connects on), checks that the
 /// stages cover every layer once, in order, and sets their pools up if `setup` is given.
 /// Returns the connection and every stage's layers, the leader's first.
-fn join(
-    cfg: &PipelineConfig,
-    fingerprint: u64,
-    span: StageSpan,
-    setup: Option<&Setup>,
-) -> Result<Joined, WireError> {
+fn join(cfg: &PipelineConfig, fingerprint: u64, span: StageSpan, setup: Option<&Setup>) -> Result<Joined, WireError> {
     let first = cfg
         .next
         .first()
