@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use crate::engine::command::Command;
 use crate::engine::metrics::Phase;
-use crate::engine::runner::step::StepRows;
+use crate::engine::runner::step::{tables, StepRows};
 use crate::engine::runner::Runner;
 use crate::models::Batch;
 use crate::pipeline::link::Ticket;
@@ -86,15 +86,7 @@ impl Runner {
             self.metrics.spend(Phase::Plan, planned.elapsed());
             return;
         }
-        let now = Instant::now();
-        for it in &items {
-            if let Some(r) = self.owner.get(&it.seq).and_then(|o| self.requests.get_mut(&o.0)) {
-                if r.scheduled.is_none() {
-                    r.scheduled = Some(now);
-                    crate::engine::metrics::EngineMetrics::observe(&self.metrics.queue, now - r.started);
-                }
-            }
-        }
+        self.mark_scheduled(&items);
         let StepRows {
             tokens,
             positions,
@@ -102,10 +94,7 @@ impl Runner {
             logit_rows,
             drafts,
         } = self.rows(&items);
-        let tables: Vec<&[u32]> = row_seq
-            .iter()
-            .map(|s| self.sched.get(*s).map_or(&[][..], |q| &q.table[..]))
-            .collect();
+        let tables = tables(&self.sched, &row_seq);
         let batch = Batch {
             tokens: &tokens,
             positions: &positions,

@@ -11,7 +11,7 @@ use crate::engine::command::Command;
 use crate::engine::metrics::{EngineMetrics, Phase, StepKind};
 use crate::engine::runner::{error, Runner};
 use crate::models::{Batch, LoraAdapter};
-use crate::step::scheduler::StepItem;
+use crate::step::scheduler::{Scheduler, StepItem};
 use crate::step::speculative::Drafter;
 
 impl Runner {
@@ -87,15 +87,7 @@ impl Runner {
             std::thread::sleep(Duration::from_millis(1));
             return;
         }
-        let now = Instant::now();
-        for it in &items {
-            if let Some(r) = self.owner.get(&it.seq).and_then(|o| self.requests.get_mut(&o.0)) {
-                if r.scheduled.is_none() {
-                    r.scheduled = Some(now);
-                    EngineMetrics::observe(&self.metrics.queue, now - r.started);
-                }
-            }
-        }
+        self.mark_scheduled(&items);
         let StepRows {
             tokens,
             positions,
@@ -103,10 +95,7 @@ impl Runner {
             logit_rows,
             drafts,
         } = self.rows(&items);
-        let tables: Vec<&[u32]> = row_seq
-            .iter()
-            .map(|s| self.sched.get(*s).map_or(&[][..], |q| &q.table[..]))
-            .collect();
+        let tables = tables(&self.sched, &row_seq);
         // Each row's adapter (none at all when no request of the step has one).
         let adapter_of = |s: &u64| {
             let key = self.owner.get(s)?.0;
@@ -180,6 +169,14 @@ impl Runner {
     }
 }
 
+/// Each row's block table (empty for a sequence gone meanwhile).
+pub(super) fn tables<'s>(sched: &'s Scheduler, row_seq: &[u64]) -> Vec<&'s [u32]> {
+    row_seq
+        .iter()
+        .map(|s| sched.get(*s).map_or(&[][..], |q| &q.table[..]))
+        .collect()
+}
+
 /// A step's rows, from its items (see [`Runner::rows`]).
 pub(super) struct StepRows {
     pub tokens: Vec<u32>,
@@ -224,6 +221,19 @@ impl Runner {
             r.drafts.push(draft);
         }
         r
+    }
+
+    /// The first step that computes any of a request ends its queue time.
+    pub(super) fn mark_scheduled(&mut self, items: &[StepItem]) {
+        let now = Instant::now();
+        for it in items {
+            if let Some(r) = self.owner.get(&it.seq).and_then(|o| self.requests.get_mut(&o.0)) {
+                if r.scheduled.is_none() {
+                    r.scheduled = Some(now);
+                    EngineMetrics::observe(&self.metrics.queue, now - r.started);
+                }
+            }
+        }
     }
 
     /// A step failed: its requests end with an error (`stage_lost` when a pipeline's
